@@ -1,0 +1,12 @@
+//! Fractional GPU engine for torpor.
+//!
+//! Owns the GPU inventory of a node (declared TOML, or NVML behind the `nvml` feature), MIG
+//! geometry, partition modes, a pure allocator over a snapshot of the inventory, tenant
+//! quotas, and what a sandbox must be given to use its share. It performs no I/O except
+//! reading an inventory file (and, with `nvml`, asking the driver).
+
+pub mod ids;
+pub mod inventory;
+pub mod mig;
+pub mod partition;
+pub mod topology;
