@@ -1,0 +1,340 @@
+//! Container images on local disk into root filesystem directories.
+//!
+//! torpor templates can start from an image that is already on the machine: an OCI image
+//! layout directory, the same layout in a tarball (oci-archive), or a `docker save` tarball.
+//! [`detect`] tells which one a path is; [`unpack`] applies the image's layers in order into
+//! an empty directory and returns the runtime config (entrypoint, command, env, ...).
+//!
+//! The image is untrusted input. This crate owns reading it and writing the destination
+//! directory, and must not touch anything else on the host:
+//! - every blob is checked against its digest and size (manifests and configs before they
+//!   are parsed, layers while they stream),
+//! - no layer entry can write outside the destination or through a symbolic link in it
+//!   (see [`rootfs`](crate::rootfs) for how),
+//! - JSON documents and the total unpacked size have limits ([`Limits`]),
+//! - malformed input is an [`ImageError`] with a stable [`code`](ImageError::code), never a
+//!   panic.
+//!
+//! Everything is synchronous; callers on an async runtime run it on a blocking thread.
+
+mod digest;
+mod error;
+mod plan;
+mod rootfs;
+mod store;
+
+use std::fs;
+use std::io::{self, BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+pub use crate::digest::Digest;
+pub use crate::error::{EscapeReason, ImageError};
+use crate::digest::{is_limit_exceeded, HashingReader};
+use crate::plan::{LayerPlan, Plan};
+use crate::rootfs::Rootfs;
+use crate::store::{Compression, Store};
+
+/// An image on local disk, as [`detect`] recognises it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ImageSource {
+    /// A directory with an `oci-layout` file, `index.json` and `blobs/`.
+    OciLayout(PathBuf),
+    /// A tarball (plain, gzip or zstd) of an OCI image layout.
+    OciArchive(PathBuf),
+    /// A tarball (plain, gzip or zstd) written by `docker save`, with `manifest.json`.
+    DockerArchive(PathBuf),
+}
+
+impl ImageSource {
+    pub fn path(&self) -> &Path {
+        match self {
+            ImageSource::OciLayout(path)
+            | ImageSource::OciArchive(path)
+            | ImageSource::DockerArchive(path) => path,
+        }
+    }
+}
+
+/// What a container started from the image runs, and which manifest it came from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ImageConfig {
+    pub entrypoint: Vec<String>,
+    pub cmd: Vec<String>,
+    pub env: Vec<String>,
+    pub working_dir: Option<String>,
+    pub user: Option<String>,
+    /// Digest of the manifest; for a classic `docker save` archive, which has no manifest,
+    /// the digest of the config (the image id).
+    #[serde(serialize_with = "serialize_digest")]
+    pub digest: Digest,
+}
+
+fn serialize_digest<S: serde::Serializer>(digest: &Digest, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(digest.as_str())
+}
+
+/// Reported while [`unpack`] applies layers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Progress {
+    LayerStarted {
+        /// Position of the layer, from 0, of `count`.
+        index: usize,
+        count: usize,
+        digest: Digest,
+        /// Size of the blob as stored (compressed, when it is).
+        compressed_bytes: u64,
+    },
+    LayerFinished {
+        index: usize,
+        count: usize,
+        digest: Digest,
+        compressed_bytes: u64,
+        /// Size of the uncompressed tar stream.
+        unpacked_bytes: u64,
+    },
+}
+
+/// Size limits for untrusted images.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Limits {
+    /// Largest `index.json`, manifest, config or `manifest.json`.
+    pub max_json_bytes: u64,
+    /// Largest total of uncompressed layer streams, and separately of bytes written to
+    /// files; also bounds a compressed archive once decompressed.
+    pub max_unpacked_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_json_bytes: 4 << 20,
+            max_unpacked_bytes: 32 << 30,
+        }
+    }
+}
+
+/// The platform chosen when an index lists several.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Platform {
+    pub os: String,
+    pub architecture: String,
+}
+
+impl Default for Platform {
+    fn default() -> Self {
+        Platform {
+            os: "linux".to_owned(),
+            architecture: "amd64".to_owned(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct UnpackOptions {
+    pub limits: Limits,
+    pub platform: Platform,
+}
+
+/// Tells what kind of image `path` holds: a directory with an `oci-layout` file, or a
+/// tarball (plain, gzip or zstd) holding `oci-layout` and `index.json` (an OCI layout, which
+/// recent `docker save` also writes) or else `manifest.json` (classic `docker save`).
+pub fn detect(path: &Path) -> Result<ImageSource, ImageError> {
+    let metadata = fs::metadata(path).map_err(|source| match source.kind() {
+        io::ErrorKind::NotFound => ImageError::NotFound {
+            path: path.to_owned(),
+        },
+        _ => ImageError::Read {
+            path: path.to_owned(),
+            source,
+        },
+    })?;
+    if metadata.is_dir() {
+        return if path.join("oci-layout").is_file() {
+            Ok(ImageSource::OciLayout(path.to_owned()))
+        } else {
+            Err(ImageError::Unrecognized {
+                path: path.to_owned(),
+            })
+        };
+    }
+    let seen = store::scan_archive_kind(path)?;
+    if seen.oci_layout && seen.index_json {
+        Ok(ImageSource::OciArchive(path.to_owned()))
+    } else if seen.manifest_json {
+        Ok(ImageSource::DockerArchive(path.to_owned()))
+    } else {
+        Err(ImageError::Unrecognized {
+            path: path.to_owned(),
+        })
+    }
+}
+
+/// [`unpack_with`] with the default limits and linux/amd64.
+pub fn unpack(
+    src: &ImageSource,
+    reference: Option<&str>,
+    dest_rootfs: &Path,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<ImageConfig, ImageError> {
+    unpack_with(
+        src,
+        reference,
+        dest_rootfs,
+        &UnpackOptions::default(),
+        progress,
+    )
+}
+
+/// Unpacks the image `reference` names (an `org.opencontainers.image.ref.name` annotation,
+/// a bare tag of it, or a docker `RepoTags` entry; `None` when the source holds one image)
+/// into `dest_rootfs`, which must be missing or empty.
+///
+/// On error, what was written is removed (and `dest_rootfs` too, if this call created it).
+pub fn unpack_with(
+    src: &ImageSource,
+    reference: Option<&str>,
+    dest_rootfs: &Path,
+    options: &UnpackOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<ImageConfig, ImageError> {
+    let store = match src {
+        ImageSource::OciLayout(path) => {
+            if !path.is_dir() {
+                return Err(ImageError::NotFound { path: path.clone() });
+            }
+            Store::dir(path)
+        }
+        ImageSource::OciArchive(path) | ImageSource::DockerArchive(path) => {
+            Store::archive(path, options.limits.max_unpacked_bytes)?
+        }
+    };
+    let plan = match src {
+        ImageSource::OciLayout(_) | ImageSource::OciArchive(_) => {
+            plan::resolve_oci(&store, reference, options)?
+        }
+        ImageSource::DockerArchive(_) => plan::resolve_docker(&store, reference, options)?,
+    };
+    let (rootfs, created) = Rootfs::create(dest_rootfs, options.limits.max_unpacked_bytes)?;
+    let result = apply_plan(&store, &plan, rootfs, options, progress);
+    if result.is_err() {
+        discard(dest_rootfs, created);
+    }
+    result.map(|()| plan.config)
+}
+
+/// Best effort: the error that led here is the one worth reporting.
+fn discard(dest: &Path, created: bool) {
+    if created {
+        let _ = fs::remove_dir_all(dest);
+        return;
+    }
+    if let Ok(listing) = fs::read_dir(dest) {
+        for item in listing.flatten() {
+            let path = item.path();
+            let _ = match item.file_type() {
+                Ok(kind) if kind.is_dir() => fs::remove_dir_all(&path),
+                _ => fs::remove_file(&path),
+            };
+        }
+    }
+}
+
+fn apply_plan(
+    store: &Store,
+    plan: &Plan,
+    mut rootfs: Rootfs,
+    options: &UnpackOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<(), ImageError> {
+    let count = plan.layers.len();
+    let mut budget = options.limits.max_unpacked_bytes;
+    for (index, layer) in plan.layers.iter().enumerate() {
+        let path = store.display(&layer.member);
+        let digest = layer
+            .name()
+            .cloned()
+            .ok_or_else(|| ImageError::corrupt(&path, "the layer has no digest"))?;
+        let (reader, compressed_bytes) = store.open(&layer.member)?;
+        if let Some((_, size)) = &layer.blob {
+            if *size != compressed_bytes {
+                return Err(ImageError::SizeMismatch {
+                    path,
+                    expected: *size,
+                    actual: compressed_bytes,
+                });
+            }
+        }
+        progress(Progress::LayerStarted {
+            index,
+            count,
+            digest: digest.clone(),
+            compressed_bytes,
+        });
+        rootfs.begin_layer();
+        let unpacked_bytes = apply_layer(reader, layer, &path, &mut rootfs, budget, options)?;
+        budget -= unpacked_bytes;
+        progress(Progress::LayerFinished {
+            index,
+            count,
+            digest,
+            compressed_bytes,
+            unpacked_bytes,
+        });
+    }
+    rootfs.finish()
+}
+
+/// Streams one layer blob through its decoder into `rootfs`, hashing the blob and the
+/// uncompressed stream on the way; returns the uncompressed size.
+fn apply_layer(
+    reader: Box<dyn Read + '_>,
+    layer: &LayerPlan,
+    path: &Path,
+    rootfs: &mut Rootfs,
+    budget: u64,
+    options: &UnpackOptions,
+) -> Result<u64, ImageError> {
+    let read_error = |err: io::Error| {
+        if is_limit_exceeded(&err) {
+            ImageError::TooLarge {
+                path: path.to_owned(),
+                what: "the unpacked layers",
+                limit: options.limits.max_unpacked_bytes,
+            }
+        } else {
+            ImageError::corrupt(path, format!("bad layer: {err}"))
+        }
+    };
+    let mut blob = BufReader::new(HashingReader::new(reader, u64::MAX));
+    let compression = match layer.compression {
+        Some(known) => known,
+        None => Compression::sniff(blob.fill_buf().map_err(read_error)?),
+    };
+    let (diff_id, unpacked_bytes) = {
+        let decoder = compression.decoder(&mut blob).map_err(read_error)?;
+        let mut stream = HashingReader::new(decoder, budget);
+        {
+            let mut archive = tar::Archive::new(&mut stream);
+            for entry in archive.entries().map_err(read_error)? {
+                let mut entry = entry.map_err(read_error)?;
+                rootfs.apply_entry(&mut entry, path)?;
+            }
+        }
+        stream.drain().map_err(read_error)?;
+        stream.finish()
+    };
+    io::copy(&mut blob, &mut io::sink()).map_err(read_error)?;
+    let (blob_digest, _) = blob.into_inner().finish();
+    if let Some((expected, _)) = &layer.blob {
+        expected.verify(&blob_digest, path)?;
+    }
+    if let Some(expected) = &layer.diff_id {
+        expected.verify(&diff_id, path)?;
+    }
+    Ok(unpacked_bytes)
+}
