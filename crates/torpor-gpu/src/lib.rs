@@ -7,6 +7,9 @@
 
 pub mod ids;
 pub mod inventory;
+pub mod ledger;
 pub mod mig;
 pub mod partition;
+pub mod quota;
+pub mod request;
 pub mod topology;
