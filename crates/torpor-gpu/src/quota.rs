@@ -32,7 +32,7 @@ pub struct Amount {
 }
 
 impl Amount {
-    pub fn add(self, other: Amount) -> Amount {
+    pub fn plus(self, other: Amount) -> Amount {
         Amount {
             memory_mib: self.memory_mib.saturating_add(other.memory_mib),
             compute: self.compute.saturating_add(other.compute),
@@ -102,7 +102,7 @@ pub struct TenantQuota {
 impl TenantQuota {
     /// The most the tenant may hold, borrowing included.
     pub fn ceiling(&self) -> Amount {
-        self.guaranteed.add(self.borrow_limit.unwrap_or_default())
+        self.guaranteed.plus(self.borrow_limit.unwrap_or_default())
     }
 }
 
@@ -178,7 +178,7 @@ impl QuotaBook {
             let entry = usage.entry(tenant.clone()).or_default();
             for share in &allocation.shares {
                 if let Some(gpu) = inventory.gpu(share.gpu) {
-                    *entry = entry.add(share_charge(gpu, &share.kind));
+                    *entry = entry.plus(share_charge(gpu, &share.kind));
                 }
             }
         }
@@ -202,7 +202,7 @@ impl QuotaBook {
             .ok_or_else(|| QuotaError::NoQuota {
                 tenant: tenant.clone(),
             })?;
-        let total = holds.add(adding);
+        let total = holds.plus(adding);
         let ceiling = quota.ceiling();
         for (dimension, unit, would_hold, limit) in [
             ("memory", "MiB", total.memory_mib, ceiling.memory_mib),
@@ -258,7 +258,7 @@ impl QuotaBook {
                 .shares
                 .iter()
                 .filter_map(|s| inventory.gpu(s.gpu).map(|g| share_charge(g, &s.kind)))
-                .fold(Amount::default(), Amount::add);
+                .fold(Amount::default(), Amount::plus);
             *holds = holds.saturating_sub(charge);
             out.push(allocation.id);
         }

@@ -1,0 +1,756 @@
+//! The agent: torpor's init process inside every sandbox (`torpor sandbox-agent`).
+//!
+//! It owns the sandbox's side of [`crate::proto`]: it reads requests from stdin, runs commands,
+//! reads and writes files, and answers on stdout. It also starts the template's main process and
+//! reaps every process in the sandbox (it is PID 1, so orphans come to it).
+//!
+//! It is plain threads and blocking I/O on purpose: under gVisor's ptrace platform every syscall
+//! is expensive, and an async runtime's extra epoll and futex traffic would cost more than it
+//! saves. Requests are handed to a small pool of threads that grows when all are busy, so a long
+//! exec never blocks a short one. It must never write anything but frames to stdout, and no child
+//! may inherit stdin or stdout.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File};
+use std::io::{self, BufReader, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Component, Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use crate::proto::{
+    self, AgentErrorCode, DirEntry, ExecRequest, FileKind, FrameError, Reply, Request,
+};
+
+/// Where the main process's output and detached execs' output go inside the sandbox.
+pub const LOG_DIR: &str = "/var/log/torpor";
+
+/// Runs the agent until stdin closes. `main_cmd` is the template's main process (may be empty).
+pub fn run(main_cmd: Vec<String>) -> io::Result<()> {
+    // SAFETY: fds 0 and 1 are the container's stdio, open for the agent's whole life; nothing
+    // else in this process uses them through std's handles.
+    let input = unsafe { File::from_raw_fd(0) };
+    let output = unsafe { File::from_raw_fd(1) };
+    let agent = Arc::new(Agent {
+        out: Mutex::new(output),
+        env: RwLock::new(BTreeMap::new()),
+        children: Arc::new(ChildTable::default()),
+        main: Mutex::new(MainState::default()),
+    });
+    let _ = fs::create_dir_all(LOG_DIR);
+    {
+        let children = agent.children.clone();
+        std::thread::Builder::new()
+            .name("reaper".into())
+            .spawn(move || children.reap_forever())?;
+    }
+    if !main_cmd.is_empty() {
+        agent.start_main(&main_cmd);
+    }
+    let pool = Pool::new(agent.clone());
+    let mut input = BufReader::with_capacity(1 << 16, input);
+    loop {
+        match proto::read_frame::<Request>(&mut input) {
+            Ok((h, body)) => pool.submit(h.id, h.msg, body),
+            Err(FrameError::Closed) => return Ok(()),
+            Err(FrameError::Json(e)) => {
+                // The frame was read whole, so the stream is still in step: say so and go on.
+                agent.reply(0, &bad_request(format!("malformed request: {e}")), &[]);
+            }
+            Err(e) => {
+                eprintln!("torpor-agent: channel broken: {e}");
+                return Err(io::Error::other(e.to_string()));
+            }
+        }
+    }
+}
+
+fn bad_request(message: String) -> Reply {
+    Reply::Error {
+        code: AgentErrorCode::BadRequest,
+        message,
+    }
+}
+
+struct Agent {
+    out: Mutex<File>,
+    env: RwLock<BTreeMap<String, String>>,
+    children: Arc<ChildTable>,
+    main: Mutex<MainState>,
+}
+
+#[derive(Default)]
+struct MainState {
+    pid: Option<u32>,
+    exit: Option<WaitStatus>,
+}
+
+impl Agent {
+    fn reply(&self, id: u64, reply: &Reply, body: &[u8]) {
+        let frame = match proto::encode(id, reply, body) {
+            Ok(f) => f,
+            Err(e) => proto::encode(
+                id,
+                &Reply::Error {
+                    code: AgentErrorCode::TooLarge,
+                    message: e.to_string(),
+                },
+                &[],
+            )
+            .expect("small error frame encodes"),
+        };
+        let mut out = self.out.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = out.write_all(&frame) {
+            eprintln!("torpor-agent: cannot write reply: {e}");
+        }
+    }
+
+    fn handle(&self, id: u64, req: Request, body: Vec<u8>) {
+        let result = match req {
+            Request::Hello => Ok((
+                Reply::Hello {
+                    version: proto::VERSION,
+                    pid: std::process::id(),
+                },
+                Vec::new(),
+            )),
+            Request::Configure { env } => {
+                *self.env.write().unwrap_or_else(|p| p.into_inner()) = env;
+                Ok((Reply::Ok, Vec::new()))
+            }
+            Request::Exec(req) => self.exec(id, req, body),
+            Request::ReadFile { path, max_bytes } => read_file(&path, max_bytes),
+            Request::WriteFile { path, mode } => write_file(&path, mode, &body),
+            Request::List { path } => list(&path),
+            Request::Remove { path, recursive } => remove(&path, recursive),
+            Request::MainStatus => Ok((self.main_status(), Vec::new())),
+        };
+        match result {
+            Ok((reply, body)) => self.reply(id, &reply, &body),
+            Err(e) => self.reply(id, &e, &[]),
+        }
+    }
+
+    fn main_status(&self) -> Reply {
+        let main = self.main.lock().unwrap_or_else(|p| p.into_inner());
+        let exit = main
+            .exit
+            .or_else(|| main.pid.and_then(|pid| self.children.exited(pid)));
+        Reply::Main {
+            pid: main.pid,
+            running: main.pid.is_some() && exit.is_none(),
+            exit_code: exit.and_then(|s| s.code),
+            signal: exit.and_then(|s| s.signal),
+        }
+    }
+
+    fn start_main(&self, cmd: &[String]) {
+        let log = open_log("main.log");
+        let mut command = Command::new(&cmd[0]);
+        command
+            .args(&cmd[1..])
+            .stdin(Stdio::null())
+            .stdout(log.as_ref().map_or(Stdio::null(), |f| clone_stdio(f)))
+            .stderr(log.as_ref().map_or(Stdio::null(), |f| clone_stdio(f)));
+        match self.children.spawn(&mut command, true) {
+            Ok((child, _)) => {
+                self.main.lock().unwrap_or_else(|p| p.into_inner()).pid = Some(child.id());
+            }
+            Err(e) => eprintln!("torpor-agent: cannot start main process {cmd:?}: {e}"),
+        }
+    }
+
+    fn exec(&self, id: u64, req: ExecRequest, stdin: Vec<u8>) -> Result<(Reply, Vec<u8>), Reply> {
+        if req.cmd.is_empty() {
+            return Err(bad_request("cmd must not be empty".into()));
+        }
+        let mut command = Command::new(&req.cmd[0]);
+        command.args(&req.cmd[1..]);
+        for (k, v) in self.env.read().unwrap_or_else(|p| p.into_inner()).iter() {
+            command.env(k, v);
+        }
+        command.envs(&req.env);
+        if let Some(cwd) = &req.cwd {
+            command.current_dir(cwd);
+        }
+        // Its own process group, so a timeout kills everything it started.
+        command.process_group(0);
+        let spawn_err = |e: io::Error| Reply::Error {
+            code: match e.kind() {
+                io::ErrorKind::NotFound => AgentErrorCode::NotFound,
+                io::ErrorKind::PermissionDenied => AgentErrorCode::PermissionDenied,
+                _ => AgentErrorCode::SpawnFailed,
+            },
+            message: format!("cannot start {:?}: {e}", req.cmd[0]),
+        };
+        if req.detach {
+            let log = open_log("detached.log");
+            command
+                .stdin(Stdio::null())
+                .stdout(log.as_ref().map_or(Stdio::null(), |f| clone_stdio(f)))
+                .stderr(log.as_ref().map_or(Stdio::null(), |f| clone_stdio(f)));
+            let (child, _) = self.children.spawn(&mut command, false).map_err(spawn_err)?;
+            return Ok((Reply::Started { pid: child.id() }, Vec::new()));
+        }
+        command
+            .stdin(if stdin.is_empty() {
+                Stdio::null()
+            } else {
+                Stdio::piped()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let started = Instant::now();
+        let (mut child, status_rx) = self.children.spawn(&mut command, true).map_err(spawn_err)?;
+        let status_rx = status_rx.expect("waited spawn has a receiver");
+        let deadline = req
+            .timeout_ms
+            .map(|ms| started + Duration::from_millis(ms));
+        let mut io = ChildIo {
+            stdin: child.stdin.take(),
+            stdin_data: stdin,
+            stdin_pos: 0,
+            stdout: child.stdout.take(),
+            stderr: child.stderr.take(),
+            out: Vec::new(),
+            err: Vec::new(),
+        };
+        let pid = child.id() as i32;
+        let stream = |fd: u8, chunk: &[u8]| self.reply(id, &Reply::Output { fd }, chunk);
+        let outcome = io.pump(&status_rx, deadline, req.stream.then_some(&stream));
+        let (status, timed_out) = match outcome {
+            Pumped::Exited(s) => (Some(s), false),
+            Pumped::TimedOut => {
+                // SAFETY: kill(2) on a process group we created; no memory is touched.
+                unsafe { libc::kill(-pid, libc::SIGKILL) };
+                (status_rx.recv_timeout(Duration::from_secs(5)).ok(), true)
+            }
+        };
+        let stdout_len = io.out.len() as u64;
+        let mut body = io.out;
+        body.extend_from_slice(&io.err);
+        Ok((
+            Reply::Exit {
+                exit_code: status.and_then(|s| s.code),
+                signal: status.and_then(|s| s.signal),
+                timed_out,
+                duration_us: started.elapsed().as_micros() as u64,
+                stdout_len,
+            },
+            body,
+        ))
+    }
+}
+
+fn clone_stdio(f: &File) -> Stdio {
+    f.try_clone().map_or(Stdio::null(), Stdio::from)
+}
+
+fn open_log(name: &str) -> Option<File> {
+    fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o644)
+        .open(Path::new(LOG_DIR).join(name))
+        .ok()
+}
+
+enum Pumped {
+    Exited(WaitStatus),
+    TimedOut,
+}
+
+/// The pipes of one running exec.
+struct ChildIo {
+    stdin: Option<std::process::ChildStdin>,
+    stdin_data: Vec<u8>,
+    stdin_pos: usize,
+    stdout: Option<std::process::ChildStdout>,
+    stderr: Option<std::process::ChildStderr>,
+    out: Vec<u8>,
+    err: Vec<u8>,
+}
+
+/// After the process exits, how long to keep reading pipes still held open by something it left
+/// running in the background.
+const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(50);
+
+impl ChildIo {
+    /// Moves bytes between the pipes and the buffers until the process exits and its pipes
+    /// close, or the deadline passes. With `stream`, output is sent as it arrives instead.
+    fn pump(
+        &mut self,
+        status_rx: &Receiver<WaitStatus>,
+        deadline: Option<Instant>,
+        stream: Option<&dyn Fn(u8, &[u8])>,
+    ) -> Pumped {
+        for fd in [
+            self.stdin.as_ref().map(|p| p.as_raw_fd()),
+            self.stdout.as_ref().map(|p| p.as_raw_fd()),
+            self.stderr.as_ref().map(|p| p.as_raw_fd()),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            set_nonblocking(fd);
+        }
+        let mut status: Option<WaitStatus> = None;
+        let mut exited_at: Option<Instant> = None;
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            if status.is_none() {
+                status = status_rx.try_recv().ok();
+                if status.is_some() {
+                    exited_at = Some(Instant::now());
+                }
+            }
+            let open = self.stdout.is_some() || self.stderr.is_some();
+            if let Some(s) = status {
+                if !open || exited_at.is_some_and(|t| t.elapsed() >= DRAIN_AFTER_EXIT) {
+                    return Pumped::Exited(s);
+                }
+            } else if !open && self.stdin.is_none() {
+                // Pipes closed; the exit status is on its way.
+                return match deadline {
+                    Some(d) => match status_rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
+                        Ok(s) => Pumped::Exited(s),
+                        Err(_) => Pumped::TimedOut,
+                    },
+                    None => status_rx.recv().map_or(Pumped::TimedOut, Pumped::Exited),
+                };
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Pumped::TimedOut;
+            }
+            let mut fds = Vec::with_capacity(3);
+            if let Some(p) = &self.stdin {
+                fds.push(libc::pollfd { fd: p.as_raw_fd(), events: libc::POLLOUT, revents: 0 });
+            }
+            if let Some(p) = &self.stdout {
+                fds.push(libc::pollfd { fd: p.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            }
+            if let Some(p) = &self.stderr {
+                fds.push(libc::pollfd { fd: p.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            }
+            // Short slices: the exit status arrives on a channel, not on an fd.
+            let slice_ms = if status.is_some() { 10 } else { 20 };
+            if !fds.is_empty() {
+                // SAFETY: fds is a valid, initialised array of pollfd of the given length.
+                unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, slice_ms) };
+            } else {
+                std::thread::sleep(Duration::from_millis(slice_ms as u64));
+            }
+            self.feed_stdin();
+            if let Some(p) = &mut self.stdout {
+                if drain(p, &mut buf, &mut self.out, stream.map(|s| (s, 1u8))) {
+                    self.stdout = None;
+                }
+            }
+            if let Some(p) = &mut self.stderr {
+                if drain(p, &mut buf, &mut self.err, stream.map(|s| (s, 2u8))) {
+                    self.stderr = None;
+                }
+            }
+        }
+    }
+
+    fn feed_stdin(&mut self) {
+        let Some(p) = &mut self.stdin else { return };
+        while self.stdin_pos < self.stdin_data.len() {
+            match p.write(&self.stdin_data[self.stdin_pos..]) {
+                Ok(0) => break,
+                Ok(n) => self.stdin_pos += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(_) => break,
+            }
+        }
+        // All written (or the reader went away): close, so the child sees EOF.
+        self.stdin = None;
+    }
+}
+
+/// Reads what is available; true when the pipe reached EOF (or broke).
+fn drain(
+    p: &mut impl Read,
+    buf: &mut [u8],
+    into: &mut Vec<u8>,
+    stream: Option<(&dyn Fn(u8, &[u8]), u8)>,
+) -> bool {
+    loop {
+        match p.read(buf) {
+            Ok(0) => return true,
+            Ok(n) => match stream {
+                Some((send, fd)) => send(fd, &buf[..n]),
+                None => into.extend_from_slice(&buf[..n]),
+            },
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => return true,
+        }
+    }
+}
+
+fn set_nonblocking(fd: i32) {
+    // SAFETY: fcntl on an fd this process owns; no memory is passed.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct WaitStatus {
+    code: Option<i32>,
+    signal: Option<i32>,
+}
+
+impl WaitStatus {
+    fn from_raw(status: i32) -> Self {
+        if libc::WIFEXITED(status) {
+            WaitStatus {
+                code: Some(libc::WEXITSTATUS(status)),
+                signal: None,
+            }
+        } else if libc::WIFSIGNALED(status) {
+            let sig = libc::WTERMSIG(status);
+            WaitStatus {
+                code: Some(128 + sig),
+                signal: Some(sig),
+            }
+        } else {
+            WaitStatus {
+                code: None,
+                signal: None,
+            }
+        }
+    }
+}
+
+/// Every child of PID 1 is reaped here, so exit statuses go to whoever waits for them and
+/// orphans never pile up as zombies. Spawning happens under the table's lock, so a child that
+/// exits at once is registered before the reaper can report it.
+#[derive(Default)]
+struct ChildTable {
+    inner: Mutex<Children>,
+    spawned: Condvar,
+}
+
+#[derive(Default)]
+struct Children {
+    waiters: HashMap<i32, Sender<WaitStatus>>,
+    /// Exit statuses kept for children someone may ask about later (the main process).
+    kept: HashMap<i32, WaitStatus>,
+    watched: std::collections::HashSet<i32>,
+    live: usize,
+}
+
+impl ChildTable {
+    /// Spawns `command`; with `wait`, returns a receiver for its exit status.
+    fn spawn(
+        &self,
+        command: &mut Command,
+        wait: bool,
+    ) -> io::Result<(std::process::Child, Option<Receiver<WaitStatus>>)> {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let child = command.spawn()?;
+        let pid = child.id() as i32;
+        inner.live += 1;
+        let rx = if wait {
+            let (tx, rx) = mpsc::channel();
+            inner.waiters.insert(pid, tx);
+            inner.watched.insert(pid);
+            Some(rx)
+        } else {
+            None
+        };
+        self.spawned.notify_all();
+        Ok((child, rx))
+    }
+
+    fn exited(&self, pid: u32) -> Option<WaitStatus> {
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.kept.get(&(pid as i32)).copied()
+    }
+
+    fn reap_forever(&self) {
+        loop {
+            let mut raw = 0;
+            // SAFETY: waitpid with a valid pointer to an i32.
+            let pid = unsafe { libc::waitpid(-1, &mut raw, 0) };
+            if pid < 0 {
+                if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                    continue;
+                }
+                // No children at all: sleep until one is spawned.
+                let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+                let _ = self
+                    .spawned
+                    .wait_timeout(inner, Duration::from_millis(500))
+                    .unwrap_or_else(|p| p.into_inner());
+                continue;
+            }
+            let status = WaitStatus::from_raw(raw);
+            let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            inner.live = inner.live.saturating_sub(1);
+            if let Some(tx) = inner.waiters.remove(&pid) {
+                let _ = tx.send(status);
+            }
+            if inner.watched.remove(&pid) {
+                inner.kept.insert(pid, status);
+                // Keep the table bounded: only recent statuses matter.
+                if inner.kept.len() > 1024 {
+                    let oldest: Vec<i32> = inner.kept.keys().copied().take(512).collect();
+                    for k in oldest {
+                        inner.kept.remove(&k);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Threads that run requests; a new one starts when all are busy, idle ones wait for work.
+struct Pool {
+    tx: Sender<(u64, Request, Vec<u8>)>,
+    rx: Arc<Mutex<Receiver<(u64, Request, Vec<u8>)>>>,
+    idle: Arc<(Mutex<usize>, Condvar)>,
+    agent: Arc<Agent>,
+}
+
+impl Pool {
+    fn new(agent: Arc<Agent>) -> Self {
+        let (tx, rx) = mpsc::channel();
+        Pool {
+            tx,
+            rx: Arc::new(Mutex::new(rx)),
+            idle: Arc::new((Mutex::new(0), Condvar::new())),
+            agent,
+        }
+    }
+
+    fn submit(&self, id: u64, req: Request, body: Vec<u8>) {
+        let need_thread = {
+            let mut idle = self.idle.0.lock().unwrap_or_else(|p| p.into_inner());
+            if *idle == 0 {
+                true
+            } else {
+                *idle -= 1;
+                false
+            }
+        };
+        if need_thread {
+            self.spawn_thread();
+        }
+        let _ = self.tx.send((id, req, body));
+    }
+
+    fn spawn_thread(&self) {
+        let rx = self.rx.clone();
+        let idle = self.idle.clone();
+        let agent = self.agent.clone();
+        let spawned = std::thread::Builder::new()
+            .name("request".into())
+            .spawn(move || loop {
+                let next = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                let Ok((id, req, body)) = next else { return };
+                agent.handle(id, req, body);
+                *idle.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+            });
+        if let Err(e) = spawned {
+            eprintln!("torpor-agent: cannot start a request thread: {e}");
+        }
+    }
+}
+
+/// Resolves a path given by a client to an absolute path inside the sandbox. Relative paths are
+/// taken from `/`; `..` is refused rather than interpreted, so a path means what it says.
+fn resolve(path: &str) -> Result<PathBuf, Reply> {
+    let invalid = |why: &str| Reply::Error {
+        code: AgentErrorCode::InvalidPath,
+        message: format!("invalid path {path:?}: {why}"),
+    };
+    if path.is_empty() {
+        return Err(invalid("empty"));
+    }
+    if path.contains('\0') {
+        return Err(invalid("holds a NUL byte"));
+    }
+    let p = Path::new(path);
+    if p.components().any(|c| matches!(c, Component::ParentDir)) {
+        return Err(invalid("'..' is not allowed"));
+    }
+    Ok(Path::new("/").join(p))
+}
+
+fn io_error(path: &Path, e: io::Error) -> Reply {
+    let code = match e.kind() {
+        io::ErrorKind::NotFound => AgentErrorCode::NotFound,
+        io::ErrorKind::PermissionDenied => AgentErrorCode::PermissionDenied,
+        io::ErrorKind::IsADirectory => AgentErrorCode::IsADirectory,
+        io::ErrorKind::NotADirectory => AgentErrorCode::NotADirectory,
+        _ => AgentErrorCode::Io,
+    };
+    Reply::Error {
+        code,
+        message: format!("{}: {e}", path.display()),
+    }
+}
+
+type Answer = Result<(Reply, Vec<u8>), Reply>;
+
+fn read_file(path: &str, max_bytes: u64) -> Answer {
+    let p = resolve(path)?;
+    let f = File::open(&p).map_err(|e| io_error(&p, e))?;
+    let meta = f.metadata().map_err(|e| io_error(&p, e))?;
+    if meta.is_dir() {
+        return Err(io_error(&p, io::Error::from(io::ErrorKind::IsADirectory)));
+    }
+    let cap = max_bytes.min(proto::MAX_BODY as u64);
+    if meta.len() > cap {
+        return Err(Reply::Error {
+            code: AgentErrorCode::TooLarge,
+            message: format!("{} is {} bytes, over the {cap}-byte limit", p.display(), meta.len()),
+        });
+    }
+    let mut data = Vec::with_capacity(meta.len() as usize);
+    f.take(cap + 1)
+        .read_to_end(&mut data)
+        .map_err(|e| io_error(&p, e))?;
+    let truncated = data.len() as u64 > cap;
+    data.truncate(cap as usize);
+    Ok((Reply::Data { truncated }, data))
+}
+
+fn write_file(path: &str, mode: Option<u32>, data: &[u8]) -> Answer {
+    let p = resolve(path)?;
+    if let Some(parent) = p.parent() {
+        fs::create_dir_all(parent).map_err(|e| io_error(parent, e))?;
+    }
+    if p.is_dir() {
+        return Err(io_error(&p, io::Error::from(io::ErrorKind::IsADirectory)));
+    }
+    // Write beside it and rename, so a reader never sees half a file.
+    let tmp = p.with_file_name(format!(
+        ".{}.torpor-tmp",
+        p.file_name().and_then(|n| n.to_str()).unwrap_or("file")
+    ));
+    let result = (|| {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode.unwrap_or(0o644))
+            .open(&tmp)?;
+        f.write_all(data)?;
+        if let Some(m) = mode {
+            f.set_permissions(fs::Permissions::from_mode(m))?;
+        }
+        fs::rename(&tmp, &p)
+    })();
+    if let Err(e) = result {
+        let _ = fs::remove_file(&tmp);
+        return Err(io_error(&p, e));
+    }
+    Ok((Reply::Ok, Vec::new()))
+}
+
+fn list(path: &str) -> Answer {
+    let p = resolve(path)?;
+    let mut entries = Vec::new();
+    for entry in fs::read_dir(&p).map_err(|e| io_error(&p, e))? {
+        let entry = entry.map_err(|e| io_error(&p, e))?;
+        let Ok(meta) = entry.metadata() else { continue };
+        let ft = meta.file_type();
+        entries.push(DirEntry {
+            name: entry.file_name().to_string_lossy().into_owned(),
+            kind: if ft.is_dir() {
+                FileKind::Dir
+            } else if ft.is_file() {
+                FileKind::File
+            } else if ft.is_symlink() {
+                FileKind::Symlink
+            } else {
+                FileKind::Other
+            },
+            size: meta.len(),
+            mode: meta.permissions().mode() & 0o7777,
+            modified_ms: meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_millis() as i64),
+        });
+    }
+    entries.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok((Reply::Entries { entries }, Vec::new()))
+}
+
+fn remove(path: &str, recursive: bool) -> Answer {
+    let p = resolve(path)?;
+    if p == Path::new("/") {
+        return Err(Reply::Error {
+            code: AgentErrorCode::InvalidPath,
+            message: "refusing to remove /".into(),
+        });
+    }
+    let meta = fs::symlink_metadata(&p).map_err(|e| io_error(&p, e))?;
+    let result = if meta.is_dir() {
+        if recursive {
+            fs::remove_dir_all(&p)
+        } else {
+            fs::remove_dir(&p)
+        }
+    } else {
+        fs::remove_file(&p)
+    };
+    result.map_err(|e| io_error(&p, e))?;
+    Ok((Reply::Ok, Vec::new()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resolve_refuses_parent_components() {
+        assert!(resolve("/a/../b").is_err());
+        assert!(resolve("..").is_err());
+        assert!(resolve("").is_err());
+        assert_eq!(resolve("a/b").unwrap(), PathBuf::from("/a/b"));
+        assert_eq!(resolve("/tmp/x").unwrap(), PathBuf::from("/tmp/x"));
+    }
+
+    #[test]
+    fn files_round_trip_in_a_temp_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/f.txt");
+        let path = path.to_str().unwrap();
+        write_file(path, Some(0o600), b"hello").unwrap();
+        let (reply, data) = read_file(path, 1024).unwrap();
+        assert_eq!(reply, Reply::Data { truncated: false });
+        assert_eq!(data, b"hello");
+        assert!(matches!(
+            read_file(path, 2),
+            Err(Reply::Error {
+                code: AgentErrorCode::TooLarge,
+                ..
+            })
+        ));
+        let (reply, _) = list(dir.path().join("sub").to_str().unwrap()).unwrap();
+        let Reply::Entries { entries } = reply else { panic!("{reply:?}") };
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0].mode, 0o600);
+        remove(path, false).unwrap();
+        assert!(matches!(
+            read_file(path, 10),
+            Err(Reply::Error {
+                code: AgentErrorCode::NotFound,
+                ..
+            })
+        ));
+    }
+}

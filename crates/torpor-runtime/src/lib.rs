@@ -1,0 +1,14 @@
+//! Sandboxes on gVisor. This crate owns everything that touches runsc, cgroups and the bundle
+//! directories, plus the agent that runs inside each sandbox and the protocol between the two.
+//! It knows nothing about tenants, the state store or the HTTP API.
+
+pub mod agent;
+pub mod cgroup;
+pub mod conn;
+pub mod proto;
+pub mod rootfs;
+pub mod runsc;
+pub mod spec;
+
+pub use runsc::{Container, ExitInfo, Runsc, RuntimeError};
+pub use spec::{ContainerSpec, Mount};

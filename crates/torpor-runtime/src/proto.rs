@@ -1,0 +1,259 @@
+//! The protocol between torpor and its agent inside each sandbox.
+//!
+//! The agent is the sandbox's init process; torpor talks to it over the container's stdin and
+//! stdout. Those pipes are the one channel that survives checkpoint and restore (a host Unix
+//! socket makes checkpoint fail, and network is off by default), and they cost no setup on wake:
+//! torpor can write a request into the restore's stdin before the restore has finished.
+//!
+//! Frame: `u32 LE header length | u32 LE body length | header (JSON) | body (raw bytes)`.
+//! Requests carry an `id`; every reply names the `id` it answers, so many requests may be in
+//! flight at once. Bodies carry bulk bytes (stdin, stdout, file contents) without JSON escaping.
+
+use std::collections::BTreeMap;
+use std::io::{self, Read, Write};
+
+use serde::{Deserialize, Serialize};
+
+/// Header bytes a frame may carry; more is a protocol violation.
+pub const MAX_HEADER: usize = 1 << 20;
+/// Body bytes a frame may carry (a whole file read or written in one piece).
+pub const MAX_BODY: usize = 256 << 20;
+/// Protocol version; the agent reports it in its hello.
+pub const VERSION: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// Answered with `Reply::Hello` once the agent is ready.
+    Hello,
+    /// Sets environment applied to every later exec (per-sandbox env after a golden restore).
+    Configure { env: BTreeMap<String, String> },
+    /// Runs a command. The body is its stdin.
+    Exec(ExecRequest),
+    /// Reads a file; the reply body holds it.
+    ReadFile { path: String, max_bytes: u64 },
+    /// Writes the body to a file, creating parent directories.
+    WriteFile { path: String, mode: Option<u32> },
+    List { path: String },
+    Remove { path: String, recursive: bool },
+    /// The main process's state.
+    MainStatus,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecRequest {
+    pub cmd: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Start it and answer at once with its pid; it keeps running on its own.
+    #[serde(default)]
+    pub detach: bool,
+    /// Send output as `Reply::Output` frames while it runs, instead of all at the end.
+    #[serde(default)]
+    pub stream: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Reply {
+    Hello {
+        version: u32,
+        pid: u32,
+    },
+    Ok,
+    /// An exec finished. Unless streamed, the body is stdout followed by stderr, split at
+    /// `stdout_len`.
+    Exit {
+        exit_code: Option<i32>,
+        signal: Option<i32>,
+        timed_out: bool,
+        duration_us: u64,
+        stdout_len: u64,
+    },
+    /// A streamed chunk of output; body holds the bytes.
+    Output {
+        fd: u8,
+    },
+    /// A detached exec started.
+    Started {
+        pid: u32,
+    },
+    /// A file's bytes are in the body.
+    Data {
+        truncated: bool,
+    },
+    Entries {
+        entries: Vec<DirEntry>,
+    },
+    Main {
+        pid: Option<u32>,
+        running: bool,
+        exit_code: Option<i32>,
+        signal: Option<i32>,
+    },
+    Error {
+        code: AgentErrorCode,
+        message: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DirEntry {
+    pub name: String,
+    pub kind: FileKind,
+    pub size: u64,
+    pub mode: u32,
+    pub modified_ms: i64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentErrorCode {
+    NotFound,
+    NotADirectory,
+    IsADirectory,
+    PermissionDenied,
+    InvalidPath,
+    SpawnFailed,
+    TooLarge,
+    Io,
+    BadRequest,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Header<T> {
+    pub id: u64,
+    #[serde(flatten)]
+    pub msg: T,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("channel closed")]
+    Closed,
+    #[error("frame header of {0} bytes exceeds the limit")]
+    HeaderTooLarge(usize),
+    #[error("frame body of {0} bytes exceeds the limit")]
+    BodyTooLarge(usize),
+    #[error("malformed frame header")]
+    Json(#[from] serde_json::Error),
+    #[error("i/o on the agent channel")]
+    Io(#[from] io::Error),
+}
+
+/// Encodes one frame into a single buffer, so that one `write` puts it on the pipe whole.
+pub fn encode<T: Serialize>(id: u64, msg: &T, body: &[u8]) -> Result<Vec<u8>, FrameError> {
+    let header = serde_json::to_vec(&Header { id, msg })?;
+    if header.len() > MAX_HEADER {
+        return Err(FrameError::HeaderTooLarge(header.len()));
+    }
+    if body.len() > MAX_BODY {
+        return Err(FrameError::BodyTooLarge(body.len()));
+    }
+    let mut out = Vec::with_capacity(8 + header.len() + body.len());
+    out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&header);
+    out.extend_from_slice(body);
+    Ok(out)
+}
+
+/// Parses the 8-byte prefix into (header length, body length), enforcing the caps.
+pub fn parse_prefix(prefix: [u8; 8]) -> Result<(usize, usize), FrameError> {
+    let hlen = u32::from_le_bytes(prefix[0..4].try_into().expect("4 bytes")) as usize;
+    let blen = u32::from_le_bytes(prefix[4..8].try_into().expect("4 bytes")) as usize;
+    if hlen > MAX_HEADER {
+        return Err(FrameError::HeaderTooLarge(hlen));
+    }
+    if blen > MAX_BODY {
+        return Err(FrameError::BodyTooLarge(blen));
+    }
+    Ok((hlen, blen))
+}
+
+/// Reads one frame from a blocking reader (the agent's side).
+pub fn read_frame<T: for<'de> Deserialize<'de>>(
+    r: &mut impl Read,
+) -> Result<(Header<T>, Vec<u8>), FrameError> {
+    let mut prefix = [0u8; 8];
+    match r.read_exact(&mut prefix) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(FrameError::Closed),
+        Err(e) => return Err(e.into()),
+    }
+    let (hlen, blen) = parse_prefix(prefix)?;
+    let mut header = vec![0u8; hlen];
+    r.read_exact(&mut header)?;
+    let mut body = vec![0u8; blen];
+    r.read_exact(&mut body)?;
+    Ok((serde_json::from_slice(&header)?, body))
+}
+
+/// Writes one frame to a blocking writer and flushes it.
+pub fn write_frame<T: Serialize>(
+    w: &mut impl Write,
+    id: u64,
+    msg: &T,
+    body: &[u8],
+) -> Result<(), FrameError> {
+    w.write_all(&encode(id, msg, body)?)?;
+    w.flush()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip() {
+        let req = Request::Exec(ExecRequest {
+            cmd: vec!["echo".into(), "hi".into()],
+            env: BTreeMap::new(),
+            cwd: None,
+            timeout_ms: Some(5),
+            detach: false,
+            stream: true,
+        });
+        let buf = encode(7, &req, b"stdin").unwrap();
+        let (h, body) = read_frame::<Request>(&mut &buf[..]).unwrap();
+        assert_eq!(h.id, 7);
+        assert_eq!(h.msg, req);
+        assert_eq!(body, b"stdin");
+    }
+
+    #[test]
+    fn hostile_prefixes_are_refused_without_allocating() {
+        let mut buf = Vec::new();
+        buf.extend_from_slice(&u32::MAX.to_le_bytes());
+        buf.extend_from_slice(&0u32.to_le_bytes());
+        assert!(matches!(
+            read_frame::<Request>(&mut &buf[..]),
+            Err(FrameError::HeaderTooLarge(_))
+        ));
+        assert!(matches!(
+            read_frame::<Request>(&mut &b""[..]),
+            Err(FrameError::Closed)
+        ));
+        assert!(matches!(
+            read_frame::<Request>(&mut &b"\x02\0\0\0\0\0\0\0{}"[..]),
+            Err(FrameError::Json(_))
+        ));
+    }
+}

@@ -1,0 +1,395 @@
+//! The gVisor backend: runs `runsc` to boot, restore, checkpoint and destroy containers.
+//!
+//! runsc is feature-detected at start ([`Runsc::detect`]): its version, its platforms and how it
+//! spells the in-memory root overlay. Each container is one foreground `runsc run` or
+//! `runsc restore` process whose stdin and stdout are the agent channel ([`crate::conn`]); its
+//! stderr goes to a log file under the data directory. When that process exits, the container
+//! is gone — by checkpoint (expected) or by crash (reported with the OOM flag).
+//!
+//! Container ids are `<sandbox id>-g<generation>`: every restore gets a fresh id, so a stale
+//! container from a crashed daemon never collides with a new one.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::process::{Child, Command};
+use tokio::sync::watch;
+
+use crate::cgroup;
+use crate::conn::{AgentConn, ConnError};
+use crate::proto::{Reply, Request};
+use crate::spec::{self, ContainerSpec};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("runsc not found at {path}; install gVisor (Debian: `apt-get install runsc`)")]
+    RunscMissing { path: PathBuf },
+    #[error("`runsc {command}` failed ({status}): {stderr}")]
+    RunscFailed {
+        command: String,
+        status: String,
+        stderr: String,
+    },
+    #[error("{path}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the sandbox's agent did not answer within {0:?}; log: {1}")]
+    AgentTimeout(Duration, String),
+    #[error("the container exited while starting; log: {0}")]
+    ExitedEarly(String),
+    #[error(transparent)]
+    Conn(#[from] ConnError),
+    #[error(transparent)]
+    Cgroup(#[from] cgroup::CgroupError),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
+    move |source| RuntimeError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// What runsc can do, learned at start.
+#[derive(Debug, Clone)]
+pub struct Runsc {
+    pub binary: PathBuf,
+    pub version: String,
+    pub platform: String,
+    /// Global flags that give the root filesystem an in-memory, checkpointed overlay.
+    pub overlay_flags: Vec<String>,
+    /// runsc's state directory (`--root`), private to this torpor.
+    pub state_root: PathBuf,
+    pub log_dir: PathBuf,
+}
+
+/// How a container ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExitInfo {
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+    pub oom_killed: bool,
+}
+
+pub struct Container {
+    pub id: String,
+    pub conn: Arc<AgentConn>,
+    exit: watch::Receiver<Option<ExitInfo>>,
+    /// Set before a checkpoint, so that the exit it causes is not taken for a crash.
+    expected_exit: Arc<AtomicBool>,
+}
+
+impl Container {
+    /// Resolves when the container's runsc process has exited.
+    pub async fn exited(&self) -> ExitInfo {
+        let mut rx = self.exit.clone();
+        let seen = rx.wait_for(|e| e.is_some()).await.ok().and_then(|e| *e);
+        seen.unwrap_or(ExitInfo {
+            code: None,
+            signal: None,
+            oom_killed: false,
+        })
+    }
+
+    pub fn exit_info(&self) -> Option<ExitInfo> {
+        *self.exit.borrow()
+    }
+
+    /// Whether an exit now would be one torpor asked for.
+    pub fn exit_expected(&self) -> bool {
+        self.expected_exit.load(Ordering::SeqCst)
+    }
+}
+
+impl Runsc {
+    /// Finds runsc and learns its version, platform and overlay flag. `platform` overrides the
+    /// choice (otherwise: systrap when this build has it, else ptrace; kvm only when asked).
+    pub fn detect(
+        binary: Option<PathBuf>,
+        platform: Option<String>,
+        state_root: PathBuf,
+        log_dir: PathBuf,
+    ) -> Result<Self, RuntimeError> {
+        let binary = binary.unwrap_or_else(|| find_in_path("runsc"));
+        if !binary.exists() {
+            return Err(RuntimeError::RunscMissing { path: binary });
+        }
+        let version_out = run_sync(&binary, &["--version"])?;
+        let version = version_out
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim_start_matches("runsc version ")
+            .to_string();
+        let flags = run_sync(&binary, &["flags"]).unwrap_or_default();
+        let platforms = run_sync(&binary, &["help", "platforms"]).unwrap_or_default();
+        let has_platform = |p: &str| platforms.lines().any(|l| l.trim() == p);
+        let platform = platform.unwrap_or_else(|| {
+            if has_platform("systrap") {
+                "systrap".into()
+            } else {
+                "ptrace".into()
+            }
+        });
+        let overlay_flags = if flags.contains("-overlay2") {
+            vec!["--overlay2=root:memory".to_string()]
+        } else {
+            vec!["--overlay".to_string()]
+        };
+        for dir in [&state_root, &log_dir] {
+            std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        }
+        Ok(Runsc {
+            binary,
+            version,
+            platform,
+            overlay_flags,
+            state_root,
+            log_dir,
+        })
+    }
+
+    fn global_args(&self) -> Vec<String> {
+        let mut args = vec![
+            format!("--root={}", self.state_root.display()),
+            format!("--platform={}", self.platform),
+            "--network=none".to_string(),
+        ];
+        args.extend(self.overlay_flags.iter().cloned());
+        args
+    }
+
+    pub fn log_path(&self, container_id: &str) -> PathBuf {
+        self.log_dir.join(format!("{container_id}.log"))
+    }
+
+    fn write_bundle(
+        &self,
+        bundle: &Path,
+        spec: &ContainerSpec,
+        container_id: &str,
+    ) -> Result<(), RuntimeError> {
+        std::fs::create_dir_all(bundle).map_err(io_err(bundle))?;
+        let path = bundle.join("config.json");
+        let json = serde_json::to_vec_pretty(&spec::render(spec, container_id))
+            .expect("spec serialises");
+        std::fs::write(&path, json).map_err(io_err(&path))
+    }
+
+    /// Boots a container from scratch and waits until its agent answers.
+    pub async fn boot(
+        &self,
+        container_id: &str,
+        bundle: &Path,
+        spec: &ContainerSpec,
+        ready_timeout: Duration,
+    ) -> Result<Container, RuntimeError> {
+        self.write_bundle(bundle, spec, container_id)?;
+        let mut args = self.global_args();
+        args.extend([
+            "run".into(),
+            format!("--bundle={}", bundle.display()),
+            container_id.into(),
+        ]);
+        let c = self.spawn_container(container_id, args)?;
+        self.wait_ready(&c, ready_timeout).await?;
+        Ok(c)
+    }
+
+    /// Starts restoring a container from a checkpoint image. Returns as soon as runsc is
+    /// running: requests written to the agent now are answered once the restore completes.
+    pub fn restore(
+        &self,
+        container_id: &str,
+        bundle: &Path,
+        spec: &ContainerSpec,
+        image_dir: &Path,
+    ) -> Result<Container, RuntimeError> {
+        self.write_bundle(bundle, spec, container_id)?;
+        let mut args = self.global_args();
+        args.extend([
+            "restore".into(),
+            format!("--image-path={}", image_dir.display()),
+            format!("--bundle={}", bundle.display()),
+            container_id.into(),
+        ]);
+        self.spawn_container(container_id, args)
+    }
+
+    /// Waits for the agent's hello, or fails with the tail of the container's log.
+    pub async fn wait_ready(&self, c: &Container, timeout: Duration) -> Result<(), RuntimeError> {
+        let hello = tokio::time::timeout(timeout, c.conn.call(&Request::Hello, &[])).await;
+        match hello {
+            Ok(Ok((Reply::Hello { .. }, _))) => Ok(()),
+            Ok(Ok((other, _))) => Err(RuntimeError::ExitedEarly(format!(
+                "unexpected hello reply {other:?}"
+            ))),
+            Ok(Err(_)) => Err(RuntimeError::ExitedEarly(self.log_tail(&c.id))),
+            Err(_) => Err(RuntimeError::AgentTimeout(timeout, self.log_tail(&c.id))),
+        }
+    }
+
+    fn spawn_container(
+        &self,
+        container_id: &str,
+        args: Vec<String>,
+    ) -> Result<Container, RuntimeError> {
+        let log_path = self.log_path(container_id);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(io_err(&log_path))?;
+        let mut child = Command::new(&self.binary)
+            .args(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .kill_on_drop(false)
+            .spawn()
+            .map_err(io_err(&self.binary))?;
+        let stdin = child.stdin.take().expect("piped stdin");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let conn = AgentConn::new(stdin, stdout);
+        let oom = cgroup::watch_oom(container_id);
+        let (tx, exit) = watch::channel(None);
+        tokio::spawn(watch_exit(child, oom, tx));
+        Ok(Container {
+            id: container_id.to_string(),
+            conn,
+            exit,
+            expected_exit: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    /// Checkpoints a running (or frozen) container into `image_dir`; the container is gone
+    /// afterwards. On failure the container is gone too (runsc stops it): the caller falls back
+    /// to the previous snapshot.
+    pub async fn checkpoint(&self, c: &Container, image_dir: &Path) -> Result<(), RuntimeError> {
+        std::fs::create_dir_all(image_dir).map_err(io_err(image_dir))?;
+        // runsc cannot checkpoint a container frozen behind its back.
+        let _ = cgroup::set_frozen(&c.id, false);
+        c.expected_exit.store(true, Ordering::SeqCst);
+        let mut args = self.global_args();
+        args.extend([
+            "checkpoint".into(),
+            format!("--image-path={}", image_dir.display()),
+            c.id.clone(),
+        ]);
+        let result = self.run(&args, "checkpoint").await;
+        // The foreground run/restore process ends once the checkpoint is written.
+        let _ = tokio::time::timeout(Duration::from_secs(30), c.exited()).await;
+        self.destroy(&c.id).await;
+        result.map(|_| ())
+    }
+
+    /// Kills and deletes a container, whatever its state, and removes its cgroups.
+    pub async fn destroy(&self, container_id: &str) {
+        let mut args = self.global_args();
+        args.extend(["delete".into(), "--force".into(), container_id.into()]);
+        let _ = self.run(&args, "delete").await;
+        cgroup::remove_all(container_id);
+    }
+
+    /// The ids of every container in torpor's runsc state directory.
+    pub async fn list(&self) -> Vec<String> {
+        let mut args = self.global_args();
+        args.extend(["list".into(), "--quiet".into()]);
+        match self.run(&args, "list").await {
+            Ok(out) => out
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .map(String::from)
+                .collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    async fn run(&self, args: &[String], what: &str) -> Result<String, RuntimeError> {
+        let out = Command::new(&self.binary)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .map_err(io_err(&self.binary))?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(RuntimeError::RunscFailed {
+                command: what.into(),
+                status: out.status.to_string(),
+                stderr: last_chars(&String::from_utf8_lossy(&out.stderr), 600),
+            })
+        }
+    }
+
+    /// The last lines of a container's log, for error messages.
+    pub fn log_tail(&self, container_id: &str) -> String {
+        let text = std::fs::read_to_string(self.log_path(container_id)).unwrap_or_default();
+        last_chars(&text, 800)
+    }
+}
+
+fn last_chars(s: &str, n: usize) -> String {
+    let s = s.trim();
+    let start = s.len().saturating_sub(n);
+    let start = (start..=s.len())
+        .find(|i| s.is_char_boundary(*i))
+        .unwrap_or(s.len());
+    s[start..].to_string()
+}
+
+async fn watch_exit(
+    mut child: Child,
+    oom: Arc<AtomicBool>,
+    tx: watch::Sender<Option<ExitInfo>>,
+) {
+    let status = child.wait().await;
+    // The OOM watcher reads the cgroup on the kernel's event; give it a moment to land.
+    let t = Instant::now();
+    while !oom.load(Ordering::SeqCst) && t.elapsed() < Duration::from_millis(50) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    use std::os::unix::process::ExitStatusExt;
+    let info = match status {
+        Ok(s) => ExitInfo {
+            code: s.code(),
+            signal: s.signal(),
+            oom_killed: oom.load(Ordering::SeqCst),
+        },
+        Err(_) => ExitInfo {
+            code: None,
+            signal: None,
+            oom_killed: oom.load(Ordering::SeqCst),
+        },
+    };
+    let _ = tx.send(Some(info));
+}
+
+fn find_in_path(name: &str) -> PathBuf {
+    std::env::var_os("PATH")
+        .and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|p| p.join(name))
+                .find(|p| p.is_file())
+        })
+        .unwrap_or_else(|| PathBuf::from("/usr/bin").join(name))
+}
+
+fn run_sync(binary: &Path, args: &[&str]) -> Result<String, RuntimeError> {
+    let out = std::process::Command::new(binary)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(io_err(binary))?;
+    let mut s = String::from_utf8_lossy(&out.stdout).into_owned();
+    s.push_str(&String::from_utf8_lossy(&out.stderr));
+    Ok(s)
+}

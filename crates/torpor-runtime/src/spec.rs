@@ -1,0 +1,160 @@
+//! The OCI runtime spec (config.json) torpor writes for each container. Only the fields torpor
+//! sets are modelled; runsc reads the rest as defaults.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::Serialize;
+use torpor_core::Limits;
+
+use crate::cgroup;
+use crate::rootfs::AGENT_MOUNT;
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Mount {
+    pub destination: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub source: String,
+    pub options: Vec<String>,
+}
+
+impl Mount {
+    pub fn bind_ro(source: &str, destination: &str) -> Self {
+        Mount {
+            destination: destination.into(),
+            kind: "bind".into(),
+            source: source.into(),
+            options: vec!["rbind".into(), "ro".into()],
+        }
+    }
+}
+
+/// Everything that differs between containers.
+#[derive(Debug, Clone)]
+pub struct ContainerSpec {
+    pub rootfs: PathBuf,
+    /// Extra bind mounts (the host template's /usr, ...).
+    pub mounts: Vec<Mount>,
+    pub agent_dir: PathBuf,
+    pub argv: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub cwd: String,
+    pub limits: Limits,
+    pub hostname: String,
+}
+
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+pub fn render(spec: &ContainerSpec, container_id: &str) -> serde_json::Value {
+    let mut env: BTreeMap<String, String> = BTreeMap::new();
+    env.insert("PATH".into(), DEFAULT_PATH.into());
+    env.insert("HOME".into(), "/root".into());
+    env.insert("LANG".into(), "C.UTF-8".into());
+    env.extend(spec.env.clone());
+    let env: Vec<String> = env.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
+
+    let mut mounts = vec![
+        serde_json::json!({"destination": "/proc", "type": "proc", "source": "proc"}),
+        serde_json::json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+            "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}),
+        serde_json::json!({"destination": "/sys", "type": "sysfs", "source": "sysfs",
+            "options": ["nosuid", "noexec", "nodev", "ro"]}),
+        serde_json::json!({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs"}),
+    ];
+    for m in &spec.mounts {
+        mounts.push(serde_json::to_value(m).expect("mount serialises"));
+    }
+    mounts.push(
+        serde_json::to_value(Mount::bind_ro(
+            &spec.agent_dir.to_string_lossy(),
+            AGENT_MOUNT,
+        ))
+        .expect("mount serialises"),
+    );
+
+    let period: u64 = 100_000;
+    let quota = (spec.limits.cpus * period as f64).round() as i64;
+    serde_json::json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": false,
+            "user": {"uid": 0, "gid": 0},
+            "args": spec.argv,
+            "env": env,
+            "cwd": spec.cwd,
+            "capabilities": {
+                "bounding": CAPS, "effective": CAPS, "permitted": CAPS, "inheritable": CAPS
+            },
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536u64, "soft": 65536u64}],
+            "noNewPrivileges": true
+        },
+        "root": {"path": spec.rootfs, "readonly": false},
+        "hostname": spec.hostname,
+        "mounts": mounts,
+        "linux": {
+            "namespaces": [
+                {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
+                {"type": "network"}
+            ],
+            "cgroupsPath": cgroup::cgroups_path(container_id),
+            "resources": {
+                "memory": {"limit": spec.limits.memory_bytes()},
+                "cpu": {"quota": quota, "period": period},
+                "pids": {"limit": spec.limits.pids}
+            }
+        }
+    })
+}
+
+/// The capabilities of root inside the sandbox (gVisor implements them in its own kernel).
+const CAPS: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_limits_and_agent_mount() {
+        let spec = ContainerSpec {
+            rootfs: "/r".into(),
+            mounts: vec![Mount::bind_ro("/usr", "/usr")],
+            agent_dir: "/data/agent/x".into(),
+            argv: vec!["/.torpor/ld.so".into()],
+            env: [("A".to_string(), "1".to_string())].into(),
+            cwd: "/".into(),
+            limits: Limits {
+                memory_mib: 64,
+                cpus: 0.5,
+                pids: 10,
+            },
+            hostname: "sb".into(),
+        };
+        let v = render(&spec, "sb-x-g1");
+        assert_eq!(v["linux"]["resources"]["memory"]["limit"], 64 << 20);
+        assert_eq!(v["linux"]["resources"]["cpu"]["quota"], 50_000);
+        assert_eq!(v["linux"]["cgroupsPath"], "/torpor/sb-x-g1");
+        let mounts = v["mounts"].as_array().unwrap();
+        assert!(mounts.iter().any(|m| m["destination"] == "/.torpor"));
+        assert!(v["process"]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e == "A=1"));
+    }
+}

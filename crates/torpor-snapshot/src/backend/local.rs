@@ -1,0 +1,191 @@
+//! A backend on a local directory: one file per object, written to a temporary name and
+//! renamed into place so readers never see a partial object.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use super::{Backend, BackendError, ObjectInfo, ObjectKey};
+
+const TMP_DIR: &str = ".tmp";
+
+#[derive(Debug, Clone)]
+pub struct LocalBackend {
+    root: PathBuf,
+    fsync: bool,
+}
+
+impl LocalBackend {
+    /// Opens (creating if needed) a store rooted at `root`. `fsync` makes every put durable
+    /// before it returns (slower; turn it on where a power loss must not lose a snapshot).
+    pub fn open(root: impl Into<PathBuf>, fsync: bool) -> Result<Self, BackendError> {
+        let root = root.into();
+        let tmp = root.join(TMP_DIR);
+        std::fs::create_dir_all(&tmp).map_err(|e| BackendError::io(&tmp, e))?;
+        Ok(LocalBackend { root, fsync })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn path(&self, key: &ObjectKey) -> PathBuf {
+        self.root.join(key.as_str())
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, BackendError> + Send + 'static,
+) -> Result<T, BackendError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(BackendError::Join)?
+}
+
+#[async_trait]
+impl Backend for LocalBackend {
+    async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), BackendError> {
+        let dest = self.path(key);
+        let tmp = self
+            .root
+            .join(TMP_DIR)
+            .join(format!("{}.{}", key.name(), crate::id::unique_hex(8)));
+        let fsync = self.fsync;
+        blocking(move || {
+            if let Some(parent) = dest.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| BackendError::io(parent, e))?;
+            }
+            let write = || -> std::io::Result<()> {
+                let mut f = std::fs::File::create(&tmp)?;
+                f.write_all(&data)?;
+                if fsync {
+                    f.sync_all()?;
+                }
+                Ok(())
+            };
+            if let Err(e) = write() {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(BackendError::io(&tmp, e));
+            }
+            std::fs::rename(&tmp, &dest).map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                BackendError::io(&dest, e)
+            })?;
+            if fsync {
+                if let Some(parent) = dest.parent() {
+                    std::fs::File::open(parent)
+                        .and_then(|d| d.sync_all())
+                        .map_err(|e| BackendError::io(parent, e))?;
+                }
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn get(&self, key: &ObjectKey) -> Result<Option<Bytes>, BackendError> {
+        let path = self.path(key);
+        blocking(move || match std::fs::read(&path) {
+            Ok(b) => Ok(Some(Bytes::from(b))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(BackendError::io(&path, e)),
+        })
+        .await
+    }
+
+    async fn exists_many(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, BackendError> {
+        let paths: Vec<PathBuf> = keys.iter().map(|k| self.path(k)).collect();
+        blocking(move || {
+            paths
+                .iter()
+                .map(|p| match std::fs::symlink_metadata(p) {
+                    Ok(m) => Ok(m.is_file()),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+                    Err(e) => Err(BackendError::io(p, e)),
+                })
+                .collect()
+        })
+        .await
+    }
+
+    async fn delete(&self, key: &ObjectKey) -> Result<(), BackendError> {
+        let path = self.path(key);
+        blocking(move || match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(BackendError::io(&path, e)),
+        })
+        .await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError> {
+        let prefix_key = ObjectKey::new(prefix)?;
+        let base = self.path(&prefix_key);
+        let prefix = prefix_key.as_str().to_string();
+        blocking(move || {
+            let mut out = Vec::new();
+            let mut stack = vec![(base, prefix)];
+            while let Some((dir, key)) = stack.pop() {
+                let entries = match std::fs::read_dir(&dir) {
+                    Ok(e) => e,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(BackendError::io(&dir, e)),
+                };
+                for entry in entries {
+                    let entry = entry.map_err(|e| BackendError::io(&dir, e))?;
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    let child_key = format!("{key}/{name}");
+                    let meta = entry.metadata().map_err(|e| BackendError::io(entry.path(), e))?;
+                    if meta.is_dir() {
+                        stack.push((entry.path(), child_key));
+                    } else if meta.is_file() {
+                        // Names we did not write (editor droppings...) are skipped, not fatal.
+                        if let Ok(key) = ObjectKey::new(child_key) {
+                            out.push(ObjectInfo {
+                                key,
+                                size: meta.len(),
+                                modified: meta.modified().ok(),
+                            });
+                        }
+                    }
+                }
+            }
+            out.sort_by(|a, b| a.key.cmp(&b.key));
+            Ok(out)
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn put_get_list_delete() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path(), true).unwrap();
+        let k1 = ObjectKey::new("chunks/ab/ab01").unwrap();
+        let k2 = ObjectKey::new("manifests/m1").unwrap();
+        assert_eq!(b.get(&k1).await.unwrap(), None);
+        b.put(&k1, Bytes::from_static(b"one")).await.unwrap();
+        b.put(&k2, Bytes::from_static(b"two")).await.unwrap();
+        assert_eq!(b.get(&k1).await.unwrap().unwrap(), Bytes::from_static(b"one"));
+        assert_eq!(
+            b.exists_many(&[k1.clone(), ObjectKey::new("chunks/zz").unwrap()])
+                .await
+                .unwrap(),
+            vec![true, false]
+        );
+        let listed = b.list("chunks").await.unwrap();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].key, k1);
+        assert_eq!(listed[0].size, 3);
+        b.delete(&k1).await.unwrap();
+        b.delete(&k1).await.unwrap();
+        assert!(b.list("chunks").await.unwrap().is_empty());
+        assert!(std::fs::read_dir(dir.path().join(TMP_DIR)).unwrap().next().is_none());
+    }
+}

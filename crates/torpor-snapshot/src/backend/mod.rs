@@ -1,0 +1,138 @@
+//! Where objects live. A backend is a flat key → bytes store with listing; the store decides
+//! the layout (`chunks/`, `manifests/`, `locks/`, `pins/`). Backends know nothing of chunks or
+//! manifests.
+
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+mod local;
+mod s3;
+
+pub use local::LocalBackend;
+pub use s3::{S3Backend, S3Config};
+
+/// A relative object key: `/`-separated clean components of `[A-Za-z0-9._-]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectKey(String);
+
+impl ObjectKey {
+    pub fn new(s: impl Into<String>) -> Result<Self, BackendError> {
+        let s = s.into();
+        let ok = !s.is_empty()
+            && s.split('/').all(|c| {
+                !c.is_empty()
+                    && !c.starts_with('.')
+                    && c
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
+            });
+        if ok {
+            Ok(ObjectKey(s))
+        } else {
+            Err(BackendError::BadKey { key: s })
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The last component.
+    pub fn name(&self) -> &str {
+        self.0.rsplit('/').next().unwrap_or(&self.0)
+    }
+}
+
+impl std::fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// One listed object.
+#[derive(Debug, Clone)]
+pub struct ObjectInfo {
+    pub key: ObjectKey,
+    pub size: u64,
+    pub modified: Option<SystemTime>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("object key {key:?} is not a clean relative key")]
+    BadKey { key: String },
+    #[error("local store I/O on {path}")]
+    Io {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("local store is out of space writing {path}")]
+    NoSpace { path: std::path::PathBuf },
+    #[error("object store request for {key} failed after retries")]
+    Remote {
+        key: String,
+        #[source]
+        source: object_store::Error,
+    },
+    #[error("object store configuration is invalid")]
+    Config(#[source] object_store::Error),
+    #[error("background task failed")]
+    Join(#[source] tokio::task::JoinError),
+}
+
+impl BackendError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            BackendError::BadKey { .. } => "backend_bad_key",
+            BackendError::Io { .. } => "backend_io",
+            BackendError::NoSpace { .. } => "backend_no_space",
+            BackendError::Remote { .. } => "backend_remote",
+            BackendError::Config(_) => "backend_config",
+            BackendError::Join(_) => "backend_task",
+        }
+    }
+
+    pub(crate) fn io(path: impl Into<std::path::PathBuf>, source: std::io::Error) -> Self {
+        let path = path.into();
+        // ENOSPC (28) and EDQUOT (122) are the "disk full" an operator must see as such.
+        match source.raw_os_error() {
+            Some(28) | Some(122) => BackendError::NoSpace { path },
+            _ => BackendError::Io { path, source },
+        }
+    }
+}
+
+/// Object storage used by the snapshot store. Implementations must be safe to call from many
+/// tasks at once; `put` must be atomic (a reader sees all of an object or none of it).
+#[async_trait]
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// Stores `data` under `key`, replacing any object there.
+    async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), BackendError>;
+    /// The object, or `None` when absent.
+    async fn get(&self, key: &ObjectKey) -> Result<Option<Bytes>, BackendError>;
+    /// For each key, whether it exists. One call per batch, so remote backends can answer a
+    /// batch with parallel requests or one listing.
+    async fn exists_many(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, BackendError>;
+    /// Removes `key`; absent keys are not an error.
+    async fn delete(&self, key: &ObjectKey) -> Result<(), BackendError>;
+    /// Every object whose key starts with `prefix/`.
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_validated() {
+        assert!(ObjectKey::new("chunks/ab/abcdef").is_ok());
+        assert!(ObjectKey::new("../x").is_err());
+        assert!(ObjectKey::new("a//b").is_err());
+        assert!(ObjectKey::new("/a").is_err());
+        assert!(ObjectKey::new("a/.tmp").is_err());
+        assert_eq!(ObjectKey::new("a/b/c").unwrap().name(), "c");
+    }
+}
