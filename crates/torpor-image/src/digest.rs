@@ -92,7 +92,8 @@ impl fmt::Display for LimitExceeded {
 impl std::error::Error for LimitExceeded {}
 
 pub(crate) fn is_limit_exceeded(err: &io::Error) -> bool {
-    err.get_ref().is_some_and(|inner| inner.is::<LimitExceeded>())
+    err.get_ref()
+        .is_some_and(|inner| inner.is::<LimitExceeded>())
 }
 
 /// Hashes and counts what passes through it, and fails once more than `limit` bytes went by.

@@ -76,7 +76,9 @@ pub enum ImageError {
         actual: u64,
     },
 
-    #[error("{path} refers to digest {digest:?}, which is not `sha256:` and 64 lowercase hex digits")]
+    #[error(
+        "{path} refers to digest {digest:?}, which is not `sha256:` and 64 lowercase hex digits"
+    )]
     UnsupportedDigest { path: PathBuf, digest: String },
 
     #[error("{path} has media type {media_type:?}, which torpor cannot unpack")]

@@ -30,8 +30,8 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 pub use crate::digest::Digest;
-pub use crate::error::{EscapeReason, ImageError};
 use crate::digest::{is_limit_exceeded, HashingReader};
+pub use crate::error::{EscapeReason, ImageError};
 use crate::plan::{LayerPlan, Plan};
 use crate::rootfs::Rootfs;
 use crate::store::{Compression, Store};

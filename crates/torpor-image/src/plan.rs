@@ -51,7 +51,10 @@ pub(crate) struct LayerPlan {
 impl LayerPlan {
     /// The digest that names this layer in progress reports.
     pub(crate) fn name(&self) -> Option<&Digest> {
-        self.blob.as_ref().map(|(digest, _)| digest).or(self.diff_id.as_ref())
+        self.blob
+            .as_ref()
+            .map(|(digest, _)| digest)
+            .or(self.diff_id.as_ref())
     }
 }
 
@@ -226,9 +229,9 @@ fn choose<'a>(
                 .iter()
                 .copied()
                 .find(|d| {
-                    d.platform.as_ref().is_some_and(|p| {
-                        p.os == wanted.os && p.architecture == wanted.architecture
-                    })
+                    d.platform
+                        .as_ref()
+                        .is_some_and(|p| p.os == wanted.os && p.architecture == wanted.architecture)
                 })
                 .ok_or_else(|| ImageError::PlatformNotFound {
                     path: store.display(member),
@@ -328,9 +331,7 @@ fn layer_compression(media_type: &str) -> Option<Compression> {
         | "application/vnd.docker.image.rootfs.diff.tar.gzip"
         | "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip" => Some(Compression::Gzip),
         "application/vnd.oci.image.layer.v1.tar+zstd"
-        | "application/vnd.oci.image.layer.nondistributable.v1.tar+zstd" => {
-            Some(Compression::Zstd)
-        }
+        | "application/vnd.oci.image.layer.nondistributable.v1.tar+zstd" => Some(Compression::Zstd),
         _ => None,
     }
 }
@@ -354,8 +355,13 @@ fn plan_from_manifest(
             })
         }
     }
-    let (config, _, config_member) =
-        read_verified::<ConfigFile>(store, member, &config_descriptor, options, "an image config")?;
+    let (config, _, config_member) = read_verified::<ConfigFile>(
+        store,
+        member,
+        &config_descriptor,
+        options,
+        "an image config",
+    )?;
     let diff_ids = diff_ids(store, &config_member, &config, manifest.layers.len())?;
 
     let mut layers = Vec::with_capacity(manifest.layers.len());
@@ -438,12 +444,11 @@ fn digest_in_member_name(member: &str) -> Option<Digest> {
 
 /// Checks a member name from `manifest.json` and returns it normalised.
 fn docker_member(store: &Store, name: &str) -> Result<String, ImageError> {
-    let components =
-        normal_components(name.as_bytes()).ok_or_else(|| ImageError::PathEscape {
-            layer: store.display("manifest.json"),
-            entry: name.into(),
-            reason: crate::EscapeReason::ParentComponent,
-        })?;
+    let components = normal_components(name.as_bytes()).ok_or_else(|| ImageError::PathEscape {
+        layer: store.display("manifest.json"),
+        entry: name.into(),
+        reason: crate::EscapeReason::ParentComponent,
+    })?;
     Ok(String::from_utf8_lossy(&components.join(&b'/')).into_owned())
 }
 
@@ -467,7 +472,8 @@ pub(crate) fn resolve_docker(
                 .iter()
                 .find(|entry| {
                     entry.repo_tags.iter().flatten().any(|tag| {
-                        tag == reference || (reference_tag(reference).is_none() && *tag == with_latest)
+                        tag == reference
+                            || (reference_tag(reference).is_none() && *tag == with_latest)
                     })
                 })
                 .ok_or_else(|| ImageError::ReferenceNotFound {
@@ -499,9 +505,10 @@ pub(crate) fn resolve_docker(
         expected.verify(&config_digest, &store.display(&config_member))?;
     }
     let config: ConfigFile = parse_json(store, &config_member, &config_bytes, "an image config")?;
-    let diff_ids = diff_ids(store, &config_member, &config, entry.layers.len())?.ok_or_else(
-        || ImageError::corrupt(store.display(&config_member), "the config has no rootfs"),
-    )?;
+    let diff_ids =
+        diff_ids(store, &config_member, &config, entry.layers.len())?.ok_or_else(|| {
+            ImageError::corrupt(store.display(&config_member), "the config has no rootfs")
+        })?;
 
     let mut layers = Vec::with_capacity(entry.layers.len());
     for (name, diff_id) in entry.layers.iter().zip(diff_ids) {

@@ -20,9 +20,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use rustix::fs::{
-    self as fs, AtFlags, Dir, FileType, Mode, OFlags, Timespec, Timestamps,
-};
+use rustix::fs::{self as fs, AtFlags, Dir, FileType, Mode, OFlags, Timespec, Timestamps};
 use rustix::io::Errno;
 use tar::{Entry, EntryType};
 
@@ -88,11 +86,10 @@ impl Rootfs {
             Err(err) => return Err(write_error(err)),
         };
         if !created {
-            let mut listing = std::fs::read_dir(dest).map_err(|_| {
-                ImageError::DestinationNotEmpty {
+            let mut listing =
+                std::fs::read_dir(dest).map_err(|_| ImageError::DestinationNotEmpty {
                     path: dest.to_owned(),
-                }
-            })?;
+                })?;
             if listing.next().is_some() {
                 return Err(ImageError::DestinationNotEmpty {
                     path: dest.to_owned(),
@@ -318,7 +315,10 @@ impl Rootfs {
                 Err(errno) => return Err(self.write_error(relative, errno)),
             };
             fs::fchmod(&dir, Mode::from_raw_mode(meta.mode))
-                .and_then(|()| meta.mtime.map_or(Ok(()), |mtime| fs::futimens(&dir, &times(mtime))))
+                .and_then(|()| {
+                    meta.mtime
+                        .map_or(Ok(()), |mtime| fs::futimens(&dir, &times(mtime)))
+                })
                 .map_err(|errno| self.write_error(relative, errno))?;
         }
         Ok(())
@@ -333,8 +333,8 @@ impl Rootfs {
         mut created: Option<&mut Vec<Vec<u8>>>,
         context: &EntryContext<'_>,
     ) -> Result<Walk, ImageError> {
-        let mut current = open_dir(&self.root, b".")
-            .map_err(|errno| self.write_error(b"", errno))?;
+        let mut current =
+            open_dir(&self.root, b".").map_err(|errno| self.write_error(b"", errno))?;
         for (depth, component) in parents.iter().enumerate() {
             let so_far = parents[..=depth].join(&b'/');
             current = match open_dir(&current, component) {
@@ -356,8 +356,12 @@ impl Rootfs {
                 }
                 Err(Errno::NOENT) => return Ok(Walk::Missing),
                 Err(Errno::LOOP | Errno::NOTDIR) => {
-                    let stat = fs::statat(&current, OsStr::from_bytes(component), AtFlags::SYMLINK_NOFOLLOW)
-                        .map_err(|errno| self.write_error(&so_far, errno))?;
+                    let stat = fs::statat(
+                        &current,
+                        OsStr::from_bytes(component),
+                        AtFlags::SYMLINK_NOFOLLOW,
+                    )
+                    .map_err(|errno| self.write_error(&so_far, errno))?;
                     if FileType::from_raw_mode(stat.st_mode) == FileType::Symlink {
                         return Err(ImageError::PathEscape {
                             layer: context.layer.to_owned(),
@@ -753,7 +757,10 @@ fn owner<R: Read>(
         None => header.gid().map_err(|_| bad("gid"))?,
     };
     let fits = |id: u64| u32::try_from(id).ok().filter(|&id| id != u32::MAX);
-    Ok((fits(uid).ok_or_else(|| bad("uid"))?, fits(gid).ok_or_else(|| bad("gid"))?))
+    Ok((
+        fits(uid).ok_or_else(|| bad("uid"))?,
+        fits(gid).ok_or_else(|| bad("gid"))?,
+    ))
 }
 
 fn device_number(

@@ -95,9 +95,14 @@ fn resolve_relative(member: &str, target: &[u8]) -> Option<String> {
 
 #[derive(Debug, Clone)]
 enum Member {
-    File { offset: u64, size: u64 },
+    File {
+        offset: u64,
+        size: u64,
+    },
     /// A symbolic or hard link, already resolved to the key it names.
-    Link { target: String },
+    Link {
+        target: String,
+    },
 }
 
 /// The files of an image, read-only.
@@ -271,9 +276,7 @@ fn decompressed(mut file: File, path: &Path, max_bytes: u64) -> Result<File, Ima
             ImageError::corrupt(path, format!("cannot decompress: {source}"))
         }
     };
-    let decoder = compression
-        .decoder(BufReader::new(file))
-        .map_err(corrupt)?;
+    let decoder = compression.decoder(BufReader::new(file)).map_err(corrupt)?;
     let mut limited = HashingReader::new(decoder, max_bytes);
     let mut plain = tempfile::tempfile().map_err(|source| ImageError::Write {
         path: std::env::temp_dir(),
@@ -296,8 +299,13 @@ fn decompressed(mut file: File, path: &Path, max_bytes: u64) -> Result<File, Ima
     Ok(plain)
 }
 
-fn index_members(file: &File, path: &Path) -> Result<HashMap<String, Member>, ImageError> {
+fn index_members(mut file: &File, path: &Path) -> Result<HashMap<String, Member>, ImageError> {
     let corrupt = |err: io::Error| ImageError::corrupt(path, format!("bad tar archive: {err}"));
+    file.seek(SeekFrom::Start(0))
+        .map_err(|source| ImageError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
     let mut archive = tar::Archive::new(file);
     let mut members = HashMap::new();
     for entry in archive.entries_with_seek().map_err(corrupt)? {
