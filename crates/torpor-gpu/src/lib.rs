@@ -10,6 +10,7 @@ pub mod inventory;
 pub mod ledger;
 pub mod mig;
 pub mod partition;
+pub mod planner;
 pub mod quota;
 pub mod request;
 pub mod topology;
