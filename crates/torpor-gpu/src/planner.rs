@@ -538,6 +538,9 @@ struct Found {
     final_usage: Vec<GpuUsage>,
 }
 
+/// The best complete placement so far: score, preference, shares per member, final usage.
+type Best = (u64, (i64, i64), Vec<Vec<Share>>, Vec<GpuUsage>);
+
 struct Search<'a> {
     inventory: &'a Inventory,
     members: &'a [GpuRequest],
@@ -546,7 +549,7 @@ struct Search<'a> {
     chosen: Vec<Vec<Share>>,
     budget: u32,
     max_link_score: u64,
-    best: Option<(u64, (i64, i64), Vec<Vec<Share>>, Vec<GpuUsage>)>,
+    best: Option<Best>,
     deepest: Option<(usize, Refusal)>,
 }
 
@@ -707,7 +710,7 @@ impl Search<'_> {
             });
         }
         // Best first; the sort is stable, so equal candidates keep GPU-index order.
-        out.sort_by(|a, b| (b.topology_gain, b.preference).cmp(&(a.topology_gain, a.preference)));
+        out.sort_by_key(|c| std::cmp::Reverse((c.topology_gain, c.preference)));
         out.truncate(MAX_SETS_PER_MEMBER);
         Ok(out)
     }
