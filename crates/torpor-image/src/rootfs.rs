@@ -50,7 +50,7 @@ struct DirMeta {
 pub(crate) struct Rootfs {
     root: OwnedFd,
     root_path: PathBuf,
-    /// Whether ownership and device nodes from the layers can be applied.
+    /// Whether ownership from the layers can be applied (the process is root).
     privileged: bool,
     /// Final mode and mtime of every directory, by path relative to the root (`a/b`).
     dirs: BTreeMap<Vec<u8>, DirMeta>,
@@ -250,37 +250,22 @@ impl Rootfs {
                 })?;
                 self.hard_link(&parent, name, &relative, &target, &context)?;
             }
-            EntryType::Fifo | EntryType::Char | EntryType::Block => {
-                // Device nodes need privilege; an unprivileged unpack leaves them out, as
-                // the sandbox gets its own /dev anyway.
-                if entry_type != EntryType::Fifo && !self.privileged {
-                    return Ok(());
-                }
-                let (file_type, dev) = match entry_type {
-                    EntryType::Fifo => (FileType::Fifo, 0),
-                    kind => {
-                        let header = entry.header();
-                        let major = device_number(header.device_major(), &context)?;
-                        let minor = device_number(header.device_minor(), &context)?;
-                        let file_type = if kind == EntryType::Char {
-                            FileType::CharacterDevice
-                        } else {
-                            FileType::BlockDevice
-                        };
-                        (file_type, fs::makedev(major, minor))
-                    }
-                };
+            EntryType::Fifo => {
                 self.remove_existing(&parent, name, &relative)?;
                 fs::mknodat(
                     &parent,
                     OsStr::from_bytes(name),
-                    file_type,
+                    FileType::Fifo,
                     Mode::from_raw_mode(mode),
-                    dev,
+                    0,
                 )
                 .map_err(|errno| self.write_error(&relative, errno))?;
                 self.finish_link(&parent, name, &relative, owner, mtime)?;
             }
+            // Device nodes are left out: the sandbox gets its own /dev, and a device node
+            // from an untrusted image would sit on the host's disk, openable by any host
+            // process that wanders into the root filesystem.
+            EntryType::Char | EntryType::Block => {}
             other => {
                 return Err(ImageError::corrupt(
                     layer,
@@ -492,7 +477,7 @@ impl Rootfs {
         result.map_err(|errno| self.write_error(relative, errno))
     }
 
-    /// Owner and time of a node that cannot be opened (symbolic link, device, fifo).
+    /// Owner and time of a node that is not opened (symbolic link, fifo).
     fn finish_link(
         &self,
         parent: &OwnedFd,
@@ -761,17 +746,4 @@ fn owner<R: Read>(
         fits(uid).ok_or_else(|| bad("uid"))?,
         fits(gid).ok_or_else(|| bad("gid"))?,
     ))
-}
-
-fn device_number(
-    value: io::Result<Option<u32>>,
-    context: &EntryContext<'_>,
-) -> Result<u32, ImageError> {
-    match value {
-        Ok(Some(number)) => Ok(number),
-        _ => Err(ImageError::corrupt(
-            context.layer,
-            format!("device {} has a bad device number", context.entry.display()),
-        )),
-    }
 }

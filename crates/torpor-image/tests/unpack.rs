@@ -436,6 +436,7 @@ fn fifos_and_ownership_are_applied() {
         .unwrap()
         .file_type()
         .is_fifo());
+    assert!(!root.join("dev/sda").exists());
     let owned = fs::metadata(root.join("home/user/file")).unwrap();
     if rustix::process::geteuid().is_root() {
         assert_eq!((owned.uid(), owned.gid()), (1234, 5678));
@@ -501,7 +502,7 @@ fn manifest_and_config_are_verified_before_use() {
     let mut bytes = fs::read(&manifest_path).unwrap();
     bytes[0] = b' ';
     fs::write(&manifest_path, &bytes).unwrap();
-    layout.index(&[manifest.clone()]);
+    layout.index(std::slice::from_ref(&manifest));
     let (_, result, _) = unpack_into(
         dir.path(),
         &ImageSource::OciLayout(layout.dir.clone()),

@@ -105,6 +105,13 @@ impl Layer {
         self.push(header, &[])
     }
 
+    pub fn char_device(self, path: &str, major: u32, minor: u32) -> Layer {
+        let mut header = Layer::header(path, tar::EntryType::Char, 0o666, 0);
+        header.set_device_major(major).unwrap();
+        header.set_device_minor(minor).unwrap();
+        self.push(header, &[])
+    }
+
     /// A whiteout for `path` (`dir/.wh.name`).
     pub fn whiteout(self, dir: &str, name: &str) -> Layer {
         let path = if dir.is_empty() {

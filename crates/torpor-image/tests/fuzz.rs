@@ -1,0 +1,213 @@
+//! Property tests on untrusted input: random bytes as archives, damaged archives, and layers
+//! made of random hostile entries. None may panic, and none may change anything outside the
+//! destination.
+
+mod common;
+
+use std::fs;
+use std::path::Path;
+
+use common::*;
+use proptest::prelude::*;
+use tempfile::TempDir;
+use torpor_image::{detect, unpack, ImageSource};
+
+const SENTINEL: &str = "do not touch";
+
+/// Every path under `dir` (relative), with the content of regular files.
+fn snapshot(dir: &Path) -> Vec<(String, Option<Vec<u8>>)> {
+    let mut found = Vec::new();
+    let mut pending = vec![dir.to_owned()];
+    while let Some(current) = pending.pop() {
+        for item in fs::read_dir(&current).unwrap() {
+            let item = item.unwrap();
+            let path = item.path();
+            let relative = path.strip_prefix(dir).unwrap().display().to_string();
+            let kind = item.file_type().unwrap();
+            if kind.is_dir() {
+                pending.push(path);
+                found.push((relative, None));
+            } else if kind.is_file() {
+                found.push((relative, Some(fs::read(&path).unwrap())));
+            } else {
+                found.push((relative, None));
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+fn valid_archive() -> Vec<u8> {
+    let dir = TempDir::new().unwrap();
+    let layout = OciLayout::new(dir.path());
+    let layer = Layer::new()
+        .dir("etc", 0o755)
+        .file("etc/hostname", b"sandbox\n", 0o644)
+        .symlink("etc/link", "hostname")
+        .hardlink("etc/hard", "etc/hostname")
+        .tar();
+    let manifest = layout.image(&[BlobLayer::gzip(layer.clone()), BlobLayer::plain(layer)]);
+    layout.index(&[manifest]);
+    tar_dir(dir.path())
+}
+
+#[derive(Debug, Clone)]
+enum Entry {
+    File(String),
+    Dir(String),
+    Symlink(String, String),
+    Hardlink(String, String),
+}
+
+fn component() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("a".to_owned()),
+        Just("b".to_owned()),
+        Just("..".to_owned()),
+        Just(".".to_owned()),
+        Just("".to_owned()),
+        Just(".wh.a".to_owned()),
+        Just(".wh..wh..opq".to_owned()),
+        Just("outside".to_owned()),
+    ]
+}
+
+fn entry_path() -> impl Strategy<Value = String> {
+    (any::<bool>(), prop::collection::vec(component(), 1..4)).prop_map(|(absolute, parts)| {
+        let joined = parts.join("/");
+        if absolute {
+            format!("/{joined}")
+        } else {
+            joined
+        }
+    })
+}
+
+fn link_target() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("/".to_owned()),
+        Just("..".to_owned()),
+        Just("../..".to_owned()),
+        Just("../outside".to_owned()),
+        Just("OUTSIDE".to_owned()),
+        Just("a".to_owned()),
+        Just("/a/b".to_owned()),
+        entry_path(),
+    ]
+}
+
+fn hostile_entry() -> impl Strategy<Value = Entry> {
+    prop_oneof![
+        entry_path().prop_map(Entry::File),
+        entry_path().prop_map(Entry::Dir),
+        (entry_path(), link_target()).prop_map(|(p, t)| Entry::Symlink(p, t)),
+        (entry_path(), link_target()).prop_map(|(p, t)| Entry::Hardlink(p, t)),
+    ]
+}
+
+fn hostile_layer(entries: &[Entry], outside: &str) -> Vec<u8> {
+    let mut layer = Layer::new();
+    for entry in entries {
+        layer = match entry {
+            Entry::File(path) => layer.file(path, b"hostile", 0o644),
+            Entry::Dir(path) => layer.dir(path, 0o755),
+            Entry::Symlink(path, target) => {
+                layer.symlink(path, &target.replace("OUTSIDE", outside))
+            }
+            Entry::Hardlink(path, target) => {
+                layer.hardlink(path, &target.replace("OUTSIDE", outside))
+            }
+        };
+    }
+    layer.tar()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn random_bytes_are_never_an_image(bytes in prop::collection::vec(any::<u8>(), 0..4096)) {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("random.tar");
+        fs::write(&path, &bytes).unwrap();
+        prop_assert!(detect(&path).is_err());
+        for source in [ImageSource::OciArchive(path.clone()), ImageSource::DockerArchive(path.clone())] {
+            let rootfs = dir.path().join("rootfs");
+            let result = unpack(&source, None, &rootfs, &mut |_| {});
+            prop_assert!(result.is_err());
+            prop_assert!(!rootfs.exists());
+        }
+    }
+
+    #[test]
+    fn damaged_archives_fail_cleanly(
+        cuts in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
+        truncate in any::<Option<prop::sample::Index>>(),
+    ) {
+        let mut archive = valid_archive();
+        for (index, value) in &cuts {
+            let position = index.index(archive.len());
+            archive[position] = *value;
+        }
+        if let Some(index) = truncate {
+            archive.truncate(index.index(archive.len()));
+        }
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("image.tar");
+        fs::write(&path, &archive).unwrap();
+        let rootfs = dir.path().join("rootfs");
+        let result = unpack(&ImageSource::OciArchive(path), None, &rootfs, &mut |_| {});
+        // Damage to padding or unused header fields may go unnoticed; damage to anything
+        // that is read must not.
+        if result.is_ok() {
+            prop_assert_eq!(fs::read(rootfs.join("etc/hostname")).unwrap(), b"sandbox\n");
+        } else {
+            prop_assert!(!rootfs.exists());
+        }
+    }
+
+    #[test]
+    fn hostile_layers_never_write_outside(
+        lower in prop::collection::vec(hostile_entry(), 0..12),
+        upper in prop::collection::vec(hostile_entry(), 0..12),
+    ) {
+        let dir = TempDir::new().unwrap();
+        let outside = dir.path().join("outside");
+        fs::create_dir(&outside).unwrap();
+        fs::write(outside.join("a"), SENTINEL).unwrap();
+        fs::create_dir(outside.join("b")).unwrap();
+        let outside_name = outside.to_str().unwrap().to_owned();
+        let before = snapshot(&outside);
+
+        let layout = OciLayout::new(&dir.path().join("layout"));
+        let manifest = layout.image(&[
+            BlobLayer::plain(hostile_layer(&lower, &outside_name)),
+            BlobLayer::gzip(hostile_layer(&upper, &outside_name)),
+        ]);
+        layout.index(&[manifest]);
+        let rootfs = dir.path().join("rootfs");
+        let source = ImageSource::OciLayout(layout.dir.clone());
+        let result = unpack(&source, None, &rootfs, &mut |_| {});
+
+        prop_assert_eq!(snapshot(&outside), before);
+        let mut top: Vec<String> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|item| item.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        top.sort();
+        let expected: &[&str] = if result.is_ok() {
+            &["layout", "outside", "rootfs"]
+        } else {
+            &["layout", "outside"]
+        };
+        prop_assert_eq!(top, expected);
+        if let Err(err) = &result {
+            let code = err.code();
+            prop_assert!(
+                ["path_escape", "image_corrupt"].contains(&code),
+                "unexpected {}: {}", code, err
+            );
+        }
+    }
+}
