@@ -6,6 +6,7 @@
 //! reading an inventory file (and, with `nvml`, asking the driver).
 
 pub mod ids;
+pub mod inject;
 pub mod inventory;
 pub mod ledger;
 pub mod mig;
@@ -13,4 +14,5 @@ pub mod partition;
 pub mod planner;
 pub mod quota;
 pub mod request;
+pub mod sleep;
 pub mod topology;
