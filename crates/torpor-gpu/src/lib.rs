@@ -5,6 +5,7 @@
 //! quotas, and what a sandbox must be given to use its share. It performs no I/O except
 //! reading an inventory file (and, with `nvml`, asking the driver).
 
+pub mod extender;
 pub mod ids;
 pub mod inject;
 pub mod inventory;
