@@ -14,6 +14,7 @@ pub mod mig;
 pub mod partition;
 pub mod planner;
 pub mod quota;
+pub mod report;
 pub mod request;
 pub mod sleep;
 pub mod topology;

@@ -152,6 +152,8 @@ pub enum Refusal {
     },
     #[error("the search budget ran out before any placement was found")]
     BudgetExhausted,
+    #[error("the plan could not be committed: {0}")]
+    Commit(#[from] LedgerError),
 }
 
 impl Refusal {
@@ -168,6 +170,7 @@ impl Refusal {
             Refusal::Topology { .. } => "topology_unsatisfiable",
             Refusal::Gang { .. } => "gang_unplaceable",
             Refusal::BudgetExhausted => "search_budget_exhausted",
+            Refusal::Commit(_) => "commit_failed",
         }
     }
 
