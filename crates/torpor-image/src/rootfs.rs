@@ -526,8 +526,15 @@ impl Rootfs {
         let Some((target_name, target_parents)) = target_components.split_last() else {
             return Err(missing());
         };
-        if target_components.join(&b'/') == relative {
+        let target_relative = target_components.join(&b'/');
+        if target_relative == relative {
             return Ok(());
+        }
+        // Replacing `relative` would delete a target that lies inside it.
+        if target_relative.starts_with(relative)
+            && target_relative.get(relative.len()) == Some(&b'/')
+        {
+            return Err(missing());
         }
         let target_context = EntryContext {
             layer: context.layer,

@@ -6,6 +6,7 @@ mod common;
 
 use std::fs;
 use std::path::Path;
+use std::sync::LazyLock;
 
 use common::*;
 use proptest::prelude::*;
@@ -13,6 +14,13 @@ use tempfile::TempDir;
 use torpor_image::{detect, unpack, ImageSource};
 
 const SENTINEL: &str = "do not touch";
+
+// Decided once per test, before the first case: the whole property runs in the
+// unprivileged child (see `body_runs_here`).
+static RUNS_HERE_DAMAGED: LazyLock<bool> =
+    LazyLock::new(|| body_runs_here("damaged_archives_fail_cleanly"));
+static RUNS_HERE_HOSTILE: LazyLock<bool> =
+    LazyLock::new(|| body_runs_here("hostile_layers_never_write_outside"));
 
 /// Every path under `dir` (relative), with the content of regular files.
 fn snapshot(dir: &Path) -> Vec<(String, Option<Vec<u8>>)> {
@@ -84,16 +92,20 @@ fn entry_path() -> impl Strategy<Value = String> {
     })
 }
 
+/// Targets that would lead out of the destination if followed, but only into this test's
+/// own temporary directory: never `/` or a host path, so that a regression cannot reach
+/// beyond it even before the unprivileged child's permissions stop it.
 fn link_target() -> impl Strategy<Value = String> {
     prop_oneof![
-        Just("/".to_owned()),
         Just("..".to_owned()),
-        Just("../..".to_owned()),
         Just("../outside".to_owned()),
+        Just("../outside/b".to_owned()),
         Just("OUTSIDE".to_owned()),
+        Just("OUTSIDE/b".to_owned()),
         Just("a".to_owned()),
-        Just("/a/b".to_owned()),
-        entry_path(),
+        Just("a/b".to_owned()),
+        Just(".".to_owned()),
+        Just(".wh.a".to_owned()),
     ]
 }
 
@@ -145,6 +157,9 @@ proptest! {
         cuts in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
         truncate in any::<Option<prop::sample::Index>>(),
     ) {
+        if !*RUNS_HERE_DAMAGED {
+            return Ok(());
+        }
         let mut archive = valid_archive();
         for (index, value) in &cuts {
             let position = index.index(archive.len());
@@ -172,6 +187,9 @@ proptest! {
         lower in prop::collection::vec(hostile_entry(), 0..12),
         upper in prop::collection::vec(hostile_entry(), 0..12),
     ) {
+        if !*RUNS_HERE_HOSTILE {
+            return Ok(());
+        }
         let dir = TempDir::new().unwrap();
         let outside = dir.path().join("outside");
         fs::create_dir(&outside).unwrap();

@@ -5,7 +5,9 @@
 
 use std::fs;
 use std::io::Write;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use serde_json::{json, Value};
 use sha2::{Digest as _, Sha256};
@@ -16,6 +18,41 @@ pub const MEDIA_TAR_ZSTD: &str = "application/vnd.oci.image.layer.v1.tar+zstd";
 pub const MEDIA_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 pub const MEDIA_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 pub const MEDIA_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
+
+/// Set in the environment of a test re-run as an unprivileged user.
+const UNPRIVILEGED_CHILD: &str = "TORPOR_IMAGE_TEST_UNPRIVILEGED";
+/// `nobody`/`nogroup` on Debian.
+const NOBODY: u32 = 65534;
+
+/// Tests that try to escape the destination run their body as an unprivileged user when
+/// the test process is root. Should a regression ever let an entry out of the destination,
+/// the test then fails on a permission error instead of rewriting the host's files (a
+/// symbolic link to `/` plus an opaque marker would otherwise empty `/`).
+///
+/// Returns whether the caller should run the body itself: it is that unprivileged child,
+/// or it was not root to begin with. Otherwise the body has run in the child, and this
+/// asserts that it passed.
+pub fn body_runs_here(test: &str) -> bool {
+    if std::env::var_os(UNPRIVILEGED_CHILD).is_some() || !rustix::process::geteuid().is_root() {
+        return true;
+    }
+    let output = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--test-threads=1"])
+        .env(UNPRIVILEGED_CHILD, "1")
+        .env("TMPDIR", std::env::temp_dir())
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{test} failed as an unprivileged user:\n{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    false
+}
 
 pub fn sha256(bytes: &[u8]) -> String {
     let digest = Sha256::digest(bytes);
