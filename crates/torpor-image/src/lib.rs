@@ -10,7 +10,7 @@
 //! - every blob is checked against its digest and size (manifests and configs before they
 //!   are parsed, layers while they stream),
 //! - no layer entry can write outside the destination or through a symbolic link in it
-//!   (see [`rootfs`](crate::rootfs) for how),
+//!   (every path is walked with `openat(O_NOFOLLOW)` from a descriptor of the root),
 //! - JSON documents and the total unpacked size have limits ([`Limits`]),
 //! - malformed input is an [`ImageError`] with a stable [`code`](ImageError::code), never a
 //!   panic.
