@@ -152,6 +152,12 @@ impl Rootfs {
         {
             return Ok(());
         }
+        // Device nodes are left out: the sandbox gets its own /dev, and a device node from
+        // an untrusted image would sit on the host's disk, openable by any host process
+        // that wanders into the root filesystem.
+        if matches!(entry_type, EntryType::Char | EntryType::Block) {
+            return Ok(());
+        }
 
         if *name == OPAQUE_MARKER {
             if let Walk::Found(dir) = self.walk(parents, None, &context)? {
@@ -262,10 +268,6 @@ impl Rootfs {
                 .map_err(|errno| self.write_error(&relative, errno))?;
                 self.finish_link(&parent, name, &relative, owner, mtime)?;
             }
-            // Device nodes are left out: the sandbox gets its own /dev, and a device node
-            // from an untrusted image would sit on the host's disk, openable by any host
-            // process that wanders into the root filesystem.
-            EntryType::Char | EntryType::Block => {}
             other => {
                 return Err(ImageError::corrupt(
                     layer,
