@@ -539,7 +539,8 @@ fn truncated_layers_are_corrupt() {
         .file("first", &content, 0o644)
         .file("second", &content, 0o644)
         .tar();
-    for cut in [700, 512 + 8000, 512 + 16000 + 100] {
+    // Cuts inside the data of `first`, and inside the padding after it.
+    for (cut, named) in [(700, true), (512 + 8000, true), (512 + 16000 + 100, false)] {
         let truncated = tar[..cut].to_vec();
         // The descriptor matches the truncated blob: only the tar reader can notice.
         let unpacked = unpack_layers(vec![BlobLayer {
@@ -547,7 +548,10 @@ fn truncated_layers_are_corrupt() {
             blob: truncated,
             media_type: MEDIA_TAR,
         }]);
-        expect_code(&unpacked, "image_corrupt");
+        let message = expect_code(&unpacked, "image_corrupt");
+        if named {
+            assert!(message.contains("entry first is truncated"), "{message}");
+        }
     }
     let gz = gzip(&tar);
     let unpacked = unpack_layers(vec![BlobLayer {
@@ -725,4 +729,30 @@ fn hard_link_whose_target_lies_inside_its_own_path_is_corrupt() {
         .hardlink("a", "a/b")]);
     let message = expect_code(&unpacked, "image_corrupt");
     assert!(message.contains("hard link a"), "{message}");
+}
+
+#[test]
+fn compressed_blob_is_verified_even_when_it_decompresses_to_the_right_tar() {
+    let dir = TempDir::new().unwrap();
+    let layout = OciLayout::new(&dir.path().join("layout"));
+    let layer = BlobLayer::gzip(base_layer().tar());
+    let digest = sha256(&layer.blob);
+    let manifest = layout.image(&[layer]);
+    layout.index(&[manifest]);
+    // Same size, same uncompressed tar (so the diff id still matches), other bytes: the
+    // operating-system byte of the gzip header.
+    let blob_path = layout.dir.join("blobs/sha256").join(hex(&digest));
+    let mut blob = fs::read(&blob_path).unwrap();
+    blob[9] = blob[9].wrapping_add(1);
+    fs::write(&blob_path, &blob).unwrap();
+
+    let (rootfs, result, _) = unpack_into(
+        dir.path(),
+        &ImageSource::OciLayout(layout.dir.clone()),
+        None,
+    );
+    let err = result.unwrap_err();
+    assert_eq!(err.code(), "digest_mismatch", "{err}");
+    assert!(err.to_string().contains(hex(&digest)), "{err}");
+    assert!(!rootfs.exists());
 }
