@@ -11,6 +11,7 @@ pub mod inject;
 pub mod inventory;
 pub mod ledger;
 pub mod mig;
+pub mod nvml;
 pub mod partition;
 pub mod planner;
 pub mod quota;

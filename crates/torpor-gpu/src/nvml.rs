@@ -1,0 +1,632 @@
+//! Inventory and telemetry from NVML.
+//!
+//! Split in two so that everything but the driver calls is tested on machines without a GPU:
+//! the pure half (always compiled) turns plain facts into an [`Inventory`] and samples into
+//! DCGM-exporter-compatible metrics; the driver half (feature `nvml`, module `driver`) only
+//! gathers those facts with `nvml-wrapper`, which loads `libnvidia-ml.so` at run time, so a
+//! binary built with the feature still starts, and reports a clear error, without a driver.
+
+use std::fmt::Write as _;
+
+use crate::ids::{GpuIndex, GpuUuid, NodeName};
+use crate::inventory::{
+    Gpu, Inventory, InventoryError, DEFAULT_MPS_MAX_CLIENTS, DEFAULT_TIMESLICE_REPLICAS,
+};
+use crate::mig::MigModel;
+use crate::partition::PartitionMode;
+use crate::topology::{Link, TopologyMatrix};
+
+/// Label used as the "file" of inventory errors from NVML.
+pub const SOURCE: &str = "nvml";
+
+/// What NVML says about one GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceFacts {
+    pub index: u32,
+    pub uuid: String,
+    pub name: String,
+    pub memory_total_bytes: u64,
+    /// `None` when MIG is not supported; `Some(enabled)` otherwise.
+    pub mig_enabled: Option<bool>,
+    pub numa_node: Option<u32>,
+    pub pci_bus_id: String,
+    pub minor: u32,
+}
+
+/// NVML's common-ancestor levels (`nvmlGpuTopologyLevel_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ancestor {
+    Internal,
+    Single,
+    Multiple,
+    HostBridge,
+    Node,
+    System,
+}
+
+/// What NVML says about a pair of GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PairFacts {
+    /// NVLinks between the two (direct bridges, or all of a GPU's links behind NVSwitch).
+    pub nvlinks: u16,
+    pub ancestor: Ancestor,
+}
+
+/// The `nvidia-smi topo -m` cell for a pair.
+pub fn link_of(pair: PairFacts) -> Link {
+    if pair.nvlinks > 0 {
+        return Link::NvLink(pair.nvlinks);
+    }
+    match pair.ancestor {
+        // Two GPUs on one board sit behind one switch: no closer PCIe relation exists.
+        Ancestor::Internal | Ancestor::Single => Link::Pix,
+        Ancestor::Multiple => Link::Pxb,
+        Ancestor::HostBridge => Link::Phb,
+        Ancestor::Node => Link::Node,
+        Ancestor::System => Link::Sys,
+    }
+}
+
+/// Builds an inventory from NVML facts; `pair(a, b)` is asked for `a < b` only.
+pub fn inventory_from_facts(
+    node: NodeName,
+    devices: Vec<DeviceFacts>,
+    mut pair: impl FnMut(usize, usize) -> PairFacts,
+) -> Result<Inventory, InventoryError> {
+    let mut gpus = Vec::with_capacity(devices.len());
+    for (i, d) in devices.iter().enumerate() {
+        let uuid = GpuUuid::new(d.uuid.clone()).map_err(|source| InventoryError::BadId {
+            file: SOURCE.to_owned(),
+            field: format!("gpu[{i}].uuid"),
+            source,
+        })?;
+        let memory_mib = d.memory_total_bytes / (1024 * 1024);
+        let mig_capable = d.mig_enabled.is_some();
+        let mig_model = if mig_capable {
+            MigModel::detect(&d.name, memory_mib)
+        } else {
+            None
+        };
+        let initial_mode = match (d.mig_enabled, mig_model) {
+            (Some(true), Some(_)) => PartitionMode::Mig,
+            _ => PartitionMode::Whole,
+        };
+        gpus.push(Gpu {
+            index: GpuIndex(d.index),
+            uuid,
+            model: d.name.clone(),
+            memory_mib,
+            mig_capable,
+            mig_model,
+            numa_node: d.numa_node,
+            pci_bus_id: d.pci_bus_id.clone(),
+            minor: d.minor,
+            initial_mode,
+            mps_max_clients: DEFAULT_MPS_MAX_CLIENTS,
+            timeslice_replicas: DEFAULT_TIMESLICE_REPLICAS,
+        });
+    }
+    let topology = TopologyMatrix::from_fn(devices.len(), |a, b| link_of(pair(a, b)));
+    Inventory::new(node, gpus, Some(topology), SOURCE)
+}
+
+/// One GPU's (or MIG instance's) readings, for [`dcgm_metrics`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuSample {
+    pub gpu: u32,
+    pub uuid: String,
+    pub model_name: String,
+    /// `(GPU_I_PROFILE, GPU_I_ID)` for a MIG instance.
+    pub mig: Option<(String, u32)>,
+    pub tenant: Option<String>,
+    pub sandbox: Option<String>,
+    pub util_pct: Option<u32>,
+    pub fb_used_mib: Option<u64>,
+    pub temp_c: Option<u32>,
+    pub power_w: Option<f64>,
+    pub tensor_active: Option<f64>,
+    pub xid_last: Option<u64>,
+    pub ecc_dbe_volatile: Option<u64>,
+}
+
+fn escape(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Metrics under DCGM exporter's names and labels, so existing dashboards work.
+pub fn dcgm_metrics(hostname: &str, samples: &[GpuSample]) -> String {
+    type Reading = fn(&GpuSample) -> Option<String>;
+    let families: [(&str, &str, &str, Reading); 7] = [
+        (
+            "DCGM_FI_DEV_GPU_UTIL",
+            "gauge",
+            "GPU utilization (in %).",
+            |s| s.util_pct.map(|v| v.to_string()),
+        ),
+        (
+            "DCGM_FI_DEV_FB_USED",
+            "gauge",
+            "Framebuffer memory used (in MiB).",
+            |s| s.fb_used_mib.map(|v| v.to_string()),
+        ),
+        (
+            "DCGM_FI_DEV_GPU_TEMP",
+            "gauge",
+            "GPU temperature (in C).",
+            |s| s.temp_c.map(|v| v.to_string()),
+        ),
+        (
+            "DCGM_FI_DEV_POWER_USAGE",
+            "gauge",
+            "Power draw (in W).",
+            |s| s.power_w.map(|v| format!("{v:.3}")),
+        ),
+        (
+            "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
+            "gauge",
+            "Ratio of cycles the tensor (HMMA) pipe is active.",
+            |s| s.tensor_active.map(|v| format!("{v:.6}")),
+        ),
+        (
+            "DCGM_FI_DEV_XID_ERRORS",
+            "gauge",
+            "Value of the last XID error encountered.",
+            |s| s.xid_last.map(|v| v.to_string()),
+        ),
+        (
+            "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+            "counter",
+            "Total number of double-bit volatile ECC errors.",
+            |s| s.ecc_dbe_volatile.map(|v| v.to_string()),
+        ),
+    ];
+    let mut out = String::new();
+    for (name, kind, help, read) in families {
+        let values: Vec<(&GpuSample, String)> = samples
+            .iter()
+            .filter_map(|s| read(s).map(|v| (s, v)))
+            .collect();
+        if values.is_empty() {
+            continue;
+        }
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (s, value) in values {
+            let mut labels = format!(
+                "gpu=\"{}\",UUID=\"{}\",device=\"nvidia{}\",modelName=\"{}\",Hostname=\"{}\"",
+                s.gpu,
+                escape(&s.uuid),
+                s.gpu,
+                escape(&s.model_name),
+                escape(hostname)
+            );
+            if let Some((profile, id)) = &s.mig {
+                let _ = write!(
+                    labels,
+                    ",GPU_I_PROFILE=\"{}\",GPU_I_ID=\"{id}\"",
+                    escape(profile)
+                );
+            }
+            if let Some(t) = &s.tenant {
+                let _ = write!(labels, ",tenant=\"{}\"", escape(t));
+            }
+            if let Some(sb) = &s.sandbox {
+                let _ = write!(labels, ",sandbox=\"{}\"", escape(sb));
+            }
+            let _ = writeln!(out, "{name}{{{labels}}} {value}");
+        }
+    }
+    out
+}
+
+/// Profiles whose driver placements differ from the table: `(profile id, what differs)`.
+/// Profiles the table does not know are reported too; an empty list means they agree.
+pub fn placements_match_table(
+    model: MigModel,
+    driver: &[(u32, Vec<u8>, u8)],
+) -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    for (id, starts, size) in driver {
+        match model.profile_by_id(*id) {
+            None => out.push((*id, "not in the table".to_owned())),
+            Some(p) => {
+                if p.allowed_starts != starts.as_slice() || p.memory_slices != *size {
+                    out.push((
+                        *id,
+                        format!(
+                            "driver starts {starts:?} size {size}, table starts {:?} size {}",
+                            p.allowed_starts, p.memory_slices
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The driver half: gathers facts and samples through NVML.
+#[cfg(feature = "nvml")]
+pub mod driver {
+    use nvml_wrapper::enum_wrappers::device::{
+        P2pCapabilitiesIndex, P2pStatus, TemperatureSensor, TopologyLevel,
+    };
+    use nvml_wrapper::error::NvmlError;
+    use nvml_wrapper::Nvml;
+
+    use super::{inventory_from_facts, Ancestor, DeviceFacts, GpuSample, PairFacts};
+    use crate::ids::NodeName;
+    use crate::inventory::{Inventory, InventoryError};
+
+    /// NVLinks a device can have (`NVML_NVLINK_MAX_LINKS`).
+    const MAX_NVLINKS: u32 = 18;
+
+    /// Why NVML could not be used.
+    #[derive(Debug, thiserror::Error)]
+    pub enum NvmlInventoryError {
+        #[error("NVML is not available (no NVIDIA driver, or libnvidia-ml.so cannot be loaded)")]
+        Unavailable(#[source] NvmlError),
+        #[error("NVML call {call} failed for GPU {index}")]
+        Call {
+            call: &'static str,
+            index: u32,
+            #[source]
+            source: NvmlError,
+        },
+        #[error(transparent)]
+        Inventory(#[from] InventoryError),
+    }
+
+    impl NvmlInventoryError {
+        pub fn code(&self) -> &'static str {
+            match self {
+                NvmlInventoryError::Unavailable(_) => "nvml_unavailable",
+                NvmlInventoryError::Call { .. } => "nvml_call",
+                NvmlInventoryError::Inventory(e) => e.code(),
+            }
+        }
+    }
+
+    fn call<T>(
+        call: &'static str,
+        index: u32,
+        result: Result<T, NvmlError>,
+    ) -> Result<T, NvmlInventoryError> {
+        result.map_err(|source| NvmlInventoryError::Call {
+            call,
+            index,
+            source,
+        })
+    }
+
+    /// Loads NVML; fails cleanly where there is no driver.
+    pub fn open() -> Result<Nvml, NvmlInventoryError> {
+        Nvml::init().map_err(NvmlInventoryError::Unavailable)
+    }
+
+    /// Reads the node's GPUs and their topology.
+    pub fn read_inventory(nvml: &Nvml, node: NodeName) -> Result<Inventory, NvmlInventoryError> {
+        let count = call("device_count", 0, nvml.device_count())?;
+        let mut devices = Vec::with_capacity(count as usize);
+        let mut facts = Vec::with_capacity(count as usize);
+        for index in 0..count {
+            let d = call("device_by_index", index, nvml.device_by_index(index))?;
+            let pci = call("pci_info", index, d.pci_info())?;
+            facts.push(DeviceFacts {
+                index,
+                uuid: call("uuid", index, d.uuid())?,
+                name: call("name", index, d.name())?,
+                memory_total_bytes: call("memory_info", index, d.memory_info())?.total,
+                mig_enabled: d.mig_mode().ok().map(|m| m.current == 1),
+                numa_node: d.numa_node_id().ok(),
+                pci_bus_id: pci.bus_id,
+                minor: call("minor_number", index, d.minor_number())?,
+            });
+            devices.push(d);
+        }
+        let mut failure = None;
+        let inventory = inventory_from_facts(node, facts.clone(), |a, b| {
+            let (da, db) = (&devices[a], &devices[b]);
+            let mut direct = 0u16;
+            let mut active = 0u16;
+            for link in 0..MAX_NVLINKS {
+                let wrapper = da.link_wrapper_for(link);
+                if wrapper.is_active().unwrap_or(false) {
+                    active += 1;
+                    if wrapper
+                        .remote_pci_info()
+                        .is_ok_and(|r| r.bus_id.eq_ignore_ascii_case(&facts[b].pci_bus_id))
+                    {
+                        direct += 1;
+                    }
+                }
+            }
+            // Behind NVSwitch the remote end is the switch: count all links when P2P over
+            // NVLink works between the two.
+            let nvlinks = if direct > 0 {
+                direct
+            } else if matches!(
+                da.p2p_status(db, P2pCapabilitiesIndex::NvLink),
+                Ok(P2pStatus::Ok)
+            ) {
+                active
+            } else {
+                0
+            };
+            // The call takes the other device by value and handles are not Clone.
+            let other = nvml.device_by_index(b as u32);
+            let ancestor = match other.and_then(|o| da.topology_common_ancestor(o)) {
+                Ok(TopologyLevel::Internal) => Ancestor::Internal,
+                Ok(TopologyLevel::Single) => Ancestor::Single,
+                Ok(TopologyLevel::Multiple) => Ancestor::Multiple,
+                Ok(TopologyLevel::HostBridge) => Ancestor::HostBridge,
+                Ok(TopologyLevel::Node) => Ancestor::Node,
+                Ok(TopologyLevel::System) => Ancestor::System,
+                Err(e) => {
+                    failure.get_or_insert(NvmlInventoryError::Call {
+                        call: "topology_common_ancestor",
+                        index: a as u32,
+                        source: e,
+                    });
+                    Ancestor::System
+                }
+            };
+            PairFacts { nvlinks, ancestor }
+        })?;
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(inventory),
+        }
+    }
+
+    /// MIG placements the driver reports for one GPU: `(profile id, allowed starts, size)`
+    /// for every GPU-instance profile it supports, read with
+    /// `nvmlDeviceGetGpuInstancePossiblePlacements_v2`. The table in [`crate::mig`] is the
+    /// fallback; [`placements_match_table`] compares the two.
+    pub fn mig_placements(
+        nvml: &Nvml,
+        index: u32,
+    ) -> Result<Vec<(u32, Vec<u8>, u8)>, NvmlInventoryError> {
+        use nvml_wrapper_sys::bindings::{
+            nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t, nvmlReturn_enum_NVML_SUCCESS,
+            NVML_GPU_INSTANCE_PROFILE_COUNT,
+        };
+        let device = call("device_by_index", index, nvml.device_by_index(index))?;
+        let lib = nvml.lib();
+        let (Ok(get_info), Ok(get_placements)) = (
+            lib.nvmlDeviceGetGpuInstanceProfileInfo.as_ref(),
+            lib.nvmlDeviceGetGpuInstancePossiblePlacements_v2.as_ref(),
+        ) else {
+            return Err(NvmlInventoryError::Call {
+                call: "nvmlDeviceGetGpuInstancePossiblePlacements_v2 (symbol missing)",
+                index,
+                source: NvmlError::FunctionNotFound,
+            });
+        };
+        let mut out = Vec::new();
+        for profile_index in 0..NVML_GPU_INSTANCE_PROFILE_COUNT {
+            // SAFETY: the handle comes from this live `Nvml`; `info` is a zeroed plain C
+            // struct of the type the function writes.
+            let (rc, info) = unsafe {
+                let mut info: nvmlGpuInstanceProfileInfo_t = std::mem::zeroed();
+                let rc = get_info(device.handle(), profile_index, &mut info);
+                (rc, info)
+            };
+            if rc != nvmlReturn_enum_NVML_SUCCESS {
+                // Profiles the GPU lacks answer NOT_SUPPORTED or INVALID_ARGUMENT.
+                continue;
+            }
+            let mut placements = [nvmlGpuInstancePlacement_t { start: 0, size: 0 }; 8];
+            let mut count = placements.len() as std::os::raw::c_uint;
+            // SAFETY: `placements` has room for `count` entries and the driver writes at most
+            // `count`, updating it to the number written.
+            let rc = unsafe {
+                get_placements(
+                    device.handle(),
+                    info.id,
+                    placements.as_mut_ptr(),
+                    &mut count,
+                )
+            };
+            if rc != nvmlReturn_enum_NVML_SUCCESS {
+                continue;
+            }
+            let written = (count as usize).min(placements.len());
+            let starts: Vec<u8> = placements[..written]
+                .iter()
+                .filter_map(|p| u8::try_from(p.start).ok())
+                .collect();
+            let size = placements[..written]
+                .first()
+                .and_then(|p| u8::try_from(p.size).ok())
+                .unwrap_or(0);
+            out.push((info.id, starts, size));
+        }
+        Ok(out)
+    }
+
+    /// Samples every GPU for [`super::dcgm_metrics`]; readings a GPU does not support are
+    /// left out rather than failing the scrape.
+    pub fn sample(nvml: &Nvml) -> Result<Vec<GpuSample>, NvmlInventoryError> {
+        let count = call("device_count", 0, nvml.device_count())?;
+        let mut out = Vec::with_capacity(count as usize);
+        for index in 0..count {
+            let d = call("device_by_index", index, nvml.device_by_index(index))?;
+            out.push(GpuSample {
+                gpu: index,
+                uuid: call("uuid", index, d.uuid())?,
+                model_name: d.name().unwrap_or_default(),
+                mig: None,
+                tenant: None,
+                sandbox: None,
+                util_pct: d.utilization_rates().ok().map(|u| u.gpu),
+                fb_used_mib: d.memory_info().ok().map(|m| m.used / (1024 * 1024)),
+                temp_c: d.temperature(TemperatureSensor::Gpu).ok(),
+                power_w: d.power_usage().ok().map(|mw| f64::from(mw) / 1000.0),
+                tensor_active: None,
+                xid_last: None,
+                ecc_dbe_volatile: None,
+            });
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(index: u32, name: &str, mib: u64, mig: Option<bool>, numa: u32) -> DeviceFacts {
+        DeviceFacts {
+            index,
+            uuid: format!("GPU-{index:04}"),
+            name: name.to_owned(),
+            memory_total_bytes: mib * 1024 * 1024,
+            mig_enabled: mig,
+            numa_node: Some(numa),
+            pci_bus_id: format!("00000000:{:02x}:00.0", 0x17 + index),
+            minor: index,
+        }
+    }
+
+    #[test]
+    fn facts_make_the_pcie_a100_inventory() {
+        let devices = (0..4)
+            .map(|i| facts(i, "NVIDIA A100 80GB PCIe", 81920, Some(i == 3), i / 2))
+            .collect();
+        let inv = inventory_from_facts(NodeName::new("n").unwrap(), devices, |a, b| PairFacts {
+            nvlinks: if a / 2 == b / 2 { 12 } else { 0 },
+            ancestor: Ancestor::System,
+        })
+        .unwrap();
+        let fixture = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../../shared/fixtures/gpu/pcie-a100-4.toml"
+        ))
+        .ok()
+        .and_then(|t| Inventory::from_toml(&t, "pcie-a100-4.toml").ok());
+        if let Some(fixture) = fixture {
+            assert_eq!(inv.topology(), fixture.topology());
+        }
+        assert_eq!(inv.link(GpuIndex(0), GpuIndex(1)), Some(Link::NvLink(12)));
+        assert_eq!(inv.gpus()[0].mig_model, Some(MigModel::A100Gb80));
+        assert_eq!(inv.gpus()[0].initial_mode, PartitionMode::Whole);
+        assert_eq!(inv.gpus()[3].initial_mode, PartitionMode::Mig);
+    }
+
+    #[test]
+    fn driver_placements_are_compared_with_the_table() {
+        let lgipp = [
+            (19, vec![0, 1, 2, 3, 4, 5, 6], 1),
+            (20, vec![0, 1, 2, 3, 4, 5, 6], 1),
+            (15, vec![0, 2, 4, 6], 2),
+            (14, vec![0, 2, 4], 2),
+            (9, vec![0, 4], 4),
+            (5, vec![0], 4),
+            (0, vec![0], 8),
+        ];
+        assert!(placements_match_table(MigModel::H100Gb80, &lgipp).is_empty());
+        let mut odd = lgipp.to_vec();
+        odd[4].1 = vec![0, 2, 4];
+        odd.push((21, vec![0], 1));
+        let diff = placements_match_table(MigModel::H100Gb80, &odd);
+        assert_eq!(diff.iter().map(|d| d.0).collect::<Vec<_>>(), [9, 21]);
+    }
+
+    #[test]
+    fn ancestors_map_to_topo_cells() {
+        let cell = |ancestor| {
+            link_of(PairFacts {
+                nvlinks: 0,
+                ancestor,
+            })
+        };
+        assert_eq!(cell(Ancestor::Single), Link::Pix);
+        assert_eq!(cell(Ancestor::Multiple), Link::Pxb);
+        assert_eq!(cell(Ancestor::HostBridge), Link::Phb);
+        assert_eq!(cell(Ancestor::Node), Link::Node);
+        assert_eq!(cell(Ancestor::System), Link::Sys);
+        let l4 = vec![
+            facts(0, "NVIDIA L4", 23034, None, 0),
+            facts(1, "NVIDIA L4", 23034, None, 0),
+        ];
+        let inv = inventory_from_facts(NodeName::new("n").unwrap(), l4, |_, _| PairFacts {
+            nvlinks: 0,
+            ancestor: Ancestor::HostBridge,
+        })
+        .unwrap();
+        assert!(!inv.gpus()[0].mig_capable);
+        assert_eq!(inv.link(GpuIndex(1), GpuIndex(0)), Some(Link::Phb));
+    }
+
+    #[test]
+    fn bad_nvml_uuids_are_refused() {
+        let mut d = facts(0, "NVIDIA L4", 23034, None, 0);
+        d.uuid = "garbage".into();
+        let err = inventory_from_facts(NodeName::new("n").unwrap(), vec![d], |_, _| PairFacts {
+            nvlinks: 0,
+            ancestor: Ancestor::System,
+        })
+        .unwrap_err();
+        assert_eq!(err.code(), "inventory_bad_id");
+        assert!(err.to_string().starts_with("nvml: gpu[0].uuid"));
+    }
+
+    #[test]
+    fn dcgm_metrics_use_exporter_names_and_labels() {
+        let text = dcgm_metrics(
+            "node-1",
+            &[
+                GpuSample {
+                    gpu: 0,
+                    uuid: "GPU-0".into(),
+                    model_name: "NVIDIA H200".into(),
+                    mig: None,
+                    tenant: None,
+                    sandbox: None,
+                    util_pct: Some(42),
+                    fb_used_mib: Some(1024),
+                    temp_c: Some(51),
+                    power_w: Some(312.5),
+                    tensor_active: None,
+                    xid_last: None,
+                    ecc_dbe_volatile: Some(0),
+                },
+                GpuSample {
+                    gpu: 1,
+                    uuid: "GPU-1".into(),
+                    model_name: "NVIDIA H200".into(),
+                    mig: Some(("3g.71gb".into(), 2)),
+                    tenant: Some("team-a".into()),
+                    sandbox: Some("sb-1".into()),
+                    util_pct: Some(7),
+                    fb_used_mib: None,
+                    temp_c: None,
+                    power_w: None,
+                    tensor_active: Some(0.25),
+                    xid_last: None,
+                    ecc_dbe_volatile: None,
+                },
+            ],
+        );
+        assert!(text.contains("# TYPE DCGM_FI_DEV_GPU_UTIL gauge"));
+        assert!(text.contains("DCGM_FI_DEV_GPU_UTIL{gpu=\"0\",UUID=\"GPU-0\",device=\"nvidia0\",modelName=\"NVIDIA H200\",Hostname=\"node-1\"} 42"), "{text}");
+        assert!(
+            text.contains(
+                "GPU_I_PROFILE=\"3g.71gb\",GPU_I_ID=\"2\",tenant=\"team-a\",sandbox=\"sb-1\"} 7"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("DCGM_FI_DEV_POWER_USAGE{gpu=\"0\""), "{text}");
+        assert!(
+            text.contains("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{gpu=\"1\""),
+            "{text}"
+        );
+        assert!(
+            !text.contains("DCGM_FI_DEV_XID_ERRORS"),
+            "families without readings are left out"
+        );
+    }
+}
