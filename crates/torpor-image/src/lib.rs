@@ -214,9 +214,19 @@ pub fn unpack_with(
         }
     };
     let plan = match src {
-        ImageSource::OciLayout(_) | ImageSource::OciArchive(_) => {
-            plan::resolve_oci(&store, reference, options)?
-        }
+        ImageSource::OciLayout(_) => plan::resolve_oci(&store, reference, options)?,
+        // Docker 25 and later write an OCI layout plus `manifest.json`; a reference its
+        // index does not name may still be one of the `RepoTags` there.
+        ImageSource::OciArchive(_) => match plan::resolve_oci(&store, reference, options) {
+            Err(err @ ImageError::ReferenceNotFound { .. }) => plan::resolve_docker(
+                &store, reference, options,
+            )
+            .map_err(|fallback| match fallback {
+                ImageError::NotFound { .. } | ImageError::ReferenceNotFound { .. } => err,
+                other => other,
+            })?,
+            other => other?,
+        },
         ImageSource::DockerArchive(_) => plan::resolve_docker(&store, reference, options)?,
     };
     let (rootfs, created) = Rootfs::create(dest_rootfs, options.limits.max_unpacked_bytes)?;

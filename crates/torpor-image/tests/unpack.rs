@@ -756,3 +756,63 @@ fn compressed_blob_is_verified_even_when_it_decompresses_to_the_right_tar() {
     assert!(err.to_string().contains(hex(&digest)), "{err}");
     assert!(!rootfs.exists());
 }
+
+#[test]
+fn docker_25_archive_finds_repo_tags_its_index_does_not_name() {
+    let dir = TempDir::new().unwrap();
+    let layout = OciLayout::new(&dir.path().join("layout"));
+    let layer = Layer::new().file("which", b"docker 25", 0o644).tar();
+    let manifest = layout.image(&[BlobLayer::plain(layer.clone())]);
+    let manifest_bytes = fs::read(
+        layout
+            .dir
+            .join("blobs/sha256")
+            .join(hex(manifest["digest"].as_str().unwrap())),
+    )
+    .unwrap();
+    let manifest_json: serde_json::Value = serde_json::from_slice(&manifest_bytes).unwrap();
+    let config = manifest_json["config"]["digest"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let layer_digest = manifest_json["layers"][0]["digest"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut annotated = with_ref_name(manifest, "3.19");
+    annotated["annotations"]["io.containerd.image.name"] = json!("docker.io/library/alpine:3.19");
+    layout.index(&[annotated]);
+    fs::write(
+        layout.dir.join("manifest.json"),
+        serde_json::to_vec(&json!([{
+            "Config": format!("blobs/sha256/{}", hex(&config)),
+            "RepoTags": ["alpine:3.19", "alpine:latest"],
+            "Layers": [format!("blobs/sha256/{}", hex(&layer_digest))],
+        }]))
+        .unwrap(),
+    )
+    .unwrap();
+    let archive = dir.path().join("docker25.tar");
+    fs::write(&archive, tar_dir(&layout.dir)).unwrap();
+    let source = detect(&archive).unwrap();
+    assert_eq!(source, ImageSource::OciArchive(archive.clone()));
+
+    for (reference, name) in [
+        ("alpine:3.19", "by-tag"),
+        ("docker.io/library/alpine:3.19", "by-name"),
+        ("alpine", "by-repo-tags"),
+    ] {
+        let rootfs = dir.path().join(name);
+        unpack(&source, Some(reference), &rootfs, &mut |_| {}).unwrap();
+        assert_eq!(read(rootfs.join("which")), "docker 25", "{reference}");
+    }
+    let err = unpack(
+        &source,
+        Some("busybox"),
+        &dir.path().join("none"),
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert_eq!(err.code(), "image_not_found");
+    assert!(err.to_string().contains("busybox"), "{err}");
+}
