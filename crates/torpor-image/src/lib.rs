@@ -22,6 +22,7 @@ mod error;
 mod plan;
 mod rootfs;
 mod store;
+mod tar_guard;
 
 use std::fs;
 use std::io::{self, BufRead, BufReader, Read};
@@ -35,6 +36,7 @@ pub use crate::error::{EscapeReason, ImageError};
 use crate::plan::{LayerPlan, Plan};
 use crate::rootfs::Rootfs;
 use crate::store::{Compression, Store};
+use crate::tar_guard::TarGuard;
 
 /// An image on local disk, as [`detect`] recognises it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -316,6 +318,12 @@ fn apply_layer(
                 what: "the unpacked layers",
                 limit: options.limits.max_unpacked_bytes,
             }
+        } else if tar_guard::is_metadata_too_large(&err) {
+            ImageError::TooLarge {
+                path: path.to_owned(),
+                what: "one long name or PAX record",
+                limit: tar_guard::MAX_METADATA_BYTES,
+            }
         } else {
             ImageError::corrupt(path, format!("bad layer: {err}"))
         }
@@ -329,7 +337,7 @@ fn apply_layer(
         let decoder = compression.decoder(&mut blob).map_err(read_error)?;
         let mut stream = HashingReader::new(decoder, budget);
         {
-            let mut archive = tar::Archive::new(&mut stream);
+            let mut archive = tar::Archive::new(TarGuard::new(&mut stream));
             for entry in archive.entries().map_err(read_error)? {
                 let mut entry = entry.map_err(read_error)?;
                 rootfs.apply_entry(&mut entry, path)?;

@@ -816,3 +816,31 @@ fn docker_25_archive_finds_repo_tags_its_index_does_not_name() {
     assert_eq!(err.code(), "image_not_found");
     assert!(err.to_string().contains("busybox"), "{err}");
 }
+
+#[test]
+fn oversized_long_names_are_refused_before_they_are_read() {
+    let mut builder = tar::Builder::new(Vec::new());
+    let long = "d/".repeat(600 * 1024) + "file";
+    let mut header = tar::Header::new_gnu();
+    header.set_size(1);
+    header.set_mode(0o644);
+    builder.append_data(&mut header, &long, &b"x"[..]).unwrap();
+    let tar = builder.into_inner().unwrap();
+    let unpacked = unpack_layers(vec![BlobLayer::gzip(tar)]);
+    let message = expect_code(&unpacked, "too_large");
+    assert!(message.contains("long name"), "{message}");
+
+    // A long name of ordinary length is fine.
+    let mut builder = tar::Builder::new(Vec::new());
+    let long = "d/".repeat(200) + "file";
+    let mut header = tar::Header::new_gnu();
+    header.set_size(1);
+    header.set_mode(0o644);
+    header.set_uid(0);
+    header.set_gid(0);
+    header.set_mtime(0);
+    builder.append_data(&mut header, &long, &b"x"[..]).unwrap();
+    let unpacked = unpack_layers(vec![BlobLayer::plain(builder.into_inner().unwrap())]);
+    unpacked.result.as_ref().unwrap();
+    assert_eq!(read(unpacked.rootfs.join(long)), "x");
+}
