@@ -1,0 +1,335 @@
+//! Planner benchmarks: decisions per second, gang optimality against brute force, and MIG/MPS
+//! density against a first-fit baseline. Prints a table and one JSON line per benchmark.
+//! Run: `cargo bench --bench planner` (figures in BENCHMARKS.md).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use torpor_gpu::ids::GpuIndex;
+use torpor_gpu::inventory::Inventory;
+use torpor_gpu::ledger::{resolve_profile, Ledger, Share, ShareKind};
+use torpor_gpu::mig::{MigInstance, MigLayout};
+use torpor_gpu::partition::PartitionMode;
+use torpor_gpu::planner::{commit, plan, plan_gang, Policy};
+use torpor_gpu::quota::QuotaBook;
+use torpor_gpu::request::{GangRequest, GpuRequest};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn fixture(name: &str) -> Inventory {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/fixtures/gpu")
+        .join(name);
+    Inventory::load(&path).unwrap_or_else(|e| panic!("{e}"))
+}
+
+const MIG_PROFILES: [&str; 5] = ["19", "15", "14", "9", "5"];
+
+fn mixed_request(rng: &mut Rng) -> GpuRequest {
+    if rng.below(3) == 0 {
+        GpuRequest::mps(
+            10 * (1 + rng.below(5) as u32),
+            Some(4096 * (1 + rng.below(4))),
+        )
+    } else {
+        GpuRequest::mig(MIG_PROFILES[rng.below(MIG_PROFILES.len() as u64) as usize])
+    }
+}
+
+/// Fills a node to about half its capacity with mixed shares.
+fn half_full(inv: &Inventory, rng: &mut Rng, policy: &Policy) -> Ledger {
+    let mut ledger = Ledger::new(inv);
+    let quotas = QuotaBook::unlimited();
+    for _ in 0..200 {
+        let fill: u32 = inv
+            .gpus()
+            .iter()
+            .zip(ledger.usage())
+            .map(|(g, u)| u.fill_permille(g))
+            .sum();
+        if fill >= 500 * inv.gpus().len() as u32 {
+            break;
+        }
+        let request = mixed_request(rng);
+        if let Ok(p) = plan(inv, &ledger, &request, policy, &quotas) {
+            let _ = commit(inv, &mut ledger, &p, policy);
+        }
+    }
+    ledger
+}
+
+fn decisions_per_second() {
+    let inv = fixture("hgx-h200-8.toml");
+    let policy = Policy::default();
+    let quotas = QuotaBook::unlimited();
+    let mut rng = Rng(0x9e3779b97f4a7c15);
+    let nodes: Vec<Ledger> = (0..1000)
+        .map(|_| half_full(&inv, &mut rng, &policy))
+        .collect();
+    let requests: Vec<GpuRequest> = (0..20_000).map(|_| mixed_request(&mut rng)).collect();
+    let start = Instant::now();
+    let mut placed = 0u64;
+    for (i, request) in requests.iter().enumerate() {
+        if plan(&inv, &nodes[i % nodes.len()], request, &policy, &quotas).is_ok() {
+            placed += 1;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let rate = requests.len() as f64 / secs;
+    println!("decisions: 1000 nodes x 8 H200 at ~50% occupancy, one core");
+    println!("  decisions  placed  seconds  decisions/s  goal");
+    println!(
+        "  {:>9}  {:>6}  {:>7.3}  {:>11.0}  50000",
+        requests.len(),
+        placed,
+        secs,
+        rate
+    );
+    println!(
+        "{{\"bench\":\"decisions_per_second\",\"nodes\":1000,\"gpus_per_node\":8,\"decisions\":{},\"placed\":{placed},\"seconds\":{secs:.4},\"per_second\":{rate:.0},\"goal\":50000}}",
+        requests.len()
+    );
+}
+
+/// Best pairwise score over every multiset of GPUs that can hold one share per member.
+fn brute_force_gang(inv: &Inventory, ledger: &Ledger, member: &GpuRequest, size: usize) -> u64 {
+    fn go(
+        inv: &Inventory,
+        ledger: &Ledger,
+        member: &GpuRequest,
+        size: usize,
+        from: u32,
+        chosen: &mut Vec<GpuIndex>,
+        best: &mut u64,
+    ) {
+        if chosen.len() == size {
+            *best = (*best).max(inv.set_score(chosen));
+            return;
+        }
+        for g in from..inv.gpus().len() as u32 {
+            let gpu = &inv.gpus()[g as usize];
+            let usage = ledger.usage()[g as usize];
+            let kind = match member.mode {
+                PartitionMode::Whole => ShareKind::Whole,
+                PartitionMode::Mig => {
+                    let Some(model) = gpu.mig_model else { continue };
+                    let Ok(p) =
+                        resolve_profile(model, member.profile.as_deref(), None, gpu.memory_mib)
+                    else {
+                        continue;
+                    };
+                    let layout = if usage.mode == PartitionMode::Mig {
+                        usage.mig.unwrap_or(MigLayout::empty(model))
+                    } else {
+                        MigLayout::empty(model)
+                    };
+                    let Some(start) = layout.best_start(&p) else {
+                        continue;
+                    };
+                    ShareKind::Mig {
+                        instance: MigInstance {
+                            profile_id: p.id,
+                            start,
+                        },
+                    }
+                }
+                _ => continue,
+            };
+            let mut next = ledger.clone();
+            if next
+                .insert(
+                    inv,
+                    member.clone(),
+                    vec![Share {
+                        gpu: GpuIndex(g),
+                        kind,
+                    }],
+                    true,
+                )
+                .is_err()
+            {
+                continue;
+            }
+            chosen.push(GpuIndex(g));
+            go(inv, &next, member, size, g, chosen, best);
+            chosen.pop();
+        }
+    }
+    let mut best = 0;
+    go(inv, ledger, member, size, 0, &mut Vec::new(), &mut best);
+    best
+}
+
+fn gang_optimality() {
+    println!("gangs of 8: chosen pairwise score vs brute force");
+    println!("  inventory        member      chosen     best  match  ms");
+    let cases = [
+        ("hgx-h200-8.toml", GpuRequest::whole(1), 0usize),
+        ("hgx-h200-8.toml", GpuRequest::mig("9"), 5),
+        ("pcie-a100-4.toml", GpuRequest::mig("14"), 0),
+        ("pcie-a100-4.toml", GpuRequest::mig("9"), 0),
+    ];
+    for (name, member, occupy) in cases {
+        let inv = fixture(name);
+        let policy = Policy::default();
+        let mut ledger = Ledger::new(&inv);
+        let mut rng = Rng(42);
+        for _ in 0..occupy {
+            if let Ok(p) = plan(
+                &inv,
+                &ledger,
+                &mixed_request(&mut rng),
+                &policy,
+                &QuotaBook::unlimited(),
+            ) {
+                let _ = commit(&inv, &mut ledger, &p, &policy);
+            }
+        }
+        let gang = GangRequest {
+            members: vec![member.clone(); 8],
+        };
+        let start = Instant::now();
+        let chosen = plan_gang(&inv, &ledger, &gang, &policy, &QuotaBook::unlimited())
+            .map(|p| p.topology_score);
+        let ms = start.elapsed().as_secs_f64() * 1000.0;
+        let best = brute_force_gang(&inv, &ledger, &member, 8);
+        let chosen = chosen.unwrap_or(0);
+        let label = member
+            .profile
+            .clone()
+            .map_or("whole".to_owned(), |p| format!("mig id {p}"));
+        println!(
+            "  {name:<16} {label:<10} {chosen:>8} {best:>8}  {:<5}  {ms:.2}",
+            chosen == best
+        );
+        println!(
+            "{{\"bench\":\"gang_of_8\",\"inventory\":\"{name}\",\"member\":\"{label}\",\"chosen\":{chosen},\"brute_force\":{best},\"match\":{},\"ms\":{ms:.3}}}",
+            chosen == best
+        );
+    }
+}
+
+/// The baseline: first GPU in index order that takes the share, lowest MIG start.
+fn first_fit(inv: &Inventory, ledger: &mut Ledger, request: &GpuRequest) -> bool {
+    for gpu in inv.gpus() {
+        let usage = ledger.usage()[gpu.index.0 as usize];
+        let kind = match request.mode {
+            PartitionMode::Mig => {
+                let Some(model) = gpu.mig_model else { continue };
+                let Ok(p) =
+                    resolve_profile(model, request.profile.as_deref(), None, gpu.memory_mib)
+                else {
+                    continue;
+                };
+                let layout = if usage.mode == PartitionMode::Mig {
+                    usage.mig.unwrap_or(MigLayout::empty(model))
+                } else {
+                    MigLayout::empty(model)
+                };
+                let Some(start) = layout.first_fit_start(&p) else {
+                    continue;
+                };
+                ShareKind::Mig {
+                    instance: MigInstance {
+                        profile_id: p.id,
+                        start,
+                    },
+                }
+            }
+            PartitionMode::Mps => ShareKind::Mps {
+                compute_pct: request.compute_pct.unwrap_or(100),
+                memory_mib: request.memory_mib.unwrap_or(0),
+            },
+            PartitionMode::Whole => ShareKind::Whole,
+            PartitionMode::Timeslice => ShareKind::Timeslice,
+        };
+        if ledger
+            .insert(
+                inv,
+                request.clone(),
+                vec![Share {
+                    gpu: gpu.index,
+                    kind,
+                }],
+                true,
+            )
+            .is_ok()
+        {
+            return true;
+        }
+    }
+    false
+}
+
+fn density() {
+    println!("density: mixed MIG and MPS stream, requests placed before the first refusal");
+    println!("  inventory        seed  torpor  first-fit  gain");
+    let mut totals = (0u64, 0u64);
+    for name in ["hgx-h200-8.toml", "pcie-a100-4.toml"] {
+        let inv = fixture(name);
+        for seed in 1..=20u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x2545f4914f6cdd1d));
+            let stream: Vec<GpuRequest> = (0..2000).map(|_| mixed_request(&mut rng)).collect();
+            let policy = Policy::default();
+            let mut ledger = Ledger::new(&inv);
+            let mut ours = 0u64;
+            for request in &stream {
+                match plan(&inv, &ledger, request, &policy, &QuotaBook::unlimited()) {
+                    Ok(p) if commit(&inv, &mut ledger, &p, &policy).is_ok() => ours += 1,
+                    _ => break,
+                }
+            }
+            let mut base_ledger = Ledger::new(&inv);
+            let mut base = 0u64;
+            for request in &stream {
+                if !first_fit(&inv, &mut base_ledger, request) {
+                    break;
+                }
+                base += 1;
+            }
+            totals.0 += ours;
+            totals.1 += base;
+            if seed <= 3 {
+                println!(
+                    "  {name:<16} {seed:>4}  {ours:>6}  {base:>9}  {:+.1}%",
+                    100.0 * (ours as f64 / base.max(1) as f64 - 1.0)
+                );
+            }
+        }
+    }
+    let gain = 100.0 * (totals.0 as f64 / totals.1.max(1) as f64 - 1.0);
+    println!(
+        "  all 40 streams    total  {:>6}  {:>9}  {gain:+.1}%  (goal +15%)",
+        totals.0, totals.1
+    );
+    println!(
+        "{{\"bench\":\"density\",\"streams\":40,\"torpor\":{},\"first_fit\":{},\"gain_pct\":{gain:.2},\"goal_pct\":15}}",
+        totals.0, totals.1
+    );
+}
+
+fn main() {
+    let only = std::env::args().nth(1).filter(|a| !a.starts_with('-'));
+    let run = |name: &str| only.as_deref().is_none_or(|o| name.contains(o));
+    if run("decisions") {
+        decisions_per_second();
+    }
+    if run("gang") {
+        gang_optimality();
+    }
+    if run("density") {
+        density();
+    }
+}
