@@ -98,6 +98,9 @@ pub enum ImageError {
         limit: u64,
     },
 
+    #[error("{layer} brings the image past the limit of {limit} entries")]
+    TooManyEntries { layer: PathBuf, limit: u64 },
+
     #[error("destination {path} exists and is not an empty directory")]
     DestinationNotEmpty { path: PathBuf },
 
@@ -131,7 +134,7 @@ impl ImageError {
             ImageError::UnsupportedDigest { .. } => "unsupported_digest",
             ImageError::UnsupportedMediaType { .. } => "unsupported_media_type",
             ImageError::PathEscape { .. } => "path_escape",
-            ImageError::TooLarge { .. } => "too_large",
+            ImageError::TooLarge { .. } | ImageError::TooManyEntries { .. } => "too_large",
             ImageError::DestinationNotEmpty { .. } => "destination_not_empty",
             ImageError::Read { .. } => "read_failed",
             ImageError::Write { .. } => "write_failed",

@@ -108,6 +108,8 @@ pub struct Limits {
     /// Largest total of uncompressed layer streams, and separately of bytes written to
     /// files; also bounds a compressed archive once decompressed.
     pub max_unpacked_bytes: u64,
+    /// Most tar entries in all layers together; bounds the bookkeeping kept per path.
+    pub max_entries: u64,
 }
 
 impl Default for Limits {
@@ -115,6 +117,7 @@ impl Default for Limits {
         Limits {
             max_json_bytes: 4 << 20,
             max_unpacked_bytes: 32 << 30,
+            max_entries: 4 << 20,
         }
     }
 }
@@ -231,7 +234,7 @@ pub fn unpack_with(
         },
         ImageSource::DockerArchive(_) => plan::resolve_docker(&store, reference, options)?,
     };
-    let (rootfs, created) = Rootfs::create(dest_rootfs, options.limits.max_unpacked_bytes)?;
+    let (rootfs, created) = Rootfs::create(dest_rootfs, &options.limits)?;
     let result = apply_plan(&store, &plan, rootfs, options, progress);
     if result.is_err() {
         discard(dest_rootfs, created);

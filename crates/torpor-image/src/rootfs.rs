@@ -26,7 +26,7 @@ use tar::{Entry, EntryType};
 
 use crate::digest::is_limit_exceeded;
 use crate::store::normal_components;
-use crate::{EscapeReason, ImageError};
+use crate::{EscapeReason, ImageError, Limits};
 
 const OPAQUE_MARKER: &[u8] = b".wh..wh..opq";
 const WHITEOUT_PREFIX: &[u8] = b".wh.";
@@ -58,6 +58,8 @@ pub(crate) struct Rootfs {
     layer_paths: HashSet<Vec<u8>>,
     file_bytes: u64,
     max_file_bytes: u64,
+    entries: u64,
+    max_entries: u64,
 }
 
 /// Where a walk to a parent directory ended.
@@ -75,7 +77,7 @@ struct EntryContext<'a> {
 impl Rootfs {
     /// Opens `dest`, creating it when missing; it must be empty. Returns whether it was
     /// created, so that a failed unpack knows what to clean up.
-    pub(crate) fn create(dest: &Path, max_file_bytes: u64) -> Result<(Rootfs, bool), ImageError> {
+    pub(crate) fn create(dest: &Path, limits: &Limits) -> Result<(Rootfs, bool), ImageError> {
         let write_error = |source| ImageError::Write {
             path: dest.to_owned(),
             source,
@@ -109,7 +111,9 @@ impl Rootfs {
             dirs: BTreeMap::new(),
             layer_paths: HashSet::new(),
             file_bytes: 0,
-            max_file_bytes,
+            max_file_bytes: limits.max_unpacked_bytes,
+            entries: 0,
+            max_entries: limits.max_entries,
         };
         Ok((rootfs, created))
     }
@@ -125,6 +129,13 @@ impl Rootfs {
         entry: &mut Entry<'_, R>,
         layer: &Path,
     ) -> Result<(), ImageError> {
+        self.entries += 1;
+        if self.entries > self.max_entries {
+            return Err(ImageError::TooManyEntries {
+                layer: layer.to_owned(),
+                limit: self.max_entries,
+            });
+        }
         let raw_path = entry.path_bytes().into_owned();
         let entry_path = PathBuf::from(OsStr::from_bytes(&raw_path));
         let context = EntryContext {

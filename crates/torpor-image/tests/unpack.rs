@@ -596,6 +596,48 @@ fn size_limits_are_enforced() {
     )
     .unwrap_err();
     assert_eq!(err.code(), "too_large", "{err}");
+
+    let layout = OciLayout::new(&dir.path().join("many"));
+    let manifest = layout.image(&[
+        BlobLayer::plain(
+            Layer::new()
+                .file("a", b"", 0o644)
+                .file("b", b"", 0o644)
+                .tar(),
+        ),
+        BlobLayer::plain(
+            Layer::new()
+                .file("c", b"", 0o644)
+                .file("d", b"", 0o644)
+                .tar(),
+        ),
+    ]);
+    layout.index(&[manifest]);
+    options.limits = {
+        let mut limits = Limits::default();
+        limits.max_entries = 3;
+        limits
+    };
+    let source = ImageSource::OciLayout(layout.dir.clone());
+    let err = unpack_with(
+        &source,
+        None,
+        &dir.path().join("entries"),
+        &options,
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert_eq!(err.code(), "too_large", "{err}");
+    assert!(err.to_string().contains("3 entries"), "{err}");
+    options.limits.max_entries = 4;
+    unpack_with(
+        &source,
+        None,
+        &dir.path().join("four"),
+        &options,
+        &mut |_| {},
+    )
+    .unwrap();
 }
 
 #[test]
