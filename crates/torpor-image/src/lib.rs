@@ -207,6 +207,13 @@ pub fn unpack_with(
     options: &UnpackOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<ImageConfig, ImageError> {
+    let span = tracing::info_span!(
+        "image_unpack",
+        source = %src.path().display(),
+        reference,
+        dest = %dest_rootfs.display(),
+    );
+    let _entered = span.enter();
     let store = match src {
         ImageSource::OciLayout(path) => {
             if !path.is_dir() {
@@ -236,8 +243,16 @@ pub fn unpack_with(
     };
     let (rootfs, created) = Rootfs::create(dest_rootfs, &options.limits)?;
     let result = apply_plan(&store, &plan, rootfs, options, progress);
-    if result.is_err() {
-        discard(dest_rootfs, created);
+    match &result {
+        Ok(()) => tracing::info!(
+            digest = %plan.config.digest,
+            layers = plan.layers.len(),
+            "image unpacked"
+        ),
+        Err(err) => {
+            tracing::warn!(code = err.code(), error = %err, "image unpack failed; discarding");
+            discard(dest_rootfs, created);
+        }
     }
     result.map(|()| plan.config)
 }
@@ -293,6 +308,13 @@ fn apply_plan(
         rootfs.begin_layer();
         let unpacked_bytes = apply_layer(reader, layer, &path, &mut rootfs, budget, options)?;
         budget -= unpacked_bytes;
+        tracing::debug!(
+            index,
+            digest = %digest,
+            compressed_bytes,
+            unpacked_bytes,
+            "layer applied"
+        );
         progress(Progress::LayerFinished {
             index,
             count,
