@@ -273,15 +273,60 @@ fn first_fit(inv: &Inventory, ledger: &mut Ledger, request: &GpuRequest) -> bool
     false
 }
 
+/// A stream mix: one MPS request in `mps_one_in`, MIG profiles (ids) drawn from `profiles`.
+struct Mix {
+    name: &'static str,
+    mps_one_in: u64,
+    profiles: &'static [&'static str],
+}
+
+const MIXES: [Mix; 3] = [
+    Mix {
+        name: "mixed",
+        mps_one_in: 3,
+        profiles: &MIG_PROFILES,
+    },
+    Mix {
+        name: "mig-heavy",
+        mps_one_in: 6,
+        profiles: &["19", "19", "15", "14", "9", "5", "0"],
+    },
+    Mix {
+        name: "small-first",
+        mps_one_in: 4,
+        profiles: &["19", "19", "19", "15", "14", "9", "0"],
+    },
+];
+
+fn mix_request(rng: &mut Rng, mix: &Mix) -> GpuRequest {
+    if rng.below(mix.mps_one_in) == 0 {
+        GpuRequest::mps(
+            10 * (1 + rng.below(5) as u32),
+            Some(4096 * (1 + rng.below(4))),
+        )
+    } else {
+        GpuRequest::mig(mix.profiles[rng.below(mix.profiles.len() as u64) as usize])
+    }
+}
+
 fn density() {
-    println!("density: mixed MIG and MPS stream, requests placed before the first refusal");
+    for mix in &MIXES {
+        density_for(mix);
+    }
+}
+
+fn density_for(mix: &Mix) {
+    println!(
+        "density ({}): MIG+MPS stream, requests placed before the first refusal",
+        mix.name
+    );
     println!("  inventory        seed  torpor  first-fit  gain");
     let mut totals = (0u64, 0u64);
     for name in ["hgx-h200-8.toml", "pcie-a100-4.toml"] {
         let inv = fixture(name);
         for seed in 1..=20u64 {
             let mut rng = Rng(seed.wrapping_mul(0x2545f4914f6cdd1d));
-            let stream: Vec<GpuRequest> = (0..2000).map(|_| mixed_request(&mut rng)).collect();
+            let stream: Vec<GpuRequest> = (0..2000).map(|_| mix_request(&mut rng, mix)).collect();
             let policy = Policy::default();
             let mut ledger = Ledger::new(&inv);
             let mut ours = 0u64;
@@ -315,8 +360,8 @@ fn density() {
         totals.0, totals.1
     );
     println!(
-        "{{\"bench\":\"density\",\"streams\":40,\"torpor\":{},\"first_fit\":{},\"gain_pct\":{gain:.2},\"goal_pct\":15}}",
-        totals.0, totals.1
+        "{{\"bench\":\"density\",\"mix\":\"{}\",\"streams\":40,\"torpor\":{},\"first_fit\":{},\"gain_pct\":{gain:.2},\"goal_pct\":15}}",
+        mix.name, totals.0, totals.1
     );
 }
 
