@@ -98,8 +98,8 @@ pub enum ImageError {
         limit: u64,
     },
 
-    #[error("{layer} brings the image past the limit of {limit} entries")]
-    TooManyEntries { layer: PathBuf, limit: u64 },
+    #[error("{path} brings the image past the limit of {limit} entries")]
+    TooManyEntries { path: PathBuf, limit: u64 },
 
     #[error("destination {path} exists and is not an empty directory")]
     DestinationNotEmpty { path: PathBuf },

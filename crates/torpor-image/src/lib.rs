@@ -108,7 +108,8 @@ pub struct Limits {
     /// Largest total of uncompressed layer streams, and separately of bytes written to
     /// files; also bounds a compressed archive once decompressed.
     pub max_unpacked_bytes: u64,
-    /// Most tar entries in all layers together; bounds the bookkeeping kept per path.
+    /// Most tar entries in all layers together, and in an archive's own index; bounds the
+    /// bookkeeping kept per path.
     pub max_entries: u64,
 }
 
@@ -222,7 +223,7 @@ pub fn unpack_with(
             Store::dir(path)
         }
         ImageSource::OciArchive(path) | ImageSource::DockerArchive(path) => {
-            Store::archive(path, options.limits.max_unpacked_bytes)?
+            Store::archive(path, &options.limits)?
         }
     };
     let plan = match src {

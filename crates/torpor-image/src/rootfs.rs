@@ -132,7 +132,7 @@ impl Rootfs {
         self.entries += 1;
         if self.entries > self.max_entries {
             return Err(ImageError::TooManyEntries {
-                layer: layer.to_owned(),
+                path: layer.to_owned(),
                 limit: self.max_entries,
             });
         }

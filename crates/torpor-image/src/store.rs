@@ -13,7 +13,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::digest::{is_limit_exceeded, HashingReader};
-use crate::ImageError;
+use crate::{ImageError, Limits};
 
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
@@ -122,12 +122,12 @@ impl Store {
         Store::Dir(path.to_owned())
     }
 
-    /// Opens and indexes a tarball; a gzip or zstd tarball is decompressed first, to at most
-    /// `max_bytes`.
-    pub(crate) fn archive(path: &Path, max_bytes: u64) -> Result<Store, ImageError> {
+    /// Opens and indexes a tarball; a gzip or zstd tarball is decompressed first, within
+    /// `max_unpacked_bytes`, and the index holds at most `max_entries` members.
+    pub(crate) fn archive(path: &Path, limits: &Limits) -> Result<Store, ImageError> {
         let file = open_source(path)?;
-        let file = decompressed(file, path, max_bytes)?;
-        let members = index_members(&file, path)?;
+        let file = decompressed(file, path, limits.max_unpacked_bytes)?;
+        let members = index_members(&file, path, limits.max_entries)?;
         Ok(Store::Archive(ArchiveStore {
             path: path.to_owned(),
             file,
@@ -299,7 +299,11 @@ fn decompressed(mut file: File, path: &Path, max_bytes: u64) -> Result<File, Ima
     Ok(plain)
 }
 
-fn index_members(mut file: &File, path: &Path) -> Result<HashMap<String, Member>, ImageError> {
+fn index_members(
+    mut file: &File,
+    path: &Path,
+    max_entries: u64,
+) -> Result<HashMap<String, Member>, ImageError> {
     let corrupt = |err: io::Error| ImageError::corrupt(path, format!("bad tar archive: {err}"));
     file.seek(SeekFrom::Start(0))
         .map_err(|source| ImageError::Read {
@@ -308,7 +312,13 @@ fn index_members(mut file: &File, path: &Path) -> Result<HashMap<String, Member>
         })?;
     let mut archive = tar::Archive::new(file);
     let mut members = HashMap::new();
-    for entry in archive.entries_with_seek().map_err(corrupt)? {
+    for (count, entry) in archive.entries_with_seek().map_err(corrupt)?.enumerate() {
+        if count as u64 >= max_entries {
+            return Err(ImageError::TooManyEntries {
+                path: path.to_owned(),
+                limit: max_entries,
+            });
+        }
         let entry = entry.map_err(corrupt)?;
         let Some(key) = member_key(&entry.path_bytes()) else {
             continue;
