@@ -638,6 +638,21 @@ fn size_limits_are_enforced() {
         &mut |_| {},
     )
     .unwrap();
+
+    // The index of an archive's own members counts too.
+    let archive = dir.path().join("many.tar");
+    fs::write(&archive, tar_dir(&layout.dir)).unwrap();
+    let source = ImageSource::OciArchive(archive.clone());
+    let err = unpack_with(
+        &source,
+        None,
+        &dir.path().join("members"),
+        &options,
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert_eq!(err.code(), "too_large", "{err}");
+    assert!(err.to_string().contains("many.tar"), "{err}");
 }
 
 #[test]
