@@ -148,3 +148,21 @@ impl ImageError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_are_send_sync_and_keep_their_source() {
+        fn assert_send_sync_static<T: Send + Sync + 'static>() {}
+        assert_send_sync_static::<ImageError>();
+        let err = ImageError::Read {
+            path: "image.tar".into(),
+            source: io::Error::from(io::ErrorKind::PermissionDenied),
+        };
+        assert_eq!(err.code(), "read_failed");
+        assert_eq!(err.to_string(), "cannot read image.tar");
+        assert!(std::error::Error::source(&err).is_some());
+    }
+}

@@ -16,6 +16,21 @@
 //!   panic.
 //!
 //! Everything is synchronous; callers on an async runtime run it on a blocking thread.
+//!
+//! ```no_run
+//! use std::path::Path;
+//! use torpor_image::{detect, unpack, Progress};
+//!
+//! let source = detect(Path::new("alpine.tar"))?;
+//! let rootfs = Path::new("/var/lib/torpor/templates/alpine/rootfs");
+//! let config = unpack(&source, Some("alpine:3.19"), rootfs, &mut |progress| {
+//!     if let Progress::LayerFinished { index, count, unpacked_bytes, .. } = progress {
+//!         eprintln!("layer {}/{count}: {unpacked_bytes} bytes", index + 1);
+//!     }
+//! })?;
+//! println!("{:?} {:?} from {}", config.entrypoint, config.cmd, config.digest);
+//! # Ok::<(), torpor_image::ImageError>(())
+//! ```
 
 mod digest;
 mod error;
