@@ -146,7 +146,42 @@ impl QuotaError {
     }
 }
 
+/// Why a quota file was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum QuotaFileError {
+    #[error("{file}: cannot read")]
+    Read {
+        file: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{file}:{line}:{column}: {message}")]
+    Parse {
+        file: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+}
+
+impl QuotaFileError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            QuotaFileError::Read { .. } => "quota_file_read",
+            QuotaFileError::Parse { .. } => "quota_file_parse",
+        }
+    }
+}
+
 /// Quotas of all tenants. An empty book enforces nothing.
+///
+/// File format (TOML; unknown keys refused):
+///
+/// ```toml
+/// [tenants.team-a]
+/// guaranteed = { memory_mib = 143771, compute = 700 }   # one H200
+/// borrow_limit = { memory_mib = 71885, compute = 300 }  # optional
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct QuotaBook {
@@ -155,6 +190,30 @@ pub struct QuotaBook {
 }
 
 impl QuotaBook {
+    /// Parses a quota file; `file` names the source in errors.
+    pub fn from_toml(text: &str, file: &str) -> Result<Self, QuotaFileError> {
+        toml::from_str(text).map_err(|e: toml::de::Error| {
+            let (line, column) =
+                crate::inventory::line_column(text, e.span().map_or(0, |s| s.start));
+            QuotaFileError::Parse {
+                file: file.to_owned(),
+                line,
+                column,
+                message: e.message().trim().to_owned(),
+            }
+        })
+    }
+
+    /// Reads a quota file.
+    pub fn load(path: &std::path::Path) -> Result<Self, QuotaFileError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| QuotaFileError::Read {
+            file: file.clone(),
+            source,
+        })?;
+        Self::from_toml(&text, &file)
+    }
+
     pub fn unlimited() -> Self {
         QuotaBook::default()
     }
@@ -382,9 +441,25 @@ mod tests {
         )
         .unwrap();
         assert_eq!(book.tenants[&t("team-a")].ceiling().compute, 800);
-        assert!(toml::from_str::<QuotaBook>(
-            "[tenants.team-a]\nguaranteed = { memory_mib = 1, compute = 1, gpus = 2 }\n"
+        let err = QuotaBook::from_toml(
+            "[tenants.team-a]\nguaranteed = { memory_mib = 1, compute = 1, gpus = 2 }\n",
+            "q.toml",
         )
-        .is_err());
+        .unwrap_err();
+        assert_eq!(err.code(), "quota_file_parse");
+        assert!(err.to_string().starts_with("q.toml:2:"), "{err}");
+        assert!(err.to_string().contains("gpus"), "{err}");
+        let err = QuotaBook::from_toml(
+            "[tenants.\"team a\"]\nguaranteed = { memory_mib = 1, compute = 1 }\n",
+            "q.toml",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("tenant id"), "{err}");
+        assert_eq!(
+            QuotaBook::load(std::path::Path::new("/nonexistent/q.toml"))
+                .unwrap_err()
+                .code(),
+            "quota_file_read"
+        );
     }
 }
