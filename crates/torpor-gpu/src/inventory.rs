@@ -264,7 +264,9 @@ fn topology_first_line(text: &str, span: std::ops::Range<usize>) -> usize {
 
 impl Inventory {
     /// Builds an inventory and checks it: indices are exactly `0..n`, UUIDs unique, memory
-    /// non-zero, the matrix matches the GPU count. GPUs are kept sorted by index.
+    /// non-zero, the matrix matches the GPU count. GPUs are kept sorted by index. A GPU may be
+    /// in MIG mode without known geometry (NVML reports what the hardware is in); it then takes
+    /// no MIG share until it is empty and switched to another mode.
     pub fn new(
         node: NodeName,
         mut gpus: Vec<Gpu>,
@@ -313,12 +315,6 @@ impl Inventory {
                         field: field(name),
                     });
                 }
-            }
-            if gpu.initial_mode == PartitionMode::Mig && !gpu.mig_ready() {
-                return Err(InventoryError::MigModeUnavailable {
-                    file,
-                    field: field("mode"),
-                });
             }
         }
         gpus.sort_by_key(|g| g.index);
@@ -417,6 +413,12 @@ impl Inventory {
                 (None, true) => MigModel::detect(&g.model, g.memory_mib),
                 (None, false) => None,
             };
+            if g.mode == Some(PartitionMode::Mig) && !(g.mig_capable && mig_model.is_some()) {
+                return Err(InventoryError::MigModeUnavailable {
+                    file: file.to_owned(),
+                    field: field("mode"),
+                });
+            }
             gpus.push(Gpu {
                 index: GpuIndex(g.index),
                 uuid,

@@ -380,6 +380,8 @@ pub enum LedgerError {
     },
     #[error("allocation {id}: share on {gpu} is not recorded there")]
     Inconsistent { id: AllocationId, gpu: GpuIndex },
+    #[error("{gpu}: recorded usage differs from the sum of its allocations")]
+    UsageMismatch { gpu: GpuIndex },
 }
 
 impl LedgerError {
@@ -389,6 +391,7 @@ impl LedgerError {
             LedgerError::Share { reason, .. } => reason.code(),
             LedgerError::ModeChange { source, .. } => source.code(),
             LedgerError::Inconsistent { .. } => "ledger_inconsistent",
+            LedgerError::UsageMismatch { .. } => "ledger_usage_mismatch",
         }
     }
 }
@@ -530,8 +533,7 @@ impl Ledger {
         }
         for (i, (rebuilt, now)) in rebuilt.iter().zip(&self.usage).enumerate() {
             if rebuilt != now {
-                return Err(LedgerError::Inconsistent {
-                    id: AllocationId(0),
+                return Err(LedgerError::UsageMismatch {
                     gpu: GpuIndex(i as u32),
                 });
             }

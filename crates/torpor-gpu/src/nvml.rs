@@ -31,6 +31,8 @@ pub struct DeviceFacts {
     pub numa_node: Option<u32>,
     pub pci_bus_id: String,
     pub minor: u32,
+    /// MIG placements the driver lists (`(profile id, starts, size)`), when MIG is enabled.
+    pub mig_placements: Option<Vec<(u32, Vec<u8>, u8)>>,
 }
 
 /// NVML's common-ancestor levels (`nvmlGpuTopologyLevel_t`).
@@ -82,13 +84,21 @@ pub fn inventory_from_facts(
         })?;
         let memory_mib = d.memory_total_bytes / (1024 * 1024);
         let mig_capable = d.mig_enabled.is_some();
+        // The table is used only where the driver agrees with it; a GPU whose driver lists
+        // other placements gets no MIG rather than wrong MIG.
         let mig_model = if mig_capable {
-            MigModel::detect(&d.name, memory_mib)
+            MigModel::detect(&d.name, memory_mib).filter(|model| {
+                d.mig_placements
+                    .as_ref()
+                    .is_none_or(|driver| placements_match_table(*model, driver).is_empty())
+            })
         } else {
             None
         };
-        let initial_mode = match (d.mig_enabled, mig_model) {
-            (Some(true), Some(_)) => PartitionMode::Mig,
+        // The hardware's mode, even without usable geometry: leaving MIG is then a mode change
+        // the plan reports, and MIG shares are refused.
+        let initial_mode = match d.mig_enabled {
+            Some(true) => PartitionMode::Mig,
             _ => PartitionMode::Whole,
         };
         gpus.push(Gpu {
@@ -323,8 +333,14 @@ pub mod driver {
                 numa_node: d.numa_node_id().ok(),
                 pci_bus_id: pci.bus_id,
                 minor: call("minor_number", index, d.minor_number())?,
+                mig_placements: None,
             });
             devices.push(d);
+        }
+        for f in &mut facts {
+            if f.mig_enabled == Some(true) {
+                f.mig_placements = mig_placements(nvml, f.index).ok();
+            }
         }
         let mut failure = None;
         let inventory = inventory_from_facts(node, facts.clone(), |a, b| {
@@ -488,6 +504,7 @@ mod tests {
             numa_node: Some(numa),
             pci_bus_id: format!("00000000:{:02x}:00.0", 0x17 + index),
             minor: index,
+            mig_placements: None,
         }
     }
 
@@ -533,6 +550,43 @@ mod tests {
         odd.push((21, vec![0], 1));
         let diff = placements_match_table(MigModel::H100Gb80, &odd);
         assert_eq!(diff.iter().map(|d| d.0).collect::<Vec<_>>(), [9, 21]);
+    }
+
+    #[test]
+    fn gpus_whose_driver_disagrees_with_the_table_get_no_mig() {
+        let mut good = facts(0, "NVIDIA H100 80GB HBM3", 81559, Some(true), 0);
+        good.mig_placements = Some(vec![(9, vec![0, 4], 4), (0, vec![0], 8)]);
+        let mut odd = facts(1, "NVIDIA H100 80GB HBM3", 81559, Some(true), 0);
+        odd.mig_placements = Some(vec![(9, vec![0, 2, 4], 4)]);
+        let inv = inventory_from_facts(NodeName::new("n").unwrap(), vec![good, odd], |_, _| {
+            PairFacts {
+                nvlinks: 18,
+                ancestor: Ancestor::System,
+            }
+        })
+        .unwrap();
+        assert_eq!(inv.gpus()[0].mig_model, Some(MigModel::H100Gb80));
+        assert_eq!(inv.gpus()[0].initial_mode, PartitionMode::Mig);
+        assert_eq!(inv.gpus()[1].mig_model, None);
+        assert_eq!(
+            inv.gpus()[1].initial_mode,
+            PartitionMode::Mig,
+            "the hardware's mode"
+        );
+        let ledger = crate::ledger::Ledger::new(&inv);
+        let policy = crate::planner::Policy::default();
+        let quotas = crate::quota::QuotaBook::unlimited();
+        let mig = crate::request::GpuRequest::mig("9");
+        let p = crate::planner::plan(&inv, &ledger, &mig, &policy, &quotas).unwrap();
+        assert!(p.shares().all(|s| s.gpu == GpuIndex(0)));
+        let whole = crate::request::GpuRequest::whole(2);
+        let p = crate::planner::plan(&inv, &ledger, &whole, &policy, &quotas).unwrap();
+        assert_eq!(
+            p.mode_changes.len(),
+            2,
+            "both GPUs leave MIG: {:?}",
+            p.mode_changes
+        );
     }
 
     #[test]
