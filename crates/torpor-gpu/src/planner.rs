@@ -56,7 +56,7 @@ pub enum MigPacking {
 
 /// Knobs of the planner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct Policy {
     pub strategy: Strategy,
     pub mig_packing: MigPacking,

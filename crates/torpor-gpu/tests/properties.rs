@@ -6,8 +6,9 @@ mod common;
 use proptest::prelude::*;
 use torpor_gpu::ids::{GpuIndex, TenantId};
 use torpor_gpu::inventory::Inventory;
+use torpor_gpu::ledger::resolve_profile;
 use torpor_gpu::ledger::{GpuUsage, Ledger, Share, ShareKind};
-use torpor_gpu::mig::MEMORY_SLICES;
+use torpor_gpu::mig::{MigInstance, MigLayout, MEMORY_SLICES};
 use torpor_gpu::partition::PartitionMode;
 use torpor_gpu::planner::{commit, plan, plan_gang, MigPacking, Policy, Strategy as Placement};
 use torpor_gpu::quota::{Amount, QuotaBook, TenantQuota};
@@ -303,4 +304,97 @@ proptest! {
         prop_assert_eq!(inv.set_score(&chosen), best);
         prop_assert_eq!(p.topology_score, best);
     }
+
+    #[test]
+    fn fractional_gangs_get_the_best_pairwise_score(
+        which in 0usize..2,
+        occupy in prop::collection::vec(0usize..5, 0..6),
+        profile in 0usize..5,
+        size in 1usize..=5,
+    ) {
+        let inv = inventory(which);
+        let policy = Policy::default();
+        let mut ledger = Ledger::new(&inv);
+        for p in occupy {
+            let r = GpuRequest::mig(PROFILE_IDS[[0, 2, 3, 4, 5][p]]);
+            if let Ok(found) = plan(&inv, &ledger, &r, &policy, &QuotaBook::unlimited()) {
+                commit(&inv, &mut ledger, &found, &policy).unwrap();
+            }
+        }
+        let member = GpuRequest::mig(PROFILE_IDS[[0, 2, 3, 4, 5][profile]]);
+        let gang = GangRequest { members: vec![member.clone(); size] };
+        let best = brute_force_gang(&inv, &ledger, &member, size);
+        match plan_gang(&inv, &ledger, &gang, &policy, &QuotaBook::unlimited()) {
+            Ok(p) => prop_assert_eq!(p.topology_score, best.expect("brute force finds a placement too")),
+            Err(e) => prop_assert!(best.is_none(), "refused ({}) but brute force placed it", e),
+        }
+    }
+}
+
+/// Best pairwise score over every multiset of GPUs that can hold one MIG share per member.
+fn brute_force_gang(
+    inv: &Inventory,
+    ledger: &Ledger,
+    member: &GpuRequest,
+    size: usize,
+) -> Option<u64> {
+    fn go(
+        inv: &Inventory,
+        ledger: &Ledger,
+        member: &GpuRequest,
+        size: usize,
+        from: u32,
+        chosen: &mut Vec<GpuIndex>,
+        best: &mut Option<u64>,
+    ) {
+        if chosen.len() == size {
+            let score = inv.set_score(chosen);
+            *best = Some(best.map_or(score, |b| b.max(score)));
+            return;
+        }
+        for g in from..inv.gpus().len() as u32 {
+            let gpu = &inv.gpus()[g as usize];
+            let usage = ledger.usage()[g as usize];
+            let Some(model) = gpu.mig_model else { continue };
+            let Ok(p) = resolve_profile(model, member.profile.as_deref(), None, gpu.memory_mib)
+            else {
+                continue;
+            };
+            let layout = match (usage.mode, usage.mig) {
+                (PartitionMode::Mig, Some(layout)) => layout,
+                _ => MigLayout::empty(model),
+            };
+            // Any valid start will do for feasibility; the score depends on GPUs only.
+            let Some(start) = layout.first_fit_start(&p) else {
+                continue;
+            };
+            let kind = ShareKind::Mig {
+                instance: MigInstance {
+                    profile_id: p.id,
+                    start,
+                },
+            };
+            let mut next = ledger.clone();
+            if next
+                .insert(
+                    inv,
+                    member.clone(),
+                    vec![Share {
+                        gpu: GpuIndex(g),
+                        kind,
+                    }],
+                    true,
+                )
+                .is_err()
+            {
+                continue;
+            }
+            chosen.push(GpuIndex(g));
+            go(inv, &next, member, size, g, chosen, best);
+            chosen.pop();
+        }
+    }
+    let mut best = None;
+    go(inv, ledger, member, size, 0, &mut Vec::new(), &mut best);
+    best
 }
