@@ -464,7 +464,12 @@ impl Ledger {
                 gpu: share.gpu,
                 reason: GpuReason::UnknownGpu,
             })?;
-            usage[share.gpu.0 as usize]
+            usage
+                .get_mut(share.gpu.0 as usize)
+                .ok_or(LedgerError::Share {
+                    gpu: share.gpu,
+                    reason: GpuReason::UnknownGpu,
+                })?
                 .add(gpu, &share.kind, allow_mode_change)
                 .map_err(|reason| LedgerError::Share {
                     gpu: share.gpu,

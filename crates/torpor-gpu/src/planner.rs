@@ -154,6 +154,8 @@ pub enum Refusal {
     BudgetExhausted,
     #[error("the plan could not be committed: {0}")]
     Commit(#[from] LedgerError),
+    #[error("the ledger tracks {ledger} GPUs but the inventory has {inventory}")]
+    LedgerMismatch { ledger: usize, inventory: usize },
 }
 
 impl Refusal {
@@ -171,6 +173,7 @@ impl Refusal {
             Refusal::Gang { .. } => "gang_unplaceable",
             Refusal::BudgetExhausted => "search_budget_exhausted",
             Refusal::Commit(_) => "commit_failed",
+            Refusal::LedgerMismatch { .. } => "ledger_mismatch",
         }
     }
 
@@ -250,6 +253,12 @@ pub fn plan_gang(
     quotas: &QuotaBook,
 ) -> Result<Plan, Refusal> {
     gang.validate()?;
+    if ledger.usage().len() != inventory.gpus().len() {
+        return Err(Refusal::LedgerMismatch {
+            ledger: ledger.usage().len(),
+            inventory: inventory.gpus().len(),
+        });
+    }
     for request in &gang.members {
         check_node_can_ever_fit(inventory, request)?;
     }

@@ -102,8 +102,7 @@ pub fn plan_lines(
 }
 
 /// Free capacity of one GPU in its current mode, in words.
-fn free_text(inventory: &Inventory, ledger: &Ledger, index: usize) -> String {
-    let (gpu, usage) = (&inventory.gpus()[index], &ledger.usage()[index]);
+fn free_text(gpu: &crate::inventory::Gpu, usage: &crate::ledger::GpuUsage) -> String {
     match usage.mode {
         PartitionMode::Whole => if usage.is_empty() { "whole" } else { "-" }.to_owned(),
         PartitionMode::Mig => match usage.mig {
@@ -140,8 +139,7 @@ pub fn inventory_table(inventory: &Inventory, ledger: &Ledger) -> String {
         "SHARES".to_owned(),
         "FREE".to_owned(),
     ]];
-    for (i, gpu) in inventory.gpus().iter().enumerate() {
-        let usage = &ledger.usage()[i];
+    for (gpu, usage) in inventory.gpus().iter().zip(ledger.usage()) {
         rows.push([
             gpu.index.0.to_string(),
             gpu.model.clone(),
@@ -151,7 +149,7 @@ pub fn inventory_table(inventory: &Inventory, ledger: &Ledger) -> String {
                 .map_or("-".to_owned(), |m| m.label().to_owned()),
             usage.mode.to_string(),
             usage.shares.to_string(),
-            free_text(inventory, ledger, i),
+            free_text(gpu, usage),
         ]);
     }
     let mut widths = [0usize; 8];

@@ -515,3 +515,20 @@ fn devices_describe_as_the_cli_prints_them() {
         r#"{"gpu_index":0,"gpu_uuid":"GPU-3b9e1a70-0c1d-4a52-9b11-5e0a8f6c0000","mode":"mig","profile":"3g.71gb","start":4}"#
     );
 }
+
+#[test]
+fn a_ledger_from_another_node_is_refused_not_a_panic() {
+    let (h, l) = (h200(), l4());
+    let other = Ledger::new(&l);
+    let r = refuse(&h, &other, &GpuRequest::whole(1), &Policy::default());
+    assert_eq!(r.code(), "ledger_mismatch");
+    let mut small = Ledger::new(&l);
+    let share = torpor_gpu::ledger::Share {
+        gpu: GpuIndex(5),
+        kind: ShareKind::Whole,
+    };
+    let e = small
+        .insert(&h, GpuRequest::whole(1), vec![share], true)
+        .unwrap_err();
+    assert_eq!(e.code(), "gpu_unknown");
+}
