@@ -239,8 +239,11 @@ pub(crate) fn line_column(text: &str, offset: usize) -> (usize, usize) {
 
 /// The field path (`gpu[2]` or the top level) that contains a byte offset.
 fn table_at(text: &str, offset: usize) -> String {
-    let offset = offset.min(text.len());
-    let gpus = text[..offset]
+    let gpus = text
+        .as_bytes()
+        .get(..offset.min(text.len()))
+        .map(String::from_utf8_lossy)
+        .unwrap_or_default()
         .lines()
         .filter(|l| l.trim() == "[[gpu]]")
         .count();
@@ -253,9 +256,11 @@ fn table_at(text: &str, offset: usize) -> String {
 /// The file line of the first matrix line of a spanned topology string.
 fn topology_first_line(text: &str, span: std::ops::Range<usize>) -> usize {
     let (line, _) = line_column(text, span.start);
-    let literal = &text[span.start.min(text.len())..span.end.min(text.len())];
-    let multi = literal.starts_with("\"\"\"") || literal.starts_with("'''");
-    if multi && literal[3..].starts_with(['\n', '\r']) {
+    let literal = text.get(span).unwrap_or_default();
+    let body = literal
+        .strip_prefix("\"\"\"")
+        .or_else(|| literal.strip_prefix("'''"));
+    if body.is_some_and(|b| b.starts_with(['\n', '\r'])) {
         line + 1
     } else {
         line
