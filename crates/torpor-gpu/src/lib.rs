@@ -4,6 +4,10 @@
 //! geometry, partition modes, a pure allocator over a snapshot of the inventory, tenant
 //! quotas, and what a sandbox must be given to use its share. It performs no I/O except
 //! reading an inventory file (and, with `nvml`, asking the driver).
+//!
+//! Unsafe code exists only in `nvml::driver` (two raw NVML calls that `nvml-wrapper` does not
+//! wrap); without the `nvml` feature the crate forbids it.
+#![cfg_attr(not(feature = "nvml"), forbid(unsafe_code))]
 
 pub mod extender;
 pub mod ids;

@@ -532,3 +532,150 @@ fn a_ledger_from_another_node_is_refused_not_a_panic() {
         .unwrap_err();
     assert_eq!(e.code(), "gpu_unknown");
 }
+
+#[test]
+fn reclaim_evicts_only_what_the_owner_needs() {
+    let inv = l4();
+    let mut ledger = Ledger::new(&inv);
+    let policy = Policy::default();
+    let half_gpu = TenantQuota {
+        guaranteed: Amount {
+            memory_mib: 11517,
+            compute: 350,
+        },
+        borrow_limit: Some(Amount {
+            memory_mib: 46068,
+            compute: 1400,
+        }),
+    };
+    let quotas = QuotaBook::unlimited()
+        .with(tenant("a"), half_gpu)
+        .with(tenant("b"), half_gpu);
+    // b fills both GPUs with four 50% MPS shares: one guaranteed, three borrowed.
+    let b = GpuRequest::mps(50, Some(11517)).for_tenant(tenant("b"));
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        let p = plan(&inv, &ledger, &b, &policy, &quotas).unwrap();
+        ids.push(commit(&inv, &mut ledger, &p, &policy).unwrap()[0]);
+    }
+    // Within b's ceiling but nothing is free, and a borrower may not evict.
+    let r = plan(&inv, &ledger, &b, &policy, &quotas).unwrap_err();
+    assert_eq!(r.code(), "no_capacity");
+    // a needs 50% of one GPU: one eviction, the newest borrowed share.
+    let a = GpuRequest::mps(50, Some(11517)).for_tenant(tenant("a"));
+    let p = plan(&inv, &ledger, &a, &policy, &quotas).unwrap();
+    assert_eq!(p.evictions, [ids[3]]);
+    commit(&inv, &mut ledger, &p, &policy).unwrap();
+    // a asks again, now borrowing: it may not evict anyone.
+    let r = plan(&inv, &ledger, &a, &policy, &quotas).unwrap_err();
+    assert_eq!(r.code(), "no_capacity");
+    // a whole GPU for a is above a's guarantee even with nothing else held: refused.
+    let whole = GpuRequest::whole(1).for_tenant(tenant("a"));
+    assert_ne!(
+        plan(&inv, &ledger, &whole, &policy, &quotas).map(|_| ()),
+        Ok(())
+    );
+    ledger.check(&inv).unwrap();
+}
+
+#[test]
+fn numa_local_gangs_stay_on_one_socket_or_are_refused() {
+    let inv = h200();
+    let ledger = Ledger::new(&inv);
+    let local = GpuRequest {
+        numa_local: true,
+        ..GpuRequest::whole(1)
+    };
+    let four = GangRequest {
+        members: vec![local.clone(); 4],
+    };
+    let p = plan_gang(
+        &inv,
+        &ledger,
+        &four,
+        &Policy::spread(),
+        &QuotaBook::unlimited(),
+    )
+    .unwrap();
+    let numa: Vec<Option<u32>> = p
+        .shares()
+        .map(|s| inv.gpu(s.gpu).unwrap().numa_node)
+        .collect();
+    assert!(numa.iter().all(|n| *n == numa[0]), "{numa:?}");
+    let five = GangRequest {
+        members: vec![local; 5],
+    };
+    let r = plan_gang(
+        &inv,
+        &ledger,
+        &five,
+        &Policy::default(),
+        &QuotaBook::unlimited(),
+    )
+    .unwrap_err();
+    let Refusal::Gang {
+        placed, blocking, ..
+    } = &r
+    else {
+        panic!("{r:?}")
+    };
+    assert_eq!(*placed, 4);
+    assert_eq!(blocking.code(), "topology_unsatisfiable", "{r}");
+}
+
+#[test]
+fn timeslice_replicas_are_counted() {
+    let inv = l4();
+    let mut ledger = Ledger::new(&inv);
+    let policy = Policy::default();
+    let gpus: Vec<u32> = (0..8)
+        .map(|_| place(&inv, &mut ledger, &GpuRequest::timeslice(), &policy)[0].0)
+        .collect();
+    assert_eq!(
+        gpus,
+        [0, 0, 0, 0, 1, 1, 1, 1],
+        "4 replicas per GPU by default"
+    );
+    let r = refuse(&inv, &ledger, &GpuRequest::timeslice(), &policy);
+    let Refusal::NoCapacity { gpus, .. } = &r else {
+        panic!("{r:?}")
+    };
+    assert!(gpus.iter().all(|g| g.code == "gpu_timeslice_full"));
+}
+
+#[test]
+fn declared_initial_modes_are_respected() {
+    let text = std::fs::read_to_string(common::fixtures_dir().join("l4-2.toml"))
+        .unwrap()
+        .replacen(
+            "mig_capable = false\n",
+            "mig_capable = false\nmode = \"mps\"\n",
+            1,
+        );
+    let inv = Inventory::from_toml(&text, "l4-mps.toml").unwrap();
+    let ledger = Ledger::new(&inv);
+    assert_eq!(ledger.usage()[0].mode, PartitionMode::Mps);
+    let fixed = Policy {
+        allow_mode_change: false,
+        ..Policy::default()
+    };
+    let p = plan(
+        &inv,
+        &ledger,
+        &GpuRequest::mps(10, None),
+        &fixed,
+        &QuotaBook::unlimited(),
+    )
+    .unwrap();
+    assert_eq!(p.shares().next().unwrap().gpu, GpuIndex(0));
+    assert!(p.mode_changes.is_empty());
+    let w = plan(
+        &inv,
+        &ledger,
+        &GpuRequest::whole(1),
+        &fixed,
+        &QuotaBook::unlimited(),
+    )
+    .unwrap();
+    assert_eq!(w.shares().next().unwrap().gpu, GpuIndex(1));
+}
