@@ -81,8 +81,6 @@ impl Limits {
     }
 }
 
-
-
 #[cfg(test)]
 mod tests {
     use super::*;

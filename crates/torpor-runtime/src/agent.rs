@@ -193,7 +193,10 @@ impl Agent {
                 .stdin(Stdio::null())
                 .stdout(log.as_ref().map_or(Stdio::null(), |f| clone_stdio(f)))
                 .stderr(log.as_ref().map_or(Stdio::null(), |f| clone_stdio(f)));
-            let (child, _) = self.children.spawn(&mut command, false).map_err(spawn_err)?;
+            let (child, _) = self
+                .children
+                .spawn(&mut command, false)
+                .map_err(spawn_err)?;
             return Ok((Reply::Started { pid: child.id() }, Vec::new()));
         }
         command
@@ -207,9 +210,7 @@ impl Agent {
         let started = Instant::now();
         let (mut child, status_rx) = self.children.spawn(&mut command, true).map_err(spawn_err)?;
         let status_rx = status_rx.expect("waited spawn has a receiver");
-        let deadline = req
-            .timeout_ms
-            .map(|ms| started + Duration::from_millis(ms));
+        let deadline = req.timeout_ms.map(|ms| started + Duration::from_millis(ms));
         let mut io = ChildIo {
             stdin: child.stdin.take(),
             stdin_data: stdin,
@@ -316,10 +317,12 @@ impl ChildIo {
             } else if !open && self.stdin.is_none() {
                 // Pipes closed; the exit status is on its way.
                 return match deadline {
-                    Some(d) => match status_rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
-                        Ok(s) => Pumped::Exited(s),
-                        Err(_) => Pumped::TimedOut,
-                    },
+                    Some(d) => {
+                        match status_rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
+                            Ok(s) => Pumped::Exited(s),
+                            Err(_) => Pumped::TimedOut,
+                        }
+                    }
                     None => status_rx.recv().map_or(Pumped::TimedOut, Pumped::Exited),
                 };
             }
@@ -328,13 +331,25 @@ impl ChildIo {
             }
             let mut fds = Vec::with_capacity(3);
             if let Some(p) = &self.stdin {
-                fds.push(libc::pollfd { fd: p.as_raw_fd(), events: libc::POLLOUT, revents: 0 });
+                fds.push(libc::pollfd {
+                    fd: p.as_raw_fd(),
+                    events: libc::POLLOUT,
+                    revents: 0,
+                });
             }
             if let Some(p) = &self.stdout {
-                fds.push(libc::pollfd { fd: p.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+                fds.push(libc::pollfd {
+                    fd: p.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
             }
             if let Some(p) = &self.stderr {
-                fds.push(libc::pollfd { fd: p.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+                fds.push(libc::pollfd {
+                    fd: p.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
             }
             // Short slices: the exit status arrives on a channel, not on an fd.
             let slice_ms = if status.is_some() { 10 } else { 20 };
@@ -613,7 +628,11 @@ fn read_file(path: &str, max_bytes: u64) -> Answer {
     if meta.len() > cap {
         return Err(Reply::Error {
             code: AgentErrorCode::TooLarge,
-            message: format!("{} is {} bytes, over the {cap}-byte limit", p.display(), meta.len()),
+            message: format!(
+                "{} is {} bytes, over the {cap}-byte limit",
+                p.display(),
+                meta.len()
+            ),
         });
     }
     let mut data = Vec::with_capacity(meta.len() as usize);
@@ -741,7 +760,9 @@ mod tests {
             })
         ));
         let (reply, _) = list(dir.path().join("sub").to_str().unwrap()).unwrap();
-        let Reply::Entries { entries } = reply else { panic!("{reply:?}") };
+        let Reply::Entries { entries } = reply else {
+            panic!("{reply:?}")
+        };
         assert_eq!(entries.len(), 1);
         assert_eq!(entries[0].mode, 0o600);
         remove(path, false).unwrap();

@@ -59,7 +59,10 @@ impl AgentConn {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = proto::encode(id, req, body)?;
         let (tx, rx) = mpsc::channel(64);
-        self.routes.lock().unwrap_or_else(|p| p.into_inner()).insert(id, tx);
+        self.routes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, tx);
         let mut w = self.writer.lock().await;
         let written = async {
             w.write_all(&frame).await?;
@@ -67,7 +70,10 @@ impl AgentConn {
         }
         .await;
         if written.is_err() {
-            self.routes.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            self.routes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
             return Err(ConnError::Closed);
         }
         Ok(rx)

@@ -10,5 +10,5 @@ pub mod rootfs;
 pub mod runsc;
 pub mod spec;
 
-pub use runsc::{Container, ExitInfo, Runsc, RuntimeError};
+pub use runsc::{Container, ExitHandle, ExitInfo, Runsc, RuntimeError};
 pub use spec::{ContainerSpec, Mount};

@@ -27,15 +27,28 @@ pub enum Request {
     /// Answered with `Reply::Hello` once the agent is ready.
     Hello,
     /// Sets environment applied to every later exec (per-sandbox env after a golden restore).
-    Configure { env: BTreeMap<String, String> },
+    Configure {
+        env: BTreeMap<String, String>,
+    },
     /// Runs a command. The body is its stdin.
     Exec(ExecRequest),
     /// Reads a file; the reply body holds it.
-    ReadFile { path: String, max_bytes: u64 },
+    ReadFile {
+        path: String,
+        max_bytes: u64,
+    },
     /// Writes the body to a file, creating parent directories.
-    WriteFile { path: String, mode: Option<u32> },
-    List { path: String },
-    Remove { path: String, recursive: bool },
+    WriteFile {
+        path: String,
+        mode: Option<u32>,
+    },
+    List {
+        path: String,
+    },
+    Remove {
+        path: String,
+        recursive: bool,
+    },
     /// The main process's state.
     MainStatus,
 }
@@ -136,7 +149,6 @@ pub enum AgentErrorCode {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Header<T> {
     pub id: u64,
     #[serde(flatten)]

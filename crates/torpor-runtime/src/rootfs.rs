@@ -37,7 +37,9 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> RootfsError + '_ {
 }
 
 /// The directories of the host that the `host` template shows read-only.
-const HOST_DIRS: &[&str] = &["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"];
+const HOST_DIRS: &[&str] = &[
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+];
 
 /// Lays out the `host` template's root directory at `root` and returns the bind mounts it needs.
 pub fn prepare_host_rootfs(root: &Path) -> Result<Vec<Mount>, RootfsError> {
@@ -213,7 +215,10 @@ mod tests {
         let passwd = fs::read_to_string(dir.path().join("etc/passwd")).unwrap();
         assert!(passwd.starts_with("root:"));
         // Never a copy of the host's own /etc.
-        assert_ne!(passwd, fs::read_to_string("/etc/passwd").unwrap_or_default());
+        assert_ne!(
+            passwd,
+            fs::read_to_string("/etc/passwd").unwrap_or_default()
+        );
     }
 
     #[test]

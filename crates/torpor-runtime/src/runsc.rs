@@ -85,7 +85,44 @@ pub struct Container {
     expected_exit: Arc<AtomicBool>,
 }
 
+/// A cloneable view of how a container ends, for tasks that outlive a borrow of it.
+#[derive(Clone)]
+pub struct ExitHandle {
+    exit: watch::Receiver<Option<ExitInfo>>,
+    expected_exit: Arc<AtomicBool>,
+}
+
+impl ExitHandle {
+    /// Resolves when the container's runsc process has exited.
+    pub async fn exited(&self) -> ExitInfo {
+        let mut rx = self.exit.clone();
+        let seen = rx.wait_for(|e| e.is_some()).await.ok().and_then(|e| *e);
+        seen.unwrap_or(ExitInfo {
+            code: None,
+            signal: None,
+            oom_killed: false,
+        })
+    }
+
+    /// Whether the exit was one torpor asked for (a checkpoint or a delete).
+    pub fn expected(&self) -> bool {
+        self.expected_exit.load(Ordering::SeqCst)
+    }
+}
+
 impl Container {
+    pub fn exit_handle(&self) -> ExitHandle {
+        ExitHandle {
+            exit: self.exit.clone(),
+            expected_exit: self.expected_exit.clone(),
+        }
+    }
+
+    /// Marks the coming exit as torpor's own doing.
+    pub fn expect_exit(&self) {
+        self.expected_exit.store(true, Ordering::SeqCst);
+    }
+
     /// Resolves when the container's runsc process has exited.
     pub async fn exited(&self) -> ExitInfo {
         let mut rx = self.exit.clone();
@@ -177,8 +214,8 @@ impl Runsc {
     ) -> Result<(), RuntimeError> {
         std::fs::create_dir_all(bundle).map_err(io_err(bundle))?;
         let path = bundle.join("config.json");
-        let json = serde_json::to_vec_pretty(&spec::render(spec, container_id))
-            .expect("spec serialises");
+        let json =
+            serde_json::to_vec_pretty(&spec::render(spec, container_id)).expect("spec serialises");
         std::fs::write(&path, json).map_err(io_err(&path))
     }
 
@@ -346,11 +383,7 @@ fn last_chars(s: &str, n: usize) -> String {
     s[start..].to_string()
 }
 
-async fn watch_exit(
-    mut child: Child,
-    oom: Arc<AtomicBool>,
-    tx: watch::Sender<Option<ExitInfo>>,
-) {
+async fn watch_exit(mut child: Child, oom: Arc<AtomicBool>, tx: watch::Sender<Option<ExitInfo>>) {
     let status = child.wait().await;
     // The OOM watcher reads the cgroup on the kernel's event; give it a moment to land.
     let t = Instant::now();

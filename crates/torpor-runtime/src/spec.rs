@@ -4,13 +4,13 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use torpor_core::Limits;
 
 use crate::cgroup;
 use crate::rootfs::AGENT_MOUNT;
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Mount {
     pub destination: String,
     #[serde(rename = "type")]

@@ -1,0 +1,313 @@
+//! The Rust client of API v1, built on the same types as the server.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use reqwest::Method;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::types::{
+    CreateSandboxBody, ErrorBody, ExecBody, ExecEvent, ExecResult, FileEntry, Health, Sandbox,
+    SuspendBody, Template, TemplateSpec,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The server answered with an error in the API's shape.
+    #[error("{message} ({code}, HTTP {status})")]
+    Api {
+        status: u16,
+        code: String,
+        message: String,
+        details: Option<serde_json::Value>,
+    },
+    #[error("cannot reach torpor at {url}: {source}")]
+    Connect {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("unexpected answer from torpor (HTTP {status}): {body}")]
+    Unexpected { status: u16, body: String },
+}
+
+impl ClientError {
+    /// The API error code, if the server sent one.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            ClientError::Api { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct Client {
+    base: String,
+    token: String,
+    http: reqwest::Client,
+}
+
+type Result<T> = std::result::Result<T, ClientError>;
+
+impl Client {
+    pub fn new(base_url: &str, token: &str) -> Self {
+        Client {
+            base: base_url.trim_end_matches('/').to_string(),
+            token: token.to_string(),
+            http: reqwest::Client::builder()
+                .pool_idle_timeout(Duration::from_secs(30))
+                .build()
+                .expect("HTTP client builds"),
+        }
+    }
+
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
+    fn request(&self, method: Method, path: &str) -> reqwest::RequestBuilder {
+        self.http
+            .request(method, format!("{}{}", self.base, path))
+            .bearer_auth(&self.token)
+    }
+
+    async fn send(&self, rb: reqwest::RequestBuilder) -> Result<reqwest::Response> {
+        let resp = rb.send().await.map_err(|e| ClientError::Connect {
+            url: self.base.clone(),
+            source: e,
+        })?;
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap_or_default();
+        match serde_json::from_str::<ErrorBody>(&text) {
+            Ok(e) => Err(ClientError::Api {
+                status,
+                code: e.error.code,
+                message: e.error.message,
+                details: e.error.details,
+            }),
+            Err(_) => Err(ClientError::Unexpected { status, body: text }),
+        }
+    }
+
+    async fn json<T: DeserializeOwned>(&self, rb: reqwest::RequestBuilder) -> Result<T> {
+        let resp = self.send(rb).await?;
+        let status = resp.status().as_u16();
+        let bytes = resp.bytes().await.map_err(|e| ClientError::Connect {
+            url: self.base.clone(),
+            source: e,
+        })?;
+        serde_json::from_slice(&bytes).map_err(|_| ClientError::Unexpected {
+            status,
+            body: String::from_utf8_lossy(&bytes).chars().take(500).collect(),
+        })
+    }
+
+    async fn json_body<B: Serialize, T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: &B,
+    ) -> Result<T> {
+        self.json(self.request(method, path).json(body)).await
+    }
+
+    pub async fn health(&self) -> Result<Health> {
+        self.json(self.http.get(format!("{}/healthz", self.base)))
+            .await
+    }
+
+    pub async fn metrics(&self) -> Result<String> {
+        let resp = self
+            .send(self.http.get(format!("{}/metrics", self.base)))
+            .await?;
+        resp.text().await.map_err(|e| ClientError::Connect {
+            url: self.base.clone(),
+            source: e,
+        })
+    }
+
+    pub async fn create_template(&self, spec: &TemplateSpec) -> Result<Template> {
+        self.json_body(Method::POST, "/v1/templates", spec).await
+    }
+
+    pub async fn templates(&self) -> Result<Vec<Template>> {
+        self.json(self.request(Method::GET, "/v1/templates")).await
+    }
+
+    pub async fn template(&self, name: &str) -> Result<Template> {
+        self.json(self.request(Method::GET, &format!("/v1/templates/{name}")))
+            .await
+    }
+
+    pub async fn delete_template(&self, name: &str) -> Result<()> {
+        self.send(self.request(Method::DELETE, &format!("/v1/templates/{name}")))
+            .await
+            .map(|_| ())
+    }
+
+    pub async fn create_sandbox(&self, body: &CreateSandboxBody) -> Result<Sandbox> {
+        self.json_body(Method::POST, "/v1/sandboxes", body).await
+    }
+
+    pub async fn sandboxes(&self, state: Option<&str>) -> Result<Vec<Sandbox>> {
+        let mut rb = self.request(Method::GET, "/v1/sandboxes");
+        if let Some(s) = state {
+            rb = rb.query(&[("state", s)]);
+        }
+        self.json(rb).await
+    }
+
+    pub async fn sandbox(&self, id: &str) -> Result<Sandbox> {
+        self.json(self.request(Method::GET, &format!("/v1/sandboxes/{id}")))
+            .await
+    }
+
+    pub async fn delete_sandbox(&self, id: &str) -> Result<()> {
+        self.send(self.request(Method::DELETE, &format!("/v1/sandboxes/{id}")))
+            .await
+            .map(|_| ())
+    }
+
+    pub async fn exec(&self, id: &str, body: &ExecBody) -> Result<ExecResult> {
+        self.json_body(Method::POST, &format!("/v1/sandboxes/{id}/exec"), body)
+            .await
+    }
+
+    /// Runs a command and calls `on_event` for each event as it arrives; returns the exit.
+    pub async fn exec_stream(
+        &self,
+        id: &str,
+        body: &ExecBody,
+        mut on_event: impl FnMut(&ExecEvent),
+    ) -> Result<ExecResult> {
+        let mut body = body.clone();
+        body.stream = true;
+        let resp = self
+            .send(
+                self.request(Method::POST, &format!("/v1/sandboxes/{id}/exec"))
+                    .json(&body),
+            )
+            .await?;
+        let mut stream = resp.bytes_stream();
+        let mut buf = String::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| ClientError::Connect {
+                url: self.base.clone(),
+                source: e,
+            })?;
+            buf.push_str(&String::from_utf8_lossy(&chunk));
+            while let Some(end) = buf.find("\n\n") {
+                let block: String = buf.drain(..end + 2).collect();
+                let data: String = block
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data:"))
+                    .map(str::trim_start)
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                if data.is_empty() {
+                    continue;
+                }
+                let Ok(ev) = serde_json::from_str::<ExecEvent>(&data) else {
+                    continue;
+                };
+                on_event(&ev);
+                match ev {
+                    ExecEvent::Exit(r) => return Ok(r),
+                    ExecEvent::Error { code, message } => {
+                        return Err(ClientError::Api {
+                            status: 200,
+                            code,
+                            message,
+                            details: None,
+                        })
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Err(ClientError::Unexpected {
+            status: 200,
+            body: "the event stream ended without an exit event".into(),
+        })
+    }
+
+    pub async fn read_file(&self, id: &str, path: &str) -> Result<Vec<u8>> {
+        let resp = self
+            .send(
+                self.request(Method::GET, &format!("/v1/sandboxes/{id}/files"))
+                    .query(&[("path", path)]),
+            )
+            .await?;
+        resp.bytes()
+            .await
+            .map(|b| b.to_vec())
+            .map_err(|e| ClientError::Connect {
+                url: self.base.clone(),
+                source: e,
+            })
+    }
+
+    pub async fn write_file(
+        &self,
+        id: &str,
+        path: &str,
+        data: Vec<u8>,
+        mode: Option<u32>,
+    ) -> Result<()> {
+        let mut q = vec![("path", path.to_string())];
+        if let Some(m) = mode {
+            q.push(("mode", format!("{m:o}")));
+        }
+        self.send(
+            self.request(Method::PUT, &format!("/v1/sandboxes/{id}/files"))
+                .query(&q)
+                .body(data),
+        )
+        .await
+        .map(|_| ())
+    }
+
+    pub async fn list_files(&self, id: &str, path: &str) -> Result<Vec<FileEntry>> {
+        self.json(
+            self.request(Method::GET, &format!("/v1/sandboxes/{id}/files"))
+                .query(&[("path", path), ("list", "true")]),
+        )
+        .await
+    }
+
+    pub async fn remove_file(&self, id: &str, path: &str, recursive: bool) -> Result<()> {
+        self.send(
+            self.request(Method::DELETE, &format!("/v1/sandboxes/{id}/files"))
+                .query(&[
+                    ("path", path),
+                    ("recursive", if recursive { "true" } else { "false" }),
+                ]),
+        )
+        .await
+        .map(|_| ())
+    }
+
+    pub async fn suspend(&self, id: &str, tier: Option<torpor_core::Tier>) -> Result<Sandbox> {
+        self.json_body(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/suspend"),
+            &SuspendBody { tier },
+        )
+        .await
+    }
+
+    pub async fn resume(&self, id: &str) -> Result<Sandbox> {
+        self.json(self.request(Method::POST, &format!("/v1/sandboxes/{id}/resume")))
+            .await
+    }
+
+    /// Whether the server answers at all.
+    pub async fn is_up(&self) -> bool {
+        matches!(self.health().await, Ok(_))
+    }
+}

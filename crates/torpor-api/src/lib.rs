@@ -1,0 +1,9 @@
+//! torpor's HTTP API v1: the server (routes onto the engine, authentication, the error
+//! contract) and the Rust client the CLI uses. Both sides share [`types`].
+
+pub mod client;
+pub mod server;
+pub mod types;
+
+pub use client::{Client, ClientError};
+pub use server::{router, ApiState, OPENAPI};

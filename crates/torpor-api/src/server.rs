@@ -1,0 +1,603 @@
+//! The HTTP server: routes of API v1 onto the engine.
+//!
+//! Every request under /v1 is authenticated by its bearer token; bodies are parsed here (not by
+//! axum's extractors) so that every malformed input answers in the one error shape with a stable
+//! code. [`status_of`] is the one place where domain errors become HTTP statuses.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::FromRequest;
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use torpor_control::{ControlError, CreateSandbox, Engine, ExecEvent};
+use torpor_core::{SandboxId, TemplateName, TemplateSpec, TenantId, Tier};
+use torpor_runtime::proto::{self, ExecRequest};
+
+use crate::types::{
+    CreateSandboxBody, ErrorBody, ErrorDetail, ExecBody, Health, Sandbox, SuspendBody, Template,
+};
+
+/// The OpenAPI document served at /v1/openapi.json.
+pub const OPENAPI: &str = include_str!("../openapi.json");
+
+/// Bodies of JSON requests are small; file uploads have their own, larger cap.
+pub const MAX_JSON_BODY: usize = 1 << 20;
+pub const MAX_FILE_BODY: usize = proto::MAX_BODY;
+
+pub struct ApiState {
+    pub engine: Arc<Engine>,
+    pub admin_token: String,
+}
+
+/// An API error: a status, a stable code and a message.
+pub struct ApiError {
+    status: StatusCode,
+    code: String,
+    message: String,
+    details: Option<serde_json::Value>,
+    retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code: code.into(),
+            message: message.into(),
+            details: None,
+            retry_after: None,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = ErrorBody {
+            error: ErrorDetail {
+                code: self.code,
+                message: self.message,
+                details: self.details,
+            },
+        };
+        let mut resp = (self.status, Json(body)).into_response();
+        if let Some(s) = self.retry_after {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        resp
+    }
+}
+
+/// The one mapping from domain errors to HTTP.
+fn status_of(e: &ControlError) -> StatusCode {
+    use torpor_runtime::proto::AgentErrorCode as A;
+    match e {
+        ControlError::NotFound { .. } => StatusCode::NOT_FOUND,
+        ControlError::AlreadyExists { .. }
+        | ControlError::InvalidTransition { .. }
+        | ControlError::TemplateInUse(..)
+        | ControlError::TemplateNotReady(_) => StatusCode::CONFLICT,
+        ControlError::Invalid(_) | ControlError::Unsupported(_) => StatusCode::BAD_REQUEST,
+        ControlError::NoWorker(_) | ControlError::ShuttingDown | ControlError::Conn(_) => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
+        ControlError::ExecTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+        ControlError::SandboxCrashed { .. } => StatusCode::BAD_GATEWAY,
+        ControlError::Agent { code, .. } => match code {
+            A::NotFound => StatusCode::NOT_FOUND,
+            A::PermissionDenied => StatusCode::FORBIDDEN,
+            A::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            A::Io => StatusCode::INTERNAL_SERVER_ERROR,
+            A::NotADirectory
+            | A::IsADirectory
+            | A::InvalidPath
+            | A::SpawnFailed
+            | A::BadRequest => StatusCode::BAD_REQUEST,
+        },
+        ControlError::Runtime(_) | ControlError::Store(_) | ControlError::Io { .. } => {
+            StatusCode::INTERNAL_SERVER_ERROR
+        }
+    }
+}
+
+impl From<ControlError> for ApiError {
+    fn from(e: ControlError) -> Self {
+        let status = status_of(&e);
+        if status.is_server_error() {
+            tracing::warn!(error = %e, code = e.code(), "request failed");
+        }
+        let details = match &e {
+            ControlError::ExecTimeout { stdout, stderr, .. } => {
+                Some(serde_json::json!({"stdout": stdout, "stderr": stderr}))
+            }
+            _ => None,
+        };
+        let retry_after = (status == StatusCode::SERVICE_UNAVAILABLE).then_some(1);
+        ApiError {
+            status,
+            code: e.code().into(),
+            message: e.to_string(),
+            details,
+            retry_after,
+        }
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// The raw request body, with an over-limit body answered in the API's error shape.
+struct RawBody(Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for RawBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        Bytes::from_request(req, state)
+            .await
+            .map(RawBody)
+            .map_err(|e| {
+                ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body_too_large",
+                    format!("request body refused: {}", e.body_text()),
+                )
+            })
+    }
+}
+
+/// Parses a JSON body strictly, with errors in the API's shape.
+fn parse_json<T: DeserializeOwned>(body: &Bytes) -> ApiResult<T> {
+    if body.len() > MAX_JSON_BODY {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("JSON bodies are limited to {MAX_JSON_BODY} bytes"),
+        ));
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        let code = if e.is_syntax() || e.is_eof() {
+            "invalid_json"
+        } else {
+            "invalid_request"
+        };
+        ApiError::new(StatusCode::BAD_REQUEST, code, format!("request body: {e}"))
+    })
+}
+
+fn sandbox_id(raw: &str) -> ApiResult<SandboxId> {
+    // A malformed id cannot name a sandbox: answer as for any unknown one.
+    SandboxId::new(raw).map_err(|_| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("sandbox {raw:?} not found"),
+        )
+    })
+}
+
+fn template_name(raw: &str) -> ApiResult<TemplateName> {
+    TemplateName::new(raw).map_err(|_| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("template {raw:?} not found"),
+        )
+    })
+}
+
+pub fn router(state: Arc<ApiState>) -> Router {
+    let v1 = Router::new()
+        .route("/templates", post(create_template).get(list_templates))
+        .route(
+            "/templates/{name}",
+            get(get_template).delete(delete_template),
+        )
+        .route("/sandboxes", post(create_sandbox).get(list_sandboxes))
+        .route("/sandboxes/{id}", get(get_sandbox).delete(delete_sandbox))
+        .route("/sandboxes/{id}/exec", post(exec))
+        .route(
+            "/sandboxes/{id}/files",
+            get(read_files).put(write_file).delete(delete_file),
+        )
+        .route("/sandboxes/{id}/suspend", post(suspend))
+        .route("/sandboxes/{id}/resume", post(resume))
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate))
+        .route("/openapi.json", get(openapi));
+    Router::new()
+        .nest("/v1", v1)
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .fallback(not_found_route)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_FILE_BODY))
+        .with_state(state)
+}
+
+async fn not_found_route() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "method not allowed on this route",
+    )
+}
+
+/// Resolves the bearer token to a tenant and hands it to the handler.
+async fn authenticate(
+    State(state): State<Arc<ApiState>>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    let token = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let tenant = match token {
+        Some(t) if constant_time_eq(t.as_bytes(), state.admin_token.as_bytes()) => {
+            TenantId::admin()
+        }
+        Some(_) => {
+            return ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "the bearer token is not valid",
+            )
+            .into_response()
+        }
+        None => {
+            return ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "missing `Authorization: Bearer TOKEN` header",
+            )
+            .into_response()
+        }
+    };
+    req.extensions_mut().insert(tenant);
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn healthz(State(state): State<Arc<ApiState>>) -> Json<Health> {
+    let r = state.engine.runsc();
+    Json(Health {
+        status: "ok".into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        runsc_version: r.version.clone(),
+        platform: r.platform.clone(),
+        workers: state.engine.workers(),
+    })
+}
+
+async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
+    if let Err(e) = state.engine.policy_tick_gauges() {
+        tracing::warn!(error = %e, "cannot refresh gauges");
+    }
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.engine.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+// ------------------------------------------------------------------ templates
+
+async fn create_template(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    RawBody(body): RawBody,
+) -> ApiResult<(StatusCode, Json<Template>)> {
+    let spec: TemplateSpec = parse_json(&body)?;
+    let rec = state
+        .engine
+        .register_template(&tenant, spec, &|step| {
+            tracing::info!(step, "template build")
+        })
+        .await?;
+    Ok((StatusCode::CREATED, Json(Template::from(&rec))))
+}
+
+async fn list_templates(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+) -> ApiResult<Json<Vec<Template>>> {
+    let all = state.engine.templates(&tenant)?;
+    Ok(Json(all.iter().map(Template::from).collect()))
+}
+
+async fn get_template(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<Template>> {
+    let t = state.engine.template(&tenant, &template_name(&name)?)?;
+    Ok(Json(Template::from(&t)))
+}
+
+async fn delete_template(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(name): Path<String>,
+) -> ApiResult<StatusCode> {
+    state
+        .engine
+        .delete_template(&tenant, &template_name(&name)?)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ------------------------------------------------------------------ sandboxes
+
+async fn create_sandbox(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    RawBody(body): RawBody,
+) -> ApiResult<(StatusCode, Json<Sandbox>)> {
+    let body: CreateSandboxBody = parse_json(&body)?;
+    let template = TemplateName::new(&body.template)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()))?;
+    let rec = state
+        .engine
+        .create_sandbox(
+            &tenant,
+            CreateSandbox {
+                template,
+                env: body.env,
+                metadata: body.metadata,
+                limits: body.limits.unwrap_or_default(),
+            },
+        )
+        .await?;
+    Ok((StatusCode::CREATED, Json(Sandbox::from(&rec))))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    state: Option<String>,
+}
+
+async fn list_sandboxes(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<Json<Vec<Sandbox>>> {
+    let Query(q) = query
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()))?;
+    let all = state.engine.sandboxes(&tenant)?;
+    let wanted = |s: &&torpor_control::SandboxRecord| match &q.state {
+        None => true,
+        Some(want) => s.state.as_str() == want || s.tier.as_str() == want,
+    };
+    Ok(Json(all.iter().filter(wanted).map(Sandbox::from).collect()))
+}
+
+async fn get_sandbox(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Sandbox>> {
+    let s = state.engine.sandbox(&tenant, &sandbox_id(&id)?)?;
+    Ok(Json(Sandbox::from(&s)))
+}
+
+async fn delete_sandbox(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    state
+        .engine
+        .delete_sandbox(&tenant, &sandbox_id(&id)?)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn suspend(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(id): Path<String>,
+    RawBody(body): RawBody,
+) -> ApiResult<Json<Sandbox>> {
+    let body: SuspendBody = if body.is_empty() {
+        SuspendBody::default()
+    } else {
+        parse_json(&body)?
+    };
+    let s = state
+        .engine
+        .suspend(
+            &tenant,
+            &sandbox_id(&id)?,
+            body.tier.unwrap_or(Tier::Parked),
+        )
+        .await?;
+    Ok(Json(Sandbox::from(&s)))
+}
+
+async fn resume(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Sandbox>> {
+    let s = state.engine.resume(&tenant, &sandbox_id(&id)?).await?;
+    Ok(Json(Sandbox::from(&s)))
+}
+
+// ------------------------------------------------------------------ exec
+
+async fn exec(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    RawBody(body): RawBody,
+) -> ApiResult<Response> {
+    let id = sandbox_id(&id)?;
+    let body: ExecBody = parse_json(&body)?;
+    let stream = body.stream
+        || headers
+            .get(header::ACCEPT)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.contains("text/event-stream"));
+    let stdin = body.stdin.unwrap_or_default().into_bytes();
+    let req = ExecRequest {
+        cmd: body.cmd,
+        env: body.env,
+        cwd: body.cwd,
+        timeout_ms: body.timeout_ms,
+        detach: body.detach,
+        stream,
+    };
+    if !stream {
+        let result = state.engine.exec(&tenant, &id, req, stdin).await?;
+        return Ok(Json(result).into_response());
+    }
+    let mut rx = state.engine.exec_stream(&tenant, &id, req, stdin).await?;
+    let events = async_stream(move |tx| async move {
+        while let Some(ev) = rx.recv().await {
+            let name = match &ev {
+                ExecEvent::Stdout { .. } => "stdout",
+                ExecEvent::Stderr { .. } => "stderr",
+                ExecEvent::Exit(_) => "exit",
+                ExecEvent::Error { .. } => "error",
+            };
+            let data = serde_json::to_string(&ev).expect("events serialise");
+            if tx
+                .send(Ok::<_, Infallible>(Event::default().event(name).data(data)))
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+    });
+    Ok(Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response())
+}
+
+/// A stream fed by a task through a bounded channel.
+fn async_stream<T, F, Fut>(f: F) -> impl futures::Stream<Item = T>
+where
+    T: Send + 'static,
+    F: FnOnce(tokio::sync::mpsc::Sender<T>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, mut rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(f(tx));
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+// ------------------------------------------------------------------ files
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileQuery {
+    path: String,
+    #[serde(default)]
+    list: bool,
+    #[serde(default)]
+    recursive: bool,
+    /// Octal permission bits for a written file, e.g. `755`.
+    mode: Option<String>,
+}
+
+fn file_query(
+    q: Result<Query<FileQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<FileQuery> {
+    q.map(|Query(q)| q)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()))
+}
+
+async fn read_files(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(id): Path<String>,
+    q: Result<Query<FileQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<Response> {
+    let q = file_query(q)?;
+    let id = sandbox_id(&id)?;
+    if q.list {
+        let entries = state.engine.list_files(&tenant, &id, &q.path).await?;
+        return Ok(Json(entries).into_response());
+    }
+    let data = state
+        .engine
+        .read_file(&tenant, &id, &q.path, MAX_FILE_BODY as u64)
+        .await?;
+    Ok((
+        [(header::CONTENT_TYPE, "application/octet-stream")],
+        Body::from(data),
+    )
+        .into_response())
+}
+
+async fn write_file(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(id): Path<String>,
+    q: Result<Query<FileQuery>, axum::extract::rejection::QueryRejection>,
+    RawBody(body): RawBody,
+) -> ApiResult<StatusCode> {
+    let q = file_query(q)?;
+    let mode = match &q.mode {
+        None => None,
+        Some(m) => Some(
+            u32::from_str_radix(m, 8)
+                .ok()
+                .filter(|m| *m <= 0o7777)
+                .ok_or_else(|| {
+                    ApiError::new(
+                        StatusCode::BAD_REQUEST,
+                        "invalid_request",
+                        "mode must be octal, e.g. 644",
+                    )
+                })?,
+        ),
+    };
+    state
+        .engine
+        .write_file(&tenant, &sandbox_id(&id)?, &q.path, mode, &body)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn delete_file(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(id): Path<String>,
+    q: Result<Query<FileQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<StatusCode> {
+    let q = file_query(q)?;
+    state
+        .engine
+        .remove_file(&tenant, &sandbox_id(&id)?, &q.path, q.recursive)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}

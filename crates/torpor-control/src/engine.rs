@@ -1,0 +1,1622 @@
+//! The engine: owns every sandbox's lifecycle on this node.
+//!
+//! Each sandbox has a [`Slot`]: a read-write lock over its live container (if resident) and its
+//! last-activity clock. Calls that use a running sandbox (exec, files) hold the read lock, so
+//! many run at once; transitions (wake, freeze, checkpoint, delete) hold the write lock, so they
+//! wait for calls in flight to finish and never checkpoint under a running request. Concurrent
+//! calls to one sleeping sandbox queue on the write lock: the first wakes it, the rest find it
+//! running.
+//!
+//! Every transition writes its transitional state to the store before the side effect and its
+//! stable state after; [`Engine::start`] reconciles what a crash left behind. Workers are a
+//! semaphore: a resident sandbox holds one permit.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{
+    mpsc, OwnedRwLockReadGuard, OwnedRwLockWriteGuard, OwnedSemaphorePermit, RwLock, Semaphore,
+};
+use torpor_core::{
+    now_millis, validate_env, Limits, LimitsPatch, SandboxId, SandboxState, TemplateName,
+    TemplateSource, TemplateSpec, TenantId, Tier,
+};
+use torpor_runtime::proto::{self, AgentErrorCode, DirEntry, ExecRequest, Reply, Request};
+use torpor_runtime::{rootfs, Container, ContainerSpec, Runsc};
+
+use crate::error::{ControlError, Result};
+use crate::metrics::Metrics;
+use crate::store::{ImageRef, SandboxRecord, Store, TemplateRecord, TemplateStatus};
+
+/// Everything the engine needs to know at start.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub data_dir: PathBuf,
+    /// How many sandboxes may be resident (Running or Frozen) at once.
+    pub workers: usize,
+    pub runsc_binary: Option<PathBuf>,
+    pub runsc_platform: Option<String>,
+    /// The binary copied into every sandbox as its agent (normally the running `torpor`).
+    pub agent_binary: PathBuf,
+    /// How long a call waits for a free worker before it is refused.
+    pub worker_wait: Duration,
+    /// How often the idle policy runs.
+    pub tick: Duration,
+}
+
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+const MAX_METADATA_ENTRIES: usize = 64;
+const MAX_METADATA_LEN: usize = 1024;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandbox {
+    pub template: TemplateName,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    #[serde(default)]
+    pub limits: LimitsPatch,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ExecResult {
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub oom_killed: bool,
+    pub duration_ms: f64,
+}
+
+/// One event of a streamed exec.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ExecEvent {
+    Stdout { data: String },
+    Stderr { data: String },
+    Exit(ExecResult),
+    Error { code: String, message: String },
+}
+
+struct Live {
+    container: Container,
+    _permit: OwnedSemaphorePermit,
+    frozen: bool,
+}
+
+#[derive(Default)]
+struct SlotState {
+    live: Option<Live>,
+}
+
+struct Slot {
+    state: Arc<RwLock<SlotState>>,
+    last_active: AtomicI64,
+}
+
+impl Slot {
+    fn touch(&self) {
+        self.last_active.fetch_max(now_millis(), Ordering::Relaxed);
+    }
+}
+
+/// A running sandbox borrowed for one call; it cannot be checkpointed while this lives.
+pub struct InUse {
+    guard: OwnedRwLockReadGuard<SlotState>,
+    slot: Arc<Slot>,
+}
+
+impl InUse {
+    fn container(&self) -> &Container {
+        &self
+            .guard
+            .live
+            .as_ref()
+            .expect("in-use sandbox is live")
+            .container
+    }
+}
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        self.slot.touch();
+    }
+}
+
+pub struct Engine {
+    /// The engine itself, for tasks (crash watches) that must call back into it.
+    me: std::sync::Weak<Engine>,
+    cfg: EngineConfig,
+    store: Store,
+    runsc: Runsc,
+    agent_dir: PathBuf,
+    slots: Mutex<HashMap<SandboxId, Arc<Slot>>>,
+    workers: Arc<Semaphore>,
+    /// At most this many checkpoints run at once (each is CPU- and disk-heavy).
+    checkpoints: Arc<Semaphore>,
+    pub metrics: Metrics,
+    shutting_down: AtomicBool,
+}
+
+/// Paths under the data directory.
+impl Engine {
+    fn templates_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("templates")
+    }
+    fn sandbox_dir(&self, id: &SandboxId) -> PathBuf {
+        self.cfg.data_dir.join("sandboxes").join(id.as_str())
+    }
+    fn store_dir(&self, id: &SandboxId) -> PathBuf {
+        self.cfg.data_dir.join("store").join(id.as_str())
+    }
+    fn bundle_dir(&self, container_id: &str) -> PathBuf {
+        self.cfg.data_dir.join("run").join(container_id)
+    }
+}
+
+impl Engine {
+    /// Opens the store, checks runsc, reconciles what a previous run left behind and makes sure
+    /// the built-in `host` template exists. Then starts the idle-policy task.
+    pub async fn start(cfg: EngineConfig) -> Result<Arc<Engine>> {
+        for sub in ["", "templates", "sandboxes", "store", "run", "agent"] {
+            let p = cfg.data_dir.join(sub);
+            std::fs::create_dir_all(&p).map_err(ControlError::io("cannot create", &p))?;
+        }
+        let store = Store::open(&cfg.data_dir.join("torpor.db"))?;
+        let runsc = Runsc::detect(
+            cfg.runsc_binary.clone(),
+            cfg.runsc_platform.clone(),
+            cfg.data_dir.join("runsc"),
+            cfg.data_dir.join("logs"),
+        )?;
+        tracing::info!(version = %runsc.version, platform = %runsc.platform, overlay = ?runsc.overlay_flags, "runsc detected");
+        let agent_dir = rootfs::install_agent(&cfg.agent_binary, &cfg.data_dir.join("agent"))
+            .map_err(|e| ControlError::Unsupported(e.to_string()))?;
+        let metrics = Metrics::new();
+        metrics.workers_total.set(cfg.workers as i64);
+        let engine = Arc::new_cyclic(|me| Engine {
+            me: me.clone(),
+            workers: Arc::new(Semaphore::new(cfg.workers)),
+            checkpoints: Arc::new(Semaphore::new(2)),
+            cfg,
+            store,
+            runsc,
+            agent_dir,
+            slots: Mutex::default(),
+            metrics,
+            shutting_down: AtomicBool::new(false),
+        });
+        engine.reconcile().await?;
+        if engine.store.template(&TemplateName::host())?.is_none() {
+            tracing::info!("building the built-in host template (first start)");
+            engine
+                .register_template(
+                    &TenantId::admin(),
+                    TemplateSpec {
+                        name: TemplateName::host(),
+                        source: TemplateSource::Host,
+                        command: Vec::new(),
+                        env: BTreeMap::new(),
+                        cwd: None,
+                        limits: Limits::default(),
+                        idle: Default::default(),
+                        warmup_ms: 0,
+                    },
+                    &|_| {},
+                )
+                .await?;
+        }
+        let ticker = engine.clone();
+        tokio::spawn(async move { ticker.run_policy().await });
+        Ok(engine)
+    }
+
+    pub fn runsc(&self) -> &Runsc {
+        &self.runsc
+    }
+
+    pub fn workers(&self) -> usize {
+        self.cfg.workers
+    }
+
+    /// Resolves every transitional state a crashed daemon left and removes stray containers.
+    async fn reconcile(&self) -> Result<()> {
+        // The agent channel of any container still running died with the previous daemon; such
+        // a container cannot be talked to again, so its sandbox goes back to its last snapshot.
+        for cid in self.runsc.list().await {
+            tracing::warn!(container = %cid, "removing a container left by a previous run");
+            self.runsc.destroy(&cid).await;
+        }
+        let _ = std::fs::remove_dir_all(self.cfg.data_dir.join("run"));
+        let _ = std::fs::create_dir_all(self.cfg.data_dir.join("run"));
+        for t in self.store.templates()? {
+            if t.status == TemplateStatus::Building {
+                tracing::warn!(template = %t.name, "dropping a template whose build was interrupted");
+                let _ = std::fs::remove_dir_all(self.templates_dir().join(t.name.as_str()));
+                self.store.delete_template(&t.name)?;
+            }
+        }
+        for mut s in self.store.sandboxes()? {
+            use torpor_core::Recovery;
+            match s.state.recovery() {
+                Recovery::Keep => {}
+                Recovery::BackToSnapshot => {
+                    tracing::warn!(sandbox = %s.id, state = %s.state, "back to its last snapshot after a restart");
+                    s.state = s.image.sleeping_state();
+                    s.tier = s.image.sleeping_tier();
+                    if s.state != SandboxState::Suspended && matches!(s.image, ImageRef::Store(_)) {
+                        s.state = SandboxState::Suspended;
+                    }
+                    self.store.update_sandbox(&s)?;
+                }
+                Recovery::DropCreation => {
+                    tracing::warn!(sandbox = %s.id, "dropping a creation that never finished");
+                    self.remove_sandbox_files(&s.id);
+                    self.store.delete_sandbox(&s.id)?;
+                }
+                Recovery::FinishDelete => {
+                    self.remove_sandbox_files(&s.id);
+                    self.store.delete_sandbox(&s.id)?;
+                }
+            }
+            // Checkpoints that never committed.
+            remove_tmp_entries(&self.sandbox_dir(&s.id).join("images"));
+            remove_tmp_entries(&self.store_dir(&s.id));
+        }
+        Ok(())
+    }
+
+    fn remove_sandbox_files(&self, id: &SandboxId) {
+        let _ = std::fs::remove_dir_all(self.sandbox_dir(id));
+        let _ = std::fs::remove_dir_all(self.store_dir(id));
+    }
+
+    fn slot(&self, id: &SandboxId) -> Arc<Slot> {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots
+            .entry(id.clone())
+            .or_insert_with(|| {
+                Arc::new(Slot {
+                    state: Arc::new(RwLock::new(SlotState::default())),
+                    last_active: AtomicI64::new(0),
+                })
+            })
+            .clone()
+    }
+
+    fn check_running(&self) -> Result<()> {
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Err(ControlError::ShuttingDown);
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- templates
+
+    /// Templates the tenant may use: its own and the operator's.
+    pub fn templates(&self, tenant: &TenantId) -> Result<Vec<TemplateRecord>> {
+        Ok(self
+            .store
+            .templates()?
+            .into_iter()
+            .filter(|t| visible(tenant, &t.tenant))
+            .collect())
+    }
+
+    pub fn template(&self, tenant: &TenantId, name: &TemplateName) -> Result<TemplateRecord> {
+        match self.store.template(name)? {
+            Some(t) if visible(tenant, &t.tenant) => Ok(t),
+            _ => Err(ControlError::NotFound {
+                kind: "template",
+                id: name.to_string(),
+            }),
+        }
+    }
+
+    /// Builds a template: lays out its root filesystem, boots it once and checkpoints it as its
+    /// golden snapshot. `progress` hears each step.
+    pub async fn register_template(
+        &self,
+        tenant: &TenantId,
+        spec: TemplateSpec,
+        progress: &(dyn Fn(&str) + Send + Sync),
+    ) -> Result<TemplateRecord> {
+        self.check_running()?;
+        spec.validate()
+            .map_err(|e| ControlError::Invalid(e.to_string()))?;
+        let dir = self.templates_dir().join(spec.name.as_str());
+        let mut rec = TemplateRecord {
+            name: spec.name.clone(),
+            tenant: tenant.clone(),
+            spec,
+            status: TemplateStatus::Building,
+            rootfs: dir.join("rootfs"),
+            mounts: Vec::new(),
+            agent_dir: self.agent_dir.clone(),
+            golden_dir: dir.join("golden"),
+            golden_bytes: 0,
+            created_at: now_millis(),
+        };
+        if !self.store.insert_template(&rec)? {
+            return Err(ControlError::AlreadyExists {
+                kind: "template",
+                id: rec.name.to_string(),
+            });
+        }
+        match self.build_template(&mut rec, progress).await {
+            Ok(()) => Ok(rec),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                self.store.delete_template(&rec.name)?;
+                Err(e)
+            }
+        }
+    }
+
+    async fn build_template(
+        &self,
+        rec: &mut TemplateRecord,
+        progress: &(dyn Fn(&str) + Send + Sync),
+    ) -> Result<()> {
+        let dir = rec
+            .rootfs
+            .parent()
+            .expect("rootfs has a parent")
+            .to_path_buf();
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&rec.rootfs)
+            .map_err(ControlError::io("cannot create", &rec.rootfs))?;
+        match rec.spec.source.clone() {
+            TemplateSource::Host => {
+                progress("preparing the host root filesystem");
+                rec.mounts = rootfs::prepare_host_rootfs(&rec.rootfs)
+                    .map_err(|e| ControlError::Unsupported(e.to_string()))?;
+            }
+            TemplateSource::Rootfs { path } => {
+                progress(&format!("copying root filesystem {path}"));
+                copy_tree(Path::new(&path), &rec.rootfs).await?;
+                let agent_mount = rec.rootfs.join(".torpor");
+                std::fs::create_dir_all(&agent_mount)
+                    .map_err(ControlError::io("cannot create", &agent_mount))?;
+            }
+            TemplateSource::Image { .. } => {
+                return Err(ControlError::Unsupported(
+                    "image templates are not available in this build yet; unpack the image and use a rootfs template".into(),
+                ));
+            }
+        }
+        progress("booting the template");
+        let permit = self.acquire_worker().await?;
+        let cid = format!("tpl-{}-{:04x}", rec.name, rand::random::<u16>());
+        let bundle = self.bundle_dir(&cid);
+        let spec = container_spec(rec, &rec.spec.limits, &rec.spec.env);
+        let container = match self.runsc.boot(&cid, &bundle, &spec, READY_TIMEOUT).await {
+            Ok(c) => c,
+            Err(e) => {
+                self.runsc.destroy(&cid).await;
+                return Err(e.into());
+            }
+        };
+        if rec.spec.warmup_ms > 0 {
+            progress(&format!("warming up for {} ms", rec.spec.warmup_ms));
+            tokio::time::sleep(Duration::from_millis(rec.spec.warmup_ms)).await;
+        }
+        if let Ok((
+            Reply::Main {
+                running: false,
+                exit_code,
+                ..
+            },
+            _,
+        )) = container.conn.call(&Request::MainStatus, &[]).await
+        {
+            if !rec.spec.command.is_empty() {
+                self.runsc.destroy(&cid).await;
+                return Err(ControlError::Invalid(format!(
+                    "the template's command exited during boot (exit code {exit_code:?})"
+                )));
+            }
+        }
+        progress("checkpointing the golden snapshot");
+        let tmp = dir.join(".golden.tmp");
+        let t = Instant::now();
+        let result = self.runsc.checkpoint(&container, &tmp).await;
+        drop(permit);
+        let _ = std::fs::remove_dir_all(&bundle);
+        result?;
+        std::fs::rename(&tmp, &rec.golden_dir)
+            .map_err(ControlError::io("cannot commit", &rec.golden_dir))?;
+        rec.golden_bytes = dir_size(&rec.golden_dir);
+        self.metrics
+            .checkpoint_seconds
+            .with_label_values(&["golden"])
+            .observe(t.elapsed().as_secs_f64());
+        self.metrics
+            .checkpoint_bytes
+            .with_label_values(&["golden"])
+            .inc_by(rec.golden_bytes);
+        rec.status = TemplateStatus::Ready;
+        self.store.update_template(rec)?;
+        progress("ready");
+        Ok(())
+    }
+
+    pub async fn delete_template(&self, tenant: &TenantId, name: &TemplateName) -> Result<()> {
+        let t = self.template(tenant, name)?;
+        if t.tenant != *tenant && *tenant != TenantId::admin() {
+            return Err(ControlError::NotFound {
+                kind: "template",
+                id: name.to_string(),
+            });
+        }
+        let n = self.store.count_sandboxes_of_template(name)?;
+        if n > 0 {
+            return Err(ControlError::TemplateInUse(name.to_string(), n));
+        }
+        self.store.delete_template(name)?;
+        let _ = std::fs::remove_dir_all(self.templates_dir().join(name.as_str()));
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- sandboxes
+
+    pub fn sandboxes(&self, tenant: &TenantId) -> Result<Vec<SandboxRecord>> {
+        let mut all = self.store.sandboxes()?;
+        all.retain(|s| visible(tenant, &s.tenant));
+        for s in &mut all {
+            self.fresh_activity(s);
+        }
+        Ok(all)
+    }
+
+    /// A sandbox the tenant owns; another tenant's answers NotFound, so existence is not leaked.
+    pub fn sandbox(&self, tenant: &TenantId, id: &SandboxId) -> Result<SandboxRecord> {
+        match self.store.sandbox(id)? {
+            Some(mut s) if owns(tenant, &s.tenant) => {
+                self.fresh_activity(&mut s);
+                Ok(s)
+            }
+            _ => Err(not_found(id)),
+        }
+    }
+
+    fn fresh_activity(&self, s: &mut SandboxRecord) {
+        let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(slot) = slots.get(&s.id) {
+            s.last_active_at = s
+                .last_active_at
+                .max(slot.last_active.load(Ordering::Relaxed));
+        }
+    }
+
+    pub async fn create_sandbox(
+        &self,
+        tenant: &TenantId,
+        req: CreateSandbox,
+    ) -> Result<SandboxRecord> {
+        self.check_running()?;
+        let tpl = self.template(tenant, &req.template)?;
+        if tpl.status != TemplateStatus::Ready {
+            return Err(ControlError::TemplateNotReady(tpl.name.to_string()));
+        }
+        let limits = tpl
+            .spec
+            .limits
+            .patched(&req.limits)
+            .map_err(|e| ControlError::Invalid(e.to_string()))?;
+        validate_env(&req.env).map_err(|e| ControlError::Invalid(e.to_string()))?;
+        check_metadata(&req.metadata)?;
+        let now = now_millis();
+        let mut rec = SandboxRecord {
+            id: SandboxId::generate(),
+            tenant: tenant.clone(),
+            template: tpl.name.clone(),
+            state: SandboxState::Creating,
+            tier: Tier::Running,
+            limits,
+            env: req.env,
+            metadata: req.metadata,
+            created_at: now,
+            last_active_at: now,
+            generation: 1,
+            image: ImageRef::Golden,
+            last_error: None,
+            oom_killed: false,
+        };
+        let permit = self.acquire_worker().await?;
+        self.store.insert_sandbox(&rec)?;
+        let slot = self.slot(&rec.id);
+        let mut guard = slot.state.clone().write_owned().await;
+        let t = Instant::now();
+        match self
+            .restore_container(&rec, &tpl, &tpl.golden_dir, true)
+            .await
+        {
+            Ok(container) => {
+                rec.state = SandboxState::Running;
+                self.store.update_sandbox(&rec)?;
+                self.install_live(&mut guard, &rec, container, permit);
+                slot.touch();
+                self.metrics
+                    .wake_seconds
+                    .with_label_values(&["golden"])
+                    .observe(t.elapsed().as_secs_f64());
+                Ok(rec)
+            }
+            Err(e) => {
+                self.store.delete_sandbox(&rec.id)?;
+                self.remove_sandbox_files(&rec.id);
+                self.slots
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&rec.id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Restores a container for `rec` from `image` and waits until its agent answers.
+    async fn restore_container(
+        &self,
+        rec: &SandboxRecord,
+        tpl: &TemplateRecord,
+        image: &Path,
+        configure: bool,
+    ) -> Result<Container> {
+        let cid = rec.container_id();
+        let bundle = self.bundle_dir(&cid);
+        let spec = container_spec(tpl, &rec.limits, &tpl.spec.env);
+        let container = self.runsc.restore(&cid, &bundle, &spec, image)?;
+        let ready = async {
+            self.runsc.wait_ready(&container, READY_TIMEOUT).await?;
+            if configure {
+                container
+                    .conn
+                    .call(
+                        &Request::Configure {
+                            env: rec.env.clone(),
+                        },
+                        &[],
+                    )
+                    .await?;
+            }
+            Ok::<_, ControlError>(())
+        }
+        .await;
+        if let Err(e) = ready {
+            container.expect_exit();
+            self.runsc.destroy(&cid).await;
+            let _ = std::fs::remove_dir_all(&bundle);
+            return Err(e);
+        }
+        Ok(container)
+    }
+
+    fn install_live(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        rec: &SandboxRecord,
+        container: Container,
+        permit: OwnedSemaphorePermit,
+    ) {
+        self.watch_crash(rec.id.clone(), &container);
+        guard.live = Some(Live {
+            container,
+            _permit: permit,
+            frozen: false,
+        });
+        self.metrics
+            .workers_busy
+            .set((self.cfg.workers - self.workers.available_permits()) as i64);
+    }
+
+    /// Sends the sandbox back to its last snapshot when its container dies on its own.
+    fn watch_crash(&self, id: SandboxId, container: &Container) {
+        let exit = container.exit_handle();
+        let cid = container.id.clone();
+        let Some(engine) = self.me.upgrade() else {
+            return;
+        };
+        tokio::spawn(async move {
+            let info = exit.exited().await;
+            if exit.expected() {
+                return;
+            }
+            let reason = if info.oom_killed {
+                "oom_killed".to_string()
+            } else {
+                format!("exited (code {:?}, signal {:?})", info.code, info.signal)
+            };
+            engine.on_crash(&id, &cid, &reason, info.oom_killed).await;
+        });
+    }
+
+    async fn on_crash(&self, id: &SandboxId, cid: &str, reason: &str, oom: bool) {
+        let slot = self.slot(id);
+        let mut guard = slot.state.clone().write_owned().await;
+        let same = guard.live.as_ref().is_some_and(|l| l.container.id == cid);
+        if !same {
+            return;
+        }
+        let live = guard.live.take().expect("checked above");
+        live.container.expect_exit();
+        tracing::warn!(sandbox = %id, container = %cid, reason, log = %self.runsc.log_tail(cid), "sandbox crashed; back to its last snapshot");
+        self.runsc.destroy(cid).await;
+        let _ = std::fs::remove_dir_all(self.bundle_dir(cid));
+        drop(live);
+        self.metrics
+            .crashes
+            .with_label_values(&[if oom { "oom_killed" } else { "exited" }])
+            .inc();
+        self.metrics
+            .workers_busy
+            .set((self.cfg.workers - self.workers.available_permits()) as i64);
+        if let Ok(Some(mut rec)) = self.store.sandbox(id) {
+            rec.state = rec.image.sleeping_state();
+            rec.tier = rec.image.sleeping_tier();
+            rec.last_error = Some(format!("{reason}; restored to its last snapshot"));
+            rec.oom_killed = oom;
+            if let Err(e) = self.store.update_sandbox(&rec) {
+                tracing::error!(sandbox = %id, error = %e, "cannot record a crash");
+            }
+        }
+    }
+
+    async fn acquire_worker(&self) -> Result<OwnedSemaphorePermit> {
+        if let Ok(p) = self.workers.clone().try_acquire_owned() {
+            return Ok(p);
+        }
+        // Every worker is taken: put the least recently active idle sandbox to sleep.
+        self.evict_one().await;
+        match tokio::time::timeout(self.cfg.worker_wait, self.workers.clone().acquire_owned()).await
+        {
+            Ok(Ok(p)) => Ok(p),
+            _ => Err(ControlError::NoWorker(
+                self.cfg.worker_wait.as_millis() as u64
+            )),
+        }
+    }
+
+    /// Parks the least recently active resident sandbox that no call is using. Frozen ones go
+    /// first, then idle running ones.
+    async fn evict_one(&self) -> bool {
+        let candidates: Vec<(SandboxId, Arc<Slot>)> = {
+            let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            slots.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        };
+        let mut best: Option<(bool, i64, SandboxId, OwnedRwLockWriteGuard<SlotState>)> = None;
+        for (id, slot) in candidates {
+            let Ok(guard) = slot.state.clone().try_write_owned() else {
+                continue;
+            };
+            let Some(live) = &guard.live else { continue };
+            let key = (!live.frozen, slot.last_active.load(Ordering::Relaxed));
+            if best.as_ref().is_none_or(|b| key < (b.0, b.1)) {
+                best = Some((key.0, key.1, id, guard));
+            }
+        }
+        let Some((_, _, id, mut guard)) = best else {
+            return false;
+        };
+        tracing::info!(sandbox = %id, "parking to free a worker");
+        match self.park_locked(&mut guard, &id, "evicted").await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(sandbox = %id, error = %e, "eviction failed");
+                false
+            }
+        }
+    }
+
+    /// Borrows a running sandbox for one call, waking it first if it sleeps.
+    pub async fn use_sandbox(&self, tenant: &TenantId, id: &SandboxId) -> Result<InUse> {
+        self.sandbox(tenant, id)?;
+        let slot = self.slot(id);
+        loop {
+            {
+                let guard = slot.state.clone().read_owned().await;
+                if let Some(live) = &guard.live {
+                    if !live.frozen && !live.container.conn.is_closed() {
+                        slot.touch();
+                        return Ok(InUse {
+                            guard,
+                            slot: slot.clone(),
+                        });
+                    }
+                }
+            }
+            self.check_running()?;
+            let mut guard = slot.state.clone().write_owned().await;
+            let Some(mut rec) = self.store.sandbox(id)? else {
+                return Err(not_found(id));
+            };
+            let live_state = guard
+                .live
+                .as_ref()
+                .map(|l| (l.frozen, l.container.conn.is_closed()));
+            match live_state {
+                Some((_, true)) => {
+                    // Its container died; the crash watch is about to record it. Let it.
+                    drop(guard);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+                Some((true, false)) => {
+                    let t = Instant::now();
+                    let live = guard.live.as_mut().expect("checked");
+                    torpor_runtime::cgroup::set_frozen(&live.container.id, false)
+                        .map_err(torpor_runtime::RuntimeError::from)?;
+                    live.frozen = false;
+                    rec.state = SandboxState::Running;
+                    rec.tier = Tier::Running;
+                    self.store.update_sandbox(&rec)?;
+                    self.metrics
+                        .wake_seconds
+                        .with_label_values(&["frozen"])
+                        .observe(t.elapsed().as_secs_f64());
+                }
+                Some((false, false)) => {}
+                None => self.wake_locked(&mut guard, rec).await?,
+            }
+            slot.touch();
+            return Ok(InUse {
+                guard: guard.downgrade(),
+                slot: slot.clone(),
+            });
+        }
+    }
+
+    async fn wake_locked(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        mut rec: SandboxRecord,
+    ) -> Result<()> {
+        let from = rec.tier;
+        rec.state
+            .check_transition(SandboxState::Resuming)
+            .map_err(|e| ControlError::InvalidTransition {
+                from: e.from,
+                to: Tier::Running,
+            })?;
+        let t = Instant::now();
+        let tpl = self
+            .store
+            .template(&rec.template)?
+            .ok_or_else(|| ControlError::NotFound {
+                kind: "template",
+                id: rec.template.to_string(),
+            })?;
+        let permit = self.acquire_worker().await?;
+        let previous = rec.state;
+        rec.state = SandboxState::Resuming;
+        rec.generation += 1;
+        self.store.update_sandbox(&rec)?;
+        let image = match &rec.image {
+            ImageRef::Golden => tpl.golden_dir.clone(),
+            ImageRef::Local(p) | ImageRef::Store(p) => p.clone(),
+        };
+        let golden = rec.image == ImageRef::Golden;
+        match self.restore_container(&rec, &tpl, &image, golden).await {
+            Ok(container) => {
+                rec.state = SandboxState::Running;
+                rec.tier = Tier::Running;
+                self.store.update_sandbox(&rec)?;
+                self.install_live(guard, &rec, container, permit);
+                self.metrics
+                    .wake_seconds
+                    .with_label_values(&[from.as_str()])
+                    .observe(t.elapsed().as_secs_f64());
+                Ok(())
+            }
+            Err(e) => {
+                rec.state = previous;
+                rec.last_error = Some(format!("wake failed: {e}"));
+                self.store.update_sandbox(&rec)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Freezes a running sandbox (cgroup freezer): its memory stays, its CPU use drops to 0.
+    async fn freeze_locked(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        id: &SandboxId,
+        cause: &str,
+    ) -> Result<()> {
+        let Some(live) = guard.live.as_mut() else {
+            return Ok(());
+        };
+        if live.frozen {
+            return Ok(());
+        }
+        torpor_runtime::cgroup::set_frozen(&live.container.id, true)
+            .map_err(torpor_runtime::RuntimeError::from)?;
+        live.frozen = true;
+        if let Some(mut rec) = self.store.sandbox(id)? {
+            rec.state = SandboxState::Frozen;
+            rec.tier = Tier::Frozen;
+            self.store.update_sandbox(&rec)?;
+        }
+        self.metrics
+            .transitions
+            .with_label_values(&["frozen", cause])
+            .inc();
+        Ok(())
+    }
+
+    /// Checkpoints a resident sandbox to this node's disk and releases its worker.
+    async fn park_locked(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        id: &SandboxId,
+        cause: &str,
+    ) -> Result<()> {
+        let Some(live) = guard.live.take() else {
+            return Ok(());
+        };
+        let Some(mut rec) = self.store.sandbox(id)? else {
+            return Err(not_found(id));
+        };
+        let _slot = self.checkpoints.clone().acquire_owned().await;
+        rec.state = SandboxState::Checkpointing;
+        self.store.update_sandbox(&rec)?;
+        let images = self.sandbox_dir(id).join("images");
+        let tmp = images.join(format!(".tmp-{}", rec.generation));
+        let dest = images.join(rec.generation.to_string());
+        let t = Instant::now();
+        let result = self.runsc.checkpoint(&live.container, &tmp).await;
+        let cid = live.container.id.clone();
+        drop(live);
+        let _ = std::fs::remove_dir_all(self.bundle_dir(&cid));
+        self.metrics
+            .workers_busy
+            .set((self.cfg.workers - self.workers.available_permits()) as i64);
+        match result {
+            Ok(()) => {
+                let _ = std::fs::remove_dir_all(&dest);
+                std::fs::rename(&tmp, &dest).map_err(ControlError::io("cannot commit", &dest))?;
+                let old = std::mem::replace(&mut rec.image, ImageRef::Local(dest.clone()));
+                rec.state = SandboxState::Parked;
+                rec.tier = Tier::Parked;
+                self.store.update_sandbox(&rec)?;
+                remove_image(&old);
+                let bytes = dir_size(&dest);
+                self.metrics
+                    .checkpoint_seconds
+                    .with_label_values(&["ok"])
+                    .observe(t.elapsed().as_secs_f64());
+                self.metrics
+                    .checkpoint_bytes
+                    .with_label_values(&["sandbox"])
+                    .inc_by(bytes);
+                self.metrics
+                    .transitions
+                    .with_label_values(&["parked", cause])
+                    .inc();
+                Ok(())
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&tmp);
+                self.metrics
+                    .checkpoint_seconds
+                    .with_label_values(&["failed"])
+                    .observe(t.elapsed().as_secs_f64());
+                rec.state = rec.image.sleeping_state();
+                rec.tier = rec.image.sleeping_tier();
+                rec.last_error = Some(format!("checkpoint failed, back to its last snapshot: {e}"));
+                self.store.update_sandbox(&rec)?;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Moves a parked sandbox's checkpoint into the snapshot store.
+    async fn upload_locked(&self, id: &SandboxId, cause: &str) -> Result<()> {
+        let Some(mut rec) = self.store.sandbox(id)? else {
+            return Err(not_found(id));
+        };
+        if rec.state == SandboxState::Suspended {
+            return Ok(());
+        }
+        rec.state
+            .check_transition(SandboxState::Uploading)
+            .map_err(|e| ControlError::InvalidTransition {
+                from: e.from,
+                to: Tier::Suspended,
+            })?;
+        rec.state = SandboxState::Uploading;
+        self.store.update_sandbox(&rec)?;
+        let store_dir = self.store_dir(id);
+        let dest = store_dir.join(rec.generation.to_string());
+        let tmp = store_dir.join(format!(".tmp-{}", rec.generation));
+        let result = async {
+            std::fs::create_dir_all(&store_dir)
+                .map_err(ControlError::io("cannot create", &store_dir))?;
+            let _ = std::fs::remove_dir_all(&tmp);
+            match &rec.image {
+                ImageRef::Local(p) => copy_tree(p, &tmp).await?,
+                ImageRef::Golden => {
+                    let tpl = self.store.template(&rec.template)?.ok_or_else(|| {
+                        ControlError::NotFound {
+                            kind: "template",
+                            id: rec.template.to_string(),
+                        }
+                    })?;
+                    copy_tree(&tpl.golden_dir, &tmp).await?;
+                }
+                ImageRef::Store(_) => {}
+            }
+            let _ = std::fs::remove_dir_all(&dest);
+            std::fs::rename(&tmp, &dest).map_err(ControlError::io("cannot commit", &dest))
+        }
+        .await;
+        match result {
+            Ok(()) => {
+                let old = std::mem::replace(&mut rec.image, ImageRef::Store(dest));
+                rec.state = SandboxState::Suspended;
+                rec.tier = Tier::Suspended;
+                self.store.update_sandbox(&rec)?;
+                remove_image(&old);
+                self.metrics
+                    .transitions
+                    .with_label_values(&["suspended", cause])
+                    .inc();
+                Ok(())
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&tmp);
+                rec.state = SandboxState::Parked;
+                self.store.update_sandbox(&rec)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Puts a sandbox to sleep down to `tier` (explicit suspend).
+    pub async fn suspend(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        tier: Tier,
+    ) -> Result<SandboxRecord> {
+        let rec = self.sandbox(tenant, id)?;
+        let slot = self.slot(id);
+        let mut guard = slot.state.clone().write_owned().await;
+        let current = self.store.sandbox(id)?.ok_or_else(|| not_found(id))?;
+        if current.tier > tier || tier == Tier::Running {
+            return Err(ControlError::InvalidTransition {
+                from: current.state,
+                to: tier,
+            });
+        }
+        match tier {
+            Tier::Running => unreachable!("refused above"),
+            Tier::Frozen => self.freeze_locked(&mut guard, id, "api").await?,
+            Tier::Parked => self.park_locked(&mut guard, id, "api").await?,
+            Tier::Suspended => {
+                self.park_locked(&mut guard, id, "api").await?;
+                self.upload_locked(id, "api").await?;
+            }
+        }
+        drop(guard);
+        let _ = rec;
+        self.sandbox(tenant, id)
+    }
+
+    /// Wakes a sandbox to Running without running anything in it.
+    pub async fn resume(&self, tenant: &TenantId, id: &SandboxId) -> Result<SandboxRecord> {
+        drop(self.use_sandbox(tenant, id).await?);
+        self.sandbox(tenant, id)
+    }
+
+    pub async fn delete_sandbox(&self, tenant: &TenantId, id: &SandboxId) -> Result<()> {
+        self.sandbox(tenant, id)?;
+        let slot = self.slot(id);
+        let mut guard = slot.state.clone().write_owned().await;
+        let Some(mut rec) = self.store.sandbox(id)? else {
+            return Err(not_found(id));
+        };
+        rec.state = SandboxState::Deleting;
+        self.store.update_sandbox(&rec)?;
+        if let Some(live) = guard.live.take() {
+            live.container.expect_exit();
+            self.runsc.destroy(&live.container.id).await;
+            let _ = std::fs::remove_dir_all(self.bundle_dir(&live.container.id));
+        }
+        self.remove_sandbox_files(id);
+        self.store.delete_sandbox(id)?;
+        self.slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        self.metrics
+            .workers_busy
+            .set((self.cfg.workers - self.workers.available_permits()) as i64);
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- exec and files
+
+    pub async fn exec(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        req: ExecRequest,
+        stdin: Vec<u8>,
+    ) -> Result<ExecResult> {
+        check_exec(&req)?;
+        let in_use = self.use_sandbox(tenant, id).await?;
+        let t = Instant::now();
+        let timeout_ms = req.timeout_ms;
+        let detach = req.detach;
+        let mut rx = in_use
+            .container()
+            .conn
+            .send(
+                &Request::Exec(ExecRequest {
+                    stream: false,
+                    ..req
+                }),
+                &stdin,
+            )
+            .await
+            .map_err(torpor_runtime::RuntimeError::from)?;
+        let reply = rx.recv().await;
+        let result = match reply {
+            Some((reply, body)) => exec_reply(reply, body, timeout_ms, detach),
+            None => Err(self.died_during_call(&in_use).await),
+        };
+        self.metrics
+            .exec_seconds
+            .with_label_values(&[if result.is_ok() { "ok" } else { "error" }])
+            .observe(t.elapsed().as_secs_f64());
+        match result {
+            // A program that cannot be started answers like a shell would.
+            Err(ControlError::Agent {
+                code: code @ (AgentErrorCode::NotFound | AgentErrorCode::PermissionDenied),
+                message,
+            }) => Ok(ExecResult {
+                exit_code: Some(if code == AgentErrorCode::NotFound {
+                    127
+                } else {
+                    126
+                }),
+                signal: None,
+                stdout: String::new(),
+                stderr: format!("{message}\n"),
+                oom_killed: false,
+                duration_ms: t.elapsed().as_secs_f64() * 1000.0,
+            }),
+            Err(ControlError::SandboxCrashed { reason }) if reason == "oom_killed" => {
+                Ok(ExecResult {
+                    exit_code: Some(137),
+                    signal: Some(9),
+                    stdout: String::new(),
+                    stderr: String::new(),
+                    oom_killed: true,
+                    duration_ms: t.elapsed().as_secs_f64() * 1000.0,
+                })
+            }
+            other => other,
+        }
+    }
+
+    /// Runs a command and streams its output as events; the last event is Exit or Error.
+    pub async fn exec_stream(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+        id: &SandboxId,
+        req: ExecRequest,
+        stdin: Vec<u8>,
+    ) -> Result<mpsc::Receiver<ExecEvent>> {
+        check_exec(&req)?;
+        if req.detach {
+            return Err(ControlError::Invalid(
+                "detach and stream do not go together".into(),
+            ));
+        }
+        let in_use = self.use_sandbox(tenant, id).await?;
+        let timeout_ms = req.timeout_ms;
+        let mut rx = in_use
+            .container()
+            .conn
+            .send(
+                &Request::Exec(ExecRequest {
+                    stream: true,
+                    ..req
+                }),
+                &stdin,
+            )
+            .await
+            .map_err(torpor_runtime::RuntimeError::from)?;
+        let (tx, out) = mpsc::channel(64);
+        let engine = self.clone();
+        tokio::spawn(async move {
+            let mut stdout = Vec::new();
+            let mut stderr = Vec::new();
+            loop {
+                let event = match rx.recv().await {
+                    Some((Reply::Output { fd }, body)) => {
+                        let data = String::from_utf8_lossy(&body).into_owned();
+                        if fd == 1 {
+                            stdout.extend_from_slice(&body);
+                            ExecEvent::Stdout { data }
+                        } else {
+                            stderr.extend_from_slice(&body);
+                            ExecEvent::Stderr { data }
+                        }
+                    }
+                    Some((reply, body)) => {
+                        let ev = match exec_reply(reply, body, timeout_ms, false) {
+                            Ok(r) => ExecEvent::Exit(r),
+                            Err(e) => ExecEvent::Error {
+                                code: e.code().into(),
+                                message: e.to_string(),
+                            },
+                        };
+                        let _ = tx.send(ev).await;
+                        break;
+                    }
+                    None => {
+                        let e = engine.died_during_call(&in_use).await;
+                        let ev = match &e {
+                            ControlError::SandboxCrashed { reason } if reason == "oom_killed" => {
+                                ExecEvent::Exit(ExecResult {
+                                    exit_code: Some(137),
+                                    signal: Some(9),
+                                    stdout: String::new(),
+                                    stderr: String::new(),
+                                    oom_killed: true,
+                                    duration_ms: 0.0,
+                                })
+                            }
+                            _ => ExecEvent::Error {
+                                code: e.code().into(),
+                                message: e.to_string(),
+                            },
+                        };
+                        let _ = tx.send(ev).await;
+                        break;
+                    }
+                };
+                if tx.send(event).await.is_err() {
+                    // The client went away; the command runs to its end (or its timeout).
+                    break;
+                }
+            }
+            drop(in_use);
+        });
+        Ok(out)
+    }
+
+    async fn died_during_call(&self, in_use: &InUse) -> ControlError {
+        let info = tokio::time::timeout(Duration::from_secs(5), in_use.container().exited()).await;
+        match info {
+            Ok(info) if info.oom_killed => ControlError::SandboxCrashed {
+                reason: "oom_killed".into(),
+            },
+            Ok(info) => ControlError::SandboxCrashed {
+                reason: format!("exited (code {:?}, signal {:?})", info.code, info.signal),
+            },
+            Err(_) => ControlError::SandboxCrashed {
+                reason: "agent channel closed".into(),
+            },
+        }
+    }
+
+    async fn agent_call(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        req: Request,
+        body: &[u8],
+    ) -> Result<(Reply, Vec<u8>)> {
+        let in_use = self.use_sandbox(tenant, id).await?;
+        let reply = in_use.container().conn.call(&req, body).await;
+        match reply {
+            Ok((Reply::Error { code, message }, _)) => Err(ControlError::Agent { code, message }),
+            Ok(r) => Ok(r),
+            Err(_) => Err(self.died_during_call(&in_use).await),
+        }
+    }
+
+    pub async fn read_file(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        path: &str,
+        max_bytes: u64,
+    ) -> Result<Vec<u8>> {
+        let (_, body) = self
+            .agent_call(
+                tenant,
+                id,
+                Request::ReadFile {
+                    path: path.into(),
+                    max_bytes,
+                },
+                &[],
+            )
+            .await?;
+        Ok(body)
+    }
+
+    pub async fn write_file(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        path: &str,
+        mode: Option<u32>,
+        data: &[u8],
+    ) -> Result<()> {
+        self.agent_call(
+            tenant,
+            id,
+            Request::WriteFile {
+                path: path.into(),
+                mode,
+            },
+            data,
+        )
+        .await
+        .map(|_| ())
+    }
+
+    pub async fn list_files(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        path: &str,
+    ) -> Result<Vec<DirEntry>> {
+        match self
+            .agent_call(tenant, id, Request::List { path: path.into() }, &[])
+            .await?
+        {
+            (Reply::Entries { entries }, _) => Ok(entries),
+            (other, _) => Err(ControlError::Invalid(format!(
+                "unexpected agent reply {other:?}"
+            ))),
+        }
+    }
+
+    pub async fn remove_file(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        path: &str,
+        recursive: bool,
+    ) -> Result<()> {
+        self.agent_call(
+            tenant,
+            id,
+            Request::Remove {
+                path: path.into(),
+                recursive,
+            },
+            &[],
+        )
+        .await
+        .map(|_| ())
+    }
+
+    // ---------------------------------------------------------------- policy
+
+    async fn run_policy(self: Arc<Self>) {
+        let mut interval = tokio::time::interval(self.cfg.tick);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            interval.tick().await;
+            if self.shutting_down.load(Ordering::SeqCst) {
+                return;
+            }
+            if let Err(e) = self.policy_tick().await {
+                tracing::warn!(error = %e, "idle policy tick failed");
+            }
+        }
+    }
+
+    /// Moves idle sandboxes down the ladder and persists activity clocks.
+    pub async fn policy_tick(self: &Arc<Self>) -> Result<()> {
+        let templates: HashMap<TemplateName, TemplateRecord> = self
+            .store
+            .templates()?
+            .into_iter()
+            .map(|t| (t.name.clone(), t))
+            .collect();
+        let now = now_millis();
+        let mut touched = Vec::new();
+        let mut counts: HashMap<(SandboxState, Tier), i64> = HashMap::new();
+        for mut rec in self.store.sandboxes()? {
+            *counts.entry((rec.state, rec.tier)).or_default() += 1;
+            let slot = self
+                .slots
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&rec.id)
+                .cloned();
+            if let Some(slot) = &slot {
+                let active = slot.last_active.load(Ordering::Relaxed);
+                if active > rec.last_active_at {
+                    rec.last_active_at = active;
+                    touched.push((rec.id.clone(), active));
+                }
+            }
+            let Some(tpl) = templates.get(&rec.template) else {
+                continue;
+            };
+            let idle_s = (now - rec.last_active_at) as f64 / 1000.0;
+            let due = |after: Option<f64>| after.is_some_and(|a| idle_s >= a);
+            let idle = tpl.spec.idle;
+            let next = match rec.state {
+                SandboxState::Running if due(idle.freeze_after_s) => Some(Tier::Frozen),
+                SandboxState::Running | SandboxState::Frozen if due(idle.park_after_s) => {
+                    Some(Tier::Parked)
+                }
+                SandboxState::Parked if due(idle.suspend_after_s) => Some(Tier::Suspended),
+                _ => None,
+            };
+            let (Some(next), Some(slot)) = (next, slot.or_else(|| Some(self.slot(&rec.id)))) else {
+                continue;
+            };
+            let Ok(mut guard) = slot.state.clone().try_write_owned() else {
+                continue; // in use right now: not idle after all
+            };
+            let engine = self.clone();
+            let id = rec.id.clone();
+            match next {
+                Tier::Frozen => {
+                    if let Err(e) = self.freeze_locked(&mut guard, &id, "idle").await {
+                        tracing::warn!(sandbox = %id, error = %e, "idle freeze failed");
+                    }
+                }
+                Tier::Parked => {
+                    tokio::spawn(async move {
+                        if let Err(e) = engine.park_locked(&mut guard, &id, "idle").await {
+                            tracing::warn!(sandbox = %id, error = %e, "idle park failed");
+                        }
+                    });
+                }
+                Tier::Suspended => {
+                    tokio::spawn(async move {
+                        if let Err(e) = engine.upload_locked(&id, "idle").await {
+                            tracing::warn!(sandbox = %id, error = %e, "idle suspend failed");
+                        }
+                        drop(guard);
+                    });
+                }
+                Tier::Running => {}
+            }
+        }
+        self.store.touch_sandboxes(&touched)?;
+        self.set_sandbox_gauges(counts);
+        Ok(())
+    }
+
+    fn set_sandbox_gauges(&self, counts: HashMap<(SandboxState, Tier), i64>) {
+        self.metrics.sandboxes.reset();
+        for ((state, tier), n) in counts {
+            self.metrics
+                .sandboxes
+                .with_label_values(&[state.as_str(), tier.as_str()])
+                .set(n);
+        }
+        self.metrics
+            .workers_busy
+            .set((self.cfg.workers - self.workers.available_permits()) as i64);
+    }
+
+    /// Refreshes the fleet gauges (for a scrape between ticks).
+    pub fn policy_tick_gauges(&self) -> Result<()> {
+        let mut counts: HashMap<(SandboxState, Tier), i64> = HashMap::new();
+        for rec in self.store.sandboxes()? {
+            *counts.entry((rec.state, rec.tier)).or_default() += 1;
+        }
+        self.set_sandbox_gauges(counts);
+        Ok(())
+    }
+
+    /// Checkpoints every resident sandbox (SIGTERM): nothing is lost, the next start resumes.
+    pub async fn shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        let slots: Vec<(SandboxId, Arc<Slot>)> = {
+            let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            slots.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        };
+        let mut touched = Vec::new();
+        for (id, slot) in slots {
+            touched.push((id.clone(), slot.last_active.load(Ordering::Relaxed)));
+            let mut guard = slot.state.clone().write_owned().await;
+            if guard.live.is_some() {
+                tracing::info!(sandbox = %id, "checkpointing for shutdown");
+                if let Err(e) = self.park_locked(&mut guard, &id, "shutdown").await {
+                    tracing::error!(sandbox = %id, error = %e, "checkpoint at shutdown failed");
+                }
+            }
+        }
+        if let Err(e) = self.store.touch_sandboxes(&touched) {
+            tracing::warn!(error = %e, "cannot persist activity clocks");
+        }
+    }
+}
+
+fn visible(tenant: &TenantId, owner: &TenantId) -> bool {
+    tenant == owner || *owner == TenantId::admin() || *tenant == TenantId::admin()
+}
+
+fn owns(tenant: &TenantId, owner: &TenantId) -> bool {
+    tenant == owner || *tenant == TenantId::admin()
+}
+
+fn not_found(id: &SandboxId) -> ControlError {
+    ControlError::NotFound {
+        kind: "sandbox",
+        id: id.to_string(),
+    }
+}
+
+fn check_metadata(m: &BTreeMap<String, String>) -> Result<()> {
+    if m.len() > MAX_METADATA_ENTRIES {
+        return Err(ControlError::Invalid(format!(
+            "metadata may hold at most {MAX_METADATA_ENTRIES} entries"
+        )));
+    }
+    if m.iter()
+        .any(|(k, v)| k.is_empty() || k.len() > MAX_METADATA_LEN || v.len() > MAX_METADATA_LEN)
+    {
+        return Err(ControlError::Invalid(format!(
+            "metadata keys must be non-empty and keys and values at most {MAX_METADATA_LEN} bytes"
+        )));
+    }
+    Ok(())
+}
+
+fn check_exec(req: &ExecRequest) -> Result<()> {
+    if req.cmd.is_empty() || req.cmd[0].is_empty() {
+        return Err(ControlError::Invalid("cmd must name a program".into()));
+    }
+    if req.cmd.iter().any(|a| a.contains('\0')) {
+        return Err(ControlError::Invalid(
+            "cmd arguments must not hold NUL bytes".into(),
+        ));
+    }
+    validate_env(&req.env).map_err(|e| ControlError::Invalid(e.to_string()))?;
+    if req.timeout_ms == Some(0) {
+        return Err(ControlError::Invalid("timeout_ms must be above 0".into()));
+    }
+    if let Some(cwd) = &req.cwd {
+        if !cwd.starts_with('/') {
+            return Err(ControlError::Invalid("cwd must be an absolute path".into()));
+        }
+    }
+    Ok(())
+}
+
+fn exec_reply(
+    reply: Reply,
+    body: Vec<u8>,
+    timeout_ms: Option<u64>,
+    detach: bool,
+) -> Result<ExecResult> {
+    match reply {
+        Reply::Exit {
+            exit_code,
+            signal,
+            timed_out,
+            duration_us,
+            stdout_len,
+        } => {
+            let split = (stdout_len as usize).min(body.len());
+            let stdout = String::from_utf8_lossy(&body[..split]).into_owned();
+            let stderr = String::from_utf8_lossy(&body[split..]).into_owned();
+            if timed_out {
+                return Err(ControlError::ExecTimeout {
+                    timeout_ms: timeout_ms.unwrap_or(0),
+                    stdout,
+                    stderr,
+                });
+            }
+            Ok(ExecResult {
+                exit_code,
+                signal,
+                stdout,
+                stderr,
+                oom_killed: false,
+                duration_ms: duration_us as f64 / 1000.0,
+            })
+        }
+        Reply::Started { pid } if detach => Ok(ExecResult {
+            exit_code: None,
+            signal: None,
+            stdout: format!("{pid}"),
+            stderr: String::new(),
+            oom_killed: false,
+            duration_ms: 0.0,
+        }),
+        Reply::Error { code, message } => Err(ControlError::Agent { code, message }),
+        other => Err(ControlError::Invalid(format!(
+            "unexpected agent reply {other:?}"
+        ))),
+    }
+}
+
+fn container_spec(
+    tpl: &TemplateRecord,
+    limits: &Limits,
+    env: &BTreeMap<String, String>,
+) -> ContainerSpec {
+    ContainerSpec {
+        rootfs: tpl.rootfs.clone(),
+        mounts: tpl.mounts.clone(),
+        agent_dir: tpl.agent_dir.clone(),
+        argv: rootfs::agent_argv(&tpl.spec.command),
+        env: env.clone(),
+        cwd: tpl.spec.cwd.clone().unwrap_or_else(|| "/".into()),
+        limits: *limits,
+        hostname: "sandbox".into(),
+    }
+}
+
+fn remove_image(image: &ImageRef) {
+    if let ImageRef::Local(p) | ImageRef::Store(p) = image {
+        let _ = std::fs::remove_dir_all(p);
+    }
+}
+
+fn remove_tmp_entries(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(".tmp-") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+pub(crate) fn dir_size(p: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(p) else {
+        return std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(ft) if ft.is_dir() => dir_size(&e.path()),
+            _ => e.metadata().map(|m| m.len()).unwrap_or(0),
+        })
+        .sum()
+}
+
+/// Copies a directory tree with `cp -a` (keeps modes, owners, links and special files).
+async fn copy_tree(src: &Path, dest: &Path) -> Result<()> {
+    if !src.is_dir() {
+        return Err(ControlError::Invalid(format!(
+            "{} is not a directory",
+            src.display()
+        )));
+    }
+    std::fs::create_dir_all(dest).map_err(ControlError::io("cannot create", dest))?;
+    let out = tokio::process::Command::new("cp")
+        .arg("-a")
+        .arg(format!("{}/.", src.display()))
+        .arg(dest)
+        .output()
+        .await
+        .map_err(ControlError::io("cannot run cp for", src))?;
+    if !out.status.success() {
+        return Err(ControlError::Io {
+            what: "cannot copy",
+            path: src.to_path_buf(),
+            source: std::io::Error::other(String::from_utf8_lossy(&out.stderr).trim().to_string()),
+        });
+    }
+    Ok(())
+}
+
+pub use proto::DirEntry as FileEntry;

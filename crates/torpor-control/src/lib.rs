@@ -1,0 +1,12 @@
+//! The control plane of one node: the state store, every sandbox's lifecycle on the sleep
+//! ladder, templates and their golden snapshots, workers, the idle policy and metrics.
+//! It drives `torpor-runtime` and is driven by `torpor-api`; it knows nothing about HTTP.
+
+pub mod engine;
+pub mod error;
+pub mod metrics;
+pub mod store;
+
+pub use engine::{CreateSandbox, Engine, EngineConfig, ExecEvent, ExecResult, FileEntry, InUse};
+pub use error::{ControlError, Result};
+pub use store::{ImageRef, SandboxRecord, TemplateRecord, TemplateStatus};

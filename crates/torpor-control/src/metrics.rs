@@ -1,0 +1,129 @@
+//! Prometheus metrics of the control plane. Gauges that describe the fleet (sandboxes by state
+//! and tier, workers) are computed when scraped; events (wakes, checkpoints, execs, crashes) are
+//! recorded as they happen.
+
+use prometheus::{
+    exponential_buckets, Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+pub struct Metrics {
+    registry: Registry,
+    pub sandboxes: IntGaugeVec,
+    pub workers_total: IntGauge,
+    pub workers_busy: IntGauge,
+    pub wake_seconds: HistogramVec,
+    pub checkpoint_seconds: HistogramVec,
+    pub checkpoint_bytes: IntCounterVec,
+    pub exec_seconds: HistogramVec,
+    pub crashes: IntCounterVec,
+    pub transitions: IntCounterVec,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let latency = exponential_buckets(0.0005, 2.0, 16).expect("valid buckets");
+        let sandboxes = IntGaugeVec::new(
+            Opts::new("torpor_sandboxes", "Sandboxes by state and tier."),
+            &["state", "tier"],
+        )
+        .expect("valid metric");
+        let workers_total = IntGauge::new(
+            "torpor_workers",
+            "Workers (sandboxes that may be resident at once).",
+        )
+        .expect("valid metric");
+        let workers_busy =
+            IntGauge::new("torpor_workers_busy", "Workers holding a resident sandbox.")
+                .expect("valid metric");
+        let wake_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "torpor_wake_seconds",
+                "Time to bring a sandbox back to Running, by the tier it was woken from.",
+            )
+            .buckets(latency.clone()),
+            &["from_tier"],
+        )
+        .expect("valid metric");
+        let checkpoint_seconds = HistogramVec::new(
+            HistogramOpts::new("torpor_checkpoint_seconds", "Time to checkpoint a sandbox.")
+                .buckets(latency.clone()),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let checkpoint_bytes = IntCounterVec::new(
+            Opts::new(
+                "torpor_checkpoint_bytes_total",
+                "Bytes of checkpoint images written.",
+            ),
+            &["kind"],
+        )
+        .expect("valid metric");
+        let exec_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "torpor_exec_seconds",
+                "Exec round trip inside a running sandbox.",
+            )
+            .buckets(latency),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let crashes = IntCounterVec::new(
+            Opts::new(
+                "torpor_sandbox_crashes_total",
+                "Sandboxes that died on their own, by reason.",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
+        let transitions = IntCounterVec::new(
+            Opts::new(
+                "torpor_transitions_total",
+                "Sleep-ladder transitions, by target tier and cause.",
+            ),
+            &["to_tier", "cause"],
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(sandboxes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(workers_total.clone()),
+            Box::new(workers_busy.clone()),
+            Box::new(wake_seconds.clone()),
+            Box::new(checkpoint_seconds.clone()),
+            Box::new(checkpoint_bytes.clone()),
+            Box::new(exec_seconds.clone()),
+            Box::new(crashes.clone()),
+            Box::new(transitions.clone()),
+        ] {
+            registry.register(c).expect("metric names are unique");
+        }
+        Metrics {
+            registry,
+            sandboxes,
+            workers_total,
+            workers_busy,
+            wake_seconds,
+            checkpoint_seconds,
+            checkpoint_bytes,
+            exec_seconds,
+            crashes,
+            transitions,
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding cannot fail");
+        String::from_utf8(buf).expect("prometheus text is UTF-8")
+    }
+}

@@ -1,0 +1,574 @@
+//! The state store: templates, sandboxes and tenants in embedded SQLite.
+//!
+//! SQLite runs in WAL mode with `synchronous=NORMAL`: a committed transition survives a daemon
+//! crash (SIGKILL); only a power loss may drop the last few, and the reconcile pass on start
+//! copes with that like with any other interrupted transition. Each statement is a few tens of
+//! microseconds, so the store is called directly under a mutex rather than through a thread.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use rusqlite::{params, Connection, OptionalExtension, Row};
+use serde::{Deserialize, Serialize};
+use torpor_core::{
+    Limits, SandboxId, SandboxState, TemplateName, TemplateSpec, TenantId, Tier, UnixMillis,
+};
+use torpor_runtime::Mount;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("state store {path}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("state store")]
+    Sql(#[from] rusqlite::Error),
+    #[error("state store holds a malformed {what} row {key}")]
+    Corrupt { what: &'static str, key: String },
+}
+
+/// Where the checkpoint a sandbox would wake from lives.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "path", rename_all = "snake_case")]
+pub enum ImageRef {
+    /// Its template's golden snapshot (a sandbox that has never been checkpointed).
+    Golden,
+    /// A checkpoint on this node's disk (Parked).
+    Local(PathBuf),
+    /// A checkpoint in the snapshot store (Suspended).
+    Store(PathBuf),
+}
+
+impl ImageRef {
+    /// The tier a sandbox asleep on this image is in.
+    pub fn sleeping_tier(&self) -> Tier {
+        match self {
+            ImageRef::Golden | ImageRef::Local(_) => Tier::Parked,
+            ImageRef::Store(_) => Tier::Suspended,
+        }
+    }
+
+    pub fn sleeping_state(&self) -> SandboxState {
+        match self.sleeping_tier() {
+            Tier::Suspended => SandboxState::Suspended,
+            _ => SandboxState::Parked,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TemplateStatus {
+    Building,
+    Ready,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TemplateRecord {
+    pub name: TemplateName,
+    pub tenant: TenantId,
+    pub spec: TemplateSpec,
+    pub status: TemplateStatus,
+    pub rootfs: PathBuf,
+    pub mounts: Vec<Mount>,
+    pub agent_dir: PathBuf,
+    pub golden_dir: PathBuf,
+    pub golden_bytes: u64,
+    pub created_at: UnixMillis,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SandboxRecord {
+    pub id: SandboxId,
+    pub tenant: TenantId,
+    pub template: TemplateName,
+    pub state: SandboxState,
+    pub tier: Tier,
+    pub limits: Limits,
+    pub env: BTreeMap<String, String>,
+    pub metadata: BTreeMap<String, String>,
+    pub created_at: UnixMillis,
+    pub last_active_at: UnixMillis,
+    /// Bumped on every boot or restore; the runsc container id is `<id>-g<generation>`.
+    pub generation: u32,
+    pub image: ImageRef,
+    pub last_error: Option<String>,
+    pub oom_killed: bool,
+}
+
+impl SandboxRecord {
+    pub fn container_id(&self) -> String {
+        format!("{}-g{}", self.id, self.generation)
+    }
+}
+
+pub struct Store {
+    conn: Mutex<Connection>,
+}
+
+const SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS templates (
+    name TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    status TEXT NOT NULL,
+    rootfs TEXT NOT NULL,
+    mounts TEXT NOT NULL,
+    agent_dir TEXT NOT NULL,
+    golden_dir TEXT NOT NULL,
+    golden_bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    template TEXT NOT NULL,
+    state TEXT NOT NULL,
+    tier TEXT NOT NULL,
+    limits TEXT NOT NULL,
+    env TEXT NOT NULL,
+    metadata TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    last_active_at INTEGER NOT NULL,
+    generation INTEGER NOT NULL,
+    image TEXT NOT NULL,
+    last_error TEXT,
+    oom_killed INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS sandboxes_tenant ON sandboxes(tenant);
+CREATE INDEX IF NOT EXISTS sandboxes_template ON sandboxes(template);
+CREATE TABLE IF NOT EXISTS tenants (
+    id TEXT PRIMARY KEY,
+    token_hash TEXT NOT NULL UNIQUE,
+    created_at INTEGER NOT NULL
+);
+"#;
+
+/// Schema version written to `meta`; a newer database is refused rather than misread.
+const SCHEMA_VERSION: i64 = 1;
+
+fn json<T: Serialize>(v: &T) -> String {
+    serde_json::to_string(v).expect("store values serialise")
+}
+
+impl Store {
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let open_err = |source| StoreError::Open {
+            path: path.to_path_buf(),
+            source,
+        };
+        let conn = Connection::open(path).map_err(open_err)?;
+        conn.execute_batch(
+            "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=5000;",
+        )
+        .map_err(open_err)?;
+        conn.execute_batch(SCHEMA).map_err(open_err)?;
+        let version: Option<i64> = conn
+            .query_row("SELECT value FROM meta WHERE key='schema'", [], |r| {
+                r.get::<_, String>(0)
+            })
+            .optional()
+            .map_err(open_err)?
+            .and_then(|v| v.parse().ok());
+        match version {
+            None => {
+                conn.execute(
+                    "INSERT INTO meta(key, value) VALUES ('schema', ?1)",
+                    params![SCHEMA_VERSION.to_string()],
+                )
+                .map_err(open_err)?;
+            }
+            Some(v) if v > SCHEMA_VERSION => {
+                return Err(open_err(rusqlite::Error::InvalidParameterName(format!(
+                    "schema version {v} is newer than this torpor understands ({SCHEMA_VERSION})"
+                ))));
+            }
+            Some(_) => {}
+        }
+        Ok(Store {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> Result<T, StoreError> {
+        let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(f(&conn)?)
+    }
+
+    // --- templates ---
+
+    /// Inserts a template; false when the name is taken.
+    pub fn insert_template(&self, t: &TemplateRecord) -> Result<bool, StoreError> {
+        self.with(|c| {
+            let n = c.execute(
+                "INSERT OR IGNORE INTO templates
+                 (name, tenant, spec, status, rootfs, mounts, agent_dir, golden_dir, golden_bytes, created_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+                params![
+                    t.name.as_str(),
+                    t.tenant.as_str(),
+                    json(&t.spec),
+                    json(&t.status),
+                    t.rootfs.to_string_lossy(),
+                    json(&t.mounts),
+                    t.agent_dir.to_string_lossy(),
+                    t.golden_dir.to_string_lossy(),
+                    t.golden_bytes as i64,
+                    t.created_at,
+                ],
+            )?;
+            Ok(n == 1)
+        })
+    }
+
+    pub fn update_template(&self, t: &TemplateRecord) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE templates SET status=?2, mounts=?3, agent_dir=?4, golden_bytes=?5, spec=?6
+                 WHERE name=?1",
+                params![
+                    t.name.as_str(),
+                    json(&t.status),
+                    json(&t.mounts),
+                    t.agent_dir.to_string_lossy(),
+                    t.golden_bytes as i64,
+                    json(&t.spec),
+                ],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub fn delete_template(&self, name: &TemplateName) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "DELETE FROM templates WHERE name=?1",
+                params![name.as_str()],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub fn template(&self, name: &TemplateName) -> Result<Option<TemplateRecord>, StoreError> {
+        let row = self.with(|c| {
+            c.query_row(
+                "SELECT name, tenant, spec, status, rootfs, mounts, agent_dir, golden_dir, golden_bytes, created_at
+                 FROM templates WHERE name=?1",
+                params![name.as_str()],
+                raw_template,
+            )
+            .optional()
+        })?;
+        row.map(parse_template).transpose()
+    }
+
+    pub fn templates(&self) -> Result<Vec<TemplateRecord>, StoreError> {
+        let rows = self.with(|c| {
+            let mut st = c.prepare(
+                "SELECT name, tenant, spec, status, rootfs, mounts, agent_dir, golden_dir, golden_bytes, created_at
+                 FROM templates ORDER BY name",
+            )?;
+            let rows = st.query_map([], raw_template)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()
+        })?;
+        rows.into_iter().map(parse_template).collect()
+    }
+
+    // --- sandboxes ---
+
+    pub fn insert_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO sandboxes
+                 (id, tenant, template, state, tier, limits, env, metadata, created_at, last_active_at,
+                  generation, image, last_error, oom_killed)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+                params![
+                    s.id.as_str(),
+                    s.tenant.as_str(),
+                    s.template.as_str(),
+                    s.state.as_str(),
+                    s.tier.as_str(),
+                    json(&s.limits),
+                    json(&s.env),
+                    json(&s.metadata),
+                    s.created_at,
+                    s.last_active_at,
+                    s.generation,
+                    json(&s.image),
+                    s.last_error,
+                    s.oom_killed,
+                ],
+            )
+            .map(|_| ())
+        })
+    }
+
+    /// Writes every mutable field of a sandbox.
+    pub fn update_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE sandboxes SET state=?2, tier=?3, last_active_at=?4, generation=?5, image=?6,
+                 last_error=?7, oom_killed=?8 WHERE id=?1",
+                params![
+                    s.id.as_str(),
+                    s.state.as_str(),
+                    s.tier.as_str(),
+                    s.last_active_at,
+                    s.generation,
+                    json(&s.image),
+                    s.last_error,
+                    s.oom_killed,
+                ],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub fn touch_sandboxes(&self, touched: &[(SandboxId, UnixMillis)]) -> Result<(), StoreError> {
+        if touched.is_empty() {
+            return Ok(());
+        }
+        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let tx = conn.transaction()?;
+        {
+            let mut st = tx.prepare(
+                "UPDATE sandboxes SET last_active_at=?2 WHERE id=?1 AND last_active_at < ?2",
+            )?;
+            for (id, at) in touched {
+                st.execute(params![id.as_str(), at])?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    pub fn delete_sandbox(&self, id: &SandboxId) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute("DELETE FROM sandboxes WHERE id=?1", params![id.as_str()])
+                .map(|_| ())
+        })
+    }
+
+    pub fn sandbox(&self, id: &SandboxId) -> Result<Option<SandboxRecord>, StoreError> {
+        let row = self.with(|c| {
+            c.query_row(
+                &format!("{SANDBOX_COLUMNS} WHERE id=?1"),
+                params![id.as_str()],
+                raw_sandbox,
+            )
+            .optional()
+        })?;
+        row.map(parse_sandbox).transpose()
+    }
+
+    pub fn sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
+        let rows = self.with(|c| {
+            let mut st = c.prepare(&format!("{SANDBOX_COLUMNS} ORDER BY created_at, id"))?;
+            let rows = st.query_map([], raw_sandbox)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()
+        })?;
+        rows.into_iter().map(parse_sandbox).collect()
+    }
+
+    pub fn count_sandboxes_of_template(&self, name: &TemplateName) -> Result<u64, StoreError> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT COUNT(*) FROM sandboxes WHERE template=?1",
+                params![name.as_str()],
+                |r| r.get::<_, i64>(0),
+            )
+            .map(|n| n as u64)
+        })
+    }
+}
+
+const SANDBOX_COLUMNS: &str =
+    "SELECT id, tenant, template, state, tier, limits, env, metadata, created_at,
+    last_active_at, generation, image, last_error, oom_killed FROM sandboxes";
+
+type RawTemplate = (
+    String,
+    String,
+    String,
+    String,
+    String,
+    String,
+    String,
+    String,
+    i64,
+    i64,
+);
+
+fn raw_template(r: &Row) -> rusqlite::Result<RawTemplate> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+        r.get(7)?,
+        r.get(8)?,
+        r.get(9)?,
+    ))
+}
+
+fn parse_template(raw: RawTemplate) -> Result<TemplateRecord, StoreError> {
+    let (name, tenant, spec, status, rootfs, mounts, agent_dir, golden_dir, golden_bytes, created) =
+        raw;
+    let corrupt = || StoreError::Corrupt {
+        what: "template",
+        key: name.clone(),
+    };
+    Ok(TemplateRecord {
+        name: TemplateName::new(&name).map_err(|_| corrupt())?,
+        tenant: TenantId::new(tenant).map_err(|_| corrupt())?,
+        spec: serde_json::from_str(&spec).map_err(|_| corrupt())?,
+        status: serde_json::from_str(&status).map_err(|_| corrupt())?,
+        rootfs: rootfs.into(),
+        mounts: serde_json::from_str(&mounts).map_err(|_| corrupt())?,
+        agent_dir: agent_dir.into(),
+        golden_dir: golden_dir.into(),
+        golden_bytes: golden_bytes as u64,
+        created_at: created,
+    })
+}
+
+type RawSandbox = (
+    String,
+    String,
+    String,
+    String,
+    String,
+    String,
+    String,
+    String,
+    i64,
+    i64,
+    u32,
+    String,
+    Option<String>,
+    bool,
+);
+
+fn raw_sandbox(r: &Row) -> rusqlite::Result<RawSandbox> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+        r.get(7)?,
+        r.get(8)?,
+        r.get(9)?,
+        r.get(10)?,
+        r.get(11)?,
+        r.get(12)?,
+        r.get(13)?,
+    ))
+}
+
+fn parse_sandbox(raw: RawSandbox) -> Result<SandboxRecord, StoreError> {
+    let (
+        id,
+        tenant,
+        template,
+        state,
+        tier,
+        limits,
+        env,
+        metadata,
+        created_at,
+        last_active_at,
+        generation,
+        image,
+        last_error,
+        oom_killed,
+    ) = raw;
+    let corrupt = || StoreError::Corrupt {
+        what: "sandbox",
+        key: id.clone(),
+    };
+    Ok(SandboxRecord {
+        id: SandboxId::new(&id).map_err(|_| corrupt())?,
+        tenant: TenantId::new(tenant).map_err(|_| corrupt())?,
+        template: TemplateName::new(template).map_err(|_| corrupt())?,
+        state: SandboxState::parse(&state).ok_or_else(corrupt)?,
+        tier: Tier::parse(&tier).ok_or_else(corrupt)?,
+        limits: serde_json::from_str(&limits).map_err(|_| corrupt())?,
+        env: serde_json::from_str(&env).map_err(|_| corrupt())?,
+        metadata: serde_json::from_str(&metadata).map_err(|_| corrupt())?,
+        created_at,
+        last_active_at,
+        generation,
+        image: serde_json::from_str(&image).map_err(|_| corrupt())?,
+        last_error,
+        oom_killed,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sandbox() -> SandboxRecord {
+        SandboxRecord {
+            id: SandboxId::generate(),
+            tenant: TenantId::admin(),
+            template: TemplateName::host(),
+            state: SandboxState::Creating,
+            tier: Tier::Running,
+            limits: Limits::default(),
+            env: BTreeMap::new(),
+            metadata: [("k".to_string(), "v".to_string())].into(),
+            created_at: 1,
+            last_active_at: 1,
+            generation: 1,
+            image: ImageRef::Golden,
+            last_error: None,
+            oom_killed: false,
+        }
+    }
+
+    #[test]
+    fn sandboxes_survive_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let mut s = sandbox();
+        {
+            let store = Store::open(&path).unwrap();
+            store.insert_sandbox(&s).unwrap();
+            s.state = SandboxState::Parked;
+            s.image = ImageRef::Local("/x".into());
+            s.generation = 2;
+            store.update_sandbox(&s).unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        assert_eq!(store.sandbox(&s.id).unwrap(), Some(s.clone()));
+        store.touch_sandboxes(&[(s.id.clone(), 50)]).unwrap();
+        assert_eq!(store.sandbox(&s.id).unwrap().unwrap().last_active_at, 50);
+        store.delete_sandbox(&s.id).unwrap();
+        assert!(store.sandboxes().unwrap().is_empty());
+    }
+
+    #[test]
+    fn newer_schema_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        drop(Store::open(&path).unwrap());
+        let c = Connection::open(&path).unwrap();
+        c.execute("UPDATE meta SET value='99' WHERE key='schema'", [])
+            .unwrap();
+        drop(c);
+        let err = Store::open(&path).err().unwrap();
+        assert!(format!("{:?}", err).contains("newer"));
+    }
+}

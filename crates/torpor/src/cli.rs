@@ -1,0 +1,686 @@
+//! Command-line arguments and the client commands. Tables for people, `--json` for scripts.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use torpor_api::types::{CreateSandboxBody, ExecBody, ExecEvent, Sandbox, Template};
+use torpor_api::{Client, ClientError};
+use torpor_core::{
+    IdlePolicy, Limits, LimitsPatch, TemplateName, TemplateSource, TemplateSpec, Tier,
+};
+
+use crate::daemon::{self, ENV_TOKEN, ENV_URL};
+
+#[derive(Parser)]
+#[command(
+    name = "torpor",
+    version,
+    about = "AI agents in gVisor sandboxes that sleep and wake with their whole state"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Args, Clone)]
+pub struct Conn {
+    /// torpor's API address.
+    #[arg(long, env = ENV_URL, global = true)]
+    url: Option<String>,
+    /// Bearer token (default: the admin token in the data directory on this machine).
+    #[arg(long, env = ENV_TOKEN, global = true, hide_env_values = true)]
+    token: Option<String>,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Run the all-in-one daemon: API, workers, state and checkpoints on this machine.
+    Up {
+        #[arg(long, default_value = daemon::DEFAULT_LISTEN)]
+        listen: SocketAddr,
+        /// Sandboxes that may be resident at once (default: from the machine's memory).
+        #[arg(long)]
+        workers: Option<usize>,
+        #[arg(long, env = daemon::ENV_DATA_DIR)]
+        data_dir: Option<PathBuf>,
+        /// Path of the runsc binary (default: found on PATH).
+        #[arg(long)]
+        runsc: Option<PathBuf>,
+        /// gVisor platform (default: systrap if this runsc has it, else ptrace).
+        #[arg(long)]
+        platform: Option<String>,
+        /// How long a call waits for a free worker before 503 no_worker_available.
+        #[arg(long, default_value_t = 5000)]
+        worker_wait_ms: u64,
+        /// How often the idle policy runs.
+        #[arg(long, default_value_t = 500)]
+        tick_ms: u64,
+    },
+    /// Manage templates.
+    #[command(subcommand)]
+    Template(TemplateCmd),
+    /// Create a sandbox from a template (a restore of its golden snapshot).
+    Create {
+        template: String,
+        /// Environment for commands run in it (KEY=VALUE, repeatable).
+        #[arg(long = "env", value_parser = parse_kv)]
+        env: Vec<(String, String)>,
+        /// Metadata (KEY=VALUE, repeatable).
+        #[arg(long = "meta", value_parser = parse_kv)]
+        meta: Vec<(String, String)>,
+        #[arg(long)]
+        memory_mib: Option<u64>,
+        #[arg(long)]
+        cpus: Option<f64>,
+        #[arg(long)]
+        pids: Option<u64>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// List sandboxes.
+    Ls {
+        /// Only sandboxes in this state or tier.
+        #[arg(long)]
+        state: Option<String>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Show one sandbox, or the daemon's health without an id.
+    Status {
+        id: Option<String>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Run a command in a sandbox (waking it if it sleeps); exits with its exit code.
+    Exec {
+        id: String,
+        #[arg(long = "env", value_parser = parse_kv)]
+        env: Vec<(String, String)>,
+        #[arg(long)]
+        cwd: Option<String>,
+        #[arg(long)]
+        timeout_ms: Option<u64>,
+        /// Start it in the background and return its pid.
+        #[arg(long)]
+        detach: bool,
+        /// Print output as it comes.
+        #[arg(long)]
+        stream: bool,
+        #[command(flatten)]
+        conn: Conn,
+        #[arg(last = true, required = true)]
+        cmd: Vec<String>,
+    },
+    /// Copy a file into or out of a sandbox: `cp LOCAL ID:/path` or `cp ID:/path LOCAL`.
+    Cp {
+        src: String,
+        dest: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Put a sandbox to sleep (default tier: parked).
+    Suspend {
+        id: String,
+        #[arg(long, value_enum)]
+        tier: Option<TierArg>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Wake a sandbox.
+    Resume {
+        id: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Delete a sandbox and its snapshots.
+    Rm {
+        id: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Start a daemon in a temporary directory (or use --url), run a fleet of agents through
+    /// sleep and wake, check their state and print a summary.
+    Demo(crate::demo::DemoArgs),
+    /// The init process inside every sandbox (internal).
+    #[command(hide = true)]
+    SandboxAgent {
+        #[arg(last = true)]
+        main: Vec<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum TemplateCmd {
+    /// Register a template: import its filesystem, boot it once, take its golden snapshot.
+    Add {
+        name: String,
+        /// A root-filesystem directory on the daemon's machine.
+        #[arg(long, conflicts_with = "image")]
+        rootfs: Option<String>,
+        /// An OCI layout, oci-archive or `docker save` tarball on the daemon's machine.
+        #[arg(long)]
+        image: Option<String>,
+        /// Which image in the archive (tag or ref name).
+        #[arg(long, requires = "image")]
+        reference: Option<String>,
+        /// The agent's main process, e.g. --cmd python3 --cmd /app/agent.py
+        #[arg(long = "cmd")]
+        command: Vec<String>,
+        #[arg(long = "env", value_parser = parse_kv)]
+        env: Vec<(String, String)>,
+        #[arg(long)]
+        cwd: Option<String>,
+        #[arg(long)]
+        memory_mib: Option<u64>,
+        #[arg(long)]
+        cpus: Option<f64>,
+        #[arg(long)]
+        pids: Option<u64>,
+        /// Seconds idle before Frozen / Parked / Suspended; a negative value disables the step.
+        #[arg(long)]
+        freeze_after: Option<f64>,
+        #[arg(long)]
+        park_after: Option<f64>,
+        #[arg(long)]
+        suspend_after: Option<f64>,
+        /// Let the main process warm up this long before the golden snapshot.
+        #[arg(long, default_value_t = 0)]
+        warmup_ms: u64,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// List templates.
+    Ls {
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Delete a template (it must have no sandboxes).
+    Rm {
+        name: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum TierArg {
+    Frozen,
+    Parked,
+    Suspended,
+}
+
+impl From<TierArg> for Tier {
+    fn from(t: TierArg) -> Tier {
+        match t {
+            TierArg::Frozen => Tier::Frozen,
+            TierArg::Parked => Tier::Parked,
+            TierArg::Suspended => Tier::Suspended,
+        }
+    }
+}
+
+fn parse_kv(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
+}
+
+/// An error the CLI reports; the exit code is 1 unless the command said otherwise.
+pub struct CliError(String);
+
+impl From<ClientError> for CliError {
+    fn from(e: ClientError) -> Self {
+        CliError(e.to_string())
+    }
+}
+
+impl From<anyhow::Error> for CliError {
+    fn from(e: anyhow::Error) -> Self {
+        CliError(format!("{e:#}"))
+    }
+}
+
+impl From<std::io::Error> for CliError {
+    fn from(e: std::io::Error) -> Self {
+        CliError(e.to_string())
+    }
+}
+
+type CliResult = Result<i32, CliError>;
+
+pub async fn run(cli: Cli) -> i32 {
+    match dispatch(cli.command).await {
+        Ok(code) => code,
+        Err(CliError(msg)) => {
+            eprintln!("error: {msg}");
+            1
+        }
+    }
+}
+
+/// A client from --url/--token, the environment, or the local daemon's token file.
+pub fn client(conn: &Conn) -> Result<Client, CliError> {
+    let url = conn
+        .url
+        .clone()
+        .unwrap_or_else(|| format!("http://{}", daemon::DEFAULT_LISTEN));
+    let token = match &conn.token {
+        Some(t) => t.clone(),
+        None => {
+            let path = daemon::default_data_dir().join(daemon::TOKEN_FILE);
+            std::fs::read_to_string(&path)
+                .map(|t| t.trim().to_string())
+                .map_err(|e| {
+                    CliError(format!(
+                        "no token: set {ENV_TOKEN} or --token, or run on the daemon's machine ({}: {e})",
+                        path.display()
+                    ))
+                })?
+        }
+    };
+    Ok(Client::new(&url, &token))
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TORPOR_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+async fn dispatch(cmd: Command) -> CliResult {
+    match cmd {
+        Command::Up {
+            listen,
+            workers,
+            data_dir,
+            runsc,
+            platform,
+            worker_wait_ms,
+            tick_ms,
+        } => {
+            init_logging();
+            daemon::up(daemon::UpConfig {
+                listen,
+                data_dir: data_dir.unwrap_or_else(daemon::default_data_dir),
+                workers,
+                runsc,
+                platform,
+                worker_wait: Duration::from_millis(worker_wait_ms),
+                tick: Duration::from_millis(tick_ms.max(50)),
+            })
+            .await?;
+            Ok(0)
+        }
+        Command::Template(t) => template(t).await,
+        Command::Create {
+            template,
+            env,
+            meta,
+            memory_mib,
+            cpus,
+            pids,
+            conn,
+        } => {
+            let c = client(&conn)?;
+            let t = Instant::now();
+            let s = c
+                .create_sandbox(&CreateSandboxBody {
+                    template,
+                    env: env.into_iter().collect(),
+                    metadata: meta.into_iter().collect(),
+                    limits: Some(LimitsPatch {
+                        memory_mib,
+                        cpus,
+                        pids,
+                    }),
+                })
+                .await?;
+            if conn.json {
+                print_json(&s);
+            } else {
+                println!("{}", s.id);
+                eprintln!(
+                    "created from {} in {:.0} ms",
+                    s.template,
+                    t.elapsed().as_secs_f64() * 1000.0
+                );
+            }
+            Ok(0)
+        }
+        Command::Ls { state, conn } => {
+            let c = client(&conn)?;
+            let all = c.sandboxes(state.as_deref()).await?;
+            if conn.json {
+                print_json(&all);
+            } else {
+                print_sandboxes(&all);
+            }
+            Ok(0)
+        }
+        Command::Status { id, conn } => {
+            let c = client(&conn)?;
+            match id {
+                Some(id) => {
+                    let s = c.sandbox(&id).await?;
+                    if conn.json {
+                        print_json(&s);
+                    } else {
+                        print_sandbox(&s);
+                    }
+                }
+                None => {
+                    let h = c.health().await?;
+                    if conn.json {
+                        print_json(&h);
+                    } else {
+                        println!(
+                            "torpor {} at {}: {} (runsc {}, platform {}, {} workers)",
+                            h.version,
+                            c.base_url(),
+                            h.status,
+                            h.runsc_version,
+                            h.platform,
+                            h.workers
+                        );
+                    }
+                }
+            }
+            Ok(0)
+        }
+        Command::Exec {
+            id,
+            env,
+            cwd,
+            timeout_ms,
+            detach,
+            stream,
+            conn,
+            cmd,
+        } => {
+            let c = client(&conn)?;
+            let stdin = if atty_stdin() {
+                None
+            } else {
+                let mut s = String::new();
+                std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)?;
+                (!s.is_empty()).then_some(s)
+            };
+            let body = ExecBody {
+                cmd,
+                env: env.into_iter().collect::<BTreeMap<_, _>>(),
+                cwd,
+                stdin,
+                timeout_ms,
+                detach,
+                stream: false,
+            };
+            let result = if stream && !conn.json {
+                c.exec_stream(&id, &body, |ev| match ev {
+                    ExecEvent::Stdout { data } => {
+                        print!("{data}");
+                        let _ = std::io::stdout().flush();
+                    }
+                    ExecEvent::Stderr { data } => eprint!("{data}"),
+                    _ => {}
+                })
+                .await?
+            } else {
+                let r = c.exec(&id, &body).await?;
+                if conn.json {
+                    print_json(&r);
+                    return Ok(0);
+                }
+                if detach {
+                    println!("started pid {}", r.stdout);
+                    return Ok(0);
+                }
+                print!("{}", r.stdout);
+                eprint!("{}", r.stderr);
+                r
+            };
+            if result.oom_killed {
+                eprintln!("torpor: the sandbox ran out of memory and was killed (oom_killed)");
+            }
+            Ok(result.exit_code.unwrap_or(1))
+        }
+        Command::Cp { src, dest, conn } => {
+            let c = client(&conn)?;
+            match (split_remote(&src), split_remote(&dest)) {
+                (Some((id, path)), None) => {
+                    let data = c.read_file(id, path).await?;
+                    std::fs::write(&dest, data)?;
+                }
+                (None, Some((id, path))) => {
+                    let data = std::fs::read(&src)?;
+                    use std::os::unix::fs::PermissionsExt;
+                    let mode = std::fs::metadata(&src)?.permissions().mode() & 0o7777;
+                    c.write_file(id, path, data, Some(mode)).await?;
+                }
+                _ => {
+                    return Err(CliError(
+                        "exactly one side must be a sandbox path, ID:/path".into(),
+                    ))
+                }
+            }
+            Ok(0)
+        }
+        Command::Suspend { id, tier, conn } => {
+            let c = client(&conn)?;
+            let t = Instant::now();
+            let s = c.suspend(&id, tier.map(Tier::from)).await?;
+            if conn.json {
+                print_json(&s);
+            } else {
+                println!(
+                    "{} is {} ({:.0} ms)",
+                    s.id,
+                    s.tier,
+                    t.elapsed().as_secs_f64() * 1000.0
+                );
+            }
+            Ok(0)
+        }
+        Command::Resume { id, conn } => {
+            let c = client(&conn)?;
+            let t = Instant::now();
+            let s = c.resume(&id).await?;
+            if conn.json {
+                print_json(&s);
+            } else {
+                println!(
+                    "{} is {} ({:.0} ms)",
+                    s.id,
+                    s.tier,
+                    t.elapsed().as_secs_f64() * 1000.0
+                );
+            }
+            Ok(0)
+        }
+        Command::Rm { id, conn } => {
+            client(&conn)?.delete_sandbox(&id).await?;
+            Ok(0)
+        }
+        Command::Demo(args) => crate::demo::run(args).await.map_err(CliError::from),
+        Command::SandboxAgent { .. } => unreachable!("handled before the runtime starts"),
+    }
+}
+
+async fn template(cmd: TemplateCmd) -> CliResult {
+    match cmd {
+        TemplateCmd::Add {
+            name,
+            rootfs,
+            image,
+            reference,
+            command,
+            env,
+            cwd,
+            memory_mib,
+            cpus,
+            pids,
+            freeze_after,
+            park_after,
+            suspend_after,
+            warmup_ms,
+            conn,
+        } => {
+            let c = client(&conn)?;
+            let source = match (rootfs, image) {
+                (Some(path), None) => TemplateSource::Rootfs { path },
+                (None, Some(path)) => TemplateSource::Image { path, reference },
+                _ => TemplateSource::Host,
+            };
+            let defaults = IdlePolicy::default();
+            let step = |v: Option<f64>, d: Option<f64>| match v {
+                Some(v) if v < 0.0 => None,
+                Some(v) => Some(v),
+                None => d,
+            };
+            let base = Limits::default();
+            let spec = TemplateSpec {
+                name: TemplateName::new(&name).map_err(|e| CliError(e.to_string()))?,
+                source,
+                command,
+                env: env.into_iter().collect(),
+                cwd,
+                limits: Limits {
+                    memory_mib: memory_mib.unwrap_or(base.memory_mib),
+                    cpus: cpus.unwrap_or(base.cpus),
+                    pids: pids.unwrap_or(base.pids),
+                },
+                idle: IdlePolicy {
+                    freeze_after_s: step(freeze_after, defaults.freeze_after_s),
+                    park_after_s: step(park_after, defaults.park_after_s),
+                    suspend_after_s: step(suspend_after, defaults.suspend_after_s),
+                },
+                warmup_ms,
+            };
+            if !conn.json {
+                eprintln!("building template {name}: import, boot, golden snapshot ...");
+            }
+            let t = Instant::now();
+            let tpl = c.create_template(&spec).await?;
+            if conn.json {
+                print_json(&tpl);
+            } else {
+                eprintln!(
+                    "template {} ready in {:.1} s (golden snapshot {})",
+                    tpl.name,
+                    t.elapsed().as_secs_f64(),
+                    human_bytes(tpl.golden_snapshot_bytes)
+                );
+            }
+            Ok(0)
+        }
+        TemplateCmd::Ls { conn } => {
+            let all = client(&conn)?.templates().await?;
+            if conn.json {
+                print_json(&all);
+            } else {
+                print_templates(&all);
+            }
+            Ok(0)
+        }
+        TemplateCmd::Rm { name, conn } => {
+            client(&conn)?.delete_template(&name).await?;
+            Ok(0)
+        }
+    }
+}
+
+fn split_remote(s: &str) -> Option<(&str, &str)> {
+    let (id, path) = s.split_once(':')?;
+    (id.starts_with("sb-") && !path.is_empty()).then_some((id, path))
+}
+
+fn atty_stdin() -> bool {
+    // SAFETY: isatty on fd 0 has no preconditions.
+    unsafe { libc::isatty(0) == 1 }
+}
+
+pub fn print_json<T: serde::Serialize>(v: &T) {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(v).expect("values serialise")
+    );
+}
+
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < UNITS.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[i])
+    }
+}
+
+fn print_sandboxes(all: &[Sandbox]) {
+    println!(
+        "{:<20} {:<14} {:<13} {:<10} {:<24}",
+        "ID", "TEMPLATE", "STATE", "TIER", "LAST ACTIVE"
+    );
+    for s in all {
+        println!(
+            "{:<20} {:<14} {:<13} {:<10} {:<24}",
+            s.id, s.template, s.state, s.tier, s.last_active_at
+        );
+    }
+}
+
+fn print_sandbox(s: &Sandbox) {
+    println!("id:           {}", s.id);
+    println!("template:     {}", s.template);
+    println!("tenant:       {}", s.tenant);
+    println!("state:        {} (tier {})", s.state, s.tier);
+    println!("created:      {}", s.created_at);
+    println!("last active:  {}", s.last_active_at);
+    println!(
+        "limits:       {} MiB, {} cpus, {} pids",
+        s.limits.memory_mib, s.limits.cpus, s.limits.pids
+    );
+    if s.oom_killed {
+        println!("oom_killed:   true");
+    }
+    if let Some(e) = &s.last_error {
+        println!("last error:   {e}");
+    }
+}
+
+fn print_templates(all: &[Template]) {
+    println!(
+        "{:<16} {:<8} {:<10} {:<8} {:>12}  COMMAND",
+        "NAME", "TENANT", "SOURCE", "STATUS", "GOLDEN"
+    );
+    for t in all {
+        let source = match &t.source {
+            TemplateSource::Host => "host",
+            TemplateSource::Rootfs { .. } => "rootfs",
+            TemplateSource::Image { .. } => "image",
+        };
+        println!(
+            "{:<16} {:<8} {:<10} {:<8} {:>12}  {}",
+            t.name,
+            t.tenant,
+            source,
+            t.status,
+            human_bytes(t.golden_snapshot_bytes),
+            t.command.join(" ")
+        );
+    }
+}

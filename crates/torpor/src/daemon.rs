@@ -1,0 +1,150 @@
+//! `torpor up`: the all-in-one daemon. Opens the data directory, starts the engine and serves
+//! the API until SIGTERM or SIGINT, then checkpoints every resident sandbox before exiting.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use torpor_api::ApiState;
+use torpor_control::{Engine, EngineConfig};
+
+/// Environment variables the CLI and daemon read.
+pub const ENV_URL: &str = "TORPOR_URL";
+pub const ENV_TOKEN: &str = "TORPOR_TOKEN";
+pub const ENV_DATA_DIR: &str = "TORPOR_DATA_DIR";
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:7077";
+pub const TOKEN_FILE: &str = "admin-token";
+
+pub struct UpConfig {
+    pub listen: SocketAddr,
+    pub data_dir: PathBuf,
+    pub workers: Option<usize>,
+    pub runsc: Option<PathBuf>,
+    pub platform: Option<String>,
+    pub worker_wait: Duration,
+    pub tick: Duration,
+}
+
+/// `/var/lib/torpor` as root, else `$XDG_DATA_HOME/torpor` (or `~/.local/share/torpor`).
+pub fn default_data_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os(ENV_DATA_DIR) {
+        return PathBuf::from(d);
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        return PathBuf::from("/var/lib/torpor");
+    }
+    let base = std::env::var_os("XDG_DATA_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")))
+        .unwrap_or_else(|| PathBuf::from("/tmp"));
+    base.join("torpor")
+}
+
+/// Workers from the machine: one per 512 MiB of RAM, between 2 and 256.
+pub fn default_workers() -> usize {
+    let mem_kib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .unwrap_or(4 << 20);
+    ((mem_kib / 1024 / 512) as usize).clamp(2, 256)
+}
+
+/// Reads the admin token, creating it (mode 0600) on first start.
+pub fn ensure_admin_token(data_dir: &Path) -> anyhow::Result<String> {
+    let path = data_dir.join(TOKEN_FILE);
+    if let Ok(t) = std::fs::read_to_string(&path) {
+        let t = t.trim().to_string();
+        if !t.is_empty() {
+            return Ok(t);
+        }
+    }
+    let token: String = (0..32)
+        .map(|_| format!("{:02x}", rand::random::<u8>()))
+        .collect();
+    let token = format!("tpr_admin_{token}");
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("cannot write the admin token to {}", path.display()))?;
+    f.write_all(token.as_bytes())?;
+    Ok(token)
+}
+
+pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&cfg.data_dir).with_context(|| {
+        format!(
+            "cannot create the data directory {} (use --data-dir or {ENV_DATA_DIR})",
+            cfg.data_dir.display()
+        )
+    })?;
+    let probe = cfg.data_dir.join(".write-test");
+    if let Err(e) = std::fs::write(&probe, b"") {
+        bail!(
+            "the data directory {} is not writable: {e} (use --data-dir or {ENV_DATA_DIR})",
+            cfg.data_dir.display()
+        );
+    }
+    let _ = std::fs::remove_file(&probe);
+    let token = ensure_admin_token(&cfg.data_dir)?;
+    let workers = cfg.workers.unwrap_or_else(default_workers);
+    if workers == 0 {
+        bail!("--workers must be at least 1");
+    }
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", cfg.listen))?;
+    let engine = Engine::start(EngineConfig {
+        data_dir: cfg.data_dir.clone(),
+        workers,
+        runsc_binary: cfg.runsc,
+        runsc_platform: cfg.platform,
+        agent_binary: std::env::current_exe().context("cannot find the torpor binary")?,
+        worker_wait: cfg.worker_wait,
+        tick: cfg.tick,
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e} ({})", e.code()))?;
+    let state = Arc::new(ApiState {
+        engine: engine.clone(),
+        admin_token: token,
+    });
+    let app = torpor_api::router(state);
+    tracing::info!(listen = %cfg.listen, data_dir = %cfg.data_dir.display(), workers, "torpor is up");
+    eprintln!(
+        "torpor is up on http://{} (data {}, {} workers)",
+        cfg.listen,
+        cfg.data_dir.display(),
+        workers
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("the API server failed")?;
+    eprintln!("torpor: shutting down; checkpointing resident sandboxes");
+    engine.shutdown().await;
+    eprintln!("torpor: stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler installs");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler installs");
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = int.recv() => {},
+    }
+}

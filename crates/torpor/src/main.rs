@@ -1,0 +1,33 @@
+//! `torpor`: the one binary. It parses arguments and hands them to a library: `up` runs the
+//! daemon (engine + API), `sandbox-agent` is the init process inside every sandbox, and every
+//! other command is a client of the HTTP API.
+
+mod cli;
+mod daemon;
+mod demo;
+
+use clap::Parser;
+
+fn main() {
+    let args = cli::Cli::parse();
+    // The agent runs inside gVisor: plain threads, no async runtime, nothing else started.
+    if let cli::Command::SandboxAgent { main } = &args.command {
+        if let Err(e) = torpor_runtime::agent::run(main.clone()) {
+            eprintln!("torpor-agent: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let code = runtime.block_on(cli::run(args));
+    std::process::exit(code);
+}
