@@ -120,20 +120,25 @@ fn brute_force_gang(inv: &Inventory, ledger: &Ledger, member: &GpuRequest, size:
         }
         for g in from..inv.gpus().len() as u32 {
             let gpu = &inv.gpus()[g as usize];
-            let usage = ledger.usage()[g as usize];
+            let usage = ledger.usage()[g as usize].clone();
             let kind = match member.mode {
                 PartitionMode::Whole => ShareKind::Whole,
                 PartitionMode::Mig => {
-                    let Some(model) = gpu.mig_model else { continue };
+                    let Some(geometry) = gpu.mig_geometry.clone() else {
+                        continue;
+                    };
                     let Ok(p) =
-                        resolve_profile(model, member.profile.as_deref(), None, gpu.memory_mib)
+                        resolve_profile(&geometry, member.profile.as_deref(), None, gpu.memory_mib)
                     else {
                         continue;
                     };
                     let layout = if usage.mode == PartitionMode::Mig {
-                        usage.mig.unwrap_or(MigLayout::empty(model))
+                        usage
+                            .mig
+                            .clone()
+                            .unwrap_or(MigLayout::empty(geometry.clone()))
                     } else {
-                        MigLayout::empty(model)
+                        MigLayout::empty(geometry.clone())
                     };
                     let Some(start) = layout.best_start(&p) else {
                         continue;
@@ -224,19 +229,24 @@ fn gang_optimality() {
 /// The baseline: first GPU in index order that takes the share, lowest MIG start.
 fn first_fit(inv: &Inventory, ledger: &mut Ledger, request: &GpuRequest) -> bool {
     for gpu in inv.gpus() {
-        let usage = ledger.usage()[gpu.index.0 as usize];
+        let usage = ledger.usage()[gpu.index.0 as usize].clone();
         let kind = match request.mode {
             PartitionMode::Mig => {
-                let Some(model) = gpu.mig_model else { continue };
+                let Some(geometry) = gpu.mig_geometry.clone() else {
+                    continue;
+                };
                 let Ok(p) =
-                    resolve_profile(model, request.profile.as_deref(), None, gpu.memory_mib)
+                    resolve_profile(&geometry, request.profile.as_deref(), None, gpu.memory_mib)
                 else {
                     continue;
                 };
                 let layout = if usage.mode == PartitionMode::Mig {
-                    usage.mig.unwrap_or(MigLayout::empty(model))
+                    usage
+                        .mig
+                        .clone()
+                        .unwrap_or(MigLayout::empty(geometry.clone()))
                 } else {
-                    MigLayout::empty(model)
+                    MigLayout::empty(geometry.clone())
                 };
                 let Some(start) = layout.first_fit_start(&p) else {
                     continue;

@@ -34,11 +34,12 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
+use std::sync::Arc;
 
 use serde::Deserialize;
 
 use crate::ids::{GpuIndex, GpuUuid, IdError, NodeName};
-use crate::mig::MigModel;
+use crate::mig::{MigGeometry, MigModel};
 use crate::partition::PartitionMode;
 use crate::topology::{Link, TopologyError, TopologyMatrix, SCORE_SAME_GPU};
 
@@ -58,8 +59,10 @@ pub struct Gpu {
     pub model: String,
     pub memory_mib: u64,
     pub mig_capable: bool,
-    /// MIG geometry; `None` when the GPU has no MIG or the table does not know the model.
+    /// The table model; `None` when the GPU has no MIG or the table does not know the model.
     pub mig_model: Option<MigModel>,
+    /// MIG geometry used for placement: the table's for `mig_model`, or the driver's.
+    pub mig_geometry: Option<Arc<MigGeometry>>,
     pub numa_node: Option<u32>,
     pub pci_bus_id: String,
     /// Minor number of `/dev/nvidia<minor>`.
@@ -73,7 +76,7 @@ pub struct Gpu {
 impl Gpu {
     /// Whether MIG can be used: capable and with known geometry.
     pub fn mig_ready(&self) -> bool {
-        self.mig_capable && self.mig_model.is_some()
+        self.mig_capable && self.mig_geometry.is_some()
     }
 }
 
@@ -431,6 +434,11 @@ impl Inventory {
                 memory_mib: g.memory_mib,
                 mig_capable: g.mig_capable,
                 mig_model: if g.mig_capable { mig_model } else { None },
+                mig_geometry: if g.mig_capable {
+                    mig_model.map(MigModel::geometry)
+                } else {
+                    None
+                },
                 numa_node: g.numa_node,
                 pci_bus_id: g.pci_bus_id,
                 minor: g.minor.unwrap_or(g.index),

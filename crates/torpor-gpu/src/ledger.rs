@@ -12,7 +12,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{AllocationId, GpuIndex, TenantId};
 use crate::inventory::{Gpu, Inventory};
-use crate::mig::{MigInstance, MigLayout, MigModel, MigPlacementError, MigProfile};
+use std::sync::Arc;
+
+use crate::mig::{MigGeometry, MigInstance, MigLayout, MigPlacementError, MigProfile};
 use crate::partition::{ModeChangeError, PartitionMode};
 use crate::request::GpuRequest;
 
@@ -80,12 +82,12 @@ pub enum GpuReason {
     },
     #[error("GPU has no MIG or its MIG geometry is unknown")]
     NoMig,
-    #[error("profile {profile:?} is unknown for {model}")]
-    UnknownProfile { profile: String, model: MigModel },
-    #[error("no MIG profile of {model} has {memory_mib} MiB")]
-    NoProfileForMemory { memory_mib: u64, model: MigModel },
+    #[error("profile {profile:?} is unknown for {geometry}")]
+    UnknownProfile { profile: String, geometry: String },
+    #[error("no MIG profile of {geometry} has {memory_mib} MiB")]
+    NoProfileForMemory { memory_mib: u64, geometry: String },
     #[error("no free placement for profile {profile}")]
-    MigNoPlacement { profile: &'static str },
+    MigNoPlacement { profile: String },
     #[error(transparent)]
     MigInvalid(#[from] MigPlacementError),
     #[error("GPU is already held whole")]
@@ -125,7 +127,7 @@ impl GpuReason {
 }
 
 /// What the shares on one GPU add up to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuUsage {
     pub mode: PartitionMode,
     pub shares: u32,
@@ -154,8 +156,8 @@ impl GpuUsage {
 
     fn switch_mode(&mut self, gpu: &Gpu, mode: PartitionMode) {
         self.mode = mode;
-        self.mig = match (mode, gpu.mig_model) {
-            (PartitionMode::Mig, Some(model)) => Some(MigLayout::empty(model)),
+        self.mig = match (mode, &gpu.mig_geometry) {
+            (PartitionMode::Mig, Some(geometry)) => Some(MigLayout::empty(Arc::clone(geometry))),
             _ => None,
         };
     }
@@ -195,9 +197,9 @@ impl GpuUsage {
 
     /// The MIG layout this GPU would have in MIG mode (empty when it is not in MIG mode).
     pub fn mig_layout(&self, gpu: &Gpu) -> Option<MigLayout> {
-        match self.mig {
-            Some(layout) => Some(layout),
-            None => gpu.mig_model.map(MigLayout::empty),
+        match &self.mig {
+            Some(layout) => Some(layout.clone()),
+            None => gpu.mig_geometry.clone().map(MigLayout::empty),
         }
     }
 
@@ -212,14 +214,13 @@ impl GpuUsage {
                     return Err(GpuReason::WholeTaken);
                 }
             }
-            ShareKind::Mig { instance } => {
-                let layout = if same_mode {
-                    self.mig_layout(gpu)
-                } else {
-                    gpu.mig_model.map(MigLayout::empty)
-                };
-                layout.ok_or(GpuReason::NoMig)?.check(*instance)?;
-            }
+            ShareKind::Mig { instance } => match (same_mode, &self.mig, &gpu.mig_geometry) {
+                (true, Some(layout), _) => layout.check(*instance)?,
+                (_, _, Some(geometry)) => {
+                    MigLayout::empty(Arc::clone(geometry)).check(*instance)?
+                }
+                _ => return Err(GpuReason::NoMig),
+            },
             ShareKind::Mps {
                 compute_pct,
                 memory_mib,
@@ -322,7 +323,7 @@ impl GpuUsage {
     pub fn fill_permille(&self, gpu: &Gpu) -> u32 {
         match self.mode {
             PartitionMode::Whole => 1000 * self.shares.min(1),
-            PartitionMode::Mig => self.mig.map_or(0, |l| {
+            PartitionMode::Mig => self.mig.as_ref().map_or(0, |l| {
                 u32::from(crate::mig::MEMORY_SLICES - l.free_memory_slices()) * 1000
                     / u32::from(crate::mig::MEMORY_SLICES)
             }),
@@ -336,32 +337,35 @@ impl GpuUsage {
     }
 }
 
-/// Resolves a MIG profile for a GPU model.
+/// Resolves a MIG profile of a geometry: by name or id, or the smallest with `memory_mib`.
 pub fn resolve_profile(
-    model: MigModel,
+    geometry: &MigGeometry,
     profile: Option<&str>,
     memory_mib: Option<u64>,
     gpu_memory_mib: u64,
 ) -> Result<MigProfile, GpuReason> {
     match (profile, memory_mib) {
-        (Some(name), _) => model
-            .profile(name)
-            .ok_or_else(|| GpuReason::UnknownProfile {
-                profile: name.to_owned(),
-                model,
-            }),
-        (None, Some(wanted)) => model
+        (Some(name), _) => {
+            geometry
+                .profile(name)
+                .cloned()
+                .ok_or_else(|| GpuReason::UnknownProfile {
+                    profile: name.to_owned(),
+                    geometry: geometry.label().to_owned(),
+                })
+        }
+        (None, wanted) => geometry
             .profiles()
-            .filter(|p| !p.media_extensions() && p.memory_mib(gpu_memory_mib) >= wanted)
-            .min_by_key(|p| (p.memory_slices, p.sm_slices))
-            .ok_or(GpuReason::NoProfileForMemory {
-                memory_mib: wanted,
-                model,
+            .iter()
+            .filter(|p| {
+                !p.media_extensions() && p.memory_mib(gpu_memory_mib) >= wanted.unwrap_or(0)
+            })
+            .min_by_key(|p| (p.memory_slices, p.sm_slices, p.id))
+            .cloned()
+            .ok_or_else(|| GpuReason::NoProfileForMemory {
+                memory_mib: wanted.unwrap_or(0),
+                geometry: geometry.label().to_owned(),
             }),
-        (None, None) => Err(GpuReason::NoProfileForMemory {
-            memory_mib: 0,
-            model,
-        }),
     }
 }
 
@@ -519,7 +523,7 @@ impl Ledger {
         for (usage, now) in rebuilt.iter_mut().zip(&self.usage) {
             if now.is_empty() {
                 usage.mode = now.mode;
-                usage.mig = now.mig;
+                usage.mig = now.mig.clone();
             }
         }
         for allocation in self.allocations.values() {
@@ -613,7 +617,7 @@ pci_bus_id = "0000:19:00.0"
         ledger.check(&inv).unwrap();
         ledger.release(a).unwrap();
         assert_eq!(ledger.usage()[0].shares, 0);
-        assert_eq!(ledger.usage()[0].mig.unwrap().occupied(), 0);
+        assert_eq!(ledger.usage()[0].mig.as_ref().unwrap().occupied(), 0);
         assert_ne!(
             ledger.usage()[0].mode,
             empty.usage()[0].mode,
@@ -697,7 +701,7 @@ pci_bus_id = "0000:19:00.0"
 
     #[test]
     fn resolves_profiles_by_memory() {
-        let m = MigModel::H200Gb141;
+        let m = &*crate::mig::MigModel::H200Gb141.geometry();
         assert_eq!(
             resolve_profile(m, None, Some(17_000), 143771).unwrap().name,
             "1g.18gb"

@@ -4,10 +4,12 @@
 //! slices and 7 SM slices; an instance occupies memory slices `[start, start + size)`; a
 //! placement is valid when its start is allowed for the profile, it overlaps no other instance,
 //! and the profile's per-GPU limit holds. On real hardware the placements come from NVML and
-//! this table is the fallback. This module owns the table and single-GPU placement; choosing
-//! between GPUs is the planner's job.
+//! this table is the fallback: a [`MigGeometry`] is either the table's row set for a known
+//! model or what the driver lists. This module owns geometries and single-GPU placement;
+//! choosing between GPUs is the planner's job.
 
 use std::fmt;
+use std::sync::{Arc, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -29,17 +31,22 @@ pub enum MigModel {
     H200Gb141,
 }
 
-/// One MIG GPU-instance profile (a row of the table), resolved for one model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Most profiles one geometry may hold.
+pub const MAX_PROFILES: usize = 16;
+
+/// One MIG GPU-instance profile of one geometry.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct MigProfile {
     /// NVML `GpuInstanceProfileInfo.id` / `nvidia-smi mig -lgip` id.
     pub id: u32,
-    /// Name for this model, e.g. `3g.71gb`.
-    pub name: &'static str,
+    /// Name, e.g. `3g.71gb` (synthesised from slices and memory for driver geometries).
+    pub name: String,
     pub memory_slices: u8,
     pub sm_slices: u8,
     pub max_per_gpu: u8,
-    pub allowed_starts: &'static [u8],
+    pub allowed_starts: Vec<u8>,
+    /// Exact memory reported by the driver; `None` for the table (see [`MigProfile::memory_mib`]).
+    pub driver_memory_mib: Option<u64>,
 }
 
 struct Row {
@@ -51,7 +58,6 @@ struct Row {
     allowed_starts: &'static [u8],
 }
 
-/// The table of MIG-GEOMETRY.md; name columns in the order of [`MigModel::ALL`].
 const TABLE: [Row; 7] = [
     Row {
         id: 19,
@@ -165,32 +171,44 @@ impl MigModel {
         None
     }
 
-    fn resolve(self, row: &Row) -> MigProfile {
-        MigProfile {
-            id: row.id,
-            name: row.names[self.column()],
-            memory_slices: row.memory_slices,
-            sm_slices: row.sm_slices,
-            max_per_gpu: row.max_per_gpu,
-            allowed_starts: row.allowed_starts,
-        }
+    /// The table's geometry for this model (built once, shared).
+    pub fn geometry(self) -> Arc<MigGeometry> {
+        static GEOMETRIES: OnceLock<[Arc<MigGeometry>; 4]> = OnceLock::new();
+        let all = GEOMETRIES.get_or_init(|| {
+            MigModel::ALL.map(|model| {
+                Arc::new(MigGeometry {
+                    label: model.label().to_owned(),
+                    model: Some(model),
+                    profiles: TABLE
+                        .iter()
+                        .map(|row| MigProfile {
+                            id: row.id,
+                            name: row.names[model.column()].to_owned(),
+                            memory_slices: row.memory_slices,
+                            sm_slices: row.sm_slices,
+                            max_per_gpu: row.max_per_gpu,
+                            allowed_starts: row.allowed_starts.to_vec(),
+                            driver_memory_mib: None,
+                        })
+                        .collect(),
+                })
+            })
+        });
+        Arc::clone(&all[self.column()])
     }
 
     /// All profiles of this model, in table order (smallest first).
-    pub fn profiles(self) -> impl Iterator<Item = MigProfile> {
-        TABLE.iter().map(move |row| self.resolve(row))
+    pub fn profiles(self) -> Vec<MigProfile> {
+        self.geometry().profiles().to_vec()
     }
 
     /// Looks a profile up by its name for this model (`3g.71gb`) or by its id (`9`).
     pub fn profile(self, name_or_id: &str) -> Option<MigProfile> {
-        if let Ok(id) = name_or_id.parse::<u32>() {
-            return self.profile_by_id(id);
-        }
-        self.profiles().find(|p| p.name == name_or_id)
+        self.geometry().profile(name_or_id).cloned()
     }
 
     pub fn profile_by_id(self, id: u32) -> Option<MigProfile> {
-        self.profiles().find(|p| p.id == id)
+        self.geometry().profile_by_id(id).cloned()
     }
 }
 
@@ -200,18 +218,138 @@ impl fmt::Display for MigModel {
     }
 }
 
+/// Why a driver-listed geometry was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GeometryError {
+    #[error("the geometry lists no profile")]
+    Empty,
+    #[error("the geometry lists {count} profiles; at most {max} are supported")]
+    TooManyProfiles { count: usize, max: usize },
+    #[error("profile id {id} appears twice")]
+    DuplicateProfile { id: u32 },
+    #[error("profile id {id}: size {size} at start {start} does not fit {slices} memory slices")]
+    OutOfRange {
+        id: u32,
+        start: u8,
+        size: u8,
+        slices: u8,
+    },
+    #[error("profile id {id}: sizes, SM slices and the instance limit must be at least 1")]
+    Zero { id: u32 },
+}
+
+impl GeometryError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            GeometryError::Empty => "mig_geometry_empty",
+            GeometryError::TooManyProfiles { .. } => "mig_geometry_too_many_profiles",
+            GeometryError::DuplicateProfile { .. } => "mig_geometry_duplicate_profile",
+            GeometryError::OutOfRange { .. } => "mig_geometry_out_of_range",
+            GeometryError::Zero { .. } => "mig_geometry_zero",
+        }
+    }
+}
+
+/// The MIG profiles of one kind of GPU: the table's for a known model, or the driver's.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MigGeometry {
+    label: String,
+    model: Option<MigModel>,
+    profiles: Vec<MigProfile>,
+}
+
+impl MigGeometry {
+    /// A geometry listed by the driver (profiles in any order; checked here).
+    pub fn from_driver(label: &str, profiles: Vec<MigProfile>) -> Result<Self, GeometryError> {
+        if profiles.is_empty() {
+            return Err(GeometryError::Empty);
+        }
+        if profiles.len() > MAX_PROFILES {
+            return Err(GeometryError::TooManyProfiles {
+                count: profiles.len(),
+                max: MAX_PROFILES,
+            });
+        }
+        for (i, p) in profiles.iter().enumerate() {
+            if profiles[..i].iter().any(|q| q.id == p.id) {
+                return Err(GeometryError::DuplicateProfile { id: p.id });
+            }
+            if p.memory_slices == 0 || p.sm_slices == 0 || p.max_per_gpu == 0 {
+                return Err(GeometryError::Zero { id: p.id });
+            }
+            for &start in &p.allowed_starts {
+                if u16::from(start) + u16::from(p.memory_slices) > u16::from(MEMORY_SLICES) {
+                    return Err(GeometryError::OutOfRange {
+                        id: p.id,
+                        start,
+                        size: p.memory_slices,
+                        slices: MEMORY_SLICES,
+                    });
+                }
+            }
+        }
+        Ok(MigGeometry {
+            label: label.to_owned(),
+            model: None,
+            profiles,
+        })
+    }
+
+    /// `H200-141GB` for the table, the product name for a driver geometry.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// The table model, when this is the table's geometry.
+    pub fn model(&self) -> Option<MigModel> {
+        self.model
+    }
+
+    pub fn profiles(&self) -> &[MigProfile] {
+        &self.profiles
+    }
+
+    /// Looks a profile up by name or by id.
+    pub fn profile(&self, name_or_id: &str) -> Option<&MigProfile> {
+        if let Ok(id) = name_or_id.parse::<u32>() {
+            return self.profile_by_id(id);
+        }
+        self.profiles.iter().find(|p| p.name == name_or_id)
+    }
+
+    pub fn profile_by_id(&self, id: u32) -> Option<&MigProfile> {
+        self.profiles.iter().find(|p| p.id == id)
+    }
+
+    fn position(&self, id: u32) -> Option<usize> {
+        self.profiles.iter().position(|p| p.id == id)
+    }
+
+    /// SM slices of the whole GPU (those of its largest profile).
+    pub fn sm_slices(&self) -> u8 {
+        self.profiles.iter().map(|p| p.sm_slices).max().unwrap_or(0)
+    }
+}
+
+impl fmt::Display for MigGeometry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.label)
+    }
+}
+
 impl MigProfile {
     /// Memory slices `[start, start + size)` as a bit mask.
     pub fn mask(&self, start: u8) -> u8 {
-        let bits = ((1u16 << self.memory_slices) - 1) as u8;
-        bits << start
+        let bits = ((1u16 << self.memory_slices.min(MEMORY_SLICES)) - 1) as u8;
+        bits.checked_shl(u32::from(start)).unwrap_or(0)
     }
 
-    /// Memory accounted to one instance on a GPU with `gpu_memory_mib` in total: the
-    /// instance's share of the memory slices, rounded down. Real instances show slightly less
-    /// than the name says (an H100 `1g.10gb` shows 9.75 GiB); NVML gives the exact figure.
+    /// Memory accounted to one instance on a GPU with `gpu_memory_mib` in total: the driver's
+    /// figure when known, else the instance's share of the memory slices, rounded down. Real
+    /// instances show slightly less than the name says (an H100 `1g.10gb` shows 9.75 GiB).
     pub fn memory_mib(&self, gpu_memory_mib: u64) -> u64 {
-        gpu_memory_mib * u64::from(self.memory_slices) / u64::from(MEMORY_SLICES)
+        self.driver_memory_mib
+            .unwrap_or(gpu_memory_mib * u64::from(self.memory_slices) / u64::from(MEMORY_SLICES))
     }
 
     /// Whether this is a media-extensions (`+me`) profile.
@@ -230,22 +368,22 @@ pub struct MigInstance {
 /// Why a MIG placement is invalid on a GPU.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MigPlacementError {
-    #[error("profile id {profile_id} is not in the {model} table")]
-    UnknownProfile { model: MigModel, profile_id: u32 },
+    #[error("profile id {profile_id} is not in the {geometry} geometry")]
+    UnknownProfile { geometry: String, profile_id: u32 },
     #[error("profile {profile} cannot start at slice {start}; allowed starts are {allowed:?}")]
     StartNotAllowed {
-        profile: &'static str,
+        profile: String,
         start: u8,
-        allowed: &'static [u8],
+        allowed: Vec<u8>,
     },
     #[error("profile {profile} at slice {start} overlaps memory slices {overlap:#010b}")]
     Overlap {
-        profile: &'static str,
+        profile: String,
         start: u8,
         overlap: u8,
     },
     #[error("profile {profile} allows at most {max} instances per GPU")]
-    LimitReached { profile: &'static str, max: u8 },
+    LimitReached { profile: String, max: u8 },
 }
 
 impl MigPlacementError {
@@ -259,41 +397,37 @@ impl MigPlacementError {
     }
 }
 
-/// The MIG instances on one GPU: occupancy and per-profile counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The MIG instances on one GPU: occupancy and per-profile counts, against its geometry.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MigLayout {
-    model: MigModel,
+    geometry: Arc<MigGeometry>,
     occupied: u8,
-    counts: [u8; TABLE.len()],
-}
-
-fn row_index(id: u32) -> Option<usize> {
-    TABLE.iter().position(|r| r.id == id)
+    counts: [u8; MAX_PROFILES],
 }
 
 impl MigLayout {
-    pub fn empty(model: MigModel) -> Self {
+    pub fn empty(geometry: Arc<MigGeometry>) -> Self {
         MigLayout {
-            model,
+            geometry,
             occupied: 0,
-            counts: [0; TABLE.len()],
+            counts: [0; MAX_PROFILES],
         }
     }
 
     /// Builds the layout of existing instances, checking each against the others.
     pub fn from_instances(
-        model: MigModel,
+        geometry: Arc<MigGeometry>,
         instances: impl IntoIterator<Item = MigInstance>,
     ) -> Result<Self, MigPlacementError> {
-        let mut layout = MigLayout::empty(model);
+        let mut layout = MigLayout::empty(geometry);
         for instance in instances {
             layout.place(instance)?;
         }
         Ok(layout)
     }
 
-    pub fn model(&self) -> MigModel {
-        self.model
+    pub fn geometry(&self) -> &Arc<MigGeometry> {
+        &self.geometry
     }
 
     /// Occupied memory slices as a bit mask (bit `i` is slice `i`).
@@ -311,19 +445,22 @@ impl MigLayout {
 
     /// SM slices used by the instances.
     pub fn used_sm_slices(&self) -> u8 {
-        TABLE
+        self.geometry
+            .profiles
             .iter()
             .zip(self.counts)
-            .map(|(row, n)| row.sm_slices * n)
-            .sum()
+            .map(|(p, n)| p.sm_slices.saturating_mul(n))
+            .fold(0u8, u8::saturating_add)
     }
 
-    fn profile_of(&self, profile_id: u32) -> Result<(usize, MigProfile), MigPlacementError> {
-        let index = row_index(profile_id).ok_or(MigPlacementError::UnknownProfile {
-            model: self.model,
-            profile_id,
+    fn profile_of(&self, profile_id: u32) -> Result<(usize, &MigProfile), MigPlacementError> {
+        let index = self.geometry.position(profile_id).ok_or_else(|| {
+            MigPlacementError::UnknownProfile {
+                geometry: self.geometry.label.clone(),
+                profile_id,
+            }
         })?;
-        Ok((index, self.model.resolve(&TABLE[index])))
+        Ok((index, &self.geometry.profiles[index]))
     }
 
     /// Checks that `instance` could be added.
@@ -331,22 +468,22 @@ impl MigLayout {
         let (index, profile) = self.profile_of(instance.profile_id)?;
         if !profile.allowed_starts.contains(&instance.start) {
             return Err(MigPlacementError::StartNotAllowed {
-                profile: profile.name,
+                profile: profile.name.clone(),
                 start: instance.start,
-                allowed: profile.allowed_starts,
+                allowed: profile.allowed_starts.clone(),
             });
         }
         let overlap = self.occupied & profile.mask(instance.start);
         if overlap != 0 {
             return Err(MigPlacementError::Overlap {
-                profile: profile.name,
+                profile: profile.name.clone(),
                 start: instance.start,
                 overlap,
             });
         }
         if self.counts[index] >= profile.max_per_gpu {
             return Err(MigPlacementError::LimitReached {
-                profile: profile.name,
+                profile: profile.name.clone(),
                 max: profile.max_per_gpu,
             });
         }
@@ -357,7 +494,8 @@ impl MigLayout {
     pub fn place(&mut self, instance: MigInstance) -> Result<(), MigPlacementError> {
         self.check(instance)?;
         let (index, profile) = self.profile_of(instance.profile_id)?;
-        self.occupied |= profile.mask(instance.start);
+        let mask = profile.mask(instance.start);
+        self.occupied |= mask;
         self.counts[index] += 1;
         Ok(())
     }
@@ -377,29 +515,30 @@ impl MigLayout {
     }
 
     /// Start slices at which `profile` could be placed now, lowest first.
-    pub fn valid_starts(&self, profile: &MigProfile) -> impl Iterator<Item = u8> + '_ {
-        let profile = *profile;
+    pub fn valid_starts(&self, profile: &MigProfile) -> Vec<u8> {
         profile
             .allowed_starts
             .iter()
             .copied()
-            .filter(move |&start| {
+            .filter(|&start| {
                 self.check(MigInstance {
                     profile_id: profile.id,
                     start,
                 })
                 .is_ok()
             })
+            .collect()
     }
 
-    /// How much the layout can still take: for each profile from the largest to the smallest,
-    /// the number of starts where it could be placed. Compared lexicographically, a larger
-    /// value keeps larger placements possible.
-    pub fn capability(&self) -> [u8; TABLE.len()] {
-        let mut out = [0u8; TABLE.len()];
-        for (slot, row) in TABLE.iter().rev().enumerate() {
-            let profile = self.model.resolve(row);
-            out[slot] = self.valid_starts(&profile).count() as u8;
+    /// How much the layout can still take: for each profile from the largest to the smallest
+    /// (memory slices, then SM slices), the number of starts where it could be placed.
+    /// Compared lexicographically, a larger value keeps larger placements possible.
+    pub fn capability(&self) -> [u8; MAX_PROFILES] {
+        let mut order: Vec<&MigProfile> = self.geometry.profiles.iter().collect();
+        order.sort_by_key(|p| std::cmp::Reverse((p.memory_slices, p.sm_slices)));
+        let mut out = [0u8; MAX_PROFILES];
+        for (slot, profile) in order.into_iter().enumerate() {
+            out[slot] = self.valid_starts(profile).len() as u8;
         }
         out
     }
@@ -408,10 +547,10 @@ impl MigLayout {
     /// best [`MigLayout::capability`], ties broken as MIG-GEOMETRY.md suggests (highest start
     /// for 1g and 3g profiles, lowest for the others). `None` when it does not fit.
     pub fn best_start(&self, profile: &MigProfile) -> Option<u8> {
-        let prefer_high = profile.name.starts_with("1g") || profile.name.starts_with("3g");
-        let mut best: Option<(u8, [u8; TABLE.len()])> = None;
+        let prefer_high = profile.sm_slices == 1 || profile.sm_slices == 3;
+        let mut best: Option<(u8, [u8; MAX_PROFILES])> = None;
         for start in self.valid_starts(profile) {
-            let mut after = *self;
+            let mut after = self.clone();
             if after
                 .place(MigInstance {
                     profile_id: profile.id,
@@ -437,7 +576,7 @@ impl MigLayout {
 
     /// The first allowed start, lowest first: the naive baseline for density comparisons.
     pub fn first_fit_start(&self, profile: &MigProfile) -> Option<u8> {
-        self.valid_starts(profile).next()
+        self.valid_starts(profile).first().copied()
     }
 }
 
@@ -454,7 +593,11 @@ mod tests {
 
     #[test]
     fn table_matches_the_geometry_reference() {
-        let h200: Vec<_> = MigModel::H200Gb141.profiles().map(|p| p.name).collect();
+        let h200: Vec<_> = MigModel::H200Gb141
+            .profiles()
+            .into_iter()
+            .map(|p| p.name)
+            .collect();
         assert_eq!(
             h200,
             [
@@ -474,7 +617,7 @@ mod tests {
                 p.memory_slices,
                 p.sm_slices,
                 p.max_per_gpu,
-                p.allowed_starts
+                p.allowed_starts.as_slice()
             ),
             (9, 4, 3, 2, &[0u8, 4][..])
         );
@@ -505,7 +648,10 @@ mod tests {
         for model in MigModel::ALL {
             for (id, starts, size) in expected {
                 let p = model.profile_by_id(id).unwrap();
-                assert_eq!((p.allowed_starts, p.memory_slices), (starts, size));
+                assert_eq!(
+                    (p.allowed_starts.as_slice(), p.memory_slices),
+                    (starts, size)
+                );
                 assert!(starts.iter().all(|s| s + size <= MEMORY_SLICES));
             }
         }
@@ -548,7 +694,8 @@ mod tests {
         ];
         for layout in layouts {
             let l =
-                MigLayout::from_instances(m, layout.iter().map(|(n, s)| inst(m, n, *s))).unwrap();
+                MigLayout::from_instances(m.geometry(), layout.iter().map(|(n, s)| inst(m, n, *s)))
+                    .unwrap();
             assert_eq!(l.occupied(), 0xff);
             assert_eq!(l.free_memory_slices(), 0);
             assert!(l.used_sm_slices() <= SM_SLICES);
@@ -558,7 +705,7 @@ mod tests {
     #[test]
     fn invalid_placements_are_refused_with_reasons() {
         let m = MigModel::H200Gb141;
-        let mut l = MigLayout::empty(m);
+        let mut l = MigLayout::empty(m.geometry());
         assert_eq!(
             l.check(inst(m, "3g.71gb", 2)).unwrap_err().code(),
             "mig_start_not_allowed"
@@ -591,7 +738,7 @@ mod tests {
     fn at_most_seven_1g_instances() {
         let m = MigModel::A100Gb40;
         let p = m.profile("1g.5gb").unwrap();
-        let mut l = MigLayout::empty(m);
+        let mut l = MigLayout::empty(m.geometry());
         let mut placed = 0;
         while let Some(start) = l.best_start(&p) {
             l.place(MigInstance {
@@ -608,20 +755,20 @@ mod tests {
     #[test]
     fn packer_keeps_large_holes_free() {
         let m = MigModel::H200Gb141;
-        let empty = MigLayout::empty(m);
+        let empty = MigLayout::empty(m.geometry());
         assert_eq!(empty.best_start(&m.profile("1g.18gb").unwrap()), Some(6));
         assert_eq!(empty.best_start(&m.profile("3g.71gb").unwrap()), Some(4));
         assert_eq!(empty.best_start(&m.profile("4g.71gb").unwrap()), Some(0));
         assert_eq!(empty.best_start(&m.profile("1g.35gb").unwrap()), Some(6));
         // After one 1g the 4g must still fit.
-        let mut l = empty;
+        let mut l = empty.clone();
         l.place(inst(m, "1g.18gb", 6)).unwrap();
         assert_eq!(l.best_start(&m.profile("4g.71gb").unwrap()), Some(0));
         // A 2g placed on an empty GPU leaves the 4g (the larger profile) placeable.
         let start = empty.best_start(&m.profile("2g.35gb").unwrap()).unwrap();
-        let mut l = empty;
+        let mut l = empty.clone();
         l.place(inst(m, "2g.35gb", start)).unwrap();
-        assert_eq!(l.valid_starts(&m.profile("4g.71gb").unwrap()).count(), 1);
+        assert_eq!(l.valid_starts(&m.profile("4g.71gb").unwrap()).len(), 1);
         assert_eq!(
             empty.first_fit_start(&m.profile("1g.18gb").unwrap()),
             Some(0)
@@ -631,10 +778,10 @@ mod tests {
     #[test]
     fn remove_restores_the_layout() {
         let m = MigModel::A100Gb80;
-        let mut l = MigLayout::empty(m);
+        let mut l = MigLayout::empty(m.geometry());
         let a = inst(m, "2g.20gb", 2);
         l.place(a).unwrap();
-        let before = l;
+        let before = l.clone();
         let b = inst(m, "3g.40gb", 4);
         l.place(b).unwrap();
         assert!(l.remove(b));
@@ -648,5 +795,96 @@ mod tests {
         assert_eq!(p.memory_mib(143771), 17971);
         let full = MigModel::H200Gb141.profile("7g.141gb").unwrap();
         assert_eq!(full.memory_mib(143771), 143771);
+    }
+}
+
+#[cfg(test)]
+mod geometry_tests {
+    use super::*;
+
+    fn profile(id: u32, name: &str, size: u8, sm: u8, max: u8, starts: &[u8]) -> MigProfile {
+        MigProfile {
+            id,
+            name: name.into(),
+            memory_slices: size,
+            sm_slices: sm,
+            max_per_gpu: max,
+            allowed_starts: starts.to_vec(),
+            driver_memory_mib: Some(6000 * u64::from(size)),
+        }
+    }
+
+    #[test]
+    fn driver_geometries_place_like_the_table() {
+        // An A30-like card: 4 memory slices used as 1g/2g/4g.
+        let g = Arc::new(
+            MigGeometry::from_driver(
+                "NVIDIA A30",
+                vec![
+                    profile(14, "1g.6gb", 1, 1, 4, &[0, 1, 2, 3]),
+                    profile(5, "2g.12gb", 2, 2, 2, &[0, 2]),
+                    profile(0, "4g.24gb", 4, 4, 1, &[0]),
+                ],
+            )
+            .unwrap(),
+        );
+        let mut l = MigLayout::empty(Arc::clone(&g));
+        let one = g.profile("1g.6gb").unwrap().clone();
+        let start = l.best_start(&one).unwrap();
+        assert_eq!(start, 3, "keeps 2g@0 and 2g@2's first half free");
+        l.place(MigInstance {
+            profile_id: 14,
+            start,
+        })
+        .unwrap();
+        assert_eq!(l.valid_starts(g.profile("2g.12gb").unwrap()), [0]);
+        assert_eq!(one.memory_mib(24000), 6000, "the driver's memory wins");
+        assert_eq!(g.sm_slices(), 4);
+        assert_eq!(g.model(), None);
+        assert_eq!(
+            l.check(MigInstance {
+                profile_id: 9,
+                start: 0
+            })
+            .unwrap_err()
+            .code(),
+            "mig_unknown_profile"
+        );
+    }
+
+    #[test]
+    fn bad_driver_geometries_are_refused() {
+        let ok = profile(1, "1g", 1, 1, 1, &[0]);
+        let cases = [
+            (vec![], "mig_geometry_empty"),
+            (
+                vec![ok.clone(), ok.clone()],
+                "mig_geometry_duplicate_profile",
+            ),
+            (
+                vec![profile(2, "4g", 4, 4, 1, &[6])],
+                "mig_geometry_out_of_range",
+            ),
+            (vec![profile(3, "0g", 0, 1, 1, &[0])], "mig_geometry_zero"),
+            (
+                (0..17).map(|i| profile(i, "x", 1, 1, 1, &[0])).collect(),
+                "mig_geometry_too_many_profiles",
+            ),
+        ];
+        for (profiles, code) in cases {
+            assert_eq!(
+                MigGeometry::from_driver("x", profiles).unwrap_err().code(),
+                code
+            );
+        }
+    }
+
+    #[test]
+    fn table_geometries_are_shared() {
+        let a = MigModel::H100Gb80.geometry();
+        let b = MigModel::H100Gb80.geometry();
+        assert!(Arc::ptr_eq(&a, &b));
+        assert_eq!(a.model(), Some(MigModel::H100Gb80));
+        assert_eq!(a.sm_slices(), SM_SLICES);
     }
 }

@@ -12,7 +12,9 @@ use crate::ids::{GpuIndex, GpuUuid, NodeName};
 use crate::inventory::{
     Gpu, Inventory, InventoryError, DEFAULT_MPS_MAX_CLIENTS, DEFAULT_TIMESLICE_REPLICAS,
 };
-use crate::mig::MigModel;
+use std::sync::Arc;
+
+use crate::mig::{GeometryError, MigGeometry, MigModel, MigProfile};
 use crate::partition::PartitionMode;
 use crate::topology::{Link, TopologyMatrix};
 
@@ -31,8 +33,50 @@ pub struct DeviceFacts {
     pub numa_node: Option<u32>,
     pub pci_bus_id: String,
     pub minor: u32,
-    /// MIG placements the driver lists (`(profile id, starts, size)`), when MIG is enabled.
-    pub mig_placements: Option<Vec<(u32, Vec<u8>, u8)>>,
+    /// MIG profiles and placements the driver lists, when MIG is enabled.
+    pub mig_placements: Option<Vec<DriverProfile>>,
+}
+
+/// One GPU-instance profile as the driver lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriverProfile {
+    /// `GpuInstanceProfileInfo.id`.
+    pub id: u32,
+    /// Starts from `nvmlDeviceGetGpuInstancePossiblePlacements_v2`.
+    pub starts: Vec<u8>,
+    /// Placement size in memory slices.
+    pub memory_slices: u8,
+    /// `sliceCount`: SM slices.
+    pub sm_slices: u8,
+    /// `instanceCount`: most instances per GPU.
+    pub max_instances: u8,
+    /// `memorySizeMB`.
+    pub memory_mib: u64,
+}
+
+/// A geometry from the driver's profiles. Names are synthesised as `<sm>g.<GiB>gb` (what
+/// `nvidia-smi` prints for most profiles); requests can always use the profile id.
+pub fn driver_geometry(
+    label: &str,
+    profiles: &[DriverProfile],
+) -> Result<MigGeometry, GeometryError> {
+    let mut out: Vec<MigProfile> = Vec::with_capacity(profiles.len());
+    for p in profiles {
+        let mut name = format!("{}g.{}gb", p.sm_slices, (p.memory_mib + 512) / 1024);
+        if out.iter().any(|q| q.name == name) {
+            name = format!("{name}+{}", p.id);
+        }
+        out.push(MigProfile {
+            id: p.id,
+            name,
+            memory_slices: p.memory_slices,
+            sm_slices: p.sm_slices,
+            max_per_gpu: p.max_instances,
+            allowed_starts: p.starts.clone(),
+            driver_memory_mib: Some(p.memory_mib),
+        });
+    }
+    MigGeometry::from_driver(label, out)
 }
 
 /// NVML's common-ancestor levels (`nvmlGpuTopologyLevel_t`).
@@ -84,16 +128,22 @@ pub fn inventory_from_facts(
         })?;
         let memory_mib = d.memory_total_bytes / (1024 * 1024);
         let mig_capable = d.mig_enabled.is_some();
-        // The table is used only where the driver agrees with it; a GPU whose driver lists
-        // other placements gets no MIG rather than wrong MIG.
-        let mig_model = if mig_capable {
-            MigModel::detect(&d.name, memory_mib).filter(|model| {
-                d.mig_placements
-                    .as_ref()
-                    .is_none_or(|driver| placements_match_table(*model, driver).is_empty())
-            })
+        // Placements come from the driver; the table is the fallback, and is used (with its
+        // profile names) where the driver agrees with it or lists nothing.
+        let detected = if mig_capable {
+            MigModel::detect(&d.name, memory_mib)
         } else {
             None
+        };
+        let (mig_model, mig_geometry) = match (detected, &d.mig_placements) {
+            (Some(model), None) => (Some(model), Some(model.geometry())),
+            (Some(model), Some(driver)) if placements_match_table(model, driver).is_empty() => {
+                (Some(model), Some(model.geometry()))
+            }
+            (_, Some(driver)) if mig_capable => {
+                (None, driver_geometry(&d.name, driver).ok().map(Arc::new))
+            }
+            _ => (None, None),
         };
         // The hardware's mode, even without usable geometry: leaving MIG is then a mode change
         // the plan reports, and MIG shares are refused.
@@ -108,6 +158,7 @@ pub fn inventory_from_facts(
             memory_mib,
             mig_capable,
             mig_model,
+            mig_geometry,
             numa_node: d.numa_node,
             pci_bus_id: d.pci_bus_id.clone(),
             minor: d.minor,
@@ -233,21 +284,18 @@ pub fn dcgm_metrics(hostname: &str, samples: &[GpuSample]) -> String {
 
 /// Profiles whose driver placements differ from the table: `(profile id, what differs)`.
 /// Profiles the table does not know are reported too; an empty list means they agree.
-pub fn placements_match_table(
-    model: MigModel,
-    driver: &[(u32, Vec<u8>, u8)],
-) -> Vec<(u32, String)> {
+pub fn placements_match_table(model: MigModel, driver: &[DriverProfile]) -> Vec<(u32, String)> {
     let mut out = Vec::new();
-    for (id, starts, size) in driver {
-        match model.profile_by_id(*id) {
-            None => out.push((*id, "not in the table".to_owned())),
+    for d in driver {
+        match model.profile_by_id(d.id) {
+            None => out.push((d.id, "not in the table".to_owned())),
             Some(p) => {
-                if p.allowed_starts != starts.as_slice() || p.memory_slices != *size {
+                if p.allowed_starts != d.starts || p.memory_slices != d.memory_slices {
                     out.push((
-                        *id,
+                        d.id,
                         format!(
-                            "driver starts {starts:?} size {size}, table starts {:?} size {}",
-                            p.allowed_starts, p.memory_slices
+                            "driver starts {:?} size {}, table starts {:?} size {}",
+                            d.starts, d.memory_slices, p.allowed_starts, p.memory_slices
                         ),
                     ));
                 }
@@ -266,7 +314,7 @@ pub mod driver {
     use nvml_wrapper::error::NvmlError;
     use nvml_wrapper::Nvml;
 
-    use super::{inventory_from_facts, Ancestor, DeviceFacts, GpuSample, PairFacts};
+    use super::{inventory_from_facts, Ancestor, DeviceFacts, DriverProfile, GpuSample, PairFacts};
     use crate::ids::NodeName;
     use crate::inventory::{Inventory, InventoryError};
 
@@ -404,7 +452,7 @@ pub mod driver {
     pub fn mig_placements(
         nvml: &Nvml,
         index: u32,
-    ) -> Result<Vec<(u32, Vec<u8>, u8)>, NvmlInventoryError> {
+    ) -> Result<Vec<DriverProfile>, NvmlInventoryError> {
         use nvml_wrapper_sys::bindings::{
             nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t, nvmlReturn_enum_NVML_SUCCESS,
             NVML_GPU_INSTANCE_PROFILE_COUNT,
@@ -458,7 +506,14 @@ pub mod driver {
                 .first()
                 .and_then(|p| u8::try_from(p.size).ok())
                 .unwrap_or(0);
-            out.push((info.id, starts, size));
+            out.push(DriverProfile {
+                id: info.id,
+                starts,
+                memory_slices: size,
+                sm_slices: u8::try_from(info.sliceCount).unwrap_or(u8::MAX),
+                max_instances: u8::try_from(info.instanceCount).unwrap_or(u8::MAX),
+                memory_mib: info.memorySizeMB,
+            });
         }
         Ok(out)
     }
@@ -533,60 +588,109 @@ mod tests {
         assert_eq!(inv.gpus()[3].initial_mode, PartitionMode::Mig);
     }
 
+    fn dp(id: u32, starts: &[u8], size: u8, sm: u8) -> DriverProfile {
+        DriverProfile {
+            id,
+            starts: starts.to_vec(),
+            memory_slices: size,
+            sm_slices: sm,
+            max_instances: 8 / size,
+            memory_mib: 6016 * u64::from(size),
+        }
+    }
+
     #[test]
     fn driver_placements_are_compared_with_the_table() {
-        let lgipp = [
-            (19, vec![0, 1, 2, 3, 4, 5, 6], 1),
-            (20, vec![0, 1, 2, 3, 4, 5, 6], 1),
-            (15, vec![0, 2, 4, 6], 2),
-            (14, vec![0, 2, 4], 2),
-            (9, vec![0, 4], 4),
-            (5, vec![0], 4),
-            (0, vec![0], 8),
+        let lgipp = vec![
+            dp(19, &[0, 1, 2, 3, 4, 5, 6], 1, 1),
+            dp(20, &[0, 1, 2, 3, 4, 5, 6], 1, 1),
+            dp(15, &[0, 2, 4, 6], 2, 1),
+            dp(14, &[0, 2, 4], 2, 2),
+            dp(9, &[0, 4], 4, 3),
+            dp(5, &[0], 4, 4),
+            dp(0, &[0], 8, 7),
         ];
         assert!(placements_match_table(MigModel::H100Gb80, &lgipp).is_empty());
-        let mut odd = lgipp.to_vec();
-        odd[4].1 = vec![0, 2, 4];
-        odd.push((21, vec![0], 1));
+        let mut odd = lgipp.clone();
+        odd[4].starts = vec![0, 2, 4];
+        odd.push(dp(21, &[0], 1, 1));
         let diff = placements_match_table(MigModel::H100Gb80, &odd);
         assert_eq!(diff.iter().map(|d| d.0).collect::<Vec<_>>(), [9, 21]);
     }
 
     #[test]
-    fn gpus_whose_driver_disagrees_with_the_table_get_no_mig() {
+    fn driver_placements_win_over_the_table() {
         let mut good = facts(0, "NVIDIA H100 80GB HBM3", 81559, Some(true), 0);
-        good.mig_placements = Some(vec![(9, vec![0, 4], 4), (0, vec![0], 8)]);
+        good.mig_placements = Some(vec![dp(9, &[0, 4], 4, 3), dp(0, &[0], 8, 7)]);
         let mut odd = facts(1, "NVIDIA H100 80GB HBM3", 81559, Some(true), 0);
-        odd.mig_placements = Some(vec![(9, vec![0, 2, 4], 4)]);
-        let inv = inventory_from_facts(NodeName::new("n").unwrap(), vec![good, odd], |_, _| {
-            PairFacts {
-                nvlinks: 18,
+        odd.mig_placements = Some(vec![dp(9, &[0], 4, 3), dp(19, &[0, 1, 2, 3], 1, 1)]);
+        let mut a30 = facts(2, "NVIDIA A30", 24576, Some(true), 0);
+        a30.mig_placements = Some(vec![
+            dp(14, &[0, 1, 2, 3], 1, 1),
+            dp(5, &[0, 2], 2, 2),
+            dp(0, &[0], 4, 4),
+        ]);
+        let mut broken = facts(3, "NVIDIA A30", 24576, Some(true), 0);
+        broken.mig_placements = Some(vec![dp(0, &[6], 4, 4)]);
+        let inv = inventory_from_facts(
+            NodeName::new("n").unwrap(),
+            vec![good, odd, a30, broken],
+            |_, _| PairFacts {
+                nvlinks: 0,
                 ancestor: Ancestor::System,
-            }
-        })
+            },
+        )
         .unwrap();
-        assert_eq!(inv.gpus()[0].mig_model, Some(MigModel::H100Gb80));
-        assert_eq!(inv.gpus()[0].initial_mode, PartitionMode::Mig);
-        assert_eq!(inv.gpus()[1].mig_model, None);
+        let g = inv.gpus();
+        assert_eq!(g[0].mig_model, Some(MigModel::H100Gb80));
+        assert_eq!(g[0].mig_geometry.as_deref().unwrap().label(), "H100-80GB");
         assert_eq!(
-            inv.gpus()[1].initial_mode,
-            PartitionMode::Mig,
-            "the hardware's mode"
+            g[1].mig_model, None,
+            "the driver disagrees: its placements are used"
         );
-        let ledger = crate::ledger::Ledger::new(&inv);
+        let odd_geometry = g[1].mig_geometry.as_deref().unwrap();
+        assert_eq!(odd_geometry.profile("9").unwrap().allowed_starts, [0]);
+        assert_eq!(odd_geometry.profile("9").unwrap().name, "3g.24gb");
+        assert_eq!(g[2].mig_geometry.as_deref().unwrap().label(), "NVIDIA A30");
+        assert!(
+            g[3].mig_geometry.is_none(),
+            "an invalid driver geometry gives no MIG"
+        );
+        assert_eq!(g[3].initial_mode, PartitionMode::Mig, "the hardware's mode");
+
+        let mut ledger = crate::ledger::Ledger::new(&inv);
         let policy = crate::planner::Policy::default();
         let quotas = crate::quota::QuotaBook::unlimited();
-        let mig = crate::request::GpuRequest::mig("9");
-        let p = crate::planner::plan(&inv, &ledger, &mig, &policy, &quotas).unwrap();
-        assert!(p.shares().all(|s| s.gpu == GpuIndex(0)));
-        let whole = crate::request::GpuRequest::whole(2);
+        // On GPU1 the driver allows the 3g at 0 only, where the table would also allow 4.
+        let three = crate::request::GpuRequest {
+            model: Some("NVIDIA H100 80GB HBM3".into()),
+            ..crate::request::GpuRequest::mig("9")
+        };
+        for expected in [(0, 4), (0, 0), (1, 0)] {
+            let p = crate::planner::plan(&inv, &ledger, &three, &policy, &quotas).unwrap();
+            let s = *p.shares().next().unwrap();
+            let crate::ledger::ShareKind::Mig { instance } = s.kind else {
+                panic!("{s:?}")
+            };
+            assert_eq!((s.gpu.0, instance.start), expected);
+            crate::planner::commit(&inv, &mut ledger, &p, &policy).unwrap();
+        }
+        // The A30 takes profiles by the driver's ids and synthesised names.
+        let two = crate::request::GpuRequest::mig("2g.12gb");
+        let p = crate::planner::plan(&inv, &ledger, &two, &policy, &quotas).unwrap();
+        assert_eq!(p.shares().next().unwrap().gpu, GpuIndex(2));
+        let charge = crate::quota::share_charge(&g[2], &p.shares().next().unwrap().kind);
+        assert_eq!(charge.compute, 350, "2 of the A30's 4 SM slices");
+        assert_eq!(charge.memory_mib, 12032, "the driver's memory");
+        ledger.check(&inv).unwrap();
+        // GPU3 (MIG on, geometry unusable) can still leave MIG when asked for whole.
+        let whole = crate::request::GpuRequest {
+            model: Some("NVIDIA A30".into()),
+            ..crate::request::GpuRequest::whole(2)
+        };
         let p = crate::planner::plan(&inv, &ledger, &whole, &policy, &quotas).unwrap();
-        assert_eq!(
-            p.mode_changes.len(),
-            2,
-            "both GPUs leave MIG: {:?}",
-            p.mode_changes
-        );
+        let changed: Vec<u32> = p.mode_changes.iter().map(|c| c.gpu.0).collect();
+        assert_eq!(changed, [2, 3]);
     }
 
     #[test]

@@ -372,9 +372,9 @@ fn check_node_can_ever_fit(inventory: &Inventory, request: &GpuRequest) -> Resul
                 return Err(Refusal::NoMigGpu);
             }
             let resolvable = mig.iter().any(|g| {
-                g.mig_model.is_some_and(|model| {
+                g.mig_geometry.as_deref().is_some_and(|geometry| {
                     resolve_profile(
-                        model,
+                        geometry,
                         request.profile.as_deref(),
                         request.memory_mib,
                         g.memory_mib,
@@ -386,7 +386,7 @@ fn check_node_can_ever_fit(inventory: &Inventory, request: &GpuRequest) -> Resul
                 if let Some(profile) = &request.profile {
                     let mut models: Vec<&str> = mig
                         .iter()
-                        .filter_map(|g| g.mig_model.map(|m| m.label()))
+                        .filter_map(|g| g.mig_geometry.as_deref().map(|m| m.label()))
                         .collect();
                     models.dedup();
                     return Err(Refusal::UnknownProfile {
@@ -438,7 +438,7 @@ impl Tentative {
 
     fn place(&mut self, gpu: &Gpu, kind: &ShareKind, allow_change: bool) -> Result<(), GpuReason> {
         let i = gpu.index.0 as usize;
-        let before = self.usage[i];
+        let before = self.usage[i].clone();
         self.usage[i].add(gpu, kind, allow_change)?;
         self.undo.push((i, before));
         Ok(())
@@ -491,9 +491,9 @@ fn fit(
             }
         }
         PartitionMode::Mig => {
-            let model = gpu.mig_model.ok_or(GpuReason::NoMig)?;
+            let geometry = gpu.mig_geometry.as_ref().ok_or(GpuReason::NoMig)?;
             let profile = resolve_profile(
-                model,
+                geometry,
                 request.profile.as_deref(),
                 request.memory_mib,
                 gpu.memory_mib,
@@ -501,7 +501,9 @@ fn fit(
             let layout = if same_mode {
                 usage.mig_layout(gpu)
             } else {
-                Some(crate::mig::MigLayout::empty(model))
+                Some(crate::mig::MigLayout::empty(std::sync::Arc::clone(
+                    geometry,
+                )))
             }
             .ok_or(GpuReason::NoMig)?;
             let start = match policy.mig_packing {
@@ -990,9 +992,9 @@ pub fn describe(inventory: &Inventory, share: &Share) -> PlacedDevice {
     match share.kind {
         ShareKind::Mig { instance } => {
             device.profile = gpu
-                .and_then(|g| g.mig_model)
+                .and_then(|g| g.mig_geometry.as_deref())
                 .and_then(|m| m.profile_by_id(instance.profile_id))
-                .map(|p| p.name.to_owned());
+                .map(|p| p.name.clone());
             device.start = Some(instance.start);
         }
         ShareKind::Mps {

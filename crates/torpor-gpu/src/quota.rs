@@ -61,13 +61,13 @@ pub fn share_charge(gpu: &Gpu, kind: &ShareKind) -> Amount {
             compute: COMPUTE_PER_GPU,
         },
         ShareKind::Mig { instance } => {
-            match gpu
-                .mig_model
-                .and_then(|m| m.profile_by_id(instance.profile_id))
-            {
-                Some(p) => Amount {
+            let geometry = gpu.mig_geometry.as_deref();
+            match geometry.and_then(|g| g.profile_by_id(instance.profile_id).map(|p| (g, p))) {
+                // SM slices as a share of the GPU's: exactly 100 units a slice on 7-slice GPUs.
+                Some((g, p)) => Amount {
                     memory_mib: p.memory_mib(gpu.memory_mib),
-                    compute: u64::from(p.sm_slices) * COMPUTE_PER_SM_SLICE,
+                    compute: u64::from(p.sm_slices) * COMPUTE_PER_GPU
+                        / u64::from(g.sm_slices().max(1)),
                 },
                 None => Amount::default(),
             }
@@ -339,6 +339,7 @@ mod tests {
             memory_mib: 81559,
             mig_capable: true,
             mig_model: Some(crate::mig::MigModel::H100Gb80),
+            mig_geometry: Some(crate::mig::MigModel::H100Gb80.geometry()),
             numa_node: Some(0),
             pci_bus_id: "0000:01:00.0".into(),
             minor: 0,

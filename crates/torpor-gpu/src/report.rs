@@ -105,11 +105,16 @@ pub fn plan_lines(
 fn free_text(gpu: &crate::inventory::Gpu, usage: &crate::ledger::GpuUsage) -> String {
     match usage.mode {
         PartitionMode::Whole => if usage.is_empty() { "whole" } else { "-" }.to_owned(),
-        PartitionMode::Mig => match usage.mig {
+        PartitionMode::Mig => match &usage.mig {
             Some(layout) => format!(
-                "{}/8 mem slices, {}/7 SM slices",
+                "{}/{} mem slices, {}/{} SM slices",
                 layout.free_memory_slices(),
-                crate::mig::SM_SLICES - layout.used_sm_slices()
+                crate::mig::MEMORY_SLICES,
+                layout
+                    .geometry()
+                    .sm_slices()
+                    .saturating_sub(layout.used_sm_slices()),
+                layout.geometry().sm_slices()
             ),
             None => "-".to_owned(),
         },

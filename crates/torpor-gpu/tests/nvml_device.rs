@@ -4,6 +4,7 @@
 
 use torpor_gpu::ids::NodeName;
 use torpor_gpu::ledger::Ledger;
+use torpor_gpu::mig::MigModel;
 use torpor_gpu::nvml::driver::{mig_placements, open, read_inventory, sample};
 use torpor_gpu::nvml::{dcgm_metrics, placements_match_table};
 use torpor_gpu::partition::PartitionMode;
@@ -27,7 +28,8 @@ fn nvml_inventory_mig_placements_and_metrics() {
     println!("{}", inv.topology().render());
     for gpu in inv.gpus() {
         assert!(gpu.memory_mib > 0);
-        match (gpu.mig_model, gpu.initial_mode) {
+        let table = MigModel::detect(&gpu.model, gpu.memory_mib);
+        match (table, gpu.initial_mode) {
             (Some(model), PartitionMode::Mig) => {
                 let placements = mig_placements(&nvml, gpu.index.0).expect("placements");
                 println!("{}: {model}: {placements:?}", gpu.index);
@@ -41,9 +43,19 @@ fn nvml_inventory_mig_placements_and_metrics() {
                     "{}: driver and table differ: {diff:?}",
                     gpu.index
                 );
+                assert_eq!(
+                    gpu.mig_model,
+                    Some(model),
+                    "the table is used where it agrees"
+                );
             }
             (Some(model), _) => println!("{}: {model}, MIG off: placements not checked", gpu.index),
-            (None, _) => println!("{}: {} has no MIG table", gpu.index, gpu.model),
+            (None, _) => println!(
+                "{}: {} has no MIG table; geometry from the driver: {:?}",
+                gpu.index,
+                gpu.model,
+                gpu.mig_geometry.as_deref().map(|g| g.profiles().len())
+            ),
         }
     }
     let text = dcgm_metrics("gpu-check", &sample(&nvml).expect("samples"));

@@ -151,8 +151,8 @@ fn assert_invariants(
             match s.kind {
                 ShareKind::Whole => prop_assert_eq!(counts[i], 1),
                 ShareKind::Mig { instance } => {
-                    let model = gpu.mig_model.expect("MIG only on MIG GPUs");
-                    let p = model.profile_by_id(instance.profile_id).unwrap();
+                    let geometry = gpu.mig_geometry.as_deref().expect("MIG only on MIG GPUs");
+                    let p = geometry.profile_by_id(instance.profile_id).unwrap();
                     prop_assert!(p.allowed_starts.contains(&instance.start));
                     prop_assert!(instance.start + p.memory_slices <= MEMORY_SLICES);
                     let mask = p.mask(instance.start);
@@ -173,8 +173,8 @@ fn assert_invariants(
         }
     }
     for (i, g) in inv.gpus().iter().enumerate() {
-        if let (Some(PartitionMode::Mig), Some(model)) = (modes[i], g.mig_model) {
-            for p in model.profiles() {
+        if let (Some(PartitionMode::Mig), Some(geometry)) = (modes[i], g.mig_geometry.as_deref()) {
+            for p in geometry.profiles() {
                 let on_gpu = ledger
                     .allocations()
                     .flat_map(|a| a.shares.iter())
@@ -354,15 +354,17 @@ fn brute_force_gang(
         }
         for g in from..inv.gpus().len() as u32 {
             let gpu = &inv.gpus()[g as usize];
-            let usage = ledger.usage()[g as usize];
-            let Some(model) = gpu.mig_model else { continue };
-            let Ok(p) = resolve_profile(model, member.profile.as_deref(), None, gpu.memory_mib)
+            let usage = ledger.usage()[g as usize].clone();
+            let Some(geometry) = gpu.mig_geometry.clone() else {
+                continue;
+            };
+            let Ok(p) = resolve_profile(&geometry, member.profile.as_deref(), None, gpu.memory_mib)
             else {
                 continue;
             };
-            let layout = match (usage.mode, usage.mig) {
+            let layout = match (usage.mode, usage.mig.clone()) {
                 (PartitionMode::Mig, Some(layout)) => layout,
-                _ => MigLayout::empty(model),
+                _ => MigLayout::empty(geometry.clone()),
             };
             // Any valid start will do for feasibility; the score depends on GPUs only.
             let Some(start) = layout.first_fit_start(&p) else {

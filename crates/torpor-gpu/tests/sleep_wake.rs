@@ -21,7 +21,7 @@ fn sleeping_frees_the_share_and_waking_takes_the_same_one_back() {
     let p = plan(&inv, &ledger, &GpuRequest::mig("3g.71gb"), &policy, &quotas).unwrap();
     let id = commit(&inv, &mut ledger, &p, &policy).unwrap()[0];
     let held = ledger.allocation(id).unwrap().shares.clone();
-    let before_sleep_usage = ledger.usage()[0];
+    let before_sleep_usage = ledger.usage()[0].clone();
     let ticket = release_for_sleep(&inv, &mut ledger, id).unwrap();
     assert_eq!(ticket.model.as_deref(), Some("NVIDIA H200"));
     assert!(ledger.usage()[0].is_empty(), "the share is given back");
