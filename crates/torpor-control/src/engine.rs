@@ -110,6 +110,7 @@ impl Slot {
 pub struct InUse {
     guard: OwnedRwLockReadGuard<SlotState>,
     slot: Arc<Slot>,
+    id: SandboxId,
 }
 
 impl InUse {
@@ -628,12 +629,9 @@ impl Engine {
             if exit.expected() {
                 return;
             }
-            let reason = if info.oom_killed {
-                "oom_killed".to_string()
-            } else {
-                format!("exited (code {:?}, signal {:?})", info.code, info.signal)
-            };
-            engine.on_crash(&id, &cid, &reason, info.oom_killed).await;
+            engine
+                .on_crash(&id, &cid, &crash_reason(&info), info.oom_killed)
+                .await;
         });
     }
 
@@ -727,6 +725,7 @@ impl Engine {
                         return Ok(InUse {
                             guard,
                             slot: slot.clone(),
+                            id: id.clone(),
                         });
                     }
                 }
@@ -768,6 +767,7 @@ impl Engine {
             return Ok(InUse {
                 guard: guard.downgrade(),
                 slot: slot.clone(),
+                id: id.clone(),
             });
         }
     }
@@ -1071,7 +1071,7 @@ impl Engine {
         let reply = rx.recv().await;
         let result = match reply {
             Some((reply, body)) => exec_reply(reply, body, timeout_ms, detach),
-            None => Err(self.died_during_call(&in_use).await),
+            None => Err(self.died_during_call(in_use).await),
         };
         self.metrics
             .exec_seconds
@@ -1165,7 +1165,7 @@ impl Engine {
                         break;
                     }
                     None => {
-                        let e = engine.died_during_call(&in_use).await;
+                        let e = engine.died_during_call(in_use).await;
                         let ev = match &e {
                             ControlError::SandboxCrashed { reason } if reason == "oom_killed" => {
                                 ExecEvent::Exit(ExecResult {
@@ -1191,20 +1191,27 @@ impl Engine {
                     break;
                 }
             }
-            drop(in_use);
         });
         Ok(out)
     }
 
-    async fn died_during_call(&self, in_use: &InUse) -> ControlError {
-        let info = tokio::time::timeout(Duration::from_secs(5), in_use.container().exited()).await;
-        match info {
-            Ok(info) if info.oom_killed => ControlError::SandboxCrashed {
-                reason: "oom_killed".into(),
-            },
-            Ok(info) => ControlError::SandboxCrashed {
-                reason: format!("exited (code {:?}, signal {:?})", info.code, info.signal),
-            },
+    /// The agent channel closed under a call: wait for the container's exit and record the
+    /// crash (so the sandbox's status says so before the caller hears back), then name the cause.
+    async fn died_during_call(&self, in_use: InUse) -> ControlError {
+        let exit = in_use.container().exit_handle();
+        let cid = in_use.container().id.clone();
+        let id = in_use.id.clone();
+        // The crash is recorded under the write lock: release our read lock first.
+        drop(in_use);
+        match tokio::time::timeout(Duration::from_secs(5), exit.exited()).await {
+            Ok(info) => {
+                let reason = crash_reason(&info);
+                // No transition can run while a call holds the sandbox, so this exit is a crash.
+                // The crash watch may be recording it already; on_crash waits for it, and
+                // records it itself otherwise.
+                self.on_crash(&id, &cid, &reason, info.oom_killed).await;
+                ControlError::SandboxCrashed { reason }
+            }
             Err(_) => ControlError::SandboxCrashed {
                 reason: "agent channel closed".into(),
             },
@@ -1223,7 +1230,7 @@ impl Engine {
         match reply {
             Ok((Reply::Error { code, message }, _)) => Err(ControlError::Agent { code, message }),
             Ok(r) => Ok(r),
-            Err(_) => Err(self.died_during_call(&in_use).await),
+            Err(_) => Err(self.died_during_call(in_use).await),
         }
     }
 
@@ -1443,6 +1450,14 @@ impl Engine {
         if let Err(e) = self.store.touch_sandboxes(&touched) {
             tracing::warn!(error = %e, "cannot persist activity clocks");
         }
+    }
+}
+
+fn crash_reason(info: &torpor_runtime::ExitInfo) -> String {
+    if info.oom_killed {
+        "oom_killed".to_string()
+    } else {
+        format!("exited (code {:?}, signal {:?})", info.code, info.signal)
     }
 }
 

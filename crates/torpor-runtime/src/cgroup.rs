@@ -95,6 +95,11 @@ fn watch_oom_blocking(dir: &std::path::Path, flag: &AtomicBool) -> io::Result<()
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+    // With the kernel's OOM killer off for this group, a sandbox that hits its limit stalls
+    // instead of dying at a random moment; the event below then tells us for certain that it
+    // was memory, and we kill it ourselves. (With the killer on, the group is often gone by the
+    // time we could read why.)
+    let _ = fs::write(dir.join("memory.oom_control"), "1");
     let control = fs::File::open(dir.join("memory.oom_control"))?;
     // SAFETY: eventfd(2) with valid flags; the returned fd is owned below.
     let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
@@ -109,19 +114,34 @@ fn watch_oom_blocking(dir: &std::path::Path, flag: &AtomicBool) -> io::Result<()
     )?;
     let mut events = fs::File::from(efd);
     let mut buf = [0u8; 8];
-    // Fires on an OOM event and also when the group is removed; the counter tells which.
-    events.read_exact(&mut buf)?;
-    if let Ok(text) = fs::read_to_string(dir.join("memory.oom_control")) {
+    loop {
+        // Fires on an OOM event and also when the group is removed; the file tells which.
+        events.read_exact(&mut buf)?;
+        let Ok(text) = fs::read_to_string(dir.join("memory.oom_control")) else {
+            return Ok(()); // the group is gone: the container ended
+        };
+        let under = text.lines().any(|l| l.trim() == "under_oom 1");
         let killed = text
             .lines()
             .filter_map(|l| l.strip_prefix("oom_kill "))
             .any(|n| n.trim() != "0");
-        let under = text.lines().any(|l| l.trim() == "under_oom 1");
-        if killed || under {
+        if under || killed {
             flag.store(true, Ordering::SeqCst);
+            kill_all(dir);
+            return Ok(());
         }
     }
-    Ok(())
+}
+
+/// SIGKILLs every process in a cgroup.
+fn kill_all(dir: &std::path::Path) {
+    let Ok(procs) = fs::read_to_string(dir.join("cgroup.procs")) else {
+        return;
+    };
+    for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+        // SAFETY: kill(2) with a pid read from the group; no memory is passed.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
 }
 
 /// Removes the container's groups under every controller (runsc leaks them when killed).

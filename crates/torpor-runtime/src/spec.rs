@@ -101,10 +101,18 @@ pub fn render(spec: &ContainerSpec, container_id: &str) -> serde_json::Value {
             "resources": {
                 "memory": {"limit": spec.limits.memory_bytes()},
                 "cpu": {"quota": quota, "period": period},
-                "pids": {"limit": spec.limits.pids}
+                "pids": {"limit": host_pids_limit(spec.limits.pids)}
             }
         }
     })
+}
+
+/// The host-side pids limit for a sandbox whose guest may run `pids` tasks. The host cgroup
+/// also holds gVisor's own threads (the sentry's Go runtime, the gofer) and, on the ptrace
+/// platform, one stub thread per guest thread; without headroom a small limit makes the sentry
+/// itself fail to clone and the whole sandbox die.
+pub fn host_pids_limit(pids: u64) -> u64 {
+    pids.saturating_mul(2).saturating_add(256)
 }
 
 /// The capabilities of root inside the sandbox (gVisor implements them in its own kernel).

@@ -171,7 +171,7 @@ pub enum TemplateCmd {
         #[arg(long, requires = "image")]
         reference: Option<String>,
         /// The agent's main process, e.g. --cmd python3 --cmd /app/agent.py
-        #[arg(long = "cmd")]
+        #[arg(long = "cmd", allow_hyphen_values = true)]
         command: Vec<String>,
         #[arg(long = "env", value_parser = parse_kv)]
         env: Vec<(String, String)>,

@@ -1,0 +1,249 @@
+//! Test harness: starts the real `torpor` binary (`torpor up`) in a temporary data directory on
+//! a free loopback port, with real runsc sandboxes, and talks to it through the real client.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use torpor_api::types::{CreateSandboxBody, ExecBody, ExecResult, TemplateSpec};
+use torpor_api::Client;
+use torpor_core::{IdlePolicy, Limits, TemplateName, TemplateSource};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_torpor");
+
+pub struct Daemon {
+    pub dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+    pub port: u16,
+    child: Option<Child>,
+    pub extra_args: Vec<String>,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Daemon {
+    pub async fn start() -> Daemon {
+        Self::start_with(&[]).await
+    }
+
+    pub async fn start_with(args: &[&str]) -> Daemon {
+        let tmp = tempfile::Builder::new()
+            .prefix("torpor-test-")
+            .tempdir()
+            .unwrap();
+        let mut d = Daemon {
+            dir: tmp.path().to_path_buf(),
+            _tmp: Some(tmp),
+            port: free_port(),
+            child: None,
+            extra_args: args.iter().map(|s| s.to_string()).collect(),
+        };
+        d.spawn().await;
+        d
+    }
+
+    pub async fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("daemon.log"))
+            .unwrap();
+        let child = Command::new(BIN)
+            .args(["up", "--listen", &format!("127.0.0.1:{}", self.port)])
+            .arg("--data-dir")
+            .arg(&self.dir)
+            .args(["--workers", "4", "--tick-ms", "200"])
+            .args(&self.extra_args)
+            .env("TORPOR_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(c) = self.try_client() {
+                if c.is_up().await {
+                    return;
+                }
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("daemon exited with {status}:\n{}", self.log());
+            }
+            assert!(Instant::now() < deadline, "daemon not up:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn try_client(&self) -> Option<Client> {
+        let token = std::fs::read_to_string(self.dir.join("admin-token")).ok()?;
+        Some(Client::new(&self.url(), token.trim()))
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn client(&self) -> Client {
+        self.try_client().expect("daemon wrote its token")
+    }
+
+    pub fn token(&self) -> String {
+        std::fs::read_to_string(self.dir.join("admin-token"))
+            .unwrap()
+            .trim()
+            .to_string()
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+
+    /// SIGTERM and wait: a graceful stop that checkpoints resident sandboxes.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let status = c.wait().unwrap();
+            assert!(status.success(), "daemon exit {status}:\n{}", self.log());
+        }
+    }
+
+    /// SIGKILL: a crash.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // A crash test may leave containers behind; a fresh start reconciles them, but the
+        // temporary directory goes away, so clean runsc's state for it here.
+        let root = self.dir.join("runsc");
+        if root.exists() {
+            let out = Command::new("runsc")
+                .arg(format!("--root={}", root.display()))
+                .args(["list", "--quiet"])
+                .output();
+            if let Ok(out) = out {
+                for id in String::from_utf8_lossy(&out.stdout).lines() {
+                    let _ = Command::new("runsc")
+                        .arg(format!("--root={}", root.display()))
+                        .args(["delete", "--force", id.trim()])
+                        .output();
+                }
+            }
+        }
+    }
+}
+
+/// A Python agent that holds state in memory and on disk, reached through a FIFO pair, so a call
+/// talks to that very process: `call(..)` returns its in-memory counter and the lines it logged.
+pub const AGENT: &str = r#"
+import os, hashlib
+os.makedirs("/data", exist_ok=True)
+for p in ("/tmp/in", "/tmp/out"):
+    if not os.path.exists(p): os.mkfifo(p)
+blob = bytearray(os.urandom(4 << 20))
+n = 0
+while True:
+    with open("/tmp/in") as f: cmd = f.read().strip()
+    n += 1
+    blob[n] ^= 1
+    with open("/data/calls.log", "a") as log: log.write(f"{n} {cmd}\n")
+    with open("/tmp/out", "w") as f: f.write(f"{n}\n")
+"#;
+
+pub fn agent_template(name: &str, idle: IdlePolicy) -> TemplateSpec {
+    TemplateSpec {
+        name: TemplateName::new(name).unwrap(),
+        source: TemplateSource::Host,
+        command: vec!["python3".into(), "-u".into(), "-c".into(), AGENT.into()],
+        env: Default::default(),
+        cwd: None,
+        limits: Limits {
+            memory_mib: 256,
+            cpus: 1.0,
+            pids: 64,
+        },
+        idle,
+        warmup_ms: 300,
+    }
+}
+
+pub fn no_idle() -> IdlePolicy {
+    IdlePolicy {
+        freeze_after_s: None,
+        park_after_s: None,
+        suspend_after_s: None,
+    }
+}
+
+pub fn sh(cmd: &str) -> ExecBody {
+    ExecBody {
+        cmd: vec!["sh".into(), "-c".into(), cmd.into()],
+        timeout_ms: Some(60_000),
+        ..Default::default()
+    }
+}
+
+/// Calls the agent's main process; returns (in-memory counter, lines in its log file).
+pub async fn call_agent(c: &Client, id: &str, tag: &str) -> (u64, u64) {
+    let r: ExecResult = c
+        .exec(
+            id,
+            &sh(&format!(
+                "echo {tag} > /tmp/in && cat /tmp/out && wc -l < /data/calls.log"
+            )),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(0), "agent call failed: {r:?}");
+    let mut lines = r.stdout.lines();
+    let n = lines.next().unwrap().trim().parse().unwrap();
+    let logged = lines.next().unwrap().trim().parse().unwrap();
+    (n, logged)
+}
+
+pub async fn create(c: &Client, template: &str) -> String {
+    c.create_sandbox(&CreateSandboxBody {
+        template: template.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .id
+}
+
+pub fn exists(p: &Path) -> bool {
+    p.exists()
+}
