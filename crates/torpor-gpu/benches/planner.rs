@@ -140,7 +140,7 @@ fn brute_force_gang(inv: &Inventory, ledger: &Ledger, member: &GpuRequest, size:
                     } else {
                         MigLayout::empty(geometry.clone())
                     };
-                    let Some(start) = layout.best_start(&p) else {
+                    let Some(start) = layout.best_start(p) else {
                         continue;
                     };
                     ShareKind::Mig {
@@ -248,7 +248,7 @@ fn first_fit(inv: &Inventory, ledger: &mut Ledger, request: &GpuRequest) -> bool
                 } else {
                     MigLayout::empty(geometry.clone())
                 };
-                let Some(start) = layout.first_fit_start(&p) else {
+                let Some(start) = layout.first_fit_start(p) else {
                     continue;
                 };
                 ShareKind::Mig {

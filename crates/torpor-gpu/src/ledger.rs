@@ -338,22 +338,19 @@ impl GpuUsage {
 }
 
 /// Resolves a MIG profile of a geometry: by name or id, or the smallest with `memory_mib`.
-pub fn resolve_profile(
-    geometry: &MigGeometry,
+pub fn resolve_profile<'g>(
+    geometry: &'g MigGeometry,
     profile: Option<&str>,
     memory_mib: Option<u64>,
     gpu_memory_mib: u64,
-) -> Result<MigProfile, GpuReason> {
+) -> Result<&'g MigProfile, GpuReason> {
     match (profile, memory_mib) {
-        (Some(name), _) => {
-            geometry
-                .profile(name)
-                .cloned()
-                .ok_or_else(|| GpuReason::UnknownProfile {
-                    profile: name.to_owned(),
-                    geometry: geometry.label().to_owned(),
-                })
-        }
+        (Some(name), _) => geometry
+            .profile(name)
+            .ok_or_else(|| GpuReason::UnknownProfile {
+                profile: name.to_owned(),
+                geometry: geometry.label().to_owned(),
+            }),
         (None, wanted) => geometry
             .profiles()
             .iter()
@@ -361,7 +358,6 @@ pub fn resolve_profile(
                 !p.media_extensions() && p.memory_mib(gpu_memory_mib) >= wanted.unwrap_or(0)
             })
             .min_by_key(|p| (p.memory_slices, p.sm_slices, p.id))
-            .cloned()
             .ok_or_else(|| GpuReason::NoProfileForMemory {
                 memory_mib: wanted.unwrap_or(0),
                 geometry: geometry.label().to_owned(),

@@ -176,10 +176,10 @@ impl MigModel {
         static GEOMETRIES: OnceLock<[Arc<MigGeometry>; 4]> = OnceLock::new();
         let all = GEOMETRIES.get_or_init(|| {
             MigModel::ALL.map(|model| {
-                Arc::new(MigGeometry {
-                    label: model.label().to_owned(),
-                    model: Some(model),
-                    profiles: TABLE
+                Arc::new(MigGeometry::build(
+                    model.label(),
+                    Some(model),
+                    TABLE
                         .iter()
                         .map(|row| MigProfile {
                             id: row.id,
@@ -191,7 +191,7 @@ impl MigModel {
                             driver_memory_mib: None,
                         })
                         .collect(),
-                })
+                ))
             })
         });
         Arc::clone(&all[self.column()])
@@ -256,6 +256,8 @@ pub struct MigGeometry {
     label: String,
     model: Option<MigModel>,
     profiles: Vec<MigProfile>,
+    /// Profile positions from the largest to the smallest (memory, then SM slices).
+    largest_first: Vec<usize>,
 }
 
 impl MigGeometry {
@@ -288,11 +290,41 @@ impl MigGeometry {
                 }
             }
         }
-        Ok(MigGeometry {
+        Ok(MigGeometry::build(label, None, profiles))
+    }
+
+    fn build(label: &str, model: Option<MigModel>, profiles: Vec<MigProfile>) -> Self {
+        let mut largest_first: Vec<usize> = (0..profiles.len()).collect();
+        largest_first.sort_by_key(|&i| {
+            std::cmp::Reverse((profiles[i].memory_slices, profiles[i].sm_slices))
+        });
+        MigGeometry {
             label: label.to_owned(),
-            model: None,
+            model,
             profiles,
-        })
+            largest_first,
+        }
+    }
+
+    /// Whether profile `index` fits at `start` on `slots`; allocation-free, for hot paths.
+    fn fits(&self, slots: &Slots, index: usize, start: u8) -> bool {
+        let profile = &self.profiles[index];
+        profile.allowed_starts.contains(&start)
+            && slots.occupied & profile.mask(start) == 0
+            && slots.counts[index] < profile.max_per_gpu
+    }
+
+    fn capability_of(&self, slots: &Slots) -> [u8; MAX_PROFILES] {
+        let mut out = [0u8; MAX_PROFILES];
+        for (slot, &index) in self.largest_first.iter().enumerate() {
+            let profile = &self.profiles[index];
+            out[slot] = profile
+                .allowed_starts
+                .iter()
+                .filter(|&&start| self.fits(slots, index, start))
+                .count() as u8;
+        }
+        out
     }
 
     /// `H200-141GB` for the table, the product name for a driver geometry.
@@ -397,20 +429,25 @@ impl MigPlacementError {
     }
 }
 
+/// Occupied memory slices and per-profile instance counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Slots {
+    occupied: u8,
+    counts: [u8; MAX_PROFILES],
+}
+
 /// The MIG instances on one GPU: occupancy and per-profile counts, against its geometry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MigLayout {
     geometry: Arc<MigGeometry>,
-    occupied: u8,
-    counts: [u8; MAX_PROFILES],
+    slots: Slots,
 }
 
 impl MigLayout {
     pub fn empty(geometry: Arc<MigGeometry>) -> Self {
         MigLayout {
             geometry,
-            occupied: 0,
-            counts: [0; MAX_PROFILES],
+            slots: Slots::default(),
         }
     }
 
@@ -432,15 +469,15 @@ impl MigLayout {
 
     /// Occupied memory slices as a bit mask (bit `i` is slice `i`).
     pub fn occupied(&self) -> u8 {
-        self.occupied
+        self.slots.occupied
     }
 
     pub fn free_memory_slices(&self) -> u8 {
-        MEMORY_SLICES - self.occupied.count_ones() as u8
+        MEMORY_SLICES - self.slots.occupied.count_ones() as u8
     }
 
     pub fn is_empty(&self) -> bool {
-        self.occupied == 0
+        self.slots.occupied == 0
     }
 
     /// SM slices used by the instances.
@@ -448,24 +485,27 @@ impl MigLayout {
         self.geometry
             .profiles
             .iter()
-            .zip(self.counts)
+            .zip(self.slots.counts)
             .map(|(p, n)| p.sm_slices.saturating_mul(n))
             .fold(0u8, u8::saturating_add)
     }
 
-    fn profile_of(&self, profile_id: u32) -> Result<(usize, &MigProfile), MigPlacementError> {
-        let index = self.geometry.position(profile_id).ok_or_else(|| {
-            MigPlacementError::UnknownProfile {
+    fn index_of(&self, profile_id: u32) -> Result<usize, MigPlacementError> {
+        self.geometry
+            .position(profile_id)
+            .ok_or_else(|| MigPlacementError::UnknownProfile {
                 geometry: self.geometry.label.clone(),
                 profile_id,
-            }
-        })?;
-        Ok((index, &self.geometry.profiles[index]))
+            })
     }
 
     /// Checks that `instance` could be added.
     pub fn check(&self, instance: MigInstance) -> Result<(), MigPlacementError> {
-        let (index, profile) = self.profile_of(instance.profile_id)?;
+        let index = self.index_of(instance.profile_id)?;
+        if self.geometry.fits(&self.slots, index, instance.start) {
+            return Ok(());
+        }
+        let profile = &self.geometry.profiles[index];
         if !profile.allowed_starts.contains(&instance.start) {
             return Err(MigPlacementError::StartNotAllowed {
                 profile: profile.name.clone(),
@@ -473,7 +513,7 @@ impl MigLayout {
                 allowed: profile.allowed_starts.clone(),
             });
         }
-        let overlap = self.occupied & profile.mask(instance.start);
+        let overlap = self.slots.occupied & profile.mask(instance.start);
         if overlap != 0 {
             return Err(MigPlacementError::Overlap {
                 profile: profile.name.clone(),
@@ -481,66 +521,66 @@ impl MigLayout {
                 overlap,
             });
         }
-        if self.counts[index] >= profile.max_per_gpu {
-            return Err(MigPlacementError::LimitReached {
-                profile: profile.name.clone(),
-                max: profile.max_per_gpu,
-            });
-        }
-        Ok(())
+        Err(MigPlacementError::LimitReached {
+            profile: profile.name.clone(),
+            max: profile.max_per_gpu,
+        })
     }
 
     /// Adds `instance` after checking it.
     pub fn place(&mut self, instance: MigInstance) -> Result<(), MigPlacementError> {
         self.check(instance)?;
-        let (index, profile) = self.profile_of(instance.profile_id)?;
-        let mask = profile.mask(instance.start);
-        self.occupied |= mask;
-        self.counts[index] += 1;
+        let index = self.index_of(instance.profile_id)?;
+        let mask = self.geometry.profiles[index].mask(instance.start);
+        self.slots.occupied |= mask;
+        self.slots.counts[index] += 1;
         Ok(())
     }
 
     /// Removes `instance`; it must be one that [`MigLayout::place`] accepted.
     pub fn remove(&mut self, instance: MigInstance) -> bool {
-        let Ok((index, profile)) = self.profile_of(instance.profile_id) else {
+        let Ok(index) = self.index_of(instance.profile_id) else {
             return false;
         };
-        let mask = profile.mask(instance.start);
-        if self.occupied & mask != mask || self.counts[index] == 0 {
+        let mask = self.geometry.profiles[index].mask(instance.start);
+        if self.slots.occupied & mask != mask || self.slots.counts[index] == 0 {
             return false;
         }
-        self.occupied &= !mask;
-        self.counts[index] -= 1;
+        self.slots.occupied &= !mask;
+        self.slots.counts[index] -= 1;
         true
     }
 
     /// Start slices at which `profile` could be placed now, lowest first.
     pub fn valid_starts(&self, profile: &MigProfile) -> Vec<u8> {
-        profile
-            .allowed_starts
-            .iter()
-            .copied()
-            .filter(|&start| {
-                self.check(MigInstance {
-                    profile_id: profile.id,
-                    start,
-                })
-                .is_ok()
-            })
-            .collect()
+        match self.geometry.position(profile.id) {
+            Some(index) => profile
+                .allowed_starts
+                .iter()
+                .copied()
+                .filter(|&start| self.geometry.fits(&self.slots, index, start))
+                .collect(),
+            None => Vec::new(),
+        }
     }
 
     /// How much the layout can still take: for each profile from the largest to the smallest
     /// (memory slices, then SM slices), the number of starts where it could be placed.
     /// Compared lexicographically, a larger value keeps larger placements possible.
     pub fn capability(&self) -> [u8; MAX_PROFILES] {
-        let mut order: Vec<&MigProfile> = self.geometry.profiles.iter().collect();
-        order.sort_by_key(|p| std::cmp::Reverse((p.memory_slices, p.sm_slices)));
-        let mut out = [0u8; MAX_PROFILES];
-        for (slot, profile) in order.into_iter().enumerate() {
-            out[slot] = self.valid_starts(profile).len() as u8;
+        self.geometry.capability_of(&self.slots)
+    }
+
+    /// [`MigLayout::capability`] after adding `instance`; `None` when it does not fit.
+    pub fn capability_after(&self, instance: MigInstance) -> Option<[u8; MAX_PROFILES]> {
+        let index = self.geometry.position(instance.profile_id)?;
+        if !self.geometry.fits(&self.slots, index, instance.start) {
+            return None;
         }
-        out
+        let mut after = self.slots;
+        after.occupied |= self.geometry.profiles[index].mask(instance.start);
+        after.counts[index] += 1;
+        Some(self.geometry.capability_of(&after))
     }
 
     /// The start the fragmentation-aware packer picks for `profile`: the one that leaves the
@@ -549,18 +589,13 @@ impl MigLayout {
     pub fn best_start(&self, profile: &MigProfile) -> Option<u8> {
         let prefer_high = profile.sm_slices == 1 || profile.sm_slices == 3;
         let mut best: Option<(u8, [u8; MAX_PROFILES])> = None;
-        for start in self.valid_starts(profile) {
-            let mut after = self.clone();
-            if after
-                .place(MigInstance {
-                    profile_id: profile.id,
-                    start,
-                })
-                .is_err()
-            {
+        for &start in &profile.allowed_starts {
+            let Some(cap) = self.capability_after(MigInstance {
+                profile_id: profile.id,
+                start,
+            }) else {
                 continue;
-            }
-            let cap = after.capability();
+            };
             let better = match &best {
                 None => true,
                 Some((best_start, best_cap)) => {
@@ -576,7 +611,12 @@ impl MigLayout {
 
     /// The first allowed start, lowest first: the naive baseline for density comparisons.
     pub fn first_fit_start(&self, profile: &MigProfile) -> Option<u8> {
-        self.valid_starts(profile).first().copied()
+        let index = self.geometry.position(profile.id)?;
+        profile
+            .allowed_starts
+            .iter()
+            .copied()
+            .find(|&start| self.geometry.fits(&self.slots, index, start))
     }
 }
 

@@ -498,31 +498,35 @@ fn fit(
                 request.memory_mib,
                 gpu.memory_mib,
             )?;
-            let layout = if same_mode {
-                usage.mig_layout(gpu)
-            } else {
-                Some(crate::mig::MigLayout::empty(std::sync::Arc::clone(
-                    geometry,
-                )))
-            }
-            .ok_or(GpuReason::NoMig)?;
+            let empty;
+            let layout = match (&usage.mig, same_mode) {
+                (Some(layout), true) => layout,
+                _ => {
+                    empty = crate::mig::MigLayout::empty(std::sync::Arc::clone(geometry));
+                    &empty
+                }
+            };
             let start = match policy.mig_packing {
-                MigPacking::FragmentationAware => layout.best_start(&profile),
-                MigPacking::FirstFit => layout.first_fit_start(&profile),
+                MigPacking::FragmentationAware => layout.best_start(profile),
+                MigPacking::FirstFit => layout.first_fit_start(profile),
             }
-            .ok_or(GpuReason::MigNoPlacement {
-                profile: profile.name,
+            .ok_or_else(|| GpuReason::MigNoPlacement {
+                profile: profile.name.clone(),
             })?;
             let instance = MigInstance {
                 profile_id: profile.id,
                 start,
             };
-            let mut after = layout;
-            after.place(instance)?;
-            secondary = after
-                .capability()
+            let after =
+                layout
+                    .capability_after(instance)
+                    .ok_or_else(|| GpuReason::MigNoPlacement {
+                        profile: profile.name.clone(),
+                    })?;
+            // At most 8 starts per profile and 16 profiles: base 9 keeps the order in an i64.
+            secondary = after[..geometry.profiles().len().min(after.len())]
                 .iter()
-                .fold(0i64, |acc, n| acc * 16 + i64::from(*n));
+                .fold(0i64, |acc, n| acc * 9 + i64::from(*n));
             ShareKind::Mig { instance }
         }
     };

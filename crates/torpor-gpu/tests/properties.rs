@@ -367,7 +367,7 @@ fn brute_force_gang(
                 _ => MigLayout::empty(geometry.clone()),
             };
             // Any valid start will do for feasibility; the score depends on GPUs only.
-            let Some(start) = layout.first_fit_start(&p) else {
+            let Some(start) = layout.first_fit_start(p) else {
                 continue;
             };
             let kind = ShareKind::Mig {
