@@ -215,6 +215,51 @@ pub fn allocation_metrics(inventory: &Inventory, ledger: &Ledger, quotas: &Quota
             f64::from(usage.fill_permille(gpu)) / 1000.0
         );
     }
+    let _ = writeln!(
+        out,
+        "# HELP torpor_gpu_free Free capacity of a GPU in its mode.\n# TYPE torpor_gpu_free gauge"
+    );
+    for (gpu, usage) in inventory.gpus().iter().zip(ledger.usage()) {
+        let free: Vec<(&str, u64)> = match usage.mode {
+            PartitionMode::Whole => vec![("whole_gpus", u64::from(usage.is_empty()))],
+            PartitionMode::Mig => usage.mig.as_ref().map_or(Vec::new(), |l| {
+                vec![
+                    ("mig_memory_slices", u64::from(l.free_memory_slices())),
+                    (
+                        "mig_sm_slices",
+                        u64::from(l.geometry().sm_slices().saturating_sub(l.used_sm_slices())),
+                    ),
+                ]
+            }),
+            PartitionMode::Mps => vec![
+                (
+                    "mps_compute_pct",
+                    u64::from(100u32.saturating_sub(usage.mps_compute_pct)),
+                ),
+                (
+                    "mps_memory_mib",
+                    gpu.memory_mib.saturating_sub(usage.mps_memory_mib),
+                ),
+                (
+                    "mps_clients",
+                    u64::from(gpu.mps_max_clients.saturating_sub(usage.shares)),
+                ),
+            ],
+            PartitionMode::Timeslice => vec![(
+                "timeslice_replicas",
+                u64::from(gpu.timeslice_replicas.saturating_sub(usage.shares)),
+            )],
+        };
+        for (resource, value) in free {
+            let _ = writeln!(
+                out,
+                "torpor_gpu_free{{node=\"{node}\",gpu=\"{}\",UUID=\"{}\",mode=\"{}\",resource=\"{resource}\"}} {value}",
+                gpu.index.0,
+                escape_label(gpu.uuid.as_str()),
+                usage.mode
+            );
+        }
+    }
     let mut by_mode: BTreeMap<PartitionMode, (u32, u32)> = BTreeMap::new();
     for usage in ledger.usage() {
         let entry = by_mode.entry(usage.mode).or_default();
@@ -401,6 +446,13 @@ not json
             text.contains("torpor_gpu_empty_gpus{node=\"a\",mode=\"whole\"} 1"),
             "{text}"
         );
+        for line in [
+            "torpor_gpu_free{node=\"a\",gpu=\"0\",UUID=\"GPU-a0\",mode=\"mps\",resource=\"mps_compute_pct\"} 50",
+            "torpor_gpu_free{node=\"a\",gpu=\"0\",UUID=\"GPU-a0\",mode=\"mps\",resource=\"mps_memory_mib\"} 79872",
+            "torpor_gpu_free{node=\"a\",gpu=\"1\",UUID=\"GPU-a1\",mode=\"whole\",resource=\"whole_gpus\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
         assert!(
             text.contains("torpor_gpu_quota_used{tenant=\"team-a\",resource=\"compute\"} 350"),
             "{text}"
