@@ -230,6 +230,14 @@ impl Engine {
     async fn reconcile(&self) -> Result<()> {
         // The agent channel of any container still running died with the previous daemon; such
         // a container cannot be talked to again, so its sandbox goes back to its last snapshot.
+        let strays = self.runsc.kill_strays();
+        if strays > 0 {
+            tracing::warn!(
+                processes = strays,
+                "killed runsc processes left by a previous run"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         for cid in self.runsc.list().await {
             tracing::warn!(container = %cid, "removing a container left by a previous run");
             self.runsc.destroy(&cid).await;
@@ -870,6 +878,7 @@ impl Engine {
         let images = self.sandbox_dir(id).join("images");
         let tmp = images.join(format!(".tmp-{}", rec.generation));
         let dest = images.join(rec.generation.to_string());
+        let _ = std::fs::remove_dir_all(&tmp);
         let t = Instant::now();
         let result = self.runsc.checkpoint(&live.container, &tmp).await;
         let cid = live.container.id.clone();

@@ -154,8 +154,8 @@ impl Agent {
         command
             .args(&cmd[1..])
             .stdin(Stdio::null())
-            .stdout(log.as_ref().map_or(Stdio::null(), |f| clone_stdio(f)))
-            .stderr(log.as_ref().map_or(Stdio::null(), |f| clone_stdio(f)));
+            .stdout(log.as_ref().map_or(Stdio::null(), clone_stdio))
+            .stderr(log.as_ref().map_or(Stdio::null(), clone_stdio));
         match self.children.spawn(&mut command, true) {
             Ok((child, _)) => {
                 self.main.lock().unwrap_or_else(|p| p.into_inner()).pid = Some(child.id());
@@ -191,8 +191,8 @@ impl Agent {
             let log = open_log("detached.log");
             command
                 .stdin(Stdio::null())
-                .stdout(log.as_ref().map_or(Stdio::null(), |f| clone_stdio(f)))
-                .stderr(log.as_ref().map_or(Stdio::null(), |f| clone_stdio(f)));
+                .stdout(log.as_ref().map_or(Stdio::null(), clone_stdio))
+                .stderr(log.as_ref().map_or(Stdio::null(), clone_stdio));
             let (child, _) = self
                 .children
                 .spawn(&mut command, false)
@@ -260,6 +260,12 @@ fn open_log(name: &str) -> Option<File> {
         .ok()
 }
 
+/// Where streamed output goes: (fd, bytes).
+type OutputSink<'a> = dyn Fn(u8, &[u8]) + 'a;
+
+/// A request handed to the pool: id, request, body.
+type Job = (u64, Request, Vec<u8>);
+
 enum Pumped {
     Exited(WaitStatus),
     TimedOut,
@@ -287,7 +293,7 @@ impl ChildIo {
         &mut self,
         status_rx: &Receiver<WaitStatus>,
         deadline: Option<Instant>,
-        stream: Option<&dyn Fn(u8, &[u8])>,
+        stream: Option<&OutputSink<'_>>,
     ) -> Pumped {
         for fd in [
             self.stdin.as_ref().map(|p| p.as_raw_fd()),
@@ -393,7 +399,7 @@ fn drain(
     p: &mut impl Read,
     buf: &mut [u8],
     into: &mut Vec<u8>,
-    stream: Option<(&dyn Fn(u8, &[u8]), u8)>,
+    stream: Option<(&OutputSink<'_>, u8)>,
 ) -> bool {
     loop {
         match p.read(buf) {
@@ -530,8 +536,8 @@ impl ChildTable {
 
 /// Threads that run requests; a new one starts when all are busy, idle ones wait for work.
 struct Pool {
-    tx: Sender<(u64, Request, Vec<u8>)>,
-    rx: Arc<Mutex<Receiver<(u64, Request, Vec<u8>)>>>,
+    tx: Sender<Job>,
+    rx: Arc<Mutex<Receiver<Job>>>,
     idle: Arc<(Mutex<usize>, Condvar)>,
     agent: Arc<Agent>,
 }

@@ -334,6 +334,37 @@ impl Runsc {
         cgroup::remove_all(container_id);
     }
 
+    /// Kills every runsc process working on this state directory (`--root`): what a daemon that
+    /// died left running (a restore, a checkpoint, a sandbox). Its channels died with it.
+    pub fn kill_strays(&self) -> usize {
+        let needle = format!("--root={}", self.state_root.display());
+        let me = std::process::id();
+        let mut killed = 0;
+        let Ok(procs) = std::fs::read_dir("/proc") else {
+            return 0;
+        };
+        for p in procs.flatten() {
+            let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            if pid == me {
+                continue;
+            }
+            let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) else {
+                continue;
+            };
+            if cmdline
+                .split(|b| *b == 0)
+                .any(|arg| arg == needle.as_bytes())
+            {
+                // SAFETY: kill(2) with a pid read from /proc; no memory is passed.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                killed += 1;
+            }
+        }
+        killed
+    }
+
     /// The ids of every container in torpor's runsc state directory.
     pub async fn list(&self) -> Vec<String> {
         let mut args = self.global_args();

@@ -44,7 +44,9 @@ async fn every_bad_request_gets_a_stable_code() {
     let c = d.client();
     let id = create(&c, "host").await;
 
-    let cases: Vec<(&str, String, Option<&str>, Vec<u8>, u16, &str)> = vec![
+    // (method, path, token, body, expected status, expected code)
+    type Case<'a> = (&'a str, String, Option<&'a str>, Vec<u8>, u16, &'a str);
+    let cases: Vec<Case> = vec![
         (
             "GET",
             "/v1/sandboxes".into(),

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs what torpor and its tests need on Debian 12, idempotently. Run as root.
+#   runsc (gVisor)        the sandbox runtime
+#   python3               the `host` template's agents and the demo use it
+#   moto_server           the S3-compatible server the snapshot-store tests start
+#   a Rust toolchain      to build torpor (rustup, when cargo is missing)
+set -euo pipefail
+
+if [ "$(id -u)" != 0 ]; then
+  echo "deps.sh: run as root (gVisor needs it): sudo bash $0" >&2
+  exit 1
+fi
+
+need_apt=()
+command -v runsc >/dev/null 2>&1 || need_apt+=(runsc)
+command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
+command -v pip3 >/dev/null 2>&1 || python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
+command -v ldd >/dev/null 2>&1 || need_apt+=(libc-bin)
+command -v curl >/dev/null 2>&1 || need_apt+=(curl)
+command -v cc >/dev/null 2>&1 || need_apt+=(gcc)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "deps.sh: installing ${need_apt[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if ! command -v moto_server >/dev/null 2>&1; then
+  echo "deps.sh: installing moto (S3-compatible test server)" >&2
+  python3 -m pip install -q "moto[server]" 2>/dev/null \
+    || python3 -m pip install -q --break-system-packages "moto[server]"
+fi
+
+if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
+  export PATH="$HOME/.cargo/bin:$PATH"
+fi
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "deps.sh: installing a Rust toolchain with rustup" >&2
+  curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal -c clippy -c rustfmt
+  export PATH="$HOME/.cargo/bin:$PATH"
+fi
+runsc --version | head -1 >&2
