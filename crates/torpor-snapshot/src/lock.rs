@@ -1,0 +1,225 @@
+//! Store-wide locks kept as objects, so puts on many nodes and one garbage collector can
+//! coordinate through nothing but the backend.
+//!
+//! Puts and forks take a *shared* lock, garbage collection an *exclusive* one. Each side writes
+//! its own lock object first and lists the others second; with read-after-write listing (local
+//! disk, S3) two racing parties always see each other, and the side that sees a conflict
+//! removes its object and retries with backoff. So an in-flight put's chunks are never swept.
+//! Holders rewrite their object every `ttl / 4`; an object older than `ttl` belongs to a dead
+//! process and is ignored (and removed by the next collector).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use bytes::Bytes;
+
+use crate::backend::{Backend, BackendError, ObjectKey};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockKind {
+    Shared,
+    Exclusive,
+}
+
+impl LockKind {
+    fn tag(self) -> &'static str {
+        match self {
+            LockKind::Shared => "shared",
+            LockKind::Exclusive => "exclusive",
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error("store is locked by {holder} (waited {waited_ms} ms)")]
+    Busy { holder: String, waited_ms: u64 },
+    #[error("lock object I/O")]
+    Backend(#[from] BackendError),
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct LockManager {
+    backend: Arc<dyn Backend>,
+    prefix: String,
+    pub(crate) ttl: Duration,
+    wait: Duration,
+}
+
+pub(crate) struct LockGuard {
+    key: ObjectKey,
+    backend: Arc<dyn Backend>,
+    refresher: Option<tokio::task::JoinHandle<()>>,
+    released: bool,
+}
+
+impl LockManager {
+    pub(crate) fn new(backend: Arc<dyn Backend>, prefix: String, ttl: Duration, wait: Duration) -> Self {
+        LockManager {
+            backend,
+            prefix,
+            ttl,
+            wait,
+        }
+    }
+
+    /// Holders of live locks, as `(key, kind)`; stale ones are returned separately.
+    async fn live_and_stale(&self) -> Result<(Vec<(ObjectKey, LockKind)>, Vec<ObjectKey>), BackendError> {
+        let now = SystemTime::now();
+        let mut live = Vec::new();
+        let mut stale = Vec::new();
+        for o in self.backend.list(&self.prefix).await? {
+            let kind = if o.key.name().starts_with("exclusive-") {
+                LockKind::Exclusive
+            } else {
+                LockKind::Shared
+            };
+            let age = o
+                .modified
+                .and_then(|m| now.duration_since(m).ok())
+                .unwrap_or(Duration::ZERO);
+            if age > self.ttl {
+                stale.push(o.key);
+            } else {
+                live.push((o.key, kind));
+            }
+        }
+        Ok((live, stale))
+    }
+
+    pub(crate) async fn acquire(&self, kind: LockKind) -> Result<LockGuard, LockError> {
+        let start = Instant::now();
+        let mut backoff = Duration::from_millis(20);
+        let key = ObjectKey::new(format!(
+            "{}/{}-{}",
+            self.prefix,
+            kind.tag(),
+            crate::id::unique_hex(12)
+        ))?;
+        let body = Bytes::from(format!("pid={}\n", std::process::id()));
+        loop {
+            self.backend.put(&key, body.clone()).await?;
+            let (live, stale) = self.live_and_stale().await?;
+            let conflict = live.iter().find(|(k, other)| {
+                *k != key
+                    && match kind {
+                        LockKind::Shared => *other == LockKind::Exclusive,
+                        LockKind::Exclusive => true,
+                    }
+            });
+            match conflict {
+                None => {
+                    if kind == LockKind::Exclusive {
+                        for s in stale {
+                            self.backend.delete(&s).await?;
+                        }
+                    }
+                    let refresher = {
+                        let backend = Arc::clone(&self.backend);
+                        let key = key.clone();
+                        let body = body.clone();
+                        let every = self.ttl / 4;
+                        tokio::spawn(async move {
+                            loop {
+                                tokio::time::sleep(every).await;
+                                if let Err(e) = backend.put(&key, body.clone()).await {
+                                    tracing::warn!(lock = %key, error = %e, "lock refresh failed");
+                                }
+                            }
+                        })
+                    };
+                    return Ok(LockGuard {
+                        key,
+                        backend: Arc::clone(&self.backend),
+                        refresher: Some(refresher),
+                        released: false,
+                    });
+                }
+                Some((holder, _)) => {
+                    let holder = holder.to_string();
+                    self.backend.delete(&key).await?;
+                    if start.elapsed() >= self.wait {
+                        return Err(LockError::Busy {
+                            holder,
+                            waited_ms: start.elapsed().as_millis() as u64,
+                        });
+                    }
+                    // Jitter from the key so two racing parties do not retry in lockstep.
+                    let jitter = Duration::from_millis(u64::from(key.name().as_bytes()[key.name().len() - 1] % 17));
+                    tokio::time::sleep(backoff + jitter).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+            }
+        }
+    }
+}
+
+impl LockGuard {
+    pub(crate) async fn release(mut self) {
+        if let Some(r) = self.refresher.take() {
+            r.abort();
+        }
+        self.released = true;
+        if let Err(e) = self.backend.delete(&self.key).await {
+            tracing::warn!(lock = %self.key, error = %e, "lock release failed; it expires after its ttl");
+        }
+    }
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        if let Some(r) = self.refresher.take() {
+            r.abort();
+        }
+        if !self.released {
+            // Cancelled holder: remove the lock in the background if a runtime is still there.
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                let backend = Arc::clone(&self.backend);
+                let key = self.key.clone();
+                handle.spawn(async move {
+                    let _ = backend.delete(&key).await;
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::LocalBackend;
+
+    fn manager(dir: &std::path::Path, wait_ms: u64) -> LockManager {
+        let b: Arc<dyn Backend> = Arc::new(LocalBackend::open(dir, false).unwrap());
+        LockManager::new(b, "locks".into(), Duration::from_secs(60), Duration::from_millis(wait_ms))
+    }
+
+    #[tokio::test]
+    async fn shared_locks_coexist_and_exclude_the_collector() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manager(dir.path(), 100);
+        let a = m.acquire(LockKind::Shared).await.unwrap();
+        let b = m.acquire(LockKind::Shared).await.unwrap();
+        assert!(matches!(m.acquire(LockKind::Exclusive).await, Err(LockError::Busy { .. })));
+        a.release().await;
+        assert!(matches!(m.acquire(LockKind::Exclusive).await, Err(LockError::Busy { .. })));
+        b.release().await;
+        let x = m.acquire(LockKind::Exclusive).await.unwrap();
+        assert!(matches!(m.acquire(LockKind::Shared).await, Err(LockError::Busy { .. })));
+        x.release().await;
+        m.acquire(LockKind::Shared).await.unwrap().release().await;
+        assert!(m.backend.list("locks").await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn waiting_put_gets_the_lock_when_the_collector_finishes() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manager(dir.path(), 5_000);
+        let x = m.acquire(LockKind::Exclusive).await.unwrap();
+        let m2 = m.clone();
+        let waiter = tokio::spawn(async move { m2.acquire(LockKind::Shared).await.map(|_| ()) });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        x.release().await;
+        waiter.await.unwrap().unwrap();
+    }
+}

@@ -1,0 +1,1101 @@
+//! The snapshot store: puts a checkpoint directory as chunks plus a manifest, and gets it
+//! back verified. Owns the object layout and the put/get pipelines; byte formats live in
+//! `chunk`, `manifest` and `gvisor`, storage in `backend`.
+//!
+//! Object layout under the (optional) tenant namespace `tenants/<ns>/`:
+//!
+//! ```text
+//! chunks/<first two hex digits>/<chunk id hex>   chunk blobs (see `chunk`)
+//! manifests/<snapshot id>                        manifests; written last: the commit marker
+//! pins/<snapshot id>                             retention pins (golden snapshots)
+//! locks/<shared|exclusive>-<random>              put / gc coordination (see `lock`)
+//! ```
+
+use std::collections::HashSet;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use tokio::sync::mpsc;
+use tracing::Instrument;
+
+use crate::backend::{Backend, LocalBackend, ObjectKey};
+use crate::cache::ChunkCache;
+use crate::chunk::{ChunkCodec, TenantKey, MAX_CHUNK_LEN};
+use crate::error::StoreError;
+use crate::gvisor::{self, ImageError, ImageLayout, InflatingReader, StoredFrameWriter};
+use crate::id::{ChunkId, SnapshotId};
+use crate::lock::{LockKind, LockManager};
+use crate::manifest::{
+    ChunkParams, Extent, ExtentData, FileEntry, FileKind, ImageInfo, Manifest,
+};
+
+/// Label naming the sandbox a snapshot belongs to; retention groups by it.
+pub const LABEL_SANDBOX: &str = "sandbox";
+/// Label set on forks, naming the snapshot they were forked from.
+pub const LABEL_FORKED_FROM: &str = "forked_from";
+
+/// How the store cuts, compresses and moves data.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub chunking: ChunkParams,
+    pub zstd_level: i32,
+    /// Concurrent chunk uploads / downloads per file.
+    pub parallelism: usize,
+    /// Chunks per existence check.
+    pub batch: usize,
+    /// Tenant key: chunk ids are keyed, chunks and manifests encrypted.
+    pub key: Option<TenantKey>,
+    /// Tenant namespace: all objects under `tenants/<ns>/`. Set it whenever `key` is set, so
+    /// one tenant's collector never sees another's chunks.
+    pub namespace: Option<String>,
+    pub lock_ttl: Duration,
+    /// How long a put waits for a running collector (and a collector for running puts).
+    pub lock_wait: Duration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            chunking: ChunkParams {
+                min: 4 * 1024,
+                avg: 16 * 1024,
+                max: 64 * 1024,
+            },
+            zstd_level: 1,
+            parallelism: 8,
+            batch: 128,
+            key: None,
+            namespace: None,
+            lock_ttl: Duration::from_secs(600),
+            lock_wait: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Options of one put beyond the directory.
+#[derive(Debug, Clone, Default)]
+pub struct PutOptions {
+    /// Previous snapshot of the same sandbox: its chunks are known present, so only new
+    /// content is checked and uploaded.
+    pub parent: Option<SnapshotId>,
+    /// Id to use; generated when `None`.
+    pub id: Option<SnapshotId>,
+    pub labels: Vec<(String, String)>,
+}
+
+/// What a put did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PutStats {
+    pub files: u64,
+    /// Bytes of content described (inflated for gVisor images).
+    pub logical_bytes: u64,
+    /// Bytes of the input files as they were on disk.
+    pub input_bytes: u64,
+    pub zero_bytes: u64,
+    pub chunks_total: u64,
+    pub chunks_new: u64,
+    pub chunks_reused: u64,
+    /// Plaintext bytes of the new chunks.
+    pub new_chunk_bytes: u64,
+    /// Bytes written to the backend: new chunk blobs plus the manifest.
+    pub bytes_written: u64,
+    pub manifest_bytes: u64,
+    pub images: u64,
+    pub image_fallbacks: u64,
+    pub duration_ms: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct PutReport {
+    pub id: SnapshotId,
+    pub stats: PutStats,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GetStats {
+    pub files: u64,
+    pub logical_bytes: u64,
+    pub bytes_written: u64,
+    pub chunks_fetched: u64,
+    pub bytes_fetched: u64,
+    pub cache_hits: u64,
+    pub duration_ms: u64,
+}
+
+/// A snapshot store over one backend.
+#[derive(Debug, Clone)]
+pub struct Store {
+    backend: Arc<dyn Backend>,
+    codec: ChunkCodec,
+    cfg: StoreConfig,
+    prefix: String,
+    locks: LockManager,
+    cache: Option<Arc<ChunkCache>>,
+}
+
+enum Piece {
+    Zero(u64),
+    Data(ChunkId, Vec<u8>),
+}
+
+enum ProducerError {
+    Image(ImageError),
+    Read(std::io::Error),
+}
+
+enum WriteOp {
+    Data(Vec<u8>),
+    Zero(u64),
+}
+
+impl std::fmt::Debug for ChunkCodec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkCodec")
+            .field("encrypted", &self.is_encrypted())
+            .finish()
+    }
+}
+
+impl Store {
+    pub fn new(backend: Arc<dyn Backend>, cfg: StoreConfig) -> Result<Self, StoreError> {
+        let prefix = match &cfg.namespace {
+            Some(ns) => {
+                let key = ObjectKey::new(format!("tenants/{ns}"))?;
+                format!("{key}/")
+            }
+            None => String::new(),
+        };
+        let codec = ChunkCodec::new(cfg.zstd_level, cfg.key.as_ref());
+        let locks = LockManager::new(
+            Arc::clone(&backend),
+            format!("{prefix}locks"),
+            cfg.lock_ttl,
+            cfg.lock_wait,
+        );
+        Ok(Store {
+            backend,
+            codec,
+            cfg,
+            prefix,
+            locks,
+            cache: None,
+        })
+    }
+
+    /// A store on a local directory with default settings.
+    pub fn local(root: impl Into<PathBuf>) -> Result<Self, StoreError> {
+        let backend = LocalBackend::open(root, false)?;
+        Store::new(Arc::new(backend), StoreConfig::default())
+    }
+
+    /// Adds a bounded local chunk cache consulted before the backend on get.
+    pub fn with_cache(mut self, cache: Arc<ChunkCache>) -> Self {
+        self.cache = Some(cache);
+        self
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.cfg
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    pub(crate) fn chunk_key(&self, id: &ChunkId) -> ObjectKey {
+        let hex = id.to_hex();
+        // Hex ids always make a valid key.
+        ObjectKey::new(format!("{}chunks/{}/{}", self.prefix, &hex[..2], hex))
+            .unwrap_or_else(|_| unreachable!("hex chunk keys are valid"))
+    }
+
+    pub(crate) fn manifest_key(&self, id: &SnapshotId) -> ObjectKey {
+        ObjectKey::new(format!("{}manifests/{}", self.prefix, id))
+            .unwrap_or_else(|_| unreachable!("snapshot ids are valid key components"))
+    }
+
+    pub(crate) fn pin_key(&self, id: &SnapshotId) -> ObjectKey {
+        ObjectKey::new(format!("{}pins/{}", self.prefix, id))
+            .unwrap_or_else(|_| unreachable!("snapshot ids are valid key components"))
+    }
+
+    pub(crate) fn area(&self, name: &str) -> String {
+        format!("{}{}", self.prefix, name)
+    }
+
+    pub(crate) async fn lock(&self, kind: LockKind) -> Result<crate::lock::LockGuard, StoreError> {
+        Ok(self.locks.acquire(kind).await?)
+    }
+
+    /// Stores a checkpoint directory. `parent` is the sandbox's previous snapshot, if any.
+    pub async fn put_dir(
+        &self,
+        dir: &Path,
+        parent: Option<&SnapshotId>,
+    ) -> Result<PutReport, StoreError> {
+        self.put_dir_with(
+            dir,
+            PutOptions {
+                parent: parent.cloned(),
+                ..PutOptions::default()
+            },
+        )
+        .await
+    }
+
+    pub async fn put_dir_with(&self, dir: &Path, opts: PutOptions) -> Result<PutReport, StoreError> {
+        let span = tracing::info_span!("snapshot_put", dir = %dir.display());
+        async {
+            let guard = self.lock(LockKind::Shared).await?;
+            let result = self.put_locked(dir, opts).await;
+            guard.release().await;
+            result
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn put_locked(&self, dir: &Path, opts: PutOptions) -> Result<PutReport, StoreError> {
+        let started = Instant::now();
+        let id = opts.id.unwrap_or_else(SnapshotId::generate);
+        if self.backend.exists_many(&[self.manifest_key(&id)]).await?[0] {
+            return Err(StoreError::SnapshotExists { id });
+        }
+        let mut known: HashSet<ChunkId> = HashSet::new();
+        if let Some(p) = &opts.parent {
+            let pm = self.load_manifest(p).await.map_err(|e| match e {
+                StoreError::SnapshotNotFound { id } => StoreError::ParentNotFound { id },
+                other => other,
+            })?;
+            known.extend(pm.chunk_refs().map(|(c, _)| *c));
+        }
+        let root = dir.to_path_buf();
+        let entries = tokio::task::spawn_blocking(move || walk(&root)).await??;
+        let mut stats = PutStats::default();
+        let mut files = Vec::with_capacity(entries.len());
+        for e in entries {
+            stats.files += 1;
+            let kind = match e.kind {
+                WalkKind::Dir => FileKind::Dir,
+                WalkKind::Symlink(target) => FileKind::Symlink { target },
+                WalkKind::File(len) => {
+                    stats.input_bytes += len;
+                    self.put_file(&e.abs, &mut known, &mut stats).await?
+                }
+            };
+            files.push(FileEntry {
+                path: e.rel,
+                mode: e.mode,
+                kind,
+            });
+        }
+        let manifest = Manifest {
+            id: id.clone(),
+            parent: opts.parent,
+            created_unix_ms: now_ms(),
+            chunking: self.cfg.chunking,
+            labels: opts.labels,
+            files,
+        };
+        stats.logical_bytes = manifest.logical_bytes();
+        let sealed = self
+            .codec
+            .seal_manifest(manifest.encode())
+            .map_err(StoreError::Encode)?;
+        stats.manifest_bytes = sealed.len() as u64;
+        stats.bytes_written += sealed.len() as u64;
+        // The manifest goes last: until it exists the snapshot does not.
+        self.backend
+            .put(&self.manifest_key(&id), Bytes::from(sealed))
+            .await?;
+        stats.duration_ms = started.elapsed().as_millis() as u64;
+        tracing::info!(snapshot = %id, new = stats.chunks_new, reused = stats.chunks_reused,
+            written = stats.bytes_written, "snapshot stored");
+        Ok(PutReport { id, stats })
+    }
+
+    async fn put_file(
+        &self,
+        path: &Path,
+        known: &mut HashSet<ChunkId>,
+        stats: &mut PutStats,
+    ) -> Result<FileKind, StoreError> {
+        let probe_path = path.to_path_buf();
+        let layout = tokio::task::spawn_blocking(move || {
+            std::fs::File::open(&probe_path).and_then(gvisor::probe)
+        })
+        .await?
+        .map_err(|source| StoreError::ReadInput {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if let Some(layout) = layout {
+            match self.chunk_file(path, Some(&layout), known, stats).await? {
+                Ok((size, extents)) => {
+                    stats.images += 1;
+                    return Ok(FileKind::Content {
+                        size,
+                        image: Some(ImageInfo {
+                            header: layout.header,
+                            frame_size: layout.frame_size,
+                            original_size: layout.original_size,
+                        }),
+                        extents,
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, code = e.code(),
+                        "gVisor image frames do not inflate cleanly; storing the file opaque");
+                    stats.image_fallbacks += 1;
+                }
+            }
+        }
+        match self.chunk_file(path, None, known, stats).await? {
+            Ok((size, extents)) => Ok(FileKind::Content {
+                size,
+                image: None,
+                extents,
+            }),
+            Err(e) => unreachable!("opaque chunking raised an image error: {e}"),
+        }
+    }
+
+    /// Chunks one file (its inflated stream when `image` is set) and uploads what the store
+    /// lacks. The outer error is fatal; the inner one asks the caller to retry opaque.
+    async fn chunk_file(
+        &self,
+        path: &Path,
+        image: Option<&ImageLayout>,
+        known: &mut HashSet<ChunkId>,
+        stats: &mut PutStats,
+    ) -> Result<Result<(u64, Vec<Extent>), ImageError>, StoreError> {
+        let (tx, mut rx) = mpsc::channel::<Piece>(self.cfg.batch * 2);
+        let producer = {
+            let path = path.to_path_buf();
+            let codec = self.codec.clone();
+            let params = self.cfg.chunking;
+            let image = image.map(|l| (l.header.len() as u64, l.frame_size));
+            tokio::task::spawn_blocking(move || produce(&path, image, params, &codec, tx))
+        };
+        let mut extents: Vec<Extent> = Vec::new();
+        let mut offset = 0u64;
+        let mut batch = Vec::with_capacity(self.cfg.batch);
+        loop {
+            if rx.recv_many(&mut batch, self.cfg.batch).await == 0 {
+                break;
+            }
+            let mut to_check: Vec<(ChunkId, Vec<u8>)> = Vec::new();
+            for piece in batch.drain(..) {
+                match piece {
+                    Piece::Zero(len) => {
+                        stats.zero_bytes += len;
+                        match extents.last_mut() {
+                            Some(Extent {
+                                len: l,
+                                data: ExtentData::Zero,
+                                ..
+                            }) => *l += len,
+                            _ => extents.push(Extent {
+                                offset,
+                                len,
+                                data: ExtentData::Zero,
+                            }),
+                        }
+                        offset += len;
+                    }
+                    Piece::Data(id, data) => {
+                        let len = data.len() as u64;
+                        extents.push(Extent {
+                            offset,
+                            len,
+                            data: ExtentData::Chunk(id),
+                        });
+                        offset += len;
+                        stats.chunks_total += 1;
+                        if known.insert(id) {
+                            to_check.push((id, data));
+                        } else {
+                            stats.chunks_reused += 1;
+                        }
+                    }
+                }
+            }
+            if to_check.is_empty() {
+                continue;
+            }
+            let keys: Vec<ObjectKey> = to_check.iter().map(|(id, _)| self.chunk_key(id)).collect();
+            let present = self.backend.exists_many(&keys).await?;
+            let missing: Vec<(ObjectKey, ChunkId, Vec<u8>)> = to_check
+                .into_iter()
+                .zip(keys)
+                .zip(present)
+                .filter_map(|(((id, data), key), present)| {
+                    if present {
+                        stats.chunks_reused += 1;
+                        None
+                    } else {
+                        Some((key, id, data))
+                    }
+                })
+                .collect();
+            let uploads = missing.into_iter().map(|(key, id, data)| {
+                let codec = self.codec.clone();
+                let backend = Arc::clone(&self.backend);
+                async move {
+                    let raw = data.len() as u64;
+                    let (blob, _) =
+                        tokio::task::spawn_blocking(move || codec.encode(&id, &data))
+                            .await?
+                            .map_err(StoreError::Encode)?;
+                    let stored = blob.len() as u64;
+                    backend.put(&key, Bytes::from(blob)).await?;
+                    Ok::<_, StoreError>((raw, stored))
+                }
+            });
+            let done: Vec<(u64, u64)> = futures::stream::iter(uploads)
+                .buffer_unordered(self.cfg.parallelism.max(1))
+                .try_collect()
+                .await?;
+            for (raw, stored) in done {
+                stats.chunks_new += 1;
+                stats.new_chunk_bytes += raw;
+                stats.bytes_written += stored;
+            }
+        }
+        match producer.await? {
+            Ok(total) => {
+                debug_assert_eq!(total, offset);
+                Ok(Ok((offset, extents)))
+            }
+            Err(ProducerError::Image(e)) => Ok(Err(e)),
+            Err(ProducerError::Read(source)) => Err(StoreError::ReadInput {
+                path: path.to_path_buf(),
+                source,
+            }),
+        }
+    }
+
+    /// Reads, opens and verifies a manifest.
+    pub async fn load_manifest(&self, id: &SnapshotId) -> Result<Manifest, StoreError> {
+        let bytes = self
+            .backend
+            .get(&self.manifest_key(id))
+            .await?
+            .ok_or_else(|| StoreError::SnapshotNotFound { id: id.clone() })?;
+        let plain = self
+            .codec
+            .open_manifest(&bytes)
+            .map_err(|source| StoreError::ManifestSealed {
+                id: id.clone(),
+                source,
+            })?;
+        let m = Manifest::decode(&plain).map_err(|source| StoreError::ManifestInvalid {
+            id: id.clone(),
+            source,
+        })?;
+        if m.id != *id {
+            return Err(StoreError::ManifestIdMismatch {
+                requested: id.clone(),
+                found: m.id,
+            });
+        }
+        Ok(m)
+    }
+
+    /// Restores snapshot `id` into `dest`, which must not exist or be an empty directory. The
+    /// files appear at `dest` only when every chunk was fetched and verified; on error nothing
+    /// is left behind and nothing in the store changes.
+    pub async fn get_dir(&self, id: &SnapshotId, dest: &Path) -> Result<GetStats, StoreError> {
+        let span = tracing::info_span!("snapshot_get", snapshot = %id, dest = %dest.display());
+        self.get_dir_inner(id, dest).instrument(span).await
+    }
+
+    async fn get_dir_inner(&self, id: &SnapshotId, dest: &Path) -> Result<GetStats, StoreError> {
+        let started = Instant::now();
+        let manifest = self.load_manifest(id).await?;
+        match std::fs::read_dir(dest) {
+            Ok(mut it) => {
+                if it.next().is_some() {
+                    return Err(StoreError::DestinationExists {
+                        path: dest.to_path_buf(),
+                    });
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(_) => {
+                return Err(StoreError::DestinationExists {
+                    path: dest.to_path_buf(),
+                })
+            }
+        }
+        let name = dest
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "restore".into());
+        let parent = dest
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        std::fs::create_dir_all(parent).map_err(|e| StoreError::write(parent, e))?;
+        let tmp = parent.join(format!(".{name}.restore-{}", crate::id::unique_hex(6)));
+        std::fs::create_dir(&tmp).map_err(|e| StoreError::write(&tmp, e))?;
+        let result = self.restore_into(&manifest, &tmp).await;
+        match result {
+            Ok(mut stats) => {
+                // An empty directory at dest is replaced; rename refuses non-empty ones.
+                let _ = std::fs::remove_dir(dest);
+                std::fs::rename(&tmp, dest).map_err(|e| {
+                    let _ = std::fs::remove_dir_all(&tmp);
+                    StoreError::write(dest, e)
+                })?;
+                stats.duration_ms = started.elapsed().as_millis() as u64;
+                Ok(stats)
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&tmp);
+                Err(e)
+            }
+        }
+    }
+
+    async fn restore_into(&self, m: &Manifest, root: &Path) -> Result<GetStats, StoreError> {
+        let mut stats = GetStats::default();
+        let mut dir_modes = Vec::new();
+        for f in &m.files {
+            let path = root.join(&f.path);
+            stats.files += 1;
+            match &f.kind {
+                FileKind::Dir => {
+                    std::fs::create_dir_all(&path).map_err(|e| StoreError::write(&path, e))?;
+                    dir_modes.push((path, f.mode));
+                }
+                FileKind::Symlink { target } => {
+                    if let Some(p) = path.parent() {
+                        std::fs::create_dir_all(p).map_err(|e| StoreError::write(p, e))?;
+                    }
+                    std::os::unix::fs::symlink(target, &path)
+                        .map_err(|e| StoreError::write(&path, e))?;
+                }
+                FileKind::Content {
+                    size,
+                    image,
+                    extents,
+                } => {
+                    if let Some(p) = path.parent() {
+                        std::fs::create_dir_all(p).map_err(|e| StoreError::write(p, e))?;
+                    }
+                    stats.logical_bytes += size;
+                    self.restore_file(m, f, &path, *size, image.as_ref(), extents, &mut stats)
+                        .await?;
+                }
+            }
+        }
+        // Directory modes last, deepest first, so a read-only directory can still be filled.
+        for (path, mode) in dir_modes.into_iter().rev() {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
+                .map_err(|e| StoreError::write(&path, e))?;
+        }
+        Ok(stats)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn restore_file(
+        &self,
+        m: &Manifest,
+        f: &FileEntry,
+        path: &Path,
+        size: u64,
+        image: Option<&ImageInfo>,
+        extents: &[Extent],
+        stats: &mut GetStats,
+    ) -> Result<(), StoreError> {
+        let (tx, mut rx) = mpsc::channel::<WriteOp>(self.cfg.parallelism.max(1) * 2);
+        let writer = {
+            let path = path.to_path_buf();
+            let image = image.cloned();
+            let mode = f.mode;
+            tokio::task::spawn_blocking(move || -> Result<u64, StoreError> {
+                let file = std::fs::File::create(&path).map_err(|e| StoreError::write(&path, e))?;
+                let w = |e| StoreError::write(&path, e);
+                let written = match image {
+                    Some(img) => {
+                        let out = std::io::BufWriter::with_capacity(1 << 20, file);
+                        let mut sw =
+                            StoredFrameWriter::new(out, &img.header, img.frame_size).map_err(w)?;
+                        while let Some(op) = rx.blocking_recv() {
+                            match op {
+                                WriteOp::Data(d) => sw.write_data(&d).map_err(w)?,
+                                WriteOp::Zero(n) => sw.write_zeros(n).map_err(w)?,
+                            }
+                        }
+                        let (out, written) = sw.finish().map_err(w)?;
+                        let file = out.into_inner().map_err(|e| w(e.into_error()))?;
+                        file.set_permissions(std::fs::Permissions::from_mode(mode))
+                            .map_err(w)?;
+                        written
+                    }
+                    None => {
+                        let mut file = file;
+                        let mut written = 0u64;
+                        while let Some(op) = rx.blocking_recv() {
+                            match op {
+                                WriteOp::Data(d) => {
+                                    file.write_all(&d).map_err(w)?;
+                                    written += d.len() as u64;
+                                }
+                                // Zero runs become holes.
+                                WriteOp::Zero(n) => {
+                                    file.seek(SeekFrom::Current(n as i64)).map_err(w)?;
+                                }
+                            }
+                        }
+                        file.set_len(size).map_err(w)?;
+                        file.set_permissions(std::fs::Permissions::from_mode(mode))
+                            .map_err(w)?;
+                        written
+                    }
+                };
+                Ok(written)
+            })
+        };
+        let fetches = extents.iter().map(|e| {
+            let data = e.data;
+            let len = e.len;
+            async move {
+                match data {
+                    ExtentData::Zero => Ok((WriteOp::Zero(len), false, 0)),
+                    ExtentData::Chunk(id) => {
+                        let (bytes, hit, fetched) = self.fetch_chunk(&m.id, &id, &f.path).await?;
+                        if bytes.len() as u64 != len {
+                            return Err(StoreError::ChunkCorrupt {
+                                snapshot: m.id.clone(),
+                                chunk: id,
+                                path: f.path.clone(),
+                                source: crate::chunk::ChunkError::LengthMismatch {
+                                    expected: len.min(u64::from(MAX_CHUNK_LEN)) as u32,
+                                    actual: bytes.len(),
+                                },
+                            });
+                        }
+                        Ok((WriteOp::Data(bytes), hit, fetched))
+                    }
+                }
+            }
+        });
+        let mut stream = futures::stream::iter(fetches).buffered(self.cfg.parallelism.max(1));
+        let mut fetch_error = None;
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok((op, hit, fetched)) => {
+                    if let WriteOp::Data(_) = op {
+                        stats.chunks_fetched += 1;
+                        stats.bytes_fetched += fetched;
+                        stats.cache_hits += u64::from(hit);
+                    }
+                    if tx.send(op).await.is_err() {
+                        break; // the writer failed; its error is reported below
+                    }
+                }
+                Err(e) => {
+                    fetch_error = Some(e);
+                    break;
+                }
+            }
+        }
+        drop(tx);
+        let written = writer.await?;
+        if let Some(e) = fetch_error {
+            return Err(e);
+        }
+        stats.bytes_written += written?;
+        Ok(())
+    }
+
+    /// One verified chunk: from the cache when present and valid, else from the backend.
+    /// Returns the plaintext, whether the cache served it, and the bytes fetched remotely.
+    async fn fetch_chunk(
+        &self,
+        snapshot: &SnapshotId,
+        id: &ChunkId,
+        path: &str,
+    ) -> Result<(Vec<u8>, bool, u64), StoreError> {
+        if let Some(cache) = &self.cache {
+            if let Some(blob) = cache.get(id).await {
+                let codec = self.codec.clone();
+                let cid = *id;
+                if let Ok(data) = tokio::task::spawn_blocking(move || codec.decode(&cid, &blob)).await? {
+                    return Ok((data, true, 0));
+                }
+                // A bad cache entry is dropped and the chunk refetched.
+                cache.remove(id).await;
+            }
+        }
+        let blob = self
+            .backend
+            .get(&self.chunk_key(id))
+            .await?
+            .ok_or_else(|| StoreError::ChunkMissing {
+                snapshot: snapshot.clone(),
+                chunk: *id,
+                path: path.to_string(),
+            })?;
+        let fetched = blob.len() as u64;
+        let codec = self.codec.clone();
+        let cid = *id;
+        let blob2 = blob.clone();
+        let data = tokio::task::spawn_blocking(move || codec.decode(&cid, &blob2))
+            .await?
+            .map_err(|source| StoreError::ChunkCorrupt {
+                snapshot: snapshot.clone(),
+                chunk: *id,
+                path: path.to_string(),
+                source,
+            })?;
+        if let Some(cache) = &self.cache {
+            cache.insert(id, blob).await;
+        }
+        Ok((data, false, fetched))
+    }
+
+    /// Verifies that every chunk of a snapshot is present and intact, without writing files.
+    pub async fn verify(&self, id: &SnapshotId) -> Result<VerifyReport, StoreError> {
+        let m = self.load_manifest(id).await?;
+        let mut seen = HashSet::new();
+        let mut jobs = Vec::new();
+        for f in &m.files {
+            if let FileKind::Content { extents, .. } = &f.kind {
+                for e in extents {
+                    if let ExtentData::Chunk(c) = e.data {
+                        if seen.insert(c) {
+                            jobs.push((c, f.path.clone()));
+                        }
+                    }
+                }
+            }
+        }
+        let results: Vec<Result<(), StoreError>> = futures::stream::iter(jobs.into_iter().map(
+            |(c, path)| {
+                let m = &m;
+                async move {
+                    let blob = self.backend.get(&self.chunk_key(&c)).await?.ok_or_else(|| {
+                        StoreError::ChunkMissing {
+                            snapshot: m.id.clone(),
+                            chunk: c,
+                            path: path.clone(),
+                        }
+                    })?;
+                    let codec = self.codec.clone();
+                    tokio::task::spawn_blocking(move || codec.decode(&c, &blob))
+                        .await?
+                        .map(|_| ())
+                        .map_err(|source| StoreError::ChunkCorrupt {
+                            snapshot: m.id.clone(),
+                            chunk: c,
+                            path,
+                            source,
+                        })
+                }
+            },
+        ))
+        .buffer_unordered(self.cfg.parallelism.max(1))
+        .collect()
+        .await;
+        let mut report = VerifyReport {
+            id: id.clone(),
+            chunks_checked: results.len() as u64,
+            problems: Vec::new(),
+        };
+        for r in results {
+            match r {
+                Ok(()) => {}
+                Err(e @ (StoreError::ChunkMissing { .. } | StoreError::ChunkCorrupt { .. })) => {
+                    report.problems.push(e)
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(report)
+    }
+
+    /// Creates `count` snapshots sharing `src`'s chunks (manifest copies, no chunk copies).
+    pub async fn fork(&self, src: &SnapshotId, count: usize) -> Result<Vec<SnapshotId>, StoreError> {
+        let guard = self.lock(LockKind::Shared).await?;
+        let result = async {
+            let m = self.load_manifest(src).await?;
+            let mut ids = Vec::with_capacity(count);
+            for _ in 0..count {
+                let id = SnapshotId::generate();
+                let mut labels: Vec<(String, String)> = m
+                    .labels
+                    .iter()
+                    .filter(|(k, _)| k != LABEL_SANDBOX && k != LABEL_FORKED_FROM)
+                    .cloned()
+                    .collect();
+                labels.push((LABEL_FORKED_FROM.into(), src.to_string()));
+                let fork = Manifest {
+                    id: id.clone(),
+                    parent: Some(src.clone()),
+                    created_unix_ms: now_ms(),
+                    labels,
+                    ..m.clone()
+                };
+                let sealed = self
+                    .codec
+                    .seal_manifest(fork.encode())
+                    .map_err(StoreError::Encode)?;
+                self.backend
+                    .put(&self.manifest_key(&id), Bytes::from(sealed))
+                    .await?;
+                ids.push(id);
+            }
+            Ok(ids)
+        }
+        .await;
+        guard.release().await;
+        result
+    }
+
+    /// Ids of all committed snapshots.
+    pub async fn list_snapshots(&self) -> Result<Vec<SnapshotId>, StoreError> {
+        Ok(self
+            .backend
+            .list(&self.area("manifests"))
+            .await?
+            .into_iter()
+            .filter_map(|o| SnapshotId::new(o.key.name()).ok())
+            .collect())
+    }
+
+    /// Pins a snapshot: retention never removes it (golden snapshots).
+    pub async fn pin(&self, id: &SnapshotId) -> Result<(), StoreError> {
+        self.load_manifest(id).await?;
+        self.backend.put(&self.pin_key(id), Bytes::new()).await?;
+        Ok(())
+    }
+
+    pub async fn unpin(&self, id: &SnapshotId) -> Result<(), StoreError> {
+        Ok(self.backend.delete(&self.pin_key(id)).await?)
+    }
+
+    pub async fn pinned(&self) -> Result<HashSet<SnapshotId>, StoreError> {
+        Ok(self
+            .backend
+            .list(&self.area("pins"))
+            .await?
+            .into_iter()
+            .filter_map(|o| SnapshotId::new(o.key.name()).ok())
+            .collect())
+    }
+
+    /// Removes a snapshot's manifest (its chunks go at the next garbage collection).
+    pub async fn delete_snapshot(&self, id: &SnapshotId) -> Result<(), StoreError> {
+        if self.pinned().await?.contains(id) {
+            return Err(StoreError::SnapshotPinned { id: id.clone() });
+        }
+        if !self.backend.exists_many(&[self.manifest_key(id)]).await?[0] {
+            return Err(StoreError::SnapshotNotFound { id: id.clone() });
+        }
+        Ok(self.backend.delete(&self.manifest_key(id)).await?)
+    }
+
+    /// Totals for `torpor snapshot stats`.
+    pub async fn stats(&self) -> Result<StoreStats, StoreError> {
+        let chunks = self.backend.list(&self.area("chunks")).await?;
+        let ids = self.list_snapshots().await?;
+        let mut logical = 0;
+        for id in &ids {
+            logical += self.load_manifest(id).await?.logical_bytes();
+        }
+        Ok(StoreStats {
+            logical_bytes: logical,
+            stored_bytes: chunks.iter().map(|c| c.size).sum(),
+            chunks: chunks.len() as u64,
+            snapshots: ids.len() as u64,
+        })
+    }
+}
+
+/// Result of [`Store::verify`].
+#[derive(Debug)]
+pub struct VerifyReport {
+    pub id: SnapshotId,
+    pub chunks_checked: u64,
+    /// `ChunkMissing` / `ChunkCorrupt` errors, one per bad chunk.
+    pub problems: Vec<StoreError>,
+}
+
+/// Store-wide totals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreStats {
+    pub logical_bytes: u64,
+    pub stored_bytes: u64,
+    pub chunks: u64,
+    pub snapshots: u64,
+}
+
+impl StoreStats {
+    pub fn to_json(&self) -> String {
+        format!(
+            "{{\"logical_bytes\": {}, \"stored_bytes\": {}, \"chunks\": {}, \"snapshots\": {}}}",
+            self.logical_bytes, self.stored_bytes, self.chunks, self.snapshots
+        )
+    }
+}
+
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn is_zero(data: &[u8]) -> bool {
+    let (head, body, tail) = {
+        // SAFETY: u64 has no invalid bit patterns and align_to keeps the split in bounds.
+        unsafe { data.align_to::<u64>() }
+    };
+    head.iter().all(|&b| b == 0) && body.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
+}
+
+/// Runs on a blocking thread: read, (inflate,) cut, hash, send.
+fn produce(
+    path: &Path,
+    image: Option<(u64, u32)>,
+    params: ChunkParams,
+    codec: &ChunkCodec,
+    tx: mpsc::Sender<Piece>,
+) -> Result<u64, ProducerError> {
+    let mut file = std::fs::File::open(path).map_err(ProducerError::Read)?;
+    let reader: Box<dyn Read> = match image {
+        Some((header_len, frame_size)) => {
+            file.seek(SeekFrom::Start(header_len))
+                .map_err(ProducerError::Read)?;
+            Box::new(InflatingReader::new(
+                std::io::BufReader::with_capacity(1 << 20, file),
+                frame_size,
+            ))
+        }
+        None => Box::new(file),
+    };
+    let cdc = fastcdc::v2020::StreamCDC::new(reader, params.min, params.avg, params.max);
+    let mut total = 0u64;
+    for chunk in cdc {
+        let chunk = chunk.map_err(|e| match e {
+            fastcdc::v2020::Error::IoError(io) => match ImageError::from_io(&io) {
+                Some(img) => ProducerError::Image(img.clone()),
+                None => ProducerError::Read(io),
+            },
+            other => ProducerError::Read(std::io::Error::other(other.to_string())),
+        })?;
+        total += chunk.length as u64;
+        let piece = if is_zero(&chunk.data) {
+            Piece::Zero(chunk.length as u64)
+        } else {
+            Piece::Data(codec.id_of(&chunk.data), chunk.data)
+        };
+        if tx.blocking_send(piece).is_err() {
+            break; // the consumer failed and reports why
+        }
+    }
+    Ok(total)
+}
+
+enum WalkKind {
+    Dir,
+    Symlink(String),
+    File(u64),
+}
+
+struct WalkEntry {
+    rel: String,
+    abs: PathBuf,
+    mode: u32,
+    kind: WalkKind,
+}
+
+/// Lists `root` depth-first in name order (parents before children), without following links.
+fn walk(root: &Path) -> Result<Vec<WalkEntry>, StoreError> {
+    let meta = std::fs::metadata(root).map_err(|source| StoreError::ReadInput {
+        path: root.to_path_buf(),
+        source,
+    })?;
+    if !meta.is_dir() {
+        return Err(StoreError::NotADirectory {
+            path: root.to_path_buf(),
+        });
+    }
+    let mut out = Vec::new();
+    walk_into(root, "", &mut out)?;
+    Ok(out)
+}
+
+fn walk_into(dir: &Path, rel: &str, out: &mut Vec<WalkEntry>) -> Result<(), StoreError> {
+    let read = |source| StoreError::ReadInput {
+        path: dir.to_path_buf(),
+        source,
+    };
+    let mut names: Vec<_> = std::fs::read_dir(dir)
+        .map_err(read)?
+        .map(|e| e.map(|e| e.file_name()))
+        .collect::<Result<_, _>>()
+        .map_err(read)?;
+    names.sort();
+    for name in names {
+        let abs = dir.join(&name);
+        let Some(name) = name.to_str() else {
+            return Err(StoreError::UnstorableName { path: abs });
+        };
+        let child = if rel.is_empty() {
+            name.to_string()
+        } else {
+            format!("{rel}/{name}")
+        };
+        if !crate::manifest::is_clean_relative(&child) || child.len() > crate::manifest::MAX_PATH_LEN {
+            return Err(StoreError::UnstorableName { path: abs });
+        }
+        let meta = std::fs::symlink_metadata(&abs).map_err(|source| StoreError::ReadInput {
+            path: abs.clone(),
+            source,
+        })?;
+        let mode = meta.mode() & 0o7777;
+        let ft = meta.file_type();
+        if ft.is_dir() {
+            out.push(WalkEntry {
+                rel: child.clone(),
+                abs: abs.clone(),
+                mode,
+                kind: WalkKind::Dir,
+            });
+            walk_into(&abs, &child, out)?;
+        } else if ft.is_symlink() {
+            let target = std::fs::read_link(&abs).map_err(|source| StoreError::ReadInput {
+                path: abs.clone(),
+                source,
+            })?;
+            let Some(target) = target.to_str().map(str::to_string) else {
+                return Err(StoreError::UnstorableName { path: abs });
+            };
+            out.push(WalkEntry {
+                rel: child,
+                abs,
+                mode,
+                kind: WalkKind::Symlink(target),
+            });
+        } else if ft.is_file() {
+            out.push(WalkEntry {
+                rel: child,
+                abs,
+                mode,
+                kind: WalkKind::File(meta.len()),
+            });
+        } else {
+            return Err(StoreError::UnsupportedFileType { path: abs });
+        }
+    }
+    Ok(())
+}
