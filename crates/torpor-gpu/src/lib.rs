@@ -19,6 +19,7 @@ pub mod nvml;
 pub mod partition;
 pub mod planner;
 pub mod quota;
+pub mod realize;
 pub mod report;
 pub mod request;
 pub mod sleep;

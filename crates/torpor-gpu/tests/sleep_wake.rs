@@ -86,3 +86,35 @@ fn a_planned_mps_share_injects_its_limits() {
     );
     assert_eq!(i.env[CUDA_MPS_ACTIVE_THREAD_PERCENTAGE], "30");
 }
+
+#[test]
+fn mig_devices_follow_the_share_through_sleep_and_wake() {
+    use torpor_gpu::realize::{realize, unrealize, RecordingMigDriver};
+    let inv = common::h200();
+    let mut ledger = Ledger::new(&inv);
+    let policy = Policy::default();
+    let quotas = QuotaBook::unlimited();
+    let mut driver = RecordingMigDriver::default();
+    let mut handles = MigHandles::new();
+
+    let p = plan(&inv, &ledger, &GpuRequest::mig("1g.18gb"), &policy, &quotas).unwrap();
+    let id = commit(&inv, &mut ledger, &p, &policy).unwrap()[0];
+    let allocation = ledger.allocation(id).unwrap().clone();
+    realize(&inv, &allocation, &mut driver, &mut handles).unwrap();
+    let injected = injection(&inv, &allocation, &handles, &InjectConfig::default()).unwrap();
+    assert!(injected.env[NVIDIA_VISIBLE_DEVICES].starts_with("MIG-fake-0-"));
+
+    // Sleep: the MIG device is destroyed and the share released.
+    unrealize(&inv, &allocation, &mut driver, &mut handles).unwrap();
+    let ticket = release_for_sleep(&inv, &mut ledger, id).unwrap();
+    assert!(handles.is_empty());
+
+    // Wake: the same placement is planned again and a fresh device created for it.
+    let wake = plan_wake(&inv, &ledger, &ticket, &policy, &quotas, true).unwrap();
+    let id = commit(&inv, &mut ledger, &wake, &policy).unwrap()[0];
+    let allocation = ledger.allocation(id).unwrap().clone();
+    realize(&inv, &allocation, &mut driver, &mut handles).unwrap();
+    let injected = injection(&inv, &allocation, &handles, &InjectConfig::default()).unwrap();
+    assert_eq!(injected.env[NVIDIA_VISIBLE_DEVICES], "MIG-fake-0-1");
+    assert_eq!(driver.calls.len(), 3, "create, destroy, create");
+}
