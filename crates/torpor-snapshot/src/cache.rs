@@ -186,7 +186,10 @@ mod tests {
         }
         assert!(cache.used().await <= 250);
         assert!(cache.get(&ids[0]).await.is_some());
-        assert!(cache.get(&ids[1]).await.is_none(), "least recently used is evicted");
+        assert!(
+            cache.get(&ids[1]).await.is_none(),
+            "least recently used is evicted"
+        );
         assert!(cache.get(&ids[2]).await.is_some());
         drop(cache);
         let reopened = ChunkCache::open(dir.path(), 250).unwrap();

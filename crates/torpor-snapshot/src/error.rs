@@ -57,7 +57,10 @@ pub enum StoreError {
         source: ChunkError,
     },
     #[error("manifest stored as {requested} names itself {found}")]
-    ManifestIdMismatch { requested: SnapshotId, found: SnapshotId },
+    ManifestIdMismatch {
+        requested: SnapshotId,
+        found: SnapshotId,
+    },
     #[error("snapshot {snapshot}: chunk {chunk} of {path} is missing from the store")]
     ChunkMissing {
         snapshot: SnapshotId,

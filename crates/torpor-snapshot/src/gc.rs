@@ -109,9 +109,13 @@ impl Store {
             .try_collect::<Vec<()>>()
             .await?;
         }
-        tracing::info!(removed_snapshots = report.snapshots_removed.len(),
-            removed_chunks = report.chunks_removed, freed = report.bytes_freed, dry_run = opts.dry_run,
-            "garbage collection done");
+        tracing::info!(
+            removed_snapshots = report.snapshots_removed.len(),
+            removed_chunks = report.chunks_removed,
+            freed = report.bytes_freed,
+            dry_run = opts.dry_run,
+            "garbage collection done"
+        );
         Ok(report)
     }
 }

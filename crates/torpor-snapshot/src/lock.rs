@@ -54,7 +54,12 @@ pub(crate) struct LockGuard {
 }
 
 impl LockManager {
-    pub(crate) fn new(backend: Arc<dyn Backend>, prefix: String, ttl: Duration, wait: Duration) -> Self {
+    pub(crate) fn new(
+        backend: Arc<dyn Backend>,
+        prefix: String,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Self {
         LockManager {
             backend,
             prefix,
@@ -64,7 +69,9 @@ impl LockManager {
     }
 
     /// Holders of live locks, as `(key, kind)`; stale ones are returned separately.
-    async fn live_and_stale(&self) -> Result<(Vec<(ObjectKey, LockKind)>, Vec<ObjectKey>), BackendError> {
+    async fn live_and_stale(
+        &self,
+    ) -> Result<(Vec<(ObjectKey, LockKind)>, Vec<ObjectKey>), BackendError> {
         let now = SystemTime::now();
         let mut live = Vec::new();
         let mut stale = Vec::new();
@@ -145,7 +152,9 @@ impl LockManager {
                         });
                     }
                     // Jitter from the key so two racing parties do not retry in lockstep.
-                    let jitter = Duration::from_millis(u64::from(key.name().as_bytes()[key.name().len() - 1] % 17));
+                    let jitter = Duration::from_millis(u64::from(
+                        key.name().as_bytes()[key.name().len() - 1] % 17,
+                    ));
                     tokio::time::sleep(backoff + jitter).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));
                 }
@@ -191,7 +200,12 @@ mod tests {
 
     fn manager(dir: &std::path::Path, wait_ms: u64) -> LockManager {
         let b: Arc<dyn Backend> = Arc::new(LocalBackend::open(dir, false).unwrap());
-        LockManager::new(b, "locks".into(), Duration::from_secs(60), Duration::from_millis(wait_ms))
+        LockManager::new(
+            b,
+            "locks".into(),
+            Duration::from_secs(60),
+            Duration::from_millis(wait_ms),
+        )
     }
 
     #[tokio::test]
@@ -200,12 +214,21 @@ mod tests {
         let m = manager(dir.path(), 100);
         let a = m.acquire(LockKind::Shared).await.unwrap();
         let b = m.acquire(LockKind::Shared).await.unwrap();
-        assert!(matches!(m.acquire(LockKind::Exclusive).await, Err(LockError::Busy { .. })));
+        assert!(matches!(
+            m.acquire(LockKind::Exclusive).await,
+            Err(LockError::Busy { .. })
+        ));
         a.release().await;
-        assert!(matches!(m.acquire(LockKind::Exclusive).await, Err(LockError::Busy { .. })));
+        assert!(matches!(
+            m.acquire(LockKind::Exclusive).await,
+            Err(LockError::Busy { .. })
+        ));
         b.release().await;
         let x = m.acquire(LockKind::Exclusive).await.unwrap();
-        assert!(matches!(m.acquire(LockKind::Shared).await, Err(LockError::Busy { .. })));
+        assert!(matches!(
+            m.acquire(LockKind::Shared).await,
+            Err(LockError::Busy { .. })
+        ));
         x.release().await;
         m.acquire(LockKind::Shared).await.unwrap().release().await;
         assert!(m.backend.list("locks").await.unwrap().is_empty());

@@ -30,9 +30,7 @@ use crate::error::StoreError;
 use crate::gvisor::{self, ImageError, ImageLayout, InflatingReader, StoredFrameWriter};
 use crate::id::{ChunkId, SnapshotId};
 use crate::lock::{LockKind, LockManager};
-use crate::manifest::{
-    ChunkParams, Extent, ExtentData, FileEntry, FileKind, ImageInfo, Manifest,
-};
+use crate::manifest::{ChunkParams, Extent, ExtentData, FileEntry, FileKind, ImageInfo, Manifest};
 
 /// Label naming the sandbox a snapshot belongs to; retention groups by it.
 pub const LABEL_SANDBOX: &str = "sandbox";
@@ -248,7 +246,11 @@ impl Store {
         .await
     }
 
-    pub async fn put_dir_with(&self, dir: &Path, opts: PutOptions) -> Result<PutReport, StoreError> {
+    pub async fn put_dir_with(
+        &self,
+        dir: &Path,
+        opts: PutOptions,
+    ) -> Result<PutReport, StoreError> {
         let span = tracing::info_span!("snapshot_put", dir = %dir.display());
         async {
             let guard = self.lock(LockKind::Shared).await?;
@@ -448,10 +450,9 @@ impl Store {
                 let backend = Arc::clone(&self.backend);
                 async move {
                     let raw = data.len() as u64;
-                    let (blob, _) =
-                        tokio::task::spawn_blocking(move || codec.encode(&id, &data))
-                            .await?
-                            .map_err(StoreError::Encode)?;
+                    let (blob, _) = tokio::task::spawn_blocking(move || codec.encode(&id, &data))
+                        .await?
+                        .map_err(StoreError::Encode)?;
                     let stored = blob.len() as u64;
                     backend.put(&key, Bytes::from(blob)).await?;
                     Ok::<_, StoreError>((raw, stored))
@@ -487,13 +488,13 @@ impl Store {
             .get(&self.manifest_key(id))
             .await?
             .ok_or_else(|| StoreError::SnapshotNotFound { id: id.clone() })?;
-        let plain = self
-            .codec
-            .open_manifest(&bytes)
-            .map_err(|source| StoreError::ManifestSealed {
-                id: id.clone(),
-                source,
-            })?;
+        let plain =
+            self.codec
+                .open_manifest(&bytes)
+                .map_err(|source| StoreError::ManifestSealed {
+                    id: id.clone(),
+                    source,
+                })?;
         let m = Manifest::decode(&plain).map_err(|source| StoreError::ManifestInvalid {
             id: id.clone(),
             source,
@@ -728,7 +729,9 @@ impl Store {
             if let Some(blob) = cache.get(id).await {
                 let codec = self.codec.clone();
                 let cid = *id;
-                if let Ok(data) = tokio::task::spawn_blocking(move || codec.decode(&cid, &blob)).await? {
+                if let Ok(data) =
+                    tokio::task::spawn_blocking(move || codec.decode(&cid, &blob)).await?
+                {
                     return Ok((data, true, 0));
                 }
                 // A bad cache entry is dropped and the chunk refetched.
@@ -778,17 +781,19 @@ impl Store {
                 }
             }
         }
-        let results: Vec<Result<(), StoreError>> = futures::stream::iter(jobs.into_iter().map(
-            |(c, path)| {
+        let results: Vec<Result<(), StoreError>> =
+            futures::stream::iter(jobs.into_iter().map(|(c, path)| {
                 let m = &m;
                 async move {
-                    let blob = self.backend.get(&self.chunk_key(&c)).await?.ok_or_else(|| {
-                        StoreError::ChunkMissing {
+                    let blob = self
+                        .backend
+                        .get(&self.chunk_key(&c))
+                        .await?
+                        .ok_or_else(|| StoreError::ChunkMissing {
                             snapshot: m.id.clone(),
                             chunk: c,
                             path: path.clone(),
-                        }
-                    })?;
+                        })?;
                     let codec = self.codec.clone();
                     tokio::task::spawn_blocking(move || codec.decode(&c, &blob))
                         .await?
@@ -800,11 +805,10 @@ impl Store {
                             source,
                         })
                 }
-            },
-        ))
-        .buffer_unordered(self.cfg.parallelism.max(1))
-        .collect()
-        .await;
+            }))
+            .buffer_unordered(self.cfg.parallelism.max(1))
+            .collect()
+            .await;
         let mut report = VerifyReport {
             id: id.clone(),
             chunks_checked: results.len() as u64,
@@ -823,7 +827,11 @@ impl Store {
     }
 
     /// Creates `count` snapshots sharing `src`'s chunks (manifest copies, no chunk copies).
-    pub async fn fork(&self, src: &SnapshotId, count: usize) -> Result<Vec<SnapshotId>, StoreError> {
+    pub async fn fork(
+        &self,
+        src: &SnapshotId,
+        count: usize,
+    ) -> Result<Vec<SnapshotId>, StoreError> {
         let guard = self.lock(LockKind::Shared).await?;
         let result = async {
             let m = self.load_manifest(src).await?;
@@ -1055,7 +1063,9 @@ fn walk_into(dir: &Path, rel: &str, out: &mut Vec<WalkEntry>) -> Result<(), Stor
         } else {
             format!("{rel}/{name}")
         };
-        if !crate::manifest::is_clean_relative(&child) || child.len() > crate::manifest::MAX_PATH_LEN {
+        if !crate::manifest::is_clean_relative(&child)
+            || child.len() > crate::manifest::MAX_PATH_LEN
+        {
             return Err(StoreError::UnstorableName { path: abs });
         }
         let meta = std::fs::symlink_metadata(&abs).map_err(|source| StoreError::ReadInput {

@@ -77,7 +77,11 @@ impl Drop for Sandboxes {
     fn drop(&mut self) {
         for id in &self.ids {
             let _ = self.runsc(&["delete", "-force", id], "cleanup");
-            for ctl in std::fs::read_dir("/sys/fs/cgroup").into_iter().flatten().flatten() {
+            for ctl in std::fs::read_dir("/sys/fs/cgroup")
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
                 let _ = std::fs::remove_dir(ctl.path().join(id));
             }
         }
@@ -87,7 +91,9 @@ impl Drop for Sandboxes {
 fn bundle(dir: &Path) -> PathBuf {
     let b = dir.join("bundle");
     let rootfs = b.join("rootfs");
-    for d in ["usr", "bin", "lib", "lib64", "tmp", "proc", "dev", "sys", "etc"] {
+    for d in [
+        "usr", "bin", "lib", "lib64", "tmp", "proc", "dev", "sys", "etc",
+    ] {
         std::fs::create_dir_all(rootfs.join(d)).unwrap();
     }
     let agent = r#"
@@ -110,8 +116,10 @@ while True:
             "options": ["nosuid", "noexec", "nodev", "ro"]}),
     ];
     for d in ["usr", "bin", "lib", "lib64"] {
-        mounts.push(serde_json::json!({"destination": format!("/{d}"), "type": "bind",
-            "source": format!("/{d}"), "options": ["rbind", "ro"]}));
+        mounts.push(
+            serde_json::json!({"destination": format!("/{d}"), "type": "bind",
+            "source": format!("/{d}"), "options": ["rbind", "ro"]}),
+        );
     }
     let spec = serde_json::json!({
         "ociVersion": "1.0.2-dev",
@@ -127,23 +135,42 @@ while True:
         "mounts": mounts,
         "linux": {"namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}]}
     });
-    std::fs::write(b.join("config.json"), serde_json::to_vec_pretty(&spec).unwrap()).unwrap();
+    std::fs::write(
+        b.join("config.json"),
+        serde_json::to_vec_pretty(&spec).unwrap(),
+    )
+    .unwrap();
     b
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_runsc_checkpoint_survives_the_store() {
     // SAFETY: geteuid has no preconditions and touches no memory.
-    assert_eq!(unsafe { libc_geteuid() }, 0, "this test needs root (it runs runsc)");
+    assert_eq!(
+        unsafe { libc_geteuid() },
+        0,
+        "this test needs root (it runs runsc)"
+    );
     assert!(
-        Command::new("runsc").arg("--version").stdout(Stdio::null()).status().is_ok_and(|s| s.success()),
+        Command::new("runsc")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success()),
         "this test needs runsc on PATH"
     );
     let t = tempfile::tempdir().unwrap();
     let logs = t.path().join("logs");
     std::fs::create_dir_all(&logs).unwrap();
-    let tag = format!("{:x}", std::process::id() as u64 * 1_000_003 + Instant::now().elapsed().subsec_nanos() as u64);
-    let (a, b, c) = (format!("snaptest-{tag}-a"), format!("snaptest-{tag}-b"), format!("snaptest-{tag}-c"));
+    let tag = format!(
+        "{:x}",
+        std::process::id() as u64 * 1_000_003 + Instant::now().elapsed().subsec_nanos() as u64
+    );
+    let (a, b, c) = (
+        format!("snaptest-{tag}-a"),
+        format!("snaptest-{tag}-b"),
+        format!("snaptest-{tag}-c"),
+    );
     let sb = Sandboxes {
         ids: vec![a.clone(), b.clone(), c.clone()],
         logs,
@@ -152,7 +179,10 @@ async fn real_runsc_checkpoint_survives_the_store() {
     let bundle_s = bundle.to_str().unwrap();
     let flags = ["--network=none", "--overlay2=root:memory"];
 
-    sb.must(&[&flags[..], &["run", "-detach", "--bundle", bundle_s, &a]].concat(), "run");
+    sb.must(
+        &[&flags[..], &["run", "-detach", "--bundle", bundle_s, &a]].concat(),
+        "run",
+    );
     let token = sb.wait_for(&a, "/tmp/token");
     std::thread::sleep(Duration::from_millis(300));
     let before: u64 = sb.wait_for(&a, "/tmp/counter").parse().unwrap();
@@ -160,35 +190,66 @@ async fn real_runsc_checkpoint_survives_the_store() {
     let img1 = t.path().join("img1");
     std::fs::create_dir_all(&img1).unwrap();
     let started = Instant::now();
-    sb.must(&["checkpoint", "--image-path", img1.to_str().unwrap(), &a], "checkpoint");
+    sb.must(
+        &["checkpoint", "--image-path", img1.to_str().unwrap(), &a],
+        "checkpoint",
+    );
     let checkpoint_ms = started.elapsed().as_millis();
     let _ = sb.runsc(&["delete", "-force", &a], "delete");
-    let original = std::fs::metadata(img1.join("checkpoint.img")).unwrap().len();
+    let original = std::fs::metadata(img1.join("checkpoint.img"))
+        .unwrap()
+        .len();
 
     let store = Store::new(
-        std::sync::Arc::new(torpor_snapshot::LocalBackend::open(t.path().join("store"), false).unwrap()),
+        std::sync::Arc::new(
+            torpor_snapshot::LocalBackend::open(t.path().join("store"), false).unwrap(),
+        ),
         StoreConfig::default(),
     )
     .unwrap();
     let put = store.put_dir(&img1, None).await.unwrap();
     assert_eq!(put.stats.images, 1, "runsc's image format was recognised");
     assert_eq!(put.stats.image_fallbacks, 0);
-    assert!(put.stats.logical_bytes > original, "the inflated stream is what was chunked");
+    assert!(
+        put.stats.logical_bytes > original,
+        "the inflated stream is what was chunked"
+    );
 
     let img2 = t.path().join("img2");
     let got = store.get_dir(&put.id, &img2).await.unwrap();
-    let restored = std::fs::metadata(img2.join("checkpoint.img")).unwrap().len();
+    let restored = std::fs::metadata(img2.join("checkpoint.img"))
+        .unwrap()
+        .len();
     assert!(restored > original, "frames came back as stored deflate");
 
     let started = Instant::now();
     sb.must(
-        &[&flags[..], &["restore", "--image-path", img2.to_str().unwrap(), "--bundle", bundle_s, "-detach", &b]].concat(),
+        &[
+            &flags[..],
+            &[
+                "restore",
+                "--image-path",
+                img2.to_str().unwrap(),
+                "--bundle",
+                bundle_s,
+                "-detach",
+                &b,
+            ],
+        ]
+        .concat(),
         "restore",
     );
     let restore_ms = started.elapsed().as_millis();
-    assert_eq!(sb.wait_for(&b, "/tmp/token"), token, "memory-derived token survived");
+    assert_eq!(
+        sb.wait_for(&b, "/tmp/token"),
+        token,
+        "memory-derived token survived"
+    );
     let after: u64 = sb.wait_for(&b, "/tmp/counter").parse().unwrap();
-    assert!(after >= before, "counter continued ({before} -> {after}), not restarted");
+    assert!(
+        after >= before,
+        "counter continued ({before} -> {after}), not restarted"
+    );
     std::thread::sleep(Duration::from_millis(400));
     let later: u64 = sb.wait_for(&b, "/tmp/counter").parse().unwrap();
     assert!(later > after, "the restored process is running");
@@ -196,7 +257,10 @@ async fn real_runsc_checkpoint_survives_the_store() {
     // Checkpoint the restored sandbox and store it as a child: most chunks are shared.
     let img3 = t.path().join("img3");
     std::fs::create_dir_all(&img3).unwrap();
-    sb.must(&["checkpoint", "--image-path", img3.to_str().unwrap(), &b], "checkpoint2");
+    sb.must(
+        &["checkpoint", "--image-path", img3.to_str().unwrap(), &b],
+        "checkpoint2",
+    );
     let _ = sb.runsc(&["delete", "-force", &b], "delete2");
     let child = store.put_dir(&img3, Some(&put.id)).await.unwrap();
     let reuse = child.stats.chunks_reused as f64 / child.stats.chunks_total as f64;
@@ -206,13 +270,28 @@ async fn real_runsc_checkpoint_survives_the_store() {
     let img4 = t.path().join("img4");
     store.get_dir(&child.id, &img4).await.unwrap();
     sb.must(
-        &[&flags[..], &["restore", "--image-path", img4.to_str().unwrap(), "--bundle", bundle_s, "-detach", &c]].concat(),
+        &[
+            &flags[..],
+            &[
+                "restore",
+                "--image-path",
+                img4.to_str().unwrap(),
+                "--bundle",
+                bundle_s,
+                "-detach",
+                &c,
+            ],
+        ]
+        .concat(),
         "restore2",
     );
     assert_eq!(sb.wait_for(&c, "/tmp/token"), token);
     let last: u64 = sb.wait_for(&c, "/tmp/counter").parse().unwrap();
     assert!(last >= later);
-    assert!(reuse >= 0.5, "re-checkpoint of a restored sandbox reused only {reuse:.3} of chunks");
+    assert!(
+        reuse >= 0.5,
+        "re-checkpoint of a restored sandbox reused only {reuse:.3} of chunks"
+    );
 
     eprintln!(
         "runsc image {original} B (inflated {} B), checkpoint {checkpoint_ms} ms; put {} ms, \

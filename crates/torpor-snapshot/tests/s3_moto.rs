@@ -55,7 +55,10 @@ impl Moto {
             if let Ok(Some(status)) = moto.child.try_wait() {
                 panic!("moto_server exited early: {status}");
             }
-            assert!(Instant::now() < deadline, "moto_server did not answer in 60 s");
+            assert!(
+                Instant::now() < deadline,
+                "moto_server did not answer in 60 s"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
         moto
@@ -123,7 +126,10 @@ async fn s3_backend_against_moto() {
     let k = ObjectKey::new("probe/a/b").unwrap();
     assert_eq!(backend.get(&k).await.unwrap(), None);
     backend.put(&k, Bytes::from_static(b"hi")).await.unwrap();
-    assert_eq!(backend.get(&k).await.unwrap().unwrap(), Bytes::from_static(b"hi"));
+    assert_eq!(
+        backend.get(&k).await.unwrap().unwrap(),
+        Bytes::from_static(b"hi")
+    );
     let missing = ObjectKey::new("probe/none").unwrap();
     assert_eq!(
         backend.exists_many(&[k.clone(), missing]).await.unwrap(),
@@ -189,7 +195,10 @@ async fn s3_backend_against_moto() {
     // GC over S3 listing: drop one snapshot, the shared chunks stay.
     store.delete_snapshot(&again.id).await.unwrap();
     let report = store.gc(&GcOptions::default()).await.unwrap();
-    assert_eq!(report.chunks_removed, 0, "the other snapshot still uses them");
+    assert_eq!(
+        report.chunks_removed, 0,
+        "the other snapshot still uses them"
+    );
     assert!(store.verify(&put.id).await.unwrap().problems.is_empty());
 
     // Server gone mid-life: a put fails with a clear remote error within the retry budget.

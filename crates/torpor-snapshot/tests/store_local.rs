@@ -71,8 +71,14 @@ async fn round_trip_restores_every_file_and_reencodes_the_image_stored() {
     let put = s.put_dir(&src, None).await.unwrap();
     assert_eq!(put.stats.images, 1);
     assert_eq!(put.stats.image_fallbacks, 0);
-    assert!(put.stats.zero_bytes >= 7 << 20, "sparse file's zeros not stored");
-    assert_eq!(put.stats.chunks_total, put.stats.chunks_new + put.stats.chunks_reused);
+    assert!(
+        put.stats.zero_bytes >= 7 << 20,
+        "sparse file's zeros not stored"
+    );
+    assert_eq!(
+        put.stats.chunks_total,
+        put.stats.chunks_new + put.stats.chunks_reused
+    );
 
     let dest = t.path().join("restored");
     let got = s.get_dir(&put.id, &dest).await.unwrap();
@@ -99,7 +105,10 @@ async fn round_trip_restores_every_file_and_reencodes_the_image_stored() {
     assert!(m.blocks() * 512 < 1 << 20, "zero runs restored as holes");
 
     let again = s.put_dir(&src, None).await.unwrap();
-    assert_eq!(again.stats.chunks_new, 0, "identical content stores nothing new");
+    assert_eq!(
+        again.stats.chunks_new, 0,
+        "identical content stores nothing new"
+    );
     assert_eq!(
         again.stats.bytes_written, again.stats.manifest_bytes,
         "only the manifest is written"
@@ -213,12 +222,20 @@ async fn corrupt_or_missing_chunks_fail_the_restore_by_name_and_leave_nothing() 
     assert_eq!(err.code(), "chunk_corrupt", "{err}");
     let msg = err.to_string();
     let victim_name = victim.file_name().unwrap().to_string_lossy().into_owned();
-    assert!(msg.contains(put.id.as_str()) && msg.contains(&victim_name), "{msg}");
+    assert!(
+        msg.contains(put.id.as_str()) && msg.contains(&victim_name),
+        "{msg}"
+    );
     assert!(!dest.exists(), "nothing is left at the destination");
     assert_eq!(
         std::fs::read_dir(t.path())
             .unwrap()
-            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().contains("restore"))
+            .filter(|e| e
+                .as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .contains("restore"))
             .count(),
         0,
         "temporary restore directory removed"
@@ -231,7 +248,10 @@ async fn corrupt_or_missing_chunks_fail_the_restore_by_name_and_leave_nothing() 
     let err = s.get_dir(&put.id, &dest).await.unwrap_err();
     assert_eq!(err.code(), "chunk_missing", "{err}");
     assert!(err.to_string().contains(&victim_name));
-    assert!(std::fs::read_dir(root.join("manifests")).unwrap().count() == 1, "nothing deleted");
+    assert!(
+        std::fs::read_dir(root.join("manifests")).unwrap().count() == 1,
+        "nothing deleted"
+    );
 
     // A garbled manifest is refused with its own code.
     let mpath = root.join("manifests").join(put.id.as_str());
@@ -241,7 +261,10 @@ async fn corrupt_or_missing_chunks_fail_the_restore_by_name_and_leave_nothing() 
     let err = s.get_dir(&put.id, &dest).await.unwrap_err();
     assert_eq!(err.code(), "manifest_invalid");
     std::fs::write(&mpath, &m[..m.len() / 2]).unwrap();
-    assert_eq!(s.get_dir(&put.id, &dest).await.unwrap_err().code(), "manifest_invalid");
+    assert_eq!(
+        s.get_dir(&put.id, &dest).await.unwrap_err().code(),
+        "manifest_invalid"
+    );
 }
 
 #[tokio::test]
@@ -334,7 +357,11 @@ async fn gc_applies_retention_keeps_pins_and_sweeps_only_garbage() {
         v.sort();
         v
     });
-    assert_eq!(s.stats().await.unwrap(), stats_before, "dry run changes nothing");
+    assert_eq!(
+        s.stats().await.unwrap(),
+        stats_before,
+        "dry run changes nothing"
+    );
 
     let report = s
         .gc(&GcOptions {
@@ -353,7 +380,10 @@ async fn gc_applies_retention_keeps_pins_and_sweeps_only_garbage() {
     for id in &expect {
         assert!(s.verify(id).await.unwrap().problems.is_empty());
     }
-    assert_eq!(s.delete_snapshot(&ids[0]).await.unwrap_err().code(), "snapshot_pinned");
+    assert_eq!(
+        s.delete_snapshot(&ids[0]).await.unwrap_err().code(),
+        "snapshot_pinned"
+    );
     // Nothing left to collect.
     assert_eq!(s.gc(&GcOptions::default()).await.unwrap().chunks_removed, 0);
 }
@@ -454,7 +484,12 @@ async fn chunk_cache_serves_repeated_wakes() {
     assert_eq!(warm.bytes_fetched, 0);
     assert_eq!(tree(&t.path().join("a")), tree(&t.path().join("b")));
     // A corrupt cache entry is dropped and refetched, not trusted.
-    let entry = std::fs::read_dir(cache.dir()).unwrap().next().unwrap().unwrap().path();
+    let entry = std::fs::read_dir(cache.dir())
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
     let mut blob = std::fs::read(&entry).unwrap();
     let last = blob.len() - 1;
     blob[last] ^= 1;
@@ -472,7 +507,10 @@ async fn bad_inputs_and_destinations_are_refused() {
     std::fs::write(&file, b"x").unwrap();
     let err = s.put_dir(&file, None).await.unwrap_err();
     assert_eq!(err.code(), "input_not_directory");
-    let err = s.put_dir(&t.path().join("missing"), None).await.unwrap_err();
+    let err = s
+        .put_dir(&t.path().join("missing"), None)
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), "input_read");
 
     let src = t.path().join("ckpt");
@@ -491,7 +529,10 @@ async fn bad_inputs_and_destinations_are_refused() {
     assert_eq!(std::fs::read(empty.join("a")).unwrap(), b"hello");
     let unknown = SnapshotId::new("snap-unknown").unwrap();
     assert_eq!(
-        s.get_dir(&unknown, &t.path().join("z")).await.unwrap_err().code(),
+        s.get_dir(&unknown, &t.path().join("z"))
+            .await
+            .unwrap_err()
+            .code(),
         "snapshot_not_found"
     );
     let err = s

@@ -48,10 +48,10 @@ async fn blocking<T: Send + 'static>(
 impl Backend for LocalBackend {
     async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), BackendError> {
         let dest = self.path(key);
-        let tmp = self
-            .root
-            .join(TMP_DIR)
-            .join(format!("{}.{}", key.name(), crate::id::unique_hex(8)));
+        let tmp =
+            self.root
+                .join(TMP_DIR)
+                .join(format!("{}.{}", key.name(), crate::id::unique_hex(8)));
         let fsync = self.fsync;
         blocking(move || {
             if let Some(parent) = dest.parent() {
@@ -137,7 +137,9 @@ impl Backend for LocalBackend {
                     let entry = entry.map_err(|e| BackendError::io(&dir, e))?;
                     let name = entry.file_name().to_string_lossy().into_owned();
                     let child_key = format!("{key}/{name}");
-                    let meta = entry.metadata().map_err(|e| BackendError::io(entry.path(), e))?;
+                    let meta = entry
+                        .metadata()
+                        .map_err(|e| BackendError::io(entry.path(), e))?;
                     if meta.is_dir() {
                         stack.push((entry.path(), child_key));
                     } else if meta.is_file() {
@@ -172,7 +174,10 @@ mod tests {
         assert_eq!(b.get(&k1).await.unwrap(), None);
         b.put(&k1, Bytes::from_static(b"one")).await.unwrap();
         b.put(&k2, Bytes::from_static(b"two")).await.unwrap();
-        assert_eq!(b.get(&k1).await.unwrap().unwrap(), Bytes::from_static(b"one"));
+        assert_eq!(
+            b.get(&k1).await.unwrap().unwrap(),
+            Bytes::from_static(b"one")
+        );
         assert_eq!(
             b.exists_many(&[k1.clone(), ObjectKey::new("chunks/zz").unwrap()])
                 .await
@@ -186,6 +191,9 @@ mod tests {
         b.delete(&k1).await.unwrap();
         b.delete(&k1).await.unwrap();
         assert!(b.list("chunks").await.unwrap().is_empty());
-        assert!(std::fs::read_dir(dir.path().join(TMP_DIR)).unwrap().next().is_none());
+        assert!(std::fs::read_dir(dir.path().join(TMP_DIR))
+            .unwrap()
+            .next()
+            .is_none());
     }
 }

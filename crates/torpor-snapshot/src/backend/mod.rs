@@ -24,8 +24,7 @@ impl ObjectKey {
             && s.split('/').all(|c| {
                 !c.is_empty()
                     && !c.starts_with('.')
-                    && c
-                        .bytes()
+                    && c.bytes()
                         .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
             });
         if ok {
