@@ -132,7 +132,7 @@ impl ChunkCodec {
             .ok()
             .filter(|&l| l <= MAX_CHUNK_LEN)
             .ok_or(ChunkError::TooLarge { raw_len: u32::MAX })?;
-        let compressed = zstd::bulk::compress(data, self.zstd_level)
+        let compressed = compress_reusing_context(data, self.zstd_level)
             .ok()
             .filter(|c| c.len() + data.len() / 32 < data.len());
         let mut flags = 0u8;
@@ -208,7 +208,8 @@ impl ChunkCodec {
         };
         let data = if flags & FLAG_ZSTD != 0 {
             // The capacity is the declared length, itself capped: a zstd bomb cannot grow past it.
-            zstd::bulk::decompress(payload, raw_len as usize).map_err(|_| ChunkError::Decompress)?
+            decompress_reusing_context(payload, raw_len as usize)
+                .map_err(|_| ChunkError::Decompress)?
         } else {
             payload.to_vec()
         };
@@ -264,6 +265,41 @@ impl ChunkCodec {
 }
 
 const ENVELOPE_MAGIC: &[u8; 8] = b"TORPSNAE";
+
+thread_local! {
+    // zstd contexts are costly to create (hundreds of KiB each); chunks are small and many,
+    // so each worker thread keeps one of each.
+    static COMPRESSOR: std::cell::RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> =
+        const { std::cell::RefCell::new(None) };
+    static DECOMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+fn compress_reusing_context(data: &[u8], level: i32) -> std::io::Result<Vec<u8>> {
+    COMPRESSOR.with(|slot| {
+        let mut slot = slot.borrow_mut();
+        if !matches!(&*slot, Some((l, _)) if *l == level) {
+            *slot = Some((level, zstd::bulk::Compressor::new(level)?));
+        }
+        match slot.as_mut() {
+            Some((_, c)) => c.compress(data),
+            None => zstd::bulk::compress(data, level),
+        }
+    })
+}
+
+fn decompress_reusing_context(data: &[u8], capacity: usize) -> std::io::Result<Vec<u8>> {
+    DECOMPRESSOR.with(|slot| {
+        let mut slot = slot.borrow_mut();
+        if slot.is_none() {
+            *slot = Some(zstd::bulk::Decompressor::new()?);
+        }
+        match slot.as_mut() {
+            Some(d) => d.decompress(data, capacity),
+            None => zstd::bulk::decompress(data, capacity),
+        }
+    })
+}
 
 fn chunk_nonce(nonce_key: &[u8; 32], id: &ChunkId) -> [u8; 12] {
     let h = blake3::keyed_hash(nonce_key, &id.0);
