@@ -2,7 +2,7 @@
 //! its baseline in the same run.
 //!
 //! ```text
-//! cargo run --release --example bench -- [--image PATH/checkpoint.img] [--fleet N] [--mib N]
+//! cargo run --release --example bench -- [--image PATH] [--next PATH] [--fleet N] [--mib N]
 //! ```
 //!
 //! Without `--image` the input is a synthetic gVisor image (memory-like pages: zeros, text,
@@ -12,7 +12,9 @@
 //! - incremental: re-put after changing 5% of memory pages, bytes written / full put;
 //! - fleet dedup: N sandboxes from one template, each changing 1% of pages: stored bytes /
 //!   sum of image sizes;
-//! - restore from the store (cold and warm chunk cache) vs copying the raw image on local disk.
+//! - restore from the store (cold and warm chunk cache) vs copying the raw image on local disk;
+//! - with `--next` (a later checkpoint of the same sandbox, e.g. from tests/runsc_real.rs with
+//!   TORPOR_SNAPSHOT_KEEP_IMAGES): bytes a real incremental put writes / that image's size.
 
 use std::io::Read;
 use std::path::Path;
@@ -301,6 +303,35 @@ async fn main() {
     ));
     json.push(format!("\"restore_cold_ms\": {:.1}, \"restore_warm_ms\": {:.1}, \"copy_raw_ms\": {:.1}, \"restore_cold_over_copy\": {:.2}, \"restore_warm_over_copy\": {:.2}", cold_s * 1e3, warm_s * 1e3, copy_s * 1e3, cold_s / copy_s, warm_s / copy_s));
     json.push(format!("\"best_avg_chunk_kib\": {}", best.0 / 1024));
+
+    if let Some(next) = arg("--next") {
+        let next_img = std::fs::read(&next).expect("read --next");
+        let s = store_at(
+            &tmp.path().join("real-next"),
+            StoreConfig::default().chunking,
+        );
+        let d1 = tmp.path().join("real-1");
+        write_ckpt(&d1, &img);
+        let first = s.put_dir(&d1, None).await.unwrap();
+        let d2 = tmp.path().join("real-2");
+        write_ckpt(&d2, &next_img);
+        let second = s.put_dir(&d2, Some(&first.id)).await.unwrap();
+        let ratio = second.stats.bytes_written as f64 / next_img.len() as f64;
+        rows.push((
+            "real incremental (--next)".into(),
+            format!(
+                "{} B written, {}/{} chunks reused",
+                second.stats.bytes_written, second.stats.chunks_reused, second.stats.chunks_total
+            ),
+            format!(
+                "next image {} B (full put {} B)",
+                next_img.len(),
+                first.stats.bytes_written
+            ),
+            format!("{ratio:.4} of image"),
+        ));
+        json.push(format!("\"real_incremental_over_image\": {ratio:.5}"));
+    }
 
     println!(
         "input: {source}, image {} B, inflated {} B",

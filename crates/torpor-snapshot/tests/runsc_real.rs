@@ -171,8 +171,9 @@ async fn real_runsc_checkpoint_survives_the_store() {
         format!("snaptest-{tag}-b"),
         format!("snaptest-{tag}-c"),
     );
+    let base = format!("snaptest-{tag}-base");
     let sb = Sandboxes {
-        ids: vec![a.clone(), b.clone(), c.clone()],
+        ids: vec![a.clone(), b.clone(), c.clone(), base.clone()],
         logs,
     };
     let bundle = bundle(t.path());
@@ -240,6 +241,27 @@ async fn real_runsc_checkpoint_survives_the_store() {
         "restore",
     );
     let restore_ms = started.elapsed().as_millis();
+    // Baseline in the same run: restore runsc's own (compressed) image.
+    let started = Instant::now();
+    sb.must(
+        &[
+            &flags[..],
+            &[
+                "restore",
+                "--image-path",
+                img1.to_str().unwrap(),
+                "--bundle",
+                bundle_s,
+                "-detach",
+                &base,
+            ],
+        ]
+        .concat(),
+        "restore-baseline",
+    );
+    let baseline_ms = started.elapsed().as_millis();
+    assert_eq!(sb.wait_for(&base, "/tmp/token"), token);
+    let _ = sb.runsc(&["delete", "-force", &base], "delete-baseline");
     assert_eq!(
         sb.wait_for(&b, "/tmp/token"),
         token,
@@ -265,6 +287,14 @@ async fn real_runsc_checkpoint_survives_the_store() {
     let child = store.put_dir(&img3, Some(&put.id)).await.unwrap();
     let reuse = child.stats.chunks_reused as f64 / child.stats.chunks_total as f64;
     let written = child.stats.bytes_written as f64 / put.stats.bytes_written as f64;
+
+    // For benchmarks on real images: TORPOR_SNAPSHOT_KEEP_IMAGES=/dir keeps both checkpoints.
+    if let Ok(keep) = std::env::var("TORPOR_SNAPSHOT_KEEP_IMAGES") {
+        let keep = PathBuf::from(keep);
+        std::fs::create_dir_all(&keep).unwrap();
+        std::fs::copy(img1.join("checkpoint.img"), keep.join("first.img")).unwrap();
+        std::fs::copy(img3.join("checkpoint.img"), keep.join("recheckpoint.img")).unwrap();
+    }
 
     // And it restores again, from the child snapshot.
     let img4 = t.path().join("img4");
@@ -295,7 +325,7 @@ async fn real_runsc_checkpoint_survives_the_store() {
 
     eprintln!(
         "runsc image {original} B (inflated {} B), checkpoint {checkpoint_ms} ms; put {} ms, \
-         {} chunks, {} B written; get {} ms, stored-deflate image {restored} B; restore {restore_ms} ms; \
+         {} chunks, {} B written; get {} ms, stored-deflate image {restored} B; restore {restore_ms} ms (runsc's own image: {baseline_ms} ms); \
          re-checkpoint: {:.1}% chunks reused, wrote {:.1}% of the first put",
         put.stats.logical_bytes,
         put.stats.duration_ms,
