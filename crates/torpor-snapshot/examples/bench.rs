@@ -339,8 +339,8 @@ async fn main() {
         mem.len()
     );
     println!(
-        "{:<30} | {:<52} | {:<40} | {}",
-        "measure", "torpor-snapshot", "baseline", "ratio"
+        "{:<30} | {:<52} | {:<40} | ratio",
+        "measure", "torpor-snapshot", "baseline"
     );
     println!("{}", "-".repeat(140));
     for (a, b, c, d) in rows {

@@ -66,6 +66,8 @@ pub enum ManifestError {
     BadPath { path: String },
     #[error("manifest lists {path:?} twice")]
     DuplicatePath { path: String },
+    #[error("manifest path {path:?} lies under a symlink or a file")]
+    PathThroughNonDirectory { path: String },
     #[error("extents of {path:?} are not contiguous or do not add up to its size")]
     BadExtents { path: String },
     #[error("manifest id is invalid")]
@@ -85,6 +87,7 @@ impl ManifestError {
             ManifestError::NotUtf8 { .. } => "manifest_not_utf8",
             ManifestError::BadPath { .. } => "manifest_bad_path",
             ManifestError::DuplicatePath { .. } => "manifest_duplicate_path",
+            ManifestError::PathThroughNonDirectory { .. } => "manifest_path_through_non_directory",
             ManifestError::BadExtents { .. } => "manifest_bad_extents",
             ManifestError::BadId(_) => "manifest_bad_id",
         }
@@ -395,6 +398,22 @@ impl Manifest {
         if r.remaining() != 0 {
             return Err(ManifestError::TrailingBytes(r.remaining()));
         }
+        // A restore joins paths onto its directory: no entry may sit below a symlink (which
+        // could point anywhere) or below a file.
+        let non_dirs: HashSet<&str> = files
+            .iter()
+            .filter(|f| !matches!(f.kind, FileKind::Dir))
+            .map(|f| f.path.as_str())
+            .collect();
+        for f in &files {
+            for (i, c) in f.path.char_indices() {
+                if c == '/' && non_dirs.contains(&f.path[..i]) {
+                    return Err(ManifestError::PathThroughNonDirectory {
+                        path: f.path.clone(),
+                    });
+                }
+            }
+        }
         Ok(Manifest {
             id,
             parent,
@@ -676,6 +695,30 @@ pub(crate) mod tests {
         assert!(matches!(
             Manifest::decode(&reseal(bytes)),
             Err(ManifestError::OutOfRange { .. })
+        ));
+    }
+
+    #[test]
+    fn rejects_paths_below_symlinks_or_files() {
+        let mut m = sample();
+        m.files.push(FileEntry {
+            path: "d/link/passwd".into(),
+            mode: 0o644,
+            kind: FileKind::Dir,
+        });
+        assert!(matches!(
+            Manifest::decode(&m.encode()),
+            Err(ManifestError::PathThroughNonDirectory { .. })
+        ));
+        let mut m = sample();
+        m.files.push(FileEntry {
+            path: "f/x".into(),
+            mode: 0o644,
+            kind: FileKind::Dir,
+        });
+        assert!(matches!(
+            Manifest::decode(&m.encode()),
+            Err(ManifestError::PathThroughNonDirectory { .. })
         ));
     }
 

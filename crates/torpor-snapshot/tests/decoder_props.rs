@@ -73,9 +73,23 @@ fn manifest_strategy() -> impl Strategy<Value = Manifest> {
         .prop_map(|(id, parent, created_unix_ms, labels, files)| {
             // Paths must be unique.
             let mut seen = std::collections::HashSet::new();
-            let files = files
+            let files: Vec<FileEntry> = files
                 .into_iter()
                 .filter(|f| seen.insert(f.path.clone()))
+                .collect();
+            // Nothing may sit below a symlink or a file.
+            let non_dirs: std::collections::HashSet<String> = files
+                .iter()
+                .filter(|f| !matches!(f.kind, FileKind::Dir))
+                .map(|f| f.path.clone())
+                .collect();
+            let files = files
+                .into_iter()
+                .filter(|f| {
+                    !f.path
+                        .char_indices()
+                        .any(|(i, c)| c == '/' && non_dirs.contains(&f.path[..i]))
+                })
                 .collect();
             Manifest {
                 id,
