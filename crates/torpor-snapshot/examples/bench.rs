@@ -272,13 +272,14 @@ async fn main() {
     std::fs::copy(&raw, tmp.path().join("raw-copy.img")).unwrap();
     let copy_s = t.elapsed().as_secs_f64();
     let cache = Arc::new(ChunkCache::open(tmp.path().join("cache"), 4 << 30).unwrap());
-    let s = s.with_cache(cache);
+    let s = s.with_cache(cache.clone());
     let t = Instant::now();
     let cold = s
         .get_dir(&golden.id, &tmp.path().join("r-cold"))
         .await
         .unwrap();
     let cold_s = t.elapsed().as_secs_f64();
+    cache.wait_idle().await;
     let t = Instant::now();
     let warm = s
         .get_dir(&golden.id, &tmp.path().join("r-warm"))

@@ -6,9 +6,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use bytes::Bytes;
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, Notify};
 
 use crate::backend::BackendError;
 use crate::id::ChunkId;
@@ -18,6 +20,8 @@ pub struct ChunkCache {
     dir: PathBuf,
     capacity: u64,
     state: Mutex<LruState>,
+    pending: AtomicUsize,
+    idle: Notify,
 }
 
 #[derive(Debug, Default)]
@@ -97,6 +101,8 @@ impl ChunkCache {
             dir,
             capacity,
             state: Mutex::new(state),
+            pending: AtomicUsize::new(0),
+            idle: Notify::new(),
         };
         Ok(cache)
     }
@@ -150,6 +156,29 @@ impl ChunkCache {
         };
         for old in evicted {
             let _ = tokio::fs::remove_file(self.path(&old)).await;
+        }
+    }
+
+    /// Inserts on a background task, so a restore does not wait for the cache write.
+    pub fn insert_in_background(self: &Arc<Self>, id: ChunkId, blob: Bytes) {
+        self.pending.fetch_add(1, Ordering::SeqCst);
+        let cache = Arc::clone(self);
+        tokio::spawn(async move {
+            cache.insert(&id, blob).await;
+            if cache.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
+                cache.idle.notify_waiters();
+            }
+        });
+    }
+
+    /// Waits until background inserts have finished.
+    pub async fn wait_idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            if self.pending.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            notified.await;
         }
     }
 

@@ -363,7 +363,11 @@ impl Store {
                 image: None,
                 extents,
             }),
-            Err(e) => unreachable!("opaque chunking raised an image error: {e}"),
+            // Opaque chunking reads no frames, so this is an I/O fault, not a format question.
+            Err(e) => Err(StoreError::ReadInput {
+                path: path.to_path_buf(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+            }),
         }
     }
 
@@ -760,7 +764,8 @@ impl Store {
                 source,
             })?;
         if let Some(cache) = &self.cache {
-            cache.insert(id, blob).await;
+            // Filling the cache is off the wake's critical path.
+            cache.insert_in_background(*id, blob);
         }
         Ok((data, false, fetched))
     }

@@ -478,6 +478,7 @@ async fn chunk_cache_serves_repeated_wakes() {
     let put = s.put_dir(&src, None).await.unwrap();
     let cold = s.get_dir(&put.id, &t.path().join("a")).await.unwrap();
     assert_eq!(cold.cache_hits, 0);
+    cache.wait_idle().await;
     assert!(cold.bytes_fetched > 0);
     let warm = s.get_dir(&put.id, &t.path().join("b")).await.unwrap();
     assert_eq!(warm.cache_hits, warm.chunks_fetched);
@@ -494,6 +495,7 @@ async fn chunk_cache_serves_repeated_wakes() {
     let last = blob.len() - 1;
     blob[last] ^= 1;
     std::fs::write(&entry, blob).unwrap();
+    cache.wait_idle().await;
     let third = s.get_dir(&put.id, &t.path().join("c")).await.unwrap();
     assert_eq!(third.cache_hits + 1, third.chunks_fetched);
     assert_eq!(tree(&t.path().join("a")), tree(&t.path().join("c")));
