@@ -87,7 +87,9 @@ fn status_of(e: &ControlError) -> StatusCode {
         | ControlError::InvalidTransition { .. }
         | ControlError::TemplateInUse(..)
         | ControlError::TemplateNotReady(_) => StatusCode::CONFLICT,
-        ControlError::Invalid(_) | ControlError::Unsupported(_) => StatusCode::BAD_REQUEST,
+        ControlError::Invalid(_) | ControlError::Unsupported(_) | ControlError::Image(_) => {
+            StatusCode::BAD_REQUEST
+        }
         ControlError::NoWorker(_) | ControlError::ShuttingDown | ControlError::Conn(_) => {
             StatusCode::SERVICE_UNAVAILABLE
         }
@@ -172,6 +174,21 @@ fn parse_json<T: DeserializeOwned>(body: &Bytes) -> ApiResult<T> {
         };
         ApiError::new(StatusCode::BAD_REQUEST, code, format!("request body: {e}"))
     })
+}
+
+/// Runs every request-body decoder of the API on `body`. The fuzz target and the property
+/// test call this: any input must give a value or an [`ApiError`], never a panic.
+pub fn decode_all_bodies(body: &[u8]) -> usize {
+    let body = Bytes::copy_from_slice(body);
+    [
+        parse_json::<TemplateSpec>(&body).is_ok(),
+        parse_json::<CreateSandboxBody>(&body).is_ok(),
+        parse_json::<ExecBody>(&body).is_ok(),
+        parse_json::<SuspendBody>(&body).is_ok(),
+    ]
+    .into_iter()
+    .filter(|ok| *ok)
+    .count()
 }
 
 fn sandbox_id(raw: &str) -> ApiResult<SandboxId> {
@@ -600,4 +617,50 @@ async fn delete_file(
         .remove_file(&tenant, &sandbox_id(&id)?, &q.path, q.recursive)
         .await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn body_decoders_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
+            decode_all_bodies(&body);
+        }
+
+        #[test]
+        fn json_shaped_bodies_never_panic(
+            keys in proptest::collection::vec("[a-z_]{1,12}", 0..6),
+            vals in proptest::collection::vec(prop_oneof![
+                Just("null".to_string()), Just("[]".to_string()), Just("{}".to_string()),
+                "-?[0-9]{1,20}(\\.[0-9]{1,5})?", "\"[^\"\\\\]{0,20}\"",
+                Just("[\"sh\",\"-c\"]".to_string()), Just("{\"kind\":\"host\"}".to_string()),
+            ], 0..6),
+        ) {
+            let fields: Vec<String> = keys.iter().zip(vals.iter()).map(|(k, v)| format!("\"{k}\":{v}")).collect();
+            decode_all_bodies(format!("{{{}}}", fields.join(",")).as_bytes());
+        }
+    }
+
+    #[test]
+    fn decoders_accept_their_own_shapes() {
+        assert_eq!(decode_all_bodies(br#"{"template":"host"}"#), 1);
+        assert_eq!(decode_all_bodies(br#"{"cmd":["true"]}"#), 1);
+        assert_eq!(decode_all_bodies(br#"{}"#), 1); // suspend, default tier
+        assert_eq!(
+            decode_all_bodies(br#"{"name":"t","source":{"kind":"host"}}"#),
+            1
+        );
+    }
+
+    #[test]
+    fn every_error_maps_to_a_status_and_code() {
+        let e = ControlError::NoWorker(5);
+        let api = ApiError::from(e);
+        assert_eq!(api.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(api.retry_after, Some(1));
+        assert_eq!(api.code, "no_worker_available");
+    }
 }

@@ -394,10 +394,25 @@ impl Engine {
                 std::fs::create_dir_all(&agent_mount)
                     .map_err(ControlError::io("cannot create", &agent_mount))?;
             }
-            TemplateSource::Image { .. } => {
-                return Err(ControlError::Unsupported(
-                    "image templates are not available in this build yet; unpack the image and use a rootfs template".into(),
-                ));
+            TemplateSource::Image { path, reference } => {
+                progress(&format!("importing image {path}"));
+                let rootfs = rec.rootfs.clone();
+                let name = rec.name.to_string();
+                let config = tokio::task::spawn_blocking(move || {
+                    let _ = std::fs::remove_dir(&rootfs);
+                    let src = torpor_image::detect(Path::new(&path))?;
+                    torpor_image::unpack(&src, reference.as_deref(), &rootfs, &mut |p| {
+                        tracing::info!(template = %name, progress = ?p, "image import");
+                    })
+                })
+                .await
+                .map_err(|e| {
+                    ControlError::Unsupported(format!("image import task failed: {e}"))
+                })??;
+                apply_image_config(&mut rec.spec, &config);
+                let agent_mount = rec.rootfs.join(".torpor");
+                std::fs::create_dir_all(&agent_mount)
+                    .map_err(ControlError::io("cannot create", &agent_mount))?;
             }
         }
         progress("booting the template");
@@ -1584,6 +1599,28 @@ fn container_spec(
         cwd: tpl.spec.cwd.clone().unwrap_or_else(|| "/".into()),
         limits: *limits,
         hostname: "sandbox".into(),
+    }
+}
+
+/// An image's entrypoint, cmd, env and working directory fill what the template left unset.
+fn apply_image_config(spec: &mut TemplateSpec, config: &torpor_image::ImageConfig) {
+    if spec.command.is_empty() {
+        spec.command = config
+            .entrypoint
+            .iter()
+            .chain(config.cmd.iter())
+            .cloned()
+            .collect();
+    }
+    for kv in &config.env {
+        if let Some((k, v)) = kv.split_once('=') {
+            spec.env
+                .entry(k.to_string())
+                .or_insert_with(|| v.to_string());
+        }
+    }
+    if spec.cwd.is_none() {
+        spec.cwd = config.working_dir.clone().filter(|d| d.starts_with('/'));
     }
 }
 

@@ -42,6 +42,8 @@ pub enum ControlError {
     },
     #[error("sandbox runtime: {0}")]
     Runtime(#[from] RuntimeError),
+    #[error("image: {0}")]
+    Image(#[from] torpor_image::ImageError),
     #[error("sandbox agent: {0}")]
     Conn(#[from] torpor_runtime::conn::ConnError),
     #[error("{0}")]
@@ -83,6 +85,7 @@ impl ControlError {
             ControlError::Runtime(RuntimeError::RunscMissing { .. }) => "runsc_missing",
             ControlError::Runtime(_) => "runtime_error",
             ControlError::Conn(_) => "sandbox_unavailable",
+            ControlError::Image(e) => e.code(),
             ControlError::Store(_) => "state_store_error",
             ControlError::Io { .. } => "io_error",
         }

@@ -1,0 +1,426 @@
+//! Runtime benchmark: torpor against bare runsc, in the same run, on the same machine.
+//!
+//!   cargo bench -p torpor --bench runtime            (as root, runsc installed)
+//!   TORPOR_BENCH_N=50 cargo bench -p torpor --bench runtime
+//!
+//! Rows, each beside its baseline:
+//!
+//! | torpor | baseline |
+//! |---|---|
+//! | exec `true` in a running sandbox, through the API | `runsc exec` of `true` |
+//! | wake from Frozen: API call to first exec result | exec in a running sandbox |
+//! | wake from Frozen: the resume call | `runsc resume` of a paused container |
+//! | wake from Parked, 64 MiB resident: API call to first exec result | bare `runsc restore --detach` of the same image |
+//! | create from the golden snapshot + exec | `runsc run` of the same template until ready |
+//!
+//! Prints a table and one JSON line (`{"bench":"runtime",...}`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use torpor_api::types::{CreateSandboxBody, ExecBody};
+use torpor_api::Client;
+use torpor_core::{IdlePolicy, Limits, TemplateName, TemplateSource, TemplateSpec, Tier};
+
+const BIN: &str = env!("CARGO_BIN_EXE_torpor");
+
+/// A main process with 64 MiB of incompressible memory resident.
+/// It writes /tmp/ready once its memory is filled: the point where an agent can serve.
+const AGENT_64M: &str = "import os, time\nblob = os.urandom(64 << 20)\nopen('/tmp/ready', 'w').write('1')\nwhile True: time.sleep(3600)\n";
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v[((p / 100.0) * (v.len() - 1) as f64).round() as usize]
+}
+
+struct Row {
+    name: &'static str,
+    torpor: Vec<f64>,
+    baseline_name: &'static str,
+    baseline: Vec<f64>,
+}
+
+fn runsc_global(root: &Path) -> Vec<String> {
+    vec![
+        format!("--root={}", root.display()),
+        "--platform=ptrace".into(),
+        "--network=none".into(),
+        "--overlay2=root:memory".into(),
+    ]
+}
+
+fn timed(cmd: &mut Command) -> f64 {
+    let t = Instant::now();
+    let out = cmd.stdin(Stdio::null()).output().expect("runsc runs");
+    let ms = t.elapsed().as_secs_f64() * 1000.0;
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ms
+}
+
+/// A copy of a live sandbox's bundle, for a baseline container with its own id and cgroup.
+fn copy_bundle(src: &Path, dest: &Path, cid: &str) {
+    std::fs::create_dir_all(dest).unwrap();
+    let mut spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    spec["linux"]["cgroupsPath"] = serde_json::json!(format!("/torpor-bench/{cid}"));
+    std::fs::write(dest.join("config.json"), serde_json::to_vec(&spec).unwrap()).unwrap();
+}
+
+fn copy_dir(src: &Path, dest: &Path) {
+    let st = Command::new("cp")
+        .arg("-a")
+        .arg(src)
+        .arg(dest)
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+fn latest_image(data: &Path, id: &str) -> PathBuf {
+    let dir = data.join("sandboxes").join(id).join("images");
+    std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| !p.file_name().unwrap().to_string_lossy().starts_with('.'))
+        .expect("a committed image")
+}
+
+#[tokio::main]
+async fn main() {
+    let n: usize = std::env::var("TORPOR_BENCH_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30);
+    let tmp = tempfile::Builder::new()
+        .prefix("torpor-bench-")
+        .tempdir()
+        .unwrap();
+    let data = tmp.path().join("data");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut daemon = Command::new(BIN)
+        .args([
+            "up",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--workers",
+            "8",
+        ])
+        .arg("--data-dir")
+        .arg(&data)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(tmp.path().join("daemon.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let token_path = data.join("admin-token");
+    let c = loop {
+        if let Ok(t) = std::fs::read_to_string(&token_path) {
+            let c = Client::new(&format!("http://127.0.0.1:{port}"), t.trim());
+            if c.is_up().await {
+                break c;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let baseline_root = tmp.path().join("baseline-runsc");
+    std::fs::create_dir_all(&baseline_root).unwrap();
+    let no_idle = IdlePolicy {
+        freeze_after_s: None,
+        park_after_s: None,
+        suspend_after_s: None,
+    };
+    let spec = |name: &str, command: Vec<String>| TemplateSpec {
+        name: TemplateName::new(name).unwrap(),
+        source: TemplateSource::Host,
+        command,
+        env: Default::default(),
+        cwd: None,
+        limits: Limits {
+            memory_mib: 512,
+            cpus: 1.0,
+            pids: 256,
+        },
+        idle: no_idle,
+        warmup_ms: 1500,
+    };
+    let true_cmd = ExecBody {
+        cmd: vec!["/bin/true".into()],
+        ..Default::default()
+    };
+    let mut rows = Vec::new();
+
+    // --- exec round trip
+    c.create_template(&spec("bench-plain", vec![]))
+        .await
+        .unwrap();
+    let id = c
+        .create_sandbox(&CreateSandboxBody {
+            template: "bench-plain".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .id;
+    for _ in 0..5 {
+        c.exec(&id, &true_cmd).await.unwrap();
+    }
+    let mut torpor_exec = Vec::new();
+    for _ in 0..n * 3 {
+        let t = Instant::now();
+        let r = c.exec(&id, &true_cmd).await.unwrap();
+        torpor_exec.push(t.elapsed().as_secs_f64() * 1000.0);
+        assert_eq!(r.exit_code, Some(0));
+    }
+    let cid = format!("{id}-g1");
+    let mut runsc_exec = Vec::new();
+    for _ in 0..n {
+        let mut args = runsc_global(&data.join("runsc"));
+        args.extend(["exec".into(), cid.clone(), "/bin/true".into()]);
+        runsc_exec.push(timed(Command::new("runsc").args(&args)));
+    }
+    rows.push(Row {
+        name: "exec `true` (running)",
+        torpor: torpor_exec.clone(),
+        baseline_name: "runsc exec",
+        baseline: runsc_exec,
+    });
+
+    // --- wake from Frozen
+    let mut frozen = Vec::new();
+    for _ in 0..n * 2 {
+        c.suspend(&id, Some(Tier::Frozen)).await.unwrap();
+        let t = Instant::now();
+        c.exec(&id, &true_cmd).await.unwrap();
+        frozen.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    rows.push(Row {
+        name: "wake from Frozen + exec",
+        torpor: frozen,
+        baseline_name: "exec, running",
+        baseline: torpor_exec,
+    });
+    let mut resume_api = Vec::new();
+    let mut runsc_resume = Vec::new();
+    for _ in 0..n * 2 {
+        c.suspend(&id, Some(Tier::Frozen)).await.unwrap();
+        let t = Instant::now();
+        c.resume(&id).await.unwrap();
+        resume_api.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    for _ in 0..n {
+        let root = data.join("runsc");
+        let mut pause = runsc_global(&root);
+        pause.extend(["pause".into(), cid.clone()]);
+        timed(Command::new("runsc").args(&pause));
+        let mut resume = runsc_global(&root);
+        resume.extend(["resume".into(), cid.clone()]);
+        runsc_resume.push(timed(Command::new("runsc").args(&resume)));
+    }
+    rows.push(Row {
+        name: "wake from Frozen (resume API)",
+        torpor: resume_api,
+        baseline_name: "runsc resume (paused)",
+        baseline: runsc_resume,
+    });
+
+    // --- wake from Parked, 64 MiB resident
+    c.create_template(&spec(
+        "bench-64m",
+        vec!["python3".into(), "-c".into(), AGENT_64M.into()],
+    ))
+    .await
+    .unwrap();
+    let id = c
+        .create_sandbox(&CreateSandboxBody {
+            template: "bench-64m".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .id;
+    let mut parked = Vec::new();
+    let mut bare_restore = Vec::new();
+    for i in 0..n {
+        let gen = 1 + i as u32; // the generation now running
+        let bundle = data.join("run").join(format!("{id}-g{gen}"));
+        let bcid = format!("bench-restore-{i}");
+        let bbundle = tmp.path().join(&bcid);
+        copy_bundle(&bundle, &bbundle, &bcid);
+        c.suspend(&id, Some(Tier::Parked)).await.unwrap();
+        // Baseline first, on a copy of the very image torpor restores next.
+        let image = tmp.path().join(format!("img-{i}"));
+        copy_dir(&latest_image(&data, &id), &image);
+        let mut args = runsc_global(&baseline_root);
+        args.extend([
+            "restore".into(),
+            "--detach".into(),
+            format!("--image-path={}", image.display()),
+            format!("--bundle={}", bbundle.display()),
+            bcid.clone(),
+        ]);
+        bare_restore.push(timed(
+            Command::new("runsc").args(&args).stdout(Stdio::null()),
+        ));
+        let mut del = runsc_global(&baseline_root);
+        del.extend(["delete".into(), "--force".into(), bcid.clone()]);
+        let _ = Command::new("runsc").args(&del).output();
+        let _ = std::fs::remove_dir_all(&image);
+
+        let t = Instant::now();
+        let r = c.exec(&id, &true_cmd).await.unwrap();
+        parked.push(t.elapsed().as_secs_f64() * 1000.0);
+        assert_eq!(r.exit_code, Some(0));
+    }
+    rows.push(Row {
+        name: "wake from Parked (64 MiB) + exec",
+        torpor: parked,
+        baseline_name: "bare runsc restore",
+        baseline: bare_restore,
+    });
+
+    // --- create from golden vs cold boot of the same template
+    let mut create = Vec::new();
+    let mut ids = Vec::new();
+    for _ in 0..n.min(20) {
+        let t = Instant::now();
+        let s = c
+            .create_sandbox(&CreateSandboxBody {
+                template: "bench-64m".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        c.exec(&s.id, &true_cmd).await.unwrap();
+        create.push(t.elapsed().as_secs_f64() * 1000.0);
+        c.suspend(&s.id, Some(Tier::Parked)).await.unwrap();
+        ids.push(s.id);
+    }
+    let runsc = torpor_runtime::Runsc::detect(
+        None,
+        Some("ptrace".into()),
+        baseline_root.clone(),
+        tmp.path().join("baseline-logs"),
+    )
+    .unwrap();
+    let live_bundle = data.join("run").join(format!("{id}-g{}", n + 1));
+    let live: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(live_bundle.join("config.json")).unwrap()).unwrap();
+    let mut boot = Vec::new();
+    for i in 0..n.min(20) {
+        let bcid = format!("bench-boot-{i}");
+        let spec = torpor_runtime::ContainerSpec {
+            rootfs: PathBuf::from(live["root"]["path"].as_str().unwrap()),
+            mounts: serde_json::from_value(serde_json::Value::Array(
+                live["mounts"].as_array().unwrap()[4..live["mounts"].as_array().unwrap().len() - 1]
+                    .to_vec(),
+            ))
+            .unwrap(),
+            agent_dir: PathBuf::from(
+                live["mounts"].as_array().unwrap().last().unwrap()["source"]
+                    .as_str()
+                    .unwrap(),
+            ),
+            argv: live["process"]["args"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|a| a.as_str().unwrap().to_string())
+                .collect(),
+            env: Default::default(),
+            cwd: "/".into(),
+            limits: Limits::default(),
+            hostname: "bench".into(),
+        };
+        let t = Instant::now();
+        let container = runsc
+            .boot(
+                &bcid,
+                &tmp.path().join(&bcid),
+                &spec,
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+        // Ready means what it means for the golden snapshot: the agent has filled its memory.
+        loop {
+            let (reply, _) = container
+                .conn
+                .call(
+                    &torpor_runtime::proto::Request::ReadFile {
+                        path: "/tmp/ready".into(),
+                        max_bytes: 16,
+                    },
+                    &[],
+                )
+                .await
+                .unwrap();
+            if matches!(reply, torpor_runtime::proto::Reply::Data { .. }) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        boot.push(t.elapsed().as_secs_f64() * 1000.0);
+        container.expect_exit();
+        runsc.destroy(&bcid).await;
+    }
+    rows.push(Row {
+        name: "create (64 MiB agent) + exec",
+        torpor: create,
+        baseline_name: "runsc run until ready",
+        baseline: boot,
+    });
+    for id in ids {
+        let _ = c.delete_sandbox(&id).await;
+    }
+
+    // --- report
+    println!(
+        "\n{:<34} {:>9} {:>9} {:>9} | {:<22} {:>9} {:>9} | {:>7}",
+        "torpor", "p50 ms", "p95 ms", "p99 ms", "baseline", "p50 ms", "p95 ms", "p50 x"
+    );
+    let mut json_rows = Vec::new();
+    for r in &mut rows {
+        let (t50, t95, t99) = (
+            pct(&mut r.torpor, 50.0),
+            pct(&mut r.torpor, 95.0),
+            pct(&mut r.torpor, 99.0),
+        );
+        let (b50, b95) = (pct(&mut r.baseline, 50.0), pct(&mut r.baseline, 95.0));
+        println!(
+            "{:<34} {:>9.2} {:>9.2} {:>9.2} | {:<22} {:>9.2} {:>9.2} | {:>7.2}",
+            r.name,
+            t50,
+            t95,
+            t99,
+            r.baseline_name,
+            b50,
+            b95,
+            t50 / b50
+        );
+        json_rows.push(serde_json::json!({
+            "name": r.name, "n": r.torpor.len(), "p50_ms": t50, "p95_ms": t95, "p99_ms": t99,
+            "baseline": r.baseline_name, "baseline_n": r.baseline.len(),
+            "baseline_p50_ms": b50, "baseline_p95_ms": b95,
+            "ratio_p50": t50 / b50, "ratio_p95": t95 / b95,
+        }));
+    }
+    println!(
+        "{}",
+        serde_json::json!({"bench": "runtime", "n": n, "rows": json_rows})
+    );
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
+    let _ = daemon.wait();
+}
