@@ -8,8 +8,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::types::{
-    CreateSandboxBody, ErrorBody, ExecBody, ExecEvent, ExecResult, FileEntry, Health, Sandbox,
-    SuspendBody, Template, TemplateSpec,
+    CreateSandboxBody, CreateTenantBody, ErrorBody, ExecBody, ExecEvent, ExecResult, FileEntry,
+    Health, Sandbox, SuspendBody, Template, TemplateSpec, Tenant, TenantCreated,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -129,6 +129,20 @@ impl Client {
             url: self.base.clone(),
             source: e,
         })
+    }
+
+    pub async fn create_tenant(&self, body: &CreateTenantBody) -> Result<TenantCreated> {
+        self.json_body(Method::POST, "/v1/tenants", body).await
+    }
+
+    pub async fn tenants(&self) -> Result<Vec<Tenant>> {
+        self.json(self.request(Method::GET, "/v1/tenants")).await
+    }
+
+    pub async fn delete_tenant(&self, name: &str) -> Result<()> {
+        self.send(self.request(Method::DELETE, &format!("/v1/tenants/{name}")))
+            .await
+            .map(|_| ())
     }
 
     pub async fn create_template(&self, spec: &TemplateSpec) -> Result<Template> {

@@ -24,7 +24,8 @@ use torpor_core::{SandboxId, TemplateName, TemplateSpec, TenantId, Tier};
 use torpor_runtime::proto::{self, ExecRequest};
 
 use crate::types::{
-    CreateSandboxBody, ErrorBody, ErrorDetail, ExecBody, Health, Sandbox, SuspendBody, Template,
+    CreateSandboxBody, CreateTenantBody, ErrorBody, ErrorDetail, ExecBody, Health, Sandbox,
+    SuspendBody, Template, Tenant, TenantCreated,
 };
 
 /// The OpenAPI document served at /v1/openapi.json.
@@ -83,7 +84,9 @@ fn status_of(e: &ControlError) -> StatusCode {
     use torpor_runtime::proto::AgentErrorCode as A;
     match e {
         ControlError::NotFound { .. } => StatusCode::NOT_FOUND,
-        ControlError::AlreadyExists { .. }
+        ControlError::QuotaExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
+        ControlError::TenantInUse(..)
+        | ControlError::AlreadyExists { .. }
         | ControlError::InvalidTransition { .. }
         | ControlError::TemplateInUse(..)
         | ControlError::TemplateNotReady(_) => StatusCode::CONFLICT,
@@ -121,6 +124,9 @@ impl From<ControlError> for ApiError {
         let details = match &e {
             ControlError::ExecTimeout { stdout, stderr, .. } => {
                 Some(serde_json::json!({"stdout": stdout, "stderr": stderr}))
+            }
+            ControlError::QuotaExceeded { what, limit, used } => {
+                Some(serde_json::json!({"quota": what, "limit": limit, "used": used}))
             }
             _ => None,
         };
@@ -185,6 +191,7 @@ pub fn decode_all_bodies(body: &[u8]) -> usize {
         parse_json::<CreateSandboxBody>(&body).is_ok(),
         parse_json::<ExecBody>(&body).is_ok(),
         parse_json::<SuspendBody>(&body).is_ok(),
+        parse_json::<CreateTenantBody>(&body).is_ok(),
     ]
     .into_iter()
     .filter(|ok| *ok)
@@ -214,6 +221,8 @@ fn template_name(raw: &str) -> ApiResult<TemplateName> {
 
 pub fn router(state: Arc<ApiState>) -> Router {
     let v1 = Router::new()
+        .route("/tenants", post(create_tenant).get(list_tenants))
+        .route("/tenants/{name}", axum::routing::delete(delete_tenant))
         .route("/templates", post(create_template).get(list_templates))
         .route(
             "/templates/{name}",
@@ -268,14 +277,18 @@ async fn authenticate(
         Some(t) if constant_time_eq(t.as_bytes(), state.admin_token.as_bytes()) => {
             TenantId::admin()
         }
-        Some(_) => {
-            return ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "the bearer token is not valid",
-            )
-            .into_response()
-        }
+        Some(t) => match state.engine.tenant_for_token(t) {
+            Ok(Some(tenant)) => tenant,
+            Ok(None) => {
+                return ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "unauthorized",
+                    "the bearer token is not valid",
+                )
+                .into_response()
+            }
+            Err(e) => return ApiError::from(e).into_response(),
+        },
         None => {
             return ApiError::new(
                 StatusCode::UNAUTHORIZED,
@@ -320,6 +333,78 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
 
 async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+// ------------------------------------------------------------------ tenants
+
+fn admin_only(tenant: &TenantId) -> ApiResult<()> {
+    if *tenant == TenantId::admin() {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "only the operator's (admin) token manages tenants",
+        ))
+    }
+}
+
+async fn create_tenant(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    RawBody(body): RawBody,
+) -> ApiResult<(StatusCode, Json<TenantCreated>)> {
+    admin_only(&tenant)?;
+    let body: CreateTenantBody = parse_json(&body)?;
+    let name = TenantId::new(&body.name)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()))?;
+    let (rec, token) = state
+        .engine
+        .create_tenant(name, body.quotas.unwrap_or_default())?;
+    Ok((
+        StatusCode::CREATED,
+        Json(TenantCreated {
+            name: rec.id.to_string(),
+            token,
+            quotas: rec.quotas,
+        }),
+    ))
+}
+
+async fn list_tenants(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+) -> ApiResult<Json<Vec<Tenant>>> {
+    admin_only(&tenant)?;
+    Ok(Json(
+        state
+            .engine
+            .tenants()?
+            .iter()
+            .map(|t| Tenant {
+                name: t.id.to_string(),
+                created_at: crate::types::rfc3339(t.created_at),
+                quotas: t.quotas,
+            })
+            .collect(),
+    ))
+}
+
+async fn delete_tenant(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(name): Path<String>,
+) -> ApiResult<StatusCode> {
+    admin_only(&tenant)?;
+    let id = TenantId::new(&name).map_err(|_| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("tenant {name:?} not found"),
+        )
+    })?;
+    state.engine.delete_tenant(&id)?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 // ------------------------------------------------------------------ templates

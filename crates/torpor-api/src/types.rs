@@ -80,6 +80,31 @@ pub struct SuspendBody {
     pub tier: Option<Tier>,
 }
 
+pub use torpor_control::Quotas;
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateTenantBody {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quotas: Option<Quotas>,
+}
+
+/// The answer to creating a tenant: the only time its token is shown.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TenantCreated {
+    pub name: String,
+    pub token: String,
+    pub quotas: Quotas,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Tenant {
+    pub name: String,
+    pub created_at: String,
+    pub quotas: Quotas,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ErrorBody {
     pub error: ErrorDetail,

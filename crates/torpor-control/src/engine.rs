@@ -30,7 +30,9 @@ use torpor_runtime::{rootfs, Container, ContainerSpec, Runsc};
 
 use crate::error::{ControlError, Result};
 use crate::metrics::Metrics;
-use crate::store::{ImageRef, SandboxRecord, Store, TemplateRecord, TemplateStatus};
+use crate::store::{
+    ImageRef, Quotas, SandboxRecord, Store, TemplateRecord, TemplateStatus, TenantRecord,
+};
 
 /// Everything the engine needs to know at start.
 #[derive(Debug, Clone)]
@@ -143,6 +145,9 @@ pub struct Engine {
     checkpoints: Arc<Semaphore>,
     pub metrics: Metrics,
     shutting_down: AtomicBool,
+    /// Serialises quota checks with the state change that consumes the quota, so two calls at
+    /// the last unit cannot both pass.
+    quota_lock: tokio::sync::Mutex<()>,
 }
 
 /// Paths under the data directory.
@@ -192,6 +197,7 @@ impl Engine {
             slots: Mutex::default(),
             metrics,
             shutting_down: AtomicBool::new(false),
+            quota_lock: tokio::sync::Mutex::new(()),
         });
         engine.reconcile().await?;
         if engine.store.template(&TemplateName::host())?.is_none() {
@@ -302,6 +308,103 @@ impl Engine {
     fn check_running(&self) -> Result<()> {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(ControlError::ShuttingDown);
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- tenants
+
+    /// Creates a tenant and returns it with its bearer token (shown once; only a hash is kept).
+    pub fn create_tenant(&self, id: TenantId, quotas: Quotas) -> Result<(TenantRecord, String)> {
+        if id == TenantId::admin() {
+            return Err(ControlError::AlreadyExists {
+                kind: "tenant",
+                id: id.to_string(),
+            });
+        }
+        let secret: String = (0..32)
+            .map(|_| format!("{:02x}", rand::random::<u8>()))
+            .collect();
+        let token = format!("tpr_{id}_{secret}");
+        let rec = TenantRecord {
+            id: id.clone(),
+            created_at: now_millis(),
+            quotas,
+        };
+        if !self.store.insert_tenant(&rec, &token_hash(&token))? {
+            return Err(ControlError::AlreadyExists {
+                kind: "tenant",
+                id: id.to_string(),
+            });
+        }
+        Ok((rec, token))
+    }
+
+    pub fn tenants(&self) -> Result<Vec<TenantRecord>> {
+        Ok(self.store.tenants()?)
+    }
+
+    /// Deletes a tenant that owns nothing any more.
+    pub fn delete_tenant(&self, id: &TenantId) -> Result<()> {
+        let usage = self.store.usage(id)?;
+        if usage.sandboxes > 0 {
+            return Err(ControlError::TenantInUse(
+                id.to_string(),
+                format!("{} sandboxes", usage.sandboxes),
+            ));
+        }
+        let templates = self
+            .store
+            .templates()?
+            .into_iter()
+            .filter(|t| t.tenant == *id)
+            .count();
+        if templates > 0 {
+            return Err(ControlError::TenantInUse(
+                id.to_string(),
+                format!("{templates} templates"),
+            ));
+        }
+        if !self.store.delete_tenant(id)? {
+            return Err(ControlError::NotFound {
+                kind: "tenant",
+                id: id.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The tenant a (non-admin) bearer token belongs to.
+    pub fn tenant_for_token(&self, token: &str) -> Result<Option<TenantId>> {
+        Ok(self.store.tenant_by_token_hash(&token_hash(token))?)
+    }
+
+    /// Refuses when `tenant` would exceed a quota by adding one sandbox (`new_sandbox`) and/or
+    /// one resident sandbox of `memory_mib`. Call under `quota_lock`, and consume the quota
+    /// (write the state) before releasing it.
+    fn check_quota(
+        &self,
+        tenant: &TenantId,
+        new_sandbox: bool,
+        memory_mib: Option<u64>,
+    ) -> Result<()> {
+        let Some(t) = self.store.tenant(tenant)? else {
+            return Ok(()); // the operator
+        };
+        let u = self.store.usage(tenant)?;
+        let q = t.quotas;
+        let over = |what, limit: Option<u64>, used: u64, adding: u64| match limit {
+            Some(limit) if used + adding > limit => {
+                Err(ControlError::QuotaExceeded { what, limit, used })
+            }
+            _ => Ok(()),
+        };
+        if new_sandbox {
+            over("sandboxes", q.max_sandboxes, u.sandboxes, 1)?;
+        }
+        if let Some(mem) = memory_mib {
+            over("running", q.max_running, u.resident, 1)?;
+            over("memory_mib", q.max_memory_mib, u.resident_memory_mib, mem)?;
         }
         Ok(())
     }
@@ -553,8 +656,18 @@ impl Engine {
             last_error: None,
             oom_killed: false,
         };
-        let permit = self.acquire_worker().await?;
-        self.store.insert_sandbox(&rec)?;
+        {
+            let _quota = self.quota_lock.lock().await;
+            self.check_quota(tenant, true, Some(rec.limits.memory_mib))?;
+            self.store.insert_sandbox(&rec)?;
+        }
+        let permit = match self.acquire_worker().await {
+            Ok(p) => p,
+            Err(e) => {
+                self.store.delete_sandbox(&rec.id)?;
+                return Err(e);
+            }
+        };
         let slot = self.slot(&rec.id);
         let mut guard = slot.state.clone().write_owned().await;
         let t = Instant::now();
@@ -815,11 +928,22 @@ impl Engine {
                 kind: "template",
                 id: rec.template.to_string(),
             })?;
-        let permit = self.acquire_worker().await?;
         let previous = rec.state;
-        rec.state = SandboxState::Resuming;
-        rec.generation += 1;
-        self.store.update_sandbox(&rec)?;
+        {
+            let _quota = self.quota_lock.lock().await;
+            self.check_quota(&rec.tenant, false, Some(rec.limits.memory_mib))?;
+            rec.state = SandboxState::Resuming;
+            rec.generation += 1;
+            self.store.update_sandbox(&rec)?;
+        }
+        let permit = match self.acquire_worker().await {
+            Ok(p) => p,
+            Err(e) => {
+                rec.state = previous;
+                self.store.update_sandbox(&rec)?;
+                return Err(e);
+            }
+        };
         let image = match &rec.image {
             ImageRef::Golden => tpl.golden_dir.clone(),
             ImageRef::Local(p) | ImageRef::Store(p) => p.clone(),
@@ -1475,6 +1599,11 @@ impl Engine {
             tracing::warn!(error = %e, "cannot persist activity clocks");
         }
     }
+}
+
+/// Tokens are kept only as hashes.
+fn token_hash(token: &str) -> String {
+    blake3::hash(token.as_bytes()).to_hex().to_string()
 }
 
 fn crash_reason(info: &torpor_runtime::ExitInfo) -> String {

@@ -21,6 +21,14 @@ pub enum ControlError {
     TemplateInUse(String, u64),
     #[error("template {0:?} is still being built")]
     TemplateNotReady(String),
+    #[error("quota exceeded: {what} (limit {limit}, in use {used})")]
+    QuotaExceeded {
+        what: &'static str,
+        limit: u64,
+        used: u64,
+    },
+    #[error("tenant {0:?} still owns {1}; delete them first")]
+    TenantInUse(String, String),
     #[error("no worker became free within {0} ms")]
     NoWorker(u64),
     #[error("torpor is shutting down")]
@@ -67,6 +75,8 @@ impl ControlError {
             ControlError::TemplateInUse(..) => "template_in_use",
             ControlError::TemplateNotReady(_) => "template_not_ready",
             ControlError::NoWorker(_) => "no_worker_available",
+            ControlError::QuotaExceeded { .. } => "quota_exceeded",
+            ControlError::TenantInUse(..) => "tenant_in_use",
             ControlError::ShuttingDown => "shutting_down",
             ControlError::Unsupported(_) => "unsupported",
             ControlError::ExecTimeout { .. } => "exec_timeout",

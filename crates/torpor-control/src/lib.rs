@@ -9,4 +9,4 @@ pub mod store;
 
 pub use engine::{CreateSandbox, Engine, EngineConfig, ExecEvent, ExecResult, FileEntry, InUse};
 pub use error::{ControlError, Result};
-pub use store::{ImageRef, SandboxRecord, TemplateRecord, TemplateStatus};
+pub use store::{ImageRef, Quotas, SandboxRecord, TemplateRecord, TemplateStatus, TenantRecord};

@@ -144,7 +144,8 @@ CREATE INDEX IF NOT EXISTS sandboxes_template ON sandboxes(template);
 CREATE TABLE IF NOT EXISTS tenants (
     id TEXT PRIMARY KEY,
     token_hash TEXT NOT NULL UNIQUE,
-    created_at INTEGER NOT NULL
+    created_at INTEGER NOT NULL,
+    quotas TEXT NOT NULL DEFAULT '{}'
 );
 "#;
 
@@ -384,6 +385,118 @@ impl Store {
             )
             .map(|n| n as u64)
         })
+    }
+}
+
+/// Limits on what one tenant may hold. `None`: unlimited.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quotas {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_sandboxes: Option<u64>,
+    /// Resident (Running or Frozen) sandboxes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_running: Option<u64>,
+    /// Memory limits of resident sandboxes, summed, in MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_memory_mib: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantRecord {
+    pub id: TenantId,
+    pub created_at: UnixMillis,
+    pub quotas: Quotas,
+}
+
+/// What a tenant holds now, for quota checks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub sandboxes: u64,
+    pub resident: u64,
+    pub resident_memory_mib: u64,
+}
+
+impl Store {
+    /// Inserts a tenant; false when the name is taken.
+    pub fn insert_tenant(&self, t: &TenantRecord, token_hash: &str) -> Result<bool, StoreError> {
+        self.with(|c| {
+            let n = c.execute(
+                "INSERT OR IGNORE INTO tenants (id, token_hash, created_at, quotas) VALUES (?1, ?2, ?3, ?4)",
+                params![t.id.as_str(), token_hash, t.created_at, json(&t.quotas)],
+            )?;
+            Ok(n == 1)
+        })
+    }
+
+    pub fn tenant_by_token_hash(&self, token_hash: &str) -> Result<Option<TenantId>, StoreError> {
+        let id: Option<String> = self.with(|c| {
+            c.query_row(
+                "SELECT id FROM tenants WHERE token_hash=?1",
+                params![token_hash],
+                |r| r.get(0),
+            )
+            .optional()
+        })?;
+        id.map(|id| {
+            TenantId::new(&id).map_err(|_| StoreError::Corrupt {
+                what: "tenant",
+                key: id.clone(),
+            })
+        })
+        .transpose()
+    }
+
+    pub fn tenants(&self) -> Result<Vec<TenantRecord>, StoreError> {
+        let rows: Vec<(String, i64, String)> = self.with(|c| {
+            let mut st = c.prepare("SELECT id, created_at, quotas FROM tenants ORDER BY id")?;
+            let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+            rows.collect()
+        })?;
+        rows.into_iter()
+            .map(|(id, created_at, quotas)| {
+                let corrupt = || StoreError::Corrupt {
+                    what: "tenant",
+                    key: id.clone(),
+                };
+                Ok(TenantRecord {
+                    id: TenantId::new(&id).map_err(|_| corrupt())?,
+                    created_at,
+                    quotas: serde_json::from_str(&quotas).map_err(|_| corrupt())?,
+                })
+            })
+            .collect()
+    }
+
+    pub fn tenant(&self, id: &TenantId) -> Result<Option<TenantRecord>, StoreError> {
+        Ok(self.tenants()?.into_iter().find(|t| t.id == *id))
+    }
+
+    pub fn delete_tenant(&self, id: &TenantId) -> Result<bool, StoreError> {
+        self.with(|c| {
+            c.execute("DELETE FROM tenants WHERE id=?1", params![id.as_str()])
+                .map(|n| n == 1)
+        })
+    }
+
+    /// What a tenant holds: all its sandboxes, and those resident or becoming resident.
+    pub fn usage(&self, tenant: &TenantId) -> Result<Usage, StoreError> {
+        let mut u = Usage::default();
+        let rows: Vec<(String, String)> = self.with(|c| {
+            let mut st = c.prepare("SELECT state, limits FROM sandboxes WHERE tenant=?1")?;
+            let rows = st.query_map(params![tenant.as_str()], |r| Ok((r.get(0)?, r.get(1)?)))?;
+            rows.collect()
+        })?;
+        for (state, limits) in rows {
+            u.sandboxes += 1;
+            if SandboxState::parse(&state).is_some_and(|s| s.may_have_container()) {
+                u.resident += 1;
+                u.resident_memory_mib += serde_json::from_str::<Limits>(&limits)
+                    .map(|l| l.memory_mib)
+                    .unwrap_or(0);
+            }
+        }
+        Ok(u)
     }
 }
 

@@ -66,6 +66,9 @@ pub enum Command {
     /// Manage templates.
     #[command(subcommand)]
     Template(TemplateCmd),
+    /// Manage tenants (operator only).
+    #[command(subcommand)]
+    Tenant(TenantCmd),
     /// Create a sandbox from a template (a restore of its golden snapshot).
     Create {
         template: String,
@@ -210,6 +213,33 @@ pub enum TemplateCmd {
     },
 }
 
+#[derive(Subcommand)]
+pub enum TenantCmd {
+    /// Create a tenant and print its token (shown once).
+    Create {
+        name: String,
+        #[arg(long)]
+        max_sandboxes: Option<u64>,
+        #[arg(long)]
+        max_running: Option<u64>,
+        #[arg(long)]
+        max_memory_mib: Option<u64>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// List tenants and their quotas.
+    Ls {
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Delete a tenant that owns nothing.
+    Rm {
+        name: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 pub enum TierArg {
     Frozen,
@@ -323,6 +353,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             Ok(0)
         }
         Command::Template(t) => template(t).await,
+        Command::Tenant(t) => tenant(t).await,
         Command::Create {
             template,
             env,
@@ -594,6 +625,69 @@ async fn template(cmd: TemplateCmd) -> CliResult {
         }
         TemplateCmd::Rm { name, conn } => {
             client(&conn)?.delete_template(&name).await?;
+            Ok(0)
+        }
+    }
+}
+
+async fn tenant(cmd: TenantCmd) -> CliResult {
+    match cmd {
+        TenantCmd::Create {
+            name,
+            max_sandboxes,
+            max_running,
+            max_memory_mib,
+            conn,
+        } => {
+            let created = client(&conn)?
+                .create_tenant(&torpor_api::types::CreateTenantBody {
+                    name,
+                    quotas: Some(torpor_api::types::Quotas {
+                        max_sandboxes,
+                        max_running,
+                        max_memory_mib,
+                    }),
+                })
+                .await?;
+            if conn.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"name": created.name, "token": created.token})
+                );
+            } else {
+                println!("{}", created.token);
+                eprintln!(
+                    "tenant {} created; this token is shown once: keep it (TORPOR_TOKEN)",
+                    created.name
+                );
+            }
+            Ok(0)
+        }
+        TenantCmd::Ls { conn } => {
+            let all = client(&conn)?.tenants().await?;
+            if conn.json {
+                print_json(&all);
+            } else {
+                let q = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
+                println!(
+                    "{:<20} {:>10} {:>10} {:>12}  CREATED",
+                    "NAME", "SANDBOXES", "RUNNING", "MEMORY MIB"
+                );
+                for t in all {
+                    println!(
+                        "{:<20} {:>10} {:>10} {:>12}  {}",
+                        t.name,
+                        q(t.quotas.max_sandboxes),
+                        q(t.quotas.max_running),
+                        q(t.quotas.max_memory_mib),
+                        t.created_at
+                    );
+                }
+            }
+            Ok(0)
+        }
+        TenantCmd::Rm { name, conn } => {
+            client(&conn)?.delete_tenant(&name).await?;
             Ok(0)
         }
     }
