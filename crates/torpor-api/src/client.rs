@@ -131,6 +131,10 @@ impl Client {
         })
     }
 
+    pub async fn workers(&self) -> Result<torpor_control::WorkerStats> {
+        self.json(self.request(Method::GET, "/v1/workers")).await
+    }
+
     pub async fn create_tenant(&self, body: &CreateTenantBody) -> Result<TenantCreated> {
         self.json_body(Method::POST, "/v1/tenants", body).await
     }

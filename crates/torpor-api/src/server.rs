@@ -93,9 +93,10 @@ fn status_of(e: &ControlError) -> StatusCode {
         ControlError::Invalid(_) | ControlError::Unsupported(_) | ControlError::Image(_) => {
             StatusCode::BAD_REQUEST
         }
-        ControlError::NoWorker(_) | ControlError::ShuttingDown | ControlError::Conn(_) => {
-            StatusCode::SERVICE_UNAVAILABLE
-        }
+        ControlError::NoWorker(_)
+        | ControlError::LotFull(_)
+        | ControlError::ShuttingDown
+        | ControlError::Conn(_) => StatusCode::SERVICE_UNAVAILABLE,
         ControlError::ExecTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
         ControlError::SandboxCrashed { .. } => StatusCode::BAD_GATEWAY,
         ControlError::Agent { code, .. } => match code {
@@ -223,6 +224,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
     let v1 = Router::new()
         .route("/tenants", post(create_tenant).get(list_tenants))
         .route("/tenants/{name}", axum::routing::delete(delete_tenant))
+        .route("/workers", get(workers))
         .route("/templates", post(create_template).get(list_templates))
         .route(
             "/templates/{name}",
@@ -333,6 +335,10 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
 
 async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+async fn workers(State(state): State<Arc<ApiState>>) -> Json<torpor_control::WorkerStats> {
+    Json(state.engine.worker_stats())
 }
 
 // ------------------------------------------------------------------ tenants

@@ -18,9 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::{
-    mpsc, OwnedRwLockReadGuard, OwnedRwLockWriteGuard, OwnedSemaphorePermit, RwLock, Semaphore,
-};
+use tokio::sync::{mpsc, OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock, Semaphore};
 use torpor_core::{
     now_millis, validate_env, Limits, LimitsPatch, SandboxId, SandboxState, TemplateName,
     TemplateSource, TemplateSpec, TenantId, Tier,
@@ -29,6 +27,7 @@ use torpor_runtime::proto::{self, AgentErrorCode, DirEntry, ExecRequest, Reply, 
 use torpor_runtime::{rootfs, Container, ContainerSpec, Runsc};
 
 use crate::error::{ControlError, Result};
+use crate::lot::{LotError, Parked, WorkerPermit, WorkerPool};
 use crate::metrics::Metrics;
 use crate::store::{
     ImageRef, Quotas, SandboxRecord, Store, TemplateRecord, TemplateStatus, TenantRecord,
@@ -44,8 +43,12 @@ pub struct EngineConfig {
     pub runsc_platform: Option<String>,
     /// The binary copied into every sandbox as its agent (normally the running `torpor`).
     pub agent_binary: PathBuf,
-    /// How long a call waits for a free worker before it is refused.
+    /// How long a call waits (parked) for a free worker before it is refused.
     pub worker_wait: Duration,
+    /// How many calls may wait for a worker at once.
+    pub lot_capacity: usize,
+    /// Resident sandboxes are parked, least recently active first, to stay under this.
+    pub memory_budget: Option<u64>,
     /// How often the idle policy runs.
     pub tick: Duration,
 }
@@ -64,6 +67,18 @@ pub struct CreateSandbox {
     pub metadata: BTreeMap<String, String>,
     #[serde(default)]
     pub limits: LimitsPatch,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WorkerStats {
+    pub memory_budget_bytes: Option<u64>,
+    pub resident_memory_bytes: u64,
+    pub total: usize,
+    pub busy: usize,
+    pub free: usize,
+    pub parked_calls: usize,
+    pub lot_capacity: usize,
+    pub park_budget_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -88,7 +103,7 @@ pub enum ExecEvent {
 
 struct Live {
     container: Container,
-    _permit: OwnedSemaphorePermit,
+    _permit: WorkerPermit,
     frozen: bool,
 }
 
@@ -140,7 +155,7 @@ pub struct Engine {
     runsc: Runsc,
     agent_dir: PathBuf,
     slots: Mutex<HashMap<SandboxId, Arc<Slot>>>,
-    workers: Arc<Semaphore>,
+    workers: Arc<WorkerPool>,
     /// At most this many checkpoints run at once (each is CPU- and disk-heavy).
     checkpoints: Arc<Semaphore>,
     pub metrics: Metrics,
@@ -188,7 +203,7 @@ impl Engine {
         metrics.workers_total.set(cfg.workers as i64);
         let engine = Arc::new_cyclic(|me| Engine {
             me: me.clone(),
-            workers: Arc::new(Semaphore::new(cfg.workers)),
+            workers: WorkerPool::new(cfg.workers, cfg.lot_capacity),
             checkpoints: Arc::new(Semaphore::new(2)),
             cfg,
             store,
@@ -393,8 +408,12 @@ impl Engine {
         };
         let u = self.store.usage(tenant)?;
         let q = t.quotas;
-        let over = |what, limit: Option<u64>, used: u64, adding: u64| match limit {
+        let over = |what: &'static str, limit: Option<u64>, used: u64, adding: u64| match limit {
             Some(limit) if used + adding > limit => {
+                self.metrics
+                    .quota_rejections
+                    .with_label_values(&[tenant.as_str(), what])
+                    .inc();
                 Err(ControlError::QuotaExceeded { what, limit, used })
             }
             _ => Ok(()),
@@ -519,7 +538,9 @@ impl Engine {
             }
         }
         progress("booting the template");
-        let permit = self.acquire_worker().await?;
+        let permit = self
+            .acquire_worker(&rec.tenant, rec.spec.limits.memory_bytes())
+            .await?;
         let cid = format!("tpl-{}-{:04x}", rec.name, rand::random::<u16>());
         let bundle = self.bundle_dir(&cid);
         let spec = container_spec(rec, &rec.spec.limits, &rec.spec.env);
@@ -661,7 +682,7 @@ impl Engine {
             self.check_quota(tenant, true, Some(rec.limits.memory_mib))?;
             self.store.insert_sandbox(&rec)?;
         }
-        let permit = match self.acquire_worker().await {
+        let permit = match self.acquire_worker(tenant, rec.limits.memory_bytes()).await {
             Ok(p) => p,
             Err(e) => {
                 self.store.delete_sandbox(&rec.id)?;
@@ -740,7 +761,7 @@ impl Engine {
         guard: &mut OwnedRwLockWriteGuard<SlotState>,
         rec: &SandboxRecord,
         container: Container,
-        permit: OwnedSemaphorePermit,
+        permit: WorkerPermit,
     ) {
         self.watch_crash(rec.id.clone(), &container);
         guard.live = Some(Live {
@@ -748,9 +769,7 @@ impl Engine {
             _permit: permit,
             frozen: false,
         });
-        self.metrics
-            .workers_busy
-            .set((self.cfg.workers - self.workers.available_permits()) as i64);
+        self.metrics.workers_busy.set(self.workers.busy() as i64);
     }
 
     /// Sends the sandbox back to its last snapshot when its container dies on its own.
@@ -788,9 +807,7 @@ impl Engine {
             .crashes
             .with_label_values(&[if oom { "oom_killed" } else { "exited" }])
             .inc();
-        self.metrics
-            .workers_busy
-            .set((self.cfg.workers - self.workers.available_permits()) as i64);
+        self.metrics.workers_busy.set(self.workers.busy() as i64);
         if let Ok(Some(mut rec)) = self.store.sandbox(id) {
             rec.state = rec.image.sleeping_state();
             rec.tier = rec.image.sleeping_tier();
@@ -802,24 +819,101 @@ impl Engine {
         }
     }
 
-    async fn acquire_worker(&self) -> Result<OwnedSemaphorePermit> {
-        if let Ok(p) = self.workers.clone().try_acquire_owned() {
+    /// A worker for `tenant`'s sandbox. When none is free, the least recently active idle
+    /// sandbox is parked to free one, and the call waits in the lot (fair across tenants) up to
+    /// the configured budget.
+    async fn acquire_worker(&self, tenant: &TenantId, memory: u64) -> Result<WorkerPermit> {
+        self.make_room(memory).await;
+        if let Some(p) = self.workers.try_acquire() {
             return Ok(p);
         }
-        // Every worker is taken: put the least recently active idle sandbox to sleep.
-        self.evict_one().await;
-        match tokio::time::timeout(self.cfg.worker_wait, self.workers.clone().acquire_owned()).await
-        {
-            Ok(Ok(p)) => Ok(p),
-            _ => Err(ControlError::NoWorker(
-                self.cfg.worker_wait.as_millis() as u64
-            )),
+        self.evict_one("no_free_worker").await;
+        self.metrics.lot_parked.inc();
+        let result = self.workers.acquire(tenant, self.cfg.worker_wait).await;
+        self.metrics.lot_parked.dec();
+        match result {
+            Ok((permit, parked)) => {
+                if let Parked::Waited(d) = parked {
+                    self.metrics
+                        .lot_wait_seconds
+                        .with_label_values(&["worker"])
+                        .observe(d.as_secs_f64());
+                }
+                Ok(permit)
+            }
+            Err(LotError::Full) => {
+                self.metrics
+                    .lot_rejections
+                    .with_label_values(&["lot_full"])
+                    .inc();
+                Err(ControlError::LotFull(self.workers.capacity()))
+            }
+            Err(LotError::Timeout) => {
+                self.metrics
+                    .lot_rejections
+                    .with_label_values(&["no_worker_available"])
+                    .inc();
+                self.metrics
+                    .lot_wait_seconds
+                    .with_label_values(&["timeout"])
+                    .observe(self.cfg.worker_wait.as_secs_f64());
+                Err(ControlError::NoWorker(
+                    self.cfg.worker_wait.as_millis() as u64
+                ))
+            }
+        }
+    }
+
+    /// Bytes charged to the memory cgroups of every resident sandbox.
+    pub fn resident_memory(&self) -> u64 {
+        let slots: Vec<Arc<Slot>> = {
+            let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            slots.values().cloned().collect()
+        };
+        slots
+            .iter()
+            .filter_map(|slot| {
+                let guard = slot.state.try_read().ok()?;
+                let live = guard.live.as_ref()?;
+                torpor_runtime::cgroup::memory_usage(&live.container.id)
+            })
+            .sum()
+    }
+
+    /// Parks least recently active sandboxes (Frozen first, then idle Running) until resident
+    /// memory plus `incoming` bytes fits the node's memory budget. A burst never overcommits
+    /// the node: a wake makes room before it restores.
+    async fn make_room(&self, incoming: u64) {
+        let Some(budget) = self.cfg.memory_budget else {
+            return;
+        };
+        for _ in 0..self.cfg.workers {
+            if self.resident_memory() + incoming <= budget {
+                return;
+            }
+            if !self.evict_one("memory_pressure").await {
+                return;
+            }
+        }
+    }
+
+    /// Workers: how many, how many hold a sandbox, how many calls wait.
+    pub fn worker_stats(&self) -> WorkerStats {
+        WorkerStats {
+            memory_budget_bytes: self.cfg.memory_budget,
+            resident_memory_bytes: self.resident_memory(),
+            total: self.workers.total(),
+            busy: self.workers.busy(),
+            free: self.workers.free(),
+            parked_calls: self.workers.parked(),
+            lot_capacity: self.workers.capacity(),
+            park_budget_ms: self.cfg.worker_wait.as_millis() as u64,
         }
     }
 
     /// Parks the least recently active resident sandbox that no call is using. Frozen ones go
     /// first, then idle running ones.
-    async fn evict_one(&self) -> bool {
+    async fn evict_one(&self, reason: &str) -> bool {
         let candidates: Vec<(SandboxId, Arc<Slot>)> = {
             let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
             slots.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
@@ -838,9 +932,12 @@ impl Engine {
         let Some((_, _, id, mut guard)) = best else {
             return false;
         };
-        tracing::info!(sandbox = %id, "parking to free a worker");
+        tracing::info!(sandbox = %id, reason, "parking to make room");
         match self.park_locked(&mut guard, &id, "evicted").await {
-            Ok(()) => true,
+            Ok(()) => {
+                self.metrics.evictions.with_label_values(&[reason]).inc();
+                true
+            }
             Err(e) => {
                 tracing::warn!(sandbox = %id, error = %e, "eviction failed");
                 false
@@ -936,7 +1033,10 @@ impl Engine {
             rec.generation += 1;
             self.store.update_sandbox(&rec)?;
         }
-        let permit = match self.acquire_worker().await {
+        let permit = match self
+            .acquire_worker(&rec.tenant, rec.limits.memory_bytes())
+            .await
+        {
             Ok(p) => p,
             Err(e) => {
                 rec.state = previous;
@@ -1023,9 +1123,7 @@ impl Engine {
         let cid = live.container.id.clone();
         drop(live);
         let _ = std::fs::remove_dir_all(self.bundle_dir(&cid));
-        self.metrics
-            .workers_busy
-            .set((self.cfg.workers - self.workers.available_permits()) as i64);
+        self.metrics.workers_busy.set(self.workers.busy() as i64);
         match result {
             Ok(()) => {
                 let _ = std::fs::remove_dir_all(&dest);
@@ -1184,9 +1282,7 @@ impl Engine {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
-        self.metrics
-            .workers_busy
-            .set((self.cfg.workers - self.workers.available_permits()) as i64);
+        self.metrics.workers_busy.set(self.workers.busy() as i64);
         Ok(())
     }
 
@@ -1551,6 +1647,13 @@ impl Engine {
         }
         self.store.touch_sandboxes(&touched)?;
         self.set_sandbox_gauges(counts);
+        self.make_room(0).await;
+        // Calls wait in the lot: free workers from idle sandboxes for them, one each.
+        for _ in 0..self.workers.parked() {
+            if !self.evict_one("parked_calls").await {
+                break;
+            }
+        }
         Ok(())
     }
 
@@ -1562,9 +1665,7 @@ impl Engine {
                 .with_label_values(&[state.as_str(), tier.as_str()])
                 .set(n);
         }
-        self.metrics
-            .workers_busy
-            .set((self.cfg.workers - self.workers.available_permits()) as i64);
+        self.metrics.workers_busy.set(self.workers.busy() as i64);
     }
 
     /// Refreshes the fleet gauges (for a scrape between ticks).

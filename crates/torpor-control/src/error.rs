@@ -29,6 +29,8 @@ pub enum ControlError {
     },
     #[error("tenant {0:?} still owns {1}; delete them first")]
     TenantInUse(String, String),
+    #[error("the parking lot is full ({0} calls wait for a worker); retry later")]
+    LotFull(usize),
     #[error("no worker became free within {0} ms")]
     NoWorker(u64),
     #[error("torpor is shutting down")]
@@ -75,6 +77,7 @@ impl ControlError {
             ControlError::TemplateInUse(..) => "template_in_use",
             ControlError::TemplateNotReady(_) => "template_not_ready",
             ControlError::NoWorker(_) => "no_worker_available",
+            ControlError::LotFull(_) => "lot_full",
             ControlError::QuotaExceeded { .. } => "quota_exceeded",
             ControlError::TenantInUse(..) => "tenant_in_use",
             ControlError::ShuttingDown => "shutting_down",

@@ -18,6 +18,11 @@ pub struct Metrics {
     pub exec_seconds: HistogramVec,
     pub crashes: IntCounterVec,
     pub transitions: IntCounterVec,
+    pub lot_parked: IntGauge,
+    pub lot_wait_seconds: HistogramVec,
+    pub lot_rejections: IntCounterVec,
+    pub evictions: IntCounterVec,
+    pub quota_rejections: IntCounterVec,
 }
 
 impl Default for Metrics {
@@ -91,8 +96,51 @@ impl Metrics {
             &["to_tier", "cause"],
         )
         .expect("valid metric");
+        let lot_parked = IntGauge::new(
+            "torpor_lot_parked_calls",
+            "Calls waiting in the parking lot for a worker.",
+        )
+        .expect("valid metric");
+        let lot_wait_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "torpor_lot_wait_seconds",
+                "Time calls waited in the parking lot, by outcome.",
+            )
+            .buckets(exponential_buckets(0.001, 2.0, 14).expect("valid buckets")),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let lot_rejections = IntCounterVec::new(
+            Opts::new(
+                "torpor_lot_rejections_total",
+                "Calls refused for want of a worker, by reason.",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
+        let evictions = IntCounterVec::new(
+            Opts::new(
+                "torpor_evictions_total",
+                "Resident sandboxes parked to make room, by reason.",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
+        let quota_rejections = IntCounterVec::new(
+            Opts::new(
+                "torpor_quota_rejections_total",
+                "Calls refused by a tenant quota.",
+            ),
+            &["tenant", "quota"],
+        )
+        .expect("valid metric");
         for c in [
-            Box::new(sandboxes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(lot_parked.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(lot_wait_seconds.clone()),
+            Box::new(lot_rejections.clone()),
+            Box::new(evictions.clone()),
+            Box::new(quota_rejections.clone()),
+            Box::new(sandboxes.clone()),
             Box::new(workers_total.clone()),
             Box::new(workers_busy.clone()),
             Box::new(wake_seconds.clone()),
@@ -115,6 +163,11 @@ impl Metrics {
             exec_seconds,
             crashes,
             transitions,
+            lot_parked,
+            lot_wait_seconds,
+            lot_rejections,
+            evictions,
+            quota_rejections,
         }
     }
 

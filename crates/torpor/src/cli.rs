@@ -56,9 +56,16 @@ pub enum Command {
         /// gVisor platform (default: systrap if this runsc has it, else ptrace).
         #[arg(long)]
         platform: Option<String>,
-        /// How long a call waits for a free worker before 503 no_worker_available.
+        /// How long a call waits (parked) for a free worker before 503 no_worker_available.
         #[arg(long, default_value_t = 5000)]
         worker_wait_ms: u64,
+        /// How many calls may wait for a worker at once; beyond it, 503 lot_full.
+        #[arg(long, default_value_t = 1024)]
+        lot_size: usize,
+        /// Node memory budget for resident sandboxes, e.g. 12G (default: 70% of RAM); over
+        /// it, the least recently active sandboxes are parked.
+        #[arg(long, value_parser = daemon::parse_size)]
+        memory_budget: Option<u64>,
         /// How often the idle policy runs.
         #[arg(long, default_value_t = 500)]
         tick_ms: u64,
@@ -92,6 +99,11 @@ pub enum Command {
         /// Only sandboxes in this state or tier.
         #[arg(long)]
         state: Option<String>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Workers, the parking lot and resident memory.
+    Workers {
         #[command(flatten)]
         conn: Conn,
     },
@@ -337,6 +349,8 @@ async fn dispatch(cmd: Command) -> CliResult {
             runsc,
             platform,
             worker_wait_ms,
+            lot_size,
+            memory_budget,
             tick_ms,
         } => {
             init_logging();
@@ -347,6 +361,8 @@ async fn dispatch(cmd: Command) -> CliResult {
                 runsc,
                 platform,
                 worker_wait: Duration::from_millis(worker_wait_ms),
+                lot_capacity: lot_size.max(1),
+                memory_budget,
                 tick: Duration::from_millis(tick_ms.max(50)),
             })
             .await?;
@@ -396,6 +412,24 @@ async fn dispatch(cmd: Command) -> CliResult {
                 print_json(&all);
             } else {
                 print_sandboxes(&all);
+            }
+            Ok(0)
+        }
+        Command::Workers { conn } => {
+            let w = client(&conn)?.workers().await?;
+            if conn.json {
+                print_json(&w);
+            } else {
+                println!(
+                    "workers: {} total, {} busy, {} free; parked calls: {} (lot {}, budget {} ms)",
+                    w.total, w.busy, w.free, w.parked_calls, w.lot_capacity, w.park_budget_ms
+                );
+                println!(
+                    "resident memory: {} of {}",
+                    human_bytes(w.resident_memory_bytes),
+                    w.memory_budget_bytes
+                        .map_or("no budget".into(), human_bytes)
+                );
             }
             Ok(0)
         }

@@ -24,7 +24,51 @@ pub struct UpConfig {
     pub runsc: Option<PathBuf>,
     pub platform: Option<String>,
     pub worker_wait: Duration,
+    pub lot_capacity: usize,
+    pub memory_budget: Option<u64>,
     pub tick: Duration,
+}
+
+/// Default memory budget: 70% of the machine's RAM.
+pub fn default_memory_budget() -> u64 {
+    let mem_kib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .unwrap_or(4 << 20);
+    mem_kib * 1024 / 10 * 7
+}
+
+/// Parses `512M`, `12G`, `1.5G`, `1048576` (bytes) into bytes.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
+        Some((i, _)) => {
+            let unit = s[i..].to_ascii_lowercase();
+            let mult: u64 = match unit.trim_end_matches("ib").trim_end_matches('b') {
+                "" => 1,
+                "k" => 1 << 10,
+                "m" => 1 << 20,
+                "g" => 1 << 30,
+                "t" => 1 << 40,
+                _ => return Err(format!("unknown size unit in {s:?} (use K, M, G or T)")),
+            };
+            (&s[..i], mult)
+        }
+        None => (s, 1),
+    };
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size, e.g. 512M or 12G"))?;
+    if !(n.is_finite() && n > 0.0) {
+        return Err(format!("{s:?} must be above zero"));
+    }
+    Ok((n * mult as f64) as u64)
 }
 
 /// `/var/lib/torpor` as root, else `$XDG_DATA_HOME/torpor` (or `~/.local/share/torpor`).
@@ -113,6 +157,8 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         runsc_platform: cfg.platform,
         agent_binary: std::env::current_exe().context("cannot find the torpor binary")?,
         worker_wait: cfg.worker_wait,
+        lot_capacity: cfg.lot_capacity,
+        memory_budget: Some(cfg.memory_budget.unwrap_or_else(default_memory_budget)),
         tick: cfg.tick,
     })
     .await

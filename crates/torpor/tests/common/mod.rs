@@ -60,7 +60,12 @@ impl Daemon {
             .args(["up", "--listen", &format!("127.0.0.1:{}", self.port)])
             .arg("--data-dir")
             .arg(&self.dir)
-            .args(["--workers", "4", "--tick-ms", "200"])
+            .args(if self.extra_args.iter().any(|a| a == "--workers") {
+                &[][..]
+            } else {
+                &["--workers", "4"][..]
+            })
+            .args(["--tick-ms", "200"])
             .args(&self.extra_args)
             .env("TORPOR_LOG", "info")
             .stdin(Stdio::null())

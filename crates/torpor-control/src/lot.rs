@@ -1,0 +1,342 @@
+//! Workers and the parking lot.
+//!
+//! A [`WorkerPool`] hands out [`WorkerPermit`]s, one per resident sandbox. When none is free, a
+//! call that needs one parks in the lot: a bounded set of per-tenant FIFO queues. A released
+//! permit goes straight to a parked call, taking tenants in round-robin order, so one tenant's
+//! burst cannot starve another's trickle. Parked calls are woken by the release itself (a oneshot
+//! channel), not by polling. A call whose client goes away leaves the lot at once (its future is
+//! dropped, and the guard removes its place), and a permit sent to a call that just gave up is
+//! passed on to the next one.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+use torpor_core::TenantId;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LotError {
+    /// The lot holds as many parked calls as it may.
+    Full,
+    /// No worker became free within the budget.
+    Timeout,
+}
+
+pub struct WorkerPool {
+    total: usize,
+    capacity: usize,
+    state: Mutex<PoolState>,
+}
+
+#[derive(Default)]
+struct PoolState {
+    free: usize,
+    queues: HashMap<TenantId, VecDeque<(u64, oneshot::Sender<WorkerPermit>)>>,
+    /// Tenants with parked calls, in the order they are served next.
+    order: VecDeque<TenantId>,
+    parked: usize,
+    next_ticket: u64,
+}
+
+/// A worker held by a resident sandbox; dropping it frees the worker for the next parked call.
+pub struct WorkerPermit {
+    pool: Option<Arc<WorkerPool>>,
+}
+
+impl Drop for WorkerPermit {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            WorkerPool::release(&pool);
+        }
+    }
+}
+
+/// How a call left the lot, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Parked {
+    /// A worker was free at once.
+    NotParked,
+    /// It waited this long.
+    Waited(Duration),
+}
+
+impl WorkerPool {
+    pub fn new(total: usize, capacity: usize) -> Arc<Self> {
+        Arc::new(WorkerPool {
+            total,
+            capacity,
+            state: Mutex::new(PoolState {
+                free: total,
+                ..Default::default()
+            }),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn free(&self) -> usize {
+        self.lock().free
+    }
+
+    pub fn busy(&self) -> usize {
+        self.total - self.free()
+    }
+
+    pub fn parked(&self) -> usize {
+        self.lock().parked
+    }
+
+    /// A worker now, without parking; None when all are taken or calls are already waiting.
+    pub fn try_acquire(self: &Arc<Self>) -> Option<WorkerPermit> {
+        let mut st = self.lock();
+        if st.free > 0 && st.parked == 0 {
+            st.free -= 1;
+            return Some(WorkerPermit {
+                pool: Some(self.clone()),
+            });
+        }
+        None
+    }
+
+    /// A worker, parking up to `budget` when none is free.
+    pub async fn acquire(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+        budget: Duration,
+    ) -> Result<(WorkerPermit, Parked), LotError> {
+        let (ticket, rx) = {
+            let mut st = self.lock();
+            if st.free > 0 && st.parked == 0 {
+                st.free -= 1;
+                return Ok((
+                    WorkerPermit {
+                        pool: Some(self.clone()),
+                    },
+                    Parked::NotParked,
+                ));
+            }
+            if st.parked >= self.capacity {
+                return Err(LotError::Full);
+            }
+            let (tx, rx) = oneshot::channel();
+            st.next_ticket += 1;
+            let ticket = st.next_ticket;
+            let queue = st.queues.entry(tenant.clone()).or_default();
+            if queue.is_empty() {
+                st.order.push_back(tenant.clone());
+            }
+            st.queues
+                .get_mut(tenant)
+                .expect("just inserted")
+                .push_back((ticket, tx));
+            st.parked += 1;
+            (ticket, rx)
+        };
+        let started = Instant::now();
+        let mut place = Place {
+            pool: self,
+            tenant,
+            ticket,
+            rx: Some(rx),
+        };
+        let rx = place.rx.as_mut().expect("set above");
+        match tokio::time::timeout(budget, rx).await {
+            Ok(Ok(permit)) => {
+                place.rx = None;
+                Ok((permit, Parked::Waited(started.elapsed())))
+            }
+            _ => {
+                // Leave the lot; a permit sent in the meantime is taken rather than lost.
+                if let Some(permit) = place.leave() {
+                    return Ok((permit, Parked::Waited(started.elapsed())));
+                }
+                Err(LotError::Timeout)
+            }
+        }
+    }
+
+    /// A permit came back: hand it to the next parked call, tenants in turn.
+    fn release(self: &Arc<Self>) {
+        let mut st = self.lock();
+        while let Some(tenant) = st.order.pop_front() {
+            let Some(queue) = st.queues.get_mut(&tenant) else {
+                continue;
+            };
+            let Some((_, tx)) = queue.pop_front() else {
+                st.queues.remove(&tenant);
+                continue;
+            };
+            let more = !queue.is_empty();
+            if more {
+                st.order.push_back(tenant.clone());
+            } else {
+                st.queues.remove(&tenant);
+            }
+            st.parked -= 1;
+            let permit = WorkerPermit {
+                pool: Some(self.clone()),
+            };
+            match tx.send(permit) {
+                Ok(()) => return,
+                // That call gave up; its permit came back here. Forget it (no release loop)
+                // and try the next waiter.
+                Err(mut returned) => {
+                    returned.pool = None;
+                }
+            }
+        }
+        st.free += 1;
+    }
+}
+
+/// A call's place in the lot; dropping it (the client went away) gives the place up.
+struct Place<'a> {
+    pool: &'a Arc<WorkerPool>,
+    tenant: &'a TenantId,
+    ticket: u64,
+    rx: Option<oneshot::Receiver<WorkerPermit>>,
+}
+
+impl Place<'_> {
+    /// Removes this call from the lot. Returns a permit that was sent to it meanwhile.
+    fn leave(&mut self) -> Option<WorkerPermit> {
+        let mut rx = self.rx.take()?;
+        {
+            let mut st = self.pool.lock();
+            if let Some(queue) = st.queues.get_mut(self.tenant) {
+                if let Some(pos) = queue.iter().position(|(t, _)| *t == self.ticket) {
+                    queue.remove(pos);
+                    if queue.is_empty() {
+                        st.queues.remove(self.tenant);
+                        st.order.retain(|t| t != self.tenant);
+                    }
+                    st.parked -= 1;
+                    return None;
+                }
+            }
+        }
+        // Not queued any more: release() already sent us a permit.
+        rx.try_recv().ok()
+    }
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        // A permit that reached a call that went away goes back to the pool (and so to the
+        // next parked call).
+        drop(self.leave());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(s: &str) -> TenantId {
+        TenantId::new(s).unwrap()
+    }
+
+    #[tokio::test]
+    async fn free_workers_are_taken_at_once_and_come_back() {
+        let pool = WorkerPool::new(2, 10);
+        let a = pool.acquire(&t("a"), Duration::ZERO).await.unwrap();
+        let b = pool.try_acquire().unwrap();
+        assert_eq!(a.1, Parked::NotParked);
+        assert!(pool.try_acquire().is_none());
+        drop(a);
+        drop(b);
+        assert_eq!(pool.free(), 2);
+    }
+
+    #[tokio::test]
+    async fn full_lot_and_spent_budget_are_refused() {
+        let pool = WorkerPool::new(1, 1);
+        let _held = pool.try_acquire().unwrap();
+        let waiting = {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                pool.acquire(&t("a"), Duration::from_millis(300))
+                    .await
+                    .map(|_| ())
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(pool.parked(), 1);
+        assert_eq!(
+            pool.acquire(&t("b"), Duration::from_secs(1)).await.err(),
+            Some(LotError::Full)
+        );
+        assert_eq!(waiting.await.unwrap(), Err(LotError::Timeout));
+        assert_eq!(pool.parked(), 0);
+    }
+
+    #[tokio::test]
+    async fn released_workers_go_round_robin_across_tenants() {
+        let pool = WorkerPool::new(1, 100);
+        let held = pool.try_acquire().unwrap();
+        let served = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        // Tenant a floods with 6 calls, then b sends 2.
+        for (i, name) in ["a", "a", "a", "a", "a", "a", "b", "b"].iter().enumerate() {
+            let pool = pool.clone();
+            let served = served.clone();
+            let name = name.to_string();
+            tasks.push(tokio::spawn(async move {
+                let (permit, _) = pool
+                    .acquire(&t(&name), Duration::from_secs(5))
+                    .await
+                    .unwrap();
+                served.lock().unwrap().push(name);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                drop(permit);
+            }));
+            tokio::time::sleep(Duration::from_millis(2 + i as u64 % 2)).await;
+        }
+        drop(held);
+        for task in tasks {
+            task.await.unwrap();
+        }
+        let served = served.lock().unwrap().clone();
+        let b_positions: Vec<_> = served
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| *n == "b")
+            .map(|(i, _)| i)
+            .collect();
+        // b is served within the first four turns, not after a's whole burst.
+        assert!(b_positions[0] <= 1 && b_positions[1] <= 3, "{served:?}");
+        assert_eq!(pool.free(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_call_that_goes_away_frees_its_place_and_loses_no_worker() {
+        let pool = WorkerPool::new(1, 10);
+        let held = pool.try_acquire().unwrap();
+        let gone = {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                pool.acquire(&t("a"), Duration::from_secs(10))
+                    .await
+                    .map(|_| ())
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(pool.parked(), 1);
+        gone.abort();
+        let _ = gone.await;
+        assert_eq!(pool.parked(), 0);
+        drop(held);
+        assert_eq!(pool.free(), 1, "the worker came back to the pool");
+    }
+}
