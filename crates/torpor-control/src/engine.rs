@@ -251,6 +251,17 @@ impl Engine {
     async fn reconcile(&self) -> Result<()> {
         // The agent channel of any container still running died with the previous daemon; such
         // a container cannot be talked to again, so its sandbox goes back to its last snapshot.
+        // Containers the previous run froze cannot die until thawed.
+        let ours: std::collections::HashSet<String> = self
+            .store
+            .sandboxes()?
+            .into_iter()
+            .map(|s| s.id.to_string())
+            .collect();
+        torpor_runtime::cgroup::thaw_matching(|cid| {
+            cid.rsplit_once("-g")
+                .is_some_and(|(id, _)| ours.contains(id))
+        });
         let strays = self.runsc.kill_strays();
         if strays > 0 {
             tracing::warn!(

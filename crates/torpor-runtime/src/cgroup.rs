@@ -58,6 +58,20 @@ pub fn set_frozen(container_id: &str, frozen: bool) -> Result<(), CgroupError> {
     }
 }
 
+/// Thaws every container group under torpor's freezer parent whose id `ours` accepts (after a
+/// crash, a frozen container's processes cannot be killed until thawed).
+pub fn thaw_matching(ours: impl Fn(&str) -> bool) {
+    let Ok(entries) = fs::read_dir(PathBuf::from(CGROUP_ROOT).join("freezer").join(PARENT)) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if e.path().is_dir() && ours(&name) {
+            let _ = set_frozen(&name, false);
+        }
+    }
+}
+
 /// Bytes charged to the container's memory cgroup, or None when it has none (not running).
 pub fn memory_usage(container_id: &str) -> Option<u64> {
     fs::read_to_string(controller_dir("memory", container_id).join("memory.usage_in_bytes"))

@@ -328,9 +328,11 @@ impl Runsc {
 
     /// Kills and deletes a container, whatever its state, and removes its cgroups.
     ///
-    /// The sandbox process is SIGKILLed first: `runsc delete --force` on a running container
+    /// The sandbox process is thawed and SIGKILLed first: `runsc delete --force` on a running container
     /// of this build waits 5 s for a stop that never comes; on a dead one it takes milliseconds.
     pub async fn destroy(&self, container_id: &str) {
+        // A frozen process cannot die: thaw first, or the kill leaves it stuck (state D).
+        let _ = cgroup::set_frozen(container_id, false);
         let mut state = self.global_args();
         state.extend(["state".into(), container_id.into()]);
         if let Ok(out) = self.run(&state, "state").await {

@@ -16,6 +16,8 @@ pub const ENV_TOKEN: &str = "TORPOR_TOKEN";
 pub const ENV_DATA_DIR: &str = "TORPOR_DATA_DIR";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7077";
 pub const TOKEN_FILE: &str = "admin-token";
+/// How long calls in flight may take to finish after SIGTERM.
+const GRACE: Duration = Duration::from_secs(10);
 
 pub struct UpConfig {
     pub listen: SocketAddr,
@@ -175,10 +177,24 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         cfg.data_dir.display(),
         workers
     );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .context("the API server failed")?;
+    // On SIGTERM: stop accepting, give calls in flight up to GRACE to finish (idle keep-alive
+    // connections would otherwise hold the shutdown forever), then checkpoint.
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                let _ = stop_rx.await;
+            })
+            .await
+    });
+    shutdown_signal().await;
+    let _ = stop_tx.send(());
+    match tokio::time::timeout(GRACE, server).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => return Err(e).context("the API server failed"),
+        Ok(Err(e)) => bail!("the API server task failed: {e}"),
+        Err(_) => eprintln!("torpor: calls still open after {GRACE:?}; going on with shutdown"),
+    }
     eprintln!("torpor: shutting down; checkpointing resident sandboxes");
     engine.shutdown().await;
     eprintln!("torpor: stopped");

@@ -303,5 +303,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         let _ = c.delete_sandbox(id).await;
     }
     let _ = c.delete_template(&tpl_name).await;
+    // Close the client's connections before the daemon is asked to stop.
+    drop(c);
+    drop(_daemon);
     Ok(if failures == 0 { 0 } else { 2 })
 }

@@ -92,3 +92,37 @@ async fn sigkill_during_checkpoint_and_restore_loses_nothing_committed() {
         "old checkpoints are removed once superseded"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crash_while_frozen_leaves_nothing_stuck() {
+    let mut d = Daemon::start().await;
+    let c = d.client();
+    c.create_template(&agent_template("frosty", no_idle()))
+        .await
+        .unwrap();
+    let id = create(&c, "frosty").await;
+    assert_eq!(call_agent(&c, &id, "a").await, (1, 1));
+    c.suspend(&id, Some(Tier::Parked)).await.unwrap();
+    assert_eq!(call_agent(&c, &id, "b").await, (2, 2));
+    c.suspend(&id, Some(Tier::Frozen)).await.unwrap();
+    let old_container = d.dir.join("runsc");
+    d.kill();
+    d.spawn().await;
+    let c = d.client();
+    // Back to the last committed snapshot (counter 1), and the frozen container is gone.
+    assert_eq!(call_agent(&c, &id, "c").await, (2, 2));
+    let leftovers: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|p| std::fs::read(p.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| {
+            c.contains(&format!("{id}-g")) && c.contains(&old_container.display().to_string())
+        })
+        .filter(|c| !c.contains(&format!("{id}-g3")))
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "processes of the frozen container survived: {leftovers:?}"
+    );
+}
