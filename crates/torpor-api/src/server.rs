@@ -110,9 +110,10 @@ fn status_of(e: &ControlError) -> StatusCode {
             | A::SpawnFailed
             | A::BadRequest => StatusCode::BAD_REQUEST,
         },
-        ControlError::Runtime(_) | ControlError::Store(_) | ControlError::Io { .. } => {
-            StatusCode::INTERNAL_SERVER_ERROR
-        }
+        ControlError::Runtime(_)
+        | ControlError::Store(_)
+        | ControlError::Snapshot(_)
+        | ControlError::Io { .. } => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
 

@@ -160,6 +160,8 @@ pub struct Engine {
     checkpoints: Arc<Semaphore>,
     pub metrics: Metrics,
     shutting_down: AtomicBool,
+    /// The snapshot store: Suspended sandboxes' checkpoints, chunked, deduplicated, verified.
+    snapshots: Arc<torpor_snapshot::Store>,
     /// Serialises quota checks with the state change that consumes the quota, so two calls at
     /// the last unit cannot both pass.
     quota_lock: tokio::sync::Mutex<()>,
@@ -172,9 +174,6 @@ impl Engine {
     }
     fn sandbox_dir(&self, id: &SandboxId) -> PathBuf {
         self.cfg.data_dir.join("sandboxes").join(id.as_str())
-    }
-    fn store_dir(&self, id: &SandboxId) -> PathBuf {
-        self.cfg.data_dir.join("store").join(id.as_str())
     }
     fn bundle_dir(&self, container_id: &str) -> PathBuf {
         self.cfg.data_dir.join("run").join(container_id)
@@ -199,6 +198,10 @@ impl Engine {
         tracing::info!(version = %runsc.version, platform = %runsc.platform, overlay = ?runsc.overlay_flags, "runsc detected");
         let agent_dir = rootfs::install_agent(&cfg.agent_binary, &cfg.data_dir.join("agent"))
             .map_err(|e| ControlError::Unsupported(e.to_string()))?;
+        let snapshots = Arc::new(
+            torpor_snapshot::Store::local(cfg.data_dir.join("store"))
+                .map_err(|e| ControlError::Snapshot(e.to_string()))?,
+        );
         let metrics = Metrics::new();
         metrics.workers_total.set(cfg.workers as i64);
         let engine = Arc::new_cyclic(|me| Engine {
@@ -213,6 +216,7 @@ impl Engine {
             metrics,
             shutting_down: AtomicBool::new(false),
             quota_lock: tokio::sync::Mutex::new(()),
+            snapshots,
         });
         engine.reconcile().await?;
         if engine.store.template(&TemplateName::host())?.is_none() {
@@ -308,14 +312,12 @@ impl Engine {
             }
             // Checkpoints that never committed.
             remove_tmp_entries(&self.sandbox_dir(&s.id).join("images"));
-            remove_tmp_entries(&self.store_dir(&s.id));
         }
         Ok(())
     }
 
     fn remove_sandbox_files(&self, id: &SandboxId) {
         let _ = std::fs::remove_dir_all(self.sandbox_dir(id));
-        let _ = std::fs::remove_dir_all(self.store_dir(id));
     }
 
     fn slot(&self, id: &SandboxId) -> Arc<Slot> {
@@ -1055,12 +1057,30 @@ impl Engine {
                 return Err(e);
             }
         };
+        // A Suspended checkpoint is fetched (every chunk verified) next to the parked ones.
+        let fetched = self
+            .sandbox_dir(&rec.id)
+            .join("images")
+            .join(format!(".tmp-fetch-{}", rec.generation));
         let image = match &rec.image {
             ImageRef::Golden => tpl.golden_dir.clone(),
-            ImageRef::Local(p) | ImageRef::Store(p) => p.clone(),
+            ImageRef::Local(p) => p.clone(),
+            ImageRef::Store(snapshot) => {
+                let _ = std::fs::remove_dir_all(&fetched);
+                if let Err(e) = self.fetch_snapshot(snapshot, &fetched).await {
+                    rec.state = previous;
+                    rec.last_error = Some(format!("wake failed: {e}"));
+                    self.store.update_sandbox(&rec)?;
+                    return Err(e);
+                }
+                fetched.clone()
+            }
         };
         let golden = rec.image == ImageRef::Golden;
-        match self.restore_container(&rec, &tpl, &image, golden).await {
+        let restored = self.restore_container(&rec, &tpl, &image, golden).await;
+        // The restore has read the image; the store keeps the committed copy.
+        let _ = std::fs::remove_dir_all(&fetched);
+        match restored {
             Ok(container) => {
                 rec.state = SandboxState::Running;
                 rec.tier = Tier::Running;
@@ -1143,7 +1163,7 @@ impl Engine {
                 rec.state = SandboxState::Parked;
                 rec.tier = Tier::Parked;
                 self.store.update_sandbox(&rec)?;
-                remove_image(&old);
+                self.remove_image(&old).await;
                 let bytes = dir_size(&dest);
                 self.metrics
                     .checkpoint_seconds
@@ -1190,48 +1210,83 @@ impl Engine {
             })?;
         rec.state = SandboxState::Uploading;
         self.store.update_sandbox(&rec)?;
-        let store_dir = self.store_dir(id);
-        let dest = store_dir.join(rec.generation.to_string());
-        let tmp = store_dir.join(format!(".tmp-{}", rec.generation));
-        let result = async {
-            std::fs::create_dir_all(&store_dir)
-                .map_err(ControlError::io("cannot create", &store_dir))?;
-            let _ = std::fs::remove_dir_all(&tmp);
-            match &rec.image {
-                ImageRef::Local(p) => copy_tree(p, &tmp).await?,
-                ImageRef::Golden => {
-                    let tpl = self.store.template(&rec.template)?.ok_or_else(|| {
-                        ControlError::NotFound {
-                            kind: "template",
-                            id: rec.template.to_string(),
-                        }
-                    })?;
-                    copy_tree(&tpl.golden_dir, &tmp).await?;
-                }
-                ImageRef::Store(_) => {}
+        let source = match &rec.image {
+            ImageRef::Local(p) => p.clone(),
+            ImageRef::Golden => {
+                self.store
+                    .template(&rec.template)?
+                    .ok_or_else(|| ControlError::NotFound {
+                        kind: "template",
+                        id: rec.template.to_string(),
+                    })?
+                    .golden_dir
             }
-            let _ = std::fs::remove_dir_all(&dest);
-            std::fs::rename(&tmp, &dest).map_err(ControlError::io("cannot commit", &dest))
-        }
-        .await;
-        match result {
-            Ok(()) => {
-                let old = std::mem::replace(&mut rec.image, ImageRef::Store(dest));
+            ImageRef::Store(_) => unreachable!("a sandbox in the store is Suspended"),
+        };
+        let t = Instant::now();
+        // The manifest is the commit marker: until put_dir returns, the store holds no
+        // snapshot for this checkpoint, and the local image stays the sandbox's.
+        // The store's futures run in their own task: their internal borrows stay out of the
+        // API handlers' futures (which must be Send for any lifetime).
+        let store = self.snapshots.clone();
+        let put = tokio::spawn(async move { store.put_dir(&source, None).await })
+            .await
+            .map_err(|e| ControlError::Snapshot(format!("upload task failed: {e}")))?;
+        match put {
+            Ok(report) => {
+                let old = std::mem::replace(&mut rec.image, ImageRef::Store(report.id.to_string()));
                 rec.state = SandboxState::Suspended;
                 rec.tier = Tier::Suspended;
                 self.store.update_sandbox(&rec)?;
-                remove_image(&old);
+                self.remove_image(&old).await;
+                self.metrics
+                    .checkpoint_bytes
+                    .with_label_values(&["store_new"])
+                    .inc_by(report.stats.bytes_written);
                 self.metrics
                     .transitions
                     .with_label_values(&["suspended", cause])
                     .inc();
+                tracing::info!(sandbox = %id, snapshot = %report.id, ms = t.elapsed().as_millis() as u64,
+                    written = report.stats.bytes_written, "checkpoint in the snapshot store");
                 Ok(())
             }
             Err(e) => {
-                let _ = std::fs::remove_dir_all(&tmp);
                 rec.state = SandboxState::Parked;
                 self.store.update_sandbox(&rec)?;
-                Err(e)
+                Err(ControlError::Snapshot(e.to_string()))
+            }
+        }
+    }
+
+    async fn fetch_snapshot(&self, snapshot: &str, dest: &Path) -> Result<()> {
+        let id = torpor_snapshot::SnapshotId::new(snapshot)
+            .map_err(|e| ControlError::Snapshot(format!("snapshot id {snapshot:?}: {e}")))?;
+        let store = self.snapshots.clone();
+        let dest = dest.to_path_buf();
+        tokio::spawn(async move { store.get_dir(&id, &dest).await })
+            .await
+            .map_err(|e| ControlError::Snapshot(format!("fetch task failed: {e}")))?
+            .map_err(|e| ControlError::Snapshot(e.to_string()))?;
+        Ok(())
+    }
+
+    /// Removes a superseded checkpoint: a local image directory, or a snapshot in the store.
+    async fn remove_image(&self, image: &ImageRef) {
+        match image {
+            ImageRef::Golden => {}
+            ImageRef::Local(p) => {
+                let _ = std::fs::remove_dir_all(p);
+            }
+            ImageRef::Store(snapshot) => {
+                if let Ok(id) = torpor_snapshot::SnapshotId::new(snapshot.as_str()) {
+                    let store = self.snapshots.clone();
+                    let deleted =
+                        tokio::spawn(async move { store.delete_snapshot(&id).await }).await;
+                    if !matches!(deleted, Ok(Ok(()))) {
+                        tracing::warn!(snapshot = %snapshot, "cannot delete a superseded snapshot");
+                    }
+                }
             }
         }
     }
@@ -1287,6 +1342,7 @@ impl Engine {
             self.runsc.destroy(&live.container.id).await;
             let _ = std::fs::remove_dir_all(self.bundle_dir(&live.container.id));
         }
+        self.remove_image(&rec.image).await;
         self.remove_sandbox_files(id);
         self.store.delete_sandbox(id)?;
         self.slots
@@ -1862,12 +1918,6 @@ fn apply_image_config(spec: &mut TemplateSpec, config: &torpor_image::ImageConfi
     }
     if spec.cwd.is_none() {
         spec.cwd = config.working_dir.clone().filter(|d| d.starts_with('/'));
-    }
-}
-
-fn remove_image(image: &ImageRef) {
-    if let ImageRef::Local(p) | ImageRef::Store(p) = image {
-        let _ = std::fs::remove_dir_all(p);
     }
 }
 

@@ -52,6 +52,8 @@ pub enum ControlError {
     },
     #[error("sandbox runtime: {0}")]
     Runtime(#[from] RuntimeError),
+    #[error("snapshot store: {0}")]
+    Snapshot(String),
     #[error("image: {0}")]
     Image(#[from] torpor_image::ImageError),
     #[error("sandbox agent: {0}")]
@@ -99,6 +101,7 @@ impl ControlError {
             ControlError::Runtime(_) => "runtime_error",
             ControlError::Conn(_) => "sandbox_unavailable",
             ControlError::Image(e) => e.code(),
+            ControlError::Snapshot(_) => "snapshot_store_error",
             ControlError::Store(_) => "state_store_error",
             ControlError::Io { .. } => "io_error",
         }

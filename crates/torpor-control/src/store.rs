@@ -38,8 +38,8 @@ pub enum ImageRef {
     Golden,
     /// A checkpoint on this node's disk (Parked).
     Local(PathBuf),
-    /// A checkpoint in the snapshot store (Suspended).
-    Store(PathBuf),
+    /// A checkpoint in the snapshot store (Suspended), by snapshot id.
+    Store(String),
 }
 
 impl ImageRef {

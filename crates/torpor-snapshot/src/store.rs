@@ -668,27 +668,26 @@ impl Store {
                 Ok(written)
             })
         };
-        let fetches = extents.iter().map(|e| {
-            let data = e.data;
-            let len = e.len;
-            async move {
-                match data {
-                    ExtentData::Zero => Ok((WriteOp::Zero(len), false, 0)),
-                    ExtentData::Chunk(id) => {
-                        let (bytes, hit, fetched) = self.fetch_chunk(&m.id, &id, &f.path).await?;
-                        if bytes.len() as u64 != len {
-                            return Err(StoreError::ChunkCorrupt {
-                                snapshot: m.id.clone(),
-                                chunk: id,
-                                path: f.path.clone(),
-                                source: crate::chunk::ChunkError::LengthMismatch {
-                                    expected: len.min(u64::from(MAX_CHUNK_LEN)) as u32,
-                                    actual: bytes.len(),
-                                },
-                            });
-                        }
-                        Ok((WriteOp::Data(bytes), hit, fetched))
+        // Owned (data, len) pairs: a closure over a slice iterator here makes the whole
+        // future fail the `Send` check of callers that spawn it (a higher-ranked lifetime).
+        let parts: Vec<(ExtentData, u64)> = extents.iter().map(|e| (e.data, e.len)).collect();
+        let fetches = parts.into_iter().map(|(data, len)| async move {
+            match data {
+                ExtentData::Zero => Ok((WriteOp::Zero(len), false, 0)),
+                ExtentData::Chunk(id) => {
+                    let (bytes, hit, fetched) = self.fetch_chunk(&m.id, &id, &f.path).await?;
+                    if bytes.len() as u64 != len {
+                        return Err(StoreError::ChunkCorrupt {
+                            snapshot: m.id.clone(),
+                            chunk: id,
+                            path: f.path.clone(),
+                            source: crate::chunk::ChunkError::LengthMismatch {
+                                expected: len.min(u64::from(MAX_CHUNK_LEN)) as u32,
+                                actual: bytes.len(),
+                            },
+                        });
                     }
+                    Ok((WriteOp::Data(bytes), hit, fetched))
                 }
             }
         });

@@ -74,6 +74,8 @@ async fn agent_state_survives_every_tier_and_background_processes_keep_running()
         "torpor_wake_seconds_bucket{from_tier=\"suspended\"",
         "torpor_checkpoint_seconds",
         "torpor_checkpoint_bytes_total",
+        // Suspended goes through the deduplicating snapshot store.
+        "torpor_checkpoint_bytes_total{kind=\"store_new\"}",
         "torpor_exec_seconds",
         "torpor_sandboxes{",
     ] {
