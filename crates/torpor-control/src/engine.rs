@@ -1221,7 +1221,13 @@ impl Engine {
                     })?
                     .golden_dir
             }
-            ImageRef::Store(_) => unreachable!("a sandbox in the store is Suspended"),
+            ImageRef::Store(_) => {
+                // Already in the store (a sandbox that fell back to its stored snapshot).
+                rec.state = SandboxState::Suspended;
+                rec.tier = Tier::Suspended;
+                self.store.update_sandbox(&rec)?;
+                return Ok(());
+            }
         };
         let t = Instant::now();
         // The manifest is the commit marker: until put_dir returns, the store holds no
