@@ -39,4 +39,6 @@ if ! command -v cargo >/dev/null 2>&1; then
   curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal -c clippy -c rustfmt
   export PATH="$HOME/.cargo/bin:$PATH"
 fi
-runsc --version | head -1 >&2
+# (no `| head`: with pipefail, runsc's SIGPIPE would fail the script)
+runsc_version=$(runsc --version)
+echo "${runsc_version%%$'\n'*}" >&2
