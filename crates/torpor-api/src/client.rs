@@ -319,6 +319,15 @@ impl Client {
         .await
     }
 
+    pub async fn fork(&self, id: &str, count: usize) -> Result<Vec<Sandbox>> {
+        self.json_body(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/fork"),
+            &crate::types::ForkBody { count: Some(count) },
+        )
+        .await
+    }
+
     pub async fn resume(&self, id: &str) -> Result<Sandbox> {
         self.json(self.request(Method::POST, &format!("/v1/sandboxes/{id}/resume")))
             .await

@@ -24,8 +24,8 @@ use torpor_core::{SandboxId, TemplateName, TemplateSpec, TenantId, Tier};
 use torpor_runtime::proto::{self, ExecRequest};
 
 use crate::types::{
-    CreateSandboxBody, CreateTenantBody, ErrorBody, ErrorDetail, ExecBody, Health, Sandbox,
-    SuspendBody, Template, Tenant, TenantCreated,
+    CreateSandboxBody, CreateTenantBody, ErrorBody, ErrorDetail, ExecBody, ForkBody, Health,
+    Sandbox, SuspendBody, Template, Tenant, TenantCreated,
 };
 
 /// The OpenAPI document served at /v1/openapi.json.
@@ -194,6 +194,7 @@ pub fn decode_all_bodies(body: &[u8]) -> usize {
         parse_json::<ExecBody>(&body).is_ok(),
         parse_json::<SuspendBody>(&body).is_ok(),
         parse_json::<CreateTenantBody>(&body).is_ok(),
+        parse_json::<ForkBody>(&body).is_ok(),
     ]
     .into_iter()
     .filter(|ok| *ok)
@@ -240,6 +241,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         )
         .route("/sandboxes/{id}/suspend", post(suspend))
         .route("/sandboxes/{id}/resume", post(resume))
+        .route("/sandboxes/{id}/fork", post(fork))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .route("/openapi.json", get(openapi));
     Router::new()
@@ -547,6 +549,27 @@ async fn suspend(
         )
         .await?;
     Ok(Json(Sandbox::from(&s)))
+}
+
+async fn fork(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(id): Path<String>,
+    RawBody(body): RawBody,
+) -> ApiResult<(StatusCode, Json<Vec<Sandbox>>)> {
+    let body: ForkBody = if body.is_empty() {
+        ForkBody::default()
+    } else {
+        parse_json(&body)?
+    };
+    let forks = state
+        .engine
+        .fork(&tenant, &sandbox_id(&id)?, body.count.unwrap_or(1))
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(forks.iter().map(Sandbox::from).collect()),
+    ))
 }
 
 async fn resume(

@@ -75,6 +75,14 @@ pub struct ExecBody {
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+pub struct ForkBody {
+    /// How many sandboxes to make (1 to 64; default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count: Option<usize>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SuspendBody {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tier: Option<Tier>,

@@ -55,6 +55,8 @@ pub struct EngineConfig {
 
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_METADATA_ENTRIES: usize = 64;
+/// Forks made by one call.
+pub const MAX_FORKS: usize = 64;
 const MAX_METADATA_LEN: usize = 1024;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -1326,6 +1328,102 @@ impl Engine {
         drop(guard);
         let _ = rec;
         self.sandbox(tenant, id)
+    }
+
+    /// Makes `count` new sandboxes from `id`'s latest snapshot, without copying: the snapshot
+    /// goes into the store (deduplicated), and each fork is a manifest sharing its chunks. A
+    /// resident source is parked first. The forks are Suspended; their first call wakes them.
+    pub async fn fork(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        count: usize,
+    ) -> Result<Vec<SandboxRecord>> {
+        self.check_running()?;
+        if !(1..=MAX_FORKS).contains(&count) {
+            return Err(ControlError::Invalid(format!(
+                "count must be between 1 and {MAX_FORKS}"
+            )));
+        }
+        self.sandbox(tenant, id)?;
+        let slot = self.slot(id);
+        let mut guard = slot.state.clone().write_owned().await;
+        if guard.live.is_some() {
+            self.park_locked(&mut guard, id, "fork").await?;
+        }
+        let source = self.store.sandbox(id)?.ok_or_else(|| not_found(id))?;
+        let snapshot = match &source.image {
+            ImageRef::Store(s) => torpor_snapshot::SnapshotId::new(s.as_str())
+                .map_err(|e| ControlError::Snapshot(format!("snapshot id {s:?}: {e}")))?,
+            ImageRef::Local(dir) => self.put_snapshot(dir.clone()).await?,
+            ImageRef::Golden => {
+                let tpl = self.store.template(&source.template)?.ok_or_else(|| {
+                    ControlError::NotFound {
+                        kind: "template",
+                        id: source.template.to_string(),
+                    }
+                })?;
+                self.put_snapshot(tpl.golden_dir).await?
+            }
+        };
+        drop(guard);
+        let store = self.snapshots.clone();
+        let ids = tokio::spawn(async move { store.fork(&snapshot, count).await })
+            .await
+            .map_err(|e| ControlError::Snapshot(format!("fork task failed: {e}")))?
+            .map_err(|e| ControlError::Snapshot(e.to_string()))?;
+        let mut forks = Vec::with_capacity(count);
+        for snap in ids {
+            let now = now_millis();
+            let mut metadata = source.metadata.clone();
+            metadata.insert("forked_from".into(), source.id.to_string());
+            let rec = SandboxRecord {
+                id: SandboxId::generate(),
+                tenant: source.tenant.clone(),
+                template: source.template.clone(),
+                state: SandboxState::Suspended,
+                tier: Tier::Suspended,
+                limits: source.limits,
+                env: source.env.clone(),
+                metadata,
+                created_at: now,
+                last_active_at: now,
+                generation: source.generation,
+                image: ImageRef::Store(snap.to_string()),
+                last_error: None,
+                oom_killed: false,
+            };
+            let inserted = {
+                let _quota = self.quota_lock.lock().await;
+                self.check_quota(&rec.tenant, true, None)
+                    .and_then(|()| Ok(self.store.insert_sandbox(&rec)?))
+            };
+            if let Err(e) = inserted {
+                // Forks made so far stay; the rest of the snapshots are dropped.
+                self.remove_image(&rec.image).await;
+                if forks.is_empty() {
+                    return Err(e);
+                }
+                tracing::warn!(sandbox = %id, made = forks.len(), error = %e, "fork stopped early");
+                break;
+            }
+            forks.push(rec);
+        }
+        Ok(forks)
+    }
+
+    /// Puts a checkpoint directory into the snapshot store.
+    async fn put_snapshot(&self, dir: PathBuf) -> Result<torpor_snapshot::SnapshotId> {
+        let store = self.snapshots.clone();
+        let report = tokio::spawn(async move { store.put_dir(&dir, None).await })
+            .await
+            .map_err(|e| ControlError::Snapshot(format!("upload task failed: {e}")))?
+            .map_err(|e| ControlError::Snapshot(e.to_string()))?;
+        self.metrics
+            .checkpoint_bytes
+            .with_label_values(&["store_new"])
+            .inc_by(report.stats.bytes_written);
+        Ok(report.id)
     }
 
     /// Wakes a sandbox to Running without running anything in it.

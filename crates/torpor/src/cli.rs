@@ -148,6 +148,14 @@ pub enum Command {
         #[command(flatten)]
         conn: Conn,
     },
+    /// Make N sandboxes from a sandbox's latest snapshot, without copying (parks it if running).
+    Fork {
+        id: String,
+        #[arg(short = 'n', long, default_value_t = 1)]
+        count: usize,
+        #[command(flatten)]
+        conn: Conn,
+    },
     /// Wake a sandbox.
     Resume {
         id: String,
@@ -553,6 +561,17 @@ async fn dispatch(cmd: Command) -> CliResult {
                     s.tier,
                     t.elapsed().as_secs_f64() * 1000.0
                 );
+            }
+            Ok(0)
+        }
+        Command::Fork { id, count, conn } => {
+            let forks = client(&conn)?.fork(&id, count).await?;
+            if conn.json {
+                print_json(&forks);
+            } else {
+                for f in &forks {
+                    println!("{}", f.id);
+                }
             }
             Ok(0)
         }

@@ -288,3 +288,37 @@ async fn concurrent_calls_to_a_sleeping_sandbox_share_one_wake() {
         .unwrap();
     assert_eq!(wakes, 1.0, "one wake for eight calls");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn forks_continue_independently_from_the_same_state() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    c.create_template(&agent_template("forky", no_idle()))
+        .await
+        .unwrap();
+    let id = create(&c, "forky").await;
+    assert_eq!(call_agent(&c, &id, "a").await, (1, 1));
+    assert_eq!(call_agent(&c, &id, "b").await, (2, 2));
+    let forks = c.fork(&id, 3).await.unwrap();
+    assert_eq!(forks.len(), 3);
+    for f in &forks {
+        assert_eq!(f.state, "suspended");
+        assert_eq!(f.metadata.get("forked_from"), Some(&id));
+    }
+    // Each fork wakes with the source's memory and files, then goes its own way.
+    assert_eq!(call_agent(&c, &forks[0].id, "x").await, (3, 3));
+    assert_eq!(call_agent(&c, &forks[0].id, "y").await, (4, 4));
+    assert_eq!(call_agent(&c, &forks[1].id, "z").await, (3, 3));
+    assert_eq!(
+        call_agent(&c, &id, "c").await,
+        (3, 3),
+        "the source is unchanged"
+    );
+    assert_eq!(
+        c.fork(&id, 0).await.unwrap_err().code(),
+        Some("invalid_request")
+    );
+    for f in &forks {
+        c.delete_sandbox(&f.id).await.unwrap();
+    }
+}
