@@ -296,11 +296,19 @@ async fn no_free_worker_answers_503_with_retry_after() {
     for id in &ids {
         let c = c.clone();
         let id = id.clone();
-        busy.push(tokio::spawn(
-            async move { c.exec(&id, &sh("sleep 3")).await },
-        ));
+        busy.push(tokio::spawn(async move {
+            c.exec(&id, &sh("touch /tmp/started; sleep 3")).await
+        }));
     }
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    // Wait until every call is running (a slow machine may take a while to start them).
+    for id in &ids {
+        for _ in 0..150 {
+            if c.read_file(id, "/tmp/started").await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
     let t = d.token();
     let (status, v, retry) = raw(
         &d,

@@ -25,9 +25,18 @@ async fn a_full_lot_refuses_with_lot_full_and_parked_calls_get_a_worker() {
     let busy = {
         let c = c.clone();
         let a = a.clone();
-        tokio::spawn(async move { c.exec(&a, &sh("sleep 2; echo done")).await })
+        tokio::spawn(async move {
+            c.exec(&a, &sh("touch /tmp/started; sleep 2; echo done"))
+                .await
+        })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Wait until that call is running (a slow machine may take a while to start it).
+    for _ in 0..100 {
+        if c.read_file(&a, "/tmp/started").await.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let parked = {
         let c = c.clone();
         tokio::spawn(async move {
@@ -38,8 +47,15 @@ async fn a_full_lot_refuses_with_lot_full_and_parked_calls_get_a_worker() {
             .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(c.workers().await.unwrap().parked_calls, 1);
+    let mut parked_calls = 0;
+    for _ in 0..100 {
+        parked_calls = c.workers().await.unwrap().parked_calls;
+        if parked_calls == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(parked_calls, 1);
     let err = c
         .create_sandbox(&CreateSandboxBody {
             template: "host".into(),
@@ -87,8 +103,14 @@ async fn memory_budget_parks_the_least_recently_active_first() {
         let w = c.workers().await.unwrap();
         eprintln!("after {i}: resident {} MiB", w.resident_memory_bytes >> 20);
     }
-    // Give the policy a few ticks.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Give the policy a few ticks (allocation inside gVisor may be slow on a busy machine).
+    for _ in 0..50 {
+        if c.sandbox(&ids[0]).await.unwrap().tier == "parked" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let w = c.workers().await.unwrap();
     assert!(
         w.resident_memory_bytes <= 220 << 20,
