@@ -763,7 +763,7 @@ mod tests {
     fn decoders_accept_their_own_shapes() {
         assert_eq!(decode_all_bodies(br#"{"template":"host"}"#), 1);
         assert_eq!(decode_all_bodies(br#"{"cmd":["true"]}"#), 1);
-        assert_eq!(decode_all_bodies(br#"{}"#), 1); // suspend, default tier
+        assert_eq!(decode_all_bodies(br#"{}"#), 2); // suspend (default tier), fork (count 1)
         assert_eq!(
             decode_all_bodies(br#"{"name":"t","source":{"kind":"host"}}"#),
             1
