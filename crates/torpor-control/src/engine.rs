@@ -1306,18 +1306,19 @@ impl Engine {
         id: &SandboxId,
         tier: Tier,
     ) -> Result<SandboxRecord> {
-        let rec = self.sandbox(tenant, id)?;
+        self.sandbox(tenant, id)?;
         let slot = self.slot(id);
         let mut guard = slot.state.clone().write_owned().await;
         let current = self.store.sandbox(id)?.ok_or_else(|| not_found(id))?;
-        if current.tier > tier || tier == Tier::Running {
-            return Err(ControlError::InvalidTransition {
-                from: current.state,
-                to: tier,
-            });
+        let refused = || ControlError::InvalidTransition {
+            from: current.state,
+            to: tier,
+        };
+        if current.tier > tier {
+            return Err(refused());
         }
         match tier {
-            Tier::Running => unreachable!("refused above"),
+            Tier::Running => return Err(refused()),
             Tier::Frozen => self.freeze_locked(&mut guard, id, "api").await?,
             Tier::Parked => self.park_locked(&mut guard, id, "api").await?,
             Tier::Suspended => {
@@ -1326,7 +1327,6 @@ impl Engine {
             }
         }
         drop(guard);
-        let _ = rec;
         self.sandbox(tenant, id)
     }
 

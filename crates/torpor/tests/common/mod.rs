@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -247,8 +247,4 @@ pub async fn create(c: &Client, template: &str) -> String {
     .await
     .unwrap()
     .id
-}
-
-pub fn exists(p: &Path) -> bool {
-    p.exists()
 }
