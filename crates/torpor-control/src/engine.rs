@@ -24,7 +24,7 @@ use torpor_core::{
     TemplateSource, TemplateSpec, TenantId, Tier,
 };
 use torpor_runtime::proto::{self, AgentErrorCode, DirEntry, ExecRequest, Reply, Request};
-use torpor_runtime::{rootfs, Container, ContainerSpec, Runsc};
+use torpor_runtime::{rootfs, Container, ContainerSpec, Runsc, WarmPool, Worker};
 
 use crate::error::{ControlError, Result};
 use crate::lot::{LotError, Parked, WorkerPermit, WorkerPool};
@@ -51,6 +51,8 @@ pub struct EngineConfig {
     pub memory_budget: Option<u64>,
     /// How often the idle policy runs.
     pub tick: Duration,
+    /// Free workers kept prepared (cgroups, bundle directory) so a wake does only the restore.
+    pub warm_pool: usize,
 }
 
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -81,6 +83,13 @@ pub struct WorkerStats {
     pub parked_calls: usize,
     pub lot_capacity: usize,
     pub park_budget_ms: u64,
+    /// Prepared workers the warm pool keeps.
+    pub warm_pool_size: usize,
+    /// Prepared workers ready now.
+    pub warm_ready: usize,
+    /// Wakes that found a prepared worker / that prepared one inline.
+    pub warm_takes: u64,
+    pub cold_takes: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -106,6 +115,8 @@ pub enum ExecEvent {
 struct Live {
     container: Container,
     _permit: WorkerPermit,
+    /// The prepared cgroups and bundle the container runs in; reset and reused when dropped.
+    _worker: Worker,
     frozen: bool,
 }
 
@@ -158,6 +169,8 @@ pub struct Engine {
     agent_dir: PathBuf,
     slots: Mutex<HashMap<SandboxId, Arc<Slot>>>,
     workers: Arc<WorkerPool>,
+    /// Prepared workers (cgroups, bundle directories) handed to wakes.
+    warm: WarmPool,
     /// At most this many checkpoints run at once (each is CPU- and disk-heavy).
     checkpoints: Arc<Semaphore>,
     pub metrics: Metrics,
@@ -206,8 +219,11 @@ impl Engine {
         );
         let metrics = Metrics::new();
         metrics.workers_total.set(cfg.workers as i64);
+        // Before reconcile: this also thaws and empties the groups a previous run left.
+        let warm = WarmPool::start(&cfg.data_dir, cfg.warm_pool);
         let engine = Arc::new_cyclic(|me| Engine {
             me: me.clone(),
+            warm,
             workers: WorkerPool::new(cfg.workers, cfg.lot_capacity),
             checkpoints: Arc::new(Semaphore::new(2)),
             cfg,
@@ -734,18 +750,26 @@ impl Engine {
         }
     }
 
-    /// Restores a container for `rec` from `image` and waits until its agent answers.
+    /// Restores a container for `rec` from `image` on a warm worker and waits until its agent
+    /// answers.
     async fn restore_container(
         &self,
         rec: &SandboxRecord,
         tpl: &TemplateRecord,
         image: &Path,
         configure: bool,
-    ) -> Result<Container> {
+    ) -> Result<(Container, Worker)> {
         let cid = rec.container_id();
-        let bundle = self.bundle_dir(&cid);
+        let worker = self
+            .warm
+            .take()
+            .map_err(torpor_runtime::RuntimeError::from)?;
+        self.metrics
+            .warm_takes
+            .with_label_values(&[if worker.was_warm() { "warm" } else { "cold" }])
+            .inc();
         let spec = container_spec(tpl, &rec.limits, &tpl.spec.env);
-        let container = self.runsc.restore(&cid, &bundle, &spec, image)?;
+        let container = self.runsc.restore(&cid, &worker, &spec, image)?;
         let ready = async {
             self.runsc.wait_ready(&container, READY_TIMEOUT).await?;
             if configure {
@@ -765,23 +789,23 @@ impl Engine {
         if let Err(e) = ready {
             container.expect_exit();
             self.runsc.destroy(&cid).await;
-            let _ = std::fs::remove_dir_all(&bundle);
             return Err(e);
         }
-        Ok(container)
+        Ok((container, worker))
     }
 
     fn install_live(
         &self,
         guard: &mut OwnedRwLockWriteGuard<SlotState>,
         rec: &SandboxRecord,
-        container: Container,
+        (container, worker): (Container, Worker),
         permit: WorkerPermit,
     ) {
         self.watch_crash(rec.id.clone(), &container);
         guard.live = Some(Live {
             container,
             _permit: permit,
+            _worker: worker,
             frozen: false,
         });
         self.metrics.workers_busy.set(self.workers.busy() as i64);
@@ -816,7 +840,6 @@ impl Engine {
         live.container.expect_exit();
         tracing::warn!(sandbox = %id, container = %cid, reason, log = %self.runsc.log_tail(cid), "sandbox crashed; back to its last snapshot");
         self.runsc.destroy(cid).await;
-        let _ = std::fs::remove_dir_all(self.bundle_dir(cid));
         drop(live);
         self.metrics
             .crashes
@@ -890,7 +913,7 @@ impl Engine {
             .filter_map(|slot| {
                 let guard = slot.state.try_read().ok()?;
                 let live = guard.live.as_ref()?;
-                torpor_runtime::cgroup::memory_usage(&live.container.id)
+                torpor_runtime::cgroup::memory_usage(&live.container.cgroup)
             })
             .sum()
     }
@@ -914,6 +937,7 @@ impl Engine {
 
     /// Workers: how many, how many hold a sandbox, how many calls wait.
     pub fn worker_stats(&self) -> WorkerStats {
+        let warm = self.warm.stats();
         WorkerStats {
             memory_budget_bytes: self.cfg.memory_budget,
             resident_memory_bytes: self.resident_memory(),
@@ -923,6 +947,10 @@ impl Engine {
             parked_calls: self.workers.parked(),
             lot_capacity: self.workers.capacity(),
             park_budget_ms: self.cfg.worker_wait.as_millis() as u64,
+            warm_pool_size: warm.target,
+            warm_ready: warm.ready,
+            warm_takes: warm.warm_takes,
+            cold_takes: warm.cold_takes,
         }
     }
 
@@ -997,7 +1025,7 @@ impl Engine {
                 Some((true, false)) => {
                     let t = Instant::now();
                     let live = guard.live.as_mut().expect("checked");
-                    torpor_runtime::cgroup::set_frozen(&live.container.id, false)
+                    torpor_runtime::cgroup::set_frozen(&live.container.cgroup, false)
                         .map_err(torpor_runtime::RuntimeError::from)?;
                     live.frozen = false;
                     rec.state = SandboxState::Running;
@@ -1116,7 +1144,7 @@ impl Engine {
         if live.frozen {
             return Ok(());
         }
-        torpor_runtime::cgroup::set_frozen(&live.container.id, true)
+        torpor_runtime::cgroup::set_frozen(&live.container.cgroup, true)
             .map_err(torpor_runtime::RuntimeError::from)?;
         live.frozen = true;
         if let Some(mut rec) = self.store.sandbox(id)? {
@@ -1153,9 +1181,7 @@ impl Engine {
         let _ = std::fs::remove_dir_all(&tmp);
         let t = Instant::now();
         let result = self.runsc.checkpoint(&live.container, &tmp).await;
-        let cid = live.container.id.clone();
         drop(live);
-        let _ = std::fs::remove_dir_all(self.bundle_dir(&cid));
         self.metrics.workers_busy.set(self.workers.busy() as i64);
         match result {
             Ok(()) => {
@@ -1444,7 +1470,6 @@ impl Engine {
         if let Some(live) = guard.live.take() {
             live.container.expect_exit();
             self.runsc.destroy(&live.container.id).await;
-            let _ = std::fs::remove_dir_all(self.bundle_dir(&live.container.id));
         }
         self.remove_image(&rec.image).await;
         self.remove_sandbox_files(id);
@@ -1846,6 +1871,7 @@ impl Engine {
             *counts.entry((rec.state, rec.tier)).or_default() += 1;
         }
         self.set_sandbox_gauges(counts);
+        self.metrics.warm_ready.set(self.warm.stats().ready as i64);
         Ok(())
     }
 
@@ -1870,6 +1896,8 @@ impl Engine {
         if let Err(e) = self.store.touch_sandboxes(&touched) {
             tracing::warn!(error = %e, "cannot persist activity clocks");
         }
+        let warm = self.warm.clone();
+        let _ = tokio::task::spawn_blocking(move || warm.shutdown()).await;
     }
 }
 

@@ -12,6 +12,8 @@ pub struct Metrics {
     pub sandboxes: IntGaugeVec,
     pub workers_total: IntGauge,
     pub workers_busy: IntGauge,
+    pub warm_ready: IntGauge,
+    pub warm_takes: IntCounterVec,
     pub wake_seconds: HistogramVec,
     pub checkpoint_seconds: HistogramVec,
     pub checkpoint_bytes: IntCounterVec,
@@ -48,6 +50,19 @@ impl Metrics {
         let workers_busy =
             IntGauge::new("torpor_workers_busy", "Workers holding a resident sandbox.")
                 .expect("valid metric");
+        let warm_ready = IntGauge::new(
+            "torpor_warm_pool_ready",
+            "Free workers prepared ahead (cgroups, bundle) and waiting for a wake.",
+        )
+        .expect("valid metric");
+        let warm_takes = IntCounterVec::new(
+            Opts::new(
+                "torpor_warm_pool_takes_total",
+                "Workers handed to wakes: prepared ahead (warm) or prepared inline (cold).",
+            ),
+            &["kind"],
+        )
+        .expect("valid metric");
         let wake_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "torpor_wake_seconds",
@@ -143,6 +158,8 @@ impl Metrics {
             Box::new(sandboxes.clone()),
             Box::new(workers_total.clone()),
             Box::new(workers_busy.clone()),
+            Box::new(warm_ready.clone()),
+            Box::new(warm_takes.clone()),
             Box::new(wake_seconds.clone()),
             Box::new(checkpoint_seconds.clone()),
             Box::new(checkpoint_bytes.clone()),
@@ -157,6 +174,8 @@ impl Metrics {
             sandboxes,
             workers_total,
             workers_busy,
+            warm_ready,
+            warm_takes,
             wake_seconds,
             checkpoint_seconds,
             checkpoint_bytes,

@@ -9,6 +9,8 @@ pub mod proto;
 pub mod rootfs;
 pub mod runsc;
 pub mod spec;
+pub mod warm;
 
 pub use runsc::{Container, ExitHandle, ExitInfo, Runsc, RuntimeError};
 pub use spec::{ContainerSpec, Mount};
+pub use warm::{WarmPool, WarmStats, Worker};

@@ -9,10 +9,11 @@
 //! Container ids are `<sandbox id>-g<generation>`: every restore gets a fresh id, so a stale
 //! container from a crashed daemon never collides with a new one.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::process::{Child, Command};
@@ -22,6 +23,7 @@ use crate::cgroup;
 use crate::conn::{AgentConn, ConnError};
 use crate::proto::{Reply, Request};
 use crate::spec::{self, ContainerSpec};
+use crate::warm::Worker;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
@@ -67,6 +69,8 @@ pub struct Runsc {
     /// runsc's state directory (`--root`), private to this torpor.
     pub state_root: PathBuf,
     pub log_dir: PathBuf,
+    /// The cgroup of each container started on a warm worker (the others use their own id).
+    groups: Arc<Mutex<HashMap<String, String>>>,
 }
 
 /// How a container ended.
@@ -79,6 +83,8 @@ pub struct ExitInfo {
 
 pub struct Container {
     pub id: String,
+    /// Its cgroup name under `torpor/` (freezer, memory usage).
+    pub cgroup: String,
     pub conn: Arc<AgentConn>,
     exit: watch::Receiver<Option<ExitInfo>>,
     /// Set before a checkpoint, so that the exit it causes is not taken for a crash.
@@ -189,6 +195,7 @@ impl Runsc {
             overlay_flags,
             state_root,
             log_dir,
+            groups: Arc::default(),
         })
     }
 
@@ -210,12 +217,11 @@ impl Runsc {
         &self,
         bundle: &Path,
         spec: &ContainerSpec,
-        container_id: &str,
+        cgroup: &str,
     ) -> Result<(), RuntimeError> {
         std::fs::create_dir_all(bundle).map_err(io_err(bundle))?;
         let path = bundle.join("config.json");
-        let json =
-            serde_json::to_vec_pretty(&spec::render(spec, container_id)).expect("spec serialises");
+        let json = serde_json::to_vec_pretty(&spec::render(spec, cgroup)).expect("spec serialises");
         std::fs::write(&path, json).map_err(io_err(&path))
     }
 
@@ -234,21 +240,33 @@ impl Runsc {
             format!("--bundle={}", bundle.display()),
             container_id.into(),
         ]);
-        let c = self.spawn_container(container_id, args)?;
+        let oom = cgroup::watch_oom(container_id);
+        let c = self.spawn_container(container_id, container_id, oom, args)?;
         self.wait_ready(&c, ready_timeout).await?;
         Ok(c)
     }
 
-    /// Starts restoring a container from a checkpoint image. Returns as soon as runsc is
-    /// running: requests written to the agent now are answered once the restore completes.
+    /// Starts restoring a container from a checkpoint image on a warm worker (its cgroup and
+    /// bundle directory made ahead; the sandbox's limits are written here). Returns as soon as
+    /// runsc is running: requests written to the agent now are answered once the restore
+    /// completes.
     pub fn restore(
         &self,
         container_id: &str,
-        bundle: &Path,
+        worker: &Worker,
         spec: &ContainerSpec,
         image_dir: &Path,
     ) -> Result<Container, RuntimeError> {
-        self.write_bundle(bundle, spec, container_id)?;
+        let (quota, period) = spec::cpu_quota(&spec.limits);
+        cgroup::apply_limits(
+            worker.cgroup(),
+            spec.limits.memory_bytes(),
+            quota,
+            period,
+            spec::host_pids_limit(spec.limits.pids),
+        )?;
+        let bundle = worker.bundle();
+        self.write_bundle(bundle, spec, worker.cgroup())?;
         let mut args = self.global_args();
         args.extend([
             "restore".into(),
@@ -256,7 +274,11 @@ impl Runsc {
             format!("--bundle={}", bundle.display()),
             container_id.into(),
         ]);
-        self.spawn_container(container_id, args)
+        self.groups
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(container_id.to_string(), worker.cgroup().to_string());
+        self.spawn_container(container_id, worker.cgroup(), worker.oom_flag(), args)
     }
 
     /// Waits for the agent's hello, or fails with the tail of the container's log.
@@ -275,6 +297,8 @@ impl Runsc {
     fn spawn_container(
         &self,
         container_id: &str,
+        cgroup: &str,
+        oom: Arc<AtomicBool>,
         args: Vec<String>,
     ) -> Result<Container, RuntimeError> {
         let log_path = self.log_path(container_id);
@@ -294,11 +318,11 @@ impl Runsc {
         let stdin = child.stdin.take().expect("piped stdin");
         let stdout = child.stdout.take().expect("piped stdout");
         let conn = AgentConn::new(stdin, stdout);
-        let oom = cgroup::watch_oom(container_id);
         let (tx, exit) = watch::channel(None);
         tokio::spawn(watch_exit(child, oom, tx));
         Ok(Container {
             id: container_id.to_string(),
+            cgroup: cgroup.to_string(),
             conn,
             exit,
             expected_exit: Arc::new(AtomicBool::new(false)),
@@ -311,7 +335,7 @@ impl Runsc {
     pub async fn checkpoint(&self, c: &Container, image_dir: &Path) -> Result<(), RuntimeError> {
         std::fs::create_dir_all(image_dir).map_err(io_err(image_dir))?;
         // runsc cannot checkpoint a container frozen behind its back.
-        let _ = cgroup::set_frozen(&c.id, false);
+        let _ = cgroup::set_frozen(&c.cgroup, false);
         c.expected_exit.store(true, Ordering::SeqCst);
         let mut args = self.global_args();
         args.extend([
@@ -331,8 +355,13 @@ impl Runsc {
     /// The sandbox process is thawed and SIGKILLed first: `runsc delete --force` on a running container
     /// of this build waits 5 s for a stop that never comes; on a dead one it takes milliseconds.
     pub async fn destroy(&self, container_id: &str) {
+        let group = self
+            .groups
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(container_id);
         // A frozen process cannot die: thaw first, or the kill leaves it stuck (state D).
-        let _ = cgroup::set_frozen(container_id, false);
+        let _ = cgroup::set_frozen(group.as_deref().unwrap_or(container_id), false);
         let mut state = self.global_args();
         state.extend(["state".into(), container_id.into()]);
         if let Ok(out) = self.run(&state, "state").await {
@@ -348,7 +377,10 @@ impl Runsc {
         let mut args = self.global_args();
         args.extend(["delete".into(), "--force".into(), container_id.into()]);
         let _ = self.run(&args, "delete").await;
-        cgroup::remove_all(container_id);
+        // A warm worker's group stays: the worker is reset and reused.
+        if group.is_none() {
+            cgroup::remove_all(container_id);
+        }
     }
 
     /// Kills every runsc process working on this state directory (`--root`): what a daemon that

@@ -46,7 +46,14 @@ pub struct ContainerSpec {
 
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
-pub fn render(spec: &ContainerSpec, container_id: &str) -> serde_json::Value {
+/// The CFS quota and period (µs) for a CPU limit.
+pub fn cpu_quota(limits: &Limits) -> (i64, u64) {
+    let period: u64 = 100_000;
+    ((limits.cpus * period as f64).round() as i64, period)
+}
+
+/// The config.json of a container that runs in the cgroup `torpor/<cgroup>`.
+pub fn render(spec: &ContainerSpec, cgroup: &str) -> serde_json::Value {
     let mut env: BTreeMap<String, String> = BTreeMap::new();
     env.insert("PATH".into(), DEFAULT_PATH.into());
     env.insert("HOME".into(), "/root".into());
@@ -73,8 +80,7 @@ pub fn render(spec: &ContainerSpec, container_id: &str) -> serde_json::Value {
         .expect("mount serialises"),
     );
 
-    let period: u64 = 100_000;
-    let quota = (spec.limits.cpus * period as f64).round() as i64;
+    let (quota, period) = cpu_quota(&spec.limits);
     serde_json::json!({
         "ociVersion": "1.0.2",
         "process": {
@@ -97,7 +103,7 @@ pub fn render(spec: &ContainerSpec, container_id: &str) -> serde_json::Value {
                 {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
                 {"type": "network"}
             ],
-            "cgroupsPath": cgroup::cgroups_path(container_id),
+            "cgroupsPath": cgroup::cgroups_path(cgroup),
             "resources": {
                 "memory": {"limit": spec.limits.memory_bytes()},
                 "cpu": {"quota": quota, "period": period},

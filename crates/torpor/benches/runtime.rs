@@ -20,22 +20,14 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use torpor_api::types::{CreateSandboxBody, ExecBody};
-use torpor_api::Client;
 use torpor_core::{IdlePolicy, Limits, TemplateName, TemplateSource, TemplateSpec, Tier};
 
-const BIN: &str = env!("CARGO_BIN_EXE_torpor");
+mod support;
+use support::pct;
 
 /// A main process with 64 MiB of incompressible memory resident.
 /// It writes /tmp/ready once its memory is filled: the point where an agent can serve.
 const AGENT_64M: &str = "import os, time\nblob = os.urandom(64 << 20)\nopen('/tmp/ready', 'w').write('1')\nwhile True: time.sleep(3600)\n";
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v[((p / 100.0) * (v.len() - 1) as f64).round() as usize]
-}
 
 struct Row {
     name: &'static str,
@@ -84,6 +76,18 @@ fn copy_dir(src: &Path, dest: &Path) {
     assert!(st.success());
 }
 
+/// The bundle directory of a live container (a warm-pool worker's), from `runsc state`.
+fn bundle_of(data: &Path, cid: &str) -> PathBuf {
+    let mut args = runsc_global(&data.join("runsc"));
+    args.extend(["state".into(), cid.into()]);
+    let out = Command::new("runsc")
+        .args(&args)
+        .output()
+        .expect("runsc runs");
+    let state: serde_json::Value = serde_json::from_slice(&out.stdout).expect("runsc state JSON");
+    PathBuf::from(state["bundle"].as_str().expect("a bundle path"))
+}
+
 fn latest_image(data: &Path, id: &str) -> PathBuf {
     let dir = data.join("sandboxes").join(id).join("images");
     std::fs::read_dir(&dir)
@@ -100,40 +104,9 @@ async fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(30);
-    let tmp = tempfile::Builder::new()
-        .prefix("torpor-bench-")
-        .tempdir()
-        .unwrap();
-    let data = tmp.path().join("data");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut daemon = Command::new(BIN)
-        .args([
-            "up",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--workers",
-            "8",
-        ])
-        .arg("--data-dir")
-        .arg(&data)
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(tmp.path().join("daemon.log")).unwrap())
-        .spawn()
-        .unwrap();
-    let token_path = data.join("admin-token");
-    let c = loop {
-        if let Ok(t) = std::fs::read_to_string(&token_path) {
-            let c = Client::new(&format!("http://127.0.0.1:{port}"), t.trim());
-            if c.is_up().await {
-                break c;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let d = support::Daemon::start(&["--workers", "8"]).await;
+    let (c, data) = (d.client.clone(), d.data());
+    let tmp = &d.dir;
     let baseline_root = tmp.path().join("baseline-runsc");
     std::fs::create_dir_all(&baseline_root).unwrap();
     let no_idle = IdlePolicy {
@@ -254,7 +227,7 @@ async fn main() {
     let mut bare_restore = Vec::new();
     for i in 0..n {
         let gen = 1 + i as u32; // the generation now running
-        let bundle = data.join("run").join(format!("{id}-g{gen}"));
+        let bundle = bundle_of(&data, &format!("{id}-g{gen}"));
         let bcid = format!("bench-restore-{i}");
         let bbundle = tmp.path().join(&bcid);
         copy_bundle(&bundle, &bbundle, &bcid);
@@ -314,7 +287,7 @@ async fn main() {
         tmp.path().join("baseline-logs"),
     )
     .unwrap();
-    let live_bundle = data.join("run").join(format!("{id}-g{}", n + 1));
+    let live_bundle = bundle_of(&data, &format!("{id}-g{}", n + 1));
     let live: serde_json::Value =
         serde_json::from_slice(&std::fs::read(live_bundle.join("config.json")).unwrap()).unwrap();
     let mut boot = Vec::new();
@@ -420,7 +393,5 @@ async fn main() {
         "{}",
         serde_json::json!({"bench": "runtime", "n": n, "rows": json_rows})
     );
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
-    let _ = daemon.wait();
+    drop(d);
 }

@@ -69,6 +69,10 @@ pub enum Command {
         /// How often the idle policy runs.
         #[arg(long, default_value_t = 500)]
         tick_ms: u64,
+        /// Free workers kept prepared (cgroups, bundle directory) so that a wake does only the
+        /// restore (default: as many as --workers; 0 prepares every worker at wake time).
+        #[arg(long)]
+        warm_pool: Option<usize>,
     },
     /// Manage templates.
     #[command(subcommand)]
@@ -360,6 +364,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             lot_size,
             memory_budget,
             tick_ms,
+            warm_pool,
         } => {
             init_logging();
             daemon::up(daemon::UpConfig {
@@ -372,6 +377,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                 lot_capacity: lot_size.max(1),
                 memory_budget,
                 tick: Duration::from_millis(tick_ms.max(50)),
+                warm_pool,
             })
             .await?;
             Ok(0)
@@ -437,6 +443,10 @@ async fn dispatch(cmd: Command) -> CliResult {
                     human_bytes(w.resident_memory_bytes),
                     w.memory_budget_bytes
                         .map_or("no budget".into(), human_bytes)
+                );
+                println!(
+                    "warm pool: {} of {} ready; wakes on a prepared worker {}, prepared inline {}",
+                    w.warm_ready, w.warm_pool_size, w.warm_takes, w.cold_takes
                 );
             }
             Ok(0)

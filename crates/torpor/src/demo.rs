@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -18,6 +19,8 @@ use clap::Args;
 use torpor_api::types::{CreateSandboxBody, ExecBody};
 use torpor_api::Client;
 use torpor_core::{IdlePolicy, Limits, TemplateName, TemplateSource, TemplateSpec, Tier};
+
+use crate::report::{Report, Sample, TierRow};
 
 #[derive(Args)]
 pub struct DemoArgs {
@@ -27,7 +30,7 @@ pub struct DemoArgs {
     #[arg(long, env = crate::daemon::ENV_TOKEN, hide_env_values = true)]
     token: Option<String>,
     /// Number of agents.
-    #[arg(long, default_value_t = 6)]
+    #[arg(long, default_value_t = 8)]
     agents: usize,
     /// Bursts of calls, separated by idle gaps.
     #[arg(long, default_value_t = 3)]
@@ -38,6 +41,9 @@ pub struct DemoArgs {
     /// Print the summary as JSON.
     #[arg(long)]
     json: bool,
+    /// Also write the summary as an HTML page with charts.
+    #[arg(long, value_name = "FILE.html")]
+    report: Option<PathBuf>,
 }
 
 const AGENT: &str = r#"
@@ -120,6 +126,113 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
+fn tier_row(tier: &str, mut v: Vec<f64>) -> TierRow {
+    v.sort_by(f64::total_cmp);
+    TierRow {
+        tier: tier.to_string(),
+        calls: v.len(),
+        p50_ms: percentile(&v, 50.0),
+        p95_ms: percentile(&v, 95.0),
+        p99_ms: percentile(&v, 99.0),
+    }
+}
+
+/// Polls the daemon every 250 ms: resident memory, workers, parked calls, and how many of the
+/// demo's agents are resident or asleep.
+fn start_sampler(
+    c: Client,
+    template: String,
+    t0: Instant,
+) -> (Arc<Mutex<Vec<Sample>>>, tokio::task::JoinHandle<()>) {
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let out = samples.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            if let (Ok(w), Ok(list)) = (c.workers().await, c.sandboxes(None).await) {
+                let mine = list.iter().filter(|s| s.template == template);
+                let (mut resident, mut asleep) = (0, 0);
+                for s in mine {
+                    if s.tier == "running" || s.tier == "frozen" {
+                        resident += 1;
+                    } else {
+                        asleep += 1;
+                    }
+                }
+                out.lock().unwrap_or_else(|p| p.into_inner()).push(Sample {
+                    t_s: t0.elapsed().as_secs_f64(),
+                    resident_bytes: w.resident_memory_bytes,
+                    busy_workers: w.busy,
+                    resident,
+                    asleep,
+                    parked_calls: w.parked_calls,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    });
+    (samples, task)
+}
+
+/// Sums a Prometheus counter's samples by one label's value.
+fn counter_by_label(metrics: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    let prefix = format!("{name}{{");
+    for line in metrics.lines() {
+        let Some(rest) = line.strip_prefix(&prefix) else {
+            continue;
+        };
+        let Some((labels, value)) = rest.split_once('}') else {
+            continue;
+        };
+        let key = labels.split(',').find_map(|kv| {
+            let (k, v) = kv.split_once('=')?;
+            (k.trim() == label).then(|| v.trim().trim_matches('"').to_string())
+        });
+        if let (Some(key), Ok(v)) = (key, value.trim().parse::<f64>()) {
+            *out.entry(key).or_insert(0.0) += v;
+        }
+    }
+    out
+}
+
+/// One call to an agent: pokes its main process through the FIFOs and reads back its counter
+/// and its log's line count. Returns (tier it was in, latency ms, counter, log lines, error).
+async fn call_agent(c: &Client, id: &str, round: usize) -> anyhow::Result<(String, f64, u64, u64)> {
+    let tier = c.sandbox(id).await?.tier;
+    let t = Instant::now();
+    let r = c
+        .exec(
+            id,
+            &ExecBody {
+                cmd: vec![
+                    "sh".into(),
+                    "-c".into(),
+                    format!(
+                        "echo round{round} > /tmp/in && cat /tmp/out && wc -l < /data/calls.log"
+                    ),
+                ],
+                timeout_ms: Some(30_000),
+                ..Default::default()
+            },
+        )
+        .await?;
+    let ms = t.elapsed().as_secs_f64() * 1000.0;
+    if r.exit_code != Some(0) {
+        bail!("exit {:?}: {}", r.exit_code, r.stderr.trim());
+    }
+    let mut lines = r.stdout.lines();
+    let counter: u64 = lines
+        .next()
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    let logged: u64 = lines
+        .next()
+        .and_then(|l| l.trim().parse().ok())
+        .unwrap_or(0);
+    Ok((tier, ms, counter, logged))
+}
+
 pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     let (_daemon, c) = match &args.url {
         Some(url) => {
@@ -140,6 +253,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
             (Some(d), c)
         }
     };
+    if args.agents == 0 || args.rounds == 0 {
+        bail!("--agents and --rounds must be at least 1");
+    }
+    let metrics_before = c.metrics().await.unwrap_or_default();
     let tpl_name = format!("demo-agent-{:04x}", rand::random::<u16>());
     eprintln!("demo: building template {tpl_name} (boot + golden snapshot) ...");
     let t = Instant::now();
@@ -163,6 +280,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     })
     .await?;
     let template_s = t.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    let (samples, sampler) = start_sampler(c.clone(), tpl_name.clone(), t0);
 
     let mut ids = Vec::new();
     let mut create_ms = Vec::new();
@@ -178,7 +297,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         ids.push(s.id);
     }
     eprintln!(
-        "demo: {} agents created; running {} rounds",
+        "demo: {} agents created; running {} bursts (every agent called at once)",
         ids.len(),
         args.rounds
     );
@@ -195,53 +314,45 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
                 }
             }
         }
+        // A burst: every agent at once, more than there are workers, so some calls park.
+        let mut burst = tokio::task::JoinSet::new();
         for (i, id) in ids.iter().enumerate() {
-            let tier = c.sandbox(id).await?.tier;
-            let t = Instant::now();
-            let r = c
-                .exec(
-                    id,
-                    &ExecBody {
-                        cmd: vec![
-                            "sh".into(),
-                            "-c".into(),
-                            format!("echo round{round} > /tmp/in && cat /tmp/out && wc -l < /data/calls.log"),
-                        ],
-                        timeout_ms: Some(30_000),
-                        ..Default::default()
-                    },
-                )
-                .await?;
-            let ms = t.elapsed().as_secs_f64() * 1000.0;
-            wakes.entry(tier).or_default().push(ms);
+            let (c, id) = (c.clone(), id.clone());
+            burst.spawn(async move { (i, id.clone(), call_agent(&c, &id, round).await) });
+        }
+        while let Some(joined) = burst.join_next().await {
+            let (i, id, result) = joined.context("a demo call panicked")?;
             calls[i] += 1;
-            let mut lines = r.stdout.lines();
-            let counter: u64 = lines
-                .next()
-                .and_then(|l| l.split_whitespace().next())
-                .and_then(|n| n.parse().ok())
-                .unwrap_or(0);
-            let logged: u64 = lines
-                .next()
-                .and_then(|l| l.trim().parse().ok())
-                .unwrap_or(0);
-            if r.exit_code != Some(0) || counter != calls[i] || logged != calls[i] {
-                failures += 1;
-                eprintln!(
-                    "demo: agent {id} lost state: counter {counter}, log lines {logged}, expected {} (exit {:?}, stderr {})",
-                    calls[i], r.exit_code, r.stderr.trim()
-                );
+            match result {
+                Ok((tier, ms, counter, logged)) if counter == calls[i] && logged == calls[i] => {
+                    wakes.entry(tier).or_default().push(ms);
+                }
+                Ok((_, _, counter, logged)) => {
+                    failures += 1;
+                    eprintln!(
+                        "demo: agent {id} lost state: counter {counter}, log lines {logged}, expected {}",
+                        calls[i]
+                    );
+                }
+                Err(e) => {
+                    failures += 1;
+                    eprintln!("demo: call to agent {id} failed: {e}");
+                }
             }
         }
         if round + 1 < args.rounds {
             eprintln!(
-                "demo: round {} done; idling {:.0} s so the ladder puts agents to sleep",
+                "demo: burst {} done; idling {:.0} s so the ladder puts agents to sleep",
                 round + 1,
                 args.idle_s
             );
             tokio::time::sleep(Duration::from_secs_f64(args.idle_s)).await;
         }
     }
+    // One last sample after the run.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sampler.abort();
+    let samples = std::mem::take(&mut *samples.lock().unwrap_or_else(|p| p.into_inner()));
 
     let all = c.sandboxes(None).await?;
     let mine: Vec<_> = all.iter().filter(|s| s.template == tpl_name).collect();
@@ -249,55 +360,46 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         .iter()
         .filter(|s| s.tier == "running" || s.tier == "frozen")
         .count();
-    let mut rows = Vec::new();
-    println!(
-        "\ntorpor demo: {} agents, {} rounds, {} state checks, {} failures",
+    let metrics_after = c.metrics().await.unwrap_or_default();
+    let delta = |name: &str, label: &str| {
+        let before = counter_by_label(&metrics_before, name, label);
+        let mut after = counter_by_label(&metrics_after, name, label);
+        for (k, v) in after.iter_mut() {
+            *v -= before.get(k).copied().unwrap_or(0.0);
+        }
+        after.retain(|_, v| *v > 0.0);
+        after
+    };
+    let parked = delta("torpor_lot_wait_seconds_count", "outcome");
+    let rejections = delta("torpor_lot_rejections_total", "reason");
+    let evictions = delta("torpor_evictions_total", "reason");
+
+    let mut tiers = vec![tier_row("golden (create)", create_ms.clone())];
+    tiers.extend(wakes.into_iter().map(|(t, v)| tier_row(&t, v)));
+    let report = Report::new(
         ids.len(),
         args.rounds,
         calls.iter().sum::<u64>(),
-        failures
+        failures,
+        template_s,
+        tiers,
+        resident,
+        samples,
+        parked.values().sum::<f64>() as u64,
+        rejections.into_iter().map(|(k, v)| (k, v as u64)).collect(),
+        evictions.into_iter().map(|(k, v)| (k, v as u64)).collect(),
     );
-    println!(
-        "template build (boot + golden snapshot): {:.2} s",
-        template_s
-    );
-    println!(
-        "{:<12} {:>6} {:>10} {:>10} {:>10}",
-        "woken from", "calls", "p50 ms", "p95 ms", "p99 ms"
-    );
-    let mut created = create_ms.clone();
-    created.sort_by(f64::total_cmp);
-    println!(
-        "{:<12} {:>6} {:>10.1} {:>10.1} {:>10.1}",
-        "golden",
-        created.len(),
-        percentile(&created, 50.0),
-        percentile(&created, 95.0),
-        percentile(&created, 99.0)
-    );
-    for (tier, v) in &mut wakes {
-        v.sort_by(f64::total_cmp);
-        println!(
-            "{:<12} {:>6} {:>10.1} {:>10.1} {:>10.1}",
-            tier,
-            v.len(),
-            percentile(v, 50.0),
-            percentile(v, 95.0),
-            percentile(v, 99.0)
-        );
-        rows.push(serde_json::json!({"tier": tier, "calls": v.len(), "p50_ms": percentile(v, 50.0), "p95_ms": percentile(v, 95.0), "p99_ms": percentile(v, 99.0)}));
-    }
-    println!("agents resident now: {resident} of {}", mine.len());
-    let summary = serde_json::json!({
-        "agents": ids.len(), "rounds": args.rounds, "failures": failures,
-        "template_build_s": template_s,
-        "create_p50_ms": percentile(&created, 50.0),
-        "wake_by_tier": rows, "resident": resident,
-    });
+    report.print_table();
+    let summary = report.json();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
         println!("{summary}");
+    }
+    if let Some(path) = &args.report {
+        std::fs::write(path, report.html())
+            .with_context(|| format!("cannot write the report to {}", path.display()))?;
+        eprintln!("demo: report written to {}", path.display());
     }
     for id in &ids {
         let _ = c.delete_sandbox(id).await;
