@@ -141,6 +141,32 @@ pub struct InUse {
     guard: OwnedRwLockReadGuard<SlotState>,
     slot: Arc<Slot>,
     id: SandboxId,
+    evictor: Arc<Evictor>,
+}
+
+/// Frees workers for calls waiting in the lot, as soon as a resident sandbox is idle: woken
+/// when a call starts waiting and when a call ends, it parks least recently active idle
+/// sandboxes, one per waiting call, several at once (the checkpoint semaphore bounds them).
+#[derive(Default)]
+struct Evictor {
+    wake: tokio::sync::Notify,
+    /// Calls that want a worker and have none yet.
+    wanting: std::sync::atomic::AtomicUsize,
+    /// Evictions started for them and not finished.
+    in_flight: std::sync::atomic::AtomicUsize,
+}
+
+impl Evictor {
+    fn needed(&self) -> bool {
+        self.wanting.load(Ordering::SeqCst) > self.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Wakes the eviction task if some call waits for a worker.
+    fn poke(&self) {
+        if self.needed() {
+            self.wake.notify_one();
+        }
+    }
 }
 
 impl InUse {
@@ -157,6 +183,8 @@ impl InUse {
 impl Drop for InUse {
     fn drop(&mut self) {
         self.slot.touch();
+        // The sandbox is idle now unless another call holds it: a waiting call may take its worker.
+        self.evictor.poke();
     }
 }
 
@@ -171,6 +199,7 @@ pub struct Engine {
     workers: Arc<WorkerPool>,
     /// Prepared workers (cgroups, bundle directories) handed to wakes.
     warm: WarmPool,
+    evictor: Arc<Evictor>,
     /// At most this many checkpoints run at once (each is CPU- and disk-heavy).
     checkpoints: Arc<Semaphore>,
     pub metrics: Metrics,
@@ -224,6 +253,7 @@ impl Engine {
         let engine = Arc::new_cyclic(|me| Engine {
             me: me.clone(),
             warm,
+            evictor: Arc::default(),
             workers: WorkerPool::new(cfg.workers, cfg.lot_capacity),
             checkpoints: Arc::new(Semaphore::new(2)),
             cfg,
@@ -258,6 +288,8 @@ impl Engine {
         }
         let ticker = engine.clone();
         tokio::spawn(async move { ticker.run_policy().await });
+        let evictor = engine.clone();
+        tokio::spawn(async move { evictor.run_evictor().await });
         Ok(engine)
     }
 
@@ -865,9 +897,11 @@ impl Engine {
         if let Some(p) = self.workers.try_acquire() {
             return Ok(p);
         }
-        self.evict_one("no_free_worker").await;
         self.metrics.lot_parked.inc();
+        self.evictor.wanting.fetch_add(1, Ordering::SeqCst);
+        self.evictor.poke();
         let result = self.workers.acquire(tenant, self.cfg.worker_wait).await;
+        self.evictor.wanting.fetch_sub(1, Ordering::SeqCst);
         self.metrics.lot_parked.dec();
         match result {
             Ok((permit, parked)) => {
@@ -957,6 +991,34 @@ impl Engine {
     /// Parks the least recently active resident sandbox that no call is using. Frozen ones go
     /// first, then idle running ones.
     async fn evict_one(&self, reason: &str) -> bool {
+        let Some((id, mut guard)) = self.pick_victim() else {
+            return false;
+        };
+        self.evict(&id, &mut guard, reason).await
+    }
+
+    async fn evict(
+        &self,
+        id: &SandboxId,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        reason: &str,
+    ) -> bool {
+        tracing::info!(sandbox = %id, reason, "parking to make room");
+        match self.park_locked(guard, id, "evicted").await {
+            Ok(()) => {
+                self.metrics.evictions.with_label_values(&[reason]).inc();
+                true
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %id, error = %e, "eviction failed");
+                false
+            }
+        }
+    }
+
+    /// The least recently active resident sandbox that no call is using, locked: Frozen ones
+    /// first, then idle running ones.
+    fn pick_victim(&self) -> Option<(SandboxId, OwnedRwLockWriteGuard<SlotState>)> {
         let candidates: Vec<(SandboxId, Arc<Slot>)> = {
             let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
             slots.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
@@ -972,18 +1034,28 @@ impl Engine {
                 best = Some((key.0, key.1, id, guard));
             }
         }
-        let Some((_, _, id, mut guard)) = best else {
-            return false;
-        };
-        tracing::info!(sandbox = %id, reason, "parking to make room");
-        match self.park_locked(&mut guard, &id, "evicted").await {
-            Ok(()) => {
-                self.metrics.evictions.with_label_values(&[reason]).inc();
-                true
+        best.map(|(_, _, id, guard)| (id, guard))
+    }
+
+    /// The eviction task (see [`Evictor`]).
+    async fn run_evictor(self: Arc<Self>) {
+        loop {
+            self.evictor.wake.notified().await;
+            if self.shutting_down.load(Ordering::SeqCst) {
+                return;
             }
-            Err(e) => {
-                tracing::warn!(sandbox = %id, error = %e, "eviction failed");
-                false
+            while self.evictor.needed() {
+                let Some((id, mut guard)) = self.pick_victim() else {
+                    break; // every resident sandbox is in a call: the next call's end pokes us
+                };
+                self.evictor.in_flight.fetch_add(1, Ordering::SeqCst);
+                let engine = self.clone();
+                tokio::spawn(async move {
+                    engine.evict(&id, &mut guard, "parked_calls").await;
+                    drop(guard);
+                    engine.evictor.in_flight.fetch_sub(1, Ordering::SeqCst);
+                    engine.evictor.wake.notify_one();
+                });
             }
         }
     }
@@ -1002,6 +1074,7 @@ impl Engine {
                             guard,
                             slot: slot.clone(),
                             id: id.clone(),
+                            evictor: self.evictor.clone(),
                         });
                     }
                 }
@@ -1044,6 +1117,7 @@ impl Engine {
                 guard: guard.downgrade(),
                 slot: slot.clone(),
                 id: id.clone(),
+                evictor: self.evictor.clone(),
             });
         }
     }
@@ -1844,12 +1918,8 @@ impl Engine {
         self.store.touch_sandboxes(&touched)?;
         self.set_sandbox_gauges(counts);
         self.make_room(0).await;
-        // Calls wait in the lot: free workers from idle sandboxes for them, one each.
-        for _ in 0..self.workers.parked() {
-            if !self.evict_one("parked_calls").await {
-                break;
-            }
-        }
+        // Calls wait in the lot: a sandbox may have gone idle without a call ending (a freeze).
+        self.evictor.poke();
         Ok(())
     }
 

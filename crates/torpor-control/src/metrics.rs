@@ -36,7 +36,8 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
-        let latency = exponential_buckets(0.0005, 2.0, 16).expect("valid buckets");
+        // 0.5 ms to 65 s: parked waits and cold wakes under load reach tens of seconds.
+        let latency = exponential_buckets(0.0005, 2.0, 18).expect("valid buckets");
         let sandboxes = IntGaugeVec::new(
             Opts::new("torpor_sandboxes", "Sandboxes by state and tier."),
             &["state", "tier"],

@@ -549,8 +549,10 @@ async fn fairness() -> serde_json::Value {
                         e = e.next(tok);
                         a_calls.fetch_add(1, Ordering::Relaxed);
                     }
-                    Err(_) => {
-                        a_failures.fetch_add(1, Ordering::Relaxed);
+                    Err(e) => {
+                        if a_failures.fetch_add(1, Ordering::Relaxed) < 3 {
+                            eprintln!("fairness: A: {e}");
+                        }
                         return;
                     }
                 }
