@@ -122,7 +122,7 @@ impl Metrics {
                 "torpor_lot_wait_seconds",
                 "Time calls waited in the parking lot, by outcome.",
             )
-            .buckets(exponential_buckets(0.001, 2.0, 14).expect("valid buckets")),
+            .buckets(exponential_buckets(0.001, 2.0, 17).expect("valid buckets")),
             &["outcome"],
         )
         .expect("valid metric");

@@ -161,7 +161,7 @@ fn histogram_quantile(metrics: &str, name: &str, filter: &str, q: f64) -> f64 {
     for (le, count) in buckets {
         if count >= rank {
             if le.is_infinite() {
-                return prev.0;
+                return f64::INFINITY; // beyond the last bucket: unknown, not its bound
             }
             let span = count - prev.1;
             let frac = if span > 0.0 {
