@@ -30,7 +30,10 @@ impl Rng {
 
 fn fixture(name: &str) -> Inventory {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/fixtures/gpu")
+        .ancestors()
+        .map(|d| d.join("shared/fixtures/gpu"))
+        .find(|d| d.is_dir())
+        .expect("shared/fixtures/gpu above the crate (../shared/fixtures/gpu of the repository)")
         .join(name);
     Inventory::load(&path).unwrap_or_else(|e| panic!("{e}"))
 }

@@ -168,6 +168,9 @@ pub enum Command {
         #[command(flatten)]
         conn: Conn,
     },
+    /// GPU inventory, placement plans and the Kubernetes scheduler extender (no daemon needed).
+    #[command(subcommand)]
+    Gpu(crate::gpu::GpuCmd),
     /// Start a daemon in a temporary directory (or use --url), run a fleet of agents through
     /// sleep and wake, check their state and print a summary.
     Demo(crate::demo::DemoArgs),
@@ -594,6 +597,10 @@ async fn dispatch(cmd: Command) -> CliResult {
         Command::Rm { id, conn } => {
             client(&conn)?.delete_sandbox(&id).await?;
             Ok(0)
+        }
+        Command::Gpu(g) => {
+            init_logging();
+            Ok(crate::gpu::run(g).await)
         }
         Command::Demo(args) => crate::demo::run(args).await.map_err(CliError::from),
         Command::SandboxAgent { .. } => unreachable!("handled before the runtime starts"),
