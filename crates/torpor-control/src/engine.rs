@@ -69,6 +69,9 @@ pub struct CreateSandbox {
     pub metadata: BTreeMap<String, String>,
     #[serde(default)]
     pub limits: LimitsPatch,
+    /// A GPU request (`torpor-gpu`'s request object); overrides the template's.
+    #[serde(default)]
+    pub gpu: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -167,6 +170,8 @@ pub struct Engine {
     /// Serialises quota checks with the state change that consumes the quota, so two calls at
     /// the last unit cannot both pass.
     quota_lock: tokio::sync::Mutex<()>,
+    /// The node's GPU shares, when it has GPUs (attached by the daemon after start).
+    gpus: std::sync::OnceLock<crate::gpu::NodeGpus>,
 }
 
 /// Paths under the data directory.
@@ -219,6 +224,7 @@ impl Engine {
             shutting_down: AtomicBool::new(false),
             quota_lock: tokio::sync::Mutex::new(()),
             snapshots,
+            gpus: std::sync::OnceLock::new(),
         });
         engine.reconcile().await?;
         if engine.store.template(&TemplateName::host())?.is_none() {
@@ -235,6 +241,7 @@ impl Engine {
                         limits: Limits::default(),
                         idle: Default::default(),
                         warmup_ms: 0,
+                        gpu: None,
                     },
                     &|_| {},
                 )
@@ -476,6 +483,9 @@ impl Engine {
         self.check_running()?;
         spec.validate()
             .map_err(|e| ControlError::Invalid(e.to_string()))?;
+        if let Some(gpu) = &spec.gpu {
+            crate::gpu::NodeGpus::parse_request(self.gpus.get(), gpu, tenant)?;
+        }
         let dir = self.templates_dir().join(spec.name.as_str());
         let mut rec = TemplateRecord {
             name: spec.name.clone(),
@@ -675,6 +685,14 @@ impl Engine {
             .map_err(|e| ControlError::Invalid(e.to_string()))?;
         validate_env(&req.env).map_err(|e| ControlError::Invalid(e.to_string()))?;
         check_metadata(&req.metadata)?;
+        let gpu_request = match req.gpu.as_ref().or(tpl.spec.gpu.as_ref()) {
+            Some(gpu) => Some(crate::gpu::NodeGpus::parse_request(
+                self.gpus.get(),
+                gpu,
+                tenant,
+            )?),
+            None => None,
+        };
         let now = now_millis();
         let mut rec = SandboxRecord {
             id: SandboxId::generate(),
@@ -704,6 +722,11 @@ impl Engine {
                 return Err(e);
             }
         };
+        if let Err(e) = self.acquire_gpu(&rec.id, gpu_request.as_ref()).await {
+            self.forget_gpu(&rec.id);
+            self.store.delete_sandbox(&rec.id)?;
+            return Err(e);
+        }
         let slot = self.slot(&rec.id);
         let mut guard = slot.state.clone().write_owned().await;
         let t = Instant::now();
@@ -723,6 +746,7 @@ impl Engine {
                 Ok(rec)
             }
             Err(e) => {
+                self.forget_gpu(&rec.id);
                 self.store.delete_sandbox(&rec.id)?;
                 self.remove_sandbox_files(&rec.id);
                 self.slots
@@ -818,6 +842,7 @@ impl Engine {
         self.runsc.destroy(cid).await;
         let _ = std::fs::remove_dir_all(self.bundle_dir(cid));
         drop(live);
+        self.release_gpu(id);
         self.metrics
             .crashes
             .with_label_values(&[if oom { "oom_killed" } else { "exited" }])
@@ -1059,6 +1084,12 @@ impl Engine {
                 return Err(e);
             }
         };
+        if let Err(e) = self.acquire_gpu(&rec.id, None).await {
+            rec.state = previous;
+            rec.last_error = Some(format!("wake failed: {e}"));
+            self.store.update_sandbox(&rec)?;
+            return Err(e);
+        }
         // A Suspended checkpoint is fetched (every chunk verified) next to the parked ones.
         let fetched = self
             .sandbox_dir(&rec.id)
@@ -1070,6 +1101,7 @@ impl Engine {
             ImageRef::Store(snapshot) => {
                 let _ = std::fs::remove_dir_all(&fetched);
                 if let Err(e) = self.fetch_snapshot(snapshot, &fetched).await {
+                    self.release_gpu(&rec.id);
                     rec.state = previous;
                     rec.last_error = Some(format!("wake failed: {e}"));
                     self.store.update_sandbox(&rec)?;
@@ -1095,6 +1127,7 @@ impl Engine {
                 Ok(())
             }
             Err(e) => {
+                self.release_gpu(&rec.id);
                 rec.state = previous;
                 rec.last_error = Some(format!("wake failed: {e}"));
                 self.store.update_sandbox(&rec)?;
@@ -1138,6 +1171,9 @@ impl Engine {
         id: &SandboxId,
         cause: &str,
     ) -> Result<()> {
+        if let Some(live) = guard.live.as_ref() {
+            self.gpu_checkpoint_gate(id, &live.container.id)?;
+        }
         let Some(live) = guard.live.take() else {
             return Ok(());
         };
@@ -1155,6 +1191,7 @@ impl Engine {
         let result = self.runsc.checkpoint(&live.container, &tmp).await;
         let cid = live.container.id.clone();
         drop(live);
+        self.release_gpu(id);
         let _ = std::fs::remove_dir_all(self.bundle_dir(&cid));
         self.metrics.workers_busy.set(self.workers.busy() as i64);
         match result {
@@ -1407,6 +1444,7 @@ impl Engine {
                 tracing::warn!(sandbox = %id, made = forks.len(), error = %e, "fork stopped early");
                 break;
             }
+            self.copy_gpu_request(id, &rec.id);
             forks.push(rec);
         }
         Ok(forks)
@@ -1446,6 +1484,7 @@ impl Engine {
             self.runsc.destroy(&live.container.id).await;
             let _ = std::fs::remove_dir_all(self.bundle_dir(&live.container.id));
         }
+        self.forget_gpu(id);
         self.remove_image(&rec.image).await;
         self.remove_sandbox_files(id);
         self.store.delete_sandbox(id)?;
@@ -1477,6 +1516,7 @@ impl Engine {
             .send(
                 &Request::Exec(ExecRequest {
                     stream: false,
+                    env: self.gpu_env(id, req.env.clone()),
                     ..req
                 }),
                 &stdin,
@@ -1545,6 +1585,7 @@ impl Engine {
             .send(
                 &Request::Exec(ExecRequest {
                     stream: true,
+                    env: self.gpu_env(id, req.env.clone()),
                     ..req
                 }),
                 &stdin,
@@ -1869,6 +1910,96 @@ impl Engine {
         }
         if let Err(e) = self.store.touch_sandboxes(&touched) {
             tracing::warn!(error = %e, "cannot persist activity clocks");
+        }
+    }
+}
+
+// ---------------------------------------------------------------- GPU shares (crate::gpu)
+
+impl Engine {
+    /// Gives the engine the node's GPUs; once, right after start.
+    pub fn attach_gpus(&self, gpus: crate::gpu::NodeGpus) {
+        if self.gpus.set(gpus).is_err() {
+            tracing::warn!("GPUs attached twice; the first stays");
+        }
+    }
+
+    pub fn gpus(&self) -> Option<&crate::gpu::NodeGpus> {
+        self.gpus.get()
+    }
+
+    /// Gets a sandbox its GPU share before a restore (`request` is saved first on create).
+    /// Borrowed shares reclaimed for it are parked in the background.
+    async fn acquire_gpu(
+        &self,
+        id: &SandboxId,
+        request: Option<&torpor_gpu::request::GpuRequest>,
+    ) -> Result<()> {
+        let Some(gpus) = self.gpus.get() else {
+            return Ok(());
+        };
+        if let Some(request) = request {
+            gpus.save_request(id, request).map_err(ControlError::io(
+                "cannot save the GPU request of",
+                Path::new(id.as_str()),
+            ))?;
+        }
+        for victim in gpus.acquire(id)? {
+            let Some(engine) = self.me.upgrade() else {
+                break;
+            };
+            tokio::spawn(async move {
+                let slot = engine.slot(&victim);
+                let mut guard = slot.state.clone().write_owned().await;
+                if let Err(e) = engine
+                    .park_locked(&mut guard, &victim, "gpu_reclaimed")
+                    .await
+                {
+                    tracing::warn!(sandbox = %victim, error = %e, "cannot park a sandbox whose GPU share was reclaimed");
+                }
+            });
+        }
+        Ok(())
+    }
+
+    fn release_gpu(&self, id: &SandboxId) {
+        if let Some(gpus) = self.gpus.get() {
+            gpus.release(id);
+        }
+    }
+
+    fn forget_gpu(&self, id: &SandboxId) {
+        if let Some(gpus) = self.gpus.get() {
+            gpus.forget(id);
+        }
+    }
+
+    fn copy_gpu_request(&self, from: &SandboxId, to: &SandboxId) {
+        if let Some(gpus) = self.gpus.get() {
+            if let Some(request) = gpus.request_of(from) {
+                if let Err(e) = gpus.save_request(to, &request) {
+                    tracing::warn!(sandbox = %to, error = %e, "cannot copy the GPU request to a fork");
+                }
+            }
+        }
+    }
+
+    /// The exec environment: the GPU share's variables, then the caller's on top.
+    fn gpu_env(&self, id: &SandboxId, env: BTreeMap<String, String>) -> BTreeMap<String, String> {
+        match self.gpus.get() {
+            Some(gpus) => {
+                let mut all = gpus.env(id);
+                all.extend(env);
+                all
+            }
+            None => env,
+        }
+    }
+
+    fn gpu_checkpoint_gate(&self, id: &SandboxId, container_id: &str) -> Result<()> {
+        match self.gpus.get() {
+            Some(gpus) => Ok(gpus.checkpoint_gate(id, container_id)?),
+            None => Ok(()),
         }
     }
 }

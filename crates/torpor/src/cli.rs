@@ -69,6 +69,12 @@ pub enum Command {
         /// How often the idle policy runs.
         #[arg(long, default_value_t = 500)]
         tick_ms: u64,
+        /// Declared GPU inventory (TOML); without it NVML is asked when a driver loads.
+        #[arg(long)]
+        gpu_inventory: Option<PathBuf>,
+        /// Tenant GPU quotas (TOML); without it no GPU quota is enforced.
+        #[arg(long)]
+        gpu_quotas: Option<PathBuf>,
     },
     /// Manage templates.
     #[command(subcommand)]
@@ -91,6 +97,9 @@ pub enum Command {
         cpus: Option<f64>,
         #[arg(long)]
         pids: Option<u64>,
+        /// GPU request as JSON, e.g. '{"mode":"mps","compute_pct":25}' (overrides the template's).
+        #[arg(long, value_parser = crate::gpu::parse_gpu_json)]
+        gpu: Option<serde_json::Value>,
         #[command(flatten)]
         conn: Conn,
     },
@@ -220,6 +229,9 @@ pub enum TemplateCmd {
         /// Let the main process warm up this long before the golden snapshot.
         #[arg(long, default_value_t = 0)]
         warmup_ms: u64,
+        /// GPU request every sandbox of the template gets, as JSON, e.g. '{"mode":"mig","profile":"1g.18gb"}'.
+        #[arg(long, value_parser = crate::gpu::parse_gpu_json)]
+        gpu: Option<serde_json::Value>,
         #[command(flatten)]
         conn: Conn,
     },
@@ -363,6 +375,8 @@ async fn dispatch(cmd: Command) -> CliResult {
             lot_size,
             memory_budget,
             tick_ms,
+            gpu_inventory,
+            gpu_quotas,
         } => {
             init_logging();
             daemon::up(daemon::UpConfig {
@@ -375,6 +389,8 @@ async fn dispatch(cmd: Command) -> CliResult {
                 lot_capacity: lot_size.max(1),
                 memory_budget,
                 tick: Duration::from_millis(tick_ms.max(50)),
+                gpu_inventory,
+                gpu_quotas,
             })
             .await?;
             Ok(0)
@@ -388,6 +404,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             memory_mib,
             cpus,
             pids,
+            gpu,
             conn,
         } => {
             let c = client(&conn)?;
@@ -402,6 +419,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                         cpus,
                         pids,
                     }),
+                    gpu,
                 })
                 .await?;
             if conn.json {
@@ -624,6 +642,7 @@ async fn template(cmd: TemplateCmd) -> CliResult {
             park_after,
             suspend_after,
             warmup_ms,
+            gpu,
             conn,
         } => {
             let c = client(&conn)?;
@@ -656,6 +675,7 @@ async fn template(cmd: TemplateCmd) -> CliResult {
                     suspend_after_s: step(suspend_after, defaults.suspend_after_s),
                 },
                 warmup_ms,
+                gpu,
             };
             if !conn.json {
                 eprintln!("building template {name}: import, boot, golden snapshot ...");

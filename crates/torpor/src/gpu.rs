@@ -356,6 +356,45 @@ pub fn nvml_inventory() -> Result<Inventory, GpuCliError> {
         .map_err(|e| GpuCliError::cannot_run(e.code(), error_chain(&e)))
 }
 
+/// Parses `--gpu JSON` of `create` and `template add`.
+pub fn parse_gpu_json(s: &str) -> Result<serde_json::Value, String> {
+    let v: serde_json::Value =
+        serde_json::from_str(s).map_err(|e| format!("not a JSON GPU request: {e}"))?;
+    if !v.is_object() {
+        return Err(
+            "a GPU request is a JSON object, e.g. {\"mode\":\"mps\",\"compute_pct\":25}".into(),
+        );
+    }
+    Ok(v)
+}
+
+/// The daemon's GPUs: the declared file when given, else NVML when a driver loads, else none.
+pub fn daemon_gpus(
+    inventory: Option<PathBuf>,
+    quotas: Option<PathBuf>,
+    data_dir: &Path,
+) -> anyhow::Result<Option<torpor_control::gpu::NodeGpus>> {
+    let nvml_inventory = match &inventory {
+        Some(_) => None,
+        None => match nvml_inventory() {
+            Ok(inv) => Some(inv),
+            Err(e) => {
+                tracing::info!(code = e.code, reason = %e.message, "no GPUs on this node");
+                None
+            }
+        },
+    };
+    torpor_control::gpu::NodeGpus::open(
+        torpor_control::gpu::GpuConfig {
+            inventory,
+            quotas,
+            nvml_inventory,
+        },
+        data_dir,
+    )
+    .map_err(|e| anyhow::anyhow!("GPU setup: {e} ({})", e.code()))
+}
+
 type Shared = Arc<Mutex<Extender>>;
 
 /// Serves the extender until `shutdown` completes.
