@@ -384,7 +384,8 @@ pub fn daemon_gpus(
             }
         },
     };
-    torpor_control::gpu::NodeGpus::open(
+    let from_nvml = nvml_inventory.is_some();
+    let mut gpus = torpor_control::gpu::NodeGpus::open(
         torpor_control::gpu::GpuConfig {
             inventory,
             quotas,
@@ -392,7 +393,17 @@ pub fn daemon_gpus(
         },
         data_dir,
     )
-    .map_err(|e| anyhow::anyhow!("GPU setup: {e} ({})", e.code()))
+    .map_err(|e| anyhow::anyhow!("GPU setup: {e} ({})", e.code()))?;
+    if let (true, Some(gpus)) = (from_nvml, gpus.as_mut()) {
+        // Telemetry under DCGM exporter's names on every scrape of /metrics.
+        match torpor_gpu::nvml::driver::open() {
+            Ok(nvml) => gpus.set_sampler(Box::new(move || {
+                torpor_gpu::nvml::driver::sample(&nvml).map_err(|e| error_chain(&e))
+            })),
+            Err(e) => tracing::warn!(error = %error_chain(&e), "no GPU telemetry"),
+        }
+    }
+    Ok(gpus)
 }
 
 type Shared = Arc<Mutex<Extender>>;
