@@ -365,7 +365,7 @@ impl Offline<'_> {
             .iter()
             .filter_map(|id| geometry.profile_by_id(*id))
             .collect();
-        by_size.sort_by(|a, b| b.memory_slices.cmp(&a.memory_slices));
+        by_size.sort_by_key(|p| std::cmp::Reverse(p.memory_slices));
         fn place(layout: &mut MigLayout, rest: &[&torpor_gpu::mig::MigProfile]) -> bool {
             let Some((first, rest)) = rest.split_first() else {
                 return true;
