@@ -79,6 +79,14 @@ pub enum GpuCmd {
         policy: PolicyArg,
         #[arg(long)]
         quotas: Option<PathBuf>,
+        /// Kubernetes API base URL (plain HTTP, e.g. `kubectl proxy` at http://127.0.0.1:8001):
+        /// after a successful bind the extender posts the pod's Binding there. Without it,
+        /// /bind only commits the GPU shares.
+        #[arg(long)]
+        kube_api: Option<String>,
+        /// Bearer token file for --kube-api (e.g. a service account token).
+        #[arg(long, requires = "kube_api")]
+        kube_token_file: Option<PathBuf>,
     },
 }
 
@@ -220,7 +228,39 @@ async fn dispatch(cmd: GpuCmd) -> Result<(), GpuCliError> {
             inventory,
             policy,
             quotas,
+            kube_api,
+            kube_token_file,
         } => {
+            let kube = match kube_api {
+                None => None,
+                Some(base) => {
+                    if !base.starts_with("http://") {
+                        return Err(GpuCliError::bad_input(
+                            "kube_api_not_http",
+                            format!("--kube-api {base}: only http:// is supported (run `kubectl proxy` next to the extender)"),
+                        ));
+                    }
+                    let token = match &kube_token_file {
+                        None => None,
+                        Some(p) => Some(
+                            std::fs::read_to_string(p)
+                                .map_err(|e| {
+                                    GpuCliError::bad_input(
+                                        "kube_token_read",
+                                        format!("{}: {e}", p.display()),
+                                    )
+                                })?
+                                .trim()
+                                .to_owned(),
+                        ),
+                    };
+                    Some(KubeApi {
+                        base: base.trim_end_matches('/').to_owned(),
+                        token,
+                        http: reqwest::Client::new(),
+                    })
+                }
+            };
             let mut inventories = Vec::with_capacity(inventory.len());
             for path in &inventory {
                 let inv = load_inventory(path)?;
@@ -236,6 +276,7 @@ async fn dispatch(cmd: GpuCmd) -> Result<(), GpuCliError> {
             serve_extender(
                 listen,
                 Extender::new(inventories, policy.policy(), quotas),
+                kube,
                 shutdown_signal(),
             )
             .await
@@ -406,12 +447,60 @@ pub fn daemon_gpus(
     Ok(gpus)
 }
 
-type Shared = Arc<Mutex<Extender>>;
+/// Where bound pods' Binding objects are posted.
+#[derive(Clone)]
+pub struct KubeApi {
+    base: String,
+    token: Option<String>,
+    http: reqwest::Client,
+}
+
+impl KubeApi {
+    /// `POST /api/v1/namespaces/{ns}/pods/{name}/binding`, what kube-scheduler itself does.
+    async fn post_binding(&self, args: &ExtenderBindingArgs) -> Result<(), String> {
+        let url = format!(
+            "{}/api/v1/namespaces/{}/pods/{}/binding",
+            self.base, args.pod_namespace, args.pod_name
+        );
+        let body = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": args.pod_name, "namespace": args.pod_namespace, "uid": args.pod_uid},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": args.node},
+        });
+        let mut request = self.http.post(&url).json(&body);
+        if let Some(token) = &self.token {
+            request = request.bearer_auth(token);
+        }
+        let response = request
+            .send()
+            .await
+            .map_err(|e| format!("kube_api_unreachable: {url}: {e}"))?;
+        if response.status().is_success() {
+            return Ok(());
+        }
+        let status = response.status();
+        let text = response.text().await.unwrap_or_default();
+        Err(format!(
+            "kube_api_binding_refused: {url}: HTTP {status}: {}",
+            text.chars().take(500).collect::<String>()
+        ))
+    }
+}
+
+#[derive(Clone)]
+struct ExtenderState {
+    extender: Arc<Mutex<Extender>>,
+    kube: Option<KubeApi>,
+}
+
+type Shared = ExtenderState;
 
 /// Serves the extender until `shutdown` completes.
 pub async fn serve_extender(
     listen: SocketAddr,
     extender: Extender,
+    kube: Option<KubeApi>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), GpuCliError> {
     let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
@@ -420,7 +509,10 @@ pub async fn serve_extender(
     let addr = listener.local_addr().unwrap_or(listen);
     // Tests and scripts read this line to learn the port of `--listen 127.0.0.1:0`.
     println!("listening on {addr}");
-    let app = extender_router(Arc::new(Mutex::new(extender)));
+    let app = extender_router(ExtenderState {
+        extender: Arc::new(Mutex::new(extender)),
+        kube,
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
@@ -439,7 +531,7 @@ async fn shutdown_signal() {
     }
 }
 
-pub fn extender_router(state: Shared) -> Router {
+fn extender_router(state: Shared) -> Router {
     Router::new()
         .route("/filter", post(filter))
         .route("/prioritize", post(prioritize))
@@ -457,7 +549,7 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
 fn lock(state: &Shared) -> std::sync::MutexGuard<'_, Extender> {
     // A panic while holding the lock cannot leave the extender half-updated: every method
     // computes on copies and commits at the end; keep serving.
-    state.lock().unwrap_or_else(|p| p.into_inner())
+    state.extender.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 async fn filter(State(state): State<Shared>, body: Bytes) -> Response {
@@ -506,7 +598,14 @@ async fn prioritize(State(state): State<Shared>, body: Bytes) -> Response {
 async fn bind(State(state): State<Shared>, body: Bytes) -> Response {
     match parse::<ExtenderBindingArgs>(&body) {
         Ok(args) => {
-            let result = lock(&state).bind(&args);
+            let mut result = lock(&state).bind(&args);
+            if let (true, Some(kube)) = (result.error.is_empty(), &state.kube) {
+                if let Err(error) = kube.post_binding(&args).await {
+                    // The pod is not bound: give its GPU shares back.
+                    lock(&state).release_pod(&args.pod_uid);
+                    result.error = error;
+                }
+            }
             tracing::info!(pod = %args.pod_uid, node = %args.node, error = %result.error, "bind");
             Json(result).into_response()
         }

@@ -327,8 +327,14 @@ struct ExtenderProcess {
 
 impl ExtenderProcess {
     fn start(inventories: &[PathBuf]) -> ExtenderProcess {
+        Self::start_with(inventories, &[])
+    }
+
+    fn start_with(inventories: &[PathBuf], extra: &[&str]) -> ExtenderProcess {
         let mut cmd = Command::new(BIN);
-        cmd.args(["gpu", "extender", "--listen", "127.0.0.1:0", "--inventory"]);
+        cmd.args(["gpu", "extender", "--listen", "127.0.0.1:0"]);
+        cmd.args(extra);
+        cmd.arg("--inventory");
         cmd.args(inventories);
         let mut child = cmd
             .stdout(Stdio::piped())
@@ -567,4 +573,123 @@ fn extender_refuses_a_bad_inventory_and_a_duplicate_node() {
     ]);
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("error[inventory_duplicate_node]"));
+}
+
+/// A stand-in for the Kubernetes API server's binding endpoint (no API server runs here): it
+/// records each Binding and answers 201, or 409 for pods named `taken-*`.
+async fn binding_endpoint() -> (
+    String,
+    std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>>,
+) {
+    use axum::extract::{Path, State};
+    use axum::http::StatusCode;
+    type Seen = std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>>;
+    async fn bind(
+        State(seen): State<Seen>,
+        Path((ns, pod)): Path<(String, String)>,
+        headers: axum::http::HeaderMap,
+        axum::Json(body): axum::Json<Value>,
+    ) -> StatusCode {
+        let auth = headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        seen.lock()
+            .unwrap()
+            .push((format!("{ns}/{pod} {auth}"), body));
+        if pod.starts_with("taken-") {
+            StatusCode::CONFLICT
+        } else {
+            StatusCode::CREATED
+        }
+    }
+    let seen: Seen = Default::default();
+    let app = axum::Router::new()
+        .route(
+            "/api/v1/namespaces/{ns}/pods/{pod}/binding",
+            axum::routing::post(bind),
+        )
+        .with_state(seen.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, seen)
+}
+
+#[tokio::test]
+async fn extender_posts_the_binding_and_gives_shares_back_when_it_is_refused() {
+    let (api, seen) = binding_endpoint().await;
+    let dir = tempfile::tempdir().unwrap();
+    let token = write_temp(&dir, "token", "sa-token\n");
+    let ext = ExtenderProcess::start_with(
+        &[fixture("l4-2.toml")],
+        &["--kube-api", &api, "--kube-token-file", &token],
+    );
+    let http = reqwest::Client::new();
+    let call = |path: &str, body: Value| {
+        let req = http.post(format!("{}{path}", ext.url)).json(&body);
+        async move { req.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+    // Two whole-GPU pods fill the two L4s; the API server accepts the first binding.
+    let a = pod("agent-a", json!({}), 2);
+    let v = call("/filter", json!({"Pod": a, "NodeNames": ["l4-01"]})).await;
+    assert_eq!(v["NodeNames"], json!(["l4-01"]));
+    let v = call(
+        "/bind",
+        json!({"PodName": "agent-a", "PodNamespace": "ns1", "PodUID": "agent-a", "Node": "l4-01"}),
+    )
+    .await;
+    assert_eq!(v, json!({"Error": ""}));
+    {
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].0, "ns1/agent-a Bearer sa-token");
+        assert_eq!(
+            seen[0].1,
+            json!({"apiVersion": "v1", "kind": "Binding",
+                   "metadata": {"name": "agent-a", "namespace": "ns1", "uid": "agent-a"},
+                   "target": {"apiVersion": "v1", "kind": "Node", "name": "l4-01"}})
+        );
+    }
+    // The node is full now.
+    let b = pod("taken-b", json!({}), 1);
+    let v = call("/filter", json!({"Pod": b, "NodeNames": ["l4-01"]})).await;
+    assert_eq!(v["NodeNames"], json!([]));
+    // A refused binding: the error comes back and the shares are given back.
+    let ext2 = ExtenderProcess::start_with(&[fixture("l4-2.toml")], &["--kube-api", &api]);
+    let call2 = |path: &str, body: Value| {
+        let req = http.post(format!("{}{path}", ext2.url)).json(&body);
+        async move { req.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+    let taken = pod("taken-c", json!({}), 2);
+    call2("/filter", json!({"Pod": taken, "NodeNames": ["l4-01"]})).await;
+    let v = call2(
+        "/bind",
+        json!({"PodName": "taken-c", "PodNamespace": "ns1", "PodUID": "taken-c", "Node": "l4-01"}),
+    )
+    .await;
+    assert!(
+        v["Error"]
+            .as_str()
+            .unwrap()
+            .starts_with("kube_api_binding_refused"),
+        "{v}"
+    );
+    let again = pod("agent-d", json!({}), 2);
+    let v = call2("/filter", json!({"Pod": again, "NodeNames": ["l4-01"]})).await;
+    assert_eq!(v["NodeNames"], json!(["l4-01"]), "capacity came back: {v}");
+    // Only http:// is accepted.
+    let out = torpor(&[
+        "gpu",
+        "extender",
+        "--listen",
+        "127.0.0.1:0",
+        "--kube-api",
+        "https://kubernetes.default.svc",
+        "--inventory",
+        fixture("l4-2.toml").to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("error[kube_api_not_http]"));
 }
