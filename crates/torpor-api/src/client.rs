@@ -135,6 +135,12 @@ impl Client {
         self.json(self.request(Method::GET, "/v1/workers")).await
     }
 
+    /// `GET /v1/gpus`: the node's GPUs and the caller's GPU shares (`GpuStatus` in the
+    /// OpenAPI document).
+    pub async fn gpus(&self) -> Result<serde_json::Value> {
+        self.json(self.request(Method::GET, "/v1/gpus")).await
+    }
+
     pub async fn create_tenant(&self, body: &CreateTenantBody) -> Result<TenantCreated> {
         self.json_body(Method::POST, "/v1/tenants", body).await
     }

@@ -110,6 +110,16 @@ fn status_of(e: &ControlError) -> StatusCode {
             | A::SpawnFailed
             | A::BadRequest => StatusCode::BAD_REQUEST,
         },
+        ControlError::Gpu(e) => {
+            use torpor_control::gpu::GpuError as G;
+            match e {
+                G::NotConfigured | G::BadRequest { .. } => StatusCode::BAD_REQUEST,
+                G::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+                G::Quota { .. } => StatusCode::TOO_MANY_REQUESTS,
+                G::Checkpoint(_) => StatusCode::CONFLICT,
+                G::Driver(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            }
+        }
         ControlError::Runtime(_)
         | ControlError::Store(_)
         | ControlError::Snapshot(_)
@@ -227,6 +237,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/tenants", post(create_tenant).get(list_tenants))
         .route("/tenants/{name}", axum::routing::delete(delete_tenant))
         .route("/workers", get(workers))
+        .route("/gpus", get(gpus))
         .route("/templates", post(create_template).get(list_templates))
         .route(
             "/templates/{name}",
@@ -329,11 +340,22 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
     if let Err(e) = state.engine.policy_tick_gauges() {
         tracing::warn!(error = %e, "cannot refresh gauges");
     }
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.engine.metrics.render(),
-    )
-        .into_response()
+    let mut text = state.engine.metrics.render();
+    if let Some(gpus) = state.engine.gpus() {
+        text.push_str(&gpus.metrics());
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The node's GPUs, their free capacity and the shares of the caller's sandboxes.
+async fn gpus(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+) -> ApiResult<Json<torpor_control::gpu::GpuStatus>> {
+    match state.engine.gpus() {
+        Some(gpus) => Ok(Json(gpus.status(&tenant))),
+        None => Err(ControlError::from(torpor_control::gpu::GpuError::NotConfigured).into()),
+    }
 }
 
 async fn openapi() -> Response {
@@ -481,6 +503,7 @@ async fn create_sandbox(
                 env: body.env,
                 metadata: body.metadata,
                 limits: body.limits.unwrap_or_default(),
+                gpu: body.gpu,
             },
         )
         .await?;

@@ -49,6 +49,9 @@ pub struct CreateSandboxBody {
     pub metadata: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limits: Option<LimitsPatch>,
+    /// A GPU request; overrides the template's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

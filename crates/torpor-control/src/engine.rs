@@ -71,6 +71,9 @@ pub struct CreateSandbox {
     pub metadata: BTreeMap<String, String>,
     #[serde(default)]
     pub limits: LimitsPatch,
+    /// A GPU request (`torpor-gpu`'s request object); overrides the template's.
+    #[serde(default)]
+    pub gpu: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -209,6 +212,8 @@ pub struct Engine {
     /// Serialises quota checks with the state change that consumes the quota, so two calls at
     /// the last unit cannot both pass.
     quota_lock: tokio::sync::Mutex<()>,
+    /// The node's GPU shares, when it has GPUs (attached by the daemon after start).
+    gpus: std::sync::OnceLock<crate::gpu::NodeGpus>,
 }
 
 /// Paths under the data directory.
@@ -265,6 +270,7 @@ impl Engine {
             shutting_down: AtomicBool::new(false),
             quota_lock: tokio::sync::Mutex::new(()),
             snapshots,
+            gpus: std::sync::OnceLock::new(),
         });
         engine.reconcile().await?;
         if engine.store.template(&TemplateName::host())?.is_none() {
@@ -281,6 +287,7 @@ impl Engine {
                         limits: Limits::default(),
                         idle: Default::default(),
                         warmup_ms: 0,
+                        gpu: None,
                     },
                     &|_| {},
                 )
@@ -524,6 +531,9 @@ impl Engine {
         self.check_running()?;
         spec.validate()
             .map_err(|e| ControlError::Invalid(e.to_string()))?;
+        if let Some(gpu) = &spec.gpu {
+            crate::gpu::NodeGpus::parse_request(self.gpus.get(), gpu, tenant)?;
+        }
         let dir = self.templates_dir().join(spec.name.as_str());
         let mut rec = TemplateRecord {
             name: spec.name.clone(),
@@ -723,6 +733,14 @@ impl Engine {
             .map_err(|e| ControlError::Invalid(e.to_string()))?;
         validate_env(&req.env).map_err(|e| ControlError::Invalid(e.to_string()))?;
         check_metadata(&req.metadata)?;
+        let gpu_request = match req.gpu.as_ref().or(tpl.spec.gpu.as_ref()) {
+            Some(gpu) => Some(crate::gpu::NodeGpus::parse_request(
+                self.gpus.get(),
+                gpu,
+                tenant,
+            )?),
+            None => None,
+        };
         let now = now_millis();
         let mut rec = SandboxRecord {
             id: SandboxId::generate(),
@@ -752,6 +770,11 @@ impl Engine {
                 return Err(e);
             }
         };
+        if let Err(e) = self.acquire_gpu(&rec.id, gpu_request.as_ref()).await {
+            self.forget_gpu(&rec.id);
+            self.store.delete_sandbox(&rec.id)?;
+            return Err(e);
+        }
         let slot = self.slot(&rec.id);
         let mut guard = slot.state.clone().write_owned().await;
         let t = Instant::now();
@@ -771,6 +794,7 @@ impl Engine {
                 Ok(rec)
             }
             Err(e) => {
+                self.forget_gpu(&rec.id);
                 self.store.delete_sandbox(&rec.id)?;
                 self.remove_sandbox_files(&rec.id);
                 self.slots
@@ -873,6 +897,7 @@ impl Engine {
         tracing::warn!(sandbox = %id, container = %cid, reason, log = %self.runsc.log_tail(cid), "sandbox crashed; back to its last snapshot");
         self.runsc.destroy(cid).await;
         drop(live);
+        self.release_gpu(id);
         self.metrics
             .crashes
             .with_label_values(&[if oom { "oom_killed" } else { "exited" }])
@@ -1161,6 +1186,12 @@ impl Engine {
                 return Err(e);
             }
         };
+        if let Err(e) = self.acquire_gpu(&rec.id, None).await {
+            rec.state = previous;
+            rec.last_error = Some(format!("wake failed: {e}"));
+            self.store.update_sandbox(&rec)?;
+            return Err(e);
+        }
         // A Suspended checkpoint is fetched (every chunk verified) next to the parked ones.
         let fetched = self
             .sandbox_dir(&rec.id)
@@ -1172,6 +1203,7 @@ impl Engine {
             ImageRef::Store(snapshot) => {
                 let _ = std::fs::remove_dir_all(&fetched);
                 if let Err(e) = self.fetch_snapshot(snapshot, &fetched).await {
+                    self.release_gpu(&rec.id);
                     rec.state = previous;
                     rec.last_error = Some(format!("wake failed: {e}"));
                     self.store.update_sandbox(&rec)?;
@@ -1197,6 +1229,7 @@ impl Engine {
                 Ok(())
             }
             Err(e) => {
+                self.release_gpu(&rec.id);
                 rec.state = previous;
                 rec.last_error = Some(format!("wake failed: {e}"));
                 self.store.update_sandbox(&rec)?;
@@ -1240,6 +1273,9 @@ impl Engine {
         id: &SandboxId,
         cause: &str,
     ) -> Result<()> {
+        if let Some(live) = guard.live.as_ref() {
+            self.gpu_checkpoint_gate(id, &live.container.id)?;
+        }
         let Some(live) = guard.live.take() else {
             return Ok(());
         };
@@ -1256,6 +1292,7 @@ impl Engine {
         let t = Instant::now();
         let result = self.runsc.checkpoint(&live.container, &tmp).await;
         drop(live);
+        self.release_gpu(id);
         self.metrics.workers_busy.set(self.workers.busy() as i64);
         match result {
             Ok(()) => {
@@ -1507,6 +1544,7 @@ impl Engine {
                 tracing::warn!(sandbox = %id, made = forks.len(), error = %e, "fork stopped early");
                 break;
             }
+            self.copy_gpu_request(id, &rec.id);
             forks.push(rec);
         }
         Ok(forks)
@@ -1545,6 +1583,7 @@ impl Engine {
             live.container.expect_exit();
             self.runsc.destroy(&live.container.id).await;
         }
+        self.forget_gpu(id);
         self.remove_image(&rec.image).await;
         self.remove_sandbox_files(id);
         self.store.delete_sandbox(id)?;
@@ -1576,6 +1615,7 @@ impl Engine {
             .send(
                 &Request::Exec(ExecRequest {
                     stream: false,
+                    env: self.gpu_env(id, req.env.clone()),
                     ..req
                 }),
                 &stdin,
@@ -1644,6 +1684,7 @@ impl Engine {
             .send(
                 &Request::Exec(ExecRequest {
                     stream: true,
+                    env: self.gpu_env(id, req.env.clone()),
                     ..req
                 }),
                 &stdin,
@@ -1968,6 +2009,96 @@ impl Engine {
         }
         let warm = self.warm.clone();
         let _ = tokio::task::spawn_blocking(move || warm.shutdown()).await;
+    }
+}
+
+// ---------------------------------------------------------------- GPU shares (crate::gpu)
+
+impl Engine {
+    /// Gives the engine the node's GPUs; once, right after start.
+    pub fn attach_gpus(&self, gpus: crate::gpu::NodeGpus) {
+        if self.gpus.set(gpus).is_err() {
+            tracing::warn!("GPUs attached twice; the first stays");
+        }
+    }
+
+    pub fn gpus(&self) -> Option<&crate::gpu::NodeGpus> {
+        self.gpus.get()
+    }
+
+    /// Gets a sandbox its GPU share before a restore (`request` is saved first on create).
+    /// Borrowed shares reclaimed for it are parked in the background.
+    async fn acquire_gpu(
+        &self,
+        id: &SandboxId,
+        request: Option<&torpor_gpu::request::GpuRequest>,
+    ) -> Result<()> {
+        let Some(gpus) = self.gpus.get() else {
+            return Ok(());
+        };
+        if let Some(request) = request {
+            gpus.save_request(id, request).map_err(ControlError::io(
+                "cannot save the GPU request of",
+                Path::new(id.as_str()),
+            ))?;
+        }
+        for victim in gpus.acquire(id)? {
+            let Some(engine) = self.me.upgrade() else {
+                break;
+            };
+            tokio::spawn(async move {
+                let slot = engine.slot(&victim);
+                let mut guard = slot.state.clone().write_owned().await;
+                if let Err(e) = engine
+                    .park_locked(&mut guard, &victim, "gpu_reclaimed")
+                    .await
+                {
+                    tracing::warn!(sandbox = %victim, error = %e, "cannot park a sandbox whose GPU share was reclaimed");
+                }
+            });
+        }
+        Ok(())
+    }
+
+    fn release_gpu(&self, id: &SandboxId) {
+        if let Some(gpus) = self.gpus.get() {
+            gpus.release(id);
+        }
+    }
+
+    fn forget_gpu(&self, id: &SandboxId) {
+        if let Some(gpus) = self.gpus.get() {
+            gpus.forget(id);
+        }
+    }
+
+    fn copy_gpu_request(&self, from: &SandboxId, to: &SandboxId) {
+        if let Some(gpus) = self.gpus.get() {
+            if let Some(request) = gpus.request_of(from) {
+                if let Err(e) = gpus.save_request(to, &request) {
+                    tracing::warn!(sandbox = %to, error = %e, "cannot copy the GPU request to a fork");
+                }
+            }
+        }
+    }
+
+    /// The exec environment: the GPU share's variables, then the caller's on top.
+    fn gpu_env(&self, id: &SandboxId, env: BTreeMap<String, String>) -> BTreeMap<String, String> {
+        match self.gpus.get() {
+            Some(gpus) => {
+                let mut all = gpus.env(id);
+                all.extend(env);
+                all
+            }
+            None => env,
+        }
+    }
+
+    fn gpu_checkpoint_gate(&self, id: &SandboxId, container_id: &str) -> Result<()> {
+        match self.gpus.get() {
+            Some(gpus) => Ok(gpus.checkpoint_gate(id, container_id)?),
+            None => Ok(()),
+        }
     }
 }
 

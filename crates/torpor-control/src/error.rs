@@ -60,6 +60,8 @@ pub enum ControlError {
     Conn(#[from] torpor_runtime::conn::ConnError),
     #[error("{0}")]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Gpu(#[from] crate::gpu::GpuError),
     #[error("{what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -104,6 +106,7 @@ impl ControlError {
             ControlError::Snapshot(_) => "snapshot_store_error",
             ControlError::Store(_) => "state_store_error",
             ControlError::Io { .. } => "io_error",
+            ControlError::Gpu(e) => e.code(),
         }
     }
 

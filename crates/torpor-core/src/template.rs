@@ -68,6 +68,10 @@ pub struct TemplateSpec {
     /// Milliseconds to let the main process warm up before the golden snapshot is taken.
     #[serde(default)]
     pub warmup_ms: u64,
+    /// The GPU share every sandbox of this template asks for: `torpor-gpu`'s request object
+    /// (`{count, mode, profile?, compute_pct?, memory_mib?, ...}`), checked by the node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

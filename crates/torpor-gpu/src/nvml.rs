@@ -282,6 +282,16 @@ pub fn dcgm_metrics(hostname: &str, samples: &[GpuSample]) -> String {
     out
 }
 
+/// The MIG profile of a MIG device from its NVML name, e.g. `NVIDIA H100 80GB HBM3 MIG 3g.40gb`
+/// gives `3g.40gb` (the `GPU_I_PROFILE` label of DCGM exporter).
+pub fn mig_profile_from_name(name: &str) -> Option<String> {
+    let (_, profile) = name.rsplit_once(" MIG ")?;
+    let profile = profile.trim();
+    let valid =
+        profile.contains('g') && profile.contains('.') && !profile.contains(char::is_whitespace);
+    valid.then(|| profile.to_owned())
+}
+
 /// Profiles whose driver placements differ from the table: `(profile id, what differs)`.
 /// Profiles the table does not know are reported too; an empty list means they agree.
 pub fn placements_match_table(model: MigModel, driver: &[DriverProfile]) -> Vec<(u32, String)> {
@@ -314,7 +324,10 @@ pub mod driver {
     use nvml_wrapper::error::NvmlError;
     use nvml_wrapper::Nvml;
 
-    use super::{inventory_from_facts, Ancestor, DeviceFacts, DriverProfile, GpuSample, PairFacts};
+    use super::{
+        inventory_from_facts, mig_profile_from_name, Ancestor, DeviceFacts, DriverProfile,
+        GpuSample, PairFacts,
+    };
     use crate::ids::NodeName;
     use crate::inventory::{Inventory, InventoryError};
 
@@ -525,10 +538,11 @@ pub mod driver {
         let mut out = Vec::with_capacity(count as usize);
         for index in 0..count {
             let d = call("device_by_index", index, nvml.device_by_index(index))?;
+            let model_name = d.name().unwrap_or_default();
             out.push(GpuSample {
                 gpu: index,
                 uuid: call("uuid", index, d.uuid())?,
-                model_name: d.name().unwrap_or_default(),
+                model_name: model_name.clone(),
                 mig: None,
                 tenant: None,
                 sandbox: None,
@@ -536,12 +550,56 @@ pub mod driver {
                 fb_used_mib: d.memory_info().ok().map(|m| m.used / (1024 * 1024)),
                 temp_c: d.temperature(TemperatureSensor::Gpu).ok(),
                 power_w: d.power_usage().ok().map(|mw| f64::from(mw) / 1000.0),
+                // Tensor-pipe activity is a DCGM profiling field; NVML does not give it.
                 tensor_active: None,
+                // XIDs arrive as NVML events (an event set per device); not collected yet.
                 xid_last: None,
-                ecc_dbe_volatile: None,
+                ecc_dbe_volatile: d
+                    .total_ecc_errors(
+                        nvml_wrapper::enum_wrappers::device::MemoryError::Uncorrected,
+                        nvml_wrapper::enum_wrappers::device::EccCounter::Volatile,
+                    )
+                    .ok(),
             });
+            // MIG instances: their memory use, labelled with profile and GPU instance id.
+            let instances = d.mig_device_count().unwrap_or(0);
+            for m in 0..instances {
+                let Ok(mig) = d.mig_device_by_index(m) else {
+                    continue;
+                };
+                let Some(profile) = mig.name().ok().and_then(|n| mig_profile_from_name(&n)) else {
+                    continue;
+                };
+                let gpu_instance_id = gpu_instance_id(nvml, &mig).unwrap_or(m);
+                out.push(GpuSample {
+                    gpu: index,
+                    uuid: mig.uuid().unwrap_or_default(),
+                    model_name: model_name.clone(),
+                    mig: Some((profile, gpu_instance_id)),
+                    tenant: None,
+                    sandbox: None,
+                    util_pct: None,
+                    fb_used_mib: mig.memory_info().ok().map(|m| m.used / (1024 * 1024)),
+                    temp_c: None,
+                    power_w: None,
+                    tensor_active: None,
+                    xid_last: None,
+                    ecc_dbe_volatile: None,
+                });
+            }
         }
         Ok(out)
+    }
+
+    /// `nvmlDeviceGetGpuInstanceId` of a MIG device handle (not wrapped by nvml-wrapper).
+    fn gpu_instance_id(nvml: &Nvml, mig: &nvml_wrapper::Device) -> Option<u32> {
+        use nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_SUCCESS;
+        let get = nvml.lib().nvmlDeviceGetGpuInstanceId.as_ref().ok()?;
+        let mut id: std::os::raw::c_uint = 0;
+        // SAFETY: the handle comes from this live `Nvml` and `id` is a plain integer the
+        // driver writes.
+        let rc = unsafe { get(mig.handle(), &mut id) };
+        (rc == nvmlReturn_enum_NVML_SUCCESS).then_some(id)
     }
 }
 
@@ -730,6 +788,20 @@ mod tests {
         .unwrap_err();
         assert_eq!(err.code(), "inventory_bad_id");
         assert!(err.to_string().starts_with("nvml: gpu[0].uuid"));
+    }
+
+    #[test]
+    fn mig_profile_from_nvml_names() {
+        assert_eq!(
+            mig_profile_from_name("NVIDIA H100 80GB HBM3 MIG 3g.40gb").as_deref(),
+            Some("3g.40gb")
+        );
+        assert_eq!(
+            mig_profile_from_name("NVIDIA A100-SXM4-40GB MIG 1g.5gb+me").as_deref(),
+            Some("1g.5gb+me")
+        );
+        assert_eq!(mig_profile_from_name("NVIDIA H200"), None);
+        assert_eq!(mig_profile_from_name("NVIDIA H200 MIG "), None);
     }
 
     #[test]

@@ -132,6 +132,87 @@ fn free_text(gpu: &crate::inventory::Gpu, usage: &crate::ledger::GpuUsage) -> St
     }
 }
 
+/// One GPU as `torpor gpu ls --json` and `GET /v1/gpus` show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GpuRow {
+    pub index: u32,
+    pub uuid: String,
+    pub model: String,
+    pub memory_mib: u64,
+    pub numa_node: Option<u32>,
+    pub pci_bus_id: String,
+    /// MIG geometry label when the GPU can be partitioned with MIG.
+    pub mig: Option<String>,
+    pub mode: PartitionMode,
+    pub shares: u32,
+    /// How full the GPU is in its mode, in thousandths.
+    pub fill_permille: u32,
+    /// Free capacity in the GPU's mode, by resource (the `resource` label of `torpor_gpu_free`).
+    pub free: BTreeMap<&'static str, u64>,
+}
+
+/// Free capacity of one GPU in its current mode, by resource.
+pub fn free_resources(
+    gpu: &crate::inventory::Gpu,
+    usage: &crate::ledger::GpuUsage,
+) -> Vec<(&'static str, u64)> {
+    match usage.mode {
+        PartitionMode::Whole => vec![("whole_gpus", u64::from(usage.is_empty()))],
+        PartitionMode::Mig => usage.mig.as_ref().map_or(Vec::new(), |l| {
+            vec![
+                ("mig_memory_slices", u64::from(l.free_memory_slices())),
+                (
+                    "mig_sm_slices",
+                    u64::from(l.geometry().sm_slices().saturating_sub(l.used_sm_slices())),
+                ),
+            ]
+        }),
+        PartitionMode::Mps => vec![
+            (
+                "mps_compute_pct",
+                u64::from(100u32.saturating_sub(usage.mps_compute_pct)),
+            ),
+            (
+                "mps_memory_mib",
+                gpu.memory_mib.saturating_sub(usage.mps_memory_mib),
+            ),
+            (
+                "mps_clients",
+                u64::from(gpu.mps_max_clients.saturating_sub(usage.shares)),
+            ),
+        ],
+        PartitionMode::Timeslice => vec![(
+            "timeslice_replicas",
+            u64::from(gpu.timeslice_replicas.saturating_sub(usage.shares)),
+        )],
+    }
+}
+
+/// The rows of `torpor gpu ls --json`.
+pub fn gpu_rows(inventory: &Inventory, ledger: &Ledger) -> Vec<GpuRow> {
+    inventory
+        .gpus()
+        .iter()
+        .zip(ledger.usage())
+        .map(|(gpu, usage)| GpuRow {
+            index: gpu.index.0,
+            uuid: gpu.uuid.to_string(),
+            model: gpu.model.clone(),
+            memory_mib: gpu.memory_mib,
+            numa_node: gpu.numa_node,
+            pci_bus_id: gpu.pci_bus_id.clone(),
+            mig: gpu
+                .mig_ready()
+                .then(|| gpu.mig_geometry.as_ref().map(|g| g.label().to_owned()))
+                .flatten(),
+            mode: usage.mode,
+            shares: usage.shares,
+            fill_permille: usage.fill_permille(gpu),
+            free: free_resources(gpu, usage).into_iter().collect(),
+        })
+        .collect()
+}
+
 /// The table `torpor gpu ls` prints.
 pub fn inventory_table(inventory: &Inventory, ledger: &Ledger) -> String {
     let mut rows = vec![[
@@ -220,36 +301,7 @@ pub fn allocation_metrics(inventory: &Inventory, ledger: &Ledger, quotas: &Quota
         "# HELP torpor_gpu_free Free capacity of a GPU in its mode.\n# TYPE torpor_gpu_free gauge"
     );
     for (gpu, usage) in inventory.gpus().iter().zip(ledger.usage()) {
-        let free: Vec<(&str, u64)> = match usage.mode {
-            PartitionMode::Whole => vec![("whole_gpus", u64::from(usage.is_empty()))],
-            PartitionMode::Mig => usage.mig.as_ref().map_or(Vec::new(), |l| {
-                vec![
-                    ("mig_memory_slices", u64::from(l.free_memory_slices())),
-                    (
-                        "mig_sm_slices",
-                        u64::from(l.geometry().sm_slices().saturating_sub(l.used_sm_slices())),
-                    ),
-                ]
-            }),
-            PartitionMode::Mps => vec![
-                (
-                    "mps_compute_pct",
-                    u64::from(100u32.saturating_sub(usage.mps_compute_pct)),
-                ),
-                (
-                    "mps_memory_mib",
-                    gpu.memory_mib.saturating_sub(usage.mps_memory_mib),
-                ),
-                (
-                    "mps_clients",
-                    u64::from(gpu.mps_max_clients.saturating_sub(usage.shares)),
-                ),
-            ],
-            PartitionMode::Timeslice => vec![(
-                "timeslice_replicas",
-                u64::from(gpu.timeslice_replicas.saturating_sub(usage.shares)),
-            )],
-        };
+        let free = free_resources(gpu, usage);
         for (resource, value) in free {
             let _ = writeln!(
                 out,

@@ -8,7 +8,12 @@ use torpor_gpu::mig::MigModel;
 use torpor_gpu::topology::Link;
 
 fn fixtures_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/gpu")
+    // The fixtures sit beside the repository (`../shared`); a worktree may be deeper.
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .map(|d| d.join("shared/fixtures/gpu"))
+        .find(|d| d.is_dir())
+        .expect("shared/fixtures/gpu above the crate (../shared/fixtures/gpu of the repository)")
 }
 
 fn load(name: &str) -> Inventory {

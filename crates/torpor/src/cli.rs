@@ -73,6 +73,12 @@ pub enum Command {
         /// restore (default: as many as --workers; 0 prepares every worker at wake time).
         #[arg(long)]
         warm_pool: Option<usize>,
+        /// Declared GPU inventory (TOML); without it NVML is asked when a driver loads.
+        #[arg(long)]
+        gpu_inventory: Option<PathBuf>,
+        /// Tenant GPU quotas (TOML); without it no GPU quota is enforced.
+        #[arg(long)]
+        gpu_quotas: Option<PathBuf>,
     },
     /// Manage templates.
     #[command(subcommand)]
@@ -95,6 +101,9 @@ pub enum Command {
         cpus: Option<f64>,
         #[arg(long)]
         pids: Option<u64>,
+        /// GPU request as JSON, e.g. '{"mode":"mps","compute_pct":25}' (overrides the template's).
+        #[arg(long, value_parser = crate::gpu::parse_gpu_json)]
+        gpu: Option<serde_json::Value>,
         #[command(flatten)]
         conn: Conn,
     },
@@ -172,6 +181,9 @@ pub enum Command {
         #[command(flatten)]
         conn: Conn,
     },
+    /// GPU inventory, placement plans and the Kubernetes scheduler extender (no daemon needed).
+    #[command(subcommand)]
+    Gpu(crate::gpu::GpuCmd),
     /// Start a daemon in a temporary directory (or use --url), run a fleet of agents through
     /// sleep and wake, check their state and print a summary.
     Demo(crate::demo::DemoArgs),
@@ -221,6 +233,9 @@ pub enum TemplateCmd {
         /// Let the main process warm up this long before the golden snapshot.
         #[arg(long, default_value_t = 0)]
         warmup_ms: u64,
+        /// GPU request every sandbox of the template gets, as JSON, e.g. '{"mode":"mig","profile":"1g.18gb"}'.
+        #[arg(long, value_parser = crate::gpu::parse_gpu_json)]
+        gpu: Option<serde_json::Value>,
         #[command(flatten)]
         conn: Conn,
     },
@@ -365,6 +380,8 @@ async fn dispatch(cmd: Command) -> CliResult {
             memory_budget,
             tick_ms,
             warm_pool,
+            gpu_inventory,
+            gpu_quotas,
         } => {
             init_logging();
             daemon::up(daemon::UpConfig {
@@ -378,6 +395,8 @@ async fn dispatch(cmd: Command) -> CliResult {
                 memory_budget,
                 tick: Duration::from_millis(tick_ms.max(50)),
                 warm_pool,
+                gpu_inventory,
+                gpu_quotas,
             })
             .await?;
             Ok(0)
@@ -391,6 +410,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             memory_mib,
             cpus,
             pids,
+            gpu,
             conn,
         } => {
             let c = client(&conn)?;
@@ -405,6 +425,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                         cpus,
                         pids,
                     }),
+                    gpu,
                 })
                 .await?;
             if conn.json {
@@ -605,6 +626,10 @@ async fn dispatch(cmd: Command) -> CliResult {
             client(&conn)?.delete_sandbox(&id).await?;
             Ok(0)
         }
+        Command::Gpu(g) => {
+            init_logging();
+            Ok(crate::gpu::run(g).await)
+        }
         Command::Demo(args) => crate::demo::run(args).await.map_err(CliError::from),
         Command::SandboxAgent { .. } => unreachable!("handled before the runtime starts"),
     }
@@ -627,6 +652,7 @@ async fn template(cmd: TemplateCmd) -> CliResult {
             park_after,
             suspend_after,
             warmup_ms,
+            gpu,
             conn,
         } => {
             let c = client(&conn)?;
@@ -659,6 +685,7 @@ async fn template(cmd: TemplateCmd) -> CliResult {
                     suspend_after_s: step(suspend_after, defaults.suspend_after_s),
                 },
                 warmup_ms,
+                gpu,
             };
             if !conn.json {
                 eprintln!("building template {name}: import, boot, golden snapshot ...");

@@ -30,6 +30,8 @@ pub struct UpConfig {
     pub memory_budget: Option<u64>,
     pub tick: Duration,
     pub warm_pool: Option<usize>,
+    pub gpu_inventory: Option<PathBuf>,
+    pub gpu_quotas: Option<PathBuf>,
 }
 
 /// Default memory budget: 70% of the machine's RAM.
@@ -150,6 +152,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     if workers == 0 {
         bail!("--workers must be at least 1");
     }
+    let gpus = crate::gpu::daemon_gpus(cfg.gpu_inventory, cfg.gpu_quotas, &cfg.data_dir)?;
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
@@ -167,6 +170,9 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e} ({})", e.code()))?;
+    if let Some(gpus) = gpus {
+        engine.attach_gpus(gpus);
+    }
     let state = Arc::new(ApiState {
         engine: engine.clone(),
         admin_token: token,

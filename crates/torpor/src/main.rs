@@ -5,6 +5,7 @@
 mod cli;
 mod daemon;
 mod demo;
+mod gpu;
 mod report;
 
 use clap::Parser;

@@ -6,7 +6,12 @@ use std::path::PathBuf;
 use torpor_gpu::inventory::Inventory;
 
 pub fn fixtures_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/gpu")
+    // The fixtures sit beside the repository (`../shared`); a worktree may be deeper.
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .map(|d| d.join("shared/fixtures/gpu"))
+        .find(|d| d.is_dir())
+        .expect("shared/fixtures/gpu above the crate (../shared/fixtures/gpu of the repository)")
 }
 
 pub fn load(name: &str) -> Inventory {

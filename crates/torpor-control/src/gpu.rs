@@ -1,0 +1,841 @@
+//! The node's GPU shares in the daemon: which sandbox holds what, and what it must be given.
+//!
+//! Owns the node's inventory (declared file or NVML), the ledger of allocations, tenant GPU
+//! quotas, the MIG devices handed out and each sandbox's GPU request (one JSON file per sandbox
+//! under `DATA/gpu/requests/`, so a request survives a restart without a state-store column).
+//! It decides with `torpor-gpu`'s pure planner and does no container work: the engine calls
+//! [`NodeGpus::acquire`] before a restore (create, wake), [`NodeGpus::release`] when the
+//! sandbox's container goes away (park, suspend, crash, delete), [`NodeGpus::env`] on every exec,
+//! and [`NodeGpus::checkpoint_gate`] before a checkpoint.
+//!
+//! ```text
+//!   create/wake ──acquire──> held (allocation, injection env)
+//!   park/suspend/crash ──release──> sleeping (ticket: the shares it had)
+//!   wake ──acquire──> the same shares when free, else any GPU of the same model, else
+//!                     gpu_unavailable (the sandbox stays asleep)
+//!   delete ──forget──> nothing
+//! ```
+//!
+//! Allocations live in memory: after a restart every sandbox is asleep (reconcile), so none
+//! holds a share, and the first wake acquires again.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde::Serialize;
+use torpor_core::{SandboxId, TenantId};
+use torpor_gpu::ids::{AllocationId, MigUuid};
+use torpor_gpu::inject::{injection, InjectConfig, MigDevice, MigHandles};
+use torpor_gpu::inventory::{Gpu, Inventory};
+use torpor_gpu::ledger::Ledger;
+use torpor_gpu::ledger::ShareKind;
+use torpor_gpu::mig::MigInstance;
+use torpor_gpu::nvml::{dcgm_metrics, GpuSample};
+use torpor_gpu::planner::{commit, describe, PlacedDevice, Plan, Policy, Refusal};
+use torpor_gpu::quota::QuotaBook;
+use torpor_gpu::realize::{realize, unrealize, MigDriver, RealizeError};
+use torpor_gpu::report::{allocation_metrics, gpu_rows, GpuRow};
+use torpor_gpu::request::GpuRequest;
+use torpor_gpu::sleep::{
+    checkpoint_method, find_cuda_checkpoint, plan_wake, release_for_sleep, CheckpointError,
+    SleepTicket,
+};
+
+/// Reads the GPUs' telemetry (NVML, in the binary that links the driver loader). An error
+/// leaves the DCGM families out of one scrape.
+pub type Sampler = Box<dyn Fn() -> Result<Vec<GpuSample>, String> + Send + Sync>;
+
+/// Largest GPU request file read back.
+const MAX_REQUEST_FILE: u64 = 64 * 1024;
+
+/// Why a GPU operation failed. Each variant has a stable code; the API maps them to statuses.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("this node has no GPU inventory: start `torpor up` with --gpu-inventory FILE, or on a machine with an NVIDIA driver")]
+    NotConfigured,
+    #[error("invalid GPU request ({code}): {message}")]
+    BadRequest { code: &'static str, message: String },
+    #[error("no GPU share for this sandbox now ({code}): {message}")]
+    Unavailable { code: &'static str, message: String },
+    #[error("GPU quota ({code}): {message}")]
+    Quota { code: &'static str, message: String },
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("GPU driver: {0}")]
+    Driver(String),
+}
+
+impl GpuError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            GpuError::NotConfigured => "gpu_not_configured",
+            GpuError::BadRequest { .. } => "gpu_request_invalid",
+            GpuError::Unavailable { .. } => "gpu_unavailable",
+            GpuError::Quota { .. } => "gpu_quota_exceeded",
+            GpuError::Checkpoint(e) => e.code(),
+            GpuError::Driver(_) => "gpu_driver_error",
+        }
+    }
+
+    fn from_refusal(refusal: &Refusal) -> GpuError {
+        let code = refusal.code();
+        let message = refusal.to_string();
+        match refusal {
+            Refusal::Request(_)
+            | Refusal::NoMigGpu
+            | Refusal::UnknownProfile { .. }
+            | Refusal::LargerThanAnyGpu { .. }
+            | Refusal::NotEnoughGpus { .. } => GpuError::BadRequest { code, message },
+            Refusal::Quota(_) => GpuError::Quota { code, message },
+            _ => GpuError::Unavailable { code, message },
+        }
+    }
+}
+
+/// What `torpor up` says about GPUs.
+#[derive(Debug, Clone, Default)]
+pub struct GpuConfig {
+    /// A declared inventory; without it NVML is asked, and without a driver the node has none.
+    pub inventory: Option<PathBuf>,
+    /// Tenant GPU quotas (TOML); without it none is enforced.
+    pub quotas: Option<PathBuf>,
+    /// The inventory read from NVML by the binary (which links the driver loader), if any.
+    pub nvml_inventory: Option<Inventory>,
+}
+
+/// Stand-in MIG devices for a declared inventory: there is no driver to create instances, so
+/// each placement gets a deterministic `MIG-` UUID derived from its GPU, profile and start.
+/// With NVML the instances must be created by the driver; that driver is not written yet.
+struct DeclaredMigDriver;
+
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+impl MigDriver for DeclaredMigDriver {
+    fn create(&mut self, gpu: &Gpu, instance: MigInstance) -> Result<MigDevice, RealizeError> {
+        let key = format!("{}/{}/{}", gpu.uuid, instance.profile_id, instance.start);
+        let (a, b) = (fnv(key.as_bytes()), fnv(format!("{key}#").as_bytes()));
+        let uuid = format!(
+            "MIG-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+            a >> 32,
+            (a >> 16) & 0xffff,
+            a & 0xffff,
+            b >> 48,
+            b & 0xffff_ffff_ffff
+        );
+        Ok(MigDevice {
+            uuid: MigUuid::new(uuid).map_err(|_| RealizeError::UnknownGpu { gpu: gpu.index })?,
+            gpu_instance_id: u32::from(instance.start) + 1,
+            compute_instance_id: 0,
+        })
+    }
+
+    fn destroy(&mut self, _gpu: &Gpu, _device: &MigDevice) -> Result<(), RealizeError> {
+        Ok(())
+    }
+}
+
+struct Held {
+    allocation: AllocationId,
+    env: BTreeMap<String, String>,
+}
+
+struct Inner {
+    ledger: Ledger,
+    handles: MigHandles,
+    held: HashMap<SandboxId, Held>,
+    tickets: HashMap<SandboxId, SleepTicket>,
+}
+
+/// The node's GPUs as the daemon sees them.
+pub struct NodeGpus {
+    inventory: Inventory,
+    source: String,
+    quotas: QuotaBook,
+    policy: Policy,
+    inject: InjectConfig,
+    declared: bool,
+    requests_dir: PathBuf,
+    cuda_checkpoint: Option<PathBuf>,
+    sampler: Option<Sampler>,
+    inner: Mutex<Inner>,
+}
+
+/// One sandbox's share as `GET /v1/gpus` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct SandboxShare {
+    pub sandbox: String,
+    pub tenant: Option<String>,
+    pub devices: Vec<PlacedDevice>,
+    pub env: BTreeMap<String, String>,
+}
+
+/// `GET /v1/gpus`.
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuStatus {
+    pub node: String,
+    /// `nvml` or the declared file's path.
+    pub source: String,
+    pub gpus: Vec<GpuRow>,
+    /// Shares held by running or frozen sandboxes (a tenant sees its own).
+    pub allocations: Vec<SandboxShare>,
+    /// Sandboxes asleep that will ask for their share again on wake.
+    pub sleeping: Vec<String>,
+    /// Whether `cuda-checkpoint` was found (a GPU context can then be checkpointed).
+    pub cuda_checkpoint: bool,
+}
+
+/// Why the GPU part of the daemon could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuSetupError {
+    #[error("{message}")]
+    Inventory { code: &'static str, message: String },
+    #[error("{message}")]
+    Quotas { code: &'static str, message: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl GpuSetupError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            GpuSetupError::Inventory { code, .. } | GpuSetupError::Quotas { code, .. } => code,
+            GpuSetupError::Io { .. } => "io_error",
+        }
+    }
+}
+
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        let text = inner.to_string();
+        if !s.contains(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
+        source = inner.source();
+    }
+    s
+}
+
+impl NodeGpus {
+    /// The node's GPUs, or `None` when it has none (no file, no driver).
+    pub fn open(cfg: GpuConfig, data_dir: &Path) -> Result<Option<NodeGpus>, GpuSetupError> {
+        let (inventory, source, declared) = match (&cfg.inventory, cfg.nvml_inventory) {
+            (Some(path), _) => (
+                Inventory::load(path).map_err(|e| GpuSetupError::Inventory {
+                    code: e.code(),
+                    message: chain(&e),
+                })?,
+                path.display().to_string(),
+                true,
+            ),
+            (None, Some(inv)) => (inv, torpor_gpu::nvml::SOURCE.to_owned(), false),
+            (None, None) => return Ok(None),
+        };
+        let quotas = match &cfg.quotas {
+            None => QuotaBook::unlimited(),
+            Some(p) => QuotaBook::load(p).map_err(|e| GpuSetupError::Quotas {
+                code: e.code(),
+                message: chain(&e),
+            })?,
+        };
+        let requests_dir = data_dir.join("gpu").join("requests");
+        std::fs::create_dir_all(&requests_dir).map_err(|source| GpuSetupError::Io {
+            path: requests_dir.clone(),
+            source,
+        })?;
+        let cuda_checkpoint = std::env::var_os("PATH").and_then(|p| find_cuda_checkpoint(&p));
+        tracing::info!(node = %inventory.node, %source, gpus = inventory.gpus().len(),
+            quotas = quotas.enforced(), cuda_checkpoint = ?cuda_checkpoint, "GPU inventory");
+        Ok(Some(NodeGpus {
+            inner: Mutex::new(Inner {
+                ledger: Ledger::new(&inventory),
+                handles: MigHandles::new(),
+                held: HashMap::new(),
+                tickets: HashMap::new(),
+            }),
+            inventory,
+            source,
+            quotas,
+            policy: Policy::default(),
+            inject: InjectConfig::default(),
+            declared,
+            requests_dir,
+            cuda_checkpoint,
+            sampler: None,
+        }))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // Every method computes on copies and commits at its end; a poisoned lock still holds
+        // a consistent ledger.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn request_path(&self, id: &SandboxId) -> PathBuf {
+        self.requests_dir.join(format!("{}.json", id.as_str()))
+    }
+
+    /// Parses and checks a GPU request for `tenant`'s sandbox: its shape, and that this node
+    /// could ever satisfy it. The tenant charged is always the sandbox's owner.
+    pub fn parse_request(
+        node: Option<&NodeGpus>,
+        value: &serde_json::Value,
+        tenant: &TenantId,
+    ) -> Result<GpuRequest, GpuError> {
+        let Some(node) = node else {
+            return Err(GpuError::NotConfigured);
+        };
+        let mut request: GpuRequest =
+            serde_json::from_value(value.clone()).map_err(|e| GpuError::BadRequest {
+                code: "request_malformed",
+                message: format!("gpu: {e}"),
+            })?;
+        request.tenant = Some(
+            torpor_gpu::ids::TenantId::new(tenant.as_str()).map_err(|e| GpuError::BadRequest {
+                code: e.code(),
+                message: format!("tenant {tenant}: {e}"),
+            })?,
+        );
+        // What no GPU of this node could ever satisfy is refused now, not at every wake.
+        let empty = Ledger::new(&node.inventory);
+        if let Err(refusal) = torpor_gpu::planner::plan(
+            &node.inventory,
+            &empty,
+            &request,
+            &node.policy,
+            &QuotaBook::unlimited(),
+        ) {
+            let error = GpuError::from_refusal(&refusal);
+            if matches!(error, GpuError::BadRequest { .. }) {
+                return Err(error);
+            }
+        }
+        if request.mode == torpor_gpu::partition::PartitionMode::Mig && !node.declared {
+            return Err(GpuError::Driver(
+                "creating MIG instances through NVML is not implemented in this build; use mps, timeslice or whole".into(),
+            ));
+        }
+        Ok(request)
+    }
+
+    /// Remembers a sandbox's GPU request (written before its first restore).
+    pub fn save_request(&self, id: &SandboxId, request: &GpuRequest) -> std::io::Result<()> {
+        let path = self.request_path(id);
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(
+            &tmp,
+            serde_json::to_vec(request).map_err(std::io::Error::other)?,
+        )?;
+        std::fs::rename(&tmp, &path)
+    }
+
+    /// The GPU request of a sandbox, if it has one.
+    pub fn request_of(&self, id: &SandboxId) -> Option<GpuRequest> {
+        use std::io::Read;
+        let file = std::fs::File::open(self.request_path(id)).ok()?;
+        let mut text = Vec::new();
+        file.take(MAX_REQUEST_FILE).read_to_end(&mut text).ok()?;
+        match serde_json::from_slice(&text) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::error!(sandbox = %id, error = %e, "unreadable GPU request file");
+                None
+            }
+        }
+    }
+
+    /// Gets `id` its share (create or wake): the same shares it had before sleeping when they
+    /// are free, else any GPU of the same model, else a refusal. Returns the sandboxes whose
+    /// borrowed shares were reclaimed for it (the engine must park them).
+    pub fn acquire(&self, id: &SandboxId) -> Result<Vec<SandboxId>, GpuError> {
+        let Some(request) = self.request_of(id) else {
+            return Ok(Vec::new());
+        };
+        let mut inner = self.lock();
+        if inner.held.contains_key(id) {
+            return Ok(Vec::new());
+        }
+        let planned: Result<Plan, Refusal> = match inner.tickets.get(id) {
+            Some(ticket) => plan_wake(
+                &self.inventory,
+                &inner.ledger,
+                ticket,
+                &self.policy,
+                &self.quotas,
+                true,
+            ),
+            None => torpor_gpu::planner::plan(
+                &self.inventory,
+                &inner.ledger,
+                &request,
+                &self.policy,
+                &self.quotas,
+            ),
+        };
+        let planned = planned.map_err(|r| GpuError::from_refusal(&r))?;
+        // Sandboxes whose allocations the plan reclaims (borrowers above their guarantee).
+        let victims: Vec<SandboxId> = planned
+            .evictions
+            .iter()
+            .filter_map(|a| {
+                inner
+                    .held
+                    .iter()
+                    .find(|(_, h)| h.allocation == *a)
+                    .map(|(s, _)| s.clone())
+            })
+            .collect();
+        let mut ledger = inner.ledger.clone();
+        let ids = commit(&self.inventory, &mut ledger, &planned, &self.policy).map_err(|e| {
+            GpuError::Unavailable {
+                code: e.code(),
+                message: e.to_string(),
+            }
+        })?;
+        let allocation_id = *ids.first().ok_or_else(|| GpuError::Unavailable {
+            code: "commit_failed",
+            message: "the plan committed no allocation".into(),
+        })?;
+        let allocation =
+            ledger
+                .allocation(allocation_id)
+                .cloned()
+                .ok_or_else(|| GpuError::Unavailable {
+                    code: "commit_failed",
+                    message: "the committed allocation is missing".into(),
+                })?;
+        let mut handles = inner.handles.clone();
+        let mut driver = DeclaredMigDriver;
+        if self.declared {
+            realize(&self.inventory, &allocation, &mut driver, &mut handles)
+                .map_err(|e| GpuError::Driver(e.to_string()))?;
+        }
+        let inj = injection(&self.inventory, &allocation, &handles, &self.inject)
+            .map_err(|e| GpuError::Driver(format!("{}: {e}", e.code())))?;
+        // Committed: the victims' shares are gone from the ledger; forget them as held.
+        for victim in &victims {
+            if let Some(h) = inner.held.remove(victim) {
+                tracing::info!(sandbox = %victim, allocation = %h.allocation, "GPU share reclaimed by its owner's guarantee");
+            }
+        }
+        inner.ledger = ledger;
+        inner.handles = handles;
+        inner.tickets.remove(id);
+        tracing::info!(sandbox = %id, allocation = %allocation_id,
+            devices = ?allocation.shares.iter().map(|s| describe(&self.inventory, s)).collect::<Vec<_>>(),
+            "GPU share acquired");
+        inner.held.insert(
+            id.clone(),
+            Held {
+                allocation: allocation_id,
+                env: inj.env,
+            },
+        );
+        Ok(victims)
+    }
+
+    /// Gives `id`'s share back (its container is gone: parked, suspended, crashed); the
+    /// sandbox keeps a ticket to ask for the same shares on wake.
+    pub fn release(&self, id: &SandboxId) {
+        let mut inner = self.lock();
+        let Some(held) = inner.held.remove(id) else {
+            return;
+        };
+        let Inner {
+            ledger, handles, ..
+        } = &mut *inner;
+        if let Some(allocation) = ledger.allocation(held.allocation).cloned() {
+            let mut driver = DeclaredMigDriver;
+            if let Err(e) = unrealize(&self.inventory, &allocation, &mut driver, handles) {
+                tracing::warn!(sandbox = %id, error = %e, "cannot destroy MIG devices");
+            }
+        }
+        match release_for_sleep(&self.inventory, ledger, held.allocation) {
+            Ok(ticket) => {
+                tracing::info!(sandbox = %id, allocation = %held.allocation, "GPU share released");
+                inner.tickets.insert(id.clone(), ticket);
+            }
+            Err(e) => tracing::error!(sandbox = %id, error = %e, "cannot release a GPU share"),
+        }
+    }
+
+    /// Forgets a deleted sandbox entirely.
+    pub fn forget(&self, id: &SandboxId) {
+        self.release(id);
+        self.lock().tickets.remove(id);
+        let _ = std::fs::remove_file(self.request_path(id));
+    }
+
+    /// The environment every exec in `id` gets (empty when it holds no share).
+    pub fn env(&self, id: &SandboxId) -> BTreeMap<String, String> {
+        self.lock()
+            .held
+            .get(id)
+            .map(|h| h.env.clone())
+            .unwrap_or_default()
+    }
+
+    /// Whether `id` holds a share now.
+    pub fn holds(&self, id: &SandboxId) -> bool {
+        self.lock().held.contains_key(id)
+    }
+
+    /// Refuses a full checkpoint of a sandbox holding a live GPU context when `cuda-checkpoint`
+    /// is not installed. A live context is an open NVIDIA device file (`/dev/nvidia*`) in any
+    /// process of the container's cgroup (with gVisor's nvproxy the sentry holds them).
+    pub fn checkpoint_gate(&self, id: &SandboxId, container_id: &str) -> Result<(), GpuError> {
+        if !self.holds(id) {
+            return Ok(());
+        }
+        let pids = cgroup_pids(container_id);
+        let holding = pids_holding_files(&pids, Path::new("/dev"), "nvidia");
+        checkpoint_method(!holding.is_empty(), self.cuda_checkpoint.as_deref())?;
+        Ok(())
+    }
+
+    /// `GET /v1/gpus`; a tenant other than the admin sees only its own sandboxes' shares.
+    pub fn status(&self, viewer: &TenantId) -> GpuStatus {
+        let inner = self.lock();
+        let mut allocations: Vec<SandboxShare> = inner
+            .held
+            .iter()
+            .filter_map(|(sandbox, held)| {
+                let allocation = inner.ledger.allocation(held.allocation)?;
+                let tenant = allocation.tenant.as_ref().map(|t| t.to_string());
+                let visible =
+                    *viewer == TenantId::admin() || tenant.as_deref() == Some(viewer.as_str());
+                visible.then(|| SandboxShare {
+                    sandbox: sandbox.to_string(),
+                    tenant,
+                    devices: allocation
+                        .shares
+                        .iter()
+                        .map(|s| describe(&self.inventory, s))
+                        .collect(),
+                    env: held.env.clone(),
+                })
+            })
+            .collect();
+        allocations.sort_by(|a, b| a.sandbox.cmp(&b.sandbox));
+        let mut sleeping: Vec<String> = inner
+            .tickets
+            .iter()
+            .filter(|(_, t)| {
+                *viewer == TenantId::admin()
+                    || t.request.tenant.as_ref().map(|x| x.as_str()) == Some(viewer.as_str())
+            })
+            .map(|(s, _)| s.to_string())
+            .collect();
+        sleeping.sort();
+        GpuStatus {
+            node: self.inventory.node.to_string(),
+            source: self.source.clone(),
+            gpus: gpu_rows(&self.inventory, &inner.ledger),
+            allocations,
+            sleeping,
+            cuda_checkpoint: self.cuda_checkpoint.is_some(),
+        }
+    }
+
+    /// Samples telemetry on every scrape: DCGM exporter's metric families are added to
+    /// `/metrics`, labelled with the tenant and sandbox that hold each device.
+    pub fn set_sampler(&mut self, sampler: Sampler) {
+        self.sampler = Some(sampler);
+    }
+
+    /// Who holds each device (GPU UUID, or MIG UUID for a MIG instance): `(tenant, sandbox)`.
+    fn holders(&self, inner: &Inner) -> BTreeMap<String, Vec<(Option<String>, String)>> {
+        let mut out: BTreeMap<String, Vec<(Option<String>, String)>> = BTreeMap::new();
+        for (sandbox, held) in &inner.held {
+            let Some(allocation) = inner.ledger.allocation(held.allocation) else {
+                continue;
+            };
+            let tenant = allocation.tenant.as_ref().map(|t| t.to_string());
+            for share in &allocation.shares {
+                let uuid = match share.kind {
+                    ShareKind::Mig { instance } => inner
+                        .handles
+                        .get(&(share.gpu, instance))
+                        .map(|d| d.uuid.to_string()),
+                    _ => self.inventory.gpu(share.gpu).map(|g| g.uuid.to_string()),
+                };
+                if let Some(uuid) = uuid {
+                    out.entry(uuid)
+                        .or_default()
+                        .push((tenant.clone(), sandbox.to_string()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Allocation metrics (shares used and free by GPU and mode, quota use), always; with a
+    /// sampler (NVML) also DCGM exporter's families.
+    pub fn metrics(&self) -> String {
+        let (mut text, holders) = {
+            let inner = self.lock();
+            (
+                allocation_metrics(&self.inventory, &inner.ledger, &self.quotas),
+                self.holders(&inner),
+            )
+        };
+        if let Some(sampler) = &self.sampler {
+            match sampler() {
+                Ok(mut samples) => {
+                    label_samples(&mut samples, &holders);
+                    text.push_str(&dcgm_metrics(self.inventory.node.as_str(), &samples));
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot sample GPU telemetry"),
+            }
+        }
+        text
+    }
+}
+
+/// Adds `tenant` and `sandbox` labels to the samples of devices that exactly one sandbox holds
+/// (a whole GPU, a MIG instance, or a shared GPU with a single client).
+pub fn label_samples(
+    samples: &mut [GpuSample],
+    holders: &BTreeMap<String, Vec<(Option<String>, String)>>,
+) {
+    for sample in samples {
+        if let Some([(tenant, sandbox)]) = holders.get(&sample.uuid).map(Vec::as_slice) {
+            sample.tenant = tenant.clone();
+            sample.sandbox = Some(sandbox.clone());
+        }
+    }
+}
+
+/// Processes of a container torpor started (its memory cgroup, where runsc puts the sandbox).
+fn cgroup_pids(container_id: &str) -> Vec<u32> {
+    let dir = Path::new(torpor_runtime::cgroup::CGROUP_ROOT)
+        .join("memory")
+        .join(torpor_runtime::cgroup::PARENT)
+        .join(container_id);
+    std::fs::read_to_string(dir.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+/// The pids among `pids` that hold open a file in `dir` whose name starts with `prefix`.
+fn pids_holding_files(pids: &[u32], dir: &Path, prefix: &str) -> Vec<u32> {
+    pids.iter()
+        .copied()
+        .filter(|pid| {
+            let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+                return false;
+            };
+            fds.flatten().any(|fd| {
+                std::fs::read_link(fd.path()).is_ok_and(|target| {
+                    target.parent() == Some(dir)
+                        && target
+                            .file_name()
+                            .and_then(|n| n.to_str())
+                            .is_some_and(|n| n.starts_with(prefix))
+                })
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_a_process_holding_a_device_like_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = std::process::id();
+        assert!(pids_holding_files(&[me], dir.path(), "nvidia").is_empty());
+        let _open = std::fs::File::create(dir.path().join("nvidia0")).unwrap();
+        assert_eq!(pids_holding_files(&[me], dir.path(), "nvidia"), vec![me]);
+        assert!(pids_holding_files(&[me], dir.path(), "nvidiactl-").is_empty());
+        // A pid that does not exist holds nothing.
+        assert!(pids_holding_files(&[u32::MAX - 1], dir.path(), "nvidia").is_empty());
+    }
+
+    fn sample(uuid: &str, mig: Option<(&str, u32)>) -> GpuSample {
+        GpuSample {
+            gpu: 0,
+            uuid: uuid.to_owned(),
+            model_name: "NVIDIA H200".to_owned(),
+            mig: mig.map(|(p, i)| (p.to_owned(), i)),
+            tenant: None,
+            sandbox: None,
+            util_pct: Some(30),
+            fb_used_mib: Some(1024),
+            temp_c: None,
+            power_w: None,
+            tensor_active: None,
+            xid_last: None,
+            ecc_dbe_volatile: None,
+        }
+    }
+
+    #[test]
+    fn dcgm_samples_get_tenant_and_sandbox_of_a_single_holder() {
+        let mut samples = vec![
+            sample("GPU-0", None),
+            sample("MIG-a", Some(("3g.71gb", 2))),
+            sample("GPU-1", None),
+        ];
+        let holders = BTreeMap::from([
+            (
+                "MIG-a".to_owned(),
+                vec![(Some("team-a".to_owned()), "sb-1".to_owned())],
+            ),
+            (
+                "GPU-1".to_owned(),
+                vec![(None, "sb-2".to_owned()), (None, "sb-3".to_owned())],
+            ),
+        ]);
+        label_samples(&mut samples, &holders);
+        assert_eq!(samples[0].sandbox, None);
+        assert_eq!(samples[1].tenant.as_deref(), Some("team-a"));
+        assert_eq!(samples[1].sandbox.as_deref(), Some("sb-1"));
+        assert_eq!(samples[2].sandbox, None, "two MPS clients: no single owner");
+        let text = dcgm_metrics("node-1", &samples);
+        assert!(text.contains("DCGM_FI_DEV_FB_USED{gpu=\"0\",UUID=\"MIG-a\",device=\"nvidia0\",modelName=\"NVIDIA H200\",Hostname=\"node-1\",GPU_I_PROFILE=\"3g.71gb\",GPU_I_ID=\"2\",tenant=\"team-a\",sandbox=\"sb-1\"} 1024"), "{text}");
+        assert!(text.contains("DCGM_FI_DEV_GPU_UTIL{gpu=\"0\",UUID=\"GPU-0\""));
+    }
+
+    #[test]
+    fn metrics_with_a_sampler_carry_dcgm_families_labelled_by_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let inv = dir.path().join("inv.toml");
+        std::fs::write(
+            &inv,
+            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA L4\"\nmemory_mib = 23034\nmig_capable = false\npci_bus_id = \"0000:01:00.0\"\n",
+        )
+        .unwrap();
+        let mut gpus = NodeGpus::open(
+            GpuConfig {
+                inventory: Some(inv),
+                ..GpuConfig::default()
+            },
+            dir.path(),
+        )
+        .unwrap()
+        .unwrap();
+        gpus.set_sampler(Box::new(|| Ok(vec![sample("GPU-a", None)])));
+        let id = SandboxId::generate();
+        let request = NodeGpus::parse_request(
+            Some(&gpus),
+            &serde_json::json!({"mode": "whole"}),
+            &TenantId::admin(),
+        )
+        .unwrap();
+        gpus.save_request(&id, &request).unwrap();
+        gpus.acquire(&id).unwrap();
+        let text = gpus.metrics();
+        assert!(
+            text.contains(
+                "torpor_gpu_shares{node=\"n\",gpu=\"0\",UUID=\"GPU-a\",mode=\"whole\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("tenant=\"admin\",sandbox=\"{id}\"}} 30")),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn declared_mig_uuids_are_stable_and_distinct() {
+        let inv = Inventory::from_toml(
+            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA H100 80GB HBM3\"\nmemory_mib = 81559\nmig_capable = true\npci_bus_id = \"0000:01:00.0\"\n",
+            "t",
+        )
+        .unwrap();
+        let gpu = &inv.gpus()[0];
+        let mut d = DeclaredMigDriver;
+        let a = d
+            .create(
+                gpu,
+                MigInstance {
+                    profile_id: 9,
+                    start: 4,
+                },
+            )
+            .unwrap();
+        let b = d
+            .create(
+                gpu,
+                MigInstance {
+                    profile_id: 9,
+                    start: 0,
+                },
+            )
+            .unwrap();
+        let again = d
+            .create(
+                gpu,
+                MigInstance {
+                    profile_id: 9,
+                    start: 4,
+                },
+            )
+            .unwrap();
+        assert_eq!(a.uuid, again.uuid);
+        assert_ne!(a.uuid, b.uuid);
+        assert!(a.uuid.as_str().starts_with("MIG-"));
+        assert_eq!(a.uuid.as_str().len(), "MIG-".len() + 36);
+    }
+
+    #[test]
+    fn acquire_release_wake_and_refusal_codes() {
+        let dir = tempfile::tempdir().unwrap();
+        let inv = dir.path().join("inv.toml");
+        std::fs::write(
+            &inv,
+            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA L4\"\nmemory_mib = 23034\nmig_capable = false\npci_bus_id = \"0000:01:00.0\"\n",
+        )
+        .unwrap();
+        let gpus = NodeGpus::open(
+            GpuConfig {
+                inventory: Some(inv),
+                ..GpuConfig::default()
+            },
+            dir.path(),
+        )
+        .unwrap()
+        .unwrap();
+        let tenant = TenantId::admin();
+        let mig = serde_json::json!({"mode": "mig", "profile": "1g.10gb"});
+        let err = NodeGpus::parse_request(Some(&gpus), &mig, &tenant).unwrap_err();
+        assert_eq!(err.code(), "gpu_request_invalid");
+        assert!(err.to_string().contains("no_mig_gpu"));
+        let err = NodeGpus::parse_request(None, &mig, &tenant).unwrap_err();
+        assert_eq!(err.code(), "gpu_not_configured");
+        let whole = serde_json::json!({"mode": "whole"});
+        let request = NodeGpus::parse_request(Some(&gpus), &whole, &tenant).unwrap();
+        let (a, b) = (SandboxId::generate(), SandboxId::generate());
+        gpus.save_request(&a, &request).unwrap();
+        gpus.save_request(&b, &request).unwrap();
+        assert!(gpus.acquire(&a).unwrap().is_empty());
+        assert_eq!(gpus.env(&a)["NVIDIA_VISIBLE_DEVICES"], "GPU-a");
+        let err = gpus.acquire(&b).unwrap_err();
+        assert_eq!(err.code(), "gpu_unavailable");
+        gpus.release(&a);
+        assert!(gpus.env(&a).is_empty());
+        assert_eq!(gpus.status(&tenant).sleeping, vec![a.to_string()]);
+        gpus.acquire(&b).unwrap();
+        assert_eq!(gpus.acquire(&a).unwrap_err().code(), "gpu_unavailable");
+        gpus.forget(&b);
+        gpus.acquire(&a).unwrap();
+        assert_eq!(gpus.status(&tenant).allocations.len(), 1);
+        assert!(gpus.metrics().contains("torpor_gpu_shares{"));
+    }
+}
