@@ -74,13 +74,34 @@ pub fn thaw_matching(ours: impl Fn(&str) -> bool) {
     }
 }
 
-/// Bytes charged to the container's memory cgroup, or None when it has none (not running).
+/// The memory a sandbox holds: anonymous memory plus shared memory (gVisor keeps guest memory
+/// in a memfd), from the group's `memory.stat`; None when it has no group (not running). Page
+/// cache of files it read (its checkpoint image, while restoring) is left out: the kernel
+/// reclaims it under pressure, so it neither threatens the node nor says how big the agent is.
 pub fn memory_usage(name: &str) -> Option<u64> {
-    fs::read_to_string(controller_dir("memory", name).join("memory.usage_in_bytes"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
+    let stat = fs::read_to_string(controller_dir("memory", name).join("memory.stat")).ok()?;
+    Some(resident_from_stat(&stat))
+}
+
+fn resident_from_stat(stat: &str) -> u64 {
+    stat.lines()
+        .filter_map(|l| l.split_once(' '))
+        .filter(|(k, _)| matches!(*k, "total_rss" | "total_shmem"))
+        .filter_map(|(_, v)| v.trim().parse::<u64>().ok())
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resident_memory_is_rss_plus_shmem_without_page_cache() {
+        let stat = "cache 900\nrss 5\nshmem 3\ntotal_cache 1000000\ntotal_rss 54000\n\
+                    total_shmem 10000\ntotal_mapped_file 7\n";
+        assert_eq!(resident_from_stat(stat), 64000);
+        assert_eq!(resident_from_stat(""), 0);
+    }
 }
 
 /// Watches a container's memory cgroup for OOM kills. The flag turns true when the kernel's OOM
