@@ -452,13 +452,19 @@ impl Store {
             let uploads = missing.into_iter().map(|(key, id, data)| {
                 let codec = self.codec.clone();
                 let backend = Arc::clone(&self.backend);
+                let cache = self.cache.clone();
                 async move {
                     let raw = data.len() as u64;
                     let (blob, _) = tokio::task::spawn_blocking(move || codec.encode(&id, &data))
                         .await?
                         .map_err(StoreError::Encode)?;
                     let stored = blob.len() as u64;
-                    backend.put(&key, Bytes::from(blob)).await?;
+                    let blob = Bytes::from(blob);
+                    backend.put(&key, blob.clone()).await?;
+                    if let Some(cache) = cache {
+                        // Write-through: a wake on this node after the suspend reads locally.
+                        cache.insert_in_background(id, blob);
+                    }
                     Ok::<_, StoreError>((raw, stored))
                 }
             });
