@@ -30,13 +30,13 @@ pub struct Cli {
 pub struct Conn {
     /// torpor's API address.
     #[arg(long, env = ENV_URL, global = true)]
-    url: Option<String>,
+    pub(crate) url: Option<String>,
     /// Bearer token (default: the admin token in the data directory on this machine).
     #[arg(long, env = ENV_TOKEN, global = true, hide_env_values = true)]
-    token: Option<String>,
+    pub(crate) token: Option<String>,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
-    json: bool,
+    pub(crate) json: bool,
 }
 
 #[derive(Subcommand)]
@@ -69,7 +69,12 @@ pub enum Command {
         /// How often the idle policy runs.
         #[arg(long, default_value_t = 500)]
         tick_ms: u64,
+        #[command(flatten)]
+        store: crate::snapshot::StoreArgs,
     },
+    /// Inspect, verify and collect the snapshot store (operator only).
+    #[command(subcommand)]
+    Snapshot(crate::snapshot::SnapshotCmd),
     /// Manage templates.
     #[command(subcommand)]
     Template(TemplateCmd),
@@ -360,6 +365,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             lot_size,
             memory_budget,
             tick_ms,
+            store,
         } => {
             init_logging();
             daemon::up(daemon::UpConfig {
@@ -372,12 +378,14 @@ async fn dispatch(cmd: Command) -> CliResult {
                 lot_capacity: lot_size.max(1),
                 memory_budget,
                 tick: Duration::from_millis(tick_ms.max(50)),
+                snapshots: store.config(),
             })
             .await?;
             Ok(0)
         }
         Command::Template(t) => template(t).await,
         Command::Tenant(t) => tenant(t).await,
+        Command::Snapshot(c) => crate::snapshot::run(c).await,
         Command::Create {
             template,
             env,

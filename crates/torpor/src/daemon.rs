@@ -29,6 +29,7 @@ pub struct UpConfig {
     pub lot_capacity: usize,
     pub memory_budget: Option<u64>,
     pub tick: Duration,
+    pub snapshots: torpor_control::SnapshotConfig,
 }
 
 /// Default memory budget: 70% of the machine's RAM.
@@ -162,6 +163,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         lot_capacity: cfg.lot_capacity,
         memory_budget: Some(cfg.memory_budget.unwrap_or_else(default_memory_budget)),
         tick: cfg.tick,
+        snapshots: cfg.snapshots,
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e} ({})", e.code()))?;
