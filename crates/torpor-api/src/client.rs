@@ -12,6 +12,8 @@ use crate::types::{
     Health, Sandbox, SuspendBody, Template, TemplateSpec, Tenant, TenantCreated,
 };
 
+mod snapshots;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// The server answered with an error in the API's shape.

@@ -3,6 +3,7 @@
 
 pub mod client;
 pub mod server;
+pub mod snapshots;
 pub mod types;
 
 pub use client::{Client, ClientError};

@@ -123,6 +123,7 @@ fn status_of(e: &ControlError) -> StatusCode {
         ControlError::Runtime(_)
         | ControlError::Store(_)
         | ControlError::Snapshot(_)
+        | ControlError::SnapshotStore { .. }
         | ControlError::Io { .. } => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
@@ -253,6 +254,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/sandboxes/{id}/suspend", post(suspend))
         .route("/sandboxes/{id}/resume", post(resume))
         .route("/sandboxes/{id}/fork", post(fork))
+        .merge(crate::snapshots::routes())
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .route("/openapi.json", get(openapi));
     Router::new()

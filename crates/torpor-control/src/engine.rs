@@ -53,6 +53,8 @@ pub struct EngineConfig {
     pub tick: Duration,
     /// Free workers kept prepared (cgroups, bundle directory) so a wake does only the restore.
     pub warm_pool: usize,
+    /// Snapshot store, chunk cache, retention, scheduled GC, encryption.
+    pub snapshots: crate::snapshots::SnapshotConfig,
 }
 
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -195,7 +197,7 @@ pub struct Engine {
     /// The engine itself, for tasks (crash watches) that must call back into it.
     me: std::sync::Weak<Engine>,
     cfg: EngineConfig,
-    store: Store,
+    pub(crate) store: Store,
     runsc: Runsc,
     agent_dir: PathBuf,
     slots: Mutex<HashMap<SandboxId, Arc<Slot>>>,
@@ -208,7 +210,7 @@ pub struct Engine {
     pub metrics: Metrics,
     shutting_down: AtomicBool,
     /// The snapshot store: Suspended sandboxes' checkpoints, chunked, deduplicated, verified.
-    snapshots: Arc<torpor_snapshot::Store>,
+    pub(crate) snapshots: Arc<crate::snapshots::Snapshots>,
     /// Serialises quota checks with the state change that consumes the quota, so two calls at
     /// the last unit cannot both pass.
     quota_lock: tokio::sync::Mutex<()>,
@@ -247,11 +249,12 @@ impl Engine {
         tracing::info!(version = %runsc.version, platform = %runsc.platform, overlay = ?runsc.overlay_flags, "runsc detected");
         let agent_dir = rootfs::install_agent(&cfg.agent_binary, &cfg.data_dir.join("agent"))
             .map_err(|e| ControlError::Unsupported(e.to_string()))?;
-        let snapshots = Arc::new(
-            torpor_snapshot::Store::local(cfg.data_dir.join("store"))
-                .map_err(|e| ControlError::Snapshot(e.to_string()))?,
-        );
         let metrics = Metrics::new();
+        let snapshots = Arc::new(crate::snapshots::Snapshots::open(
+            &cfg.data_dir,
+            &cfg.snapshots,
+            &metrics,
+        )?);
         metrics.workers_total.set(cfg.workers as i64);
         // Before reconcile: this also thaws and empties the groups a previous run left.
         let warm = WarmPool::start(&cfg.data_dir, cfg.warm_pool);
@@ -297,6 +300,7 @@ impl Engine {
         tokio::spawn(async move { ticker.run_policy().await });
         let evictor = engine.clone();
         tokio::spawn(async move { evictor.run_evictor().await });
+        engine.spawn_snapshot_gc();
         Ok(engine)
     }
 
@@ -390,7 +394,7 @@ impl Engine {
             .clone()
     }
 
-    fn check_running(&self) -> Result<()> {
+    pub(crate) fn check_running(&self) -> Result<()> {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(ControlError::ShuttingDown);
         }
@@ -1202,7 +1206,7 @@ impl Engine {
             ImageRef::Local(p) => p.clone(),
             ImageRef::Store(snapshot) => {
                 let _ = std::fs::remove_dir_all(&fetched);
-                if let Err(e) = self.fetch_snapshot(snapshot, &fetched).await {
+                if let Err(e) = self.snapshots.fetch(&rec.tenant, snapshot, &fetched).await {
                     self.release_gpu(&rec.id);
                     rec.state = previous;
                     rec.last_error = Some(format!("wake failed: {e}"));
@@ -1302,7 +1306,7 @@ impl Engine {
                 rec.state = SandboxState::Parked;
                 rec.tier = Tier::Parked;
                 self.store.update_sandbox(&rec)?;
-                self.remove_image(&old).await;
+                self.remove_image(&rec.tenant, &old).await;
                 let bytes = dir_size(&dest);
                 self.metrics
                     .checkpoint_seconds
@@ -1373,17 +1377,17 @@ impl Engine {
         // snapshot for this checkpoint, and the local image stays the sandbox's.
         // The store's futures run in their own task: their internal borrows stay out of the
         // API handlers' futures (which must be Send for any lifetime).
-        let store = self.snapshots.clone();
-        let put = tokio::spawn(async move { store.put_dir(&source, None).await })
-            .await
-            .map_err(|e| ControlError::Snapshot(format!("upload task failed: {e}")))?;
-        match put {
+        let labels = vec![(
+            torpor_snapshot::store::LABEL_SANDBOX.to_string(),
+            id.to_string(),
+        )];
+        match self.snapshots.put(&rec.tenant, labels, source).await {
             Ok(report) => {
                 let old = std::mem::replace(&mut rec.image, ImageRef::Store(report.id.to_string()));
                 rec.state = SandboxState::Suspended;
                 rec.tier = Tier::Suspended;
                 self.store.update_sandbox(&rec)?;
-                self.remove_image(&old).await;
+                self.remove_image(&rec.tenant, &old).await;
                 self.metrics
                     .checkpoint_bytes
                     .with_label_values(&["store_new"])
@@ -1398,41 +1402,21 @@ impl Engine {
             }
             Err(e) => {
                 rec.state = SandboxState::Parked;
+                rec.last_error = Some(format!("upload failed, still parked on this node: {e}"));
                 self.store.update_sandbox(&rec)?;
-                Err(ControlError::Snapshot(e.to_string()))
+                Err(e)
             }
         }
     }
 
-    async fn fetch_snapshot(&self, snapshot: &str, dest: &Path) -> Result<()> {
-        let id = torpor_snapshot::SnapshotId::new(snapshot)
-            .map_err(|e| ControlError::Snapshot(format!("snapshot id {snapshot:?}: {e}")))?;
-        let store = self.snapshots.clone();
-        let dest = dest.to_path_buf();
-        tokio::spawn(async move { store.get_dir(&id, &dest).await })
-            .await
-            .map_err(|e| ControlError::Snapshot(format!("fetch task failed: {e}")))?
-            .map_err(|e| ControlError::Snapshot(e.to_string()))?;
-        Ok(())
-    }
-
     /// Removes a superseded checkpoint: a local image directory, or a snapshot in the store.
-    async fn remove_image(&self, image: &ImageRef) {
+    async fn remove_image(&self, tenant: &TenantId, image: &ImageRef) {
         match image {
             ImageRef::Golden => {}
             ImageRef::Local(p) => {
                 let _ = std::fs::remove_dir_all(p);
             }
-            ImageRef::Store(snapshot) => {
-                if let Ok(id) = torpor_snapshot::SnapshotId::new(snapshot.as_str()) {
-                    let store = self.snapshots.clone();
-                    let deleted =
-                        tokio::spawn(async move { store.delete_snapshot(&id).await }).await;
-                    if !matches!(deleted, Ok(Ok(()))) {
-                        tracing::warn!(snapshot = %snapshot, "cannot delete a superseded snapshot");
-                    }
-                }
-            }
+            ImageRef::Store(snapshot) => self.snapshots.retire(tenant, snapshot).await,
         }
     }
 
@@ -1492,7 +1476,7 @@ impl Engine {
         let snapshot = match &source.image {
             ImageRef::Store(s) => torpor_snapshot::SnapshotId::new(s.as_str())
                 .map_err(|e| ControlError::Snapshot(format!("snapshot id {s:?}: {e}")))?,
-            ImageRef::Local(dir) => self.put_snapshot(dir.clone()).await?,
+            ImageRef::Local(dir) => self.put_snapshot(&source.tenant, id, dir.clone()).await?,
             ImageRef::Golden => {
                 let tpl = self.store.template(&source.template)?.ok_or_else(|| {
                     ControlError::NotFound {
@@ -1500,15 +1484,18 @@ impl Engine {
                         id: source.template.to_string(),
                     }
                 })?;
-                self.put_snapshot(tpl.golden_dir).await?
+                self.snapshots
+                    .golden(
+                        &source.tenant,
+                        tpl.name.as_str(),
+                        tpl.created_at,
+                        tpl.golden_dir,
+                    )
+                    .await?
             }
         };
         drop(guard);
-        let store = self.snapshots.clone();
-        let ids = tokio::spawn(async move { store.fork(&snapshot, count).await })
-            .await
-            .map_err(|e| ControlError::Snapshot(format!("fork task failed: {e}")))?
-            .map_err(|e| ControlError::Snapshot(e.to_string()))?;
+        let ids = self.snapshots.fork(&source.tenant, snapshot, count).await?;
         let mut forks = Vec::with_capacity(count);
         for snap in ids {
             let now = now_millis();
@@ -1537,7 +1524,7 @@ impl Engine {
             };
             if let Err(e) = inserted {
                 // Forks made so far stay; the rest of the snapshots are dropped.
-                self.remove_image(&rec.image).await;
+                self.remove_image(&rec.tenant, &rec.image).await;
                 if forks.is_empty() {
                     return Err(e);
                 }
@@ -1551,12 +1538,17 @@ impl Engine {
     }
 
     /// Puts a checkpoint directory into the snapshot store.
-    async fn put_snapshot(&self, dir: PathBuf) -> Result<torpor_snapshot::SnapshotId> {
-        let store = self.snapshots.clone();
-        let report = tokio::spawn(async move { store.put_dir(&dir, None).await })
-            .await
-            .map_err(|e| ControlError::Snapshot(format!("upload task failed: {e}")))?
-            .map_err(|e| ControlError::Snapshot(e.to_string()))?;
+    async fn put_snapshot(
+        &self,
+        tenant: &TenantId,
+        sandbox: &SandboxId,
+        dir: PathBuf,
+    ) -> Result<torpor_snapshot::SnapshotId> {
+        let labels = vec![(
+            torpor_snapshot::store::LABEL_SANDBOX.to_string(),
+            sandbox.to_string(),
+        )];
+        let report = self.snapshots.put(tenant, labels, dir).await?;
         self.metrics
             .checkpoint_bytes
             .with_label_values(&["store_new"])
@@ -1584,7 +1576,10 @@ impl Engine {
             self.runsc.destroy(&live.container.id).await;
         }
         self.forget_gpu(id);
-        self.remove_image(&rec.image).await;
+        self.remove_image(&rec.tenant, &rec.image).await;
+        self.snapshots
+            .forget_sandbox(&rec.tenant, id.as_str())
+            .await;
         self.remove_sandbox_files(id);
         self.store.delete_sandbox(id)?;
         self.slots

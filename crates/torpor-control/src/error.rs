@@ -54,6 +54,9 @@ pub enum ControlError {
     Runtime(#[from] RuntimeError),
     #[error("snapshot store: {0}")]
     Snapshot(String),
+    /// A snapshot store error with the store's own stable code (`chunk_corrupt`, ...).
+    #[error("snapshot store: {message}")]
+    SnapshotStore { code: &'static str, message: String },
     #[error("image: {0}")]
     Image(#[from] torpor_image::ImageError),
     #[error("sandbox agent: {0}")]
@@ -104,6 +107,7 @@ impl ControlError {
             ControlError::Conn(_) => "sandbox_unavailable",
             ControlError::Image(e) => e.code(),
             ControlError::Snapshot(_) => "snapshot_store_error",
+            ControlError::SnapshotStore { code, .. } => code,
             ControlError::Store(_) => "state_store_error",
             ControlError::Io { .. } => "io_error",
             ControlError::Gpu(e) => e.code(),

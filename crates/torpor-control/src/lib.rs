@@ -7,10 +7,12 @@ pub mod error;
 pub mod gpu;
 pub mod lot;
 pub mod metrics;
+pub mod snapshots;
 pub mod store;
 
 pub use engine::{
     CreateSandbox, Engine, EngineConfig, ExecEvent, ExecResult, FileEntry, InUse, WorkerStats,
 };
 pub use error::{ControlError, Result};
+pub use snapshots::{SnapshotConfig, StoreLocation};
 pub use store::{ImageRef, Quotas, SandboxRecord, TemplateRecord, TemplateStatus, TenantRecord};

@@ -191,6 +191,11 @@ impl Metrics {
         }
     }
 
+    /// Adds a collector owned by another component (the snapshot store's counters).
+    pub fn register(&self, c: Box<dyn prometheus::core::Collector>) {
+        self.registry.register(c).expect("metric names are unique");
+    }
+
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
         let mut buf = Vec::new();

@@ -91,19 +91,6 @@ fn resident_from_stat(stat: &str) -> u64 {
         .sum()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn resident_memory_is_rss_plus_shmem_without_page_cache() {
-        let stat = "cache 900\nrss 5\nshmem 3\ntotal_cache 1000000\ntotal_rss 54000\n\
-                    total_shmem 10000\ntotal_mapped_file 7\n";
-        assert_eq!(resident_from_stat(stat), 64000);
-        assert_eq!(resident_from_stat(""), 0);
-    }
-}
-
 /// Watches a container's memory cgroup for OOM kills. The flag turns true when the kernel's OOM
 /// killer acts inside the group; the watch ends by itself when the group is removed.
 pub fn watch_oom(name: &str) -> Arc<AtomicBool> {
@@ -321,4 +308,17 @@ pub fn reset_group(name: &str, timeout: Duration) -> Result<(), CgroupError> {
     // Best effort: a charge that cannot be dropped now is dropped by the kernel under pressure.
     let _ = fs::write(memory.join("memory.force_empty"), "0");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resident_memory_is_rss_plus_shmem_without_page_cache() {
+        let stat = "cache 900\nrss 5\nshmem 3\ntotal_cache 1000000\ntotal_rss 54000\n\
+                    total_shmem 10000\ntotal_mapped_file 7\n";
+        assert_eq!(resident_from_stat(stat), 64000);
+        assert_eq!(resident_from_stat(""), 0);
+    }
 }

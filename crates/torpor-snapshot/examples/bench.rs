@@ -89,6 +89,7 @@ fn store_at(root: &Path, chunking: ChunkParams) -> Store {
         backend,
         StoreConfig {
             chunking,
+            image_chunking: chunking,
             ..StoreConfig::default()
         },
     )
@@ -192,7 +193,7 @@ async fn main() {
     let clustered_img = rebuild(&clustered);
     let mut best = (0u32, f64::MAX);
     let mut golden_store = None;
-    for avg in [8 * 1024, 16 * 1024, 64 * 1024] {
+    for avg in [4 * 1024, 8 * 1024, 16 * 1024, 64 * 1024] {
         let k = avg / 1024;
         let root = tmp.path().join(format!("s-{avg}"));
         let s = store_at(&root, params(avg));
@@ -258,7 +259,7 @@ async fn main() {
         if score < best.1 {
             best = (avg, score);
         }
-        if avg == StoreConfig::default().chunking.avg {
+        if avg == StoreConfig::default().image_chunking.avg {
             golden_store = Some((fs, golden));
         }
     }
@@ -309,7 +310,7 @@ async fn main() {
         let next_img = std::fs::read(&next).expect("read --next");
         let s = store_at(
             &tmp.path().join("real-next"),
-            StoreConfig::default().chunking,
+            StoreConfig::default().image_chunking,
         );
         let d1 = tmp.path().join("real-1");
         write_ckpt(&d1, &img);

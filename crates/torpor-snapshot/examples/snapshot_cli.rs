@@ -165,6 +165,7 @@ async fn run(args: Vec<String>) -> Result<(), CliError> {
                 .gc(&GcOptions {
                     keep_last_per_sandbox: keep,
                     dry_run: args.iter().any(|a| a == "--dry-run"),
+                    ..Default::default()
                 })
                 .await?;
             println!("{r:?}");

@@ -23,6 +23,9 @@ pub struct GcOptions {
     pub keep_last_per_sandbox: Option<usize>,
     /// Report what would be removed without removing it.
     pub dry_run: bool,
+    /// Snapshots retention never removes, besides pinned ones: those a sandbox currently
+    /// depends on (the daemon passes them; they are not pins because they change often).
+    pub protect: HashSet<SnapshotId>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -64,7 +67,7 @@ impl Store {
             for (_, mut snaps) in by_sandbox {
                 snaps.sort_by(|a, b| b.cmp(a));
                 for (_, id) in snaps.into_iter().skip(keep) {
-                    if !pinned.contains(id) {
+                    if !pinned.contains(id) && !opts.protect.contains(id) {
                         remove.insert(id.clone());
                     }
                 }

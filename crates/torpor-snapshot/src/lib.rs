@@ -19,6 +19,7 @@ pub mod backend;
 pub mod cache;
 pub mod chunk;
 pub mod error;
+pub mod fuzzing;
 pub mod gc;
 pub mod gvisor;
 pub mod id;

@@ -37,10 +37,20 @@ pub const LABEL_SANDBOX: &str = "sandbox";
 /// Label set on forks, naming the snapshot they were forked from.
 pub const LABEL_FORKED_FROM: &str = "forked_from";
 
+/// Default chunking of gVisor image streams (see `docs/BENCHMARKS.md` for the sweep).
+pub const DEFAULT_IMAGE_CHUNKING: ChunkParams = ChunkParams {
+    min: 4 * 1024,
+    avg: 16 * 1024,
+    max: 64 * 1024,
+};
+
 /// How the store cuts, compresses and moves data.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
     pub chunking: ChunkParams,
+    /// Chunking of gVisor memory images' inflated streams. Memory changes are scattered
+    /// pages, so a chunk much larger than a page rewrites far more than what changed.
+    pub image_chunking: ChunkParams,
     pub zstd_level: i32,
     /// Concurrent chunk uploads / downloads per file.
     pub parallelism: usize,
@@ -64,6 +74,7 @@ impl Default for StoreConfig {
                 avg: 16 * 1024,
                 max: 64 * 1024,
             },
+            image_chunking: DEFAULT_IMAGE_CHUNKING,
             zstd_level: 1,
             parallelism: 8,
             batch: 128,
@@ -384,7 +395,11 @@ impl Store {
         let producer = {
             let path = path.to_path_buf();
             let codec = self.codec.clone();
-            let params = self.cfg.chunking;
+            let params = if image.is_some() {
+                self.cfg.image_chunking
+            } else {
+                self.cfg.chunking
+            };
             let image = image.map(|l| (l.header.len() as u64, l.frame_size));
             tokio::task::spawn_blocking(move || produce(&path, image, params, &codec, tx))
         };
@@ -452,13 +467,19 @@ impl Store {
             let uploads = missing.into_iter().map(|(key, id, data)| {
                 let codec = self.codec.clone();
                 let backend = Arc::clone(&self.backend);
+                let cache = self.cache.clone();
                 async move {
                     let raw = data.len() as u64;
                     let (blob, _) = tokio::task::spawn_blocking(move || codec.encode(&id, &data))
                         .await?
                         .map_err(StoreError::Encode)?;
                     let stored = blob.len() as u64;
-                    backend.put(&key, Bytes::from(blob)).await?;
+                    let blob = Bytes::from(blob);
+                    backend.put(&key, blob.clone()).await?;
+                    if let Some(cache) = cache {
+                        // Write-through: a wake on this node after the suspend reads locally.
+                        cache.insert_in_background(id, blob);
+                    }
                     Ok::<_, StoreError>((raw, stored))
                 }
             });

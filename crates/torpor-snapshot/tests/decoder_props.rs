@@ -196,3 +196,23 @@ proptest! {
         prop_assert!(sink.len() <= tail.len().saturating_mul(1032) + frame_size as usize);
     }
 }
+
+proptest! {
+    /// The fuzz targets' entry point on random and on mutated valid inputs (what
+    /// `cargo fuzz run snapshot_decoders` explores at length).
+    #[test]
+    fn fuzz_entry_point_never_panics(
+        m in manifest_strategy(),
+        noise in prop::collection::vec(any::<u8>(), 0..4096),
+        flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..8),
+    ) {
+        torpor_snapshot::fuzzing::decode_untrusted(&noise);
+        let mut bytes = m.encode();
+        prop_assert!(torpor_snapshot::fuzzing::decode_untrusted(&bytes) >= 1);
+        for (i, b) in flips {
+            let at = i.index(bytes.len());
+            bytes[at] ^= b;
+        }
+        torpor_snapshot::fuzzing::decode_untrusted(&bytes);
+    }
+}

@@ -349,6 +349,7 @@ async fn gc_applies_retention_keeps_pins_and_sweeps_only_garbage() {
         .gc(&GcOptions {
             keep_last_per_sandbox: Some(1),
             dry_run: true,
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -357,6 +358,16 @@ async fn gc_applies_retention_keeps_pins_and_sweeps_only_garbage() {
         v.sort();
         v
     });
+    // A snapshot a sandbox depends on is protected like a pin.
+    let protected = s
+        .gc(&GcOptions {
+            keep_last_per_sandbox: Some(1),
+            dry_run: true,
+            protect: [ids[1].clone()].into_iter().collect(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(protected.snapshots_removed, vec![ids[2].clone()]);
     assert_eq!(
         s.stats().await.unwrap(),
         stats_before,
@@ -367,6 +378,7 @@ async fn gc_applies_retention_keeps_pins_and_sweeps_only_garbage() {
         .gc(&GcOptions {
             keep_last_per_sandbox: Some(1),
             dry_run: false,
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -473,9 +485,17 @@ async fn chunk_cache_serves_repeated_wakes() {
     let t = tempfile::tempdir().unwrap();
     let src = t.path().join("ckpt");
     make_checkpoint(&src, 6);
+    // Puts write through: a wake on the node that suspended reads nothing remotely.
+    let put_cache = Arc::new(ChunkCache::open(t.path().join("put-cache"), 64 << 20).unwrap());
+    let writer = store(&t.path().join("store")).with_cache(put_cache.clone());
+    let put = writer.put_dir(&src, None).await.unwrap();
+    put_cache.wait_idle().await;
+    let local = writer.get_dir(&put.id, &t.path().join("w")).await.unwrap();
+    assert_eq!(local.cache_hits, local.chunks_fetched);
+    assert_eq!(local.bytes_fetched, 0);
+    // Another node: cold, then warm.
     let cache = Arc::new(ChunkCache::open(t.path().join("cache"), 64 << 20).unwrap());
     let s = store(&t.path().join("store")).with_cache(cache.clone());
-    let put = s.put_dir(&src, None).await.unwrap();
     let cold = s.get_dir(&put.id, &t.path().join("a")).await.unwrap();
     assert_eq!(cold.cache_hits, 0);
     cache.wait_idle().await;

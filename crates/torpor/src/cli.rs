@@ -30,13 +30,13 @@ pub struct Cli {
 pub struct Conn {
     /// torpor's API address.
     #[arg(long, env = ENV_URL, global = true)]
-    url: Option<String>,
+    pub(crate) url: Option<String>,
     /// Bearer token (default: the admin token in the data directory on this machine).
     #[arg(long, env = ENV_TOKEN, global = true, hide_env_values = true)]
-    token: Option<String>,
+    pub(crate) token: Option<String>,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
-    json: bool,
+    pub(crate) json: bool,
 }
 
 #[derive(Subcommand)]
@@ -79,7 +79,12 @@ pub enum Command {
         /// Tenant GPU quotas (TOML); without it no GPU quota is enforced.
         #[arg(long)]
         gpu_quotas: Option<PathBuf>,
+        #[command(flatten)]
+        store: crate::snapshot::StoreArgs,
     },
+    /// Inspect, verify and collect the snapshot store (operator only).
+    #[command(subcommand)]
+    Snapshot(crate::snapshot::SnapshotCmd),
     /// Manage templates.
     #[command(subcommand)]
     Template(TemplateCmd),
@@ -382,6 +387,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             warm_pool,
             gpu_inventory,
             gpu_quotas,
+            store,
         } => {
             init_logging();
             daemon::up(daemon::UpConfig {
@@ -397,12 +403,14 @@ async fn dispatch(cmd: Command) -> CliResult {
                 warm_pool,
                 gpu_inventory,
                 gpu_quotas,
+                snapshots: store.config(),
             })
             .await?;
             Ok(0)
         }
         Command::Template(t) => template(t).await,
         Command::Tenant(t) => tenant(t).await,
+        Command::Snapshot(c) => crate::snapshot::run(c).await,
         Command::Create {
             template,
             env,

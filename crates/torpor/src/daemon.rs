@@ -32,6 +32,7 @@ pub struct UpConfig {
     pub warm_pool: Option<usize>,
     pub gpu_inventory: Option<PathBuf>,
     pub gpu_quotas: Option<PathBuf>,
+    pub snapshots: torpor_control::SnapshotConfig,
 }
 
 /// Default memory budget: 70% of the machine's RAM.
@@ -167,6 +168,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         memory_budget: Some(cfg.memory_budget.unwrap_or_else(default_memory_budget)),
         tick: cfg.tick,
         warm_pool: cfg.warm_pool.unwrap_or(workers),
+        snapshots: cfg.snapshots,
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e} ({})", e.code()))?;

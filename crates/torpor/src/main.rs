@@ -7,6 +7,7 @@ mod daemon;
 mod demo;
 mod gpu;
 mod report;
+mod snapshot;
 
 use clap::Parser;
 

@@ -19,6 +19,8 @@ pub struct Daemon {
     pub port: u16,
     child: Option<Child>,
     pub extra_args: Vec<String>,
+    /// Environment for the daemon beyond the test's own (e.g. AWS_* for an s3:// store).
+    pub extra_env: Vec<(String, String)>,
 }
 
 fn free_port() -> u16 {
@@ -35,6 +37,10 @@ impl Daemon {
     }
 
     pub async fn start_with(args: &[&str]) -> Daemon {
+        Self::start_with_env(args, &[]).await
+    }
+
+    pub async fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Daemon {
         let tmp = tempfile::Builder::new()
             .prefix("torpor-test-")
             .tempdir()
@@ -45,6 +51,10 @@ impl Daemon {
             port: free_port(),
             child: None,
             extra_args: args.iter().map(|s| s.to_string()).collect(),
+            extra_env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
         };
         d.spawn().await;
         d
@@ -68,6 +78,7 @@ impl Daemon {
             .args(["--tick-ms", "200"])
             .args(&self.extra_args)
             .env("TORPOR_LOG", "info")
+            .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

@@ -1,0 +1,1024 @@
+//! The node's side of the snapshot store (issue 6): which store the Suspended tier and forks use
+//! (a local directory by default, or S3-compatible object storage), per-tenant encryption keys
+//! and namespaces, the node's chunk cache, retention and pins, the scheduled collector and the
+//! operator's view (list, inspect, verify, gc, stats).
+//!
+//! It owns the `torpor_snapshot::Store` handles; the engine asks it for the store of a tenant
+//! and never builds one itself. It must not touch the state store's rows: the engine tells it
+//! which snapshots sandboxes depend on.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus::{IntCounter, IntCounterVec, Opts};
+use serde::{Deserialize, Serialize};
+use torpor_core::TenantId;
+use torpor_snapshot::manifest::{ExtentData, FileKind};
+use torpor_snapshot::{
+    Backend, ChunkCache, GcOptions, LocalBackend, Manifest, PutOptions, PutReport, S3Backend,
+    S3Config, SnapshotId, Store, StoreConfig, StoreError, TenantKey,
+};
+
+use crate::engine::Engine;
+use crate::error::{ControlError, Result};
+use crate::metrics::Metrics;
+use crate::store::ImageRef;
+
+/// Environment variables read for an `s3://` store (the AWS SDK's names).
+pub const ENV_S3_ENDPOINT: &str = "AWS_ENDPOINT_URL";
+pub const ENV_S3_REGION: &str = "AWS_REGION";
+pub const ENV_S3_DEFAULT_REGION: &str = "AWS_DEFAULT_REGION";
+pub const ENV_S3_ACCESS_KEY: &str = "AWS_ACCESS_KEY_ID";
+pub const ENV_S3_SECRET_KEY: &str = "AWS_SECRET_ACCESS_KEY";
+pub const ENV_S3_ALLOW_HTTP: &str = "AWS_ALLOW_HTTP";
+
+/// Label on a snapshot naming its tenant, and one naming the template of a golden snapshot.
+pub const LABEL_TENANT: &str = "tenant";
+pub const LABEL_GOLDEN: &str = "golden";
+
+/// Where snapshots live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreLocation {
+    /// A directory on this node (`DATA/store` by default).
+    Local(PathBuf),
+    /// An S3-compatible bucket, with an optional key prefix.
+    S3 {
+        bucket: String,
+        prefix: Option<String>,
+    },
+}
+
+impl FromStr for StoreLocation {
+    type Err = String;
+
+    /// `s3://bucket[/prefix]` or a local directory path.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if let Some(rest) = s.strip_prefix("s3://") {
+            let (bucket, prefix) = match rest.split_once('/') {
+                Some((b, p)) => (b, p.trim_matches('/')),
+                None => (rest, ""),
+            };
+            let valid = (3..=63).contains(&bucket.len())
+                && bucket.bytes().all(|b| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.'
+                });
+            if !valid {
+                return Err(format!(
+                    "{s:?}: the bucket name must be 3-63 lowercase letters, digits, '-' or '.'"
+                ));
+            }
+            let prefix = (!prefix.is_empty()).then(|| prefix.to_string());
+            if let Some(p) = &prefix {
+                if p.split('/').any(|c| c.is_empty() || c == "." || c == "..") {
+                    return Err(format!("{s:?}: the prefix has an empty, '.' or '..' part"));
+                }
+            }
+            return Ok(StoreLocation::S3 {
+                bucket: bucket.to_string(),
+                prefix,
+            });
+        }
+        if s.contains("://") {
+            return Err(format!(
+                "{s:?}: only s3://bucket/prefix or a local directory is supported"
+            ));
+        }
+        if s.is_empty() {
+            return Err("the store location is empty".into());
+        }
+        Ok(StoreLocation::Local(PathBuf::from(s)))
+    }
+}
+
+/// The daemon's snapshot settings (`torpor up --store ... --chunk-cache ... --keep-snapshots ...
+/// --gc-interval ... --snapshot-keys ...`).
+#[derive(Debug, Clone, Default)]
+pub struct SnapshotConfig {
+    /// `None`: `DATA/store`.
+    pub location: Option<StoreLocation>,
+    /// Byte budget of the node's chunk cache (`DATA/chunk-cache`); `None`: 1 GiB for a remote
+    /// store, off for a local one; `Some(0)`: off.
+    pub chunk_cache_bytes: Option<u64>,
+    /// Keep this many newest snapshots per sandbox; `None`: a superseded snapshot is deleted at
+    /// once (only the current one is kept).
+    pub keep_snapshots: Option<usize>,
+    /// Run the collector this often; `None`: only on `torpor snapshot gc`.
+    pub gc_interval: Option<Duration>,
+    /// Encrypt at rest with one key per tenant, kept in this directory (`<tenant>.key`).
+    pub key_dir: Option<PathBuf>,
+    /// Total time one S3 request may spend retrying (default 60 s).
+    pub s3_retry_timeout: Option<Duration>,
+}
+
+pub const DEFAULT_REMOTE_CACHE: u64 = 1 << 30;
+
+/// The node's snapshot stores: one shared store, or one namespaced, encrypted store per tenant.
+pub struct Snapshots {
+    backend: Arc<dyn Backend>,
+    cache: Option<Arc<ChunkCache>>,
+    shared: Option<Arc<Store>>,
+    key_dir: Option<PathBuf>,
+    per_tenant: Mutex<HashMap<TenantId, Arc<Store>>>,
+    keep: Option<usize>,
+    gc_interval: Option<Duration>,
+    description: String,
+    cache_hits: IntCounter,
+    cache_misses: IntCounter,
+    gc_runs: IntCounterVec,
+    gc_removed: IntCounterVec,
+}
+
+impl Snapshots {
+    pub fn open(data_dir: &Path, cfg: &SnapshotConfig, metrics: &Metrics) -> Result<Snapshots> {
+        let location = cfg
+            .location
+            .clone()
+            .unwrap_or_else(|| StoreLocation::Local(data_dir.join("store")));
+        let (backend, description, remote): (Arc<dyn Backend>, String, bool) = match &location {
+            StoreLocation::Local(dir) => (
+                Arc::new(LocalBackend::open(dir, false).map_err(|e| store_error(e.into()))?),
+                dir.display().to_string(),
+                false,
+            ),
+            StoreLocation::S3 { bucket, prefix } => {
+                let s3 = s3_config(bucket, prefix.clone(), cfg.s3_retry_timeout)?;
+                let desc = format!(
+                    "s3://{bucket}/{} (endpoint {})",
+                    prefix.as_deref().unwrap_or(""),
+                    s3.endpoint.as_deref().unwrap_or("AWS")
+                );
+                (
+                    Arc::new(S3Backend::new(&s3).map_err(|e| store_error(e.into()))?),
+                    desc,
+                    true,
+                )
+            }
+        };
+        let cache_bytes =
+            cfg.chunk_cache_bytes
+                .unwrap_or(if remote { DEFAULT_REMOTE_CACHE } else { 0 });
+        let cache = if cache_bytes > 0 {
+            let dir = data_dir.join("chunk-cache");
+            Some(Arc::new(
+                ChunkCache::open(&dir, cache_bytes).map_err(|e| store_error(e.into()))?,
+            ))
+        } else {
+            None
+        };
+        if let Some(dir) = &cfg.key_dir {
+            std::fs::create_dir_all(dir).map_err(ControlError::io("cannot create", dir))?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(ControlError::io("cannot restrict", dir))?;
+        }
+        if cfg.keep_snapshots == Some(0) {
+            return Err(ControlError::Invalid(
+                "--keep-snapshots must be at least 1 (the current snapshot is always kept)".into(),
+            ));
+        }
+        let shared = if cfg.key_dir.is_none() {
+            let mut store =
+                Store::new(backend.clone(), StoreConfig::default()).map_err(store_error)?;
+            if let Some(c) = &cache {
+                store = store.with_cache(c.clone());
+            }
+            Some(Arc::new(store))
+        } else {
+            None
+        };
+        let cache_hits = IntCounter::new(
+            "torpor_snapshot_cache_hits_total",
+            "Chunks a wake read from this node's chunk cache.",
+        )
+        .expect("valid metric");
+        let cache_misses = IntCounter::new(
+            "torpor_snapshot_cache_misses_total",
+            "Chunks a wake fetched from the snapshot store (not in the chunk cache).",
+        )
+        .expect("valid metric");
+        let gc_runs = IntCounterVec::new(
+            Opts::new(
+                "torpor_snapshot_gc_runs_total",
+                "Garbage collections of the snapshot store, by result.",
+            ),
+            &["result"],
+        )
+        .expect("valid metric");
+        let gc_removed = IntCounterVec::new(
+            Opts::new(
+                "torpor_snapshot_gc_removed_total",
+                "What garbage collection removed: snapshots, chunks, bytes.",
+            ),
+            &["what"],
+        )
+        .expect("valid metric");
+        metrics.register(Box::new(cache_hits.clone()));
+        metrics.register(Box::new(cache_misses.clone()));
+        metrics.register(Box::new(gc_runs.clone()));
+        metrics.register(Box::new(gc_removed.clone()));
+        tracing::info!(store = %description, cache_bytes, encrypted = cfg.key_dir.is_some(),
+            keep = ?cfg.keep_snapshots, gc_interval = ?cfg.gc_interval, "snapshot store");
+        Ok(Snapshots {
+            backend,
+            cache,
+            shared,
+            key_dir: cfg.key_dir.clone(),
+            per_tenant: Mutex::default(),
+            keep: cfg.keep_snapshots,
+            gc_interval: cfg.gc_interval,
+            description,
+            cache_hits,
+            cache_misses,
+            gc_runs,
+            gc_removed,
+        })
+    }
+
+    pub fn description(&self) -> &str {
+        &self.description
+    }
+
+    pub fn encrypted(&self) -> bool {
+        self.key_dir.is_some()
+    }
+
+    /// The store holding `tenant`'s snapshots.
+    pub fn for_tenant(&self, tenant: &TenantId) -> Result<Arc<Store>> {
+        if let Some(s) = &self.shared {
+            return Ok(s.clone());
+        }
+        let mut map = self.per_tenant.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = map.get(tenant) {
+            return Ok(s.clone());
+        }
+        let dir = self.key_dir.as_ref().expect("encrypted when not shared");
+        let key = load_or_create_key(dir, tenant)?;
+        let cfg = StoreConfig {
+            key: Some(key),
+            namespace: Some(tenant.as_str().to_string()),
+            ..StoreConfig::default()
+        };
+        let mut store = Store::new(self.backend.clone(), cfg).map_err(store_error)?;
+        if let Some(c) = &self.cache {
+            store = store.with_cache(c.clone());
+        }
+        let store = Arc::new(store);
+        map.insert(tenant.clone(), store.clone());
+        Ok(store)
+    }
+
+    /// Stores a sandbox's checkpoint directory, labelled with its sandbox and tenant.
+    pub async fn put(
+        &self,
+        tenant: &TenantId,
+        labels: Vec<(String, String)>,
+        dir: PathBuf,
+    ) -> Result<PutReport> {
+        let store = self.for_tenant(tenant)?;
+        let mut labels = labels;
+        labels.push((LABEL_TENANT.into(), tenant.to_string()));
+        // The store's futures run in their own task: their internal borrows stay out of the
+        // API handlers' futures (which must be Send for any lifetime).
+        tokio::spawn(async move {
+            store
+                .put_dir_with(
+                    &dir,
+                    PutOptions {
+                        labels,
+                        ..Default::default()
+                    },
+                )
+                .await
+        })
+        .await
+        .map_err(|e| ControlError::Snapshot(format!("upload task failed: {e}")))?
+        .map_err(store_error)
+    }
+
+    /// Fetches a snapshot into `dest`, every chunk verified; counts cache hits and misses.
+    pub async fn fetch(&self, tenant: &TenantId, snapshot: &str, dest: &Path) -> Result<()> {
+        let id = snapshot_id(snapshot)?;
+        let store = self.for_tenant(tenant)?;
+        let dest = dest.to_path_buf();
+        let stats = tokio::spawn(async move { store.get_dir(&id, &dest).await })
+            .await
+            .map_err(|e| ControlError::Snapshot(format!("fetch task failed: {e}")))?
+            .map_err(store_error)?;
+        self.cache_hits.inc_by(stats.cache_hits);
+        self.cache_misses
+            .inc_by(stats.chunks_fetched.saturating_sub(stats.cache_hits));
+        Ok(())
+    }
+
+    /// `count` snapshots sharing `snapshot`'s chunks.
+    pub async fn fork(
+        &self,
+        tenant: &TenantId,
+        snapshot: SnapshotId,
+        count: usize,
+    ) -> Result<Vec<SnapshotId>> {
+        let store = self.for_tenant(tenant)?;
+        tokio::spawn(async move { store.fork(&snapshot, count).await })
+            .await
+            .map_err(|e| ControlError::Snapshot(format!("fork task failed: {e}")))?
+            .map_err(store_error)
+    }
+
+    /// A template's golden checkpoint in the store, pinned so retention never removes it; put
+    /// once per template build (`id` is derived from the template and its build).
+    pub async fn golden(
+        &self,
+        tenant: &TenantId,
+        template: &str,
+        build: i64,
+        dir: PathBuf,
+    ) -> Result<SnapshotId> {
+        let id = snapshot_id(&format!("golden-{template}-{build}"))?;
+        let store = self.for_tenant(tenant)?;
+        let tenant = tenant.to_string();
+        let template = template.to_string();
+        let want = id.clone();
+        tokio::spawn(async move {
+            match store.load_manifest(&want).await {
+                Ok(_) => return Ok(want),
+                Err(StoreError::SnapshotNotFound { .. }) => {}
+                Err(e) => return Err(e),
+            }
+            let put = store
+                .put_dir_with(
+                    &dir,
+                    PutOptions {
+                        id: Some(want.clone()),
+                        labels: vec![
+                            (LABEL_GOLDEN.into(), template),
+                            (LABEL_TENANT.into(), tenant),
+                        ],
+                        ..Default::default()
+                    },
+                )
+                .await;
+            match put {
+                Ok(_) | Err(StoreError::SnapshotExists { .. }) => {}
+                Err(e) => return Err(e),
+            }
+            store.pin(&want).await?;
+            Ok(want)
+        })
+        .await
+        .map_err(|e| ControlError::Snapshot(format!("upload task failed: {e}")))?
+        .map_err(store_error)?;
+        Ok(id)
+    }
+
+    /// A sandbox moved off `snapshot`. Without retention it is deleted now; with retention
+    /// the collector keeps the newest N per sandbox (forks' unlabelled copies go now).
+    pub async fn retire(&self, tenant: &TenantId, snapshot: &str) {
+        let Ok(id) = SnapshotId::new(snapshot) else {
+            return;
+        };
+        let Ok(store) = self.for_tenant(tenant) else {
+            return;
+        };
+        let keep = self.keep;
+        let done = tokio::spawn(async move {
+            if keep.is_some() {
+                let m = store.load_manifest(&id).await?;
+                if m.label(torpor_snapshot::store::LABEL_SANDBOX).is_some() {
+                    return Ok(());
+                }
+            }
+            match store.delete_snapshot(&id).await {
+                Ok(()) | Err(StoreError::SnapshotPinned { .. }) => Ok(()),
+                Err(e) => Err(e),
+            }
+        })
+        .await;
+        if !matches!(done, Ok(Ok(()))) {
+            tracing::warn!(snapshot = %snapshot, "cannot retire a superseded snapshot");
+        }
+    }
+
+    /// A deleted sandbox's snapshots (kept by retention) go with it; pinned ones stay.
+    pub async fn forget_sandbox(&self, tenant: &TenantId, sandbox: &str) {
+        if self.keep.is_none() {
+            return; // only the current one existed, and it was retired with the sandbox
+        }
+        let Ok(store) = self.for_tenant(tenant) else {
+            return;
+        };
+        let sandbox = sandbox.to_string();
+        let done = tokio::spawn(async move {
+            for id in store.list_snapshots().await? {
+                let m = match store.load_manifest(&id).await {
+                    Ok(m) => m,
+                    Err(StoreError::SnapshotNotFound { .. }) => continue,
+                    Err(e) => return Err(e),
+                };
+                if m.label(torpor_snapshot::store::LABEL_SANDBOX) == Some(sandbox.as_str()) {
+                    match store.delete_snapshot(&id).await {
+                        Ok(()) | Err(StoreError::SnapshotPinned { .. }) => {}
+                        Err(StoreError::SnapshotNotFound { .. }) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+            Ok(())
+        })
+        .await;
+        if !matches!(done, Ok(Ok(()))) {
+            tracing::warn!("cannot remove a deleted sandbox's snapshots");
+        }
+    }
+
+    fn stores_of(&self, tenants: &[TenantId]) -> Result<Vec<(Option<TenantId>, Arc<Store>)>> {
+        match &self.shared {
+            Some(s) => Ok(vec![(None, s.clone())]),
+            None => tenants
+                .iter()
+                .map(|t| Ok((Some(t.clone()), self.for_tenant(t)?)))
+                .collect(),
+        }
+    }
+}
+
+// ------------------------------------------------------------------ the operator's view
+
+/// One snapshot in `GET /v1/snapshots`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SnapshotSummary {
+    pub id: String,
+    pub tenant: Option<String>,
+    pub sandbox: Option<String>,
+    pub parent: Option<String>,
+    pub created_unix_ms: u64,
+    pub logical_bytes: u64,
+    pub files: u64,
+    pub chunks: u64,
+    pub pinned: bool,
+    /// Sandboxes whose current image this snapshot is.
+    pub used_by: Vec<String>,
+}
+
+/// One file of a snapshot in `GET /v1/snapshots/{id}`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SnapshotFile {
+    pub path: String,
+    /// `dir`, `symlink`, `file` or `gvisor_image`.
+    pub kind: String,
+    pub mode: u32,
+    pub size: u64,
+    pub chunks: u64,
+    pub zero_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SnapshotDetail {
+    #[serde(flatten)]
+    pub summary: SnapshotSummary,
+    pub labels: BTreeMap<String, String>,
+    pub chunking: BTreeMap<String, u32>,
+    pub unique_chunks: u64,
+    pub file_list: Vec<SnapshotFile>,
+}
+
+/// One bad chunk found by verify.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VerifyProblem {
+    /// `chunk_missing` or `chunk_corrupt`.
+    pub code: String,
+    pub snapshot: String,
+    pub chunk: String,
+    pub path: String,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VerifyResult {
+    pub snapshots_checked: u64,
+    pub chunks_checked: u64,
+    pub ok: bool,
+    pub problems: Vec<VerifyProblem>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
+pub struct GcResult {
+    pub dry_run: bool,
+    pub snapshots_kept: u64,
+    pub snapshots_removed: Vec<String>,
+    pub chunks_live: u64,
+    pub chunks_removed: u64,
+    pub bytes_freed: u64,
+}
+
+/// `torpor snapshot stats --json`: these four fields, exactly.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+pub struct SnapshotStats {
+    pub logical_bytes: u64,
+    pub stored_bytes: u64,
+    pub chunks: u64,
+    pub snapshots: u64,
+}
+
+fn summary(m: &Manifest, pinned: bool, used_by: Vec<String>) -> SnapshotSummary {
+    SnapshotSummary {
+        id: m.id.to_string(),
+        tenant: m.label(LABEL_TENANT).map(str::to_string),
+        sandbox: m
+            .label(torpor_snapshot::store::LABEL_SANDBOX)
+            .map(str::to_string),
+        parent: m.parent.as_ref().map(|p| p.to_string()),
+        created_unix_ms: m.created_unix_ms,
+        logical_bytes: m.logical_bytes(),
+        files: m.files.len() as u64,
+        chunks: m.chunk_refs().count() as u64,
+        pinned,
+        used_by,
+    }
+}
+
+impl Engine {
+    fn snapshot_tenants(&self) -> Result<Vec<TenantId>> {
+        let mut all = vec![TenantId::admin()];
+        all.extend(
+            self.tenants()?
+                .into_iter()
+                .map(|t| t.id)
+                .filter(|t| *t != TenantId::admin()),
+        );
+        Ok(all)
+    }
+
+    /// Snapshot id -> sandboxes whose current image it is.
+    fn snapshot_users(&self) -> Result<HashMap<String, Vec<String>>> {
+        let mut users: HashMap<String, Vec<String>> = HashMap::new();
+        for s in self.store.sandboxes()? {
+            if let ImageRef::Store(snap) = &s.image {
+                users
+                    .entry(snap.clone())
+                    .or_default()
+                    .push(s.id.to_string());
+            }
+        }
+        Ok(users)
+    }
+
+    /// Finds the store holding `id` (tenants' stores are searched when encrypted).
+    async fn locate_snapshot(&self, id: &str) -> Result<(Arc<Store>, Manifest)> {
+        let sid = snapshot_id(id).map_err(|_| not_found(id))?;
+        for (_, store) in self.snapshots.stores_of(&self.snapshot_tenants()?)? {
+            let s = store.clone();
+            let want = sid.clone();
+            match tokio::spawn(async move { s.load_manifest(&want).await })
+                .await
+                .map_err(|e| ControlError::Snapshot(format!("task failed: {e}")))?
+            {
+                Ok(m) => return Ok((store, m)),
+                Err(StoreError::SnapshotNotFound { .. }) => continue,
+                Err(e) => return Err(store_error(e)),
+            }
+        }
+        Err(not_found(id))
+    }
+
+    pub async fn list_snapshots(&self) -> Result<Vec<SnapshotSummary>> {
+        let users = self.snapshot_users()?;
+        let mut out = Vec::new();
+        for (_, store) in self.snapshots.stores_of(&self.snapshot_tenants()?)? {
+            let found = tokio::spawn(async move {
+                let pinned = store.pinned().await?;
+                let mut ms = Vec::new();
+                for id in store.list_snapshots().await? {
+                    match store.load_manifest(&id).await {
+                        Ok(m) => ms.push((pinned.contains(&id), m)),
+                        // Deleted between the listing and the read.
+                        Err(StoreError::SnapshotNotFound { .. }) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(ms)
+            })
+            .await
+            .map_err(|e| ControlError::Snapshot(format!("task failed: {e}")))?
+            .map_err(store_error)?;
+            for (pinned, m) in found {
+                let used = users.get(m.id.as_str()).cloned().unwrap_or_default();
+                out.push(summary(&m, pinned, used));
+            }
+        }
+        out.sort_by(|a, b| (a.created_unix_ms, &a.id).cmp(&(b.created_unix_ms, &b.id)));
+        Ok(out)
+    }
+
+    pub async fn inspect_snapshot(&self, id: &str) -> Result<SnapshotDetail> {
+        let (store, m) = self.locate_snapshot(id).await?;
+        let pinned = tokio::spawn(async move { store.pinned().await })
+            .await
+            .map_err(|e| ControlError::Snapshot(format!("task failed: {e}")))?
+            .map_err(store_error)?
+            .contains(&m.id);
+        let used = self
+            .snapshot_users()?
+            .remove(m.id.as_str())
+            .unwrap_or_default();
+        let unique: HashSet<_> = m.chunk_refs().map(|(c, _)| *c).collect();
+        let file_list = m
+            .files
+            .iter()
+            .map(|f| {
+                let (kind, size, chunks, zero) = match &f.kind {
+                    FileKind::Dir => ("dir", 0, 0, 0),
+                    FileKind::Symlink { target } => ("symlink", target.len() as u64, 0, 0),
+                    FileKind::Content {
+                        size,
+                        image,
+                        extents,
+                    } => (
+                        if image.is_some() {
+                            "gvisor_image"
+                        } else {
+                            "file"
+                        },
+                        *size,
+                        extents
+                            .iter()
+                            .filter(|e| matches!(e.data, ExtentData::Chunk(_)))
+                            .count() as u64,
+                        extents
+                            .iter()
+                            .filter(|e| matches!(e.data, ExtentData::Zero))
+                            .map(|e| e.len)
+                            .sum(),
+                    ),
+                };
+                SnapshotFile {
+                    path: f.path.clone(),
+                    kind: kind.into(),
+                    mode: f.mode,
+                    size,
+                    chunks,
+                    zero_bytes: zero,
+                }
+            })
+            .collect();
+        Ok(SnapshotDetail {
+            summary: summary(&m, pinned, used),
+            labels: m.labels.iter().cloned().collect(),
+            chunking: [
+                ("min".to_string(), m.chunking.min),
+                ("avg".to_string(), m.chunking.avg),
+                ("max".to_string(), m.chunking.max),
+            ]
+            .into_iter()
+            .collect(),
+            unique_chunks: unique.len() as u64,
+            file_list,
+        })
+    }
+
+    /// Verifies one snapshot, or every snapshot when `id` is `None`. Bad chunks are reported,
+    /// never deleted.
+    pub async fn verify_snapshots(&self, id: Option<&str>) -> Result<VerifyResult> {
+        let mut targets: Vec<(Arc<Store>, SnapshotId)> = Vec::new();
+        match id {
+            Some(id) => {
+                let (store, m) = self.locate_snapshot(id).await?;
+                targets.push((store, m.id));
+            }
+            None => {
+                for (_, store) in self.snapshots.stores_of(&self.snapshot_tenants()?)? {
+                    let s = store.clone();
+                    let ids = tokio::spawn(async move { s.list_snapshots().await })
+                        .await
+                        .map_err(|e| ControlError::Snapshot(format!("task failed: {e}")))?
+                        .map_err(store_error)?;
+                    targets.extend(ids.into_iter().map(|i| (store.clone(), i)));
+                }
+            }
+        }
+        let mut result = VerifyResult {
+            snapshots_checked: 0,
+            chunks_checked: 0,
+            ok: true,
+            problems: Vec::new(),
+        };
+        for (store, sid) in targets {
+            let report = tokio::spawn(async move { store.verify(&sid).await })
+                .await
+                .map_err(|e| ControlError::Snapshot(format!("task failed: {e}")))?;
+            let report = match report {
+                Ok(r) => r,
+                // Deleted while we walked the list.
+                Err(StoreError::SnapshotNotFound { .. }) if id.is_none() => continue,
+                Err(e) => return Err(store_error(e)),
+            };
+            result.snapshots_checked += 1;
+            result.chunks_checked += report.chunks_checked;
+            for p in report.problems {
+                let message = error_chain(&p);
+                let code = p.code().to_string();
+                if let StoreError::ChunkMissing {
+                    snapshot,
+                    chunk,
+                    path,
+                }
+                | StoreError::ChunkCorrupt {
+                    snapshot,
+                    chunk,
+                    path,
+                    ..
+                } = p
+                {
+                    result.problems.push(VerifyProblem {
+                        code,
+                        snapshot: snapshot.to_string(),
+                        chunk: chunk.to_hex(),
+                        path,
+                        message,
+                    });
+                }
+            }
+        }
+        result.ok = result.problems.is_empty();
+        if !result.ok {
+            tracing::error!(
+                problems = result.problems.len(),
+                "snapshot verify found bad chunks"
+            );
+        }
+        Ok(result)
+    }
+
+    pub async fn snapshot_stats(&self) -> Result<SnapshotStats> {
+        let mut total = SnapshotStats::default();
+        for (_, store) in self.snapshots.stores_of(&self.snapshot_tenants()?)? {
+            let s = tokio::spawn(async move { store.stats().await })
+                .await
+                .map_err(|e| ControlError::Snapshot(format!("task failed: {e}")))?
+                .map_err(store_error)?;
+            total.logical_bytes += s.logical_bytes;
+            total.stored_bytes += s.stored_bytes;
+            total.chunks += s.chunks;
+            total.snapshots += s.snapshots;
+        }
+        Ok(total)
+    }
+
+    /// Garbage collection: retention (newest N per sandbox; pinned snapshots, golden ones and
+    /// those a sandbox depends on are kept), then mark and sweep. Safe against concurrent puts:
+    /// the store's exclusive lock waits for puts in flight and holds new ones back.
+    pub async fn gc_snapshots(&self, dry_run: bool) -> Result<GcResult> {
+        let protect: HashSet<SnapshotId> = self
+            .snapshot_users()?
+            .into_keys()
+            .filter_map(|s| SnapshotId::new(s).ok())
+            .collect();
+        let mut total = GcResult {
+            dry_run,
+            ..GcResult::default()
+        };
+        for (tenant, store) in self.snapshots.stores_of(&self.snapshot_tenants()?)? {
+            let opts = GcOptions {
+                keep_last_per_sandbox: self.snapshots.keep,
+                dry_run,
+                protect: protect.clone(),
+            };
+            let r = tokio::spawn(async move { store.gc(&opts).await })
+                .await
+                .map_err(|e| ControlError::Snapshot(format!("gc task failed: {e}")))?;
+            let r = match r {
+                Ok(r) => r,
+                Err(e) => {
+                    self.snapshots.gc_runs.with_label_values(&["failed"]).inc();
+                    tracing::warn!(tenant = ?tenant, error = %error_chain(&e), "snapshot gc failed");
+                    return Err(store_error(e));
+                }
+            };
+            total.snapshots_kept += r.snapshots_kept;
+            total
+                .snapshots_removed
+                .extend(r.snapshots_removed.iter().map(|s| s.to_string()));
+            total.chunks_live += r.chunks_live;
+            total.chunks_removed += r.chunks_removed;
+            total.bytes_freed += r.bytes_freed;
+        }
+        self.snapshots.gc_runs.with_label_values(&["ok"]).inc();
+        if !dry_run {
+            let m = &self.snapshots.gc_removed;
+            m.with_label_values(&["snapshots"])
+                .inc_by(total.snapshots_removed.len() as u64);
+            m.with_label_values(&["chunks"])
+                .inc_by(total.chunks_removed);
+            m.with_label_values(&["bytes"]).inc_by(total.bytes_freed);
+        }
+        Ok(total)
+    }
+
+    /// Runs the collector every `--gc-interval` until shutdown.
+    pub(crate) fn spawn_snapshot_gc(self: &Arc<Self>) {
+        let Some(every) = self.snapshots.gc_interval else {
+            return;
+        };
+        let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await; // the first tick is immediate
+            loop {
+                tick.tick().await;
+                let Some(engine) = me.upgrade() else { return };
+                if engine.check_running().is_err() {
+                    return;
+                }
+                match engine.gc_snapshots(false).await {
+                    Ok(r) => tracing::info!(
+                        removed_snapshots = r.snapshots_removed.len(),
+                        removed_chunks = r.chunks_removed,
+                        freed = r.bytes_freed,
+                        "scheduled snapshot gc"
+                    ),
+                    Err(e) => {
+                        tracing::warn!(error = %e, code = e.code(), "scheduled snapshot gc failed")
+                    }
+                }
+            }
+        });
+    }
+}
+
+fn not_found(id: &str) -> ControlError {
+    ControlError::NotFound {
+        kind: "snapshot",
+        id: id.to_string(),
+    }
+}
+
+fn snapshot_id(s: &str) -> Result<SnapshotId> {
+    SnapshotId::new(s).map_err(|e| ControlError::Snapshot(format!("snapshot id {s:?}: {e}")))
+}
+
+/// The error and its sources, once each: `a: b: c`.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        let m = s.to_string();
+        if !out.contains(&m) {
+            out.push_str(": ");
+            out.push_str(&m);
+        }
+        src = s.source();
+    }
+    out
+}
+
+/// A store error as the control plane's error, keeping the store's stable code.
+pub fn store_error(e: StoreError) -> ControlError {
+    match e {
+        StoreError::SnapshotNotFound { id } => not_found(id.as_str()),
+        e => ControlError::SnapshotStore {
+            code: e.code(),
+            message: error_chain(&e),
+        },
+    }
+}
+
+fn s3_config(
+    bucket: &str,
+    prefix: Option<String>,
+    retry_timeout: Option<Duration>,
+) -> Result<S3Config> {
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let mut c = S3Config::new(bucket);
+    c.prefix = prefix;
+    c.endpoint = env(ENV_S3_ENDPOINT);
+    if let Some(r) = env(ENV_S3_REGION).or_else(|| env(ENV_S3_DEFAULT_REGION)) {
+        c.region = r;
+    }
+    c.access_key_id = env(ENV_S3_ACCESS_KEY).unwrap_or_default();
+    c.secret_access_key = env(ENV_S3_SECRET_KEY).unwrap_or_default();
+    if c.access_key_id.is_empty() || c.secret_access_key.is_empty() {
+        return Err(ControlError::Invalid(format!(
+            "an s3:// store needs {ENV_S3_ACCESS_KEY} and {ENV_S3_SECRET_KEY}"
+        )));
+    }
+    c.allow_http = c
+        .endpoint
+        .as_deref()
+        .is_some_and(|e| e.starts_with("http://"))
+        || env(ENV_S3_ALLOW_HTTP).is_some_and(|v| v == "true" || v == "1");
+    if let Some(t) = retry_timeout {
+        c.retry_timeout = t;
+        c.request_timeout = c.request_timeout.min(t.max(Duration::from_secs(1)));
+    }
+    Ok(c)
+}
+
+/// Reads `DIR/<tenant>.key` (64 hex digits), creating it (mode 0600) on first use.
+fn load_or_create_key(dir: &Path, tenant: &TenantId) -> Result<TenantKey> {
+    let path = dir.join(format!("{}.key", tenant.as_str()));
+    match std::fs::read_to_string(&path) {
+        Ok(text) => parse_key(text.trim()).ok_or_else(|| {
+            ControlError::Invalid(format!(
+                "{}: a tenant key is 64 hex digits (32 bytes)",
+                path.display()
+            ))
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let bytes: [u8; 32] = rand::random();
+            let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .map_err(ControlError::io("cannot create the tenant key", &path))?;
+            f.write_all(hex.as_bytes())
+                .and_then(|()| f.sync_all())
+                .map_err(ControlError::io("cannot write the tenant key", &path))?;
+            tracing::info!(tenant = %tenant, path = %path.display(), "new snapshot encryption key");
+            Ok(TenantKey::from_bytes(bytes))
+        }
+        Err(e) => Err(ControlError::Io {
+            what: "cannot read the tenant key",
+            path,
+            source: e,
+        }),
+    }
+}
+
+fn parse_key(hex: &str) -> Option<TenantKey> {
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(TenantKey::from_bytes(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_locations_parse_strictly() {
+        assert_eq!(
+            "s3://my-bucket/a/b".parse::<StoreLocation>(),
+            Ok(StoreLocation::S3 {
+                bucket: "my-bucket".into(),
+                prefix: Some("a/b".into())
+            })
+        );
+        assert_eq!(
+            "s3://my-bucket".parse::<StoreLocation>(),
+            Ok(StoreLocation::S3 {
+                bucket: "my-bucket".into(),
+                prefix: None
+            })
+        );
+        assert_eq!(
+            "/srv/store".parse::<StoreLocation>(),
+            Ok(StoreLocation::Local("/srv/store".into()))
+        );
+        for bad in [
+            "s3://",
+            "s3://B",
+            "s3://ok-bucket/a//b",
+            "s3://ok-bucket/../x",
+            "gs://x/y",
+            "",
+        ] {
+            assert!(bad.parse::<StoreLocation>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn tenant_keys_are_created_once_private_and_validated() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = TenantId::new("acme").unwrap();
+        load_or_create_key(dir.path(), &t).unwrap();
+        let path = dir.path().join("acme.key");
+        let first = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(first.len(), 64);
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        load_or_create_key(dir.path(), &t).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            first,
+            "not rotated"
+        );
+        std::fs::write(&path, "zz").unwrap();
+        assert_eq!(
+            load_or_create_key(dir.path(), &t).unwrap_err().code(),
+            "invalid_request"
+        );
+    }
+}

@@ -1,0 +1,276 @@
+//! End-to-end: the snapshot store behind the real `torpor up` and the real `torpor snapshot`
+//! CLI, with real runsc sandboxes: listing, inspection, verification of a corrupted chunk (the
+//! wake fails naming snapshot and chunk, nothing is deleted), retention and scheduled GC, the
+//! chunk cache, and operator-only access.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use torpor_core::Tier;
+
+/// Runs `torpor ARGS` against the daemon; returns (exit code, stdout, stderr).
+pub fn torpor(d: &Daemon, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(BIN)
+        .args(args)
+        .env("TORPOR_URL", d.url())
+        .env("TORPOR_TOKEN", d.token())
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json(d: &Daemon, args: &[&str]) -> serde_json::Value {
+    let (code, out, err) = torpor(d, args);
+    assert_eq!(code, 0, "torpor {args:?}: {out}\n{err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("torpor {args:?}: {e}: {out}"))
+}
+
+fn chunk_files(root: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for dir in std::fs::read_dir(root.join("chunks")).unwrap() {
+        for f in std::fs::read_dir(dir.unwrap().path()).unwrap() {
+            out.push(f.unwrap().path());
+        }
+    }
+    out.sort();
+    out
+}
+
+fn metric(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn snapshot_cli_lists_verifies_collects_and_a_corrupt_chunk_fails_the_wake_cleanly() {
+    let d = Daemon::start_with(&["--keep-snapshots", "2"]).await;
+    let c = d.client();
+    c.create_template(&agent_template("snappy", no_idle()))
+        .await
+        .unwrap();
+    let id = create(&c, "snappy").await;
+    for n in 1..=3u64 {
+        assert_eq!(call_agent(&c, &id, "x").await, (n, n));
+        let s = c.suspend(&id, Some(Tier::Suspended)).await.unwrap();
+        assert_eq!(s.state, "suspended");
+    }
+
+    // Three snapshots of this sandbox are kept for now (retention applies at GC).
+    let ls = json(&d, &["snapshot", "ls", "--json"]);
+    let mine: Vec<&serde_json::Value> = ls
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["sandbox"] == id.as_str())
+        .collect();
+    assert_eq!(mine.len(), 3, "{ls:#}");
+    let current: Vec<&str> = mine
+        .iter()
+        .filter(|s| s["used_by"].as_array().unwrap().iter().any(|u| u == &id))
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        current.len(),
+        1,
+        "exactly one is the sandbox's current image"
+    );
+    let current = current[0].to_string();
+    assert_eq!(mine.last().unwrap()["id"], current.as_str(), "the newest");
+
+    // stats --json: the contract's line, exactly these fields in this shape.
+    let (code, out, _) = torpor(&d, &["snapshot", "stats", "--json"]);
+    assert_eq!(code, 0);
+    let line = out.trim();
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(
+        line,
+        format!(
+            "{{\"logical_bytes\": {}, \"stored_bytes\": {}, \"chunks\": {}, \"snapshots\": {}}}",
+            v["logical_bytes"], v["stored_bytes"], v["chunks"], v["snapshots"]
+        )
+    );
+    assert_eq!(v["snapshots"], 3);
+    let (logical, stored) = (
+        v["logical_bytes"].as_u64().unwrap(),
+        v["stored_bytes"].as_u64().unwrap(),
+    );
+    assert!(stored > 0 && stored < logical, "deduplicated: {line}");
+
+    // inspect: the checkpoint's files, the memory image recognised as a gVisor image.
+    let detail = json(&d, &["snapshot", "inspect", &current, "--json"]);
+    assert_eq!(detail["sandbox"], id.as_str());
+    assert!(
+        detail["file_list"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["kind"] == "gvisor_image"),
+        "{detail:#}"
+    );
+    let (code, _, err) = torpor(&d, &["snapshot", "inspect", "snap-nope"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("not found"), "{err}");
+
+    // GC keeps the newest two of this sandbox.
+    let gc = json(&d, &["snapshot", "gc", "--json"]);
+    assert_eq!(
+        gc["snapshots_removed"].as_array().unwrap().len(),
+        1,
+        "{gc:#}"
+    );
+    assert_eq!(json(&d, &["snapshot", "stats", "--json"])["snapshots"], 2);
+    let (code, out, _) = torpor(&d, &["snapshot", "verify"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("all intact"), "{out}");
+
+    // Corrupt one chunk of the current snapshot.
+    let root = d.dir.join("store");
+    let mut corrupted = None;
+    for f in chunk_files(&root) {
+        let orig = std::fs::read(&f).unwrap();
+        let mut bad = orig.clone();
+        let last = bad.len() - 1;
+        bad[last] ^= 0x55;
+        std::fs::write(&f, &bad).unwrap();
+        let (code, out, _) = torpor(&d, &["snapshot", "verify", &current, "--json"]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(code, if v["ok"] == true { 0 } else { 2 }, "{out}");
+        if v["ok"] == false {
+            corrupted = Some((f, orig, v));
+            break;
+        }
+        std::fs::write(&f, &orig).unwrap();
+    }
+    let (file, orig, report) = corrupted.expect("some chunk belongs to the current snapshot");
+    let chunk = file.file_name().unwrap().to_str().unwrap().to_string();
+    let p = &report["problems"][0];
+    assert_eq!(p["snapshot"], current.as_str());
+    assert_eq!(p["chunk"], chunk.as_str());
+    assert_eq!(p["code"], "chunk_corrupt");
+    let (code, _, err) = torpor(&d, &["snapshot", "verify", &current]);
+    assert_eq!(code, 2, "corruption exits 2: {err}");
+    assert!(err.contains(&current) && err.contains(&chunk), "{err}");
+
+    // The wake fails with an error naming both; the sandbox stays on that snapshot, and
+    // nothing is deleted.
+    let e = c.resume(&id).await.unwrap_err();
+    assert_eq!(e.code(), Some("chunk_corrupt"), "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains(&current) && msg.contains(&chunk), "{msg}");
+    let s = c.sandbox(&id).await.unwrap();
+    assert_eq!(s.state, "suspended");
+    assert!(file.exists());
+    let again = json(&d, &["snapshot", "ls", "--json"]);
+    assert!(again
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["id"] == current.as_str()));
+
+    // Repaired, it wakes with its state.
+    std::fs::write(&file, &orig).unwrap();
+    assert_eq!(call_agent(&c, &id, "y").await, (4, 4));
+
+    // The routes are in the OpenAPI document.
+    let doc: serde_json::Value = reqwest::get(format!("{}/v1/openapi.json", d.url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    for p in [
+        "/v1/snapshots",
+        "/v1/snapshots/{id}",
+        "/v1/snapshots/{id}/verify",
+        "/v1/snapshots/verify",
+        "/v1/snapshots/gc",
+        "/v1/snapshots/stats",
+    ] {
+        assert!(doc["paths"].get(p).is_some(), "openapi lacks {p}");
+    }
+
+    // Tenants do not see the store.
+    let t = c
+        .create_tenant(&torpor_api::types::CreateTenantBody {
+            name: "other".into(),
+            quotas: None,
+        })
+        .await
+        .unwrap();
+    let tc = torpor_api::Client::new(&d.url(), &t.token);
+    assert_eq!(tc.snapshots().await.unwrap_err().code(), Some("forbidden"));
+    assert_eq!(
+        tc.gc_snapshots(false).await.unwrap_err().code(),
+        Some("forbidden")
+    );
+    c.delete_sandbox(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn scheduled_gc_keeps_the_current_snapshot_and_wakes_hit_the_chunk_cache() {
+    let d = Daemon::start_with(&[
+        "--keep-snapshots",
+        "1",
+        "--gc-interval",
+        "1",
+        "--chunk-cache",
+        "256M",
+    ])
+    .await;
+    let c = d.client();
+    c.create_template(&agent_template("gcd", no_idle()))
+        .await
+        .unwrap();
+    let id = create(&c, "gcd").await;
+    for n in 1..=3u64 {
+        assert_eq!(call_agent(&c, &id, "x").await, (n, n));
+        c.suspend(&id, Some(Tier::Suspended)).await.unwrap();
+    }
+    // The collector runs on its own and brings this sandbox down to its current snapshot.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ls = json(&d, &["snapshot", "ls", "--json"]);
+        let mine = ls
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| s["sandbox"] == id.as_str())
+            .count();
+        if mine == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "gc did not run: {ls:#}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let m = c.metrics().await.unwrap();
+    assert!(
+        metric(&m, "torpor_snapshot_gc_runs_total{result=\"ok\"}") >= 1.0,
+        "{m}"
+    );
+    assert!(metric(&m, "torpor_snapshot_gc_removed_total{what=\"snapshots\"}") >= 2.0);
+    // The wake reads the chunks the suspend on this node wrote through the cache.
+    let hits_before = metric(&m, "torpor_snapshot_cache_hits_total");
+    assert_eq!(call_agent(&c, &id, "y").await, (4, 4));
+    let m = c.metrics().await.unwrap();
+    let hits = metric(&m, "torpor_snapshot_cache_hits_total") - hits_before;
+    assert!(hits > 0.0, "wake served from the chunk cache: {m}");
+    assert!(d
+        .dir
+        .join("chunk-cache")
+        .read_dir()
+        .unwrap()
+        .next()
+        .is_some());
+    c.delete_sandbox(&id).await.unwrap();
+}
