@@ -1432,6 +1432,24 @@ impl Engine {
         self.sandbox(tenant, id)
     }
 
+    /// Sets (`Some`) or removes (`None`) metadata keys of a sandbox; answers the new record.
+    pub fn patch_sandbox_metadata(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        patch: &BTreeMap<String, Option<String>>,
+    ) -> Result<SandboxRecord> {
+        let mut rec = self.sandbox(tenant, id)?;
+        for (k, v) in patch {
+            match v {
+                Some(v) => rec.metadata.insert(k.clone(), v.clone()),
+                None => rec.metadata.remove(k),
+            };
+        }
+        self.store.set_sandbox_metadata(id, &rec.metadata)?;
+        Ok(rec)
+    }
+
     pub async fn delete_sandbox(&self, tenant: &TenantId, id: &SandboxId) -> Result<()> {
         self.sandbox(tenant, id)?;
         let slot = self.slot(id);
