@@ -3,6 +3,7 @@
 #   runsc (gVisor)        the sandbox runtime
 #   python3               the `host` template's agents and the demo use it
 #   moto_server           the S3-compatible server the snapshot-store tests start
+#   e2b (Python SDK)      the E2B-compatibility tests drive torpor with the official SDK
 #   a Rust toolchain      to build torpor (rustup, when cargo is missing)
 set -euo pipefail
 
@@ -29,6 +30,12 @@ if ! command -v moto_server >/dev/null 2>&1; then
   echo "deps.sh: installing moto (S3-compatible test server)" >&2
   python3 -m pip install -q "moto[server]" 2>/dev/null \
     || python3 -m pip install -q --break-system-packages "moto[server]"
+fi
+
+if ! python3 -c "import e2b" >/dev/null 2>&1; then
+  echo "deps.sh: installing the e2b Python SDK (E2B-compatibility tests)" >&2
+  python3 -m pip install -q e2b 2>/dev/null \
+    || python3 -m pip install -q --break-system-packages e2b
 fi
 
 if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then

@@ -115,6 +115,14 @@ pub fn ctx(st: &E2b, headers: &HeaderMap) -> Result<Ctx, CtxError> {
         .filter(|v| !v.is_empty())
         .ok_or(CtxError::Missing("E2b-Sandbox-Id"))?;
     let id = SandboxId::new(raw).map_err(|_| CtxError::UnknownSandbox(raw.to_string()))?;
+    // As E2B's edge: an unknown sandbox is told before the token is looked at.
+    let tenant = match st.api.engine.sandbox(&TenantId::admin(), &id) {
+        Ok(rec) => rec.tenant,
+        Err(torpor_control::ControlError::NotFound { .. }) => {
+            return Err(CtxError::UnknownSandbox(raw.to_string()))
+        }
+        Err(e) => return Err(CtxError::Internal(e.to_string())),
+    };
     let token = headers
         .get("x-access-token")
         .and_then(|v| v.to_str().ok())
@@ -123,16 +131,7 @@ pub fn ctx(st: &E2b, headers: &HeaderMap) -> Result<Ctx, CtxError> {
     if !constant_time_eq(token.as_bytes(), st.access_token(&id).as_bytes()) {
         return Err(CtxError::Unauthenticated);
     }
-    match st.api.engine.sandbox(&TenantId::admin(), &id) {
-        Ok(rec) => Ok(Ctx {
-            tenant: rec.tenant,
-            id,
-        }),
-        Err(torpor_control::ControlError::NotFound { .. }) => {
-            Err(CtxError::UnknownSandbox(raw.to_string()))
-        }
-        Err(e) => Err(CtxError::Internal(e.to_string())),
-    }
+    Ok(Ctx { tenant, id })
 }
 
 /// GET /health → 204 (waking the sandbox if it sleeps, like any call).
