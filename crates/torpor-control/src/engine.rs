@@ -1726,6 +1726,45 @@ impl Engine {
         }
     }
 
+    /// Lists `path` once its (name, size) set differs from `known`, or after `timeout_ms`
+    /// (see [`Request::ListChanged`]), holding the sandbox for at most that long. Never wakes
+    /// it: `Ok(None)` when the sandbox is not resident and running (asleep, frozen, or in a
+    /// transition), so a follower can stop instead of keeping it awake.
+    pub async fn list_files_changed(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        path: &str,
+        known: BTreeMap<String, u64>,
+        timeout_ms: u64,
+    ) -> Result<Option<Vec<DirEntry>>> {
+        self.sandbox(tenant, id)?;
+        let slot = self.slot(id);
+        let guard = slot.state.clone().read_owned().await;
+        match &guard.live {
+            Some(live) if !live.frozen && !live.container.conn.is_closed() => {}
+            _ => return Ok(None),
+        }
+        let in_use = InUse {
+            guard,
+            slot: slot.clone(),
+            id: id.clone(),
+        };
+        let req = Request::ListChanged {
+            path: path.into(),
+            known,
+            timeout_ms,
+        };
+        match in_use.container().conn.call(&req, &[]).await {
+            Ok((Reply::Entries { entries }, _)) => Ok(Some(entries)),
+            Ok((Reply::Error { code, message }, _)) => Err(ControlError::Agent { code, message }),
+            Ok((other, _)) => Err(ControlError::Invalid(format!(
+                "unexpected agent reply {other:?}"
+            ))),
+            Err(_) => Err(self.died_during_call(in_use).await),
+        }
+    }
+
     pub async fn remove_file(
         &self,
         tenant: &TenantId,

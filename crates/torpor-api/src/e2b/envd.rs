@@ -3,10 +3,11 @@
 //! Every E2B process is a detached torpor exec of a small supervisor shell ([`SUPERVISOR`])
 //! that keeps the process's state in the sandbox, under `/run/e2b/proc/<pid>/`: its output
 //! (`out`, `err`), its stdin (a FIFO `in`, held open by a `holder` until CloseStdin), its config
-//! and, once it ended, its `exit` status. State in the sandbox's own filesystem is part of every
+//! and, once it ended, an empty `exit-<status>` marker. State in the sandbox's own filesystem is part of every
 //! checkpoint, so a process and everything about it survives pause and connect. Streams follow
-//! those files (by polling the agent, backing off while idle); a stream never holds the sandbox
-//! awake, and it ends with `unavailable` when the sandbox goes to sleep under it.
+//! those files with the agent's `ListChanged` (a wait inside the sandbox that answers as soon as
+//! a file grows or appears); a stream never wakes a sandbox nor keeps it from sleeping for more
+//! than one wait, and it ends with `unavailable` when the sandbox goes to sleep under it.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -21,10 +22,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::mpsc;
 use torpor_core::{SandboxId, TenantId};
-use torpor_runtime::proto::{ExecRequest, FileKind};
+use torpor_runtime::proto::{DirEntry, ExecRequest, FileKind};
 
 use super::connect::{self, Code, Framing, Item, RpcError};
-use super::{is_running, E2b, E2bError};
+use super::{E2b, E2bError};
 use crate::server::constant_time_eq;
 
 /// Where process state lives inside the sandbox.
@@ -56,8 +57,8 @@ else
   wait $c
   rc=$?
 fi
-[ -f "$d/holder" ] && kill "$(cat "$d/holder")" 2>/dev/null
-echo $rc > "$d/exit.t" && mv "$d/exit.t" "$d/exit"
+if [ -f "$d/holder" ]; then read h < "$d/holder"; kill "$h" 2>/dev/null; fi
+: > "$d/exit-$rc"
 "#;
 
 /// A call's sandbox, from `E2b-Sandbox-Id`, authorised by `X-Access-Token`.
@@ -421,22 +422,17 @@ async fn start(
 /// Waits until the supervisor of `pid` has started the process (or recorded that it could not).
 async fn wait_ready(st: &E2b, c: &Ctx, pid: u32) -> Result<(), RpcError> {
     let t = Instant::now();
-    let mut pause = Duration::from_millis(1);
+    let mut known = BTreeMap::new();
     loop {
-        match st
-            .api
-            .engine
-            .list_files(&c.tenant, &c.id, &proc_dir(pid))
-            .await
-        {
-            Ok(entries) if entries.iter().any(|e| e.name == "pid" || e.name == "exit") => {
-                return Ok(())
+        match changed(st, c, &proc_dir(pid), &known, WAIT).await {
+            Ok(entries) => {
+                if proc_state(&entries).started {
+                    return Ok(());
+                }
+                known = sizes(&entries);
             }
-            Ok(_) => {}
-            Err(e) => match RpcError::from(e) {
-                e if e.code == Code::NotFound => {}
-                e => return Err(e),
-            },
+            Err(e) if e.code == Code::NotFound => {}
+            Err(e) => return Err(e),
         }
         if t.elapsed() > Duration::from_secs(10) {
             return Err(RpcError::new(
@@ -444,10 +440,68 @@ async fn wait_ready(st: &E2b, c: &Ctx, pid: u32) -> Result<(), RpcError> {
                 format!("process {pid} did not start within 10 s"),
             ));
         }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_millis(20));
     }
 }
+
+/// How long one wait for a change inside the sandbox may hold it.
+const WAIT: Duration = Duration::from_millis(500);
+
+fn sizes(entries: &[DirEntry]) -> BTreeMap<String, u64> {
+    entries.iter().map(|e| (e.name.clone(), e.size)).collect()
+}
+
+/// The listing of `dir` once it differs from `known` (at once when `known` is stale), or after
+/// `wait`. A sandbox that is not running (it went to sleep) is `unavailable`: following never
+/// wakes one.
+async fn changed(
+    st: &E2b,
+    c: &Ctx,
+    dir: &str,
+    known: &BTreeMap<String, u64>,
+    wait: Duration,
+) -> Result<Vec<DirEntry>, RpcError> {
+    let legacy = st
+        .legacy_agents
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains(&c.id);
+    if !legacy {
+        let call = st.api.engine.list_files_changed(
+            &c.tenant,
+            &c.id,
+            dir,
+            known.clone(),
+            wait.as_millis() as u64,
+        );
+        match tokio::time::timeout(wait + LEGACY_GRACE, call).await {
+            Ok(Ok(Some(entries))) => return Ok(entries),
+            Ok(Ok(None)) => return Err(RpcError::new(Code::Unavailable, "the sandbox was paused")),
+            Ok(Err(e)) => return Err(e.into()),
+            Err(_) => {
+                // An agent older than `ListChanged` (a sandbox restored from a snapshot taken
+                // before it existed) never answers it: poll that sandbox instead.
+                tracing::info!(sandbox = %c.id, "agent without ListChanged; polling its files");
+                st.legacy_agents
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(c.id.clone());
+            }
+        }
+    }
+    match st.api.engine.sandbox(&c.tenant, &c.id) {
+        Ok(rec) if rec.state == torpor_core::SandboxState::Running => {}
+        Ok(_) => return Err(RpcError::new(Code::Unavailable, "the sandbox was paused")),
+        Err(e) => return Err(e.into()),
+    }
+    if !known.is_empty() {
+        tokio::time::sleep(wait.min(Duration::from_millis(20))).await;
+    }
+    Ok(st.api.engine.list_files(&c.tenant, &c.id, dir).await?)
+}
+
+/// How much longer than its wait a `ListChanged` may take before the agent is taken to be one
+/// that does not know it.
+const LEGACY_GRACE: Duration = Duration::from_secs(3);
 
 async fn attach(
     st: Arc<E2b>,
@@ -459,7 +513,7 @@ async fn attach(
     let req: SelectorRequest = connect::parse_request(Framing::Stream, body)?;
     let pid = select(&st, &c, req.process).await?;
     let state = poll(&st, &c, pid).await?;
-    if state.exit.is_some() {
+    if state.exit.is_some() || !state.started {
         return Err(RpcError::new(
             Code::NotFound,
             format!("process with pid {pid} not found"),
@@ -479,15 +533,53 @@ async fn attach(
     }))
 }
 
-/// What polling a process's directory found.
-struct ProcState {
-    out_len: u64,
-    err_len: u64,
-    exit: Option<ExitStatus>,
+/// What a process's directory says.
+#[derive(Debug, PartialEq)]
+pub struct ProcState {
+    pub started: bool,
+    pub out_len: u64,
+    pub err_len: u64,
+    pub exit: Option<ExitStatus>,
 }
 
 fn proc_dir(pid: u32) -> String {
     format!("{PROC_DIR}/{pid}")
+}
+
+pub fn proc_state(entries: &[DirEntry]) -> ProcState {
+    let size = |n: &str| {
+        entries
+            .iter()
+            .find(|e| e.name == n && e.kind == FileKind::File)
+            .map_or(0, |e| e.size)
+    };
+    let code = entries
+        .iter()
+        .find_map(|e| e.name.strip_prefix("exit-"))
+        .map(|c| c.parse::<i32>().unwrap_or(-1));
+    let signaled = entries.iter().any(|e| e.name == "signaled");
+    ProcState {
+        started: code.is_some() || entries.iter().any(|e| e.name == "pid"),
+        out_len: size("out"),
+        err_len: size("err"),
+        exit: code.map(|code| {
+            if signaled && code > 128 {
+                ExitStatus::Signal(signal_name(code - 128).into())
+            } else {
+                ExitStatus::Code(code)
+            }
+        }),
+    }
+}
+
+fn no_such_process(pid: u32) -> impl Fn(RpcError) -> RpcError {
+    move |e| {
+        if e.code == Code::NotFound {
+            RpcError::new(Code::NotFound, format!("process with pid {pid} not found"))
+        } else {
+            e
+        }
+    }
 }
 
 async fn poll(st: &E2b, c: &Ctx, pid: u32) -> Result<ProcState, RpcError> {
@@ -496,34 +588,8 @@ async fn poll(st: &E2b, c: &Ctx, pid: u32) -> Result<ProcState, RpcError> {
         .engine
         .list_files(&c.tenant, &c.id, &proc_dir(pid))
         .await
-        .map_err(|e| match RpcError::from(e) {
-            e if e.code == Code::NotFound => {
-                RpcError::new(Code::NotFound, format!("process with pid {pid} not found"))
-            }
-            e => e,
-        })?;
-    let size = |n: &str| {
-        entries
-            .iter()
-            .find(|e| e.name == n && e.kind == FileKind::File)
-            .map_or(0, |e| e.size)
-    };
-    let mut s = ProcState {
-        out_len: size("out"),
-        err_len: size("err"),
-        exit: None,
-    };
-    if entries.iter().any(|e| e.name == "exit") {
-        let raw = read(st, c, &format!("{}/exit", proc_dir(pid))).await?;
-        let code: i32 = String::from_utf8_lossy(&raw).trim().parse().unwrap_or(-1);
-        let signaled = entries.iter().any(|e| e.name == "signaled");
-        s.exit = Some(if signaled && code > 128 {
-            ExitStatus::Signal(signal_name(code - 128).into())
-        } else {
-            ExitStatus::Code(code)
-        });
-    }
-    Ok(s)
+        .map_err(|e| no_such_process(pid)(e.into()))?;
+    Ok(proc_state(&entries))
 }
 
 async fn read(st: &E2b, c: &Ctx, path: &str) -> Result<Vec<u8>, RpcError> {
@@ -557,11 +623,13 @@ async fn follow(
     deadline: Option<Instant>,
     tx: mpsc::Sender<Item>,
 ) {
-    let started = Instant::now();
+    let dir = proc_dir(pid);
     let mut last_sent = Instant::now();
-    let mut idle = Duration::from_millis(2);
+    // Empty: the first listing answers at once (the directory exists by now).
+    let mut known = BTreeMap::new();
     loop {
-        if deadline.is_some_and(|d| Instant::now() >= d) {
+        let now = Instant::now();
+        if deadline.is_some_and(|d| now >= d) {
             let _ = tx
                 .send(Item::End(Some(RpcError::new(
                     Code::DeadlineExceeded,
@@ -570,45 +638,28 @@ async fn follow(
                 .await;
             return;
         }
-        // Never wake a sleeping sandbox from a stream: end it as E2B does on pause.
-        match st.api.engine.sandbox(&c.tenant, &c.id) {
-            Ok(rec) if is_running(rec.tier) => {}
-            Ok(_) => {
-                let _ = tx
-                    .send(Item::End(Some(RpcError::new(
-                        Code::Unavailable,
-                        "the sandbox was paused",
-                    ))))
-                    .await;
-                return;
-            }
-            Err(e) => {
-                let _ = tx.send(Item::End(Some(e.into()))).await;
-                return;
-            }
+        let mut wait = WAIT.min(keepalive.saturating_sub(last_sent.elapsed()));
+        if let Some(d) = deadline {
+            wait = wait.min(d - now);
         }
-        let state = match poll(&st, &c, pid).await {
-            Ok(s) => s,
-            // The supervisor makes its directory as it starts: give it a moment.
-            Err(e) if e.code == Code::NotFound && started.elapsed() < Duration::from_secs(5) => {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                continue;
-            }
+        let entries = match changed(&st, &c, &dir, &known, wait).await {
+            Ok(e) => e,
             Err(e) => {
-                let _ = tx.send(Item::End(Some(e))).await;
+                let _ = tx.send(Item::End(Some(no_such_process(pid)(e)))).await;
                 return;
             }
         };
-        let mut sent = false;
+        let state = proc_state(&entries);
+        known = sizes(&entries);
+        // The listing is taken after the exit marker exists, so then the sizes are final.
         for (fd, name, len, off) in [
             (1u8, "out", state.out_len, &mut out_off),
             (2u8, "err", state.err_len, &mut err_off),
         ] {
-            // An exited process's files are final: read them whatever the listing said.
-            if len <= *off && state.exit.is_none() {
+            if len <= *off {
                 continue;
             }
-            let data = match read(&st, &c, &format!("{}/{name}", proc_dir(pid))).await {
+            let data = match read(&st, &c, &format!("{dir}/{name}")).await {
                 Ok(d) => d,
                 Err(e) => {
                     let _ = tx.send(Item::End(Some(e))).await;
@@ -616,15 +667,14 @@ async fn follow(
                 }
             };
             if (data.len() as u64) > *off {
-                let chunk = &data[*off as usize..];
-                for part in chunk.chunks(64 << 10) {
+                for part in data[*off as usize..].chunks(64 << 10) {
                     let msg = connect::message_frame(&event_data(fd, part));
                     if tx.send(Item::Message(msg)).await.is_err() {
                         return;
                     }
                 }
                 *off = data.len() as u64;
-                sent = true;
+                last_sent = Instant::now();
             }
         }
         if let Some(exit) = state.exit {
@@ -634,26 +684,19 @@ async fn follow(
             let _ = tx.send(Item::End(None)).await;
             return;
         }
-        if sent {
-            last_sent = Instant::now();
-            idle = Duration::from_millis(2);
-        } else {
-            if last_sent.elapsed() >= keepalive {
-                if tx
-                    .send(Item::Message(connect::message_frame(&event_keepalive())))
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-                last_sent = Instant::now();
+        if last_sent.elapsed() >= keepalive {
+            if tx
+                .send(Item::Message(connect::message_frame(&event_keepalive())))
+                .await
+                .is_err()
+            {
+                return;
             }
-            idle = (idle * 2).min(Duration::from_millis(100));
+            last_sent = Instant::now();
         }
         if tx.is_closed() {
             return;
         }
-        tokio::time::sleep(idle).await;
     }
 }
 
@@ -703,7 +746,7 @@ async fn running(st: &E2b, c: &Ctx) -> Result<Vec<(u32, Recorded)>, RpcError> {
         else {
             continue;
         };
-        if files.iter().any(|f| f.name == "exit") {
+        if proc_state(&files).exit.is_some() {
             continue;
         }
         let rec = read(st, c, &format!("{}/config", proc_dir(pid)))
@@ -732,12 +775,11 @@ async fn list(st: &E2b, c: &Ctx) -> Result<Response, RpcError> {
     Ok(connect::unary_ok(&json!({"processes": procs})))
 }
 
-/// Shell prelude of the helpers acting on a running process (`$1` is its directory): waits
-/// for the supervisor to finish setting it up (a call may come right after the start event),
-/// and exits 4 when the process does not exist or has ended.
-const LIVE: &str = r#"i=0
-while [ $i -lt 250 ]; do { [ -e "$1/pid" ] || [ -e "$1/exit" ]; } && break; sleep 0.02; i=$((i+1)); done
-{ [ -e "$1/exit" ] || [ ! -e "$1/pid" ]; } && exit 4
+/// Shell prelude of the helpers acting on a running process (`$1` is its directory): exits 4
+/// when the process does not exist or has ended. (Start answers only once the supervisor has
+/// set the process up, so a process a client knows of has its `pid` file.)
+const LIVE: &str = r#"[ -e "$1/pid" ] || exit 4
+for f in "$1"/exit-*; do [ -e "$f" ] && exit 4; done
 "#;
 
 /// Runs `script` (after [`LIVE`]) on process `pid`, mapping exit 4 to not_found.
@@ -885,6 +927,31 @@ mod tests {
         assert_eq!(parse_signal(Some(&json!(15))).unwrap(), 15);
         assert!(parse_signal(Some(&json!("SIGNAL_UNSPECIFIED"))).is_err());
         assert!(parse_signal(None).is_err());
+    }
+
+    #[test]
+    fn process_state_comes_from_the_supervisor_files() {
+        let e = |name: &str, size| DirEntry {
+            name: name.into(),
+            kind: FileKind::File,
+            size,
+            mode: 0o644,
+            modified_ms: 0,
+        };
+        let s = proc_state(&[e("config", 9), e("out", 0), e("err", 0)]);
+        assert!(!s.started && s.exit.is_none());
+        let s = proc_state(&[e("pid", 3), e("out", 5), e("err", 2)]);
+        assert_eq!(
+            (s.started, s.out_len, s.err_len, s.exit),
+            (true, 5, 2, None)
+        );
+        let s = proc_state(&[e("pid", 3), e("exit-3", 0)]);
+        assert_eq!(s.exit, Some(ExitStatus::Code(3)));
+        let s = proc_state(&[e("pid", 3), e("signaled", 0), e("exit-137", 0)]);
+        assert_eq!(s.exit, Some(ExitStatus::Signal("killed".into())));
+        // A shell's own `exit 137` is not a signal.
+        let s = proc_state(&[e("pid", 3), e("exit-137", 0)]);
+        assert_eq!(s.exit, Some(ExitStatus::Code(137)));
     }
 
     #[test]

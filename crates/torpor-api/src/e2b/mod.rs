@@ -54,6 +54,8 @@ pub struct E2b {
     pub domain: String,
     /// Filesystem watchers made by CreateWatcher, by id.
     pub watchers: Mutex<HashMap<String, fs::Watcher>>,
+    /// Sandboxes whose agent predates `ListChanged` (restored from older snapshots).
+    pub legacy_agents: Mutex<std::collections::HashSet<SandboxId>>,
 }
 
 impl E2b {
@@ -71,6 +73,7 @@ impl E2b {
             token_key,
             domain,
             watchers: Mutex::new(HashMap::new()),
+            legacy_agents: Mutex::new(Default::default()),
         }
     }
 
