@@ -1,7 +1,7 @@
 //! envd's `process.Process` service and `/health`, on torpor's exec and file machinery.
 //!
 //! Every E2B process is a detached torpor exec of a small supervisor shell ([`SUPERVISOR`])
-//! that keeps the process's state in the sandbox, under `/run/e2b/proc/<pid>/`: its output
+//! that keeps the process's state in the sandbox, under `/run/e2b/proc/k<key>/`: its output
 //! (`out`, `err`), its stdin (a FIFO `in`, held open by a `holder` until CloseStdin), its config
 //! and, once it ended, an empty `exit-<status>` marker. State in the sandbox's own filesystem is part of every
 //! checkpoint, so a process and everything about it survives pause and connect. Streams follow
@@ -33,12 +33,17 @@ pub const PROC_DIR: &str = "/run/e2b/proc";
 /// E2B's default user home: commands start there, relative paths resolve against it.
 pub const HOME: &str = "/home/user";
 
-/// The supervisor: `sh -c SUPERVISOR sh STDIN CONFIG CWD CMD ARGS...`.
-pub const SUPERVISOR: &str = r#"d=/run/e2b/proc/$$
-mkdir -p "$d" || exit 111
-printf '%s' "$2" > "$d/config"
+/// The supervisor: `sh -c SUPERVISOR sh KEY STDIN CWD CMD ARGS...`, run as a detached exec
+/// (its own process group, whose id is its pid: the E2B pid). Its directory
+/// `/run/e2b/proc/k<KEY>/` is made (with `config`) by the adapter beforehand, so that it needs
+/// no spawn of its own besides the command (and, for stdin, `mkfifo` and the FIFO's holder):
+/// everything else is shell builtins. `/run/e2b/proc/<pid>` names the key of a pid. The
+/// supervisor ignores TERM once the command runs, so it outlives a TERM to the group and
+/// records the status; a KILL takes it too, and the signalling helper records that.
+pub const SUPERVISOR: &str = r#"d=/run/e2b/proc/k$1
+printf '%s' "$1" > "/run/e2b/proc/$$"
 : > "$d/out"; : > "$d/err"
-if [ "$1" = 1 ]; then
+if [ "$2" = 1 ]; then
   mkfifo "$d/in" || exit 111
   sleep 2147483647 > "$d/in" &
   echo $! > "$d/holder"
@@ -47,13 +52,15 @@ else
   exec 3< /dev/null
 fi
 cwd=$3; shift 3
+[ -n "$cwd" ] || cd /home/user 2>/dev/null || cd /
 if [ -n "$cwd" ] && ! cd "$cwd" 2>> "$d/err"; then
   rc=1
 else
-  setsid "$@" <&3 3<&- > "$d/out" 2> "$d/err" &
+  "$@" <&3 3<&- > "$d/out" 2> "$d/err" &
   c=$!
-  echo $c > "$d/pid"
   exec 3<&-
+  trap '' TERM HUP
+  echo $c > "$d/pid"
   wait $c
   rc=$?
 fi
@@ -365,20 +372,28 @@ async fn start(
     }
     let cwd = match &config.cwd {
         Some(d) if !d.is_empty() => super::fs::resolve(d, None)?,
-        _ => HOME.to_string(),
+        // The supervisor starts in the home, or in `/` when there is none.
+        _ => String::new(),
     };
-    let recorded = serde_json::to_string(&Recorded {
+    let recorded = serde_json::to_vec(&Recorded {
         config: config.clone(),
         tag: req.tag.clone(),
     })
     .expect("json");
+    let key = new_key();
+    let dir = key_dir(&key);
+    // Makes the directory too: the supervisor then needs no `mkdir`.
+    st.api
+        .engine
+        .write_file(&c.tenant, &c.id, &format!("{dir}/config"), None, &recorded)
+        .await?;
     let mut cmd = vec![
         "/bin/sh".to_string(),
         "-c".into(),
         SUPERVISOR.into(),
         "sh".into(),
+        key,
         if req.stdin.unwrap_or(false) { "1" } else { "0" }.into(),
-        recorded,
         cwd,
         config.cmd.clone(),
     ];
@@ -406,7 +421,7 @@ async fn start(
     })?;
     // Answer once the supervisor has set the process up, so that whatever the client does with
     // the pid next (list it, write to its stdin, signal it) finds it.
-    wait_ready(&st, &c, pid).await?;
+    wait_ready(&st, &c, pid, &dir).await?;
     Ok(connect::stream_response(move |tx| async move {
         if tx
             .send(Item::Message(connect::message_frame(&event_start(pid))))
@@ -415,16 +430,44 @@ async fn start(
         {
             return;
         }
-        follow(st, c, pid, 0, 0, keepalive, deadline, tx).await;
+        follow(st, c, pid, dir, 0, 0, keepalive, deadline, tx).await;
     }))
 }
 
+/// A fresh process key (lowercase letters and digits).
+fn new_key() -> String {
+    torpor_core::SandboxId::generate()
+        .as_str()
+        .chars()
+        .filter(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+        .collect()
+}
+
+fn key_dir(key: &str) -> String {
+    format!("{PROC_DIR}/k{key}")
+}
+
+/// The directory of process `pid`, from its index file; not_found when there is none.
+async fn dir_of(st: &E2b, c: &Ctx, pid: u32) -> Result<String, RpcError> {
+    let raw = read(st, c, &format!("{PROC_DIR}/{pid}"))
+        .await
+        .map_err(no_such_process(pid))?;
+    let key = String::from_utf8_lossy(&raw).trim().to_string();
+    if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric()) {
+        return Err(RpcError::new(
+            Code::NotFound,
+            format!("process with pid {pid} not found"),
+        ));
+    }
+    Ok(key_dir(&key))
+}
+
 /// Waits until the supervisor of `pid` has started the process (or recorded that it could not).
-async fn wait_ready(st: &E2b, c: &Ctx, pid: u32) -> Result<(), RpcError> {
+async fn wait_ready(st: &E2b, c: &Ctx, pid: u32, dir: &str) -> Result<(), RpcError> {
     let t = Instant::now();
     let mut known = BTreeMap::new();
     loop {
-        match changed(st, c, &proc_dir(pid), &known, WAIT).await {
+        match changed(st, c, dir, &known, WAIT).await {
             Ok(entries) => {
                 if proc_state(&entries).started {
                     return Ok(());
@@ -512,7 +555,8 @@ async fn attach(
 ) -> Result<Response, RpcError> {
     let req: SelectorRequest = connect::parse_request(Framing::Stream, body)?;
     let pid = select(&st, &c, req.process).await?;
-    let state = poll(&st, &c, pid).await?;
+    let dir = dir_of(&st, &c, pid).await?;
+    let state = poll(&st, &c, pid, &dir).await?;
     if state.exit.is_some() || !state.started {
         return Err(RpcError::new(
             Code::NotFound,
@@ -529,7 +573,7 @@ async fn attach(
         {
             return;
         }
-        follow(st, c, pid, out, err, keepalive, deadline, tx).await;
+        follow(st, c, pid, dir, out, err, keepalive, deadline, tx).await;
     }))
 }
 
@@ -540,10 +584,6 @@ pub struct ProcState {
     pub out_len: u64,
     pub err_len: u64,
     pub exit: Option<ExitStatus>,
-}
-
-fn proc_dir(pid: u32) -> String {
-    format!("{PROC_DIR}/{pid}")
 }
 
 pub fn proc_state(entries: &[DirEntry]) -> ProcState {
@@ -582,11 +622,11 @@ fn no_such_process(pid: u32) -> impl Fn(RpcError) -> RpcError {
     }
 }
 
-async fn poll(st: &E2b, c: &Ctx, pid: u32) -> Result<ProcState, RpcError> {
+async fn poll(st: &E2b, c: &Ctx, pid: u32, dir: &str) -> Result<ProcState, RpcError> {
     let entries = st
         .api
         .engine
-        .list_files(&c.tenant, &c.id, &proc_dir(pid))
+        .list_files(&c.tenant, &c.id, dir)
         .await
         .map_err(|e| no_such_process(pid)(e.into()))?;
     Ok(proc_state(&entries))
@@ -617,13 +657,13 @@ async fn follow(
     st: Arc<E2b>,
     c: Ctx,
     pid: u32,
+    dir: String,
     mut out_off: u64,
     mut err_off: u64,
     keepalive: Duration,
     deadline: Option<Instant>,
     tx: mpsc::Sender<Item>,
 ) {
-    let dir = proc_dir(pid);
     let mut last_sent = Instant::now();
     // Empty: the first listing answers at once (the directory exists by now).
     let mut known = BTreeMap::new();
@@ -738,18 +778,17 @@ async fn running(st: &E2b, c: &Ctx) -> Result<Vec<(u32, Recorded)>, RpcError> {
         let Ok(pid) = d.name.parse::<u32>() else {
             continue;
         };
-        let Ok(files) = st
-            .api
-            .engine
-            .list_files(&c.tenant, &c.id, &proc_dir(pid))
-            .await
-        else {
+        let Ok(dir) = dir_of(st, c, pid).await else {
             continue;
         };
-        if proc_state(&files).exit.is_some() {
+        let Ok(files) = st.api.engine.list_files(&c.tenant, &c.id, &dir).await else {
+            continue;
+        };
+        let state = proc_state(&files);
+        if state.exit.is_some() || !state.started {
             continue;
         }
-        let rec = read(st, c, &format!("{}/config", proc_dir(pid)))
+        let rec = read(st, c, &format!("{dir}/config"))
             .await
             .ok()
             .and_then(|b| serde_json::from_slice::<Recorded>(&b).ok())
@@ -792,8 +831,10 @@ async fn on_live(
     stdin: Vec<u8>,
 ) -> Result<(i32, String), RpcError> {
     let full = format!("{LIVE}{script}");
-    let dir = proc_dir(pid);
-    let mut cmd = vec!["/bin/sh", "-c", &full, "sh", &dir];
+    let dir = dir_of(st, c, pid).await?;
+    let pid_s = pid.to_string();
+    // `$1` the directory, `$2` the pid, then `args`.
+    let mut cmd = vec!["/bin/sh", "-c", &full, "sh", &dir, &pid_s];
     cmd.extend_from_slice(args);
     let (code, _, err) = run(st, c, &cmd, stdin).await?;
     if code == 4 {
@@ -886,7 +927,11 @@ async fn send_signal(st: &E2b, c: &Ctx, body: &[u8]) -> Result<Response, RpcErro
         st,
         c,
         pid,
-        r#": > "$1/signaled"; kill -s "$2" -- "-$(cat "$1/pid")""#,
+        // The supervisor's group holds everything the command started. A KILL takes the
+        // supervisor too, so the status is recorded here.
+        r#": > "$1/signaled"; kill -s "$3" -- "-$2" || exit 5
+[ "$3" = KILL ] && : > "$1/exit-137"
+exit 0"#,
         &[if sig == 9 { "KILL" } else { "TERM" }],
         Vec::new(),
     )
