@@ -1,6 +1,7 @@
 //! The E2B-compatible API, end to end on the real binary and real runsc sandboxes:
 //! - the official, unmodified `e2b` Python SDK (installed by scripts/deps.sh) runs
-//!   tests/e2b_sdk/sdk_flow.py against torpor with the three environment variables;
+//!   tests/e2b_sdk/sdk_flow.py against torpor with the three environment variables, and the
+//!   JavaScript SDK (npm, installed into tests/e2b_sdk/js) the same flow in sdk_flow.mjs;
 //! - the wire contract (status codes, error shapes, Connect framing, bad input) checked raw.
 
 mod common;
@@ -13,6 +14,8 @@ use serde_json::{json, Value};
 use torpor_api::types::CreateTenantBody;
 
 const SDK_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/sdk_flow.py");
+const JS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/sdk_flow.mjs");
+const JS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/js");
 
 async fn tenant(d: &Daemon, name: &str) -> String {
     d.client()
@@ -64,6 +67,48 @@ async fn the_official_python_sdk_runs_against_torpor() {
     assert!(
         out.status.success() && stdout.contains("ALL OK"),
         "SDK flow failed ({}):\n{stdout}\n{}\n--- daemon log ---\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        d.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_official_javascript_sdk_runs_against_torpor() {
+    let sdk = std::path::Path::new(JS_DIR).join("node_modules/e2b/package.json");
+    let version = std::fs::read_to_string(&sdk).unwrap_or_else(|_| {
+        panic!(
+            "the e2b JavaScript SDK is not installed in {JS_DIR}: run `bash scripts/deps.sh` \
+             (it runs `npm install` there)"
+        )
+    });
+    let v: Value = serde_json::from_str(&version).unwrap();
+    eprintln!("e2b JS SDK {}", v["version"]);
+    let d = Daemon::start().await;
+    let key = tenant(&d, "js-a").await;
+    let other = tenant(&d, "js-b").await;
+    let out = tokio::task::spawn_blocking({
+        let url = d.url();
+        move || {
+            Command::new("node")
+                .arg(JS_SCRIPT)
+                .env("E2B_JS_DIR", JS_DIR)
+                .env("E2B_API_KEY", key)
+                .env("E2B_API_URL", &url)
+                .env("E2B_SANDBOX_URL", &url)
+                .env("OTHER_KEY", other)
+                .env_remove("E2B_DEBUG")
+                .env_remove("E2B_DOMAIN")
+                .output()
+                .expect("node must be installed (scripts/deps.sh)")
+        }
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("ALL OK"),
+        "JS SDK flow failed ({}):\n{stdout}\n{}\n--- daemon log ---\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr),
         d.log()
