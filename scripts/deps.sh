@@ -3,6 +3,8 @@
 #   runsc (gVisor)        the sandbox runtime
 #   python3               the `host` template's agents and the demo use it
 #   moto_server           the S3-compatible server the snapshot-store tests start
+#   e2b (Python SDK)      the E2B-compatibility tests drive torpor with the official SDK
+#   nodejs, npm, e2b (npm) the same tests with the official JavaScript SDK
 #   a Rust toolchain      to build torpor (rustup, when cargo is missing)
 set -euo pipefail
 
@@ -17,6 +19,8 @@ command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 command -v pip3 >/dev/null 2>&1 || python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
 command -v ldd >/dev/null 2>&1 || need_apt+=(libc-bin)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
+command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
+command -v npm >/dev/null 2>&1 || need_apt+=(npm)
 command -v cc >/dev/null 2>&1 || need_apt+=(gcc)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "deps.sh: installing ${need_apt[*]}" >&2
@@ -29,6 +33,18 @@ if ! command -v moto_server >/dev/null 2>&1; then
   echo "deps.sh: installing moto (S3-compatible test server)" >&2
   python3 -m pip install -q "moto[server]" 2>/dev/null \
     || python3 -m pip install -q --break-system-packages "moto[server]"
+fi
+
+if ! python3 -c "import e2b" >/dev/null 2>&1; then
+  echo "deps.sh: installing the e2b Python SDK (E2B-compatibility tests)" >&2
+  python3 -m pip install -q e2b 2>/dev/null \
+    || python3 -m pip install -q --break-system-packages e2b
+fi
+
+e2b_js_dir="$(cd "$(dirname "$0")/.." && pwd)/crates/torpor/tests/e2b_sdk/js"
+if [ ! -f "$e2b_js_dir/node_modules/e2b/package.json" ]; then
+  echo "deps.sh: installing the e2b JavaScript SDK into $e2b_js_dir" >&2
+  (cd "$e2b_js_dir" && npm install --no-audit --no-fund --silent)
 fi
 
 if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then

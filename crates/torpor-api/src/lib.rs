@@ -2,6 +2,7 @@
 //! contract) and the Rust client the CLI uses. Both sides share [`types`].
 
 pub mod client;
+pub mod e2b;
 pub mod server;
 pub mod snapshots;
 pub mod types;

@@ -61,6 +61,15 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = ErrorBody {
@@ -259,6 +268,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/openapi.json", get(openapi));
     Router::new()
         .nest("/v1", v1)
+        .merge(crate::e2b::router(state.clone()))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .fallback(not_found_route)
@@ -320,7 +330,7 @@ async fn authenticate(
     next.run(req).await
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }

@@ -1562,6 +1562,24 @@ impl Engine {
         self.sandbox(tenant, id)
     }
 
+    /// Sets (`Some`) or removes (`None`) metadata keys of a sandbox; answers the new record.
+    pub fn patch_sandbox_metadata(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        patch: &BTreeMap<String, Option<String>>,
+    ) -> Result<SandboxRecord> {
+        let mut rec = self.sandbox(tenant, id)?;
+        for (k, v) in patch {
+            match v {
+                Some(v) => rec.metadata.insert(k.clone(), v.clone()),
+                None => rec.metadata.remove(k),
+            };
+        }
+        self.store.set_sandbox_metadata(id, &rec.metadata)?;
+        Ok(rec)
+    }
+
     pub async fn delete_sandbox(&self, tenant: &TenantId, id: &SandboxId) -> Result<()> {
         self.sandbox(tenant, id)?;
         let slot = self.slot(id);
@@ -1840,6 +1858,46 @@ impl Engine {
             (other, _) => Err(ControlError::Invalid(format!(
                 "unexpected agent reply {other:?}"
             ))),
+        }
+    }
+
+    /// Lists `path` once its (name, size) set differs from `known`, or after `timeout_ms`
+    /// (see [`Request::ListChanged`]), holding the sandbox for at most that long. Never wakes
+    /// it: `Ok(None)` when the sandbox is not resident and running (asleep, frozen, or in a
+    /// transition), so a follower can stop instead of keeping it awake.
+    pub async fn list_files_changed(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        path: &str,
+        known: BTreeMap<String, u64>,
+        timeout_ms: u64,
+    ) -> Result<Option<Vec<DirEntry>>> {
+        self.sandbox(tenant, id)?;
+        let slot = self.slot(id);
+        let guard = slot.state.clone().read_owned().await;
+        match &guard.live {
+            Some(live) if !live.frozen && !live.container.conn.is_closed() => {}
+            _ => return Ok(None),
+        }
+        let in_use = InUse {
+            guard,
+            slot: slot.clone(),
+            id: id.clone(),
+            evictor: self.evictor.clone(),
+        };
+        let req = Request::ListChanged {
+            path: path.into(),
+            known,
+            timeout_ms,
+        };
+        match in_use.container().conn.call(&req, &[]).await {
+            Ok((Reply::Entries { entries }, _)) => Ok(Some(entries)),
+            Ok((Reply::Error { code, message }, _)) => Err(ControlError::Agent { code, message }),
+            Ok((other, _)) => Err(ControlError::Invalid(format!(
+                "unexpected agent reply {other:?}"
+            ))),
+            Err(_) => Err(self.died_during_call(in_use).await),
         }
     }
 

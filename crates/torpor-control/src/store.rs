@@ -330,6 +330,22 @@ impl Store {
         })
     }
 
+    /// Replaces a sandbox's metadata (and nothing else, so it cannot undo a concurrent state
+    /// change). Used by the E2B adapter for its lifecycle keys.
+    pub fn set_sandbox_metadata(
+        &self,
+        id: &SandboxId,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE sandboxes SET metadata=?2 WHERE id=?1",
+                params![id.as_str(), json(metadata)],
+            )
+            .map(|_| ())
+        })
+    }
+
     pub fn touch_sandboxes(&self, touched: &[(SandboxId, UnixMillis)]) -> Result<(), StoreError> {
         if touched.is_empty() {
             return Ok(());

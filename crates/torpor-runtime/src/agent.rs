@@ -126,6 +126,11 @@ impl Agent {
             Request::ReadFile { path, max_bytes } => read_file(&path, max_bytes),
             Request::WriteFile { path, mode } => write_file(&path, mode, &body),
             Request::List { path } => list(&path),
+            Request::ListChanged {
+                path,
+                known,
+                timeout_ms,
+            } => list_changed(&path, &known, timeout_ms),
             Request::Remove { path, recursive } => remove(&path, recursive),
             Request::MainStatus => Ok((self.main_status(), Vec::new())),
         };
@@ -714,6 +719,32 @@ fn list(path: &str) -> Answer {
     Ok((Reply::Entries { entries }, Vec::new()))
 }
 
+/// [`Request::ListChanged`]: re-lists `path` (sleeping 0.5 ms, backing off to 5 ms) until
+/// its (name, size) set differs from `known` or the wait is over.
+fn list_changed(path: &str, known: &BTreeMap<String, u64>, timeout_ms: u64) -> Answer {
+    let deadline = Instant::now() + Duration::from_millis(timeout_ms.min(proto::MAX_WAIT_MS));
+    let mut pause = Duration::from_micros(500);
+    loop {
+        let over = Instant::now() >= deadline;
+        match list(path) {
+            Ok((Reply::Entries { entries }, body)) => {
+                let same = entries.len() == known.len()
+                    && entries.iter().all(|e| known.get(&e.name) == Some(&e.size));
+                if !same || over {
+                    return Ok((Reply::Entries { entries }, body));
+                }
+            }
+            Err(Reply::Error {
+                code: AgentErrorCode::NotFound,
+                ..
+            }) if !over => {}
+            other => return other,
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(5));
+    }
+}
+
 fn remove(path: &str, recursive: bool) -> Answer {
     let p = resolve(path)?;
     if p == Path::new("/") {
@@ -747,6 +778,56 @@ mod tests {
         assert!(resolve("").is_err());
         assert_eq!(resolve("a/b").unwrap(), PathBuf::from("/a/b"));
         assert_eq!(resolve("/tmp/x").unwrap(), PathBuf::from("/tmp/x"));
+    }
+
+    #[test]
+    fn list_changed_waits_for_a_change_or_the_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("d");
+        let sub_s = sub.to_str().unwrap().to_string();
+        // Nothing changes: answers after the timeout with the same listing.
+        fs::create_dir(&sub).unwrap();
+        fs::write(sub.join("a"), b"12").unwrap();
+        let known: BTreeMap<String, u64> = [("a".to_string(), 2)].into();
+        let t = Instant::now();
+        let (reply, _) = list_changed(&sub_s, &known, 100).unwrap();
+        assert!(t.elapsed() >= Duration::from_millis(100));
+        assert!(matches!(reply, Reply::Entries { entries } if entries.len() == 1));
+        // A file grows while it waits: answers at once with the new size.
+        let writer = {
+            let sub = sub.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                fs::write(sub.join("a"), b"12345").unwrap();
+            })
+        };
+        let t = Instant::now();
+        let (reply, _) = list_changed(&sub_s, &known, 4_000).unwrap();
+        writer.join().unwrap();
+        assert!(t.elapsed() < Duration::from_millis(2_000));
+        let Reply::Entries { entries } = reply else {
+            panic!()
+        };
+        assert_eq!(entries[0].size, 5);
+        // A directory that does not exist yet is waited for; then it is a change.
+        let later = dir.path().join("later");
+        let later_s = later.to_str().unwrap().to_string();
+        let maker = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            fs::create_dir(&later).unwrap();
+            fs::write(later.join("x"), b"").unwrap();
+        });
+        let (reply, _) = list_changed(&later_s, &BTreeMap::new(), 4_000).unwrap();
+        maker.join().unwrap();
+        assert!(matches!(reply, Reply::Entries { .. }));
+        // Still missing at the deadline: not found.
+        assert!(matches!(
+            list_changed("/nonexistent/torpor-test", &BTreeMap::new(), 20),
+            Err(Reply::Error {
+                code: AgentErrorCode::NotFound,
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -18,6 +18,8 @@ use serde::{Deserialize, Serialize};
 pub const MAX_HEADER: usize = 1 << 20;
 /// Body bytes a frame may carry (a whole file read or written in one piece).
 pub const MAX_BODY: usize = 256 << 20;
+/// The longest a `ListChanged` waits.
+pub const MAX_WAIT_MS: u64 = 5_000;
 /// Protocol version; the agent reports it in its hello.
 pub const VERSION: u32 = 1;
 
@@ -44,6 +46,15 @@ pub enum Request {
     },
     List {
         path: String,
+    },
+    /// Lists a directory as soon as its listing differs from `known` (name → size), or when
+    /// `timeout_ms` (at most [`MAX_WAIT_MS`]) has passed; a directory that does not exist yet
+    /// is waited for too. Lets a caller follow files that a process inside writes without
+    /// polling over the channel.
+    ListChanged {
+        path: String,
+        known: BTreeMap<String, u64>,
+        timeout_ms: u64,
     },
     Remove {
         path: String,

@@ -1,0 +1,406 @@
+//! Connect-RPC with the JSON codec: unary calls (`application/json`) and server streams
+//! (`application/connect+json`, enveloped: 1 flag byte, 4-byte big-endian length, JSON).
+
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+/// A request message may be at most this large (envd's requests are small JSON).
+pub const MAX_MESSAGE: usize = 1 << 20;
+pub const STREAM_CONTENT_TYPE: &str = "application/connect+json";
+pub const UNARY_CONTENT_TYPE: &str = "application/json";
+/// Flag of the last frame of a stream (its JSON holds `error` and/or `metadata`).
+pub const END_STREAM: u8 = 0x02;
+const COMPRESSED: u8 = 0x01;
+
+/// Connect's error codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Code {
+    Canceled,
+    Unknown,
+    InvalidArgument,
+    DeadlineExceeded,
+    NotFound,
+    AlreadyExists,
+    PermissionDenied,
+    ResourceExhausted,
+    FailedPrecondition,
+    Unimplemented,
+    Internal,
+    Unavailable,
+    Unauthenticated,
+}
+
+impl Code {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Code::Canceled => "canceled",
+            Code::Unknown => "unknown",
+            Code::InvalidArgument => "invalid_argument",
+            Code::DeadlineExceeded => "deadline_exceeded",
+            Code::NotFound => "not_found",
+            Code::AlreadyExists => "already_exists",
+            Code::PermissionDenied => "permission_denied",
+            Code::ResourceExhausted => "resource_exhausted",
+            Code::FailedPrecondition => "failed_precondition",
+            Code::Unimplemented => "unimplemented",
+            Code::Internal => "internal",
+            Code::Unavailable => "unavailable",
+            Code::Unauthenticated => "unauthenticated",
+        }
+    }
+
+    /// The HTTP status of a unary error (Connect's table).
+    pub fn http_status(self) -> StatusCode {
+        match self {
+            Code::Canceled => StatusCode::from_u16(499).expect("valid"),
+            Code::Unknown | Code::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            Code::InvalidArgument | Code::FailedPrecondition => StatusCode::BAD_REQUEST,
+            Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+            Code::NotFound => StatusCode::NOT_FOUND,
+            Code::AlreadyExists => StatusCode::CONFLICT,
+            Code::PermissionDenied => StatusCode::FORBIDDEN,
+            Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+            Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
+            Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RpcError {
+    pub code: Code,
+    pub message: String,
+}
+
+impl RpcError {
+    pub fn new(code: Code, message: impl Into<String>) -> Self {
+        RpcError {
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({"code": self.code.as_str(), "message": self.message})
+    }
+}
+
+impl From<torpor_control::ControlError> for RpcError {
+    fn from(e: torpor_control::ControlError) -> Self {
+        use torpor_control::ControlError as C;
+        use torpor_runtime::proto::AgentErrorCode as A;
+        let code = match &e {
+            C::NotFound { .. } => Code::NotFound,
+            C::QuotaExceeded { .. } | C::NoWorker(_) | C::LotFull(_) => Code::ResourceExhausted,
+            C::InvalidTransition { .. } | C::AlreadyExists { .. } => Code::FailedPrecondition,
+            C::Invalid(_) | C::Unsupported(_) => Code::InvalidArgument,
+            C::ShuttingDown | C::Conn(_) | C::SandboxCrashed { .. } => Code::Unavailable,
+            C::ExecTimeout { .. } => Code::DeadlineExceeded,
+            C::Agent { code, .. } => match code {
+                A::NotFound => Code::NotFound,
+                A::PermissionDenied => Code::PermissionDenied,
+                A::TooLarge => Code::ResourceExhausted,
+                A::NotADirectory | A::IsADirectory | A::InvalidPath | A::BadRequest => {
+                    Code::InvalidArgument
+                }
+                A::SpawnFailed | A::Io => Code::Internal,
+            },
+            _ => Code::Internal,
+        };
+        RpcError::new(code, e.to_string())
+    }
+}
+
+/// How a call was framed, from its content type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    Unary,
+    Stream,
+}
+
+pub fn framing(headers: &HeaderMap) -> Result<Framing, RpcError> {
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    match ct.as_str() {
+        UNARY_CONTENT_TYPE => Ok(Framing::Unary),
+        STREAM_CONTENT_TYPE => Ok(Framing::Stream),
+        other => Err(RpcError::new(
+            Code::InvalidArgument,
+            format!("content type {other:?} is not served: use the JSON codec (application/json or application/connect+json)"),
+        )),
+    }
+}
+
+/// The one message of a server-stream request: exactly one uncompressed envelope.
+pub fn decode_envelope(body: &[u8]) -> Result<&[u8], RpcError> {
+    if body.len() < 5 {
+        return Err(RpcError::new(
+            Code::InvalidArgument,
+            format!(
+                "envelope of {} bytes is shorter than its 5-byte prefix",
+                body.len()
+            ),
+        ));
+    }
+    let flags = body[0];
+    if flags & COMPRESSED != 0 {
+        return Err(RpcError::new(
+            Code::Unimplemented,
+            "compressed messages are not supported",
+        ));
+    }
+    if flags != 0 {
+        return Err(RpcError::new(
+            Code::InvalidArgument,
+            format!("unknown envelope flags {flags:#04x}"),
+        ));
+    }
+    let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+    if len > MAX_MESSAGE {
+        return Err(RpcError::new(
+            Code::ResourceExhausted,
+            format!("message of {len} bytes exceeds the limit of {MAX_MESSAGE}"),
+        ));
+    }
+    if body.len() - 5 != len {
+        return Err(RpcError::new(
+            Code::InvalidArgument,
+            format!(
+                "envelope announces {len} bytes but carries {}",
+                body.len() - 5
+            ),
+        ));
+    }
+    Ok(&body[5..])
+}
+
+pub fn envelope(flags: u8, json: &[u8]) -> Bytes {
+    let mut out = Vec::with_capacity(5 + json.len());
+    out.push(flags);
+    out.extend_from_slice(&(json.len() as u32).to_be_bytes());
+    out.extend_from_slice(json);
+    Bytes::from(out)
+}
+
+pub fn message_frame<T: Serialize>(msg: &T) -> Bytes {
+    envelope(0, &serde_json::to_vec(msg).expect("messages serialise"))
+}
+
+pub fn end_frame(err: Option<&RpcError>) -> Bytes {
+    let v = match err {
+        None => serde_json::json!({}),
+        Some(e) => serde_json::json!({"error": e.json()}),
+    };
+    envelope(END_STREAM, &serde_json::to_vec(&v).expect("json"))
+}
+
+/// Parses the request message of a call framed as `framing`.
+pub fn parse_request<T: for<'de> serde::Deserialize<'de>>(
+    framing: Framing,
+    body: &[u8],
+) -> Result<T, RpcError> {
+    let json = match framing {
+        Framing::Unary => {
+            if body.len() > MAX_MESSAGE {
+                return Err(RpcError::new(
+                    Code::ResourceExhausted,
+                    format!("message of {} bytes exceeds the limit", body.len()),
+                ));
+            }
+            body
+        }
+        Framing::Stream => decode_envelope(body)?,
+    };
+    let json = if json.is_empty() { &b"{}"[..] } else { json };
+    serde_json::from_slice(json)
+        .map_err(|e| RpcError::new(Code::InvalidArgument, format!("request message: {e}")))
+}
+
+/// A unary answer.
+pub fn unary_ok<T: Serialize>(msg: &T) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(UNARY_CONTENT_TYPE),
+        )],
+        serde_json::to_vec(msg).expect("messages serialise"),
+    )
+        .into_response()
+}
+
+pub fn unary_err(e: &RpcError) -> Response {
+    (
+        e.code.http_status(),
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(UNARY_CONTENT_TYPE),
+        )],
+        serde_json::to_vec(&e.json()).expect("json"),
+    )
+        .into_response()
+}
+
+/// An error answered in the framing the call used (a stream's errors travel in its end frame,
+/// under status 200).
+pub fn error_response(framing: Framing, e: &RpcError) -> Response {
+    match framing {
+        Framing::Unary => unary_err(e),
+        Framing::Stream => stream_response_from(vec![end_frame(Some(e))]),
+    }
+}
+
+fn stream_headers(resp: &mut Response) {
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(STREAM_CONTENT_TYPE),
+    );
+}
+
+fn stream_response_from(frames: Vec<Bytes>) -> Response {
+    let mut resp = Response::new(Body::from_stream(futures::stream::iter(
+        frames.into_iter().map(Ok::<_, std::convert::Infallible>),
+    )));
+    stream_headers(&mut resp);
+    resp
+}
+
+/// What a stream's producer sends: messages, then (implicitly) the end frame.
+pub enum Item {
+    Message(Bytes),
+    End(Option<RpcError>),
+}
+
+/// A server stream fed by a producer task. Each frame is written as soon as it is produced;
+/// when the producer stops without an `End`, the stream still ends properly.
+pub fn stream_response<F, Fut>(producer: F) -> Response
+where
+    F: FnOnce(mpsc::Sender<Item>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, mut rx) = mpsc::channel::<Item>(32);
+    tokio::spawn(producer(tx));
+    let mut done = false;
+    let body = futures::stream::poll_fn(move |cx| {
+        if done {
+            return std::task::Poll::Ready(None);
+        }
+        match rx.poll_recv(cx) {
+            std::task::Poll::Ready(Some(Item::Message(b))) => {
+                std::task::Poll::Ready(Some(Ok::<_, std::convert::Infallible>(b)))
+            }
+            std::task::Poll::Ready(Some(Item::End(e))) => {
+                done = true;
+                std::task::Poll::Ready(Some(Ok(end_frame(e.as_ref()))))
+            }
+            std::task::Poll::Ready(None) => {
+                done = true;
+                std::task::Poll::Ready(Some(Ok(end_frame(None))))
+            }
+            std::task::Poll::Pending => std::task::Poll::Pending,
+        }
+    });
+    let mut resp = Response::new(Body::from_stream(body));
+    stream_headers(&mut resp);
+    resp
+}
+
+/// The deadline a client set with `Connect-Timeout-Ms`.
+pub fn timeout(headers: &HeaderMap) -> Option<Duration> {
+    headers
+        .get("connect-timeout-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|ms| *ms > 0)
+        .map(Duration::from_millis)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envelopes_round_trip_and_bad_ones_are_refused() {
+        let f = envelope(0, br#"{"a":1}"#);
+        assert_eq!(&f[..5], &[0, 0, 0, 0, 7]);
+        assert_eq!(decode_envelope(&f).unwrap(), br#"{"a":1}"#);
+        // wrong length, both ways
+        let mut long = f.to_vec();
+        long.push(b' ');
+        assert_eq!(
+            decode_envelope(&long).unwrap_err().code,
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            decode_envelope(&f[..8]).unwrap_err().code,
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            decode_envelope(&f[..3]).unwrap_err().code,
+            Code::InvalidArgument
+        );
+        // oversized announcement: refused before anything is allocated
+        let huge = [0u8, 0xff, 0xff, 0xff, 0xff];
+        assert_eq!(
+            decode_envelope(&huge).unwrap_err().code,
+            Code::ResourceExhausted
+        );
+        // compressed, unknown flag
+        assert_eq!(
+            decode_envelope(&envelope(1, b"{}")).unwrap_err().code,
+            Code::Unimplemented
+        );
+        assert_eq!(
+            decode_envelope(&envelope(0x80, b"{}")).unwrap_err().code,
+            Code::InvalidArgument
+        );
+        let end = end_frame(Some(&RpcError::new(Code::NotFound, "gone")));
+        assert_eq!(end[0], END_STREAM);
+        let v: serde_json::Value = serde_json::from_slice(&end[5..]).unwrap();
+        assert_eq!(v["error"]["code"], "not_found");
+        assert_eq!(v["error"]["message"], "gone");
+    }
+
+    #[test]
+    fn unary_errors_carry_connect_codes_and_statuses() {
+        let r = unary_err(&RpcError::new(Code::Unimplemented, "no"));
+        assert_eq!(r.status(), StatusCode::NOT_IMPLEMENTED);
+        assert_eq!(r.headers()[header::CONTENT_TYPE], "application/json");
+        assert_eq!(
+            Code::Unauthenticated.http_status(),
+            StatusCode::UNAUTHORIZED
+        );
+        let mut h = HeaderMap::new();
+        assert!(framing(&h).is_err());
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/connect+json"),
+        );
+        assert_eq!(framing(&h).unwrap(), Framing::Stream);
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/proto"),
+        );
+        assert!(framing(&h).is_err());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn envelope_decoder_never_panics(body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64)) {
+            let _ = decode_envelope(&body);
+            let _ = parse_request::<serde_json::Value>(Framing::Stream, &body);
+        }
+    }
+}

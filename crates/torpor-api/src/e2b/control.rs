@@ -1,0 +1,597 @@
+//! E2B's control plane: create, connect, pause, kill, get, timeout, list.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use torpor_control::{CreateSandbox, SandboxRecord};
+use torpor_core::{SandboxId, TemplateName, TenantId, Tier};
+
+use super::{
+    is_running, template_to_e2b, template_to_torpor, E2b, E2bError, DEFAULT_TIMEOUT_S,
+    MAX_TIMEOUT_S, META_END_AT, META_ON_TIMEOUT, META_PREFIX,
+};
+use crate::server::constant_time_eq;
+use crate::types::rfc3339;
+
+type E2bResult<T> = Result<T, E2bError>;
+
+/// `X-API-KEY` → tenant (admin token or a tenant token, the same check as bearer auth).
+pub fn authenticate(st: &E2b, headers: &HeaderMap) -> E2bResult<TenantId> {
+    let key = headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .ok_or_else(|| E2bError::new(StatusCode::UNAUTHORIZED, "missing X-API-KEY header"))?;
+    if constant_time_eq(key.as_bytes(), st.api.admin_token.as_bytes()) {
+        return Ok(TenantId::admin());
+    }
+    st.api
+        .engine
+        .tenant_for_token(key)?
+        .ok_or_else(|| E2bError::new(StatusCode::UNAUTHORIZED, "invalid API key"))
+}
+
+fn sandbox_id(raw: &str) -> E2bResult<SandboxId> {
+    SandboxId::new(raw).map_err(|_| E2bError::not_found(format_args!("sandbox {raw:?}")))
+}
+
+/// Parses a JSON body leniently (unknown fields are ignored: SDKs send many we do not use); an
+/// empty body is the default.
+fn parse_body<T: for<'de> Deserialize<'de> + Default>(body: &Bytes) -> E2bResult<T> {
+    if body.is_empty() {
+        return Ok(T::default());
+    }
+    if body.len() > crate::server::MAX_JSON_BODY {
+        return Err(E2bError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request body too large",
+        ));
+    }
+    serde_json::from_slice(body).map_err(|e| E2bError::bad_request(format!("request body: {e}")))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NewSandbox {
+    #[serde(rename = "templateID")]
+    pub template_id: Option<String>,
+    pub timeout: Option<i64>,
+    pub auto_pause: Option<bool>,
+    pub auto_resume: Option<serde_json::Value>,
+    pub metadata: Option<BTreeMap<String, String>>,
+    pub env_vars: Option<BTreeMap<String, String>>,
+    pub lifecycle: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct TimeoutBody {
+    pub timeout: Option<i64>,
+}
+
+/// The create/connect answer (E2B's `Sandbox`).
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+pub struct SandboxJson {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "clientID")]
+    pub client_id: String,
+    #[serde(rename = "envdVersion")]
+    pub envd_version: String,
+    #[serde(rename = "envdAccessToken")]
+    pub envd_access_token: String,
+    pub domain: String,
+    pub alias: String,
+}
+
+/// The detail and list entry (E2B's `SandboxDetail` / `ListedSandbox`).
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+pub struct SandboxDetailJson {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "clientID")]
+    pub client_id: String,
+    pub alias: String,
+    #[serde(rename = "startedAt")]
+    pub started_at: String,
+    #[serde(rename = "endAt")]
+    pub end_at: String,
+    #[serde(rename = "envdVersion")]
+    pub envd_version: String,
+    #[serde(rename = "envdAccessToken", skip_serializing_if = "Option::is_none")]
+    pub envd_access_token: Option<String>,
+    pub domain: String,
+    #[serde(rename = "cpuCount")]
+    pub cpu_count: u32,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u64,
+    #[serde(rename = "diskSizeMB")]
+    pub disk_size_mb: u64,
+    pub state: String,
+    pub metadata: BTreeMap<String, String>,
+}
+
+fn client_id() -> String {
+    "torpor".into()
+}
+
+fn user_metadata(rec: &SandboxRecord) -> BTreeMap<String, String> {
+    rec.metadata
+        .iter()
+        .filter(|(k, _)| !k.starts_with(META_PREFIX))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+pub fn sandbox_json(st: &E2b, rec: &SandboxRecord) -> SandboxJson {
+    let tpl = template_to_e2b(rec.template.as_str()).to_string();
+    SandboxJson {
+        template_id: tpl.clone(),
+        sandbox_id: rec.id.to_string(),
+        client_id: client_id(),
+        envd_version: super::ENVD_VERSION.into(),
+        envd_access_token: st.access_token(&rec.id),
+        domain: st.domain.clone(),
+        alias: tpl,
+    }
+}
+
+pub fn detail_json(st: &E2b, rec: &SandboxRecord, with_token: bool) -> SandboxDetailJson {
+    let tpl = template_to_e2b(rec.template.as_str()).to_string();
+    let end_at = rec
+        .metadata
+        .get(META_END_AT)
+        .and_then(|v| v.parse::<i64>().ok())
+        .unwrap_or(rec.last_active_at.max(rec.created_at));
+    SandboxDetailJson {
+        template_id: tpl.clone(),
+        sandbox_id: rec.id.to_string(),
+        client_id: client_id(),
+        alias: tpl,
+        started_at: rfc3339(rec.created_at),
+        end_at: rfc3339(end_at),
+        envd_version: super::ENVD_VERSION.into(),
+        envd_access_token: with_token.then(|| st.access_token(&rec.id)),
+        domain: st.domain.clone(),
+        cpu_count: (rec.limits.cpus.ceil() as u32).max(1),
+        memory_mb: rec.limits.memory_mib,
+        disk_size_mb: 0,
+        state: if is_running(rec.tier) {
+            "running"
+        } else {
+            "paused"
+        }
+        .into(),
+        metadata: user_metadata(rec),
+    }
+}
+
+fn timeout_seconds(raw: Option<i64>) -> E2bResult<u64> {
+    match raw {
+        None => Ok(DEFAULT_TIMEOUT_S),
+        Some(t) if t < 0 => Err(E2bError::bad_request("timeout must not be negative")),
+        Some(t) => Ok((t as u64).min(MAX_TIMEOUT_S)),
+    }
+}
+
+fn deadline(timeout_s: u64) -> String {
+    (torpor_core::now_millis() + (timeout_s as i64) * 1000).to_string()
+}
+
+/// What a timed-out sandbox does: `kill` only when asked for explicitly (`autoPause: false`
+/// or `lifecycle.onTimeout: "kill"`); otherwise it is put to sleep.
+fn on_timeout(body: &NewSandbox) -> E2bResult<&'static str> {
+    if let Some(l) = &body.lifecycle {
+        let action = l
+            .get("onTimeout")
+            .or_else(|| l.get("on_timeout"))
+            .map(|a| a.get("action").unwrap_or(a));
+        match action.and_then(|a| a.as_str()) {
+            Some("kill") => return Ok("kill"),
+            Some("pause") | None => {}
+            Some(other) => {
+                return Err(E2bError::bad_request(format!(
+                    "lifecycle on_timeout must be pause or kill, got {other:?}"
+                )))
+            }
+        }
+    }
+    Ok(match body.auto_pause {
+        Some(false) => "kill",
+        _ => "pause",
+    })
+}
+
+/// POST /sandboxes and /v2/sandboxes → 201.
+pub async fn create(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> E2bResult<(StatusCode, Json<SandboxJson>)> {
+    let tenant = authenticate(&st, &headers)?;
+    let body: NewSandbox = parse_body(&body)?;
+    let tpl = template_to_torpor(body.template_id.as_deref().unwrap_or("base"));
+    let template = TemplateName::new(tpl)
+        .map_err(|_| E2bError::not_found(format_args!("template {tpl:?}")))?;
+    let timeout = timeout_seconds(body.timeout)?;
+    let mut metadata = body.metadata.clone().unwrap_or_default();
+    if metadata.keys().any(|k| k.starts_with(META_PREFIX)) {
+        return Err(E2bError::bad_request(format!(
+            "metadata keys starting with {META_PREFIX:?} are reserved"
+        )));
+    }
+    metadata.insert(META_END_AT.into(), deadline(timeout));
+    metadata.insert(META_ON_TIMEOUT.into(), on_timeout(&body)?.into());
+    let rec = st
+        .api
+        .engine
+        .create_sandbox(
+            &tenant,
+            CreateSandbox {
+                template,
+                env: body.env_vars.unwrap_or_default(),
+                metadata,
+                limits: Default::default(),
+                gpu: None,
+            },
+        )
+        .await
+        .map_err(|e| match e {
+            torpor_control::ControlError::NotFound {
+                kind: "template",
+                id,
+            } => E2bError::not_found(format_args!("template {id:?}")),
+            e => e.into(),
+        })?;
+    // E2B's commands start in the user's home.
+    super::envd::ensure_home(&st, &tenant, &rec.id).await;
+    Ok((StatusCode::CREATED, Json(sandbox_json(&st, &rec))))
+}
+
+/// POST /sandboxes/{id}/connect and /v2/sandboxes/{id}/connect: 200 if it was running, 201 if
+/// it was woken.
+pub async fn connect(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> E2bResult<(StatusCode, Json<SandboxJson>)> {
+    let tenant = authenticate(&st, &headers)?;
+    let id = sandbox_id(&id)?;
+    let body: TimeoutBody = parse_body(&body)?;
+    let timeout = timeout_seconds(body.timeout)?;
+    let before = st.api.engine.sandbox(&tenant, &id)?;
+    let was_running = is_running(before.tier);
+    // A running sandbox's deadline only moves later; a woken one gets a fresh one.
+    let new_end = torpor_core::now_millis() + timeout as i64 * 1000;
+    let old_end = before
+        .metadata
+        .get(META_END_AT)
+        .and_then(|v| v.parse::<i64>().ok());
+    if !was_running || old_end.is_none_or(|old| old < new_end) {
+        st.api.engine.patch_sandbox_metadata(
+            &tenant,
+            &id,
+            &[(META_END_AT.to_string(), Some(new_end.to_string()))].into(),
+        )?;
+    }
+    let rec = st.api.engine.resume(&tenant, &id).await?;
+    let status = if was_running {
+        StatusCode::OK
+    } else {
+        StatusCode::CREATED
+    };
+    Ok((status, Json(sandbox_json(&st, &rec))))
+}
+
+/// POST /sandboxes/{id}/resume (E2B's older API): 201, or 409 if it is running.
+pub async fn resume(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> E2bResult<(StatusCode, Json<SandboxJson>)> {
+    let tenant = authenticate(&st, &headers)?;
+    let sid = sandbox_id(&id)?;
+    if is_running(st.api.engine.sandbox(&tenant, &sid)?.tier) {
+        return Err(E2bError::new(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already running"),
+        ));
+    }
+    connect(State(st), headers, Path(id), body).await
+}
+
+/// POST /sandboxes/{id}/pause: 204; 409 if it is already asleep.
+pub async fn pause(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
+    let tenant = authenticate(&st, &headers)?;
+    let sid = sandbox_id(&id)?;
+    let rec = st.api.engine.sandbox(&tenant, &sid)?;
+    if !is_running(rec.tier) {
+        return Err(E2bError::new(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already paused"),
+        ));
+    }
+    st.api
+        .engine
+        .suspend(&tenant, &sid, Tier::Parked)
+        .await
+        .map_err(|e| match e {
+            // Lost a race with the idle policy: it is asleep, which is what was asked, but
+            // E2B answers a second pause with 409.
+            torpor_control::ControlError::InvalidTransition { .. } => E2bError::new(
+                StatusCode::CONFLICT,
+                format!("sandbox {id} is already paused"),
+            ),
+            e => e.into(),
+        })?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// DELETE /sandboxes/{id}: 204; 404.
+pub async fn kill(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
+    let tenant = authenticate(&st, &headers)?;
+    st.api
+        .engine
+        .delete_sandbox(&tenant, &sandbox_id(&id)?)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// GET /sandboxes/{id}.
+pub async fn get_one(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> E2bResult<Json<SandboxDetailJson>> {
+    let tenant = authenticate(&st, &headers)?;
+    let rec = st.api.engine.sandbox(&tenant, &sandbox_id(&id)?)?;
+    Ok(Json(detail_json(&st, &rec, true)))
+}
+
+/// POST /sandboxes/{id}/timeout: 204. The deadline is set to now + timeout.
+pub async fn set_timeout(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> E2bResult<StatusCode> {
+    let tenant = authenticate(&st, &headers)?;
+    let sid = sandbox_id(&id)?;
+    let body: TimeoutBody = parse_body(&body)?;
+    let Some(t) = body.timeout else {
+        return Err(E2bError::bad_request("timeout is required"));
+    };
+    let timeout = timeout_seconds(Some(t))?;
+    st.api.engine.patch_sandbox_metadata(
+        &tenant,
+        &sid,
+        &[(META_END_AT.to_string(), Some(deadline(timeout)))].into(),
+    )?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The filters of a list, parsed from the query.
+#[derive(Debug, Default, PartialEq)]
+pub struct ListFilter {
+    pub running: bool,
+    pub paused: bool,
+    pub metadata: BTreeMap<String, String>,
+    pub limit: usize,
+    pub next_token: Option<String>,
+}
+
+pub const MAX_PAGE: usize = 100;
+
+/// Parses `state=running,paused`, `metadata=k%3Dv%26k2%3Dv2` (a URL-encoded query string,
+/// itself URL-encoded), `limit`, `nextToken`.
+pub fn parse_list_query(
+    q: &HashMap<String, String>,
+    default_paused: bool,
+) -> E2bResult<ListFilter> {
+    let mut f = ListFilter {
+        running: true,
+        paused: default_paused,
+        limit: MAX_PAGE,
+        ..Default::default()
+    };
+    if let Some(states) = q.get("state") {
+        f.running = false;
+        f.paused = false;
+        for s in states.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            match s {
+                "running" => f.running = true,
+                "paused" => f.paused = true,
+                other => {
+                    return Err(E2bError::bad_request(format!(
+                        "state must be running or paused, got {other:?}"
+                    )))
+                }
+            }
+        }
+    }
+    if let Some(m) = q.get("metadata") {
+        for pair in m.split('&').filter(|p| !p.is_empty()) {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            let dec = |s: &str| {
+                percent_decode(s)
+                    .ok_or_else(|| E2bError::bad_request("metadata filter is not valid UTF-8"))
+            };
+            f.metadata.insert(dec(k)?, dec(v)?);
+        }
+    }
+    if let Some(l) = q.get("limit") {
+        f.limit = l
+            .parse::<usize>()
+            .ok()
+            .filter(|l| (1..=MAX_PAGE).contains(l))
+            .ok_or_else(|| E2bError::bad_request(format!("limit must be 1..={MAX_PAGE}")))?;
+    }
+    f.next_token = q.get("nextToken").filter(|t| !t.is_empty()).cloned();
+    Ok(f)
+}
+
+/// Decodes `%XX` escapes and `+` (as a space) once.
+pub fn percent_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' if i + 2 < b.len() => {
+                let hex = std::str::from_utf8(&b[i + 1..i + 3]).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            }
+            b'%' => return None,
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// The page of `all` (sorted by id) that `f` selects, and the token of the next page.
+pub fn page<'a>(
+    all: &'a [SandboxRecord],
+    f: &ListFilter,
+) -> (Vec<&'a SandboxRecord>, Option<String>) {
+    let mut selected: Vec<&SandboxRecord> = all
+        .iter()
+        .filter(|r| {
+            let running = is_running(r.tier);
+            (running && f.running) || (!running && f.paused)
+        })
+        .filter(|r| f.metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v)))
+        .filter(|r| f.next_token.as_deref().is_none_or(|t| r.id.as_str() > t))
+        .collect();
+    selected.sort_by(|a, b| a.id.as_str().cmp(b.id.as_str()));
+    let next = (selected.len() > f.limit).then(|| selected[f.limit - 1].id.to_string());
+    selected.truncate(f.limit);
+    (selected, next)
+}
+
+fn list(
+    st: &E2b,
+    headers: &HeaderMap,
+    q: &HashMap<String, String>,
+    v2: bool,
+) -> E2bResult<Response> {
+    let tenant = authenticate(st, headers)?;
+    if q.get("metadata").is_some_and(|m| m.contains(META_PREFIX)) {
+        return Err(E2bError::bad_request(format!(
+            "metadata keys starting with {META_PREFIX:?} are reserved"
+        )));
+    }
+    let f = parse_list_query(q, v2)?;
+    let all = st.api.engine.sandboxes(&tenant)?;
+    let (items, next) = page(&all, &f);
+    let body: Vec<SandboxDetailJson> = items.iter().map(|r| detail_json(st, r, false)).collect();
+    let mut resp = Json(body).into_response();
+    if let Some(next) = next.and_then(|n| HeaderValue::from_str(&n).ok()) {
+        resp.headers_mut().insert("x-next-token", next);
+    }
+    Ok(resp)
+}
+
+/// GET /v2/sandboxes (running and paused by default).
+pub async fn list_v2(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> E2bResult<Response> {
+    list(&st, &headers, &q, true)
+}
+
+/// GET /sandboxes (E2B's v1 list: running ones).
+pub async fn list_v1(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> E2bResult<Response> {
+    list(&st, &headers, &q, false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn list_query_parses_states_metadata_and_paging() {
+        let q: HashMap<String, String> = [
+            ("state".to_string(), "paused".to_string()),
+            // the SDK's double encoding of {"a b": "c&d"}
+            ("metadata".to_string(), "a%2520b=c%2526d&x=y".to_string()),
+            ("limit".to_string(), "2".to_string()),
+        ]
+        .into();
+        // axum's Query decodes one level; what is left is the SDK's own quoting.
+        let mut q2 = q.clone();
+        q2.insert("metadata".into(), percent_decode(&q["metadata"]).unwrap());
+        let f = parse_list_query(&q2, true).unwrap();
+        assert!(!f.running && f.paused);
+        assert_eq!(f.limit, 2);
+        assert_eq!(f.metadata.get("a b").map(String::as_str), Some("c&d"));
+        assert_eq!(f.metadata.get("x").map(String::as_str), Some("y"));
+        assert!(parse_list_query(&[("state".into(), "zombie".into())].into(), true).is_err());
+        assert!(parse_list_query(&[("limit".into(), "0".into())].into(), true).is_err());
+        assert!(parse_list_query(&[("metadata".into(), "%ZZ=1".into())].into(), true).is_err());
+        assert_eq!(percent_decode("%"), None);
+        assert_eq!(percent_decode("a%2"), None);
+    }
+
+    #[test]
+    fn errors_have_the_e2b_shape() {
+        let resp = E2bError::not_found("sandbox \"x\"").into_response();
+        assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+        let body =
+            futures::executor::block_on(axum::body::to_bytes(resp.into_body(), 1 << 16)).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["code"], 404);
+        assert_eq!(v["message"], "sandbox \"x\" not found");
+    }
+
+    #[test]
+    fn on_timeout_kills_only_when_asked() {
+        let mut b = NewSandbox::default();
+        assert_eq!(on_timeout(&b).unwrap(), "pause");
+        b.auto_pause = Some(false);
+        assert_eq!(on_timeout(&b).unwrap(), "kill");
+        b.auto_pause = Some(true);
+        assert_eq!(on_timeout(&b).unwrap(), "pause");
+        b.lifecycle = Some(serde_json::json!({"onTimeout": {"action": "kill"}}));
+        assert_eq!(on_timeout(&b).unwrap(), "kill");
+        b.lifecycle = Some(serde_json::json!({"onTimeout": "nap"}));
+        assert!(on_timeout(&b).is_err());
+        assert!(timeout_seconds(Some(-1)).is_err());
+        assert_eq!(
+            timeout_seconds(Some(10 * MAX_TIMEOUT_S as i64)).unwrap(),
+            MAX_TIMEOUT_S
+        );
+    }
+}

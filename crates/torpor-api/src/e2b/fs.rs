@@ -1,0 +1,709 @@
+//! envd's `filesystem.Filesystem` service and the `/files` upload and download.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::json;
+use torpor_runtime::proto::{DirEntry, FileKind};
+
+use super::connect::{self, Code, Framing, Item, RpcError};
+use super::envd::{ctx, run, Ctx, HOME};
+use super::{is_running, E2b, E2bError};
+
+/// Entries one ListDir (all depths) or one watcher snapshot may hold.
+const MAX_ENTRIES: usize = 10_000;
+const WATCH_POLL: Duration = Duration::from_millis(200);
+
+/// Resolves an envd path: relative paths are against the user's home; `.` and `..` are
+/// resolved lexically, and a path climbing above `/` is refused.
+pub fn resolve(path: &str, user: Option<&str>) -> Result<String, RpcError> {
+    if path.contains('\0') {
+        return Err(RpcError::new(
+            Code::InvalidArgument,
+            "path must not hold NUL bytes",
+        ));
+    }
+    let home = match user {
+        Some("root") => "/root",
+        _ => HOME,
+    };
+    let joined = if path.starts_with('/') {
+        path.to_string()
+    } else if path.is_empty() {
+        home.to_string()
+    } else if let Some(rest) = path.strip_prefix("~/") {
+        format!("{home}/{rest}")
+    } else if path == "~" {
+        home.to_string()
+    } else {
+        format!("{home}/{path}")
+    };
+    let mut parts: Vec<&str> = Vec::new();
+    for p in joined.split('/') {
+        match p {
+            "" | "." => {}
+            ".." => {
+                if parts.pop().is_none() {
+                    return Err(RpcError::new(
+                        Code::InvalidArgument,
+                        format!("path {path:?} escapes the sandbox's root"),
+                    ));
+                }
+            }
+            p => parts.push(p),
+        }
+    }
+    Ok(format!("/{}", parts.join("/")))
+}
+
+fn parent_and_name(path: &str) -> (String, String) {
+    match path.rsplit_once('/') {
+        Some(("", name)) => ("/".into(), name.into()),
+        Some((parent, name)) => (parent.into(), name.into()),
+        None => ("/".into(), path.into()),
+    }
+}
+
+fn join(dir: &str, name: &str) -> String {
+    if dir == "/" {
+        format!("/{name}")
+    } else {
+        format!("{dir}/{name}")
+    }
+}
+
+/// `-rw-r--r--` from a mode.
+pub fn permissions(kind: FileKind, mode: u32) -> String {
+    let t = match kind {
+        FileKind::Dir => 'd',
+        FileKind::Symlink => 'l',
+        _ => '-',
+    };
+    let mut s = String::with_capacity(10);
+    s.push(t);
+    for shift in [6, 3, 0] {
+        let bits = (mode >> shift) & 7;
+        s.push(if bits & 4 != 0 { 'r' } else { '-' });
+        s.push(if bits & 2 != 0 { 'w' } else { '-' });
+        s.push(if bits & 1 != 0 { 'x' } else { '-' });
+    }
+    s
+}
+
+/// An envd `EntryInfo` in proto JSON.
+pub fn entry_info(dir: &str, e: &DirEntry) -> serde_json::Value {
+    let ty = match e.kind {
+        FileKind::Dir => "FILE_TYPE_DIRECTORY",
+        FileKind::Symlink => "FILE_TYPE_SYMLINK",
+        FileKind::File => "FILE_TYPE_FILE",
+        FileKind::Other => "FILE_TYPE_UNSPECIFIED",
+    };
+    let t = std::time::UNIX_EPOCH + Duration::from_millis(e.modified_ms.max(0) as u64);
+    json!({
+        "name": e.name,
+        "type": ty,
+        "path": join(dir, &e.name),
+        "size": e.size.to_string(),
+        "mode": e.mode & 0o7777,
+        "permissions": permissions(e.kind, e.mode),
+        "owner": "root",
+        "group": "root",
+        "modifiedTime": humantime::format_rfc3339_millis(t).to_string(),
+    })
+}
+
+async fn list(st: &E2b, c: &Ctx, dir: &str) -> Result<Vec<DirEntry>, RpcError> {
+    Ok(st.api.engine.list_files(&c.tenant, &c.id, dir).await?)
+}
+
+/// The entry at `path`, or not_found.
+async fn stat(st: &E2b, c: &Ctx, path: &str) -> Result<serde_json::Value, RpcError> {
+    if path == "/" {
+        return Ok(
+            json!({"name": "", "type": "FILE_TYPE_DIRECTORY", "path": "/",
+            "size": "0", "mode": 0o755, "permissions": "drwxr-xr-x", "owner": "root", "group": "root"}),
+        );
+    }
+    let (parent, name) = parent_and_name(path);
+    let entries = list(st, c, &parent)
+        .await
+        .map_err(|e| not_found_as(e, path))?;
+    entries
+        .iter()
+        .find(|e| e.name == name)
+        .map(|e| entry_info(&parent, e))
+        .ok_or_else(|| RpcError::new(Code::NotFound, format!("path {path:?} does not exist")))
+}
+
+fn not_found_as(e: RpcError, path: &str) -> RpcError {
+    if e.code == Code::NotFound {
+        RpcError::new(Code::NotFound, format!("path {path:?} does not exist"))
+    } else {
+        e
+    }
+}
+
+/// Entries under `root` down to `depth` levels, as (directory, entry).
+async fn walk(
+    st: &E2b,
+    c: &Ctx,
+    root: &str,
+    depth: usize,
+) -> Result<Vec<(String, DirEntry)>, RpcError> {
+    let mut out = Vec::new();
+    let mut level = vec![root.to_string()];
+    for _ in 0..depth.max(1) {
+        let mut next = Vec::new();
+        for dir in level {
+            let entries = match list(st, c, &dir).await {
+                Ok(e) => e,
+                Err(e) if dir == root => return Err(not_found_as(e, root)),
+                Err(_) => continue, // vanished or unreadable below the root
+            };
+            for e in entries {
+                if e.kind == FileKind::Dir {
+                    next.push(join(&dir, &e.name));
+                }
+                out.push((dir.clone(), e));
+                if out.len() > MAX_ENTRIES {
+                    return Err(RpcError::new(
+                        Code::ResourceExhausted,
+                        format!("more than {MAX_ENTRIES} entries under {root:?}"),
+                    ));
+                }
+            }
+        }
+        level = next;
+    }
+    Ok(out)
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct PathRequest {
+    path: String,
+    depth: Option<u32>,
+    recursive: bool,
+    source: String,
+    destination: String,
+    #[serde(rename = "watcherId", alias = "watcher_id")]
+    watcher_id: String,
+}
+
+/// POST /filesystem.Filesystem/{method}
+pub async fn filesystem_rpc(
+    State(st): State<Arc<E2b>>,
+    Path(method): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let framing = match connect::framing(&headers) {
+        Ok(f) => f,
+        Err(e) => return connect::unary_err(&e),
+    };
+    let c = match ctx(&st, &headers) {
+        Ok(c) => c,
+        Err(e) => return connect::error_response(framing, &e.rpc()),
+    };
+    let streaming = method == "WatchDir";
+    let known = streaming
+        || matches!(
+            method.as_str(),
+            "Stat"
+                | "MakeDir"
+                | "Move"
+                | "ListDir"
+                | "Remove"
+                | "CreateWatcher"
+                | "GetWatcherEvents"
+                | "RemoveWatcher"
+        );
+    if !known {
+        return connect::error_response(
+            framing,
+            &RpcError::new(
+                Code::Unimplemented,
+                format!("filesystem.Filesystem/{method} is not implemented"),
+            ),
+        );
+    }
+    if streaming != (framing == Framing::Stream) {
+        return connect::error_response(
+            framing,
+            &RpcError::new(
+                Code::InvalidArgument,
+                format!("filesystem.Filesystem/{method} is called with the wrong content type"),
+            ),
+        );
+    }
+    let user = basic_user(&headers);
+    let result = async {
+        let req: PathRequest = connect::parse_request(framing, &body)?;
+        match method.as_str() {
+            "Stat" => {
+                let p = resolve(&req.path, user.as_deref())?;
+                Ok(connect::unary_ok(
+                    &json!({"entry": stat(&st, &c, &p).await?}),
+                ))
+            }
+            "ListDir" => {
+                let p = resolve(&req.path, user.as_deref())?;
+                let depth = req.depth.unwrap_or(1).clamp(1, 32) as usize;
+                let entries: Vec<_> = walk(&st, &c, &p, depth)
+                    .await?
+                    .iter()
+                    .map(|(d, e)| entry_info(d, e))
+                    .collect();
+                Ok(connect::unary_ok(&json!({"entries": entries})))
+            }
+            "MakeDir" => {
+                let p = resolve(&req.path, user.as_deref())?;
+                match stat(&st, &c, &p).await {
+                    Ok(_) => {
+                        return Err(RpcError::new(
+                            Code::AlreadyExists,
+                            format!("path {p:?} already exists"),
+                        ))
+                    }
+                    Err(e) if e.code == Code::NotFound => {}
+                    Err(e) => return Err(e),
+                }
+                let (code, _, err) = run(&st, &c, &["mkdir", "-p", "--", &p], Vec::new()).await?;
+                if code != 0 {
+                    return Err(RpcError::new(
+                        Code::InvalidArgument,
+                        format!("cannot make {p:?}: {}", err.trim()),
+                    ));
+                }
+                Ok(connect::unary_ok(
+                    &json!({"entry": stat(&st, &c, &p).await?}),
+                ))
+            }
+            "Move" => {
+                let src = resolve(&req.source, user.as_deref())?;
+                let dst = resolve(&req.destination, user.as_deref())?;
+                stat(&st, &c, &src).await?;
+                let (code, _, err) =
+                    run(&st, &c, &["mv", "-f", "--", &src, &dst], Vec::new()).await?;
+                if code != 0 {
+                    return Err(RpcError::new(
+                        Code::InvalidArgument,
+                        format!("cannot move {src:?} to {dst:?}: {}", err.trim()),
+                    ));
+                }
+                Ok(connect::unary_ok(
+                    &json!({"entry": stat(&st, &c, &dst).await?}),
+                ))
+            }
+            "Remove" => {
+                let p = resolve(&req.path, user.as_deref())?;
+                if p == "/" {
+                    return Err(RpcError::new(Code::InvalidArgument, "cannot remove /"));
+                }
+                st.api
+                    .engine
+                    .remove_file(&c.tenant, &c.id, &p, true)
+                    .await
+                    .map_err(|e| not_found_as(e.into(), &p))?;
+                Ok(connect::unary_ok(&json!({})))
+            }
+            "CreateWatcher" => {
+                let p = resolve(&req.path, user.as_deref())?;
+                let w = Watcher::new(&st, &c, p, req.recursive).await?;
+                let id = format!("w{}", torpor_core::SandboxId::generate());
+                st.watchers
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(id.clone(), w);
+                Ok(connect::unary_ok(&json!({"watcherId": id})))
+            }
+            "GetWatcherEvents" => {
+                let w = take_watcher(&st, &c, &req.watcher_id)?;
+                let result = w.events(&st, &c).await;
+                let (w, events) = match result {
+                    Ok(x) => x,
+                    Err(e) => return Err(e),
+                };
+                st.watchers
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(req.watcher_id.clone(), w);
+                Ok(connect::unary_ok(&json!({"events": events})))
+            }
+            "RemoveWatcher" => {
+                take_watcher(&st, &c, &req.watcher_id)?;
+                Ok(connect::unary_ok(&json!({})))
+            }
+            "WatchDir" => {
+                let p = resolve(&req.path, user.as_deref())?;
+                let w = Watcher::new(&st, &c, p, req.recursive).await?;
+                let st = st.clone();
+                Ok(connect::stream_response(move |tx| {
+                    watch_stream(st, c, w, tx)
+                }))
+            }
+            _ => unreachable!("checked above"),
+        }
+    }
+    .await;
+    result.unwrap_or_else(|e| connect::error_response(framing, &e))
+}
+
+/// The user named by envd's `Authorization: Basic base64(user:)`.
+fn basic_user(headers: &HeaderMap) -> Option<String> {
+    use base64::Engine as _;
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(v.strip_prefix("Basic ")?.trim())
+        .ok()?;
+    let s = String::from_utf8(raw).ok()?;
+    Some(s.split(':').next()?.to_string())
+}
+
+fn take_watcher(st: &E2b, c: &Ctx, id: &str) -> Result<Watcher, RpcError> {
+    let mut all = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
+    match all.get(id) {
+        Some(w) if w.sandbox == c.id => Ok(all.remove(id).expect("present")),
+        _ => Err(RpcError::new(
+            Code::NotFound,
+            format!("watcher {id:?} not found"),
+        )),
+    }
+}
+
+/// A directory watch: the last snapshot, diffed against the next.
+pub struct Watcher {
+    sandbox: torpor_core::SandboxId,
+    root: String,
+    recursive: bool,
+    seen: BTreeMap<String, (u64, i64, bool)>,
+}
+
+impl Watcher {
+    async fn new(st: &E2b, c: &Ctx, root: String, recursive: bool) -> Result<Watcher, RpcError> {
+        let e = stat(st, c, &root).await?;
+        if e["type"] != "FILE_TYPE_DIRECTORY" {
+            return Err(RpcError::new(
+                Code::InvalidArgument,
+                format!("path {root:?} is not a directory"),
+            ));
+        }
+        let mut w = Watcher {
+            sandbox: c.id.clone(),
+            root,
+            recursive,
+            seen: BTreeMap::new(),
+        };
+        w.seen = w.snapshot(st, c).await?;
+        Ok(w)
+    }
+
+    async fn snapshot(
+        &self,
+        st: &E2b,
+        c: &Ctx,
+    ) -> Result<BTreeMap<String, (u64, i64, bool)>, RpcError> {
+        let depth = if self.recursive { 32 } else { 1 };
+        let prefix = if self.root == "/" {
+            1
+        } else {
+            self.root.len() + 1
+        };
+        Ok(walk(st, c, &self.root, depth)
+            .await?
+            .into_iter()
+            .map(|(d, e)| {
+                let full = join(&d, &e.name);
+                (
+                    full[prefix.min(full.len())..].to_string(),
+                    (e.size, e.modified_ms, e.kind == FileKind::Dir),
+                )
+            })
+            .collect())
+    }
+
+    /// The events since the last call (and the watcher, updated).
+    async fn events(
+        mut self,
+        st: &E2b,
+        c: &Ctx,
+    ) -> Result<(Watcher, Vec<serde_json::Value>), RpcError> {
+        let now = self.snapshot(st, c).await?;
+        let events = diff(&self.seen, &now);
+        self.seen = now;
+        Ok((self, events))
+    }
+}
+
+/// Filesystem events between two snapshots (relative name → size, mtime, is_dir).
+pub fn diff(
+    before: &BTreeMap<String, (u64, i64, bool)>,
+    after: &BTreeMap<String, (u64, i64, bool)>,
+) -> Vec<serde_json::Value> {
+    let mut out = Vec::new();
+    for (name, now) in after {
+        match before.get(name) {
+            None => {
+                out.push(json!({"name": name, "type": "EVENT_TYPE_CREATE"}));
+                if !now.2 && now.0 > 0 {
+                    out.push(json!({"name": name, "type": "EVENT_TYPE_WRITE"}));
+                }
+            }
+            Some(old) if !now.2 && (old.0 != now.0 || old.1 != now.1) => {
+                out.push(json!({"name": name, "type": "EVENT_TYPE_WRITE"}))
+            }
+            _ => {}
+        }
+    }
+    for name in before.keys() {
+        if !after.contains_key(name) {
+            out.push(json!({"name": name, "type": "EVENT_TYPE_REMOVE"}));
+        }
+    }
+    out
+}
+
+async fn watch_stream(st: Arc<E2b>, c: Ctx, mut w: Watcher, tx: tokio::sync::mpsc::Sender<Item>) {
+    if tx
+        .send(Item::Message(connect::message_frame(&json!({"start": {}}))))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let mut last = Instant::now();
+    loop {
+        tokio::time::sleep(WATCH_POLL).await;
+        if tx.is_closed() {
+            return;
+        }
+        match st.api.engine.sandbox(&c.tenant, &c.id) {
+            Ok(rec) if is_running(rec.tier) => {}
+            Ok(_) => {
+                let _ = tx
+                    .send(Item::End(Some(RpcError::new(
+                        Code::Unavailable,
+                        "the sandbox was paused",
+                    ))))
+                    .await;
+                return;
+            }
+            Err(e) => {
+                let _ = tx.send(Item::End(Some(e.into()))).await;
+                return;
+            }
+        }
+        let events = match w.events(&st, &c).await {
+            Ok((nw, ev)) => {
+                w = nw;
+                ev
+            }
+            Err(e) => {
+                let _ = tx.send(Item::End(Some(e))).await;
+                return;
+            }
+        };
+        for ev in &events {
+            if tx
+                .send(Item::Message(connect::message_frame(
+                    &json!({"filesystem": ev}),
+                )))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        if !events.is_empty() {
+            last = Instant::now();
+        } else if last.elapsed() > Duration::from_secs(30) {
+            if tx
+                .send(Item::Message(connect::message_frame(
+                    &json!({"keepalive": {}}),
+                )))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            last = Instant::now();
+        }
+    }
+}
+
+// ------------------------------------------------------------------ /files
+
+#[derive(Debug, Deserialize)]
+pub struct FilesQuery {
+    path: Option<String>,
+    username: Option<String>,
+}
+
+fn http_err(e: RpcError) -> E2bError {
+    let status = match e.code {
+        Code::NotFound => StatusCode::NOT_FOUND,
+        Code::InvalidArgument | Code::FailedPrecondition => StatusCode::BAD_REQUEST,
+        Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+        Code::PermissionDenied => StatusCode::FORBIDDEN,
+        Code::ResourceExhausted => StatusCode::PAYLOAD_TOO_LARGE,
+        Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    E2bError::new(status, e.message)
+}
+
+/// GET /files?path= → the file's raw bytes.
+pub async fn download(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    q: Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, E2bError> {
+    let c = ctx(&st, &headers).map_err(|e| e.http())?;
+    let Query(q) = q.map_err(|e| E2bError::bad_request(e.body_text()))?;
+    let user = q.username.clone().or_else(|| basic_user(&headers));
+    let path = resolve(q.path.as_deref().unwrap_or(""), user.as_deref()).map_err(http_err)?;
+    let data = st
+        .api
+        .engine
+        .read_file(&c.tenant, &c.id, &path, crate::server::MAX_FILE_BODY as u64)
+        .await
+        .map_err(|e| http_err(not_found_as(e.into(), &path)))?;
+    Ok((
+        [(header::CONTENT_TYPE, "application/octet-stream")],
+        Body::from(data),
+    )
+        .into_response())
+}
+
+/// POST /files?path= (multipart/form-data, or application/octet-stream) → the written entries.
+pub async fn upload(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    q: Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>,
+    body: Bytes,
+) -> Result<Response, E2bError> {
+    let c = ctx(&st, &headers).map_err(|e| e.http())?;
+    let Query(q) = q.map_err(|e| E2bError::bad_request(e.body_text()))?;
+    let user = q.username.clone().or_else(|| basic_user(&headers));
+    if headers
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| !v.eq_ignore_ascii_case("identity"))
+    {
+        return Err(E2bError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "compressed uploads are not supported",
+        ));
+    }
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let mut files: Vec<(String, Bytes)> = Vec::new();
+    if ct.starts_with("multipart/form-data") {
+        let boundary = super::multipart::boundary(ct)
+            .ok_or_else(|| E2bError::bad_request("multipart body without a boundary"))?;
+        let parts = super::multipart::parse(&body, &boundary).map_err(E2bError::bad_request)?;
+        let single = parts.len() == 1;
+        for p in parts {
+            let target = match (&q.path, p.filename.as_deref()) {
+                (Some(path), _) if single => path.clone(),
+                (_, Some(f)) if !f.is_empty() => f.to_string(),
+                (Some(path), _) => path.clone(),
+                _ => {
+                    return Err(E2bError::bad_request(
+                        "a part names no file and no path= was given",
+                    ))
+                }
+            };
+            files.push((target, body.slice_ref(p.data)));
+        }
+    } else {
+        let path = q
+            .path
+            .clone()
+            .ok_or_else(|| E2bError::bad_request("path= is required"))?;
+        files.push((path, body.clone()));
+    }
+    let mut written = Vec::new();
+    for (raw, data) in files {
+        let path = resolve(&raw, user.as_deref()).map_err(http_err)?;
+        st.api
+            .engine
+            .write_file(&c.tenant, &c.id, &path, None, &data)
+            .await
+            .map_err(|e| http_err(e.into()))?;
+        let (_, name) = parent_and_name(&path);
+        written.push(json!({"name": name, "type": "file", "path": path}));
+    }
+    Ok(axum::Json(written).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_resolve_against_home_and_never_escape() {
+        assert_eq!(resolve("a.txt", None).unwrap(), "/home/user/a.txt");
+        assert_eq!(resolve("a.txt", Some("root")).unwrap(), "/root/a.txt");
+        assert_eq!(resolve("/x/./y/../z", None).unwrap(), "/x/z");
+        assert_eq!(resolve("~/d", None).unwrap(), "/home/user/d");
+        assert_eq!(
+            resolve("../../..", None).unwrap_err().code,
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            resolve("/../etc", None).unwrap_err().code,
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            resolve("a\0b", None).unwrap_err().code,
+            Code::InvalidArgument
+        );
+        assert_eq!(resolve("/", None).unwrap(), "/");
+    }
+
+    #[test]
+    fn entries_have_envd_json_shapes() {
+        let e = DirEntry {
+            name: "f".into(),
+            kind: FileKind::File,
+            size: 5,
+            mode: 0o100644,
+            modified_ms: 0,
+        };
+        let v = entry_info("/home/user", &e);
+        assert_eq!(v["path"], "/home/user/f");
+        assert_eq!(v["type"], "FILE_TYPE_FILE");
+        assert_eq!(v["size"], "5");
+        assert_eq!(v["mode"], 0o644);
+        assert_eq!(v["permissions"], "-rw-r--r--");
+        assert_eq!(v["modifiedTime"], "1970-01-01T00:00:00.000Z");
+    }
+
+    #[test]
+    fn diffs_name_creates_writes_and_removes() {
+        let a: BTreeMap<_, _> = [
+            ("x".to_string(), (1, 1, false)),
+            ("gone".into(), (0, 0, false)),
+        ]
+        .into();
+        let b: BTreeMap<_, _> = [
+            ("x".to_string(), (2, 2, false)),
+            ("new".into(), (0, 0, false)),
+        ]
+        .into();
+        let ev = diff(&a, &b);
+        assert!(ev.contains(&json!({"name": "x", "type": "EVENT_TYPE_WRITE"})));
+        assert!(ev.contains(&json!({"name": "new", "type": "EVENT_TYPE_CREATE"})));
+        assert!(ev.contains(&json!({"name": "gone", "type": "EVENT_TYPE_REMOVE"})));
+        assert_eq!(ev.len(), 3);
+    }
+}

@@ -1,0 +1,233 @@
+//! The E2B-compatible API: the wire protocol of E2B's SDKs mapped onto torpor's sandboxes,
+//! tenants and sleep ladder, served on torpor's own listener.
+//!
+//! Two surfaces, told apart by path:
+//! - the control plane (`/sandboxes`, `/v2/sandboxes`, authenticated by `X-API-KEY`, a torpor
+//!   tenant token or the admin token), in [`control`];
+//! - the sandbox agent (envd): Connect-RPC `process.Process/*` and `filesystem.Filesystem/*`
+//!   plus HTTP `/files` and `/health`, demultiplexed by the `E2b-Sandbox-Id` header and
+//!   authorised by `X-Access-Token`, in [`envd`] and [`fs`], with the Connect framing in
+//!   [`connect`].
+//!
+//! E2B's lifecycle lives in a sandbox's metadata under [`META_PREFIX`]: the deadline
+//! (`end_at`, ms) and what happens at it (`on_timeout`). A [`timeout_task`] puts a sandbox past
+//! its deadline to sleep (parked), or deletes it when `on_timeout` is `kill`.
+
+pub mod connect;
+pub mod control;
+pub mod envd;
+pub mod fs;
+pub mod multipart;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Serialize;
+use torpor_core::{SandboxId, TenantId, Tier};
+
+use crate::server::ApiState;
+
+/// The envd version advertised: the features of envd 0.5.7 are what this adapter implements
+/// (octet-stream uploads, CloseStdin, default user); later ones (file metadata, entry info on
+/// watch events) are not advertised, so the SDK does not use them.
+pub const ENVD_VERSION: &str = "0.5.7";
+/// Metadata keys the adapter keeps for itself; hidden from E2B responses and filters.
+pub const META_PREFIX: &str = "torpor.e2b.";
+const META_END_AT: &str = "torpor.e2b.end_at";
+const META_ON_TIMEOUT: &str = "torpor.e2b.on_timeout";
+/// E2B's default sandbox timeout.
+pub const DEFAULT_TIMEOUT_S: u64 = 300;
+/// The longest timeout accepted (E2B's own ceiling is 24 h).
+pub const MAX_TIMEOUT_S: u64 = 86_400;
+
+/// State shared by the adapter's handlers.
+pub struct E2b {
+    pub api: Arc<ApiState>,
+    /// Key of the envd access tokens (derived from the admin token: stable across restarts).
+    token_key: [u8; 32],
+    /// The domain advertised to SDKs (`{port}-{sandboxID}.{domain}`).
+    pub domain: String,
+    /// Filesystem watchers made by CreateWatcher, by id.
+    pub watchers: Mutex<HashMap<String, fs::Watcher>>,
+    /// Sandboxes whose agent predates `ListChanged` (restored from older snapshots).
+    pub legacy_agents: Mutex<std::collections::HashSet<SandboxId>>,
+}
+
+impl E2b {
+    pub fn new(api: Arc<ApiState>) -> E2b {
+        let token_key = blake3::derive_key(
+            "torpor e2b envd access token v1",
+            api.admin_token.as_bytes(),
+        );
+        let domain = std::env::var("TORPOR_E2B_DOMAIN")
+            .ok()
+            .filter(|d| !d.is_empty())
+            .unwrap_or_else(|| "localhost".into());
+        E2b {
+            api,
+            token_key,
+            domain,
+            watchers: Mutex::new(HashMap::new()),
+            legacy_agents: Mutex::new(Default::default()),
+        }
+    }
+
+    /// The envd access token of a sandbox: a keyed hash of its id.
+    pub fn access_token(&self, id: &SandboxId) -> String {
+        blake3::keyed_hash(&self.token_key, id.as_str().as_bytes())
+            .to_hex()
+            .to_string()
+    }
+}
+
+/// An E2B control-plane error: `{"code": <status>, "message": "..."}`.
+#[derive(Debug)]
+pub struct E2bError {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+#[derive(Serialize)]
+struct ErrorJson<'a> {
+    code: u16,
+    message: &'a str,
+}
+
+impl E2bError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        E2bError {
+            status,
+            message: message.into(),
+        }
+    }
+    pub fn not_found(what: impl std::fmt::Display) -> Self {
+        Self::new(StatusCode::NOT_FOUND, format!("{what} not found"))
+    }
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+}
+
+impl IntoResponse for E2bError {
+    fn into_response(self) -> Response {
+        (
+            self.status,
+            Json(ErrorJson {
+                code: self.status.as_u16(),
+                message: &self.message,
+            }),
+        )
+            .into_response()
+    }
+}
+
+impl From<torpor_control::ControlError> for E2bError {
+    fn from(e: torpor_control::ControlError) -> Self {
+        let api = crate::server::ApiError::from(e);
+        E2bError::new(api.status(), api.message().to_string())
+    }
+}
+
+/// Whether a sandbox is resident (E2B `running`) rather than asleep (E2B `paused`).
+pub fn is_running(tier: Tier) -> bool {
+    matches!(tier, Tier::Running | Tier::Frozen)
+}
+
+/// E2B's `base` template is torpor's default `host` template.
+pub fn template_to_torpor(name: &str) -> &str {
+    if name == "base" {
+        "host"
+    } else {
+        name
+    }
+}
+
+pub fn template_to_e2b(name: &str) -> &str {
+    if name == "host" {
+        "base"
+    } else {
+        name
+    }
+}
+
+/// The E2B routes, to be merged into torpor's router.
+pub fn router(api: Arc<ApiState>) -> Router<Arc<ApiState>> {
+    let st = Arc::new(E2b::new(api));
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        rt.spawn(timeout_task(Arc::downgrade(&st)));
+    }
+    Router::new()
+        .route("/sandboxes", post(control::create).get(control::list_v1))
+        .route("/v2/sandboxes", post(control::create).get(control::list_v2))
+        .route(
+            "/sandboxes/{id}",
+            get(control::get_one).delete(control::kill),
+        )
+        .route("/sandboxes/{id}/connect", post(control::connect))
+        .route("/v2/sandboxes/{id}/connect", post(control::connect))
+        .route("/sandboxes/{id}/resume", post(control::resume))
+        .route("/sandboxes/{id}/pause", post(control::pause))
+        .route("/sandboxes/{id}/timeout", post(control::set_timeout))
+        .route("/process.Process/{method}", post(envd::process_rpc))
+        .route("/filesystem.Filesystem/{method}", post(fs::filesystem_rpc))
+        .route("/files", get(fs::download).post(fs::upload))
+        .route("/health", get(envd::health))
+        .with_state(st)
+}
+
+/// Every second: sandboxes past their E2B deadline go to sleep (or are deleted for
+/// `on_timeout: kill`). Stops when the router is dropped.
+async fn timeout_task(st: std::sync::Weak<E2b>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(st) = st.upgrade() else { return };
+        if let Err(e) = enforce_timeouts(&st).await {
+            tracing::warn!(error = %e.message, "e2b timeout sweep failed");
+        }
+    }
+}
+
+pub async fn enforce_timeouts(st: &E2b) -> Result<(), E2bError> {
+    let now = torpor_core::now_millis();
+    let admin = TenantId::admin();
+    for rec in st.api.engine.sandboxes(&admin)? {
+        let Some(end_at) = rec
+            .metadata
+            .get(META_END_AT)
+            .and_then(|v| v.parse::<i64>().ok())
+        else {
+            continue;
+        };
+        if end_at > now || !is_running(rec.tier) {
+            continue;
+        }
+        let kill = rec.metadata.get(META_ON_TIMEOUT).map(String::as_str) == Some("kill");
+        tracing::info!(sandbox = %rec.id, kill, "e2b timeout reached");
+        let result = if kill {
+            st.api.engine.delete_sandbox(&admin, &rec.id).await
+        } else {
+            // Clear the deadline first: a later wake (any call) must not be put back to
+            // sleep at once; `connect` sets a new deadline.
+            st.api
+                .engine
+                .patch_sandbox_metadata(&admin, &rec.id, &[(META_END_AT.to_string(), None)].into())
+                .map(|_| ())?;
+            st.api
+                .engine
+                .suspend(&admin, &rec.id, Tier::Parked)
+                .await
+                .map(|_| ())
+        };
+        if let Err(e) = result {
+            tracing::warn!(sandbox = %rec.id, error = %e, "e2b timeout action failed");
+        }
+    }
+    Ok(())
+}

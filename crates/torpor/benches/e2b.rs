@@ -1,0 +1,80 @@
+//! E2B-compatibility benchmark: the official `e2b` Python SDK against torpor, beside torpor's
+//! own API in the same run (same daemon, same tenant, same Python process).
+//!
+//!   cargo bench -p torpor --bench e2b            (as root, runsc and the e2b SDK installed)
+//!   TORPOR_BENCH_N=50 cargo bench -p torpor --bench e2b
+//!
+//! Rows: `commands.run("true")` vs native exec of the same `bash -l -c true`;
+//! `Sandbox.connect` of a paused sandbox vs native resume of a parked one; `Sandbox.create` vs
+//! native create. Prints a table and one JSON line (`{"bench":"e2b",...}`).
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use torpor_api::types::CreateTenantBody;
+use torpor_api::Client;
+
+const BIN: &str = env!("CARGO_BIN_EXE_torpor");
+const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/bench.py");
+
+#[tokio::main]
+async fn main() {
+    let n = std::env::var("TORPOR_BENCH_N").unwrap_or_else(|_| "30".into());
+    let tmp = tempfile::Builder::new()
+        .prefix("torpor-bench-e2b-")
+        .tempdir()
+        .unwrap();
+    let data = tmp.path().join("data");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let mut daemon = Command::new(BIN)
+        .args([
+            "up",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--workers",
+            "8",
+        ])
+        .arg("--data-dir")
+        .arg(&data)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(tmp.path().join("daemon.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let token_path = data.join("admin-token");
+    let admin = loop {
+        if let Ok(t) = std::fs::read_to_string(&token_path) {
+            let c = Client::new(&url, t.trim());
+            if c.is_up().await {
+                break c;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let key = admin
+        .create_tenant(&CreateTenantBody {
+            name: "bench".into(),
+            quotas: None,
+        })
+        .await
+        .unwrap()
+        .token;
+    let status = Command::new("python3")
+        .arg(SCRIPT)
+        .env("E2B_API_KEY", &key)
+        .env("E2B_API_URL", &url)
+        .env("E2B_SANDBOX_URL", &url)
+        .env("TORPOR_URL", &url)
+        .env("TORPOR_TOKEN", &key)
+        .env("BENCH_N", &n)
+        .status()
+        .expect("python3 with the e2b SDK (scripts/deps.sh)");
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
+    let _ = daemon.wait();
+    assert!(status.success(), "bench script failed");
+}

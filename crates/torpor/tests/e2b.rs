@@ -1,0 +1,658 @@
+//! The E2B-compatible API, end to end on the real binary and real runsc sandboxes:
+//! - the official, unmodified `e2b` Python SDK (installed by scripts/deps.sh) runs
+//!   tests/e2b_sdk/sdk_flow.py against torpor with the three environment variables, and the
+//!   JavaScript SDK (npm, installed into tests/e2b_sdk/js) the same flow in sdk_flow.mjs;
+//! - the wire contract (status codes, error shapes, Connect framing, bad input) checked raw.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+use torpor_api::types::CreateTenantBody;
+
+const SDK_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/sdk_flow.py");
+const JS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/sdk_flow.mjs");
+const JS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/js");
+
+async fn tenant(d: &Daemon, name: &str) -> String {
+    d.client()
+        .create_tenant(&CreateTenantBody {
+            name: name.into(),
+            quotas: None,
+        })
+        .await
+        .unwrap()
+        .token
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_official_python_sdk_runs_against_torpor() {
+    let probe = Command::new("python3")
+        .args([
+            "-c",
+            "import e2b, importlib.metadata as m; print(m.version('e2b'))",
+        ])
+        .output()
+        .expect("python3 must be installed (scripts/deps.sh)");
+    assert!(
+        probe.status.success(),
+        "the e2b Python SDK is not installed: run `bash scripts/deps.sh` (it pip-installs e2b)\n{}",
+        String::from_utf8_lossy(&probe.stderr)
+    );
+    eprintln!("e2b SDK {}", String::from_utf8_lossy(&probe.stdout).trim());
+    let d = Daemon::start().await;
+    let key = tenant(&d, "sdk-a").await;
+    let other = tenant(&d, "sdk-b").await;
+    let out = tokio::task::spawn_blocking({
+        let url = d.url();
+        move || {
+            Command::new("python3")
+                .arg(SDK_SCRIPT)
+                .env("E2B_API_KEY", key)
+                .env("E2B_API_URL", &url)
+                .env("E2B_SANDBOX_URL", &url)
+                .env("OTHER_KEY", other)
+                .env_remove("E2B_DEBUG")
+                .env_remove("E2B_DOMAIN")
+                .output()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("ALL OK"),
+        "SDK flow failed ({}):\n{stdout}\n{}\n--- daemon log ---\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        d.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_official_javascript_sdk_runs_against_torpor() {
+    let sdk = std::path::Path::new(JS_DIR).join("node_modules/e2b/package.json");
+    let version = std::fs::read_to_string(&sdk).unwrap_or_else(|_| {
+        panic!(
+            "the e2b JavaScript SDK is not installed in {JS_DIR}: run `bash scripts/deps.sh` \
+             (it runs `npm install` there)"
+        )
+    });
+    let v: Value = serde_json::from_str(&version).unwrap();
+    eprintln!("e2b JS SDK {}", v["version"]);
+    let d = Daemon::start().await;
+    let key = tenant(&d, "js-a").await;
+    let other = tenant(&d, "js-b").await;
+    let out = tokio::task::spawn_blocking({
+        let url = d.url();
+        move || {
+            Command::new("node")
+                .arg(JS_SCRIPT)
+                .env("E2B_JS_DIR", JS_DIR)
+                .env("E2B_API_KEY", key)
+                .env("E2B_API_URL", &url)
+                .env("E2B_SANDBOX_URL", &url)
+                .env("OTHER_KEY", other)
+                .env_remove("E2B_DEBUG")
+                .env_remove("E2B_DOMAIN")
+                .output()
+                .expect("node must be installed (scripts/deps.sh)")
+        }
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("ALL OK"),
+        "JS SDK flow failed ({}):\n{stdout}\n{}\n--- daemon log ---\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        d.log()
+    );
+}
+
+struct E2b {
+    http: reqwest::Client,
+    url: String,
+    key: String,
+}
+
+impl E2b {
+    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut req = self
+            .http
+            .request(method, format!("{}{path}", self.url))
+            .header("X-API-KEY", &self.key);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap();
+        let v = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).unwrap_or_else(|_| panic!("{path}: not JSON: {text:?}"))
+        };
+        (status, v)
+    }
+
+    fn envd(&self, path: &str, id: &str, token: &str) -> reqwest::RequestBuilder {
+        self.http
+            .post(format!("{}{path}", self.url))
+            .header("E2b-Sandbox-Id", id)
+            .header("X-Access-Token", token)
+    }
+}
+
+fn assert_error(status: u16, v: &Value, want: u16) {
+    assert_eq!(status, want, "{v}");
+    assert_eq!(
+        v["code"], want,
+        "error body carries the status as an int: {v}"
+    );
+    assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+}
+
+/// Splits a Connect stream body into (flags, JSON) frames.
+fn frames(body: &[u8]) -> Vec<(u8, Value)> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < body.len() {
+        let len = u32::from_be_bytes(body[i + 1..i + 5].try_into().unwrap()) as usize;
+        out.push((
+            body[i],
+            serde_json::from_slice(&body[i + 5..i + 5 + len]).unwrap(),
+        ));
+        i += 5 + len;
+    }
+    out
+}
+
+fn envelope(flags: u8, json: &[u8]) -> Vec<u8> {
+    let mut v = vec![flags];
+    v.extend_from_slice(&(json.len() as u32).to_be_bytes());
+    v.extend_from_slice(json);
+    v
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn wire_contract_statuses_shapes_and_bad_input() {
+    let d = Daemon::start().await;
+    let key = tenant(&d, "wire-a").await;
+    let other = tenant(&d, "wire-b").await;
+    let http = reqwest::Client::new();
+    let api = E2b {
+        http: http.clone(),
+        url: d.url(),
+        key: key.clone(),
+    };
+    use reqwest::Method as M;
+
+    // Authentication.
+    let noauth = E2b {
+        key: "tpr_nobody_0000".into(),
+        ..E2b {
+            http: http.clone(),
+            url: d.url(),
+            key: String::new(),
+        }
+    };
+    let (s, v) = noauth.call(M::POST, "/v2/sandboxes", Some(json!({}))).await;
+    assert_error(s, &v, 401);
+    let resp = http
+        .get(format!("{}/v2/sandboxes", d.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 401);
+
+    // Create: exactly 201, with every field the SDK reads.
+    let (s, v) = api
+        .call(
+            M::POST,
+            "/v2/sandboxes",
+            Some(json!({"templateID": "nope"})),
+        )
+        .await;
+    assert_error(s, &v, 404);
+    let (s, sbx) = api
+        .call(
+            M::POST,
+            "/sandboxes",
+            Some(json!({"templateID": "base", "metadata": {"g": "one"}, "timeout": 600, "extra": [1]})),
+        )
+        .await;
+    assert_eq!(s, 201, "{sbx}");
+    for f in [
+        "templateID",
+        "sandboxID",
+        "clientID",
+        "envdVersion",
+        "envdAccessToken",
+        "domain",
+    ] {
+        assert!(sbx[f].is_string(), "{f} missing: {sbx}");
+    }
+    assert_eq!(sbx["envdVersion"], "0.5.7");
+    assert_eq!(sbx["templateID"], "base");
+    let id = sbx["sandboxID"].as_str().unwrap().to_string();
+    let token = sbx["envdAccessToken"].as_str().unwrap().to_string();
+
+    // Get, connect (running: 200), pause (204, then 409), connect (woken: 201).
+    let (s, det) = api.call(M::GET, &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(s, 200);
+    for f in [
+        "startedAt",
+        "endAt",
+        "cpuCount",
+        "memoryMB",
+        "diskSizeMB",
+        "metadata",
+    ] {
+        assert!(!det[f].is_null(), "{f} missing: {det}");
+    }
+    assert_eq!(det["state"], "running");
+    assert_eq!(
+        det["metadata"],
+        json!({"g": "one"}),
+        "internal keys stay hidden"
+    );
+    let (s, _) = api
+        .call(
+            M::POST,
+            &format!("/v2/sandboxes/{id}/connect"),
+            Some(json!({"timeout": 600})),
+        )
+        .await;
+    assert_eq!(s, 200);
+    let (s, _) = api
+        .call(M::POST, &format!("/sandboxes/{id}/pause"), None)
+        .await;
+    assert_eq!(s, 204);
+    let (s, v) = api
+        .call(M::POST, &format!("/sandboxes/{id}/pause"), None)
+        .await;
+    assert_error(s, &v, 409);
+    let (_, det) = api.call(M::GET, &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(det["state"], "paused");
+    let (s, v) = api
+        .call(
+            M::POST,
+            &format!("/sandboxes/{id}/connect"),
+            Some(json!({"timeout": 600})),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(
+        v["envdAccessToken"],
+        token.as_str(),
+        "the access token is stable"
+    );
+    let (s, _) = api
+        .call(
+            M::POST,
+            &format!("/sandboxes/{id}/timeout"),
+            Some(json!({"timeout": 900})),
+        )
+        .await;
+    assert_eq!(s, 204);
+    let (s, v) = api
+        .call(
+            M::POST,
+            &format!("/sandboxes/{id}/timeout"),
+            Some(json!({"timeout": -1})),
+        )
+        .await;
+    assert_error(s, &v, 400);
+    let (s, v) = api
+        .call(
+            M::POST,
+            &format!("/sandboxes/{id}/timeout"),
+            Some(json!("{")),
+        )
+        .await;
+    assert_error(s, &v, 400);
+
+    // Unknown ids and another tenant's sandbox: 404.
+    for path in ["/sandboxes/sb-unknown000000000", "/sandboxes/..%2f"] {
+        let (s, v) = api.call(M::GET, path, None).await;
+        assert_error(s, &v, 404);
+    }
+    let (s, v) = api
+        .call(
+            M::POST,
+            "/v2/sandboxes/sb-unknown000000000/connect",
+            Some(json!({})),
+        )
+        .await;
+    assert_error(s, &v, 404);
+    let (s, v) = api
+        .call(M::DELETE, "/sandboxes/sb-unknown000000000", None)
+        .await;
+    assert_error(s, &v, 404);
+    let foreign = E2b {
+        http: http.clone(),
+        url: d.url(),
+        key: other.clone(),
+    };
+    let (s, v) = foreign
+        .call(M::GET, &format!("/sandboxes/{id}"), None)
+        .await;
+    assert_error(s, &v, 404);
+    let (s, v) = foreign
+        .call(M::POST, &format!("/sandboxes/{id}/pause"), None)
+        .await;
+    assert_error(s, &v, 404);
+
+    // List: metadata filter and x-next-token paging (two more in group "two").
+    for _ in 0..2 {
+        let (s, _) = api
+            .call(
+                M::POST,
+                "/v2/sandboxes",
+                Some(json!({"metadata": {"g": "two"}})),
+            )
+            .await;
+        assert_eq!(s, 201);
+    }
+    let (s, v) = api
+        .call(M::GET, "/v2/sandboxes?metadata=g%3Dtwo", None)
+        .await;
+    assert_eq!(s, 200);
+    assert_eq!(v.as_array().unwrap().len(), 2, "{v}");
+    let resp = http
+        .get(format!("{}/v2/sandboxes?limit=2", d.url()))
+        .header("X-API-KEY", &key)
+        .send()
+        .await
+        .unwrap();
+    let next = resp.headers()["x-next-token"].to_str().unwrap().to_string();
+    let page1: Value = resp.json().await.unwrap();
+    assert_eq!(page1.as_array().unwrap().len(), 2);
+    let resp = http
+        .get(format!("{}/v2/sandboxes?limit=2&nextToken={next}", d.url()))
+        .header("X-API-KEY", &key)
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.headers().get("x-next-token").is_none());
+    let page2: Value = resp.json().await.unwrap();
+    assert_eq!(page2.as_array().unwrap().len(), 1);
+    let mut all: Vec<_> = page1
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(page2.as_array().unwrap())
+        .map(|s| s["sandboxID"].clone())
+        .collect();
+    all.dedup();
+    assert_eq!(all.len(), 3);
+    let (s, v) = api.call(M::GET, "/v2/sandboxes?state=zombie", None).await;
+    assert_error(s, &v, 400);
+    let (_, v) = foreign.call(M::GET, "/v2/sandboxes", None).await;
+    assert_eq!(v, json!([]), "tenants see only their own");
+
+    // envd: header checks.
+    let resp = http
+        .get(format!("{}/health", d.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    let resp = http
+        .get(format!("{}/health", d.url()))
+        .header("E2b-Sandbox-Id", &id)
+        .header("X-Access-Token", "wrong")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 401);
+    let resp = http
+        .get(format!("{}/health", d.url()))
+        .header("E2b-Sandbox-Id", "sb-unknown000000000")
+        .header("X-Access-Token", &token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 502);
+    let resp = http
+        .get(format!("{}/health", d.url()))
+        .header("E2b-Sandbox-Id", &id)
+        .header("X-Access-Token", &token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 204);
+
+    // Connect-RPC: unary errors.
+    let unary = |path: &str, body: &str| {
+        api.envd(path, &id, &token)
+            .header("Content-Type", "application/json")
+            .body(body.to_string())
+    };
+    let resp = unary("/process.Process/Frobnicate", "{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 501);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["code"], "unimplemented");
+    let resp = unary("/filesystem.Filesystem/Stat", r#"{"path":"../../../etc"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    assert_eq!(
+        resp.json::<Value>().await.unwrap()["code"],
+        "invalid_argument"
+    );
+    let resp = unary("/filesystem.Filesystem/Stat", r#"{"path":"/nope/x"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 404);
+    assert_eq!(resp.json::<Value>().await.unwrap()["code"], "not_found");
+    let resp = unary("/filesystem.Filesystem/Stat", "{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    let resp = api
+        .envd("/process.Process/List", &id, "wrong")
+        .header("Content-Type", "application/json")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 401);
+    assert_eq!(
+        resp.json::<Value>().await.unwrap()["code"],
+        "unauthenticated"
+    );
+    let resp = api
+        .envd("/process.Process/List", &id, &token)
+        .header("Content-Type", "application/proto")
+        .body("")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+
+    // Connect-RPC: a server stream, framed and typed exactly.
+    let start = |body: Vec<u8>| {
+        api.envd("/process.Process/Start", &id, &token)
+            .header("Content-Type", "application/connect+json")
+            .body(body)
+    };
+    let req =
+        json!({"process": {"cmd": "/bin/sh", "args": ["-c", "echo out; echo err >&2; exit 7"]}});
+    let resp = start(envelope(0, req.to_string().as_bytes()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(resp.headers()["content-type"], "application/connect+json");
+    let f = frames(&resp.bytes().await.unwrap());
+    assert!(
+        f[0].1["event"]["start"]["pid"].as_u64().unwrap() > 0,
+        "{f:?}"
+    );
+    let (mut out, mut err) = (String::new(), String::new());
+    use base64::Engine as _;
+    let b64 = |v: &Value| {
+        String::from_utf8(
+            base64::engine::general_purpose::STANDARD
+                .decode(v.as_str().unwrap())
+                .unwrap(),
+        )
+        .unwrap()
+    };
+    for (_, m) in &f[1..f.len() - 2] {
+        let data = &m["event"]["data"];
+        if !data["stdout"].is_null() {
+            out += &b64(&data["stdout"]);
+        }
+        if !data["stderr"].is_null() {
+            err += &b64(&data["stderr"]);
+        }
+    }
+    assert_eq!((out.as_str(), err.as_str()), ("out\n", "err\n"));
+    let end = &f[f.len() - 2].1["event"]["end"];
+    assert_eq!(end["exitCode"], 7);
+    assert_eq!(end["exited"], true);
+    assert_eq!(f[f.len() - 1], (2, json!({})), "end-of-stream frame");
+
+    // Malformed envelopes: an error in the end-of-stream frame, never a 500.
+    let good = req.to_string().into_bytes();
+    let mut wrong_len = envelope(0, &good);
+    wrong_len[4] ^= 1;
+    let oversized = [0u8, 0x7f, 0xff, 0xff, 0xff];
+    for (body, code) in [
+        (wrong_len, "invalid_argument"),
+        (oversized.to_vec(), "resource_exhausted"),
+        (envelope(0x40, &good), "invalid_argument"),
+        (envelope(0x01, &good), "unimplemented"),
+        (vec![0u8, 0], "invalid_argument"),
+        (envelope(0, b"[1,2]"), "invalid_argument"),
+    ] {
+        let resp = start(body).send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        let f = frames(&resp.bytes().await.unwrap());
+        assert_eq!(f.len(), 1, "{f:?}");
+        assert_eq!(f[0].0, 2);
+        assert_eq!(f[0].1["error"]["code"], code, "{f:?}");
+    }
+
+    // /files: octet-stream upload, raw download, path escape refused, missing file 404.
+    let resp = http
+        .post(format!("{}/files?path=up/x.bin", d.url()))
+        .header("E2b-Sandbox-Id", &id)
+        .header("X-Access-Token", &token)
+        .header("Content-Type", "application/octet-stream")
+        .body(vec![0u8, 1, 2, 255])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(
+        v,
+        json!([{"name": "x.bin", "type": "file", "path": "/home/user/up/x.bin"}])
+    );
+    let get = |path: &str| {
+        http.get(format!("{}/files", d.url()))
+            .query(&[("path", path)])
+            .header("E2b-Sandbox-Id", &id)
+            .header("X-Access-Token", &token)
+    };
+    let resp = get("/home/user/up/x.bin").send().await.unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(&resp.bytes().await.unwrap()[..], &[0u8, 1, 2, 255]);
+    let resp = get("../../../../etc/passwd").send().await.unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["code"], 400);
+    let resp = get("/home/user/none").send().await.unwrap();
+    assert_eq!(resp.status().as_u16(), 404);
+
+    // Kill: 204 then 404.
+    let (s, _) = api.call(M::DELETE, &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(s, 204);
+    let (s, v) = api.call(M::DELETE, &format!("/sandboxes/{id}"), None).await;
+    assert_error(s, &v, 404);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_timed_out_sandbox_sleeps_and_wakes_with_its_state() {
+    let d = Daemon::start().await;
+    let key = tenant(&d, "ttl").await;
+    let api = E2b {
+        http: reqwest::Client::new(),
+        url: d.url(),
+        key,
+    };
+    use reqwest::Method as M;
+    let (s, sleeper) = api
+        .call(M::POST, "/v2/sandboxes", Some(json!({"timeout": 1})))
+        .await;
+    assert_eq!(s, 201);
+    let (s, killed) = api
+        .call(
+            M::POST,
+            "/v2/sandboxes",
+            Some(json!({"timeout": 1, "autoPause": false})),
+        )
+        .await;
+    assert_eq!(s, 201);
+    let sid = sleeper["sandboxID"].as_str().unwrap();
+    let kid = killed["sandboxID"].as_str().unwrap();
+    let token = sleeper["envdAccessToken"].as_str().unwrap();
+    // Something in the sleeper's filesystem that must survive.
+    let resp = api
+        .http
+        .post(format!("{}/files?path=/home/user/kept.txt", d.url()))
+        .header("E2b-Sandbox-Id", sid)
+        .header("X-Access-Token", token)
+        .header("Content-Type", "application/octet-stream")
+        .body("kept")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (_, s) = api.call(M::GET, &format!("/sandboxes/{sid}"), None).await;
+        let (k, _) = api.call(M::GET, &format!("/sandboxes/{kid}"), None).await;
+        if s["state"] == "paused" && k == 404 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timeouts not applied: {s} / {k}\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (s, _) = api
+        .call(
+            M::POST,
+            &format!("/sandboxes/{sid}/connect"),
+            Some(json!({"timeout": 600})),
+        )
+        .await;
+    assert_eq!(s, 201, "a timed-out sandbox is asleep, not lost");
+    let resp = api
+        .http
+        .get(format!("{}/files?path=/home/user/kept.txt", d.url()))
+        .header("E2b-Sandbox-Id", sid)
+        .header("X-Access-Token", token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.text().await.unwrap(), "kept");
+}
