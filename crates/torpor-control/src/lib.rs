@@ -6,6 +6,7 @@ pub mod engine;
 pub mod error;
 pub mod lot;
 pub mod metrics;
+pub mod pools;
 pub mod store;
 
 pub use engine::{

@@ -33,13 +33,8 @@ pub struct Message {
 }
 
 enum Handle {
-    RedisList {
-        raw: Vec<u8>,
-    },
-    RedisStream {
-        id: String,
-        fields: Vec<(String, Vec<u8>)>,
-    },
+    RedisList { raw: Vec<u8> },
+    RedisStream { id: String, fields: Fields },
     Nats(Box<async_nats::jetstream::Message>),
     Amqp(Box<lapin::message::Delivery>),
 }

@@ -36,7 +36,7 @@ pub struct Conn {
     token: Option<String>,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
-    json: bool,
+    pub(crate) json: bool,
 }
 
 #[derive(Subcommand)]
@@ -69,6 +69,9 @@ pub enum Command {
         /// How often the idle policy runs.
         #[arg(long, default_value_t = 500)]
         tick_ms: u64,
+        /// Serve KEDA's external scaler (gRPC) on this address, e.g. 0.0.0.0:9090.
+        #[arg(long)]
+        keda_listen: Option<SocketAddr>,
     },
     /// Manage templates.
     #[command(subcommand)]
@@ -76,6 +79,9 @@ pub enum Command {
     /// Manage tenants (operator only).
     #[command(subcommand)]
     Tenant(TenantCmd),
+    /// Event-driven pools: agents scaled from queue depth, to zero and back.
+    #[command(subcommand)]
+    Pool(crate::pool::PoolCmd),
     /// Create a sandbox from a template (a restore of its golden snapshot).
     Create {
         template: String,
@@ -284,7 +290,7 @@ fn parse_kv(s: &str) -> Result<(String, String), String> {
 }
 
 /// An error the CLI reports; the exit code is 1 unless the command said otherwise.
-pub struct CliError(String);
+pub struct CliError(pub(crate) String);
 
 impl From<ClientError> for CliError {
     fn from(e: ClientError) -> Self {
@@ -304,7 +310,7 @@ impl From<std::io::Error> for CliError {
     }
 }
 
-type CliResult = Result<i32, CliError>;
+pub(crate) type CliResult = Result<i32, CliError>;
 
 pub async fn run(cli: Cli) -> i32 {
     match dispatch(cli.command).await {
@@ -360,6 +366,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             lot_size,
             memory_budget,
             tick_ms,
+            keda_listen,
         } => {
             init_logging();
             daemon::up(daemon::UpConfig {
@@ -372,12 +379,14 @@ async fn dispatch(cmd: Command) -> CliResult {
                 lot_capacity: lot_size.max(1),
                 memory_budget,
                 tick: Duration::from_millis(tick_ms.max(50)),
+                keda_listen,
             })
             .await?;
             Ok(0)
         }
         Command::Template(t) => template(t).await,
         Command::Tenant(t) => tenant(t).await,
+        Command::Pool(p) => crate::pool::run(p).await,
         Command::Create {
             template,
             env,

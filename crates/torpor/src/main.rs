@@ -5,6 +5,7 @@
 mod cli;
 mod daemon;
 mod demo;
+mod pool;
 
 use clap::Parser;
 
