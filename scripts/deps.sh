@@ -5,6 +5,7 @@
 #   moto_server           the S3-compatible server the snapshot-store tests start
 #   e2b (Python SDK)      the E2B-compatibility tests drive torpor with the official SDK
 #   nodejs, npm, e2b (npm) the same tests with the official JavaScript SDK
+#   redis-server, nats-server, rabbitmq-server   brokers for the pool and trigger tests
 #   a Rust toolchain      to build torpor (rustup, when cargo is missing)
 set -euo pipefail
 
@@ -22,11 +23,24 @@ command -v curl >/dev/null 2>&1 || need_apt+=(curl)
 command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
 command -v npm >/dev/null 2>&1 || need_apt+=(npm)
 command -v cc >/dev/null 2>&1 || need_apt+=(gcc)
+# Brokers the pool/trigger tests start on their own ports (nothing starts on install here).
+need_brokers=()
+command -v redis-server >/dev/null 2>&1 || need_brokers+=(redis-server)
+command -v nats-server >/dev/null 2>&1 || need_brokers+=(nats-server)
+[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || need_brokers+=(rabbitmq-server)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "deps.sh: installing ${need_apt[*]}" >&2
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+if [ ${#need_brokers[@]} -gt 0 ]; then
+  echo "deps.sh: installing ${need_brokers[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  [ ${#need_apt[@]} -gt 0 ] || apt-get update -qq
+  # In some containers adduser's chfn fails under PAM after the system user was made; a second
+  # configure pass then succeeds (the user exists).
+  apt-get install -y -qq "${need_brokers[@]}" >/dev/null 2>&1 || dpkg --configure -a >/dev/null
 fi
 
 if ! command -v moto_server >/dev/null 2>&1; then

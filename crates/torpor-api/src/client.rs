@@ -342,6 +342,29 @@ impl Client {
     }
 
     /// Whether the server answers at all.
+    /// `POST /v1/pools`; the body is a pool spec (kept as JSON so the CLI can pass a file as is).
+    pub async fn create_pool(
+        &self,
+        spec: &serde_json::Value,
+    ) -> Result<torpor_control::pools::PoolStatus> {
+        self.json_body(Method::POST, "/v1/pools", spec).await
+    }
+
+    pub async fn pools(&self) -> Result<Vec<torpor_control::pools::PoolStatus>> {
+        self.json(self.request(Method::GET, "/v1/pools")).await
+    }
+
+    pub async fn pool(&self, name: &str) -> Result<torpor_control::pools::PoolStatus> {
+        self.json(self.request(Method::GET, &format!("/v1/pools/{name}")))
+            .await
+    }
+
+    pub async fn delete_pool(&self, name: &str) -> Result<()> {
+        self.send(self.request(Method::DELETE, &format!("/v1/pools/{name}")))
+            .await
+            .map(|_| ())
+    }
+
     pub async fn is_up(&self) -> bool {
         self.health().await.is_ok()
     }

@@ -3,6 +3,7 @@
 
 pub mod client;
 pub mod e2b;
+mod pools;
 pub mod server;
 pub mod snapshots;
 pub mod types;

@@ -38,6 +38,8 @@ pub const MAX_FILE_BODY: usize = proto::MAX_BODY;
 pub struct ApiState {
     pub engine: Arc<Engine>,
     pub admin_token: String,
+    /// Event-driven pools (`/v1/pools`).
+    pub pools: Arc<torpor_control::pools::Pools>,
 }
 
 /// An API error: a status, a stable code and a message.
@@ -163,10 +165,10 @@ impl From<ControlError> for ApiError {
     }
 }
 
-type ApiResult<T> = Result<T, ApiError>;
+pub(crate) type ApiResult<T> = Result<T, ApiError>;
 
 /// The raw request body, with an over-limit body answered in the API's error shape.
-struct RawBody(Bytes);
+pub(crate) struct RawBody(pub(crate) Bytes);
 
 impl<S: Send + Sync> FromRequest<S> for RawBody {
     type Rejection = ApiError;
@@ -186,7 +188,7 @@ impl<S: Send + Sync> FromRequest<S> for RawBody {
 }
 
 /// Parses a JSON body strictly, with errors in the API's shape.
-fn parse_json<T: DeserializeOwned>(body: &Bytes) -> ApiResult<T> {
+pub(crate) fn parse_json<T: DeserializeOwned>(body: &Bytes) -> ApiResult<T> {
     if body.len() > MAX_JSON_BODY {
         return Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -264,6 +266,11 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/sandboxes/{id}/resume", post(resume))
         .route("/sandboxes/{id}/fork", post(fork))
         .merge(crate::snapshots::routes())
+        .route("/pools", post(crate::pools::create).get(crate::pools::list))
+        .route(
+            "/pools/{name}",
+            get(crate::pools::status).delete(crate::pools::delete),
+        )
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .route("/openapi.json", get(openapi));
     Router::new()

@@ -7,6 +7,7 @@ pub mod error;
 pub mod gpu;
 pub mod lot;
 pub mod metrics;
+pub mod pools;
 pub mod snapshots;
 pub mod store;
 

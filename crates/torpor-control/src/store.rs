@@ -147,6 +147,12 @@ CREATE TABLE IF NOT EXISTS tenants (
     created_at INTEGER NOT NULL,
     quotas TEXT NOT NULL DEFAULT '{}'
 );
+CREATE TABLE IF NOT EXISTS pools (
+    name TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    created_at INTEGER NOT NULL
+);
 "#;
 
 /// Schema version written to `meta`; a newer database is refused rather than misread.
@@ -642,6 +648,66 @@ fn parse_sandbox(raw: RawSandbox) -> Result<SandboxRecord, StoreError> {
         last_error,
         oom_killed,
     })
+}
+
+/// A pool as stored: its owner and its spec as JSON (the control plane's `pools` module owns the
+/// spec's type; the store keeps it opaque).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolRow {
+    pub name: String,
+    pub tenant: TenantId,
+    pub spec_json: String,
+    pub created_at: UnixMillis,
+}
+
+impl Store {
+    /// Inserts a pool; false when the name is taken.
+    pub fn insert_pool(&self, p: &PoolRow) -> Result<bool, StoreError> {
+        self.with(|c| {
+            c.execute(
+                "INSERT OR IGNORE INTO pools(name, tenant, spec, created_at) VALUES (?1, ?2, ?3, ?4)",
+                params![p.name, p.tenant.as_str(), p.spec_json, p.created_at],
+            )
+        })
+        .map(|n| n == 1)
+    }
+
+    pub fn delete_pool(&self, name: &str) -> Result<bool, StoreError> {
+        self.with(|c| c.execute("DELETE FROM pools WHERE name = ?1", params![name]))
+            .map(|n| n == 1)
+    }
+
+    pub fn pools(&self) -> Result<Vec<PoolRow>, StoreError> {
+        let rows = self.with(|c| {
+            let mut st =
+                c.prepare("SELECT name, tenant, spec, created_at FROM pools ORDER BY name")?;
+            let rows = st
+                .query_map([], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, String>(2)?,
+                        r.get::<_, i64>(3)?,
+                    ))
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })?;
+        rows.into_iter()
+            .map(|(name, tenant, spec_json, created_at)| {
+                let tenant = TenantId::new(tenant).map_err(|_| StoreError::Corrupt {
+                    what: "pool",
+                    key: name.clone(),
+                })?;
+                Ok(PoolRow {
+                    name,
+                    tenant,
+                    spec_json,
+                    created_at,
+                })
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]

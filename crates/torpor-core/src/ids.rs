@@ -102,6 +102,13 @@ slug_id!(
     63
 );
 
+slug_id!(
+    /// A pool: agents of one template scaled from queue depth.
+    PoolName,
+    "pool name",
+    63
+);
+
 impl SandboxId {
     /// A fresh random id. 80 bits of randomness: collisions are not a practical concern, and the
     /// store's primary key rejects one if it ever happens.

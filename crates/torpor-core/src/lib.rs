@@ -7,7 +7,7 @@ pub mod limits;
 pub mod state;
 pub mod template;
 
-pub use ids::{InvalidId, SandboxId, TemplateName, TenantId};
+pub use ids::{InvalidId, PoolName, SandboxId, TemplateName, TenantId};
 pub use limits::{Limits, LimitsError, LimitsPatch};
 pub use state::{Recovery, SandboxState, Tier, TransitionError};
 pub use template::{validate_env, IdlePolicy, TemplateSource, TemplateSpec, TemplateSpecError};

@@ -81,6 +81,9 @@ pub enum Command {
         gpu_quotas: Option<PathBuf>,
         #[command(flatten)]
         store: crate::snapshot::StoreArgs,
+        /// Serve KEDA's external scaler (gRPC) on this address, e.g. 0.0.0.0:9090.
+        #[arg(long)]
+        keda_listen: Option<SocketAddr>,
     },
     /// Inspect, verify and collect the snapshot store (operator only).
     #[command(subcommand)]
@@ -91,6 +94,9 @@ pub enum Command {
     /// Manage tenants (operator only).
     #[command(subcommand)]
     Tenant(TenantCmd),
+    /// Event-driven pools: agents scaled from queue depth, to zero and back.
+    #[command(subcommand)]
+    Pool(crate::pool::PoolCmd),
     /// Create a sandbox from a template (a restore of its golden snapshot).
     Create {
         template: String,
@@ -308,7 +314,7 @@ fn parse_kv(s: &str) -> Result<(String, String), String> {
 }
 
 /// An error the CLI reports; the exit code is 1 unless the command said otherwise.
-pub struct CliError(String);
+pub struct CliError(pub(crate) String);
 
 impl From<ClientError> for CliError {
     fn from(e: ClientError) -> Self {
@@ -328,7 +334,7 @@ impl From<std::io::Error> for CliError {
     }
 }
 
-type CliResult = Result<i32, CliError>;
+pub(crate) type CliResult = Result<i32, CliError>;
 
 pub async fn run(cli: Cli) -> i32 {
     match dispatch(cli.command).await {
@@ -388,6 +394,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             gpu_inventory,
             gpu_quotas,
             store,
+            keda_listen,
         } => {
             init_logging();
             daemon::up(daemon::UpConfig {
@@ -404,6 +411,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                 gpu_inventory,
                 gpu_quotas,
                 snapshots: store.config(),
+                keda_listen,
             })
             .await?;
             Ok(0)
@@ -411,6 +419,7 @@ async fn dispatch(cmd: Command) -> CliResult {
         Command::Template(t) => template(t).await,
         Command::Tenant(t) => tenant(t).await,
         Command::Snapshot(c) => crate::snapshot::run(c).await,
+        Command::Pool(p) => crate::pool::run(p).await,
         Command::Create {
             template,
             env,

@@ -33,6 +33,8 @@ pub struct UpConfig {
     pub gpu_inventory: Option<PathBuf>,
     pub gpu_quotas: Option<PathBuf>,
     pub snapshots: torpor_control::SnapshotConfig,
+    /// Where to serve KEDA's external scaler (gRPC), if anywhere.
+    pub keda_listen: Option<SocketAddr>,
 }
 
 /// Default memory budget: 70% of the machine's RAM.
@@ -175,9 +177,31 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     if let Some(gpus) = gpus {
         engine.attach_gpus(gpus);
     }
+    let pools = torpor_control::pools::Pools::start(engine.clone(), &cfg.data_dir)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e} ({})", e.code()))?;
+    let (keda_stop, keda_stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let keda = match cfg.keda_listen {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr} (--keda-listen)"))?;
+            eprintln!("torpor: KEDA external scaler on {addr}");
+            let demand: Arc<dyn torpor_triggers::keda::Demand> = pools.clone();
+            Some(tokio::spawn(torpor_triggers::keda::serve(
+                l,
+                demand,
+                async {
+                    let _ = keda_stop_rx.await;
+                },
+            )))
+        }
+        None => None,
+    };
     let state = Arc::new(ApiState {
         engine: engine.clone(),
         admin_token: token,
+        pools: pools.clone(),
     });
     let app = torpor_api::router(state);
     tracing::info!(listen = %cfg.listen, data_dir = %cfg.data_dir.display(), workers, "torpor is up");
@@ -205,7 +229,12 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         Ok(Err(e)) => bail!("the API server task failed: {e}"),
         Err(_) => eprintln!("torpor: calls still open after {GRACE:?}; going on with shutdown"),
     }
-    eprintln!("torpor: shutting down; checkpointing resident sandboxes");
+    let _ = keda_stop.send(());
+    if let Some(k) = keda {
+        let _ = k.await;
+    }
+    eprintln!("torpor: shutting down; pools finish in-flight messages, then checkpointing resident sandboxes");
+    pools.shutdown().await;
     engine.shutdown().await;
     eprintln!("torpor: stopped");
     Ok(())

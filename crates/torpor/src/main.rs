@@ -6,6 +6,7 @@ mod cli;
 mod daemon;
 mod demo;
 mod gpu;
+mod pool;
 mod report;
 mod snapshot;
 

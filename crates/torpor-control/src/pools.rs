@@ -1,0 +1,1016 @@
+//! Pools: agents of one template, scaled from queue depth (to zero and back).
+//!
+//! A pool has one controller task (an actor: it alone owns the pool's agents and decides; the
+//! API reads the [`PoolStatus`] it publishes). The controller reads every trigger's depth at
+//! `poll_interval_ms`, and at once when a push watcher sees new work (Redis blocking move,
+//! Redis stream blocking read, a NATS subscription on the stream's subjects), applies
+//! [`torpor_triggers::rule::decide`], and moves agents:
+//!
+//! ```text
+//!   sleeping (Suspended/Parked) --wake--> active --drain notice--> draining --in-flight done--> suspend
+//!   (none)                      --create-->  |
+//! ```
+//!
+//! In *dispatch* mode each active agent has a lane: a task with its own broker consumer that
+//! takes one message, runs `dispatch.command` in the agent with the message on stdin, and
+//! acknowledges it only after exit 0 (retries, then the dead-letter destination). A draining
+//! lane finishes its message before the agent is suspended, so scale-in loses nothing. In
+//! *self-consume* mode (no `dispatch`) torpor only scales; the agents read the broker
+//! themselves, which needs per-sandbox egress networking (not built yet).
+//!
+//! This module uses only the [`Engine`]'s public calls (create, resume, exec, suspend, delete).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, watch, Notify};
+use torpor_core::{now_millis, PoolName, SandboxId, SandboxState, TemplateName, TenantId, Tier};
+use torpor_runtime::proto::ExecRequest;
+use torpor_triggers::consume::{self, Consumer};
+use torpor_triggers::keda::{Demand, PoolDemand};
+use torpor_triggers::rule::{decide, Fallback, RuleState, ScalePolicy};
+use torpor_triggers::{DepthReader, TriggerError, TriggerSpec};
+
+use crate::engine::{CreateSandbox, Engine};
+use crate::error::{ControlError, Result};
+use crate::store::{PoolRow, Store};
+
+/// The metadata key that marks a sandbox as an agent of a pool.
+pub const POOL_METADATA_KEY: &str = "torpor.pool";
+/// The file a self-consuming agent finds when it is asked to stop taking work.
+pub const DRAIN_FILE: &str = "/tmp/torpor-drain";
+const MAX_TRIGGERS: usize = 8;
+const MAX_AGENTS: u32 = 1000;
+/// How long a lane waits on the broker before it looks at its drain flag again.
+const LANE_WAIT: Duration = Duration::from_millis(500);
+
+fn default_target() -> u64 {
+    1
+}
+fn default_cooldown() -> u64 {
+    30
+}
+fn default_poll() -> u64 {
+    1000
+}
+fn default_true() -> bool {
+    true
+}
+fn default_timeout() -> u64 {
+    300
+}
+fn default_attempts() -> u32 {
+    3
+}
+fn default_backoff() -> u64 {
+    200
+}
+fn default_grace() -> u64 {
+    10
+}
+
+/// What `POST /v1/pools` takes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSpec {
+    pub name: PoolName,
+    pub template: TemplateName,
+    #[serde(default)]
+    pub min: u32,
+    pub max: u32,
+    /// Work (messages) per agent.
+    #[serde(default = "default_target")]
+    pub target: u64,
+    /// The pool is active only while depth is strictly above this.
+    #[serde(default)]
+    pub activation: u64,
+    /// How long the pool keeps an agent after its last active reading before going to `min`.
+    #[serde(default = "default_cooldown")]
+    pub cooldown_s: u64,
+    /// How often depth is read when no push arrives.
+    #[serde(default = "default_poll")]
+    pub poll_interval_ms: u64,
+    /// Watch the broker for new work (where it allows it) instead of only polling.
+    #[serde(default = "default_true")]
+    pub push: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<Fallback>,
+    /// Self-consume mode: how long an agent has between its drain notice and its suspension.
+    #[serde(default = "default_grace")]
+    pub drain_grace_s: u64,
+    pub triggers: Vec<TriggerSpec>,
+    /// Dispatch mode when present: torpor takes each message from `triggers[0]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch: Option<DispatchSpec>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DispatchSpec {
+    /// Run in an agent of the pool with the message on stdin; exit 0 acknowledges it.
+    pub command: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default = "default_timeout")]
+    pub timeout_s: u64,
+    /// Attempts per message before it goes to the dead-letter destination.
+    #[serde(default = "default_attempts")]
+    pub max_attempts: u32,
+    #[serde(default = "default_backoff")]
+    pub retry_backoff_ms: u64,
+    /// Dead-letter list, stream, subject or queue; a default per trigger when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_letter: Option<String>,
+}
+
+fn invalid(field: &str, reason: impl std::fmt::Display) -> ControlError {
+    ControlError::Invalid(format!("{field}: {reason}"))
+}
+
+impl PoolSpec {
+    /// Checks every setting, naming the field that is wrong.
+    pub fn validate(&self) -> Result<()> {
+        if self.max == 0 || self.max > MAX_AGENTS {
+            return Err(invalid(
+                "max",
+                format!("must be between 1 and {MAX_AGENTS}"),
+            ));
+        }
+        if self.min > self.max {
+            return Err(invalid(
+                "min",
+                format!("{} is above max {}", self.min, self.max),
+            ));
+        }
+        if self.target == 0 {
+            return Err(invalid("target", "must be at least 1"));
+        }
+        if self.cooldown_s > 86_400 {
+            return Err(invalid("cooldown_s", "must be at most 86400"));
+        }
+        if !(50..=3_600_000).contains(&self.poll_interval_ms) {
+            return Err(invalid(
+                "poll_interval_ms",
+                "must be between 50 and 3600000",
+            ));
+        }
+        if self.drain_grace_s > 3600 {
+            return Err(invalid("drain_grace_s", "must be at most 3600"));
+        }
+        if let Some(fb) = &self.fallback {
+            if fb.failure_threshold == 0 {
+                return Err(invalid("fallback.failure_threshold", "must be at least 1"));
+            }
+            if fb.replicas > self.max {
+                return Err(invalid(
+                    "fallback.replicas",
+                    format!("{} is above max {}", fb.replicas, self.max),
+                ));
+            }
+        }
+        if self.triggers.is_empty() || self.triggers.len() > MAX_TRIGGERS {
+            return Err(invalid(
+                "triggers",
+                format!("needs between 1 and {MAX_TRIGGERS} triggers"),
+            ));
+        }
+        for (i, t) in self.triggers.iter().enumerate() {
+            t.validate(&format!("triggers[{i}]"))
+                .map_err(|e| ControlError::Invalid(e.to_string()))?;
+        }
+        if let Some(d) = &self.dispatch {
+            if d.command.is_empty() || d.command[0].is_empty() {
+                return Err(invalid("dispatch.command", "must name a program"));
+            }
+            if d.command.iter().any(|a| a.contains('\0')) {
+                return Err(invalid("dispatch.command", "contains a NUL byte"));
+            }
+            torpor_core::validate_env(&d.env)
+                .map_err(|e| invalid("dispatch.env", e.to_string()))?;
+            if !(1..=86_400).contains(&d.timeout_s) {
+                return Err(invalid("dispatch.timeout_s", "must be between 1 and 86400"));
+            }
+            if !(1..=100).contains(&d.max_attempts) {
+                return Err(invalid(
+                    "dispatch.max_attempts",
+                    "must be between 1 and 100",
+                ));
+            }
+            if d.retry_backoff_ms > 60_000 {
+                return Err(invalid(
+                    "dispatch.retry_backoff_ms",
+                    "must be at most 60000",
+                ));
+            }
+            if let Some(dl) = &d.dead_letter {
+                if dl.is_empty() || dl.len() > 256 || dl.chars().any(char::is_control) {
+                    return Err(invalid(
+                        "dispatch.dead_letter",
+                        "must be 1 to 256 printable characters",
+                    ));
+                }
+            }
+            if !consume::can_dispatch(&self.triggers[0]) {
+                return Err(invalid(
+                    "dispatch",
+                    format!(
+                        "torpor cannot dispatch from a {} trigger (triggers[0]); leave dispatch out",
+                        self.triggers[0].kind()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn policy(&self) -> ScalePolicy {
+        ScalePolicy {
+            min: self.min,
+            max: self.max,
+            target: self.target,
+            activation: self.activation,
+            cooldown_ms: self.cooldown_s * 1000,
+            fallback: self.fallback,
+        }
+    }
+
+    fn dead_letter(&self) -> String {
+        self.dispatch
+            .as_ref()
+            .and_then(|d| d.dead_letter.clone())
+            .unwrap_or_else(|| consume::default_dead_letter(&self.triggers[0], self.name.as_str()))
+    }
+}
+
+/// One trigger's last reading.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TriggerStatus {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub depth: Option<u64>,
+    /// The last error's stable code and message, while the trigger fails.
+    pub error: Option<TriggerErrorStatus>,
+    pub consecutive_errors: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TriggerErrorStatus {
+    pub code: String,
+    pub message: String,
+}
+
+/// What `GET /v1/pools/{name}` answers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PoolStatus {
+    pub name: PoolName,
+    pub tenant: TenantId,
+    pub template: TemplateName,
+    /// `dispatch` or `self-consume`.
+    pub mode: String,
+    pub desired: u32,
+    /// Active agents (awake and, in dispatch mode, taking work).
+    pub running: u32,
+    /// Agents being created or woken.
+    pub starting: u32,
+    /// Agents finishing their in-flight work before suspension.
+    pub draining: u32,
+    /// Demand: the maximum depth over the triggers (plus in-flight messages where the broker
+    /// does not count them); `null` while no trigger answers.
+    pub depth: Option<u64>,
+    pub active: bool,
+    pub fallback: bool,
+    pub in_flight: u64,
+    pub processed: u64,
+    pub failed_attempts: u64,
+    pub dead_lettered: u64,
+    /// Every sandbox of the pool, awake or asleep.
+    pub sandboxes: Vec<SandboxId>,
+    pub triggers: Vec<TriggerStatus>,
+    /// The last scaling error (creating, waking or suspending an agent), if any.
+    pub last_error: Option<String>,
+    pub spec: PoolSpec,
+}
+
+#[derive(Default)]
+struct Counters {
+    in_flight: AtomicU64,
+    processed: AtomicU64,
+    failed_attempts: AtomicU64,
+    dead_lettered: AtomicU64,
+}
+
+struct PoolHandle {
+    spec: PoolSpec,
+    tenant: TenantId,
+    status: Mutex<PoolStatus>,
+    counters: Arc<Counters>,
+    poke: Arc<Notify>,
+    stop: watch::Sender<bool>,
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+/// Every pool of this node.
+pub struct Pools {
+    engine: Arc<Engine>,
+    store: Store,
+    pools: Mutex<BTreeMap<PoolName, Arc<PoolHandle>>>,
+}
+
+impl Pools {
+    /// Opens the pools table beside the engine's state and starts every stored pool.
+    pub async fn start(engine: Arc<Engine>, data_dir: &Path) -> Result<Arc<Pools>> {
+        let store = Store::open(&data_dir.join("torpor.db"))?;
+        let rows = store.pools()?;
+        let pools = Arc::new(Pools {
+            engine,
+            store,
+            pools: Mutex::new(BTreeMap::new()),
+        });
+        for row in rows {
+            match serde_json::from_str::<PoolSpec>(&row.spec_json) {
+                Ok(spec) => pools.launch(row.tenant, spec),
+                Err(e) => {
+                    tracing::error!(pool = %row.name, error = %e, "stored pool spec unreadable")
+                }
+            }
+        }
+        Ok(pools)
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<PoolName, Arc<PoolHandle>>> {
+        self.pools.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub async fn create(&self, tenant: &TenantId, spec: PoolSpec) -> Result<PoolStatus> {
+        spec.validate()?;
+        // The template must exist for this tenant.
+        self.engine.template(tenant, &spec.template)?;
+        let row = PoolRow {
+            name: spec.name.to_string(),
+            tenant: tenant.clone(),
+            spec_json: serde_json::to_string(&spec).expect("pool specs serialise"),
+            created_at: now_millis(),
+        };
+        if !self.store.insert_pool(&row)? {
+            return Err(ControlError::AlreadyExists {
+                kind: "pool",
+                id: spec.name.to_string(),
+            });
+        }
+        let name = spec.name.clone();
+        self.launch(tenant.clone(), spec);
+        self.status(tenant, &name)
+    }
+
+    fn launch(self: &Pools, tenant: TenantId, spec: PoolSpec) {
+        let (stop, stop_rx) = watch::channel(false);
+        let handle = Arc::new(PoolHandle {
+            status: Mutex::new(initial_status(&tenant, &spec)),
+            spec: spec.clone(),
+            tenant,
+            counters: Arc::new(Counters::default()),
+            poke: Arc::new(Notify::new()),
+            stop,
+            task: Mutex::new(None),
+        });
+        let controller = Controller::new(self.engine.clone(), handle.clone(), stop_rx);
+        let span = tracing::info_span!("pool", pool = %spec.name);
+        let task = tokio::spawn(tracing::Instrument::instrument(controller.run(), span));
+        *handle.task.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
+        self.map().insert(spec.name.clone(), handle);
+    }
+
+    fn handle(&self, tenant: &TenantId, name: &PoolName) -> Result<Arc<PoolHandle>> {
+        self.map()
+            .get(name)
+            .filter(|h| &h.tenant == tenant || tenant == &TenantId::admin())
+            .cloned()
+            .ok_or_else(|| ControlError::NotFound {
+                kind: "pool",
+                id: name.to_string(),
+            })
+    }
+
+    pub fn status(&self, tenant: &TenantId, name: &PoolName) -> Result<PoolStatus> {
+        let h = self.handle(tenant, name)?;
+        let s = h.status.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        Ok(s)
+    }
+
+    pub fn list(&self, tenant: &TenantId) -> Vec<PoolStatus> {
+        self.map()
+            .values()
+            .filter(|h| &h.tenant == tenant || tenant == &TenantId::admin())
+            .map(|h| h.status.lock().unwrap_or_else(|p| p.into_inner()).clone())
+            .collect()
+    }
+
+    /// Stops the pool (in-flight messages finish first) and deletes its sandboxes.
+    pub async fn delete(&self, tenant: &TenantId, name: &PoolName) -> Result<()> {
+        let h = self.handle(tenant, name)?;
+        self.store.delete_pool(name.as_str())?;
+        self.map().remove(name);
+        let _ = h.stop.send(true);
+        let task = h.task.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = task {
+            let _ = t.await;
+        }
+        for s in self.engine.sandboxes(&h.tenant)? {
+            if s.metadata.get(POOL_METADATA_KEY).map(String::as_str) == Some(name.as_str()) {
+                if let Err(e) = self.engine.delete_sandbox(&h.tenant, &s.id).await {
+                    tracing::warn!(pool = %name, sandbox = %s.id, error = %e, "cannot delete a pool agent");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops every controller; lanes finish their in-flight messages first.
+    pub async fn shutdown(&self) {
+        let handles: Vec<_> = self.map().values().cloned().collect();
+        for h in &handles {
+            let _ = h.stop.send(true);
+        }
+        for h in handles {
+            let task = h.task.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(t) = task {
+                let _ = t.await;
+            }
+        }
+    }
+}
+
+impl Demand for Pools {
+    fn demand(&self, pool: &str) -> Option<PoolDemand> {
+        let name = PoolName::new(pool).ok()?;
+        let h = self.map().get(&name).cloned()?;
+        let s = h.status.lock().unwrap_or_else(|p| p.into_inner());
+        Some(PoolDemand {
+            depth: s.depth.unwrap_or(0),
+            target: h.spec.target,
+            active: s.active,
+        })
+    }
+}
+
+fn initial_status(tenant: &TenantId, spec: &PoolSpec) -> PoolStatus {
+    PoolStatus {
+        name: spec.name.clone(),
+        tenant: tenant.clone(),
+        template: spec.template.clone(),
+        mode: if spec.dispatch.is_some() {
+            "dispatch"
+        } else {
+            "self-consume"
+        }
+        .into(),
+        desired: 0,
+        running: 0,
+        starting: 0,
+        draining: 0,
+        depth: None,
+        active: false,
+        fallback: false,
+        in_flight: 0,
+        processed: 0,
+        failed_attempts: 0,
+        dead_lettered: 0,
+        sandboxes: Vec::new(),
+        triggers: spec
+            .triggers
+            .iter()
+            .map(|t| TriggerStatus {
+                kind: t.kind().into(),
+                depth: None,
+                error: None,
+                consecutive_errors: 0,
+            })
+            .collect(),
+        last_error: None,
+        spec: spec.clone(),
+    }
+}
+
+// ------------------------------------------------------------------------------- controller
+
+struct Lane {
+    drain: Arc<AtomicBool>,
+    busy: Arc<AtomicBool>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// What the controller's helper tasks report back.
+enum Event {
+    Started(SandboxId),
+    StartFailed(Option<SandboxId>, String),
+    Stopped(SandboxId, Option<String>),
+}
+
+struct Controller {
+    engine: Arc<Engine>,
+    pool: Arc<PoolHandle>,
+    stop: watch::Receiver<bool>,
+    readers: Vec<DepthReader>,
+    rule: RuleState,
+    /// Active agents (awake, with a lane in dispatch mode).
+    active: BTreeMap<SandboxId, Lane>,
+    /// Being created (counted by number) or woken (by id).
+    starting: usize,
+    waking: BTreeSet<SandboxId>,
+    draining: BTreeSet<SandboxId>,
+    events_tx: mpsc::Sender<Event>,
+    events_rx: mpsc::Receiver<Event>,
+    last_error: Option<String>,
+}
+
+impl Controller {
+    fn new(engine: Arc<Engine>, pool: Arc<PoolHandle>, stop: watch::Receiver<bool>) -> Self {
+        let (events_tx, events_rx) = mpsc::channel(256);
+        Controller {
+            readers: pool
+                .spec
+                .triggers
+                .iter()
+                .cloned()
+                .map(DepthReader::new)
+                .collect(),
+            engine,
+            pool,
+            stop,
+            rule: RuleState::default(),
+            active: BTreeMap::new(),
+            starting: 0,
+            waking: BTreeSet::new(),
+            draining: BTreeSet::new(),
+            events_tx,
+            events_rx,
+            last_error: None,
+        }
+    }
+
+    fn spec(&self) -> &PoolSpec {
+        &self.pool.spec
+    }
+
+    async fn run(mut self) {
+        let name = self.spec().name.clone();
+        tracing::info!("pool controller started");
+        if self.spec().dispatch.is_some() {
+            // Messages a crashed torpor left mid-processing go back to the queue before any lane
+            // takes work.
+            match consume::recover_redis_list(&self.spec().triggers[0]).await {
+                Ok(0) => {}
+                Ok(n) => tracing::warn!(pool = %name, messages = n, "requeued unfinished messages"),
+                Err(e) => {
+                    tracing::warn!(pool = %name, error = %e, "cannot recover the processing list yet")
+                }
+            }
+        }
+        let watchers = if self.spec().push {
+            self.spec()
+                .triggers
+                .iter()
+                .cloned()
+                .map(|t| tokio::spawn(watch_for_work(t, self.pool.poke.clone(), self.stop.clone())))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let interval = Duration::from_millis(self.spec().poll_interval_ms);
+        loop {
+            if *self.stop.borrow() {
+                break;
+            }
+            self.tick().await;
+            let poke = self.pool.poke.clone();
+            let mut stop = self.stop.clone();
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = poke.notified() => {}
+                _ = stop.changed() => {}
+                Some(ev) = self.events_rx.recv() => self.on_event(ev),
+            }
+            while let Ok(ev) = self.events_rx.try_recv() {
+                self.on_event(ev);
+            }
+        }
+        for w in watchers {
+            w.abort();
+        }
+        self.stop_all().await;
+        tracing::info!(pool = %name, "pool controller stopped");
+    }
+
+    fn on_event(&mut self, ev: Event) {
+        match ev {
+            Event::Started(id) => {
+                // A woken agent was counted in `waking`, a created one in `starting`.
+                if !self.waking.remove(&id) {
+                    self.starting = self.starting.saturating_sub(1);
+                }
+                let lane = self.start_lane(&id);
+                self.active.insert(id, lane);
+            }
+            Event::StartFailed(id, e) => {
+                match id {
+                    Some(id) => {
+                        self.waking.remove(&id);
+                    }
+                    None => self.starting = self.starting.saturating_sub(1),
+                }
+                tracing::warn!(pool = %self.spec().name, error = %e, "cannot start an agent");
+                self.last_error = Some(e);
+            }
+            Event::Stopped(id, err) => {
+                self.draining.remove(&id);
+                if let Some(e) = err {
+                    tracing::warn!(pool = %self.spec().name, sandbox = %id, error = %e, "cannot suspend an agent");
+                    self.last_error = Some(e);
+                }
+            }
+        }
+    }
+
+    /// One reading and one decision.
+    async fn tick(&mut self) {
+        let readings = futures::future::join_all(self.readers.iter_mut().map(|r| r.read())).await;
+        let in_flight = self.pool.counters.in_flight.load(Ordering::Relaxed);
+        let dispatch = self.spec().dispatch.is_some();
+        let mut depths = Vec::with_capacity(readings.len());
+        let mut trig = Vec::with_capacity(readings.len());
+        for (i, r) in readings.iter().enumerate() {
+            let spec = &self.spec().triggers[i];
+            let depth = match r {
+                Ok(d) if dispatch && i == 0 && !spec.depth_counts_in_flight() => {
+                    Some(d + in_flight)
+                }
+                // The broker's count may lag (RabbitMQ's management statistics): never below
+                // what torpor itself holds.
+                Ok(d) if dispatch && i == 0 => Some((*d).max(in_flight)),
+                Ok(d) => Some(*d),
+                Err(_) => None,
+            };
+            depths.push(depth);
+            trig.push((spec.kind(), depth, r.as_ref().err().map(err_status)));
+        }
+        let current = (self.active.len() + self.starting + self.waking.len()) as u32;
+        let d = decide(
+            &self.spec().policy(),
+            &depths,
+            current,
+            now_millis().max(0) as u64,
+            &mut self.rule,
+        );
+        if readings.iter().any(Result::is_err) {
+            for (i, r) in readings.iter().enumerate() {
+                if let Err(e) = r {
+                    tracing::warn!(pool = %self.spec().name, trigger = i, code = e.code(), error = %e, "trigger reading failed");
+                }
+            }
+        }
+        self.scale_to(d.desired).await;
+        self.publish(d, trig).await;
+    }
+
+    async fn publish(
+        &self,
+        d: torpor_triggers::Decision,
+        trig: Vec<(&'static str, Option<u64>, Option<TriggerErrorStatus>)>,
+    ) {
+        let name = self.spec().name.as_str().to_string();
+        let sandboxes = match self.engine.sandboxes(&self.pool.tenant) {
+            Ok(all) => all
+                .into_iter()
+                .filter(|s| s.metadata.get(POOL_METADATA_KEY) == Some(&name))
+                .map(|s| s.id)
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        let c = &self.pool.counters;
+        let mut s = self.pool.status.lock().unwrap_or_else(|p| p.into_inner());
+        s.desired = d.desired;
+        s.running = self.active.len() as u32;
+        s.starting = (self.starting + self.waking.len()) as u32;
+        s.draining = self.draining.len() as u32;
+        s.depth = d.depth;
+        s.active = d.active;
+        s.fallback = d.fallback;
+        s.in_flight = c.in_flight.load(Ordering::Relaxed);
+        s.processed = c.processed.load(Ordering::Relaxed);
+        s.failed_attempts = c.failed_attempts.load(Ordering::Relaxed);
+        s.dead_lettered = c.dead_lettered.load(Ordering::Relaxed);
+        s.sandboxes = sandboxes;
+        s.triggers = trig
+            .into_iter()
+            .enumerate()
+            .map(|(i, (kind, depth, error))| TriggerStatus {
+                kind: kind.into(),
+                depth,
+                error,
+                consecutive_errors: self.rule.consecutive_errors.get(i).copied().unwrap_or(0),
+            })
+            .collect();
+        s.last_error = self.last_error.clone();
+    }
+
+    /// Pool agents that are asleep and not being handled, oldest first.
+    fn sleeping_agents(&self) -> Vec<SandboxId> {
+        let name = self.spec().name.as_str();
+        let mut v: Vec<_> = match self.engine.sandboxes(&self.pool.tenant) {
+            Ok(all) => all
+                .into_iter()
+                .filter(|s| s.metadata.get(POOL_METADATA_KEY).map(String::as_str) == Some(name))
+                .filter(|s| {
+                    !self.active.contains_key(&s.id)
+                        && !self.waking.contains(&s.id)
+                        && !self.draining.contains(&s.id)
+                })
+                .filter(|s| !matches!(s.state, SandboxState::Creating | SandboxState::Deleting))
+                .map(|s| (s.created_at, s.id))
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        v.sort();
+        v.into_iter().map(|(_, id)| id).collect()
+    }
+
+    async fn scale_to(&mut self, desired: u32) {
+        let desired = desired as usize;
+        let current = self.active.len() + self.starting + self.waking.len();
+        if desired > current {
+            let mut need = desired - current;
+            for id in self.sleeping_agents().into_iter().take(need) {
+                need -= 1;
+                self.waking.insert(id.clone());
+                let engine = self.engine.clone();
+                let tenant = self.pool.tenant.clone();
+                let tx = self.events_tx.clone();
+                tokio::spawn(async move {
+                    let ev = match engine.resume(&tenant, &id).await {
+                        Ok(_) => Event::Started(id),
+                        Err(e) => Event::StartFailed(Some(id), format!("wake: {e}")),
+                    };
+                    let _ = tx.send(ev).await;
+                });
+            }
+            for _ in 0..need {
+                self.starting += 1;
+                let engine = self.engine.clone();
+                let tenant = self.pool.tenant.clone();
+                let tx = self.events_tx.clone();
+                let req = CreateSandbox {
+                    template: self.spec().template.clone(),
+                    env: Default::default(),
+                    metadata: BTreeMap::from([(
+                        POOL_METADATA_KEY.to_string(),
+                        self.spec().name.to_string(),
+                    )]),
+                    limits: Default::default(),
+                    gpu: None,
+                };
+                tokio::spawn(async move {
+                    let ev = match engine.create_sandbox(&tenant, req).await {
+                        Ok(rec) => Event::Started(rec.id),
+                        Err(e) => Event::StartFailed(None, format!("create: {e}")),
+                    };
+                    let _ = tx.send(ev).await;
+                });
+            }
+        } else if desired < self.active.len() {
+            // Idle agents first; a busy one finishes its message before it sleeps.
+            let excess = self.active.len() - desired;
+            let mut ids: Vec<_> = self
+                .active
+                .iter()
+                .map(|(id, l)| (l.busy.load(Ordering::Relaxed), id.clone()))
+                .collect();
+            ids.sort();
+            for (_, id) in ids.into_iter().take(excess) {
+                if let Some(lane) = self.active.remove(&id) {
+                    self.drain(id, lane);
+                }
+            }
+        }
+    }
+
+    fn start_lane(&mut self, id: &SandboxId) -> Lane {
+        let drain = Arc::new(AtomicBool::new(false));
+        let busy = Arc::new(AtomicBool::new(false));
+        let task = self.spec().dispatch.clone().map(|d| {
+            let lane = LaneWorker {
+                engine: self.engine.clone(),
+                tenant: self.pool.tenant.clone(),
+                sandbox: id.clone(),
+                trigger: self.spec().triggers[0].clone(),
+                dispatch: d,
+                dead_letter: self.spec().dead_letter(),
+                consumer_name: format!("torpor-{}-{}", self.spec().name, id),
+                drain: drain.clone(),
+                busy: busy.clone(),
+                counters: self.pool.counters.clone(),
+                poke: self.pool.poke.clone(),
+            };
+            tokio::spawn(lane.run())
+        });
+        Lane { drain, busy, task }
+    }
+
+    /// Drain notice, wait for in-flight work (dispatch) or the grace period (self-consume),
+    /// then suspend.
+    fn drain(&mut self, id: SandboxId, mut lane: Lane) {
+        self.draining.insert(id.clone());
+        lane.drain.store(true, Ordering::Relaxed);
+        let engine = self.engine.clone();
+        let tenant = self.pool.tenant.clone();
+        let tx = self.events_tx.clone();
+        let grace = Duration::from_secs(self.spec().drain_grace_s);
+        let self_consume = self.spec().dispatch.is_none();
+        tokio::spawn(async move {
+            if let Some(task) = lane.task.take() {
+                let _ = task.await;
+            }
+            if self_consume {
+                if let Err(e) = engine
+                    .write_file(&tenant, &id, DRAIN_FILE, None, b"drain\n")
+                    .await
+                {
+                    tracing::warn!(sandbox = %id, error = %e, "cannot write the drain notice");
+                }
+                tokio::time::sleep(grace).await;
+            }
+            let err = engine
+                .suspend(&tenant, &id, Tier::Suspended)
+                .await
+                .err()
+                .map(|e| format!("suspend: {e}"));
+            let _ = tx.send(Event::Stopped(id, err)).await;
+        });
+    }
+
+    /// Shutdown or delete: every lane finishes its message; agents are left as they are (the
+    /// engine checkpoints resident sandboxes on shutdown).
+    async fn stop_all(&mut self) {
+        for lane in self.active.values() {
+            lane.drain.store(true, Ordering::Relaxed);
+        }
+        for (_, mut lane) in std::mem::take(&mut self.active) {
+            if let Some(t) = lane.task.take() {
+                let _ = t.await;
+            }
+        }
+    }
+}
+
+fn err_status(e: &TriggerError) -> TriggerErrorStatus {
+    TriggerErrorStatus {
+        code: e.code().into(),
+        message: e.to_string(),
+    }
+}
+
+// ------------------------------------------------------------------------------- lanes
+
+struct LaneWorker {
+    engine: Arc<Engine>,
+    tenant: TenantId,
+    sandbox: SandboxId,
+    trigger: TriggerSpec,
+    dispatch: DispatchSpec,
+    dead_letter: String,
+    consumer_name: String,
+    drain: Arc<AtomicBool>,
+    busy: Arc<AtomicBool>,
+    counters: Arc<Counters>,
+    poke: Arc<Notify>,
+}
+
+impl LaneWorker {
+    async fn run(self) {
+        let mut consumer: Option<Consumer> = None;
+        while !self.drain.load(Ordering::Relaxed) {
+            let c = match &mut consumer {
+                Some(c) => c,
+                None => {
+                    match Consumer::connect(&self.trigger, &self.consumer_name, &self.dead_letter)
+                        .await
+                    {
+                        Ok(c) => consumer.insert(c),
+                        Err(e) => {
+                            tracing::warn!(sandbox = %self.sandbox, code = e.code(), error = %e, "lane cannot reach the broker");
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            continue;
+                        }
+                    }
+                }
+            };
+            match c.next(LANE_WAIT).await {
+                Ok(None) => {}
+                Ok(Some(msg)) => {
+                    self.busy.store(true, Ordering::Relaxed);
+                    self.counters.in_flight.fetch_add(1, Ordering::Relaxed);
+                    self.process(c, msg).await;
+                    self.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    self.busy.store(false, Ordering::Relaxed);
+                    self.poke.notify_one();
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %self.sandbox, code = e.code(), error = %e, "lane lost the broker; reconnecting");
+                    if let Some(c) = consumer.take() {
+                        c.close().await;
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        }
+        if let Some(c) = consumer.take() {
+            c.close().await;
+        }
+    }
+
+    async fn process(&self, c: &mut Consumer, msg: torpor_triggers::Message) {
+        let d = &self.dispatch;
+        let started = Instant::now();
+        for attempt in 1..=d.max_attempts {
+            let req = ExecRequest {
+                cmd: d.command.clone(),
+                env: d.env.clone(),
+                cwd: None,
+                timeout_ms: Some(d.timeout_s * 1000),
+                detach: false,
+                stream: false,
+            };
+            let outcome = self
+                .engine
+                .exec(&self.tenant, &self.sandbox, req, msg.body.clone())
+                .await;
+            let failure = match outcome {
+                Ok(r) if r.exit_code == Some(0) => None,
+                Ok(r) => Some(format!(
+                    "exit {:?} signal {:?}: {}",
+                    r.exit_code,
+                    r.signal,
+                    r.stderr.chars().take(500).collect::<String>()
+                )),
+                Err(e) => Some(e.to_string()),
+            };
+            match failure {
+                None => {
+                    if let Err(e) = c.ack(msg).await {
+                        // Not acknowledged: the broker hands it out again (at least once).
+                        tracing::warn!(sandbox = %self.sandbox, error = %e, "ack failed; the message will be redelivered");
+                    }
+                    self.counters.processed.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(sandbox = %self.sandbox, ms = started.elapsed().as_millis() as u64, attempt, "message processed");
+                    return;
+                }
+                Some(why) => {
+                    self.counters
+                        .failed_attempts
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(sandbox = %self.sandbox, attempt, error = %why, "dispatch attempt failed");
+                    if attempt < d.max_attempts {
+                        tokio::time::sleep(Duration::from_millis(d.retry_backoff_ms)).await;
+                    }
+                }
+            }
+        }
+        match c.dead_letter(msg).await {
+            Ok(()) => {
+                self.counters.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %self.sandbox, error = %e, "dead-lettering failed; the message will be redelivered")
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------- push
+
+/// Pokes the controller when the broker shows new work, without taking it: a Redis
+/// `BLMOVE key key RIGHT RIGHT` (a blocking no-op rotation), a Redis stream `XREAD BLOCK`, a
+/// NATS subscription on the stream's subjects. RabbitMQ and Kafka have no such watch: their
+/// pools poll.
+async fn watch_for_work(spec: TriggerSpec, poke: Arc<Notify>, stop: watch::Receiver<bool>) {
+    let mut watcher = torpor_triggers::depth::Watcher::new(spec);
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        match watcher.wait(Duration::from_secs(2)).await {
+            Ok(true) => {
+                poke.notify_one();
+                // While work stays queued the watch answers at once; lanes take it from here,
+                // and the controller's polling covers the rest.
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Ok(false) => {}
+            Err(TriggerError::Unsupported { .. }) => return,
+            Err(_) => tokio::time::sleep(Duration::from_secs(1)).await,
+        }
+    }
+}

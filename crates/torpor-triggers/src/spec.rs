@@ -1,0 +1,330 @@
+//! Trigger settings: what a pool watches, checked strictly when the pool is created so that a
+//! bad setting is refused with the field it is about, never discovered at run time.
+
+use serde::{Deserialize, Serialize};
+
+/// Longest key, stream, group, consumer, queue or topic name accepted.
+const MAX_NAME: usize = 256;
+const MAX_URL: usize = 2048;
+
+/// One trigger. The JSON form is `{"type": "redis-list", "url": ..., "key": ...}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum TriggerSpec {
+    /// Depth: `LLEN key`.
+    RedisList { url: String, key: String },
+    /// Depth: the consumer group's `lag` plus `pending` (`XINFO GROUPS`).
+    RedisStream {
+        url: String,
+        stream: String,
+        group: String,
+    },
+    /// Depth: the consumer's `num_pending + num_ack_pending`.
+    NatsJetstream {
+        url: String,
+        stream: String,
+        consumer: String,
+    },
+    /// Depth: the management API's `messages` (ready + unacknowledged); an AMQP passive
+    /// declare (ready only) when there is no management URL or it fails.
+    Rabbitmq {
+        url: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        management_url: Option<String>,
+        queue: String,
+    },
+    /// Depth: the consumer group's lag. Parsed and checked, then refused: the reader is not
+    /// built yet.
+    Kafka {
+        brokers: Vec<String>,
+        topic: String,
+        group: String,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TriggerError {
+    /// A setting is wrong; `field` is its JSON path, e.g. `triggers[0].url`.
+    #[error("{field}: {reason}")]
+    Invalid { field: String, reason: String },
+    /// The broker could not be reached or refused the call.
+    #[error("{broker} at {address}: {reason}")]
+    Broker {
+        broker: &'static str,
+        address: String,
+        reason: String,
+    },
+    /// The queue, stream, group or consumer does not exist.
+    #[error("{broker}: {what} not found")]
+    Missing { broker: &'static str, what: String },
+    #[error("{broker}: no answer within {timeout_ms} ms")]
+    Timeout {
+        broker: &'static str,
+        timeout_ms: u64,
+    },
+    #[error("{what} is not supported: {reason}")]
+    Unsupported { what: &'static str, reason: String },
+}
+
+impl TriggerError {
+    /// A stable code for API errors and status reports.
+    pub fn code(&self) -> &'static str {
+        match self {
+            TriggerError::Invalid { .. } => "invalid_trigger",
+            TriggerError::Broker { .. } => "broker_error",
+            TriggerError::Missing { .. } => "broker_missing",
+            TriggerError::Timeout { .. } => "broker_timeout",
+            TriggerError::Unsupported { .. } => "unsupported",
+        }
+    }
+}
+
+fn invalid(field: String, reason: impl Into<String>) -> TriggerError {
+    TriggerError::Invalid {
+        field,
+        reason: reason.into(),
+    }
+}
+
+impl TriggerSpec {
+    /// The broker's name, for errors and metrics labels.
+    pub fn broker(&self) -> &'static str {
+        match self {
+            TriggerSpec::RedisList { .. } | TriggerSpec::RedisStream { .. } => "redis",
+            TriggerSpec::NatsJetstream { .. } => "nats",
+            TriggerSpec::Rabbitmq { .. } => "rabbitmq",
+            TriggerSpec::Kafka { .. } => "kafka",
+        }
+    }
+
+    /// The `type` as written in JSON.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            TriggerSpec::RedisList { .. } => "redis-list",
+            TriggerSpec::RedisStream { .. } => "redis-stream",
+            TriggerSpec::NatsJetstream { .. } => "nats-jetstream",
+            TriggerSpec::Rabbitmq { .. } => "rabbitmq",
+            TriggerSpec::Kafka { .. } => "kafka",
+        }
+    }
+
+    /// Whether the depth this trigger reads already counts messages taken but not yet
+    /// acknowledged (so a dispatching pool must not add its own in-flight count again).
+    pub fn depth_counts_in_flight(&self) -> bool {
+        !matches!(self, TriggerSpec::RedisList { .. })
+    }
+
+    /// Checks every setting; `at` is the JSON path of this trigger, e.g. `triggers[0]`.
+    pub fn validate(&self, at: &str) -> Result<(), TriggerError> {
+        let f = |name: &str| format!("{at}.{name}");
+        match self {
+            TriggerSpec::RedisList { url, key } => {
+                check_url(&f("url"), url, &["redis", "rediss"])?;
+                check_name(&f("key"), key)
+            }
+            TriggerSpec::RedisStream { url, stream, group } => {
+                check_url(&f("url"), url, &["redis", "rediss"])?;
+                check_name(&f("stream"), stream)?;
+                check_name(&f("group"), group)
+            }
+            TriggerSpec::NatsJetstream {
+                url,
+                stream,
+                consumer,
+            } => {
+                check_url(&f("url"), url, &["nats", "tls"])?;
+                check_nats_name(&f("stream"), stream)?;
+                check_nats_name(&f("consumer"), consumer)
+            }
+            TriggerSpec::Rabbitmq {
+                url,
+                management_url,
+                queue,
+            } => {
+                check_url(&f("url"), url, &["amqp"])?;
+                if let Some(m) = management_url {
+                    check_url(&f("management_url"), m, &["http", "https"])?;
+                }
+                check_name(&f("queue"), queue)
+            }
+            TriggerSpec::Kafka {
+                brokers,
+                topic,
+                group,
+            } => {
+                if brokers.is_empty() {
+                    return Err(invalid(f("brokers"), "needs at least one host:port"));
+                }
+                for (i, b) in brokers.iter().enumerate() {
+                    check_host_port(&format!("{at}.brokers[{i}]"), b)?;
+                }
+                check_name(&f("topic"), topic)?;
+                check_name(&f("group"), group)?;
+                Err(TriggerError::Unsupported {
+                    what: "the kafka trigger",
+                    reason: "its consumer-group lag reader is not built yet".into(),
+                })
+            }
+        }
+    }
+}
+
+fn check_name(field: &str, v: &str) -> Result<(), TriggerError> {
+    if v.is_empty() {
+        return Err(invalid(field.into(), "must not be empty"));
+    }
+    if v.len() > MAX_NAME {
+        return Err(invalid(
+            field.into(),
+            format!("longer than {MAX_NAME} bytes"),
+        ));
+    }
+    if v.chars().any(|c| c.is_control()) {
+        return Err(invalid(field.into(), "contains a control character"));
+    }
+    Ok(())
+}
+
+/// JetStream stream and consumer names may not hold spaces, `.`, `*`, `>` or path separators.
+fn check_nats_name(field: &str, v: &str) -> Result<(), TriggerError> {
+    check_name(field, v)?;
+    if v.chars()
+        .any(|c| c.is_whitespace() || matches!(c, '.' | '*' | '>' | '/' | '\\'))
+    {
+        return Err(invalid(
+            field.into(),
+            "may not contain whitespace, '.', '*', '>', '/' or '\\'",
+        ));
+    }
+    Ok(())
+}
+
+fn check_url(field: &str, v: &str, schemes: &[&str]) -> Result<(), TriggerError> {
+    if v.len() > MAX_URL {
+        return Err(invalid(
+            field.into(),
+            format!("longer than {MAX_URL} bytes"),
+        ));
+    }
+    let url = reqwest::Url::parse(v)
+        .map_err(|e| invalid(field.into(), format!("{v:?} is not a URL ({e})")))?;
+    if !schemes.contains(&url.scheme()) {
+        return Err(invalid(
+            field.into(),
+            format!(
+                "scheme {:?} is not one of {}",
+                url.scheme(),
+                schemes
+                    .iter()
+                    .map(|s| format!("{s}://"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ));
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(invalid(field.into(), format!("{v:?} has no host")));
+    }
+    Ok(())
+}
+
+fn check_host_port(field: &str, v: &str) -> Result<(), TriggerError> {
+    let Some((host, port)) = v.rsplit_once(':') else {
+        return Err(invalid(field.into(), format!("{v:?} is not host:port")));
+    };
+    if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
+        return Err(invalid(field.into(), format!("{v:?} is not host:port")));
+    }
+    Ok(())
+}
+
+/// Redacts the password of a URL for logs and status.
+pub fn redact(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        Ok(u) => u.to_string(),
+        Err(_) => "<invalid url>".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(v: serde_json::Value) -> Result<TriggerSpec, String> {
+        let t: TriggerSpec = serde_json::from_value(v).map_err(|e| e.to_string())?;
+        t.validate("triggers[0]").map_err(|e| e.to_string())?;
+        Ok(t)
+    }
+
+    #[test]
+    fn good_specs_parse() {
+        let t = parse(serde_json::json!({"type": "redis-list", "url": "redis://127.0.0.1:6379", "key": "jobs"})).unwrap();
+        assert_eq!(t.kind(), "redis-list");
+        parse(serde_json::json!({"type": "redis-stream", "url": "redis://h/0", "stream": "s", "group": "g"})).unwrap();
+        parse(serde_json::json!({"type": "nats-jetstream", "url": "nats://127.0.0.1:4222", "stream": "JOBS", "consumer": "w"})).unwrap();
+        parse(serde_json::json!({"type": "rabbitmq", "url": "amqp://guest:guest@127.0.0.1:5672/%2f", "management_url": "http://127.0.0.1:15672", "queue": "jobs"})).unwrap();
+        parse(serde_json::json!({"type": "rabbitmq", "url": "amqp://127.0.0.1", "queue": "jobs"}))
+            .unwrap();
+    }
+
+    #[test]
+    fn bad_specs_name_the_field() {
+        let cases = [
+            (
+                serde_json::json!({"type": "redis-list", "url": "http://x", "key": "k"}),
+                "triggers[0].url",
+            ),
+            (
+                serde_json::json!({"type": "redis-list", "url": "redis://x", "key": ""}),
+                "triggers[0].key",
+            ),
+            (
+                serde_json::json!({"type": "redis-list", "url": "not a url", "key": "k"}),
+                "triggers[0].url",
+            ),
+            (
+                serde_json::json!({"type": "redis-stream", "url": "redis://x", "stream": "s", "group": ""}),
+                "triggers[0].group",
+            ),
+            (
+                serde_json::json!({"type": "nats-jetstream", "url": "nats://x", "stream": "a.b", "consumer": "c"}),
+                "triggers[0].stream",
+            ),
+            (
+                serde_json::json!({"type": "rabbitmq", "url": "amqp://x", "management_url": "ftp://x", "queue": "q"}),
+                "triggers[0].management_url",
+            ),
+            (
+                serde_json::json!({"type": "kafka", "brokers": [], "topic": "t", "group": "g"}),
+                "triggers[0].brokers",
+            ),
+            (
+                serde_json::json!({"type": "kafka", "brokers": ["h"], "topic": "t", "group": "g"}),
+                "triggers[0].brokers[0]",
+            ),
+        ];
+        for (v, field) in cases {
+            let e = parse(v.clone()).unwrap_err();
+            assert!(e.starts_with(field), "{v}: {e}");
+        }
+        // Unknown fields and types are refused by the parser.
+        assert!(parse(
+            serde_json::json!({"type": "redis-list", "url": "redis://x", "key": "k", "extra": 1})
+        )
+        .is_err());
+        assert!(parse(serde_json::json!({"type": "sqs", "url": "redis://x"})).is_err());
+    }
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redact("amqp://u:secret@h:5672/%2f"),
+            "amqp://u:***@h:5672/%2f"
+        );
+        assert!(!redact("redis://:pw@h/0").contains("pw"));
+    }
+}
