@@ -17,6 +17,7 @@ command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 command -v pip3 >/dev/null 2>&1 || python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
 command -v ldd >/dev/null 2>&1 || need_apt+=(libc-bin)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
+command -v nft >/dev/null 2>&1 || need_apt+=(nftables)
 command -v cc >/dev/null 2>&1 || need_apt+=(gcc)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "deps.sh: installing ${need_apt[*]}" >&2

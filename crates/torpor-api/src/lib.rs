@@ -2,6 +2,7 @@
 //! contract) and the Rust client the CLI uses. Both sides share [`types`].
 
 pub mod client;
+pub mod proxy;
 pub mod server;
 pub mod types;
 

@@ -59,6 +59,11 @@ impl ApiError {
             retry_after: None,
         }
     }
+
+    /// The stable error code.
+    pub fn code(&self) -> &str {
+        &self.code
+    }
 }
 
 impl IntoResponse for ApiError {
@@ -146,7 +151,7 @@ impl From<ControlError> for ApiError {
 type ApiResult<T> = Result<T, ApiError>;
 
 /// The raw request body, with an over-limit body answered in the API's error shape.
-struct RawBody(Bytes);
+pub(crate) struct RawBody(pub(crate) Bytes);
 
 impl<S: Send + Sync> FromRequest<S> for RawBody {
     type Rejection = ApiError;
@@ -166,7 +171,7 @@ impl<S: Send + Sync> FromRequest<S> for RawBody {
 }
 
 /// Parses a JSON body strictly, with errors in the API's shape.
-fn parse_json<T: DeserializeOwned>(body: &Bytes) -> ApiResult<T> {
+pub(crate) fn parse_json<T: DeserializeOwned>(body: &Bytes) -> ApiResult<T> {
     if body.len() > MAX_JSON_BODY {
         return Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -201,7 +206,7 @@ pub fn decode_all_bodies(body: &[u8]) -> usize {
     .count()
 }
 
-fn sandbox_id(raw: &str) -> ApiResult<SandboxId> {
+pub(crate) fn sandbox_id(raw: &str) -> ApiResult<SandboxId> {
     // A malformed id cannot name a sandbox: answer as for any unknown one.
     SandboxId::new(raw).map_err(|_| {
         ApiError::new(
@@ -233,7 +238,25 @@ pub fn router(state: Arc<ApiState>) -> Router {
             get(get_template).delete(delete_template),
         )
         .route("/sandboxes", post(create_sandbox).get(list_sandboxes))
-        .route("/sandboxes/{id}", get(get_sandbox).delete(delete_sandbox))
+        .route(
+            "/sandboxes/{id}",
+            get(get_sandbox)
+                .delete(delete_sandbox)
+                .patch(crate::proxy::patch_sandbox),
+        )
+        .route("/sandboxes/{id}/network", get(crate::proxy::get_network))
+        .route(
+            "/sandboxes/{id}/ports/{port}",
+            axum::routing::any(crate::proxy::proxy),
+        )
+        .route(
+            "/sandboxes/{id}/ports/{port}/",
+            axum::routing::any(crate::proxy::proxy),
+        )
+        .route(
+            "/sandboxes/{id}/ports/{port}/{*path}",
+            axum::routing::any(crate::proxy::proxy),
+        )
         .route("/sandboxes/{id}/exec", post(exec))
         .route(
             "/sandboxes/{id}/files",
@@ -481,6 +504,7 @@ async fn create_sandbox(
                 env: body.env,
                 metadata: body.metadata,
                 limits: body.limits.unwrap_or_default(),
+                network: body.network,
             },
         )
         .await?;

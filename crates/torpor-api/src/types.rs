@@ -49,6 +49,9 @@ pub struct CreateSandboxBody {
     pub metadata: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limits: Option<LimitsPatch>,
+    /// Egress policy: `"none"` (default), `"full"` or `{"allow": [...], "hosts": [...]}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<torpor_core::NetworkPolicy>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -27,11 +27,14 @@ use torpor_runtime::proto::{self, AgentErrorCode, DirEntry, ExecRequest, Reply, 
 use torpor_runtime::{rootfs, Container, ContainerSpec, Runsc, WarmPool, Worker};
 
 use crate::error::{ControlError, Result};
+
+mod net;
 use crate::lot::{LotError, Parked, WorkerPermit, WorkerPool};
 use crate::metrics::Metrics;
 use crate::store::{
     ImageRef, Quotas, SandboxRecord, Store, TemplateRecord, TemplateStatus, TenantRecord,
 };
+pub use net::ProxyTarget;
 
 /// Everything the engine needs to know at start.
 #[derive(Debug, Clone)]
@@ -71,6 +74,9 @@ pub struct CreateSandbox {
     pub metadata: BTreeMap<String, String>,
     #[serde(default)]
     pub limits: LimitsPatch,
+    /// Egress policy; absent or `none`: no network interface.
+    #[serde(default)]
+    pub network: Option<torpor_core::NetworkPolicy>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -144,6 +150,12 @@ pub struct InUse {
 }
 
 impl InUse {
+    /// Where the proxy reaches the sandbox's ports (networked sandboxes only).
+    pub fn ingress_addr(&self) -> Option<std::net::Ipv4Addr> {
+        let live = self.guard.live.as_ref()?;
+        live._worker.net().map(|n| n.ingress_addr())
+    }
+
     fn container(&self) -> &Container {
         &self
             .guard
@@ -691,6 +703,7 @@ impl Engine {
             .map_err(|e| ControlError::Invalid(e.to_string()))?;
         validate_env(&req.env).map_err(|e| ControlError::Invalid(e.to_string()))?;
         check_metadata(&req.metadata)?;
+        let network = net::check_policy(req.network.as_ref())?;
         let now = now_millis();
         let mut rec = SandboxRecord {
             id: SandboxId::generate(),
@@ -712,6 +725,9 @@ impl Engine {
             let _quota = self.quota_lock.lock().await;
             self.check_quota(tenant, true, Some(rec.limits.memory_mib))?;
             self.store.insert_sandbox(&rec)?;
+            if let Some(policy) = &network {
+                self.store.set_network(&rec.id, policy)?;
+            }
         }
         let permit = match self.acquire_worker(tenant, rec.limits.memory_bytes()).await {
             Ok(p) => p,
@@ -760,7 +776,7 @@ impl Engine {
         configure: bool,
     ) -> Result<(Container, Worker)> {
         let cid = rec.container_id();
-        let worker = self
+        let mut worker = self
             .warm
             .take()
             .map_err(torpor_runtime::RuntimeError::from)?;
@@ -768,7 +784,10 @@ impl Engine {
             .warm_takes
             .with_label_values(&[if worker.was_warm() { "warm" } else { "cold" }])
             .inc();
-        let spec = container_spec(tpl, &rec.limits, &tpl.spec.env);
+        let mut spec = container_spec(tpl, &rec.limits, &tpl.spec.env);
+        if let Some(policy) = self.store.network(&rec.id)? {
+            spec.netns = Some(net::prepare_worker_net(&mut worker, &policy)?);
+        }
         let container = self.runsc.restore(&cid, &worker, &spec, image)?;
         let ready = async {
             self.runsc.wait_ready(&container, READY_TIMEOUT).await?;
@@ -2028,6 +2047,7 @@ fn container_spec(
         cwd: tpl.spec.cwd.clone().unwrap_or_else(|| "/".into()),
         limits: *limits,
         hostname: "sandbox".into(),
+        netns: None,
     }
 }
 

@@ -315,6 +315,7 @@ async fn main() {
             cwd: "/".into(),
             limits: Limits::default(),
             hostname: "bench".into(),
+            netns: None,
         };
         let t = Instant::now();
         let container = runsc

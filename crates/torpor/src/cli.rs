@@ -405,6 +405,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                         cpus,
                         pids,
                     }),
+                    network: None,
                 })
                 .await?;
             if conn.json {

@@ -1,0 +1,315 @@
+//! Sandbox networking end to end: real namespaces, real runsc network stacks, real traffic
+//! (between the sandboxes and servers this test runs on the host's own addresses).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use torpor_api::types::{CreateSandboxBody, CreateTenantBody, ExecBody};
+use torpor_api::ClientError;
+use torpor_core::{NetworkPolicy, Tier};
+
+/// A non-loopback IPv4 address of this host (sandboxes reach it through their router).
+fn host_addr() -> String {
+    let out = std::process::Command::new("ip")
+        .args(["-4", "-o", "addr", "show", "scope", "global"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| {
+            let mut it = l.split_whitespace();
+            it.position(|w| w == "inet")?;
+            Some(it.next()?.split('/').next()?.to_string())
+        })
+        .expect("a global IPv4 address")
+}
+
+/// A tiny HTTP server on the host: answers every request with `body`, closing first.
+async fn host_server(body: &'static str) -> u16 {
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let resp = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(resp.as_bytes()).await;
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    port
+}
+
+async fn create_net(c: &torpor_api::Client, policy: serde_json::Value) -> String {
+    c.create_sandbox(&CreateSandboxBody {
+        template: "host".into(),
+        network: Some(serde_json::from_value(policy).unwrap()),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .id
+}
+
+/// Fetches `url` from inside the sandbox: Some(body) or None when it cannot connect.
+async fn fetch(c: &torpor_api::Client, id: &str, url: &str) -> Option<String> {
+    let r = c
+        .exec(
+            id,
+            &ExecBody {
+                cmd: vec![
+                    "python3".into(),
+                    "-c".into(),
+                    "import sys,urllib.request;print(urllib.request.urlopen(sys.argv[1],timeout=3).read().decode())".into(),
+                    url.into(),
+                ],
+                timeout_ms: Some(30_000),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    (r.exit_code == Some(0)).then(|| r.stdout.trim().to_string())
+}
+
+async fn patch_network(d: &Daemon, id: &str, policy: serde_json::Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .patch(format!("{}/v1/sandboxes/{id}", d.url()))
+        .bearer_auth(d.token())
+        .json(&json!({ "network": policy }))
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn egress_follows_the_policy_and_changes_apply_live() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let host = host_addr();
+    let port = host_server("hello-from-host").await;
+    let url = format!("http://{host}:{port}/");
+
+    let allowed = create_net(
+        &c,
+        json!({"allow": [{"cidr": format!("{host}/32"), "ports": [port]}]}),
+    )
+    .await;
+    let other_port = create_net(
+        &c,
+        json!({"allow": [{"cidr": format!("{host}/32"), "ports": [port - 1]}]}),
+    )
+    .await;
+    let full = create_net(&c, json!("full")).await;
+    let plain = create(&c, "host").await;
+
+    assert_eq!(
+        fetch(&c, &allowed, &url).await.as_deref(),
+        Some("hello-from-host")
+    );
+    assert_eq!(
+        fetch(&c, &full, &url).await.as_deref(),
+        Some("hello-from-host")
+    );
+    assert_eq!(
+        fetch(&c, &other_port, &url).await,
+        None,
+        "port not on the list"
+    );
+    assert_eq!(fetch(&c, &plain, &url).await, None, "no network at all");
+
+    // Live changes, no restart.
+    let r = patch_network(&d, &other_port, json!("full")).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        fetch(&c, &other_port, &url).await.as_deref(),
+        Some("hello-from-host")
+    );
+    assert_eq!(
+        patch_network(&d, &allowed, json!("none")).await.status(),
+        200
+    );
+    assert_eq!(
+        fetch(&c, &allowed, &url).await,
+        None,
+        "policy none drops egress"
+    );
+    let got: serde_json::Value = reqwest::Client::new()
+        .get(format!("{}/v1/sandboxes/{allowed}/network", d.url()))
+        .bearer_auth(d.token())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(got["network"], json!("none"));
+
+    // A sandbox made without a network cannot be given one later.
+    let r = patch_network(&d, &plain, json!("full")).await;
+    assert_eq!(r.status(), 400);
+
+    // The policy survives a sleep on another worker: egress allowed again after a wake.
+    c.suspend(&full, Some(Tier::Suspended)).await.unwrap();
+    assert_eq!(
+        fetch(&c, &full, &url).await.as_deref(),
+        Some("hello-from-host")
+    );
+
+    // Invalid policies are refused at create, naming the field.
+    for (policy, field) in [
+        (
+            json!({"allow": [{"cidr": "10.0.0.0/33"}]}),
+            "network.allow[0].cidr",
+        ),
+        (
+            json!({"allow": [{"cidr": "nonsense"}]}),
+            "network.allow[0].cidr",
+        ),
+        (
+            json!({"allow": [{"cidr": "10.0.0.1", "ports": [0]}]}),
+            "network.allow[0].ports[0]",
+        ),
+        (
+            json!({"allow": [{"cidr": "10.0.0.1", "ports": [65536]}]}),
+            "network.allow[0].ports[0]",
+        ),
+        (
+            json!({"hosts": ["ok.example", "not a host"]}),
+            "network.hosts[1]",
+        ),
+    ] {
+        let err = c
+            .create_sandbox(&CreateSandboxBody {
+                template: "host".into(),
+                network: Some(serde_json::from_value::<NetworkPolicy>(policy).unwrap()),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        match err {
+            ClientError::Api {
+                status, message, ..
+            } => {
+                assert_eq!(status, 400);
+                assert!(message.contains(field), "{message} names {field}");
+            }
+            other => panic!("{other}"),
+        }
+    }
+    for id in [&allowed, &other_port, &full, &plain] {
+        c.delete_sandbox(id).await.unwrap();
+    }
+}
+
+async fn proxied(d: &Daemon, token: &str, id: &str, rest: &str) -> (u16, String) {
+    let r = reqwest::Client::new()
+        .get(format!("{}/v1/sandboxes/{id}/ports/{rest}", d.url()))
+        .bearer_auth(token)
+        .timeout(Duration::from_secs(60))
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+/// Sends a request line as written (no client-side path normalisation).
+async fn raw_status(d: &Daemon, path: &str) -> u16 {
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
+        .await
+        .unwrap();
+    let req = format!(
+        "GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
+        d.token()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_proxied_request_wakes_a_sleeping_server() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    // Ingress only: a network with no egress allowed.
+    let id = create_net(&c, json!({"allow": []})).await;
+    let r = c
+        .exec(
+            &id,
+            &ExecBody {
+                detach: true,
+                ..sh("echo served-from-sandbox > /tmp/hello.txt && cd /tmp && exec python3 -m http.server -p HTTP/1.1 8080")
+            },
+        )
+        .await
+        .unwrap();
+    assert!(
+        r.stdout.parse::<u32>().is_ok(),
+        "detach returns a pid: {r:?}"
+    );
+    let token = d.token();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, body) = proxied(&d, &token, &id, "8080/hello.txt").await;
+        if status == 200 {
+            assert_eq!(body.trim(), "served-from-sandbox");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "server never answered: {status} {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Query strings pass through; torpor's token does not.
+    let (status, _) = proxied(&d, &token, &id, "8080/hello.txt?x=1").await;
+    assert_eq!(status, 200);
+
+    for tier in [Tier::Parked, Tier::Suspended] {
+        let s = c.suspend(&id, Some(tier)).await.unwrap();
+        assert_eq!(s.state, tier.as_str());
+        let (status, body) = proxied(&d, &token, &id, "8080/hello.txt").await;
+        assert_eq!(
+            (status, body.trim()),
+            (200, "served-from-sandbox"),
+            "after {tier:?}"
+        );
+        assert_eq!(c.sandbox(&id).await.unwrap().state, "running");
+    }
+
+    // Bad input.
+    for (rest, code) in [("0/x", 400), ("65536/x", 400), ("http/x", 400)] {
+        assert_eq!(proxied(&d, &token, &id, rest).await.0, code, "{rest}");
+    }
+    for path in ["..", "a/../../x", "%2e%2e/x", "a%2fb"] {
+        let status = raw_status(&d, &format!("/v1/sandboxes/{id}/ports/8080/{path}")).await;
+        assert_eq!(status, 400, "{path}");
+    }
+    // Another tenant's sandbox does not exist for it.
+    let other = c
+        .create_tenant(&CreateTenantBody {
+            name: "other".into(),
+            quotas: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        proxied(&d, &other.token, &id, "8080/hello.txt").await.0,
+        404
+    );
+    // A sandbox without network has no ports to reach.
+    let plain = create(&c, "host").await;
+    assert_eq!(proxied(&d, &token, &plain, "8080/").await.0, 400);
+    c.delete_sandbox(&id).await.unwrap();
+    c.delete_sandbox(&plain).await.unwrap();
+}
