@@ -785,8 +785,9 @@ impl Engine {
             .with_label_values(&[if worker.was_warm() { "warm" } else { "cold" }])
             .inc();
         let mut spec = container_spec(tpl, &rec.limits, &tpl.spec.env);
-        if let Some(policy) = self.store.network(&rec.id)? {
-            spec.netns = Some(net::prepare_worker_net(&mut worker, &policy)?);
+        let networked = self.store.network(&rec.id)?;
+        if let Some(policy) = &networked {
+            spec.netns = Some(net::prepare_worker_net(&mut worker, policy)?);
         }
         let container = self.runsc.restore(&cid, &worker, &spec, image)?;
         let ready = async {
@@ -801,6 +802,9 @@ impl Engine {
                         &[],
                     )
                     .await?;
+                if networked.is_some() {
+                    net::write_resolv_conf(&container).await?;
+                }
             }
             Ok::<_, ControlError>(())
         }

@@ -229,7 +229,11 @@ impl WorkerNet {
             ],
             None,
         )?;
-        self.nft(&base_table(self.router_addr))?;
+        self.nft(&base_table(
+            self.router_addr,
+            self.host_addr,
+            crate::dns::port(),
+        ))?;
         Ok(())
     }
 
@@ -264,7 +268,29 @@ impl WorkerNet {
     /// Replaces the egress policy (one nftables transaction; live connections already
     /// established stay, new ones follow the new policy).
     pub fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), NetError> {
-        self.nft(&policy_script(policy)).map(|_| ())
+        self.nft(&policy_script(policy))?;
+        let client = match policy {
+            NetworkPolicy::Allow(AllowList { hosts, .. }) if !hosts.is_empty() => {
+                let ns = self.router_ns.clone();
+                Some(crate::dns::DnsClient {
+                    hosts: hosts.clone(),
+                    allow: Arc::new(move |addrs: &[Ipv4Addr]| {
+                        let list: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
+                        let script =
+                            format!("add element ip torpor hosts {{ {} }}\n", list.join(", "));
+                        if let Err(e) = run(
+                            &["ip", "netns", "exec", &ns, "nft", "-f", "-"],
+                            Some(&script),
+                        ) {
+                            tracing::warn!(error = %e, "cannot allow resolved addresses");
+                        }
+                    }),
+                })
+            }
+            _ => None,
+        };
+        crate::dns::set_client(self.router_addr, client);
+        Ok(())
     }
 
     /// Packets the egress policy dropped since the worker was prepared.
@@ -293,18 +319,29 @@ impl WorkerNet {
     }
 
     pub fn teardown(self) {
+        crate::dns::set_client(self.router_addr, None);
         self.remove();
         self.alloc.give_back(self.slot);
     }
 }
 
-fn base_table(router_addr: Ipv4Addr) -> String {
+fn base_table(router_addr: Ipv4Addr, host_addr: Ipv4Addr, dns_port: Option<u16>) -> String {
+    // DNS: the sandbox asks its gateway; the router forwards to torpor's responder.
+    let (dns_dnat, dns_fwd) = match dns_port {
+        Some(p) => (
+            format!("iifname \"sb0\" ip daddr {GATEWAY_ADDR} udp dport 53 dnat to {host_addr}:{p}"),
+            format!("iifname \"sb0\" oifname \"up0\" ip daddr {host_addr} udp dport {p} accept"),
+        ),
+        None => (String::new(), String::new()),
+    };
     format!(
         r#"table ip torpor {{
   counter denied {{ }}
+  set hosts {{ type ipv4_addr; }}
   chain tp_pre {{
     type nat hook prerouting priority dstnat;
     iifname "up0" ip daddr {router_addr} dnat to {SANDBOX_ADDR}
+    {dns_dnat}
   }}
   chain tp_nat {{
     type nat hook postrouting priority srcnat;
@@ -316,6 +353,7 @@ fn base_table(router_addr: Ipv4Addr) -> String {
     type filter hook forward priority filter; policy drop;
     ct state established,related accept
     iifname "up0" oifname "sb0" ct status dnat accept
+    {dns_fwd}
     iifname "sb0" oifname "up0" jump tp_egress
     iifname "sb0" counter name "denied" drop
   }}
@@ -330,12 +368,15 @@ fn base_table(router_addr: Ipv4Addr) -> String {
 }
 
 fn policy_script(policy: &NetworkPolicy) -> String {
-    let mut s = String::from("flush chain ip torpor tp_egress\n");
+    let mut s = String::from("flush chain ip torpor tp_egress\nflush set ip torpor hosts\n");
     match policy {
         NetworkPolicy::Mode(NetworkMode::Full) => {
             s.push_str("add rule ip torpor tp_egress accept\n");
         }
-        NetworkPolicy::Allow(AllowList { allow, .. }) => {
+        NetworkPolicy::Allow(AllowList { allow, hosts }) => {
+            if !hosts.is_empty() {
+                s.push_str("add rule ip torpor tp_egress ip daddr @hosts accept\n");
+            }
             for rule in allow {
                 let Ok((addr, len)) = parse_cidr(&rule.cidr) else {
                     continue; // refused at create; never reaches here
@@ -393,7 +434,7 @@ mod tests {
     fn policy_scripts() {
         assert_eq!(
             policy_script(&NetworkPolicy::none()),
-            "flush chain ip torpor tp_egress\n"
+            "flush chain ip torpor tp_egress\nflush set ip torpor hosts\n"
         );
         assert!(policy_script(&NetworkPolicy::full()).contains("tp_egress accept"));
         let p: NetworkPolicy =

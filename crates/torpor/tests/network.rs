@@ -313,3 +313,59 @@ async fn a_proxied_request_wakes_a_sleeping_server() {
     c.delete_sandbox(&id).await.unwrap();
     c.delete_sandbox(&plain).await.unwrap();
 }
+
+/// Asks the sandbox's resolver (from its /etc/resolv.conf) for `name` directly, bypassing
+/// /etc/hosts: "<rcode> <answers> <first address>".
+const DNS_QUERY: &str = r#"
+import socket, struct, sys
+name = sys.argv[1]
+q = struct.pack(">HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0)
+q += b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0" + struct.pack(">HH", 1, 1)
+ns = [l.split()[1] for l in open("/etc/resolv.conf") if l.startswith("nameserver")][0]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(3)
+s.sendto(q, (ns, 53))
+r = s.recv(512)
+an = struct.unpack(">H", r[6:8])[0]
+print(r[3] & 15, an, ".".join(map(str, r[-4:])) if an else "-")
+"#;
+
+async fn dns(c: &torpor_api::Client, id: &str, name: &str) -> String {
+    let r = c
+        .exec(
+            id,
+            &ExecBody {
+                cmd: vec!["python3".into(), "-c".into(), DNS_QUERY.into(), name.into()],
+                timeout_ms: Some(30_000),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
+    r.stdout.trim().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn only_names_on_the_list_resolve() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = create_net(&c, json!({"hosts": ["localhost"]})).await;
+    // The host's resolver answers for an allowed name (here: its /etc/hosts entry).
+    assert_eq!(dns(&c, &id, "localhost").await, "0 1 127.0.0.1");
+    assert_eq!(dns(&c, &id, "LOCALHOST").await, "0 1 127.0.0.1");
+    // A name not on the list is NXDOMAIN, without asking anyone.
+    assert_eq!(dns(&c, &id, "example.com").await, "3 0 -");
+    // getaddrinfo in the sandbox fails for it too (no hang, no leak).
+    assert_eq!(fetch(&c, &id, "http://example.com/").await, None);
+    // Live change: the list now names something else.
+    let r = patch_network(&d, &id, json!({"hosts": ["example.com"]})).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(dns(&c, &id, "localhost").await, "3 0 -");
+    // The resolver setting survives a sleep on another worker.
+    c.suspend(&id, Some(Tier::Suspended)).await.unwrap();
+    assert_eq!(dns(&c, &id, "localhost").await, "3 0 -");
+    patch_network(&d, &id, json!({"hosts": ["localhost"]})).await;
+    assert_eq!(dns(&c, &id, "localhost").await, "0 1 127.0.0.1");
+    c.delete_sandbox(&id).await.unwrap();
+}

@@ -53,6 +53,25 @@ pub(super) fn prepare_worker_net(worker: &mut Worker, policy: &NetworkPolicy) ->
     Ok(net.sandbox_ns_path())
 }
 
+/// Points the sandbox's resolver at its gateway (torpor's DNS responder, through the router).
+/// Written once, at create: the address is the same on every worker.
+pub(super) async fn write_resolv_conf(c: &torpor_runtime::Container) -> Result<()> {
+    c.conn
+        .call(
+            &torpor_runtime::proto::Request::WriteFile {
+                path: "/etc/resolv.conf".into(),
+                mode: Some(0o644),
+            },
+            format!(
+                "# written by torpor: names on the sandbox's allowlist resolve here\nnameserver {}\n",
+                torpor_runtime::net::GATEWAY_ADDR
+            )
+            .as_bytes(),
+        )
+        .await?;
+    Ok(())
+}
+
 fn net_err(e: torpor_runtime::net::NetError) -> ControlError {
     ControlError::Runtime(torpor_runtime::RuntimeError::ExitedEarly(e.to_string()))
 }
