@@ -211,12 +211,14 @@ async fn proxy_inner(
         .send()
         .await
         .map_err(|e| {
+            torpor_control::engine::count_proxied("upstream_error");
             ApiError::new(
                 StatusCode::BAD_GATEWAY,
                 "upstream_unreachable",
                 format!("sandbox {id} port {port}: {e}"),
             )
         })?;
+    torpor_control::engine::count_proxied(if target.woke { "woke" } else { "served" });
     let mut out = Response::builder().status(resp.status());
     if let Some(h) = out.headers_mut() {
         copy_headers(resp.headers(), h);

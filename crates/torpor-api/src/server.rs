@@ -352,11 +352,9 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
     if let Err(e) = state.engine.policy_tick_gauges() {
         tracing::warn!(error = %e, "cannot refresh gauges");
     }
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.engine.metrics.render(),
-    )
-        .into_response()
+    let mut text = state.engine.metrics.render();
+    text.push_str(&state.engine.network_metrics());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
 async fn openapi() -> Response {

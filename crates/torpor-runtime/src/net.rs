@@ -293,21 +293,22 @@ impl WorkerNet {
         Ok(())
     }
 
-    /// Packets the egress policy dropped since the worker was prepared.
-    pub fn denied_packets(&self) -> u64 {
-        let out = self
-            .nft("list counter ip torpor denied\n")
+    /// Traffic counters since the sandbox came to this worker.
+    pub fn stats(&self) -> NetStats {
+        let counters = self
+            .nft("list counters table ip torpor\n")
             .unwrap_or_default();
-        out.split_whitespace()
-            .skip_while(|w| *w != "packets")
-            .nth(1)
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0)
+        let denied = self
+            .nft("list set ip torpor denied_dst\n")
+            .unwrap_or_default();
+        parse_stats(&counters, &denied)
     }
 
-    /// Back to a blank state for the next sandbox: no egress.
+    /// Back to a blank state for the next sandbox: no egress, counters at zero.
     pub fn reset(&self) -> Result<(), NetError> {
-        self.apply_policy(&NetworkPolicy::none())
+        self.apply_policy(&NetworkPolicy::none())?;
+        self.nft("reset counters table ip torpor\nflush set ip torpor denied_dst\n")
+            .map(|_| ())
     }
 
     fn remove(&self) {
@@ -325,6 +326,56 @@ impl WorkerNet {
     }
 }
 
+/// Counters of one worker's traffic (from the sandbox's point of view: tx leaves it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NetStats {
+    pub tx_bytes: u64,
+    pub rx_bytes: u64,
+    pub egress_connections: u64,
+    pub ingress_connections: u64,
+    pub denied_packets: u64,
+    /// Denied attempts by destination (`address:port`).
+    pub denied_by_destination: Vec<(String, u64)>,
+}
+
+fn parse_stats(counters: &str, denied_set: &str) -> NetStats {
+    let mut st = NetStats::default();
+    let mut current = String::new();
+    for line in counters.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix("counter ") {
+            current = name.trim_end_matches(" {").to_string();
+        } else if line.starts_with("packets ") {
+            let w: Vec<&str> = line.split_whitespace().collect();
+            let packets: u64 = w.get(1).and_then(|n| n.parse().ok()).unwrap_or(0);
+            let bytes: u64 = w.get(3).and_then(|n| n.parse().ok()).unwrap_or(0);
+            match current.as_str() {
+                "tx" => st.tx_bytes = bytes,
+                "rx" => st.rx_bytes = bytes,
+                "egress_conns" => st.egress_connections = packets,
+                "ingress_conns" => st.ingress_connections = packets,
+                "denied" => st.denied_packets = packets,
+                _ => {}
+            }
+        }
+    }
+    // elements = { 10.1.2.3 . 8443 counter packets 1 bytes 60 expires 59m58s, ... }
+    let flat = denied_set.replace('\n', " ");
+    if let Some(start) = flat.find("elements = {") {
+        let body = &flat[start + 12..];
+        let body = &body[..body.find('}').unwrap_or(body.len())];
+        for el in body.split(',') {
+            let w: Vec<&str> = el.split_whitespace().collect();
+            if let (Some(addr), Some(port), Some(pos)) =
+                (w.first(), w.get(2), w.iter().position(|x| *x == "packets"))
+            {
+                let n = w.get(pos + 1).and_then(|n| n.parse().ok()).unwrap_or(0);
+                st.denied_by_destination.push((format!("{addr}:{port}"), n));
+            }
+        }
+    }
+    st
+}
+
 fn base_table(router_addr: Ipv4Addr, host_addr: Ipv4Addr, dns_port: Option<u16>) -> String {
     // DNS: the sandbox asks its gateway; the router forwards to torpor's responder.
     let (dns_dnat, dns_fwd) = match dns_port {
@@ -337,7 +388,12 @@ fn base_table(router_addr: Ipv4Addr, host_addr: Ipv4Addr, dns_port: Option<u16>)
     format!(
         r#"table ip torpor {{
   counter denied {{ }}
+  counter tx {{ }}
+  counter rx {{ }}
+  counter egress_conns {{ }}
+  counter ingress_conns {{ }}
   set hosts {{ type ipv4_addr; }}
+  set denied_dst {{ type ipv4_addr . inet_service; flags dynamic,timeout; timeout 1h; size 4096; counter; }}
   chain tp_pre {{
     type nat hook prerouting priority dstnat;
     iifname "up0" ip daddr {router_addr} dnat to {SANDBOX_ADDR}
@@ -351,10 +407,13 @@ fn base_table(router_addr: Ipv4Addr, host_addr: Ipv4Addr, dns_port: Option<u16>)
   }}
   chain tp_fwd {{
     type filter hook forward priority filter; policy drop;
+    iifname "sb0" counter name "tx"
+    oifname "sb0" counter name "rx"
     ct state established,related accept
-    iifname "up0" oifname "sb0" ct status dnat accept
+    iifname "up0" oifname "sb0" ct status dnat counter name "ingress_conns" accept
     {dns_fwd}
     iifname "sb0" oifname "up0" jump tp_egress
+    iifname "sb0" meta l4proto {{ tcp, udp }} update @denied_dst {{ ip daddr . th dport }} counter name "denied" drop
     iifname "sb0" counter name "denied" drop
   }}
   chain tp_in {{
@@ -371,11 +430,11 @@ fn policy_script(policy: &NetworkPolicy) -> String {
     let mut s = String::from("flush chain ip torpor tp_egress\nflush set ip torpor hosts\n");
     match policy {
         NetworkPolicy::Mode(NetworkMode::Full) => {
-            s.push_str("add rule ip torpor tp_egress accept\n");
+            s.push_str("add rule ip torpor tp_egress counter name \"egress_conns\" accept\n");
         }
         NetworkPolicy::Allow(AllowList { allow, hosts }) => {
             if !hosts.is_empty() {
-                s.push_str("add rule ip torpor tp_egress ip daddr @hosts accept\n");
+                s.push_str("add rule ip torpor tp_egress ip daddr @hosts counter name \"egress_conns\" accept\n");
             }
             for rule in allow {
                 let Ok((addr, len)) = parse_cidr(&rule.cidr) else {
@@ -383,14 +442,14 @@ fn policy_script(policy: &NetworkPolicy) -> String {
                 };
                 if rule.ports.is_empty() {
                     s.push_str(&format!(
-                        "add rule ip torpor tp_egress ip daddr {addr}/{len} accept\n"
+                        "add rule ip torpor tp_egress ip daddr {addr}/{len} counter name \"egress_conns\" accept\n"
                     ));
                 } else {
                     let ports: Vec<String> = rule.ports.iter().map(|p| p.to_string()).collect();
                     let ports = ports.join(", ");
                     for proto in ["tcp", "udp"] {
                         s.push_str(&format!(
-                            "add rule ip torpor tp_egress ip daddr {addr}/{len} {proto} dport {{ {ports} }} accept\n"
+                            "add rule ip torpor tp_egress ip daddr {addr}/{len} {proto} dport {{ {ports} }} counter name \"egress_conns\" accept\n"
                         ));
                     }
                 }
@@ -436,12 +495,30 @@ mod tests {
             policy_script(&NetworkPolicy::none()),
             "flush chain ip torpor tp_egress\nflush set ip torpor hosts\n"
         );
-        assert!(policy_script(&NetworkPolicy::full()).contains("tp_egress accept"));
+        assert!(policy_script(&NetworkPolicy::full())
+            .contains("tp_egress counter name \"egress_conns\" accept"));
         let p: NetworkPolicy =
             serde_json::from_str(r#"{"allow":[{"cidr":"10.1.2.3/8","ports":[80,443]}]}"#).unwrap();
         let s = policy_script(&p);
-        assert!(s.contains("ip daddr 10.0.0.0/8 tcp dport { 80, 443 } accept"));
+        assert!(s.contains("ip daddr 10.0.0.0/8 tcp dport { 80, 443 } counter"));
         assert!(s.contains("udp dport"));
+    }
+
+    #[test]
+    fn stats_parse() {
+        let counters = "table ip torpor {\n\tcounter denied {\n\t\tpackets 2 bytes 120\n\t}\n\tcounter tx {\n\t\tpackets 9 bytes 900\n\t}\n\tcounter egress_conns {\n\t\tpackets 3 bytes 180\n\t}\n}\n";
+        let set = "table ip torpor {\n\tset denied_dst {\n\t\telements = { 10.1.2.3 . 8443 counter packets 1 bytes 60 expires 59m58s964ms,\n\t\t\t     10.1.2.4 . 53 counter packets 4 bytes 240 expires 1m }\n\t}\n}\n";
+        let st = parse_stats(counters, set);
+        assert_eq!(st.denied_packets, 2);
+        assert_eq!(st.tx_bytes, 900);
+        assert_eq!(st.egress_connections, 3);
+        assert_eq!(
+            st.denied_by_destination,
+            vec![
+                ("10.1.2.3:8443".to_string(), 1),
+                ("10.1.2.4:53".to_string(), 4)
+            ]
+        );
     }
 
     #[test]

@@ -81,6 +81,23 @@ async fn fetch(c: &torpor_api::Client, id: &str, url: &str) -> Option<String> {
     (r.exit_code == Some(0)).then(|| r.stdout.trim().to_string())
 }
 
+async fn metrics(d: &Daemon) -> String {
+    reqwest::get(format!("{}/metrics", d.url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// The value of one sample line (`name{labels} value`), 0 when absent.
+fn metric(text: &str, series: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+        .unwrap_or(0)
+}
+
 async fn patch_network(d: &Daemon, id: &str, policy: serde_json::Value) -> reqwest::Response {
     reqwest::Client::new()
         .patch(format!("{}/v1/sandboxes/{id}", d.url()))
@@ -126,6 +143,30 @@ async fn egress_follows_the_policy_and_changes_apply_live() {
         "port not on the list"
     );
     assert_eq!(fetch(&c, &plain, &url).await, None, "no network at all");
+
+    // Metrics: the denied attempt by destination, traffic of the allowed sandbox.
+    let m = metrics(&d).await;
+    let denied = metric(
+        &m,
+        &format!(
+            "torpor_sandbox_egress_denied_packets{{destination=\"{host}:{port}\",sandbox=\"{other_port}\"}}"
+        ),
+    );
+    assert!(denied >= 1, "{m}");
+    assert!(
+        metric(
+            &m,
+            &format!("torpor_sandbox_network_bytes{{direction=\"tx\",sandbox=\"{allowed}\"}}")
+        ) > 0
+    );
+    assert!(
+        metric(
+            &m,
+            &format!(
+                "torpor_sandbox_network_connections{{direction=\"egress\",sandbox=\"{allowed}\"}}"
+            )
+        ) >= 1
+    );
 
     // Live changes, no restart.
     let r = patch_network(&d, &other_port, json!("full")).await;
@@ -310,6 +351,28 @@ async fn a_proxied_request_wakes_a_sleeping_server() {
     // A sandbox without network has no ports to reach.
     let plain = create(&c, "host").await;
     assert_eq!(proxied(&d, &token, &plain, "8080/").await.0, 400);
+    let m = metrics(&d).await;
+    assert!(
+        metric(&m, "torpor_proxy_requests_total{outcome=\"woke\"}") >= 2,
+        "{m}"
+    );
+    assert!(
+        metric(&m, "torpor_proxy_requests_total{outcome=\"served\"}") >= 2,
+        "{m}"
+    );
+    assert!(
+        metric(&m, "torpor_proxy_requests_total{outcome=\"rejected\"}") >= 2,
+        "{m}"
+    );
+    assert!(
+        metric(
+            &m,
+            &format!(
+                "torpor_sandbox_network_connections{{direction=\"ingress\",sandbox=\"{id}\"}}"
+            )
+        ) >= 1,
+        "{m}"
+    );
     c.delete_sandbox(&id).await.unwrap();
     c.delete_sandbox(&plain).await.unwrap();
 }

@@ -8,13 +8,15 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use rusqlite::params;
 use torpor_core::{NetworkPolicy, SandboxId, TenantId};
 use torpor_runtime::Worker;
 
-use super::{not_found, Engine, InUse};
+use prometheus::{Encoder, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+
+use super::{not_found, Engine, InUse, Slot};
 use crate::error::{ControlError, Result};
 use crate::store::{SandboxRecord, Store, StoreError};
 
@@ -23,6 +25,35 @@ use crate::store::{SandboxRecord, Store, StoreError};
 pub struct ProxyTarget {
     pub in_use: InUse,
     pub addr: SocketAddr,
+    /// Whether this request woke the sandbox (it was not running).
+    pub woke: bool,
+}
+
+/// Proxied requests by outcome: `served` (the sandbox was running), `woke` (it slept and this
+/// request woke it), `rejected` (no worker, lot full, not found, no network...),
+/// `upstream_error` (nothing answered on the port).
+fn proxy_counter() -> &'static (Registry, IntCounterVec) {
+    static C: OnceLock<(Registry, IntCounterVec)> = OnceLock::new();
+    C.get_or_init(|| {
+        let registry = Registry::new();
+        let c = IntCounterVec::new(
+            Opts::new(
+                "torpor_proxy_requests_total",
+                "Requests proxied to sandbox ports, by outcome.",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(c.clone()))
+            .expect("registers once");
+        (registry, c)
+    })
+}
+
+/// Counts one proxied request.
+pub fn count_proxied(outcome: &str) {
+    proxy_counter().1.with_label_values(&[outcome]).inc();
 }
 
 /// Validates a requested policy; `None` when the sandbox gets no network.
@@ -141,9 +172,88 @@ impl Engine {
         Ok(rec)
     }
 
+    /// Network metrics in Prometheus text: proxied requests by outcome, and for every resident
+    /// networked sandbox its bytes and connections by direction and its denied egress attempts
+    /// by destination (read from its worker's nftables counters when scraped).
+    pub fn network_metrics(&self) -> String {
+        let registry = Registry::new();
+        let gauge = |name: &str, help: &str, labels: &[&str]| {
+            let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+            registry.register(Box::new(g.clone())).expect("unique");
+            g
+        };
+        let bytes = gauge(
+            "torpor_sandbox_network_bytes",
+            "Bytes through a resident sandbox's interface since its wake (tx: sent by it).",
+            &["sandbox", "direction"],
+        );
+        let conns = gauge(
+            "torpor_sandbox_network_connections",
+            "Connections (flows) since its wake: egress (opened by it) and ingress (proxied).",
+            &["sandbox", "direction"],
+        );
+        let denied = gauge(
+            "torpor_sandbox_egress_denied_packets",
+            "Packets the egress policy dropped since its wake, by destination (addr:port).",
+            &["sandbox", "destination"],
+        );
+        let slots: Vec<(SandboxId, Arc<Slot>)> = {
+            let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            slots.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        };
+        for (id, slot) in slots {
+            let Ok(guard) = slot.state.try_read() else {
+                continue;
+            };
+            let Some(net) = guard.live.as_ref().and_then(|l| l._worker.net()) else {
+                continue;
+            };
+            let st = net.stats();
+            let id = id.as_str();
+            bytes.with_label_values(&[id, "tx"]).set(st.tx_bytes as i64);
+            bytes.with_label_values(&[id, "rx"]).set(st.rx_bytes as i64);
+            conns
+                .with_label_values(&[id, "egress"])
+                .set(st.egress_connections as i64);
+            conns
+                .with_label_values(&[id, "ingress"])
+                .set(st.ingress_connections as i64);
+            let mut listed = 0;
+            for (dest, n) in &st.denied_by_destination {
+                denied.with_label_values(&[id, dest]).set(*n as i64);
+                listed += n;
+            }
+            if st.denied_packets > listed {
+                denied
+                    .with_label_values(&[id, "other"])
+                    .set((st.denied_packets - listed) as i64);
+            }
+        }
+        let mut families = proxy_counter().0.gather();
+        families.extend(registry.gather());
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&families, &mut buf)
+            .expect("text encoding cannot fail");
+        String::from_utf8(buf).expect("prometheus text is UTF-8")
+    }
+
     /// Borrows the sandbox for one proxied request to `port`, waking it (parked when no worker
     /// is free) if it sleeps.
     pub async fn proxy_target(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        port: u16,
+    ) -> Result<ProxyTarget> {
+        let result = self.proxy_target_inner(tenant, id, port).await;
+        if result.is_err() {
+            count_proxied("rejected");
+        }
+        result
+    }
+
+    async fn proxy_target_inner(
         &self,
         tenant: &TenantId,
         id: &SandboxId,
@@ -155,11 +265,17 @@ impl Engine {
                 "sandbox {id} has no network; create it with a `network` policy to reach its ports"
             )));
         }
+        let running = self
+            .slot(id)
+            .state
+            .try_read()
+            .is_ok_and(|g| g.live.as_ref().is_some_and(|l| !l.frozen));
         let in_use = self.use_sandbox(tenant, id).await?;
         let addr = in_use.ingress_addr().ok_or_else(|| not_found(id))?;
         Ok(ProxyTarget {
             in_use,
             addr: SocketAddr::from((addr, port)),
+            woke: !running,
         })
     }
 }
