@@ -219,6 +219,14 @@ async fn proxy_inner(
             )
         })?;
     torpor_control::engine::count_proxied(if target.woke { "woke" } else { "served" });
+    let closes = resp
+        .headers()
+        .get(axum::http::header::CONNECTION)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.to_ascii_lowercase().contains("close"));
+    if resp.version() < reqwest::Version::HTTP_11 || closes {
+        torpor_control::engine::note_sandbox_closed_first(&id);
+    }
     let mut out = Response::builder().status(resp.status());
     if let Some(h) = out.headers_mut() {
         copy_headers(resp.headers(), h);

@@ -34,7 +34,7 @@ use crate::metrics::Metrics;
 use crate::store::{
     ImageRef, Quotas, SandboxRecord, Store, TemplateRecord, TemplateStatus, TenantRecord,
 };
-pub use net::{count_proxied, ProxyTarget};
+pub use net::{count_proxied, note_sandbox_closed_first, ProxyTarget};
 
 /// Everything the engine needs to know at start.
 #[derive(Debug, Clone)]
@@ -1189,6 +1189,9 @@ impl Engine {
         id: &SandboxId,
         cause: &str,
     ) -> Result<()> {
+        if guard.live.is_some() {
+            net::check_checkpointable(id)?;
+        }
         let Some(live) = guard.live.take() else {
             return Ok(());
         };

@@ -328,6 +328,30 @@ async fn a_proxied_request_wakes_a_sleeping_server() {
         assert_eq!(c.sandbox(&id).await.unwrap().state, "running");
     }
 
+    // A server that closes first (HTTP/1.0) leaves a TIME_WAIT in the sandbox: a checkpoint now
+    // would fail and lose the sandbox's state, so it is refused and the sandbox keeps running.
+    c.exec(
+        &id,
+        &ExecBody {
+            detach: true,
+            ..sh("cd /tmp && exec python3 -m http.server 8081")
+        },
+    )
+    .await
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while proxied(&d, &token, &id, "8081/hello.txt").await.0 != 200 {
+        assert!(Instant::now() < deadline, "HTTP/1.0 server never answered");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    match c.suspend(&id, Some(Tier::Parked)).await.unwrap_err() {
+        ClientError::Api { message, .. } => assert!(message.contains("network_busy"), "{message}"),
+        other => panic!("{other}"),
+    }
+    assert_eq!(c.sandbox(&id).await.unwrap().state, "running");
+    let (status, body) = proxied(&d, &token, &id, "8080/hello.txt").await;
+    assert_eq!((status, body.trim()), (200, "served-from-sandbox"));
+
     // Bad input.
     for (rest, code) in [("0/x", 400), ("65536/x", 400), ("http/x", 400)] {
         assert_eq!(proxied(&d, &token, &id, rest).await.0, code, "{rest}");

@@ -56,6 +56,46 @@ pub fn count_proxied(outcome: &str) {
     proxy_counter().1.with_label_values(&[outcome]).inc();
 }
 
+/// How long gVisor keeps a TIME_WAIT endpoint after the sandbox closed a connection first;
+/// a checkpoint fails (and loses the state since the last one) while one exists.
+pub const TIME_WAIT: std::time::Duration = std::time::Duration::from_secs(61);
+
+fn peer_closed(
+) -> &'static std::sync::Mutex<std::collections::HashMap<SandboxId, std::time::Instant>> {
+    static M: OnceLock<std::sync::Mutex<std::collections::HashMap<SandboxId, std::time::Instant>>> =
+        OnceLock::new();
+    M.get_or_init(Default::default)
+}
+
+/// Records that the sandbox's server closed a proxied connection first (an HTTP/1.0 answer or
+/// `Connection: close`): its network stack holds a TIME_WAIT endpoint for [`TIME_WAIT`].
+pub fn note_sandbox_closed_first(id: &SandboxId) {
+    peer_closed()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(id.clone(), std::time::Instant::now());
+}
+
+/// Refuses a checkpoint that would fail on a TIME_WAIT endpoint the proxy saw being made;
+/// the idle policy retries on a later tick, an explicit suspend answers an error naming the wait.
+pub(super) fn check_checkpointable(id: &SandboxId) -> Result<()> {
+    let mut m = peer_closed().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(t) = m.get(id) {
+        let age = t.elapsed();
+        if age < TIME_WAIT {
+            return Err(ControlError::Unsupported(format!(
+                "network_busy: sandbox {id}'s server closed a proxied connection first {} ms ago; \
+                 its network stack holds a TIME_WAIT endpoint that would make the checkpoint fail. \
+                 Retry in {} s (serve HTTP/1.1 keep-alive to avoid this)",
+                age.as_millis(),
+                (TIME_WAIT - age).as_secs() + 1
+            )));
+        }
+        m.remove(id);
+    }
+    Ok(())
+}
+
 /// Validates a requested policy; `None` when the sandbox gets no network.
 pub(super) fn check_policy(p: Option<&NetworkPolicy>) -> Result<Option<NetworkPolicy>> {
     let Some(p) = p else { return Ok(None) };
