@@ -35,6 +35,10 @@ pub struct SandboxPatch {
 pub struct SandboxNetwork {
     pub id: String,
     pub network: NetworkPolicy,
+    /// While resident: the host-side address that forwards every port to the sandbox (what the
+    /// proxy connects to). Absent while it sleeps or without a network.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
 }
 
 pub(crate) async fn patch_sandbox(
@@ -66,9 +70,14 @@ fn get_network_of(
     id: &SandboxId,
 ) -> ApiResult<Json<SandboxNetwork>> {
     let network = state.engine.network_policy(tenant, id)?;
+    let address = state
+        .engine
+        .ingress_address(tenant, id)?
+        .map(|a| a.to_string());
     Ok(Json(SandboxNetwork {
         id: id.to_string(),
         network,
+        address,
     }))
 }
 

@@ -181,6 +181,24 @@ impl Engine {
         Ok(self.store.network(id)?.unwrap_or_else(NetworkPolicy::none))
     }
 
+    /// The address the proxy connects to for a resident networked sandbox (its worker's
+    /// router); `None` while it sleeps or when it has no network.
+    pub fn ingress_address(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+    ) -> Result<Option<std::net::Ipv4Addr>> {
+        self.sandbox(tenant, id)?;
+        let slot = self.slot(id);
+        let addr = slot.state.try_read().ok().and_then(|g| {
+            g.live
+                .as_ref()
+                .and_then(|l| l._worker.net())
+                .map(|n| n.ingress_addr())
+        });
+        Ok(addr)
+    }
+
     /// Changes a networked sandbox's egress policy; a running sandbox gets it at once (new
     /// connections follow it; established ones stay), a sleeping one on its next wake.
     pub async fn set_network(
