@@ -1459,6 +1459,10 @@ impl Engine {
                 tracing::warn!(sandbox = %id, made = forks.len(), error = %e, "fork stopped early");
                 break;
             }
+            // A fork of a networked sandbox is networked, with the same policy.
+            if let Some(policy) = self.store.network(id)? {
+                self.store.set_network(&rec.id, &policy)?;
+            }
             forks.push(rec);
         }
         Ok(forks)

@@ -456,3 +456,72 @@ async fn only_names_on_the_list_resolve() {
     assert_eq!(dns(&c, &id, "localhost").await, "0 1 127.0.0.1");
     c.delete_sandbox(&id).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn many_proxied_requests_to_sleeping_forks_all_succeed() {
+    // 4 workers (the harness default), 20 sleeping sandboxes, 100 requests at once.
+    let d = Daemon::start_with(&["--worker-wait-ms", "120000"]).await;
+    let c = d.client();
+    let id = create_net(&c, json!({"allow": []})).await;
+    c.exec(
+        &id,
+        &ExecBody {
+            detach: true,
+            ..sh("echo $RANDOM > /tmp/v && cd /tmp && exec python3 -m http.server -p HTTP/1.1 8080")
+        },
+    )
+    .await
+    .unwrap();
+    let token = d.token();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let expected = loop {
+        let (status, body) = proxied(&d, &token, &id, "8080/v").await;
+        if status == 200 {
+            break body;
+        }
+        assert!(Instant::now() < deadline, "server never answered");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let mut ids: Vec<String> = c
+        .fork(&id, 19)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    c.suspend(&id, Some(Tier::Parked)).await.unwrap();
+    ids.push(id);
+    for f in &ids {
+        assert_ne!(c.sandbox(f).await.unwrap().state, "running", "{f} sleeps");
+    }
+    let t = Instant::now();
+    let mut calls = Vec::new();
+    for i in 0..100 {
+        let d_url = d.url();
+        let token = token.clone();
+        let id = ids[i % ids.len()].clone();
+        calls.push(tokio::spawn(async move {
+            let r = reqwest::Client::new()
+                .get(format!("{d_url}/v1/sandboxes/{id}/ports/8080/v"))
+                .bearer_auth(token)
+                .timeout(Duration::from_secs(300))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }));
+    }
+    for call in calls {
+        let (status, body) = call.await.unwrap();
+        assert_eq!((status, body.as_str()), (200, expected.as_str()));
+    }
+    eprintln!(
+        "100 proxied requests to 20 sleeping forks on 4 workers: {:?}",
+        t.elapsed()
+    );
+    let m = metrics(&d).await;
+    assert!(
+        metric(&m, "torpor_proxy_requests_total{outcome=\"woke\"}") >= 20,
+        "{m}"
+    );
+}
