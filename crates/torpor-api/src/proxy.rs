@@ -110,8 +110,20 @@ fn hop_by_hop(name: &HeaderName) -> bool {
             | "upgrade"
             | "host"
             | "authorization"
-            | "content-length"
     )
+}
+
+/// A `Connection: upgrade` request naming a protocol (WebSocket).
+fn wants_upgrade(h: &HeaderMap) -> bool {
+    let conn_upgrade = h
+        .get_all(axum::http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| {
+            v.split(',')
+                .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+        });
+    conn_upgrade && h.contains_key(axum::http::header::UPGRADE)
 }
 
 fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
@@ -209,24 +221,40 @@ async fn proxy_inner(
         url.push('?');
         url.push_str(q);
     }
+    let mut req = req;
+    let upgrade = wants_upgrade(req.headers());
+    let on_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (parts, body) = req.into_parts();
     let mut headers = HeaderMap::new();
     copy_headers(&parts.headers, &mut headers);
-    let body = reqwest::Body::wrap_stream(body.into_data_stream());
-    let resp = client()
-        .request(parts.method, &url)
-        .headers(headers)
-        .body(body)
-        .send()
-        .await
-        .map_err(|e| {
-            torpor_control::engine::count_proxied("upstream_error");
-            ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "upstream_unreachable",
-                format!("sandbox {id} port {port}: {e}"),
-            )
-        })?;
+    if upgrade {
+        // The upgrade is between the client and the sandbox: pass its headers through.
+        for name in [axum::http::header::CONNECTION, axum::http::header::UPGRADE] {
+            if let Some(v) = parts.headers.get(&name) {
+                headers.insert(name, v.clone());
+            }
+        }
+    }
+    // A body only when the client sent one (a stream body without a length would go out
+    // chunked, even for a GET or an upgrade).
+    let has_body = parts
+        .headers
+        .contains_key(axum::http::header::CONTENT_LENGTH)
+        || parts
+            .headers
+            .contains_key(axum::http::header::TRANSFER_ENCODING);
+    let mut rb = client().request(parts.method, &url).headers(headers);
+    if has_body {
+        rb = rb.body(reqwest::Body::wrap_stream(body.into_data_stream()));
+    }
+    let resp = rb.send().await.map_err(|e| {
+        torpor_control::engine::count_proxied("upstream_error");
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_unreachable",
+            format!("sandbox {id} port {port}: {e}"),
+        )
+    })?;
     torpor_control::engine::count_proxied(if target.woke { "woke" } else { "served" });
     let closes = resp
         .headers()
@@ -239,6 +267,39 @@ async fn proxy_inner(
     let mut out = Response::builder().status(resp.status());
     if let Some(h) = out.headers_mut() {
         copy_headers(resp.headers(), h);
+    }
+    if let (Some(on_upgrade), StatusCode::SWITCHING_PROTOCOLS) = (on_upgrade, resp.status()) {
+        if let Some(h) = out.headers_mut() {
+            for name in [axum::http::header::CONNECTION, axum::http::header::UPGRADE] {
+                if let Some(v) = resp.headers().get(&name) {
+                    h.insert(name, v.clone());
+                }
+            }
+        }
+        let in_use = target.in_use;
+        let upstream = resp.upgrade().await.map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream_invalid",
+                format!("sandbox {id} port {port}: upgrade failed: {e}"),
+            )
+        })?;
+        // Bytes both ways until either side closes; the sandbox stays borrowed (no checkpoint
+        // under an open WebSocket).
+        tokio::spawn(async move {
+            let _in_use = in_use;
+            let Ok(client) = on_upgrade.await else { return };
+            let mut client = hyper_util::rt::TokioIo::new(client);
+            let mut upstream = upstream;
+            let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+        });
+        return out.body(Body::empty()).map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream_invalid",
+                format!("sandbox {id} port {port}: {e}"),
+            )
+        });
     }
     // The borrow of the sandbox lives as long as the body stream: no checkpoint until the
     // response has been streamed out (or the client went away).

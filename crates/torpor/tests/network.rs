@@ -525,3 +525,101 @@ async fn many_proxied_requests_to_sleeping_forks_all_succeed() {
         "{m}"
     );
 }
+
+/// A WebSocket echo server (handshake and unfragmented frames < 126 bytes), stdlib only.
+const WS_ECHO: &str = r#"
+import socket, hashlib, base64, threading
+def recv_exact(c, n):
+    b = b""
+    while len(b) < n:
+        x = c.recv(n - len(b))
+        if not x: raise EOFError
+        b += x
+    return b
+def handle(c):
+    try:
+        data = b""
+        while b"\r\n\r\n" not in data: data += c.recv(4096)
+        key = [l.split(b":", 1)[1].strip() for l in data.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key")][0]
+        acc = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+        c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: " + acc + b"\r\n\r\n")
+        while True:
+            h = recv_exact(c, 2)
+            n = h[1] & 127
+            mask = recv_exact(c, 4)
+            payload = bytes(b ^ mask[i % 4] for i, b in enumerate(recv_exact(c, n)))
+            if h[0] & 15 == 8: break
+            c.sendall(bytes([0x81, len(payload)]) + payload)
+    except EOFError:
+        pass
+    c.close()
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 8765))
+s.listen()
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=handle, args=(c,), daemon=True).start()
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_websocket_echo_survives_the_proxy() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = create_net(&c, json!({"allow": []})).await;
+    c.write_file(&id, "/tmp/ws.py", WS_ECHO.as_bytes().to_vec(), None)
+        .await
+        .unwrap();
+    c.exec(
+        &id,
+        &ExecBody {
+            detach: true,
+            ..sh("exec python3 /tmp/ws.py")
+        },
+    )
+    .await
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut s = loop {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
+            .await
+            .unwrap();
+        let req = format!(
+            "GET /v1/sandboxes/{id}/ports/8765/ws HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\
+             Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n\
+             Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
+            d.token()
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            if s.read(&mut byte).await.unwrap() == 0 {
+                break;
+            }
+            head.push(byte[0]);
+        }
+        let head = String::from_utf8_lossy(&head).to_string();
+        if head.starts_with("HTTP/1.1 101") {
+            assert!(head.contains("s3pPLMBiTxaQ9kYGzzhZRbK+xOo="), "{head}");
+            break s;
+        }
+        assert!(Instant::now() < deadline, "no upgrade: {head}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    for msg in ["hello-ws", "second message"] {
+        let mask = [1u8, 2, 3, 4];
+        let mut frame = vec![0x81, 0x80 | msg.len() as u8];
+        frame.extend_from_slice(&mask);
+        frame.extend(msg.bytes().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        s.write_all(&frame).await.unwrap();
+        let mut h = [0u8; 2];
+        s.read_exact(&mut h).await.unwrap();
+        assert_eq!(h[0], 0x81);
+        let mut payload = vec![0u8; (h[1] & 127) as usize];
+        s.read_exact(&mut payload).await.unwrap();
+        assert_eq!(String::from_utf8(payload).unwrap(), msg);
+    }
+    drop(s);
+    c.delete_sandbox(&id).await.unwrap();
+}
