@@ -214,6 +214,72 @@ async fn proxy_inner(
     req: Request,
 ) -> ApiResult<Response> {
     let (id, port, tail) = split_route(uri.path())?;
+    forward(state, tenant, id, port, tail, uri, req).await
+}
+
+static DOMAIN: OnceLock<String> = OnceLock::new();
+
+/// Turns on host-based routing: `{port}-{id}.<domain>` reaches `port` of sandbox `id`.
+pub fn set_proxy_domain(domain: &str) {
+    let _ = DOMAIN.set(domain.trim_matches('.').to_ascii_lowercase());
+}
+
+/// Host-based routing: a request whose Host is `{port}-{id}.<domain>` (the domain given to
+/// [`set_proxy_domain`]) is proxied like `/v1/sandboxes/{id}/ports/{port}/{path}`, with the same
+/// authentication; every other request goes on to the API.
+pub(crate) async fn host_route(
+    State(state): State<Arc<ApiState>>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(domain) = DOMAIN.get() else {
+        return next.run(req).await;
+    };
+    let host = req
+        .headers()
+        .get(axum::http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(|h| {
+            h.rsplit_once(':')
+                .map_or(h, |(name, _)| name)
+                .to_ascii_lowercase()
+        });
+    let label = host.as_deref().and_then(|h| {
+        h.strip_suffix(domain.as_str())
+            .and_then(|l| l.strip_suffix('.'))
+            .map(str::to_string)
+    });
+    let Some(label) = label else {
+        return next.run(req).await;
+    };
+    let result = async {
+        let (port_raw, id) = label.split_once('-').ok_or_else(|| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_host",
+                format!("host {label:?}.{domain}: expected {{port}}-{{sandbox id}}.{domain}"),
+            )
+        })?;
+        let port = split_route(&format!("/sandboxes/{id}/ports/{port_raw}"))?.1;
+        let tenant = crate::server::tenant_of(&state, req.headers())?;
+        let uri = req.uri().clone();
+        let tail = uri.path().trim_start_matches('/').to_string();
+        check_tail(&tail)?;
+        forward(state.clone(), tenant, id.to_string(), port, tail, uri, req).await
+    }
+    .await;
+    result.unwrap_or_else(|e| e.into_response())
+}
+
+async fn forward(
+    state: Arc<ApiState>,
+    tenant: TenantId,
+    id: String,
+    port: u16,
+    tail: String,
+    uri: axum::http::Uri,
+    req: Request,
+) -> ApiResult<Response> {
     let id = sandbox_id(&id)?;
     let target = state.engine.proxy_target(&tenant, &id, port).await?;
     let mut url = format!("http://{}/{}", target.addr, tail);

@@ -273,6 +273,10 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found_route)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            crate::proxy::host_route,
+        ))
         .layer(DefaultBodyLimit::max(MAX_FILE_BODY))
         .with_state(state)
 }
@@ -295,8 +299,18 @@ async fn authenticate(
     mut req: Request,
     next: Next,
 ) -> Response {
-    let token = req
-        .headers()
+    match tenant_of(&state, req.headers()) {
+        Ok(tenant) => {
+            req.extensions_mut().insert(tenant);
+            next.run(req).await
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The tenant whose bearer token the request carries.
+pub(crate) fn tenant_of(state: &ApiState, headers: &HeaderMap) -> ApiResult<TenantId> {
+    let token = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
@@ -308,26 +322,23 @@ async fn authenticate(
         Some(t) => match state.engine.tenant_for_token(t) {
             Ok(Some(tenant)) => tenant,
             Ok(None) => {
-                return ApiError::new(
+                return Err(ApiError::new(
                     StatusCode::UNAUTHORIZED,
                     "unauthorized",
                     "the bearer token is not valid",
-                )
-                .into_response()
+                ))
             }
-            Err(e) => return ApiError::from(e).into_response(),
+            Err(e) => return Err(ApiError::from(e)),
         },
         None => {
-            return ApiError::new(
+            return Err(ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
                 "missing `Authorization: Bearer TOKEN` header",
-            )
-            .into_response()
+            ))
         }
     };
-    req.extensions_mut().insert(tenant);
-    next.run(req).await
+    Ok(tenant)
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

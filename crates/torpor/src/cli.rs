@@ -73,6 +73,9 @@ pub enum Command {
         /// restore (default: as many as --workers; 0 prepares every worker at wake time).
         #[arg(long)]
         warm_pool: Option<usize>,
+        /// Host-based routing to sandbox ports: `{port}-{id}.<DOMAIN>` (docs/NETWORKING.md).
+        #[arg(long)]
+        proxy_domain: Option<String>,
     },
     /// Manage templates.
     #[command(subcommand)]
@@ -365,8 +368,12 @@ async fn dispatch(cmd: Command) -> CliResult {
             memory_budget,
             tick_ms,
             warm_pool,
+            proxy_domain,
         } => {
             init_logging();
+            if let Some(d) = &proxy_domain {
+                torpor_api::proxy::set_proxy_domain(d);
+            }
             daemon::up(daemon::UpConfig {
                 listen,
                 data_dir: data_dir.unwrap_or_else(daemon::default_data_dir),

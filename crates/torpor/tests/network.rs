@@ -265,22 +265,32 @@ async fn proxied(d: &Daemon, token: &str, id: &str, rest: &str) -> (u16, String)
 
 /// Sends a request line as written (no client-side path normalisation).
 async fn raw_status(d: &Daemon, path: &str) -> u16 {
+    raw_get(d, "x", path).await.0
+}
+
+/// A GET with the given Host header and path, as written: (status, body).
+async fn raw_get(d: &Daemon, host: &str, path: &str) -> (u16, String) {
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
         .await
         .unwrap();
     let req = format!(
-        "GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
         d.token()
     );
     s.write_all(req.as_bytes()).await.unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).await.unwrap();
-    out.split_whitespace().nth(1).unwrap().parse().unwrap()
+    let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_proxied_request_wakes_a_sleeping_server() {
-    let d = Daemon::start().await;
+    let d = Daemon::start_with(&["--proxy-domain", "sandboxes.test"]).await;
     let c = d.client();
     // Ingress only: a network with no egress allowed.
     let id = create_net(&c, json!({"allow": []})).await;
@@ -315,6 +325,32 @@ async fn a_proxied_request_wakes_a_sleeping_server() {
     // Query strings pass through; torpor's token does not.
     let (status, _) = proxied(&d, &token, &id, "8080/hello.txt?x=1").await;
     assert_eq!(status, 200);
+    // Host-based routing: {port}-{id}.<domain>, the path as is.
+    let (status, body) = raw_get(
+        &d,
+        &format!("8080-{id}.sandboxes.test:{}", d.port),
+        "/hello.txt",
+    )
+    .await;
+    assert_eq!((status, body.trim()), (200, "served-from-sandbox"));
+    assert_eq!(
+        raw_get(&d, &format!("0-{id}.sandboxes.test"), "/").await.0,
+        400
+    );
+    assert_eq!(raw_get(&d, "8080.sandboxes.test", "/").await.0, 400);
+    assert_eq!(
+        raw_get(&d, &format!("8080-{id}.sandboxes.test"), "/../x")
+            .await
+            .0,
+        400
+    );
+    // Other hosts still reach the API.
+    assert_eq!(
+        raw_get(&d, "elsewhere.test", &format!("/v1/sandboxes/{id}"))
+            .await
+            .0,
+        200
+    );
 
     for tier in [Tier::Parked, Tier::Suspended] {
         let s = c.suspend(&id, Some(tier)).await.unwrap();
