@@ -263,6 +263,7 @@ impl Engine {
                         limits: Limits::default(),
                         idle: Default::default(),
                         warmup_ms: 0,
+                        network: None,
                     },
                     &|_| {},
                 )
@@ -703,7 +704,8 @@ impl Engine {
             .map_err(|e| ControlError::Invalid(e.to_string()))?;
         validate_env(&req.env).map_err(|e| ControlError::Invalid(e.to_string()))?;
         check_metadata(&req.metadata)?;
-        let network = net::check_policy(req.network.as_ref())?;
+        // The sandbox's own policy, else its template's.
+        let network = net::check_policy(req.network.as_ref().or(tpl.spec.network.as_ref()))?;
         let now = now_millis();
         let mut rec = SandboxRecord {
             id: SandboxId::generate(),

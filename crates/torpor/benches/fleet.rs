@@ -82,6 +82,7 @@ fn template(name: &str, idle: IdlePolicy) -> TemplateSpec {
         },
         idle,
         warmup_ms: 300,
+        network: None,
     }
 }
 

@@ -127,6 +127,7 @@ async fn main() {
         },
         idle: no_idle,
         warmup_ms: 1500,
+        network: None,
     };
     let true_cmd = ExecBody {
         cmd: vec!["/bin/true".into()],

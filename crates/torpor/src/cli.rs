@@ -667,6 +667,7 @@ async fn template(cmd: TemplateCmd) -> CliResult {
                     suspend_after_s: step(suspend_after, defaults.suspend_after_s),
                 },
                 warmup_ms,
+                network: None,
             };
             if !conn.json {
                 eprintln!("building template {name}: import, boot, golden snapshot ...");

@@ -277,6 +277,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
             suspend_after_s: None,
         },
         warmup_ms: 300,
+        network: None,
     })
     .await?;
     let template_s = t.elapsed().as_secs_f64();

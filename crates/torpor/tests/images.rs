@@ -66,6 +66,7 @@ async fn an_oci_archive_becomes_a_template() {
         limits: Default::default(),
         idle: no_idle(),
         warmup_ms: 0,
+        network: None,
     };
     let t = c
         .create_template(&spec("tiny", Some("tiny")))

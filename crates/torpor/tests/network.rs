@@ -247,7 +247,39 @@ async fn egress_follows_the_policy_and_changes_apply_live() {
             other => panic!("{other}"),
         }
     }
-    for id in [&allowed, &other_port, &full, &plain] {
+    // A template's policy is its sandboxes' default; a sandbox may override it.
+    let mut tpl = agent_template("net-full", no_idle());
+    tpl.command = Vec::new();
+    tpl.warmup_ms = 0;
+    tpl.network = Some(NetworkPolicy::full());
+    c.create_template(&tpl).await.unwrap();
+    let from_tpl = create(&c, "net-full").await;
+    assert_eq!(
+        fetch(&c, &from_tpl, &url).await.as_deref(),
+        Some("hello-from-host")
+    );
+    let overridden = c
+        .create_sandbox(&CreateSandboxBody {
+            template: "net-full".into(),
+            network: Some(serde_json::from_value(json!({"allow": []})).unwrap()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .id;
+    assert_eq!(fetch(&c, &overridden, &url).await, None);
+    let mut bad = agent_template("net-bad", no_idle());
+    bad.network = Some(serde_json::from_value(json!({"allow": [{"cidr": "1.2.3.4/40"}]})).unwrap());
+    match c.create_template(&bad).await.unwrap_err() {
+        ClientError::Api {
+            status, message, ..
+        } => {
+            assert_eq!(status, 400);
+            assert!(message.contains("network.allow[0].cidr"), "{message}");
+        }
+        other => panic!("{other}"),
+    }
+    for id in [&allowed, &other_port, &full, &plain, &from_tpl, &overridden] {
         c.delete_sandbox(id).await.unwrap();
     }
 }

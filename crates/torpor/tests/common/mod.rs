@@ -202,6 +202,7 @@ pub fn agent_template(name: &str, idle: IdlePolicy) -> TemplateSpec {
         },
         idle,
         warmup_ms: 300,
+        network: None,
     }
 }
 
