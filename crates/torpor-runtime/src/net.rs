@@ -412,6 +412,7 @@ fn base_table(router_addr: Ipv4Addr, host_addr: Ipv4Addr, dns_port: Option<u16>)
     ct state established,related accept
     iifname "up0" oifname "sb0" ct status dnat counter name "ingress_conns" accept
     {dns_fwd}
+    iifname "sb0" ip daddr 10.192.0.0/12 ip daddr != {host_addr} counter name "denied" drop
     iifname "sb0" oifname "up0" jump tp_egress
     iifname "sb0" meta l4proto {{ tcp, udp }} update @denied_dst {{ ip daddr . th dport }} counter name "denied" drop
     iifname "sb0" counter name "denied" drop

@@ -28,7 +28,10 @@ fn host_addr() -> String {
         .expect("a global IPv4 address")
 }
 
-/// A tiny HTTP server on the host: answers every request with `body`, closing first.
+/// A tiny HTTP server on the host: answers every request with `body`, closing first. The body
+/// is delimited by the close (no Content-Length), so the client in the sandbox closes only
+/// after the server's FIN: the sandbox never holds a TIME_WAIT, which would make its next
+/// checkpoint fail (docs/NETWORKING.md).
 async fn host_server(body: &'static str) -> u16 {
     let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -37,10 +40,7 @@ async fn host_server(body: &'static str) -> u16 {
             tokio::spawn(async move {
                 let mut buf = [0u8; 4096];
                 let _ = s.read(&mut buf).await;
-                let resp = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
+                let resp = format!("HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{body}");
                 let _ = s.write_all(resp.as_bytes()).await;
                 let _ = s.shutdown().await;
             });
