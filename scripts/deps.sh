@@ -22,6 +22,7 @@ command -v ldd >/dev/null 2>&1 || need_apt+=(libc-bin)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
 command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
 command -v npm >/dev/null 2>&1 || need_apt+=(npm)
+command -v nft >/dev/null 2>&1 || need_apt+=(nftables)
 command -v cc >/dev/null 2>&1 || need_apt+=(gcc)
 # Brokers the pool/trigger tests start on their own ports (nothing starts on install here).
 need_brokers=()

@@ -336,6 +336,28 @@ impl Client {
         .await
     }
 
+    /// Changes a networked sandbox's egress policy (applied at once when it runs).
+    pub async fn set_network(
+        &self,
+        id: &str,
+        network: &torpor_core::NetworkPolicy,
+    ) -> Result<crate::proxy::SandboxNetwork> {
+        self.json_body(
+            Method::PATCH,
+            &format!("/v1/sandboxes/{id}"),
+            &crate::proxy::SandboxPatch {
+                network: network.clone(),
+            },
+        )
+        .await
+    }
+
+    /// A sandbox's network policy and, while resident, its address.
+    pub async fn network(&self, id: &str) -> Result<crate::proxy::SandboxNetwork> {
+        self.json(self.request(Method::GET, &format!("/v1/sandboxes/{id}/network")))
+            .await
+    }
+
     pub async fn resume(&self, id: &str) -> Result<Sandbox> {
         self.json(self.request(Method::POST, &format!("/v1/sandboxes/{id}/resume")))
             .await

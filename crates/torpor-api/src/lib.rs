@@ -4,6 +4,7 @@
 pub mod client;
 pub mod e2b;
 mod pools;
+pub mod proxy;
 pub mod server;
 pub mod snapshots;
 pub mod types;

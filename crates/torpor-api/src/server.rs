@@ -61,6 +61,11 @@ impl ApiError {
             retry_after: None,
         }
     }
+
+    /// The stable error code.
+    pub fn code(&self) -> &str {
+        &self.code
+    }
 }
 
 impl ApiError {
@@ -223,7 +228,7 @@ pub fn decode_all_bodies(body: &[u8]) -> usize {
     .count()
 }
 
-fn sandbox_id(raw: &str) -> ApiResult<SandboxId> {
+pub(crate) fn sandbox_id(raw: &str) -> ApiResult<SandboxId> {
     // A malformed id cannot name a sandbox: answer as for any unknown one.
     SandboxId::new(raw).map_err(|_| {
         ApiError::new(
@@ -256,7 +261,25 @@ pub fn router(state: Arc<ApiState>) -> Router {
             get(get_template).delete(delete_template),
         )
         .route("/sandboxes", post(create_sandbox).get(list_sandboxes))
-        .route("/sandboxes/{id}", get(get_sandbox).delete(delete_sandbox))
+        .route(
+            "/sandboxes/{id}",
+            get(get_sandbox)
+                .delete(delete_sandbox)
+                .patch(crate::proxy::patch_sandbox),
+        )
+        .route("/sandboxes/{id}/network", get(crate::proxy::get_network))
+        .route(
+            "/sandboxes/{id}/ports/{port}",
+            axum::routing::any(crate::proxy::proxy),
+        )
+        .route(
+            "/sandboxes/{id}/ports/{port}/",
+            axum::routing::any(crate::proxy::proxy),
+        )
+        .route(
+            "/sandboxes/{id}/ports/{port}/{*path}",
+            axum::routing::any(crate::proxy::proxy),
+        )
         .route("/sandboxes/{id}/exec", post(exec))
         .route(
             "/sandboxes/{id}/files",
@@ -280,6 +303,10 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found_route)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            crate::proxy::host_route,
+        ))
         .layer(DefaultBodyLimit::max(MAX_FILE_BODY))
         .with_state(state)
 }
@@ -302,8 +329,18 @@ async fn authenticate(
     mut req: Request,
     next: Next,
 ) -> Response {
-    let token = req
-        .headers()
+    match tenant_of(&state, req.headers()) {
+        Ok(tenant) => {
+            req.extensions_mut().insert(tenant);
+            next.run(req).await
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The tenant whose bearer token the request carries.
+pub(crate) fn tenant_of(state: &ApiState, headers: &HeaderMap) -> ApiResult<TenantId> {
+    let token = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
@@ -315,26 +352,23 @@ async fn authenticate(
         Some(t) => match state.engine.tenant_for_token(t) {
             Ok(Some(tenant)) => tenant,
             Ok(None) => {
-                return ApiError::new(
+                return Err(ApiError::new(
                     StatusCode::UNAUTHORIZED,
                     "unauthorized",
                     "the bearer token is not valid",
-                )
-                .into_response()
+                ))
             }
-            Err(e) => return ApiError::from(e).into_response(),
+            Err(e) => return Err(ApiError::from(e)),
         },
         None => {
-            return ApiError::new(
+            return Err(ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
                 "missing `Authorization: Bearer TOKEN` header",
-            )
-            .into_response()
+            ))
         }
     };
-    req.extensions_mut().insert(tenant);
-    next.run(req).await
+    Ok(tenant)
 }
 
 pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -363,6 +397,7 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
     if let Some(gpus) = state.engine.gpus() {
         text.push_str(&gpus.metrics());
     }
+    text.push_str(&state.engine.network_metrics());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
@@ -523,6 +558,7 @@ async fn create_sandbox(
                 metadata: body.metadata,
                 limits: body.limits.unwrap_or_default(),
                 gpu: body.gpu,
+                network: body.network,
             },
         )
         .await?;

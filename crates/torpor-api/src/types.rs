@@ -52,6 +52,9 @@ pub struct CreateSandboxBody {
     /// A GPU request; overrides the template's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu: Option<serde_json::Value>,
+    /// Egress policy: `"none"` (default), `"full"` or `{"allow": [...], "hosts": [...]}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<torpor_core::NetworkPolicy>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -27,11 +27,14 @@ use torpor_runtime::proto::{self, AgentErrorCode, DirEntry, ExecRequest, Reply, 
 use torpor_runtime::{rootfs, Container, ContainerSpec, Runsc, WarmPool, Worker};
 
 use crate::error::{ControlError, Result};
+
+mod net;
 use crate::lot::{LotError, Parked, WorkerPermit, WorkerPool};
 use crate::metrics::Metrics;
 use crate::store::{
     ImageRef, Quotas, SandboxRecord, Store, TemplateRecord, TemplateStatus, TenantRecord,
 };
+pub use net::{count_proxied, note_sandbox_closed_first, ProxyTarget};
 
 /// Everything the engine needs to know at start.
 #[derive(Debug, Clone)]
@@ -76,6 +79,9 @@ pub struct CreateSandbox {
     /// A GPU request (`torpor-gpu`'s request object); overrides the template's.
     #[serde(default)]
     pub gpu: Option<serde_json::Value>,
+    /// Egress policy; absent or `none`: no network interface.
+    #[serde(default)]
+    pub network: Option<torpor_core::NetworkPolicy>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -175,6 +181,12 @@ impl Evictor {
 }
 
 impl InUse {
+    /// Where the proxy reaches the sandbox's ports (networked sandboxes only).
+    pub fn ingress_addr(&self) -> Option<std::net::Ipv4Addr> {
+        let live = self.guard.live.as_ref()?;
+        live._worker.net().map(|n| n.ingress_addr())
+    }
+
     fn container(&self) -> &Container {
         &self
             .guard
@@ -291,6 +303,7 @@ impl Engine {
                         idle: Default::default(),
                         warmup_ms: 0,
                         gpu: None,
+                        network: None,
                     },
                     &|_| {},
                 )
@@ -745,6 +758,8 @@ impl Engine {
             )?),
             None => None,
         };
+        // The sandbox's own policy, else its template's.
+        let network = net::check_policy(req.network.as_ref().or(tpl.spec.network.as_ref()))?;
         let now = now_millis();
         let mut rec = SandboxRecord {
             id: SandboxId::generate(),
@@ -766,6 +781,9 @@ impl Engine {
             let _quota = self.quota_lock.lock().await;
             self.check_quota(tenant, true, Some(rec.limits.memory_mib))?;
             self.store.insert_sandbox(&rec)?;
+            if let Some(policy) = &network {
+                self.store.set_network(&rec.id, policy)?;
+            }
         }
         let permit = match self.acquire_worker(tenant, rec.limits.memory_bytes()).await {
             Ok(p) => p,
@@ -820,7 +838,7 @@ impl Engine {
         configure: bool,
     ) -> Result<(Container, Worker)> {
         let cid = rec.container_id();
-        let worker = self
+        let mut worker = self
             .warm
             .take()
             .map_err(torpor_runtime::RuntimeError::from)?;
@@ -828,7 +846,11 @@ impl Engine {
             .warm_takes
             .with_label_values(&[if worker.was_warm() { "warm" } else { "cold" }])
             .inc();
-        let spec = container_spec(tpl, &rec.limits, &tpl.spec.env);
+        let mut spec = container_spec(tpl, &rec.limits, &tpl.spec.env);
+        let networked = self.store.network(&rec.id)?;
+        if let Some(policy) = &networked {
+            spec.netns = Some(net::prepare_worker_net(&mut worker, policy)?);
+        }
         let container = self.runsc.restore(&cid, &worker, &spec, image)?;
         let ready = async {
             self.runsc.wait_ready(&container, READY_TIMEOUT).await?;
@@ -842,6 +864,9 @@ impl Engine {
                         &[],
                     )
                     .await?;
+                if networked.is_some() {
+                    net::write_resolv_conf(&container).await?;
+                }
             }
             Ok::<_, ControlError>(())
         }
@@ -1279,6 +1304,7 @@ impl Engine {
     ) -> Result<()> {
         if let Some(live) = guard.live.as_ref() {
             self.gpu_checkpoint_gate(id, &live.container.id)?;
+            net::check_checkpointable(id)?;
         }
         let Some(live) = guard.live.take() else {
             return Ok(());
@@ -1532,6 +1558,10 @@ impl Engine {
                 break;
             }
             self.copy_gpu_request(id, &rec.id);
+            // A fork of a networked sandbox is networked, with the same policy.
+            if let Some(policy) = self.store.network(id)? {
+                self.store.set_network(&rec.id, &policy)?;
+            }
             forks.push(rec);
         }
         Ok(forks)
@@ -2282,6 +2312,7 @@ fn container_spec(
         cwd: tpl.spec.cwd.clone().unwrap_or_else(|| "/".into()),
         limits: *limits,
         hostname: "sandbox".into(),
+        netns: None,
     }
 }
 

@@ -771,6 +771,7 @@ impl Controller {
                     )]),
                     limits: Default::default(),
                     gpu: None,
+                    network: None,
                 };
                 tokio::spawn(async move {
                     let ev = match engine.create_sandbox(&tenant, req).await {

@@ -141,6 +141,10 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 );
 CREATE INDEX IF NOT EXISTS sandboxes_tenant ON sandboxes(tenant);
 CREATE INDEX IF NOT EXISTS sandboxes_template ON sandboxes(template);
+CREATE TABLE IF NOT EXISTS sandbox_network (
+    id TEXT PRIMARY KEY,
+    policy TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS tenants (
     id TEXT PRIMARY KEY,
     token_hash TEXT NOT NULL UNIQUE,
@@ -201,7 +205,10 @@ impl Store {
         })
     }
 
-    fn with<T>(&self, f: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> Result<T, StoreError> {
+    pub(crate) fn with<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+    ) -> Result<T, StoreError> {
         let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
         Ok(f(&conn)?)
     }
@@ -372,6 +379,10 @@ impl Store {
 
     pub fn delete_sandbox(&self, id: &SandboxId) -> Result<(), StoreError> {
         self.with(|c| {
+            c.execute(
+                "DELETE FROM sandbox_network WHERE id=?1",
+                params![id.as_str()],
+            )?;
             c.execute("DELETE FROM sandboxes WHERE id=?1", params![id.as_str()])
                 .map(|_| ())
         })

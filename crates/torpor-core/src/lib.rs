@@ -4,11 +4,13 @@
 
 pub mod ids;
 pub mod limits;
+pub mod network;
 pub mod state;
 pub mod template;
 
 pub use ids::{InvalidId, PoolName, SandboxId, TemplateName, TenantId};
 pub use limits::{Limits, LimitsError, LimitsPatch};
+pub use network::{NetworkPolicy, NetworkPolicyError};
 pub use state::{Recovery, SandboxState, Tier, TransitionError};
 pub use template::{validate_env, IdlePolicy, TemplateSource, TemplateSpec, TemplateSpecError};
 

@@ -72,6 +72,9 @@ pub struct TemplateSpec {
     /// (`{count, mode, profile?, compute_pct?, memory_mib?, ...}`), checked by the node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu: Option<serde_json::Value>,
+    /// Default egress policy of its sandboxes (each may override it at create); absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<crate::NetworkPolicy>,
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -84,6 +87,8 @@ pub enum TemplateSpecError {
     EnvName(String),
     #[error("env value of {0:?} holds a NUL byte")]
     EnvValue(String),
+    #[error(transparent)]
+    Network(#[from] crate::NetworkPolicyError),
     #[error("command argument {0} holds a NUL byte")]
     CommandArg(usize),
     #[error("cwd must be an absolute path")]
@@ -121,6 +126,9 @@ impl TemplateSpec {
             }
         }
         validate_env(&self.env)?;
+        if let Some(n) = &self.network {
+            n.validate()?;
+        }
         if let Some(i) = self.command.iter().position(|a| a.contains('\0')) {
             return Err(TemplateSpecError::CommandArg(i));
         }

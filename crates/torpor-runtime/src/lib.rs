@@ -5,6 +5,8 @@
 pub mod agent;
 pub mod cgroup;
 pub mod conn;
+pub mod dns;
+pub mod net;
 pub mod proto;
 pub mod rootfs;
 pub mod runsc;

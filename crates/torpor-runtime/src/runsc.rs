@@ -9,7 +9,7 @@
 //! Container ids are `<sandbox id>-g<generation>`: every restore gets a fresh id, so a stale
 //! container from a crashed daemon never collides with a new one.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -71,6 +71,8 @@ pub struct Runsc {
     pub log_dir: PathBuf,
     /// The cgroup of each container started on a warm worker (the others use their own id).
     groups: Arc<Mutex<HashMap<String, String>>>,
+    /// Containers running with a network (runsc `--network=sandbox`).
+    networked: Arc<Mutex<HashSet<String>>>,
 }
 
 /// How a container ended.
@@ -196,14 +198,23 @@ impl Runsc {
             state_root,
             log_dir,
             groups: Arc::default(),
+            networked: Arc::default(),
         })
     }
 
     fn global_args(&self) -> Vec<String> {
+        self.global_args_net(false)
+    }
+
+    fn global_args_net(&self, net: bool) -> Vec<String> {
         let mut args = vec![
             format!("--root={}", self.state_root.display()),
             format!("--platform={}", self.platform),
-            "--network=none".to_string(),
+            if net {
+                "--network=sandbox".to_string()
+            } else {
+                "--network=none".to_string()
+            },
         ];
         args.extend(self.overlay_flags.iter().cloned());
         args
@@ -241,7 +252,7 @@ impl Runsc {
             container_id.into(),
         ]);
         let oom = cgroup::watch_oom(container_id);
-        let c = self.spawn_container(container_id, container_id, oom, args)?;
+        let c = self.spawn_container(container_id, container_id, oom, args, false)?;
         self.wait_ready(&c, ready_timeout).await?;
         Ok(c)
     }
@@ -267,7 +278,11 @@ impl Runsc {
         )?;
         let bundle = worker.bundle();
         self.write_bundle(bundle, spec, worker.cgroup())?;
-        let mut args = self.global_args();
+        let net = spec.netns.is_some();
+        if net {
+            self.lock_networked().insert(container_id.to_string());
+        }
+        let mut args = self.global_args_net(net);
         args.extend([
             "restore".into(),
             format!("--image-path={}", image_dir.display()),
@@ -278,7 +293,15 @@ impl Runsc {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(container_id.to_string(), worker.cgroup().to_string());
-        self.spawn_container(container_id, worker.cgroup(), worker.oom_flag(), args)
+        self.spawn_container(container_id, worker.cgroup(), worker.oom_flag(), args, net)
+    }
+
+    fn lock_networked(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.networked.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn is_networked(&self, container_id: &str) -> bool {
+        self.lock_networked().contains(container_id)
     }
 
     /// Waits for the agent's hello, or fails with the tail of the container's log.
@@ -300,6 +323,7 @@ impl Runsc {
         cgroup: &str,
         oom: Arc<AtomicBool>,
         args: Vec<String>,
+        net: bool,
     ) -> Result<Container, RuntimeError> {
         let log_path = self.log_path(container_id);
         let log = std::fs::OpenOptions::new()
@@ -307,7 +331,11 @@ impl Runsc {
             .append(true)
             .open(&log_path)
             .map_err(io_err(&log_path))?;
-        let mut child = Command::new(&self.binary)
+        let mut cmd = Command::new(&self.binary);
+        if net {
+            private_proc_sys_net(&mut cmd);
+        }
+        let mut child = cmd
             .args(&args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -337,7 +365,7 @@ impl Runsc {
         // runsc cannot checkpoint a container frozen behind its back.
         let _ = cgroup::set_frozen(&c.cgroup, false);
         c.expected_exit.store(true, Ordering::SeqCst);
-        let mut args = self.global_args();
+        let mut args = self.global_args_net(self.is_networked(&c.id));
         args.extend([
             "checkpoint".into(),
             format!("--image-path={}", image_dir.display()),
@@ -362,7 +390,8 @@ impl Runsc {
             .remove(container_id);
         // A frozen process cannot die: thaw first, or the kill leaves it stuck (state D).
         let _ = cgroup::set_frozen(group.as_deref().unwrap_or(container_id), false);
-        let mut state = self.global_args();
+        let net = self.lock_networked().remove(container_id);
+        let mut state = self.global_args_net(net);
         state.extend(["state".into(), container_id.into()]);
         if let Ok(out) = self.run(&state, "state").await {
             let pid = serde_json::from_str::<serde_json::Value>(&out)
@@ -374,7 +403,7 @@ impl Runsc {
                 unsafe { libc::kill(pid as i32, libc::SIGKILL) };
             }
         }
-        let mut args = self.global_args();
+        let mut args = self.global_args_net(net);
         args.extend(["delete".into(), "--force".into(), container_id.into()]);
         let _ = self.run(&args, "delete").await;
         // A warm worker's group stays: the worker is reset and reused.
@@ -430,7 +459,11 @@ impl Runsc {
     }
 
     async fn run(&self, args: &[String], what: &str) -> Result<String, RuntimeError> {
-        let out = Command::new(&self.binary)
+        let mut cmd = Command::new(&self.binary);
+        if args.iter().any(|a| a == "--network=sandbox") {
+            private_proc_sys_net(&mut cmd);
+        }
+        let out = cmd
             .args(args)
             .stdin(Stdio::null())
             .output()
@@ -484,6 +517,44 @@ async fn watch_exit(mut child: Child, oom: Arc<AtomicBool>, tx: watch::Sender<Op
         },
     };
     let _ = tx.send(Some(info));
+}
+
+/// Runs the command in a private mount namespace with a tmpfs over /proc/sys/net. This runsc
+/// build refuses `--network=sandbox` when /proc/sys/net/core/rmem_default exists (its test for
+/// "in the root network namespace"), and newer kernels show that file in every namespace.
+/// `ip netns exec` is no substitute: it remounts /sys and hides the cgroup mounts.
+fn private_proc_sys_net(cmd: &mut Command) {
+    // SAFETY: between fork and exec only async-signal-safe syscalls run (unshare, mount), with
+    // static, NUL-terminated strings; no allocation, no locks.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::unshare(libc::CLONE_NEWNS) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let none = c"none".as_ptr();
+            if libc::mount(
+                none,
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::mount(
+                none,
+                c"/proc/sys/net".as_ptr(),
+                c"tmpfs".as_ptr(),
+                0,
+                std::ptr::null(),
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
 
 fn find_in_path(name: &str) -> PathBuf {

@@ -42,6 +42,9 @@ pub struct ContainerSpec {
     pub cwd: String,
     pub limits: Limits,
     pub hostname: String,
+    /// The network namespace (a path under /run/netns) holding the sandbox's link; `None`
+    /// runs with no network at all (runsc `--network=none`).
+    pub netns: Option<PathBuf>,
 }
 
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -81,6 +84,10 @@ pub fn render(spec: &ContainerSpec, cgroup: &str) -> serde_json::Value {
     );
 
     let (quota, period) = cpu_quota(&spec.limits);
+    let network_ns = match &spec.netns {
+        Some(path) => serde_json::json!({"type": "network", "path": path}),
+        None => serde_json::json!({"type": "network"}),
+    };
     serde_json::json!({
         "ociVersion": "1.0.2",
         "process": {
@@ -101,7 +108,7 @@ pub fn render(spec: &ContainerSpec, cgroup: &str) -> serde_json::Value {
         "linux": {
             "namespaces": [
                 {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
-                {"type": "network"}
+                network_ns
             ],
             "cgroupsPath": cgroup::cgroups_path(cgroup),
             "resources": {
@@ -158,6 +165,7 @@ mod tests {
                 pids: 10,
             },
             hostname: "sb".into(),
+            netns: None,
         };
         let v = render(&spec, "sb-x-g1");
         assert_eq!(v["linux"]["resources"]["memory"]["limit"], 64 << 20);

@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::cgroup::{self, CgroupError};
+use crate::net::{self, NetAlloc, NetError, WorkerNet};
 
 /// How long a reset waits for a left-over process to die before it gives the group up.
 const RESET_TIMEOUT: Duration = Duration::from_secs(10);
@@ -46,6 +47,9 @@ struct Prepared {
     bundle: PathBuf,
     /// The OOM flag of the sandbox now on this worker; the group's watch thread sets it.
     occupant: Arc<Mutex<Arc<AtomicBool>>>,
+    /// The worker's network namespaces, made the first time a networked sandbox runs here
+    /// and kept with the worker from then on.
+    net: Option<WorkerNet>,
 }
 
 enum Job {
@@ -57,6 +61,7 @@ enum Job {
 
 struct Inner {
     tag: String,
+    net_alloc: Arc<NetAlloc>,
     bundles: PathBuf,
     target: usize,
     next: AtomicUsize,
@@ -109,6 +114,22 @@ impl Worker {
     fn prepared(&self) -> &Prepared {
         self.prepared.as_ref().expect("present until drop")
     }
+
+    /// The worker's network, made now if this worker never ran a networked sandbox.
+    pub fn ensure_net(&mut self) -> Result<&WorkerNet, NetError> {
+        let tag = self.inner.tag.clone();
+        let alloc = self.inner.net_alloc.clone();
+        let p = self.prepared.as_mut().expect("present until drop");
+        if p.net.is_none() {
+            p.net = Some(WorkerNet::prepare(&p.name, &tag, &alloc)?);
+        }
+        Ok(p.net.as_ref().expect("just made"))
+    }
+
+    /// The worker's network, if it has one.
+    pub fn net(&self) -> Option<&WorkerNet> {
+        self.prepared().net.as_ref()
+    }
 }
 
 impl Drop for Worker {
@@ -124,7 +145,7 @@ impl Inner {
         let tx = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
         if let Err(mpsc::SendError(Job::Reset(p))) = tx.send(job) {
             // The pool's thread is gone (shutdown): just tear the worker down.
-            teardown(&p);
+            teardown(p);
         }
     }
 
@@ -153,6 +174,7 @@ impl Inner {
             name,
             bundle,
             occupant,
+            net: None,
         })
     }
 
@@ -164,16 +186,23 @@ impl Inner {
     fn run(self: Arc<Self>, jobs: mpsc::Receiver<Job>) {
         while let Ok(job) = jobs.recv() {
             match job {
-                Job::Reset(p) if self.closed.load(Ordering::SeqCst) => teardown(&p),
-                Job::Reset(p) => match cgroup::reset_group(&p.name, RESET_TIMEOUT) {
+                Job::Reset(p) if self.closed.load(Ordering::SeqCst) => teardown(p),
+                Job::Reset(mut p) => match cgroup::reset_group(&p.name, RESET_TIMEOUT) {
+                    Ok(()) if p.net.as_ref().is_some_and(|n| n.reset().is_err()) => {
+                        // A network that cannot be reset is made afresh on next use.
+                        if let Some(n) = p.net.take() {
+                            n.teardown();
+                        }
+                        self.ready.lock().unwrap_or_else(|p| p.into_inner()).push(p);
+                    }
                     Ok(()) if self.ready_len() < self.target => {
                         self.ready.lock().unwrap_or_else(|p| p.into_inner()).push(p);
                     }
-                    Ok(()) => teardown(&p),
+                    Ok(()) => teardown(p),
                     Err(e) => {
                         tracing::warn!(worker = %p.name, error = %e, "cannot reset a worker; discarding it");
                         self.discarded.fetch_add(1, Ordering::Relaxed);
-                        teardown(&p);
+                        teardown(p);
                     }
                 },
                 Job::Refill => {}
@@ -203,16 +232,19 @@ impl Inner {
             .unwrap_or_else(|p| p.into_inner())
             .drain(..)
             .collect();
-        for p in &ready {
+        for p in ready {
             teardown(p);
         }
     }
 }
 
-fn teardown(p: &Prepared) {
+fn teardown(mut p: Prepared) {
     let _ = cgroup::reset_group(&p.name, RESET_TIMEOUT);
     cgroup::remove_all(&p.name);
     let _ = std::fs::remove_dir_all(&p.bundle);
+    if let Some(n) = p.net.take() {
+        n.teardown();
+    }
 }
 
 impl WarmPool {
@@ -224,6 +256,7 @@ impl WarmPool {
         remove_leftovers(&tag, &bundles);
         let (tx, rx) = mpsc::channel();
         let inner = Arc::new(Inner {
+            net_alloc: NetAlloc::new(&tag),
             tag,
             bundles,
             target,
@@ -335,6 +368,7 @@ fn remove_leftovers(tag: &str, bundles: &Path) {
         cgroup::remove_all(&name);
     }
     let _ = std::fs::remove_dir_all(bundles);
+    net::remove_leftovers(&prefix);
 }
 
 #[cfg(test)]

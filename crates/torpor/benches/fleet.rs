@@ -83,6 +83,7 @@ fn template(name: &str, idle: IdlePolicy) -> TemplateSpec {
         idle,
         warmup_ms: 300,
         gpu: None,
+        network: None,
     }
 }
 

@@ -128,6 +128,7 @@ async fn main() {
         idle: no_idle,
         warmup_ms: 1500,
         gpu: None,
+        network: None,
     };
     let true_cmd = ExecBody {
         cmd: vec!["/bin/true".into()],
@@ -316,6 +317,7 @@ async fn main() {
             cwd: "/".into(),
             limits: Limits::default(),
             hostname: "bench".into(),
+            netns: None,
         };
         let t = Instant::now();
         let container = runsc

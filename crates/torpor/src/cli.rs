@@ -84,6 +84,9 @@ pub enum Command {
         /// Serve KEDA's external scaler (gRPC) on this address, e.g. 0.0.0.0:9090.
         #[arg(long)]
         keda_listen: Option<SocketAddr>,
+        /// Host-based routing to sandbox ports: `{port}-{id}.<DOMAIN>` (docs/NETWORKING.md).
+        #[arg(long)]
+        proxy_domain: Option<String>,
     },
     /// Inspect, verify and collect the snapshot store (operator only).
     #[command(subcommand)]
@@ -395,8 +398,12 @@ async fn dispatch(cmd: Command) -> CliResult {
             gpu_quotas,
             store,
             keda_listen,
+            proxy_domain,
         } => {
             init_logging();
+            if let Some(d) = &proxy_domain {
+                torpor_api::proxy::set_proxy_domain(d);
+            }
             daemon::up(daemon::UpConfig {
                 listen,
                 data_dir: data_dir.unwrap_or_else(daemon::default_data_dir),
@@ -443,6 +450,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                         pids,
                     }),
                     gpu,
+                    network: None,
                 })
                 .await?;
             if conn.json {
@@ -703,6 +711,7 @@ async fn template(cmd: TemplateCmd) -> CliResult {
                 },
                 warmup_ms,
                 gpu,
+                network: None,
             };
             if !conn.json {
                 eprintln!("building template {name}: import, boot, golden snapshot ...");

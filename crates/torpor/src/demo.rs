@@ -278,6 +278,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         },
         warmup_ms: 300,
         gpu: None,
+        network: None,
     })
     .await?;
     let template_s = t.elapsed().as_secs_f64();

@@ -67,6 +67,7 @@ async fn an_oci_archive_becomes_a_template() {
         idle: no_idle(),
         warmup_ms: 0,
         gpu: None,
+        network: None,
     };
     let t = c
         .create_template(&spec("tiny", Some("tiny")))

@@ -243,6 +243,7 @@ pub async fn create(
                 metadata,
                 limits: Default::default(),
                 gpu: None,
+                network: None,
             },
         )
         .await

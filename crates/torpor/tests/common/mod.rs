@@ -214,6 +214,7 @@ pub fn agent_template(name: &str, idle: IdlePolicy) -> TemplateSpec {
         idle,
         warmup_ms: 300,
         gpu: None,
+        network: None,
     }
 }
 

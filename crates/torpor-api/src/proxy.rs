@@ -1,0 +1,413 @@
+//! Ingress: `ANY /v1/sandboxes/{id}/ports/{port}/{path…}` proxies HTTP to a port of the
+//! sandbox, waking it first when it sleeps (parked in the lot like any call when no worker is
+//! free), and `PATCH /v1/sandboxes/{id}` changes its network policy.
+//!
+//! Each proxied request gets its own connection to the sandbox, closed by torpor once the
+//! response has been read: the sandbox's side never holds a TIME_WAIT endpoint, which would
+//! make its next checkpoint fail. The sandbox stays borrowed (it cannot be checkpointed) until
+//! the response body has been streamed to the client, so the sleep ladder drains proxied
+//! requests instead of cutting them.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, HeaderName, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use torpor_core::{NetworkPolicy, SandboxId, TenantId};
+
+use crate::server::{parse_json, sandbox_id, ApiError, ApiState, RawBody};
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// Body of `PATCH /v1/sandboxes/{id}` and its answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxPatch {
+    pub network: NetworkPolicy,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SandboxNetwork {
+    pub id: String,
+    pub network: NetworkPolicy,
+    /// While resident: the host-side address that forwards every port to the sandbox (what the
+    /// proxy connects to). Absent while it sleeps or without a network.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+}
+
+pub(crate) async fn patch_sandbox(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(id): Path<String>,
+    RawBody(body): RawBody,
+) -> ApiResult<Json<SandboxNetwork>> {
+    let id = sandbox_id(&id)?;
+    let patch: SandboxPatch = parse_json(&body)?;
+    state
+        .engine
+        .set_network(&tenant, &id, patch.network)
+        .await?;
+    get_network_of(&state, &tenant, &id)
+}
+
+pub(crate) async fn get_network(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<SandboxNetwork>> {
+    get_network_of(&state, &tenant, &sandbox_id(&id)?)
+}
+
+fn get_network_of(
+    state: &ApiState,
+    tenant: &TenantId,
+    id: &SandboxId,
+) -> ApiResult<Json<SandboxNetwork>> {
+    let network = state.engine.network_policy(tenant, id)?;
+    let address = state
+        .engine
+        .ingress_address(tenant, id)?
+        .map(|a| a.to_string());
+    Ok(Json(SandboxNetwork {
+        id: id.to_string(),
+        network,
+        address,
+    }))
+}
+
+fn client() -> &'static reqwest::Client {
+    static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
+    CLIENT.get_or_init(|| {
+        reqwest::Client::builder()
+            // One connection per request, closed by us: no idle keep-alive into the sandbox.
+            .pool_max_idle_per_host(0)
+            .no_proxy()
+            .redirect(reqwest::redirect::Policy::none())
+            .connect_timeout(Duration::from_secs(10))
+            .build()
+            .expect("proxy client builds")
+    })
+}
+
+/// Headers that belong to one hop (RFC 9110 §7.6.1), plus torpor's own credentials.
+fn hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "proxy-connection"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
+            | "authorization"
+    )
+}
+
+/// A `Connection: upgrade` request naming a protocol (WebSocket).
+fn wants_upgrade(h: &HeaderMap) -> bool {
+    let conn_upgrade = h
+        .get_all(axum::http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| {
+            v.split(',')
+                .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+        });
+    conn_upgrade && h.contains_key(axum::http::header::UPGRADE)
+}
+
+fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    for (k, v) in from {
+        if !hop_by_hop(k) {
+            to.append(k.clone(), v.clone());
+        }
+    }
+}
+
+/// Splits `[/v1]/sandboxes/{id}/ports/{port}/{rest}` (raw, still percent-encoded; the router
+/// nested under /v1 sees the path without its prefix).
+pub(crate) fn split_route(path: &str) -> ApiResult<(String, u16, String)> {
+    let bad_port = |p: &str| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_port",
+            format!("port {p:?} is not a number in 1-65535"),
+        )
+    };
+    let rest = path
+        .strip_prefix("/v1")
+        .unwrap_or(path)
+        .strip_prefix("/sandboxes/")
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route"))?;
+    let mut parts = rest.splitn(4, '/');
+    let id = parts.next().unwrap_or_default().to_string();
+    if parts.next() != Some("ports") {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "no such route",
+        ));
+    }
+    let port_raw = parts.next().unwrap_or_default();
+    let port: u16 = port_raw
+        .parse()
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| bad_port(port_raw))?;
+    let tail = parts.next().unwrap_or_default().to_string();
+    check_tail(&tail)?;
+    Ok((id, port, tail))
+}
+
+/// Refuses a path that would climb out of the route (`..`, `.`, encoded slashes).
+fn check_tail(tail: &str) -> ApiResult<()> {
+    let bad = || {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_path",
+            format!("path {tail:?} may not contain '.' or '..' segments, encoded slashes or NUL"),
+        )
+    };
+    let lower = tail.to_ascii_lowercase();
+    if lower.contains("%2f")
+        || lower.contains("%5c")
+        || lower.contains("%00")
+        || tail.contains('\\')
+    {
+        return Err(bad());
+    }
+    for seg in tail.split('/') {
+        let decoded = seg.replace("%2e", ".").replace("%2E", ".");
+        if decoded == "." || decoded == ".." {
+            return Err(bad());
+        }
+    }
+    Ok(())
+}
+
+pub(crate) async fn proxy(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    req: Request,
+) -> Response {
+    let uri = req.uri().clone();
+    match proxy_inner(state, tenant, uri, req).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn proxy_inner(
+    state: Arc<ApiState>,
+    tenant: TenantId,
+    uri: axum::http::Uri,
+    req: Request,
+) -> ApiResult<Response> {
+    let (id, port, tail) = split_route(uri.path())?;
+    forward(state, tenant, id, port, tail, uri, req).await
+}
+
+static DOMAIN: OnceLock<String> = OnceLock::new();
+
+/// Turns on host-based routing: `{port}-{id}.<domain>` reaches `port` of sandbox `id`.
+pub fn set_proxy_domain(domain: &str) {
+    let _ = DOMAIN.set(domain.trim_matches('.').to_ascii_lowercase());
+}
+
+/// Host-based routing: a request whose Host is `{port}-{id}.<domain>` (the domain given to
+/// [`set_proxy_domain`]) is proxied like `/v1/sandboxes/{id}/ports/{port}/{path}`, with the same
+/// authentication; every other request goes on to the API.
+pub(crate) async fn host_route(
+    State(state): State<Arc<ApiState>>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(domain) = DOMAIN.get() else {
+        return next.run(req).await;
+    };
+    let host = req
+        .headers()
+        .get(axum::http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(|h| {
+            h.rsplit_once(':')
+                .map_or(h, |(name, _)| name)
+                .to_ascii_lowercase()
+        });
+    let label = host.as_deref().and_then(|h| {
+        h.strip_suffix(domain.as_str())
+            .and_then(|l| l.strip_suffix('.'))
+            .map(str::to_string)
+    });
+    let Some(label) = label else {
+        return next.run(req).await;
+    };
+    let result = async {
+        let (port_raw, id) = label.split_once('-').ok_or_else(|| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_host",
+                format!("host {label:?}.{domain}: expected {{port}}-{{sandbox id}}.{domain}"),
+            )
+        })?;
+        let port = split_route(&format!("/sandboxes/{id}/ports/{port_raw}"))?.1;
+        let tenant = crate::server::tenant_of(&state, req.headers())?;
+        let uri = req.uri().clone();
+        let tail = uri.path().trim_start_matches('/').to_string();
+        check_tail(&tail)?;
+        forward(state.clone(), tenant, id.to_string(), port, tail, uri, req).await
+    }
+    .await;
+    result.unwrap_or_else(|e| e.into_response())
+}
+
+async fn forward(
+    state: Arc<ApiState>,
+    tenant: TenantId,
+    id: String,
+    port: u16,
+    tail: String,
+    uri: axum::http::Uri,
+    req: Request,
+) -> ApiResult<Response> {
+    let id = sandbox_id(&id)?;
+    let target = state.engine.proxy_target(&tenant, &id, port).await?;
+    let mut url = format!("http://{}/{}", target.addr, tail);
+    if let Some(q) = uri.query() {
+        url.push('?');
+        url.push_str(q);
+    }
+    let mut req = req;
+    let upgrade = wants_upgrade(req.headers());
+    let on_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+    let (parts, body) = req.into_parts();
+    let mut headers = HeaderMap::new();
+    copy_headers(&parts.headers, &mut headers);
+    if upgrade {
+        // The upgrade is between the client and the sandbox: pass its headers through.
+        for name in [axum::http::header::CONNECTION, axum::http::header::UPGRADE] {
+            if let Some(v) = parts.headers.get(&name) {
+                headers.insert(name, v.clone());
+            }
+        }
+    }
+    // A body only when the client sent one (a stream body without a length would go out
+    // chunked, even for a GET or an upgrade).
+    let has_body = parts
+        .headers
+        .contains_key(axum::http::header::CONTENT_LENGTH)
+        || parts
+            .headers
+            .contains_key(axum::http::header::TRANSFER_ENCODING);
+    let mut rb = client().request(parts.method, &url).headers(headers);
+    if has_body {
+        rb = rb.body(reqwest::Body::wrap_stream(body.into_data_stream()));
+    }
+    let resp = rb.send().await.map_err(|e| {
+        torpor_control::engine::count_proxied("upstream_error");
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_unreachable",
+            format!("sandbox {id} port {port}: {e}"),
+        )
+    })?;
+    torpor_control::engine::count_proxied(if target.woke { "woke" } else { "served" });
+    let closes = resp
+        .headers()
+        .get(axum::http::header::CONNECTION)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.to_ascii_lowercase().contains("close"));
+    if resp.version() < reqwest::Version::HTTP_11 || closes {
+        torpor_control::engine::note_sandbox_closed_first(&id);
+    }
+    let mut out = Response::builder().status(resp.status());
+    if let Some(h) = out.headers_mut() {
+        copy_headers(resp.headers(), h);
+    }
+    if let (Some(on_upgrade), StatusCode::SWITCHING_PROTOCOLS) = (on_upgrade, resp.status()) {
+        if let Some(h) = out.headers_mut() {
+            for name in [axum::http::header::CONNECTION, axum::http::header::UPGRADE] {
+                if let Some(v) = resp.headers().get(&name) {
+                    h.insert(name, v.clone());
+                }
+            }
+        }
+        let in_use = target.in_use;
+        let upstream = resp.upgrade().await.map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream_invalid",
+                format!("sandbox {id} port {port}: upgrade failed: {e}"),
+            )
+        })?;
+        // Bytes both ways until either side closes; the sandbox stays borrowed (no checkpoint
+        // under an open WebSocket).
+        tokio::spawn(async move {
+            let _in_use = in_use;
+            let Ok(client) = on_upgrade.await else { return };
+            let mut client = hyper_util::rt::TokioIo::new(client);
+            let mut upstream = upstream;
+            let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+        });
+        return out.body(Body::empty()).map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream_invalid",
+                format!("sandbox {id} port {port}: {e}"),
+            )
+        });
+    }
+    // The borrow of the sandbox lives as long as the body stream: no checkpoint until the
+    // response has been streamed out (or the client went away).
+    let in_use = target.in_use;
+    let stream = resp.bytes_stream().map(move |chunk| {
+        let _ = &in_use;
+        chunk.map_err(std::io::Error::other)
+    });
+    out.body(Body::from_stream(stream)).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_invalid",
+            format!("sandbox {id} port {port}: {e}"),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_split_and_escapes_are_refused() {
+        let (id, port, tail) = split_route("/v1/sandboxes/sb-1/ports/8080/a/b.txt")
+            .ok()
+            .unwrap();
+        assert_eq!(
+            (id.as_str(), port, tail.as_str()),
+            ("sb-1", 8080, "a/b.txt")
+        );
+        assert_eq!(split_route("/sandboxes/x/ports/1").ok().unwrap().2, "");
+        for bad in ["0", "65536", "-1", "http", ""] {
+            let e = split_route(&format!("/v1/sandboxes/x/ports/{bad}/"))
+                .err()
+                .unwrap();
+            assert_eq!(e.code(), "invalid_port", "{bad}");
+        }
+        for bad in ["..", "a/../..", "%2e%2E/x", "a%2fb", "a\\b", ".", "x/%00"] {
+            let e = split_route(&format!("/v1/sandboxes/x/ports/80/{bad}"))
+                .err()
+                .unwrap();
+            assert_eq!(e.code(), "invalid_path", "{bad}");
+        }
+    }
+}

@@ -1,0 +1,339 @@
+//! The engine's side of sandbox networking: policies in the store, the worker's network made
+//! ready before each restore, live policy changes, and the target of proxied requests.
+//!
+//! A sandbox is *networked* when it was created with a policy other than `none`: it then runs
+//! with runsc's own network stack on its worker's namespaces (torpor_runtime::net) on every
+//! wake, and its policy (`none`, `full` or an allowlist) can change at any time. A sandbox
+//! created without a network never gets one (its checkpoints have no interface).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use rusqlite::params;
+use torpor_core::{NetworkPolicy, SandboxId, TenantId};
+use torpor_runtime::Worker;
+
+use prometheus::{Encoder, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+
+use super::{not_found, Engine, InUse, Slot};
+use crate::error::{ControlError, Result};
+use crate::store::{SandboxRecord, Store, StoreError};
+
+/// A running sandbox borrowed for one proxied request, and where to connect. While this lives
+/// the sandbox cannot be checkpointed: the sleep ladder waits for proxied requests to finish.
+pub struct ProxyTarget {
+    pub in_use: InUse,
+    pub addr: SocketAddr,
+    /// Whether this request woke the sandbox (it was not running).
+    pub woke: bool,
+}
+
+/// Proxied requests by outcome: `served` (the sandbox was running), `woke` (it slept and this
+/// request woke it), `rejected` (no worker, lot full, not found, no network...),
+/// `upstream_error` (nothing answered on the port).
+fn proxy_counter() -> &'static (Registry, IntCounterVec) {
+    static C: OnceLock<(Registry, IntCounterVec)> = OnceLock::new();
+    C.get_or_init(|| {
+        let registry = Registry::new();
+        let c = IntCounterVec::new(
+            Opts::new(
+                "torpor_proxy_requests_total",
+                "Requests proxied to sandbox ports, by outcome.",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(c.clone()))
+            .expect("registers once");
+        (registry, c)
+    })
+}
+
+/// Counts one proxied request.
+pub fn count_proxied(outcome: &str) {
+    proxy_counter().1.with_label_values(&[outcome]).inc();
+}
+
+/// How long gVisor keeps a TIME_WAIT endpoint after the sandbox closed a connection first;
+/// a checkpoint fails (and loses the state since the last one) while one exists.
+pub const TIME_WAIT: std::time::Duration = std::time::Duration::from_secs(61);
+
+fn peer_closed(
+) -> &'static std::sync::Mutex<std::collections::HashMap<SandboxId, std::time::Instant>> {
+    static M: OnceLock<std::sync::Mutex<std::collections::HashMap<SandboxId, std::time::Instant>>> =
+        OnceLock::new();
+    M.get_or_init(Default::default)
+}
+
+/// Records that the sandbox's server closed a proxied connection first (an HTTP/1.0 answer or
+/// `Connection: close`): its network stack holds a TIME_WAIT endpoint for [`TIME_WAIT`].
+pub fn note_sandbox_closed_first(id: &SandboxId) {
+    peer_closed()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(id.clone(), std::time::Instant::now());
+}
+
+/// Refuses a checkpoint that would fail on a TIME_WAIT endpoint the proxy saw being made;
+/// the idle policy retries on a later tick, an explicit suspend answers an error naming the wait.
+pub(super) fn check_checkpointable(id: &SandboxId) -> Result<()> {
+    let mut m = peer_closed().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(t) = m.get(id) {
+        let age = t.elapsed();
+        if age < TIME_WAIT {
+            return Err(ControlError::Unsupported(format!(
+                "network_busy: sandbox {id}'s server closed a proxied connection first {} ms ago; \
+                 its network stack holds a TIME_WAIT endpoint that would make the checkpoint fail. \
+                 Retry in {} s (serve HTTP/1.1 keep-alive to avoid this)",
+                age.as_millis(),
+                (TIME_WAIT - age).as_secs() + 1
+            )));
+        }
+        m.remove(id);
+    }
+    Ok(())
+}
+
+/// Validates a requested policy; `None` when the sandbox gets no network.
+pub(super) fn check_policy(p: Option<&NetworkPolicy>) -> Result<Option<NetworkPolicy>> {
+    let Some(p) = p else { return Ok(None) };
+    p.validate()
+        .map_err(|e| ControlError::Invalid(e.to_string()))?;
+    if p.is_none() {
+        return Ok(None);
+    }
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    if !*AVAILABLE.get_or_init(torpor_runtime::net::available) {
+        return Err(ControlError::Unsupported(
+            "sandbox networking needs `ip` and `nft` on the host (scripts/deps.sh installs them)"
+                .into(),
+        ));
+    }
+    Ok(Some(p.clone()))
+}
+
+/// Makes `worker`'s network ready for a sandbox under `policy`: namespaces (first use),
+/// the sandbox's address (runsc took it from the previous one), the egress rules. Returns the
+/// namespace path for the spec.
+pub(super) fn prepare_worker_net(worker: &mut Worker, policy: &NetworkPolicy) -> Result<PathBuf> {
+    let net = worker.ensure_net().map_err(net_err)?;
+    net.set_sandbox_addr().map_err(net_err)?;
+    net.apply_policy(policy).map_err(net_err)?;
+    Ok(net.sandbox_ns_path())
+}
+
+/// Points the sandbox's resolver at its gateway (torpor's DNS responder, through the router).
+/// Written once, at create: the address is the same on every worker.
+pub(super) async fn write_resolv_conf(c: &torpor_runtime::Container) -> Result<()> {
+    c.conn
+        .call(
+            &torpor_runtime::proto::Request::WriteFile {
+                path: "/etc/resolv.conf".into(),
+                mode: Some(0o644),
+            },
+            format!(
+                "# written by torpor: names on the sandbox's allowlist resolve here\nnameserver {}\n",
+                torpor_runtime::net::GATEWAY_ADDR
+            )
+            .as_bytes(),
+        )
+        .await?;
+    Ok(())
+}
+
+fn net_err(e: torpor_runtime::net::NetError) -> ControlError {
+    ControlError::Runtime(torpor_runtime::RuntimeError::ExitedEarly(e.to_string()))
+}
+
+impl Store {
+    pub fn set_network(&self, id: &SandboxId, policy: &NetworkPolicy) -> Result<(), StoreError> {
+        let json = serde_json::to_string(policy).expect("policy serialises");
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO sandbox_network (id, policy) VALUES (?1, ?2)
+                 ON CONFLICT(id) DO UPDATE SET policy=excluded.policy",
+                params![id.as_str(), json],
+            )
+            .map(|_| ())
+        })
+    }
+
+    /// The policy of a networked sandbox; `None` for one without network.
+    pub fn network(&self, id: &SandboxId) -> Result<Option<NetworkPolicy>, StoreError> {
+        let raw: Option<String> = self.with(|c| {
+            let mut st = c.prepare("SELECT policy FROM sandbox_network WHERE id=?1")?;
+            let mut rows = st.query(params![id.as_str()])?;
+            match rows.next()? {
+                Some(r) => Ok(Some(r.get(0)?)),
+                None => Ok(None),
+            }
+        })?;
+        Ok(raw.and_then(|s| serde_json::from_str(&s).ok()))
+    }
+}
+
+impl Engine {
+    /// The sandbox's network policy (`none` for a sandbox without network).
+    pub fn network_policy(&self, tenant: &TenantId, id: &SandboxId) -> Result<NetworkPolicy> {
+        self.sandbox(tenant, id)?;
+        Ok(self.store.network(id)?.unwrap_or_else(NetworkPolicy::none))
+    }
+
+    /// The address the proxy connects to for a resident networked sandbox (its worker's
+    /// router); `None` while it sleeps or when it has no network.
+    pub fn ingress_address(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+    ) -> Result<Option<std::net::Ipv4Addr>> {
+        self.sandbox(tenant, id)?;
+        let slot = self.slot(id);
+        let addr = slot.state.try_read().ok().and_then(|g| {
+            g.live
+                .as_ref()
+                .and_then(|l| l._worker.net())
+                .map(|n| n.ingress_addr())
+        });
+        Ok(addr)
+    }
+
+    /// Changes a networked sandbox's egress policy; a running sandbox gets it at once (new
+    /// connections follow it; established ones stay), a sleeping one on its next wake.
+    pub async fn set_network(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        policy: NetworkPolicy,
+    ) -> Result<SandboxRecord> {
+        let rec = self.sandbox(tenant, id)?;
+        policy
+            .validate()
+            .map_err(|e| ControlError::Invalid(e.to_string()))?;
+        if self.store.network(id)?.is_none() {
+            if policy.is_none() {
+                return Ok(rec);
+            }
+            return Err(ControlError::Invalid(format!(
+                "network: sandbox {id} was created without a network; create it with a `network` policy"
+            )));
+        }
+        let slot = self.slot(id);
+        // The read lock: a wake or checkpoint (write lock) does not run meanwhile, so the
+        // stored policy and the live rules agree.
+        let guard = slot.state.clone().read_owned().await;
+        self.store.set_network(id, &policy)?;
+        if let Some(net) = guard.live.as_ref().and_then(|l| l._worker.net()) {
+            net.apply_policy(&policy).map_err(net_err)?;
+        }
+        Ok(rec)
+    }
+
+    /// Network metrics in Prometheus text: proxied requests by outcome, and for every resident
+    /// networked sandbox its bytes and connections by direction and its denied egress attempts
+    /// by destination (read from its worker's nftables counters when scraped).
+    pub fn network_metrics(&self) -> String {
+        let registry = Registry::new();
+        let gauge = |name: &str, help: &str, labels: &[&str]| {
+            let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+            registry.register(Box::new(g.clone())).expect("unique");
+            g
+        };
+        let bytes = gauge(
+            "torpor_sandbox_network_bytes",
+            "Bytes through a resident sandbox's interface since its wake (tx: sent by it).",
+            &["sandbox", "direction"],
+        );
+        let conns = gauge(
+            "torpor_sandbox_network_connections",
+            "Connections (flows) since its wake: egress (opened by it) and ingress (proxied).",
+            &["sandbox", "direction"],
+        );
+        let denied = gauge(
+            "torpor_sandbox_egress_denied_packets",
+            "Packets the egress policy dropped since its wake, by destination (addr:port).",
+            &["sandbox", "destination"],
+        );
+        let slots: Vec<(SandboxId, Arc<Slot>)> = {
+            let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            slots.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        };
+        for (id, slot) in slots {
+            let Ok(guard) = slot.state.try_read() else {
+                continue;
+            };
+            let Some(net) = guard.live.as_ref().and_then(|l| l._worker.net()) else {
+                continue;
+            };
+            let st = net.stats();
+            let id = id.as_str();
+            bytes.with_label_values(&[id, "tx"]).set(st.tx_bytes as i64);
+            bytes.with_label_values(&[id, "rx"]).set(st.rx_bytes as i64);
+            conns
+                .with_label_values(&[id, "egress"])
+                .set(st.egress_connections as i64);
+            conns
+                .with_label_values(&[id, "ingress"])
+                .set(st.ingress_connections as i64);
+            let mut listed = 0;
+            for (dest, n) in &st.denied_by_destination {
+                denied.with_label_values(&[id, dest]).set(*n as i64);
+                listed += n;
+            }
+            if st.denied_packets > listed {
+                denied
+                    .with_label_values(&[id, "other"])
+                    .set((st.denied_packets - listed) as i64);
+            }
+        }
+        let mut families = proxy_counter().0.gather();
+        families.extend(registry.gather());
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&families, &mut buf)
+            .expect("text encoding cannot fail");
+        String::from_utf8(buf).expect("prometheus text is UTF-8")
+    }
+
+    /// Borrows the sandbox for one proxied request to `port`, waking it (parked when no worker
+    /// is free) if it sleeps.
+    pub async fn proxy_target(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        port: u16,
+    ) -> Result<ProxyTarget> {
+        let result = self.proxy_target_inner(tenant, id, port).await;
+        if result.is_err() {
+            count_proxied("rejected");
+        }
+        result
+    }
+
+    async fn proxy_target_inner(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        port: u16,
+    ) -> Result<ProxyTarget> {
+        self.sandbox(tenant, id)?;
+        if self.store.network(id)?.is_none() {
+            return Err(ControlError::Invalid(format!(
+                "sandbox {id} has no network; create it with a `network` policy to reach its ports"
+            )));
+        }
+        let running = self
+            .slot(id)
+            .state
+            .try_read()
+            .is_ok_and(|g| g.live.as_ref().is_some_and(|l| !l.frozen));
+        let in_use = self.use_sandbox(tenant, id).await?;
+        let addr = in_use.ingress_addr().ok_or_else(|| not_found(id))?;
+        Ok(ProxyTarget {
+            in_use,
+            addr: SocketAddr::from((addr, port)),
+            woke: !running,
+        })
+    }
+}

@@ -1,0 +1,537 @@
+//! A warm worker's network: two namespaces, two veth pairs and an nftables table.
+//!
+//! ```text
+//!  sandbox ns  <w>-s          router ns  <w>-r                      root ns
+//!  eth0 169.254.0.2/30 ──veth── sb0 169.254.0.1/30
+//!                               up0 10.x.y.(4n+2)/30 ──veth── t<tag><n> 10.x.y.(4n+1)/30
+//! ```
+//!
+//! The sandbox namespace holds only the sandbox's link (runsc takes every link of the namespace
+//! it is given), with the same address on every worker, so a checkpoint taken on one worker
+//! restores on any other. The router namespace forwards, masquerades egress behind its uplink
+//! address, applies the egress policy (chain `tp_egress` of table `ip torpor`) and DNATs
+//! connections to its uplink address onto the sandbox (ingress: the proxy connects to
+//! [`WorkerNet::ingress_addr`]). Nothing is changed in the root namespace but the host end of
+//! the uplink veth. Deleting the router namespace removes both veth pairs.
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+
+use torpor_core::network::{parse_cidr, AllowList, NetworkMode};
+use torpor_core::NetworkPolicy;
+
+/// The sandbox's own address, the same on every worker.
+pub const SANDBOX_ADDR: Ipv4Addr = Ipv4Addr::new(169, 254, 0, 2);
+/// Its gateway (the router namespace's end).
+pub const GATEWAY_ADDR: Ipv4Addr = Ipv4Addr::new(169, 254, 0, 1);
+/// Uplink subnets are /22 blocks (256 workers each) of this /12.
+const UPLINK_BASE: u32 = u32::from_be_bytes([10, 192, 0, 0]);
+const BLOCKS: u32 = 1024;
+const SLOTS_PER_BLOCK: u32 = 256;
+
+#[derive(Debug, thiserror::Error)]
+#[error("network setup: `{command}` failed: {stderr}")]
+pub struct NetError {
+    pub command: String,
+    pub stderr: String,
+}
+
+/// Hands out uplink subnets within this daemon's /22 block.
+pub struct NetAlloc {
+    block: u32,
+    used: Mutex<BTreeSet<u32>>,
+}
+
+impl NetAlloc {
+    /// Picks a /22 block from `tag` (stable per data directory), skipping blocks that already
+    /// have an address on this host (another daemon's workers).
+    pub fn new(tag: &str) -> Arc<NetAlloc> {
+        let mut h: u32 = 0x811c_9dc5;
+        for b in tag.bytes() {
+            h ^= u32::from(b);
+            h = h.wrapping_mul(0x0100_0193);
+        }
+        let taken = host_addresses();
+        let mut block = h % BLOCKS;
+        for _ in 0..BLOCKS {
+            let start = UPLINK_BASE + block * SLOTS_PER_BLOCK * 4;
+            let end = start + SLOTS_PER_BLOCK * 4;
+            if !taken.iter().any(|a| (start..end).contains(a)) {
+                break;
+            }
+            block = (block + 1) % BLOCKS;
+        }
+        Arc::new(NetAlloc {
+            block,
+            used: Mutex::default(),
+        })
+    }
+
+    fn take(&self) -> Option<u32> {
+        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = (0..SLOTS_PER_BLOCK).find(|s| !used.contains(s))?;
+        used.insert(slot);
+        Some(slot)
+    }
+
+    fn give_back(&self, slot: u32) {
+        self.used
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&slot);
+    }
+
+    fn addrs(&self, slot: u32) -> (Ipv4Addr, Ipv4Addr) {
+        let base = UPLINK_BASE + self.block * SLOTS_PER_BLOCK * 4 + slot * 4;
+        (Ipv4Addr::from(base + 1), Ipv4Addr::from(base + 2))
+    }
+}
+
+/// The IPv4 addresses of the root namespace.
+fn host_addresses() -> Vec<u32> {
+    let out = Command::new("ip")
+        .args(["-4", "-o", "addr", "show"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    out.lines()
+        .filter_map(|l| {
+            let mut it = l.split_whitespace();
+            it.position(|w| w == "inet")?;
+            let a = it.next()?.split('/').next()?;
+            a.parse::<Ipv4Addr>().ok().map(u32::from)
+        })
+        .collect()
+}
+
+/// One worker's network, made by [`WorkerNet::prepare`] and removed by [`WorkerNet::teardown`].
+pub struct WorkerNet {
+    /// Namespace names (under /run/netns).
+    pub sandbox_ns: String,
+    pub router_ns: String,
+    /// The root namespace's end of the uplink.
+    pub host_link: String,
+    pub host_addr: Ipv4Addr,
+    pub router_addr: Ipv4Addr,
+    slot: u32,
+    alloc: Arc<NetAlloc>,
+}
+
+fn run(args: &[&str], stdin: Option<&str>) -> Result<String, NetError> {
+    let fail = |stderr: String| NetError {
+        command: args.join(" "),
+        stderr,
+    };
+    let mut child = Command::new(args[0])
+        .args(&args[1..])
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| fail(e.to_string()))?;
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        pipe.write_all(input.as_bytes())
+            .map_err(|e| fail(e.to_string()))?;
+    }
+    let out = child.wait_with_output().map_err(|e| fail(e.to_string()))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        let mut msg = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        if let Some(input) = stdin {
+            msg.push_str(&format!(" (input: {})", input.trim()));
+        }
+        Err(fail(msg))
+    }
+}
+
+impl WorkerNet {
+    /// Makes the namespaces, links, addresses and the base nftables table for worker `name`.
+    pub fn prepare(name: &str, tag: &str, alloc: &Arc<NetAlloc>) -> Result<WorkerNet, NetError> {
+        let slot = alloc.take().ok_or_else(|| NetError {
+            command: "allocate".into(),
+            stderr: format!("all {SLOTS_PER_BLOCK} uplink subnets of this daemon are in use"),
+        })?;
+        let (host_addr, router_addr) = alloc.addrs(slot);
+        let net = WorkerNet {
+            sandbox_ns: format!("{name}-s"),
+            router_ns: format!("{name}-r"),
+            host_link: format!("t{}{slot}", tag.trim_start_matches('p')),
+            host_addr,
+            router_addr,
+            slot,
+            alloc: alloc.clone(),
+        };
+        if let Err(e) = net.build() {
+            net.remove();
+            return Err(e);
+        }
+        Ok(net)
+    }
+
+    fn build(&self) -> Result<(), NetError> {
+        let (s, r) = (self.sandbox_ns.as_str(), self.router_ns.as_str());
+        run(&["ip", "netns", "add", s], None)?;
+        run(&["ip", "netns", "add", r], None)?;
+        run(
+            &[
+                "ip", "link", "add", "eth0", "netns", s, "type", "veth", "peer", "name", "sb0",
+                "netns", r,
+            ],
+            None,
+        )?;
+        run(
+            &[
+                "ip",
+                "link",
+                "add",
+                "up0",
+                "netns",
+                r,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &self.host_link,
+            ],
+            None,
+        )?;
+        let host_cidr = format!("{}/30", self.host_addr);
+        run(
+            &["ip", "addr", "add", &host_cidr, "dev", &self.host_link],
+            None,
+        )?;
+        run(&["ip", "link", "set", &self.host_link, "up"], None)?;
+        let batch = format!(
+            "link set lo up\naddr add {GATEWAY_ADDR}/30 dev sb0\nlink set sb0 up\n\
+             addr add {}/30 dev up0\nlink set up0 up\nroute add default via {}\n",
+            self.router_addr, self.host_addr
+        );
+        run(&["ip", "-n", r, "-batch", "-"], Some(&batch))?;
+        run(&["ip", "-n", s, "link", "set", "lo", "up"], None)?;
+        run(
+            &[
+                "ip",
+                "netns",
+                "exec",
+                r,
+                "sysctl",
+                "-qw",
+                "net.ipv4.ip_forward=1",
+            ],
+            None,
+        )?;
+        self.nft(&base_table(
+            self.router_addr,
+            self.host_addr,
+            crate::dns::port(),
+        ))?;
+        Ok(())
+    }
+
+    /// Runs an nftables script in the router namespace.
+    fn nft(&self, script: &str) -> Result<String, NetError> {
+        run(
+            &["ip", "netns", "exec", &self.router_ns, "nft", "-f", "-"],
+            Some(script),
+        )
+    }
+
+    /// The spec's network namespace path for the sandbox.
+    pub fn sandbox_ns_path(&self) -> PathBuf {
+        PathBuf::from("/run/netns").join(&self.sandbox_ns)
+    }
+
+    /// Where the proxy connects to reach `port` of the sandbox on this worker.
+    pub fn ingress_addr(&self) -> Ipv4Addr {
+        self.router_addr
+    }
+
+    /// Gives the sandbox's link its address and route (runsc moved them into the previous
+    /// sandbox): before every run and restore.
+    pub fn set_sandbox_addr(&self) -> Result<(), NetError> {
+        let batch = format!(
+            "addr flush dev eth0\naddr add {SANDBOX_ADDR}/30 dev eth0\nlink set eth0 up\n\
+             route replace default via {GATEWAY_ADDR}\n"
+        );
+        run(&["ip", "-n", &self.sandbox_ns, "-batch", "-"], Some(&batch)).map(|_| ())
+    }
+
+    /// Replaces the egress policy (one nftables transaction; live connections already
+    /// established stay, new ones follow the new policy).
+    pub fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), NetError> {
+        self.nft(&policy_script(policy))?;
+        let client = match policy {
+            NetworkPolicy::Allow(AllowList { hosts, .. }) if !hosts.is_empty() => {
+                let ns = self.router_ns.clone();
+                Some(crate::dns::DnsClient {
+                    hosts: hosts.clone(),
+                    allow: Arc::new(move |addrs: &[Ipv4Addr]| {
+                        let list: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
+                        let script =
+                            format!("add element ip torpor hosts {{ {} }}\n", list.join(", "));
+                        if let Err(e) = run(
+                            &["ip", "netns", "exec", &ns, "nft", "-f", "-"],
+                            Some(&script),
+                        ) {
+                            tracing::warn!(error = %e, "cannot allow resolved addresses");
+                        }
+                    }),
+                })
+            }
+            _ => None,
+        };
+        crate::dns::set_client(self.router_addr, client);
+        Ok(())
+    }
+
+    /// Traffic counters since the sandbox came to this worker.
+    pub fn stats(&self) -> NetStats {
+        let counters = self
+            .nft("list counters table ip torpor\n")
+            .unwrap_or_default();
+        let denied = self
+            .nft("list set ip torpor denied_dst\n")
+            .unwrap_or_default();
+        parse_stats(&counters, &denied)
+    }
+
+    /// Back to a blank state for the next sandbox: no egress, counters at zero.
+    pub fn reset(&self) -> Result<(), NetError> {
+        self.apply_policy(&NetworkPolicy::none())?;
+        self.nft("reset counters table ip torpor\nflush set ip torpor denied_dst\n")
+            .map(|_| ())
+    }
+
+    fn remove(&self) {
+        for ns in [&self.router_ns, &self.sandbox_ns] {
+            let _ = run(&["ip", "netns", "delete", ns], None);
+        }
+        // Normally gone with the router namespace (its peer); make sure.
+        let _ = run(&["ip", "link", "delete", &self.host_link], None);
+    }
+
+    pub fn teardown(self) {
+        crate::dns::set_client(self.router_addr, None);
+        self.remove();
+        self.alloc.give_back(self.slot);
+    }
+}
+
+/// Counters of one worker's traffic (from the sandbox's point of view: tx leaves it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NetStats {
+    pub tx_bytes: u64,
+    pub rx_bytes: u64,
+    pub egress_connections: u64,
+    pub ingress_connections: u64,
+    pub denied_packets: u64,
+    /// Denied attempts by destination (`address:port`).
+    pub denied_by_destination: Vec<(String, u64)>,
+}
+
+fn parse_stats(counters: &str, denied_set: &str) -> NetStats {
+    let mut st = NetStats::default();
+    let mut current = String::new();
+    for line in counters.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix("counter ") {
+            current = name.trim_end_matches(" {").to_string();
+        } else if line.starts_with("packets ") {
+            let w: Vec<&str> = line.split_whitespace().collect();
+            let packets: u64 = w.get(1).and_then(|n| n.parse().ok()).unwrap_or(0);
+            let bytes: u64 = w.get(3).and_then(|n| n.parse().ok()).unwrap_or(0);
+            match current.as_str() {
+                "tx" => st.tx_bytes = bytes,
+                "rx" => st.rx_bytes = bytes,
+                "egress_conns" => st.egress_connections = packets,
+                "ingress_conns" => st.ingress_connections = packets,
+                "denied" => st.denied_packets = packets,
+                _ => {}
+            }
+        }
+    }
+    // elements = { 10.1.2.3 . 8443 counter packets 1 bytes 60 expires 59m58s, ... }
+    let flat = denied_set.replace('\n', " ");
+    if let Some(start) = flat.find("elements = {") {
+        let body = &flat[start + 12..];
+        let body = &body[..body.find('}').unwrap_or(body.len())];
+        for el in body.split(',') {
+            let w: Vec<&str> = el.split_whitespace().collect();
+            if let (Some(addr), Some(port), Some(pos)) =
+                (w.first(), w.get(2), w.iter().position(|x| *x == "packets"))
+            {
+                let n = w.get(pos + 1).and_then(|n| n.parse().ok()).unwrap_or(0);
+                st.denied_by_destination.push((format!("{addr}:{port}"), n));
+            }
+        }
+    }
+    st
+}
+
+fn base_table(router_addr: Ipv4Addr, host_addr: Ipv4Addr, dns_port: Option<u16>) -> String {
+    // DNS: the sandbox asks its gateway; the router forwards to torpor's responder.
+    let (dns_dnat, dns_fwd) = match dns_port {
+        Some(p) => (
+            format!("iifname \"sb0\" ip daddr {GATEWAY_ADDR} udp dport 53 dnat to {host_addr}:{p}"),
+            format!("iifname \"sb0\" oifname \"up0\" ip daddr {host_addr} udp dport {p} accept"),
+        ),
+        None => (String::new(), String::new()),
+    };
+    format!(
+        r#"table ip torpor {{
+  counter denied {{ }}
+  counter tx {{ }}
+  counter rx {{ }}
+  counter egress_conns {{ }}
+  counter ingress_conns {{ }}
+  set hosts {{ type ipv4_addr; }}
+  set denied_dst {{ type ipv4_addr . inet_service; flags dynamic,timeout; timeout 1h; size 4096; counter; }}
+  chain tp_pre {{
+    type nat hook prerouting priority dstnat;
+    iifname "up0" ip daddr {router_addr} dnat to {SANDBOX_ADDR}
+    {dns_dnat}
+  }}
+  chain tp_nat {{
+    type nat hook postrouting priority srcnat;
+    oifname "up0" masquerade
+  }}
+  chain tp_egress {{
+  }}
+  chain tp_fwd {{
+    type filter hook forward priority filter; policy drop;
+    iifname "sb0" counter name "tx"
+    oifname "sb0" counter name "rx"
+    ct state established,related accept
+    iifname "up0" oifname "sb0" ct status dnat counter name "ingress_conns" accept
+    {dns_fwd}
+    iifname "sb0" ip daddr 10.192.0.0/12 ip daddr != {host_addr} counter name "denied" drop
+    iifname "sb0" oifname "up0" jump tp_egress
+    iifname "sb0" meta l4proto {{ tcp, udp }} update @denied_dst {{ ip daddr . th dport }} counter name "denied" drop
+    iifname "sb0" counter name "denied" drop
+  }}
+  chain tp_in {{
+    type filter hook input priority filter; policy accept;
+    iifname "sb0" ct state established,related accept
+    iifname "sb0" drop
+  }}
+}}
+"#
+    )
+}
+
+fn policy_script(policy: &NetworkPolicy) -> String {
+    let mut s = String::from("flush chain ip torpor tp_egress\nflush set ip torpor hosts\n");
+    match policy {
+        NetworkPolicy::Mode(NetworkMode::Full) => {
+            s.push_str("add rule ip torpor tp_egress counter name \"egress_conns\" accept\n");
+        }
+        NetworkPolicy::Allow(AllowList { allow, hosts }) => {
+            if !hosts.is_empty() {
+                s.push_str("add rule ip torpor tp_egress ip daddr @hosts counter name \"egress_conns\" accept\n");
+            }
+            for rule in allow {
+                let Ok((addr, len)) = parse_cidr(&rule.cidr) else {
+                    continue; // refused at create; never reaches here
+                };
+                if rule.ports.is_empty() {
+                    s.push_str(&format!(
+                        "add rule ip torpor tp_egress ip daddr {addr}/{len} counter name \"egress_conns\" accept\n"
+                    ));
+                } else {
+                    let ports: Vec<String> = rule.ports.iter().map(|p| p.to_string()).collect();
+                    let ports = ports.join(", ");
+                    for proto in ["tcp", "udp"] {
+                        s.push_str(&format!(
+                            "add rule ip torpor tp_egress ip daddr {addr}/{len} {proto} dport {{ {ports} }} counter name \"egress_conns\" accept\n"
+                        ));
+                    }
+                }
+            }
+        }
+        NetworkPolicy::Mode(NetworkMode::None) | NetworkPolicy::Unset => {}
+    }
+    s
+}
+
+/// Removes the namespaces (and with them the links) whose names start with `prefix`.
+pub fn remove_leftovers(prefix: &str) {
+    let Ok(rd) = std::fs::read_dir("/run/netns") else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(prefix) && (name.ends_with("-s") || name.ends_with("-r")) {
+            let _ = run(&["ip", "netns", "delete", &name], None);
+        }
+    }
+}
+
+/// Whether this host can make worker networks (`ip` and `nft` present).
+pub fn available() -> bool {
+    ["ip", "nft"].iter().all(|b| {
+        Command::new(b)
+            .arg("-V")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_scripts() {
+        assert_eq!(
+            policy_script(&NetworkPolicy::none()),
+            "flush chain ip torpor tp_egress\nflush set ip torpor hosts\n"
+        );
+        assert!(policy_script(&NetworkPolicy::full())
+            .contains("tp_egress counter name \"egress_conns\" accept"));
+        let p: NetworkPolicy =
+            serde_json::from_str(r#"{"allow":[{"cidr":"10.1.2.3/8","ports":[80,443]}]}"#).unwrap();
+        let s = policy_script(&p);
+        assert!(s.contains("ip daddr 10.0.0.0/8 tcp dport { 80, 443 } counter"));
+        assert!(s.contains("udp dport"));
+    }
+
+    #[test]
+    fn stats_parse() {
+        let counters = "table ip torpor {\n\tcounter denied {\n\t\tpackets 2 bytes 120\n\t}\n\tcounter tx {\n\t\tpackets 9 bytes 900\n\t}\n\tcounter egress_conns {\n\t\tpackets 3 bytes 180\n\t}\n}\n";
+        let set = "table ip torpor {\n\tset denied_dst {\n\t\telements = { 10.1.2.3 . 8443 counter packets 1 bytes 60 expires 59m58s964ms,\n\t\t\t     10.1.2.4 . 53 counter packets 4 bytes 240 expires 1m }\n\t}\n}\n";
+        let st = parse_stats(counters, set);
+        assert_eq!(st.denied_packets, 2);
+        assert_eq!(st.tx_bytes, 900);
+        assert_eq!(st.egress_connections, 3);
+        assert_eq!(
+            st.denied_by_destination,
+            vec![
+                ("10.1.2.3:8443".to_string(), 1),
+                ("10.1.2.4:53".to_string(), 4)
+            ]
+        );
+    }
+
+    #[test]
+    fn slots_map_to_distinct_subnets() {
+        let a = NetAlloc {
+            block: 3,
+            used: Mutex::default(),
+        };
+        let (h0, r0) = a.addrs(0);
+        let (h1, _) = a.addrs(1);
+        assert_eq!(u32::from(r0), u32::from(h0) + 1);
+        assert_eq!(u32::from(h1), u32::from(h0) + 4);
+        assert_eq!(h0.octets()[0], 10);
+    }
+}

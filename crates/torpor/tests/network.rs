@@ -1,0 +1,693 @@
+//! Sandbox networking end to end: real namespaces, real runsc network stacks, real traffic
+//! (between the sandboxes and servers this test runs on the host's own addresses).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use torpor_api::types::{CreateSandboxBody, CreateTenantBody, ExecBody};
+use torpor_api::ClientError;
+use torpor_core::{NetworkPolicy, Tier};
+
+/// A non-loopback IPv4 address of this host (sandboxes reach it through their router).
+fn host_addr() -> String {
+    let out = std::process::Command::new("ip")
+        .args(["-4", "-o", "addr", "show", "scope", "global"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| {
+            let mut it = l.split_whitespace();
+            it.position(|w| w == "inet")?;
+            Some(it.next()?.split('/').next()?.to_string())
+        })
+        .expect("a global IPv4 address")
+}
+
+/// A tiny HTTP server on the host: answers every request with `body`, closing first. The body
+/// is delimited by the close (no Content-Length), so the client in the sandbox closes only
+/// after the server's FIN: the sandbox never holds a TIME_WAIT, which would make its next
+/// checkpoint fail (docs/NETWORKING.md).
+async fn host_server(body: &'static str) -> u16 {
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let resp = format!("HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{body}");
+                let _ = s.write_all(resp.as_bytes()).await;
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    port
+}
+
+async fn create_net(c: &torpor_api::Client, policy: serde_json::Value) -> String {
+    c.create_sandbox(&CreateSandboxBody {
+        template: "host".into(),
+        network: Some(serde_json::from_value(policy).unwrap()),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .id
+}
+
+/// Fetches `url` from inside the sandbox: Some(body) or None when it cannot connect.
+async fn fetch(c: &torpor_api::Client, id: &str, url: &str) -> Option<String> {
+    let r = c
+        .exec(
+            id,
+            &ExecBody {
+                cmd: vec![
+                    "python3".into(),
+                    "-c".into(),
+                    "import sys,urllib.request;print(urllib.request.urlopen(sys.argv[1],timeout=3).read().decode())".into(),
+                    url.into(),
+                ],
+                timeout_ms: Some(30_000),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    (r.exit_code == Some(0)).then(|| r.stdout.trim().to_string())
+}
+
+async fn metrics(d: &Daemon) -> String {
+    reqwest::get(format!("{}/metrics", d.url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// The value of one sample line (`name{labels} value`), 0 when absent.
+fn metric(text: &str, series: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+        .unwrap_or(0)
+}
+
+async fn patch_network(d: &Daemon, id: &str, policy: serde_json::Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .patch(format!("{}/v1/sandboxes/{id}", d.url()))
+        .bearer_auth(d.token())
+        .json(&json!({ "network": policy }))
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn egress_follows_the_policy_and_changes_apply_live() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let host = host_addr();
+    let port = host_server("hello-from-host").await;
+    let url = format!("http://{host}:{port}/");
+
+    let allowed = create_net(
+        &c,
+        json!({"allow": [{"cidr": format!("{host}/32"), "ports": [port]}]}),
+    )
+    .await;
+    let other_port = create_net(
+        &c,
+        json!({"allow": [{"cidr": format!("{host}/32"), "ports": [port - 1]}]}),
+    )
+    .await;
+    let full = create_net(&c, json!("full")).await;
+    let plain = create(&c, "host").await;
+
+    assert_eq!(
+        fetch(&c, &allowed, &url).await.as_deref(),
+        Some("hello-from-host")
+    );
+    assert_eq!(
+        fetch(&c, &full, &url).await.as_deref(),
+        Some("hello-from-host")
+    );
+    assert_eq!(
+        fetch(&c, &other_port, &url).await,
+        None,
+        "port not on the list"
+    );
+    assert_eq!(fetch(&c, &plain, &url).await, None, "no network at all");
+
+    // Metrics: the denied attempt by destination, traffic of the allowed sandbox.
+    let m = metrics(&d).await;
+    let denied = metric(
+        &m,
+        &format!(
+            "torpor_sandbox_egress_denied_packets{{destination=\"{host}:{port}\",sandbox=\"{other_port}\"}}"
+        ),
+    );
+    assert!(denied >= 1, "{m}");
+    assert!(
+        metric(
+            &m,
+            &format!("torpor_sandbox_network_bytes{{direction=\"tx\",sandbox=\"{allowed}\"}}")
+        ) > 0
+    );
+    assert!(
+        metric(
+            &m,
+            &format!(
+                "torpor_sandbox_network_connections{{direction=\"egress\",sandbox=\"{allowed}\"}}"
+            )
+        ) >= 1
+    );
+
+    // Live changes, no restart.
+    let r = patch_network(&d, &other_port, json!("full")).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        fetch(&c, &other_port, &url).await.as_deref(),
+        Some("hello-from-host")
+    );
+    assert_eq!(
+        patch_network(&d, &allowed, json!("none")).await.status(),
+        200
+    );
+    assert_eq!(
+        fetch(&c, &allowed, &url).await,
+        None,
+        "policy none drops egress"
+    );
+    let got: serde_json::Value = reqwest::Client::new()
+        .get(format!("{}/v1/sandboxes/{allowed}/network", d.url()))
+        .bearer_auth(d.token())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(got["network"], json!("none"));
+
+    // A sandbox made without a network cannot be given one later.
+    let r = patch_network(&d, &plain, json!("full")).await;
+    assert_eq!(r.status(), 400);
+
+    // The policy survives a sleep on another worker: egress allowed again after a wake.
+    c.suspend(&full, Some(Tier::Suspended)).await.unwrap();
+    assert_eq!(
+        fetch(&c, &full, &url).await.as_deref(),
+        Some("hello-from-host")
+    );
+
+    // Invalid policies are refused at create, naming the field.
+    for (policy, field) in [
+        (
+            json!({"allow": [{"cidr": "10.0.0.0/33"}]}),
+            "network.allow[0].cidr",
+        ),
+        (
+            json!({"allow": [{"cidr": "nonsense"}]}),
+            "network.allow[0].cidr",
+        ),
+        (
+            json!({"allow": [{"cidr": "10.0.0.1", "ports": [0]}]}),
+            "network.allow[0].ports[0]",
+        ),
+        (
+            json!({"allow": [{"cidr": "10.0.0.1", "ports": [65536]}]}),
+            "network.allow[0].ports[0]",
+        ),
+        (
+            json!({"hosts": ["ok.example", "not a host"]}),
+            "network.hosts[1]",
+        ),
+    ] {
+        let err = c
+            .create_sandbox(&CreateSandboxBody {
+                template: "host".into(),
+                network: Some(serde_json::from_value::<NetworkPolicy>(policy).unwrap()),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        match err {
+            ClientError::Api {
+                status, message, ..
+            } => {
+                assert_eq!(status, 400);
+                assert!(message.contains(field), "{message} names {field}");
+            }
+            other => panic!("{other}"),
+        }
+    }
+    // A template's policy is its sandboxes' default; a sandbox may override it.
+    let mut tpl = agent_template("net-full", no_idle());
+    tpl.command = Vec::new();
+    tpl.warmup_ms = 0;
+    tpl.network = Some(NetworkPolicy::full());
+    c.create_template(&tpl).await.unwrap();
+    let from_tpl = create(&c, "net-full").await;
+    assert_eq!(
+        fetch(&c, &from_tpl, &url).await.as_deref(),
+        Some("hello-from-host")
+    );
+    let overridden = c
+        .create_sandbox(&CreateSandboxBody {
+            template: "net-full".into(),
+            network: Some(serde_json::from_value(json!({"allow": []})).unwrap()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .id;
+    assert_eq!(fetch(&c, &overridden, &url).await, None);
+    let mut bad = agent_template("net-bad", no_idle());
+    bad.network = Some(serde_json::from_value(json!({"allow": [{"cidr": "1.2.3.4/40"}]})).unwrap());
+    match c.create_template(&bad).await.unwrap_err() {
+        ClientError::Api {
+            status, message, ..
+        } => {
+            assert_eq!(status, 400);
+            assert!(message.contains("network.allow[0].cidr"), "{message}");
+        }
+        other => panic!("{other}"),
+    }
+    for id in [&allowed, &other_port, &full, &plain, &from_tpl, &overridden] {
+        c.delete_sandbox(id).await.unwrap();
+    }
+}
+
+async fn proxied(d: &Daemon, token: &str, id: &str, rest: &str) -> (u16, String) {
+    let r = reqwest::Client::new()
+        .get(format!("{}/v1/sandboxes/{id}/ports/{rest}", d.url()))
+        .bearer_auth(token)
+        .timeout(Duration::from_secs(60))
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+/// Sends a request line as written (no client-side path normalisation).
+async fn raw_status(d: &Daemon, path: &str) -> u16 {
+    raw_get(d, "x", path).await.0
+}
+
+/// A GET with the given Host header and path, as written: (status, body).
+async fn raw_get(d: &Daemon, host: &str, path: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
+        .await
+        .unwrap();
+    let req = format!(
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
+        d.token()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_proxied_request_wakes_a_sleeping_server() {
+    let d = Daemon::start_with(&["--proxy-domain", "sandboxes.test"]).await;
+    let c = d.client();
+    // Ingress only: a network with no egress allowed.
+    let id = create_net(&c, json!({"allow": []})).await;
+    let r = c
+        .exec(
+            &id,
+            &ExecBody {
+                detach: true,
+                ..sh("echo served-from-sandbox > /tmp/hello.txt && cd /tmp && exec python3 -m http.server -p HTTP/1.1 8080")
+            },
+        )
+        .await
+        .unwrap();
+    assert!(
+        r.stdout.parse::<u32>().is_ok(),
+        "detach returns a pid: {r:?}"
+    );
+    let token = d.token();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, body) = proxied(&d, &token, &id, "8080/hello.txt").await;
+        if status == 200 {
+            assert_eq!(body.trim(), "served-from-sandbox");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "server never answered: {status} {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Query strings pass through; torpor's token does not.
+    let (status, _) = proxied(&d, &token, &id, "8080/hello.txt?x=1").await;
+    assert_eq!(status, 200);
+    // Host-based routing: {port}-{id}.<domain>, the path as is.
+    let (status, body) = raw_get(
+        &d,
+        &format!("8080-{id}.sandboxes.test:{}", d.port),
+        "/hello.txt",
+    )
+    .await;
+    assert_eq!((status, body.trim()), (200, "served-from-sandbox"));
+    assert_eq!(
+        raw_get(&d, &format!("0-{id}.sandboxes.test"), "/").await.0,
+        400
+    );
+    assert_eq!(raw_get(&d, "8080.sandboxes.test", "/").await.0, 400);
+    assert_eq!(
+        raw_get(&d, &format!("8080-{id}.sandboxes.test"), "/../x")
+            .await
+            .0,
+        400
+    );
+    // Other hosts still reach the API.
+    assert_eq!(
+        raw_get(&d, "elsewhere.test", &format!("/v1/sandboxes/{id}"))
+            .await
+            .0,
+        200
+    );
+
+    for tier in [Tier::Parked, Tier::Suspended] {
+        let s = c.suspend(&id, Some(tier)).await.unwrap();
+        assert_eq!(s.state, tier.as_str());
+        let (status, body) = proxied(&d, &token, &id, "8080/hello.txt").await;
+        assert_eq!(
+            (status, body.trim()),
+            (200, "served-from-sandbox"),
+            "after {tier:?}"
+        );
+        assert_eq!(c.sandbox(&id).await.unwrap().state, "running");
+    }
+
+    // A server that closes first (HTTP/1.0) leaves a TIME_WAIT in the sandbox: a checkpoint now
+    // would fail and lose the sandbox's state, so it is refused and the sandbox keeps running.
+    c.exec(
+        &id,
+        &ExecBody {
+            detach: true,
+            ..sh("cd /tmp && exec python3 -m http.server 8081")
+        },
+    )
+    .await
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while proxied(&d, &token, &id, "8081/hello.txt").await.0 != 200 {
+        assert!(Instant::now() < deadline, "HTTP/1.0 server never answered");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    match c.suspend(&id, Some(Tier::Parked)).await.unwrap_err() {
+        ClientError::Api { message, .. } => assert!(message.contains("network_busy"), "{message}"),
+        other => panic!("{other}"),
+    }
+    assert_eq!(c.sandbox(&id).await.unwrap().state, "running");
+    let (status, body) = proxied(&d, &token, &id, "8080/hello.txt").await;
+    assert_eq!((status, body.trim()), (200, "served-from-sandbox"));
+
+    // Bad input.
+    for (rest, code) in [("0/x", 400), ("65536/x", 400), ("http/x", 400)] {
+        assert_eq!(proxied(&d, &token, &id, rest).await.0, code, "{rest}");
+    }
+    for path in ["..", "a/../../x", "%2e%2e/x", "a%2fb"] {
+        let status = raw_status(&d, &format!("/v1/sandboxes/{id}/ports/8080/{path}")).await;
+        assert_eq!(status, 400, "{path}");
+    }
+    // Another tenant's sandbox does not exist for it.
+    let other = c
+        .create_tenant(&CreateTenantBody {
+            name: "other".into(),
+            quotas: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        proxied(&d, &other.token, &id, "8080/hello.txt").await.0,
+        404
+    );
+    // A sandbox without network has no ports to reach.
+    let plain = create(&c, "host").await;
+    assert_eq!(proxied(&d, &token, &plain, "8080/").await.0, 400);
+    let m = metrics(&d).await;
+    assert!(
+        metric(&m, "torpor_proxy_requests_total{outcome=\"woke\"}") >= 2,
+        "{m}"
+    );
+    assert!(
+        metric(&m, "torpor_proxy_requests_total{outcome=\"served\"}") >= 2,
+        "{m}"
+    );
+    assert!(
+        metric(&m, "torpor_proxy_requests_total{outcome=\"rejected\"}") >= 2,
+        "{m}"
+    );
+    assert!(
+        metric(
+            &m,
+            &format!(
+                "torpor_sandbox_network_connections{{direction=\"ingress\",sandbox=\"{id}\"}}"
+            )
+        ) >= 1,
+        "{m}"
+    );
+    c.delete_sandbox(&id).await.unwrap();
+    c.delete_sandbox(&plain).await.unwrap();
+}
+
+/// Asks the sandbox's resolver (from its /etc/resolv.conf) for `name` directly, bypassing
+/// /etc/hosts: "<rcode> <answers> <first address>".
+const DNS_QUERY: &str = r#"
+import socket, struct, sys
+name = sys.argv[1]
+q = struct.pack(">HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0)
+q += b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0" + struct.pack(">HH", 1, 1)
+ns = [l.split()[1] for l in open("/etc/resolv.conf") if l.startswith("nameserver")][0]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(3)
+s.sendto(q, (ns, 53))
+r = s.recv(512)
+an = struct.unpack(">H", r[6:8])[0]
+print(r[3] & 15, an, ".".join(map(str, r[-4:])) if an else "-")
+"#;
+
+async fn dns(c: &torpor_api::Client, id: &str, name: &str) -> String {
+    let r = c
+        .exec(
+            id,
+            &ExecBody {
+                cmd: vec!["python3".into(), "-c".into(), DNS_QUERY.into(), name.into()],
+                timeout_ms: Some(30_000),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
+    r.stdout.trim().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn only_names_on_the_list_resolve() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = create_net(&c, json!({"hosts": ["localhost"]})).await;
+    // The host's resolver answers for an allowed name (here: its /etc/hosts entry).
+    assert_eq!(dns(&c, &id, "localhost").await, "0 1 127.0.0.1");
+    assert_eq!(dns(&c, &id, "LOCALHOST").await, "0 1 127.0.0.1");
+    // A name not on the list is NXDOMAIN, without asking anyone.
+    assert_eq!(dns(&c, &id, "example.com").await, "3 0 -");
+    // getaddrinfo in the sandbox fails for it too (no hang, no leak).
+    assert_eq!(fetch(&c, &id, "http://example.com/").await, None);
+    // Live change: the list now names something else.
+    let r = patch_network(&d, &id, json!({"hosts": ["example.com"]})).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(dns(&c, &id, "localhost").await, "3 0 -");
+    // The resolver setting survives a sleep on another worker.
+    c.suspend(&id, Some(Tier::Suspended)).await.unwrap();
+    assert_eq!(dns(&c, &id, "localhost").await, "3 0 -");
+    patch_network(&d, &id, json!({"hosts": ["localhost"]})).await;
+    assert_eq!(dns(&c, &id, "localhost").await, "0 1 127.0.0.1");
+    c.delete_sandbox(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn many_proxied_requests_to_sleeping_forks_all_succeed() {
+    // 4 workers (the harness default), 20 sleeping sandboxes, 100 requests at once.
+    let d = Daemon::start_with(&["--worker-wait-ms", "120000"]).await;
+    let c = d.client();
+    let id = create_net(&c, json!({"allow": []})).await;
+    c.exec(
+        &id,
+        &ExecBody {
+            detach: true,
+            ..sh("echo $RANDOM > /tmp/v && cd /tmp && exec python3 -m http.server -p HTTP/1.1 8080")
+        },
+    )
+    .await
+    .unwrap();
+    let token = d.token();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let expected = loop {
+        let (status, body) = proxied(&d, &token, &id, "8080/v").await;
+        if status == 200 {
+            break body;
+        }
+        assert!(Instant::now() < deadline, "server never answered");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let mut ids: Vec<String> = c
+        .fork(&id, 19)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    c.suspend(&id, Some(Tier::Parked)).await.unwrap();
+    ids.push(id);
+    for f in &ids {
+        assert_ne!(c.sandbox(f).await.unwrap().state, "running", "{f} sleeps");
+    }
+    let t = Instant::now();
+    let mut calls = Vec::new();
+    for i in 0..100 {
+        let d_url = d.url();
+        let token = token.clone();
+        let id = ids[i % ids.len()].clone();
+        calls.push(tokio::spawn(async move {
+            let r = reqwest::Client::new()
+                .get(format!("{d_url}/v1/sandboxes/{id}/ports/8080/v"))
+                .bearer_auth(token)
+                .timeout(Duration::from_secs(300))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }));
+    }
+    for call in calls {
+        let (status, body) = call.await.unwrap();
+        assert_eq!((status, body.as_str()), (200, expected.as_str()));
+    }
+    eprintln!(
+        "100 proxied requests to 20 sleeping forks on 4 workers: {:?}",
+        t.elapsed()
+    );
+    let m = metrics(&d).await;
+    assert!(
+        metric(&m, "torpor_proxy_requests_total{outcome=\"woke\"}") >= 20,
+        "{m}"
+    );
+}
+
+/// A WebSocket echo server (handshake and unfragmented frames < 126 bytes), stdlib only.
+const WS_ECHO: &str = r#"
+import socket, hashlib, base64, threading
+def recv_exact(c, n):
+    b = b""
+    while len(b) < n:
+        x = c.recv(n - len(b))
+        if not x: raise EOFError
+        b += x
+    return b
+def handle(c):
+    try:
+        data = b""
+        while b"\r\n\r\n" not in data: data += c.recv(4096)
+        key = [l.split(b":", 1)[1].strip() for l in data.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key")][0]
+        acc = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+        c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: " + acc + b"\r\n\r\n")
+        while True:
+            h = recv_exact(c, 2)
+            n = h[1] & 127
+            mask = recv_exact(c, 4)
+            payload = bytes(b ^ mask[i % 4] for i, b in enumerate(recv_exact(c, n)))
+            if h[0] & 15 == 8: break
+            c.sendall(bytes([0x81, len(payload)]) + payload)
+    except EOFError:
+        pass
+    c.close()
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 8765))
+s.listen()
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=handle, args=(c,), daemon=True).start()
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_websocket_echo_survives_the_proxy() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = create_net(&c, json!({"allow": []})).await;
+    c.write_file(&id, "/tmp/ws.py", WS_ECHO.as_bytes().to_vec(), None)
+        .await
+        .unwrap();
+    c.exec(
+        &id,
+        &ExecBody {
+            detach: true,
+            ..sh("exec python3 /tmp/ws.py")
+        },
+    )
+    .await
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut s = loop {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
+            .await
+            .unwrap();
+        let req = format!(
+            "GET /v1/sandboxes/{id}/ports/8765/ws HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\
+             Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n\
+             Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
+            d.token()
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            if s.read(&mut byte).await.unwrap() == 0 {
+                break;
+            }
+            head.push(byte[0]);
+        }
+        let head = String::from_utf8_lossy(&head).to_string();
+        if head.starts_with("HTTP/1.1 101") {
+            assert!(head.contains("s3pPLMBiTxaQ9kYGzzhZRbK+xOo="), "{head}");
+            break s;
+        }
+        assert!(Instant::now() < deadline, "no upgrade: {head}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    for msg in ["hello-ws", "second message"] {
+        let mask = [1u8, 2, 3, 4];
+        let mut frame = vec![0x81, 0x80 | msg.len() as u8];
+        frame.extend_from_slice(&mask);
+        frame.extend(msg.bytes().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        s.write_all(&frame).await.unwrap();
+        let mut h = [0u8; 2];
+        s.read_exact(&mut h).await.unwrap();
+        assert_eq!(h[0], 0x81);
+        let mut payload = vec![0u8; (h[1] & 127) as usize];
+        s.read_exact(&mut payload).await.unwrap();
+        assert_eq!(String::from_utf8(payload).unwrap(), msg);
+    }
+    drop(s);
+    c.delete_sandbox(&id).await.unwrap();
+}
