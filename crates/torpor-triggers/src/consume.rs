@@ -343,7 +343,8 @@ impl Consumer {
                     .map_err(|e| redis_err(&url, e))?;
                 Ok(())
             }
-            (_, _, Handle::Nats(m)) => m.ack().await.map_err(|e| nats_err(&url, e)),
+            // Confirmed by the server: once this returns, the broker no longer counts it pending.
+            (_, _, Handle::Nats(m)) => m.double_ack().await.map_err(|e| nats_err(&url, e)),
             (_, _, Handle::Amqp(d)) => d
                 .acker
                 .ack(lapin::options::BasicAckOptions::default())
@@ -400,7 +401,7 @@ impl Consumer {
                     .map_err(|e| nats_err(&url, e))?
                     .await
                     .map_err(|e| nats_err(&url, e))?;
-                m.ack().await.map_err(|e| nats_err(&url, e))
+                m.double_ack().await.map_err(|e| nats_err(&url, e))
             }
             (_, Inner::Amqp { channel, .. }, Handle::Amqp(d)) => {
                 channel
