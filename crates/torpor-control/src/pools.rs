@@ -743,7 +743,9 @@ impl Controller {
         let current = self.active.len() + self.starting + self.waking.len();
         if desired > current {
             let mut need = desired - current;
-            for id in self.sleeping_agents().into_iter().take(need) {
+            let sleeping = self.sleeping_agents();
+            let unused = sleeping.len().saturating_sub(need);
+            for id in sleeping.into_iter().take(need) {
                 need -= 1;
                 self.waking.insert(id.clone());
                 let engine = self.engine.clone();
@@ -757,7 +759,15 @@ impl Controller {
                     let _ = tx.send(ev).await;
                 });
             }
-            for _ in 0..need {
+            // Never more agents than max, counting those still draining and those asleep:
+            // a draining agent is woken again once it sleeps, instead of a new one made now.
+            let owned = self.active.len()
+                + self.starting
+                + self.waking.len()
+                + self.draining.len()
+                + unused;
+            let room = (self.spec().max as usize).saturating_sub(owned);
+            for _ in 0..need.min(room) {
                 self.starting += 1;
                 let engine = self.engine.clone();
                 let tenant = self.pool.tenant.clone();
