@@ -323,18 +323,6 @@ impl WarmPool {
         self.inner.send(Job::Close(tx));
         let _ = rx.recv_timeout(Duration::from_secs(30));
     }
-
-    /// Waits until the pool holds its target of ready workers (tests and benchmarks).
-    pub fn wait_full(&self, timeout: Duration) -> bool {
-        let deadline = std::time::Instant::now() + timeout;
-        while self.inner.ready_len() < self.inner.target {
-            if std::time::Instant::now() > deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        true
-    }
 }
 
 /// A short name unique to one data directory.
