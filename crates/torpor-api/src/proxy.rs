@@ -3,8 +3,9 @@
 //! free), and `PATCH /v1/sandboxes/{id}` changes its network policy.
 //!
 //! Each proxied request gets its own connection to the sandbox, closed by torpor once the
-//! response has been read: the sandbox's side never holds a TIME_WAIT endpoint, which would
-//! make its next checkpoint fail. The sandbox stays borrowed (it cannot be checkpointed) until
+//! response has been read, or reset when the sandbox's server closed it first: the sandbox's
+//! side never holds a TIME_WAIT endpoint, which would make its next checkpoint fail
+//! (torpor_runtime::relay). The sandbox stays borrowed (it cannot be checkpointed) until
 //! the response body has been streamed to the client, so the sleep ladder drains proxied
 //! requests instead of cutting them.
 
@@ -19,6 +20,8 @@ use axum::{Extension, Json};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use torpor_core::{NetworkPolicy, SandboxId, TenantId};
+
+use torpor_runtime::relay::PeerCloseAware;
 
 use crate::server::{parse_json, sandbox_id, ApiError, ApiState, RawBody};
 
@@ -79,20 +82,6 @@ fn get_network_of(
         network,
         address,
     }))
-}
-
-fn client() -> &'static reqwest::Client {
-    static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
-    CLIENT.get_or_init(|| {
-        reqwest::Client::builder()
-            // One connection per request, closed by us: no idle keep-alive into the sandbox.
-            .pool_max_idle_per_host(0)
-            .no_proxy()
-            .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(Duration::from_secs(10))
-            .build()
-            .expect("proxy client builds")
-    })
 }
 
 /// Headers that belong to one hop (RFC 9110 §7.6.1), plus torpor's own credentials.
@@ -271,6 +260,19 @@ pub(crate) async fn host_route(
     result.unwrap_or_else(|e| e.into_response())
 }
 
+fn bad_gateway(
+    id: &SandboxId,
+    port: u16,
+    code: &'static str,
+    e: impl std::fmt::Display,
+) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        code,
+        format!("sandbox {id} port {port}: {e}"),
+    )
+}
+
 async fn forward(
     state: Arc<ApiState>,
     tenant: TenantId,
@@ -282,105 +284,161 @@ async fn forward(
 ) -> ApiResult<Response> {
     let id = sandbox_id(&id)?;
     let target = state.engine.proxy_target(&tenant, &id, port).await?;
-    let mut url = format!("http://{}/{}", target.addr, tail);
+    let unreachable = |e: &dyn std::fmt::Display| {
+        torpor_control::engine::count_proxied("upstream_error");
+        bad_gateway(&id, port, "upstream_unreachable", e)
+    };
+    let mut path = format!("/{tail}");
     if let Some(q) = uri.query() {
-        url.push('?');
-        url.push_str(q);
+        path.push('?');
+        path.push_str(q);
     }
     let mut req = req;
     let upgrade = wants_upgrade(req.headers());
     let on_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (parts, body) = req.into_parts();
-    let mut headers = HeaderMap::new();
-    copy_headers(&parts.headers, &mut headers);
-    if upgrade {
-        // The upgrade is between the client and the sandbox: pass its headers through.
-        for name in [axum::http::header::CONNECTION, axum::http::header::UPGRADE] {
-            if let Some(v) = parts.headers.get(&name) {
-                headers.insert(name, v.clone());
+    let mut out_req = hyper::Request::builder()
+        .method(parts.method)
+        .uri(path)
+        .header(axum::http::header::HOST, target.addr.to_string());
+    if let Some(h) = out_req.headers_mut() {
+        copy_headers(&parts.headers, h);
+        if upgrade {
+            // The upgrade is between the client and the sandbox: pass its headers through.
+            for name in [axum::http::header::CONNECTION, axum::http::header::UPGRADE] {
+                if let Some(v) = parts.headers.get(&name) {
+                    h.insert(name, v.clone());
+                }
             }
         }
     }
-    // A body only when the client sent one (a stream body without a length would go out
-    // chunked, even for a GET or an upgrade).
+    // A body only when the client sent one (with its length or chunked, as it came).
     let has_body = parts
         .headers
         .contains_key(axum::http::header::CONTENT_LENGTH)
         || parts
             .headers
             .contains_key(axum::http::header::TRANSFER_ENCODING);
-    let mut rb = client().request(parts.method, &url).headers(headers);
-    if has_body {
-        rb = rb.body(reqwest::Body::wrap_stream(body.into_data_stream()));
+    let out_req = out_req
+        .body(if has_body { body } else { Body::empty() })
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()))?;
+
+    // One connection per request. Whoever closes, the sandbox's stack keeps no endpoint that
+    // would block its checkpoint (torpor_runtime::relay): torpor closes first, or answers the
+    // sandbox's close with a RST.
+    let stream = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::net::TcpStream::connect(target.addr),
+    )
+    .await
+    .map_err(|_| unreachable(&"connect timed out"))?
+    .map_err(|e| unreachable(&e))?;
+    let _ = stream.set_nodelay(true);
+    let io = hyper_util::rt::TokioIo::new(PeerCloseAware::new(stream));
+    let (mut sender, conn) = hyper::client::conn::http1::handshake::<_, Body>(io)
+        .await
+        .map_err(|e| unreachable(&e))?;
+    let in_use = target.in_use;
+    if !upgrade {
+        // The connection task holds the borrow of the sandbox: no checkpoint until the answer
+        // has been streamed out (or the client went away) and the connection is closed.
+        let (closes_tx, closes_rx) = tokio::sync::oneshot::channel::<bool>();
+        tokio::spawn(async move {
+            let _in_use = in_use;
+            if let Ok(parts) = conn.without_shutdown().await {
+                let server_closes = closes_rx.await.unwrap_or(false);
+                close_connection(parts.io.into_inner(), server_closes).await;
+            }
+        });
+        let resp = sender.send_request(out_req).await;
+        drop(sender);
+        let resp = resp.map_err(|e| unreachable(&e))?;
+        let closes = resp.version() < axum::http::Version::HTTP_11
+            || resp
+                .headers()
+                .get(axum::http::header::CONNECTION)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.to_ascii_lowercase().contains("close"));
+        let _ = closes_tx.send(closes);
+        torpor_control::engine::count_proxied(if target.woke { "woke" } else { "served" });
+        let mut out = Response::builder().status(resp.status());
+        if let Some(h) = out.headers_mut() {
+            copy_headers(resp.headers(), h);
+        }
+        return out
+            .body(Body::new(resp.into_body()))
+            .map_err(|e| bad_gateway(&id, port, "upstream_invalid", e));
     }
-    let resp = rb.send().await.map_err(|e| {
-        torpor_control::engine::count_proxied("upstream_error");
-        ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            "upstream_unreachable",
-            format!("sandbox {id} port {port}: {e}"),
-        )
-    })?;
+    tokio::spawn(conn.with_upgrades());
+    let resp = sender
+        .send_request(out_req)
+        .await
+        .map_err(|e| unreachable(&e))?;
     torpor_control::engine::count_proxied(if target.woke { "woke" } else { "served" });
-    let closes = resp
-        .headers()
-        .get(axum::http::header::CONNECTION)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.to_ascii_lowercase().contains("close"));
-    if resp.version() < reqwest::Version::HTTP_11 || closes {
-        torpor_control::engine::note_sandbox_closed_first(&id);
-    }
     let mut out = Response::builder().status(resp.status());
     if let Some(h) = out.headers_mut() {
         copy_headers(resp.headers(), h);
     }
-    if let (Some(on_upgrade), StatusCode::SWITCHING_PROTOCOLS) = (on_upgrade, resp.status()) {
-        if let Some(h) = out.headers_mut() {
-            for name in [axum::http::header::CONNECTION, axum::http::header::UPGRADE] {
-                if let Some(v) = resp.headers().get(&name) {
-                    h.insert(name, v.clone());
-                }
+    let (Some(on_upgrade), StatusCode::SWITCHING_PROTOCOLS) = (on_upgrade, resp.status()) else {
+        // No upgrade after all: stream the answer, borrowing the sandbox meanwhile.
+        let stream = Body::new(resp.into_body())
+            .into_data_stream()
+            .map(move |chunk| {
+                let _ = &in_use;
+                chunk
+            });
+        return out
+            .body(Body::from_stream(stream))
+            .map_err(|e| bad_gateway(&id, port, "upstream_invalid", e));
+    };
+    if let Some(h) = out.headers_mut() {
+        for name in [axum::http::header::CONNECTION, axum::http::header::UPGRADE] {
+            if let Some(v) = resp.headers().get(&name) {
+                h.insert(name, v.clone());
             }
         }
-        let in_use = target.in_use;
-        let upstream = resp.upgrade().await.map_err(|e| {
-            ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "upstream_invalid",
-                format!("sandbox {id} port {port}: upgrade failed: {e}"),
-            )
-        })?;
-        // Bytes both ways until either side closes; the sandbox stays borrowed (no checkpoint
-        // under an open WebSocket).
-        tokio::spawn(async move {
-            let _in_use = in_use;
-            let Ok(client) = on_upgrade.await else { return };
-            let mut client = hyper_util::rt::TokioIo::new(client);
-            let mut upstream = upstream;
-            let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
-        });
-        return out.body(Body::empty()).map_err(|e| {
-            ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "upstream_invalid",
-                format!("sandbox {id} port {port}: {e}"),
-            )
-        });
     }
-    // The borrow of the sandbox lives as long as the body stream: no checkpoint until the
-    // response has been streamed out (or the client went away).
-    let in_use = target.in_use;
-    let stream = resp.bytes_stream().map(move |chunk| {
-        let _ = &in_use;
-        chunk.map_err(std::io::Error::other)
-    });
-    out.body(Body::from_stream(stream)).map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_GATEWAY,
+    let upstream = hyper::upgrade::on(resp).await.map_err(|e| {
+        bad_gateway(
+            &id,
+            port,
             "upstream_invalid",
-            format!("sandbox {id} port {port}: {e}"),
+            format!("upgrade failed: {e}"),
         )
-    })
+    })?;
+    // Bytes both ways until either side closes; the sandbox stays borrowed (no checkpoint
+    // under an open WebSocket).
+    tokio::spawn(async move {
+        let _in_use = in_use;
+        let Ok(client) = on_upgrade.await else { return };
+        let mut client = hyper_util::rt::TokioIo::new(client);
+        let mut upstream = hyper_util::rt::TokioIo::new(upstream);
+        let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+    });
+    out.body(Body::empty())
+        .map_err(|e| bad_gateway(&id, port, "upstream_invalid", e))
+}
+
+/// Ends a finished connection to the sandbox so that its stack keeps no endpoint when the
+/// borrow ends: a server that said it closes (HTTP/1.0, `Connection: close`) is waited for and
+/// its close answered with a RST; otherwise torpor closes first and waits (briefly) for the
+/// server's close, so the sandbox's endpoint is gone, not in CLOSE_WAIT.
+async fn close_connection(mut s: PeerCloseAware, server_closes: bool) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = [0u8; 1024];
+    let mut drain = async |s: &mut PeerCloseAware| {
+        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+            while matches!(s.read(&mut buf).await, Ok(n) if n > 0) {}
+        })
+        .await;
+    };
+    if server_closes || s.peer_closed_first() {
+        drain(&mut s).await;
+        s.reset_on_drop();
+        return;
+    }
+    let _ = s.shutdown().await;
+    drain(&mut s).await;
 }
 
 #[cfg(test)]

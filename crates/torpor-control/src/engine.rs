@@ -34,7 +34,7 @@ use crate::metrics::Metrics;
 use crate::store::{
     ImageRef, Quotas, SandboxRecord, Store, TemplateRecord, TemplateStatus, TenantRecord,
 };
-pub use net::{count_proxied, note_sandbox_closed_first, ProxyTarget};
+pub use net::{count_proxied, ProxyTarget};
 
 /// Everything the engine needs to know at start.
 #[derive(Debug, Clone)]
@@ -1304,7 +1304,6 @@ impl Engine {
     ) -> Result<()> {
         if let Some(live) = guard.live.as_ref() {
             self.gpu_checkpoint_gate(id, &live.container.id)?;
-            net::check_checkpointable(id)?;
         }
         let Some(live) = guard.live.take() else {
             return Ok(());
@@ -1320,6 +1319,7 @@ impl Engine {
         let dest = images.join(rec.generation.to_string());
         let _ = std::fs::remove_dir_all(&tmp);
         let t = Instant::now();
+        net::settle_connections(&live).await;
         let result = self.runsc.checkpoint(&live.container, &tmp).await;
         drop(live);
         self.release_gpu(id);

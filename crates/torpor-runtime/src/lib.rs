@@ -8,6 +8,7 @@ pub mod conn;
 pub mod dns;
 pub mod net;
 pub mod proto;
+pub mod relay;
 pub mod rootfs;
 pub mod runsc;
 pub mod spec;

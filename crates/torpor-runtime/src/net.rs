@@ -19,10 +19,12 @@ use std::io::Write;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use torpor_core::network::{parse_cidr, AllowList, NetworkMode};
 use torpor_core::NetworkPolicy;
+
+use crate::relay::{EgressRelay, RELAY_PORT};
 
 /// The sandbox's own address, the same on every worker.
 pub const SANDBOX_ADDR: Ipv4Addr = Ipv4Addr::new(169, 254, 0, 2);
@@ -119,6 +121,8 @@ pub struct WorkerNet {
     pub router_addr: Ipv4Addr,
     slot: u32,
     alloc: Arc<NetAlloc>,
+    /// Every outbound TCP connection of the sandbox goes through it (crate::relay).
+    relay: Option<EgressRelay>,
 }
 
 fn run(args: &[&str], stdin: Option<&str>) -> Result<String, NetError> {
@@ -169,10 +173,25 @@ impl WorkerNet {
             router_addr,
             slot,
             alloc: alloc.clone(),
+            relay: None,
         };
+        let mut net = net;
         if let Err(e) = net.build() {
             net.remove();
             return Err(e);
+        }
+        match EgressRelay::start(
+            &PathBuf::from("/run/netns").join(&net.router_ns),
+            GATEWAY_ADDR,
+        ) {
+            Ok(r) => net.relay = Some(r),
+            Err(e) => {
+                net.remove();
+                return Err(NetError {
+                    command: "egress relay".into(),
+                    stderr: e.to_string(),
+                });
+            }
         }
         Ok(net)
     }
@@ -233,6 +252,7 @@ impl WorkerNet {
             self.router_addr,
             self.host_addr,
             crate::dns::port(),
+            egress_limits(),
         ))?;
         Ok(())
     }
@@ -301,11 +321,31 @@ impl WorkerNet {
         let denied = self
             .nft("list set ip torpor denied_dst\n")
             .unwrap_or_default();
-        parse_stats(&counters, &denied)
+        let mut st = parse_stats(&counters, &denied);
+        if let Some(r) = &self.relay {
+            let rs = r.stats();
+            st.tx_bytes += rs.tx_bytes;
+            st.rx_bytes += rs.rx_bytes;
+        }
+        st
+    }
+
+    /// Resets every TCP connection the sandbox has open through the relay and waits for them
+    /// to end: before a checkpoint (which gVisor refuses while a connection is open). Returns
+    /// how many there were; the sandbox must run a moment to take the resets in.
+    pub async fn reset_connections(&self) -> usize {
+        match &self.relay {
+            Some(r) => r.reset_all().await,
+            None => 0,
+        }
     }
 
     /// Back to a blank state for the next sandbox: no egress, counters at zero.
     pub fn reset(&self) -> Result<(), NetError> {
+        if let Some(r) = &self.relay {
+            r.reset_now();
+            r.reset_stats();
+        }
         self.apply_policy(&NetworkPolicy::none())?;
         self.nft("reset counters table ip torpor\nflush set ip torpor denied_dst\n")
             .map(|_| ())
@@ -319,7 +359,8 @@ impl WorkerNet {
         let _ = run(&["ip", "link", "delete", &self.host_link], None);
     }
 
-    pub fn teardown(self) {
+    pub fn teardown(mut self) {
+        self.relay.take();
         crate::dns::set_client(self.router_addr, None);
         self.remove();
         self.alloc.give_back(self.slot);
@@ -334,6 +375,8 @@ pub struct NetStats {
     pub egress_connections: u64,
     pub ingress_connections: u64,
     pub denied_packets: u64,
+    /// Packets dropped by the egress rate limits.
+    pub limited_packets: u64,
     /// Denied attempts by destination (`address:port`).
     pub denied_by_destination: Vec<(String, u64)>,
 }
@@ -354,6 +397,7 @@ fn parse_stats(counters: &str, denied_set: &str) -> NetStats {
                 "egress_conns" => st.egress_connections = packets,
                 "ingress_conns" => st.ingress_connections = packets,
                 "denied" => st.denied_packets = packets,
+                "limited" => st.limited_packets = packets,
                 _ => {}
             }
         }
@@ -376,7 +420,40 @@ fn parse_stats(counters: &str, denied_set: &str) -> NetStats {
     st
 }
 
-fn base_table(router_addr: Ipv4Addr, host_addr: Ipv4Addr, dns_port: Option<u16>) -> String {
+/// How much one sandbox may send: bytes and packets per second, over everything it sends
+/// (a flooding sandbox is dropped at its own router; its neighbours' routers are untouched).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EgressLimits {
+    pub mbit_per_s: u32,
+    pub packets_per_s: u32,
+}
+
+impl Default for EgressLimits {
+    fn default() -> Self {
+        EgressLimits {
+            mbit_per_s: 1000,
+            packets_per_s: 50_000,
+        }
+    }
+}
+
+static LIMITS: OnceLock<EgressLimits> = OnceLock::new();
+
+/// Sets the limits for every worker network made from now on (once, at daemon start).
+pub fn set_egress_limits(limits: EgressLimits) {
+    let _ = LIMITS.set(limits);
+}
+
+fn egress_limits() -> EgressLimits {
+    LIMITS.get().copied().unwrap_or_default()
+}
+
+fn base_table(
+    router_addr: Ipv4Addr,
+    host_addr: Ipv4Addr,
+    dns_port: Option<u16>,
+    limits: EgressLimits,
+) -> String {
     // DNS: the sandbox asks its gateway; the router forwards to torpor's responder.
     let (dns_dnat, dns_fwd) = match dns_port {
         Some(p) => (
@@ -385,19 +462,38 @@ fn base_table(router_addr: Ipv4Addr, host_addr: Ipv4Addr, dns_port: Option<u16>)
         ),
         None => (String::new(), String::new()),
     };
+    // Rates: nftables takes bytes; a tenth of a second of burst.
+    let kbytes = u64::from(limits.mbit_per_s.max(1)) * 125;
+    let burst_kbytes = (kbytes / 10).max(64);
+    let pps = limits.packets_per_s.max(1);
+    let burst_packets = (pps / 10).max(16);
     format!(
         r#"table ip torpor {{
   counter denied {{ }}
+  counter limited {{ }}
   counter tx {{ }}
   counter rx {{ }}
   counter egress_conns {{ }}
   counter ingress_conns {{ }}
   set hosts {{ type ipv4_addr; }}
   set denied_dst {{ type ipv4_addr . inet_service; flags dynamic,timeout; timeout 1h; size 4096; counter; }}
+  chain tp_limit {{
+    type filter hook prerouting priority mangle; policy accept;
+    iifname "sb0" limit rate over {kbytes} kbytes/second burst {burst_kbytes} kbytes counter name "limited" drop
+    iifname "sb0" limit rate over {pps}/second burst {burst_packets} packets counter name "limited" drop
+    iifname "sb0" meta l4proto tcp ct state new jump tp_tcp_new
+  }}
+  chain tp_tcp_new {{
+    ip daddr {GATEWAY_ADDR} counter name "denied" drop
+    ip daddr 10.192.0.0/12 ip daddr != {host_addr} counter name "denied" drop
+    jump tp_egress
+    update @denied_dst {{ ip daddr . th dport }} counter name "denied" drop
+  }}
   chain tp_pre {{
     type nat hook prerouting priority dstnat;
     iifname "up0" ip daddr {router_addr} dnat to {SANDBOX_ADDR}
     {dns_dnat}
+    iifname "sb0" meta l4proto tcp redirect to :{RELAY_PORT}
   }}
   chain tp_nat {{
     type nat hook postrouting priority srcnat;
@@ -420,6 +516,7 @@ fn base_table(router_addr: Ipv4Addr, host_addr: Ipv4Addr, dns_port: Option<u16>)
   chain tp_in {{
     type filter hook input priority filter; policy accept;
     iifname "sb0" ct state established,related accept
+    iifname "sb0" tcp dport {RELAY_PORT} ct status dnat accept
     iifname "sb0" drop
   }}
 }}

@@ -87,6 +87,12 @@ pub enum Command {
         /// Host-based routing to sandbox ports: `{port}-{id}.<DOMAIN>` (docs/NETWORKING.md).
         #[arg(long)]
         proxy_domain: Option<String>,
+        /// Most a networked sandbox may send, in Mbit/s (dropped above; docs/NETWORKING.md).
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+        egress_mbit: u32,
+        /// Most packets per second a networked sandbox may send.
+        #[arg(long, default_value_t = 50_000, value_parser = clap::value_parser!(u32).range(1..))]
+        egress_pps: u32,
     },
     /// Inspect, verify and collect the snapshot store (operator only).
     #[command(subcommand)]
@@ -399,8 +405,14 @@ async fn dispatch(cmd: Command) -> CliResult {
             store,
             keda_listen,
             proxy_domain,
+            egress_mbit,
+            egress_pps,
         } => {
             init_logging();
+            torpor_runtime::net::set_egress_limits(torpor_runtime::net::EgressLimits {
+                mbit_per_s: egress_mbit,
+                packets_per_s: egress_pps,
+            });
             if let Some(d) = &proxy_domain {
                 torpor_api::proxy::set_proxy_domain(d);
             }

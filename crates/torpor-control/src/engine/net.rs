@@ -56,44 +56,18 @@ pub fn count_proxied(outcome: &str) {
     proxy_counter().1.with_label_values(&[outcome]).inc();
 }
 
-/// How long gVisor keeps a TIME_WAIT endpoint after the sandbox closed a connection first;
-/// a checkpoint fails (and loses the state since the last one) while one exists.
-pub const TIME_WAIT: std::time::Duration = std::time::Duration::from_secs(61);
-
-fn peer_closed(
-) -> &'static std::sync::Mutex<std::collections::HashMap<SandboxId, std::time::Instant>> {
-    static M: OnceLock<std::sync::Mutex<std::collections::HashMap<SandboxId, std::time::Instant>>> =
-        OnceLock::new();
-    M.get_or_init(Default::default)
-}
-
-/// Records that the sandbox's server closed a proxied connection first (an HTTP/1.0 answer or
-/// `Connection: close`): its network stack holds a TIME_WAIT endpoint for [`TIME_WAIT`].
-pub fn note_sandbox_closed_first(id: &SandboxId) {
-    peer_closed()
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(id.clone(), std::time::Instant::now());
-}
-
-/// Refuses a checkpoint that would fail on a TIME_WAIT endpoint the proxy saw being made;
-/// the idle policy retries on a later tick, an explicit suspend answers an error naming the wait.
-pub(super) fn check_checkpointable(id: &SandboxId) -> Result<()> {
-    let mut m = peer_closed().lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(t) = m.get(id) {
-        let age = t.elapsed();
-        if age < TIME_WAIT {
-            return Err(ControlError::Unsupported(format!(
-                "network_busy: sandbox {id}'s server closed a proxied connection first {} ms ago; \
-                 its network stack holds a TIME_WAIT endpoint that would make the checkpoint fail. \
-                 Retry in {} s (serve HTTP/1.1 keep-alive to avoid this)",
-                age.as_millis(),
-                (TIME_WAIT - age).as_secs() + 1
-            )));
-        }
-        m.remove(id);
+/// Resets the sandbox's open TCP connections (all of which pass through torpor: the egress
+/// relay and the ingress proxy) before a checkpoint, which gVisor refuses, stopping the
+/// container, while any non-listening TCP endpoint exists. The sandbox runs a moment so its
+/// stack takes the resets in.
+pub(super) async fn settle_connections(live: &super::Live) {
+    let Some(net) = live._worker.net() else {
+        return;
+    };
+    if net.reset_connections().await > 0 {
+        let _ = torpor_runtime::cgroup::set_frozen(&live.container.cgroup, false);
+        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
     }
-    Ok(())
 }
 
 /// Validates a requested policy; `None` when the sandbox gets no network.
@@ -250,6 +224,11 @@ impl Engine {
             "Connections (flows) since its wake: egress (opened by it) and ingress (proxied).",
             &["sandbox", "direction"],
         );
+        let limited = gauge(
+            "torpor_sandbox_egress_limited_packets",
+            "Packets a resident sandbox sent above its egress rate limits since its wake (dropped).",
+            &["sandbox"],
+        );
         let denied = gauge(
             "torpor_sandbox_egress_denied_packets",
             "Packets the egress policy dropped since its wake, by destination (addr:port).",
@@ -276,6 +255,9 @@ impl Engine {
             conns
                 .with_label_values(&[id, "ingress"])
                 .set(st.ingress_connections as i64);
+            limited
+                .with_label_values(&[id])
+                .set(st.limited_packets as i64);
             let mut listed = 0;
             for (dest, n) in &st.denied_by_destination {
                 denied.with_label_values(&[id, dest]).set(*n as i64);
