@@ -724,6 +724,9 @@ except Exception as e:
 open("/tmp/held", "w").write(out)
 "#;
 
+/// A client inside the sandbox closes first on loopback.
+const LOOPBACK_CLOSE: &str = "python3 -c \"import socket; l=socket.socket(); l.bind(('127.0.0.1',9000)); l.listen(); c=socket.create_connection(('127.0.0.1',9000)); a,_=l.accept(); c.close(); a.recv(1); a.close(); l.close()\"";
+
 async fn read_file(c: &torpor_api::Client, id: &str, path: &str) -> String {
     let r = c
         .exec(id, &sh(&format!("cat {path} 2>/dev/null")))
@@ -744,8 +747,11 @@ async fn outbound_connections_never_block_a_checkpoint() {
     let port = keepalive_server().await;
     let id = create_net(&c, json!("full")).await;
 
-    // The sandbox closes first (urllib closes once it has read the body).
+    // The sandbox closes first (urllib closes once it has read the body); and a connection
+    // inside the sandbox (loopback), closed by its client first, leaves its TIME_WAIT there.
     c.exec(&id, &sh("echo kept > /tmp/marker")).await.unwrap();
+    let r = c.exec(&id, &sh(LOOPBACK_CLOSE)).await.unwrap();
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
     assert_eq!(
         fetch(&c, &id, &format!("http://{host}:{port}/"))
             .await
