@@ -3,109 +3,32 @@
 //! server by its pid at the end. Set `MOTO_SERVER` to the executable if it is not on PATH.
 
 mod common;
+mod support {
+    pub mod moto;
+}
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::*;
+use support::moto::Moto;
 use torpor_snapshot::backend::{Backend, ObjectKey, S3Backend, S3Config};
 use torpor_snapshot::gvisor::encode_compressed_image;
 use torpor_snapshot::{GcOptions, Store, StoreConfig};
 
-struct Moto {
-    child: Child,
-    port: u16,
-    _log_dir: tempfile::TempDir,
-}
-
-impl Moto {
-    fn start() -> Moto {
-        let exe = std::env::var("MOTO_SERVER").unwrap_or_else(|_| "moto_server".into());
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let log_dir = tempfile::tempdir().unwrap();
-        let log = std::fs::File::create(log_dir.path().join("moto.log")).unwrap();
-        let child = Command::new(&exe)
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start {exe} (pip install \"moto[server]\", or set MOTO_SERVER): {e}")
-            });
-        let mut moto = Moto {
-            child,
-            port,
-            _log_dir: log_dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if http(port, "GET", "/").is_some_and(|s| s.starts_with("HTTP/1.1 200")) {
-                break;
-            }
-            if let Ok(Some(status)) = moto.child.try_wait() {
-                panic!("moto_server exited early: {status}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "moto_server did not answer in 60 s"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        moto
+fn s3_config(moto: &Moto, bucket: &str) -> S3Config {
+    S3Config {
+        endpoint: Some(moto.endpoint()),
+        access_key_id: "test".into(),
+        secret_access_key: "test".into(),
+        allow_http: true,
+        max_retries: 2,
+        retry_timeout: Duration::from_secs(3),
+        request_timeout: Duration::from_secs(5),
+        ..S3Config::new(bucket)
     }
-
-    fn create_bucket(&self, name: &str) {
-        let resp = http(self.port, "PUT", &format!("/{name}")).expect("create bucket");
-        assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
-    }
-
-    fn stop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn config(&self, bucket: &str) -> S3Config {
-        S3Config {
-            endpoint: Some(format!("http://127.0.0.1:{}", self.port)),
-            access_key_id: "test".into(),
-            secret_access_key: "test".into(),
-            allow_http: true,
-            max_retries: 2,
-            retry_timeout: Duration::from_secs(3),
-            request_timeout: Duration::from_secs(5),
-            ..S3Config::new(bucket)
-        }
-    }
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-/// A minimal unsigned HTTP/1.1 request (moto accepts unsigned bucket creation).
-fn http(port: u16, method: &str, path: &str) -> Option<String> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    Some(out)
 }
 
 fn checkpoint(dir: &Path, seed: u64) {
@@ -122,7 +45,7 @@ async fn s3_backend_against_moto() {
     let t = tempfile::tempdir().unwrap();
 
     // Backend contract.
-    let backend = Arc::new(S3Backend::new(&moto.config("torpor-snapshots")).unwrap());
+    let backend = Arc::new(S3Backend::new(&s3_config(&moto, "torpor-snapshots")).unwrap());
     let k = ObjectKey::new("probe/a/b").unwrap();
     assert_eq!(backend.get(&k).await.unwrap(), None);
     backend.put(&k, Bytes::from_static(b"hi")).await.unwrap();
@@ -142,7 +65,7 @@ async fn s3_backend_against_moto() {
     // Store round trip, with a prefix inside the bucket.
     let cfg = S3Config {
         prefix: Some("fleet-a".into()),
-        ..moto.config("torpor-snapshots")
+        ..s3_config(&moto, "torpor-snapshots")
     };
     let backend: Arc<dyn Backend> = Arc::new(S3Backend::new(&cfg).unwrap());
     let store = Store::new(backend.clone(), StoreConfig::default()).unwrap();

@@ -6,91 +6,20 @@
 //! sandbox parked on its local checkpoint after bounded retries, with a clear error.
 
 mod common;
+#[path = "../../torpor-snapshot/tests/support/moto.rs"]
+mod moto;
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::*;
+use moto::Moto;
 use torpor_core::Tier;
 use torpor_snapshot::backend::{Backend, ObjectKey, S3Backend, S3Config};
 
 const BUCKET: &str = "torpor-e2e";
 const PREFIX: &str = "node-a";
-
-struct Moto {
-    child: Child,
-    port: u16,
-    _log_dir: tempfile::TempDir,
-}
-
-impl Moto {
-    fn start() -> Moto {
-        let exe = std::env::var("MOTO_SERVER").unwrap_or_else(|_| "moto_server".into());
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let log_dir = tempfile::tempdir().unwrap();
-        let log = std::fs::File::create(log_dir.path().join("moto.log")).unwrap();
-        let child = Command::new(&exe)
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start {exe} (pip install \"moto[server]\", or set MOTO_SERVER): {e}")
-            });
-        let mut moto = Moto {
-            child,
-            port,
-            _log_dir: log_dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !http(port, "GET", "/").is_some_and(|s| s.starts_with("HTTP/1.1 200")) {
-            if let Ok(Some(status)) = moto.child.try_wait() {
-                panic!("moto_server exited early: {status}");
-            }
-            assert!(Instant::now() < deadline, "moto_server did not answer");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        moto
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    /// SIGKILL by pid: the server vanishes mid-request, as a crashed one would.
-    fn stop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-/// A minimal unsigned HTTP/1.1 request (moto accepts unsigned bucket creation).
-fn http(port: u16, method: &str, path: &str) -> Option<String> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    Some(out)
-}
 
 fn torpor(d: &Daemon, args: &[&str]) -> (i32, String, String) {
     let out = Command::new(BIN)
@@ -117,8 +46,7 @@ fn metric(text: &str, name: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread")]
 async fn suspend_to_s3_wake_verify_corruption_and_server_loss() {
     let mut moto = Moto::start();
-    let created = http(moto.port, "PUT", &format!("/{BUCKET}")).unwrap();
-    assert!(created.starts_with("HTTP/1.1 200"), "{created}");
+    moto.create_bucket(BUCKET);
     let endpoint = moto.endpoint();
     let d = Daemon::start_with_env(
         &[
