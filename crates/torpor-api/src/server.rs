@@ -591,8 +591,11 @@ async fn get_sandbox(
     Extension(tenant): Extension<TenantId>,
     Path(id): Path<String>,
 ) -> ApiResult<Json<Sandbox>> {
-    let s = state.engine.sandbox(&tenant, &sandbox_id(&id)?)?;
-    Ok(Json(Sandbox::from(&s)))
+    let id = sandbox_id(&id)?;
+    let s = state.engine.sandbox(&tenant, &id)?;
+    let mut out = Sandbox::from(&s);
+    out.worker = state.engine.resident_worker(&id);
+    Ok(Json(out))
 }
 
 async fn delete_sandbox(

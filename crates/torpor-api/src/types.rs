@@ -24,6 +24,9 @@ pub struct Sandbox {
     /// Why the sandbox last fell back to a snapshot (crash, OOM, failed wake), if it did.
     pub last_error: Option<String>,
     pub oom_killed: bool,
+    /// The worker it is resident on (`GET /v1/sandboxes/{id}` only); absent while it sleeps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -161,6 +164,7 @@ impl From<&torpor_control::SandboxRecord> for Sandbox {
             metadata: s.metadata.clone(),
             last_error: s.last_error.clone(),
             oom_killed: s.oom_killed,
+            worker: None,
         }
     }
 }

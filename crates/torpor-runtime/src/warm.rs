@@ -95,6 +95,11 @@ impl Worker {
         &self.prepared().bundle
     }
 
+    /// The worker's name (its cgroup's last component), unique within this daemon's run.
+    pub fn name(&self) -> &str {
+        &self.prepared().name
+    }
+
     /// Whether it came ready from the pool (else it was prepared for this wake).
     pub fn was_warm(&self) -> bool {
         self.warm

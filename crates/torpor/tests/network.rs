@@ -383,14 +383,20 @@ async fn a_proxied_request_wakes_a_sleeping_server() {
     );
 
     for tier in [Tier::Parked, Tier::Suspended] {
+        let before = c.sandbox(&id).await.unwrap().worker.expect("resident");
         let s = c.suspend(&id, Some(tier)).await.unwrap();
         assert_eq!(s.state, tier.as_str());
+        assert_eq!(c.sandbox(&id).await.unwrap().worker, None, "asleep");
         let (status, body) = proxied(&d, &token, &id, "8080/hello.txt").await;
         assert_eq!(
             (status, body.trim()),
             (200, "served-from-sandbox"),
             "after {tier:?}"
         );
+        // The warm pool hands out a ready worker, not the one just left (it is reset and
+        // torn down when the pool is full): the checkpoint moved between workers.
+        let after = c.sandbox(&id).await.unwrap().worker.expect("resident");
+        assert_ne!(before, after, "woken on another worker");
         assert_eq!(c.sandbox(&id).await.unwrap().state, "running");
     }
 

@@ -155,6 +155,13 @@ impl Engine {
         Ok(self.store.network(id)?.unwrap_or_else(NetworkPolicy::none))
     }
 
+    /// The worker a sandbox is resident on, if it is (not while a wake or checkpoint holds it).
+    pub fn resident_worker(&self, id: &SandboxId) -> Option<String> {
+        let slot = self.slot(id);
+        let guard = slot.state.try_read().ok()?;
+        guard.live.as_ref().map(|l| l._worker.name().to_string())
+    }
+
     /// The address the proxy connects to for a resident networked sandbox (its worker's
     /// router); `None` while it sleeps or when it has no network.
     pub fn ingress_address(
