@@ -105,7 +105,8 @@ fn status_of(e: &ControlError) -> StatusCode {
         | ControlError::AlreadyExists { .. }
         | ControlError::InvalidTransition { .. }
         | ControlError::TemplateInUse(..)
-        | ControlError::TemplateNotReady(_) => StatusCode::CONFLICT,
+        | ControlError::TemplateNotReady(_)
+        | ControlError::Busy(_) => StatusCode::CONFLICT,
         ControlError::Invalid(_) | ControlError::Unsupported(_) | ControlError::Image(_) => {
             StatusCode::BAD_REQUEST
         }
@@ -136,10 +137,15 @@ fn status_of(e: &ControlError) -> StatusCode {
                 G::Driver(_) => StatusCode::INTERNAL_SERVER_ERROR,
             }
         }
+        // The store's backend unreachable or locked: retryable; full: the operator's to fix.
+        ControlError::SnapshotStore { code, .. } => match *code {
+            "backend_remote" | "backend_io" | "store_locked" => StatusCode::SERVICE_UNAVAILABLE,
+            "backend_no_space" | "output_no_space" => StatusCode::INSUFFICIENT_STORAGE,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        },
         ControlError::Runtime(_)
         | ControlError::Store(_)
         | ControlError::Snapshot(_)
-        | ControlError::SnapshotStore { .. }
         | ControlError::Io { .. } => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }

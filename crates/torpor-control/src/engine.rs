@@ -56,6 +56,9 @@ pub struct EngineConfig {
     pub tick: Duration,
     /// Free workers kept prepared (cgroups, bundle directory) so a wake does only the restore.
     pub warm_pool: usize,
+    /// How long an explicit suspend waits for calls in flight (execs, proxied requests, open
+    /// WebSockets) to finish before it answers 409 `sandbox_busy`; nothing in flight is cut.
+    pub drain_timeout: Duration,
     /// Snapshot store, chunk cache, retention, scheduled GC, encryption.
     pub snapshots: crate::snapshots::SnapshotConfig,
 }
@@ -1455,7 +1458,16 @@ impl Engine {
     ) -> Result<SandboxRecord> {
         self.sandbox(tenant, id)?;
         let slot = self.slot(id);
-        let mut guard = slot.state.clone().write_owned().await;
+        let mut guard =
+            tokio::time::timeout(self.cfg.drain_timeout, slot.state.clone().write_owned())
+                .await
+                .map_err(|_| {
+                    ControlError::Busy(format!(
+                        "sandbox {id} still has calls in flight (execs, proxied requests or an \
+                         open WebSocket) after {} ms; nothing was cut, retry later",
+                        self.cfg.drain_timeout.as_millis()
+                    ))
+                })?;
         let current = self.store.sandbox(id)?.ok_or_else(|| not_found(id))?;
         let refused = || ControlError::InvalidTransition {
             from: current.state,

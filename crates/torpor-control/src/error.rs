@@ -33,6 +33,8 @@ pub enum ControlError {
     LotFull(usize),
     #[error("no worker became free within {0} ms")]
     NoWorker(u64),
+    #[error("{0}")]
+    Busy(String),
     #[error("torpor is shutting down")]
     ShuttingDown,
     #[error("{0}")]
@@ -88,6 +90,7 @@ impl ControlError {
             ControlError::QuotaExceeded { .. } => "quota_exceeded",
             ControlError::TenantInUse(..) => "tenant_in_use",
             ControlError::ShuttingDown => "shutting_down",
+            ControlError::Busy(_) => "sandbox_busy",
             ControlError::Unsupported(_) => "unsupported",
             ControlError::ExecTimeout { .. } => "exec_timeout",
             ControlError::SandboxCrashed { .. } => "sandbox_crashed",

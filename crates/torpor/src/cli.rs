@@ -59,6 +59,9 @@ pub enum Command {
         /// How long a call waits (parked) for a free worker before 503 no_worker_available.
         #[arg(long, default_value_t = 5000)]
         worker_wait_ms: u64,
+        /// How long an explicit suspend waits for calls in flight before 409 sandbox_busy.
+        #[arg(long, default_value_t = 30_000)]
+        drain_timeout_ms: u64,
         /// How many calls may wait for a worker at once; beyond it, 503 lot_full.
         #[arg(long, default_value_t = 1024)]
         lot_size: usize,
@@ -396,6 +399,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             runsc,
             platform,
             worker_wait_ms,
+            drain_timeout_ms,
             lot_size,
             memory_budget,
             tick_ms,
@@ -423,6 +427,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                 runsc,
                 platform,
                 worker_wait: Duration::from_millis(worker_wait_ms),
+                drain_timeout: Duration::from_millis(drain_timeout_ms),
                 lot_capacity: lot_size.max(1),
                 memory_budget,
                 tick: Duration::from_millis(tick_ms.max(50)),

@@ -633,7 +633,7 @@ while True:
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_websocket_echo_survives_the_proxy() {
-    let d = Daemon::start().await;
+    let d = Daemon::start_with(&["--drain-timeout-ms", "1000"]).await;
     let c = d.client();
     let id = create_net(&c, json!({"allow": []})).await;
     c.write_file(&id, "/tmp/ws.py", WS_ECHO.as_bytes().to_vec(), None)
@@ -689,7 +689,27 @@ async fn a_websocket_echo_survives_the_proxy() {
         s.read_exact(&mut payload).await.unwrap();
         assert_eq!(String::from_utf8(payload).unwrap(), msg);
     }
+    // An open WebSocket keeps the sandbox borrowed: a suspend waits for it (the drain
+    // timeout), then answers 409 sandbox_busy; nothing is cut and the sandbox keeps running.
+    match c.suspend(&id, Some(Tier::Parked)).await.unwrap_err() {
+        ClientError::Api { status, code, .. } => {
+            assert_eq!((status, code.as_str()), (409, "sandbox_busy"))
+        }
+        other => panic!("{other}"),
+    }
+    assert_eq!(c.sandbox(&id).await.unwrap().state, "running");
     drop(s);
+    // Closed: the suspend goes through.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match c.suspend(&id, Some(Tier::Parked)).await {
+            Ok(s) => {
+                assert_eq!(s.state, "parked");
+                break;
+            }
+            Err(e) => assert!(Instant::now() < deadline, "{e}"),
+        }
+    }
     c.delete_sandbox(&id).await.unwrap();
 }
 

@@ -167,6 +167,11 @@ async fn suspend_to_s3_wake_verify_corruption_and_server_loss() {
     let err = suspend.await.unwrap().unwrap_err();
     let code = err.code().unwrap_or_default().to_string();
     assert!(code.starts_with("backend_"), "{err}");
+    // The store's server gone is retryable: 503, not a server fault.
+    assert!(
+        matches!(err, torpor_api::ClientError::Api { status: 503, .. }),
+        "{err:?}"
+    );
     assert!(
         t.elapsed() < Duration::from_secs(60),
         "retries are bounded: {:?}",
