@@ -15,6 +15,7 @@ use torpor_api::types::CreateTenantBody;
 
 const SDK_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/sdk_flow.py");
 const JS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/sdk_flow.mjs");
+const PORTS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/ports.py");
 const JS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/js");
 
 async fn tenant(d: &Daemon, name: &str) -> String {
@@ -109,6 +110,39 @@ async fn the_official_javascript_sdk_runs_against_torpor() {
     assert!(
         out.status.success() && stdout.contains("ALL OK"),
         "JS SDK flow failed ({}):\n{stdout}\n{}\n--- daemon log ---\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        d.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_python_sdk_reaches_sandbox_ports_through_get_host() {
+    let d = Daemon::start_with(&["--proxy-domain", "e2b.test"]).await;
+    let key = tenant(&d, "ports-a").await;
+    let out = tokio::task::spawn_blocking({
+        let url = d.url();
+        let addr = format!("127.0.0.1:{}", d.port);
+        move || {
+            Command::new("python3")
+                .arg(PORTS_SCRIPT)
+                .env("E2B_API_KEY", key)
+                .env("E2B_API_URL", &url)
+                .env("E2B_SANDBOX_URL", &url)
+                .env("TORPOR_ADDR", addr)
+                .env("EXPECT_DOMAIN", "e2b.test")
+                .env_remove("E2B_DEBUG")
+                .env_remove("E2B_DOMAIN")
+                .output()
+                .expect("python3 must be installed (scripts/deps.sh)")
+        }
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("ALL OK"),
+        "SDK ports flow failed ({}):\n{stdout}\n{}\n--- daemon log ---\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr),
         d.log()
@@ -240,6 +274,9 @@ async fn wire_contract_statuses_shapes_and_bad_input() {
     }
     assert_eq!(sbx["envdVersion"], "0.5.7");
     assert_eq!(sbx["templateID"], "base");
+    // The default proxy domain; public ports carry no traffic token.
+    assert_eq!(sbx["domain"], "localhost");
+    assert!(sbx.get("trafficAccessToken").is_none(), "{sbx}");
     let id = sbx["sandboxID"].as_str().unwrap().to_string();
     let token = sbx["envdAccessToken"].as_str().unwrap().to_string();
 
