@@ -1816,7 +1816,7 @@ impl Engine {
         }
     }
 
-    async fn agent_call(
+    pub async fn agent_call(
         &self,
         tenant: &TenantId,
         id: &SandboxId,
