@@ -748,7 +748,7 @@ fn list_changed(path: &str, known: &BTreeMap<String, u64>, timeout_ms: u64) -> A
             }) if !over => {}
             other => return other,
         }
-        std::thread::sleep(pause);
+        procs::wait_for_exit(pause);
         pause = (pause * 2).min(Duration::from_millis(5));
     }
 }

@@ -441,12 +441,24 @@ async fn start(
             None => spawn_supervised(&st, &c, spawn, &recorded).await?,
         };
     let fd_out = if pty.is_some() { PTY_FD } else { 1 };
+    // What the agent's `Spawn` leaves: the first wait then answers only on a change (output or
+    // the exit), not at once. (Anything else, such as a supervisor's files, answers at once.)
+    let known = [
+        ("config", recorded.len() as u64),
+        ("out", 0),
+        ("err", 0),
+        ("pid", pid.to_string().len() as u64),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
     let f = Follow {
         pid,
         dir,
         fd_out,
         keepalive,
         deadline,
+        known,
     };
     Ok(f.stream(st, c, (0, 0)))
 }
@@ -712,6 +724,7 @@ async fn attach(
         fd_out: if pty { PTY_FD } else { 1 },
         keepalive,
         deadline,
+        known: BTreeMap::new(),
     };
     Ok(f.stream(st, c, (out, err)))
 }
@@ -732,6 +745,8 @@ struct Follow {
     fd_out: u8,
     keepalive: Duration,
     deadline: Option<Instant>,
+    /// The listing of `dir` taken to be current (empty: the first wait answers at once).
+    known: BTreeMap<String, u64>,
 }
 
 impl Follow {
@@ -839,10 +854,9 @@ async fn follow(
         fd_out,
         keepalive,
         deadline,
+        mut known,
     } = f;
     let mut last_sent = Instant::now();
-    // Empty: the first listing answers at once (the directory exists by now).
-    let mut known = BTreeMap::new();
     loop {
         let now = Instant::now();
         if deadline.is_some_and(|d| now >= d) {

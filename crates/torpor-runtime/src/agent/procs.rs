@@ -13,7 +13,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{mpsc, Mutex, OnceLock};
+use std::sync::{mpsc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 use super::{bad_request, io_error, Agent, Answer};
@@ -160,6 +160,7 @@ impl Agent {
                     let _ = File::create(dir.join("signaled"));
                 }
                 let _ = File::create(dir.join(format!("exit-{rc}")));
+                notify_exit();
             });
         Ok((Reply::Started { pid }, Vec::new()))
     }
@@ -195,6 +196,29 @@ impl Agent {
         set_size(master, size).map_err(|e| io_error(Path::new("/dev/ptmx"), e))?;
         Ok((Reply::Ok, Vec::new()))
     }
+}
+
+/// Counts process exits, so that `ListChanged` waits notice one at once instead of at their
+/// next look.
+fn exits() -> &'static (Mutex<u64>, Condvar) {
+    static EXITS: OnceLock<(Mutex<u64>, Condvar)> = OnceLock::new();
+    EXITS.get_or_init(Default::default)
+}
+
+fn notify_exit() {
+    let (n, cv) = exits();
+    *n.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+    cv.notify_all();
+}
+
+/// Sleeps for `max`, or less when a `Spawn` process ends meanwhile.
+pub(super) fn wait_for_exit(max: Duration) {
+    let (n, cv) = exits();
+    let g = n.lock().unwrap_or_else(|p| p.into_inner());
+    let seen = *g;
+    let _ = cv
+        .wait_timeout_while(g, max, |now| *now == seen)
+        .unwrap_or_else(|p| p.into_inner());
 }
 
 fn no_input(pid: u32) -> Reply {
