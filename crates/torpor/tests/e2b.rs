@@ -554,6 +554,43 @@ async fn wire_contract_statuses_shapes_and_bad_input() {
         assert_eq!(f[0].1["error"]["code"], code, "{f:?}");
     }
 
+    // StreamInput (client streaming): the first message must be `start`; a pid that does not
+    // run is not_found; a terminal call on a process without one is failed_precondition.
+    let stream_input = |body: Vec<u8>| {
+        api.envd("/process.Process/StreamInput", &id, &token)
+            .header("Content-Type", "application/connect+json")
+            .body(body)
+    };
+    let data = envelope(0, br#"{"data":{"input":{"stdin":"aGk="}}}"#);
+    let unknown = envelope(0, br#"{"start":{"process":{"pid":999999}}}"#);
+    for (body, code) in [(data, "invalid_argument"), (unknown, "not_found")] {
+        let resp = stream_input(body.to_vec()).send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        let f = frames(&resp.bytes().await.unwrap());
+        assert_eq!(f.last().unwrap().1["error"]["code"], code, "{f:?}");
+    }
+    let mut sleeper = start(envelope(0, br#"{"process":{"cmd":"sleep","args":["30"]}}"#))
+        .send()
+        .await
+        .unwrap();
+    let first = sleeper.chunk().await.unwrap().unwrap();
+    let pid = frames(&first)[0].1["event"]["start"]["pid"]
+        .as_u64()
+        .unwrap();
+    let resp = api
+        .envd("/process.Process/Update", &id, &token)
+        .header("Content-Type", "application/json")
+        .body(
+            json!({"process": {"pid": pid}, "pty": {"size": {"cols": 10, "rows": 5}}}).to_string(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["code"], "failed_precondition", "{v}");
+    drop(sleeper);
+
     // /files: octet-stream upload, raw download, path escape refused, missing file 404.
     let resp = http
         .post(format!("{}/files?path=up/x.bin", d.url()))

@@ -1129,7 +1129,15 @@ async fn stream_input(st: &E2b, c: &Ctx, body: &[u8]) -> Result<Response, RpcErr
         let m: StreamInputRequest = serde_json::from_slice(msg)
             .map_err(|e| RpcError::new(Code::InvalidArgument, format!("request message: {e}")))?;
         if let Some(start) = m.start {
-            pid = Some(select(st, c, start.process).await?);
+            let p = select(st, c, start.process).await?;
+            let state = poll(st, c, p, &dir_of(st, c, p).await?).await?;
+            if state.exit.is_some() || !state.started {
+                return Err(RpcError::new(
+                    Code::NotFound,
+                    format!("process with pid {p} not found"),
+                ));
+            }
+            pid = Some(p);
         } else if let Some(data) = m.data {
             let pid = pid.ok_or_else(|| {
                 RpcError::new(
