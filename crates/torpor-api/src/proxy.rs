@@ -208,22 +208,36 @@ async fn proxy_inner(
 
 static DOMAIN: OnceLock<String> = OnceLock::new();
 
-/// Turns on host-based routing: `{port}-{id}.<domain>` reaches `port` of sandbox `id`.
+/// The domain of host-based routing when none is set: `{port}-{id}.localhost`.
+pub const DEFAULT_PROXY_DOMAIN: &str = "localhost";
+
+/// Sets the domain of host-based routing: `{port}-{id}.<domain>` reaches `port` of sandbox `id`.
 pub fn set_proxy_domain(domain: &str) {
     let _ = DOMAIN.set(domain.trim_matches('.').to_ascii_lowercase());
 }
 
+/// The domain of host-based routing (and of E2B's `get_host`): the one set by
+/// `--proxy-domain`, else `TORPOR_E2B_DOMAIN`, else [`DEFAULT_PROXY_DOMAIN`].
+pub fn proxy_domain() -> &'static str {
+    DOMAIN.get_or_init(|| {
+        std::env::var("TORPOR_E2B_DOMAIN")
+            .ok()
+            .map(|d| d.trim_matches('.').to_ascii_lowercase())
+            .filter(|d| !d.is_empty())
+            .unwrap_or_else(|| DEFAULT_PROXY_DOMAIN.into())
+    })
+}
+
 /// Host-based routing: a request whose Host is `{port}-{id}.<domain>` (the domain given to
 /// [`set_proxy_domain`]) is proxied like `/v1/sandboxes/{id}/ports/{port}/{path}`, with the same
-/// authentication; every other request goes on to the API.
+/// authentication (or none for a public E2B sandbox, see crate::e2b::ports); every other
+/// request goes on to the API.
 pub(crate) async fn host_route(
     State(state): State<Arc<ApiState>>,
     req: Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let Some(domain) = DOMAIN.get() else {
-        return next.run(req).await;
-    };
+    let domain = proxy_domain();
     let host = req
         .headers()
         .get(axum::http::header::HOST)
@@ -234,7 +248,7 @@ pub(crate) async fn host_route(
                 .to_ascii_lowercase()
         });
     let label = host.as_deref().and_then(|h| {
-        h.strip_suffix(domain.as_str())
+        h.strip_suffix(domain)
             .and_then(|l| l.strip_suffix('.'))
             .map(str::to_string)
     });
@@ -250,7 +264,7 @@ pub(crate) async fn host_route(
             )
         })?;
         let port = split_route(&format!("/sandboxes/{id}/ports/{port_raw}"))?.1;
-        let tenant = crate::server::tenant_of(&state, req.headers())?;
+        let tenant = crate::e2b::ports::host_route_tenant(&state, id, req.headers())?;
         let uri = req.uri().clone();
         let tail = uri.path().trim_start_matches('/').to_string();
         check_tail(&tail)?;

@@ -1828,7 +1828,7 @@ impl Engine {
         }
     }
 
-    async fn agent_call(
+    pub async fn agent_call(
         &self,
         tenant: &TenantId,
         id: &SandboxId,

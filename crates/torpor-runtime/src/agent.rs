@@ -26,6 +26,8 @@ use crate::proto::{
     self, AgentErrorCode, DirEntry, ExecRequest, FileKind, FrameError, Reply, Request,
 };
 
+mod procs;
+
 /// Where the main process's output and detached execs' output go inside the sandbox.
 pub const LOG_DIR: &str = "/var/log/torpor";
 
@@ -133,6 +135,12 @@ impl Agent {
             } => list_changed(&path, &known, timeout_ms),
             Request::Remove { path, recursive } => remove(&path, recursive),
             Request::MainStatus => Ok((self.main_status(), Vec::new())),
+            Request::Spawn(req) => self.spawn_proc(req, &body),
+            Request::ProcInput { pid } => self.proc_input(pid, &body),
+            Request::ProcCloseInput { pid } => self.proc_close_input(pid),
+            Request::ProcResize { pid, cols, rows } => {
+                self.proc_resize(pid, proto::PtySize { cols, rows })
+            }
         };
         match result {
             Ok((reply, body)) => self.reply(id, &reply, &body),
@@ -740,7 +748,7 @@ fn list_changed(path: &str, known: &BTreeMap<String, u64>, timeout_ms: u64) -> A
             }) if !over => {}
             other => return other,
         }
-        std::thread::sleep(pause);
+        procs::wait_for_exit(pause);
         pause = (pause * 2).min(Duration::from_millis(5));
     }
 }

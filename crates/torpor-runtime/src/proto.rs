@@ -62,6 +62,53 @@ pub enum Request {
     },
     /// The main process's state.
     MainStatus,
+    /// Starts a process whose state lives in files under `dir` (E2B's processes): the body is
+    /// written to `dir/config`, output goes to `dir/out` and `dir/err` (a terminal's to
+    /// `dir/out`), `dir/pid` holds its pid, `index_dir/<pid>` holds `key`, and once it has
+    /// ended the agent writes `dir/signaled` (killed by a signal) and then an empty
+    /// `dir/exit-<status>` (128 + the signal for a signal). Answered with `Started`. Its stdin
+    /// (with `stdin` or `pty`) stays open in the agent for `ProcInput` until `ProcCloseInput`.
+    Spawn(SpawnRequest),
+    /// Writes the body to the stdin (or terminal) of a process started by `Spawn`.
+    ProcInput {
+        pid: u32,
+    },
+    /// Closes the stdin of a process started by `Spawn`.
+    ProcCloseInput {
+        pid: u32,
+    },
+    /// Sets the window size of a `Spawn` process's terminal.
+    ProcResize {
+        pid: u32,
+        cols: u16,
+        rows: u16,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SpawnRequest {
+    pub cmd: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    pub dir: String,
+    pub index_dir: String,
+    pub key: String,
+    /// Keep a pipe to its stdin open.
+    #[serde(default)]
+    pub stdin: bool,
+    /// Run it on a new pseudo-terminal of this size (its stdin, stdout and stderr).
+    #[serde(default)]
+    pub pty: Option<PtySize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PtySize {
+    pub cols: u16,
+    pub rows: u16,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -217,6 +217,11 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     // connections would otherwise hold the shutdown forever), then checkpoint.
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
+        // No Nagle delay: E2B's streams (Connect) write small frames one after another, and
+        // a frame held back for the client's delayed ACK costs up to 40 ms.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         axum::serve(listener, app)
             .with_graceful_shutdown(async {
                 let _ = stop_rx.await;

@@ -15,6 +15,8 @@ use torpor_api::types::CreateTenantBody;
 
 const SDK_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/sdk_flow.py");
 const JS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/sdk_flow.mjs");
+const PORTS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/ports.py");
+const PTY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/pty.py");
 const JS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/js");
 
 async fn tenant(d: &Daemon, name: &str) -> String {
@@ -46,27 +48,30 @@ async fn the_official_python_sdk_runs_against_torpor() {
     let d = Daemon::start().await;
     let key = tenant(&d, "sdk-a").await;
     let other = tenant(&d, "sdk-b").await;
-    let out = tokio::task::spawn_blocking({
-        let url = d.url();
-        move || {
-            Command::new("python3")
-                .arg(SDK_SCRIPT)
-                .env("E2B_API_KEY", key)
-                .env("E2B_API_URL", &url)
-                .env("E2B_SANDBOX_URL", &url)
-                .env("OTHER_KEY", other)
-                .env_remove("E2B_DEBUG")
-                .env_remove("E2B_DOMAIN")
-                .output()
-                .unwrap()
-        }
-    })
-    .await
-    .unwrap();
+    run_sdk(&d, "python3", SDK_SCRIPT, &key, &[("OTHER_KEY", other)]).await;
+}
+
+/// Runs `script` of tests/e2b_sdk with `program` (python3 or node) and the official SDK pointed
+/// at the daemon by E2B's three variables (plus `extra`); asserts that it printed ALL OK.
+async fn run_sdk(d: &Daemon, program: &str, script: &str, key: &str, extra: &[(&str, String)]) {
+    let mut cmd = Command::new(program);
+    cmd.arg(script)
+        .env("E2B_API_KEY", key)
+        .env("E2B_API_URL", d.url())
+        .env("E2B_SANDBOX_URL", d.url())
+        .env_remove("E2B_DEBUG")
+        .env_remove("E2B_DOMAIN");
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    let out = tokio::task::spawn_blocking(move || cmd.output())
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{program} must be installed (scripts/deps.sh): {e}"));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && stdout.contains("ALL OK"),
-        "SDK flow failed ({}):\n{stdout}\n{}\n--- daemon log ---\n{}",
+        "SDK script {script} failed ({}):\n{stdout}\n{}\n--- daemon log ---\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr),
         d.log()
@@ -87,32 +92,30 @@ async fn the_official_javascript_sdk_runs_against_torpor() {
     let d = Daemon::start().await;
     let key = tenant(&d, "js-a").await;
     let other = tenant(&d, "js-b").await;
-    let out = tokio::task::spawn_blocking({
-        let url = d.url();
-        move || {
-            Command::new("node")
-                .arg(JS_SCRIPT)
-                .env("E2B_JS_DIR", JS_DIR)
-                .env("E2B_API_KEY", key)
-                .env("E2B_API_URL", &url)
-                .env("E2B_SANDBOX_URL", &url)
-                .env("OTHER_KEY", other)
-                .env_remove("E2B_DEBUG")
-                .env_remove("E2B_DOMAIN")
-                .output()
-                .expect("node must be installed (scripts/deps.sh)")
-        }
-    })
-    .await
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("ALL OK"),
-        "JS SDK flow failed ({}):\n{stdout}\n{}\n--- daemon log ---\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr),
-        d.log()
-    );
+    run_sdk(
+        &d,
+        "node",
+        JS_SCRIPT,
+        &key,
+        &[("OTHER_KEY", other), ("E2B_JS_DIR", JS_DIR.to_string())],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_python_sdk_reaches_sandbox_ports_through_get_host() {
+    let d = Daemon::start_with(&["--proxy-domain", "e2b.test"]).await;
+    let key = tenant(&d, "ports-a").await;
+    let addr = format!("127.0.0.1:{}", d.port);
+    let extra = [("TORPOR_ADDR", addr), ("EXPECT_DOMAIN", "e2b.test".into())];
+    run_sdk(&d, "python3", PORTS_SCRIPT, &key, &extra).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_python_sdk_drives_terminals_and_streamed_input() {
+    let d = Daemon::start().await;
+    let key = tenant(&d, "pty-a").await;
+    run_sdk(&d, "python3", PTY_SCRIPT, &key, &[]).await;
 }
 
 struct E2b {
@@ -240,6 +243,9 @@ async fn wire_contract_statuses_shapes_and_bad_input() {
     }
     assert_eq!(sbx["envdVersion"], "0.5.7");
     assert_eq!(sbx["templateID"], "base");
+    // The default proxy domain; public ports carry no traffic token.
+    assert_eq!(sbx["domain"], "localhost");
+    assert!(sbx.get("trafficAccessToken").is_none(), "{sbx}");
     let id = sbx["sandboxID"].as_str().unwrap().to_string();
     let token = sbx["envdAccessToken"].as_str().unwrap().to_string();
 
@@ -548,6 +554,43 @@ async fn wire_contract_statuses_shapes_and_bad_input() {
         assert_eq!(f[0].1["error"]["code"], code, "{f:?}");
     }
 
+    // StreamInput (client streaming): the first message must be `start`; a pid that does not
+    // run is not_found; a terminal call on a process without one is failed_precondition.
+    let stream_input = |body: Vec<u8>| {
+        api.envd("/process.Process/StreamInput", &id, &token)
+            .header("Content-Type", "application/connect+json")
+            .body(body)
+    };
+    let data = envelope(0, br#"{"data":{"input":{"stdin":"aGk="}}}"#);
+    let unknown = envelope(0, br#"{"start":{"process":{"pid":999999}}}"#);
+    for (body, code) in [(data, "invalid_argument"), (unknown, "not_found")] {
+        let resp = stream_input(body.to_vec()).send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        let f = frames(&resp.bytes().await.unwrap());
+        assert_eq!(f.last().unwrap().1["error"]["code"], code, "{f:?}");
+    }
+    let mut sleeper = start(envelope(0, br#"{"process":{"cmd":"sleep","args":["30"]}}"#))
+        .send()
+        .await
+        .unwrap();
+    let first = sleeper.chunk().await.unwrap().unwrap();
+    let pid = frames(&first)[0].1["event"]["start"]["pid"]
+        .as_u64()
+        .unwrap();
+    let resp = api
+        .envd("/process.Process/Update", &id, &token)
+        .header("Content-Type", "application/json")
+        .body(
+            json!({"process": {"pid": pid}, "pty": {"size": {"cols": 10, "rows": 5}}}).to_string(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["code"], "failed_precondition", "{v}");
+    drop(sleeper);
+
     // /files: octet-stream upload, raw download, path escape refused, missing file 404.
     let resp = http
         .post(format!("{}/files?path=up/x.bin", d.url()))
@@ -597,8 +640,10 @@ async fn a_timed_out_sandbox_sleeps_and_wakes_with_its_state() {
         key,
     };
     use reqwest::Method as M;
+    // The sleeper's deadline is set to 1 s only once its file is written: a call after its
+    // timeout would wake it again.
     let (s, sleeper) = api
-        .call(M::POST, "/v2/sandboxes", Some(json!({"timeout": 1})))
+        .call(M::POST, "/v2/sandboxes", Some(json!({"timeout": 600})))
         .await;
     assert_eq!(s, 201);
     let (s, killed) = api
@@ -624,6 +669,14 @@ async fn a_timed_out_sandbox_sleeps_and_wakes_with_its_state() {
         .await
         .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
+    let (s, _) = api
+        .call(
+            M::POST,
+            &format!("/sandboxes/{sid}/timeout"),
+            Some(json!({"timeout": 1})),
+        )
+        .await;
+    assert_eq!(s, 204);
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let (_, s) = api.call(M::GET, &format!("/sandboxes/{sid}"), None).await;

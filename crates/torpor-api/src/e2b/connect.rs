@@ -187,6 +187,24 @@ pub fn decode_envelope(body: &[u8]) -> Result<&[u8], RpcError> {
     Ok(&body[5..])
 }
 
+/// The messages of a client-stream request: uncompressed envelopes back to back, each checked
+/// like [`decode_envelope`].
+pub fn decode_envelopes(mut body: &[u8]) -> Result<Vec<&[u8]>, RpcError> {
+    let mut out = Vec::new();
+    while !body.is_empty() {
+        if body.len() < 5 {
+            return decode_envelope(body).map(|_| Vec::new());
+        }
+        let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+        if len > MAX_MESSAGE || body.len() - 5 < len {
+            return decode_envelope(body).map(|_| Vec::new());
+        }
+        out.push(decode_envelope(&body[..5 + len])?);
+        body = &body[5 + len..];
+    }
+    Ok(out)
+}
+
 pub fn envelope(flags: u8, json: &[u8]) -> Bytes {
     let mut out = Vec::with_capacity(5 + json.len());
     out.push(flags);
@@ -205,6 +223,30 @@ pub fn end_frame(err: Option<&RpcError>) -> Bytes {
         Some(e) => serde_json::json!({"error": e.json()}),
     };
     envelope(END_STREAM, &serde_json::to_vec(&v).expect("json"))
+}
+
+/// Checks a call against its service: an unknown method is `unimplemented`, a known one
+/// framed the wrong way (unary vs stream content type) `invalid_argument`.
+pub fn check_method(
+    service: &str,
+    method: &str,
+    known: bool,
+    streaming: bool,
+    framing: Framing,
+) -> Result<(), RpcError> {
+    if !known {
+        return Err(RpcError::new(
+            Code::Unimplemented,
+            format!("{service}/{method} is not implemented"),
+        ));
+    }
+    if streaming != (framing == Framing::Stream) {
+        return Err(RpcError::new(
+            Code::InvalidArgument,
+            format!("{service}/{method} is called with the wrong content type"),
+        ));
+    }
+    Ok(())
 }
 
 /// Parses the request message of a call framed as `framing`.

@@ -68,6 +68,15 @@ pub struct NewSandbox {
     pub metadata: Option<BTreeMap<String, String>>,
     pub env_vars: Option<BTreeMap<String, String>>,
     pub lifecycle: Option<serde_json::Value>,
+    pub network: Option<NetworkBody>,
+}
+
+/// E2B's `network` at create: only `allowPublicTraffic` is mapped (egress follows the
+/// template's torpor policy, see docs/E2B.md).
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkBody {
+    pub allow_public_traffic: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -90,6 +99,9 @@ pub struct SandboxJson {
     pub envd_access_token: String,
     pub domain: String,
     pub alias: String,
+    /// Present when the sandbox's ports are private (`allowPublicTraffic: false`).
+    #[serde(rename = "trafficAccessToken", skip_serializing_if = "Option::is_none")]
+    pub traffic_access_token: Option<String>,
 }
 
 /// The detail and list entry (E2B's `SandboxDetail` / `ListedSandbox`).
@@ -143,6 +155,11 @@ pub fn sandbox_json(st: &E2b, rec: &SandboxRecord) -> SandboxJson {
         envd_access_token: st.access_token(&rec.id),
         domain: st.domain.clone(),
         alias: tpl,
+        traffic_access_token: rec
+            .metadata
+            .get(super::ports::META_TRAFFIC)
+            .filter(|t| *t != "public")
+            .cloned(),
     }
 }
 
@@ -232,6 +249,28 @@ pub async fn create(
     }
     metadata.insert(META_END_AT.into(), deadline(timeout));
     metadata.insert(META_ON_TIMEOUT.into(), on_timeout(&body)?.into());
+    // Reachable on its ports (get_host): the template's network, else ingress only.
+    let tpl_network = match st.api.engine.template(&tenant, &template) {
+        Ok(t) => t.spec.network,
+        Err(torpor_control::ControlError::NotFound { .. }) => {
+            return Err(E2bError::not_found(format_args!("template {tpl:?}")))
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let network = super::ports::ingress_policy(tpl_network.as_ref());
+    let public = body
+        .network
+        .as_ref()
+        .and_then(|n| n.allow_public_traffic)
+        .unwrap_or(true);
+    metadata.insert(
+        super::ports::META_TRAFFIC.into(),
+        if public {
+            "public".into()
+        } else {
+            super::ports::new_traffic_token(&st)
+        },
+    );
     let rec = st
         .api
         .engine
@@ -243,7 +282,7 @@ pub async fn create(
                 metadata,
                 limits: Default::default(),
                 gpu: None,
-                network: None,
+                network: Some(network),
             },
         )
         .await

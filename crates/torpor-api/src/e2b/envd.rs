@@ -22,7 +22,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::mpsc;
 use torpor_core::{SandboxId, TenantId};
-use torpor_runtime::proto::{DirEntry, ExecRequest, FileKind};
+use torpor_runtime::proto::{
+    AgentErrorCode, DirEntry, ExecRequest, FileKind, PtySize, Reply, Request, SpawnRequest,
+};
 
 use super::connect::{self, Code, Framing, Item, RpcError};
 use super::{E2b, E2bError};
@@ -204,9 +206,50 @@ pub struct ProcessConfig {
 #[serde(default)]
 struct StartRequest {
     process: Option<ProcessConfig>,
-    pty: Option<serde_json::Value>,
+    pty: Option<PtyRequest>,
     tag: Option<String>,
     stdin: Option<bool>,
+}
+
+/// `{"size": {"cols": 80, "rows": 24}}`
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PtyRequest {
+    size: Option<PtySizeJson>,
+}
+
+#[derive(Debug, Default, Clone, Copy, Serialize, Deserialize)]
+#[serde(default)]
+struct PtySizeJson {
+    cols: u32,
+    rows: u32,
+}
+
+impl PtyRequest {
+    fn size(&self) -> Result<PtySize, RpcError> {
+        let s = self.size.unwrap_or(PtySizeJson { cols: 80, rows: 24 });
+        let ok = |n: u32| (1..=u16::MAX as u32).contains(&n);
+        if !ok(s.cols) || !ok(s.rows) {
+            return Err(RpcError::new(
+                Code::InvalidArgument,
+                format!(
+                    "pty.size: cols and rows must be 1-65535, got {}x{}",
+                    s.cols, s.rows
+                ),
+            ));
+        }
+        Ok(PtySize {
+            cols: s.cols as u16,
+            rows: s.rows as u16,
+        })
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct UpdateRequest {
+    process: Option<Selector>,
+    pty: Option<PtyRequest>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -250,20 +293,27 @@ struct Recorded {
     config: ProcessConfig,
     #[serde(skip_serializing_if = "Option::is_none")]
     tag: Option<String>,
+    /// Run on a terminal (its output is `pty` data).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pty: bool,
 }
 
 pub fn event_start(pid: u32) -> serde_json::Value {
     json!({"event": {"start": {"pid": pid}}})
 }
 
+/// A data event: fd 1 stdout, 2 stderr, [`PTY_FD`] a terminal's output.
 pub fn event_data(fd: u8, bytes: &[u8]) -> serde_json::Value {
     let b = base64::engine::general_purpose::STANDARD.encode(bytes);
-    if fd == 1 {
-        json!({"event": {"data": {"stdout": b}}})
-    } else {
-        json!({"event": {"data": {"stderr": b}}})
+    match fd {
+        1 => json!({"event": {"data": {"stdout": b}}}),
+        PTY_FD => json!({"event": {"data": {"pty": b}}}),
+        _ => json!({"event": {"data": {"stderr": b}}}),
     }
 }
+
+/// The pseudo-fd of a terminal's output in [`event_data`].
+pub const PTY_FD: u8 = 3;
 
 /// The end event, as Go's envd words it.
 pub fn event_end(status: &ExitStatus) -> serde_json::Value {
@@ -304,29 +354,14 @@ pub async fn process_rpc(
         Ok(c) => c,
         Err(e) => return connect::error_response(framing, &e.rpc()),
     };
-    let streaming = matches!(method.as_str(), "Start" | "Connect");
+    let streaming = matches!(method.as_str(), "Start" | "Connect" | "StreamInput");
     let known = streaming
         || matches!(
             method.as_str(),
-            "List" | "SendInput" | "SendSignal" | "CloseStdin"
+            "List" | "SendInput" | "SendSignal" | "CloseStdin" | "Update"
         );
-    if !known {
-        return connect::error_response(
-            framing,
-            &RpcError::new(
-                Code::Unimplemented,
-                format!("process.Process/{method} is not implemented"),
-            ),
-        );
-    }
-    if streaming != (framing == Framing::Stream) {
-        return connect::error_response(
-            framing,
-            &RpcError::new(
-                Code::InvalidArgument,
-                format!("process.Process/{method} is called with the wrong content type"),
-            ),
-        );
+    if let Err(e) = connect::check_method("process.Process", &method, known, streaming, framing) {
+        return connect::error_response(framing, &e);
     }
     let keepalive = headers
         .get("keepalive-ping-interval")
@@ -342,6 +377,8 @@ pub async fn process_rpc(
         "SendInput" => send_input(&st, &c, &body).await,
         "SendSignal" => send_signal(&st, &c, &body).await,
         "CloseStdin" => close_stdin(&st, &c, &body).await,
+        "Update" => update(&st, &c, &body).await,
+        "StreamInput" => stream_input(&st, &c, &body).await,
         _ => unreachable!("checked above"),
     };
     result.unwrap_or_else(|e| connect::error_response(framing, &e))
@@ -355,12 +392,7 @@ async fn start(
     deadline: Option<Instant>,
 ) -> Result<Response, RpcError> {
     let req: StartRequest = connect::parse_request(Framing::Stream, body)?;
-    if req.pty.is_some() {
-        return Err(RpcError::new(
-            Code::Unimplemented,
-            "PTY processes are not supported",
-        ));
-    }
+    let pty = req.pty.as_ref().map(PtyRequest::size).transpose()?;
     let config = req
         .process
         .ok_or_else(|| RpcError::new(Code::InvalidArgument, "process is required"))?;
@@ -372,37 +404,166 @@ async fn start(
     }
     let cwd = match &config.cwd {
         Some(d) if !d.is_empty() => super::fs::resolve(d, None)?,
-        // The supervisor starts in the home, or in `/` when there is none.
+        // The home, or `/` when there is none.
         _ => String::new(),
     };
     let recorded = serde_json::to_vec(&Recorded {
         config: config.clone(),
         tag: req.tag.clone(),
+        pty: pty.is_some(),
     })
     .expect("json");
     let key = new_key();
     let dir = key_dir(&key);
+    let mut env = config.envs.clone();
+    env.entry("HOME".into()).or_insert_with(|| HOME.into());
+    let mut cmd = vec![config.cmd.clone()];
+    cmd.extend(config.args.iter().cloned());
+    let stdin = req.stdin.unwrap_or(false);
+    let spawn = SpawnRequest {
+        cmd,
+        env,
+        cwd: Some(cwd),
+        dir: dir.clone(),
+        index_dir: PROC_DIR.into(),
+        key,
+        stdin,
+        pty,
+    };
+    let pid =
+        match spawn_in_agent(&st, &c, spawn.clone(), &recorded).await? {
+            Some(pid) => pid,
+            None if pty.is_some() => return Err(RpcError::new(
+                Code::Unimplemented,
+                "this sandbox's agent predates terminals: PTY processes need a sandbox made by \
+                 this torpor",
+            )),
+            None => spawn_supervised(&st, &c, spawn, &recorded).await?,
+        };
+    let fd_out = if pty.is_some() { PTY_FD } else { 1 };
+    // What the agent's `Spawn` leaves: the first wait then answers only on a change (output or
+    // the exit), not at once. (Anything else, such as a supervisor's files, answers at once.)
+    let known = [
+        ("config", recorded.len() as u64),
+        ("out", 0),
+        ("err", 0),
+        ("pid", pid.to_string().len() as u64),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let f = Follow {
+        pid,
+        dir,
+        fd_out,
+        keepalive,
+        deadline,
+        known,
+    };
+    Ok(f.stream(st, c, (0, 0)))
+}
+
+/// Starts a process through the agent's `Spawn` (one spawn, its state in its directory):
+/// `Ok(None)` when the sandbox's agent predates `Spawn` (restored from an older snapshot).
+async fn spawn_in_agent(
+    st: &E2b,
+    c: &Ctx,
+    mut spawn: SpawnRequest,
+    recorded: &[u8],
+) -> Result<Option<u32>, RpcError> {
+    if is_legacy(st, c) {
+        return Ok(None);
+    }
+    let default_cwd = spawn.cwd.as_deref() == Some("");
+    if default_cwd {
+        spawn.cwd = Some(HOME.into());
+    }
+    loop {
+        let call =
+            st.api
+                .engine
+                .agent_call(&c.tenant, &c.id, Request::Spawn(spawn.clone()), recorded);
+        match tokio::time::timeout(LEGACY_GRACE, call).await {
+            Ok(Ok((Reply::Started { pid }, _))) => return Ok(Some(pid)),
+            Ok(Ok((other, _))) => {
+                return Err(RpcError::new(
+                    Code::Internal,
+                    format!("unexpected agent reply {other:?}"),
+                ))
+            }
+            Ok(Err(torpor_control::ControlError::Agent {
+                code: AgentErrorCode::NotFound,
+                message,
+            })) if message.starts_with("cwd ") => {
+                if default_cwd && spawn.cwd.as_deref() == Some(HOME) {
+                    // No home in this sandbox: start in `/`.
+                    spawn.cwd = Some("/".into());
+                    continue;
+                }
+                return Err(RpcError::new(
+                    Code::InvalidArgument,
+                    format!(
+                        "cwd '{}' does not exist",
+                        spawn.cwd.as_deref().unwrap_or_default()
+                    ),
+                ));
+            }
+            Ok(Err(e)) => return Err(e.into()),
+            Err(_) => {
+                tracing::info!(sandbox = %c.id, "agent without Spawn; using the supervisor shell");
+                mark_legacy(st, c);
+                return Ok(None);
+            }
+        }
+    }
+}
+
+fn is_legacy(st: &E2b, c: &Ctx) -> bool {
+    st.legacy_agents
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains(&c.id)
+}
+
+fn mark_legacy(st: &E2b, c: &Ctx) {
+    st.legacy_agents
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(c.id.clone());
+}
+
+/// Starts a process under [`SUPERVISOR`] (agents without `Spawn`): a detached exec of a shell
+/// that runs the command and records its state.
+async fn spawn_supervised(
+    st: &E2b,
+    c: &Ctx,
+    spawn: SpawnRequest,
+    recorded: &[u8],
+) -> Result<u32, RpcError> {
     // Makes the directory too: the supervisor then needs no `mkdir`.
     st.api
         .engine
-        .write_file(&c.tenant, &c.id, &format!("{dir}/config"), None, &recorded)
+        .write_file(
+            &c.tenant,
+            &c.id,
+            &format!("{}/config", spawn.dir),
+            None,
+            recorded,
+        )
         .await?;
     let mut cmd = vec![
         "/bin/sh".to_string(),
         "-c".into(),
         SUPERVISOR.into(),
         "sh".into(),
-        key,
-        if req.stdin.unwrap_or(false) { "1" } else { "0" }.into(),
-        cwd,
-        config.cmd.clone(),
+        spawn.key,
+        if spawn.stdin { "1" } else { "0" }.into(),
+        spawn.cwd.unwrap_or_default(),
     ];
-    cmd.extend(config.args.iter().cloned());
-    let mut env = config.envs.clone();
-    env.entry("HOME".into()).or_insert_with(|| HOME.into());
+    cmd.extend(spawn.cmd);
     let exec = ExecRequest {
         cmd,
-        env,
+        env: spawn.env,
         cwd: None,
         timeout_ms: None,
         detach: true,
@@ -421,17 +582,8 @@ async fn start(
     })?;
     // Answer once the supervisor has set the process up, so that whatever the client does with
     // the pid next (list it, write to its stdin, signal it) finds it.
-    wait_ready(&st, &c, pid, &dir).await?;
-    Ok(connect::stream_response(move |tx| async move {
-        if tx
-            .send(Item::Message(connect::message_frame(&event_start(pid))))
-            .await
-            .is_err()
-        {
-            return;
-        }
-        follow(st, c, pid, dir, 0, 0, keepalive, deadline, tx).await;
-    }))
+    wait_ready(st, c, pid, &spawn.dir).await?;
+    Ok(pid)
 }
 
 /// A fresh process key (lowercase letters and digits).
@@ -565,16 +717,53 @@ async fn attach(
     }
     // Output from now on, as envd does.
     let (out, err) = (state.out_len, state.err_len);
-    Ok(connect::stream_response(move |tx| async move {
-        if tx
-            .send(Item::Message(connect::message_frame(&event_start(pid))))
-            .await
-            .is_err()
-        {
-            return;
-        }
-        follow(st, c, pid, dir, out, err, keepalive, deadline, tx).await;
-    }))
+    let pty = recorded(&st, &c, &dir).await.is_some_and(|r| r.pty);
+    let f = Follow {
+        pid,
+        dir,
+        fd_out: if pty { PTY_FD } else { 1 },
+        keepalive,
+        deadline,
+        known: BTreeMap::new(),
+    };
+    Ok(f.stream(st, c, (out, err)))
+}
+
+/// What was recorded about the process in `dir` (its `config`), if it can be read.
+async fn recorded(st: &E2b, c: &Ctx, dir: &str) -> Option<Recorded> {
+    read(st, c, &format!("{dir}/config"))
+        .await
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Recorded>(&b).ok())
+}
+
+/// A process's output stream: its start event, then [`follow`].
+struct Follow {
+    pid: u32,
+    dir: String,
+    /// The event of `out`'s bytes: 1 (stdout) or [`PTY_FD`].
+    fd_out: u8,
+    keepalive: Duration,
+    deadline: Option<Instant>,
+    /// The listing of `dir` taken to be current (empty: the first wait answers at once).
+    known: BTreeMap<String, u64>,
+}
+
+impl Follow {
+    fn stream(self, st: Arc<E2b>, c: Ctx, offsets: (u64, u64)) -> Response {
+        connect::stream_response(move |tx| async move {
+            if tx
+                .send(Item::Message(connect::message_frame(&event_start(
+                    self.pid,
+                ))))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            follow(st, c, self, offsets, tx).await;
+        })
+    }
 }
 
 /// What a process's directory says.
@@ -652,21 +841,22 @@ fn signal_name(n: i32) -> &'static str {
 
 /// Streams a process's output from the given offsets until it ends, the client goes, the
 /// deadline passes or the sandbox goes to sleep.
-#[allow(clippy::too_many_arguments)]
 async fn follow(
     st: Arc<E2b>,
     c: Ctx,
-    pid: u32,
-    dir: String,
-    mut out_off: u64,
-    mut err_off: u64,
-    keepalive: Duration,
-    deadline: Option<Instant>,
+    f: Follow,
+    (mut out_off, mut err_off): (u64, u64),
     tx: mpsc::Sender<Item>,
 ) {
+    let Follow {
+        pid,
+        dir,
+        fd_out,
+        keepalive,
+        deadline,
+        mut known,
+    } = f;
     let mut last_sent = Instant::now();
-    // Empty: the first listing answers at once (the directory exists by now).
-    let mut known = BTreeMap::new();
     loop {
         let now = Instant::now();
         if deadline.is_some_and(|d| now >= d) {
@@ -693,7 +883,7 @@ async fn follow(
         known = sizes(&entries);
         // The listing is taken after the exit marker exists, so then the sizes are final.
         for (fd, name, len, off) in [
-            (1u8, "out", state.out_len, &mut out_off),
+            (fd_out, "out", state.out_len, &mut out_off),
             (2u8, "err", state.err_len, &mut err_off),
         ] {
             if len <= *off {
@@ -788,11 +978,7 @@ async fn running(st: &E2b, c: &Ctx) -> Result<Vec<(u32, Recorded)>, RpcError> {
         if state.exit.is_some() || !state.started {
             continue;
         }
-        let rec = read(st, c, &format!("{dir}/config"))
-            .await
-            .ok()
-            .and_then(|b| serde_json::from_slice::<Recorded>(&b).ok())
-            .unwrap_or_default();
+        let rec = recorded(st, c, &dir).await.unwrap_or_default();
         out.push((pid, rec));
     }
     out.sort_by_key(|(pid, _)| *pid);
@@ -846,19 +1032,55 @@ async fn on_live(
     Ok((code, err))
 }
 
-async fn send_input(st: &E2b, c: &Ctx, body: &[u8]) -> Result<Response, RpcError> {
-    let req: SendInputRequest = connect::parse_request(Framing::Unary, body)?;
-    let pid = select(st, c, req.process).await?;
-    let input = req.input.unwrap_or_default();
-    if input.pty.is_some() {
+/// Sends a request about a process started by the agent's `Spawn`: `Ok(None)` when the agent
+/// does not know the process (started by the supervisor shell, or ended) or predates `Spawn`.
+async fn agent_proc_call(
+    st: &E2b,
+    c: &Ctx,
+    req: Request,
+    body: &[u8],
+) -> Result<Option<()>, RpcError> {
+    if is_legacy(st, c) {
+        return Ok(None);
+    }
+    let call = st.api.engine.agent_call(&c.tenant, &c.id, req, body);
+    match tokio::time::timeout(LEGACY_GRACE, call).await {
+        Ok(Ok(_)) => Ok(Some(())),
+        Ok(Err(torpor_control::ControlError::Agent {
+            code: AgentErrorCode::NotFound,
+            ..
+        })) => Ok(None),
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => {
+            mark_legacy(st, c);
+            Ok(None)
+        }
+    }
+}
+
+/// Writes input to a process: through the agent, else (a supervised process) its FIFO.
+async fn write_input(st: &E2b, c: &Ctx, pid: u32, input: ProcessInput) -> Result<(), RpcError> {
+    let (raw, field, pty) = match (input.stdin, input.pty) {
+        (_, Some(p)) => (p, "input.pty", true),
+        (s, None) => (s.unwrap_or_default(), "input.stdin", false),
+    };
+    let data = base64::engine::general_purpose::STANDARD
+        .decode(raw)
+        .map_err(|e| RpcError::new(Code::InvalidArgument, format!("{field}: {e}")))?;
+    if agent_proc_call(st, c, Request::ProcInput { pid }, &data)
+        .await?
+        .is_some()
+    {
+        return Ok(());
+    }
+    if pty {
+        // Not a live terminal process: tell a missing process from one without a terminal.
+        on_live(st, c, pid, "exit 3", &[], Vec::new()).await?;
         return Err(RpcError::new(
-            Code::Unimplemented,
-            "PTY input is not supported",
+            Code::FailedPrecondition,
+            format!("process {pid} has no terminal (start it with pty)"),
         ));
     }
-    let data = base64::engine::general_purpose::STANDARD
-        .decode(input.stdin.unwrap_or_default())
-        .map_err(|e| RpcError::new(Code::InvalidArgument, format!("input.stdin: {e}")))?;
     // A process started without stdin has no FIFO: refuse rather than create a plain file.
     let (code, _) = on_live(
         st,
@@ -870,7 +1092,7 @@ async fn send_input(st: &E2b, c: &Ctx, body: &[u8]) -> Result<Response, RpcError
     )
     .await?;
     match code {
-        0 => Ok(connect::unary_ok(&json!({}))),
+        0 => Ok(()),
         3 => Err(RpcError::new(
             Code::FailedPrecondition,
             format!("process {pid} was started without stdin (stdin=True) or its stdin is closed"),
@@ -882,9 +1104,100 @@ async fn send_input(st: &E2b, c: &Ctx, body: &[u8]) -> Result<Response, RpcError
     }
 }
 
+async fn send_input(st: &E2b, c: &Ctx, body: &[u8]) -> Result<Response, RpcError> {
+    let req: SendInputRequest = connect::parse_request(Framing::Unary, body)?;
+    let pid = select(st, c, req.process).await?;
+    write_input(st, c, pid, req.input.unwrap_or_default()).await?;
+    Ok(connect::unary_ok(&json!({})))
+}
+
+/// `StreamInput` (client streaming): a `start` naming the process, then `data` and `keepalive`
+/// messages. Over HTTP/1.1 the request body is read whole before the answer, so the inputs are
+/// written in order once the client has finished sending; the answer is one empty message and
+/// the end of the stream.
+async fn stream_input(st: &E2b, c: &Ctx, body: &[u8]) -> Result<Response, RpcError> {
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(default)]
+    struct StreamInputRequest {
+        start: Option<SelectorRequest>,
+        data: Option<SendInputRequest>,
+        keepalive: Option<serde_json::Value>,
+    }
+    let mut pid = None;
+    for msg in connect::decode_envelopes(body)? {
+        let msg = if msg.is_empty() { &b"{}"[..] } else { msg };
+        let m: StreamInputRequest = serde_json::from_slice(msg)
+            .map_err(|e| RpcError::new(Code::InvalidArgument, format!("request message: {e}")))?;
+        if let Some(start) = m.start {
+            let p = select(st, c, start.process).await?;
+            let state = poll(st, c, p, &dir_of(st, c, p).await?).await?;
+            if state.exit.is_some() || !state.started {
+                return Err(RpcError::new(
+                    Code::NotFound,
+                    format!("process with pid {p} not found"),
+                ));
+            }
+            pid = Some(p);
+        } else if let Some(data) = m.data {
+            let pid = pid.ok_or_else(|| {
+                RpcError::new(
+                    Code::InvalidArgument,
+                    "the first StreamInput message must be start",
+                )
+            })?;
+            write_input(st, c, pid, data.input.unwrap_or_default()).await?;
+        } else if m.keepalive.is_none() {
+            return Err(RpcError::new(
+                Code::InvalidArgument,
+                "a StreamInput message needs start, data or keepalive",
+            ));
+        }
+    }
+    if pid.is_none() {
+        return Err(RpcError::new(
+            Code::InvalidArgument,
+            "StreamInput needs a start message naming the process",
+        ));
+    }
+    Ok(connect::stream_response(|tx| async move {
+        let _ = tx
+            .send(Item::Message(connect::message_frame(&json!({}))))
+            .await;
+    }))
+}
+
+/// `Update`: resizes a terminal process.
+async fn update(st: &E2b, c: &Ctx, body: &[u8]) -> Result<Response, RpcError> {
+    let req: UpdateRequest = connect::parse_request(Framing::Unary, body)?;
+    let pid = select(st, c, req.process).await?;
+    let Some(pty) = req.pty else {
+        return Ok(connect::unary_ok(&json!({})));
+    };
+    let size = pty.size()?;
+    let resize = Request::ProcResize {
+        pid,
+        cols: size.cols,
+        rows: size.rows,
+    };
+    if agent_proc_call(st, c, resize, &[]).await?.is_none() {
+        on_live(st, c, pid, "exit 3", &[], Vec::new()).await?;
+        return Err(RpcError::new(
+            Code::FailedPrecondition,
+            format!("process {pid} has no terminal (start it with pty)"),
+        ));
+    }
+    Ok(connect::unary_ok(&json!({})))
+}
+
 async fn close_stdin(st: &E2b, c: &Ctx, body: &[u8]) -> Result<Response, RpcError> {
     let req: SelectorRequest = connect::parse_request(Framing::Unary, body)?;
     let pid = select(st, c, req.process).await?;
+    if agent_proc_call(st, c, Request::ProcCloseInput { pid }, &[])
+        .await?
+        .is_some()
+    {
+        return Ok(connect::unary_ok(&json!({})));
+    }
     on_live(
         st,
         c,

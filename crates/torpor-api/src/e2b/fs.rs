@@ -12,7 +12,7 @@ use serde::Deserialize;
 use serde_json::json;
 use torpor_runtime::proto::{DirEntry, FileKind};
 
-use super::connect::{self, Code, Framing, Item, RpcError};
+use super::connect::{self, Code, Item, RpcError};
 use super::envd::{ctx, run, Ctx, HOME};
 use super::{is_running, E2b, E2bError};
 
@@ -224,23 +224,10 @@ pub async fn filesystem_rpc(
                 | "GetWatcherEvents"
                 | "RemoveWatcher"
         );
-    if !known {
-        return connect::error_response(
-            framing,
-            &RpcError::new(
-                Code::Unimplemented,
-                format!("filesystem.Filesystem/{method} is not implemented"),
-            ),
-        );
-    }
-    if streaming != (framing == Framing::Stream) {
-        return connect::error_response(
-            framing,
-            &RpcError::new(
-                Code::InvalidArgument,
-                format!("filesystem.Filesystem/{method} is called with the wrong content type"),
-            ),
-        );
+    if let Err(e) =
+        connect::check_method("filesystem.Filesystem", &method, known, streaming, framing)
+    {
+        return connect::error_response(framing, &e);
     }
     let user = basic_user(&headers);
     let result = async {

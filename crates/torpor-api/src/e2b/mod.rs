@@ -18,6 +18,7 @@ pub mod control;
 pub mod envd;
 pub mod fs;
 pub mod multipart;
+pub mod ports;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -49,8 +50,9 @@ pub const MAX_TIMEOUT_S: u64 = 86_400;
 pub struct E2b {
     pub api: Arc<ApiState>,
     /// Key of the envd access tokens (derived from the admin token: stable across restarts).
-    token_key: [u8; 32],
-    /// The domain advertised to SDKs (`{port}-{sandboxID}.{domain}`).
+    pub(crate) token_key: [u8; 32],
+    /// The domain advertised to SDKs (`{port}-{sandboxID}.{domain}`): the proxy's domain, so
+    /// `get_host(port)` names what host-based routing serves.
     pub domain: String,
     /// Filesystem watchers made by CreateWatcher, by id.
     pub watchers: Mutex<HashMap<String, fs::Watcher>>,
@@ -64,10 +66,7 @@ impl E2b {
             "torpor e2b envd access token v1",
             api.admin_token.as_bytes(),
         );
-        let domain = std::env::var("TORPOR_E2B_DOMAIN")
-            .ok()
-            .filter(|d| !d.is_empty())
-            .unwrap_or_else(|| "localhost".into());
+        let domain = crate::proxy::proxy_domain().to_string();
         E2b {
             api,
             token_key,

@@ -1,0 +1,96 @@
+//! Ports of E2B sandboxes: `sandbox.get_host(port)` names `{port}-{sandboxID}.{domain}`, which
+//! torpor's host-based routing (crate::proxy) serves on its own listener, waking a sleeping
+//! sandbox first.
+//!
+//! Every E2B sandbox is created with a network interface so that its ports are reachable: the
+//! template's policy when it has one, else ingress only (`{"allow": []}`: no egress at all).
+//! As on E2B, a sandbox's ports are public by default: a host-routed request without torpor
+//! credentials is let through. `network: {"allowPublicTraffic": false}` at create makes them
+//! private: a request then needs `e2b-traffic-access-token` (the `trafficAccessToken` of the
+//! create answer) or torpor's bearer token of the owning tenant.
+
+use axum::http::{HeaderMap, StatusCode};
+use torpor_core::network::AllowList;
+use torpor_core::{NetworkPolicy, SandboxId, TenantId};
+
+use super::E2b;
+use crate::server::{constant_time_eq, ApiError, ApiState};
+
+/// Metadata key: `public`, or the traffic access token a request must carry.
+pub const META_TRAFFIC: &str = "torpor.e2b.traffic";
+/// The header E2B's SDKs and docs use for private sandbox traffic.
+pub const TRAFFIC_HEADER: &str = "e2b-traffic-access-token";
+
+/// The network of an E2B sandbox: the template's policy if it has an interface, else ingress
+/// only (an interface with no egress).
+pub fn ingress_policy(template: Option<&NetworkPolicy>) -> NetworkPolicy {
+    match template {
+        Some(p) if !p.is_none() => p.clone(),
+        _ => NetworkPolicy::Allow(AllowList::default()),
+    }
+}
+
+/// A new traffic access token for a private sandbox (160 random bits from torpor's id
+/// generator, hashed with the adapter's key), kept in the sandbox's metadata.
+pub fn new_traffic_token(st: &E2b) -> String {
+    let key = blake3::derive_key("torpor e2b traffic access token v1", &st.token_key);
+    let seed = format!("{}{}", SandboxId::generate(), SandboxId::generate());
+    blake3::keyed_hash(&key, seed.as_bytes())
+        .to_hex()
+        .to_string()
+}
+
+/// The tenant a host-routed request to sandbox `id` acts as. An E2B sandbox whose traffic is
+/// public, or a request carrying its traffic access token, goes through as the admin (who owns
+/// every sandbox); otherwise torpor's bearer check applies. The answer never tells a missing
+/// sandbox from a refused request.
+pub(crate) fn host_route_tenant(
+    state: &ApiState,
+    id: &str,
+    headers: &HeaderMap,
+) -> Result<TenantId, ApiError> {
+    let admin = TenantId::admin();
+    let traffic = SandboxId::new(id)
+        .ok()
+        .and_then(|id| state.engine.sandbox(&admin, &id).ok())
+        .and_then(|rec| rec.metadata.get(META_TRAFFIC).cloned());
+    let allowed = match traffic.as_deref() {
+        Some("public") => true,
+        Some(token) => headers
+            .get(TRAFFIC_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| constant_time_eq(v.trim().as_bytes(), token.as_bytes())),
+        None => false,
+    };
+    if allowed {
+        return Ok(admin);
+    }
+    if headers.contains_key(axum::http::header::AUTHORIZATION) {
+        return crate::server::tenant_of(state, headers);
+    }
+    Err(ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+        format!(
+            "missing `Authorization: Bearer TOKEN` header (or `{TRAFFIC_HEADER}` for a private \
+             E2B sandbox)"
+        ),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e2b_sandboxes_always_get_an_interface() {
+        let ingress = NetworkPolicy::Allow(AllowList::default());
+        assert_eq!(ingress_policy(None), ingress);
+        assert_eq!(ingress_policy(Some(&NetworkPolicy::none())), ingress);
+        assert_eq!(ingress_policy(Some(&NetworkPolicy::Unset)), ingress);
+        assert_eq!(
+            ingress_policy(Some(&NetworkPolicy::full())),
+            NetworkPolicy::full()
+        );
+    }
+}

@@ -1,0 +1,294 @@
+//! Processes whose state lives in files (E2B's): `Spawn`, `ProcInput`, `ProcCloseInput`,
+//! `ProcResize` (see [`crate::proto::Request::Spawn`]).
+//!
+//! One spawn per process, straight from the agent: its output goes to files in its directory
+//! (a terminal's through a copier thread), a waiter thread records its exit status there. The
+//! files, the threads and the pipes or terminal the agent keeps for its input are all inside
+//! the sandbox, so they survive checkpoint and restore with it.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::{self, Read, Write};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{mpsc, Condvar, Mutex, OnceLock};
+use std::time::Duration;
+
+use super::{bad_request, io_error, Agent, Answer};
+use crate::proto::{AgentErrorCode, PtySize, Reply, SpawnRequest};
+
+/// What the agent keeps of a running process: the writing end of its stdin (a pipe, or a
+/// duplicate of its terminal's master) and its terminal's master (for resizes).
+#[derive(Default)]
+struct ProcIo {
+    input: Option<File>,
+    master: Option<File>,
+}
+
+fn procs() -> &'static Mutex<HashMap<u32, ProcIo>> {
+    static PROCS: OnceLock<Mutex<HashMap<u32, ProcIo>>> = OnceLock::new();
+    PROCS.get_or_init(Default::default)
+}
+
+/// How long, after a terminal process exited, its output may still be drained (a background
+/// child can hold the terminal open).
+const PTY_DRAIN: Duration = Duration::from_millis(500);
+
+impl Agent {
+    pub(super) fn spawn_proc(&self, req: SpawnRequest, config: &[u8]) -> Answer {
+        if req.cmd.is_empty() {
+            return Err(bad_request("cmd must not be empty".into()));
+        }
+        let dir = PathBuf::from(&req.dir);
+        let index = Path::new(&req.index_dir);
+        for d in [dir.as_path(), index] {
+            fs::create_dir_all(d).map_err(|e| io_error(d, e))?;
+        }
+        let at = |name: &str| dir.join(name);
+        fs::write(at("config"), config).map_err(|e| io_error(&at("config"), e))?;
+        let out = File::create(at("out")).map_err(|e| io_error(&at("out"), e))?;
+        let err = File::create(at("err")).map_err(|e| io_error(&at("err"), e))?;
+        let mut command = Command::new(&req.cmd[0]);
+        command.args(&req.cmd[1..]);
+        for (k, v) in self.env.read().unwrap_or_else(|p| p.into_inner()).iter() {
+            command.env(k, v);
+        }
+        if req.pty.is_some() && !req.env.contains_key("TERM") {
+            command.env("TERM", "xterm-256color");
+        }
+        command.envs(&req.env);
+        if let Some(cwd) = &req.cwd {
+            if !Path::new(cwd).is_dir() {
+                return Err(Reply::Error {
+                    code: AgentErrorCode::NotFound,
+                    message: format!("cwd {cwd:?} is not a directory"),
+                });
+            }
+            command.current_dir(cwd);
+        }
+        let mut master = None;
+        if let Some(size) = req.pty {
+            let (m, slave) = open_pty(size).map_err(|e| io_error(Path::new("/dev/ptmx"), e))?;
+            let dup = |f: &File| {
+                f.try_clone()
+                    .map_err(|e| io_error(Path::new("/dev/pts"), e))
+            };
+            command
+                .stdin(Stdio::from(dup(&slave)?))
+                .stdout(Stdio::from(dup(&slave)?))
+                .stderr(Stdio::from(slave));
+            // SAFETY: setsid and ioctl are async-signal-safe; the closure touches no memory
+            // of the parent. A session of its own with the terminal as its controlling one.
+            unsafe {
+                command.pre_exec(|| {
+                    if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+            master = Some(m);
+        } else {
+            // Its own process group, so a signal reaches everything it started.
+            command
+                .process_group(0)
+                .stdin(if req.stdin {
+                    Stdio::piped()
+                } else {
+                    Stdio::null()
+                })
+                .stdout(Stdio::from(
+                    out.try_clone().map_err(|e| io_error(&at("out"), e))?,
+                ))
+                .stderr(Stdio::from(err));
+        }
+        let (mut child, status_rx) =
+            self.children
+                .spawn(&mut command, true)
+                .map_err(|e| Reply::Error {
+                    code: match e.kind() {
+                        io::ErrorKind::NotFound => AgentErrorCode::NotFound,
+                        io::ErrorKind::PermissionDenied => AgentErrorCode::PermissionDenied,
+                        _ => AgentErrorCode::SpawnFailed,
+                    },
+                    message: format!("cannot start {:?}: {e}", req.cmd[0]),
+                })?;
+        // The parent's copies of the terminal's slave side go with the command.
+        drop(command);
+        let status_rx = status_rx.expect("waited spawn has a receiver");
+        let pid = child.id();
+        let mut io = ProcIo::default();
+        let mut copier = None;
+        if let Some(m) = master {
+            io.input = m.try_clone().ok();
+            let reader = m
+                .try_clone()
+                .map_err(|e| io_error(Path::new("/dev/ptmx"), e))?;
+            io.master = Some(m);
+            let (done_tx, done_rx) = mpsc::channel::<()>();
+            let _ = std::thread::Builder::new()
+                .name("pty-copier".into())
+                .spawn(move || {
+                    copy_terminal(reader, out);
+                    let _ = done_tx.send(());
+                });
+            copier = Some(done_rx);
+        } else if let Some(stdin) = child.stdin.take() {
+            io.input = Some(File::from(OwnedFd::from(stdin)));
+        }
+        procs()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(pid, io);
+        let _ = fs::write(at("pid"), pid.to_string());
+        let _ = fs::write(index.join(pid.to_string()), &req.key);
+        let _ = std::thread::Builder::new()
+            .name("proc-waiter".into())
+            .spawn(move || {
+                let status = status_rx.recv().ok();
+                if let Some(done) = copier {
+                    let _ = done.recv_timeout(PTY_DRAIN);
+                }
+                procs()
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&pid);
+                let rc = status.and_then(|s| s.code).unwrap_or(-1);
+                if status.is_some_and(|s| s.signal.is_some()) {
+                    let _ = File::create(dir.join("signaled"));
+                }
+                let _ = File::create(dir.join(format!("exit-{rc}")));
+                notify_exit();
+            });
+        Ok((Reply::Started { pid }, Vec::new()))
+    }
+
+    pub(super) fn proc_input(&self, pid: u32, data: &[u8]) -> Answer {
+        let mut procs = procs().lock().unwrap_or_else(|p| p.into_inner());
+        let input = procs
+            .get_mut(&pid)
+            .and_then(|p| p.input.as_mut())
+            .ok_or_else(|| no_input(pid))?;
+        input
+            .write_all(data)
+            .map_err(|e| io_error(Path::new(&format!("stdin of {pid}")), e))?;
+        Ok((Reply::Ok, Vec::new()))
+    }
+
+    pub(super) fn proc_close_input(&self, pid: u32) -> Answer {
+        let mut procs = procs().lock().unwrap_or_else(|p| p.into_inner());
+        let p = procs.get_mut(&pid).ok_or_else(|| no_input(pid))?;
+        p.input = None;
+        Ok((Reply::Ok, Vec::new()))
+    }
+
+    pub(super) fn proc_resize(&self, pid: u32, size: PtySize) -> Answer {
+        let procs = procs().lock().unwrap_or_else(|p| p.into_inner());
+        let master = procs
+            .get(&pid)
+            .and_then(|p| p.master.as_ref())
+            .ok_or_else(|| Reply::Error {
+                code: AgentErrorCode::NotFound,
+                message: format!("process {pid} has no terminal"),
+            })?;
+        set_size(master, size).map_err(|e| io_error(Path::new("/dev/ptmx"), e))?;
+        Ok((Reply::Ok, Vec::new()))
+    }
+}
+
+/// Counts process exits, so that `ListChanged` waits notice one at once instead of at their
+/// next look.
+fn exits() -> &'static (Mutex<u64>, Condvar) {
+    static EXITS: OnceLock<(Mutex<u64>, Condvar)> = OnceLock::new();
+    EXITS.get_or_init(Default::default)
+}
+
+fn notify_exit() {
+    let (n, cv) = exits();
+    *n.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+    cv.notify_all();
+}
+
+/// Sleeps for `max`, or less when a `Spawn` process ends meanwhile.
+pub(super) fn wait_for_exit(max: Duration) {
+    let (n, cv) = exits();
+    let g = n.lock().unwrap_or_else(|p| p.into_inner());
+    let seen = *g;
+    let _ = cv
+        .wait_timeout_while(g, max, |now| *now == seen)
+        .unwrap_or_else(|p| p.into_inner());
+}
+
+fn no_input(pid: u32) -> Reply {
+    Reply::Error {
+        code: AgentErrorCode::NotFound,
+        message: format!("process {pid} is not running with an open stdin"),
+    }
+}
+
+/// Copies a terminal's output into its file until the terminal closes (EIO once every slave
+/// descriptor is gone).
+fn copy_terminal(mut master: File, mut out: File) {
+    let mut buf = vec![0u8; 32 << 10];
+    loop {
+        match master.read(&mut buf) {
+            Ok(0) => return,
+            Ok(n) => {
+                if out.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+}
+
+fn set_size(master: &File, size: PtySize) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let ws = libc::winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads a winsize from a valid pointer; the fd is open.
+    if unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, &ws) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A new pseudo-terminal of `size`: (master, slave).
+fn open_pty(size: PtySize) -> io::Result<(File, File)> {
+    // SAFETY: plain libc calls on a descriptor we own; ptsname_r writes at most `buf.len()`
+    // bytes into our buffer.
+    unsafe {
+        let m = libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC);
+        if m < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let master = File::from_raw_fd(m);
+        if libc::grantpt(m) < 0 || libc::unlockpt(m) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut buf = [0 as libc::c_char; 128];
+        let rc = libc::ptsname_r(m, buf.as_mut_ptr(), buf.len());
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+        let name = std::ffi::CStr::from_ptr(buf.as_ptr());
+        let s = libc::open(
+            name.as_ptr(),
+            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
+        );
+        if s < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let slave = File::from_raw_fd(s);
+        set_size(&master, size)?;
+        Ok((master, slave))
+    }
+}
