@@ -8,16 +8,11 @@
 mod brokers;
 mod common;
 
-use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use brokers::{free_port, Nats, Redis};
+use brokers::{exactly_once, free_port, handled, wait_pool, Nats, Redis, HANDLER};
 use common::*;
-use torpor_api::{Client, ClientError};
-use torpor_control::pools::PoolStatus;
-
-/// Appends the message to /tmp/done.log; a message starting with `poison` fails.
-const HANDLER: &str = "import sys\nm = sys.stdin.read()\nif m.startswith('poison'): sys.exit(3)\nopen('/tmp/done.log', 'a').write(m + '\\n')\n";
+use torpor_api::ClientError;
 
 fn handler() -> serde_json::Value {
     serde_json::json!({
@@ -26,54 +21,6 @@ fn handler() -> serde_json::Value {
         "retry_backoff_ms": 50,
         "timeout_s": 60
     })
-}
-
-async fn wait_pool(
-    c: &Client,
-    name: &str,
-    what: &str,
-    within: Duration,
-    ok: impl Fn(&PoolStatus) -> bool,
-) -> PoolStatus {
-    let deadline = Instant::now() + within;
-    loop {
-        let p = c.pool(name).await.unwrap();
-        if ok(&p) {
-            return p;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "pool {name}: {what} not reached within {within:?}: {}",
-            serde_json::to_string_pretty(&p).unwrap()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Every line every agent of the pool logged, counted.
-async fn handled(c: &Client, p: &PoolStatus) -> BTreeMap<String, usize> {
-    let mut seen = BTreeMap::new();
-    for id in &p.sandboxes {
-        let text = match c.read_file(id.as_str(), "/tmp/done.log").await {
-            Ok(b) => String::from_utf8(b).unwrap(),
-            Err(ClientError::Api { code, .. }) if code == "file_not_found" => String::new(),
-            Err(e) => panic!("reading {id}'s log: {e}"),
-        };
-        for line in text.lines().filter(|l| !l.is_empty()) {
-            *seen.entry(line.to_string()).or_insert(0) += 1;
-        }
-    }
-    seen
-}
-
-fn exactly_once(seen: &BTreeMap<String, usize>, sent: &[String]) {
-    let dup: Vec<_> = seen.iter().filter(|(_, &n)| n != 1).collect();
-    assert!(dup.is_empty(), "messages handled more than once: {dup:?}");
-    let mut got: Vec<_> = seen.keys().cloned().collect();
-    let mut want = sent.to_vec();
-    got.sort();
-    want.sort();
-    assert_eq!(got, want, "handled messages differ from those sent");
 }
 
 async fn redis_cmd<T: redis::FromRedisValue>(

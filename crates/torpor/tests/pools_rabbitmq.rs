@@ -6,40 +6,13 @@
 mod brokers;
 mod common;
 
-use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use brokers::Rabbit;
+use brokers::{exactly_once, handled, wait_pool, Rabbit, HANDLER};
 use common::*;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use torpor_api::{Client, ClientError};
-use torpor_control::pools::PoolStatus;
-
-const HANDLER: &str = "import sys\nm = sys.stdin.read()\nif m.startswith('poison'): sys.exit(3)\nopen('/tmp/done.log', 'a').write(m + '\\n')\n";
-
-async fn wait_pool(
-    c: &Client,
-    name: &str,
-    what: &str,
-    within: Duration,
-    ok: impl Fn(&PoolStatus) -> bool,
-) -> PoolStatus {
-    let deadline = Instant::now() + within;
-    loop {
-        let p = c.pool(name).await.unwrap();
-        if ok(&p) {
-            return p;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "pool {name}: {what} not reached within {within:?}: {}",
-            serde_json::to_string_pretty(&p).unwrap()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 async fn publish(ch: &lapin::Channel, queue: &str, msgs: &[String]) {
     for m in msgs {
@@ -128,23 +101,7 @@ async fn rabbitmq_pools_dispatch_once_read_depth_both_ways_and_report_faults() {
         p.running == 0 && p.desired == 0 && p.draining == 0
     })
     .await;
-    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
-    for id in &p.sandboxes {
-        let text = match c.read_file(id.as_str(), "/tmp/done.log").await {
-            Ok(b) => String::from_utf8(b).unwrap(),
-            Err(ClientError::Api { code, .. }) if code == "file_not_found" => String::new(),
-            Err(e) => panic!("{e}"),
-        };
-        for l in text.lines() {
-            *seen.entry(l.to_string()).or_insert(0) += 1;
-        }
-    }
-    assert!(seen.values().all(|&n| n == 1), "duplicates: {seen:?}");
-    assert_eq!(seen.keys().cloned().collect::<Vec<_>>(), {
-        let mut s = sent.clone();
-        s.sort();
-        s
-    });
+    exactly_once(&handled(&c, &p).await, &sent);
 
     // Depth without the management API: a passive declare (self-consume pool, max 1).
     publish(&ch, "rdepth", &["1".into(), "2".into(), "3".into()]).await;
