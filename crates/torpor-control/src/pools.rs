@@ -255,8 +255,12 @@ impl PoolSpec {
             ));
         }
         for (i, t) in self.triggers.iter().enumerate() {
-            t.validate(&format!("triggers[{i}]"))
-                .map_err(|e| ControlError::Invalid(e.to_string()))?;
+            t.validate(&format!("triggers[{i}]")).map_err(|e| match e {
+                TriggerError::FeatureDisabled { .. } => {
+                    ControlError::FeatureDisabled(e.to_string())
+                }
+                e => ControlError::Invalid(e.to_string()),
+            })?;
         }
         if let Some(d) = &self.dispatch {
             match (&d.command, &d.http) {

@@ -324,6 +324,91 @@ async fn broker_faults_keep_the_size_apply_fallback_and_recover() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn nats_restart_the_trigger_and_lanes_reconnect_and_the_pool_keeps_going() {
+    let mut nats = Nats::start();
+    let d = Daemon::start_with(&["--workers", "8"]).await;
+    let c = d.client();
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "RJOBS".into(),
+        subjects: vec!["rjobs.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    js.create_consumer_on_stream(
+        async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some("w".into()),
+            ack_wait: Duration::from_secs(10),
+            ..Default::default()
+        },
+        "RJOBS",
+    )
+    .await
+    .unwrap();
+    // A long cooldown: the agents and their lanes stay up across the restart.
+    c.create_pool(&serde_json::json!({
+        "name": "nrestart", "template": "host", "max": 2, "target": 2, "cooldown_s": 120,
+        "poll_interval_ms": 200,
+        "triggers": [{"type": "nats-jetstream", "url": nats.url(), "stream": "RJOBS", "consumer": "w"}],
+        "dispatch": handler(),
+    }))
+    .await
+    .unwrap();
+    let before: Vec<String> = (0..4).map(|i| format!("before-{i}")).collect();
+    for m in &before {
+        js.publish("rjobs.x", m.clone().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let p = wait_pool(&c, "nrestart", "before", Duration::from_secs(120), |p| {
+        p.processed == 4
+    })
+    .await;
+    assert!(!p.sandboxes.is_empty());
+    // Settled: nothing queued, nothing starting or draining; the agents kept by the cooldown.
+    let p = wait_pool(&c, "nrestart", "settled", Duration::from_secs(60), |p| {
+        p.depth == Some(0) && p.starting == 0 && p.draining == 0
+    })
+    .await;
+    let agents = p.running as usize;
+    assert!(agents >= 1);
+
+    // Down: the trigger reports it and the pool keeps its agents.
+    nats.stop();
+    let p = wait_pool(&c, "nrestart", "an error", Duration::from_secs(30), |p| {
+        p.triggers[0].error.is_some()
+    })
+    .await;
+    assert_eq!(p.running as usize, agents, "the pool keeps its size: {p:?}");
+    // Back (same JetStream directory): new work flows through the same agents.
+    nats.restart();
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let after: Vec<String> = (0..4).map(|i| format!("after-{i}")).collect();
+    for m in &after {
+        js.publish("rjobs.x", m.clone().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let p = wait_pool(&c, "nrestart", "after", Duration::from_secs(120), |p| {
+        p.processed == 8 && p.triggers[0].error.is_none() && p.depth == Some(0)
+    })
+    .await;
+    let mut all = before.clone();
+    all.extend(after);
+    exactly_once(&handled(&c, &p).await, &all);
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+        js.get_consumer_from_stream("w", "RJOBS").await.unwrap();
+    let info = consumer.info().await.unwrap();
+    assert_eq!((info.num_pending, info.num_ack_pending), (0, 0));
+    c.delete_pool("nrestart").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn bad_pool_settings_are_refused_at_create_naming_the_field() {
     let d = Daemon::start().await;
     let c = d.client();
@@ -371,10 +456,6 @@ async fn bad_pool_settings_are_refused_at_create_naming_the_field() {
             "dispatch.max_attempts",
         ),
         (
-            serde_json::json!({"triggers": [{"type": "kafka", "brokers": ["h:9092"], "topic": "t", "group": "g"}]}),
-            "kafka",
-        ),
-        (
             serde_json::json!({"triggers": [{"type": "sqs", "url": "x"}]}),
             "sqs",
         ),
@@ -396,6 +477,31 @@ async fn bad_pool_settings_are_refused_at_create_naming_the_field() {
                 );
             }
             other => panic!("{body} accepted or odd answer: {other:?}"),
+        }
+    }
+    // Without the cargo feature `kafka`, a kafka trigger is refused with a code of its own.
+    #[cfg(not(feature = "kafka"))]
+    {
+        let mut body = base();
+        body["triggers"] = serde_json::json!([{"type": "kafka", "brokers": ["h:9092"], "topic": "t", "group": "g"}]);
+        match c.create_pool(&body).await {
+            Err(ClientError::Api {
+                status,
+                code,
+                message,
+                ..
+            }) => {
+                assert_eq!(
+                    (status, code.as_str()),
+                    (400, "feature_disabled"),
+                    "{message}"
+                );
+                assert!(
+                    message.contains("triggers[0]") && message.contains("`kafka`"),
+                    "{message}"
+                );
+            }
+            other => panic!("kafka accepted without the feature: {other:?}"),
         }
     }
     // An unknown template is 404, a second pool of one name 409.

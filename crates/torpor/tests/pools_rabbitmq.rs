@@ -149,3 +149,68 @@ async fn rabbitmq_pools_dispatch_once_read_depth_both_ways_and_report_faults() {
         c.delete_pool(name).await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rabbitmq_restart_the_trigger_and_lanes_reconnect_and_nothing_is_lost() {
+    let mut rabbit = Rabbit::start();
+    let d = Daemon::start_with(&["--workers", "8"]).await;
+    let c = d.client();
+    let channel = |url: String| async move {
+        let conn = Connection::connect(&url, ConnectionProperties::default())
+            .await
+            .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        (conn, ch)
+    };
+    let (_conn, ch) = channel(rabbit.url()).await;
+    declare(&ch, "rr").await;
+    // A long cooldown: the agents and their lanes stay up across the restart.
+    c.create_pool(&serde_json::json!({
+        "name": "rr", "template": "host", "max": 2, "target": 2, "cooldown_s": 120,
+        "poll_interval_ms": 200,
+        "triggers": [{"type": "rabbitmq", "url": rabbit.url(), "queue": "rr"}],
+        "dispatch": {"command": ["python3", "-c", HANDLER], "max_attempts": 2,
+                     "retry_backoff_ms": 50},
+    }))
+    .await
+    .unwrap();
+    let before: Vec<String> = (0..4).map(|i| format!("before-{i}")).collect();
+    publish(&ch, "rr", &before).await;
+    let p = wait_pool(&c, "rr", "before", Duration::from_secs(120), |p| {
+        p.processed == 4
+    })
+    .await;
+    assert!(!p.sandboxes.is_empty());
+    // Settled: nothing queued, nothing starting or draining; the agents kept by the cooldown.
+    let p = wait_pool(&c, "rr", "settled", Duration::from_secs(60), |p| {
+        p.depth == Some(0) && p.starting == 0 && p.draining == 0
+    })
+    .await;
+    let agents = p.running as usize;
+    assert!(agents >= 1);
+
+    // Down: the trigger reports it and the pool keeps its agents.
+    rabbit.stop();
+    let p = wait_pool(&c, "rr", "an error", Duration::from_secs(60), |p| {
+        p.triggers[0].error.is_some()
+    })
+    .await;
+    assert_eq!(p.running as usize, agents, "the pool keeps its size: {p:?}");
+    // Back (same data directory: the durable queue is there): new work flows.
+    rabbit.restart();
+    let (_conn, ch) = channel(rabbit.url()).await;
+    let after: Vec<String> = (0..4).map(|i| format!("after-{i}")).collect();
+    publish(&ch, "rr", &after).await;
+    let p = wait_pool(&c, "rr", "after", Duration::from_secs(120), |p| {
+        p.processed == 8 && p.triggers[0].error.is_none()
+    })
+    .await;
+    assert_eq!(ready(&ch, "rr").await, 0, "the queue drained");
+    let mut all = before.clone();
+    all.extend(after);
+    exactly_once(&handled(&c, &p).await, &all);
+    c.delete_pool("rr").await.unwrap();
+}

@@ -189,7 +189,7 @@ impl Nats {
     }
 
     /// A restart on the same port and JetStream directory: streams, consumers and their
-    /// messages survive (file storage).
+    /// messages survive (file storage). After [`Nats::stop`], starts it again.
     pub fn restart(&mut self) {
         self.stop();
         self.spawn();
@@ -311,7 +311,8 @@ impl Rabbit {
     }
 
     /// Stops the node (every connection is closed) and starts it again on the same ports and
-    /// data directory: durable queues and persistent messages survive.
+    /// data directory: durable queues and persistent messages survive. After [`Rabbit::stop`],
+    /// starts it again.
     pub fn restart(&mut self) {
         self.stop();
         self.spawn();
@@ -414,4 +415,61 @@ pub fn exactly_once(seen: &std::collections::BTreeMap<String, usize>, sent: &[St
     got.sort();
     want.sort();
     assert_eq!(got, want, "handled messages differ from those sent");
+}
+
+// ------------------------------------------------------------------------------------ tansu
+
+/// tansu, a Kafka-compatible broker, in memory (scripts/test-kafka.sh installs it into
+/// /opt/tansu; `TANSU` names another binary).
+pub struct Tansu {
+    pub port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl Tansu {
+    pub fn start() -> Tansu {
+        let dir = tempfile::Builder::new()
+            .prefix("torpor-tansu-")
+            .tempdir()
+            .unwrap();
+        let port = free_port();
+        let bin = std::env::var("TANSU").unwrap_or_else(|_| "/opt/tansu/bin/tansu".into());
+        let log = dir.path().join("tansu.log");
+        let url = format!("tcp://127.0.0.1:{port}");
+        let child = Command::new(&bin)
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+            ])
+            .args(["--storage-engine", "memory://tansu/"])
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(std::fs::File::create(dir.path().join("tansu.err")).unwrap())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{bin}: {e} (scripts/test-kafka.sh installs tansu)"));
+        let t = Tansu {
+            port,
+            dir,
+            child: Some(child),
+        };
+        wait_port(port, "tansu", &t.dir.path().join("tansu.err"));
+        t
+    }
+
+    pub fn brokers(&self) -> Vec<String> {
+        vec![format!("127.0.0.1:{}", self.port)]
+    }
+}
+
+impl Drop for Tansu {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            stop_child(&mut c);
+        }
+    }
 }
