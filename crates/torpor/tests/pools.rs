@@ -409,6 +409,98 @@ async fn nats_restart_the_trigger_and_lanes_reconnect_and_the_pool_keeps_going()
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn gpu_shares_are_taken_by_agents_and_released_when_the_pool_goes_to_zero() {
+    let gpu = |name: &str| {
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/gpu")
+            .join(name)
+            .display()
+            .to_string()
+    };
+    let redis = Redis::start();
+    let d = Daemon::start_with(&[
+        "--workers",
+        "8",
+        "--gpu-inventory",
+        &gpu("node-h200-l4.toml"),
+        "--gpu-quotas",
+        &gpu("quotas-admin.toml"),
+    ])
+    .await;
+    let c = d.client();
+    // Every agent asks for a MIG 1g slice of the (declared) H200.
+    let mut tpl = agent_template("gpu-worker", no_idle());
+    tpl.command = Vec::new();
+    tpl.warmup_ms = 0;
+    tpl.gpu = Some(serde_json::json!({"mode": "mig", "profile": "1g.18gb"}));
+    c.create_template(&tpl).await.unwrap();
+    let mut con = redis.conn().await;
+    c.create_pool(&serde_json::json!({
+        "name": "gpujobs", "template": "gpu-worker", "max": 2, "target": 2, "cooldown_s": 2,
+        "poll_interval_ms": 200,
+        "triggers": [{"type": "redis-list", "url": redis.url(), "key": "g"}],
+        "dispatch": handler(),
+    }))
+    .await
+    .unwrap();
+    let held = |status: &serde_json::Value, ids: &[String]| {
+        status["allocations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|a| ids.iter().any(|id| a["sandbox"] == id.as_str()))
+            .count()
+    };
+    assert_eq!(c.gpus().await.unwrap()["gpus"][0]["shares"], 0);
+
+    let sent: Vec<String> = (0..6).map(|i| format!("g-{i}")).collect();
+    let mut args = vec!["LPUSH", "g"];
+    args.extend(sent.iter().map(String::as_str));
+    let _: i64 = redis_cmd(&mut con, &args).await;
+    let p = wait_pool(&c, "gpujobs", "two agents", Duration::from_secs(60), |p| {
+        p.running == 2
+    })
+    .await;
+    let ids: Vec<String> = p.sandboxes.iter().map(|s| s.to_string()).collect();
+    assert_eq!(ids.len(), 2);
+    let status = c.gpus().await.unwrap();
+    assert_eq!(
+        held(&status, &ids),
+        2,
+        "each running agent holds a share: {status}"
+    );
+    assert_eq!(status["gpus"][0]["shares"], 2, "{status}");
+
+    wait_pool(&c, "gpujobs", "processed", Duration::from_secs(120), |p| {
+        p.processed == 6
+    })
+    .await;
+    let p = wait_pool(&c, "gpujobs", "zero agents", Duration::from_secs(60), |p| {
+        p.running == 0 && p.desired == 0 && p.draining == 0 && p.starting == 0
+    })
+    .await;
+    // At zero: every share is back (read before anything wakes the agents again).
+    let status = c.gpus().await.unwrap();
+    assert_eq!(held(&status, &ids), 0, "shares released at zero: {status}");
+    assert_eq!(status["gpus"][0]["shares"], 0, "{status}");
+    assert_eq!(
+        status["gpus"][0]["free"]["mig_memory_slices"], 8,
+        "{status}"
+    );
+    for id in &ids {
+        assert!(
+            status["sleeping"]
+                .as_array()
+                .unwrap()
+                .contains(&serde_json::json!(id)),
+            "{id} listed as sleeping: {status}"
+        );
+    }
+    exactly_once(&handled(&c, &p).await, &sent);
+    c.delete_pool("gpujobs").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn bad_pool_settings_are_refused_at_create_naming_the_field() {
     let d = Daemon::start().await;
     let c = d.client();
