@@ -745,19 +745,14 @@ impl GroupConsumer {
         if let Some(s) = self.in_flight.get_mut(&partition) {
             s.remove(&offset);
         }
-        let low = self
-            .in_flight
-            .get(&partition)
-            .and_then(|s| s.first().copied())
-            .into_iter()
-            .chain(
-                self.buffer
-                    .iter()
-                    .filter(|t| t.partition == partition)
-                    .map(|t| t.offset),
-            )
-            .min()
-            .unwrap_or_else(|| self.positions.get(&partition).copied().unwrap_or(0));
+        let low = commit_point(
+            self.in_flight.get(&partition),
+            self.buffer
+                .iter()
+                .filter(|t| t.partition == partition)
+                .map(|t| t.offset),
+            self.positions.get(&partition).copied().unwrap_or(0),
+        );
         if low > self.committed.get(&partition).copied().unwrap_or(-1) {
             let r = self
                 .client
@@ -782,6 +777,48 @@ impl GroupConsumer {
             self.client.reset();
         }
         r
+    }
+}
+
+/// The offset to commit for a partition: the lowest one still handed out and unsettled, or
+/// fetched and not yet handed out; with neither, the next offset to fetch.
+fn commit_point(
+    in_flight: Option<&BTreeSet<i64>>,
+    buffered: impl Iterator<Item = i64>,
+    next_fetch: i64,
+) -> i64 {
+    in_flight
+        .and_then(|s| s.first().copied())
+        .into_iter()
+        .chain(buffered)
+        .min()
+        .unwrap_or(next_fetch)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commits_never_pass_an_unsettled_record() {
+        // Lanes took 5, 6 and 7; 6 and 7 finished first: the commit stays at 5.
+        let inflight = BTreeSet::from([5]);
+        assert_eq!(commit_point(Some(&inflight), [].into_iter(), 8), 5);
+        // All settled, 8 and 9 fetched but not handed out: commit 8.
+        assert_eq!(commit_point(None, [8, 9].into_iter(), 10), 8);
+        assert_eq!(
+            commit_point(Some(&BTreeSet::new()), [9, 8].into_iter(), 10),
+            8
+        );
+        // Nothing in flight or buffered: everything up to the next fetch is done.
+        assert_eq!(commit_point(None, [].into_iter(), 10), 10);
+    }
+
+    #[test]
+    fn reset_policy_parses() {
+        assert_eq!(Reset::parse(None), Some(Reset::Latest));
+        assert_eq!(Reset::parse(Some("earliest")), Some(Reset::Earliest));
+        assert_eq!(Reset::parse(Some("middle")), None);
     }
 }
 
