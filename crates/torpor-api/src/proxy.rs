@@ -10,7 +10,6 @@
 //! requests instead of cutting them.
 
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
@@ -20,8 +19,6 @@ use axum::{Extension, Json};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use torpor_core::{NetworkPolicy, SandboxId, TenantId};
-
-use torpor_runtime::relay::PeerCloseAware;
 
 use crate::server::{parse_json, sandbox_id, ApiError, ApiState, RawBody};
 
@@ -338,42 +335,14 @@ async fn forward(
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()))?;
 
     // One connection per request. Whoever closes, the sandbox's stack keeps no endpoint that
-    // would block its checkpoint (torpor_runtime::relay): torpor closes first, or answers the
-    // sandbox's close with a RST.
-    let stream = tokio::time::timeout(
-        Duration::from_secs(10),
-        tokio::net::TcpStream::connect(target.addr),
-    )
-    .await
-    .map_err(|_| unreachable(&"connect timed out"))?
-    .map_err(|e| unreachable(&e))?;
-    let _ = stream.set_nodelay(true);
-    let io = hyper_util::rt::TokioIo::new(PeerCloseAware::new(stream));
-    let (mut sender, conn) = hyper::client::conn::http1::handshake::<_, Body>(io)
-        .await
-        .map_err(|e| unreachable(&e))?;
+    // would block its checkpoint (torpor_control::engine::sandbox_http).
     let in_use = target.in_use;
     if !upgrade {
         // The connection task holds the borrow of the sandbox: no checkpoint until the answer
         // has been streamed out (or the client went away) and the connection is closed.
-        let (closes_tx, closes_rx) = tokio::sync::oneshot::channel::<bool>();
-        tokio::spawn(async move {
-            let _in_use = in_use;
-            if let Ok(parts) = conn.without_shutdown().await {
-                let server_closes = closes_rx.await.unwrap_or(false);
-                close_connection(parts.io.into_inner(), server_closes).await;
-            }
-        });
-        let resp = sender.send_request(out_req).await;
-        drop(sender);
-        let resp = resp.map_err(|e| unreachable(&e))?;
-        let closes = resp.version() < axum::http::Version::HTTP_11
-            || resp
-                .headers()
-                .get(axum::http::header::CONNECTION)
-                .and_then(|v| v.to_str().ok())
-                .is_some_and(|v| v.to_ascii_lowercase().contains("close"));
-        let _ = closes_tx.send(closes);
+        let resp = torpor_control::engine::sandbox_http(target.addr, out_req, in_use)
+            .await
+            .map_err(|e| unreachable(&e))?;
         torpor_control::engine::count_proxied(if target.woke { "woke" } else { "served" });
         let mut out = Response::builder().status(resp.status());
         if let Some(h) = out.headers_mut() {
@@ -383,6 +352,9 @@ async fn forward(
             .body(Body::new(resp.into_body()))
             .map_err(|e| bad_gateway(&id, port, "upstream_invalid", e));
     }
+    let (mut sender, conn) = torpor_control::engine::sandbox_handshake::<Body>(target.addr)
+        .await
+        .map_err(|e| unreachable(&e))?;
     tokio::spawn(conn.with_upgrades());
     let resp = sender
         .send_request(out_req)
@@ -431,28 +403,6 @@ async fn forward(
     });
     out.body(Body::empty())
         .map_err(|e| bad_gateway(&id, port, "upstream_invalid", e))
-}
-
-/// Ends a finished connection to the sandbox so that its stack keeps no endpoint when the
-/// borrow ends: a server that said it closes (HTTP/1.0, `Connection: close`) is waited for and
-/// its close answered with a RST; otherwise torpor closes first and waits (briefly) for the
-/// server's close, so the sandbox's endpoint is gone, not in CLOSE_WAIT.
-async fn close_connection(mut s: PeerCloseAware, server_closes: bool) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut buf = [0u8; 1024];
-    let mut drain = async |s: &mut PeerCloseAware| {
-        let _ = tokio::time::timeout(Duration::from_secs(1), async {
-            while matches!(s.read(&mut buf).await, Ok(n) if n > 0) {}
-        })
-        .await;
-    };
-    if server_closes || s.peer_closed_first() {
-        drain(&mut s).await;
-        s.reset_on_drop();
-        return;
-    }
-    let _ = s.shutdown().await;
-    drain(&mut s).await;
 }
 
 #[cfg(test)]

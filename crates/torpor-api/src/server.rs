@@ -107,9 +107,10 @@ fn status_of(e: &ControlError) -> StatusCode {
         | ControlError::TemplateInUse(..)
         | ControlError::TemplateNotReady(_)
         | ControlError::Busy(_) => StatusCode::CONFLICT,
-        ControlError::Invalid(_) | ControlError::Unsupported(_) | ControlError::Image(_) => {
-            StatusCode::BAD_REQUEST
-        }
+        ControlError::Invalid(_)
+        | ControlError::Unsupported(_)
+        | ControlError::FeatureDisabled(_)
+        | ControlError::Image(_) => StatusCode::BAD_REQUEST,
         ControlError::NoWorker(_)
         | ControlError::LotFull(_)
         | ControlError::ShuttingDown

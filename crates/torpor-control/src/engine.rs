@@ -34,7 +34,7 @@ use crate::metrics::Metrics;
 use crate::store::{
     ImageRef, Quotas, SandboxRecord, Store, TemplateRecord, TemplateStatus, TenantRecord,
 };
-pub use net::{count_proxied, ProxyTarget};
+pub use net::{count_proxied, sandbox_handshake, sandbox_http, ProxyTarget, SandboxConn};
 
 /// Everything the engine needs to know at start.
 #[derive(Debug, Clone)]

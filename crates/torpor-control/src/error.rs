@@ -39,6 +39,9 @@ pub enum ControlError {
     ShuttingDown,
     #[error("{0}")]
     Unsupported(String),
+    /// Needs a cargo feature this build was made without (the message names it).
+    #[error("{0}")]
+    FeatureDisabled(String),
     #[error("exec did not finish within {timeout_ms} ms; its processes were killed")]
     ExecTimeout {
         timeout_ms: u64,
@@ -92,6 +95,7 @@ impl ControlError {
             ControlError::ShuttingDown => "shutting_down",
             ControlError::Busy(_) => "sandbox_busy",
             ControlError::Unsupported(_) => "unsupported",
+            ControlError::FeatureDisabled(_) => "feature_disabled",
             ControlError::ExecTimeout { .. } => "exec_timeout",
             ControlError::SandboxCrashed { .. } => "sandbox_crashed",
             ControlError::Agent { code, .. } => match code {

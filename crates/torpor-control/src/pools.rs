@@ -12,11 +12,15 @@
 //! ```
 //!
 //! In *dispatch* mode each active agent has a lane: a task with its own broker consumer that
-//! takes one message, runs `dispatch.command` in the agent with the message on stdin, and
-//! acknowledges it only after exit 0 (retries, then the dead-letter destination). A draining
-//! lane finishes its message before the agent is suspended, so scale-in loses nothing. In
-//! *self-consume* mode (no `dispatch`) torpor only scales; the agents read the broker
-//! themselves, which needs per-sandbox egress networking (not built yet).
+//! takes one message and hands it to the agent — `dispatch.command` run in it with the message
+//! on stdin (success: exit 0), or `dispatch.http`: a POST of the message body to a port of the
+//! agent through the ingress path (the agent is woken if it sleeps and stays borrowed until the
+//! answer is read; success: 2xx) — and acknowledges it only after success (retries, then the
+//! dead-letter destination). A draining lane finishes its message before the agent is
+//! suspended, so scale-in loses nothing. In *self-consume* mode (no `dispatch`) torpor only
+//! scales; the agents read the broker themselves over their egress network (the template's
+//! `network` policy must allow the broker). They take work while [`DRAIN_FILE`] is absent:
+//! torpor writes it as the drain notice and removes it when it makes an agent active.
 //!
 //! This module uses only the [`Engine`]'s public calls (create, resume, exec, suspend, delete).
 
@@ -112,7 +116,14 @@ pub struct PoolSpec {
 #[serde(deny_unknown_fields)]
 pub struct DispatchSpec {
     /// Run in an agent of the pool with the message on stdin; exit 0 acknowledges it.
-    pub command: Vec<String>,
+    /// Exactly one of `command` and `http`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<Vec<String>>,
+    /// POST the message body to a port of the agent (woken first when it sleeps); a 2xx answer
+    /// acknowledges it. The pool's template needs a network (ingress).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<HttpDispatch>,
+    /// `command` only: extra environment of the command.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
     #[serde(default = "default_timeout")]
@@ -125,6 +136,71 @@ pub struct DispatchSpec {
     /// Dead-letter list, stream, subject or queue; a default per trigger when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dead_letter: Option<String>,
+}
+
+fn default_http_path() -> String {
+    "/".into()
+}
+
+/// `dispatch.http`: where in the agent each message is POSTed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpDispatch {
+    pub port: u16,
+    /// Absolute path, query string allowed; default `/`.
+    #[serde(default = "default_http_path")]
+    pub path: String,
+    /// Extra request headers (e.g. `content-type`; default `application/octet-stream`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, String>,
+}
+
+impl HttpDispatch {
+    fn validate(&self) -> Result<()> {
+        if self.port == 0 {
+            return Err(invalid("dispatch.http.port", "must be between 1 and 65535"));
+        }
+        let p = &self.path;
+        if !p.starts_with('/') || p.len() > 2048 || p.chars().any(|c| c.is_control() || c == ' ') {
+            return Err(invalid(
+                "dispatch.http.path",
+                format!("{p:?} must start with '/', be at most 2048 bytes and hold no spaces or control characters"),
+            ));
+        }
+        if p.split(['/', '?']).any(|s| s == ".." || s == ".") {
+            return Err(invalid(
+                "dispatch.http.path",
+                format!("{p:?} may not contain '.' or '..' segments"),
+            ));
+        }
+        if self.headers.len() > 32 {
+            return Err(invalid("dispatch.http.headers", "at most 32 headers"));
+        }
+        for (k, v) in &self.headers {
+            let name = hyper::header::HeaderName::from_bytes(k.as_bytes()).map_err(|_| {
+                invalid(
+                    "dispatch.http.headers",
+                    format!("{k:?} is not a header name"),
+                )
+            })?;
+            if matches!(
+                name.as_str(),
+                "host" | "content-length" | "transfer-encoding" | "connection" | "upgrade"
+            ) {
+                return Err(invalid(
+                    "dispatch.http.headers",
+                    format!("{k:?} is set by torpor"),
+                ));
+            }
+            hyper::header::HeaderValue::from_str(v).map_err(|_| {
+                invalid(
+                    "dispatch.http.headers",
+                    format!("the value of {k:?} is not a valid header value"),
+                )
+            })?;
+        }
+        Ok(())
+    }
 }
 
 fn invalid(field: &str, reason: impl std::fmt::Display) -> ControlError {
@@ -179,15 +255,38 @@ impl PoolSpec {
             ));
         }
         for (i, t) in self.triggers.iter().enumerate() {
-            t.validate(&format!("triggers[{i}]"))
-                .map_err(|e| ControlError::Invalid(e.to_string()))?;
+            t.validate(&format!("triggers[{i}]")).map_err(|e| match e {
+                TriggerError::FeatureDisabled { .. } => {
+                    ControlError::FeatureDisabled(e.to_string())
+                }
+                e => ControlError::Invalid(e.to_string()),
+            })?;
         }
         if let Some(d) = &self.dispatch {
-            if d.command.is_empty() || d.command[0].is_empty() {
-                return Err(invalid("dispatch.command", "must name a program"));
-            }
-            if d.command.iter().any(|a| a.contains('\0')) {
-                return Err(invalid("dispatch.command", "contains a NUL byte"));
+            match (&d.command, &d.http) {
+                (Some(cmd), None) => {
+                    if cmd.is_empty() || cmd[0].is_empty() {
+                        return Err(invalid("dispatch.command", "must name a program"));
+                    }
+                    if cmd.iter().any(|a| a.contains('\0')) {
+                        return Err(invalid("dispatch.command", "contains a NUL byte"));
+                    }
+                }
+                (None, Some(h)) => {
+                    h.validate()?;
+                    if !d.env.is_empty() {
+                        return Err(invalid(
+                            "dispatch.env",
+                            "applies to `command` only; an HTTP agent has its template's env",
+                        ));
+                    }
+                }
+                _ => {
+                    return Err(invalid(
+                        "dispatch",
+                        "needs exactly one of `command` and `http`",
+                    ))
+                }
             }
             torpor_core::validate_env(&d.env)
                 .map_err(|e| invalid("dispatch.env", e.to_string()))?;
@@ -348,7 +447,18 @@ impl Pools {
     pub async fn create(&self, tenant: &TenantId, spec: PoolSpec) -> Result<PoolStatus> {
         spec.validate()?;
         // The template must exist for this tenant.
-        self.engine.template(tenant, &spec.template)?;
+        let tpl = self.engine.template(tenant, &spec.template)?;
+        if let Some(h) = spec.dispatch.as_ref().and_then(|d| d.http.as_ref()) {
+            if tpl.spec.network.as_ref().is_none_or(|n| n.is_none()) {
+                return Err(invalid(
+                    "dispatch.http",
+                    format!(
+                        "template {} has no network: give it one (e.g. {{\"allow\": []}} for ingress only) so torpor can reach port {}",
+                        spec.template, h.port
+                    ),
+                ));
+            }
+        }
         let row = PoolRow {
             name: spec.name.to_string(),
             tenant: tenant.clone(),
@@ -740,6 +850,7 @@ impl Controller {
 
     async fn scale_to(&mut self, desired: u32) {
         let desired = desired as usize;
+        let self_consume = self.spec().dispatch.is_none();
         let current = self.active.len() + self.starting + self.waking.len();
         if desired > current {
             let mut need = desired - current;
@@ -753,7 +864,12 @@ impl Controller {
                 let tx = self.events_tx.clone();
                 tokio::spawn(async move {
                     let ev = match engine.resume(&tenant, &id).await {
-                        Ok(_) => Event::Started(id),
+                        Ok(_) => {
+                            if self_consume {
+                                clear_drain_notice(&engine, &tenant, &id).await;
+                            }
+                            Event::Started(id)
+                        }
                         Err(e) => Event::StartFailed(Some(id), format!("wake: {e}")),
                     };
                     let _ = tx.send(ev).await;
@@ -785,7 +901,12 @@ impl Controller {
                 };
                 tokio::spawn(async move {
                     let ev = match engine.create_sandbox(&tenant, req).await {
-                        Ok(rec) => Event::Started(rec.id),
+                        Ok(rec) => {
+                            if self_consume {
+                                clear_drain_notice(&engine, &tenant, &rec.id).await;
+                            }
+                            Event::Started(rec.id)
+                        }
                         Err(e) => Event::StartFailed(None, format!("create: {e}")),
                     };
                     let _ = tx.send(ev).await;
@@ -820,6 +941,7 @@ impl Controller {
                 dispatch: d,
                 dead_letter: self.spec().dead_letter(),
                 consumer_name: format!("torpor-{}-{}", self.spec().name, id),
+                pool_name: self.spec().name.clone(),
                 drain: drain.clone(),
                 busy: busy.clone(),
                 counters: self.pool.counters.clone(),
@@ -876,6 +998,17 @@ impl Controller {
     }
 }
 
+/// A self-consuming agent takes work while [`DRAIN_FILE`] is absent: clear the notice its last
+/// scale-in left (or its template's golden snapshot holds) before it counts as active.
+async fn clear_drain_notice(engine: &Engine, tenant: &TenantId, id: &SandboxId) {
+    if let Err(e) = engine.remove_file(tenant, id, DRAIN_FILE, false).await {
+        let text = e.to_string();
+        if !text.contains("not found") && !text.contains("No such file") {
+            tracing::warn!(sandbox = %id, error = %text, "cannot clear the drain notice");
+        }
+    }
+}
+
 fn err_status(e: &TriggerError) -> TriggerErrorStatus {
     TriggerErrorStatus {
         code: e.code().into(),
@@ -893,6 +1026,7 @@ struct LaneWorker {
     dispatch: DispatchSpec,
     dead_letter: String,
     consumer_name: String,
+    pool_name: PoolName,
     drain: Arc<AtomicBool>,
     busy: Arc<AtomicBool>,
     counters: Arc<Counters>,
@@ -942,31 +1076,111 @@ impl LaneWorker {
         }
     }
 
+    /// Runs `dispatch.command` with the message on stdin; exit 0 is success.
+    async fn run_command(&self, cmd: &[String], body: &[u8]) -> std::result::Result<(), String> {
+        let d = &self.dispatch;
+        let req = ExecRequest {
+            cmd: cmd.to_vec(),
+            env: d.env.clone(),
+            cwd: None,
+            timeout_ms: Some(d.timeout_s * 1000),
+            detach: false,
+            stream: false,
+        };
+        match self
+            .engine
+            .exec(&self.tenant, &self.sandbox, req, body.to_vec())
+            .await
+        {
+            Ok(r) if r.exit_code == Some(0) => Ok(()),
+            Ok(r) => Err(format!(
+                "exit {:?} signal {:?}: {}",
+                r.exit_code,
+                r.signal,
+                r.stderr.chars().take(500).collect::<String>()
+            )),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// POSTs the message to `dispatch.http` in the agent through the same path as the ingress
+    /// proxy (the agent is woken if it sleeps and stays borrowed, so not checkpointed, until
+    /// the answer has been read); a 2xx answer is success.
+    async fn post(
+        &self,
+        h: &HttpDispatch,
+        body: &[u8],
+        attempt: u32,
+    ) -> std::result::Result<(), String> {
+        let target = self
+            .engine
+            .proxy_target(&self.tenant, &self.sandbox, h.port)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut req = hyper::Request::post(h.path.as_str())
+            .header(hyper::header::HOST, target.addr.to_string())
+            .header("x-torpor-pool", self.pool_name.as_str())
+            .header("x-torpor-attempt", attempt.to_string());
+        if !h
+            .headers
+            .keys()
+            .any(|k| k.eq_ignore_ascii_case("content-type"))
+        {
+            req = req.header("content-type", "application/octet-stream");
+        }
+        for (k, v) in &h.headers {
+            req = req.header(k.as_str(), v.as_str());
+        }
+        let req = req
+            .body(http_body_util::Full::new(bytes::Bytes::copy_from_slice(
+                body,
+            )))
+            .map_err(|e| format!("POST port {} {}: {e}", h.port, h.path))?;
+        let (addr, woke) = (target.addr, target.woke);
+        let exchange = async {
+            // The borrow lives until the connection is closed: the whole answer is read
+            // before the agent can be checkpointed.
+            let resp = crate::engine::sandbox_http(addr, req, target.in_use)
+                .await
+                .map_err(|e| {
+                    crate::engine::count_proxied("upstream_error");
+                    format!("POST port {} {}: {e}", h.port, h.path)
+                })?;
+            crate::engine::count_proxied(if woke { "woke" } else { "served" });
+            let status = resp.status();
+            let text = http_body_util::BodyExt::collect(resp.into_body())
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            Ok::<_, String>((status, text))
+        };
+        let (status, text) =
+            tokio::time::timeout(Duration::from_secs(self.dispatch.timeout_s), exchange)
+                .await
+                .map_err(|_| {
+                    format!(
+                        "POST port {} {}: no answer within {} s",
+                        h.port, h.path, self.dispatch.timeout_s
+                    )
+                })??;
+        if status.is_success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "HTTP {status}: {}",
+                String::from_utf8_lossy(&text[..text.len().min(500)])
+            ))
+        }
+    }
+
     async fn process(&self, c: &mut Consumer, msg: torpor_triggers::Message) {
         let d = &self.dispatch;
         let started = Instant::now();
         for attempt in 1..=d.max_attempts {
-            let req = ExecRequest {
-                cmd: d.command.clone(),
-                env: d.env.clone(),
-                cwd: None,
-                timeout_ms: Some(d.timeout_s * 1000),
-                detach: false,
-                stream: false,
-            };
-            let outcome = self
-                .engine
-                .exec(&self.tenant, &self.sandbox, req, msg.body.clone())
-                .await;
-            let failure = match outcome {
-                Ok(r) if r.exit_code == Some(0) => None,
-                Ok(r) => Some(format!(
-                    "exit {:?} signal {:?}: {}",
-                    r.exit_code,
-                    r.signal,
-                    r.stderr.chars().take(500).collect::<String>()
-                )),
-                Err(e) => Some(e.to_string()),
+            let failure = match (&d.command, &d.http) {
+                (_, Some(h)) => self.post(h, &msg.body, attempt).await.err(),
+                (Some(cmd), None) => self.run_command(cmd, &msg.body).await.err(),
+                (None, None) => Some("no dispatch target".to_string()),
             };
             match failure {
                 None => {

@@ -9,6 +9,7 @@
 //! | redis-stream | `XREADGROUP GROUP g c BLOCK … STREAMS s >` (own pending first) | `XACK` | `XADD dead_letter`, `XACK` |
 //! | nats-jetstream | pull `fetch` with expiry | `ack` | publish to `dead_letter`, `ack` |
 //! | rabbitmq | `basic.consume`, prefetch 1 | `basic.ack` | publish to queue `dead_letter`, `basic.ack` |
+//! | kafka (feature `kafka`) | `Fetch` by a pool-wide simple consumer of every partition | `OffsetCommit` of the lowest unfinished offset | produce to topic `dead_letter`, then commit |
 //!
 //! Redis lists have no redelivery of their own: what is left in the processing list when a pool
 //! starts is moved back to the queue ([`recover_redis_list`]).
@@ -33,10 +34,20 @@ pub struct Message {
 }
 
 enum Handle {
-    RedisList { raw: Vec<u8> },
-    RedisStream { id: String, fields: Fields },
+    RedisList {
+        raw: Vec<u8>,
+    },
+    RedisStream {
+        id: String,
+        fields: Fields,
+    },
     Nats(Box<async_nats::jetstream::Message>),
     Amqp(Box<lapin::message::Delivery>),
+    #[cfg(feature = "kafka")]
+    Kafka {
+        partition: i32,
+        offset: i64,
+    },
 }
 
 enum Inner {
@@ -50,6 +61,9 @@ enum Inner {
         channel: lapin::Channel,
         deliveries: lapin::Consumer,
     },
+    /// The pool-wide simple consumer every lane shares (see [`crate::kafka`]).
+    #[cfg(feature = "kafka")]
+    Kafka(std::sync::Arc<tokio::sync::Mutex<crate::kafka::GroupConsumer>>),
 }
 
 pub struct Consumer {
@@ -79,7 +93,7 @@ pub fn default_dead_letter(spec: &TriggerSpec, pool: &str) -> String {
 
 /// Whether torpor can dispatch from this trigger (take and settle messages itself).
 pub fn can_dispatch(spec: &TriggerSpec) -> bool {
-    !matches!(spec, TriggerSpec::Kafka { .. })
+    !matches!(spec, TriggerSpec::Kafka { .. }) || cfg!(feature = "kafka")
 }
 
 /// Moves what a redis-list pool left in its processing list back to the queue's consumer end.
@@ -163,10 +177,24 @@ impl Consumer {
                     deliveries,
                 }
             }
+            #[cfg(feature = "kafka")]
+            TriggerSpec::Kafka {
+                brokers,
+                topic,
+                group,
+                offset_reset,
+            } => Inner::Kafka(crate::kafka::shared(
+                brokers,
+                topic,
+                group,
+                crate::kafka::Reset::parse(offset_reset.as_deref()).unwrap_or_default(),
+            )),
+            #[cfg(not(feature = "kafka"))]
             TriggerSpec::Kafka { .. } => {
-                return Err(TriggerError::Unsupported {
+                return Err(TriggerError::FeatureDisabled {
+                    field: "triggers[0]".into(),
                     what: "dispatch from kafka",
-                    reason: "use a self-consuming pool (no `dispatch`) with kafka".into(),
+                    feature: "kafka",
                 })
             }
         };
@@ -193,7 +221,7 @@ impl Consumer {
             | TriggerSpec::RedisStream { url, .. }
             | TriggerSpec::NatsJetstream { url, .. }
             | TriggerSpec::Rabbitmq { url, .. } => url,
-            TriggerSpec::Kafka { .. } => "",
+            TriggerSpec::Kafka { brokers, .. } => brokers.first().map_or("", String::as_str),
         }
     }
 
@@ -308,6 +336,17 @@ impl Consumer {
                     })),
                 }
             }
+            #[cfg(feature = "kafka")]
+            (TriggerSpec::Kafka { .. }, Inner::Kafka(shared)) => {
+                let taken = shared.lock().await.next(wait).await?;
+                Ok(taken.map(|t| Message {
+                    body: t.value,
+                    handle: Handle::Kafka {
+                        partition: t.partition,
+                        offset: t.offset,
+                    },
+                }))
+            }
             _ => Err(TriggerError::Unsupported {
                 what: "this consumer",
                 reason: "connection and trigger do not match".into(),
@@ -350,6 +389,10 @@ impl Consumer {
                 .ack(lapin::options::BasicAckOptions::default())
                 .await
                 .map_err(|e| amqp_err(&url, e)),
+            #[cfg(feature = "kafka")]
+            (_, Inner::Kafka(shared), Handle::Kafka { partition, offset }) => {
+                shared.lock().await.settle(partition, offset).await
+            }
             _ => Err(TriggerError::Unsupported {
                 what: "ack",
                 reason: "message and consumer do not match".into(),
@@ -418,6 +461,12 @@ impl Consumer {
                     .ack(lapin::options::BasicAckOptions::default())
                     .await
                     .map_err(|e| amqp_err(&url, e))
+            }
+            #[cfg(feature = "kafka")]
+            (_, Inner::Kafka(shared), Handle::Kafka { partition, offset }) => {
+                let mut c = shared.lock().await;
+                c.produce(&dl, &m.body).await?;
+                c.settle(partition, offset).await
             }
             _ => Err(TriggerError::Unsupported {
                 what: "dead letter",

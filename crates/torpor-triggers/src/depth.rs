@@ -22,6 +22,8 @@ enum Conn {
     Redis(redis::aio::MultiplexedConnection),
     Nats(async_nats::jetstream::Context),
     Amqp(lapin::Connection),
+    #[cfg(feature = "kafka")]
+    Kafka(Box<crate::kafka::LagReader>),
 }
 
 pub struct DepthReader {
@@ -114,9 +116,30 @@ impl DepthReader {
                     Err(e) => Err(mgmt_err.unwrap_or(e)),
                 }
             }
-            TriggerSpec::Kafka { .. } => Err(TriggerError::Unsupported {
+            #[cfg(feature = "kafka")]
+            TriggerSpec::Kafka {
+                brokers,
+                topic,
+                group,
+                offset_reset,
+            } => {
+                if !matches!(self.conn, Conn::Kafka(_)) {
+                    let reset =
+                        crate::kafka::Reset::parse(offset_reset.as_deref()).unwrap_or_default();
+                    self.conn = Conn::Kafka(Box::new(crate::kafka::LagReader::new(
+                        &brokers, &topic, &group, reset,
+                    )));
+                }
+                let Conn::Kafka(r) = &mut self.conn else {
+                    unreachable!("set just above")
+                };
+                r.lag().await
+            }
+            #[cfg(not(feature = "kafka"))]
+            TriggerSpec::Kafka { .. } => Err(TriggerError::FeatureDisabled {
+                field: "triggers".into(),
                 what: "the kafka trigger",
-                reason: "its consumer-group lag reader is not built yet".into(),
+                feature: "kafka",
             }),
         }
     }

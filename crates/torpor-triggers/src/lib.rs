@@ -13,6 +13,8 @@
 
 pub mod consume;
 pub mod depth;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 pub mod keda;
 pub mod rule;
 pub mod spec;

@@ -33,12 +33,16 @@ pub enum TriggerSpec {
         management_url: Option<String>,
         queue: String,
     },
-    /// Depth: the consumer group's lag. Parsed and checked, then refused: the reader is not
-    /// built yet.
+    /// Depth: the consumer group's lag, summed over the topic's partitions (log end offset −
+    /// committed offset). Needs the cargo feature `kafka`; refused at create without it.
     Kafka {
         brokers: Vec<String>,
         topic: String,
         group: String,
+        /// Where a partition without a committed offset starts: `latest` (default, as KEDA's
+        /// `offsetResetPolicy`; counts as lag 1 until a consumer commits) or `earliest`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        offset_reset: Option<String>,
     },
 }
 
@@ -64,6 +68,13 @@ pub enum TriggerError {
     },
     #[error("{what} is not supported: {reason}")]
     Unsupported { what: &'static str, reason: String },
+    /// The trigger needs a cargo feature this build of torpor was made without.
+    #[error("{field}: {what} needs torpor built with the cargo feature `{feature}` (cargo build -p torpor --features {feature})")]
+    FeatureDisabled {
+        field: String,
+        what: &'static str,
+        feature: &'static str,
+    },
 }
 
 impl TriggerError {
@@ -75,6 +86,7 @@ impl TriggerError {
             TriggerError::Missing { .. } => "broker_missing",
             TriggerError::Timeout { .. } => "broker_timeout",
             TriggerError::Unsupported { .. } => "unsupported",
+            TriggerError::FeatureDisabled { .. } => "feature_disabled",
         }
     }
 }
@@ -151,19 +163,34 @@ impl TriggerSpec {
                 brokers,
                 topic,
                 group,
+                offset_reset,
             } => {
                 if brokers.is_empty() {
                     return Err(invalid(f("brokers"), "needs at least one host:port"));
+                }
+                if brokers.len() > 32 {
+                    return Err(invalid(f("brokers"), "at most 32 brokers"));
                 }
                 for (i, b) in brokers.iter().enumerate() {
                     check_host_port(&format!("{at}.brokers[{i}]"), b)?;
                 }
                 check_name(&f("topic"), topic)?;
                 check_name(&f("group"), group)?;
-                Err(TriggerError::Unsupported {
-                    what: "the kafka trigger",
-                    reason: "its consumer-group lag reader is not built yet".into(),
-                })
+                if !matches!(offset_reset.as_deref(), None | Some("latest" | "earliest")) {
+                    return Err(invalid(
+                        f("offset_reset"),
+                        "must be \"latest\" or \"earliest\"",
+                    ));
+                }
+                if cfg!(feature = "kafka") {
+                    Ok(())
+                } else {
+                    Err(TriggerError::FeatureDisabled {
+                        field: at.to_string(),
+                        what: "the kafka trigger",
+                        feature: "kafka",
+                    })
+                }
             }
         }
     }
@@ -317,6 +344,23 @@ mod tests {
         )
         .is_err());
         assert!(parse(serde_json::json!({"type": "sqs", "url": "redis://x"})).is_err());
+    }
+
+    #[test]
+    fn kafka_needs_its_feature() {
+        let v = serde_json::json!({"type": "kafka", "brokers": ["127.0.0.1:9092"], "topic": "t", "group": "g"});
+        let t: TriggerSpec = serde_json::from_value(v).unwrap();
+        let r = t.validate("triggers[0]");
+        if cfg!(feature = "kafka") {
+            r.unwrap();
+        } else {
+            let e = r.unwrap_err();
+            assert_eq!(e.code(), "feature_disabled");
+            assert!(e.to_string().contains("`kafka`"), "{e}");
+        }
+        let bad = serde_json::json!({"type": "kafka", "brokers": ["h:1"], "topic": "t", "group": "g", "offset_reset": "middle"});
+        let e = parse(bad).unwrap_err();
+        assert!(e.starts_with("triggers[0].offset_reset"), "{e}");
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! |---|---|
 //! | first message, push | LPUSH into the empty queue of a pool at zero (agents Suspended) until the handler runs in an agent; the pool polls only every 30 s, so only the push watch can wake it |
 //! | first message, polling 1 s | the same with `push: false` and torpor's default 1 s polling |
+//! | first message, push, HTTP dispatch | as the push row, with `dispatch.http`: torpor POSTs the message to a server in the agent (woken through the ingress path) |
 //! | KEDA default, anchor | KEDA's 30 s polling interval alone: uniform wait in [0, 30 s] before any pod even starts (computed, not run: no Kubernetes here) |
 //! | 0 -> N agents | LPUSH of N messages into a pool of max N at zero until N handlers run at once, each in its own new agent |
 //!
@@ -26,6 +27,10 @@ use torpor_api::Client;
 use torpor_control::pools::PoolStatus;
 
 const BIN: &str = env!("CARGO_BIN_EXE_torpor");
+/// An HTTP agent (the template's main process, on 8080): logs "<message> <start time>" for each
+/// POST and answers 200.
+const HTTP_AGENT: &str = "import http.server, time\nclass H(http.server.BaseHTTPRequestHandler):\n    protocol_version = 'HTTP/1.1'\n    def do_POST(self):\n        t = time.time()\n        m = self.rfile.read(int(self.headers.get('Content-Length', '0'))).decode()\n        open('/tmp/done.log', 'a').write('%s %.6f\\n' % (m, t))\n        self.send_response(200)\n        self.send_header('Content-Length', '0')\n        self.end_headers()\n    def log_message(self, *a):\n        pass\nhttp.server.ThreadingHTTPServer(('0.0.0.0', 8080), H).serve_forever()\n";
+
 /// Logs "<message> <start time>" and, for `hold:S` messages, stays busy S seconds.
 const HANDLER: &str = "import sys, time\nt = time.time()\nm = sys.stdin.read()\nopen('/tmp/done.log', 'a').write('%s %.6f\\n' % (m, t))\nif m.startswith('hold:'): time.sleep(float(m.split(':')[1]))\n";
 
@@ -80,12 +85,24 @@ async fn first_message_latencies(
     name: &str,
     push: bool,
     n: usize,
+    http: bool,
 ) -> Vec<f64> {
+    let (template, dispatch) = if http {
+        (
+            "http-agent",
+            serde_json::json!({"http": {"port": 8080, "path": "/"}}),
+        )
+    } else {
+        (
+            "host",
+            serde_json::json!({"command": ["python3", "-c", HANDLER]}),
+        )
+    };
     c.create_pool(&serde_json::json!({
-        "name": name, "template": "host", "max": 1, "target": 1, "cooldown_s": 0,
+        "name": name, "template": template, "max": 1, "target": 1, "cooldown_s": 0,
         "poll_interval_ms": if push { 30_000 } else { 1_000 }, "push": push,
         "triggers": [{"type": "redis-list", "url": redis_url, "key": name}],
-        "dispatch": {"command": ["python3", "-c", HANDLER]},
+        "dispatch": dispatch,
     }))
     .await
     .unwrap();
@@ -170,8 +187,31 @@ async fn main() {
     let mut con = redis.conn().await;
     let url = redis.url();
 
-    let push = first_message_latencies(&c, &mut con, &url, "push", true, n).await;
-    let poll = first_message_latencies(&c, &mut con, &url, "poll", false, n).await;
+    c.create_template(&torpor_api::types::TemplateSpec {
+        name: torpor_core::TemplateName::new("http-agent").unwrap(),
+        source: torpor_core::TemplateSource::Host,
+        command: vec!["python3".into(), "-c".into(), HTTP_AGENT.into()],
+        env: Default::default(),
+        cwd: None,
+        limits: torpor_core::Limits {
+            memory_mib: 256,
+            cpus: 1.0,
+            pids: 64,
+        },
+        idle: torpor_core::IdlePolicy {
+            freeze_after_s: None,
+            park_after_s: None,
+            suspend_after_s: None,
+        },
+        warmup_ms: 500,
+        gpu: None,
+        network: Some(serde_json::from_value(serde_json::json!({"allow": []})).unwrap()),
+    })
+    .await
+    .unwrap();
+    let push = first_message_latencies(&c, &mut con, &url, "push", true, n, false).await;
+    let poll = first_message_latencies(&c, &mut con, &url, "poll", false, n, false).await;
+    let http = first_message_latencies(&c, &mut con, &url, "httppush", true, n, true).await;
     // KEDA's anchor: a uniform wait in [0, 30 s] before it even asks for a pod.
     let keda: Vec<f64> = (0..1000)
         .map(|i| 30_000.0 * (i as f64 + 0.5) / 1000.0)
@@ -214,6 +254,10 @@ async fn main() {
     for (name, v) in [
         ("first message, push (wake from Suspended)", &push),
         ("first message, polling 1 s (wake from Suspended)", &poll),
+        (
+            "first message, push, HTTP dispatch (wake from Suspended)",
+            &http,
+        ),
         ("KEDA default 30 s polling, wait alone (computed)", &keda),
     ] {
         println!(
@@ -239,6 +283,7 @@ async fn main() {
             "n": n,
             "push_ms": {"p50": pct(&push, 50.0), "p95": pct(&push, 95.0), "p99": pct(&push, 99.0), "max": pct(&push, 100.0)},
             "polling_1s_ms": {"p50": pct(&poll, 50.0), "p95": pct(&poll, 95.0), "p99": pct(&poll, 99.0), "max": pct(&poll, 100.0)},
+            "push_http_ms": {"p50": pct(&http, 50.0), "p95": pct(&http, 95.0), "p99": pct(&http, 99.0), "max": pct(&http, 100.0)},
             "keda_30s_anchor_ms": {"p50": pct(&keda, 50.0), "p95": keda_p95},
             "push_p95_over_keda_p95": pct(&push, 95.0) / keda_p95,
             "polling_p95_over_keda_p95": pct(&poll, 95.0) / keda_p95,

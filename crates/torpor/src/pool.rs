@@ -8,6 +8,7 @@ use torpor_control::pools::PoolStatus;
 use crate::cli::{client, print_json, CliError, CliResult, Conn};
 
 #[derive(Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once per process
 pub enum PoolCmd {
     /// Create a pool from a JSON spec (`--file`, `-` for stdin) or from flags.
     Create {
@@ -44,6 +45,10 @@ pub enum PoolCmd {
         /// (everything after `--`).
         #[arg(last = true)]
         dispatch: Vec<String>,
+        /// Dispatch mode over HTTP: POST each message to PORT[/PATH] of an agent
+        /// (e.g. `8080/jobs`); a 2xx answer acknowledges it.
+        #[arg(long, value_name = "PORT[/PATH]", conflicts_with = "dispatch")]
+        dispatch_http: Option<String>,
         #[command(flatten)]
         conn: Conn,
     },
@@ -81,6 +86,7 @@ pub async fn run(cmd: PoolCmd) -> CliResult {
             no_push,
             triggers,
             dispatch,
+            dispatch_http,
             conn,
         } => {
             let mut spec = match &file {
@@ -128,6 +134,19 @@ pub async fn run(cmd: PoolCmd) -> CliResult {
             }
             if !dispatch.is_empty() {
                 set("dispatch", Some(serde_json::json!({ "command": dispatch })));
+            }
+            if let Some(h) = dispatch_http {
+                let (port, path) = match h.split_once('/') {
+                    Some((port, path)) => (port, format!("/{path}")),
+                    None => (h.as_str(), "/".to_string()),
+                };
+                let port: u16 = port.parse().map_err(|_| {
+                    CliError(format!("--dispatch-http {h:?}: expected PORT[/PATH]"))
+                })?;
+                set(
+                    "dispatch",
+                    Some(serde_json::json!({ "http": {"port": port, "path": path} })),
+                );
             }
             let status = client(&conn)?.create_pool(&spec).await?;
             if conn.json {

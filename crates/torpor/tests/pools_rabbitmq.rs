@@ -6,40 +6,13 @@
 mod brokers;
 mod common;
 
-use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use brokers::Rabbit;
+use brokers::{exactly_once, handled, wait_pool, Rabbit, HANDLER};
 use common::*;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use torpor_api::{Client, ClientError};
-use torpor_control::pools::PoolStatus;
-
-const HANDLER: &str = "import sys\nm = sys.stdin.read()\nif m.startswith('poison'): sys.exit(3)\nopen('/tmp/done.log', 'a').write(m + '\\n')\n";
-
-async fn wait_pool(
-    c: &Client,
-    name: &str,
-    what: &str,
-    within: Duration,
-    ok: impl Fn(&PoolStatus) -> bool,
-) -> PoolStatus {
-    let deadline = Instant::now() + within;
-    loop {
-        let p = c.pool(name).await.unwrap();
-        if ok(&p) {
-            return p;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "pool {name}: {what} not reached within {within:?}: {}",
-            serde_json::to_string_pretty(&p).unwrap()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 async fn publish(ch: &lapin::Channel, queue: &str, msgs: &[String]) {
     for m in msgs {
@@ -128,23 +101,7 @@ async fn rabbitmq_pools_dispatch_once_read_depth_both_ways_and_report_faults() {
         p.running == 0 && p.desired == 0 && p.draining == 0
     })
     .await;
-    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
-    for id in &p.sandboxes {
-        let text = match c.read_file(id.as_str(), "/tmp/done.log").await {
-            Ok(b) => String::from_utf8(b).unwrap(),
-            Err(ClientError::Api { code, .. }) if code == "file_not_found" => String::new(),
-            Err(e) => panic!("{e}"),
-        };
-        for l in text.lines() {
-            *seen.entry(l.to_string()).or_insert(0) += 1;
-        }
-    }
-    assert!(seen.values().all(|&n| n == 1), "duplicates: {seen:?}");
-    assert_eq!(seen.keys().cloned().collect::<Vec<_>>(), {
-        let mut s = sent.clone();
-        s.sort();
-        s
-    });
+    exactly_once(&handled(&c, &p).await, &sent);
 
     // Depth without the management API: a passive declare (self-consume pool, max 1).
     publish(&ch, "rdepth", &["1".into(), "2".into(), "3".into()]).await;
@@ -191,4 +148,69 @@ async fn rabbitmq_pools_dispatch_once_read_depth_both_ways_and_report_faults() {
     for name in ["rjobs", "rdepth", "rmissing", "rcreds"] {
         c.delete_pool(name).await.unwrap();
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rabbitmq_restart_the_trigger_and_lanes_reconnect_and_nothing_is_lost() {
+    let mut rabbit = Rabbit::start();
+    let d = Daemon::start_with(&["--workers", "8"]).await;
+    let c = d.client();
+    let channel = |url: String| async move {
+        let conn = Connection::connect(&url, ConnectionProperties::default())
+            .await
+            .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        (conn, ch)
+    };
+    let (_conn, ch) = channel(rabbit.url()).await;
+    declare(&ch, "rr").await;
+    // A long cooldown: the agents and their lanes stay up across the restart.
+    c.create_pool(&serde_json::json!({
+        "name": "rr", "template": "host", "max": 2, "target": 2, "cooldown_s": 120,
+        "poll_interval_ms": 200,
+        "triggers": [{"type": "rabbitmq", "url": rabbit.url(), "queue": "rr"}],
+        "dispatch": {"command": ["python3", "-c", HANDLER], "max_attempts": 2,
+                     "retry_backoff_ms": 50},
+    }))
+    .await
+    .unwrap();
+    let before: Vec<String> = (0..4).map(|i| format!("before-{i}")).collect();
+    publish(&ch, "rr", &before).await;
+    let p = wait_pool(&c, "rr", "before", Duration::from_secs(120), |p| {
+        p.processed == 4
+    })
+    .await;
+    assert!(!p.sandboxes.is_empty());
+    // Settled: nothing queued, nothing starting or draining; the agents kept by the cooldown.
+    let p = wait_pool(&c, "rr", "settled", Duration::from_secs(60), |p| {
+        p.depth == Some(0) && p.starting == 0 && p.draining == 0
+    })
+    .await;
+    let agents = p.running as usize;
+    assert!(agents >= 1);
+
+    // Down: the trigger reports it and the pool keeps its agents.
+    rabbit.stop();
+    let p = wait_pool(&c, "rr", "an error", Duration::from_secs(60), |p| {
+        p.triggers[0].error.is_some()
+    })
+    .await;
+    assert_eq!(p.running as usize, agents, "the pool keeps its size: {p:?}");
+    // Back (same data directory: the durable queue is there): new work flows.
+    rabbit.restart();
+    let (_conn, ch) = channel(rabbit.url()).await;
+    let after: Vec<String> = (0..4).map(|i| format!("after-{i}")).collect();
+    publish(&ch, "rr", &after).await;
+    let p = wait_pool(&c, "rr", "after", Duration::from_secs(120), |p| {
+        p.processed == 8 && p.triggers[0].error.is_none()
+    })
+    .await;
+    assert_eq!(ready(&ch, "rr").await, 0, "the queue drained");
+    let mut all = before.clone();
+    all.extend(after);
+    exactly_once(&handled(&c, &p).await, &all);
+    c.delete_pool("rr").await.unwrap();
 }

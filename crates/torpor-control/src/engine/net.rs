@@ -56,6 +56,93 @@ pub fn count_proxied(outcome: &str) {
     proxy_counter().1.with_label_values(&[outcome]).inc();
 }
 
+/// An HTTP/1 connection to a sandbox port made for one request (see [`sandbox_http`]).
+pub type SandboxConn<B> = (
+    hyper::client::conn::http1::SendRequest<B>,
+    hyper::client::conn::http1::Connection<
+        hyper_util::rt::TokioIo<torpor_runtime::relay::PeerCloseAware>,
+        B,
+    >,
+);
+
+/// Connects to `addr` (a sandbox port through its worker's router) and does the HTTP/1
+/// handshake, on a stream that answers the sandbox's close with a RST (torpor_runtime::relay).
+pub async fn sandbox_handshake<B>(addr: SocketAddr) -> std::result::Result<SandboxConn<B>, String>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let stream = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        tokio::net::TcpStream::connect(addr),
+    )
+    .await
+    .map_err(|_| "connect timed out".to_string())?
+    .map_err(|e| e.to_string())?;
+    let _ = stream.set_nodelay(true);
+    let io = hyper_util::rt::TokioIo::new(torpor_runtime::relay::PeerCloseAware::new(stream));
+    hyper::client::conn::http1::handshake(io)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Sends one request to a sandbox port over its own connection and returns the answer, whose
+/// body streams from the sandbox. `hold` (the sandbox's borrow) lives until the connection is
+/// closed, so no checkpoint runs while the answer is read. Whoever closes, the sandbox's
+/// stack keeps no endpoint that would block its checkpoint: a server that said it closes
+/// (HTTP/1.0, `Connection: close`) is waited for and answered with a RST; otherwise torpor
+/// closes first and waits (up to 1 s) for the server's close.
+pub async fn sandbox_http<B>(
+    addr: SocketAddr,
+    req: hyper::Request<B>,
+    hold: impl Send + 'static,
+) -> std::result::Result<hyper::Response<hyper::body::Incoming>, String>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let (mut sender, conn) = sandbox_handshake::<B>(addr).await?;
+    let (closes_tx, closes_rx) = tokio::sync::oneshot::channel::<bool>();
+    tokio::spawn(async move {
+        let _hold = hold;
+        if let Ok(parts) = conn.without_shutdown().await {
+            let server_closes = closes_rx.await.unwrap_or(false);
+            close_connection(parts.io.into_inner(), server_closes).await;
+        }
+    });
+    let resp = sender.send_request(req).await;
+    drop(sender);
+    let resp = resp.map_err(|e| e.to_string())?;
+    let closes = resp.version() < hyper::Version::HTTP_11
+        || resp
+            .headers()
+            .get(hyper::header::CONNECTION)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.to_ascii_lowercase().contains("close"));
+    let _ = closes_tx.send(closes);
+    Ok(resp)
+}
+
+async fn close_connection(mut s: torpor_runtime::relay::PeerCloseAware, server_closes: bool) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = [0u8; 1024];
+    let mut drain = async |s: &mut torpor_runtime::relay::PeerCloseAware| {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(1), async {
+            while matches!(s.read(&mut buf).await, Ok(n) if n > 0) {}
+        })
+        .await;
+    };
+    if server_closes || s.peer_closed_first() {
+        drain(&mut s).await;
+        s.reset_on_drop();
+        return;
+    }
+    let _ = s.shutdown().await;
+    drain(&mut s).await;
+}
+
 /// Resets the sandbox's open TCP connections (all of which pass through torpor: the egress
 /// relay and the ingress proxy) before a checkpoint, which gVisor refuses, stopping the
 /// container, while any non-listening TCP endpoint exists. The sandbox runs a moment so its

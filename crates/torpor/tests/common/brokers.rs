@@ -1,6 +1,7 @@
 //! Real brokers for the pool tests: Redis, NATS with JetStream and RabbitMQ with its management
 //! plugin, each started from the Debian package's binary on 127.0.0.1 with free ports and its
-//! own data directory, and stopped by PID (scripts/deps.sh installs them).
+//! own data directory, and stopped by PID (scripts/deps.sh installs them); and the helpers every
+//! pool test shares (waiting for a pool state, reading back what the agents handled).
 
 #![allow(dead_code)]
 
@@ -17,8 +18,12 @@ pub fn free_port() -> u16 {
 }
 
 fn wait_port(port: u16, what: &str, log: &Path) {
+    wait_port_on("127.0.0.1", port, what, log)
+}
+
+fn wait_port_on(host: &str, port: u16, what: &str, log: &Path) {
     let deadline = Instant::now() + Duration::from_secs(60);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+    while std::net::TcpStream::connect((host, port)).is_err() {
         assert!(
             Instant::now() < deadline,
             "{what} did not listen on {port}:\n{}",
@@ -44,6 +49,8 @@ fn stop_child(c: &mut Child) {
 
 pub struct Redis {
     pub port: u16,
+    /// The address it listens on (127.0.0.1 unless started with [`Redis::start_bound`]).
+    pub bind: String,
     dir: tempfile::TempDir,
     child: Option<Child>,
 }
@@ -54,12 +61,19 @@ impl Redis {
     }
 
     pub fn start_on(port: u16) -> Redis {
+        Self::start_bound("127.0.0.1", port)
+    }
+
+    /// On `bind` (e.g. a global address of this host, which sandboxes reach through their
+    /// egress network).
+    pub fn start_bound(bind: &str, port: u16) -> Redis {
         let dir = tempfile::Builder::new()
             .prefix("torpor-redis-")
             .tempdir()
             .unwrap();
         let mut r = Redis {
             port,
+            bind: bind.to_string(),
             dir,
             child: None,
         };
@@ -70,8 +84,8 @@ impl Redis {
     fn spawn(&mut self) {
         let log = self.dir.path().join("redis.log");
         let child = Command::new("redis-server")
-            .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
-            .args(["--save", "", "--appendonly", "no"])
+            .args(["--bind", &self.bind, "--port", &self.port.to_string()])
+            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
             .arg("--dir")
             .arg(self.dir.path())
             .arg("--logfile")
@@ -82,11 +96,11 @@ impl Redis {
             .spawn()
             .expect("redis-server (apt-get install redis-server; scripts/deps.sh)");
         self.child = Some(child);
-        wait_port(self.port, "redis-server", &log);
+        wait_port_on(&self.bind, self.port, "redis-server", &log);
     }
 
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        format!("redis://{}:{}", self.bind, self.port)
     }
 
     pub fn stop(&mut self) {
@@ -128,21 +142,34 @@ impl Nats {
             .prefix("torpor-nats-")
             .tempdir()
             .unwrap();
-        let port = free_port();
-        let log = dir.path().join("nats.log");
+        let mut n = Nats {
+            port: free_port(),
+            dir,
+            child: None,
+        };
+        n.spawn();
+        n
+    }
+
+    fn spawn(&mut self) {
+        let log = self.dir.path().join("nats.log");
+        let _ = std::fs::remove_file(&log);
         let child = Command::new("nats-server")
-            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(dir.path().join("js"))
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(self.dir.path().join("js"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .expect("nats-server (apt-get install nats-server; scripts/deps.sh)");
-        let n = Nats {
-            port,
-            dir,
-            child: Some(child),
-        };
+        self.child = Some(child);
         // `/healthz` answers before the client port listens: wait for the log line.
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
@@ -153,7 +180,19 @@ impl Nats {
             assert!(Instant::now() < deadline, "nats-server not ready:\n{text}");
             std::thread::sleep(Duration::from_millis(20));
         }
-        n
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            stop_child(&mut c);
+        }
+    }
+
+    /// A restart on the same port and JetStream directory: streams, consumers and their
+    /// messages survive (file storage). After [`Nats::stop`], starts it again.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
     }
 
     pub fn url(&self) -> String {
@@ -163,9 +202,7 @@ impl Nats {
 
 impl Drop for Nats {
     fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            stop_child(&mut c);
-        }
+        self.stop();
     }
 }
 
@@ -225,20 +262,29 @@ impl Rabbit {
             .status()
             .expect("rabbitmq-plugins (apt-get install rabbitmq-server; scripts/deps.sh)");
         assert!(st.success(), "rabbitmq-plugins enable failed");
+        let mut r = Rabbit {
+            amqp_port,
+            mgmt_port,
+            dir,
+            env,
+            child: None,
+        };
+        r.spawn();
+        r
+    }
+
+    fn spawn(&mut self) {
+        let d = self.dir.path().to_path_buf();
         let child = Command::new(format!("{RABBIT_BIN}/rabbitmq-server"))
-            .envs(env.iter().cloned())
+            .envs(self.env.iter().cloned())
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(d.join("out.log")).unwrap())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let r = Rabbit {
-            amqp_port,
-            mgmt_port,
-            dir,
-            env,
-            child: Some(child),
-        };
+        self.child = Some(child);
+        let r = &*self;
+        let mgmt_port = self.mgmt_port;
         let st = Command::new(format!("{RABBIT_BIN}/rabbitmqctl"))
             .args(["wait", "--timeout", "120", "--pid"])
             .arg(r.child.as_ref().unwrap().id().to_string())
@@ -257,7 +303,31 @@ impl Rabbit {
             "rabbitmq management",
             &r.dir.path().join("out.log"),
         );
-        r
+        wait_port(
+            self.amqp_port,
+            "rabbitmq amqp",
+            &self.dir.path().join("out.log"),
+        );
+    }
+
+    /// Stops the node (every connection is closed) and starts it again on the same ports and
+    /// data directory: durable queues and persistent messages survive. After [`Rabbit::stop`],
+    /// starts it again.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
+    }
+
+    pub fn stop(&mut self) {
+        let _ = Command::new(format!("{RABBIT_BIN}/rabbitmqctl"))
+            .arg("shutdown")
+            .envs(self.env.iter().cloned())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if let Some(mut c) = self.child.take() {
+            stop_child(&mut c);
+        }
     }
 
     pub fn url(&self) -> String {
@@ -275,15 +345,7 @@ impl Rabbit {
 
 impl Drop for Rabbit {
     fn drop(&mut self) {
-        let _ = Command::new(format!("{RABBIT_BIN}/rabbitmqctl"))
-            .arg("shutdown")
-            .envs(self.env.iter().cloned())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        if let Some(mut c) = self.child.take() {
-            stop_child(&mut c);
-        }
+        self.stop();
         // epmd outlives the broker; this one listens on our own port.
         let _ = Command::new("epmd")
             .arg("-kill")
@@ -291,5 +353,123 @@ impl Drop for Rabbit {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status();
+    }
+}
+
+// ------------------------------------------------------------------------ pool test helpers
+
+/// A dispatch handler: appends the message to /tmp/done.log; a message starting with `poison`
+/// fails.
+pub const HANDLER: &str = "import sys\nm = sys.stdin.read()\nif m.startswith('poison'): sys.exit(3)\nopen('/tmp/done.log', 'a').write(m + '\\n')\n";
+
+/// Polls `GET /v1/pools/{name}` until `ok`, failing with the last status after `within`.
+pub async fn wait_pool(
+    c: &torpor_api::Client,
+    name: &str,
+    what: &str,
+    within: Duration,
+    ok: impl Fn(&torpor_control::pools::PoolStatus) -> bool,
+) -> torpor_control::pools::PoolStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        let p = c.pool(name).await.unwrap();
+        if ok(&p) {
+            return p;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pool {name}: {what} not reached within {within:?}: {}",
+            serde_json::to_string_pretty(&p).unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Every line every agent of the pool logged in /tmp/done.log, counted.
+pub async fn handled(
+    c: &torpor_api::Client,
+    p: &torpor_control::pools::PoolStatus,
+) -> std::collections::BTreeMap<String, usize> {
+    let mut seen = std::collections::BTreeMap::new();
+    for id in &p.sandboxes {
+        let text = match c.read_file(id.as_str(), "/tmp/done.log").await {
+            Ok(b) => String::from_utf8(b).unwrap(),
+            Err(torpor_api::ClientError::Api { code, .. }) if code == "file_not_found" => {
+                String::new()
+            }
+            Err(e) => panic!("reading {id}'s log: {e}"),
+        };
+        for line in text.lines().filter(|l| !l.is_empty()) {
+            *seen.entry(line.to_string()).or_insert(0) += 1;
+        }
+    }
+    seen
+}
+
+/// Each message sent was handled exactly once, and nothing else was.
+pub fn exactly_once(seen: &std::collections::BTreeMap<String, usize>, sent: &[String]) {
+    let dup: Vec<_> = seen.iter().filter(|(_, &n)| n != 1).collect();
+    assert!(dup.is_empty(), "messages handled more than once: {dup:?}");
+    let mut got: Vec<_> = seen.keys().cloned().collect();
+    let mut want = sent.to_vec();
+    got.sort();
+    want.sort();
+    assert_eq!(got, want, "handled messages differ from those sent");
+}
+
+// ------------------------------------------------------------------------------------ tansu
+
+/// tansu, a Kafka-compatible broker, in memory (scripts/test-kafka.sh installs it into
+/// /opt/tansu; `TANSU` names another binary).
+pub struct Tansu {
+    pub port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl Tansu {
+    pub fn start() -> Tansu {
+        let dir = tempfile::Builder::new()
+            .prefix("torpor-tansu-")
+            .tempdir()
+            .unwrap();
+        let port = free_port();
+        let bin = std::env::var("TANSU").unwrap_or_else(|_| "/opt/tansu/bin/tansu".into());
+        let log = dir.path().join("tansu.log");
+        let url = format!("tcp://127.0.0.1:{port}");
+        let child = Command::new(&bin)
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+            ])
+            .args(["--storage-engine", "memory://tansu/"])
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(std::fs::File::create(dir.path().join("tansu.err")).unwrap())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{bin}: {e} (scripts/test-kafka.sh installs tansu)"));
+        let t = Tansu {
+            port,
+            dir,
+            child: Some(child),
+        };
+        wait_port(port, "tansu", &t.dir.path().join("tansu.err"));
+        t
+    }
+
+    pub fn brokers(&self) -> Vec<String> {
+        vec![format!("127.0.0.1:{}", self.port)]
+    }
+}
+
+impl Drop for Tansu {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            stop_child(&mut c);
+        }
     }
 }
