@@ -2100,6 +2100,15 @@ impl Engine {
 impl Engine {
     /// Gives the engine the node's GPUs; once, right after start.
     pub fn attach_gpus(&self, gpus: crate::gpu::NodeGpus) {
+        // Stored shares against the states reconcile left: awake holders keep theirs.
+        match self.store.sandboxes() {
+            Ok(all) => {
+                let states: HashMap<SandboxId, SandboxState> =
+                    all.into_iter().map(|s| (s.id, s.state)).collect();
+                gpus.reconcile(|id| states.get(id).map(|s| s.may_have_container()));
+            }
+            Err(e) => tracing::error!(error = %e, "cannot read sandboxes to reconcile GPU shares"),
+        }
         if self.gpus.set(gpus).is_err() {
             tracing::warn!("GPUs attached twice; the first stays");
         }
