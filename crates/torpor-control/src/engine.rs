@@ -838,6 +838,7 @@ impl Engine {
         configure: bool,
     ) -> Result<(Container, Worker)> {
         let cid = rec.container_id();
+        let gpu = self.gpu_runtime(&rec.id)?;
         let mut worker = self
             .warm
             .take()
@@ -847,6 +848,8 @@ impl Engine {
             .with_label_values(&[if worker.was_warm() { "warm" } else { "cold" }])
             .inc();
         let mut spec = container_spec(tpl, &rec.limits, &tpl.spec.env);
+        spec.devices = gpu.devices;
+        spec.mounts.extend(gpu.mounts);
         let networked = self.store.network(&rec.id)?;
         if let Some(policy) = &networked {
             spec.netns = Some(net::prepare_worker_net(&mut worker, policy)?);
@@ -2099,7 +2102,8 @@ impl Engine {
 
 impl Engine {
     /// Gives the engine the node's GPUs; once, right after start.
-    pub fn attach_gpus(&self, gpus: crate::gpu::NodeGpus) {
+    pub fn attach_gpus(&self, mut gpus: crate::gpu::NodeGpus) {
+        gpus.set_nvproxy(self.runsc.nvproxy());
         // Stored shares against the states reconcile left: awake holders keep theirs.
         match self.store.sandboxes() {
             Ok(all) => {
@@ -2183,6 +2187,13 @@ impl Engine {
                 all
             }
             None => env,
+        }
+    }
+
+    fn gpu_runtime(&self, id: &SandboxId) -> Result<crate::gpu::GpuRuntime> {
+        match self.gpus.get() {
+            Some(gpus) => Ok(gpus.runtime(id)?),
+            None => Ok(crate::gpu::GpuRuntime::default()),
         }
     }
 
@@ -2322,6 +2333,7 @@ fn container_spec(
         limits: *limits,
         hostname: "sandbox".into(),
         netns: None,
+        devices: Vec::new(),
     }
 }
 

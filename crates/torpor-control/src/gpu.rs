@@ -51,6 +51,9 @@ use torpor_gpu::sleep::{
 /// leaves the DCGM families out of one scrape.
 pub type Sampler = Box<dyn Fn() -> Result<Vec<GpuSample>, String> + Send + Sync>;
 
+/// Device minors of MIG capabilities, written by the NVIDIA driver.
+const MIG_MINORS: &str = "/proc/driver/nvidia-caps/mig-minors";
+
 /// Largest GPU request file read back.
 const MAX_REQUEST_FILE: u64 = 64 * 1024;
 
@@ -69,6 +72,8 @@ pub enum GpuError {
     Checkpoint(#[from] CheckpointError),
     #[error("GPU driver: {0}")]
     Driver(String),
+    #[error("GPU runtime: {0}")]
+    RuntimeUnsupported(String),
 }
 
 impl GpuError {
@@ -80,6 +85,7 @@ impl GpuError {
             GpuError::Quota { .. } => "gpu_quota_exceeded",
             GpuError::Checkpoint(e) => e.code(),
             GpuError::Driver(_) => "gpu_driver_error",
+            GpuError::RuntimeUnsupported(_) => "gpu_runtime_unsupported",
         }
     }
 
@@ -147,6 +153,16 @@ impl MigDriver for DeclaredMigDriver {
 struct Held {
     allocation: AllocationId,
     env: BTreeMap<String, String>,
+    /// Host device nodes and directories the container gets (NVML nodes only).
+    devices: Vec<PathBuf>,
+    mounts: Vec<PathBuf>,
+}
+
+/// What the runtime must give a GPU sandbox's container besides its environment.
+#[derive(Debug, Clone, Default)]
+pub struct GpuRuntime {
+    pub devices: Vec<torpor_runtime::gpu::DeviceNode>,
+    pub mounts: Vec<torpor_runtime::Mount>,
 }
 
 struct Inner {
@@ -168,6 +184,8 @@ pub struct NodeGpus {
     cuda_checkpoint: Option<PathBuf>,
     sampler: Option<Sampler>,
     store: Option<crate::store::Store>,
+    /// Whether runsc can pass devices through (nvproxy); set by the engine at attach.
+    nvproxy: bool,
     inner: Mutex<Inner>,
 }
 
@@ -271,7 +289,16 @@ impl NodeGpus {
             code: "store_error",
             message: format!("{}: GPU shares: {e}", db.display()),
         })?;
-        let inject = InjectConfig::default();
+        let mut inject = InjectConfig::default();
+        if !declared {
+            // MIG capability device minors, so MIG sandboxes get their nvidia-cap nodes.
+            if let Ok(text) = std::fs::read_to_string(MIG_MINORS) {
+                match torpor_gpu::inject::MigMinors::parse(&text) {
+                    Ok(m) => inject.mig_minors = Some(m),
+                    Err(e) => tracing::warn!(error = %e, "cannot parse {MIG_MINORS}"),
+                }
+            }
+        }
         let inner = restore(&inventory, &inject, &store, stored);
         Ok(Some(NodeGpus {
             inner: Mutex::new(inner),
@@ -285,7 +312,49 @@ impl NodeGpus {
             cuda_checkpoint,
             sampler: None,
             store: Some(store),
+            nvproxy: false,
         }))
+    }
+
+    /// Tells whether runsc can give a container devices (`--nvproxy`). Without it a node
+    /// whose GPUs are real (NVML) refuses GPU requests with `gpu_runtime_unsupported`; a
+    /// declared inventory has no device nodes to give and works either way.
+    pub fn set_nvproxy(&mut self, nvproxy: bool) {
+        self.nvproxy = nvproxy;
+    }
+
+    fn runtime_check(&self) -> Result<(), GpuError> {
+        if self.declared {
+            return Ok(());
+        }
+        torpor_runtime::gpu::runsc_gpu_flags(true, self.nvproxy)
+            .map(drop)
+            .map_err(|e| GpuError::RuntimeUnsupported(e.to_string()))
+    }
+
+    /// The device nodes (with their numbers read from the host) and mounts `id`'s container
+    /// needs: none on a declared inventory or for a sandbox without a share.
+    pub fn runtime(&self, id: &SandboxId) -> Result<GpuRuntime, GpuError> {
+        let (devices, mounts) = match self.lock().held.get(id) {
+            Some(h) if !self.declared => (h.devices.clone(), h.mounts.clone()),
+            _ => return Ok(GpuRuntime::default()),
+        };
+        self.runtime_check()?;
+        let devices = torpor_runtime::gpu::device_nodes(&devices)
+            .map_err(|e| GpuError::Driver(format!("{}: {e}", e.code())))?;
+        let mounts = mounts
+            .iter()
+            .map(|p| {
+                let p = p.to_string_lossy();
+                torpor_runtime::Mount {
+                    destination: p.to_string(),
+                    kind: "bind".into(),
+                    source: p.to_string(),
+                    options: vec!["rbind".into(), "rw".into()],
+                }
+            })
+            .collect();
+        Ok(GpuRuntime { devices, mounts })
     }
 
     /// Matches the stored shares with the sandboxes' states after a restart: `awake(id)` is
@@ -380,6 +449,7 @@ impl NodeGpus {
                 return Err(error);
             }
         }
+        node.runtime_check()?;
         if request.mode == torpor_gpu::partition::PartitionMode::Mig && !node.declared {
             return Err(GpuError::Driver(
                 "creating MIG instances through NVML is not implemented in this build; use mps, timeslice or whole".into(),
@@ -499,6 +569,8 @@ impl NodeGpus {
             Held {
                 allocation: allocation_id,
                 env: inj.env,
+                devices: inj.devices,
+                mounts: inj.mounts,
             },
         );
         self.persist(&inner, id);
@@ -735,18 +807,20 @@ fn restore(
                     .and_then(|aid| {
                         let a = ledger.allocation(aid).cloned().ok_or("lost")?;
                         injection(inventory, &a, &handles, inject)
-                            .map(|inj| (aid, inj.env))
+                            .map(|inj| (aid, inj))
                             .map_err(|e| e.to_string())
                     });
                 match restored {
-                    Ok((aid, env)) => {
+                    Ok((aid, inj)) => {
                         inner.ledger = ledger;
                         inner.handles = handles;
                         inner.held.insert(
                             id,
                             Held {
                                 allocation: aid,
-                                env,
+                                env: inj.env,
+                                devices: inj.devices,
+                                mounts: inj.mounts,
                             },
                         );
                     }
@@ -1073,5 +1147,56 @@ mod tests {
         assert!(status.allocations.is_empty());
         assert_eq!(status.sleeping.len(), 2);
         assert_eq!(status.gpus[0].shares, 0);
+    }
+
+    #[test]
+    fn nvml_nodes_need_nvproxy_and_real_device_nodes() {
+        let dir = tempfile::tempdir().unwrap();
+        let inv = Inventory::from_toml(
+            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA L4\"\nmemory_mib = 23034\nmig_capable = false\npci_bus_id = \"0000:01:00.0\"\nminor = 7\n",
+            "t",
+        )
+        .unwrap();
+        let mut gpus = NodeGpus::open(
+            GpuConfig {
+                nvml_inventory: Some(inv),
+                ..GpuConfig::default()
+            },
+            dir.path(),
+        )
+        .unwrap()
+        .unwrap();
+        let whole = serde_json::json!({"mode": "whole"});
+        let admin = TenantId::admin();
+        // runsc without nvproxy: refused up front, with a stable code.
+        let err = NodeGpus::parse_request(Some(&gpus), &whole, &admin).unwrap_err();
+        assert_eq!(err.code(), "gpu_runtime_unsupported");
+        assert!(err.to_string().contains("--nvproxy"), "{err}");
+        gpus.set_nvproxy(true);
+        let request = NodeGpus::parse_request(Some(&gpus), &whole, &admin).unwrap();
+        let id = SandboxId::generate();
+        // No share yet: nothing to give.
+        assert!(gpus.runtime(&id).unwrap().devices.is_empty());
+        gpus.save_request(&id, &request).unwrap();
+        gpus.acquire(&id).unwrap();
+        // The share names the control nodes and /dev/nvidia7; without a driver they are
+        // missing, and the container is not started without them.
+        let err = gpus.runtime(&id).unwrap_err();
+        assert_eq!(err.code(), "gpu_driver_error");
+        assert!(err.to_string().contains("gpu_device_missing"), "{err}");
+        assert!(err.to_string().contains("/dev/nvidiactl"), "{err}");
+        let held = gpus.lock().held.get(&id).unwrap().devices.clone();
+        assert_eq!(
+            held,
+            [
+                "/dev/nvidiactl",
+                "/dev/nvidia-uvm",
+                "/dev/nvidia-uvm-tools",
+                "/dev/nvidia7"
+            ]
+            .map(PathBuf::from)
+        );
+        // Declared inventories have no device nodes: nothing is passed through.
+        drop(gpus);
     }
 }
