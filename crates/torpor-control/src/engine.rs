@@ -857,6 +857,7 @@ impl Engine {
         let container = self.runsc.restore(&cid, &worker, &spec, image)?;
         let ready = async {
             self.runsc.wait_ready(&container, READY_TIMEOUT).await?;
+            self.gpu_cuda_resume(&rec.id, &container).await?;
             if configure {
                 container
                     .conn
@@ -1305,9 +1306,13 @@ impl Engine {
         id: &SandboxId,
         cause: &str,
     ) -> Result<()> {
+        let mut cuda_toggled = None;
         if let Some(live) = guard.live.as_ref() {
-            self.gpu_checkpoint_gate(id, &live.container.id)?;
+            let cuda_tool = self.gpu_checkpoint_gate(id, &live.container.id)?;
             net::check_checkpointable(id)?;
+            if let (Some(tool), Some(gpus)) = (cuda_tool, self.gpus.get()) {
+                cuda_toggled = Some(gpus.cuda_suspend(&live.container, tool).await?);
+            }
         }
         let Some(live) = guard.live.take() else {
             return Ok(());
@@ -1324,6 +1329,8 @@ impl Engine {
         let _ = std::fs::remove_dir_all(&tmp);
         let t = Instant::now();
         let result = self.runsc.checkpoint(&live.container, &tmp).await;
+        self.gpu_after_checkpoint(id, &live.container, cuda_toggled, result.is_ok())
+            .await;
         drop(live);
         self.release_gpu(id);
         self.metrics.workers_busy.set(self.workers.busy() as i64);
@@ -2197,11 +2204,63 @@ impl Engine {
         }
     }
 
-    fn gpu_checkpoint_gate(&self, id: &SandboxId, container_id: &str) -> Result<()> {
-        match self.gpus.get() {
-            Some(gpus) => Ok(gpus.checkpoint_gate(id, container_id)?),
-            None => Ok(()),
+    fn gpu_checkpoint_gate(
+        &self,
+        id: &SandboxId,
+        container_id: &str,
+    ) -> Result<Option<torpor_gpu::cuda_checkpoint::Tool>> {
+        let Some(gpus) = self.gpus.get() else {
+            return Ok(None);
+        };
+        // The template's rootfs and bind mounts: where a sandbox's own cuda-checkpoint lives.
+        let tpl = match self.store.sandbox(id)? {
+            Some(rec) => self.store.template(&rec.template)?,
+            None => None,
+        };
+        let (rootfs, mounts) = match &tpl {
+            Some(t) => (
+                t.rootfs.clone(),
+                t.mounts
+                    .iter()
+                    .map(|m| (PathBuf::from(&m.source), m.destination.clone()))
+                    .collect::<Vec<_>>(),
+            ),
+            None => (PathBuf::new(), Vec::new()),
+        };
+        Ok(gpus.checkpoint_gate(id, container_id, &rootfs, &mounts)?)
+    }
+
+    /// After a checkpoint taken with cuda-checkpoint: remembered for the restore, or (when the
+    /// checkpoint failed and the container still runs) toggled straight back.
+    async fn gpu_after_checkpoint(
+        &self,
+        id: &SandboxId,
+        container: &Container,
+        toggled: Option<torpor_gpu::cuda_checkpoint::Toggled>,
+        ok: bool,
+    ) {
+        let (Some(gpus), Some(toggled)) = (self.gpus.get(), toggled) else {
+            return;
+        };
+        if ok {
+            if let Err(e) = gpus.save_toggled(id, &toggled) {
+                tracing::error!(sandbox = %id, error = %e, "cannot record the cuda-checkpoint toggle");
+            }
+        } else if let Err(e) = gpus.cuda_resume(container, &toggled).await {
+            tracing::warn!(sandbox = %id, error = %e, "cannot toggle GPU state back after a failed checkpoint");
         }
+    }
+
+    /// After a restore: brings GPU state that cuda-checkpoint moved to host memory back.
+    async fn gpu_cuda_resume(&self, id: &SandboxId, container: &Container) -> Result<()> {
+        let Some(gpus) = self.gpus.get() else {
+            return Ok(());
+        };
+        if let Some(toggled) = gpus.toggled(id) {
+            gpus.cuda_resume(container, &toggled).await?;
+            gpus.clear_toggled(id);
+        }
+        Ok(())
     }
 }
 

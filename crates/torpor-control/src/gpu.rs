@@ -113,6 +113,9 @@ pub struct GpuConfig {
     pub quotas: Option<PathBuf>,
     /// The inventory read from NVML by the binary (which links the driver loader), if any.
     pub nvml_inventory: Option<Inventory>,
+    /// A host `cuda-checkpoint` to use (`--cuda-checkpoint`, `TORPOR_CUDA_CHECKPOINT`);
+    /// without it the sandbox's rootfs and then the host `PATH` are searched.
+    pub cuda_checkpoint: Option<PathBuf>,
 }
 
 /// Stand-in MIG devices for a declared inventory: there is no driver to create instances, so
@@ -181,7 +184,12 @@ pub struct NodeGpus {
     inject: InjectConfig,
     declared: bool,
     requests_dir: PathBuf,
+    /// The host `cuda-checkpoint` (configured, else found on `PATH` at start).
     cuda_checkpoint: Option<PathBuf>,
+    /// The configured one only (a sandbox's own rootfs copy is preferred to `PATH`'s).
+    cuda_configured: Option<PathBuf>,
+    /// What each checkpoint taken with `cuda-checkpoint` must toggle back after its restore.
+    toggled_dir: PathBuf,
     sampler: Option<Sampler>,
     store: Option<crate::store::Store>,
     /// Whether runsc can pass devices through (nvproxy); set by the engine at attach.
@@ -277,7 +285,23 @@ impl NodeGpus {
             path: requests_dir.clone(),
             source,
         })?;
-        let cuda_checkpoint = std::env::var_os("PATH").and_then(|p| find_cuda_checkpoint(&p));
+        let cuda_configured = cfg.cuda_checkpoint.clone();
+        if let Some(p) = &cuda_configured {
+            if !p.is_file() {
+                return Err(GpuSetupError::Inventory {
+                    code: "cuda_checkpoint_missing",
+                    message: format!("--cuda-checkpoint {}: no such file", p.display()),
+                });
+            }
+        }
+        let cuda_checkpoint = cuda_configured
+            .clone()
+            .or_else(|| std::env::var_os("PATH").and_then(|p| find_cuda_checkpoint(&p)));
+        let toggled_dir = data_dir.join("gpu").join("cuda-toggled");
+        std::fs::create_dir_all(&toggled_dir).map_err(|source| GpuSetupError::Io {
+            path: toggled_dir.clone(),
+            source,
+        })?;
         tracing::info!(node = %inventory.node, %source, gpus = inventory.gpus().len(),
             quotas = quotas.enforced(), cuda_checkpoint = ?cuda_checkpoint, "GPU inventory");
         let db = data_dir.join("torpor.db");
@@ -310,6 +334,8 @@ impl NodeGpus {
             declared,
             requests_dir,
             cuda_checkpoint,
+            cuda_configured,
+            toggled_dir,
             sampler: None,
             store: Some(store),
             nvproxy: false,
@@ -353,7 +379,14 @@ impl NodeGpus {
                     options: vec!["rbind".into(), "rw".into()],
                 }
             })
-            .collect();
+            .collect::<Vec<_>>();
+        let mut mounts = mounts;
+        if let Some(host) = &self.cuda_checkpoint {
+            mounts.push(torpor_runtime::Mount::bind_ro(
+                &host.to_string_lossy(),
+                torpor_gpu::cuda_checkpoint::MOUNTED_TOOL,
+            ));
+        }
         Ok(GpuRuntime { devices, mounts })
     }
 
@@ -614,6 +647,7 @@ impl NodeGpus {
         self.persist(&inner, id);
         drop(inner);
         let _ = std::fs::remove_file(self.request_path(id));
+        self.clear_toggled(id);
     }
 
     /// The environment every exec in `id` gets (empty when it holds no share).
@@ -630,17 +664,122 @@ impl NodeGpus {
         self.lock().held.contains_key(id)
     }
 
-    /// Refuses a full checkpoint of a sandbox holding a live GPU context when `cuda-checkpoint`
-    /// is not installed. A live context is an open NVIDIA device file (`/dev/nvidia*`) in any
-    /// process of the container's cgroup (with gVisor's nvproxy the sentry holds them).
-    pub fn checkpoint_gate(&self, id: &SandboxId, container_id: &str) -> Result<(), GpuError> {
+    /// Decides how `id` is checkpointed: `None` when no process of its container holds a
+    /// live GPU context (an open `/dev/nvidia*` file; with gVisor's nvproxy the sentry holds
+    /// them), the `cuda-checkpoint` to run inside it when one is found (configured, in its
+    /// rootfs `rootfs` with the template's `mounts`, or on the host `PATH`), else the refusal
+    /// `checkpoint_gpu_context`.
+    pub fn checkpoint_gate(
+        &self,
+        id: &SandboxId,
+        container_id: &str,
+        rootfs: &Path,
+        mounts: &[(PathBuf, String)],
+    ) -> Result<Option<torpor_gpu::cuda_checkpoint::Tool>, GpuError> {
         if !self.holds(id) {
-            return Ok(());
+            return Ok(None);
         }
         let pids = cgroup_pids(container_id);
-        let holding = pids_holding_files(&pids, Path::new("/dev"), "nvidia");
-        checkpoint_method(!holding.is_empty(), self.cuda_checkpoint.as_deref())?;
+        let holding = !pids_holding_files(&pids, Path::new("/dev"), "nvidia").is_empty();
+        let tool = if holding {
+            torpor_gpu::cuda_checkpoint::locate(
+                self.cuda_configured.as_deref(),
+                rootfs,
+                mounts,
+                std::env::var_os("PATH").as_deref(),
+            )
+        } else {
+            None
+        };
+        checkpoint_method(holding, tool.as_ref().map(|t| Path::new(&t.in_sandbox)))?;
+        Ok(tool)
+    }
+
+    fn toggled_path(&self, id: &SandboxId) -> PathBuf {
+        self.toggled_dir.join(format!("{}.json", id.as_str()))
+    }
+
+    /// Runs `cuda-checkpoint --toggle` inside the container for every process holding a GPU
+    /// context (before the gVisor checkpoint). All or nothing: on a failure the processes
+    /// already toggled are toggled back.
+    pub async fn cuda_suspend(
+        &self,
+        container: &torpor_runtime::Container,
+        tool: torpor_gpu::cuda_checkpoint::Tool,
+    ) -> Result<torpor_gpu::cuda_checkpoint::Toggled, GpuError> {
+        use torpor_gpu::cuda_checkpoint::{holders_command, parse_holders, toggle_command};
+        let out = run_in(container, holders_command(), 30_000).await?;
+        let pids =
+            parse_holders(&out).map_err(|e| GpuError::Driver(format!("cuda-checkpoint: {e}")))?;
+        let mut done = Vec::new();
+        for pid in &pids {
+            if let Err(e) = run_in(
+                container,
+                toggle_command(&tool, *pid),
+                torpor_gpu::cuda_checkpoint::TOGGLE_TIMEOUT_MS,
+            )
+            .await
+            {
+                let undo = torpor_gpu::cuda_checkpoint::Toggled {
+                    tool: tool.clone(),
+                    pids: done,
+                };
+                if let Err(again) = self.cuda_resume(container, &undo).await {
+                    tracing::error!(error = %again, "cannot toggle GPU state back after a failed cuda-checkpoint");
+                }
+                return Err(e);
+            }
+            done.push(*pid);
+        }
+        tracing::info!(pids = ?pids, tool = %tool.in_sandbox, "GPU contexts moved to host memory by cuda-checkpoint");
+        Ok(torpor_gpu::cuda_checkpoint::Toggled { tool, pids })
+    }
+
+    /// Brings the GPU state of toggled processes back onto the GPU (after a restore).
+    pub async fn cuda_resume(
+        &self,
+        container: &torpor_runtime::Container,
+        toggled: &torpor_gpu::cuda_checkpoint::Toggled,
+    ) -> Result<(), GpuError> {
+        for cmd in toggled.resume_commands() {
+            run_in(
+                container,
+                cmd,
+                torpor_gpu::cuda_checkpoint::TOGGLE_TIMEOUT_MS,
+            )
+            .await?;
+        }
         Ok(())
+    }
+
+    /// Remembers that `id`'s checkpoint holds toggled GPU state.
+    pub fn save_toggled(
+        &self,
+        id: &SandboxId,
+        toggled: &torpor_gpu::cuda_checkpoint::Toggled,
+    ) -> std::io::Result<()> {
+        let path = self.toggled_path(id);
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(
+            &tmp,
+            serde_json::to_vec(toggled).map_err(std::io::Error::other)?,
+        )?;
+        std::fs::rename(&tmp, &path)
+    }
+
+    /// What `id`'s last checkpoint toggled, if anything.
+    pub fn toggled(&self, id: &SandboxId) -> Option<torpor_gpu::cuda_checkpoint::Toggled> {
+        let text = std::fs::read(self.toggled_path(id)).ok()?;
+        serde_json::from_slice(&text)
+            .map_err(
+                |e| tracing::error!(sandbox = %id, error = %e, "unreadable cuda-checkpoint record"),
+            )
+            .ok()
+    }
+
+    /// Forgets `id`'s toggled state (its GPU state is back, or a new checkpoint replaces it).
+    pub fn clear_toggled(&self, id: &SandboxId) {
+        let _ = std::fs::remove_file(self.toggled_path(id));
     }
 
     /// `GET /v1/gpus`; a tenant other than the admin sees only its own sandboxes' shares.
@@ -858,6 +997,60 @@ pub fn label_samples(
             sample.tenant = tenant.clone();
             sample.sandbox = Some(sandbox.clone());
         }
+    }
+}
+
+/// Runs `cmd` inside the container through its agent; its stdout, or an error naming the
+/// command when it does not exit 0.
+async fn run_in(
+    container: &torpor_runtime::Container,
+    cmd: Vec<String>,
+    timeout_ms: u64,
+) -> Result<String, GpuError> {
+    use torpor_runtime::proto::{ExecRequest, Reply, Request};
+    let shown = cmd.join(" ");
+    let (reply, body) = container
+        .conn
+        .call(
+            &Request::Exec(ExecRequest {
+                cmd,
+                env: BTreeMap::new(),
+                cwd: None,
+                timeout_ms: Some(timeout_ms),
+                detach: false,
+                stream: false,
+            }),
+            &[],
+        )
+        .await
+        .map_err(|e| GpuError::Driver(format!("`{shown}`: {e}")))?;
+    match reply {
+        Reply::Exit {
+            exit_code: Some(0),
+            timed_out: false,
+            stdout_len,
+            ..
+        } => {
+            let split = (stdout_len as usize).min(body.len());
+            Ok(String::from_utf8_lossy(&body[..split]).into_owned())
+        }
+        Reply::Exit {
+            exit_code,
+            timed_out,
+            stdout_len,
+            ..
+        } => {
+            let split = (stdout_len as usize).min(body.len());
+            let stderr = String::from_utf8_lossy(&body[split..]);
+            Err(GpuError::Driver(format!(
+                "`{shown}` failed (exit {exit_code:?}{}): {}",
+                if timed_out { ", timed out" } else { "" },
+                stderr.trim()
+            )))
+        }
+        other => Err(GpuError::Driver(format!(
+            "`{shown}`: unexpected reply {other:?}"
+        ))),
     }
 }
 

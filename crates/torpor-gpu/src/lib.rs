@@ -9,6 +9,7 @@
 //! wrap); without the `nvml` feature the crate forbids it.
 #![cfg_attr(not(feature = "nvml"), forbid(unsafe_code))]
 
+pub mod cuda_checkpoint;
 pub mod extender;
 pub mod ids;
 pub mod inject;

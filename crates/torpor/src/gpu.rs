@@ -413,6 +413,7 @@ pub fn parse_gpu_json(s: &str) -> Result<serde_json::Value, String> {
 pub fn daemon_gpus(
     inventory: Option<PathBuf>,
     quotas: Option<PathBuf>,
+    cuda_checkpoint: Option<PathBuf>,
     data_dir: &Path,
 ) -> anyhow::Result<Option<torpor_control::gpu::NodeGpus>> {
     let nvml_inventory = match &inventory {
@@ -431,6 +432,7 @@ pub fn daemon_gpus(
             inventory,
             quotas,
             nvml_inventory,
+            cuda_checkpoint,
         },
         data_dir,
     )
