@@ -282,6 +282,15 @@ pub fn dcgm_metrics(hostname: &str, samples: &[GpuSample]) -> String {
     out
 }
 
+/// DCGM's `DCGM_FI_PROF_PIPE_TENSOR_ACTIVE` is a ratio (0..1); NVML's GPM gives a percentage.
+pub fn tensor_ratio(percent: f64) -> f64 {
+    if percent.is_finite() {
+        (percent / 100.0).clamp(0.0, 1.0)
+    } else {
+        0.0
+    }
+}
+
 /// The MIG profile of a MIG device from its NVML name, e.g. `NVIDIA H100 80GB HBM3 MIG 3g.40gb`
 /// gives `3g.40gb` (the `GPU_I_PROFILE` label of DCGM exporter).
 pub fn mig_profile_from_name(name: &str) -> Option<String> {
@@ -322,7 +331,7 @@ pub mod driver {
         P2pCapabilitiesIndex, P2pStatus, TemperatureSensor, TopologyLevel,
     };
     use nvml_wrapper::error::NvmlError;
-    use nvml_wrapper::Nvml;
+    pub use nvml_wrapper::Nvml;
 
     use super::{
         inventory_from_facts, mig_profile_from_name, Ancestor, DeviceFacts, DriverProfile,
@@ -531,17 +540,150 @@ pub mod driver {
         Ok(out)
     }
 
+    /// The last critical XID of every GPU whose XID events NVML delivers (a background
+    /// thread waits on an NVML event set). A GPU listed with `None` is watched and has had
+    /// no XID since the watch began (DCGM exporter then reports 0); a GPU that is not listed
+    /// cannot be watched, and its `DCGM_FI_DEV_XID_ERRORS` is left out.
+    #[derive(Debug, Default)]
+    pub struct XidLog {
+        last: std::sync::Mutex<std::collections::BTreeMap<String, Option<u64>>>,
+    }
+
+    impl XidLog {
+        /// The XID reading for a GPU: `None` when it is not watched.
+        pub fn reading(&self, uuid: &str) -> Option<u64> {
+            let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+            last.get(uuid).map(|x| x.unwrap_or(0))
+        }
+
+        pub fn record(&self, uuid: &str, xid: u64) {
+            let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+            last.insert(uuid.to_owned(), Some(xid));
+        }
+
+        fn watch(&self, uuid: String) {
+            let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+            last.entry(uuid).or_insert(None);
+        }
+    }
+
+    /// Starts the XID watcher: one thread per GPU registers it for critical-XID events on its
+    /// own NVML event set and waits on it for the life of the process (hence the `'static`
+    /// NVML handle). A GPU whose registration fails is not watched (its metric is absent).
+    pub fn watch_xids(nvml: &'static Nvml) -> std::sync::Arc<XidLog> {
+        use nvml_wrapper::bitmasks::event::EventTypes;
+        use nvml_wrapper::enums::event::XidError;
+        let log = std::sync::Arc::new(XidLog::default());
+        for index in 0..nvml.device_count().unwrap_or(0) {
+            let registered = nvml
+                .create_event_set()
+                .map_err(|e| e.to_string())
+                .and_then(|set| {
+                    let d = nvml.device_by_index(index).map_err(|e| e.to_string())?;
+                    let uuid = d.uuid().map_err(|e| e.to_string())?;
+                    d.register_events(EventTypes::CRITICAL_XID_ERROR, set)
+                        .map(|set| (uuid, set))
+                        .map_err(|e| e.error.to_string())
+                });
+            let (uuid, set) = match registered {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::info!(gpu = index, error = %e, "XID events not available: DCGM_FI_DEV_XID_ERRORS left out");
+                    continue;
+                }
+            };
+            log.watch(uuid);
+            let shared = std::sync::Arc::clone(&log);
+            let started = std::thread::Builder::new()
+                .name(format!("nvml-xid-{index}"))
+                .spawn(move || loop {
+                    match set.wait(10_000) {
+                        Ok(event) => {
+                            if let (Some(XidError::Value(xid)), Ok(uuid)) =
+                                (event.event_data, event.device.uuid())
+                            {
+                                tracing::warn!(gpu = %uuid, xid, "GPU XID error");
+                                shared.record(&uuid, xid);
+                            }
+                        }
+                        Err(NvmlError::Timeout) => {}
+                        Err(e) => {
+                            tracing::warn!(gpu = index, error = %e, "waiting for NVML events failed");
+                            std::thread::sleep(std::time::Duration::from_secs(10));
+                        }
+                    }
+                });
+            if let Err(e) = started {
+                tracing::warn!(error = %e, "cannot start the XID watcher");
+            }
+        }
+        log
+    }
+
+    /// Tensor-pipe activity of every GPU that has GPM (Hopper and newer), as DCGM's
+    /// `DCGM_FI_PROF_PIPE_TENSOR_ACTIVE` ratio over a `window` between two GPM samples.
+    /// GPUs without GPM are absent.
+    pub fn tensor_active(
+        nvml: &Nvml,
+        window: std::time::Duration,
+    ) -> std::collections::BTreeMap<u32, f64> {
+        use nvml_wrapper::enums::gpm::GpmMetricId;
+        let count = nvml.device_count().unwrap_or(0);
+        let mut first = Vec::new();
+        for index in 0..count {
+            let Ok(d) = nvml.device_by_index(index) else {
+                continue;
+            };
+            if !matches!(d.gpm_support(), Ok(true)) {
+                continue;
+            }
+            if let Ok(sample) = d.gpm_sample() {
+                first.push((index, sample));
+            }
+        }
+        let mut out = std::collections::BTreeMap::new();
+        if first.is_empty() {
+            return out;
+        }
+        std::thread::sleep(window);
+        for (index, s1) in first {
+            let Ok(d) = nvml.device_by_index(index) else {
+                continue;
+            };
+            let Ok(s2) = d.gpm_sample() else { continue };
+            if let Ok(results) =
+                nvml_wrapper::gpm::gpm_metrics_get(nvml, &s1, &s2, &[GpmMetricId::AnyTensorUtil])
+            {
+                if let Some(Ok(r)) = results.into_iter().next() {
+                    out.insert(index, super::tensor_ratio(r.value));
+                }
+            }
+        }
+        out
+    }
+
     /// Samples every GPU for [`super::dcgm_metrics`]; readings a GPU does not support are
-    /// left out rather than failing the scrape.
+    /// left out rather than failing the scrape. `xids` comes from [`watch_xids`];
+    /// `tensor` from [`tensor_active`].
     pub fn sample(nvml: &Nvml) -> Result<Vec<GpuSample>, NvmlInventoryError> {
+        sample_with(nvml, None, &std::collections::BTreeMap::new())
+    }
+
+    /// [`sample`] with XID and tensor readings.
+    pub fn sample_with(
+        nvml: &Nvml,
+        xids: Option<&XidLog>,
+        tensor: &std::collections::BTreeMap<u32, f64>,
+    ) -> Result<Vec<GpuSample>, NvmlInventoryError> {
         let count = call("device_count", 0, nvml.device_count())?;
         let mut out = Vec::with_capacity(count as usize);
         for index in 0..count {
             let d = call("device_by_index", index, nvml.device_by_index(index))?;
             let model_name = d.name().unwrap_or_default();
+            let uuid = call("uuid", index, d.uuid())?;
             out.push(GpuSample {
                 gpu: index,
-                uuid: call("uuid", index, d.uuid())?,
+                uuid: uuid.clone(),
                 model_name: model_name.clone(),
                 mig: None,
                 tenant: None,
@@ -550,10 +692,10 @@ pub mod driver {
                 fb_used_mib: d.memory_info().ok().map(|m| m.used / (1024 * 1024)),
                 temp_c: d.temperature(TemperatureSensor::Gpu).ok(),
                 power_w: d.power_usage().ok().map(|mw| f64::from(mw) / 1000.0),
-                // Tensor-pipe activity is a DCGM profiling field; NVML does not give it.
-                tensor_active: None,
-                // XIDs arrive as NVML events (an event set per device); not collected yet.
-                xid_last: None,
+                // GPM's any-tensor utilisation (Hopper and newer); absent elsewhere.
+                tensor_active: tensor.get(&index).copied(),
+                // The XID watcher's last critical XID; absent where events are unsupported.
+                xid_last: xids.and_then(|x| x.reading(&uuid)),
                 ecc_dbe_volatile: d
                     .total_ecc_errors(
                         nvml_wrapper::enum_wrappers::device::MemoryError::Uncorrected,
@@ -788,6 +930,23 @@ mod tests {
         .unwrap_err();
         assert_eq!(err.code(), "inventory_bad_id");
         assert!(err.to_string().starts_with("nvml: gpu[0].uuid"));
+    }
+
+    #[test]
+    fn tensor_percent_becomes_dcgm_ratio() {
+        assert_eq!(tensor_ratio(25.0), 0.25);
+        assert_eq!(tensor_ratio(0.0), 0.0);
+        assert_eq!(tensor_ratio(100.4), 1.0);
+        assert_eq!(tensor_ratio(f64::NAN), 0.0);
+    }
+
+    #[cfg(feature = "nvml")]
+    #[test]
+    fn xid_log_reports_only_watched_gpus() {
+        let log = driver::XidLog::default();
+        assert_eq!(log.reading("GPU-a"), None, "not watched: absent");
+        log.record("GPU-a", 79);
+        assert_eq!(log.reading("GPU-a"), Some(79));
     }
 
     #[test]

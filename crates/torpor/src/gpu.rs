@@ -440,9 +440,20 @@ pub fn daemon_gpus(
     if let (true, Some(gpus)) = (from_nvml, gpus.as_mut()) {
         // Telemetry under DCGM exporter's names on every scrape of /metrics.
         match torpor_gpu::nvml::driver::open() {
-            Ok(nvml) => gpus.set_sampler(Box::new(move || {
-                torpor_gpu::nvml::driver::sample(&nvml).map_err(|e| error_chain(&e))
-            })),
+            Ok(nvml) => {
+                // One NVML handle for the life of the daemon: the XID watcher thread waits on
+                // it, so it is never dropped.
+                let nvml: &'static torpor_gpu::nvml::driver::Nvml = Box::leak(Box::new(nvml));
+                let xids = torpor_gpu::nvml::driver::watch_xids(nvml);
+                gpus.set_sampler(Box::new(move || {
+                    let tensor = torpor_gpu::nvml::driver::tensor_active(
+                        nvml,
+                        std::time::Duration::from_millis(100),
+                    );
+                    torpor_gpu::nvml::driver::sample_with(nvml, Some(&xids), &tensor)
+                        .map_err(|e| error_chain(&e))
+                }))
+            }
             Err(e) => tracing::warn!(error = %error_chain(&e), "no GPU telemetry"),
         }
     }
