@@ -19,6 +19,7 @@ pub mod mig;
 pub mod nvml;
 pub mod partition;
 pub mod planner;
+pub mod pod_watch;
 pub mod quota;
 pub mod realize;
 pub mod report;
