@@ -153,6 +153,31 @@ impl MigDriver for DeclaredMigDriver {
     }
 }
 
+/// The MIG driver of a node with real GPUs but no NVML MIG driver: every call fails (MIG
+/// requests are refused before they get here).
+struct NoMigDriver;
+
+impl MigDriver for NoMigDriver {
+    fn create(&mut self, gpu: &Gpu, instance: MigInstance) -> Result<MigDevice, RealizeError> {
+        Err(RealizeError::Create {
+            gpu: gpu.index,
+            profile_id: instance.profile_id,
+            start: instance.start,
+            driver_code: "nvml_mig_driver_missing",
+            driver_message: "this node has no NVML MIG driver".into(),
+        })
+    }
+
+    fn destroy(&mut self, gpu: &Gpu, device: &MigDevice) -> Result<(), RealizeError> {
+        Err(RealizeError::Destroy {
+            gpu: gpu.index,
+            uuid: device.uuid.clone(),
+            driver_code: "nvml_mig_driver_missing",
+            driver_message: "this node has no NVML MIG driver".into(),
+        })
+    }
+}
+
 struct Held {
     allocation: AllocationId,
     env: BTreeMap<String, String>,
@@ -194,6 +219,9 @@ pub struct NodeGpus {
     store: Option<crate::store::Store>,
     /// Whether runsc can pass devices through (nvproxy); set by the engine at attach.
     nvproxy: bool,
+    /// Creates MIG instances on real GPUs (NVML, from the binary); declared inventories use
+    /// stand-in devices.
+    mig_driver: Option<Mutex<Box<dyn MigDriver + Send>>>,
     inner: Mutex<Inner>,
 }
 
@@ -339,6 +367,7 @@ impl NodeGpus {
             sampler: None,
             store: Some(store),
             nvproxy: false,
+            mig_driver: None,
         }))
     }
 
@@ -347,6 +376,29 @@ impl NodeGpus {
     /// declared inventory has no device nodes to give and works either way.
     pub fn set_nvproxy(&mut self, nvproxy: bool) {
         self.nvproxy = nvproxy;
+    }
+
+    /// Gives a node with real GPUs its MIG driver (NVML), so MIG requests can be placed.
+    pub fn set_mig_driver(&mut self, driver: Box<dyn MigDriver + Send>) {
+        self.mig_driver = Some(Mutex::new(driver));
+    }
+
+    /// Runs `f` with the MIG driver of this node: stand-in devices for a declared inventory,
+    /// the NVML driver otherwise (none: MIG is refused at parse time).
+    fn with_mig_driver<T>(
+        &self,
+        f: impl FnOnce(&mut dyn MigDriver) -> Result<T, RealizeError>,
+    ) -> Result<T, RealizeError> {
+        if self.declared {
+            return f(&mut DeclaredMigDriver);
+        }
+        match &self.mig_driver {
+            Some(d) => {
+                let mut d = d.lock().unwrap_or_else(|p| p.into_inner());
+                f(d.as_mut())
+            }
+            None => f(&mut NoMigDriver),
+        }
     }
 
     fn runtime_check(&self) -> Result<(), GpuError> {
@@ -483,9 +535,12 @@ impl NodeGpus {
             }
         }
         node.runtime_check()?;
-        if request.mode == torpor_gpu::partition::PartitionMode::Mig && !node.declared {
+        if request.mode == torpor_gpu::partition::PartitionMode::Mig
+            && !node.declared
+            && node.mig_driver.is_none()
+        {
             return Err(GpuError::Driver(
-                "creating MIG instances through NVML is not implemented in this build; use mps, timeslice or whole".into(),
+                "this node has no NVML MIG driver to create MIG instances; use mps, timeslice or whole".into(),
             ));
         }
         Ok(request)
@@ -578,11 +633,8 @@ impl NodeGpus {
                     message: "the committed allocation is missing".into(),
                 })?;
         let mut handles = inner.handles.clone();
-        let mut driver = DeclaredMigDriver;
-        if self.declared {
-            realize(&self.inventory, &allocation, &mut driver, &mut handles)
-                .map_err(|e| GpuError::Driver(e.to_string()))?;
-        }
+        self.with_mig_driver(|driver| realize(&self.inventory, &allocation, driver, &mut handles))
+            .map_err(|e| GpuError::Driver(format!("{}: {e}", e.code())))?;
         let inj = injection(&self.inventory, &allocation, &handles, &self.inject)
             .map_err(|e| GpuError::Driver(format!("{}: {e}", e.code())))?;
         // Committed: the victims' shares are gone from the ledger; forget them as held.
@@ -624,9 +676,16 @@ impl NodeGpus {
             ledger, handles, ..
         } = &mut *inner;
         if let Some(allocation) = ledger.allocation(held.allocation).cloned() {
-            let mut driver = DeclaredMigDriver;
-            if let Err(e) = unrealize(&self.inventory, &allocation, &mut driver, handles) {
-                tracing::warn!(sandbox = %id, error = %e, "cannot destroy MIG devices");
+            let has_mig = allocation
+                .shares
+                .iter()
+                .any(|s| matches!(s.kind, ShareKind::Mig { .. }));
+            if has_mig {
+                if let Err(e) = self.with_mig_driver(|driver| {
+                    unrealize(&self.inventory, &allocation, driver, handles)
+                }) {
+                    tracing::warn!(sandbox = %id, error = %e, "cannot destroy MIG devices");
+                }
             }
         }
         match release_for_sleep(&self.inventory, ledger, held.allocation) {
@@ -1391,5 +1450,70 @@ mod tests {
         );
         // Declared inventories have no device nodes: nothing is passed through.
         drop(gpus);
+    }
+
+    /// A MIG driver that logs its calls where the test can read them.
+    struct LoggingDriver(std::sync::Arc<Mutex<Vec<String>>>);
+
+    impl MigDriver for LoggingDriver {
+        fn create(&mut self, gpu: &Gpu, instance: MigInstance) -> Result<MigDevice, RealizeError> {
+            self.0.lock().unwrap().push(format!(
+                "create {} {} {}",
+                gpu.index, instance.profile_id, instance.start
+            ));
+            Ok(MigDevice {
+                uuid: MigUuid::new("MIG-11111111-2222-3333-4444-555555555555").unwrap(),
+                gpu_instance_id: 2,
+                compute_instance_id: 0,
+            })
+        }
+
+        fn destroy(&mut self, gpu: &Gpu, device: &MigDevice) -> Result<(), RealizeError> {
+            self.0
+                .lock()
+                .unwrap()
+                .push(format!("destroy {} {}", gpu.index, device.gpu_instance_id));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn nvml_nodes_create_mig_instances_through_their_driver() {
+        let dir = tempfile::tempdir().unwrap();
+        let inv = Inventory::from_toml(
+            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA H100 80GB HBM3\"\nmemory_mib = 81559\nmig_capable = true\npci_bus_id = \"0000:01:00.0\"\n",
+            "t",
+        )
+        .unwrap();
+        let mut gpus = NodeGpus::open(
+            GpuConfig {
+                nvml_inventory: Some(inv),
+                ..GpuConfig::default()
+            },
+            dir.path(),
+        )
+        .unwrap()
+        .unwrap();
+        gpus.set_nvproxy(true);
+        let admin = TenantId::admin();
+        let mig = serde_json::json!({"mode": "mig", "profile": "3g.40gb"});
+        // Without an NVML MIG driver (no driver loaded): a clear refusal.
+        let err = NodeGpus::parse_request(Some(&gpus), &mig, &admin).unwrap_err();
+        assert_eq!(err.code(), "gpu_driver_error");
+        let log = std::sync::Arc::new(Mutex::new(Vec::new()));
+        gpus.set_mig_driver(Box::new(LoggingDriver(log.clone())));
+        let request = NodeGpus::parse_request(Some(&gpus), &mig, &admin).unwrap();
+        let id = SandboxId::generate();
+        gpus.save_request(&id, &request).unwrap();
+        gpus.acquire(&id).unwrap();
+        assert_eq!(
+            gpus.env(&id)["NVIDIA_VISIBLE_DEVICES"],
+            "MIG-11111111-2222-3333-4444-555555555555"
+        );
+        gpus.release(&id);
+        let calls = log.lock().unwrap().clone();
+        assert_eq!(calls.len(), 2, "{calls:?}");
+        assert!(calls[0].starts_with("create GPU0 9 "), "{calls:?}");
+        assert_eq!(calls[1], "destroy GPU0 2");
     }
 }

@@ -452,6 +452,8 @@ pub fn daemon_gpus(
                 // One NVML handle for the life of the daemon: the XID watcher thread waits on
                 // it, so it is never dropped.
                 let nvml: &'static torpor_gpu::nvml::driver::Nvml = Box::leak(Box::new(nvml));
+                // MIG placements become GPU and compute instances through NVML.
+                gpus.set_mig_driver(Box::new(torpor_gpu::nvml::driver::NvmlMigDriver::new(nvml)));
                 let xids = torpor_gpu::nvml::driver::watch_xids(nvml);
                 gpus.set_sampler(Box::new(move || {
                     let tensor = torpor_gpu::nvml::driver::tensor_active(
