@@ -2209,7 +2209,7 @@ impl Engine {
         id: &SandboxId,
         container_id: &str,
     ) -> Result<Option<torpor_gpu::cuda_checkpoint::Tool>> {
-        let Some(gpus) = self.gpus.get() else {
+        let Some(gpus) = self.gpus.get().filter(|g| g.holds(id)) else {
             return Ok(None);
         };
         // The template's rootfs and bind mounts: where a sandbox's own cuda-checkpoint lives.
