@@ -374,3 +374,48 @@ async fn gpu_shares_survive_daemon_restarts() {
         .unwrap()
         .contains(&json!(small)));
 }
+
+/// The scan that finds which processes to hand to `cuda-checkpoint`, run inside a real gVisor
+/// sandbox: a process holding a file named like an NVIDIA device (here a plain file on the
+/// sandbox's own /dev tmpfs, as there is no GPU) is found, the others are not; and the toggle
+/// command runs through the same exec path.
+#[tokio::test]
+async fn the_cuda_checkpoint_holder_scan_works_inside_gvisor() {
+    use torpor_gpu::cuda_checkpoint::{holders_command, parse_holders, toggle_command, Tool};
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = common::create(&c, "host").await;
+    let r = c
+        .exec(
+            &id,
+            &sh("touch /dev/nvidia0 && (exec sleep 300 </dev/nvidia0 &) && sleep 0.5 && pgrep -x sleep"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
+    let holder: u32 = r.stdout.lines().last().unwrap().trim().parse().unwrap();
+    let mut scan = sh("");
+    scan.cmd = holders_command();
+    let r = c.exec(&id, &scan).await.unwrap();
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
+    assert_eq!(parse_holders(&r.stdout).unwrap(), vec![holder], "{r:?}");
+    // A stand-in cuda-checkpoint in the sandbox's rootfs sees exactly the toggle arguments.
+    let r = c
+        .exec(
+            &id,
+            &sh("printf '#!/bin/sh\\necho \"$@\" >> /tmp/toggles\\n' > /tmp/cuda-checkpoint && chmod +x /tmp/cuda-checkpoint"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
+    let tool = Tool {
+        in_sandbox: "/tmp/cuda-checkpoint".into(),
+        host_mount: None,
+    };
+    let mut toggle = sh("");
+    toggle.cmd = toggle_command(&tool, holder);
+    let r = c.exec(&id, &toggle).await.unwrap();
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
+    let r = c.exec(&id, &sh("cat /tmp/toggles")).await.unwrap();
+    assert_eq!(r.stdout.trim(), format!("--toggle --pid {holder}"));
+}
