@@ -4,7 +4,11 @@
 #      table (for GPUs in MIG mode), DCGM-named metrics from samples;
 #   2. `torpor gpu ls` through the binary: the NVML inventory, as many GPUs as nvidia-smi lists;
 #   3. when runsc is installed and this runs as root: `torpor up` on a free port, /metrics has
-#      the allocation families and DCGM_FI_DEV_FB_USED for GPU 0; then it is stopped by PID.
+#      the allocation families and DCGM_FI_DEV_FB_USED for GPU 0; then it is stopped by PID;
+#   4. as root: MIG instances created and destroyed through NVML (or nvml_mig_mode_off where
+#      MIG mode is off) (ignored test; step 1 also ran the XID watch and GPM tensor test);
+#   5. when runsc has --nvproxy and cuda-checkpoint is installed: a CUDA context survives
+#      park and wake (cuda-checkpoint toggled inside the sandbox); skipped otherwise.
 # No GPU here: CI runs the rest of the suite; this script is for GPU machines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,8 +20,9 @@ fi
 nvidia-smi -L
 smi_gpus=$(nvidia-smi -L | grep -c '^GPU ' || true)
 
-echo "== 1. NVML inventory, MIG placements vs the table, DCGM metrics (ignored test)"
-cargo test -p torpor-gpu --features nvml --test nvml_device -- --include-ignored --nocapture
+echo "== 1. NVML inventory, MIG placements vs the table, DCGM metrics, XID watch, tensor activity (ignored tests)"
+cargo test -p torpor-gpu --features nvml --test nvml_device -- --include-ignored --nocapture \
+    --skip nvml_mig_instances_are_created_and_destroyed
 
 echo "== 2. torpor gpu ls (NVML)"
 cargo build -q -p torpor
@@ -57,5 +62,21 @@ if [ "$(id -u)" = 0 ] && command -v runsc >/dev/null; then
         || { echo "no DCGM metrics on /metrics" >&2; tail -20 "$tmp/up.log" >&2; exit 1; }
 else
     echo "skipped: needs root and runsc"
+fi
+echo "== 4. NVML MIG create/destroy (ignored test), XID and tensor families on /metrics"
+if [ "$(id -u)" = 0 ]; then
+    cargo test -p torpor-gpu --features nvml --test nvml_device -- --ignored --nocapture \
+        nvml_mig_instances_are_created_and_destroyed
+else
+    echo "skipped: MIG instance creation needs root"
+fi
+grep -E '^DCGM_FI_(DEV_XID_ERRORS|PROF_PIPE_TENSOR_ACTIVE)\{' "$tmp/metrics.txt" 2>/dev/null | head -4 || true
+
+echo "== 5. cuda-checkpoint around park and wake"
+if [ "$(id -u)" = 0 ] && runsc flags 2>&1 | grep -qE '^ +-nvproxy( |$)' \
+    && { command -v cuda-checkpoint >/dev/null || [ -n "${TORPOR_CUDA_CHECKPOINT:-}" ]; }; then
+    cargo test -p torpor --test gpu_hardware -- --ignored --nocapture
+else
+    echo "skipped: needs root, runsc with --nvproxy and cuda-checkpoint"
 fi
 echo "gpu-check: OK"

@@ -136,6 +136,7 @@ fn status_of(e: &ControlError) -> StatusCode {
                 G::Quota { .. } => StatusCode::TOO_MANY_REQUESTS,
                 G::Checkpoint(_) => StatusCode::CONFLICT,
                 G::Driver(_) => StatusCode::INTERNAL_SERVER_ERROR,
+                G::RuntimeUnsupported(_) => StatusCode::NOT_IMPLEMENTED,
             }
         }
         // The store's backend unreachable or locked: retryable; full: the operator's to fix.

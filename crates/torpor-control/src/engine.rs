@@ -841,6 +841,7 @@ impl Engine {
         configure: bool,
     ) -> Result<(Container, Worker)> {
         let cid = rec.container_id();
+        let gpu = self.gpu_runtime(&rec.id)?;
         let mut worker = self
             .warm
             .take()
@@ -850,6 +851,8 @@ impl Engine {
             .with_label_values(&[if worker.was_warm() { "warm" } else { "cold" }])
             .inc();
         let mut spec = container_spec(tpl, &rec.limits, &tpl.spec.env);
+        spec.devices = gpu.devices;
+        spec.mounts.extend(gpu.mounts);
         let networked = self.store.network(&rec.id)?;
         if let Some(policy) = &networked {
             spec.netns = Some(net::prepare_worker_net(&mut worker, policy)?);
@@ -857,6 +860,7 @@ impl Engine {
         let container = self.runsc.restore(&cid, &worker, &spec, image)?;
         let ready = async {
             self.runsc.wait_ready(&container, READY_TIMEOUT).await?;
+            self.gpu_cuda_resume(&rec.id, &container).await?;
             if configure {
                 container
                     .conn
@@ -1305,8 +1309,12 @@ impl Engine {
         id: &SandboxId,
         cause: &str,
     ) -> Result<()> {
+        let mut cuda_toggled = None;
         if let Some(live) = guard.live.as_ref() {
-            self.gpu_checkpoint_gate(id, &live.container.id)?;
+            let cuda_tool = self.gpu_checkpoint_gate(id, &live.container.id)?;
+            if let (Some(tool), Some(gpus)) = (cuda_tool, self.gpus.get()) {
+                cuda_toggled = Some(gpus.cuda_suspend(&live.container, tool).await?);
+            }
         }
         let Some(live) = guard.live.take() else {
             return Ok(());
@@ -1324,6 +1332,8 @@ impl Engine {
         let t = Instant::now();
         net::settle_connections(&live).await;
         let result = self.runsc.checkpoint(&live.container, &tmp).await;
+        self.gpu_after_checkpoint(id, &live.container, cuda_toggled, result.is_ok())
+            .await;
         drop(live);
         self.release_gpu(id);
         self.metrics.workers_busy.set(self.workers.busy() as i64);
@@ -2111,7 +2121,17 @@ impl Engine {
 
 impl Engine {
     /// Gives the engine the node's GPUs; once, right after start.
-    pub fn attach_gpus(&self, gpus: crate::gpu::NodeGpus) {
+    pub fn attach_gpus(&self, mut gpus: crate::gpu::NodeGpus) {
+        gpus.set_nvproxy(self.runsc.nvproxy());
+        // Stored shares against the states reconcile left: awake holders keep theirs.
+        match self.store.sandboxes() {
+            Ok(all) => {
+                let states: HashMap<SandboxId, SandboxState> =
+                    all.into_iter().map(|s| (s.id, s.state)).collect();
+                gpus.reconcile(|id| states.get(id).map(|s| s.may_have_container()));
+            }
+            Err(e) => tracing::error!(error = %e, "cannot read sandboxes to reconcile GPU shares"),
+        }
         if self.gpus.set(gpus).is_err() {
             tracing::warn!("GPUs attached twice; the first stays");
         }
@@ -2189,11 +2209,70 @@ impl Engine {
         }
     }
 
-    fn gpu_checkpoint_gate(&self, id: &SandboxId, container_id: &str) -> Result<()> {
+    fn gpu_runtime(&self, id: &SandboxId) -> Result<crate::gpu::GpuRuntime> {
         match self.gpus.get() {
-            Some(gpus) => Ok(gpus.checkpoint_gate(id, container_id)?),
-            None => Ok(()),
+            Some(gpus) => Ok(gpus.runtime(id)?),
+            None => Ok(crate::gpu::GpuRuntime::default()),
         }
+    }
+
+    fn gpu_checkpoint_gate(
+        &self,
+        id: &SandboxId,
+        container_id: &str,
+    ) -> Result<Option<torpor_gpu::cuda_checkpoint::Tool>> {
+        let Some(gpus) = self.gpus.get().filter(|g| g.holds(id)) else {
+            return Ok(None);
+        };
+        // The template's rootfs and bind mounts: where a sandbox's own cuda-checkpoint lives.
+        let tpl = match self.store.sandbox(id)? {
+            Some(rec) => self.store.template(&rec.template)?,
+            None => None,
+        };
+        let (rootfs, mounts) = match &tpl {
+            Some(t) => (
+                t.rootfs.clone(),
+                t.mounts
+                    .iter()
+                    .map(|m| (PathBuf::from(&m.source), m.destination.clone()))
+                    .collect::<Vec<_>>(),
+            ),
+            None => (PathBuf::new(), Vec::new()),
+        };
+        Ok(gpus.checkpoint_gate(id, container_id, &rootfs, &mounts)?)
+    }
+
+    /// After a checkpoint taken with cuda-checkpoint: remembered for the restore, or (when the
+    /// checkpoint failed and the container still runs) toggled straight back.
+    async fn gpu_after_checkpoint(
+        &self,
+        id: &SandboxId,
+        container: &Container,
+        toggled: Option<torpor_gpu::cuda_checkpoint::Toggled>,
+        ok: bool,
+    ) {
+        let (Some(gpus), Some(toggled)) = (self.gpus.get(), toggled) else {
+            return;
+        };
+        if ok {
+            if let Err(e) = gpus.save_toggled(id, &toggled) {
+                tracing::error!(sandbox = %id, error = %e, "cannot record the cuda-checkpoint toggle");
+            }
+        } else if let Err(e) = gpus.cuda_resume(container, &toggled).await {
+            tracing::warn!(sandbox = %id, error = %e, "cannot toggle GPU state back after a failed checkpoint");
+        }
+    }
+
+    /// After a restore: brings GPU state that cuda-checkpoint moved to host memory back.
+    async fn gpu_cuda_resume(&self, id: &SandboxId, container: &Container) -> Result<()> {
+        let Some(gpus) = self.gpus.get() else {
+            return Ok(());
+        };
+        if let Some(toggled) = gpus.toggled(id) {
+            gpus.cuda_resume(container, &toggled).await?;
+            gpus.clear_toggled(id);
+        }
+        Ok(())
     }
 }
 
@@ -2325,6 +2404,7 @@ fn container_spec(
         limits: *limits,
         hostname: "sandbox".into(),
         netns: None,
+        devices: Vec::new(),
     }
 }
 

@@ -16,8 +16,11 @@
 //!   delete ──forget──> nothing
 //! ```
 //!
-//! Allocations live in memory: after a restart every sandbox is asleep (reconcile), so none
-//! holds a share, and the first wake acquires again.
+//! Allocations are kept in the state store (`gpu_shares`, see [`crate::gpu_store`]): every
+//! acquire and release writes the sandbox's row, and [`NodeGpus::open`] reads them back, so a
+//! restart keeps every share. [`NodeGpus::reconcile`] then matches them with the sandboxes'
+//! states: an awake holder keeps its share, a sleeping one holds none (its share becomes a
+//! ticket for the same devices on wake), a sandbox that is gone holds nothing.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -25,6 +28,8 @@ use std::sync::Mutex;
 
 use serde::Serialize;
 use torpor_core::{SandboxId, TenantId};
+
+use crate::gpu_store::{MigRecord, ShareRecord};
 use torpor_gpu::ids::{AllocationId, MigUuid};
 use torpor_gpu::inject::{injection, InjectConfig, MigDevice, MigHandles};
 use torpor_gpu::inventory::{Gpu, Inventory};
@@ -46,6 +51,9 @@ use torpor_gpu::sleep::{
 /// leaves the DCGM families out of one scrape.
 pub type Sampler = Box<dyn Fn() -> Result<Vec<GpuSample>, String> + Send + Sync>;
 
+/// Device minors of MIG capabilities, written by the NVIDIA driver.
+const MIG_MINORS: &str = "/proc/driver/nvidia-caps/mig-minors";
+
 /// Largest GPU request file read back.
 const MAX_REQUEST_FILE: u64 = 64 * 1024;
 
@@ -64,6 +72,8 @@ pub enum GpuError {
     Checkpoint(#[from] CheckpointError),
     #[error("GPU driver: {0}")]
     Driver(String),
+    #[error("GPU runtime: {0}")]
+    RuntimeUnsupported(String),
 }
 
 impl GpuError {
@@ -75,6 +85,7 @@ impl GpuError {
             GpuError::Quota { .. } => "gpu_quota_exceeded",
             GpuError::Checkpoint(e) => e.code(),
             GpuError::Driver(_) => "gpu_driver_error",
+            GpuError::RuntimeUnsupported(_) => "gpu_runtime_unsupported",
         }
     }
 
@@ -102,6 +113,9 @@ pub struct GpuConfig {
     pub quotas: Option<PathBuf>,
     /// The inventory read from NVML by the binary (which links the driver loader), if any.
     pub nvml_inventory: Option<Inventory>,
+    /// A host `cuda-checkpoint` to use (`--cuda-checkpoint`, `TORPOR_CUDA_CHECKPOINT`);
+    /// without it the sandbox's rootfs and then the host `PATH` are searched.
+    pub cuda_checkpoint: Option<PathBuf>,
 }
 
 /// Stand-in MIG devices for a declared inventory: there is no driver to create instances, so
@@ -139,9 +153,44 @@ impl MigDriver for DeclaredMigDriver {
     }
 }
 
+/// The MIG driver of a node with real GPUs but no NVML MIG driver: every call fails (MIG
+/// requests are refused before they get here).
+struct NoMigDriver;
+
+impl MigDriver for NoMigDriver {
+    fn create(&mut self, gpu: &Gpu, instance: MigInstance) -> Result<MigDevice, RealizeError> {
+        Err(RealizeError::Create {
+            gpu: gpu.index,
+            profile_id: instance.profile_id,
+            start: instance.start,
+            driver_code: "nvml_mig_driver_missing",
+            driver_message: "this node has no NVML MIG driver".into(),
+        })
+    }
+
+    fn destroy(&mut self, gpu: &Gpu, device: &MigDevice) -> Result<(), RealizeError> {
+        Err(RealizeError::Destroy {
+            gpu: gpu.index,
+            uuid: device.uuid.clone(),
+            driver_code: "nvml_mig_driver_missing",
+            driver_message: "this node has no NVML MIG driver".into(),
+        })
+    }
+}
+
 struct Held {
     allocation: AllocationId,
     env: BTreeMap<String, String>,
+    /// Host device nodes and directories the container gets (NVML nodes only).
+    devices: Vec<PathBuf>,
+    mounts: Vec<PathBuf>,
+}
+
+/// What the runtime must give a GPU sandbox's container besides its environment.
+#[derive(Debug, Clone, Default)]
+pub struct GpuRuntime {
+    pub devices: Vec<torpor_runtime::gpu::DeviceNode>,
+    pub mounts: Vec<torpor_runtime::Mount>,
 }
 
 struct Inner {
@@ -160,8 +209,19 @@ pub struct NodeGpus {
     inject: InjectConfig,
     declared: bool,
     requests_dir: PathBuf,
+    /// The host `cuda-checkpoint` (configured, else found on `PATH` at start).
     cuda_checkpoint: Option<PathBuf>,
+    /// The configured one only (a sandbox's own rootfs copy is preferred to `PATH`'s).
+    cuda_configured: Option<PathBuf>,
+    /// What each checkpoint taken with `cuda-checkpoint` must toggle back after its restore.
+    toggled_dir: PathBuf,
     sampler: Option<Sampler>,
+    store: Option<crate::store::Store>,
+    /// Whether runsc can pass devices through (nvproxy); set by the engine at attach.
+    nvproxy: bool,
+    /// Creates MIG instances on real GPUs (NVML, from the binary); declared inventories use
+    /// stand-in devices.
+    mig_driver: Option<Mutex<Box<dyn MigDriver + Send>>>,
     inner: Mutex<Inner>,
 }
 
@@ -253,26 +313,180 @@ impl NodeGpus {
             path: requests_dir.clone(),
             source,
         })?;
-        let cuda_checkpoint = std::env::var_os("PATH").and_then(|p| find_cuda_checkpoint(&p));
+        let cuda_configured = cfg.cuda_checkpoint.clone();
+        if let Some(p) = &cuda_configured {
+            if !p.is_file() {
+                return Err(GpuSetupError::Inventory {
+                    code: "cuda_checkpoint_missing",
+                    message: format!("--cuda-checkpoint {}: no such file", p.display()),
+                });
+            }
+        }
+        let cuda_checkpoint = cuda_configured
+            .clone()
+            .or_else(|| std::env::var_os("PATH").and_then(|p| find_cuda_checkpoint(&p)));
+        let toggled_dir = data_dir.join("gpu").join("cuda-toggled");
+        std::fs::create_dir_all(&toggled_dir).map_err(|source| GpuSetupError::Io {
+            path: toggled_dir.clone(),
+            source,
+        })?;
         tracing::info!(node = %inventory.node, %source, gpus = inventory.gpus().len(),
             quotas = quotas.enforced(), cuda_checkpoint = ?cuda_checkpoint, "GPU inventory");
+        let db = data_dir.join("torpor.db");
+        let store = crate::store::Store::open(&db).map_err(|e| GpuSetupError::Inventory {
+            code: "store_error",
+            message: format!("{}: {e}", db.display()),
+        })?;
+        let stored = store.gpu_shares().map_err(|e| GpuSetupError::Inventory {
+            code: "store_error",
+            message: format!("{}: GPU shares: {e}", db.display()),
+        })?;
+        let mut inject = InjectConfig::default();
+        if !declared {
+            // MIG capability device minors, so MIG sandboxes get their nvidia-cap nodes.
+            if let Ok(text) = std::fs::read_to_string(MIG_MINORS) {
+                match torpor_gpu::inject::MigMinors::parse(&text) {
+                    Ok(m) => inject.mig_minors = Some(m),
+                    Err(e) => tracing::warn!(error = %e, "cannot parse {MIG_MINORS}"),
+                }
+            }
+        }
+        let inner = restore(&inventory, &inject, &store, stored);
         Ok(Some(NodeGpus {
-            inner: Mutex::new(Inner {
-                ledger: Ledger::new(&inventory),
-                handles: MigHandles::new(),
-                held: HashMap::new(),
-                tickets: HashMap::new(),
-            }),
+            inner: Mutex::new(inner),
             inventory,
             source,
             quotas,
             policy: Policy::default(),
-            inject: InjectConfig::default(),
+            inject,
             declared,
             requests_dir,
             cuda_checkpoint,
+            cuda_configured,
+            toggled_dir,
             sampler: None,
+            store: Some(store),
+            nvproxy: false,
+            mig_driver: None,
         }))
+    }
+
+    /// Tells whether runsc can give a container devices (`--nvproxy`). Without it a node
+    /// whose GPUs are real (NVML) refuses GPU requests with `gpu_runtime_unsupported`; a
+    /// declared inventory has no device nodes to give and works either way.
+    pub fn set_nvproxy(&mut self, nvproxy: bool) {
+        self.nvproxy = nvproxy;
+    }
+
+    /// Gives a node with real GPUs its MIG driver (NVML), so MIG requests can be placed.
+    pub fn set_mig_driver(&mut self, driver: Box<dyn MigDriver + Send>) {
+        self.mig_driver = Some(Mutex::new(driver));
+    }
+
+    /// Runs `f` with the MIG driver of this node: stand-in devices for a declared inventory,
+    /// the NVML driver otherwise (none: MIG is refused at parse time).
+    fn with_mig_driver<T>(
+        &self,
+        f: impl FnOnce(&mut dyn MigDriver) -> Result<T, RealizeError>,
+    ) -> Result<T, RealizeError> {
+        if self.declared {
+            return f(&mut DeclaredMigDriver);
+        }
+        match &self.mig_driver {
+            Some(d) => {
+                let mut d = d.lock().unwrap_or_else(|p| p.into_inner());
+                f(d.as_mut())
+            }
+            None => f(&mut NoMigDriver),
+        }
+    }
+
+    fn runtime_check(&self) -> Result<(), GpuError> {
+        if self.declared {
+            return Ok(());
+        }
+        torpor_runtime::gpu::runsc_gpu_flags(true, self.nvproxy)
+            .map(drop)
+            .map_err(|e| GpuError::RuntimeUnsupported(e.to_string()))
+    }
+
+    /// The device nodes (with their numbers read from the host) and mounts `id`'s container
+    /// needs: none on a declared inventory or for a sandbox without a share.
+    pub fn runtime(&self, id: &SandboxId) -> Result<GpuRuntime, GpuError> {
+        let (devices, mounts) = match self.lock().held.get(id) {
+            Some(h) if !self.declared => (h.devices.clone(), h.mounts.clone()),
+            _ => return Ok(GpuRuntime::default()),
+        };
+        self.runtime_check()?;
+        let devices = torpor_runtime::gpu::device_nodes(&devices)
+            .map_err(|e| GpuError::Driver(format!("{}: {e}", e.code())))?;
+        let mounts = mounts
+            .iter()
+            .map(|p| {
+                let p = p.to_string_lossy();
+                torpor_runtime::Mount {
+                    destination: p.to_string(),
+                    kind: "bind".into(),
+                    source: p.to_string(),
+                    options: vec!["rbind".into(), "rw".into()],
+                }
+            })
+            .collect::<Vec<_>>();
+        let mut mounts = mounts;
+        if let Some(host) = &self.cuda_checkpoint {
+            mounts.push(torpor_runtime::Mount::bind_ro(
+                &host.to_string_lossy(),
+                torpor_gpu::cuda_checkpoint::MOUNTED_TOOL,
+            ));
+        }
+        Ok(GpuRuntime { devices, mounts })
+    }
+
+    /// Matches the stored shares with the sandboxes' states after a restart: `awake(id)` is
+    /// `Some(true)` for a sandbox whose container runs, `Some(false)` for one asleep and `None`
+    /// for one that no longer exists. Awake holders keep their share; sleeping ones give it
+    /// back (keeping a ticket for the same devices); gone ones lose share and ticket.
+    pub fn reconcile(&self, awake: impl Fn(&SandboxId) -> Option<bool>) {
+        let (held, ticketed): (Vec<SandboxId>, Vec<SandboxId>) = {
+            let inner = self.lock();
+            (
+                inner.held.keys().cloned().collect(),
+                inner.tickets.keys().cloned().collect(),
+            )
+        };
+        for id in held {
+            match awake(&id) {
+                Some(true) => {}
+                Some(false) => {
+                    tracing::info!(sandbox = %id, "asleep after the restart: its GPU share is released");
+                    self.release(&id);
+                }
+                None => {
+                    tracing::info!(sandbox = %id, "gone after the restart: its GPU share is dropped");
+                    self.forget(&id);
+                }
+            }
+        }
+        for id in ticketed {
+            if awake(&id).is_none() {
+                self.forget(&id);
+            }
+        }
+    }
+
+    /// Writes `id`'s row as `inner` has it now (a held share, a ticket, or nothing).
+    fn persist(&self, inner: &Inner, id: &SandboxId) {
+        let Some(store) = &self.store else {
+            return;
+        };
+        let record = share_record(inner, id);
+        let result = match &record {
+            Some(r) => store.put_gpu_share(id, r),
+            None => store.delete_gpu_share(id),
+        };
+        if let Err(e) = result {
+            tracing::error!(sandbox = %id, error = %e, "cannot store the GPU share");
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -320,9 +534,13 @@ impl NodeGpus {
                 return Err(error);
             }
         }
-        if request.mode == torpor_gpu::partition::PartitionMode::Mig && !node.declared {
+        node.runtime_check()?;
+        if request.mode == torpor_gpu::partition::PartitionMode::Mig
+            && !node.declared
+            && node.mig_driver.is_none()
+        {
             return Err(GpuError::Driver(
-                "creating MIG instances through NVML is not implemented in this build; use mps, timeslice or whole".into(),
+                "this node has no NVML MIG driver to create MIG instances; use mps, timeslice or whole".into(),
             ));
         }
         Ok(request)
@@ -415,11 +633,8 @@ impl NodeGpus {
                     message: "the committed allocation is missing".into(),
                 })?;
         let mut handles = inner.handles.clone();
-        let mut driver = DeclaredMigDriver;
-        if self.declared {
-            realize(&self.inventory, &allocation, &mut driver, &mut handles)
-                .map_err(|e| GpuError::Driver(e.to_string()))?;
-        }
+        self.with_mig_driver(|driver| realize(&self.inventory, &allocation, driver, &mut handles))
+            .map_err(|e| GpuError::Driver(format!("{}: {e}", e.code())))?;
         let inj = injection(&self.inventory, &allocation, &handles, &self.inject)
             .map_err(|e| GpuError::Driver(format!("{}: {e}", e.code())))?;
         // Committed: the victims' shares are gone from the ledger; forget them as held.
@@ -439,8 +654,14 @@ impl NodeGpus {
             Held {
                 allocation: allocation_id,
                 env: inj.env,
+                devices: inj.devices,
+                mounts: inj.mounts,
             },
         );
+        self.persist(&inner, id);
+        for victim in &victims {
+            self.persist(&inner, victim);
+        }
         Ok(victims)
     }
 
@@ -455,9 +676,16 @@ impl NodeGpus {
             ledger, handles, ..
         } = &mut *inner;
         if let Some(allocation) = ledger.allocation(held.allocation).cloned() {
-            let mut driver = DeclaredMigDriver;
-            if let Err(e) = unrealize(&self.inventory, &allocation, &mut driver, handles) {
-                tracing::warn!(sandbox = %id, error = %e, "cannot destroy MIG devices");
+            let has_mig = allocation
+                .shares
+                .iter()
+                .any(|s| matches!(s.kind, ShareKind::Mig { .. }));
+            if has_mig {
+                if let Err(e) = self.with_mig_driver(|driver| {
+                    unrealize(&self.inventory, &allocation, driver, handles)
+                }) {
+                    tracing::warn!(sandbox = %id, error = %e, "cannot destroy MIG devices");
+                }
             }
         }
         match release_for_sleep(&self.inventory, ledger, held.allocation) {
@@ -467,13 +695,18 @@ impl NodeGpus {
             }
             Err(e) => tracing::error!(sandbox = %id, error = %e, "cannot release a GPU share"),
         }
+        self.persist(&inner, id);
     }
 
     /// Forgets a deleted sandbox entirely.
     pub fn forget(&self, id: &SandboxId) {
         self.release(id);
-        self.lock().tickets.remove(id);
+        let mut inner = self.lock();
+        inner.tickets.remove(id);
+        self.persist(&inner, id);
+        drop(inner);
         let _ = std::fs::remove_file(self.request_path(id));
+        self.clear_toggled(id);
     }
 
     /// The environment every exec in `id` gets (empty when it holds no share).
@@ -490,17 +723,122 @@ impl NodeGpus {
         self.lock().held.contains_key(id)
     }
 
-    /// Refuses a full checkpoint of a sandbox holding a live GPU context when `cuda-checkpoint`
-    /// is not installed. A live context is an open NVIDIA device file (`/dev/nvidia*`) in any
-    /// process of the container's cgroup (with gVisor's nvproxy the sentry holds them).
-    pub fn checkpoint_gate(&self, id: &SandboxId, container_id: &str) -> Result<(), GpuError> {
+    /// Decides how `id` is checkpointed: `None` when no process of its container holds a
+    /// live GPU context (an open `/dev/nvidia*` file; with gVisor's nvproxy the sentry holds
+    /// them), the `cuda-checkpoint` to run inside it when one is found (configured, in its
+    /// rootfs `rootfs` with the template's `mounts`, or on the host `PATH`), else the refusal
+    /// `checkpoint_gpu_context`.
+    pub fn checkpoint_gate(
+        &self,
+        id: &SandboxId,
+        container_id: &str,
+        rootfs: &Path,
+        mounts: &[(PathBuf, String)],
+    ) -> Result<Option<torpor_gpu::cuda_checkpoint::Tool>, GpuError> {
         if !self.holds(id) {
-            return Ok(());
+            return Ok(None);
         }
         let pids = cgroup_pids(container_id);
-        let holding = pids_holding_files(&pids, Path::new("/dev"), "nvidia");
-        checkpoint_method(!holding.is_empty(), self.cuda_checkpoint.as_deref())?;
+        let holding = !pids_holding_files(&pids, Path::new("/dev"), "nvidia").is_empty();
+        let tool = if holding {
+            torpor_gpu::cuda_checkpoint::locate(
+                self.cuda_configured.as_deref(),
+                rootfs,
+                mounts,
+                std::env::var_os("PATH").as_deref(),
+            )
+        } else {
+            None
+        };
+        checkpoint_method(holding, tool.as_ref().map(|t| Path::new(&t.in_sandbox)))?;
+        Ok(tool)
+    }
+
+    fn toggled_path(&self, id: &SandboxId) -> PathBuf {
+        self.toggled_dir.join(format!("{}.json", id.as_str()))
+    }
+
+    /// Runs `cuda-checkpoint --toggle` inside the container for every process holding a GPU
+    /// context (before the gVisor checkpoint). All or nothing: on a failure the processes
+    /// already toggled are toggled back.
+    pub async fn cuda_suspend(
+        &self,
+        container: &torpor_runtime::Container,
+        tool: torpor_gpu::cuda_checkpoint::Tool,
+    ) -> Result<torpor_gpu::cuda_checkpoint::Toggled, GpuError> {
+        use torpor_gpu::cuda_checkpoint::{holders_command, parse_holders, toggle_command};
+        let out = run_in(container, holders_command(), 30_000).await?;
+        let pids =
+            parse_holders(&out).map_err(|e| GpuError::Driver(format!("cuda-checkpoint: {e}")))?;
+        let mut done = Vec::new();
+        for pid in &pids {
+            if let Err(e) = run_in(
+                container,
+                toggle_command(&tool, *pid),
+                torpor_gpu::cuda_checkpoint::TOGGLE_TIMEOUT_MS,
+            )
+            .await
+            {
+                let undo = torpor_gpu::cuda_checkpoint::Toggled {
+                    tool: tool.clone(),
+                    pids: done,
+                };
+                if let Err(again) = self.cuda_resume(container, &undo).await {
+                    tracing::error!(error = %again, "cannot toggle GPU state back after a failed cuda-checkpoint");
+                }
+                return Err(e);
+            }
+            done.push(*pid);
+        }
+        tracing::info!(pids = ?pids, tool = %tool.in_sandbox, "GPU contexts moved to host memory by cuda-checkpoint");
+        Ok(torpor_gpu::cuda_checkpoint::Toggled { tool, pids })
+    }
+
+    /// Brings the GPU state of toggled processes back onto the GPU (after a restore).
+    pub async fn cuda_resume(
+        &self,
+        container: &torpor_runtime::Container,
+        toggled: &torpor_gpu::cuda_checkpoint::Toggled,
+    ) -> Result<(), GpuError> {
+        for cmd in toggled.resume_commands() {
+            run_in(
+                container,
+                cmd,
+                torpor_gpu::cuda_checkpoint::TOGGLE_TIMEOUT_MS,
+            )
+            .await?;
+        }
         Ok(())
+    }
+
+    /// Remembers that `id`'s checkpoint holds toggled GPU state.
+    pub fn save_toggled(
+        &self,
+        id: &SandboxId,
+        toggled: &torpor_gpu::cuda_checkpoint::Toggled,
+    ) -> std::io::Result<()> {
+        let path = self.toggled_path(id);
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(
+            &tmp,
+            serde_json::to_vec(toggled).map_err(std::io::Error::other)?,
+        )?;
+        std::fs::rename(&tmp, &path)
+    }
+
+    /// What `id`'s last checkpoint toggled, if anything.
+    pub fn toggled(&self, id: &SandboxId) -> Option<torpor_gpu::cuda_checkpoint::Toggled> {
+        let text = std::fs::read(self.toggled_path(id)).ok()?;
+        serde_json::from_slice(&text)
+            .map_err(
+                |e| tracing::error!(sandbox = %id, error = %e, "unreadable cuda-checkpoint record"),
+            )
+            .ok()
+    }
+
+    /// Forgets `id`'s toggled state (its GPU state is back, or a new checkpoint replaces it).
+    pub fn clear_toggled(&self, id: &SandboxId) {
+        let _ = std::fs::remove_file(self.toggled_path(id));
     }
 
     /// `GET /v1/gpus`; a tenant other than the admin sees only its own sandboxes' shares.
@@ -602,6 +940,111 @@ impl NodeGpus {
     }
 }
 
+/// The row of `id` as `inner` has it.
+fn share_record(inner: &Inner, id: &SandboxId) -> Option<ShareRecord> {
+    if let Some(held) = inner.held.get(id) {
+        let allocation = inner.ledger.allocation(held.allocation)?.clone();
+        let mig = allocation
+            .shares
+            .iter()
+            .filter_map(|s| match s.kind {
+                ShareKind::Mig { instance } => {
+                    inner
+                        .handles
+                        .get(&(s.gpu, instance))
+                        .map(|device| MigRecord {
+                            gpu: s.gpu,
+                            instance,
+                            device: device.clone(),
+                        })
+                }
+                _ => None,
+            })
+            .collect();
+        return Some(ShareRecord::Held { allocation, mig });
+    }
+    inner.tickets.get(id).map(|ticket| ShareRecord::Sleeping {
+        ticket: ticket.clone(),
+    })
+}
+
+/// Rebuilds the ledger, MIG devices, holders and tickets from the stored rows. A held share
+/// that no longer fits the inventory (it changed) becomes a ticket: the sandbox plans again
+/// on wake.
+fn restore(
+    inventory: &Inventory,
+    inject: &InjectConfig,
+    store: &crate::store::Store,
+    stored: Vec<(SandboxId, ShareRecord)>,
+) -> Inner {
+    let mut inner = Inner {
+        ledger: Ledger::new(inventory),
+        handles: MigHandles::new(),
+        held: HashMap::new(),
+        tickets: HashMap::new(),
+    };
+    for (id, record) in stored {
+        match record {
+            ShareRecord::Sleeping { ticket } => {
+                inner.tickets.insert(id, ticket);
+            }
+            ShareRecord::Held { allocation, mig } => {
+                let mut ledger = inner.ledger.clone();
+                let mut handles = inner.handles.clone();
+                for m in &mig {
+                    handles.insert((m.gpu, m.instance), m.device.clone());
+                }
+                let restored = ledger
+                    .insert(
+                        inventory,
+                        allocation.request.clone(),
+                        allocation.shares.clone(),
+                        true,
+                    )
+                    .map_err(|e| e.to_string())
+                    .and_then(|aid| {
+                        let a = ledger.allocation(aid).cloned().ok_or("lost")?;
+                        injection(inventory, &a, &handles, inject)
+                            .map(|inj| (aid, inj))
+                            .map_err(|e| e.to_string())
+                    });
+                match restored {
+                    Ok((aid, inj)) => {
+                        inner.ledger = ledger;
+                        inner.handles = handles;
+                        inner.held.insert(
+                            id,
+                            Held {
+                                allocation: aid,
+                                env: inj.env,
+                                devices: inj.devices,
+                                mounts: inj.mounts,
+                            },
+                        );
+                    }
+                    Err(e) => {
+                        tracing::warn!(sandbox = %id, error = %e, "a stored GPU share no longer fits this inventory; it is asked for again on wake");
+                        let ticket = SleepTicket {
+                            node: inventory.node.clone(),
+                            request: allocation.request,
+                            shares: allocation.shares,
+                            model: None,
+                        };
+                        let record = ShareRecord::Sleeping {
+                            ticket: ticket.clone(),
+                        };
+                        if let Err(e) = store.put_gpu_share(&id, &record) {
+                            tracing::error!(sandbox = %id, error = %e, "cannot store the GPU share");
+                        }
+                        inner.tickets.insert(id, ticket);
+                    }
+                }
+            }
+        }
+    }
+    inner
+}
+
 /// Adds `tenant` and `sandbox` labels to the samples of devices that exactly one sandbox holds
 /// (a whole GPU, a MIG instance, or a shared GPU with a single client).
 pub fn label_samples(
@@ -613,6 +1056,60 @@ pub fn label_samples(
             sample.tenant = tenant.clone();
             sample.sandbox = Some(sandbox.clone());
         }
+    }
+}
+
+/// Runs `cmd` inside the container through its agent; its stdout, or an error naming the
+/// command when it does not exit 0.
+async fn run_in(
+    container: &torpor_runtime::Container,
+    cmd: Vec<String>,
+    timeout_ms: u64,
+) -> Result<String, GpuError> {
+    use torpor_runtime::proto::{ExecRequest, Reply, Request};
+    let shown = cmd.join(" ");
+    let (reply, body) = container
+        .conn
+        .call(
+            &Request::Exec(ExecRequest {
+                cmd,
+                env: BTreeMap::new(),
+                cwd: None,
+                timeout_ms: Some(timeout_ms),
+                detach: false,
+                stream: false,
+            }),
+            &[],
+        )
+        .await
+        .map_err(|e| GpuError::Driver(format!("`{shown}`: {e}")))?;
+    match reply {
+        Reply::Exit {
+            exit_code: Some(0),
+            timed_out: false,
+            stdout_len,
+            ..
+        } => {
+            let split = (stdout_len as usize).min(body.len());
+            Ok(String::from_utf8_lossy(&body[..split]).into_owned())
+        }
+        Reply::Exit {
+            exit_code,
+            timed_out,
+            stdout_len,
+            ..
+        } => {
+            let split = (stdout_len as usize).min(body.len());
+            let stderr = String::from_utf8_lossy(&body[split..]);
+            Err(GpuError::Driver(format!(
+                "`{shown}` failed (exit {exit_code:?}{}): {}",
+                if timed_out { ", timed out" } else { "" },
+                stderr.trim()
+            )))
+        }
+        other => Err(GpuError::Driver(format!(
+            "`{shown}`: unexpected reply {other:?}"
+        ))),
     }
 }
 
@@ -837,5 +1334,186 @@ mod tests {
         gpus.acquire(&a).unwrap();
         assert_eq!(gpus.status(&tenant).allocations.len(), 1);
         assert!(gpus.metrics().contains("torpor_gpu_shares{"));
+    }
+
+    #[test]
+    fn stored_shares_come_back_and_reconcile_by_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let inv = dir.path().join("inv.toml");
+        std::fs::write(
+            &inv,
+            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA H100 80GB HBM3\"\nmemory_mib = 81559\nmig_capable = true\npci_bus_id = \"0000:01:00.0\"\n",
+        )
+        .unwrap();
+        let open = || {
+            NodeGpus::open(
+                GpuConfig {
+                    inventory: Some(inv.clone()),
+                    ..GpuConfig::default()
+                },
+                dir.path(),
+            )
+            .unwrap()
+            .unwrap()
+        };
+        let admin = TenantId::admin();
+        let gpus = open();
+        let request = NodeGpus::parse_request(
+            Some(&gpus),
+            &serde_json::json!({"mode": "mig", "profile": "3g.40gb"}),
+            &admin,
+        )
+        .unwrap();
+        let (awake, asleep, gone) = (
+            SandboxId::generate(),
+            SandboxId::generate(),
+            SandboxId::generate(),
+        );
+        for id in [&awake, &asleep, &gone] {
+            gpus.save_request(id, &request).unwrap();
+        }
+        gpus.acquire(&awake).unwrap();
+        gpus.acquire(&asleep).unwrap();
+        gpus.release(&asleep);
+        let before = serde_json::to_value(gpus.status(&admin)).unwrap();
+        drop(gpus);
+
+        // Read back as it was written, before any reconcile.
+        let gpus = open();
+        assert_eq!(serde_json::to_value(gpus.status(&admin)).unwrap(), before);
+        gpus.reconcile(|id| (*id != gone).then_some(*id == awake));
+        let status = gpus.status(&admin);
+        assert_eq!(status.allocations.len(), 1);
+        assert_eq!(status.allocations[0].sandbox, awake.to_string());
+        assert_eq!(status.sleeping, vec![asleep.to_string()]);
+        // The awake holder's share is still counted once: a second acquire is a no-op, and
+        // the sleeping one wakes on its own placement next to it.
+        gpus.acquire(&awake).unwrap();
+        gpus.acquire(&asleep).unwrap();
+        assert_eq!(gpus.status(&admin).gpus[0].shares, 2);
+        // The awake holder went to sleep with the daemon down: released at the next start.
+        drop(gpus);
+        let gpus = open();
+        gpus.reconcile(|_| Some(false));
+        let status = gpus.status(&admin);
+        assert!(status.allocations.is_empty());
+        assert_eq!(status.sleeping.len(), 2);
+        assert_eq!(status.gpus[0].shares, 0);
+    }
+
+    #[test]
+    fn nvml_nodes_need_nvproxy_and_real_device_nodes() {
+        let dir = tempfile::tempdir().unwrap();
+        let inv = Inventory::from_toml(
+            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA L4\"\nmemory_mib = 23034\nmig_capable = false\npci_bus_id = \"0000:01:00.0\"\nminor = 7\n",
+            "t",
+        )
+        .unwrap();
+        let mut gpus = NodeGpus::open(
+            GpuConfig {
+                nvml_inventory: Some(inv),
+                ..GpuConfig::default()
+            },
+            dir.path(),
+        )
+        .unwrap()
+        .unwrap();
+        let whole = serde_json::json!({"mode": "whole"});
+        let admin = TenantId::admin();
+        // runsc without nvproxy: refused up front, with a stable code.
+        let err = NodeGpus::parse_request(Some(&gpus), &whole, &admin).unwrap_err();
+        assert_eq!(err.code(), "gpu_runtime_unsupported");
+        assert!(err.to_string().contains("--nvproxy"), "{err}");
+        gpus.set_nvproxy(true);
+        let request = NodeGpus::parse_request(Some(&gpus), &whole, &admin).unwrap();
+        let id = SandboxId::generate();
+        // No share yet: nothing to give.
+        assert!(gpus.runtime(&id).unwrap().devices.is_empty());
+        gpus.save_request(&id, &request).unwrap();
+        gpus.acquire(&id).unwrap();
+        // The share names the control nodes and /dev/nvidia7; without a driver they are
+        // missing, and the container is not started without them.
+        let err = gpus.runtime(&id).unwrap_err();
+        assert_eq!(err.code(), "gpu_driver_error");
+        assert!(err.to_string().contains("gpu_device_missing"), "{err}");
+        assert!(err.to_string().contains("/dev/nvidiactl"), "{err}");
+        let held = gpus.lock().held.get(&id).unwrap().devices.clone();
+        assert_eq!(
+            held,
+            [
+                "/dev/nvidiactl",
+                "/dev/nvidia-uvm",
+                "/dev/nvidia-uvm-tools",
+                "/dev/nvidia7"
+            ]
+            .map(PathBuf::from)
+        );
+        // Declared inventories have no device nodes: nothing is passed through.
+        drop(gpus);
+    }
+
+    /// A MIG driver that logs its calls where the test can read them.
+    struct LoggingDriver(std::sync::Arc<Mutex<Vec<String>>>);
+
+    impl MigDriver for LoggingDriver {
+        fn create(&mut self, gpu: &Gpu, instance: MigInstance) -> Result<MigDevice, RealizeError> {
+            self.0.lock().unwrap().push(format!(
+                "create {} {} {}",
+                gpu.index, instance.profile_id, instance.start
+            ));
+            Ok(MigDevice {
+                uuid: MigUuid::new("MIG-11111111-2222-3333-4444-555555555555").unwrap(),
+                gpu_instance_id: 2,
+                compute_instance_id: 0,
+            })
+        }
+
+        fn destroy(&mut self, gpu: &Gpu, device: &MigDevice) -> Result<(), RealizeError> {
+            self.0
+                .lock()
+                .unwrap()
+                .push(format!("destroy {} {}", gpu.index, device.gpu_instance_id));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn nvml_nodes_create_mig_instances_through_their_driver() {
+        let dir = tempfile::tempdir().unwrap();
+        let inv = Inventory::from_toml(
+            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA H100 80GB HBM3\"\nmemory_mib = 81559\nmig_capable = true\npci_bus_id = \"0000:01:00.0\"\n",
+            "t",
+        )
+        .unwrap();
+        let mut gpus = NodeGpus::open(
+            GpuConfig {
+                nvml_inventory: Some(inv),
+                ..GpuConfig::default()
+            },
+            dir.path(),
+        )
+        .unwrap()
+        .unwrap();
+        gpus.set_nvproxy(true);
+        let admin = TenantId::admin();
+        let mig = serde_json::json!({"mode": "mig", "profile": "3g.40gb"});
+        // Without an NVML MIG driver (no driver loaded): a clear refusal.
+        let err = NodeGpus::parse_request(Some(&gpus), &mig, &admin).unwrap_err();
+        assert_eq!(err.code(), "gpu_driver_error");
+        let log = std::sync::Arc::new(Mutex::new(Vec::new()));
+        gpus.set_mig_driver(Box::new(LoggingDriver(log.clone())));
+        let request = NodeGpus::parse_request(Some(&gpus), &mig, &admin).unwrap();
+        let id = SandboxId::generate();
+        gpus.save_request(&id, &request).unwrap();
+        gpus.acquire(&id).unwrap();
+        assert_eq!(
+            gpus.env(&id)["NVIDIA_VISIBLE_DEVICES"],
+            "MIG-11111111-2222-3333-4444-555555555555"
+        );
+        gpus.release(&id);
+        let calls = log.lock().unwrap().clone();
+        assert_eq!(calls.len(), 2, "{calls:?}");
+        assert!(calls[0].starts_with("create GPU0 9 "), "{calls:?}");
+        assert_eq!(calls[1], "destroy GPU0 2");
     }
 }

@@ -299,6 +299,9 @@ pub struct Extender {
     pending: BTreeMap<String, GpuRequest>,
     pending_order: VecDeque<String>,
     bound: BTreeMap<String, (String, Vec<AllocationId>)>,
+    /// Sequence number of each bound pod's bind (see [`crate::pod_watch`]).
+    bound_seq: BTreeMap<String, u64>,
+    seq: u64,
 }
 
 impl Extender {
@@ -317,7 +320,38 @@ impl Extender {
             pending: BTreeMap::new(),
             pending_order: VecDeque::new(),
             bound: BTreeMap::new(),
+            bound_seq: BTreeMap::new(),
+            seq: 0,
         }
+    }
+
+    /// Names of the nodes served.
+    pub fn node_names(&self) -> Vec<String> {
+        self.nodes.keys().cloned().collect()
+    }
+
+    /// Starts a pod list: returns its sequence number. The list judges only pods whose bind
+    /// (or [`Extender::touch_bound`]) came before, so a pod the API server may not yet show
+    /// on its node is not released by mistake.
+    pub fn begin_list(&mut self) -> u64 {
+        self.seq += 1;
+        self.seq
+    }
+
+    /// Marks a bound pod as bound now (after its Binding was posted to the API server).
+    pub fn touch_bound(&mut self, pod_uid: &str) {
+        if let Some(seq) = self.bound_seq.get_mut(pod_uid) {
+            *seq = self.seq;
+        }
+    }
+
+    /// Pods holding shares on `node`, with the sequence number of their bind.
+    pub fn bound_on(&self, node: &str) -> BTreeMap<String, u64> {
+        self.bound
+            .iter()
+            .filter(|(_, (n, _))| n == node)
+            .map(|(uid, _)| (uid.clone(), self.bound_seq.get(uid).copied().unwrap_or(0)))
+            .collect()
     }
 
     /// The ledger of a node, for inspection.
@@ -472,6 +506,7 @@ impl Extender {
                 self.pending_order.retain(|u| u != &args.pod_uid);
                 self.bound
                     .insert(args.pod_uid.clone(), (args.node.clone(), ids));
+                self.bound_seq.insert(args.pod_uid.clone(), self.seq);
                 ExtenderBindingResult::default()
             }
             Err(e) => fail(format!("{}: {e}", e.code())),
@@ -483,6 +518,7 @@ impl Extender {
         let Some((node, ids)) = self.bound.remove(pod_uid) else {
             return false;
         };
+        self.bound_seq.remove(pod_uid);
         if let Some((_, ledger)) = self.nodes.get_mut(&node) {
             for id in ids {
                 let _released = ledger.release(id).is_ok();

@@ -9,6 +9,7 @@
 //! wrap); without the `nvml` feature the crate forbids it.
 #![cfg_attr(not(feature = "nvml"), forbid(unsafe_code))]
 
+pub mod cuda_checkpoint;
 pub mod extender;
 pub mod ids;
 pub mod inject;
@@ -18,6 +19,7 @@ pub mod mig;
 pub mod nvml;
 pub mod partition;
 pub mod planner;
+pub mod pod_watch;
 pub mod quota;
 pub mod realize;
 pub mod report;

@@ -282,6 +282,41 @@ pub fn dcgm_metrics(hostname: &str, samples: &[GpuSample]) -> String {
     out
 }
 
+/// The compute-instance profile that covers a whole GPU instance of `gi_slices` slices:
+/// among `(profile id, slice count)` the driver offers, the one with the same slice count.
+pub fn full_compute_profile(gi_slices: u32, ci_profiles: &[(u32, u32)]) -> Option<u32> {
+    ci_profiles
+        .iter()
+        .find(|(_, slices)| *slices == gi_slices)
+        .map(|(id, _)| *id)
+}
+
+/// A stable code for an NVML return code (`nvmlReturn_t`).
+pub fn nvml_return_code(rc: u32) -> &'static str {
+    match rc {
+        0 => "nvml_success",
+        1 => "nvml_uninitialized",
+        2 => "nvml_invalid_argument",
+        3 => "nvml_not_supported",
+        4 => "nvml_no_permission",
+        6 => "nvml_not_found",
+        7 => "nvml_insufficient_size",
+        15 => "nvml_gpu_is_lost",
+        19 => "nvml_in_use",
+        23 => "nvml_insufficient_resources",
+        _ => "nvml_error",
+    }
+}
+
+/// DCGM's `DCGM_FI_PROF_PIPE_TENSOR_ACTIVE` is a ratio (0..1); NVML's GPM gives a percentage.
+pub fn tensor_ratio(percent: f64) -> f64 {
+    if percent.is_finite() {
+        (percent / 100.0).clamp(0.0, 1.0)
+    } else {
+        0.0
+    }
+}
+
 /// The MIG profile of a MIG device from its NVML name, e.g. `NVIDIA H100 80GB HBM3 MIG 3g.40gb`
 /// gives `3g.40gb` (the `GPU_I_PROFILE` label of DCGM exporter).
 pub fn mig_profile_from_name(name: &str) -> Option<String> {
@@ -322,7 +357,7 @@ pub mod driver {
         P2pCapabilitiesIndex, P2pStatus, TemperatureSensor, TopologyLevel,
     };
     use nvml_wrapper::error::NvmlError;
-    use nvml_wrapper::Nvml;
+    pub use nvml_wrapper::Nvml;
 
     use super::{
         inventory_from_facts, mig_profile_from_name, Ancestor, DeviceFacts, DriverProfile,
@@ -531,17 +566,150 @@ pub mod driver {
         Ok(out)
     }
 
+    /// The last critical XID of every GPU whose XID events NVML delivers (a background
+    /// thread waits on an NVML event set). A GPU listed with `None` is watched and has had
+    /// no XID since the watch began (DCGM exporter then reports 0); a GPU that is not listed
+    /// cannot be watched, and its `DCGM_FI_DEV_XID_ERRORS` is left out.
+    #[derive(Debug, Default)]
+    pub struct XidLog {
+        last: std::sync::Mutex<std::collections::BTreeMap<String, Option<u64>>>,
+    }
+
+    impl XidLog {
+        /// The XID reading for a GPU: `None` when it is not watched.
+        pub fn reading(&self, uuid: &str) -> Option<u64> {
+            let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+            last.get(uuid).map(|x| x.unwrap_or(0))
+        }
+
+        pub fn record(&self, uuid: &str, xid: u64) {
+            let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+            last.insert(uuid.to_owned(), Some(xid));
+        }
+
+        fn watch(&self, uuid: String) {
+            let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+            last.entry(uuid).or_insert(None);
+        }
+    }
+
+    /// Starts the XID watcher: one thread per GPU registers it for critical-XID events on its
+    /// own NVML event set and waits on it for the life of the process (hence the `'static`
+    /// NVML handle). A GPU whose registration fails is not watched (its metric is absent).
+    pub fn watch_xids(nvml: &'static Nvml) -> std::sync::Arc<XidLog> {
+        use nvml_wrapper::bitmasks::event::EventTypes;
+        use nvml_wrapper::enums::event::XidError;
+        let log = std::sync::Arc::new(XidLog::default());
+        for index in 0..nvml.device_count().unwrap_or(0) {
+            let registered = nvml
+                .create_event_set()
+                .map_err(|e| e.to_string())
+                .and_then(|set| {
+                    let d = nvml.device_by_index(index).map_err(|e| e.to_string())?;
+                    let uuid = d.uuid().map_err(|e| e.to_string())?;
+                    d.register_events(EventTypes::CRITICAL_XID_ERROR, set)
+                        .map(|set| (uuid, set))
+                        .map_err(|e| e.error.to_string())
+                });
+            let (uuid, set) = match registered {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::info!(gpu = index, error = %e, "XID events not available: DCGM_FI_DEV_XID_ERRORS left out");
+                    continue;
+                }
+            };
+            log.watch(uuid);
+            let shared = std::sync::Arc::clone(&log);
+            let started = std::thread::Builder::new()
+                .name(format!("nvml-xid-{index}"))
+                .spawn(move || loop {
+                    match set.wait(10_000) {
+                        Ok(event) => {
+                            if let (Some(XidError::Value(xid)), Ok(uuid)) =
+                                (event.event_data, event.device.uuid())
+                            {
+                                tracing::warn!(gpu = %uuid, xid, "GPU XID error");
+                                shared.record(&uuid, xid);
+                            }
+                        }
+                        Err(NvmlError::Timeout) => {}
+                        Err(e) => {
+                            tracing::warn!(gpu = index, error = %e, "waiting for NVML events failed");
+                            std::thread::sleep(std::time::Duration::from_secs(10));
+                        }
+                    }
+                });
+            if let Err(e) = started {
+                tracing::warn!(error = %e, "cannot start the XID watcher");
+            }
+        }
+        log
+    }
+
+    /// Tensor-pipe activity of every GPU that has GPM (Hopper and newer), as DCGM's
+    /// `DCGM_FI_PROF_PIPE_TENSOR_ACTIVE` ratio over a `window` between two GPM samples.
+    /// GPUs without GPM are absent.
+    pub fn tensor_active(
+        nvml: &Nvml,
+        window: std::time::Duration,
+    ) -> std::collections::BTreeMap<u32, f64> {
+        use nvml_wrapper::enums::gpm::GpmMetricId;
+        let count = nvml.device_count().unwrap_or(0);
+        let mut first = Vec::new();
+        for index in 0..count {
+            let Ok(d) = nvml.device_by_index(index) else {
+                continue;
+            };
+            if !matches!(d.gpm_support(), Ok(true)) {
+                continue;
+            }
+            if let Ok(sample) = d.gpm_sample() {
+                first.push((index, sample));
+            }
+        }
+        let mut out = std::collections::BTreeMap::new();
+        if first.is_empty() {
+            return out;
+        }
+        std::thread::sleep(window);
+        for (index, s1) in first {
+            let Ok(d) = nvml.device_by_index(index) else {
+                continue;
+            };
+            let Ok(s2) = d.gpm_sample() else { continue };
+            if let Ok(results) =
+                nvml_wrapper::gpm::gpm_metrics_get(nvml, &s1, &s2, &[GpmMetricId::AnyTensorUtil])
+            {
+                if let Some(Ok(r)) = results.into_iter().next() {
+                    out.insert(index, super::tensor_ratio(r.value));
+                }
+            }
+        }
+        out
+    }
+
     /// Samples every GPU for [`super::dcgm_metrics`]; readings a GPU does not support are
-    /// left out rather than failing the scrape.
+    /// left out rather than failing the scrape. `xids` comes from [`watch_xids`];
+    /// `tensor` from [`tensor_active`].
     pub fn sample(nvml: &Nvml) -> Result<Vec<GpuSample>, NvmlInventoryError> {
+        sample_with(nvml, None, &std::collections::BTreeMap::new())
+    }
+
+    /// [`sample`] with XID and tensor readings.
+    pub fn sample_with(
+        nvml: &Nvml,
+        xids: Option<&XidLog>,
+        tensor: &std::collections::BTreeMap<u32, f64>,
+    ) -> Result<Vec<GpuSample>, NvmlInventoryError> {
         let count = call("device_count", 0, nvml.device_count())?;
         let mut out = Vec::with_capacity(count as usize);
         for index in 0..count {
             let d = call("device_by_index", index, nvml.device_by_index(index))?;
             let model_name = d.name().unwrap_or_default();
+            let uuid = call("uuid", index, d.uuid())?;
             out.push(GpuSample {
                 gpu: index,
-                uuid: call("uuid", index, d.uuid())?,
+                uuid: uuid.clone(),
                 model_name: model_name.clone(),
                 mig: None,
                 tenant: None,
@@ -550,10 +718,10 @@ pub mod driver {
                 fb_used_mib: d.memory_info().ok().map(|m| m.used / (1024 * 1024)),
                 temp_c: d.temperature(TemperatureSensor::Gpu).ok(),
                 power_w: d.power_usage().ok().map(|mw| f64::from(mw) / 1000.0),
-                // Tensor-pipe activity is a DCGM profiling field; NVML does not give it.
-                tensor_active: None,
-                // XIDs arrive as NVML events (an event set per device); not collected yet.
-                xid_last: None,
+                // GPM's any-tensor utilisation (Hopper and newer); absent elsewhere.
+                tensor_active: tensor.get(&index).copied(),
+                // The XID watcher's last critical XID; absent where events are unsupported.
+                xid_last: xids.and_then(|x| x.reading(&uuid)),
                 ecc_dbe_volatile: d
                     .total_ecc_errors(
                         nvml_wrapper::enum_wrappers::device::MemoryError::Uncorrected,
@@ -589,6 +757,284 @@ pub mod driver {
             }
         }
         Ok(out)
+    }
+
+    /// Creates and destroys MIG GPU instances (each with one compute instance covering it)
+    /// through NVML, for placements the planner made. Needs root and the GPU in MIG mode;
+    /// a GPU with MIG mode off is refused with `nvml_mig_mode_off`.
+    pub struct NvmlMigDriver {
+        nvml: &'static Nvml,
+    }
+
+    impl NvmlMigDriver {
+        pub fn new(nvml: &'static Nvml) -> Self {
+            NvmlMigDriver { nvml }
+        }
+    }
+
+    type Raw = nvml_wrapper_sys::bindings::nvmlReturn_t;
+
+    fn ok(rc: Raw) -> Result<(), (&'static str, String)> {
+        if rc == nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_SUCCESS {
+            Ok(())
+        } else {
+            Err((
+                super::nvml_return_code(rc),
+                format!("NVML return code {rc}"),
+            ))
+        }
+    }
+
+    fn missing(name: &str) -> (&'static str, String) {
+        (
+            "nvml_function_missing",
+            format!("{name} is not in this driver's NVML"),
+        )
+    }
+
+    impl NvmlMigDriver {
+        fn try_create(
+            &self,
+            gpu: &crate::inventory::Gpu,
+            instance: crate::mig::MigInstance,
+        ) -> Result<crate::inject::MigDevice, (&'static str, String)> {
+            use nvml_wrapper_sys::bindings::*;
+            let lib = self.nvml.lib();
+            let device = self
+                .nvml
+                .device_by_index(gpu.index.0)
+                .map_err(|e| ("nvml_call", e.to_string()))?;
+            match device.mig_mode() {
+                Ok(m) if m.current == 1 => {}
+                Ok(_) => {
+                    return Err((
+                        "nvml_mig_mode_off",
+                        format!(
+                            "MIG mode is off on GPU {} (enable it with `nvidia-smi -i {} -mig 1`)",
+                            gpu.index, gpu.index
+                        ),
+                    ))
+                }
+                Err(e) => return Err(("nvml_mig_mode_off", format!("MIG mode unreadable: {e}"))),
+            }
+            let get_gi_info = lib
+                .nvmlDeviceGetGpuInstanceProfileInfo
+                .as_ref()
+                .map_err(|_| missing("nvmlDeviceGetGpuInstanceProfileInfo"))?;
+            let create_gi = lib
+                .nvmlDeviceCreateGpuInstanceWithPlacement
+                .as_ref()
+                .map_err(|_| missing("nvmlDeviceCreateGpuInstanceWithPlacement"))?;
+            let gi_info_of = lib
+                .nvmlGpuInstanceGetInfo
+                .as_ref()
+                .map_err(|_| missing("nvmlGpuInstanceGetInfo"))?;
+            let get_ci_info = lib
+                .nvmlGpuInstanceGetComputeInstanceProfileInfo
+                .as_ref()
+                .map_err(|_| missing("nvmlGpuInstanceGetComputeInstanceProfileInfo"))?;
+            let create_ci = lib
+                .nvmlGpuInstanceCreateComputeInstance
+                .as_ref()
+                .map_err(|_| missing("nvmlGpuInstanceCreateComputeInstance"))?;
+            let ci_info_of = lib
+                .nvmlComputeInstanceGetInfo_v2
+                .as_ref()
+                .map_err(|_| missing("nvmlComputeInstanceGetInfo_v2"))?;
+            let destroy_gi = lib
+                .nvmlGpuInstanceDestroy
+                .as_ref()
+                .map_err(|_| missing("nvmlGpuInstanceDestroy"))?;
+            // The GPU-instance profile with the planner's id, and its slice count.
+            let mut gi_profile = None;
+            for index in 0..NVML_GPU_INSTANCE_PROFILE_COUNT {
+                // SAFETY: a live device handle and a zeroed plain C struct the call fills.
+                let (rc, info) = unsafe {
+                    let mut info: nvmlGpuInstanceProfileInfo_t = std::mem::zeroed();
+                    (get_gi_info(device.handle(), index, &mut info), info)
+                };
+                if rc == nvmlReturn_enum_NVML_SUCCESS && info.id == instance.profile_id {
+                    gi_profile = Some(info);
+                    break;
+                }
+            }
+            let gi_profile = gi_profile.ok_or((
+                "nvml_unknown_profile",
+                format!(
+                    "the driver has no GPU-instance profile {}",
+                    instance.profile_id
+                ),
+            ))?;
+            let placement = nvmlGpuInstancePlacement_t {
+                start: u32::from(instance.start),
+                size: gi_profile.sliceCount,
+            };
+            let mut gi: nvmlGpuInstance_t = std::ptr::null_mut();
+            // SAFETY: live handle, a valid placement, and an out-pointer the call writes.
+            ok(unsafe { create_gi(device.handle(), gi_profile.id, &placement, &mut gi) })?;
+            let made = (|| {
+                // SAFETY: `gi` was just created by the driver; the structs are plain C.
+                let gi_info = unsafe {
+                    let mut info: nvmlGpuInstanceInfo_t = std::mem::zeroed();
+                    ok(gi_info_of(gi, &mut info))?;
+                    info
+                };
+                let mut ci_profiles = Vec::new();
+                for index in 0..NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
+                    // SAFETY: as above.
+                    let (rc, info) = unsafe {
+                        let mut info: nvmlComputeInstanceProfileInfo_t = std::mem::zeroed();
+                        (
+                            get_ci_info(
+                                gi,
+                                index,
+                                NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                                &mut info,
+                            ),
+                            info,
+                        )
+                    };
+                    if rc == nvmlReturn_enum_NVML_SUCCESS {
+                        ci_profiles.push((info.id, info.sliceCount));
+                    }
+                }
+                let ci_profile = super::full_compute_profile(gi_profile.sliceCount, &ci_profiles)
+                    .ok_or((
+                    "nvml_no_compute_profile",
+                    "no compute-instance profile covers the GPU instance".to_owned(),
+                ))?;
+                let mut ci: nvmlComputeInstance_t = std::ptr::null_mut();
+                // SAFETY: as above.
+                let ci_info = unsafe {
+                    ok(create_ci(gi, ci_profile, &mut ci))?;
+                    let mut info: nvmlComputeInstanceInfo_t = std::mem::zeroed();
+                    ok(ci_info_of(ci, &mut info))?;
+                    info
+                };
+                let uuid = self.mig_uuid(&device, gi_info.id, ci_info.id)?;
+                Ok(crate::inject::MigDevice {
+                    uuid: crate::ids::MigUuid::new(uuid.clone())
+                        .map_err(|_| ("nvml_bad_uuid", format!("driver gave MIG UUID {uuid:?}")))?,
+                    gpu_instance_id: gi_info.id,
+                    compute_instance_id: ci_info.id,
+                })
+            })();
+            if made.is_err() {
+                // SAFETY: `gi` is a live instance this call created (destroying it also
+                // destroys a compute instance made inside it only if none remain: best effort).
+                let _ = unsafe { destroy_gi(gi) };
+            }
+            made
+        }
+
+        /// The UUID of the MIG device for a GPU and compute instance.
+        fn mig_uuid(
+            &self,
+            device: &nvml_wrapper::Device,
+            gi: u32,
+            ci: u32,
+        ) -> Result<String, (&'static str, String)> {
+            use nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_SUCCESS;
+            let get_ci = self
+                .nvml
+                .lib()
+                .nvmlDeviceGetComputeInstanceId
+                .as_ref()
+                .map_err(|_| missing("nvmlDeviceGetComputeInstanceId"))?;
+            let max = device.mig_device_count().unwrap_or(0);
+            for index in 0..max {
+                let Ok(mig) = device.mig_device_by_index(index) else {
+                    continue;
+                };
+                let mut id: std::os::raw::c_uint = 0;
+                // SAFETY: a live MIG device handle and an integer out-pointer.
+                let rc = unsafe { get_ci(mig.handle(), &mut id) };
+                if gpu_instance_id(self.nvml, &mig) == Some(gi)
+                    && rc == nvmlReturn_enum_NVML_SUCCESS
+                    && id == ci
+                {
+                    return mig.uuid().map_err(|e| ("nvml_call", e.to_string()));
+                }
+            }
+            Err((
+                "nvml_mig_device_missing",
+                format!("no MIG device for GPU instance {gi}, compute instance {ci}"),
+            ))
+        }
+
+        fn try_destroy(
+            &self,
+            gpu: &crate::inventory::Gpu,
+            dev: &crate::inject::MigDevice,
+        ) -> Result<(), (&'static str, String)> {
+            use nvml_wrapper_sys::bindings::*;
+            let lib = self.nvml.lib();
+            let device = self
+                .nvml
+                .device_by_index(gpu.index.0)
+                .map_err(|e| ("nvml_call", e.to_string()))?;
+            let gi_by_id = lib
+                .nvmlDeviceGetGpuInstanceById
+                .as_ref()
+                .map_err(|_| missing("nvmlDeviceGetGpuInstanceById"))?;
+            let ci_by_id = lib
+                .nvmlGpuInstanceGetComputeInstanceById
+                .as_ref()
+                .map_err(|_| missing("nvmlGpuInstanceGetComputeInstanceById"))?;
+            let destroy_ci = lib
+                .nvmlComputeInstanceDestroy
+                .as_ref()
+                .map_err(|_| missing("nvmlComputeInstanceDestroy"))?;
+            let destroy_gi = lib
+                .nvmlGpuInstanceDestroy
+                .as_ref()
+                .map_err(|_| missing("nvmlGpuInstanceDestroy"))?;
+            let mut gi: nvmlGpuInstance_t = std::ptr::null_mut();
+            let mut ci: nvmlComputeInstance_t = std::ptr::null_mut();
+            // SAFETY: live handles from this NVML; out-pointers the calls write.
+            unsafe {
+                ok(gi_by_id(device.handle(), dev.gpu_instance_id, &mut gi))?;
+                if ci_by_id(gi, dev.compute_instance_id, &mut ci) == nvmlReturn_enum_NVML_SUCCESS {
+                    ok(destroy_ci(ci))?;
+                }
+                ok(destroy_gi(gi))
+            }
+        }
+    }
+
+    impl crate::realize::MigDriver for NvmlMigDriver {
+        fn create(
+            &mut self,
+            gpu: &crate::inventory::Gpu,
+            instance: crate::mig::MigInstance,
+        ) -> Result<crate::inject::MigDevice, crate::realize::RealizeError> {
+            self.try_create(gpu, instance)
+                .map_err(
+                    |(driver_code, driver_message)| crate::realize::RealizeError::Create {
+                        gpu: gpu.index,
+                        profile_id: instance.profile_id,
+                        start: instance.start,
+                        driver_code,
+                        driver_message,
+                    },
+                )
+        }
+
+        fn destroy(
+            &mut self,
+            gpu: &crate::inventory::Gpu,
+            device: &crate::inject::MigDevice,
+        ) -> Result<(), crate::realize::RealizeError> {
+            self.try_destroy(gpu, device)
+                .map_err(
+                    |(driver_code, driver_message)| crate::realize::RealizeError::Destroy {
+                        gpu: gpu.index,
+                        uuid: device.uuid.clone(),
+                        driver_code,
+                        driver_message,
+                    },
+                )
+        }
     }
 
     /// `nvmlDeviceGetGpuInstanceId` of a MIG device handle (not wrapped by nvml-wrapper).
@@ -788,6 +1234,34 @@ mod tests {
         .unwrap_err();
         assert_eq!(err.code(), "inventory_bad_id");
         assert!(err.to_string().starts_with("nvml: gpu[0].uuid"));
+    }
+
+    #[test]
+    fn compute_profile_and_return_codes() {
+        // (id, slices) as an H100 3g GPU instance offers them.
+        let offered = [(0, 1), (1, 2), (2, 3)];
+        assert_eq!(full_compute_profile(3, &offered), Some(2));
+        assert_eq!(full_compute_profile(7, &offered), None);
+        assert_eq!(nvml_return_code(23), "nvml_insufficient_resources");
+        assert_eq!(nvml_return_code(4), "nvml_no_permission");
+        assert_eq!(nvml_return_code(999), "nvml_error");
+    }
+
+    #[test]
+    fn tensor_percent_becomes_dcgm_ratio() {
+        assert_eq!(tensor_ratio(25.0), 0.25);
+        assert_eq!(tensor_ratio(0.0), 0.0);
+        assert_eq!(tensor_ratio(100.4), 1.0);
+        assert_eq!(tensor_ratio(f64::NAN), 0.0);
+    }
+
+    #[cfg(feature = "nvml")]
+    #[test]
+    fn xid_log_reports_only_watched_gpus() {
+        let log = driver::XidLog::default();
+        assert_eq!(log.reading("GPU-a"), None, "not watched: absent");
+        log.record("GPU-a", 79);
+        assert_eq!(log.reading("GPU-a"), Some(79));
     }
 
     #[test]

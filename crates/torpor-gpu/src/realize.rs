@@ -6,7 +6,7 @@
 //! [`MigDriver`]; [`RecordingMigDriver`] is the fake the tests use. [`realize`] creates every MIG
 //! share of an allocation or none (what it created is destroyed again when one fails);
 //! [`unrealize`] destroys them when the allocation is released (sleep, delete, eviction).
-//! The NVML implementation of [`MigDriver`] is not written yet.
+//! The NVML implementation is `nvml::driver::NvmlMigDriver` (feature `nvml`).
 
 use crate::ids::{GpuIndex, MigUuid};
 use crate::inject::{MigDevice, MigHandles};

@@ -62,3 +62,96 @@ fn nvml_inventory_mig_placements_and_metrics() {
     println!("{text}");
     assert!(text.contains("DCGM_FI_DEV_FB_USED{gpu=\"0\""), "{text}");
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and driver"]
+fn nvml_xid_watch_and_tensor_active() {
+    use torpor_gpu::nvml::driver::{sample_with, tensor_active, watch_xids};
+    let nvml: &'static torpor_gpu::nvml::driver::Nvml = Box::leak(Box::new(open().expect("NVML")));
+    let xids = watch_xids(nvml);
+    let tensor = tensor_active(nvml, std::time::Duration::from_millis(200));
+    let samples = sample_with(nvml, Some(&xids), &tensor).expect("samples");
+    for s in samples.iter().filter(|s| s.mig.is_none()) {
+        println!(
+            "GPU {} {}: xid {:?}, tensor active {:?}",
+            s.gpu, s.model_name, s.xid_last, s.tensor_active
+        );
+        if let Some(t) = s.tensor_active {
+            assert!((0.0..=1.0).contains(&t), "{t}");
+        }
+        // Hopper and newer have GPM: the tensor metric must be there.
+        if ["H100", "H200", "H20", "GH200", "B200"]
+            .iter()
+            .any(|m| s.model_name.contains(m))
+        {
+            assert!(s.tensor_active.is_some(), "{} has GPM", s.model_name);
+        }
+    }
+    let text = dcgm_metrics("gpu-check", &samples);
+    if samples.iter().any(|s| s.xid_last.is_some()) {
+        assert!(text.contains("DCGM_FI_DEV_XID_ERRORS{gpu=\"0\""), "{text}");
+    }
+}
+
+/// Creates a MIG instance through NVML on the first GPU in MIG mode (root needed), checks its
+/// UUID against NVML's MIG devices, destroys it; on a GPU with MIG mode off the driver must
+/// refuse with `nvml_mig_mode_off`.
+#[test]
+#[ignore = "needs an NVIDIA GPU, its driver and root"]
+fn nvml_mig_instances_are_created_and_destroyed() {
+    use torpor_gpu::mig::MigInstance;
+    use torpor_gpu::nvml::driver::NvmlMigDriver;
+    use torpor_gpu::realize::MigDriver;
+    let nvml: &'static torpor_gpu::nvml::driver::Nvml = Box::leak(Box::new(open().expect("NVML")));
+    let inv = read_inventory(nvml, NodeName::new("gpu-check").unwrap()).expect("inventory");
+    let mut driver = NvmlMigDriver::new(nvml);
+    let mut checked = false;
+    for gpu in inv.gpus() {
+        let Some(geometry) = gpu.mig_geometry.as_deref() else {
+            continue;
+        };
+        // The smallest profile at its last allowed start (least likely to be in use).
+        let profile = geometry
+            .profiles()
+            .iter()
+            .min_by_key(|p| (p.memory_slices, p.id))
+            .expect("profiles");
+        let instance = MigInstance {
+            profile_id: profile.id,
+            start: *profile.allowed_starts.last().unwrap(),
+        };
+        match (gpu.initial_mode, driver.create(gpu, instance)) {
+            (PartitionMode::Mig, Ok(device)) => {
+                println!("{}: created {} {device:?}", gpu.index, profile.name);
+                assert!(device.uuid.as_str().starts_with("MIG-"));
+                let listed = sample(nvml).expect("samples");
+                assert!(
+                    listed.iter().any(|s| s.uuid == device.uuid.as_str()),
+                    "NVML lists the new MIG device"
+                );
+                driver.destroy(gpu, &device).expect("destroy");
+                let listed = sample(nvml).expect("samples");
+                assert!(!listed.iter().any(|s| s.uuid == device.uuid.as_str()));
+                checked = true;
+            }
+            (PartitionMode::Mig, Err(e)) => {
+                println!(
+                    "{}: cannot create {} at {}: {e}",
+                    gpu.index, profile.name, instance.start
+                );
+                assert!(
+                    format!("{e:?}").contains("nvml_insufficient_resources")
+                        || format!("{e:?}").contains("nvml_in_use"),
+                    "{e:?}"
+                );
+            }
+            (_, Err(e)) => {
+                println!("{}: MIG off: {e}", gpu.index);
+                assert!(format!("{e:?}").contains("nvml_mig_mode_off"), "{e:?}");
+                checked = true;
+            }
+            (_, Ok(device)) => panic!("created {device:?} on a GPU with MIG mode off"),
+        }
+    }
+    assert!(checked || inv.gpus().iter().all(|g| g.mig_geometry.is_none()));
+}

@@ -6,6 +6,7 @@ pub mod agent;
 pub mod cgroup;
 pub mod conn;
 pub mod dns;
+pub mod gpu;
 pub mod net;
 pub mod proto;
 pub mod relay;

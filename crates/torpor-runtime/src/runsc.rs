@@ -49,6 +49,8 @@ pub enum RuntimeError {
     Conn(#[from] ConnError),
     #[error(transparent)]
     Cgroup(#[from] cgroup::CgroupError),
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
@@ -66,6 +68,8 @@ pub struct Runsc {
     pub platform: String,
     /// Global flags that give the root filesystem an in-memory, checkpointed overlay.
     pub overlay_flags: Vec<String>,
+    /// Whether `runsc flags` lists `-nvproxy` (GPU pass-through).
+    nvproxy: bool,
     /// runsc's state directory (`--root`), private to this torpor.
     pub state_root: PathBuf,
     pub log_dir: PathBuf,
@@ -182,6 +186,7 @@ impl Runsc {
                 "ptrace".into()
             }
         });
+        let nvproxy = crate::gpu::flags_have_nvproxy(&flags);
         let overlay_flags = if flags.contains("-overlay2") {
             vec!["--overlay2=root:memory".to_string()]
         } else {
@@ -195,11 +200,23 @@ impl Runsc {
             version,
             platform,
             overlay_flags,
+            nvproxy,
             state_root,
             log_dir,
             groups: Arc::default(),
             networked: Arc::default(),
         })
+    }
+
+    /// Whether this runsc has nvproxy (`--nvproxy`), so a sandbox can be given a GPU.
+    pub fn nvproxy(&self) -> bool {
+        self.nvproxy
+    }
+
+    /// Global flags for a container with `spec`'s devices (`--nvproxy` for GPU devices).
+    fn device_args(&self, spec: &ContainerSpec) -> Result<Vec<String>, RuntimeError> {
+        crate::gpu::runsc_gpu_flags(!spec.devices.is_empty(), self.nvproxy)
+            .map_err(|e| RuntimeError::Unsupported(e.to_string()))
     }
 
     fn global_args(&self) -> Vec<String> {
@@ -244,8 +261,10 @@ impl Runsc {
         spec: &ContainerSpec,
         ready_timeout: Duration,
     ) -> Result<Container, RuntimeError> {
+        let device_args = self.device_args(spec)?;
         self.write_bundle(bundle, spec, container_id)?;
         let mut args = self.global_args();
+        args.extend(device_args);
         args.extend([
             "run".into(),
             format!("--bundle={}", bundle.display()),
@@ -268,6 +287,7 @@ impl Runsc {
         spec: &ContainerSpec,
         image_dir: &Path,
     ) -> Result<Container, RuntimeError> {
+        let device_args = self.device_args(spec)?;
         let (quota, period) = spec::cpu_quota(&spec.limits);
         cgroup::apply_limits(
             worker.cgroup(),
@@ -283,6 +303,7 @@ impl Runsc {
             self.lock_networked().insert(container_id.to_string());
         }
         let mut args = self.global_args_net(net);
+        args.extend(device_args);
         args.extend([
             "restore".into(),
             format!("--image-path={}", image_dir.display()),

@@ -45,6 +45,9 @@ pub struct ContainerSpec {
     /// The network namespace (a path under /run/netns) holding the sandbox's link; `None`
     /// runs with no network at all (runsc `--network=none`).
     pub netns: Option<PathBuf>,
+    /// Host character devices given to the container (a GPU share's `/dev/nvidia*` nodes);
+    /// non-empty only where runsc has nvproxy.
+    pub devices: Vec<crate::gpu::DeviceNode>,
 }
 
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -88,6 +91,23 @@ pub fn render(spec: &ContainerSpec, cgroup: &str) -> serde_json::Value {
         Some(path) => serde_json::json!({"type": "network", "path": path}),
         None => serde_json::json!({"type": "network"}),
     };
+    let mut resources = serde_json::json!({
+        "memory": {"limit": spec.limits.memory_bytes()},
+        "cpu": {"quota": quota, "period": period},
+        "pids": {"limit": host_pids_limit(spec.limits.pids)}
+    });
+    let mut linux = serde_json::json!({
+        "namespaces": [
+            {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
+            network_ns
+        ],
+        "cgroupsPath": cgroup::cgroups_path(cgroup),
+    });
+    if !spec.devices.is_empty() {
+        linux["devices"] = crate::gpu::oci_devices(&spec.devices).into();
+        resources["devices"] = crate::gpu::oci_device_rules(&spec.devices).into();
+    }
+    linux["resources"] = resources;
     serde_json::json!({
         "ociVersion": "1.0.2",
         "process": {
@@ -105,18 +125,7 @@ pub fn render(spec: &ContainerSpec, cgroup: &str) -> serde_json::Value {
         "root": {"path": spec.rootfs, "readonly": false},
         "hostname": spec.hostname,
         "mounts": mounts,
-        "linux": {
-            "namespaces": [
-                {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
-                network_ns
-            ],
-            "cgroupsPath": cgroup::cgroups_path(cgroup),
-            "resources": {
-                "memory": {"limit": spec.limits.memory_bytes()},
-                "cpu": {"quota": quota, "period": period},
-                "pids": {"limit": host_pids_limit(spec.limits.pids)}
-            }
-        }
+        "linux": linux
     })
 }
 
@@ -166,8 +175,27 @@ mod tests {
             },
             hostname: "sb".into(),
             netns: None,
+            devices: Vec::new(),
         };
         let v = render(&spec, "sb-x-g1");
+        assert!(v["linux"].get("devices").is_none());
+        assert!(v["linux"]["resources"].get("devices").is_none());
+        let mut gpu = spec.clone();
+        gpu.devices = vec![crate::gpu::DeviceNode {
+            path: "/dev/nvidia0".into(),
+            major: 195,
+            minor: 0,
+            file_mode: 0o666,
+            uid: 0,
+            gid: 0,
+        }];
+        let g = render(&gpu, "sb-x-g1");
+        assert_eq!(g["linux"]["devices"][0]["path"], "/dev/nvidia0");
+        assert_eq!(g["linux"]["resources"]["devices"][0]["major"], 195);
+        assert_eq!(
+            g["linux"]["resources"]["memory"],
+            v["linux"]["resources"]["memory"]
+        );
         assert_eq!(v["linux"]["resources"]["memory"]["limit"], 64 << 20);
         assert_eq!(v["linux"]["resources"]["cpu"]["quota"], 50_000);
         assert_eq!(v["linux"]["cgroupsPath"], "/torpor/sb-x-g1");

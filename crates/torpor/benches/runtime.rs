@@ -318,6 +318,7 @@ async fn main() {
             limits: Limits::default(),
             hostname: "bench".into(),
             netns: None,
+            devices: Vec::new(),
         };
         let t = Instant::now();
         let container = runsc

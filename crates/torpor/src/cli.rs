@@ -82,6 +82,10 @@ pub enum Command {
         /// Tenant GPU quotas (TOML); without it no GPU quota is enforced.
         #[arg(long)]
         gpu_quotas: Option<PathBuf>,
+        /// cuda-checkpoint to run inside GPU sandboxes before a checkpoint (else searched in
+        /// the sandbox's rootfs, then on PATH).
+        #[arg(long, env = "TORPOR_CUDA_CHECKPOINT")]
+        cuda_checkpoint: Option<PathBuf>,
         #[command(flatten)]
         store: crate::snapshot::StoreArgs,
         /// Serve KEDA's external scaler (gRPC) on this address, e.g. 0.0.0.0:9090.
@@ -406,6 +410,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             warm_pool,
             gpu_inventory,
             gpu_quotas,
+            cuda_checkpoint,
             store,
             keda_listen,
             proxy_domain,
@@ -434,6 +439,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                 warm_pool,
                 gpu_inventory,
                 gpu_quotas,
+                cuda_checkpoint,
                 snapshots: store.config(),
                 keda_listen,
             })

@@ -33,6 +33,7 @@ pub struct UpConfig {
     pub warm_pool: Option<usize>,
     pub gpu_inventory: Option<PathBuf>,
     pub gpu_quotas: Option<PathBuf>,
+    pub cuda_checkpoint: Option<PathBuf>,
     pub snapshots: torpor_control::SnapshotConfig,
     /// Where to serve KEDA's external scaler (gRPC), if anywhere.
     pub keda_listen: Option<SocketAddr>,
@@ -156,7 +157,12 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     if workers == 0 {
         bail!("--workers must be at least 1");
     }
-    let gpus = crate::gpu::daemon_gpus(cfg.gpu_inventory, cfg.gpu_quotas, &cfg.data_dir)?;
+    let gpus = crate::gpu::daemon_gpus(
+        cfg.gpu_inventory,
+        cfg.gpu_quotas,
+        cfg.cuda_checkpoint,
+        &cfg.data_dir,
+    )?;
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;

@@ -29,6 +29,7 @@ use torpor_gpu::extender::{
 use torpor_gpu::inventory::Inventory;
 use torpor_gpu::ledger::Ledger;
 use torpor_gpu::planner::{Policy, Strategy};
+use torpor_gpu::pod_watch;
 use torpor_gpu::quota::QuotaBook;
 use torpor_gpu::report;
 
@@ -87,6 +88,11 @@ pub enum GpuCmd {
         /// Bearer token file for --kube-api (e.g. a service account token).
         #[arg(long, requires = "kube_api")]
         kube_token_file: Option<PathBuf>,
+        /// With --kube-api: how often each node's pods are listed again (seconds); between
+        /// lists a watch delivers pod ends at once. Bound pods that ended or were deleted
+        /// give their GPU shares back.
+        #[arg(long, requires = "kube_api", default_value_t = 30)]
+        kube_resync_secs: u64,
     },
 }
 
@@ -230,6 +236,7 @@ async fn dispatch(cmd: GpuCmd) -> Result<(), GpuCliError> {
             quotas,
             kube_api,
             kube_token_file,
+            kube_resync_secs,
         } => {
             let kube = match kube_api {
                 None => None,
@@ -258,6 +265,7 @@ async fn dispatch(cmd: GpuCmd) -> Result<(), GpuCliError> {
                         base: base.trim_end_matches('/').to_owned(),
                         token,
                         http: reqwest::Client::new(),
+                        resync: std::time::Duration::from_secs(kube_resync_secs.max(1)),
                     })
                 }
             };
@@ -413,6 +421,7 @@ pub fn parse_gpu_json(s: &str) -> Result<serde_json::Value, String> {
 pub fn daemon_gpus(
     inventory: Option<PathBuf>,
     quotas: Option<PathBuf>,
+    cuda_checkpoint: Option<PathBuf>,
     data_dir: &Path,
 ) -> anyhow::Result<Option<torpor_control::gpu::NodeGpus>> {
     let nvml_inventory = match &inventory {
@@ -431,6 +440,7 @@ pub fn daemon_gpus(
             inventory,
             quotas,
             nvml_inventory,
+            cuda_checkpoint,
         },
         data_dir,
     )
@@ -438,9 +448,22 @@ pub fn daemon_gpus(
     if let (true, Some(gpus)) = (from_nvml, gpus.as_mut()) {
         // Telemetry under DCGM exporter's names on every scrape of /metrics.
         match torpor_gpu::nvml::driver::open() {
-            Ok(nvml) => gpus.set_sampler(Box::new(move || {
-                torpor_gpu::nvml::driver::sample(&nvml).map_err(|e| error_chain(&e))
-            })),
+            Ok(nvml) => {
+                // One NVML handle for the life of the daemon: the XID watcher thread waits on
+                // it, so it is never dropped.
+                let nvml: &'static torpor_gpu::nvml::driver::Nvml = Box::leak(Box::new(nvml));
+                // MIG placements become GPU and compute instances through NVML.
+                gpus.set_mig_driver(Box::new(torpor_gpu::nvml::driver::NvmlMigDriver::new(nvml)));
+                let xids = torpor_gpu::nvml::driver::watch_xids(nvml);
+                gpus.set_sampler(Box::new(move || {
+                    let tensor = torpor_gpu::nvml::driver::tensor_active(
+                        nvml,
+                        std::time::Duration::from_millis(100),
+                    );
+                    torpor_gpu::nvml::driver::sample_with(nvml, Some(&xids), &tensor)
+                        .map_err(|e| error_chain(&e))
+                }))
+            }
             Err(e) => tracing::warn!(error = %error_chain(&e), "no GPU telemetry"),
         }
     }
@@ -453,9 +476,143 @@ pub struct KubeApi {
     base: String,
     token: Option<String>,
     http: reqwest::Client,
+    resync: std::time::Duration,
 }
 
 impl KubeApi {
+    fn get(&self, path: &str) -> reqwest::RequestBuilder {
+        let mut request = self.http.get(format!("{}{path}", self.base));
+        if let Some(token) = &self.token {
+            request = request.bearer_auth(token);
+        }
+        request
+    }
+
+    /// `GET /api/v1/pods?fieldSelector=spec.nodeName=NODE`.
+    async fn list_pods(&self, node: &str) -> Result<pod_watch::PodList, String> {
+        let path = pod_watch::list_path(node);
+        let response = self
+            .get(&path)
+            .timeout(std::time::Duration::from_secs(60))
+            .send()
+            .await
+            .map_err(|e| format!("kube_api_unreachable: {path}: {e}"))?;
+        let status = response.status();
+        let body = response
+            .bytes()
+            .await
+            .map_err(|e| format!("kube_api_unreachable: {path}: {e}"))?;
+        if !status.is_success() {
+            return Err(format!(
+                "kube_api_list_refused: {path}: HTTP {status}: {}",
+                String::from_utf8_lossy(&body)
+                    .chars()
+                    .take(300)
+                    .collect::<String>()
+            ));
+        }
+        serde_json::from_slice(&body).map_err(|e| format!("kube_api_bad_pod_list: {path}: {e}"))
+    }
+
+    /// Watches a node's pods from `resource_version` until the server ends the watch
+    /// (`timeoutSeconds`), an `ERROR` event comes, or the connection drops; releases the
+    /// shares of bound pods that end. Returns the last resource version seen.
+    async fn watch_pods(
+        &self,
+        state: &ExtenderState,
+        node: &str,
+        mut resource_version: String,
+    ) -> Result<String, String> {
+        let path = pod_watch::watch_path(node, &resource_version, self.resync.as_secs());
+        let mut response = self
+            .get(&path)
+            .send()
+            .await
+            .map_err(|e| format!("kube_api_unreachable: {path}: {e}"))?;
+        if !response.status().is_success() {
+            return Err(format!(
+                "kube_api_watch_refused: {path}: HTTP {}",
+                response.status()
+            ));
+        }
+        let mut buffer: Vec<u8> = Vec::new();
+        while let Some(chunk) = response
+            .chunk()
+            .await
+            .map_err(|e| format!("kube_api_watch_broken: {path}: {e}"))?
+        {
+            buffer.extend_from_slice(&chunk);
+            while let Some(end) = buffer.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = buffer.drain(..=end).collect();
+                let line = line.trim_ascii();
+                if line.is_empty() {
+                    continue;
+                }
+                let event: pod_watch::WatchEvent = serde_json::from_slice(line)
+                    .map_err(|e| format!("kube_api_bad_watch_event: {e}"))?;
+                let bound: std::collections::BTreeSet<String> =
+                    lock(state).bound_on(node).into_keys().collect();
+                match pod_watch::watch_action(&event, &bound) {
+                    pod_watch::WatchAction::Release {
+                        uid,
+                        resource_version: rv,
+                    } => {
+                        if lock(state).release_pod(&uid) {
+                            tracing::info!(pod = %uid, %node, event = %event.kind, "pod ended: GPU shares released");
+                        }
+                        if !rv.is_empty() {
+                            resource_version = rv;
+                        }
+                    }
+                    pod_watch::WatchAction::Continue {
+                        resource_version: rv,
+                    } => {
+                        if !rv.is_empty() {
+                            resource_version = rv;
+                        }
+                    }
+                    pod_watch::WatchAction::Relist { reason } => return Err(reason),
+                }
+            }
+        }
+        Ok(resource_version)
+    }
+
+    /// Keeps `node`'s bound pods in step with the API server: list, release what ended,
+    /// watch until the resync period is over, and again.
+    async fn reconcile_node(self, state: ExtenderState, node: String) {
+        loop {
+            let started = lock(&state).begin_list();
+            let begun = std::time::Instant::now();
+            match self.list_pods(&node).await {
+                Ok(list) => {
+                    let ended =
+                        pod_watch::ended_in_list(&lock(&state).bound_on(&node), &list, started);
+                    for uid in ended {
+                        if lock(&state).release_pod(&uid) {
+                            tracing::info!(pod = %uid, %node, "pod ended or gone: GPU shares released");
+                        }
+                    }
+                    if let Err(e) = self
+                        .watch_pods(&state, &node, list.metadata.resource_version)
+                        .await
+                    {
+                        tracing::info!(%node, reason = %e, "pod watch ended; listing again");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(%node, error = %e, "cannot list the node's pods");
+                    tokio::time::sleep(self.resync.min(std::time::Duration::from_secs(5))).await;
+                }
+            }
+            // At least a second between lists.
+            let floor = std::time::Duration::from_secs(1);
+            if let Some(rest) = floor.checked_sub(begun.elapsed()) {
+                tokio::time::sleep(rest).await;
+            }
+        }
+    }
+
     /// `POST /api/v1/namespaces/{ns}/pods/{name}/binding`, what kube-scheduler itself does.
     async fn post_binding(&self, args: &ExtenderBindingArgs) -> Result<(), String> {
         let url = format!(
@@ -509,14 +666,28 @@ pub async fn serve_extender(
     let addr = listener.local_addr().unwrap_or(listen);
     // Tests and scripts read this line to learn the port of `--listen 127.0.0.1:0`.
     println!("listening on {addr}");
-    let app = extender_router(ExtenderState {
+    let state = ExtenderState {
         extender: Arc::new(Mutex::new(extender)),
         kube,
-    });
-    axum::serve(listener, app)
+    };
+    let mut watchers = Vec::new();
+    if let Some(kube) = &state.kube {
+        let nodes = lock(&state).node_names();
+        for node in nodes {
+            watchers.push(tokio::spawn(
+                kube.clone().reconcile_node(state.clone(), node),
+            ));
+        }
+    }
+    let app = extender_router(state);
+    let served = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
-        .map_err(|e| GpuCliError::cannot_run("serve_failed", e.to_string()))
+        .map_err(|e| GpuCliError::cannot_run("serve_failed", e.to_string()));
+    for w in watchers {
+        w.abort();
+    }
+    served
 }
 
 async fn shutdown_signal() {
@@ -604,6 +775,9 @@ async fn bind(State(state): State<Shared>, body: Bytes) -> Response {
                     // The pod is not bound: give its GPU shares back.
                     lock(&state).release_pod(&args.pod_uid);
                     result.error = error;
+                } else {
+                    // Lists sent before now may not show it on its node yet.
+                    lock(&state).touch_bound(&args.pod_uid);
                 }
             }
             tracing::info!(pod = %args.pod_uid, node = %args.node, error = %result.error, "bind");

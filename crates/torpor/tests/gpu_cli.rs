@@ -693,3 +693,239 @@ async fn extender_posts_the_binding_and_gives_shares_back_when_it_is_refused() {
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("error[kube_api_not_http]"));
 }
+
+/// A stand-in for the Kubernetes API server (none runs here), speaking its exact JSON shapes
+/// for what the extender uses: `POST .../pods/{pod}/binding` sets the pod's `spec.nodeName`;
+/// `GET /api/v1/pods?fieldSelector=spec.nodeName=N` answers a `v1.PodList`, and with
+/// `watch=1` a stream of `metav1.WatchEvent` lines (`{"type": ..., "object": <Pod>}`) until
+/// `timeoutSeconds`. Tests change pods through [`FakeApi`]; a change sends a watch event
+/// unless it is made silently.
+#[derive(Clone, Default)]
+struct FakeApi {
+    pods: std::sync::Arc<std::sync::Mutex<(u64, Vec<Value>)>>,
+    events: std::sync::Arc<std::sync::Mutex<Option<tokio::sync::broadcast::Sender<Value>>>>,
+    lists: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl FakeApi {
+    fn sender(&self) -> tokio::sync::broadcast::Sender<Value> {
+        self.events
+            .lock()
+            .unwrap()
+            .get_or_insert_with(|| tokio::sync::broadcast::channel(64).0)
+            .clone()
+    }
+
+    fn add(&self, uid: &str) {
+        let mut pods = self.pods.lock().unwrap();
+        pods.0 += 1;
+        let rv = pods.0.to_string();
+        pods.1.push(json!({
+            "kind": "Pod", "apiVersion": "v1",
+            "metadata": {"name": uid, "namespace": "default", "uid": uid, "resourceVersion": rv},
+            "spec": {"containers": [{"name": "agent", "image": "cuda"}]},
+            "status": {"phase": "Pending"}
+        }));
+    }
+
+    /// Changes a pod; `event` (`MODIFIED`/`DELETED`) is sent to watchers unless `None`.
+    fn change(&self, uid: &str, f: impl FnOnce(&mut Value) -> bool, event: Option<&str>) {
+        let mut pods = self.pods.lock().unwrap();
+        pods.0 += 1;
+        let rv = pods.0.to_string();
+        let i = pods
+            .1
+            .iter()
+            .position(|p| p["metadata"]["uid"] == uid)
+            .unwrap();
+        let mut pod = pods.1[i].clone();
+        pod["metadata"]["resourceVersion"] = json!(rv);
+        if f(&mut pod) {
+            pods.1[i] = pod.clone();
+        } else {
+            pods.1.remove(i);
+        }
+        drop(pods);
+        if let Some(kind) = event {
+            let _ = self.sender().send(json!({"type": kind, "object": pod}));
+        }
+    }
+
+    async fn serve(&self) -> String {
+        use axum::extract::{Path, Query, State};
+        use axum::http::StatusCode;
+        async fn bind(
+            State(api): State<FakeApi>,
+            Path((_ns, pod)): Path<(String, String)>,
+            axum::Json(body): axum::Json<Value>,
+        ) -> (StatusCode, axum::Json<Value>) {
+            let node = body["target"]["name"].clone();
+            api.change(
+                &pod,
+                |p| {
+                    p["spec"]["nodeName"] = node;
+                    p["status"]["phase"] = json!("Running");
+                    true
+                },
+                Some("MODIFIED"),
+            );
+            (
+                StatusCode::CREATED,
+                axum::Json(
+                    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}),
+                ),
+            )
+        }
+        async fn pods(
+            State(api): State<FakeApi>,
+            Query(q): Query<BTreeMap<String, String>>,
+        ) -> axum::response::Response {
+            use axum::response::IntoResponse;
+            let node = q
+                .get("fieldSelector")
+                .and_then(|s| s.strip_prefix("spec.nodeName="))
+                .expect("the extender lists by node")
+                .to_owned();
+            let on_node = |p: &Value| p["spec"]["nodeName"] == node.as_str();
+            if q.get("watch").map(String::as_str) != Some("1") {
+                api.lists.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let pods = api.pods.lock().unwrap();
+                let items: Vec<Value> = pods.1.iter().filter(|p| on_node(p)).cloned().collect();
+                return axum::Json(json!({"kind": "PodList", "apiVersion": "v1",
+                    "metadata": {"resourceVersion": pods.0.to_string()}, "items": items}))
+                .into_response();
+            }
+            let secs: u64 = q["timeoutSeconds"].parse().unwrap();
+            let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(secs);
+            let rx = api.sender().subscribe();
+            let stream = futures::stream::unfold(rx, move |mut rx| {
+                let node = node.clone();
+                async move {
+                    loop {
+                        match tokio::time::timeout_at(deadline, rx.recv()).await {
+                            Ok(Ok(event)) => {
+                                let obj = &event["object"];
+                                // DELETED carries the last state, with its nodeName.
+                                if obj["spec"]["nodeName"] == node.as_str() {
+                                    let mut line = serde_json::to_vec(&event).unwrap();
+                                    line.push(b'\n');
+                                    return Some((Ok::<_, std::io::Error>(line), rx));
+                                }
+                            }
+                            _ => return None,
+                        }
+                    }
+                }
+            });
+            axum::body::Body::from_stream(stream).into_response()
+        }
+        let app = axum::Router::new()
+            .route(
+                "/api/v1/namespaces/{ns}/pods/{pod}/binding",
+                axum::routing::post(bind),
+            )
+            .route("/api/v1/pods", axum::routing::get(pods))
+            .with_state(self.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        url
+    }
+}
+
+#[tokio::test]
+async fn extender_releases_pods_that_end_or_vanish() {
+    let api = FakeApi::default();
+    let url = api.serve().await;
+    let ext = ExtenderProcess::start_with(
+        &[fixture("l4-2.toml")],
+        &["--kube-api", &url, "--kube-resync-secs", "2"],
+    );
+    let http = reqwest::Client::new();
+    let call = |path: &str, body: Value| {
+        let req = http.post(format!("{}{path}", ext.url)).json(&body);
+        async move { req.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+    let bind = |uid: &str| {
+        call(
+            "/bind",
+            json!({"PodName": uid, "PodNamespace": "default", "PodUID": uid, "Node": "l4-01"}),
+        )
+    };
+    // Whether a pod asking for `gpus` whole L4s fits now (filter only; never bound).
+    let fits = |uid: String, gpus: u32| {
+        let f = call(
+            "/filter",
+            json!({"Pod": pod(&uid, json!({}), gpus), "NodeNames": ["l4-01"]}),
+        );
+        async move { f.await["NodeNames"] == json!(["l4-01"]) }
+    };
+    let mut probe = 0;
+    let mut wait_fits = async |gpus: u32, want: bool| {
+        for _ in 0..150 {
+            probe += 1;
+            if fits(format!("probe-{probe}"), gpus).await == want {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        panic!("a {gpus}-GPU pod never came to fit={want}");
+    };
+
+    // A pod holding both L4s ends (Succeeded, told by the watch): its shares come back.
+    api.add("job-a");
+    call(
+        "/filter",
+        json!({"Pod": pod("job-a", json!({}), 2), "NodeNames": ["l4-01"]}),
+    )
+    .await;
+    assert_eq!(bind("job-a").await, json!({"Error": ""}));
+    assert!(!fits("probe-full".into(), 1).await);
+    // Still running through a few list cycles: kept.
+    let lists = api.lists.load(std::sync::atomic::Ordering::SeqCst);
+    for _ in 0..50 {
+        if api.lists.load(std::sync::atomic::Ordering::SeqCst) >= lists + 2 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(
+        api.lists.load(std::sync::atomic::Ordering::SeqCst) >= lists + 2,
+        "the extender lists pods"
+    );
+    assert!(
+        !fits("probe-running".into(), 1).await,
+        "a running pod keeps its GPUs"
+    );
+    api.change(
+        "job-a",
+        |p| {
+            p["status"]["phase"] = json!("Succeeded");
+            true
+        },
+        Some("MODIFIED"),
+    );
+    wait_fits(2, true).await;
+
+    // Two pods take one L4 each; one is deleted without any watch event (the next list sees
+    // it gone), the other keeps running and keeps its L4.
+    for uid in ["job-b", "job-c"] {
+        api.add(uid);
+        call(
+            "/filter",
+            json!({"Pod": pod(uid, json!({}), 1), "NodeNames": ["l4-01"]}),
+        )
+        .await;
+        assert_eq!(bind(uid).await, json!({"Error": ""}));
+    }
+    wait_fits(1, false).await;
+    api.change("job-b", |_| false, None);
+    wait_fits(1, true).await;
+    assert!(
+        !fits("probe-two".into(), 2).await,
+        "job-c still holds its L4"
+    );
+    // A DELETED event releases at once too.
+    api.change("job-c", |_| false, Some("DELETED"));
+    wait_fits(2, true).await;
+}

@@ -264,3 +264,158 @@ async fn up_refuses_a_bad_gpu_inventory() {
     assert!(text.contains("bad.toml:4:8"), "{text}");
     assert!(text.contains("inventory_parse"), "{text}");
 }
+
+/// The parts of `GET /v1/gpus` that a restart must keep: per-GPU usage and free capacity,
+/// every held share (devices and exec environment) and the sleeping sandboxes.
+fn shares_view(status: &Value) -> Value {
+    json!({
+        "gpus": status["gpus"],
+        "allocations": status["allocations"],
+        "sleeping": status["sleeping"],
+    })
+}
+
+async fn quota_used(d: &Daemon) -> String {
+    let text = reqwest::get(format!("{}/metrics", d.url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("torpor_gpu_quota_used{"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[tokio::test]
+async fn gpu_shares_survive_daemon_restarts() {
+    let mut d = Daemon::start_with(&[
+        "--gpu-inventory",
+        &local("node-h200-l4.toml"),
+        "--gpu-quotas",
+        &local("quotas-admin.toml"),
+    ])
+    .await;
+    let c = d.client();
+    let big = create_with_gpu(&c, json!({"mode": "mig", "profile": "3g.71gb"}))
+        .await
+        .unwrap();
+    let small = create_with_gpu(&c, json!({"mode": "mig", "profile": "1g.18gb"}))
+        .await
+        .unwrap();
+    let mps = create_with_gpu(
+        &c,
+        json!({"mode": "mps", "compute_pct": 25, "memory_mib": 4096}),
+    )
+    .await
+    .unwrap();
+    suspend(&c, &small, Tier::Parked).await;
+    let before = c.gpus().await.unwrap();
+    assert!(held_by(&before, &big).is_some() && held_by(&before, &mps).is_some());
+    assert_eq!(before["sleeping"], json!([small]));
+    let quota_before = quota_used(&d).await;
+    assert!(
+        quota_before
+            .contains("torpor_gpu_quota_used{tenant=\"admin\",resource=\"memory_mib\"} 75981"),
+        "{quota_before}"
+    );
+
+    // A crash: the running sandboxes go back to their snapshots, so after the restart all
+    // three sleep, each keeping its ticket, and no share is held (none leaked, none doubled).
+    d.kill();
+    d.spawn().await;
+    let c = d.client();
+    let after = c.gpus().await.unwrap();
+    let mut sleeping: Vec<String> = vec![big.clone(), small.clone(), mps.clone()];
+    sleeping.sort();
+    assert_eq!(after["sleeping"], json!(sleeping), "{after}");
+    assert_eq!(after["allocations"], json!([]), "{after}");
+    for gpu in after["gpus"].as_array().unwrap() {
+        assert_eq!(gpu["shares"], 0, "{after}");
+    }
+    // Waking gives each the very same devices: GET /v1/gpus is what it was before the crash.
+    env_of(&c, &big).await;
+    env_of(&c, &mps).await;
+    let woken = c.gpus().await.unwrap();
+    assert_eq!(shares_view(&woken), shares_view(&before));
+    assert_eq!(quota_used(&d).await, quota_before);
+
+    // A graceful restart (resident sandboxes are parked on the way down) keeps them too.
+    d.stop();
+    d.spawn().await;
+    let c = d.client();
+    assert_eq!(c.gpus().await.unwrap()["sleeping"], json!(sleeping));
+    env_of(&c, &big).await;
+    env_of(&c, &mps).await;
+    assert_eq!(shares_view(&c.gpus().await.unwrap()), shares_view(&before));
+    // The sleeping one wakes on its old placement, and the quota still counts every share once.
+    env_of(&c, &small).await;
+    let all = c.gpus().await.unwrap();
+    assert_eq!(all["sleeping"], json!([]));
+    assert_eq!(all["allocations"].as_array().unwrap().len(), 3);
+    assert_eq!(all["gpus"][0]["shares"], 2, "{all}");
+    // 93,952 MiB held: 8,000 more would fit the L4 but not the 100,000 MiB quota.
+    let err = create_with_gpu(
+        &c,
+        json!({"mode": "mps", "compute_pct": 10, "memory_mib": 8000}),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), Some("gpu_quota_exceeded"), "{err}");
+    // A deleted sandbox's stored share goes with it.
+    c.delete_sandbox(&small).await.unwrap();
+    d.stop();
+    d.spawn().await;
+    let c = d.client();
+    let status = c.gpus().await.unwrap();
+    assert!(!status["sleeping"]
+        .as_array()
+        .unwrap()
+        .contains(&json!(small)));
+}
+
+/// The scan that finds which processes to hand to `cuda-checkpoint`, run inside a real gVisor
+/// sandbox: a process holding a file named like an NVIDIA device (here a plain file on the
+/// sandbox's own /dev tmpfs, as there is no GPU) is found, the others are not; and the toggle
+/// command runs through the same exec path.
+#[tokio::test]
+async fn the_cuda_checkpoint_holder_scan_works_inside_gvisor() {
+    use torpor_gpu::cuda_checkpoint::{holders_command, parse_holders, toggle_command, Tool};
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = common::create(&c, "host").await;
+    let r = c
+        .exec(
+            &id,
+            &sh("touch /dev/nvidia0 && (exec sleep 300 </dev/nvidia0 &) && sleep 0.5 && pgrep -x sleep"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
+    let holder: u32 = r.stdout.lines().last().unwrap().trim().parse().unwrap();
+    let mut scan = sh("");
+    scan.cmd = holders_command();
+    let r = c.exec(&id, &scan).await.unwrap();
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
+    assert_eq!(parse_holders(&r.stdout).unwrap(), vec![holder], "{r:?}");
+    // A stand-in cuda-checkpoint in the sandbox's rootfs sees exactly the toggle arguments.
+    let r = c
+        .exec(
+            &id,
+            &sh("printf '#!/bin/sh\\necho \"$@\" >> /tmp/toggles\\n' > /tmp/cuda-checkpoint && chmod +x /tmp/cuda-checkpoint"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
+    let tool = Tool {
+        in_sandbox: "/tmp/cuda-checkpoint".into(),
+        host_mount: None,
+    };
+    let mut toggle = sh("");
+    toggle.cmd = toggle_command(&tool, holder);
+    let r = c.exec(&id, &toggle).await.unwrap();
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
+    let r = c.exec(&id, &sh("cat /tmp/toggles")).await.unwrap();
+    assert_eq!(r.stdout.trim(), format!("--toggle --pid {holder}"));
+}
