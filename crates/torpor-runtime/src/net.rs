@@ -159,7 +159,13 @@ fn run(args: &[&str], stdin: Option<&str>) -> Result<String, NetError> {
 
 impl WorkerNet {
     /// Makes the namespaces, links, addresses and the base nftables table for worker `name`.
-    pub fn prepare(name: &str, tag: &str, alloc: &Arc<NetAlloc>) -> Result<WorkerNet, NetError> {
+    /// The relay's tasks run on `rt`.
+    pub fn prepare(
+        name: &str,
+        tag: &str,
+        alloc: &Arc<NetAlloc>,
+        rt: &tokio::runtime::Handle,
+    ) -> Result<WorkerNet, NetError> {
         let slot = alloc.take().ok_or_else(|| NetError {
             command: "allocate".into(),
             stderr: format!("all {SLOTS_PER_BLOCK} uplink subnets of this daemon are in use"),
@@ -183,6 +189,7 @@ impl WorkerNet {
         match EgressRelay::start(
             &PathBuf::from("/run/netns").join(&net.router_ns),
             GATEWAY_ADDR,
+            rt,
         ) {
             Ok(r) => net.relay = Some(r),
             Err(e) => {

@@ -244,10 +244,12 @@ pub struct RelayStats {
 impl EgressRelay {
     /// Listens on `addr`:[`RELAY_PORT`] inside the router namespace `router_ns` (a path under
     /// /run/netns); outbound sockets are made there too, so they leave through the router.
-    /// Needs a tokio runtime.
-    pub fn start(router_ns: &Path, addr: Ipv4Addr) -> io::Result<EgressRelay> {
-        let handle = tokio::runtime::Handle::try_current()
-            .map_err(|_| io::Error::other("the egress relay needs a tokio runtime"))?;
+    /// Its tasks run on `handle`.
+    pub fn start(
+        router_ns: &Path,
+        addr: Ipv4Addr,
+        handle: &tokio::runtime::Handle,
+    ) -> io::Result<EgressRelay> {
         let std_listener = in_netns(router_ns, || {
             let l = std::net::TcpListener::bind(SocketAddr::from((addr, RELAY_PORT)))?;
             l.set_nonblocking(true)?;

@@ -10,6 +10,10 @@
 //! down when the pool already holds `target` ready workers. A wake that finds no ready worker
 //! prepares one inline (a "cold" take, counted).
 //!
+//! Once a networked sandbox has run, the pool also prepares each ready worker's network
+//! (namespaces, links, rules, egress relay: crate::net) in the background, and prefers keeping
+//! workers that have one.
+//!
 //! Group names are `<tag>-w<n>`, `tag` being unique to one daemon (its data directory), so
 //! several daemons on one host never share a group and a restarted daemon finds its own
 //! leftovers by prefix ([`WarmPool::start`] removes them).
@@ -71,6 +75,11 @@ struct Inner {
     cold_takes: AtomicU64,
     discarded: AtomicU64,
     closed: AtomicBool,
+    /// Set once a networked sandbox has run: from then on the pool prepares every worker's
+    /// network too, so a networked wake does not pay for namespaces, links and rules.
+    net_wanted: AtomicBool,
+    /// The runtime the egress relays run on (the daemon's).
+    rt: Option<tokio::runtime::Handle>,
 }
 
 #[derive(Clone)]
@@ -122,11 +131,14 @@ impl Worker {
 
     /// The worker's network, made now if this worker never ran a networked sandbox.
     pub fn ensure_net(&mut self) -> Result<&WorkerNet, NetError> {
-        let tag = self.inner.tag.clone();
-        let alloc = self.inner.net_alloc.clone();
+        if !self.inner.net_wanted.swap(true, Ordering::SeqCst) {
+            // The first networked sandbox: the pool gives its ready workers networks now.
+            self.inner.send(Job::Refill);
+        }
+        let inner = self.inner.clone();
         let p = self.prepared.as_mut().expect("present until drop");
         if p.net.is_none() {
-            p.net = Some(WorkerNet::prepare(&p.name, &tag, &alloc)?);
+            p.net = Some(inner.prepare_net(&p.name)?);
         }
         Ok(p.net.as_ref().expect("just made"))
     }
@@ -183,6 +195,43 @@ impl Inner {
         })
     }
 
+    fn prepare_net(&self, name: &str) -> Result<WorkerNet, NetError> {
+        let rt = self
+            .rt
+            .clone()
+            .or_else(|| tokio::runtime::Handle::try_current().ok())
+            .ok_or_else(|| NetError {
+                command: "egress relay".into(),
+                stderr: "no tokio runtime to run the relay on".into(),
+            })?;
+        WorkerNet::prepare(name, &self.tag, &self.net_alloc, &rt)
+    }
+
+    /// Gives ready workers without a network one, one at a time (a take meanwhile gets a
+    /// worker as it is and makes its network inline).
+    fn network_ready_workers(&self) {
+        loop {
+            let mut p = {
+                let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
+                match ready.iter().position(|p| p.net.is_none()) {
+                    Some(i) => ready.remove(i),
+                    None => return,
+                }
+            };
+            match self.prepare_net(&p.name) {
+                Ok(n) => p.net = Some(n),
+                Err(e) => {
+                    tracing::warn!(worker = %p.name, error = %e, "cannot prepare a worker's network")
+                }
+            }
+            let failed = p.net.is_none();
+            self.ready.lock().unwrap_or_else(|p| p.into_inner()).push(p);
+            if failed || self.closed.load(Ordering::SeqCst) {
+                return;
+            }
+        }
+    }
+
     fn ready_len(&self) -> usize {
         self.ready.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
@@ -203,7 +252,29 @@ impl Inner {
                     Ok(()) if self.ready_len() < self.target => {
                         self.ready.lock().unwrap_or_else(|p| p.into_inner()).push(p);
                     }
-                    Ok(()) => teardown(p),
+                    Ok(()) => {
+                        // Full: keep the worker whose network is made, give up one without.
+                        let bare = if p.net.is_some() {
+                            let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
+                            ready
+                                .iter()
+                                .position(|r| r.net.is_none())
+                                .map(|i| ready.remove(i))
+                        } else {
+                            None
+                        };
+                        match bare {
+                            Some(b) => {
+                                // At the bottom: taken after the workers already waiting.
+                                self.ready
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .insert(0, p);
+                                teardown(b);
+                            }
+                            None => teardown(p),
+                        }
+                    }
                     Err(e) => {
                         tracing::warn!(worker = %p.name, error = %e, "cannot reset a worker; discarding it");
                         self.discarded.fetch_add(1, Ordering::Relaxed);
@@ -225,6 +296,9 @@ impl Inner {
                         break;
                     }
                 }
+            }
+            if self.net_wanted.load(Ordering::SeqCst) && !self.closed.load(Ordering::SeqCst) {
+                self.network_ready_workers();
             }
         }
         self.teardown_ready();
@@ -272,6 +346,8 @@ impl WarmPool {
             cold_takes: AtomicU64::new(0),
             discarded: AtomicU64::new(0),
             closed: AtomicBool::new(false),
+            net_wanted: AtomicBool::new(false),
+            rt: tokio::runtime::Handle::try_current().ok(),
         });
         let worker = inner.clone();
         let spawned = std::thread::Builder::new()
