@@ -439,7 +439,12 @@ async fn gpu_shares_are_taken_by_agents_and_released_when_the_pool_goes_to_zero(
         "name": "gpujobs", "template": "gpu-worker", "max": 2, "target": 2, "cooldown_s": 2,
         "poll_interval_ms": 200,
         "triggers": [{"type": "redis-list", "url": redis.url(), "key": "g"}],
-        "dispatch": handler(),
+        // Each message takes a second: the work outlasts the second agent's start, so both
+        // run (and hold shares) at once before the pool scales in.
+        "dispatch": {
+            "command": ["python3", "-c", format!("import time; time.sleep(1)\n{HANDLER}")],
+            "max_attempts": 2, "retry_backoff_ms": 50, "timeout_s": 60
+        },
     }))
     .await
     .unwrap();
