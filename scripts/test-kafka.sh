@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Kafka tests (cargo feature `kafka`), kept out of scripts/test.sh because their broker,
 # tansu (a Kafka-compatible broker in Rust), is built from source: ~20 min on 2 cores the first
-# time. Installs tansu idempotently into /opt/tansu (memory storage only: feature `dynostore`),
+# time. Installs tansu idempotently into /opt/tansu (features `dynostore,libsql`, as in ../shared/SERVICES.md; the tests use memory storage),
 # then runs the feature-gated tests, which start and stop their own broker on a free port.
 # Usage: sudo bash scripts/test-kafka.sh
 set -euo pipefail
@@ -15,7 +15,7 @@ TANSU_VERSION=0.6.0
 TANSU_ROOT=${TANSU_ROOT:-/opt/tansu}
 if ! "$TANSU_ROOT/bin/tansu" --version 2>/dev/null | grep -q "$TANSU_VERSION"; then
   echo "== installing tansu $TANSU_VERSION into $TANSU_ROOT (takes a while)"
-  nice -n 19 cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore \
+  nice -n 19 cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore,libsql \
     --root "$TANSU_ROOT"
 fi
 export TANSU="$TANSU_ROOT/bin/tansu"

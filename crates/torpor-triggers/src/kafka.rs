@@ -426,7 +426,9 @@ impl Client {
                     )]);
             let c = self.node(leader).await?;
             let addr = c.addr.clone();
-            let r = c.call(&req, 12).await?;
+            // v11: the last version before flexible encoding. tansu 0.6 answers v12 with a
+            // tagged field that version does not define, which kafka-protocol refuses.
+            let r = c.call(&req, 11).await?;
             if r.error_code != 0 {
                 return Err(code_err(&addr, "fetch", r.error_code));
             }

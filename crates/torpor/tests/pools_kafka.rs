@@ -53,10 +53,19 @@ async fn kafka_lag_reads_like_keda_and_a_pool_dispatches_each_record_once() {
     }))
     .await
     .unwrap();
-    let p = wait_pool(&c, "kjobs", "all settled", Duration::from_secs(120), |p| {
-        p.processed == 8 && p.dead_lettered == 1
-    })
-    .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let p = loop {
+        let p = c.pool("kjobs").await.unwrap();
+        if p.processed == 8 && p.dead_lettered == 1 {
+            break p;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not all settled: {p:?}\ndaemon log:\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     assert_eq!(p.failed_attempts, 2);
     assert_eq!(p.sandboxes.len(), 2, "lag 9 at target 3 asks for max=2");
     let p = wait_pool(&c, "kjobs", "zero agents", Duration::from_secs(60), |p| {
