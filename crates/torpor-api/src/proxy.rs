@@ -271,6 +271,17 @@ pub(crate) async fn host_route(
     result.unwrap_or_else(|e| e.into_response())
 }
 
+/// Counts a proxied request the sandbox answered and starts the client's answer: its status and
+/// end-to-end headers.
+fn answer_head<B>(resp: &hyper::Response<B>, woke: bool) -> axum::http::response::Builder {
+    torpor_control::engine::count_proxied(if woke { "woke" } else { "served" });
+    let mut out = Response::builder().status(resp.status());
+    if let Some(h) = out.headers_mut() {
+        copy_headers(resp.headers(), h);
+    }
+    out
+}
+
 fn bad_gateway(
     id: &SandboxId,
     port: u16,
@@ -343,12 +354,7 @@ async fn forward(
         let resp = torpor_control::engine::sandbox_http(target.addr, out_req, in_use)
             .await
             .map_err(|e| unreachable(&e))?;
-        torpor_control::engine::count_proxied(if target.woke { "woke" } else { "served" });
-        let mut out = Response::builder().status(resp.status());
-        if let Some(h) = out.headers_mut() {
-            copy_headers(resp.headers(), h);
-        }
-        return out
+        return answer_head(&resp, target.woke)
             .body(Body::new(resp.into_body()))
             .map_err(|e| bad_gateway(&id, port, "upstream_invalid", e));
     }
@@ -360,11 +366,7 @@ async fn forward(
         .send_request(out_req)
         .await
         .map_err(|e| unreachable(&e))?;
-    torpor_control::engine::count_proxied(if target.woke { "woke" } else { "served" });
-    let mut out = Response::builder().status(resp.status());
-    if let Some(h) = out.headers_mut() {
-        copy_headers(resp.headers(), h);
-    }
+    let mut out = answer_head(&resp, target.woke);
     let (Some(on_upgrade), StatusCode::SWITCHING_PROTOCOLS) = (on_upgrade, resp.status()) else {
         // No upgrade after all: stream the answer, borrowing the sandbox meanwhile.
         let stream = Body::new(resp.into_body())

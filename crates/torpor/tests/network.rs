@@ -12,22 +12,6 @@ use torpor_api::types::{CreateSandboxBody, CreateTenantBody, ExecBody};
 use torpor_api::ClientError;
 use torpor_core::{NetworkPolicy, Tier};
 
-/// A non-loopback IPv4 address of this host (sandboxes reach it through their router).
-fn host_addr() -> String {
-    let out = std::process::Command::new("ip")
-        .args(["-4", "-o", "addr", "show", "scope", "global"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .find_map(|l| {
-            let mut it = l.split_whitespace();
-            it.position(|w| w == "inet")?;
-            Some(it.next()?.split('/').next()?.to_string())
-        })
-        .expect("a global IPv4 address")
-}
-
 /// A tiny HTTP server on the host: answers every request with `body`, closing first (the body
 /// is delimited by the close).
 async fn host_server(body: &'static str) -> u16 {

@@ -15,22 +15,6 @@ use common::*;
 use torpor_api::ClientError;
 use torpor_core::NetworkPolicy;
 
-/// A non-loopback IPv4 address of this host (sandboxes reach it through their router).
-fn host_addr() -> String {
-    let out = std::process::Command::new("ip")
-        .args(["-4", "-o", "addr", "show", "scope", "global"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .find_map(|l| {
-            let mut it = l.split_whitespace();
-            it.position(|w| w == "inet")?;
-            Some(it.next()?.split('/').next()?.to_string())
-        })
-        .expect("a global IPv4 address")
-}
-
 async fn redis_cmd<T: redis::FromRedisValue>(
     con: &mut redis::aio::MultiplexedConnection,
     args: &[&str],

@@ -261,3 +261,19 @@ pub async fn create(c: &Client, template: &str) -> String {
     .unwrap()
     .id
 }
+
+/// A non-loopback IPv4 address of this host (sandboxes reach it through their router).
+pub fn host_addr() -> String {
+    let out = std::process::Command::new("ip")
+        .args(["-4", "-o", "addr", "show", "scope", "global"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| {
+            let mut it = l.split_whitespace();
+            it.position(|w| w == "inet")?;
+            Some(it.next()?.split('/').next()?.to_string())
+        })
+        .expect("a global IPv4 address")
+}
