@@ -387,8 +387,13 @@ impl Engine {
                     self.store.delete_sandbox(&s.id)?;
                 }
             }
-            // Checkpoints that never committed.
-            remove_tmp_entries(&self.sandbox_dir(&s.id).join("images"));
+            // Checkpoints that never committed, and committed ones the record never came to
+            // point at (a crash between the rename and the record's update).
+            let images = self.sandbox_dir(&s.id).join("images");
+            remove_tmp_entries(&images);
+            if let Some(ImageRef::Local(current)) = self.store.sandbox(&s.id)?.map(|r| r.image) {
+                remove_other_entries(&images, &current);
+            }
         }
         Ok(())
     }
@@ -2427,6 +2432,26 @@ fn apply_image_config(spec: &mut TemplateSpec, config: &torpor_image::ImageConfi
     }
     if spec.cwd.is_none() {
         spec.cwd = config.working_dir.clone().filter(|d| d.starts_with('/'));
+    }
+}
+
+/// Removes every entry of `dir` but `keep` (compared by name; nothing is removed when `keep`
+/// does not lie in `dir` or does not exist).
+fn remove_other_entries(dir: &Path, keep: &Path) {
+    let (Some(name), Some(parent)) = (keep.file_name(), keep.parent()) else {
+        return;
+    };
+    if parent.file_name() != dir.file_name() || !keep.exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name() != name {
+            tracing::info!(path = %e.path().display(), "removing a checkpoint no record points at");
+            let _ = std::fs::remove_dir_all(e.path());
+        }
     }
 }
 

@@ -11,8 +11,13 @@ use torpor_core::Tier;
 
 const ROUNDS: usize = 20;
 
+/// The two tests kill and restart daemons; they run one at a time so that one's kills and
+/// restarts do not share the machine's two cores with the other's timing-sensitive rounds.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_during_checkpoint_and_restore_loses_nothing_committed() {
+    let _serial = SERIAL.lock().await;
     let mut d = Daemon::start().await;
     let c = d.client();
     c.create_template(&agent_template("crashy", no_idle()))
@@ -95,6 +100,7 @@ async fn sigkill_during_checkpoint_and_restore_loses_nothing_committed() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_crash_while_frozen_leaves_nothing_stuck() {
+    let _serial = SERIAL.lock().await;
     let mut d = Daemon::start().await;
     let c = d.client();
     c.create_template(&agent_template("frosty", no_idle()))
