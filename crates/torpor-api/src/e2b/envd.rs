@@ -144,6 +144,14 @@ pub fn ctx(st: &E2b, headers: &HeaderMap) -> Result<Ctx, CtxError> {
     Ok(Ctx { tenant, id })
 }
 
+/// The start of every Connect-RPC call: its framing (content type) and its sandbox (the
+/// `E2b-Sandbox-Id` and `X-Access-Token` headers), or the error answer in the right framing.
+pub fn rpc_call(st: &E2b, headers: &HeaderMap) -> Result<(connect::Framing, Ctx), Box<Response>> {
+    let framing = connect::framing(headers).map_err(|e| Box::new(connect::unary_err(&e)))?;
+    let c = ctx(st, headers).map_err(|e| Box::new(connect::error_response(framing, &e.rpc())))?;
+    Ok((framing, c))
+}
+
 /// GET /health → 204 (waking the sandbox if it sleeps, like any call).
 pub async fn health(State(st): State<Arc<E2b>>, headers: HeaderMap) -> Response {
     let c = match ctx(&st, &headers) {
@@ -346,13 +354,9 @@ pub async fn process_rpc(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let framing = match connect::framing(&headers) {
-        Ok(f) => f,
-        Err(e) => return connect::unary_err(&e),
-    };
-    let c = match ctx(&st, &headers) {
-        Ok(c) => c,
-        Err(e) => return connect::error_response(framing, &e.rpc()),
+    let (framing, c) = match rpc_call(&st, &headers) {
+        Ok(fc) => fc,
+        Err(resp) => return *resp,
     };
     let streaming = matches!(method.as_str(), "Start" | "Connect" | "StreamInput");
     let known = streaming

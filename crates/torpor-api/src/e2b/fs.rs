@@ -13,7 +13,7 @@ use serde_json::json;
 use torpor_runtime::proto::{DirEntry, FileKind};
 
 use super::connect::{self, Code, Item, RpcError};
-use super::envd::{ctx, run, Ctx, HOME};
+use super::envd::{ctx, rpc_call, run, Ctx, HOME};
 use super::{is_running, E2b, E2bError};
 
 /// Entries one ListDir (all depths) or one watcher snapshot may hold.
@@ -203,13 +203,9 @@ pub async fn filesystem_rpc(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let framing = match connect::framing(&headers) {
-        Ok(f) => f,
-        Err(e) => return connect::unary_err(&e),
-    };
-    let c = match ctx(&st, &headers) {
-        Ok(c) => c,
-        Err(e) => return connect::error_response(framing, &e.rpc()),
+    let (framing, c) = match rpc_call(&st, &headers) {
+        Ok(fc) => fc,
+        Err(resp) => return *resp,
     };
     let streaming = method == "WatchDir";
     let known = streaming
