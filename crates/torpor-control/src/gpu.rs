@@ -1401,15 +1401,11 @@ mod tests {
         assert_eq!(status.gpus[0].shares, 0);
     }
 
-    #[test]
-    fn nvml_nodes_need_nvproxy_and_real_device_nodes() {
+    /// A node whose (declared) inventory stands in for NVML's, with its state directory.
+    fn nvml_node(toml: &str) -> (tempfile::TempDir, NodeGpus) {
         let dir = tempfile::tempdir().unwrap();
-        let inv = Inventory::from_toml(
-            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA L4\"\nmemory_mib = 23034\nmig_capable = false\npci_bus_id = \"0000:01:00.0\"\nminor = 7\n",
-            "t",
-        )
-        .unwrap();
-        let mut gpus = NodeGpus::open(
+        let inv = Inventory::from_toml(toml, "t").unwrap();
+        let gpus = NodeGpus::open(
             GpuConfig {
                 nvml_inventory: Some(inv),
                 ..GpuConfig::default()
@@ -1418,6 +1414,12 @@ mod tests {
         )
         .unwrap()
         .unwrap();
+        (dir, gpus)
+    }
+
+    #[test]
+    fn nvml_nodes_need_nvproxy_and_real_device_nodes() {
+        let (_dir, mut gpus) = nvml_node("node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA L4\"\nmemory_mib = 23034\nmig_capable = false\npci_bus_id = \"0000:01:00.0\"\nminor = 7\n");
         let whole = serde_json::json!({"mode": "whole"});
         let admin = TenantId::admin();
         // runsc without nvproxy: refused up front, with a stable code.
@@ -1479,21 +1481,7 @@ mod tests {
 
     #[test]
     fn nvml_nodes_create_mig_instances_through_their_driver() {
-        let dir = tempfile::tempdir().unwrap();
-        let inv = Inventory::from_toml(
-            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA H100 80GB HBM3\"\nmemory_mib = 81559\nmig_capable = true\npci_bus_id = \"0000:01:00.0\"\n",
-            "t",
-        )
-        .unwrap();
-        let mut gpus = NodeGpus::open(
-            GpuConfig {
-                nvml_inventory: Some(inv),
-                ..GpuConfig::default()
-            },
-            dir.path(),
-        )
-        .unwrap()
-        .unwrap();
+        let (_dir, mut gpus) = nvml_node("node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA H100 80GB HBM3\"\nmemory_mib = 81559\nmig_capable = true\npci_bus_id = \"0000:01:00.0\"\n");
         gpus.set_nvproxy(true);
         let admin = TenantId::admin();
         let mig = serde_json::json!({"mode": "mig", "profile": "3g.40gb"});
