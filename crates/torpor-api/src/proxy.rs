@@ -200,7 +200,20 @@ async fn proxy_inner(
     req: Request,
 ) -> ApiResult<Response> {
     let (id, port, tail) = split_route(uri.path())?;
-    forward(state, tenant, id, port, tail, uri, req).await
+    let target = Target {
+        id,
+        port,
+        host: None,
+    };
+    forward(state, tenant, target, tail, uri, req).await
+}
+
+/// What a proxied request reaches: a port of a sandbox, and the Host header it is sent
+/// (`None`: the sandbox's own address and port).
+struct Target {
+    id: String,
+    port: u16,
+    host: Option<String>,
 }
 
 static DOMAIN: OnceLock<String> = OnceLock::new();
@@ -261,11 +274,16 @@ pub(crate) async fn host_route(
             )
         })?;
         let port = split_route(&format!("/sandboxes/{id}/ports/{port_raw}"))?.1;
-        let tenant = crate::e2b::ports::host_route_tenant(&state, id, req.headers())?;
+        let route = crate::e2b::ports::host_route_tenant(&state, id, port, req.headers())?;
         let uri = req.uri().clone();
         let tail = uri.path().trim_start_matches('/').to_string();
         check_tail(&tail)?;
-        forward(state.clone(), tenant, id.to_string(), port, tail, uri, req).await
+        let target = Target {
+            id: id.to_string(),
+            port,
+            host: route.host,
+        };
+        forward(state.clone(), route.tenant, target, tail, uri, req).await
     }
     .await;
     result.unwrap_or_else(|e| e.into_response())
@@ -298,13 +316,13 @@ fn bad_gateway(
 async fn forward(
     state: Arc<ApiState>,
     tenant: TenantId,
-    id: String,
-    port: u16,
+    to: Target,
     tail: String,
     uri: axum::http::Uri,
     req: Request,
 ) -> ApiResult<Response> {
-    let id = sandbox_id(&id)?;
+    let id = sandbox_id(&to.id)?;
+    let port = to.port;
     let target = state.engine.proxy_target(&tenant, &id, port).await?;
     let unreachable = |e: &dyn std::fmt::Display| {
         torpor_control::engine::count_proxied("upstream_error");
@@ -322,7 +340,10 @@ async fn forward(
     let mut out_req = hyper::Request::builder()
         .method(parts.method)
         .uri(path)
-        .header(axum::http::header::HOST, target.addr.to_string());
+        .header(
+            axum::http::header::HOST,
+            to.host.unwrap_or_else(|| target.addr.to_string()),
+        );
     if let Some(h) = out_req.headers_mut() {
         copy_headers(&parts.headers, h);
         if upgrade {

@@ -1,8 +1,12 @@
 //! A sandbox's network policy: what it may reach.
 //!
 //! JSON shapes: `"none"` (no network interface at all, the default), `"full"` (any
-//! destination), or an allowlist `{"allow": [{"cidr": "10.0.0.0/8", "ports": [443]}],
-//! "hosts": ["api.example.com"]}`. Only IPv4 destinations are modelled.
+//! destination), or a rule list `{"allow": [{"cidr": "10.0.0.0/8", "ports": [443]}],
+//! "hosts": ["api.example.com", "*.example.org"]}`. A rule list is read in order: a
+//! destination in `allow` (or an address one of `hosts` resolved to) is let through; else one
+//! in `deny` is refused; else `default` decides (`"deny"` unless given). So
+//! `{"default": "allow", "deny": [{"cidr": "10.0.0.0/8"}]}` is "anything but 10/8".
+//! Only IPv4 destinations are modelled.
 
 use std::net::Ipv4Addr;
 
@@ -22,8 +26,32 @@ pub struct AllowRule {
 pub struct AllowList {
     #[serde(default)]
     pub allow: Vec<AllowRule>,
+    /// Host names (or `*.suffix` wildcards: any name below the suffix, not the suffix itself)
+    /// whose resolved addresses are let through.
     #[serde(default)]
     pub hosts: Vec<String>,
+    /// Destinations refused unless `allow` or `hosts` lets them through; only meaningful with
+    /// `"default": "allow"`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deny: Vec<AllowRule>,
+    /// What happens to a destination no rule names.
+    #[serde(default, skip_serializing_if = "Verdict::is_deny")]
+    pub default: Verdict,
+}
+
+/// The verdict for destinations no rule names.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    #[default]
+    Deny,
+    Allow,
+}
+
+impl Verdict {
+    pub fn is_deny(&self) -> bool {
+        *self == Verdict::Deny
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,19 +111,34 @@ impl NetworkPolicy {
                 format!("at most {MAX_RULES} rules and {MAX_RULES} hosts"),
             ));
         }
-        for (i, rule) in list.allow.iter().enumerate() {
-            parse_cidr(&rule.cidr).map_err(|m| err(format!("network.allow[{i}].cidr"), m))?;
-            for (j, p) in rule.ports.iter().enumerate() {
-                if *p == 0 || *p > 65535 {
-                    return Err(err(
-                        format!("network.allow[{i}].ports[{j}]"),
-                        format!("port {p} is outside 1-65535"),
-                    ));
+        if list.deny.len() > MAX_RULES {
+            return Err(err(
+                "network.deny".into(),
+                format!("at most {MAX_RULES} rules"),
+            ));
+        }
+        if !list.deny.is_empty() && list.default.is_deny() {
+            return Err(err(
+                "network.deny".into(),
+                "deny rules need \"default\": \"allow\" (everything else is already refused)"
+                    .into(),
+            ));
+        }
+        for (key, rules) in [("allow", &list.allow), ("deny", &list.deny)] {
+            for (i, rule) in rules.iter().enumerate() {
+                parse_cidr(&rule.cidr).map_err(|m| err(format!("network.{key}[{i}].cidr"), m))?;
+                for (j, p) in rule.ports.iter().enumerate() {
+                    if *p == 0 || *p > 65535 {
+                        return Err(err(
+                            format!("network.{key}[{i}].ports[{j}]"),
+                            format!("port {p} is outside 1-65535"),
+                        ));
+                    }
                 }
             }
         }
         for (i, h) in list.hosts.iter().enumerate() {
-            check_host(h).map_err(|m| err(format!("network.hosts[{i}]"), m))?;
+            check_host_pattern(h).map_err(|m| err(format!("network.hosts[{i}]"), m))?;
         }
         Ok(())
     }
@@ -121,6 +164,28 @@ pub fn parse_cidr(s: &str) -> Result<(Ipv4Addr, u8), String> {
         u32::MAX << (32 - u32::from(len))
     };
     Ok((Ipv4Addr::from(u32::from(addr) & mask), len))
+}
+
+/// A host name, or a wildcard `*.suffix` (any name below a valid host name suffix).
+pub fn check_host_pattern(h: &str) -> Result<(), String> {
+    match h.strip_prefix("*.") {
+        Some(suffix) => check_host(suffix).map_err(|_| format!("{h:?} is not a valid host name")),
+        None => check_host(h),
+    }
+}
+
+/// Whether `name` (lower case, no trailing dot) matches `pattern`: the same name, or for
+/// `*.suffix` any name that ends in `.suffix` (the suffix itself does not match).
+pub fn host_matches(pattern: &str, name: &str) -> bool {
+    let pattern = pattern.trim_end_matches('.');
+    match pattern.strip_prefix("*.") {
+        Some(suffix) => {
+            name.len() > suffix.len() + 1
+                && name.as_bytes()[name.len() - suffix.len() - 1] == b'.'
+                && name[name.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
+        }
+        None => pattern.eq_ignore_ascii_case(name),
+    }
 }
 
 /// A DNS host name: dot-separated labels of letters, digits and inner hyphens.
@@ -170,6 +235,34 @@ mod tests {
     }
 
     #[test]
+    fn deny_rules_and_default() {
+        let p = parse(
+            r#"{"default":"allow","deny":[{"cidr":"10.0.0.0/8"}],"hosts":["*.example.com"]}"#,
+        );
+        assert!(p.validate().is_ok());
+        let NetworkPolicy::Allow(list) = &p else {
+            panic!("{p:?}")
+        };
+        assert_eq!(list.default, Verdict::Allow);
+        // A default-deny list serialises as before (no new keys).
+        assert_eq!(
+            serde_json::to_string(&parse(r#"{"allow":[]}"#)).unwrap(),
+            r#"{"allow":[],"hosts":[]}"#
+        );
+        assert!(serde_json::from_str::<NetworkPolicy>(r#"{"default":"maybe"}"#).is_err());
+    }
+
+    #[test]
+    fn wildcards_match_names_below_their_suffix() {
+        assert!(host_matches("*.example.com", "a.example.com"));
+        assert!(host_matches("*.example.com", "a.b.EXAMPLE.com"));
+        assert!(!host_matches("*.example.com", "example.com"));
+        assert!(!host_matches("*.example.com", "badexample.com"));
+        assert!(host_matches("api.example.com.", "api.example.com"));
+        assert!(!host_matches("api.example.com", "x.api.example.com"));
+    }
+
+    #[test]
     fn bad_input_names_the_field() {
         let e = parse(r#"{"allow":[{"cidr":"10.0.0.0/8"},{"cidr":"10.0.0.0/33"}]}"#)
             .validate()
@@ -185,6 +278,17 @@ mod tests {
         assert_eq!(e.field, "network.hosts[1]");
         for bad in ["", "-a.b", "a..b", "1.2.3.4", &"x".repeat(64)] {
             assert!(check_host(bad).is_err(), "{bad:?}");
+        }
+        let e = parse(r#"{"deny":[{"cidr":"10.0.0.0/8"}]}"#)
+            .validate()
+            .unwrap_err();
+        assert_eq!(e.field, "network.deny");
+        let e = parse(r#"{"default":"allow","deny":[{"cidr":"10.0.0.0/40"}]}"#)
+            .validate()
+            .unwrap_err();
+        assert_eq!(e.field, "network.deny[0].cidr");
+        for bad in ["*", "*.", "**.a", "a.*.b", "*.-a"] {
+            assert!(check_host_pattern(bad).is_err(), "{bad:?}");
         }
         for bad in ["nope", "1.2.3/8", "1.2.3.4/x", "300.1.1.1/8"] {
             assert!(parse_cidr(bad).is_err(), "{bad:?}");

@@ -1,8 +1,10 @@
 //! The DNS responder networked sandboxes use (their /etc/resolv.conf names 169.254.0.1, which
-//! each worker's router forwards to this responder): it answers only the host names on the
-//! querying sandbox's allowlist, resolving them with the host's resolver, and adds the answers
-//! to that worker's allowed-address set before replying, so the connection that follows is
-//! let through. Any other name is NXDOMAIN. Queries are told apart by their source address
+//! each worker's router forwards to this responder): it answers the host names on the
+//! querying sandbox's `hosts` list (exact names and `*.suffix` wildcards), resolving them with
+//! the host's resolver, and adds the answers to that worker's allowed-address set before
+//! replying, so the connection that follows is let through. A sandbox whose policy lets
+//! unnamed destinations through (`full`, `"default": "allow"`) gets every name resolved.
+//! Any other name is NXDOMAIN. Queries are told apart by their source address
 //! (the worker's router address, unique per worker).
 //!
 //! A small hand-rolled responder: one question per query, A answers (AAAA and other types get
@@ -18,7 +20,10 @@ pub type AllowFn = Arc<dyn Fn(&[Ipv4Addr]) + Send + Sync>;
 /// What one worker's sandbox may resolve, and how to open the door for an answer.
 #[derive(Clone)]
 pub struct DnsClient {
+    /// Names (or `*.suffix` wildcards) whose addresses are added to the allowed set.
     pub hosts: Vec<String>,
+    /// Resolve names not on `hosts` too (their addresses are not added).
+    pub any_name: bool,
     /// Adds resolved addresses to the worker's allowed set (nftables).
     pub allow: AllowFn,
 }
@@ -114,16 +119,17 @@ fn question(q: &[u8]) -> Option<(String, u16, usize)> {
 
 fn answer(q: &[u8], client: &DnsClient) -> Option<Vec<u8>> {
     let (name, qtype, end) = question(q)?;
-    let allowed = client
+    let listed = client
         .hosts
         .iter()
-        .any(|h| h.trim_end_matches('.').eq_ignore_ascii_case(&name));
+        .any(|h| torpor_core::network::host_matches(h, &name));
+    let allowed = listed || client.any_name;
     let addrs: Vec<Ipv4Addr> = if allowed && qtype == 1 {
         resolve(&name)
     } else {
         Vec::new()
     };
-    if !addrs.is_empty() {
+    if listed && !addrs.is_empty() {
         (client.allow)(&addrs);
     }
     // NXDOMAIN for a name not on the list (or that does not resolve), else NOERROR.
@@ -187,6 +193,7 @@ mod tests {
         let s = seen.clone();
         let client = DnsClient {
             hosts: vec!["localhost".into()],
+            any_name: false,
             allow: Arc::new(move |a: &[Ipv4Addr]| s.lock().unwrap().extend_from_slice(a)),
         };
         let r = answer(&query("LocalHost", 1), &client).unwrap();
@@ -202,5 +209,25 @@ mod tests {
         for n in 0..q.len() {
             let _ = answer(&q[..n], &client);
         }
+    }
+
+    #[test]
+    fn wildcards_and_any_name() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = seen.clone();
+        let mut client = DnsClient {
+            hosts: vec!["*.localhost".into()],
+            any_name: false,
+            allow: Arc::new(move |a: &[Ipv4Addr]| s.lock().unwrap().extend_from_slice(a)),
+        };
+        // The wildcard does not match its suffix.
+        let r = answer(&query("localhost", 1), &client).unwrap();
+        assert_eq!(r[3] & 0x0f, 3, "NXDOMAIN");
+        // Any name: resolved, but its addresses do not join the allowed set.
+        client.any_name = true;
+        let r = answer(&query("localhost", 1), &client).unwrap();
+        assert_eq!(r[3] & 0x0f, 0, "NOERROR");
+        assert!(u16::from_be_bytes([r[6], r[7]]) >= 1);
+        assert!(seen.lock().unwrap().is_empty());
     }
 }

@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use torpor_core::network::{parse_cidr, AllowList, NetworkMode};
+use torpor_core::network::{parse_cidr, AllowRule, NetworkMode};
 use torpor_core::NetworkPolicy;
 
 use crate::relay::{EgressRelay, RELAY_PORT};
@@ -296,26 +296,31 @@ impl WorkerNet {
     /// established stay, new ones follow the new policy).
     pub fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), NetError> {
         self.nft(&policy_script(policy))?;
-        let client = match policy {
-            NetworkPolicy::Allow(AllowList { hosts, .. }) if !hosts.is_empty() => {
-                let ns = self.router_ns.clone();
-                Some(crate::dns::DnsClient {
-                    hosts: hosts.clone(),
-                    allow: Arc::new(move |addrs: &[Ipv4Addr]| {
-                        let list: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
-                        let script =
-                            format!("add element ip torpor hosts {{ {} }}\n", list.join(", "));
-                        if let Err(e) = run(
-                            &["ip", "netns", "exec", &ns, "nft", "-f", "-"],
-                            Some(&script),
-                        ) {
-                            tracing::warn!(error = %e, "cannot allow resolved addresses");
-                        }
-                    }),
-                })
-            }
-            _ => None,
+        // The DNS responder answers the names this policy lets through: every name under
+        // `full` or a default-allow list, else only those on `hosts`. Addresses of a listed
+        // name join the allowed set before the answer is sent.
+        let (hosts, any_name) = match policy {
+            NetworkPolicy::Mode(NetworkMode::Full) => (Vec::new(), true),
+            NetworkPolicy::Allow(list) => (list.hosts.clone(), !list.default.is_deny()),
+            NetworkPolicy::Mode(NetworkMode::None) | NetworkPolicy::Unset => (Vec::new(), false),
         };
+        let client = (any_name || !hosts.is_empty()).then(|| {
+            let ns = self.router_ns.clone();
+            crate::dns::DnsClient {
+                hosts,
+                any_name,
+                allow: Arc::new(move |addrs: &[Ipv4Addr]| {
+                    let list: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
+                    let script = format!("add element ip torpor hosts {{ {} }}\n", list.join(", "));
+                    if let Err(e) = run(
+                        &["ip", "netns", "exec", &ns, "nft", "-f", "-"],
+                        Some(&script),
+                    ) {
+                        tracing::warn!(error = %e, "cannot allow resolved addresses");
+                    }
+                }),
+            }
+        });
         crate::dns::set_client(self.router_addr, client);
         Ok(())
     }
@@ -537,32 +542,45 @@ fn policy_script(policy: &NetworkPolicy) -> String {
         NetworkPolicy::Mode(NetworkMode::Full) => {
             s.push_str("add rule ip torpor tp_egress counter name \"egress_conns\" accept\n");
         }
-        NetworkPolicy::Allow(AllowList { allow, hosts }) => {
-            if !hosts.is_empty() {
+        NetworkPolicy::Allow(list) => {
+            if !list.hosts.is_empty() {
                 s.push_str("add rule ip torpor tp_egress ip daddr @hosts counter name \"egress_conns\" accept\n");
             }
-            for rule in allow {
-                let Ok((addr, len)) = parse_cidr(&rule.cidr) else {
-                    continue; // refused at create; never reaches here
-                };
-                if rule.ports.is_empty() {
-                    s.push_str(&format!(
-                        "add rule ip torpor tp_egress ip daddr {addr}/{len} counter name \"egress_conns\" accept\n"
-                    ));
-                } else {
-                    let ports: Vec<String> = rule.ports.iter().map(|p| p.to_string()).collect();
-                    let ports = ports.join(", ");
-                    for proto in ["tcp", "udp"] {
-                        s.push_str(&format!(
-                            "add rule ip torpor tp_egress ip daddr {addr}/{len} {proto} dport {{ {ports} }} counter name \"egress_conns\" accept\n"
-                        ));
-                    }
-                }
+            // Allowed first, then refused (a `return` goes back to the caller, which drops
+            // and counts), then the default.
+            for rule in &list.allow {
+                push_rule(&mut s, rule, "counter name \"egress_conns\" accept");
+            }
+            for rule in &list.deny {
+                push_rule(&mut s, rule, "return");
+            }
+            if !list.default.is_deny() {
+                s.push_str("add rule ip torpor tp_egress counter name \"egress_conns\" accept\n");
             }
         }
         NetworkPolicy::Mode(NetworkMode::None) | NetworkPolicy::Unset => {}
     }
     s
+}
+
+/// One rule of `tp_egress`: `rule`'s destination range (and ports, TCP and UDP) → `verdict`.
+fn push_rule(s: &mut String, rule: &AllowRule, verdict: &str) {
+    let Ok((addr, len)) = parse_cidr(&rule.cidr) else {
+        return; // refused at create; never reaches here
+    };
+    if rule.ports.is_empty() {
+        s.push_str(&format!(
+            "add rule ip torpor tp_egress ip daddr {addr}/{len} {verdict}\n"
+        ));
+        return;
+    }
+    let ports: Vec<String> = rule.ports.iter().map(|p| p.to_string()).collect();
+    let ports = ports.join(", ");
+    for proto in ["tcp", "udp"] {
+        s.push_str(&format!(
+            "add rule ip torpor tp_egress ip daddr {addr}/{len} {proto} dport {{ {ports} }} {verdict}\n"
+        ));
+    }
 }
 
 /// Removes the namespaces (and with them the links) whose names start with `prefix`.
@@ -607,6 +625,18 @@ mod tests {
         let s = policy_script(&p);
         assert!(s.contains("ip daddr 10.0.0.0/8 tcp dport { 80, 443 } counter"));
         assert!(s.contains("udp dport"));
+        // Deny rules come after the allowed ones and before the default.
+        let p: NetworkPolicy = serde_json::from_str(
+            r#"{"default":"allow","allow":[{"cidr":"10.1.0.0/16"}],"deny":[{"cidr":"10.0.0.0/8"}]}"#,
+        )
+        .unwrap();
+        let s = policy_script(&p);
+        let allow = s.find("ip daddr 10.1.0.0/16 counter").unwrap();
+        let deny = s.find("ip daddr 10.0.0.0/8 return").unwrap();
+        let default = s
+            .rfind("tp_egress counter name \"egress_conns\" accept")
+            .unwrap();
+        assert!(allow < deny && deny < default, "{s}");
     }
 
     #[test]

@@ -10,7 +10,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use torpor_api::types::{CreateSandboxBody, ExecBody, ExecEvent, Sandbox, Template};
 use torpor_api::{Client, ClientError};
 use torpor_core::{
-    IdlePolicy, Limits, LimitsPatch, TemplateName, TemplateSource, TemplateSpec, Tier,
+    IdlePolicy, Limits, LimitsPatch, NetworkPolicy, TemplateName, TemplateSource, TemplateSpec,
+    Tier,
 };
 
 use crate::daemon::{self, ENV_TOKEN, ENV_URL};
@@ -131,6 +132,9 @@ pub enum Command {
         /// GPU request as JSON, e.g. '{"mode":"mps","compute_pct":25}' (overrides the template's).
         #[arg(long, value_parser = crate::gpu::parse_gpu_json)]
         gpu: Option<serde_json::Value>,
+        /// Network policy: none, full, or JSON such as '{"allow":[{"cidr":"10.0.0.0/8"}],"hosts":["api.example.com"]}' (docs/NETWORKING.md).
+        #[arg(long, value_parser = parse_network)]
+        network: Option<NetworkPolicy>,
         #[command(flatten)]
         conn: Conn,
     },
@@ -263,6 +267,9 @@ pub enum TemplateCmd {
         /// GPU request every sandbox of the template gets, as JSON, e.g. '{"mode":"mig","profile":"1g.18gb"}'.
         #[arg(long, value_parser = crate::gpu::parse_gpu_json)]
         gpu: Option<serde_json::Value>,
+        /// Network policy of its sandboxes: none, full, or JSON such as '{"allow":[{"cidr":"10.0.0.0/8"}],"hosts":["api.example.com"]}' (docs/NETWORKING.md).
+        #[arg(long, value_parser = parse_network)]
+        network: Option<NetworkPolicy>,
         #[command(flatten)]
         conn: Conn,
     },
@@ -327,6 +334,19 @@ fn parse_kv(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
+}
+
+/// `--network`: `none`, `full` or a JSON rule list, checked as the daemon checks it.
+fn parse_network(s: &str) -> Result<NetworkPolicy, String> {
+    let p: NetworkPolicy = match s.trim() {
+        "none" => NetworkPolicy::none(),
+        "full" => NetworkPolicy::full(),
+        json => serde_json::from_str(json).map_err(|e| {
+            format!("expected none, full or a JSON policy such as '{{\"allow\":[]}}': {e}")
+        })?,
+    };
+    p.validate().map_err(|e| e.to_string())?;
+    Ok(p)
 }
 
 /// An error the CLI reports; the exit code is 1 unless the command said otherwise.
@@ -458,6 +478,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             cpus,
             pids,
             gpu,
+            network,
             conn,
         } => {
             let c = client(&conn)?;
@@ -473,7 +494,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                         pids,
                     }),
                     gpu,
-                    network: None,
+                    network,
                 })
                 .await?;
             if conn.json {
@@ -701,6 +722,7 @@ async fn template(cmd: TemplateCmd) -> CliResult {
             suspend_after,
             warmup_ms,
             gpu,
+            network,
             conn,
         } => {
             let c = client(&conn)?;
@@ -734,7 +756,7 @@ async fn template(cmd: TemplateCmd) -> CliResult {
                 },
                 warmup_ms,
                 gpu,
-                network: None,
+                network,
             };
             if !conn.json {
                 eprintln!("building template {name}: import, boot, golden snapshot ...");

@@ -16,6 +16,7 @@ use torpor_api::types::CreateTenantBody;
 const SDK_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/sdk_flow.py");
 const JS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/sdk_flow.mjs");
 const PORTS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/ports.py");
+const NETWORK_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/network.py");
 const PTY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/pty.py");
 const JS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/js");
 
@@ -103,12 +104,25 @@ async fn the_official_javascript_sdk_runs_against_torpor() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn the_python_sdk_reaches_sandbox_ports_through_get_host() {
+async fn the_python_sdk_reaches_ports_and_sets_egress() {
     let d = Daemon::start_with(&["--proxy-domain", "e2b.test"]).await;
     let key = tenant(&d, "ports-a").await;
     let addr = format!("127.0.0.1:{}", d.port);
     let extra = [("TORPOR_ADDR", addr), ("EXPECT_DOMAIN", "e2b.test".into())];
     run_sdk(&d, "python3", PORTS_SCRIPT, &key, &extra).await;
+    // Egress options (same daemon): they need a template whose network is `full`.
+    let mut full = common::agent_template("net-full", common::no_idle());
+    full.command = Vec::new();
+    full.warmup_ms = 0;
+    full.network = Some(torpor_core::NetworkPolicy::full());
+    torpor_api::Client::new(&d.url(), &key)
+        .create_template(&full)
+        .await
+        .unwrap();
+    let mut extra = extra.to_vec();
+    extra.push(("HOST_IP", common::host_addr()));
+    extra.push(("FULL_TEMPLATE", "net-full".into()));
+    run_sdk(&d, "python3", NETWORK_SCRIPT, &key, &extra).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -354,6 +368,37 @@ async fn wire_contract_statuses_shapes_and_bad_input() {
         .call(M::POST, &format!("/sandboxes/{id}/pause"), None)
         .await;
     assert_error(s, &v, 404);
+    // Egress options: another tenant's sandbox, a bad entry, widening the `base` template
+    // (no network: ingress only), each with E2B's error shape; narrowing it is accepted.
+    let net = format!("/sandboxes/{id}/network");
+    let (s, v) = foreign
+        .call(M::PUT, &net, Some(json!({"denyOut": ["0.0.0.0/0"]})))
+        .await;
+    assert_error(s, &v, 404);
+    let (s, v) = api
+        .call(M::PUT, &net, Some(json!({"denyOut": ["example.com"]})))
+        .await;
+    assert_error(s, &v, 400);
+    assert!(v["message"].as_str().unwrap().contains("denyOut[0]"), "{v}");
+    let (s, v) = api
+        .call(
+            M::PUT,
+            &net,
+            Some(json!({"allowOut": ["1.1.1.1"], "denyOut": ["0.0.0.0/0"]})),
+        )
+        .await;
+    assert_error(s, &v, 400);
+    assert!(
+        v["message"].as_str().unwrap().contains("limits egress"),
+        "{v}"
+    );
+    let (s, v) = api
+        .call(M::PUT, &net, Some(json!({"allow_internet_access": false})))
+        .await;
+    assert_eq!(s, 204, "{v}");
+    let (_, det) = api.call(M::GET, &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(det["allowInternetAccess"], false, "{det}");
+    assert_eq!(det["network"]["allowPublicTraffic"], true, "{det}");
 
     // List: metadata filter and x-next-token paging (two more in group "two").
     for _ in 0..2 {

@@ -507,6 +507,18 @@ async fn only_names_on_the_list_resolve() {
     assert_eq!(dns(&c, &id, "localhost").await, "3 0 -");
     patch_network(&d, &id, json!({"hosts": ["localhost"]})).await;
     assert_eq!(dns(&c, &id, "localhost").await, "0 1 127.0.0.1");
+    // A wildcard names what is below it, not itself.
+    patch_network(&d, &id, json!({"hosts": ["*.localhost"]})).await;
+    assert_eq!(dns(&c, &id, "localhost").await, "3 0 -");
+    // A policy that lets unnamed destinations through resolves every name.
+    for open in [
+        json!("full"),
+        json!({"default": "allow", "deny": [{"cidr": "10.0.0.0/8"}]}),
+    ] {
+        let r = patch_network(&d, &id, open.clone()).await;
+        assert_eq!(r.status(), 200, "{open}");
+        assert_eq!(dns(&c, &id, "localhost").await, "0 1 127.0.0.1", "{open}");
+    }
     c.delete_sandbox(&id).await.unwrap();
 }
 

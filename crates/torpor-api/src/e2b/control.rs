@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use torpor_control::{CreateSandbox, SandboxRecord};
 use torpor_core::{SandboxId, TemplateName, TenantId, Tier};
 
+use super::egress::{Egress, META_EGRESS};
 use super::{
     is_running, template_to_e2b, template_to_torpor, E2b, E2bError, DEFAULT_TIMEOUT_S,
     MAX_TIMEOUT_S, META_END_AT, META_ON_TIMEOUT, META_PREFIX,
@@ -69,14 +70,37 @@ pub struct NewSandbox {
     pub env_vars: Option<BTreeMap<String, String>>,
     pub lifecycle: Option<serde_json::Value>,
     pub network: Option<NetworkBody>,
+    /// Snake case on the wire, unlike the other fields.
+    #[serde(rename = "allow_internet_access", alias = "allowInternetAccess")]
+    pub allow_internet_access: Option<bool>,
 }
 
-/// E2B's `network` at create: only `allowPublicTraffic` is mapped (egress follows the
-/// template's torpor policy, see docs/E2B.md).
+/// E2B's `network` at create: egress options (mapped onto a torpor policy by
+/// [`super::egress`]), whether ports are public, and the Host the sandbox's servers see.
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct NetworkBody {
     pub allow_public_traffic: Option<bool>,
+    pub allow_out: Option<Vec<String>>,
+    pub deny_out: Option<Vec<String>>,
+    pub dns_servers: Option<Vec<String>>,
+    pub mask_request_host: Option<String>,
+    pub egress_proxy: Option<serde_json::Value>,
+    pub rules: Option<serde_json::Value>,
+    pub https_ports: Option<serde_json::Value>,
+}
+
+/// `PUT /sandboxes/{id}/network`: replaces the egress options as a whole.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkUpdate {
+    pub allow_out: Option<Vec<String>>,
+    pub deny_out: Option<Vec<String>>,
+    pub dns_servers: Option<Vec<String>>,
+    pub egress_proxy: Option<serde_json::Value>,
+    pub rules: Option<serde_json::Value>,
+    #[serde(rename = "allow_internet_access", alias = "allowInternetAccess")]
+    pub allow_internet_access: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -131,6 +155,27 @@ pub struct SandboxDetailJson {
     pub disk_size_mb: u64,
     pub state: String,
     pub metadata: BTreeMap<String, String>,
+    #[serde(
+        rename = "allowInternetAccess",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub allow_internet_access: Option<bool>,
+    pub network: NetworkInfoJson,
+}
+
+/// The `network` of a detail answer (E2B's `SandboxNetworkConfig`).
+#[derive(Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkInfoJson {
+    pub allow_public_traffic: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allow_out: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deny_out: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dns_servers: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mask_request_host: Option<String>,
 }
 
 fn client_id() -> String {
@@ -165,6 +210,7 @@ pub fn sandbox_json(st: &E2b, rec: &SandboxRecord) -> SandboxJson {
 
 pub fn detail_json(st: &E2b, rec: &SandboxRecord, with_token: bool) -> SandboxDetailJson {
     let tpl = template_to_e2b(rec.template.as_str()).to_string();
+    let egress = egress_of(rec);
     let end_at = rec
         .metadata
         .get(META_END_AT)
@@ -190,6 +236,40 @@ pub fn detail_json(st: &E2b, rec: &SandboxRecord, with_token: bool) -> SandboxDe
         }
         .into(),
         metadata: user_metadata(rec),
+        allow_internet_access: egress.allow_internet_access,
+        network: NetworkInfoJson {
+            allow_public_traffic: rec
+                .metadata
+                .get(super::ports::META_TRAFFIC)
+                .is_none_or(|t| t == "public"),
+            allow_out: egress.allow_out,
+            deny_out: egress.deny_out,
+            dns_servers: egress.dns_servers,
+            mask_request_host: rec.metadata.get(super::ports::META_MASK_HOST).cloned(),
+        },
+    }
+}
+
+/// The E2B egress options a sandbox was given (kept in its metadata).
+fn egress_of(rec: &SandboxRecord) -> Egress {
+    rec.metadata
+        .get(META_EGRESS)
+        .and_then(|v| serde_json::from_str(v).ok())
+        .unwrap_or_default()
+}
+
+/// The network policy of a template (`None`: it has none); 404 if it does not exist.
+fn template_network(
+    st: &E2b,
+    tenant: &TenantId,
+    template: &TemplateName,
+) -> E2bResult<Option<torpor_core::NetworkPolicy>> {
+    match st.api.engine.template(tenant, template) {
+        Ok(t) => Ok(t.spec.network),
+        Err(torpor_control::ControlError::NotFound { .. }) => Err(E2bError::not_found(
+            format_args!("template {:?}", template.as_str()),
+        )),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -249,20 +329,33 @@ pub async fn create(
     }
     metadata.insert(META_END_AT.into(), deadline(timeout));
     metadata.insert(META_ON_TIMEOUT.into(), on_timeout(&body)?.into());
-    // Reachable on its ports (get_host): the template's network, else ingress only.
-    let tpl_network = match st.api.engine.template(&tenant, &template) {
-        Ok(t) => t.spec.network,
-        Err(torpor_control::ControlError::NotFound { .. }) => {
-            return Err(E2bError::not_found(format_args!("template {tpl:?}")))
-        }
-        Err(e) => return Err(e.into()),
+    // Reachable on its ports (get_host): always an interface. Egress: the template's policy,
+    // narrowed (or, under a `full` template, set) by E2B's egress options.
+    let tpl_network = template_network(&st, &tenant, &template)?;
+    let net = body.network.unwrap_or_default();
+    super::egress::refuse_unsupported(
+        net.egress_proxy.as_ref(),
+        net.rules.as_ref(),
+        net.https_ports.as_ref(),
+    )?;
+    let egress = Egress {
+        allow_out: net.allow_out,
+        deny_out: net.deny_out,
+        dns_servers: net.dns_servers,
+        allow_internet_access: body.allow_internet_access,
     };
-    let network = super::ports::ingress_policy(tpl_network.as_ref());
-    let public = body
-        .network
-        .as_ref()
-        .and_then(|n| n.allow_public_traffic)
-        .unwrap_or(true);
+    let network = super::egress::policy(tpl, tpl_network.as_ref(), &egress)?;
+    if egress != Egress::default() {
+        metadata.insert(
+            META_EGRESS.into(),
+            serde_json::to_string(&egress).expect("json"),
+        );
+    }
+    if let Some(mask) = net.mask_request_host {
+        super::ports::check_mask_host(&mask).map_err(E2bError::bad_request)?;
+        metadata.insert(super::ports::META_MASK_HOST.into(), mask);
+    }
+    let public = net.allow_public_traffic.unwrap_or(true);
     metadata.insert(
         super::ports::META_TRAFFIC.into(),
         if public {
@@ -406,6 +499,38 @@ pub async fn get_one(
     let tenant = authenticate(&st, &headers)?;
     let rec = st.api.engine.sandbox(&tenant, &sandbox_id(&id)?)?;
     Ok(Json(detail_json(&st, &rec, true)))
+}
+
+/// PUT /sandboxes/{id}/network: 204. The egress options are replaced as a whole (an omitted
+/// field is cleared), and a running sandbox gets the new rules at once.
+pub async fn set_network(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> E2bResult<StatusCode> {
+    let tenant = authenticate(&st, &headers)?;
+    let sid = sandbox_id(&id)?;
+    let body: NetworkUpdate = parse_body(&body)?;
+    let rec = st.api.engine.sandbox(&tenant, &sid)?;
+    super::egress::refuse_unsupported(body.egress_proxy.as_ref(), body.rules.as_ref(), None)?;
+    let egress = Egress {
+        allow_out: body.allow_out,
+        deny_out: body.deny_out,
+        dns_servers: body.dns_servers,
+        allow_internet_access: body.allow_internet_access,
+    };
+    let tpl_network = template_network(&st, &tenant, &rec.template)?;
+    let tpl = template_to_e2b(rec.template.as_str());
+    let policy = super::egress::policy(tpl, tpl_network.as_ref(), &egress)?;
+    st.api.engine.set_network(&tenant, &sid, policy).await?;
+    let kept = (egress != Egress::default()).then(|| serde_json::to_string(&egress).expect("json"));
+    st.api.engine.patch_sandbox_metadata(
+        &tenant,
+        &sid,
+        &[(META_EGRESS.to_string(), kept)].into(),
+    )?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// POST /sandboxes/{id}/timeout: 204. The deadline is set to now + timeout.

@@ -15,6 +15,7 @@
 
 pub mod connect;
 pub mod control;
+pub mod egress;
 pub mod envd;
 pub mod fs;
 pub mod multipart;
@@ -26,7 +27,7 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use serde::Serialize;
 use torpor_core::{SandboxId, TenantId, Tier};
@@ -172,6 +173,7 @@ pub fn router(api: Arc<ApiState>) -> Router<Arc<ApiState>> {
         .route("/sandboxes/{id}/resume", post(control::resume))
         .route("/sandboxes/{id}/pause", post(control::pause))
         .route("/sandboxes/{id}/timeout", post(control::set_timeout))
+        .route("/sandboxes/{id}/network", put(control::set_network))
         .route("/process.Process/{method}", post(envd::process_rpc))
         .route("/filesystem.Filesystem/{method}", post(fs::filesystem_rpc))
         .route("/files", get(fs::download).post(fs::upload))

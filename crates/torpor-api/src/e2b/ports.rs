@@ -40,6 +40,31 @@ pub fn new_traffic_token(st: &E2b) -> String {
         .to_string()
 }
 
+/// Metadata key: E2B's `maskRequestHost`, the Host the sandbox's server sees (`${PORT}` is
+/// replaced by the port).
+pub const META_MASK_HOST: &str = "torpor.e2b.mask_host";
+
+/// Who a host-routed request acts as, and the Host header the sandbox is sent (E2B's
+/// `maskRequestHost`; `None`: the sandbox's own address).
+pub(crate) struct HostRoute {
+    pub tenant: TenantId,
+    pub host: Option<String>,
+}
+
+/// Checks a `maskRequestHost`: a host name, optionally with `${PORT}` and a `:port`.
+pub fn check_mask_host(mask: &str) -> Result<(), String> {
+    let probe = mask.replace("${PORT}", "80");
+    let name = probe.rsplit_once(':').map_or(probe.as_str(), |(n, p)| {
+        if p.parse::<u16>().is_ok() {
+            n
+        } else {
+            "\u{0}"
+        }
+    });
+    torpor_core::network::check_host(name)
+        .map_err(|_| format!("network.maskRequestHost: {mask:?} is not a host name"))
+}
+
 /// The tenant a host-routed request to sandbox `id` acts as. An E2B sandbox whose traffic is
 /// public, or a request carrying its traffic access token, goes through as the admin (who owns
 /// every sandbox); otherwise torpor's bearer check applies. The answer never tells a missing
@@ -47,13 +72,18 @@ pub fn new_traffic_token(st: &E2b) -> String {
 pub(crate) fn host_route_tenant(
     state: &ApiState,
     id: &str,
+    port: u16,
     headers: &HeaderMap,
-) -> Result<TenantId, ApiError> {
+) -> Result<HostRoute, ApiError> {
     let admin = TenantId::admin();
-    let traffic = SandboxId::new(id)
+    let rec = SandboxId::new(id)
         .ok()
-        .and_then(|id| state.engine.sandbox(&admin, &id).ok())
-        .and_then(|rec| rec.metadata.get(META_TRAFFIC).cloned());
+        .and_then(|id| state.engine.sandbox(&admin, &id).ok());
+    let host = rec
+        .as_ref()
+        .and_then(|r| r.metadata.get(META_MASK_HOST))
+        .map(|m| m.replace("${PORT}", &port.to_string()));
+    let traffic = rec.and_then(|rec| rec.metadata.get(META_TRAFFIC).cloned());
     let allowed = match traffic.as_deref() {
         Some("public") => true,
         Some(token) => headers
@@ -63,10 +93,14 @@ pub(crate) fn host_route_tenant(
         None => false,
     };
     if allowed {
-        return Ok(admin);
+        return Ok(HostRoute {
+            tenant: admin,
+            host,
+        });
     }
     if headers.contains_key(axum::http::header::AUTHORIZATION) {
-        return crate::server::tenant_of(state, headers);
+        let tenant = crate::server::tenant_of(state, headers)?;
+        return Ok(HostRoute { tenant, host });
     }
     Err(ApiError::new(
         StatusCode::UNAUTHORIZED,
@@ -92,5 +126,13 @@ mod tests {
             ingress_policy(Some(&NetworkPolicy::full())),
             NetworkPolicy::full()
         );
+    }
+
+    #[test]
+    fn mask_hosts() {
+        assert!(check_mask_host("${PORT}-myapp.example.com").is_ok());
+        assert!(check_mask_host("app.internal:8080").is_ok());
+        assert!(check_mask_host("a b").is_err());
+        assert!(check_mask_host("x:y").is_err());
     }
 }
