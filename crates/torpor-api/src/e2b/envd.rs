@@ -71,6 +71,7 @@ if [ -f "$d/holder" ]; then read h < "$d/holder"; kill "$h" 2>/dev/null; fi
 "#;
 
 /// A call's sandbox, from `E2b-Sandbox-Id`, authorised by `X-Access-Token`.
+#[derive(Clone)]
 pub struct Ctx {
     pub tenant: TenantId,
     pub id: SandboxId,
@@ -434,28 +435,44 @@ async fn start(
         stdin,
         pty,
     };
-    let pid =
-        match spawn_in_agent(&st, &c, spawn.clone(), &recorded).await? {
-            Some(pid) => pid,
-            None if pty.is_some() => return Err(RpcError::new(
-                Code::Unimplemented,
-                "this sandbox's agent predates terminals: PTY processes need a sandbox made by \
-                 this torpor",
-            )),
-            None => spawn_supervised(&st, &c, spawn, &recorded).await?,
-        };
-    let fd_out = if pty.is_some() { PTY_FD } else { 1 };
-    // What the agent's `Spawn` leaves: the first wait then answers only on a change (output or
-    // the exit), not at once. (Anything else, such as a supervisor's files, answers at once.)
-    let known = [
+    // What the agent's `Spawn` leaves (the pid's length is not known yet: any size): the
+    // first wait then answers only on a change (output or the exit). That wait is sent
+    // beside the `Spawn`, not after it, so a short command costs one round trip to the
+    // agent, not two. (Anything else, such as a supervisor's files, answers at once.)
+    let known: BTreeMap<String, u64> = [
         ("config", recorded.len() as u64),
         ("out", 0),
         ("err", 0),
-        ("pid", pid.to_string().len() as u64),
+        ("pid", torpor_runtime::proto::ANY_SIZE),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    let first = (!is_legacy(&st, &c)).then(|| {
+        let (st, c, dir, known) = (st.clone(), c.clone(), dir.clone(), known.clone());
+        tokio::spawn(async move { changed(&st, &c, &dir, &known, WAIT).await })
+    });
+    let spawned = spawn_in_agent(&st, &c, spawn.clone(), &recorded).await;
+    let (pid, first) = match (spawned, first) {
+        (Ok(Some(pid)), first) => (pid, first),
+        (other, first) => {
+            if let Some(f) = first {
+                f.abort();
+            }
+            match other {
+                Err(e) => return Err(e),
+                Ok(_) if pty.is_some() => {
+                    return Err(RpcError::new(
+                        Code::Unimplemented,
+                        "this sandbox's agent predates terminals: PTY processes need a sandbox \
+                         made by this torpor",
+                    ))
+                }
+                Ok(_) => (spawn_supervised(&st, &c, spawn, &recorded).await?, None),
+            }
+        }
+    };
+    let fd_out = if pty.is_some() { PTY_FD } else { 1 };
     let f = Follow {
         pid,
         dir,
@@ -463,6 +480,7 @@ async fn start(
         keepalive,
         deadline,
         known,
+        first,
     };
     Ok(f.stream(st, c, (0, 0)))
 }
@@ -729,6 +747,7 @@ async fn attach(
         keepalive,
         deadline,
         known: BTreeMap::new(),
+        first: None,
     };
     Ok(f.stream(st, c, (out, err)))
 }
@@ -751,6 +770,9 @@ struct Follow {
     deadline: Option<Instant>,
     /// The listing of `dir` taken to be current (empty: the first wait answers at once).
     known: BTreeMap<String, u64>,
+    /// The first wait, already sent (by Start, beside its `Spawn`); used when it answered a
+    /// listing, else the wait is made again.
+    first: Option<tokio::task::JoinHandle<Result<Vec<DirEntry>, RpcError>>>,
 }
 
 impl Follow {
@@ -859,6 +881,7 @@ async fn follow(
         keepalive,
         deadline,
         mut known,
+        mut first,
     } = f;
     let mut last_sent = Instant::now();
     loop {
@@ -876,7 +899,15 @@ async fn follow(
         if let Some(d) = deadline {
             wait = wait.min(d - now);
         }
-        let entries = match changed(&st, &c, &dir, &known, wait).await {
+        let prefetched = match first.take() {
+            Some(handle) => handle.await.ok().and_then(Result::ok),
+            None => None,
+        };
+        let entries = match prefetched {
+            Some(entries) => Ok(entries),
+            None => changed(&st, &c, &dir, &known, wait).await,
+        };
+        let entries = match entries {
             Ok(e) => e,
             Err(e) => {
                 let _ = tx.send(Item::End(Some(no_such_process(pid)(e)))).await;

@@ -36,16 +36,52 @@ def exec_native(sid, cmd):
 rows = []
 sbx = Sandbox.create(timeout=3600)
 sid = sbx.sandbox_id
-for _ in range(3):  # warm both paths
+detail = httpx.get(f"{url}/sandboxes/{sid}", headers={"X-API-KEY": os.environ["E2B_API_KEY"]}).json()
+envd = httpx.Client(base_url=os.environ["E2B_SANDBOX_URL"], timeout=120, headers={
+    "E2b-Sandbox-Id": sid,
+    "X-Access-Token": detail["envdAccessToken"],
+    "Content-Type": "application/connect+json",
+    "Connect-Protocol-Version": "1",
+})
+START = json.dumps({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "true"], "envs": {}}}).encode()
+START = b"\0" + len(START).to_bytes(4, "big") + START
+
+
+def raw_start():
+    """process.Process/Start over plain httpx: the adapter without the SDK's client code."""
+    body = envd.post("/process.Process/Start", content=START).content
+    assert b'exit status 0' in body, body
+
+
+for _ in range(3):  # warm every path
     sbx.commands.run("true")
     exec_native(sid, ["/bin/bash", "-l", "-c", "true"])
+    raw_start()
 
+# Interleaved, in alternating order, so that load drift on a shared machine hits every path
+# alike; the overhead is also reported as the median of per-round differences.
+sdk_ms, raw_ms, nat_ms = [], [], []
+paths = [
+    (sdk_ms, lambda: sbx.commands.run("true")),
+    (raw_ms, raw_start),
+    (nat_ms, lambda: exec_native(sid, ["/bin/bash", "-l", "-c", "true"])),
+]
+for i in range(N):
+    for out, f in (paths if i % 2 == 0 else paths[::-1]):
+        out.append(ms(f))
 rows.append((
-    'commands.run("true") (SDK → adapter → bash -l -c)',
-    [ms(lambda: sbx.commands.run("true")) for _ in range(N)],
-    "native exec of bash -l -c true (POST /v1/.../exec)",
-    [ms(lambda: exec_native(sid, ["/bin/bash", "-l", "-c", "true"])) for _ in range(N)],
+    'commands.run("true") (SDK → adapter → bash -l -c)', sdk_ms,
+    "native exec of bash -l -c true (POST /v1/.../exec)", nat_ms,
 ))
+rows.append((
+    "process.Process/Start, raw Connect (httpx, no SDK)", raw_ms,
+    "native exec of bash -l -c true (POST /v1/.../exec)", nat_ms,
+))
+paired = {
+    "sdk_minus_native": statistics.median(a - b for a, b in zip(sdk_ms, nat_ms)),
+    "raw_connect_minus_native": statistics.median(a - b for a, b in zip(raw_ms, nat_ms)),
+    "sdk_minus_raw_connect": statistics.median(a - b for a, b in zip(sdk_ms, raw_ms)),
+}
 
 connect_ms, resume_ms = [], []
 for _ in range(max(3, N // 3)):
@@ -81,4 +117,9 @@ for name, t, bname, b in rows:
     out.append({"row": name, "n": len(t), "p50_ms": round(t50, 3), "p95_ms": round(t95, 3),
                 "baseline": bname, "baseline_p50_ms": round(b50, 3), "baseline_p95_ms": round(b95, 3),
                 "overhead_p50_ms": round(t50 - b50, 3)})
-print(json.dumps({"bench": "e2b", "n": N, "rows": out}))
+print()
+print("paired medians of per-round differences (same round, interleaved):")
+for k, v in paired.items():
+    print(f"  {k:28} {v:+8.2f} ms")
+print(json.dumps({"bench": "e2b", "n": N, "rows": out,
+                  "paired_median_ms": {k: round(v, 3) for k, v in paired.items()}}))
