@@ -1,5 +1,6 @@
 """Terminals and streamed input through the official, unmodified e2b Python SDK: pty.create,
-send_stdin, resize, stream_input, kill; commands.stream_input to a process's stdin.
+send_stdin, resize, stream_input, kill; commands.stream_input to a process's stdin, each input
+written while the stream is still open.
 
 Environment: E2B_API_KEY, E2B_API_URL, E2B_SANDBOX_URL (torpor's listener).
 """
@@ -75,6 +76,46 @@ sbx.commands.stream_input(c.pid, ["one ", "two\n"])
 sbx.commands.close_stdin(c.pid)
 r = c.wait()
 expect(r.stdout == "one two\n", f"cat got {r.stdout!r}")
+
+step("commands.stream_input writes each input as it arrives")
+# The generator yields a line, then waits until `cat` has echoed it back before yielding the
+# next: this completes only if each input reaches the process while the stream is still open.
+echoed = bytearray()
+seen = threading.Condition()
+
+
+def on_stdout(s):
+    with seen:
+        echoed.extend(s.encode())
+        seen.notify_all()
+
+
+c = sbx.commands.run("cat", background=True, stdin=True)
+reader = threading.Thread(target=lambda: c.wait(on_stdout=on_stdout), daemon=True)
+reader.start()
+not_echoed = []
+
+
+def one_at_a_time():
+    for i in range(3):
+        line = f"line-{i}\n"
+        yield line
+        with seen:
+            if not seen.wait_for(lambda: line.encode() in echoed, timeout=15):
+                # End the stream instead of hanging: the assertion below reports it.
+                not_echoed.append(line)
+                return
+
+
+sbx.commands.stream_input(c.pid, one_at_a_time(), timeout=60)
+expect(
+    not not_echoed,
+    f"{not_echoed[:1]!r} was not written while the stream was open (got {bytes(echoed)!r})",
+)
+sbx.commands.close_stdin(c.pid)
+reader.join(timeout=30)
+expect(not reader.is_alive(), "cat ended after close_stdin")
+expect(bytes(echoed) == b"line-0\nline-1\nline-2\n", f"cat echoed {bytes(echoed)!r}")
 
 step("errors")
 try:
