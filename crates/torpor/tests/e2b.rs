@@ -17,6 +17,7 @@ const SDK_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/sdk
 const JS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/sdk_flow.mjs");
 const PORTS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/ports.py");
 const PTY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/pty.py");
+const LEGACY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/legacy.py");
 const JS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/js");
 
 async fn tenant(d: &Daemon, name: &str) -> String {
@@ -116,6 +117,31 @@ async fn the_python_sdk_drives_terminals_and_streamed_input() {
     let d = Daemon::start().await;
     let key = tenant(&d, "pty-a").await;
     run_sdk(&d, "python3", PTY_SCRIPT, &key, &[]).await;
+}
+
+/// A sandbox whose agent predates `Spawn` (as one restored from an older torpor's snapshot):
+/// E2B processes run under the adapter's supervisor shell. The template's env sets the agent's
+/// test switch, so its agent answers `Spawn` (and the ops that came with it) as an older one.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_python_sdk_runs_commands_through_the_supervisor_fallback() {
+    let d = Daemon::start().await;
+    let mut spec = agent_template("legacy-agent", no_idle());
+    spec.command = Vec::new();
+    spec.warmup_ms = 0;
+    spec.env = [(
+        torpor_runtime::agent::TEST_WITHOUT_SPAWN.to_string(),
+        "1".to_string(),
+    )]
+    .into();
+    d.client().create_template(&spec).await.unwrap();
+    let key = tenant(&d, "legacy-a").await;
+    let extra = [("TEMPLATE", "legacy-agent".to_string())];
+    run_sdk(&d, "python3", LEGACY_SCRIPT, &key, &extra).await;
+    let log = d.log();
+    assert!(
+        log.contains("agent without Spawn; using the supervisor shell"),
+        "the adapter fell back to the supervisor shell:\n{log}"
+    );
 }
 
 struct E2b {
