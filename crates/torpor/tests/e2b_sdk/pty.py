@@ -126,5 +126,34 @@ except AssertionError:
 except Exception as e:  # NotFoundException
     expect("not found" in str(e).lower(), str(e))
 
+step("an error ends stream_input at once")
+# An error ends a stream at once, while the client is still sending: here an unknown pid,
+# answered after `start` although the generator would go on for a minute.
+sent = []
+stop = threading.Event()
+
+
+def slow_forever():
+    for i in range(600):
+        if stop.is_set():
+            return
+        sent.append(i)
+        yield f"x{i}\n"
+        stop.wait(0.1)
+
+
+try:
+    sbx.commands.stream_input(999999, slow_forever(), timeout=120)
+    raise AssertionError("stream_input to an unknown pid")
+except AssertionError:
+    raise
+except Exception as e:  # NotFoundException
+    expect("not found" in str(e).lower(), f"{type(e).__name__}: {e}")
+finally:
+    # The SDK's transport may still be pulling from the generator: let it end.
+    stop.set()
+expect(len(sent) < 600, f"the error came only after the client finished ({len(sent)} sent)")
+time.sleep(0.2)
+
 sbx.kill()
 print("ALL OK", flush=True)
