@@ -31,6 +31,13 @@ mod procs;
 /// Where the main process's output and detached execs' output go inside the sandbox.
 pub const LOG_DIR: &str = "/var/log/torpor";
 
+/// Test only: when the agent's own environment (a template's `env`) sets this to `1`, it
+/// answers `Spawn`, `ProcInput`, `ProcCloseInput` and `ProcResize` as an agent that predates
+/// them does (one that cannot parse the request: a `bad_request` under id 0, none under the
+/// request's id), so the tests can exercise the E2B adapter's fallback to its supervisor shell
+/// for sandboxes restored from older snapshots. Nothing else changes.
+pub const TEST_WITHOUT_SPAWN: &str = "TORPOR_AGENT_TEST_WITHOUT_SPAWN";
+
 /// Runs the agent until stdin closes. `main_cmd` is the template's main process (may be empty).
 pub fn run(main_cmd: Vec<String>) -> io::Result<()> {
     // SAFETY: fds 0 and 1 are the container's stdio, open for the agent's whole life; nothing
@@ -42,6 +49,7 @@ pub fn run(main_cmd: Vec<String>) -> io::Result<()> {
         env: RwLock::new(BTreeMap::new()),
         children: Arc::new(ChildTable::default()),
         main: Mutex::new(MainState::default()),
+        without_spawn: std::env::var_os(TEST_WITHOUT_SPAWN).is_some_and(|v| v == "1"),
     });
     let _ = fs::create_dir_all(LOG_DIR);
     {
@@ -83,6 +91,8 @@ struct Agent {
     env: RwLock<BTreeMap<String, String>>,
     children: Arc<ChildTable>,
     main: Mutex<MainState>,
+    /// [`TEST_WITHOUT_SPAWN`] is set.
+    without_spawn: bool,
 }
 
 #[derive(Default)]
@@ -112,6 +122,19 @@ impl Agent {
     }
 
     fn handle(&self, id: u64, req: Request, body: Vec<u8>) {
+        if self.without_spawn
+            && matches!(
+                req,
+                Request::Spawn(_)
+                    | Request::ProcInput { .. }
+                    | Request::ProcCloseInput { .. }
+                    | Request::ProcResize { .. }
+            )
+        {
+            let m = format!("malformed request: unknown op ({TEST_WITHOUT_SPAWN} is set)");
+            self.reply(0, &bad_request(m), &[]);
+            return;
+        }
         let result = match req {
             Request::Hello => Ok((
                 Reply::Hello {

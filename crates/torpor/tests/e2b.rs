@@ -18,6 +18,7 @@ const JS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/sdk_
 const PORTS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/ports.py");
 const NETWORK_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/network.py");
 const PTY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/pty.py");
+const LEGACY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/legacy.py");
 const JS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/js");
 
 async fn tenant(d: &Daemon, name: &str) -> String {
@@ -130,6 +131,31 @@ async fn the_python_sdk_drives_terminals_and_streamed_input() {
     let d = Daemon::start().await;
     let key = tenant(&d, "pty-a").await;
     run_sdk(&d, "python3", PTY_SCRIPT, &key, &[]).await;
+}
+
+/// A sandbox whose agent predates `Spawn` (as one restored from an older torpor's snapshot):
+/// E2B processes run under the adapter's supervisor shell. The template's env sets the agent's
+/// test switch, so its agent answers `Spawn` (and the ops that came with it) as an older one.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_python_sdk_runs_commands_through_the_supervisor_fallback() {
+    let d = Daemon::start().await;
+    let mut spec = agent_template("legacy-agent", no_idle());
+    spec.command = Vec::new();
+    spec.warmup_ms = 0;
+    spec.env = [(
+        torpor_runtime::agent::TEST_WITHOUT_SPAWN.to_string(),
+        "1".to_string(),
+    )]
+    .into();
+    d.client().create_template(&spec).await.unwrap();
+    let key = tenant(&d, "legacy-a").await;
+    let extra = [("TEMPLATE", "legacy-agent".to_string())];
+    run_sdk(&d, "python3", LEGACY_SCRIPT, &key, &extra).await;
+    let log = d.log();
+    assert!(
+        log.contains("agent without Spawn; using the supervisor shell"),
+        "the adapter fell back to the supervisor shell:\n{log}"
+    );
 }
 
 struct E2b {
@@ -608,12 +634,85 @@ async fn wire_contract_statuses_shapes_and_bad_input() {
     };
     let data = envelope(0, br#"{"data":{"input":{"stdin":"aGk="}}}"#);
     let unknown = envelope(0, br#"{"start":{"process":{"pid":999999}}}"#);
-    for (body, code) in [(data, "invalid_argument"), (unknown, "not_found")] {
+    // Its body is decoded as it arrives, with the same framing errors as a whole one; an
+    // end-of-stream envelope (flag 2) ends it (here with no start: invalid_argument).
+    let only_end = envelope(2, b"{}");
+    let mut truncated = envelope(0, br#"{"keepalive":{}}"#);
+    truncated.pop();
+    for (body, code, words) in [
+        (data, "invalid_argument", "must be start"),
+        (unknown, "not_found", "999999"),
+        (only_end, "invalid_argument", "needs a start"),
+        (
+            truncated,
+            "invalid_argument",
+            "announces 16 bytes but carries 15",
+        ),
+        (oversized.to_vec(), "resource_exhausted", "exceeds"),
+        (envelope(0x40, b"{}"), "invalid_argument", "flags"),
+        (envelope(0x01, b"{}"), "unimplemented", "compressed"),
+        (envelope(0, b"[1]"), "invalid_argument", "request message"),
+    ] {
         let resp = stream_input(body.to_vec()).send().await.unwrap();
         assert_eq!(resp.status().as_u16(), 200);
+        assert_eq!(resp.headers()["content-type"], "application/connect+json");
         let f = frames(&resp.bytes().await.unwrap());
-        assert_eq!(f.last().unwrap().1["error"]["code"], code, "{f:?}");
+        assert_eq!(f.len(), 1, "{f:?}");
+        assert_eq!(f[0].0, 2, "{f:?}");
+        assert_eq!(f[0].1["error"]["code"], code, "{f:?}");
+        let message = f[0].1["error"]["message"].as_str().unwrap();
+        assert!(message.contains(words), "{f:?}");
     }
+    // A whole stream to `cat`: start, data, the end-of-stream envelope (what follows it is
+    // not read) → one empty message and the end-of-stream frame; cat echoes the input.
+    let mut cat = start(envelope(0, br#"{"process":{"cmd":"cat"},"stdin":true}"#))
+        .send()
+        .await
+        .unwrap();
+    let first = cat.chunk().await.unwrap().unwrap();
+    let cat_pid = frames(&first)[0].1["event"]["start"]["pid"]
+        .as_u64()
+        .unwrap();
+    let body = [
+        envelope(
+            0,
+            json!({"start": {"process": {"pid": cat_pid}}})
+                .to_string()
+                .as_bytes(),
+        ),
+        envelope(0, br#"{"keepalive":{}}"#),
+        envelope(0, br#"{"data":{"input":{"stdin":"aGkK"}}}"#),
+        envelope(2, b"{}"),
+        vec![0xff],
+    ]
+    .concat();
+    let resp = stream_input(body).send().await.unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let f = frames(&resp.bytes().await.unwrap());
+    assert_eq!(f, vec![(0, json!({})), (2, json!({}))]);
+    let (mut buf, mut echoed) = (Vec::new(), String::new());
+    while echoed != "hi\n" {
+        let chunk = tokio::time::timeout(Duration::from_secs(30), cat.chunk())
+            .await
+            .expect("cat echoes the streamed input")
+            .unwrap()
+            .expect("cat's stream stays open");
+        buf.extend_from_slice(&chunk);
+        let mut i = 0;
+        while buf.len() - i >= 5 {
+            let len = u32::from_be_bytes(buf[i + 1..i + 5].try_into().unwrap()) as usize;
+            if buf.len() - i - 5 < len {
+                break;
+            }
+            let m: Value = serde_json::from_slice(&buf[i + 5..i + 5 + len]).unwrap();
+            if !m["event"]["data"]["stdout"].is_null() {
+                echoed += &b64(&m["event"]["data"]["stdout"]);
+            }
+            i += 5 + len;
+        }
+        buf.drain(..i);
+    }
+    drop(cat);
     let mut sleeper = start(envelope(0, br#"{"process":{"cmd":"sleep","args":["30"]}}"#))
         .send()
         .await

@@ -147,61 +147,127 @@ pub fn framing(headers: &HeaderMap) -> Result<Framing, RpcError> {
 /// The one message of a server-stream request: exactly one uncompressed envelope.
 pub fn decode_envelope(body: &[u8]) -> Result<&[u8], RpcError> {
     if body.len() < 5 {
-        return Err(RpcError::new(
-            Code::InvalidArgument,
-            format!(
-                "envelope of {} bytes is shorter than its 5-byte prefix",
-                body.len()
-            ),
-        ));
+        return Err(short_prefix(body.len()));
     }
-    let flags = body[0];
+    let (_, len) = check_prefix(body, false)?;
+    if body.len() - 5 != len {
+        return Err(wrong_length(len, body.len() - 5));
+    }
+    Ok(&body[5..])
+}
+
+fn short_prefix(have: usize) -> RpcError {
+    RpcError::new(
+        Code::InvalidArgument,
+        format!("envelope of {have} bytes is shorter than its 5-byte prefix"),
+    )
+}
+
+fn wrong_length(len: usize, carried: usize) -> RpcError {
+    RpcError::new(
+        Code::InvalidArgument,
+        format!("envelope announces {len} bytes but carries {carried}"),
+    )
+}
+
+/// Checks an envelope's 5-byte prefix (`prefix.len() >= 5`): its flags (compressed is
+/// `unimplemented`, any other flag but [`END_STREAM`] where `end_allowed` is
+/// `invalid_argument`) and its announced length (over [`MAX_MESSAGE`] is `resource_exhausted`,
+/// refused before anything is buffered). Answers (flags, length).
+fn check_prefix(prefix: &[u8], end_allowed: bool) -> Result<(u8, usize), RpcError> {
+    let flags = prefix[0];
     if flags & COMPRESSED != 0 {
         return Err(RpcError::new(
             Code::Unimplemented,
             "compressed messages are not supported",
         ));
     }
-    if flags != 0 {
+    if flags != 0 && !(end_allowed && flags == END_STREAM) {
         return Err(RpcError::new(
             Code::InvalidArgument,
             format!("unknown envelope flags {flags:#04x}"),
         ));
     }
-    let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+    let len = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
     if len > MAX_MESSAGE {
         return Err(RpcError::new(
             Code::ResourceExhausted,
             format!("message of {len} bytes exceeds the limit of {MAX_MESSAGE}"),
         ));
     }
-    if body.len() - 5 != len {
-        return Err(RpcError::new(
-            Code::InvalidArgument,
-            format!(
-                "envelope announces {len} bytes but carries {}",
-                body.len() - 5
-            ),
-        ));
-    }
-    Ok(&body[5..])
+    Ok((flags, len))
 }
 
-/// The messages of a client-stream request: uncompressed envelopes back to back, each checked
-/// like [`decode_envelope`].
-pub fn decode_envelopes(mut body: &[u8]) -> Result<Vec<&[u8]>, RpcError> {
-    let mut out = Vec::new();
-    while !body.is_empty() {
-        if body.len() < 5 {
-            return decode_envelope(body).map(|_| Vec::new());
-        }
-        let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
-        if len > MAX_MESSAGE || body.len() - 5 < len {
-            return decode_envelope(body).map(|_| Vec::new());
-        }
-        out.push(decode_envelope(&body[..5 + len])?);
-        body = &body[5 + len..];
+/// One envelope of a client stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Envelope {
+    /// A message (flags 0): its JSON.
+    Message(Bytes),
+    /// An end-of-stream envelope (flag [`END_STREAM`]): no message follows it.
+    End(Bytes),
+}
+
+/// Decodes the envelopes of a client stream as its bytes arrive, in chunks of any size: each
+/// envelope is answered as soon as it is complete, each prefix checked like
+/// [`decode_envelope`]'s as soon as its 5 bytes are there (so an oversized announcement is
+/// refused before its message is buffered: at most one message of [`MAX_MESSAGE`] is held).
+#[derive(Debug, Default)]
+pub struct EnvelopeDecoder {
+    buf: bytes::BytesMut,
+}
+
+impl EnvelopeDecoder {
+    /// Adds bytes received.
+    pub fn push(&mut self, chunk: &[u8]) {
+        self.buf.extend_from_slice(chunk);
     }
+
+    /// The next complete envelope, `None` until more bytes are pushed; an error for a bad
+    /// prefix (after which the decoder should not be used further).
+    pub fn next_envelope(&mut self) -> Result<Option<Envelope>, RpcError> {
+        if self.buf.len() < 5 {
+            return Ok(None);
+        }
+        let (flags, len) = check_prefix(&self.buf, true)?;
+        if self.buf.len() - 5 < len {
+            return Ok(None);
+        }
+        let mut frame = self.buf.split_to(5 + len);
+        let json = frame.split_off(5).freeze();
+        Ok(Some(if flags == END_STREAM {
+            Envelope::End(json)
+        } else {
+            Envelope::Message(json)
+        }))
+    }
+
+    /// At the end of the body: an error when an incomplete envelope is left (wrong length).
+    pub fn finish(&self) -> Result<(), RpcError> {
+        match self.buf.len() {
+            0 => Ok(()),
+            n if n < 5 => Err(short_prefix(n)),
+            n => {
+                let (_, len) = check_prefix(&self.buf, true)?;
+                Err(wrong_length(len, n - 5))
+            }
+        }
+    }
+}
+
+/// The messages of a whole client-stream body: envelopes back to back, up to the end of the
+/// body or an end-of-stream envelope (what follows one is not read), checked by
+/// [`EnvelopeDecoder`].
+pub fn decode_envelopes(body: &[u8]) -> Result<Vec<Bytes>, RpcError> {
+    let mut d = EnvelopeDecoder::default();
+    d.push(body);
+    let mut out = Vec::new();
+    while let Some(e) = d.next_envelope()? {
+        match e {
+            Envelope::Message(m) => out.push(m),
+            Envelope::End(_) => return Ok(out),
+        }
+    }
+    d.finish()?;
     Ok(out)
 }
 
@@ -438,11 +504,116 @@ mod tests {
         assert!(framing(&h).is_err());
     }
 
+    /// Feeds `body` to a decoder in chunks of `step` bytes; answers the messages up to the end.
+    fn decode_in_chunks(body: &[u8], step: usize) -> Result<Vec<Bytes>, RpcError> {
+        let mut d = EnvelopeDecoder::default();
+        let mut out = Vec::new();
+        for chunk in body.chunks(step.max(1)) {
+            d.push(chunk);
+            while let Some(e) = d.next_envelope()? {
+                match e {
+                    Envelope::Message(m) => out.push(m),
+                    Envelope::End(_) => return Ok(out),
+                }
+            }
+        }
+        d.finish()?;
+        Ok(out)
+    }
+
+    #[test]
+    fn the_incremental_decoder_answers_each_envelope_once_complete() {
+        let a = envelope(0, br#"{"start":{}}"#);
+        let b = envelope(0, b"");
+        let mut d = EnvelopeDecoder::default();
+        assert_eq!(d.next_envelope().unwrap(), None);
+        // Byte by byte: nothing until the last byte of the first envelope.
+        for (i, byte) in a.iter().enumerate() {
+            d.push(&[*byte]);
+            let got = d.next_envelope().unwrap();
+            if i + 1 < a.len() {
+                assert_eq!(got, None, "after {} bytes", i + 1);
+                assert!(d.finish().is_err(), "an incomplete envelope is left");
+            } else {
+                assert_eq!(got, Some(Envelope::Message(a.slice(5..))));
+            }
+        }
+        d.finish().unwrap();
+        // Two in one chunk, then an end-of-stream envelope.
+        d.push(&[&b[..], &b[..], &end_frame(None)[..]].concat());
+        assert_eq!(
+            d.next_envelope().unwrap(),
+            Some(Envelope::Message(Bytes::new()))
+        );
+        assert_eq!(
+            d.next_envelope().unwrap(),
+            Some(Envelope::Message(Bytes::new()))
+        );
+        assert_eq!(
+            d.next_envelope().unwrap(),
+            Some(Envelope::End(Bytes::from_static(b"{}")))
+        );
+        assert_eq!(d.next_envelope().unwrap(), None);
+        // What follows an end-of-stream envelope is not read.
+        let after_end = [&a[..], &end_frame(None)[..], &a[..], &[9u8][..]].concat();
+        assert_eq!(decode_envelopes(&after_end).unwrap(), vec![a.slice(5..)]);
+    }
+
+    #[test]
+    fn the_incremental_decoder_refuses_bad_prefixes_as_soon_as_they_arrive() {
+        let code = |bytes: &[u8]| {
+            let mut d = EnvelopeDecoder::default();
+            d.push(bytes);
+            d.next_envelope().unwrap_err().code
+        };
+        // Oversized: refused from the prefix alone, before its message arrives.
+        assert_eq!(code(&[0, 0xff, 0xff, 0xff, 0xff]), Code::ResourceExhausted);
+        assert_eq!(code(&[2, 0x7f, 0xff, 0xff, 0xff]), Code::ResourceExhausted);
+        assert_eq!(code(&[1, 0, 0, 0, 2]), Code::Unimplemented);
+        assert_eq!(code(&[3, 0, 0, 0, 2]), Code::Unimplemented);
+        assert_eq!(code(&[0x40, 0, 0, 0, 2]), Code::InvalidArgument);
+        assert_eq!(code(&[0x80, 0, 0, 0, 2]), Code::InvalidArgument);
+        // Wrong length: the body ends inside an envelope (its prefix, or its message).
+        let f = envelope(0, br#"{"a":1}"#);
+        for cut in [1, 3, 5, 8] {
+            let e = decode_envelopes(&f[..cut]).unwrap_err();
+            assert_eq!(e.code, Code::InvalidArgument, "{cut}: {e:?}");
+        }
+        let e = decode_envelopes(&f[..8]).unwrap_err();
+        assert_eq!(e.message, "envelope announces 7 bytes but carries 3");
+        assert_eq!(decode_envelopes(&[]).unwrap(), Vec::<Bytes>::new());
+        // A single-message request (Start, Connect) still refuses the end-of-stream flag.
+        assert_eq!(
+            decode_envelope(&envelope(END_STREAM, b"{}"))
+                .unwrap_err()
+                .code,
+            Code::InvalidArgument
+        );
+    }
+
     proptest::proptest! {
         #[test]
         fn envelope_decoder_never_panics(body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64)) {
             let _ = decode_envelope(&body);
             let _ = parse_request::<serde_json::Value>(Framing::Stream, &body);
+        }
+
+        /// However the body is cut into chunks, the incremental decoder answers what decoding
+        /// it whole answers (the same messages, or an error with the same code and message).
+        #[test]
+        fn chunking_does_not_change_what_is_decoded(
+            msgs in proptest::collection::vec(
+                (proptest::sample::select(vec![0u8, 0, 0, 1, 2, 0x40]),
+                 proptest::collection::vec(proptest::prelude::any::<u8>(), 0..12)),
+                0..5),
+            cut in 0usize..4,
+            step in 1usize..9,
+        ) {
+            let mut body: Vec<u8> = msgs.iter().flat_map(|(f, m)| envelope(*f, m).to_vec()).collect();
+            body.truncate(body.len().saturating_sub(cut));
+            let whole = decode_envelopes(&body);
+            let chunked = decode_in_chunks(&body, step);
+            proptest::prop_assert_eq!(whole, chunked);
         }
     }
 }

@@ -13,11 +13,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::body::{Body, Bytes};
+use axum::extract::{FromRequest, Path, Request as HttpRequest, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
+use futures::StreamExt as _;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -348,13 +349,23 @@ pub enum ExitStatus {
 
 // ------------------------------------------------------------------ the service
 
-/// POST /process.Process/{method}
+/// POST /process.Process/{method}. The client stream `StreamInput` reads its body as it
+/// arrives; every other method reads it whole first (within the router's body limit, as the
+/// `Bytes` extractor does).
 pub async fn process_rpc(
     State(st): State<Arc<E2b>>,
     Path(method): Path<String>,
-    headers: HeaderMap,
-    body: Bytes,
+    req: HttpRequest,
 ) -> Response {
+    let headers = req.headers().clone();
+    let (body, input) = if method == "StreamInput" {
+        (Bytes::new(), Some(req.into_body()))
+    } else {
+        match Bytes::from_request(req, &st).await {
+            Ok(b) => (b, None),
+            Err(rejection) => return rejection.into_response(),
+        }
+    };
     let (framing, c) = match rpc_call(&st, &headers) {
         Ok(fc) => fc,
         Err(resp) => return *resp,
@@ -383,7 +394,7 @@ pub async fn process_rpc(
         "SendSignal" => send_signal(&st, &c, &body).await,
         "CloseStdin" => close_stdin(&st, &c, &body).await,
         "Update" => update(&st, &c, &body).await,
-        "StreamInput" => stream_input(&st, &c, &body).await,
+        "StreamInput" => stream_input(&st, &c, input.unwrap_or_default(), deadline).await,
         _ => unreachable!("checked above"),
     };
     result.unwrap_or_else(|e| connect::error_response(framing, &e))
@@ -1147,10 +1158,34 @@ async fn send_input(st: &E2b, c: &Ctx, body: &[u8]) -> Result<Response, RpcError
 }
 
 /// `StreamInput` (client streaming): a `start` naming the process, then `data` and `keepalive`
-/// messages. Over HTTP/1.1 the request body is read whole before the answer, so the inputs are
-/// written in order once the client has finished sending; the answer is one empty message and
-/// the end of the stream.
-async fn stream_input(st: &E2b, c: &Ctx, body: &[u8]) -> Result<Response, RpcError> {
+/// messages. The body is read as it arrives and each input is written to the process as soon
+/// as its envelope is complete (the next envelope is read once it is written: input keeps its
+/// order, and a slow process holds the client back). The stream ends with the body or an
+/// end-of-stream envelope; the answer is then one empty message and the end of the stream.
+/// An error (bad envelope or message, unknown process, deadline) ends it at once: the inputs
+/// before it have been written.
+async fn stream_input(
+    st: &E2b,
+    c: &Ctx,
+    body: Body,
+    deadline: Option<Instant>,
+) -> Result<Response, RpcError> {
+    let inputs = write_stream_input(st, c, body);
+    match deadline {
+        None => inputs.await?,
+        Some(d) => tokio::time::timeout_at(d.into(), inputs)
+            .await
+            .map_err(|_| RpcError::new(Code::DeadlineExceeded, "the stream's deadline passed"))??,
+    }
+    Ok(connect::stream_response(|tx| async move {
+        let _ = tx
+            .send(Item::Message(connect::message_frame(&json!({}))))
+            .await;
+    }))
+}
+
+/// Reads [`stream_input`]'s envelopes from `body` and writes each input once it is complete.
+async fn write_stream_input(st: &E2b, c: &Ctx, body: Body) -> Result<(), RpcError> {
     #[derive(Debug, Default, Deserialize)]
     #[serde(default)]
     struct StreamInputRequest {
@@ -1158,9 +1193,31 @@ async fn stream_input(st: &E2b, c: &Ctx, body: &[u8]) -> Result<Response, RpcErr
         data: Option<SendInputRequest>,
         keepalive: Option<serde_json::Value>,
     }
+    let mut chunks = body.into_data_stream();
+    let mut decoder = connect::EnvelopeDecoder::default();
     let mut pid = None;
-    for msg in connect::decode_envelopes(body)? {
-        let msg = if msg.is_empty() { &b"{}"[..] } else { msg };
+    loop {
+        let msg = match decoder.next_envelope()? {
+            Some(connect::Envelope::Message(m)) => m,
+            Some(connect::Envelope::End(_)) => break,
+            None => match chunks.next().await {
+                Some(Ok(chunk)) => {
+                    decoder.push(&chunk);
+                    continue;
+                }
+                Some(Err(e)) => {
+                    return Err(RpcError::new(
+                        Code::Canceled,
+                        format!("reading the request: {e}"),
+                    ))
+                }
+                None => {
+                    decoder.finish()?;
+                    break;
+                }
+            },
+        };
+        let msg = if msg.is_empty() { &b"{}"[..] } else { &msg[..] };
         let m: StreamInputRequest = serde_json::from_slice(msg)
             .map_err(|e| RpcError::new(Code::InvalidArgument, format!("request message: {e}")))?;
         if let Some(start) = m.start {
@@ -1194,11 +1251,7 @@ async fn stream_input(st: &E2b, c: &Ctx, body: &[u8]) -> Result<Response, RpcErr
             "StreamInput needs a start message naming the process",
         ));
     }
-    Ok(connect::stream_response(|tx| async move {
-        let _ = tx
-            .send(Item::Message(connect::message_frame(&json!({}))))
-            .await;
-    }))
+    Ok(())
 }
 
 /// `Update`: resizes a terminal process.
