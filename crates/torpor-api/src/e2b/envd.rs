@@ -464,24 +464,15 @@ async fn start(
         tokio::spawn(async move { changed(&st, &c, &dir, &known, WAIT).await })
     });
     let spawned = spawn_in_agent(&st, &c, spawn.clone(), &recorded).await;
-    let (pid, first) = match (spawned, first) {
-        (Ok(Some(pid)), first) => (pid, first),
-        (other, first) => {
-            if let Some(f) = first {
-                f.abort();
-            }
-            match other {
-                Err(e) => return Err(e),
-                Ok(_) if pty.is_some() => {
-                    return Err(RpcError::new(
-                        Code::Unimplemented,
-                        "this sandbox's agent predates terminals: PTY processes need a sandbox \
-                         made by this torpor",
-                    ))
-                }
-                Ok(_) => (spawn_supervised(&st, &c, spawn, &recorded).await?, None),
-            }
+    if !matches!(spawned, Ok(Some(_))) {
+        if let Some(f) = &first {
+            f.abort();
         }
+    }
+    let (pid, first) = match spawned? {
+        Some(pid) => (pid, first),
+        None if pty.is_some() => return Err(RpcError::new(Code::Unimplemented, NO_TERMINALS)),
+        None => (spawn_supervised(&st, &c, spawn, &recorded).await?, None),
     };
     let fd_out = if pty.is_some() { PTY_FD } else { 1 };
     let f = Follow {
@@ -495,6 +486,9 @@ async fn start(
     };
     Ok(f.stream(st, c, (0, 0)))
 }
+
+const NO_TERMINALS: &str = "this sandbox's agent predates terminals: PTY processes need a \
+                            sandbox made by this torpor";
 
 /// Starts a process through the agent's `Spawn` (one spawn, its state in its directory):
 /// `Ok(None)` when the sandbox's agent predates `Spawn` (restored from an older snapshot).
