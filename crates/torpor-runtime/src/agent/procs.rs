@@ -5,8 +5,12 @@
 //! (a terminal's through a copier thread), a waiter thread records its exit status there. The
 //! files, the threads and the pipes or terminal the agent keeps for its input are all inside
 //! the sandbox, so they survive checkpoint and restore with it.
+//!
+//! An ended process's files are kept [`KEEP_ENDED`] (its followers read the last output and the
+//! status), then removed by a later `Spawn`: a sandbox that runs many commands does not
+//! accumulate their output.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -14,7 +18,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{mpsc, Condvar, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{bad_request, io_error, Agent, Answer};
 use crate::proto::{AgentErrorCode, PtySize, Reply, SpawnRequest};
@@ -25,6 +29,42 @@ use crate::proto::{AgentErrorCode, PtySize, Reply, SpawnRequest};
 struct ProcIo {
     input: Option<File>,
     master: Option<File>,
+}
+
+/// How long an ended process's files stay.
+pub const KEEP_ENDED: Duration = Duration::from_secs(60);
+
+/// A process that ended: when, its directory, and its index file with the key it holds.
+struct Ended {
+    at: Instant,
+    dir: PathBuf,
+    index: PathBuf,
+    key: String,
+}
+
+/// Ended processes, oldest first.
+fn ended() -> &'static Mutex<VecDeque<Ended>> {
+    static ENDED: OnceLock<Mutex<VecDeque<Ended>>> = OnceLock::new();
+    ENDED.get_or_init(Default::default)
+}
+
+/// Removes the files of processes that ended more than [`KEEP_ENDED`] before `now`. An index
+/// file that names another key now (the pid was reused) is left.
+fn prune_ended(now: Instant) {
+    prune(&mut ended().lock().unwrap_or_else(|p| p.into_inner()), now);
+}
+
+fn prune(q: &mut VecDeque<Ended>, now: Instant) {
+    while q
+        .front()
+        .is_some_and(|e| now.saturating_duration_since(e.at) >= KEEP_ENDED)
+    {
+        let Some(e) = q.pop_front() else { break };
+        let _ = fs::remove_dir_all(&e.dir);
+        if fs::read_to_string(&e.index).is_ok_and(|k| k.trim() == e.key) {
+            let _ = fs::remove_file(&e.index);
+        }
+    }
 }
 
 fn procs() -> &'static Mutex<HashMap<u32, ProcIo>> {
@@ -41,6 +81,7 @@ impl Agent {
         if req.cmd.is_empty() {
             return Err(bad_request("cmd must not be empty".into()));
         }
+        prune_ended(Instant::now());
         let dir = PathBuf::from(&req.dir);
         let index = Path::new(&req.index_dir);
         for d in [dir.as_path(), index] {
@@ -143,7 +184,9 @@ impl Agent {
             .unwrap_or_else(|p| p.into_inner())
             .insert(pid, io);
         let _ = fs::write(at("pid"), pid.to_string());
-        let _ = fs::write(index.join(pid.to_string()), &req.key);
+        let index_file = index.join(pid.to_string());
+        let _ = fs::write(&index_file, &req.key);
+        let key = req.key.clone();
         let _ = std::thread::Builder::new()
             .name("proc-waiter".into())
             .spawn(move || {
@@ -160,6 +203,15 @@ impl Agent {
                     let _ = File::create(dir.join("signaled"));
                 }
                 let _ = File::create(dir.join(format!("exit-{rc}")));
+                ended()
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push_back(Ended {
+                        at: Instant::now(),
+                        dir,
+                        index: index_file,
+                        key,
+                    });
                 notify_exit();
             });
         Ok((Reply::Started { pid }, Vec::new()))
@@ -290,5 +342,41 @@ fn open_pty(size: PtySize) -> io::Result<(File, File)> {
         let slave = File::from_raw_fd(s);
         set_size(&master, size)?;
         Ok((master, slave))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ended_processes_are_pruned_after_keep_ended() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mk = |key: &str, index_holds: &str| {
+            let dir = tmp.path().join(format!("k{key}"));
+            fs::create_dir(&dir).unwrap();
+            fs::write(dir.join("out"), b"output").unwrap();
+            let index = tmp.path().join(format!("i{key}"));
+            fs::write(&index, index_holds).unwrap();
+            Ended {
+                at: Instant::now(),
+                dir,
+                index,
+                key: key.into(),
+            }
+        };
+        let t0 = Instant::now();
+        let mut q: VecDeque<Ended> = [mk("a", "a"), mk("b", "other")].into();
+        prune(&mut q, t0);
+        assert_eq!(q.len(), 2, "kept while recent");
+        assert!(tmp.path().join("ka/out").exists());
+        prune(&mut q, t0 + KEEP_ENDED + Duration::from_secs(1));
+        assert!(q.is_empty());
+        assert!(!tmp.path().join("ka").exists() && !tmp.path().join("kb").exists());
+        assert!(!tmp.path().join("ia").exists(), "its own index entry goes");
+        assert!(
+            tmp.path().join("ib").exists(),
+            "an index entry the pid's next process rewrote stays"
+        );
     }
 }
