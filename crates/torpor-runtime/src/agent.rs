@@ -758,6 +758,7 @@ fn list_changed(path: &str, known: &BTreeMap<String, u64>, timeout_ms: u64) -> A
     let mut pause = Duration::from_micros(500);
     loop {
         let over = Instant::now() >= deadline;
+        let exits = procs::exit_count();
         match list(path) {
             Ok((Reply::Entries { entries }, body)) => {
                 let same = entries.len() == known.len()
@@ -776,7 +777,7 @@ fn list_changed(path: &str, known: &BTreeMap<String, u64>, timeout_ms: u64) -> A
             }) if !over => {}
             other => return other,
         }
-        procs::wait_for_exit(pause);
+        procs::wait_for_exit(exits, pause);
         pause = (pause * 2).min(Duration::from_millis(5));
     }
 }

@@ -263,11 +263,17 @@ fn notify_exit() {
     cv.notify_all();
 }
 
-/// Sleeps for `max`, or less when a `Spawn` process ends meanwhile.
-pub(super) fn wait_for_exit(max: Duration) {
+/// How many `Spawn` processes have ended so far: read it before looking, then
+/// [`wait_for_exit`] with it, so an exit between the look and the wait is not missed.
+pub(super) fn exit_count() -> u64 {
+    *exits().0.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Sleeps for `max`, or less when a `Spawn` process ends meanwhile: returns at once when one
+/// has ended since [`exit_count`] answered `seen`.
+pub(super) fn wait_for_exit(seen: u64, max: Duration) {
     let (n, cv) = exits();
     let g = n.lock().unwrap_or_else(|p| p.into_inner());
-    let seen = *g;
     let _ = cv
         .wait_timeout_while(g, max, |now| *now == seen)
         .unwrap_or_else(|p| p.into_inner());
@@ -348,6 +354,15 @@ fn open_pty(size: PtySize) -> io::Result<(File, File)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_exit_before_the_wait_is_not_missed() {
+        let seen = exit_count();
+        notify_exit(); // between the look and the wait
+        let t = Instant::now();
+        wait_for_exit(seen, Duration::from_secs(5));
+        assert!(t.elapsed() < Duration::from_secs(1));
+    }
 
     #[test]
     fn ended_processes_are_pruned_after_keep_ended() {
