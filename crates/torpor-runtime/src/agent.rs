@@ -751,8 +751,7 @@ fn list(path: &str) -> Answer {
 }
 
 /// [`Request::ListChanged`]: re-lists `path` (sleeping 0.5 ms, backing off to 5 ms) until
-/// its (name, size) set differs from `known` or the wait is over. A known size of
-/// [`proto::ANY_SIZE`] matches any size.
+/// its (name, size) set differs from `known` or the wait is over.
 fn list_changed(path: &str, known: &BTreeMap<String, u64>, timeout_ms: u64) -> Answer {
     let deadline = Instant::now() + Duration::from_millis(timeout_ms.min(proto::MAX_WAIT_MS));
     let mut pause = Duration::from_micros(500);
@@ -762,11 +761,7 @@ fn list_changed(path: &str, known: &BTreeMap<String, u64>, timeout_ms: u64) -> A
         match list(path) {
             Ok((Reply::Entries { entries }, body)) => {
                 let same = entries.len() == known.len()
-                    && entries.iter().all(|e| {
-                        known
-                            .get(&e.name)
-                            .is_some_and(|k| *k == e.size || *k == proto::ANY_SIZE)
-                    });
+                    && entries.iter().all(|e| known.get(&e.name) == Some(&e.size));
                 if !same || over {
                     return Ok((Reply::Entries { entries }, body));
                 }
@@ -830,11 +825,6 @@ mod tests {
         let (reply, _) = list_changed(&sub_s, &known, 100).unwrap();
         assert!(t.elapsed() >= Duration::from_millis(100));
         assert!(matches!(reply, Reply::Entries { entries } if entries.len() == 1));
-        // ANY_SIZE matches whatever size the entry has.
-        let any: BTreeMap<String, u64> = [("a".to_string(), proto::ANY_SIZE)].into();
-        let t = Instant::now();
-        list_changed(&sub_s, &any, 100).unwrap();
-        assert!(t.elapsed() >= Duration::from_millis(100));
         // A file grows while it waits: answers at once with the new size.
         let writer = {
             let sub = sub.clone();

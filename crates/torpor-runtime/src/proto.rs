@@ -20,9 +20,6 @@ pub const MAX_HEADER: usize = 1 << 20;
 pub const MAX_BODY: usize = 256 << 20;
 /// The longest a `ListChanged` waits.
 pub const MAX_WAIT_MS: u64 = 5_000;
-/// A size in a `ListChanged`'s `known`: the entry exists, whatever its size (agents before
-/// this constant take it as a size, which only makes their first answer come at once).
-pub const ANY_SIZE: u64 = u64::MAX;
 /// Protocol version; the agent reports it in its hello.
 pub const VERSION: u32 = 1;
 

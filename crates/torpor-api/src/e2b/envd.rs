@@ -72,7 +72,6 @@ if [ -f "$d/holder" ]; then read h < "$d/holder"; kill "$h" 2>/dev/null; fi
 "#;
 
 /// A call's sandbox, from `E2b-Sandbox-Id`, authorised by `X-Access-Token`.
-#[derive(Clone)]
 pub struct Ctx {
     pub tenant: TenantId,
     pub id: SandboxId,
@@ -446,34 +445,24 @@ async fn start(
         stdin,
         pty,
     };
-    // What the agent's `Spawn` leaves (the pid's length is not known yet: any size): the
-    // first wait then answers only on a change (output or the exit). That wait is sent
-    // beside the `Spawn`, not after it, so a short command costs one round trip to the
-    // agent, not two. (Anything else, such as a supervisor's files, answers at once.)
-    let known: BTreeMap<String, u64> = [
+    let pid = match spawn_in_agent(&st, &c, spawn.clone(), &recorded).await? {
+        Some(pid) => pid,
+        None if pty.is_some() => return Err(RpcError::new(Code::Unimplemented, NO_TERMINALS)),
+        None => spawn_supervised(&st, &c, spawn, &recorded).await?,
+    };
+    // What the agent's `Spawn` leaves: the first wait then answers only on a change (output or
+    // the exit), not at once. (Anything else, such as a supervisor's files, answers at once.)
+    // (Sending that wait beside the `Spawn` instead of after it was tried: under gVisor's
+    // ptrace platform its polling slowed the spawn more than the round trip it saved.)
+    let known = [
         ("config", recorded.len() as u64),
         ("out", 0),
         ("err", 0),
-        ("pid", torpor_runtime::proto::ANY_SIZE),
+        ("pid", pid.to_string().len() as u64),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
-    let first = (!is_legacy(&st, &c)).then(|| {
-        let (st, c, dir, known) = (st.clone(), c.clone(), dir.clone(), known.clone());
-        tokio::spawn(async move { changed(&st, &c, &dir, &known, WAIT).await })
-    });
-    let spawned = spawn_in_agent(&st, &c, spawn.clone(), &recorded).await;
-    if !matches!(spawned, Ok(Some(_))) {
-        if let Some(f) = &first {
-            f.abort();
-        }
-    }
-    let (pid, first) = match spawned? {
-        Some(pid) => (pid, first),
-        None if pty.is_some() => return Err(RpcError::new(Code::Unimplemented, NO_TERMINALS)),
-        None => (spawn_supervised(&st, &c, spawn, &recorded).await?, None),
-    };
     let fd_out = if pty.is_some() { PTY_FD } else { 1 };
     let f = Follow {
         pid,
@@ -482,7 +471,6 @@ async fn start(
         keepalive,
         deadline,
         known,
-        first,
     };
     Ok(f.stream(st, c, (0, 0)))
 }
@@ -752,7 +740,6 @@ async fn attach(
         keepalive,
         deadline,
         known: BTreeMap::new(),
-        first: None,
     };
     Ok(f.stream(st, c, (out, err)))
 }
@@ -775,9 +762,6 @@ struct Follow {
     deadline: Option<Instant>,
     /// The listing of `dir` taken to be current (empty: the first wait answers at once).
     known: BTreeMap<String, u64>,
-    /// The first wait, already sent (by Start, beside its `Spawn`); used when it answered a
-    /// listing, else the wait is made again.
-    first: Option<tokio::task::JoinHandle<Result<Vec<DirEntry>, RpcError>>>,
 }
 
 impl Follow {
@@ -886,7 +870,6 @@ async fn follow(
         keepalive,
         deadline,
         mut known,
-        mut first,
     } = f;
     let mut last_sent = Instant::now();
     loop {
@@ -904,15 +887,7 @@ async fn follow(
         if let Some(d) = deadline {
             wait = wait.min(d - now);
         }
-        let prefetched = match first.take() {
-            Some(handle) => handle.await.ok().and_then(Result::ok),
-            None => None,
-        };
-        let entries = match prefetched {
-            Some(entries) => Ok(entries),
-            None => changed(&st, &c, &dir, &known, wait).await,
-        };
-        let entries = match entries {
+        let entries = match changed(&st, &c, &dir, &known, wait).await {
             Ok(e) => e,
             Err(e) => {
                 let _ = tx.send(Item::End(Some(no_such_process(pid)(e)))).await;
