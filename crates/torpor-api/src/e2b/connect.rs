@@ -258,13 +258,20 @@ impl EnvelopeDecoder {
 /// body or an end-of-stream envelope (what follows one is not read), checked by
 /// [`EnvelopeDecoder`].
 pub fn decode_envelopes(body: &[u8]) -> Result<Vec<Bytes>, RpcError> {
+    decode_chunks([body])
+}
+
+/// The messages of a body that arrives in `chunks`, as [`decode_envelopes`].
+fn decode_chunks<'a>(chunks: impl IntoIterator<Item = &'a [u8]>) -> Result<Vec<Bytes>, RpcError> {
     let mut d = EnvelopeDecoder::default();
-    d.push(body);
     let mut out = Vec::new();
-    while let Some(e) = d.next_envelope()? {
-        match e {
-            Envelope::Message(m) => out.push(m),
-            Envelope::End(_) => return Ok(out),
+    for chunk in chunks {
+        d.push(chunk);
+        while let Some(e) = d.next_envelope()? {
+            match e {
+                Envelope::Message(m) => out.push(m),
+                Envelope::End(_) => return Ok(out),
+            }
         }
     }
     d.finish()?;
@@ -506,19 +513,7 @@ mod tests {
 
     /// Feeds `body` to a decoder in chunks of `step` bytes; answers the messages up to the end.
     fn decode_in_chunks(body: &[u8], step: usize) -> Result<Vec<Bytes>, RpcError> {
-        let mut d = EnvelopeDecoder::default();
-        let mut out = Vec::new();
-        for chunk in body.chunks(step.max(1)) {
-            d.push(chunk);
-            while let Some(e) = d.next_envelope()? {
-                match e {
-                    Envelope::Message(m) => out.push(m),
-                    Envelope::End(_) => return Ok(out),
-                }
-            }
-        }
-        d.finish()?;
-        Ok(out)
+        decode_chunks(body.chunks(step.max(1)))
     }
 
     #[test]
