@@ -53,16 +53,14 @@ pub(crate) struct HostRoute {
 
 /// Checks a `maskRequestHost`: a host name, optionally with `${PORT}` and a `:port`.
 pub fn check_mask_host(mask: &str) -> Result<(), String> {
+    let bad = || format!("network.maskRequestHost: {mask:?} is not a host name");
     let probe = mask.replace("${PORT}", "80");
-    let name = probe.rsplit_once(':').map_or(probe.as_str(), |(n, p)| {
-        if p.parse::<u16>().is_ok() {
-            n
-        } else {
-            "\u{0}"
-        }
-    });
-    torpor_core::network::check_host(name)
-        .map_err(|_| format!("network.maskRequestHost: {mask:?} is not a host name"))
+    let name = match probe.rsplit_once(':') {
+        Some((name, port)) if port.parse::<u16>().is_ok() => name,
+        Some(_) => return Err(bad()),
+        None => probe.as_str(),
+    };
+    torpor_core::network::check_host(name).map_err(|_| bad())
 }
 
 /// The tenant a host-routed request to sandbox `id` acts as. An E2B sandbox whose traffic is
