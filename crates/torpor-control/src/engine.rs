@@ -29,12 +29,18 @@ use torpor_runtime::{rootfs, Container, ContainerSpec, Runsc, WarmPool, Worker};
 use crate::error::{ControlError, Result};
 
 mod net;
+mod quota;
+mod sources;
+
 use crate::lot::{LotError, Parked, WorkerPermit, WorkerPool};
 use crate::metrics::Metrics;
 use crate::store::{
     ImageRef, Quotas, SandboxRecord, Store, TemplateRecord, TemplateStatus, TenantRecord,
 };
 pub use net::{count_proxied, sandbox_handshake, sandbox_http, ProxyTarget, SandboxConn};
+use quota::Charge;
+pub use quota::TENANT_MAX_PIDS;
+pub use sources::{UploadKind, UPLOADED};
 
 /// Everything the engine needs to know at start.
 #[derive(Debug, Clone)]
@@ -61,6 +67,9 @@ pub struct EngineConfig {
     pub drain_timeout: Duration,
     /// Snapshot store, chunk cache, retention, scheduled GC, encryption.
     pub snapshots: crate::snapshots::SnapshotConfig,
+    /// The only host directory a tenant's template source may name (`--import-dir`); `None`:
+    /// tenants may not name host paths at all (they upload images). The admin may name any.
+    pub import_dir: Option<PathBuf>,
 }
 
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -229,6 +238,8 @@ pub struct Engine {
     /// Serialises quota checks with the state change that consumes the quota, so two calls at
     /// the last unit cannot both pass.
     quota_lock: tokio::sync::Mutex<()>,
+    /// Disk taken by each built template (for disk quotas).
+    template_sizes: quota::TemplateSizes,
     /// The node's GPU shares, when it has GPUs (attached by the daemon after start).
     gpus: std::sync::OnceLock<crate::gpu::NodeGpus>,
 }
@@ -287,6 +298,7 @@ impl Engine {
             metrics,
             shutting_down: AtomicBool::new(false),
             quota_lock: tokio::sync::Mutex::new(()),
+            template_sizes: Default::default(),
             snapshots,
             gpus: std::sync::OnceLock::new(),
         });
@@ -489,40 +501,6 @@ impl Engine {
         Ok(self.store.tenant_by_token_hash(&token_hash(token))?)
     }
 
-    /// Refuses when `tenant` would exceed a quota by adding one sandbox (`new_sandbox`) and/or
-    /// one resident sandbox of `memory_mib`. Call under `quota_lock`, and consume the quota
-    /// (write the state) before releasing it.
-    fn check_quota(
-        &self,
-        tenant: &TenantId,
-        new_sandbox: bool,
-        memory_mib: Option<u64>,
-    ) -> Result<()> {
-        let Some(t) = self.store.tenant(tenant)? else {
-            return Ok(()); // the operator
-        };
-        let u = self.store.usage(tenant)?;
-        let q = t.quotas;
-        let over = |what: &'static str, limit: Option<u64>, used: u64, adding: u64| match limit {
-            Some(limit) if used + adding > limit => {
-                self.metrics
-                    .quota_rejections
-                    .with_label_values(&[tenant.as_str(), what])
-                    .inc();
-                Err(ControlError::QuotaExceeded { what, limit, used })
-            }
-            _ => Ok(()),
-        };
-        if new_sandbox {
-            over("sandboxes", q.max_sandboxes, u.sandboxes, 1)?;
-        }
-        if let Some(mem) = memory_mib {
-            over("running", q.max_running, u.resident, 1)?;
-            over("memory_mib", q.max_memory_mib, u.resident_memory_mib, mem)?;
-        }
-        Ok(())
-    }
-
     // ---------------------------------------------------------------- templates
 
     /// Templates the tenant may use: its own and the operator's.
@@ -546,16 +524,34 @@ impl Engine {
     }
 
     /// Builds a template: lays out its root filesystem, boots it once and checkpoints it as its
-    /// golden snapshot. `progress` hears each step.
+    /// golden snapshot. `progress` hears each step. A tenant may name host paths only inside
+    /// the operator's import directory ([`sources`]).
     pub async fn register_template(
         &self,
         tenant: &TenantId,
+        mut spec: TemplateSpec,
+        progress: &(dyn Fn(&str) + Send + Sync),
+    ) -> Result<TemplateRecord> {
+        spec.source = self.check_source(tenant, &spec.source)?;
+        let read_from = spec.source.clone();
+        self.register_template_checked(tenant, spec, read_from, progress)
+            .await
+    }
+
+    /// [`Engine::register_template`] once the source is known to be the caller's to read:
+    /// `read_from` is what is imported (it differs from `spec.source` for an upload, whose
+    /// path on the host is not recorded).
+    async fn register_template_checked(
+        &self,
+        tenant: &TenantId,
         spec: TemplateSpec,
+        read_from: TemplateSource,
         progress: &(dyn Fn(&str) + Send + Sync),
     ) -> Result<TemplateRecord> {
         self.check_running()?;
         spec.validate()
             .map_err(|e| ControlError::Invalid(e.to_string()))?;
+        self.check_limits_fit(tenant, &spec.limits)?;
         if let Some(gpu) = &spec.gpu {
             crate::gpu::NodeGpus::parse_request(self.gpus.get(), gpu, tenant)?;
         }
@@ -572,13 +568,19 @@ impl Engine {
             golden_bytes: 0,
             created_at: now_millis(),
         };
-        if !self.store.insert_template(&rec)? {
-            return Err(ControlError::AlreadyExists {
-                kind: "template",
-                id: rec.name.to_string(),
-            });
+        {
+            // The build takes a worker with the template's limits: charged like a resident
+            // sandbox until the record leaves `building`.
+            let _quota = self.quota_lock.lock().await;
+            self.check_quota(tenant, Charge::template(rec.spec.limits))?;
+            if !self.store.insert_template(&rec)? {
+                return Err(ControlError::AlreadyExists {
+                    kind: "template",
+                    id: rec.name.to_string(),
+                });
+            }
         }
-        match self.build_template(&mut rec, progress).await {
+        match self.build_template(&mut rec, read_from, progress).await {
             Ok(()) => Ok(rec),
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
@@ -591,6 +593,7 @@ impl Engine {
     async fn build_template(
         &self,
         rec: &mut TemplateRecord,
+        read_from: TemplateSource,
         progress: &(dyn Fn(&str) + Send + Sync),
     ) -> Result<()> {
         let dir = rec
@@ -601,15 +604,31 @@ impl Engine {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&rec.rootfs)
             .map_err(ControlError::io("cannot create", &rec.rootfs))?;
-        match rec.spec.source.clone() {
+        match read_from {
             TemplateSource::Host => {
                 progress("preparing the host root filesystem");
                 rec.mounts = rootfs::prepare_host_rootfs(&rec.rootfs)
                     .map_err(|e| ControlError::Unsupported(e.to_string()))?;
             }
             TemplateSource::Rootfs { path } => {
-                progress(&format!("copying root filesystem {path}"));
-                copy_tree(Path::new(&path), &rec.rootfs).await?;
+                if Path::new(&path).is_file() {
+                    progress("unpacking the root filesystem archive");
+                    unpack_rootfs_tar(Path::new(&path), &rec.rootfs).await?;
+                } else {
+                    progress(&format!("copying root filesystem {path}"));
+                    copy_tree(Path::new(&path), &rec.rootfs).await?;
+                }
+                let root = rec.rootfs.clone();
+                let stripped =
+                    tokio::task::spawn_blocking(move || sources::strip_privileged(&root))
+                        .await
+                        .map_err(|e| {
+                            ControlError::Unsupported(format!("rootfs check failed: {e}"))
+                        })?
+                        .map_err(ControlError::io("cannot check", &rec.rootfs))?;
+                if stripped > 0 {
+                    tracing::info!(template = %rec.name, stripped, "setuid/setgid bits and device nodes removed");
+                }
                 let agent_mount = rec.rootfs.join(".torpor");
                 std::fs::create_dir_all(&agent_mount)
                     .map_err(ControlError::io("cannot create", &agent_mount))?;
@@ -706,6 +725,7 @@ impl Engine {
             return Err(ControlError::TemplateInUse(name.to_string(), n));
         }
         self.store.delete_template(name)?;
+        self.template_sizes.forget(&t.tenant, name);
         let _ = std::fs::remove_dir_all(self.templates_dir().join(name.as_str()));
         Ok(())
     }
@@ -713,8 +733,9 @@ impl Engine {
     // ---------------------------------------------------------------- sandboxes
 
     pub fn sandboxes(&self, tenant: &TenantId) -> Result<Vec<SandboxRecord>> {
+        // Only what the caller owns: the operator's sandboxes are not a tenant's to see.
         let mut all = self.store.sandboxes()?;
-        all.retain(|s| visible(tenant, &s.tenant));
+        all.retain(|s| owns(tenant, &s.tenant));
         for s in &mut all {
             self.fresh_activity(s);
         }
@@ -756,6 +777,7 @@ impl Engine {
             .limits
             .patched(&req.limits)
             .map_err(|e| ControlError::Invalid(e.to_string()))?;
+        self.check_limits_fit(tenant, &limits)?;
         validate_env(&req.env).map_err(|e| ControlError::Invalid(e.to_string()))?;
         check_metadata(&req.metadata)?;
         let gpu_request = match req.gpu.as_ref().or(tpl.spec.gpu.as_ref()) {
@@ -767,7 +789,7 @@ impl Engine {
             None => None,
         };
         // The sandbox's own policy, else its template's.
-        let network = net::check_policy(req.network.as_ref().or(tpl.spec.network.as_ref()))?;
+        let network = net::check_policy(req.network.as_ref(), &tpl)?;
         let now = now_millis();
         let mut rec = SandboxRecord {
             id: SandboxId::generate(),
@@ -787,7 +809,7 @@ impl Engine {
         };
         {
             let _quota = self.quota_lock.lock().await;
-            self.check_quota(tenant, true, Some(rec.limits.memory_mib))?;
+            self.check_quota(tenant, Charge::sandbox(rec.limits))?;
             self.store.insert_sandbox(&rec)?;
             if let Some(policy) = &network {
                 self.store.set_network(&rec.id, policy)?;
@@ -1211,7 +1233,7 @@ impl Engine {
         let previous = rec.state;
         {
             let _quota = self.quota_lock.lock().await;
-            self.check_quota(&rec.tenant, false, Some(rec.limits.memory_mib))?;
+            self.check_quota(&rec.tenant, Charge::wake(rec.limits))?;
             rec.state = SandboxState::Resuming;
             rec.generation += 1;
             self.store.update_sandbox(&rec)?;
@@ -1572,8 +1594,14 @@ impl Engine {
             };
             let inserted = {
                 let _quota = self.quota_lock.lock().await;
-                self.check_quota(&rec.tenant, true, None)
-                    .and_then(|()| Ok(self.store.insert_sandbox(&rec)?))
+                self.check_quota(
+                    &rec.tenant,
+                    Charge {
+                        sandboxes: 1,
+                        ..Charge::default()
+                    },
+                )
+                .and_then(|()| Ok(self.store.insert_sandbox(&rec)?))
             };
             if let Err(e) = inserted {
                 // Forks made so far stay; the rest of the snapshots are dropped.
@@ -2480,6 +2508,15 @@ pub(crate) fn dir_size(p: &Path) -> u64 {
 }
 
 /// Copies a directory tree with `cp -a` (keeps modes, owners, links and special files).
+/// Unpacks a root-filesystem tarball (plain, gzip or zstd) into `dest`, refusing entries that
+/// would land outside it.
+async fn unpack_rootfs_tar(archive: &Path, dest: &Path) -> Result<()> {
+    let _ = (archive, dest);
+    Err(ControlError::Unsupported(
+        "root-filesystem tarballs are not supported yet; upload an OCI or docker image".into(),
+    ))
+}
+
 async fn copy_tree(src: &Path, dest: &Path) -> Result<()> {
     if !src.is_dir() {
         return Err(ControlError::Invalid(format!(

@@ -15,6 +15,10 @@ pub enum ControlError {
     AlreadyExists { kind: &'static str, id: String },
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// The caller may not do this (a tenant naming a host path, ...); the message says what,
+    /// never what exists on the host.
+    #[error("{0}")]
+    Forbidden(String),
     #[error("sandbox is {from}; cannot move it to {to}")]
     InvalidTransition { from: SandboxState, to: Tier },
     #[error("template {0:?} still has {1} sandboxes; delete them first")]
@@ -64,6 +68,10 @@ pub enum ControlError {
     SnapshotStore { code: &'static str, message: String },
     #[error("image: {0}")]
     Image(#[from] torpor_image::ImageError),
+    /// An uploaded archive could not be imported: the image error's code, with a message that
+    /// names the archive, not where the daemon keeps it.
+    #[error("{message}")]
+    Upload { code: &'static str, message: String },
     #[error("sandbox agent: {0}")]
     Conn(#[from] torpor_runtime::conn::ConnError),
     #[error("{0}")]
@@ -85,6 +93,7 @@ impl ControlError {
             ControlError::NotFound { .. } => "not_found",
             ControlError::AlreadyExists { .. } => "already_exists",
             ControlError::Invalid(_) => "invalid_request",
+            ControlError::Forbidden(_) => "forbidden",
             ControlError::InvalidTransition { .. } => "invalid_transition",
             ControlError::TemplateInUse(..) => "template_in_use",
             ControlError::TemplateNotReady(_) => "template_not_ready",
@@ -113,6 +122,7 @@ impl ControlError {
             ControlError::Runtime(_) => "runtime_error",
             ControlError::Conn(_) => "sandbox_unavailable",
             ControlError::Image(e) => e.code(),
+            ControlError::Upload { code, .. } => code,
             ControlError::Snapshot(_) => "snapshot_store_error",
             ControlError::SnapshotStore { code, .. } => code,
             ControlError::Store(_) => "state_store_error",

@@ -141,7 +141,7 @@ impl Snapshots {
             .unwrap_or_else(|| StoreLocation::Local(data_dir.join("store")));
         let (backend, description, remote): (Arc<dyn Backend>, String, bool) = match &location {
             StoreLocation::Local(dir) => (
-                Arc::new(LocalBackend::open(dir, false).map_err(|e| store_error(e.into()))?),
+                Arc::new(LocalBackend::open(dir).map_err(|e| store_error(e.into()))?),
                 dir.display().to_string(),
                 false,
             ),

@@ -433,6 +433,22 @@ pub struct Quotas {
     /// Memory limits of resident sandboxes, summed, in MiB.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_memory_mib: Option<u64>,
+    /// CPU limits of resident sandboxes (template builds included), summed, in CPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cpus: Option<u64>,
+    /// Templates the tenant owns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_templates: Option<u64>,
+    /// Event-driven pools the tenant owns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_pools: Option<u64>,
+    /// Disk the tenant's checkpoints, golden snapshots and uploads take, in MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_disk_mib: Option<u64>,
+    /// API requests per second (token bucket; bursts up to twice this). `None`: the daemon's
+    /// `--default-requests-per-s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_s: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -448,6 +464,8 @@ pub struct Usage {
     pub sandboxes: u64,
     pub resident: u64,
     pub resident_memory_mib: u64,
+    /// CPU limits of resident sandboxes, summed, in thousandths of a CPU.
+    pub resident_millicpus: u64,
 }
 
 impl Store {
@@ -524,9 +542,10 @@ impl Store {
             u.sandboxes += 1;
             if SandboxState::parse(&state).is_some_and(|s| s.may_have_container()) {
                 u.resident += 1;
-                u.resident_memory_mib += serde_json::from_str::<Limits>(&limits)
-                    .map(|l| l.memory_mib)
-                    .unwrap_or(0);
+                if let Ok(l) = serde_json::from_str::<Limits>(&limits) {
+                    u.resident_memory_mib += l.memory_mib;
+                    u.resident_millicpus += (l.cpus * 1000.0).round() as u64;
+                }
             }
         }
         Ok(u)

@@ -93,7 +93,7 @@ pub enum TemplateSpecError {
     CommandArg(usize),
     #[error("cwd must be an absolute path")]
     Cwd,
-    #[error("source.path must be an absolute path")]
+    #[error("source.path must name a path")]
     SourcePath,
     #[error("warmup_ms must be at most 600000")]
     Warmup,
@@ -140,7 +140,9 @@ impl TemplateSpec {
         match &self.source {
             TemplateSource::Host => {}
             TemplateSource::Rootfs { path } | TemplateSource::Image { path, .. } => {
-                if !path.starts_with('/') {
+                // Absolute, or relative to the operator's import directory (the daemon decides
+                // which a caller may name).
+                if path.is_empty() || path.contains('\0') {
                     return Err(TemplateSpecError::SourcePath);
                 }
             }
@@ -176,8 +178,7 @@ mod tests {
     #[test]
     fn bad_values_are_refused() {
         let mut s: TemplateSpec =
-            serde_json::from_str(r#"{"name":"py","source":{"kind":"rootfs","path":"rel"}}"#)
-                .unwrap();
+            serde_json::from_str(r#"{"name":"py","source":{"kind":"rootfs","path":""}}"#).unwrap();
         assert_eq!(s.validate(), Err(TemplateSpecError::SourcePath));
         s.source = TemplateSource::Host;
         s.env.insert("A=B".into(), "x".into());

@@ -1,0 +1,21 @@
+//! The attack suite: each test starts the real daemon (two tenants where it matters) and tries
+//! to cross one trust boundary of docs/SECURITY.md, asserting the precise refusal (status and
+//! code) and that nothing leaked and nothing else broke. Tests are named after what they try.
+//!
+//! One module per boundary, so they can be read beside the threat model:
+//! - `tenants`: host paths, other tenants' objects, quotas, lists and names;
+//! - `edge`: unauthenticated callers and HTTP resource exhaustion, rate limits, errors, metrics;
+//! - `network`: what a sandbox can reach and what reaches a sandbox;
+//! - `pools`: broker URLs, the GPU extender;
+//! - `local`: the data directory, the lock, durability;
+//! - `audit`: the tamper-evident log.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod audit;
+mod edge;
+mod local;
+mod network;
+mod pools;
+mod tenants;
