@@ -34,8 +34,11 @@ pub struct DepthReader {
 
 impl DepthReader {
     pub fn new(spec: TriggerSpec) -> Self {
+        // No redirects: the management URL was checked against the operator's allow-list,
+        // and a redirect would make torpor fetch another address.
         let http = reqwest::Client::builder()
             .timeout(READ_TIMEOUT)
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .unwrap_or_default();
         DepthReader {

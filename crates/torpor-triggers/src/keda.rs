@@ -2,7 +2,8 @@
 //! gRPC so that a real KEDA can scale a Kubernetes Deployment of torpor workers from torpor's
 //! view of demand.
 //!
-//! The ScaledObject's trigger metadata key `pool` names the torpor pool; the metric name is the
+//! The ScaledObject's trigger metadata key `pool` names the torpor pool, and `tenant` its owner
+//! (pool names are per tenant; without `tenant`, the operator's own pool); the metric name is the
 //! pool's name; the metric value is the pool's demand (queued plus in-flight work) and the
 //! target size is the pool's `target`. Active means demand strictly above the pool's
 //! activation threshold.
@@ -24,6 +25,8 @@ use crate::externalscaler::{
 
 /// The metadata key naming the pool.
 pub const POOL_KEY: &str = "pool";
+/// The metadata key naming the pool's tenant (absent: the operator's pool).
+pub const TENANT_KEY: &str = "tenant";
 /// How often `StreamIsActive` looks at the pool (it sends only changes).
 const STREAM_EVERY: Duration = Duration::from_millis(500);
 
@@ -37,8 +40,8 @@ pub struct PoolDemand {
 
 /// Where the scaler reads demand from (the control plane's pools).
 pub trait Demand: Send + Sync + 'static {
-    /// `None` when there is no such pool.
-    fn demand(&self, pool: &str) -> Option<PoolDemand>;
+    /// `None` when there is no such pool. `tenant`: the owner (`None`: the operator).
+    fn demand(&self, tenant: Option<&str>, pool: &str) -> Option<PoolDemand>;
 }
 
 #[derive(Clone)]
@@ -53,18 +56,22 @@ impl Scaler {
 
     // tonic's handlers answer `Status` by value; boxing it here would only be unboxed again.
     #[allow(clippy::result_large_err)]
-    fn lookup(&self, meta: &HashMap<String, String>) -> Result<(String, PoolDemand), Status> {
+    fn lookup(
+        &self,
+        meta: &HashMap<String, String>,
+    ) -> Result<(Option<String>, String, PoolDemand), Status> {
         let pool = meta
             .get(POOL_KEY)
             .filter(|p| !p.is_empty())
             .ok_or_else(|| {
                 Status::invalid_argument("scalerMetadata.pool is required: the torpor pool's name")
             })?;
+        let tenant = meta.get(TENANT_KEY).filter(|t| !t.is_empty()).cloned();
         let d = self
             .demand
-            .demand(pool)
+            .demand(tenant.as_deref(), pool)
             .ok_or_else(|| Status::not_found(format!("no pool named {pool:?}")))?;
-        Ok((pool.clone(), d))
+        Ok((tenant, pool.clone(), d))
     }
 }
 
@@ -76,7 +83,7 @@ impl ExternalScaler for Scaler {
         &self,
         req: Request<ScaledObjectRef>,
     ) -> Result<Response<IsActiveResponse>, Status> {
-        let (_, d) = self.lookup(&req.get_ref().scaler_metadata)?;
+        let (_, _, d) = self.lookup(&req.get_ref().scaler_metadata)?;
         Ok(Response::new(IsActiveResponse { result: d.active }))
     }
 
@@ -86,7 +93,7 @@ impl ExternalScaler for Scaler {
         &self,
         req: Request<ScaledObjectRef>,
     ) -> Result<Response<Self::StreamIsActiveStream>, Status> {
-        let (pool, first) = self.lookup(&req.get_ref().scaler_metadata)?;
+        let (tenant, pool, first) = self.lookup(&req.get_ref().scaler_metadata)?;
         let demand = self.demand.clone();
         // Send the current state, then every change.
         let stream = futures::stream::unfold(
@@ -94,13 +101,14 @@ impl ExternalScaler for Scaler {
             move |(mut last, mut pending)| {
                 let demand = demand.clone();
                 let pool = pool.clone();
+                let tenant = tenant.clone();
                 async move {
                     loop {
                         let now = match pending.take() {
                             Some(a) => Some(a),
                             None => {
                                 tokio::time::sleep(STREAM_EVERY).await;
-                                demand.demand(&pool).map(|d| d.active)
+                                demand.demand(tenant.as_deref(), &pool).map(|d| d.active)
                             }
                         };
                         let Some(active) = now else {
@@ -122,7 +130,7 @@ impl ExternalScaler for Scaler {
         &self,
         req: Request<ScaledObjectRef>,
     ) -> Result<Response<GetMetricSpecResponse>, Status> {
-        let (pool, d) = self.lookup(&req.get_ref().scaler_metadata)?;
+        let (_, pool, d) = self.lookup(&req.get_ref().scaler_metadata)?;
         Ok(Response::new(GetMetricSpecResponse {
             metric_specs: vec![MetricSpec {
                 metric_name: pool,
@@ -142,7 +150,7 @@ impl ExternalScaler for Scaler {
             .as_ref()
             .map(|o| o.scaler_metadata.clone())
             .unwrap_or_default();
-        let (pool, d) = self.lookup(&meta)?;
+        let (_, pool, d) = self.lookup(&meta)?;
         if !r.metric_name.is_empty() && r.metric_name != pool {
             return Err(Status::not_found(format!(
                 "pool {pool:?} has one metric, named {pool:?}, not {:?}",

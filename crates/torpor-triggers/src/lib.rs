@@ -1,5 +1,6 @@
 //! Event triggers for torpor's pools.
 //!
+//! - [`allow`]: the operator's broker allow-list (`--broker-allow`) for tenants' pools.
 //! - [`spec`]: the trigger settings a pool is created with (`redis-list`, `redis-stream`,
 //!   `nats-jetstream`, `rabbitmq`, `kafka`), checked strictly at create time.
 //! - [`rule`]: the scaling rule (KEDA / HPA semantics) as a pure function, property-tested.
@@ -11,6 +12,7 @@
 //!
 //! This crate knows nothing about sandboxes; `torpor-control` drives it.
 
+pub mod allow;
 pub mod consume;
 pub mod depth;
 #[cfg(feature = "kafka")]
@@ -19,6 +21,7 @@ pub mod keda;
 pub mod rule;
 pub mod spec;
 
+pub use allow::{AllowListError, BrokerAllowList};
 pub use consume::{Consumer, Message};
 pub use depth::DepthReader;
 pub use rule::{decide, Decision, RuleState, ScalePolicy};

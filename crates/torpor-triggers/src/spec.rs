@@ -75,6 +75,10 @@ pub enum TriggerError {
         what: &'static str,
         feature: &'static str,
     },
+    /// A tenant's pool names a broker outside the operator's `--broker-allow` list. The message
+    /// names the rule, never whether the address exists or answers.
+    #[error("{field}: broker {address} is not in the operator's allow-list; a tenant's pool may name only the brokers listed with `torpor up --broker-allow HOST[:PORT],...` (the host exactly, and the port, the scheme's default when the URL has none; a listed host without a port allows every port)")]
+    NotAllowed { field: String, address: String },
 }
 
 impl TriggerError {
@@ -87,7 +91,18 @@ impl TriggerError {
             TriggerError::Timeout { .. } => "broker_timeout",
             TriggerError::Unsupported { .. } => "unsupported",
             TriggerError::FeatureDisabled { .. } => "feature_disabled",
+            TriggerError::NotAllowed { .. } => "broker_not_allowed",
         }
+    }
+
+    /// Whether this is a failure to reach or talk to the broker (refused, reset, timed out,
+    /// an error answer) rather than a bad setting or a missing queue: what a tenant sees of it
+    /// is one generic text, so that pool status is no port scanner.
+    pub fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            TriggerError::Broker { .. } | TriggerError::Timeout { .. }
+        )
     }
 }
 
@@ -124,6 +139,60 @@ impl TriggerSpec {
     /// acknowledged (so a dispatching pool must not add its own in-flight count again).
     pub fn depth_counts_in_flight(&self) -> bool {
         !matches!(self, TriggerSpec::RedisList { .. })
+    }
+
+    /// Every address this trigger makes torpor connect to (its broker, a RabbitMQ management
+    /// API, each Kafka bootstrap server), with the port the client uses when the setting has
+    /// none. `at` is the trigger's JSON path. Errors as [`TriggerSpec::validate`] for a setting
+    /// that is not an address.
+    pub fn broker_addresses(
+        &self,
+        at: &str,
+    ) -> Result<Vec<crate::allow::BrokerAddress>, TriggerError> {
+        let f = |name: &str| format!("{at}.{name}");
+        let url = |field: String, v: &str| -> Result<crate::allow::BrokerAddress, TriggerError> {
+            let u = reqwest::Url::parse(v)
+                .map_err(|e| invalid(field.clone(), format!("not a URL ({e})")))?;
+            let host = u
+                .host_str()
+                .filter(|h| crate::allow::plain_host(h))
+                .ok_or_else(|| invalid(field.clone(), "has no plain host"))?
+                .to_string();
+            let port = u
+                .port_or_known_default()
+                .or_else(|| default_port(u.scheme()))
+                .ok_or_else(|| invalid(field.clone(), "has no port"))?;
+            Ok(crate::allow::BrokerAddress { field, host, port })
+        };
+        match self {
+            TriggerSpec::RedisList { url: u, .. }
+            | TriggerSpec::RedisStream { url: u, .. }
+            | TriggerSpec::NatsJetstream { url: u, .. } => Ok(vec![url(f("url"), u)?]),
+            TriggerSpec::Rabbitmq {
+                url: u,
+                management_url,
+                ..
+            } => {
+                let mut v = vec![url(f("url"), u)?];
+                if let Some(m) = management_url {
+                    v.push(url(f("management_url"), m)?);
+                }
+                Ok(v)
+            }
+            TriggerSpec::Kafka { brokers, .. } => brokers
+                .iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    let field = format!("{at}.brokers[{i}]");
+                    let (host, port) = host_port(&field, b)?;
+                    Ok(crate::allow::BrokerAddress {
+                        field,
+                        host: host.to_string(),
+                        port,
+                    })
+                })
+                .collect(),
+        }
     }
 
     /// Checks every setting; `at` is the JSON path of this trigger, e.g. `triggers[0]`.
@@ -249,20 +318,50 @@ fn check_url(field: &str, v: &str, schemes: &[&str]) -> Result<(), TriggerError>
             ),
         ));
     }
-    if url.host_str().is_none_or(str::is_empty) {
-        return Err(invalid(field.into(), format!("{v:?} has no host")));
+    match url.host_str() {
+        None | Some("") => Err(invalid(field.into(), format!("{v:?} has no host"))),
+        Some(h) if !crate::allow::plain_host(h) => Err(invalid(
+            field.into(),
+            format!("{v:?}: the host may hold only letters, digits, '-', '_' and '.' (or be an IP address)"),
+        )),
+        Some(_) => Ok(()),
     }
-    Ok(())
+}
+
+/// The port a broker client uses for a URL of `scheme` without one.
+fn default_port(scheme: &str) -> Option<u16> {
+    match scheme {
+        "redis" | "rediss" => Some(6379),
+        "nats" | "tls" => Some(4222),
+        "amqp" => Some(5672),
+        "amqps" => Some(5671),
+        "http" => Some(80),
+        "https" => Some(443),
+        _ => None,
+    }
+}
+
+/// `host:port` (`[IPv6]:port`), the host plain (see [`crate::allow::plain_host`]): a comma
+/// would make a Kafka client read two servers.
+fn host_port<'a>(field: &str, v: &'a str) -> Result<(&'a str, u16), TriggerError> {
+    let not = || invalid(field.into(), format!("{v:?} is not host:port"));
+    let (host, port) = v.rsplit_once(':').ok_or_else(not)?;
+    let port = port
+        .parse::<u16>()
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(not)?;
+    if !crate::allow::plain_host(host) {
+        return Err(invalid(
+            field.into(),
+            format!("{v:?}: the host may hold only letters, digits, '-', '_' and '.' (or be an IP address in brackets)"),
+        ));
+    }
+    Ok((host, port))
 }
 
 fn check_host_port(field: &str, v: &str) -> Result<(), TriggerError> {
-    let Some((host, port)) = v.rsplit_once(':') else {
-        return Err(invalid(field.into(), format!("{v:?} is not host:port")));
-    };
-    if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
-        return Err(invalid(field.into(), format!("{v:?} is not host:port")));
-    }
-    Ok(())
+    host_port(field, v).map(|_| ())
 }
 
 /// Redacts the password of a URL for logs and status.
