@@ -189,6 +189,99 @@ pub struct ExtenderBindingArgs {
     pub node: String,
 }
 
+/// Why `POST /bind` arguments cannot be used: the names go into a Kubernetes API URL, so they
+/// must be what Kubernetes allows (a namespace is a DNS-1123 label, a pod and a node a DNS-1123
+/// subdomain) before anything else is done with them.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field} {value:?} is not a valid Kubernetes name: {rule}")]
+pub struct BindArgsError {
+    pub field: &'static str,
+    pub value: String,
+    pub rule: &'static str,
+}
+
+impl BindArgsError {
+    pub fn code(&self) -> &'static str {
+        "extender_bad_name"
+    }
+}
+
+const LABEL_RULE: &str =
+    "at most 63 lowercase letters, digits and '-', starting and ending with a letter or digit";
+const SUBDOMAIN_RULE: &str = "at most 253 characters: dot-separated DNS-1123 labels (lowercase letters, digits and '-', each starting and ending with a letter or digit)";
+
+/// A DNS-1123 label (`[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63).
+pub fn is_dns1123_label(v: &str) -> bool {
+    let b = v.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[0] != b'-'
+        && b[b.len() - 1] != b'-'
+}
+
+/// A DNS-1123 subdomain: labels joined by `.`, at most 253 (so never `.`, `..`, `/` or `?`).
+pub fn is_dns1123_subdomain(v: &str) -> bool {
+    !v.is_empty() && v.len() <= 253 && v.split('.').all(is_dns1123_label)
+}
+
+/// Percent-encodes one URL path segment: everything but RFC 3986's unreserved characters.
+/// (Dot segments cannot be made safe by encoding, since URL parsers read `%2e` as `.`: names
+/// are validated first, see [`ExtenderBindingArgs::validate`].)
+pub fn encode_path_segment(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for b in v.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+impl ExtenderBindingArgs {
+    /// Refuses names Kubernetes would not have made: they are put into API URLs.
+    pub fn validate(&self) -> Result<(), BindArgsError> {
+        let bad = |field, value: &str, rule| BindArgsError {
+            field,
+            value: value.chars().take(300).collect(),
+            rule,
+        };
+        if !is_dns1123_label(&self.pod_namespace) {
+            return Err(bad("PodNamespace", &self.pod_namespace, LABEL_RULE));
+        }
+        if !is_dns1123_subdomain(&self.pod_name) {
+            return Err(bad("PodName", &self.pod_name, SUBDOMAIN_RULE));
+        }
+        if !is_dns1123_subdomain(&self.node) {
+            return Err(bad("Node", &self.node, SUBDOMAIN_RULE));
+        }
+        if self.pod_uid.is_empty()
+            || self.pod_uid.len() > 128
+            || self.pod_uid.chars().any(|c| c.is_control())
+        {
+            return Err(bad(
+                "PodUID",
+                &self.pod_uid,
+                "1 to 128 characters, no control characters",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `/api/v1/namespaces/{ns}/pods/{name}/binding`, each name validated and percent-encoded.
+    pub fn binding_path(&self) -> Result<String, BindArgsError> {
+        self.validate()?;
+        Ok(format!(
+            "/api/v1/namespaces/{}/pods/{}/binding",
+            encode_path_segment(&self.pod_namespace),
+            encode_path_segment(&self.pod_name)
+        ))
+    }
+}
+
 /// Answer to `POST /bind`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExtenderBindingResult {
@@ -484,6 +577,9 @@ impl Extender {
     /// the API server is the caller's job once this succeeds.
     pub fn bind(&mut self, args: &ExtenderBindingArgs) -> ExtenderBindingResult {
         let fail = |error: String| ExtenderBindingResult { error };
+        if let Err(e) = args.validate() {
+            return fail(format!("{}: {e}", e.code()));
+        }
         let Some(request) = self.pending.get(&args.pod_uid).cloned() else {
             return fail(format!(
                 "pod {}/{} ({}) was not filtered by this extender",

@@ -15,11 +15,14 @@ use serde::Deserialize;
 
 /// The path (and query) listing a node's pods.
 pub fn list_path(node: &str) -> String {
+    let node = crate::extender::encode_path_segment(node);
     format!("/api/v1/pods?fieldSelector=spec.nodeName%3D{node}")
 }
 
 /// The path watching a node's pods from `resource_version`, ending after `timeout_secs`.
 pub fn watch_path(node: &str, resource_version: &str, timeout_secs: u64) -> String {
+    let node = crate::extender::encode_path_segment(node);
+    let resource_version = crate::extender::encode_path_segment(resource_version);
     format!(
         "/api/v1/pods?fieldSelector=spec.nodeName%3D{node}&watch=1&resourceVersion={resource_version}&allowWatchBookmarks=true&timeoutSeconds={timeout_secs}"
     )

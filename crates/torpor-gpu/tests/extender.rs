@@ -167,3 +167,70 @@ fn missing_pod_is_an_error_not_a_panic() {
     let args: ExtenderArgs = serde_json::from_value(json!({"NodeNames": ["l4-01"]})).unwrap();
     assert!(!ext.filter(&args).error.is_empty());
 }
+
+fn bind_args(namespace: &str, name: &str) -> ExtenderBindingArgs {
+    ExtenderBindingArgs {
+        pod_name: name.into(),
+        pod_namespace: namespace.into(),
+        pod_uid: "u-attack".into(),
+        node: "hgx-h200-01".into(),
+    }
+}
+
+#[test]
+fn a_bind_with_a_pod_name_that_would_rewrite_the_api_url_is_refused_and_commits_nothing() {
+    let mut ext = extender();
+    let args: ExtenderArgs = serde_json::from_value(json!({
+        "Pod": mig_pod("u-attack"),
+        "NodeNames": ["hgx-h200-01"]
+    }))
+    .unwrap();
+    ext.filter(&args);
+    for (ns, name) in [
+        ("agents", "x/binding"),
+        ("agents", "x?dryRun=All"),
+        ("agents", ".."),
+        ("..", "x"),
+        ("kube-system/pods/victim", "x"),
+        ("agents", "x%2Fy"),
+        ("agents", "Agent"),
+        ("agents", ""),
+        ("", "x"),
+        ("agents", "x#frag"),
+        ("agents", &"a".repeat(254)),
+        (&"n".repeat(64), "x"),
+    ] {
+        let a = bind_args(ns, name);
+        let e = a.validate().unwrap_err();
+        assert_eq!(e.code(), "extender_bad_name");
+        assert!(a.binding_path().is_err(), "{ns}/{name}");
+        let r = ext.bind(&a);
+        assert!(
+            r.error.starts_with("extender_bad_name"),
+            "{ns}/{name}: {r:?}"
+        );
+        assert_eq!(
+            ext.ledger("hgx-h200-01").unwrap().allocations().count(),
+            0,
+            "nothing committed for {ns}/{name}"
+        );
+    }
+    // The real names still bind, into a path with exactly the expected segments.
+    let ok = bind_args("agents", "agent-1.v2");
+    assert_eq!(
+        ok.binding_path().unwrap(),
+        "/api/v1/namespaces/agents/pods/agent-1.v2/binding"
+    );
+    assert_eq!(ext.bind(&ok).error, "");
+}
+
+#[test]
+fn path_segments_are_percent_encoded() {
+    use torpor_gpu::extender::encode_path_segment;
+    assert_eq!(encode_path_segment("a/b?c#d e%"), "a%2Fb%3Fc%23d%20e%25");
+    assert_eq!(encode_path_segment("agent-1.x_y~z"), "agent-1.x_y~z");
+    assert_eq!(
+        torpor_gpu::pod_watch::list_path("n&watch=1"),
+        "/api/v1/pods?fieldSelector=spec.nodeName%3Dn%26watch%3D1"
+    );
+}
