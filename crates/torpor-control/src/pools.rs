@@ -22,6 +22,13 @@
 //! `network` policy must allow the broker). They take work while [`DRAIN_FILE`] is absent:
 //! torpor writes it as the drain notice and removes it when it makes an agent active.
 //!
+//! Pool names are per tenant: the `pools` table is keyed by (tenant, name), two tenants may each
+//! have a pool `jobs`, and another tenant's pool answers like one that does not exist. A tenant's
+//! pool may name only the brokers of the operator's allow-list (`--broker-allow`; checked at
+//! create and again when the daemon starts), and what a tenant sees of a broker it cannot reach
+//! is one generic text after one fixed time, whatever the cause (refused, filtered, reset):
+//! the details go to the log.
+//!
 //! This module uses only the [`Engine`]'s public calls (create, resume, exec, suspend, delete).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -37,7 +44,7 @@ use torpor_runtime::proto::ExecRequest;
 use torpor_triggers::consume::{self, Consumer};
 use torpor_triggers::keda::{Demand, PoolDemand};
 use torpor_triggers::rule::{decide, Fallback, RuleState, ScalePolicy};
-use torpor_triggers::{DepthReader, TriggerError, TriggerSpec};
+use torpor_triggers::{BrokerAllowList, DepthReader, TriggerError, TriggerSpec};
 
 use crate::engine::{CreateSandbox, Engine};
 use crate::error::{ControlError, Result};
@@ -51,6 +58,10 @@ const MAX_TRIGGERS: usize = 8;
 const MAX_AGENTS: u32 = 1000;
 /// How long a lane waits on the broker before it looks at its drain flag again.
 const LANE_WAIT: Duration = Duration::from_millis(500);
+/// What a tenant's pool status says of a broker it cannot reach, whatever the cause.
+pub const BROKER_UNREACHABLE_CODE: &str = "broker_unreachable";
+const BROKER_UNREACHABLE_MESSAGE: &str =
+    "the broker did not answer or refused the connection (details are in the daemon's log)";
 
 fn default_target() -> u64 {
     1
@@ -412,40 +423,206 @@ struct PoolHandle {
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
+impl PoolHandle {
+    /// Whether what the pool's status shows of broker failures is kept generic.
+    fn tenant_owned(&self) -> bool {
+        self.tenant != TenantId::admin()
+    }
+}
+
+/// What the operator configures for pools.
+#[derive(Debug, Clone, Default)]
+pub struct PoolsConfig {
+    /// `--broker-allow` entries (`HOST[:PORT]`): the brokers tenants' pools may name.
+    pub broker_allow: Vec<String>,
+}
+
+/// A pool's key: names are per tenant.
+type PoolKey = (TenantId, PoolName);
+
 /// Every pool of this node.
 pub struct Pools {
     engine: Arc<Engine>,
     store: Store,
-    pools: Mutex<BTreeMap<PoolName, Arc<PoolHandle>>>,
+    allow: BrokerAllowList,
+    /// Serialises the quota check with the insert it allows.
+    create_lock: tokio::sync::Mutex<()>,
+    pools: Mutex<BTreeMap<PoolKey, Arc<PoolHandle>>>,
+}
+
+/// The `pools` table, keyed by (tenant, name). This module owns it; a table from before pool
+/// names were per tenant (keyed by name alone) is rebuilt in place, rows kept.
+mod table {
+    use rusqlite::{params, OptionalExtension};
+    use torpor_core::TenantId;
+
+    use crate::store::{PoolRow, Store, StoreError};
+
+    const CREATE: &str = "CREATE TABLE pools (
+        tenant TEXT NOT NULL,
+        name TEXT NOT NULL,
+        spec TEXT NOT NULL,
+        created_at INTEGER NOT NULL,
+        PRIMARY KEY (tenant, name)
+    )";
+
+    /// Makes the table keyed by (tenant, name), moving the rows of an older one.
+    pub(super) fn migrate(store: &Store) -> Result<(), StoreError> {
+        store.with(|c| {
+            let sql: Option<String> = c
+                .query_row(
+                    "SELECT sql FROM sqlite_master WHERE type='table' AND name='pools'",
+                    [],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            let keyed_by_tenant = sql.as_deref().is_some_and(|s| {
+                s.replace(char::is_whitespace, "")
+                    .contains("PRIMARYKEY(tenant,name)")
+            });
+            if keyed_by_tenant {
+                return Ok(());
+            }
+            let tx = c.unchecked_transaction()?;
+            tx.execute_batch(&CREATE.replacen("TABLE pools", "TABLE pools_by_tenant", 1))?;
+            if sql.is_some() {
+                tx.execute_batch(
+                    "INSERT INTO pools_by_tenant(tenant, name, spec, created_at)
+                         SELECT tenant, name, spec, created_at FROM pools;
+                     DROP TABLE pools;",
+                )?;
+            }
+            tx.execute_batch("ALTER TABLE pools_by_tenant RENAME TO pools")?;
+            tx.commit()
+        })
+    }
+
+    /// Inserts a pool; false when its tenant already has one of that name.
+    pub(super) fn insert(store: &Store, p: &PoolRow) -> Result<bool, StoreError> {
+        store
+            .with(|c| {
+                c.execute(
+                    "INSERT OR IGNORE INTO pools(tenant, name, spec, created_at) VALUES (?1, ?2, ?3, ?4)",
+                    params![p.tenant.as_str(), p.name, p.spec_json, p.created_at],
+                )
+            })
+            .map(|n| n == 1)
+    }
+
+    pub(super) fn delete(store: &Store, tenant: &TenantId, name: &str) -> Result<bool, StoreError> {
+        store
+            .with(|c| {
+                c.execute(
+                    "DELETE FROM pools WHERE tenant = ?1 AND name = ?2",
+                    params![tenant.as_str(), name],
+                )
+            })
+            .map(|n| n == 1)
+    }
+
+    pub(super) fn count(store: &Store, tenant: &TenantId) -> Result<u64, StoreError> {
+        store.with(|c| {
+            c.query_row(
+                "SELECT COUNT(*) FROM pools WHERE tenant = ?1",
+                params![tenant.as_str()],
+                |r| r.get::<_, i64>(0),
+            )
+            .map(|n| n.max(0) as u64)
+        })
+    }
+
+    pub(super) fn all(store: &Store) -> Result<Vec<PoolRow>, StoreError> {
+        let rows = store.with(|c| {
+            let mut st = c.prepare(
+                "SELECT tenant, name, spec, created_at FROM pools ORDER BY tenant, name",
+            )?;
+            let rows = st
+                .query_map([], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, String>(2)?,
+                        r.get::<_, i64>(3)?,
+                    ))
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })?;
+        rows.into_iter()
+            .map(|(tenant, name, spec_json, created_at)| {
+                let tenant = TenantId::new(tenant).map_err(|_| StoreError::Corrupt {
+                    what: "pool",
+                    key: name.clone(),
+                })?;
+                Ok(PoolRow {
+                    name,
+                    tenant,
+                    spec_json,
+                    created_at,
+                })
+            })
+            .collect()
+    }
 }
 
 impl Pools {
     /// Opens the pools table beside the engine's state and starts every stored pool.
-    pub async fn start(engine: Arc<Engine>, data_dir: &Path) -> Result<Arc<Pools>> {
+    pub async fn start(
+        engine: Arc<Engine>,
+        data_dir: &Path,
+        config: PoolsConfig,
+    ) -> Result<Arc<Pools>> {
+        let allow = BrokerAllowList::parse(&config.broker_allow)
+            .map_err(|e| ControlError::Invalid(e.to_string()))?;
         let store = Store::open(&data_dir.join("torpor.db"))?;
-        let rows = store.pools()?;
+        table::migrate(&store)?;
+        let rows = table::all(&store)?;
         let pools = Arc::new(Pools {
             engine,
             store,
+            allow,
+            create_lock: tokio::sync::Mutex::new(()),
             pools: Mutex::new(BTreeMap::new()),
         });
         for row in rows {
             match serde_json::from_str::<PoolSpec>(&row.spec_json) {
-                Ok(spec) => pools.launch(row.tenant, spec),
+                // The list may have narrowed since the pool was made: such a pool is kept but
+                // not run, and its status says why.
+                Ok(spec) => match pools.check_brokers(&row.tenant, &spec) {
+                    Ok(()) => pools.launch(row.tenant, spec),
+                    Err(e) => {
+                        tracing::warn!(pool = %row.name, tenant = %row.tenant, error = %e, "pool not started: its broker is not in --broker-allow");
+                        pools.hold(row.tenant, spec, e.to_string());
+                    }
+                },
                 Err(e) => {
-                    tracing::error!(pool = %row.name, error = %e, "stored pool spec unreadable")
+                    tracing::error!(pool = %row.name, tenant = %row.tenant, error = %e, "stored pool spec unreadable")
                 }
             }
         }
         Ok(pools)
     }
 
-    fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<PoolName, Arc<PoolHandle>>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<PoolKey, Arc<PoolHandle>>> {
         self.pools.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A tenant's pool may name only the operator's brokers; the admin's may name any.
+    fn check_brokers(&self, tenant: &TenantId, spec: &PoolSpec) -> Result<()> {
+        if *tenant == TenantId::admin() {
+            return Ok(());
+        }
+        for (i, t) in spec.triggers.iter().enumerate() {
+            self.allow
+                .check(t, &format!("triggers[{i}]"))
+                .map_err(|e| ControlError::Invalid(e.to_string()))?;
+        }
+        Ok(())
     }
 
     pub async fn create(&self, tenant: &TenantId, spec: PoolSpec) -> Result<PoolStatus> {
         spec.validate()?;
+        self.check_brokers(tenant, &spec)?;
         // The template must exist for this tenant.
         let tpl = self.engine.template(tenant, &spec.template)?;
         if let Some(h) = spec.dispatch.as_ref().and_then(|d| d.http.as_ref()) {
@@ -465,21 +642,44 @@ impl Pools {
             spec_json: serde_json::to_string(&spec).expect("pool specs serialise"),
             created_at: now_millis(),
         };
-        if !self.store.insert_pool(&row)? {
-            return Err(ControlError::AlreadyExists {
-                kind: "pool",
-                id: spec.name.to_string(),
-            });
+        {
+            let _quota = self.create_lock.lock().await;
+            self.check_quota(tenant)?;
+            if !table::insert(&self.store, &row)? {
+                return Err(ControlError::AlreadyExists {
+                    kind: "pool",
+                    id: spec.name.to_string(),
+                });
+            }
         }
         let name = spec.name.clone();
         self.launch(tenant.clone(), spec);
-        self.status(tenant, &name)
+        self.status(tenant, None, &name)
     }
 
-    fn launch(self: &Pools, tenant: TenantId, spec: PoolSpec) {
+    /// `max_pools`: refuses one more pool over the tenant's quota. Call under `create_lock`.
+    fn check_quota(&self, tenant: &TenantId) -> Result<()> {
+        if *tenant == TenantId::admin() {
+            return Ok(());
+        }
+        let Some(limit) = self.store.tenant(tenant)?.and_then(|t| t.quotas.max_pools) else {
+            return Ok(());
+        };
+        let used = table::count(&self.store, tenant)?;
+        if used >= limit {
+            return Err(ControlError::QuotaExceeded {
+                what: "pools",
+                limit,
+                used,
+            });
+        }
+        Ok(())
+    }
+
+    fn new_handle(tenant: TenantId, spec: &PoolSpec) -> (Arc<PoolHandle>, watch::Receiver<bool>) {
         let (stop, stop_rx) = watch::channel(false);
         let handle = Arc::new(PoolHandle {
-            status: Mutex::new(initial_status(&tenant, &spec)),
+            status: Mutex::new(initial_status(&tenant, spec)),
             spec: spec.clone(),
             tenant,
             counters: Arc::new(Counters::default()),
@@ -487,53 +687,92 @@ impl Pools {
             stop,
             task: Mutex::new(None),
         });
+        (handle, stop_rx)
+    }
+
+    fn launch(self: &Pools, tenant: TenantId, spec: PoolSpec) {
+        let (handle, stop_rx) = Self::new_handle(tenant.clone(), &spec);
         let controller = Controller::new(self.engine.clone(), handle.clone(), stop_rx);
-        let span = tracing::info_span!("pool", pool = %spec.name);
+        let span = tracing::info_span!("pool", pool = %spec.name, tenant = %tenant);
         let task = tokio::spawn(tracing::Instrument::instrument(controller.run(), span));
         *handle.task.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
-        self.map().insert(spec.name.clone(), handle);
+        self.map().insert((tenant, spec.name.clone()), handle);
     }
 
-    fn handle(&self, tenant: &TenantId, name: &PoolName) -> Result<Arc<PoolHandle>> {
+    /// Keeps a pool that may not run (its status says why) so that it can be seen and deleted.
+    fn hold(&self, tenant: TenantId, spec: PoolSpec, why: String) {
+        let (handle, _) = Self::new_handle(tenant.clone(), &spec);
+        handle
+            .status
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .last_error = Some(why);
+        self.map().insert((tenant, spec.name.clone()), handle);
+    }
+
+    /// The pool `name` of `owner` as `caller` may see it. A tenant sees only its own pools
+    /// (`owner` naming another tenant is the same 404 as no such pool); the admin addresses its
+    /// own pools, or a tenant's with `owner`.
+    fn handle(
+        &self,
+        caller: &TenantId,
+        owner: Option<&TenantId>,
+        name: &PoolName,
+    ) -> Result<Arc<PoolHandle>> {
+        let not_found = || ControlError::NotFound {
+            kind: "pool",
+            id: name.to_string(),
+        };
+        let owner = match owner {
+            Some(o) if caller == o || *caller == TenantId::admin() => o.clone(),
+            Some(_) => return Err(not_found()),
+            None => caller.clone(),
+        };
         self.map()
-            .get(name)
-            .filter(|h| &h.tenant == tenant || tenant == &TenantId::admin())
+            .get(&(owner, name.clone()))
             .cloned()
-            .ok_or_else(|| ControlError::NotFound {
-                kind: "pool",
-                id: name.to_string(),
-            })
+            .ok_or_else(not_found)
     }
 
-    pub fn status(&self, tenant: &TenantId, name: &PoolName) -> Result<PoolStatus> {
-        let h = self.handle(tenant, name)?;
+    /// `owner`: whose pool (the admin only; see [`Pools::list`] for what each caller sees).
+    pub fn status(
+        &self,
+        caller: &TenantId,
+        owner: Option<&TenantId>,
+        name: &PoolName,
+    ) -> Result<PoolStatus> {
+        let h = self.handle(caller, owner, name)?;
         let s = h.status.lock().unwrap_or_else(|p| p.into_inner()).clone();
         Ok(s)
     }
 
-    pub fn list(&self, tenant: &TenantId) -> Vec<PoolStatus> {
+    /// The caller's own pools; the admin sees every tenant's.
+    pub fn list(&self, caller: &TenantId) -> Vec<PoolStatus> {
         self.map()
             .values()
-            .filter(|h| &h.tenant == tenant || tenant == &TenantId::admin())
+            .filter(|h| &h.tenant == caller || *caller == TenantId::admin())
             .map(|h| h.status.lock().unwrap_or_else(|p| p.into_inner()).clone())
             .collect()
     }
 
     /// Stops the pool (in-flight messages finish first) and deletes its sandboxes.
-    pub async fn delete(&self, tenant: &TenantId, name: &PoolName) -> Result<()> {
-        let h = self.handle(tenant, name)?;
-        self.store.delete_pool(name.as_str())?;
-        self.map().remove(name);
+    pub async fn delete(
+        &self,
+        caller: &TenantId,
+        owner: Option<&TenantId>,
+        name: &PoolName,
+    ) -> Result<()> {
+        let h = self.handle(caller, owner, name)?;
+        table::delete(&self.store, &h.tenant, name.as_str())?;
+        self.map().remove(&(h.tenant.clone(), name.clone()));
         let _ = h.stop.send(true);
         let task = h.task.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(t) = task {
             let _ = t.await;
         }
-        for s in self.engine.sandboxes(&h.tenant)? {
-            if s.metadata.get(POOL_METADATA_KEY).map(String::as_str) == Some(name.as_str()) {
-                if let Err(e) = self.engine.delete_sandbox(&h.tenant, &s.id).await {
-                    tracing::warn!(pool = %name, sandbox = %s.id, error = %e, "cannot delete a pool agent");
-                }
+        for s in pool_agents(&self.engine, &h.tenant, name.as_str()) {
+            if let Err(e) = self.engine.delete_sandbox(&h.tenant, &s.id).await {
+                tracing::warn!(pool = %name, sandbox = %s.id, error = %e, "cannot delete a pool agent");
             }
         }
         Ok(())
@@ -554,10 +793,33 @@ impl Pools {
     }
 }
 
+/// The sandboxes of `tenant`'s pool `name`: those it owns (the admin's `engine.sandboxes` lists
+/// every tenant's, and a tenant's pool of the same name is not the admin's) with the pool's
+/// metadata.
+fn pool_agents(engine: &Engine, tenant: &TenantId, name: &str) -> Vec<crate::store::SandboxRecord> {
+    match engine.sandboxes(tenant) {
+        Ok(all) => all
+            .into_iter()
+            .filter(|s| {
+                s.tenant == *tenant
+                    && s.metadata.get(POOL_METADATA_KEY).map(String::as_str) == Some(name)
+            })
+            .collect(),
+        Err(e) => {
+            tracing::warn!(pool = %name, error = %e, "cannot list the pool's agents");
+            Vec::new()
+        }
+    }
+}
+
 impl Demand for Pools {
-    fn demand(&self, pool: &str) -> Option<PoolDemand> {
+    fn demand(&self, tenant: Option<&str>, pool: &str) -> Option<PoolDemand> {
         let name = PoolName::new(pool).ok()?;
-        let h = self.map().get(&name).cloned()?;
+        let tenant = match tenant {
+            Some(t) => TenantId::new(t).ok()?,
+            None => TenantId::admin(),
+        };
+        let h = self.map().get(&(tenant, name)).cloned()?;
         let s = h.status.lock().unwrap_or_else(|p| p.into_inner());
         Some(PoolDemand {
             depth: s.depth.unwrap_or(0),
@@ -747,7 +1009,20 @@ impl Controller {
 
     /// One reading and one decision.
     async fn tick(&mut self) {
-        let readings = futures::future::join_all(self.readers.iter_mut().map(|r| r.read())).await;
+        let generic = self.pool.tenant_owned();
+        let readings = futures::future::join_all(self.readers.iter_mut().map(|r| async move {
+            let started = Instant::now();
+            let r = r.read().await;
+            // A refused port fails at once, a filtered one after the timeout: for a tenant's
+            // pool every unreachable broker fails after the same time, so the failures'
+            // pace is no oracle either.
+            if generic && matches!(&r, Err(e) if e.is_unreachable()) {
+                tokio::time::sleep_until((started + torpor_triggers::depth::READ_TIMEOUT).into())
+                    .await;
+            }
+            r
+        }))
+        .await;
         let in_flight = self.pool.counters.in_flight.load(Ordering::Relaxed);
         let dispatch = self.spec().dispatch.is_some();
         let mut depths = Vec::with_capacity(readings.len());
@@ -765,7 +1040,11 @@ impl Controller {
                 Err(_) => None,
             };
             depths.push(depth);
-            trig.push((spec.kind(), depth, r.as_ref().err().map(err_status)));
+            trig.push((
+                spec.kind(),
+                depth,
+                r.as_ref().err().map(|e| err_status(e, generic)),
+            ));
         }
         let current = (self.active.len() + self.starting + self.waking.len()) as u32;
         let d = decide(
@@ -791,15 +1070,10 @@ impl Controller {
         d: torpor_triggers::Decision,
         trig: Vec<(&'static str, Option<u64>, Option<TriggerErrorStatus>)>,
     ) {
-        let name = self.spec().name.as_str().to_string();
-        let sandboxes = match self.engine.sandboxes(&self.pool.tenant) {
-            Ok(all) => all
-                .into_iter()
-                .filter(|s| s.metadata.get(POOL_METADATA_KEY) == Some(&name))
-                .map(|s| s.id)
-                .collect(),
-            Err(_) => Vec::new(),
-        };
+        let sandboxes = pool_agents(&self.engine, &self.pool.tenant, self.spec().name.as_str())
+            .into_iter()
+            .map(|s| s.id)
+            .collect();
         let c = &self.pool.counters;
         let mut s = self.pool.status.lock().unwrap_or_else(|p| p.into_inner());
         s.desired = d.desired;
@@ -829,21 +1103,16 @@ impl Controller {
 
     /// Pool agents that are asleep and not being handled, oldest first.
     fn sleeping_agents(&self) -> Vec<SandboxId> {
-        let name = self.spec().name.as_str();
-        let mut v: Vec<_> = match self.engine.sandboxes(&self.pool.tenant) {
-            Ok(all) => all
-                .into_iter()
-                .filter(|s| s.metadata.get(POOL_METADATA_KEY).map(String::as_str) == Some(name))
-                .filter(|s| {
-                    !self.active.contains_key(&s.id)
-                        && !self.waking.contains(&s.id)
-                        && !self.draining.contains(&s.id)
-                })
-                .filter(|s| !matches!(s.state, SandboxState::Creating | SandboxState::Deleting))
-                .map(|s| (s.created_at, s.id))
-                .collect(),
-            Err(_) => Vec::new(),
-        };
+        let mut v: Vec<_> = pool_agents(&self.engine, &self.pool.tenant, self.spec().name.as_str())
+            .into_iter()
+            .filter(|s| {
+                !self.active.contains_key(&s.id)
+                    && !self.waking.contains(&s.id)
+                    && !self.draining.contains(&s.id)
+            })
+            .filter(|s| !matches!(s.state, SandboxState::Creating | SandboxState::Deleting))
+            .map(|s| (s.created_at, s.id))
+            .collect();
         v.sort();
         v.into_iter().map(|(_, id)| id).collect()
     }
@@ -1009,7 +1278,15 @@ async fn clear_drain_notice(engine: &Engine, tenant: &TenantId, id: &SandboxId) 
     }
 }
 
-fn err_status(e: &TriggerError) -> TriggerErrorStatus {
+/// A trigger's error as its pool's status shows it: for a tenant's pool (`generic`), a broker
+/// that cannot be reached reads the same whatever the cause; the details are logged.
+fn err_status(e: &TriggerError, generic: bool) -> TriggerErrorStatus {
+    if generic && e.is_unreachable() {
+        return TriggerErrorStatus {
+            code: BROKER_UNREACHABLE_CODE.into(),
+            message: BROKER_UNREACHABLE_MESSAGE.into(),
+        };
+    }
     TriggerErrorStatus {
         code: e.code().into(),
         message: e.to_string(),
@@ -1237,5 +1514,50 @@ async fn watch_for_work(spec: TriggerSpec, poke: Arc<Notify>, stop: watch::Recei
             Err(TriggerError::Unsupported { .. }) => return,
             Err(_) => tokio::time::sleep(Duration::from_secs(1)).await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(tenant: &str, name: &str) -> PoolRow {
+        PoolRow {
+            name: name.into(),
+            tenant: TenantId::new(tenant).unwrap(),
+            spec_json: format!("{{\"name\":\"{name}\"}}"),
+            created_at: 1,
+        }
+    }
+
+    #[test]
+    fn the_name_keyed_table_is_migrated_and_names_become_per_tenant() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("torpor.db")).unwrap();
+        // A table as older torpor made it (the store's schema still does, on a new database).
+        assert!(store.insert_pool(&row("team-a", "jobs")).unwrap());
+        assert!(!store.insert_pool(&row("team-b", "jobs")).unwrap());
+        table::migrate(&store).unwrap();
+        table::migrate(&store).unwrap();
+        let all = table::all(&store).unwrap();
+        assert_eq!(
+            all,
+            vec![row("team-a", "jobs")],
+            "rows survive the migration"
+        );
+        assert!(table::insert(&store, &row("team-b", "jobs")).unwrap());
+        assert!(!table::insert(&store, &row("team-b", "jobs")).unwrap());
+        assert_eq!(
+            table::count(&store, &TenantId::new("team-a").unwrap()).unwrap(),
+            1
+        );
+        assert!(table::delete(&store, &TenantId::new("team-b").unwrap(), "jobs").unwrap());
+        assert_eq!(table::all(&store).unwrap(), vec![row("team-a", "jobs")]);
+        // Opening the store again (its schema's CREATE IF NOT EXISTS) keeps the new table.
+        drop(store);
+        let store = Store::open(&dir.path().join("torpor.db")).unwrap();
+        table::migrate(&store).unwrap();
+        assert!(table::insert(&store, &row("team-b", "jobs")).unwrap());
+        assert_eq!(table::all(&store).unwrap().len(), 2);
     }
 }
