@@ -695,8 +695,7 @@ impl Engine {
         drop(permit);
         let _ = std::fs::remove_dir_all(&bundle);
         result?;
-        std::fs::rename(&tmp, &rec.golden_dir)
-            .map_err(ControlError::io("cannot commit", &rec.golden_dir))?;
+        commit_image(&tmp, &rec.golden_dir).await?;
         rec.golden_bytes = dir_size(&rec.golden_dir);
         self.metrics
             .checkpoint_seconds
@@ -1366,8 +1365,16 @@ impl Engine {
         self.metrics.workers_busy.set(self.workers.busy() as i64);
         match result {
             Ok(()) => {
-                let _ = std::fs::remove_dir_all(&dest);
-                std::fs::rename(&tmp, &dest).map_err(ControlError::io("cannot commit", &dest))?;
+                // Durable before the record points at it; the old image goes only after.
+                if let Err(e) = commit_image(&tmp, &dest).await {
+                    rec.state = rec.image.sleeping_state();
+                    rec.tier = rec.image.sleeping_tier();
+                    rec.last_error = Some(
+                        "checkpoint could not be stored durably; back to its last snapshot".into(),
+                    );
+                    self.store.update_sandbox(&rec)?;
+                    return Err(e);
+                }
                 let old = std::mem::replace(&mut rec.image, ImageRef::Local(dest.clone()));
                 rec.state = SandboxState::Parked;
                 rec.tier = Tier::Parked;
@@ -1791,18 +1798,16 @@ impl Engine {
             .map_err(torpor_runtime::RuntimeError::from)?;
         let (tx, out) = mpsc::channel(64);
         let engine = self.clone();
+        // Each chunk is handed on as it comes and not kept: a slow reader holds the channel
+        // full, which holds the agent connection's reader, which holds the command's pipe.
         tokio::spawn(async move {
-            let mut stdout = Vec::new();
-            let mut stderr = Vec::new();
             loop {
                 let event = match rx.recv().await {
                     Some((Reply::Output { fd }, body)) => {
                         let data = String::from_utf8_lossy(&body).into_owned();
                         if fd == 1 {
-                            stdout.extend_from_slice(&body);
                             ExecEvent::Stdout { data }
                         } else {
-                            stderr.extend_from_slice(&body);
                             ExecEvent::Stderr { data }
                         }
                     }
@@ -2508,6 +2513,26 @@ pub(crate) fn dir_size(p: &Path) -> u64 {
 }
 
 /// Copies a directory tree with `cp -a` (keeps modes, owners, links and special files).
+/// Makes a checkpoint image that runsc wrote at `tmp` durable (every file, then the
+/// directories) and publishes it at `dest` with a durable rename, replacing what was there. A
+/// record may point at `dest` once this returns: a power loss cannot leave it half written.
+async fn commit_image(tmp: &Path, dest: &Path) -> Result<()> {
+    let (tmp, dest) = (tmp.to_path_buf(), dest.to_path_buf());
+    tokio::task::spawn_blocking(move || {
+        use torpor_snapshot::durable;
+        durable::fsync_tree(&tmp)?;
+        let _ = std::fs::remove_dir_all(&dest);
+        durable::rename_durably(&tmp, &dest)
+    })
+    .await
+    .map_err(|e| ControlError::Unsupported(format!("image commit task failed: {e}")))?
+    .map_err(|e| ControlError::Io {
+        what: "cannot commit the image",
+        path: e.path.clone(),
+        source: e.source,
+    })
+}
+
 /// Unpacks a root-filesystem tarball (plain, gzip or zstd) into `dest`, refusing entries that
 /// would land outside it.
 async fn unpack_rootfs_tar(archive: &Path, dest: &Path) -> Result<()> {

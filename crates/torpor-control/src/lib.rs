@@ -9,6 +9,7 @@ pub mod gpu_store;
 pub mod lot;
 pub mod metrics;
 pub mod pools;
+pub mod secrets;
 pub mod snapshots;
 pub mod store;
 

@@ -1,8 +1,9 @@
 //! The state store: templates, sandboxes and tenants in embedded SQLite.
 //!
-//! SQLite runs in WAL mode with `synchronous=NORMAL`: a committed transition survives a daemon
-//! crash (SIGKILL); only a power loss may drop the last few, and the reconcile pass on start
-//! copes with that like with any other interrupted transition. Each statement is a few tens of
+//! SQLite runs in WAL mode with `synchronous=FULL`: the WAL is fsynced at every commit, so a
+//! committed transition survives a power loss as well as a daemon crash. Checkpoint images are
+//! fsynced before a record points at them and the image a record left is removed only after
+//! the record moved on, so a record never points at a missing or half-written image. Each statement is a few tens of
 //! microseconds, so the store is called directly under a mutex rather than through a thread.
 
 use std::collections::BTreeMap;
@@ -28,6 +29,8 @@ pub enum StoreError {
     Sql(#[from] rusqlite::Error),
     #[error("state store holds a malformed {what} row {key}")]
     Corrupt { what: &'static str, key: String },
+    #[error("state store env key")]
+    EnvKey(#[from] crate::secrets::SealError),
 }
 
 /// Where the checkpoint a sandbox would wake from lives.
@@ -107,6 +110,8 @@ impl SandboxRecord {
 
 pub struct Store {
     conn: Mutex<Connection>,
+    /// Seals sandboxes' env at rest (crate::secrets).
+    env_seal: crate::secrets::EnvSeal,
 }
 
 const SCHEMA: &str = r#"
@@ -174,7 +179,7 @@ impl Store {
         };
         let conn = Connection::open(path).map_err(open_err)?;
         conn.execute_batch(
-            "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=5000;",
+            "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; PRAGMA busy_timeout=5000;",
         )
         .map_err(open_err)?;
         conn.execute_batch(SCHEMA).map_err(open_err)?;
@@ -200,9 +205,33 @@ impl Store {
             }
             Some(_) => {}
         }
-        Ok(Store {
+        let key = path.with_file_name("env.key");
+        let env_seal = crate::secrets::EnvSeal::load_or_create(&key)?;
+        let store = Store {
             conn: Mutex::new(conn),
-        })
+            env_seal,
+        };
+        store.seal_plain_envs()?;
+        Ok(store)
+    }
+
+    /// Seals env values written in plain text by an older torpor.
+    fn seal_plain_envs(&self) -> Result<(), StoreError> {
+        let plain: Vec<(String, String)> = self.with(|c| {
+            let mut st = c.prepare("SELECT id, env FROM sandboxes WHERE env NOT LIKE 'enc1:%'")?;
+            let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+            rows.collect()
+        })?;
+        for (id, env) in plain {
+            let sealed = self.env_seal.seal(&id, &env);
+            self.with(|c| {
+                c.execute(
+                    "UPDATE sandboxes SET env=?2 WHERE id=?1",
+                    params![id, sealed],
+                )
+            })?;
+        }
+        Ok(())
     }
 
     pub(crate) fn with<T>(
@@ -308,7 +337,7 @@ impl Store {
                     s.state.as_str(),
                     s.tier.as_str(),
                     json(&s.limits),
-                    json(&s.env),
+                    self.env_seal.seal(s.id.as_str(), &json(&s.env)),
                     json(&s.metadata),
                     s.created_at,
                     s.last_active_at,
@@ -397,7 +426,7 @@ impl Store {
             )
             .optional()
         })?;
-        row.map(parse_sandbox).transpose()
+        row.map(|r| self.parse_sandbox(r)).transpose()
     }
 
     pub fn sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
@@ -406,7 +435,7 @@ impl Store {
             let rows = st.query_map([], raw_sandbox)?;
             rows.collect::<rusqlite::Result<Vec<_>>>()
         })?;
-        rows.into_iter().map(parse_sandbox).collect()
+        rows.into_iter().map(|r| self.parse_sandbox(r)).collect()
     }
 
     pub fn count_sandboxes_of_template(&self, name: &TemplateName) -> Result<u64, StoreError> {
@@ -641,6 +670,20 @@ fn raw_sandbox(r: &Row) -> rusqlite::Result<RawSandbox> {
     ))
 }
 
+impl Store {
+    fn parse_sandbox(&self, raw: RawSandbox) -> Result<SandboxRecord, StoreError> {
+        let mut raw = raw;
+        raw.6 = self
+            .env_seal
+            .open(&raw.0, &raw.6)
+            .map_err(|_| StoreError::Corrupt {
+                what: "sandbox env",
+                key: raw.0.clone(),
+            })?;
+        parse_sandbox(raw)
+    }
+}
+
 fn parse_sandbox(raw: RawSandbox) -> Result<SandboxRecord, StoreError> {
     let (
         id,
@@ -760,6 +803,45 @@ mod tests {
             image: ImageRef::Golden,
             last_error: None,
             oom_killed: false,
+        }
+    }
+
+    #[test]
+    fn env_values_are_sealed_at_rest_and_old_plain_rows_are_sealed_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let mut s = sandbox();
+        s.env.insert("API_KEY".into(), "sk-live-hunter2".into());
+        let mut old = sandbox();
+        old.env.insert("OLD".into(), "plain-secret-7".into());
+        {
+            let store = Store::open(&path).unwrap();
+            store.insert_sandbox(&s).unwrap();
+            store.insert_sandbox(&old).unwrap();
+            // As an older torpor wrote it: plain JSON.
+            store
+                .with(|c| {
+                    c.execute(
+                        "UPDATE sandboxes SET env=?2 WHERE id=?1",
+                        params![old.id.as_str(), r#"{"OLD":"plain-secret-7"}"#],
+                    )
+                })
+                .unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        assert_eq!(store.sandbox(&s.id).unwrap().unwrap().env, s.env);
+        assert_eq!(store.sandbox(&old.id).unwrap().unwrap().env, old.env);
+        drop(store);
+        // Checkpoint the WAL into the main file, then no file holds either secret.
+        let c = Connection::open(&path).unwrap();
+        c.execute_batch("PRAGMA wal_checkpoint(TRUNCATE); VACUUM;")
+            .unwrap();
+        drop(c);
+        for f in std::fs::read_dir(dir.path()).unwrap() {
+            let bytes = std::fs::read(f.unwrap().path()).unwrap();
+            let text = String::from_utf8_lossy(&bytes);
+            assert!(!text.contains("hunter2"));
+            assert!(!text.contains("plain-secret-7"));
         }
     }
 

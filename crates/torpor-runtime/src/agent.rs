@@ -430,6 +430,23 @@ impl ChildIo {
     }
 }
 
+/// Output of a command that is not streamed, kept per stream; beyond it the rest is read and
+/// dropped (so the command does not block) and a note says so. Streamed output has no cap: it
+/// is sent as it comes, at the pace the caller reads it.
+pub const MAX_EXEC_OUTPUT: usize = 8 << 20;
+const TRUNCATED_NOTE: &[u8] = b"\n[torpor: output truncated at 8 MiB; exec with stream for more]\n";
+
+fn keep_capped(into: &mut Vec<u8>, chunk: &[u8]) {
+    let room = MAX_EXEC_OUTPUT.saturating_sub(into.len());
+    if room == 0 {
+        return;
+    }
+    into.extend_from_slice(&chunk[..chunk.len().min(room)]);
+    if chunk.len() >= room {
+        into.extend_from_slice(TRUNCATED_NOTE);
+    }
+}
+
 /// Reads what is available; true when the pipe reached EOF (or broke).
 fn drain(
     p: &mut impl Read,
@@ -442,7 +459,7 @@ fn drain(
             Ok(0) => return true,
             Ok(n) => match stream {
                 Some((send, fd)) => send(fd, &buf[..n]),
-                None => into.extend_from_slice(&buf[..n]),
+                None => keep_capped(into, &buf[..n]),
             },
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -892,5 +909,24 @@ mod tests {
                 ..
             })
         ));
+    }
+}
+
+#[cfg(test)]
+mod output_cap_tests {
+    use super::*;
+
+    #[test]
+    fn output_beyond_the_cap_is_dropped_with_a_note() {
+        let mut out = Vec::new();
+        let chunk = vec![b'y'; 1 << 20];
+        for _ in 0..20 {
+            keep_capped(&mut out, &chunk);
+        }
+        assert_eq!(out.len(), MAX_EXEC_OUTPUT + TRUNCATED_NOTE.len());
+        assert!(out.ends_with(TRUNCATED_NOTE));
+        let mut small = Vec::new();
+        keep_capped(&mut small, b"hello");
+        assert_eq!(small, b"hello");
     }
 }
