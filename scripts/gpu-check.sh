@@ -56,7 +56,7 @@ if [ "$(id -u)" = 0 ] && command -v runsc >/dev/null; then
         curl -fs "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 && break
         sleep 0.2
     done
-    curl -fs "http://127.0.0.1:$port/metrics" > "$tmp/metrics.txt"
+    curl -fs -H "Authorization: Bearer $(cat "$tmp/data/admin-token")" "http://127.0.0.1:$port/metrics" > "$tmp/metrics.txt"
     grep -E '^torpor_gpu_(shares|free)\{' "$tmp/metrics.txt" | head -5
     grep -E '^DCGM_FI_DEV_FB_USED\{gpu="0"' "$tmp/metrics.txt" \
         || { echo "no DCGM metrics on /metrics" >&2; tail -20 "$tmp/up.log" >&2; exit 1; }

@@ -36,13 +36,22 @@ pub const MAX_JSON_BODY: usize = 1 << 20;
 pub const MAX_FILE_BODY: usize = proto::MAX_BODY;
 
 pub struct ApiState {
+    /// The audit log (`DATA_DIR/audit`): every mutating and every refused call.
+    pub audit: Arc<crate::audit::AuditLog>,
     pub engine: Arc<Engine>,
     pub admin_token: String,
     /// Event-driven pools (`/v1/pools`).
     pub pools: Arc<torpor_control::pools::Pools>,
+    /// Requests per second per tenant and route class for tenants whose quotas name none.
+    pub default_requests_per_s: u64,
+    /// The bearer token `GET /metrics` also accepts (besides the admin token).
+    pub metrics_token: String,
+    /// Rate-limit buckets and upload slots: `EdgeLimits::default()`.
+    pub limits: crate::ratelimit::EdgeLimits,
 }
 
 /// An API error: a status, a stable code and a message.
+#[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
     code: String,
@@ -65,6 +74,12 @@ impl ApiError {
     /// The stable error code.
     pub fn code(&self) -> &str {
         &self.code
+    }
+
+    /// Asks the client to retry after `seconds` (the `Retry-After` header).
+    pub fn with_retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
+        self
     }
 }
 
@@ -100,6 +115,8 @@ fn status_of(e: &ControlError) -> StatusCode {
     use torpor_runtime::proto::AgentErrorCode as A;
     match e {
         ControlError::NotFound { .. } => StatusCode::NOT_FOUND,
+        ControlError::Forbidden(_) => StatusCode::FORBIDDEN,
+        ControlError::Upload { .. } => StatusCode::BAD_REQUEST,
         ControlError::QuotaExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
         ControlError::TenantInUse(..)
         | ControlError::AlreadyExists { .. }
@@ -152,12 +169,48 @@ fn status_of(e: &ControlError) -> StatusCode {
     }
 }
 
+/// What a client is told of `e`: its own text when that is meant for clients; for an internal
+/// failure (and an image error shown to a tenant, whose text names host paths) a message with
+/// the stable code and the request id, the details going to the log under that id.
+fn client_message(e: &ControlError, status: StatusCode) -> String {
+    let meant_for_clients = match e {
+        ControlError::NoWorker(_)
+        | ControlError::LotFull(_)
+        | ControlError::ShuttingDown
+        | ControlError::ExecTimeout { .. }
+        | ControlError::SandboxCrashed { .. } => true,
+        ControlError::Gpu(g) => !matches!(g, torpor_control::gpu::GpuError::Driver(_)),
+        ControlError::Image(_) => {
+            crate::request_id::caller().is_some_and(|c| c == TenantId::admin())
+        }
+        ControlError::Agent { code, .. } => *code != torpor_runtime::proto::AgentErrorCode::Io,
+        _ => !status.is_server_error(),
+    };
+    let request_id = crate::request_id::current_id();
+    if meant_for_clients {
+        if status.is_server_error() {
+            tracing::warn!(%request_id, error = %e, code = e.code(), "request failed");
+        }
+        return e.to_string();
+    }
+    tracing::error!(%request_id, error = %e, code = e.code(), "request failed");
+    match e {
+        ControlError::Image(_) => {
+            format!(
+                "the image cannot be used ({}); request id {request_id}",
+                e.code()
+            )
+        }
+        ControlError::Conn(_) => {
+            format!("the sandbox's agent is unavailable; retry (request id {request_id})")
+        }
+        _ => format!("internal error ({}); request id {request_id}", e.code()),
+    }
+}
+
 impl From<ControlError> for ApiError {
     fn from(e: ControlError) -> Self {
         let status = status_of(&e);
-        if status.is_server_error() {
-            tracing::warn!(error = %e, code = e.code(), "request failed");
-        }
         let details = match &e {
             ControlError::ExecTimeout { stdout, stderr, .. } => {
                 Some(serde_json::json!({"stdout": stdout, "stderr": stderr}))
@@ -171,7 +224,7 @@ impl From<ControlError> for ApiError {
         ApiError {
             status,
             code: e.code().into(),
-            message: e.to_string(),
+            message: client_message(&e, status),
             details,
             retry_after,
         }
@@ -180,24 +233,74 @@ impl From<ControlError> for ApiError {
 
 pub(crate) type ApiResult<T> = Result<T, ApiError>;
 
-/// The raw request body, with an over-limit body answered in the API's error shape.
+/// The raw request body of a JSON route: at most [`MAX_JSON_BODY`] bytes are read (a larger
+/// body is refused as soon as it is known to be larger), answered in the API's error shape.
 pub(crate) struct RawBody(pub(crate) Bytes);
 
 impl<S: Send + Sync> FromRequest<S> for RawBody {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        Bytes::from_request(req, state)
-            .await
-            .map(RawBody)
-            .map_err(|e| {
-                ApiError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "body_too_large",
-                    format!("request body refused: {}", e.body_text()),
-                )
-            })
+    async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
+        read_capped(req, MAX_JSON_BODY).await.map(RawBody)
     }
+}
+
+/// The declared `Content-Length` of a request, if any.
+pub(crate) fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok())
+}
+
+fn too_large(limit: usize) -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "body_too_large",
+        format!("this route takes bodies of at most {limit} bytes"),
+    )
+}
+
+/// Reads a request's body, refusing it (`413 body_too_large`) from its `Content-Length` before
+/// anything is read, or as soon as more than `limit` bytes arrived.
+pub(crate) async fn read_capped(req: Request, limit: usize) -> ApiResult<Bytes> {
+    if content_length(req.headers()).is_some_and(|n| n > limit as u64) {
+        return Err(too_large(limit));
+    }
+    read_body_capped(req.into_body(), limit)
+        .await
+        .map_err(|e| match e {
+            BodyError::TooLarge => too_large(limit),
+            BodyError::Read(m) => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!("cannot read the request body: {m}"),
+            ),
+        })
+}
+
+/// Why a body could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("the body is over its route's limit")]
+    TooLarge,
+    #[error("cannot read the request body: {0}")]
+    Read(String),
+}
+
+/// Reads a body chunk by chunk, stopping as soon as it passes `limit` bytes.
+pub async fn read_body_capped(body: Body, limit: usize) -> Result<Bytes, BodyError> {
+    use futures::StreamExt as _;
+    let mut stream = body.into_data_stream();
+    let mut out = bytes::BytesMut::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| BodyError::Read(e.to_string()))?;
+        if out.len() + chunk.len() > limit {
+            return Err(BodyError::TooLarge);
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out.freeze())
 }
 
 /// Parses a JSON body strictly, with errors in the API's shape.
@@ -268,6 +371,10 @@ pub fn router(state: Arc<ApiState>) -> Router {
             "/templates/{name}",
             get(get_template).delete(delete_template),
         )
+        .route(
+            "/templates/{name}/image",
+            post(crate::uploads::upload_template_image),
+        )
         .route("/sandboxes", post(create_sandbox).get(list_sandboxes))
         .route(
             "/sandboxes/{id}",
@@ -308,7 +415,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .nest("/v1", v1)
         .merge(crate::e2b::router(state.clone()))
         .route("/healthz", get(healthz))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(metrics_with_token))
         .fallback(not_found_route)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(
@@ -316,6 +423,22 @@ pub fn router(state: Arc<ApiState>) -> Router {
             crate::proxy::host_route,
         ))
         .layer(DefaultBodyLimit::max(MAX_FILE_BODY))
+        .layer(middleware::from_fn(crate::request_id::request_context))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            crate::audit::record_calls,
+        ))
+        .with_state(state)
+}
+
+/// `GET /metrics` without a token, for the operator's own listener (`--metrics-listen`): bind
+/// it where only the scraper reaches. Everything else there answers 404.
+pub fn metrics_router(state: Arc<ApiState>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .fallback(not_found_route)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn(crate::request_id::request_context))
         .with_state(state)
 }
 
@@ -339,6 +462,10 @@ async fn authenticate(
 ) -> Response {
     match tenant_of(&state, req.headers()) {
         Ok(tenant) => {
+            let class = crate::ratelimit::RouteClass::of_v1_path(req.uri().path());
+            if let Err(e) = crate::ratelimit::check(&state, &tenant, class) {
+                return e.into_response();
+            }
             req.extensions_mut().insert(tenant);
             next.run(req).await
         }
@@ -376,6 +503,7 @@ pub(crate) fn tenant_of(state: &ApiState, headers: &HeaderMap) -> ApiResult<Tena
             ))
         }
     };
+    crate::request_id::set_caller(&tenant);
     Ok(tenant)
 }
 
@@ -395,6 +523,30 @@ async fn healthz(State(state): State<Arc<ApiState>>) -> Json<Health> {
         platform: r.platform.clone(),
         workers: state.engine.workers(),
     })
+}
+
+/// `GET /metrics` on the API listener: the bearer must be the admin token or the metrics token
+/// (metrics name sandboxes and tenants).
+async fn metrics_with_token(State(state): State<Arc<ApiState>>, headers: HeaderMap) -> Response {
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let allowed = token.is_some_and(|t| {
+        constant_time_eq(t.as_bytes(), state.admin_token.as_bytes())
+            | (!state.metrics_token.is_empty()
+                && constant_time_eq(t.as_bytes(), state.metrics_token.as_bytes()))
+    });
+    if !allowed {
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "/metrics needs `Authorization: Bearer TOKEN` with the admin or the metrics token",
+        )
+        .into_response();
+    }
+    metrics(State(state)).await
 }
 
 async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
@@ -784,9 +936,14 @@ async fn write_file(
     Extension(tenant): Extension<TenantId>,
     Path(id): Path<String>,
     q: Result<Query<FileQuery>, axum::extract::rejection::QueryRejection>,
-    RawBody(body): RawBody,
+    req: Request,
 ) -> ApiResult<StatusCode> {
     let q = file_query(q)?;
+    let id = sandbox_id(&id)?;
+    // Nothing of the body is read for a sandbox the caller cannot see, nor past the budgets.
+    state.engine.sandbox(&tenant, &id)?;
+    let _slot = upload_slot(&state, &tenant, req.headers())?;
+    let body = read_capped(req, MAX_FILE_BODY).await?;
     let mode = match &q.mode {
         None => None,
         Some(m) => Some(
@@ -804,9 +961,41 @@ async fn write_file(
     };
     state
         .engine
-        .write_file(&tenant, &sandbox_id(&id)?, &q.path, mode, &body)
+        .write_file(&tenant, &id, &q.path, mode, &body)
         .await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// A file upload's hold on the upload budgets (crate::ratelimit::UploadSlots), taken before its
+/// body is read: `429 rate_limited` while the tenant's own uploads hold its share, `503
+/// server_busy` while all uploads together hold the daemon's; both with `Retry-After`.
+pub(crate) fn upload_slot(
+    state: &ApiState,
+    tenant: &TenantId,
+    headers: &HeaderMap,
+) -> ApiResult<crate::ratelimit::UploadSlot> {
+    use crate::ratelimit::{UploadRefused, UploadSlots};
+    let weight = UploadSlots::weight(content_length(headers), MAX_FILE_BODY as u64);
+    state
+        .limits
+        .uploads
+        .try_take(tenant, weight)
+        .map_err(|why| {
+            tracing::info!(tenant = %tenant, weight, ?why, "upload refused: budget in use");
+            match why {
+                UploadRefused::Tenant => ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limited",
+                    "too many uploads in flight for this tenant; retry when one has finished",
+                ),
+                UploadRefused::Global => ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "server_busy",
+                    "too many uploads in flight; retry shortly",
+                ),
+            }
+            .with_retry_after(1)
+        })
 }
 
 async fn delete_file(
@@ -857,6 +1046,26 @@ mod tests {
             decode_all_bodies(br#"{"name":"t","source":{"kind":"host"}}"#),
             1
         );
+    }
+
+    #[test]
+    fn internal_errors_tell_clients_the_code_and_request_id_never_the_details() {
+        let e = ControlError::Io {
+            what: "reading",
+            path: "/var/lib/torpor/sandboxes/sb-x/checkpoint".into(),
+            source: std::io::Error::other("disk on fire"),
+        };
+        let api = ApiError::from(e);
+        assert_eq!(api.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(api.code, "io_error");
+        assert!(!api.message.contains("/var/lib"), "{}", api.message);
+        assert!(!api.message.contains("fire"), "{}", api.message);
+        assert!(api.message.contains("request id"), "{}", api.message);
+        // Errors meant for clients keep their text.
+        let api = ApiError::from(ControlError::NoWorker(5));
+        assert_eq!(api.message, "no worker became free within 5 ms");
+        let api = ApiError::from(ControlError::Invalid("cmd is empty".into()));
+        assert_eq!(api.message, "invalid request: cmd is empty");
     }
 
     #[test]

@@ -118,7 +118,10 @@ async fn gpu_share_follows_the_sleep_ladder() {
     assert_eq!(status["gpus"][0]["free"]["mig_memory_slices"], 8);
     assert_eq!(status["gpus"][0]["shares"], 0);
     assert!(status["sleeping"].as_array().unwrap().contains(&json!(mig)));
-    let metrics = reqwest::get(format!("{}/metrics", d.url()))
+    let metrics = reqwest::Client::new()
+        .get(format!("{}/metrics", d.url()))
+        .bearer_auth(d.token())
+        .send()
         .await
         .unwrap()
         .text()
@@ -276,7 +279,10 @@ fn shares_view(status: &Value) -> Value {
 }
 
 async fn quota_used(d: &Daemon) -> String {
-    let text = reqwest::get(format!("{}/metrics", d.url()))
+    let text = reqwest::Client::new()
+        .get(format!("{}/metrics", d.url()))
+        .bearer_auth(d.token())
+        .send()
         .await
         .unwrap()
         .text()

@@ -113,8 +113,31 @@ impl From<torpor_control::ControlError> for RpcError {
             },
             _ => Code::Internal,
         };
-        RpcError::new(code, e.to_string())
+        // The message clients get (internal details go to the log with the request id).
+        let message = crate::server::ApiError::from(e).message().to_string();
+        RpcError::new(code, message)
     }
+}
+
+/// Reads the body of a call with one message: at most one envelope of [`MAX_MESSAGE`]
+/// (`resource_exhausted` past it, told from `Content-Length` before anything is read).
+pub async fn read_message_body(headers: &HeaderMap, body: Body) -> Result<Bytes, RpcError> {
+    let limit = MAX_MESSAGE + 5;
+    let too_large = || {
+        RpcError::new(
+            Code::ResourceExhausted,
+            format!("message exceeds the limit of {MAX_MESSAGE} bytes"),
+        )
+    };
+    if crate::server::content_length(headers).is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    crate::server::read_body_capped(body, limit)
+        .await
+        .map_err(|e| match e {
+            crate::server::BodyError::TooLarge => too_large(),
+            crate::server::BodyError::Read(m) => RpcError::new(Code::Canceled, m),
+        })
 }
 
 /// How a call was framed, from its content type.

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -30,32 +30,35 @@ pub fn authenticate(st: &E2b, headers: &HeaderMap) -> E2bResult<TenantId> {
         .map(str::trim)
         .filter(|k| !k.is_empty())
         .ok_or_else(|| E2bError::new(StatusCode::UNAUTHORIZED, "missing X-API-KEY header"))?;
-    if constant_time_eq(key.as_bytes(), st.api.admin_token.as_bytes()) {
-        return Ok(TenantId::admin());
-    }
-    st.api
-        .engine
-        .tenant_for_token(key)?
-        .ok_or_else(|| E2bError::new(StatusCode::UNAUTHORIZED, "invalid API key"))
+    let tenant = if constant_time_eq(key.as_bytes(), st.api.admin_token.as_bytes()) {
+        TenantId::admin()
+    } else {
+        st.api
+            .engine
+            .tenant_for_token(key)?
+            .ok_or_else(|| E2bError::new(StatusCode::UNAUTHORIZED, "invalid API key"))?
+    };
+    crate::request_id::set_caller(&tenant);
+    crate::ratelimit::check(&st.api, &tenant, crate::ratelimit::RouteClass::Lifecycle)?;
+    Ok(tenant)
 }
 
 fn sandbox_id(raw: &str) -> E2bResult<SandboxId> {
     SandboxId::new(raw).map_err(|_| E2bError::not_found(format_args!("sandbox {raw:?}")))
 }
 
-/// Parses a JSON body leniently (unknown fields are ignored: SDKs send many we do not use); an
-/// empty body is the default.
-fn parse_body<T: for<'de> Deserialize<'de> + Default>(body: &Bytes) -> E2bResult<T> {
+/// Reads a JSON body (after the caller was authenticated: nothing is read before) and parses
+/// it leniently (unknown fields are ignored: SDKs send many we do not use); an empty body is
+/// the default.
+async fn parse_body<T: for<'de> Deserialize<'de> + Default>(
+    headers: &HeaderMap,
+    body: Body,
+) -> E2bResult<T> {
+    let body = super::read_body(headers, body, crate::server::MAX_JSON_BODY).await?;
     if body.is_empty() {
         return Ok(T::default());
     }
-    if body.len() > crate::server::MAX_JSON_BODY {
-        return Err(E2bError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "request body too large",
-        ));
-    }
-    serde_json::from_slice(body).map_err(|e| E2bError::bad_request(format!("request body: {e}")))
+    serde_json::from_slice(&body).map_err(|e| E2bError::bad_request(format!("request body: {e}")))
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -313,10 +316,10 @@ fn on_timeout(body: &NewSandbox) -> E2bResult<&'static str> {
 pub async fn create(
     State(st): State<Arc<E2b>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> E2bResult<(StatusCode, Json<SandboxJson>)> {
     let tenant = authenticate(&st, &headers)?;
-    let body: NewSandbox = parse_body(&body)?;
+    let body: NewSandbox = parse_body(&headers, body).await?;
     let tpl = template_to_torpor(body.template_id.as_deref().unwrap_or("base"));
     let template = TemplateName::new(tpl)
         .map_err(|_| E2bError::not_found(format_args!("template {tpl:?}")))?;
@@ -397,11 +400,11 @@ pub async fn connect(
     State(st): State<Arc<E2b>>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    body: Bytes,
+    body: Body,
 ) -> E2bResult<(StatusCode, Json<SandboxJson>)> {
     let tenant = authenticate(&st, &headers)?;
     let id = sandbox_id(&id)?;
-    let body: TimeoutBody = parse_body(&body)?;
+    let body: TimeoutBody = parse_body(&headers, body).await?;
     let timeout = timeout_seconds(body.timeout)?;
     let before = st.api.engine.sandbox(&tenant, &id)?;
     let was_running = is_running(before.tier);
@@ -432,7 +435,7 @@ pub async fn resume(
     State(st): State<Arc<E2b>>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    body: Bytes,
+    body: Body,
 ) -> E2bResult<(StatusCode, Json<SandboxJson>)> {
     let tenant = authenticate(&st, &headers)?;
     let sid = sandbox_id(&id)?;
@@ -507,11 +510,11 @@ pub async fn set_network(
     State(st): State<Arc<E2b>>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    body: Bytes,
+    body: Body,
 ) -> E2bResult<StatusCode> {
     let tenant = authenticate(&st, &headers)?;
     let sid = sandbox_id(&id)?;
-    let body: NetworkUpdate = parse_body(&body)?;
+    let body: NetworkUpdate = parse_body(&headers, body).await?;
     let rec = st.api.engine.sandbox(&tenant, &sid)?;
     super::egress::refuse_unsupported(body.egress_proxy.as_ref(), body.rules.as_ref(), None)?;
     let egress = Egress {
@@ -538,11 +541,11 @@ pub async fn set_timeout(
     State(st): State<Arc<E2b>>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    body: Bytes,
+    body: Body,
 ) -> E2bResult<StatusCode> {
     let tenant = authenticate(&st, &headers)?;
     let sid = sandbox_id(&id)?;
-    let body: TimeoutBody = parse_body(&body)?;
+    let body: TimeoutBody = parse_body(&headers, body).await?;
     let Some(t) = body.timeout else {
         return Err(E2bError::bad_request("timeout is required"));
     };

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
-use axum::extract::{FromRequest, Path, Request as HttpRequest, State};
+use axum::extract::{Path, Request as HttpRequest, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
@@ -82,6 +82,8 @@ pub enum CtxError {
     Missing(&'static str),
     Unauthenticated,
     UnknownSandbox(String),
+    /// Over the owner's rate (its status and message).
+    RateLimited(String),
     Internal(String),
 }
 
@@ -98,6 +100,7 @@ impl CtxError {
             CtxError::UnknownSandbox(id) => {
                 RpcError::new(Code::NotFound, format!("sandbox {id:?} not found"))
             }
+            CtxError::RateLimited(m) => RpcError::new(Code::ResourceExhausted, m.clone()),
             CtxError::Internal(m) => RpcError::new(Code::Internal, m.clone()),
         }
     }
@@ -113,12 +116,19 @@ impl CtxError {
                 StatusCode::BAD_GATEWAY,
                 format!("The sandbox {id} was not found"),
             ),
+            CtxError::RateLimited(m) => E2bError::new(StatusCode::TOO_MANY_REQUESTS, m.clone()),
             CtxError::Internal(m) => E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, m.clone()),
         }
     }
 }
 
-pub fn ctx(st: &E2b, headers: &HeaderMap) -> Result<Ctx, CtxError> {
+/// The sandbox a call acts on, its access token checked, and a token of its owner's rate for
+/// `class` taken.
+pub fn ctx(
+    st: &E2b,
+    headers: &HeaderMap,
+    class: crate::ratelimit::RouteClass,
+) -> Result<Ctx, CtxError> {
     let raw = headers
         .get("e2b-sandbox-id")
         .and_then(|v| v.to_str().ok())
@@ -132,7 +142,7 @@ pub fn ctx(st: &E2b, headers: &HeaderMap) -> Result<Ctx, CtxError> {
         Err(torpor_control::ControlError::NotFound { .. }) => {
             return Err(CtxError::UnknownSandbox(raw.to_string()))
         }
-        Err(e) => return Err(CtxError::Internal(e.to_string())),
+        Err(e) => return Err(CtxError::Internal(E2bError::from(e).message)),
     };
     let token = headers
         .get("x-access-token")
@@ -142,20 +152,28 @@ pub fn ctx(st: &E2b, headers: &HeaderMap) -> Result<Ctx, CtxError> {
     if !constant_time_eq(token.as_bytes(), st.access_token(&id).as_bytes()) {
         return Err(CtxError::Unauthenticated);
     }
+    crate::request_id::set_caller(&tenant);
+    crate::ratelimit::check(&st.api, &tenant, class)
+        .map_err(|e| CtxError::RateLimited(e.message().to_string()))?;
     Ok(Ctx { tenant, id })
 }
 
 /// The start of every Connect-RPC call: its framing (content type) and its sandbox (the
 /// `E2b-Sandbox-Id` and `X-Access-Token` headers), or the error answer in the right framing.
-pub fn rpc_call(st: &E2b, headers: &HeaderMap) -> Result<(connect::Framing, Ctx), Box<Response>> {
+pub fn rpc_call(
+    st: &E2b,
+    headers: &HeaderMap,
+    class: crate::ratelimit::RouteClass,
+) -> Result<(connect::Framing, Ctx), Box<Response>> {
     let framing = connect::framing(headers).map_err(|e| Box::new(connect::unary_err(&e)))?;
-    let c = ctx(st, headers).map_err(|e| Box::new(connect::error_response(framing, &e.rpc())))?;
+    let c = ctx(st, headers, class)
+        .map_err(|e| Box::new(connect::error_response(framing, &e.rpc())))?;
     Ok((framing, c))
 }
 
 /// GET /health → 204 (waking the sandbox if it sleeps, like any call).
 pub async fn health(State(st): State<Arc<E2b>>, headers: HeaderMap) -> Response {
-    let c = match ctx(&st, &headers) {
+    let c = match ctx(&st, &headers, crate::ratelimit::RouteClass::Lifecycle) {
         Ok(c) => c,
         Err(e) => return e.http().into_response(),
     };
@@ -348,26 +366,26 @@ pub enum ExitStatus {
 
 // ------------------------------------------------------------------ the service
 
-/// POST /process.Process/{method}. The client stream `StreamInput` reads its body as it
-/// arrives; every other method reads it whole first (within the router's body limit, as the
-/// `Bytes` extractor does).
+/// POST /process.Process/{method}. Nothing of the body is read before the call is
+/// authorised. The client stream `StreamInput` then reads its body as it arrives; every other
+/// method reads its one message whole (at most an envelope of [`connect::MAX_MESSAGE`]).
 pub async fn process_rpc(
     State(st): State<Arc<E2b>>,
     Path(method): Path<String>,
     req: HttpRequest,
 ) -> Response {
     let headers = req.headers().clone();
+    let (framing, c) = match rpc_call(&st, &headers, crate::ratelimit::RouteClass::Exec) {
+        Ok(fc) => fc,
+        Err(resp) => return *resp,
+    };
     let (body, input) = if method == "StreamInput" {
         (Bytes::new(), Some(req.into_body()))
     } else {
-        match Bytes::from_request(req, &st).await {
+        match connect::read_message_body(&headers, req.into_body()).await {
             Ok(b) => (b, None),
-            Err(rejection) => return rejection.into_response(),
+            Err(e) => return connect::error_response(framing, &e),
         }
-    };
-    let (framing, c) = match rpc_call(&st, &headers) {
-        Ok(fc) => fc,
-        Err(resp) => return *resp,
     };
     let streaming = matches!(method.as_str(), "Start" | "Connect" | "StreamInput");
     let known = streaming

@@ -1,6 +1,6 @@
 //! envd's `filesystem.Filesystem` service and the `/files` upload and download.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -201,11 +201,16 @@ pub async fn filesystem_rpc(
     State(st): State<Arc<E2b>>,
     Path(method): Path<String>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Response {
-    let (framing, c) = match rpc_call(&st, &headers) {
+    let (framing, c) = match rpc_call(&st, &headers, crate::ratelimit::RouteClass::Files) {
         Ok(fc) => fc,
         Err(resp) => return *resp,
+    };
+    // Read once the call is authorised: one message at most.
+    let body = match connect::read_message_body(&headers, body).await {
+        Ok(b) => b,
+        Err(e) => return connect::error_response(framing, &e),
     };
     let streaming = method == "WatchDir";
     let known = streaming
@@ -298,21 +303,23 @@ pub async fn filesystem_rpc(
             }
             "CreateWatcher" => {
                 let p = resolve(&req.path, user.as_deref())?;
+                room_for_watcher(&st, &c)?;
                 let w = Watcher::new(&st, &c, p, req.recursive).await?;
                 let id = format!("w{}", torpor_core::SandboxId::generate());
-                st.watchers
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(id.clone(), w);
+                let mut all = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
+                // Checked again under the lock: watchers made meanwhile count too.
+                check_watcher_caps(&all, &c)?;
+                all.insert(id.clone(), w);
                 Ok(connect::unary_ok(&json!({"watcherId": id})))
             }
             "GetWatcherEvents" => {
                 let w = take_watcher(&st, &c, &req.watcher_id)?;
                 let result = w.events(&st, &c).await;
-                let (w, events) = match result {
+                let (mut w, events) = match result {
                     Ok(x) => x,
                     Err(e) => return Err(e),
                 };
+                w.polled = Instant::now();
                 st.watchers
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -349,6 +356,49 @@ fn basic_user(headers: &HeaderMap) -> Option<String> {
     Some(s.split(':').next()?.to_string())
 }
 
+/// A watcher nobody asked for events for this long is removed.
+pub const WATCHER_IDLE: Duration = Duration::from_secs(60);
+/// Watchers (CreateWatcher) one sandbox may have.
+pub const MAX_WATCHERS_PER_SANDBOX: usize = 64;
+/// Watchers one tenant's sandboxes may have together.
+pub const MAX_WATCHERS_PER_TENANT: usize = 256;
+
+/// Removes the watchers unpolled for [`WATCHER_IDLE`] (called by the adapter's sweep and
+/// before a watcher is made); answers how many went.
+pub fn expire_watchers(st: &E2b) -> usize {
+    let mut all = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
+    expire_at(&mut all, Instant::now())
+}
+
+fn expire_at(all: &mut HashMap<String, Watcher>, now: Instant) -> usize {
+    let before = all.len();
+    all.retain(|_, w| now.saturating_duration_since(w.polled) < WATCHER_IDLE);
+    before - all.len()
+}
+
+fn room_for_watcher(st: &E2b, c: &Ctx) -> Result<(), RpcError> {
+    expire_watchers(st);
+    let all = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
+    check_watcher_caps(&all, c)
+}
+
+fn check_watcher_caps(all: &HashMap<String, Watcher>, c: &Ctx) -> Result<(), RpcError> {
+    let of_sandbox = all.values().filter(|w| w.sandbox == c.id).count();
+    let of_tenant = all.values().filter(|w| w.tenant == c.tenant).count();
+    if of_sandbox >= MAX_WATCHERS_PER_SANDBOX || of_tenant >= MAX_WATCHERS_PER_TENANT {
+        return Err(RpcError::new(
+            Code::ResourceExhausted,
+            format!(
+                "too many watchers ({MAX_WATCHERS_PER_SANDBOX} per sandbox, \
+                 {MAX_WATCHERS_PER_TENANT} per tenant); remove one (RemoveWatcher) or let \
+                 an unpolled one expire ({} s)",
+                WATCHER_IDLE.as_secs()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn take_watcher(st: &E2b, c: &Ctx, id: &str) -> Result<Watcher, RpcError> {
     let mut all = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
     match all.get(id) {
@@ -363,6 +413,9 @@ fn take_watcher(st: &E2b, c: &Ctx, id: &str) -> Result<Watcher, RpcError> {
 /// A directory watch: the last snapshot, diffed against the next.
 pub struct Watcher {
     sandbox: torpor_core::SandboxId,
+    tenant: torpor_core::TenantId,
+    /// When events were last asked for (or it was made): unpolled for [`WATCHER_IDLE`], it goes.
+    polled: Instant,
     root: String,
     recursive: bool,
     seen: BTreeMap<String, (u64, i64, bool)>,
@@ -379,6 +432,8 @@ impl Watcher {
         }
         let mut w = Watcher {
             sandbox: c.id.clone(),
+            tenant: c.tenant.clone(),
+            polled: Instant::now(),
             root,
             recursive,
             seen: BTreeMap::new(),
@@ -547,7 +602,7 @@ pub async fn download(
     headers: HeaderMap,
     q: Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, E2bError> {
-    let c = ctx(&st, &headers).map_err(|e| e.http())?;
+    let c = ctx(&st, &headers, crate::ratelimit::RouteClass::Files).map_err(|e| e.http())?;
     let Query(q) = q.map_err(|e| E2bError::bad_request(e.body_text()))?;
     let user = q.username.clone().or_else(|| basic_user(&headers));
     let path = resolve(q.path.as_deref().unwrap_or(""), user.as_deref()).map_err(http_err)?;
@@ -569,9 +624,9 @@ pub async fn upload(
     State(st): State<Arc<E2b>>,
     headers: HeaderMap,
     q: Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>,
-    body: Bytes,
+    body: Body,
 ) -> Result<Response, E2bError> {
-    let c = ctx(&st, &headers).map_err(|e| e.http())?;
+    let c = ctx(&st, &headers, crate::ratelimit::RouteClass::Files).map_err(|e| e.http())?;
     let Query(q) = q.map_err(|e| E2bError::bad_request(e.body_text()))?;
     let user = q.username.clone().or_else(|| basic_user(&headers));
     if headers
@@ -588,6 +643,9 @@ pub async fn upload(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
+    // The body is read only now (the caller is known), within the upload budgets.
+    let _slot = crate::server::upload_slot(&st.api, &c.tenant, &headers)?;
+    let body = super::read_body(&headers, body, crate::server::MAX_FILE_BODY).await?;
     let mut files: Vec<(String, Bytes)> = Vec::new();
     if ct.starts_with("multipart/form-data") {
         let boundary = super::multipart::boundary(ct)
@@ -669,6 +727,32 @@ mod tests {
         assert_eq!(v["mode"], 0o644);
         assert_eq!(v["permissions"], "-rw-r--r--");
         assert_eq!(v["modifiedTime"], "1970-01-01T00:00:00.000Z");
+    }
+
+    #[test]
+    fn unpolled_watchers_expire_and_polled_ones_stay() {
+        let t0 = Instant::now();
+        let w = |polled| Watcher {
+            sandbox: torpor_core::SandboxId::new("sb-aaaaaaaaaaaaaaaa").unwrap(),
+            tenant: torpor_core::TenantId::admin(),
+            polled,
+            root: "/".into(),
+            recursive: false,
+            seen: BTreeMap::new(),
+        };
+        let mut all: HashMap<String, Watcher> = [
+            ("old".to_string(), w(t0)),
+            ("new".to_string(), w(t0 + WATCHER_IDLE)),
+        ]
+        .into();
+        assert_eq!(
+            expire_at(&mut all, t0 + WATCHER_IDLE - Duration::from_millis(1)),
+            0
+        );
+        assert_eq!(expire_at(&mut all, t0 + WATCHER_IDLE), 1);
+        assert!(all.contains_key("new") && !all.contains_key("old"));
+        assert_eq!(expire_at(&mut all, t0 + 2 * WATCHER_IDLE), 1);
+        assert!(all.is_empty());
     }
 
     #[test]

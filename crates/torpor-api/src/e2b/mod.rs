@@ -128,9 +128,40 @@ impl IntoResponse for E2bError {
 
 impl From<torpor_control::ControlError> for E2bError {
     fn from(e: torpor_control::ControlError) -> Self {
-        let api = crate::server::ApiError::from(e);
+        crate::server::ApiError::from(e).into()
+    }
+}
+
+/// The API's errors (a refused rate, a sanitised domain error) in E2B's shape; the headers of
+/// a refused rate are added by crate::request_id.
+impl From<crate::server::ApiError> for E2bError {
+    fn from(api: crate::server::ApiError) -> Self {
         E2bError::new(api.status(), api.message().to_string())
     }
+}
+
+/// Reads a request body of at most `limit` bytes: refused (413) from its `Content-Length`
+/// before anything is read, or as soon as more arrived. Called once the caller is known.
+pub async fn read_body(
+    headers: &axum::http::HeaderMap,
+    body: axum::body::Body,
+    limit: usize,
+) -> Result<axum::body::Bytes, E2bError> {
+    let too_large = || {
+        E2bError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body too large (at most {limit} bytes)"),
+        )
+    };
+    if crate::server::content_length(headers).is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    crate::server::read_body_capped(body, limit)
+        .await
+        .map_err(|e| match e {
+            crate::server::BodyError::TooLarge => too_large(),
+            crate::server::BodyError::Read(m) => E2bError::bad_request(m),
+        })
 }
 
 /// Whether a sandbox is resident (E2B `running`) rather than asleep (E2B `paused`).
@@ -189,6 +220,10 @@ async fn timeout_task(st: std::sync::Weak<E2b>) {
     loop {
         tick.tick().await;
         let Some(st) = st.upgrade() else { return };
+        let expired = fs::expire_watchers(&st);
+        if expired > 0 {
+            tracing::info!(expired, "e2b watchers unpolled for 60 s removed");
+        }
         if let Err(e) = enforce_timeouts(&st).await {
             tracing::warn!(error = %e.message, "e2b timeout sweep failed");
         }

@@ -81,6 +81,7 @@ pub(crate) fn host_route_tenant(
         .as_ref()
         .and_then(|r| r.metadata.get(META_MASK_HOST))
         .map(|m| m.replace("${PORT}", &port.to_string()));
+    let owner = rec.as_ref().map(|r| r.tenant.clone());
     let traffic = rec.and_then(|rec| rec.metadata.get(META_TRAFFIC).cloned());
     let allowed = match traffic.as_deref() {
         Some("public") => true,
@@ -90,7 +91,12 @@ pub(crate) fn host_route_tenant(
             .is_some_and(|v| constant_time_eq(v.trim().as_bytes(), token.as_bytes())),
         None => false,
     };
+    let proxy = crate::ratelimit::RouteClass::Proxy;
     if allowed {
+        // Public traffic counts against the rate of the sandbox's owner.
+        if let Some(owner) = &owner {
+            crate::ratelimit::check(state, owner, proxy)?;
+        }
         return Ok(HostRoute {
             tenant: admin,
             host,
@@ -98,6 +104,7 @@ pub(crate) fn host_route_tenant(
     }
     if headers.contains_key(axum::http::header::AUTHORIZATION) {
         let tenant = crate::server::tenant_of(state, headers)?;
+        crate::ratelimit::check(state, &tenant, proxy)?;
         return Ok(HostRoute { tenant, host });
     }
     Err(ApiError::new(
