@@ -84,7 +84,7 @@ fn write_ckpt(dir: &Path, img: &[u8]) {
 }
 
 fn store_at(root: &Path, chunking: ChunkParams) -> Store {
-    let backend = Arc::new(LocalBackend::open(root, false).unwrap());
+    let backend = Arc::new(LocalBackend::open(root).unwrap());
     Store::new(
         backend,
         StoreConfig {

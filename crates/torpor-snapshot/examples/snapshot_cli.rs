@@ -46,7 +46,7 @@ fn flag_value<'a>(args: &'a [String], name: &str) -> Option<&'a String> {
 async fn run(args: Vec<String>) -> Result<(), CliError> {
     let backend: Arc<dyn torpor_snapshot::Backend> = if let Some(dir) = flag_value(&args, "--store")
     {
-        Arc::new(LocalBackend::open(dir, true).map_err(StoreError::from)?)
+        Arc::new(LocalBackend::open(dir).map_err(StoreError::from)?)
     } else if let Some(bucket) = flag_value(&args, "--s3") {
         let cfg = S3Config {
             endpoint: flag_value(&args, "--endpoint").cloned(),

@@ -78,7 +78,15 @@ impl ChunkCache {
     /// Opens (creating) a cache in `dir` holding at most `capacity` bytes.
     pub fn open(dir: impl Into<PathBuf>, capacity: u64) -> Result<Self, BackendError> {
         let dir = dir.into();
-        std::fs::create_dir_all(&dir).map_err(|e| BackendError::io(&dir, e))?;
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(crate::durable::DIR_MODE)
+                .create(&dir)
+                .map_err(|e| BackendError::io(&dir, e))?;
+        }
+        crate::durable::restrict_dir(&dir).map_err(|e| BackendError::io(&dir, e))?;
         let mut found = Vec::new();
         for entry in std::fs::read_dir(&dir).map_err(|e| BackendError::io(&dir, e))? {
             let entry = entry.map_err(|e| BackendError::io(&dir, e))?;
@@ -134,7 +142,16 @@ impl ChunkCache {
         let tmp = self.dir.join(format!(".{}.tmp", crate::id::unique_hex(8)));
         let dest = self.path(id);
         let write = async {
-            tokio::fs::write(&tmp, &blob).await?;
+            // Not fsynced: a torn entry after a crash fails its hash check on read and is
+            // refetched. Private like the store: chunks are sandbox memory.
+            let mut file = tokio::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(crate::durable::FILE_MODE)
+                .open(&tmp)
+                .await?;
+            tokio::io::AsyncWriteExt::write_all(&mut file, &blob).await?;
+            drop(file);
             tokio::fs::rename(&tmp, &dest).await
         };
         if let Err(e) = write.await {

@@ -18,6 +18,7 @@
 pub mod backend;
 pub mod cache;
 pub mod chunk;
+pub mod durable;
 pub mod error;
 pub mod fuzzing;
 pub mod gc;
@@ -27,9 +28,13 @@ pub mod lock;
 pub mod manifest;
 pub mod store;
 
+#[cfg(test)]
+mod crash_model;
+
 pub use backend::{Backend, BackendError, LocalBackend, S3Backend, S3Config};
 pub use cache::ChunkCache;
 pub use chunk::{ChunkCodec, ChunkError, TenantKey};
+pub use durable::DurableError;
 pub use error::StoreError;
 pub use gc::{GcOptions, GcReport};
 pub use id::{ChunkId, IdError, SnapshotId};

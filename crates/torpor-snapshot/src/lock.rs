@@ -199,7 +199,7 @@ mod tests {
     use crate::backend::LocalBackend;
 
     fn manager(dir: &std::path::Path, wait_ms: u64) -> LockManager {
-        let b: Arc<dyn Backend> = Arc::new(LocalBackend::open(dir, false).unwrap());
+        let b: Arc<dyn Backend> = Arc::new(LocalBackend::open(dir).unwrap());
         LockManager::new(
             b,
             "locks".into(),

@@ -13,7 +13,7 @@
 
 use std::collections::HashSet;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -198,7 +198,7 @@ impl Store {
 
     /// A store on a local directory with default settings.
     pub fn local(root: impl Into<PathBuf>) -> Result<Self, StoreError> {
-        let backend = LocalBackend::open(root, false)?;
+        let backend = LocalBackend::open(root)?;
         Store::new(Arc::new(backend), StoreConfig::default())
     }
 
@@ -569,7 +569,12 @@ impl Store {
             .unwrap_or(Path::new("."));
         std::fs::create_dir_all(parent).map_err(|e| StoreError::write(parent, e))?;
         let tmp = parent.join(format!(".{name}.restore-{}", crate::id::unique_hex(6)));
-        std::fs::create_dir(&tmp).map_err(|e| StoreError::write(&tmp, e))?;
+        // Private while it fills: it holds sandbox memory. The manifest's mode is applied
+        // to the directory's contents; the caller's parent decides who reaches `dest`.
+        std::fs::DirBuilder::new()
+            .mode(crate::durable::DIR_MODE)
+            .create(&tmp)
+            .map_err(|e| StoreError::write(&tmp, e))?;
         let result = self.restore_into(&manifest, &tmp).await;
         match result {
             Ok(mut stats) => {

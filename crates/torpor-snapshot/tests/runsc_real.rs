@@ -203,7 +203,7 @@ async fn real_runsc_checkpoint_survives_the_store() {
 
     let store = Store::new(
         std::sync::Arc::new(
-            torpor_snapshot::LocalBackend::open(t.path().join("store"), false).unwrap(),
+            torpor_snapshot::LocalBackend::open(t.path().join("store")).unwrap(),
         ),
         StoreConfig::default(),
     )

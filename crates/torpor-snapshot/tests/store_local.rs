@@ -18,7 +18,7 @@ use torpor_snapshot::{
 };
 
 fn local(dir: &Path) -> Arc<dyn Backend> {
-    Arc::new(LocalBackend::open(dir, false).unwrap())
+    Arc::new(LocalBackend::open(dir).unwrap())
 }
 
 fn store(dir: &Path) -> Store {
@@ -568,4 +568,49 @@ async fn bad_inputs_and_destinations_are_refused() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), "snapshot_exists");
+}
+
+/// Every file and directory under `root` with its permission bits.
+fn modes(root: &Path) -> Vec<(std::path::PathBuf, bool, u32)> {
+    let mut out = Vec::new();
+    let mut pending = vec![root.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let e = e.unwrap();
+            let meta = e.metadata().unwrap();
+            out.push((e.path(), meta.is_dir(), meta.permissions().mode() & 0o7777));
+            if meta.is_dir() {
+                pending.push(e.path());
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn store_objects_and_cache_entries_are_private_to_the_daemon_user() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("ckpt");
+    make_checkpoint(&src, 11);
+    // A store made by an older torpor: world-readable root and chunks.
+    let root = t.path().join("store");
+    std::fs::create_dir(&root).unwrap();
+    std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let cache = Arc::new(ChunkCache::open(t.path().join("cache"), 64 << 20).unwrap());
+    let s = store(&root).with_cache(cache.clone());
+    let put = s.put_dir(&src, None).await.unwrap();
+    s.pin(&put.id).await.unwrap();
+    cache.wait_idle().await;
+
+    let root_mode = std::fs::metadata(&root).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(root_mode, 0o700, "the store root is restricted on open");
+    for dir in [root.clone(), t.path().join("cache")] {
+        let found = modes(&dir);
+        assert!(found.iter().any(|(_, is_dir, _)| !is_dir), "{found:?}");
+        for (path, is_dir, mode) in found {
+            let want = if is_dir { 0o700 } else { 0o600 };
+            assert_eq!(mode, want, "{} is {mode:o}", path.display());
+        }
+    }
+    assert!(!chunk_files(&root).is_empty());
 }

@@ -1,30 +1,38 @@
-//! A backend on a local directory: one file per object, written to a temporary name and
-//! renamed into place so readers never see a partial object.
+//! A backend on a local directory: one file per object, written durably: a temporary file
+//! (0600) in `.tmp/` is written and fsynced, renamed into place, and the object's directory
+//! fsynced before `put` returns. Readers never see a partial object, and an object whose
+//! `put` returned survives a power loss (see [`crate::durable`]). Directories are 0700: the
+//! objects are sandbox memory.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 
 use super::{Backend, BackendError, ObjectInfo, ObjectKey};
+use crate::durable::{self, DurableError, Fs, RealFs};
 
 const TMP_DIR: &str = ".tmp";
 
 #[derive(Debug, Clone)]
 pub struct LocalBackend {
     root: PathBuf,
-    fsync: bool,
+    fs: Arc<dyn Fs>,
 }
 
 impl LocalBackend {
-    /// Opens (creating if needed) a store rooted at `root`. `fsync` makes every put durable
-    /// before it returns (slower; turn it on where a power loss must not lose a snapshot).
-    pub fn open(root: impl Into<PathBuf>, fsync: bool) -> Result<Self, BackendError> {
-        let root = root.into();
-        let tmp = root.join(TMP_DIR);
-        std::fs::create_dir_all(&tmp).map_err(|e| BackendError::io(&tmp, e))?;
-        Ok(LocalBackend { root, fsync })
+    /// Opens (creating if needed) a store rooted at `root`. A root that other users can
+    /// read (a store made by an older torpor) is restricted to 0700.
+    pub fn open(root: impl Into<PathBuf>) -> Result<Self, BackendError> {
+        Self::open_with(root.into(), Arc::new(RealFs))
+    }
+
+    pub(crate) fn open_with(root: PathBuf, fs: Arc<dyn Fs>) -> Result<Self, BackendError> {
+        durable::create_dir_all_durably_with(fs.as_ref(), &root.join(TMP_DIR))
+            .map_err(BackendError::from)?;
+        durable::restrict_dir(&root).map_err(|e| BackendError::io(&root, e))?;
+        Ok(LocalBackend { root, fs })
     }
 
     pub fn root(&self) -> &Path {
@@ -33,6 +41,12 @@ impl LocalBackend {
 
     fn path(&self, key: &ObjectKey) -> PathBuf {
         self.root.join(key.as_str())
+    }
+}
+
+impl From<DurableError> for BackendError {
+    fn from(e: DurableError) -> Self {
+        BackendError::io(e.path, e.source)
     }
 }
 
@@ -52,34 +66,12 @@ impl Backend for LocalBackend {
             self.root
                 .join(TMP_DIR)
                 .join(format!("{}.{}", key.name(), crate::id::unique_hex(8)));
-        let fsync = self.fsync;
+        let fs = Arc::clone(&self.fs);
         blocking(move || {
             if let Some(parent) = dest.parent() {
-                std::fs::create_dir_all(parent).map_err(|e| BackendError::io(parent, e))?;
+                durable::create_dir_all_durably_with(fs.as_ref(), parent)?;
             }
-            let write = || -> std::io::Result<()> {
-                let mut f = std::fs::File::create(&tmp)?;
-                f.write_all(&data)?;
-                if fsync {
-                    f.sync_all()?;
-                }
-                Ok(())
-            };
-            if let Err(e) = write() {
-                let _ = std::fs::remove_file(&tmp);
-                return Err(BackendError::io(&tmp, e));
-            }
-            std::fs::rename(&tmp, &dest).map_err(|e| {
-                let _ = std::fs::remove_file(&tmp);
-                BackendError::io(&dest, e)
-            })?;
-            if fsync {
-                if let Some(parent) = dest.parent() {
-                    std::fs::File::open(parent)
-                        .and_then(|d| d.sync_all())
-                        .map_err(|e| BackendError::io(parent, e))?;
-                }
-            }
+            durable::publish_with(fs.as_ref(), &tmp, &dest, &data)?;
             Ok(())
         })
         .await
@@ -112,7 +104,10 @@ impl Backend for LocalBackend {
 
     async fn delete(&self, key: &ObjectKey) -> Result<(), BackendError> {
         let path = self.path(key);
-        blocking(move || match std::fs::remove_file(&path) {
+        let fs = Arc::clone(&self.fs);
+        // Not fsynced: an object that comes back after a crash is one a later delete or the
+        // collector removes again; nothing points at it.
+        blocking(move || match fs.remove_file(&path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(BackendError::io(&path, e)),
@@ -168,7 +163,7 @@ mod tests {
     #[tokio::test]
     async fn put_get_list_delete() {
         let dir = tempfile::tempdir().unwrap();
-        let b = LocalBackend::open(dir.path(), true).unwrap();
+        let b = LocalBackend::open(dir.path()).unwrap();
         let k1 = ObjectKey::new("chunks/ab/ab01").unwrap();
         let k2 = ObjectKey::new("manifests/m1").unwrap();
         assert_eq!(b.get(&k1).await.unwrap(), None);
