@@ -4,7 +4,10 @@
 //! - `ls`: the node's GPUs, their modes and free capacity (NVML when a driver loads, else the
 //!   declared `--inventory` file; an explicit `--inventory` always wins).
 //! - `plan`: applies a JSON-lines stream of requests in order and prints one line per request.
-//! - `extender`: a Kubernetes scheduler extender (`POST /filter`, `/prioritize`, `/bind`).
+//! - `extender`: a Kubernetes scheduler extender (`POST /filter`, `/prioritize`, `/bind`), every
+//!   route behind the scheduler's bearer token (`--extender-token-file`, compared in constant
+//!   time) unless the operator says `--no-auth`; pod names and namespaces are validated as
+//!   Kubernetes names and percent-encoded before they go into API server URLs.
 //!
 //! Exit codes: 0 done (a `plan` whose requests were refused still exits 0: the refusals are
 //! its answer), 1 cannot run (NVML and no file, cannot listen), 2 usage (clap), 3 bad input
@@ -88,6 +91,15 @@ pub enum GpuCmd {
         /// Bearer token file for --kube-api (e.g. a service account token).
         #[arg(long, requires = "kube_api")]
         kube_token_file: Option<PathBuf>,
+        /// A file holding the token callers must send as `Authorization: Bearer TOKEN` on every
+        /// route (at least 16 characters; surrounding whitespace ignored). Required unless
+        /// `--no-auth`.
+        #[arg(long)]
+        extender_token_file: Option<PathBuf>,
+        /// Serve every route to anyone who reaches `--listen`, without a token (a loopback
+        /// address, or a network only the scheduler reaches).
+        #[arg(long, conflicts_with = "extender_token_file")]
+        no_auth: bool,
         /// With --kube-api: how often each node's pods are listed again (seconds); between
         /// lists a watch delivers pod ends at once. Bound pods that ended or were deleted
         /// give their GPU shares back.
@@ -237,7 +249,19 @@ async fn dispatch(cmd: GpuCmd) -> Result<(), GpuCliError> {
             kube_api,
             kube_token_file,
             kube_resync_secs,
+            extender_token_file,
+            no_auth,
         } => {
+            let token = match (&extender_token_file, no_auth) {
+                (Some(p), _) => Some(read_extender_token(p)?),
+                (None, true) => None,
+                (None, false) => {
+                    return Err(GpuCliError::bad_input(
+                        "extender_auth_missing",
+                        "give --extender-token-file FILE (callers send `Authorization: Bearer TOKEN`), or --no-auth to serve /filter, /prioritize and /bind to anyone who reaches --listen",
+                    ))
+                }
+            };
             let kube = match kube_api {
                 None => None,
                 Some(base) => {
@@ -285,6 +309,7 @@ async fn dispatch(cmd: GpuCmd) -> Result<(), GpuCliError> {
                 listen,
                 Extender::new(inventories, policy.policy(), quotas),
                 kube,
+                token,
                 shutdown_signal(),
             )
             .await
@@ -613,12 +638,13 @@ impl KubeApi {
         }
     }
 
-    /// `POST /api/v1/namespaces/{ns}/pods/{name}/binding`, what kube-scheduler itself does.
+    /// `POST /api/v1/namespaces/{ns}/pods/{name}/binding`, what kube-scheduler itself does;
+    /// the names are validated Kubernetes names, percent-encoded.
     async fn post_binding(&self, args: &ExtenderBindingArgs) -> Result<(), String> {
-        let url = format!(
-            "{}/api/v1/namespaces/{}/pods/{}/binding",
-            self.base, args.pod_namespace, args.pod_name
-        );
+        let path = args
+            .binding_path()
+            .map_err(|e| format!("{}: {e}", e.code()))?;
+        let url = format!("{}{path}", self.base);
         let body = serde_json::json!({
             "apiVersion": "v1",
             "kind": "Binding",
@@ -649,6 +675,66 @@ impl KubeApi {
 struct ExtenderState {
     extender: Arc<Mutex<Extender>>,
     kube: Option<KubeApi>,
+    /// The bearer token every route needs; `None`: `--no-auth`.
+    token: Option<Arc<str>>,
+}
+
+/// Reads `--extender-token-file`: one token, at least 16 characters.
+fn read_extender_token(path: &Path) -> Result<String, GpuCliError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        GpuCliError::bad_input(
+            "extender_token_read",
+            format!("--extender-token-file {}: {e}", path.display()),
+        )
+    })?;
+    let token = text.trim();
+    if token.len() < 16 || token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(GpuCliError::bad_input(
+            "extender_token_weak",
+            format!(
+                "--extender-token-file {}: the token must be one word of at least 16 characters",
+                path.display()
+            ),
+        ));
+    }
+    Ok(token.to_owned())
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Every route, unknown ones included, answers 401 without the scheduler's token.
+async fn require_token(
+    State(state): State<Shared>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(expected) = &state.token else {
+        return next.run(request).await;
+    };
+    let given = request
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    if given.is_some_and(|t| constant_time_eq(t.as_bytes(), expected.as_bytes())) {
+        return next.run(request).await;
+    }
+    tracing::warn!(path = %request.uri().path(), "extender call without the scheduler's token refused");
+    (
+        StatusCode::UNAUTHORIZED,
+        [(axum::http::header::WWW_AUTHENTICATE, "Bearer")],
+        Json(PlainError {
+            code: "unauthorized",
+            message: "this extender needs `Authorization: Bearer TOKEN` (the token of --extender-token-file)".into(),
+        }),
+    )
+        .into_response()
 }
 
 type Shared = ExtenderState;
@@ -658,6 +744,7 @@ pub async fn serve_extender(
     listen: SocketAddr,
     extender: Extender,
     kube: Option<KubeApi>,
+    token: Option<String>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), GpuCliError> {
     let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
@@ -669,6 +756,7 @@ pub async fn serve_extender(
     let state = ExtenderState {
         extender: Arc::new(Mutex::new(extender)),
         kube,
+        token: token.map(Arc::from),
     };
     let mut watchers = Vec::new();
     if let Some(kube) = &state.kube {
@@ -708,6 +796,10 @@ fn extender_router(state: Shared) -> Router {
         .route("/prioritize", post(prioritize))
         .route("/bind", post(bind))
         .layer(DefaultBodyLimit::max(MAX_EXTENDER_BODY))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_token,
+        ))
         .with_state(state)
 }
 
@@ -769,6 +861,16 @@ async fn prioritize(State(state): State<Shared>, body: Bytes) -> Response {
 async fn bind(State(state): State<Shared>, body: Bytes) -> Response {
     match parse::<ExtenderBindingArgs>(&body) {
         Ok(args) => {
+            // The names go into API server URLs: only what Kubernetes itself would make.
+            if let Err(e) = args.validate() {
+                tracing::warn!(pod = %args.pod_uid, error = %e, "bind refused: not Kubernetes names");
+                let error = format!("{}: {e}", e.code());
+                return (
+                    StatusCode::BAD_REQUEST,
+                    Json(ExtenderBindingResult { error }),
+                )
+                    .into_response();
+            }
             let mut result = lock(&state).bind(&args);
             if let (true, Some(kube)) = (result.error.is_empty(), &state.kube) {
                 if let Err(error) = kube.post_binding(&args).await {

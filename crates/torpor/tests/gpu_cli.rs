@@ -333,6 +333,9 @@ impl ExtenderProcess {
     fn start_with(inventories: &[PathBuf], extra: &[&str]) -> ExtenderProcess {
         let mut cmd = Command::new(BIN);
         cmd.args(["gpu", "extender", "--listen", "127.0.0.1:0"]);
+        if !extra.contains(&"--extender-token-file") {
+            cmd.arg("--no-auth");
+        }
         cmd.args(extra);
         cmd.arg("--inventory");
         cmd.args(inventories);
@@ -554,6 +557,7 @@ fn extender_refuses_a_bad_inventory_and_a_duplicate_node() {
     let out = torpor(&[
         "gpu",
         "extender",
+        "--no-auth",
         "--listen",
         "127.0.0.1:0",
         "--inventory",
@@ -565,6 +569,7 @@ fn extender_refuses_a_bad_inventory_and_a_duplicate_node() {
     let out = torpor(&[
         "gpu",
         "extender",
+        "--no-auth",
         "--listen",
         "127.0.0.1:0",
         "--inventory",
@@ -683,6 +688,7 @@ async fn extender_posts_the_binding_and_gives_shares_back_when_it_is_refused() {
     let out = torpor(&[
         "gpu",
         "extender",
+        "--no-auth",
         "--listen",
         "127.0.0.1:0",
         "--kube-api",
