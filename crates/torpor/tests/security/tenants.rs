@@ -1,2 +1,392 @@
-//! Attacks on this boundary: see main.rs and docs/SECURITY.md.
-#[allow(unused_imports)] use crate::common;
+//! Tenant ↔ host and tenant ↔ tenant: host paths, uploads, lists, quotas, secrets at rest.
+
+use std::os::unix::fs::PermissionsExt;
+
+use serde_json::{json, Value};
+use torpor_api::client::UploadKind;
+use torpor_api::types::{CreateSandboxBody, CreateTenantBody, Quotas};
+use torpor_api::{Client, ClientError};
+
+use crate::common::*;
+
+/// Makes a tenant and its client.
+async fn tenant(d: &Daemon, name: &str, quotas: Quotas) -> Client {
+    tenant_with_token(d, name, quotas).await.0
+}
+
+async fn tenant_with_token(d: &Daemon, name: &str, quotas: Quotas) -> (Client, String) {
+    let t = d
+        .client()
+        .create_tenant(&CreateTenantBody {
+            name: name.into(),
+            quotas: Some(quotas),
+        })
+        .await
+        .unwrap();
+    (Client::new(&d.url(), &t.token), t.token)
+}
+
+/// Status, code and message of a refused call.
+fn refusal(e: ClientError) -> (u16, String, String) {
+    match e {
+        ClientError::Api {
+            status,
+            code,
+            message,
+            ..
+        } => (status, code, message),
+        other => panic!("not an API refusal: {other}"),
+    }
+}
+
+async fn post_template(token: &str, d: &Daemon, body: Value) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/templates", d.url()))
+        .bearer_auth(token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+/// An oci-archive of a tiny root filesystem (the host's dash and its libraries) with one
+/// setuid-root file, `/bin/su-copy`, and `/app/hello.txt`.
+fn make_image(path: &std::path::Path) {
+    const SCRIPT: &str = r#"
+import hashlib, io, json, os, subprocess, sys, tarfile
+out = sys.argv[1]
+layer = io.BytesIO()
+with tarfile.open(fileobj=layer, mode="w") as t:
+    def add(host, inside, mode=None):
+        info = t.gettarinfo(os.path.realpath(host), arcname=inside.lstrip("/"))
+        if mode is not None: info.mode = mode
+        with open(os.path.realpath(host), "rb") as f: t.addfile(info, f)
+    add("/bin/dash", "/bin/sh")
+    add("/bin/dash", "/bin/su-copy", 0o4755)
+    for line in subprocess.run(["ldd", "/bin/dash"], capture_output=True, text=True).stdout.splitlines():
+        parts = line.split()
+        p = parts[2] if "=>" in parts and len(parts) > 2 else parts[0]
+        if p.startswith("/"): add(p, p)
+    dev = tarfile.TarInfo("dev/evil-mem"); dev.type = tarfile.CHRTYPE; dev.devmajor = 1; dev.devminor = 1
+    t.addfile(dev)
+    data = b"hi from an upload\n"
+    info = tarfile.TarInfo("app/hello.txt"); info.size = len(data); t.addfile(info, io.BytesIO(data))
+layer = layer.getvalue()
+def blob(b): return "sha256:" + hashlib.sha256(b).hexdigest()
+config = json.dumps({"architecture": "amd64", "os": "linux",
+    "config": {"Env": ["PATH=/bin"], "WorkingDir": "/app"},
+    "rootfs": {"type": "layers", "diff_ids": [blob(layer)]}}).encode()
+manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+    "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": blob(config), "size": len(config)},
+    "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": blob(layer), "size": len(layer)}]}).encode()
+index = json.dumps({"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
+    "digest": blob(manifest), "size": len(manifest)}]}).encode()
+with tarfile.open(out, "w") as t:
+    def put(name, b):
+        info = tarfile.TarInfo(name); info.size = len(b); t.addfile(info, io.BytesIO(b))
+    put("oci-layout", b'{"imageLayoutVersion": "1.0.0"}')
+    put("index.json", index)
+    for b in (layer, config, manifest):
+        put("blobs/sha256/" + blob(b)[7:], b)
+"#;
+    let st = std::process::Command::new("python3")
+        .args(["-c", SCRIPT])
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenant_cannot_name_host_paths_and_learns_nothing_of_them() {
+    let d = Daemon::start().await;
+    let (a, token) = tenant_with_token(&d, "team-a", Quotas::default()).await;
+    let data_dir = d.dir.to_string_lossy().into_owned();
+    let mut bodies = Vec::new();
+    for (kind, path) in [
+        ("rootfs", "/etc"),
+        ("rootfs", data_dir.as_str()),
+        ("rootfs", "/no/such/dir"),
+        ("image", "/etc/shadow"),
+        ("image", "/no/such/file.tar"),
+        ("image", "etc"),
+    ] {
+        let (status, body) = post_template(
+            &token,
+            &d,
+            json!({"name": "x", "source": {"kind": kind, "path": path}}),
+        )
+        .await;
+        assert_eq!(status, 403, "{kind} {path}: {body}");
+        assert_eq!(body["error"]["code"], "forbidden", "{body}");
+        let message = body["error"]["message"].as_str().unwrap().to_string();
+        assert!(
+            !message.contains(path),
+            "the refusal names the path: {message}"
+        );
+        bodies.push(message);
+    }
+    // The same answer whether the path exists or not: no oracle of the host's files.
+    assert!(bodies.windows(2).all(|w| w[0] == w[1]), "{bodies:?}");
+    // Nothing was registered, and the operator may still name host paths.
+    assert!(a.templates().await.unwrap().iter().all(|t| t.name != "x"));
+    let (status, body) = post_template(
+        &d.token(),
+        &d,
+        json!({"name": "op", "source": {"kind": "image", "path": "/no/such/file.tar"}}),
+    )
+    .await;
+    assert_ne!(status, 403, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenant_may_name_only_paths_inside_the_import_dir() {
+    let imports = tempfile::tempdir().unwrap();
+    std::fs::create_dir(imports.path().join("sub")).unwrap();
+    std::fs::write(imports.path().join("sub/not-an-image.tar"), b"junk").unwrap();
+    std::os::unix::fs::symlink("/etc", imports.path().join("escape")).unwrap();
+    let dir = imports.path().to_string_lossy().into_owned();
+    let d = Daemon::start_with(&["--import-dir", &dir]).await;
+    let (_, token) = tenant_with_token(&d, "team-a", Quotas::default()).await;
+    for path in [
+        format!("{dir}/../../etc"),
+        format!("{dir}/escape"),
+        "escape/shadow".to_string(),
+        "../etc".to_string(),
+        "/etc/shadow".to_string(),
+    ] {
+        let (status, body) = post_template(
+            &token,
+            &d,
+            json!({"name": "x", "source": {"kind": "image", "path": path}}),
+        )
+        .await;
+        assert_eq!(status, 403, "{path}: {body}");
+        assert_eq!(body["error"]["code"], "forbidden");
+    }
+    // Inside the import directory the check passes: the archive itself is then refused for
+    // what it is (not an image), absolute or relative.
+    for path in [
+        format!("{dir}/sub/not-an-image.tar"),
+        "sub/not-an-image.tar".into(),
+    ] {
+        let (status, body) = post_template(
+            &token,
+            &d,
+            json!({"name": "y", "source": {"kind": "image", "path": path}}),
+        )
+        .await;
+        assert_eq!(status, 400, "{body}");
+        assert_ne!(body["error"]["code"], "forbidden");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenant_uploads_its_image_and_setuid_bits_and_devices_do_not_survive() {
+    let d = Daemon::start().await;
+    let a = tenant(&d, "team-a", Quotas::default()).await;
+    let b = tenant(&d, "team-b", Quotas::default()).await;
+    let image = tempfile::NamedTempFile::new().unwrap();
+    make_image(image.path());
+    let tpl = a
+        .upload_template_image(
+            "mine",
+            &json!({"command": [], "limits": {"memory_mib": 128, "cpus": 1.0, "pids": 256}}),
+            image.path(),
+            UploadKind::Image,
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(tpl.status, "ready");
+    // The upload's place on the host is not shown.
+    let shown = serde_json::to_string(&tpl.source).unwrap();
+    assert!(!shown.contains(d.dir.to_str().unwrap()), "{shown}");
+    assert!(!d.dir.join("uploads").read_dir().unwrap().any(|_| true));
+    // It runs, with its files.
+    let id = create(&a, "mine").await;
+    let out = a
+        .exec(&id, &sh("read l < /app/hello.txt; echo \"$l\""))
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "hi from an upload\n", "{out:?}");
+    // On the host, the template's root filesystem has no setuid file and no device node.
+    let rootfs = std::fs::read_dir(d.dir.join("templates"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path().join("rootfs"))
+        .find(|p| p.join("bin/su-copy").exists())
+        .expect("the template's rootfs");
+    let mode = std::fs::metadata(rootfs.join("bin/su-copy"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o6000, 0, "setuid kept: {mode:o}");
+    assert!(!rootfs.join("dev/evil-mem").exists());
+    // Another tenant neither sees nor uses it.
+    assert!(b
+        .templates()
+        .await
+        .unwrap()
+        .iter()
+        .all(|t| t.name != "mine"));
+    let e = b
+        .create_sandbox(&CreateSandboxBody {
+            template: "mine".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refusal(e).0, 404);
+    // A corrupt upload is refused for what it is, and its error names no host path.
+    let junk = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(junk.path(), b"not an archive at all").unwrap();
+    let (status, code, message) = refusal(
+        a.upload_template_image("junk", &json!({}), junk.path(), UploadKind::Image, None)
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(status, 400, "{code}: {message}");
+    assert!(!message.contains(d.dir.to_str().unwrap()), "{message}");
+    assert!(!d.dir.join("uploads").read_dir().unwrap().any(|_| true));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn uploads_and_builds_count_against_quotas() {
+    let d = Daemon::start().await;
+    let (a, token) = tenant_with_token(
+        &d,
+        "small",
+        Quotas {
+            max_templates: Some(1),
+            max_disk_mib: Some(1),
+            ..Default::default()
+        },
+    )
+    .await;
+    // Over the disk quota while it arrives: refused, nothing kept.
+    let big = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(big.path(), vec![7u8; 3 << 20]).unwrap();
+    let (status, code, _) = refusal(
+        a.upload_template_image("big", &json!({}), big.path(), UploadKind::Image, None)
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!((status, code.as_str()), (429, "quota_exceeded"));
+    assert!(!d.dir.join("uploads").read_dir().unwrap().any(|_| true));
+    // One template is allowed; the second is refused before it is built.
+    let one = json!({"name": "one", "source": {"kind": "host"}, "limits": {"memory_mib": 64, "cpus": 1.0, "pids": 64}});
+    let (status, body) = post_template(&token, &d, one).await;
+    assert_eq!(status, 201, "{body}");
+    let two = json!({"name": "two", "source": {"kind": "host"}});
+    let (status, body) = post_template(&token, &d, two).await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["error"]["code"], "quota_exceeded");
+    assert_eq!(body["error"]["details"]["quota"], "templates");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn limits_beyond_the_node_or_the_tenants_cpus_are_refused() {
+    let d = Daemon::start_with(&["--memory-budget", "2G"]).await;
+    let a = tenant(
+        &d,
+        "cpu",
+        Quotas {
+            max_cpus: Some(1),
+            ..Default::default()
+        },
+    )
+    .await;
+    let try_create = |limits: Value| {
+        let a = a.clone();
+        async move {
+            let body: CreateSandboxBody =
+                serde_json::from_value(json!({"template": "host", "limits": limits})).unwrap();
+            a.create_sandbox(&body).await
+        }
+    };
+    for (limits, what) in [
+        (json!({"memory_mib": 1u64 << 20}), "memory"),
+        (json!({"pids": 4_000_000}), "pids"),
+        (json!({"cpus": 1024.0}), "cpus"),
+    ] {
+        let (status, code, message) = refusal(try_create(limits).await.unwrap_err());
+        assert_eq!(
+            (status, code.as_str()),
+            (400, "invalid_request"),
+            "{what}: {message}"
+        );
+    }
+    let id = try_create(json!({"cpus": 1.0})).await.unwrap().id;
+    let e = try_create(json!({"cpus": 0.5})).await.unwrap_err();
+    match e {
+        ClientError::Api {
+            status, details, ..
+        } => {
+            assert_eq!(status, 429);
+            assert_eq!(details.unwrap()["quota"], "cpus");
+        }
+        other => panic!("{other}"),
+    }
+    a.delete_sandbox(&id).await.unwrap();
+    try_create(json!({"cpus": 0.5})).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenant_does_not_see_the_operators_or_another_tenants_sandboxes() {
+    let d = Daemon::start().await;
+    let admin = d.client();
+    let a = tenant(&d, "team-a", Quotas::default()).await;
+    let b = tenant(&d, "team-b", Quotas::default()).await;
+    let op = admin
+        .create_sandbox(&CreateSandboxBody {
+            template: "host".into(),
+            metadata: [("owner".to_string(), "operator".to_string())].into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mine = create(&a, "host").await;
+    let listed: Vec<String> = a
+        .sandboxes(None)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    assert_eq!(listed, vec![mine.clone()]);
+    assert!(b.sandboxes(None).await.unwrap().is_empty());
+    for (client, id) in [(&a, &op.id), (&b, &op.id), (&b, &mine)] {
+        let (status, code, _) = refusal(client.sandbox(id).await.unwrap_err());
+        assert_eq!((status, code.as_str()), (404, "not_found"));
+        let (status, _, _) = refusal(client.exec(id, &sh("true")).await.unwrap_err());
+        assert_eq!(status, 404);
+    }
+    // The admin sees both.
+    let all = admin.sandboxes(None).await.unwrap();
+    assert!(all.iter().any(|s| s.id == op.id) && all.iter().any(|s| s.id == mine));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sandbox_env_is_not_kept_in_plain_text_in_the_state_store() {
+    let d = Daemon::start().await;
+    let a = tenant(&d, "team-a", Quotas::default()).await;
+    let secret = "sk-live-0123456789-do-not-leak";
+    let body: CreateSandboxBody =
+        serde_json::from_value(json!({"template": "host", "env": {"OPENAI_API_KEY": secret}}))
+            .unwrap();
+    let id = a.create_sandbox(&body).await.unwrap().id;
+    let out = a.exec(&id, &sh("echo $OPENAI_API_KEY")).await.unwrap();
+    assert_eq!(out.stdout.trim(), secret);
+    for f in std::fs::read_dir(&d.dir).unwrap().flatten() {
+        let name = f.file_name().to_string_lossy().into_owned();
+        if name.starts_with("torpor.db") {
+            let bytes = std::fs::read(f.path()).unwrap();
+            assert!(
+                !String::from_utf8_lossy(&bytes).contains(secret),
+                "{name} holds the env in plain text"
+            );
+        }
+    }
+}
