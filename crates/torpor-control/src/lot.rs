@@ -7,6 +7,10 @@
 //! channel), not by polling. A call whose client goes away leaves the lot at once (its future is
 //! dropped, and the guard removes its place), and a permit sent to a call that just gave up is
 //! passed on to the next one.
+//!
+//! One tenant may hold at most half of the lot's places ([`WorkerPool::tenant_share`]); beyond
+//! it that tenant's calls are refused `lot_full` while the other half stays open to everyone
+//! else, so one tenant's burst cannot give every other tenant `lot_full`.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -85,6 +89,11 @@ impl WorkerPool {
         self.capacity
     }
 
+    /// Places one tenant may hold: half the lot (at least one).
+    pub fn tenant_share(&self) -> usize {
+        self.capacity.div_ceil(2).max(1)
+    }
+
     pub fn free(&self) -> usize {
         self.lock().free
     }
@@ -127,6 +136,10 @@ impl WorkerPool {
                 ));
             }
             if st.parked >= self.capacity {
+                return Err(LotError::Full);
+            }
+            let held = st.queues.get(tenant).map_or(0, VecDeque::len);
+            if held >= self.tenant_share() {
                 return Err(LotError::Full);
             }
             let (tx, rx) = oneshot::channel();
@@ -279,6 +292,35 @@ mod tests {
         );
         assert_eq!(waiting.await.unwrap(), Err(LotError::Timeout));
         assert_eq!(pool.parked(), 0);
+    }
+
+    #[tokio::test]
+    async fn one_tenant_cannot_take_every_place_in_the_lot() {
+        let pool = WorkerPool::new(1, 4);
+        let _held = pool.try_acquire().unwrap();
+        let park = |tenant: &'static str| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                pool.acquire(&t(tenant), Duration::from_millis(400))
+                    .await
+                    .map(|_| ())
+            })
+        };
+        let a1 = park("a");
+        let a2 = park("a");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(pool.parked(), 2);
+        // a holds its half: its next call is refused at once, b still gets a place.
+        assert_eq!(
+            pool.acquire(&t("a"), Duration::from_secs(1)).await.err(),
+            Some(LotError::Full)
+        );
+        let b = park("b");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(pool.parked(), 3);
+        for w in [a1, a2, b] {
+            assert_eq!(w.await.unwrap(), Err(LotError::Timeout));
+        }
     }
 
     #[tokio::test]
