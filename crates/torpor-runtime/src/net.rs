@@ -110,6 +110,307 @@ fn host_addresses() -> Vec<u32> {
         .collect()
 }
 
+/// One destination on the host the operator lets sandboxes reach (`torpor up
+/// --sandbox-reach-host ADDR[:PORT]`): an address, on every port or on one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostReach {
+    pub addr: Ipv4Addr,
+    pub port: Option<u16>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{input:?} is not ADDR or ADDR:PORT (an IPv4 address, a port 1-65535)")]
+pub struct HostReachError {
+    pub input: String,
+}
+
+impl std::str::FromStr for HostReach {
+    type Err = HostReachError;
+
+    fn from_str(s: &str) -> Result<HostReach, HostReachError> {
+        let bad = || HostReachError {
+            input: s.to_string(),
+        };
+        let (addr, port) = match s.trim().split_once(':') {
+            Some((a, p)) => (
+                a,
+                Some(p.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(bad)?),
+            ),
+            None => (s.trim(), None),
+        };
+        Ok(HostReach {
+            addr: addr.parse().map_err(|_| bad())?,
+            port,
+        })
+    }
+}
+
+/// What no sandbox reaches unless the operator lists it: set once at daemon start.
+#[derive(Debug, Clone, Default)]
+struct HostGuard {
+    reach: Vec<HostReach>,
+    /// The daemon's own TCP listeners' ports: closed on every host address even when the
+    /// address is listed without a port.
+    daemon_ports: Vec<u16>,
+}
+
+static GUARD: OnceLock<HostGuard> = OnceLock::new();
+
+/// Sets the host destinations sandboxes may reach and the daemon's own listeners (once, at
+/// daemon start, before any worker network is made).
+pub fn set_host_guard(reach: Vec<HostReach>, daemon_listeners: &[std::net::SocketAddr]) {
+    let mut daemon_ports: Vec<u16> = daemon_listeners.iter().map(|a| a.port()).collect();
+    daemon_ports.sort_unstable();
+    daemon_ports.dedup();
+    let _ = GUARD.set(HostGuard {
+        reach,
+        daemon_ports,
+    });
+}
+
+fn guard() -> &'static HostGuard {
+    GUARD.get_or_init(HostGuard::default)
+}
+
+/// Ranges that are the host whatever its interfaces: `0.0.0.0/8` (connecting to it reaches
+/// the local host), loopback and link-local (cloud metadata services live at 169.254.169.254).
+const ALWAYS_HOST: [(u32, u32); 3] = [
+    (0x0000_0000, 0x00ff_ffff),
+    (0x7f00_0000, 0x7fff_ffff),
+    (0xa9fe_0000, 0xa9fe_ffff),
+];
+
+/// The host's addresses as merged inclusive ranges: every address the root namespace delivers
+/// locally (its `local` routing table: each interface's addresses and broadcast addresses,
+/// loopback, any `local` route), its default gateways, and [`ALWAYS_HOST`].
+fn read_host_ranges() -> Vec<(u32, u32)> {
+    let local = Command::new("ip")
+        .args(["-4", "-o", "route", "show", "table", "local"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let main = Command::new("ip")
+        .args(["-4", "-o", "route", "show", "default"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let mut ranges: Vec<(u32, u32)> = ALWAYS_HOST.to_vec();
+    // host_addresses() too: should `ip route` fail, the interface addresses still count.
+    ranges.extend(host_addresses().into_iter().map(|a| (a, a)));
+    ranges.extend(parse_host_routes(&local, &main));
+    merge_ranges(ranges)
+}
+
+/// Parses `ip -4 -o route show table local` (`local 10.0.0.1 dev ...`, `broadcast ...`,
+/// `local 127.0.0.0/8 dev lo ...`) and `ip -4 -o route show default` (`default via 10.0.0.254
+/// dev ...`, ECMP `nexthop via ...`).
+fn parse_host_routes(local: &str, default: &str) -> Vec<(u32, u32)> {
+    let mut out = Vec::new();
+    for line in local.lines() {
+        let mut w = line.split_whitespace();
+        if !matches!(w.next(), Some("local" | "broadcast" | "anycast")) {
+            continue;
+        }
+        if let Some(Ok((net, len))) = w.next().map(parse_cidr) {
+            let start = u32::from(net);
+            let size = if len == 0 {
+                u32::MAX
+            } else {
+                (1u32 << (32 - u32::from(len))) - 1
+            };
+            out.push((start, start | size));
+        }
+    }
+    for line in default.lines() {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        for pair in w.windows(2) {
+            if pair[0] == "via" {
+                if let Ok(a) = pair[1].parse::<Ipv4Addr>() {
+                    out.push((u32::from(a), u32::from(a)));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn merge_ranges(mut ranges: Vec<(u32, u32)>) -> Vec<(u32, u32)> {
+    ranges.sort_unstable();
+    let mut out: Vec<(u32, u32)> = Vec::with_capacity(ranges.len());
+    for (s, e) in ranges {
+        match out.last_mut() {
+            Some(last) if s <= last.1.saturating_add(1) => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
+}
+
+/// The host's addresses as last read, and what reads them again when they change.
+struct HostAddrs {
+    ranges: std::sync::RwLock<Arc<Vec<(u32, u32)>>>,
+}
+
+/// How often the host's addresses are read again (a new interface address is closed to
+/// sandboxes within this time; the relay and every worker's `host_addrs` set follow).
+const HOST_REFRESH: std::time::Duration = std::time::Duration::from_secs(2);
+
+fn host_addrs() -> &'static HostAddrs {
+    static H: OnceLock<HostAddrs> = OnceLock::new();
+    H.get_or_init(|| {
+        let _ = std::thread::Builder::new()
+            .name("host-addrs".into())
+            .spawn(|| loop {
+                std::thread::sleep(HOST_REFRESH);
+                let fresh = read_host_ranges();
+                let h = host_addrs();
+                let changed = {
+                    let cur = h.ranges.read().unwrap_or_else(|p| p.into_inner());
+                    **cur != fresh
+                };
+                if changed {
+                    tracing::info!(
+                        ranges = fresh.len(),
+                        "host addresses changed; closing the new ones to sandboxes"
+                    );
+                    *h.ranges.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(fresh.clone());
+                    let routers: Vec<String> = routers()
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .values()
+                        .map(|r| r.ns.clone())
+                        .collect();
+                    for ns in routers {
+                        if let Err(e) = nft_in(&ns, &host_set_script(&fresh)) {
+                            tracing::warn!(error = %e, ns, "cannot update the host address set");
+                        }
+                    }
+                }
+            });
+        HostAddrs {
+            ranges: std::sync::RwLock::new(Arc::new(read_host_ranges())),
+        }
+    })
+}
+
+fn host_ranges() -> Arc<Vec<(u32, u32)>> {
+    host_addrs()
+        .ranges
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone()
+}
+
+/// Whether a sandbox may not reach `dst`: one of the host's addresses (see
+/// [`read_host_ranges`]) that the operator did not list, or a daemon listener's port on one
+/// that the operator did not list with that port. The egress relay asks before every
+/// connection; the router's `tp_host` chain drops the same for every packet.
+pub fn host_blocked(dst: std::net::SocketAddrV4) -> bool {
+    let a = u32::from(*dst.ip());
+    if !host_ranges().iter().any(|(s, e)| (*s..=*e).contains(&a)) {
+        return false;
+    }
+    let g = guard();
+    if g.reach
+        .iter()
+        .any(|r| r.addr == *dst.ip() && r.port == Some(dst.port()))
+    {
+        return false;
+    }
+    if g.daemon_ports.contains(&dst.port()) {
+        return true;
+    }
+    !g.reach
+        .iter()
+        .any(|r| r.addr == *dst.ip() && r.port.is_none())
+}
+
+/// `flush` and refill of a router's `host_addrs` set (one transaction).
+fn host_set_script(ranges: &[(u32, u32)]) -> String {
+    format!(
+        "flush set ip torpor host_addrs\nadd element ip torpor host_addrs {{ {} }}\n",
+        range_elements(ranges)
+    )
+}
+
+fn range_elements(ranges: &[(u32, u32)]) -> String {
+    let els: Vec<String> = ranges
+        .iter()
+        .map(|(s, e)| {
+            if s == e {
+                Ipv4Addr::from(*s).to_string()
+            } else {
+                format!("{}-{}", Ipv4Addr::from(*s), Ipv4Addr::from(*e))
+            }
+        })
+        .collect();
+    els.join(", ")
+}
+
+/// The `tp_host` chain: the operator's exceptions, then the daemon's listeners and the host's
+/// addresses dropped (counted as denied).
+fn host_chain(guard: &HostGuard) -> String {
+    let mut rules = String::new();
+    for r in guard.reach.iter() {
+        if let Some(p) = r.port {
+            rules.push_str(&format!(
+                "    ip daddr {} meta l4proto {{ tcp, udp }} th dport {p} return\n",
+                r.addr
+            ));
+        }
+    }
+    if !guard.daemon_ports.is_empty() {
+        let ports: Vec<String> = guard.daemon_ports.iter().map(|p| p.to_string()).collect();
+        rules.push_str(&format!(
+            "    ip daddr @host_addrs tcp dport {{ {} }} goto tp_host_drop\n",
+            ports.join(", ")
+        ));
+    }
+    for r in guard.reach.iter().filter(|r| r.port.is_none()) {
+        rules.push_str(&format!("    ip daddr {} return\n", r.addr));
+    }
+    rules.push_str("    ip daddr @host_addrs goto tp_host_drop\n");
+    rules
+}
+
+/// Every worker's router namespace by its uplink address: where the proxy connects from, and
+/// where host address changes are pushed.
+struct Router {
+    ns: String,
+}
+
+fn routers() -> &'static Mutex<std::collections::HashMap<Ipv4Addr, Router>> {
+    static R: OnceLock<Mutex<std::collections::HashMap<Ipv4Addr, Router>>> = OnceLock::new();
+    R.get_or_init(Mutex::default)
+}
+
+fn nft_in(ns: &str, script: &str) -> Result<String, NetError> {
+    run(&["ip", "netns", "exec", ns, "nft", "-f", "-"], Some(script))
+}
+
+/// Connects to `port` of the sandbox behind the worker whose router address is `router` (what
+/// [`WorkerNet::ingress_addr`] gave), from inside that router namespace: the only path to a
+/// sandbox's ports. Nothing from outside the router reaches them (no DNAT, the router's
+/// forward chain drops anything entering from its uplink toward the sandbox), so this is how
+/// torpor's proxy, with its checks, gets there and nothing else does.
+pub async fn connect_ingress(
+    router: Ipv4Addr,
+    port: u16,
+) -> std::io::Result<tokio::net::TcpStream> {
+    let ns = routers()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&router)
+        .map(|r| PathBuf::from("/run/netns").join(&r.ns))
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "no worker router at this address",
+            )
+        })?;
+    crate::relay::connect_in(&ns, std::net::SocketAddrV4::new(SANDBOX_ADDR, port)).await
+}
+
 /// One worker's network, made by [`WorkerNet::prepare`] and removed by [`WorkerNet::teardown`].
 pub struct WorkerNet {
     /// Namespace names (under /run/netns).
@@ -200,6 +501,12 @@ impl WorkerNet {
                 });
             }
         }
+        routers().lock().unwrap_or_else(|p| p.into_inner()).insert(
+            net.router_addr,
+            Router {
+                ns: net.router_ns.clone(),
+            },
+        );
         Ok(net)
     }
 
@@ -256,10 +563,11 @@ impl WorkerNet {
             None,
         )?;
         self.nft(&base_table(
-            self.router_addr,
             self.host_addr,
             crate::dns::port(),
             egress_limits(),
+            guard(),
+            &host_ranges(),
         ))?;
         Ok(())
     }
@@ -277,7 +585,8 @@ impl WorkerNet {
         PathBuf::from("/run/netns").join(&self.sandbox_ns)
     }
 
-    /// Where the proxy connects to reach `port` of the sandbox on this worker.
+    /// The address that names this worker's router to [`connect_ingress`], the proxy's only
+    /// way to the sandbox's ports (not reachable from the host: no DNAT).
     pub fn ingress_addr(&self) -> Ipv4Addr {
         self.router_addr
     }
@@ -372,6 +681,10 @@ impl WorkerNet {
     }
 
     pub fn teardown(mut self) {
+        routers()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.router_addr);
         self.relay.take();
         crate::dns::set_client(self.router_addr, None);
         self.remove();
@@ -461,11 +774,14 @@ fn egress_limits() -> EgressLimits {
 }
 
 fn base_table(
-    router_addr: Ipv4Addr,
     host_addr: Ipv4Addr,
     dns_port: Option<u16>,
     limits: EgressLimits,
+    guard: &HostGuard,
+    host: &[(u32, u32)],
 ) -> String {
+    let host_elements = range_elements(host);
+    let host_chain = host_chain(guard);
     // DNS: the sandbox asks its gateway; the router forwards to torpor's responder.
     let (dns_dnat, dns_fwd) = match dns_port {
         Some(p) => (
@@ -488,6 +804,7 @@ fn base_table(
   counter egress_conns {{ }}
   counter ingress_conns {{ }}
   set hosts {{ type ipv4_addr; }}
+  set host_addrs {{ type ipv4_addr; flags interval; elements = {{ {host_elements} }} }}
   set denied_dst {{ type ipv4_addr . inet_service; flags dynamic,timeout; timeout 1h; size 4096; counter; }}
   chain tp_limit {{
     type filter hook prerouting priority mangle; policy accept;
@@ -498,12 +815,12 @@ fn base_table(
   chain tp_tcp_new {{
     ip daddr {GATEWAY_ADDR} counter name "denied" drop
     ip daddr 10.192.0.0/12 ip daddr != {host_addr} counter name "denied" drop
+    jump tp_host
     jump tp_egress
     update @denied_dst {{ ip daddr . th dport }} counter name "denied" drop
   }}
   chain tp_pre {{
     type nat hook prerouting priority dstnat;
-    iifname "up0" ip daddr {router_addr} dnat to {SANDBOX_ADDR}
     {dns_dnat}
     iifname "sb0" meta l4proto tcp redirect to :{RELAY_PORT}
   }}
@@ -513,23 +830,47 @@ fn base_table(
   }}
   chain tp_egress {{
   }}
+  chain tp_host {{
+{host_chain}  }}
+  chain tp_host_drop {{
+    meta l4proto {{ tcp, udp }} update @denied_dst {{ ip daddr . th dport }} counter name "denied" drop
+    counter name "denied" drop
+  }}
   chain tp_fwd {{
     type filter hook forward priority filter; policy drop;
     iifname "sb0" counter name "tx"
     oifname "sb0" counter name "rx"
     ct state established,related accept
-    iifname "up0" oifname "sb0" ct status dnat counter name "ingress_conns" accept
     {dns_fwd}
     iifname "sb0" ip daddr 10.192.0.0/12 ip daddr != {host_addr} counter name "denied" drop
+    iifname "sb0" jump tp_host
     iifname "sb0" oifname "up0" jump tp_egress
     iifname "sb0" meta l4proto {{ tcp, udp }} update @denied_dst {{ ip daddr . th dport }} counter name "denied" drop
     iifname "sb0" counter name "denied" drop
   }}
   chain tp_in {{
     type filter hook input priority filter; policy accept;
+    iifname "sb0" ct direction reply counter name "tx"
     iifname "sb0" ct state established,related accept
     iifname "sb0" tcp dport {RELAY_PORT} ct status dnat accept
     iifname "sb0" drop
+    iifname "up0" ct state established,related accept
+    iifname "up0" meta l4proto tcp reject with tcp reset
+    iifname "up0" drop
+  }}
+  chain tp_out {{
+    type filter hook output priority filter; policy accept;
+    oifname "sb0" ct state new counter name "ingress_conns"
+    oifname "sb0" ct direction original counter name "rx"
+  }}
+}}
+table ip6 torpor6 {{
+  chain tp6_in {{
+    type filter hook input priority filter; policy accept;
+    iifname {{ "sb0", "up0" }} drop
+  }}
+  chain tp6_fwd {{
+    type filter hook forward priority filter; policy drop;
   }}
 }}
 "#
@@ -667,5 +1008,77 @@ mod tests {
         assert_eq!(u32::from(r0), u32::from(h0) + 1);
         assert_eq!(u32::from(h1), u32::from(h0) + 4);
         assert_eq!(h0.octets()[0], 10);
+    }
+
+    #[test]
+    fn host_routes_and_reach_entries() {
+        let local = "local 10.1.2.3 dev eth0 proto kernel scope host src 10.1.2.3 \n\
+                     broadcast 10.1.2.255 dev eth0 proto kernel scope link src 10.1.2.3 \n\
+                     local 127.0.0.0/8 dev lo proto kernel scope host src 127.0.0.1 \n\
+                     unreachable 10.9.0.0/16 \n";
+        let default = "default via 10.1.2.1 dev eth0 \n\
+                       default proto static \\    nexthop via 10.1.3.1 dev eth1 weight 1";
+        let got = merge_ranges(parse_host_routes(local, default));
+        let ip = |s: &str| u32::from(s.parse::<Ipv4Addr>().unwrap());
+        assert_eq!(
+            got,
+            vec![
+                (ip("10.1.2.1"), ip("10.1.2.1")),
+                (ip("10.1.2.3"), ip("10.1.2.3")),
+                (ip("10.1.2.255"), ip("10.1.2.255")),
+                (ip("10.1.3.1"), ip("10.1.3.1")),
+                (ip("127.0.0.0"), ip("127.255.255.255")),
+            ]
+        );
+        assert_eq!(
+            merge_ranges(vec![(5, 9), (1, 4), (7, 12), (20, 20)]),
+            vec![(1, 12), (20, 20)]
+        );
+        assert_eq!(
+            range_elements(&[
+                (ip("10.0.0.1"), ip("10.0.0.1")),
+                (ip("127.0.0.0"), ip("127.255.255.255"))
+            ]),
+            "10.0.0.1, 127.0.0.0-127.255.255.255"
+        );
+        let r: HostReach = "10.1.2.3:8080".parse().unwrap();
+        assert_eq!((r.addr, r.port), (Ipv4Addr::new(10, 1, 2, 3), Some(8080)));
+        let r: HostReach = "10.1.2.3".parse().unwrap();
+        assert_eq!(r.port, None);
+        for bad in ["10.1.2.3:0", "10.1.2.3:70000", "host:80", "", "::1"] {
+            assert!(bad.parse::<HostReach>().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_host_chain_opens_listed_ports_before_closing_the_daemons() {
+        let g = HostGuard {
+            reach: vec![
+                "10.0.0.5:7077".parse().unwrap(),
+                "10.0.0.6".parse().unwrap(),
+            ],
+            daemon_ports: vec![7077, 9090],
+        };
+        let c = host_chain(&g);
+        let listed = c
+            .find("ip daddr 10.0.0.5 meta l4proto { tcp, udp } th dport 7077 return")
+            .unwrap();
+        let daemon = c
+            .find("ip daddr @host_addrs tcp dport { 7077, 9090 } goto tp_host_drop")
+            .unwrap();
+        let whole = c.find("ip daddr 10.0.0.6 return").unwrap();
+        let rest = c.find("ip daddr @host_addrs goto tp_host_drop").unwrap();
+        assert!(listed < daemon && daemon < whole && whole < rest, "{c}");
+        // The base table carries the chain, the set and no DNAT toward the sandbox.
+        let t = base_table(
+            Ipv4Addr::new(10, 192, 0, 1),
+            Some(5353),
+            EgressLimits::default(),
+            &g,
+            &[(1, 2)],
+        );
+        assert!(t.contains("elements = { 0.0.0.1-0.0.0.2 }"), "{t}");
+        assert!(t.contains("jump tp_host\n"));
+        assert!(!t.contains(&format!("dnat to {SANDBOX_ADDR}")), "{t}");
     }
 }

@@ -38,6 +38,23 @@ use tokio::sync::oneshot;
 /// The relay's port on the router namespace's sandbox-side address.
 pub const RELAY_PORT: u16 = 15001;
 
+/// Default for [`set_max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+
+static MAX_CONNECTIONS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+/// How many relayed TCP connections one sandbox may have open at once (`torpor up
+/// --max-sandbox-connections`; once, at daemon start). A connection over it is reset as soon as
+/// it is accepted, so a sandbox holds at most this many connections' descriptors (two each) in
+/// the daemon.
+pub fn set_max_connections(n: usize) {
+    let _ = MAX_CONNECTIONS.set(n.max(1));
+}
+
+fn max_connections() -> usize {
+    *MAX_CONNECTIONS.get_or_init(|| DEFAULT_MAX_CONNECTIONS)
+}
+
 /// Makes the next close of `fd` send a RST instead of a FIN (SO_LINGER with a zero timeout).
 pub fn set_reset_on_close(fd: RawFd) -> io::Result<()> {
     let linger = libc::linger {
@@ -223,6 +240,10 @@ struct Shared {
     tx: AtomicU64,
     rx: AtomicU64,
     opened: AtomicU64,
+    /// Connections reset because the sandbox had [`max_connections`] open already.
+    over_cap: AtomicU64,
+    /// Connections refused because they went to the host (crate::net::host_blocked).
+    to_host: AtomicU64,
 }
 
 /// The relay of one worker: a listener in the router namespace that the sandbox's outbound TCP
@@ -239,6 +260,10 @@ pub struct RelayStats {
     pub tx_bytes: u64,
     pub rx_bytes: u64,
     pub connections: u64,
+    /// Reset at once: the sandbox had its most connections open.
+    pub over_cap: u64,
+    /// Refused: the destination is the host's (not listed by the operator).
+    pub to_host: u64,
 }
 
 impl EgressRelay {
@@ -302,12 +327,20 @@ impl EgressRelay {
             tx_bytes: self.shared.tx.load(Ordering::Relaxed),
             rx_bytes: self.shared.rx.load(Ordering::Relaxed),
             connections: self.shared.opened.load(Ordering::Relaxed),
+            over_cap: self.shared.over_cap.load(Ordering::Relaxed),
+            to_host: self.shared.to_host.load(Ordering::Relaxed),
         }
     }
 
     /// Counters back to zero (a new sandbox on the worker).
     pub fn reset_stats(&self) {
-        for c in [&self.shared.tx, &self.shared.rx, &self.shared.opened] {
+        for c in [
+            &self.shared.tx,
+            &self.shared.rx,
+            &self.shared.opened,
+            &self.shared.over_cap,
+            &self.shared.to_host,
+        ] {
             c.store(0, Ordering::Relaxed);
         }
     }
@@ -330,12 +363,27 @@ async fn accept_loop(listener: TcpListener, ns: PathBuf, shared: Arc<Shared>) {
                 continue;
             }
         };
+        let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        if conns.len() >= max_connections() {
+            drop(conns);
+            // Reset at once: the descriptor is closed now, nothing is connected upstream.
+            let n = shared.over_cap.fetch_add(1, Ordering::Relaxed) + 1;
+            if n.is_power_of_two() {
+                tracing::info!(
+                    open = max_connections(),
+                    refused = n,
+                    "egress relay: sandbox at its connection cap; resetting new connections"
+                );
+            }
+            let _ = set_reset_on_close(sandbox.as_raw_fd());
+            drop(sandbox);
+            continue;
+        }
         let id = shared.next.fetch_add(1, Ordering::Relaxed);
         shared.opened.fetch_add(1, Ordering::Relaxed);
         let (kill, killed) = oneshot::channel();
         let task_shared = shared.clone();
         let ns = ns.clone();
-        let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
         let done = tokio::spawn(async move {
             relay_one(sandbox, &ns, killed, &task_shared).await;
             task_shared
@@ -348,7 +396,8 @@ async fn accept_loop(listener: TcpListener, ns: PathBuf, shared: Arc<Shared>) {
     }
 }
 
-async fn connect_in(ns: &Path, dst: SocketAddrV4) -> io::Result<TcpStream> {
+/// Connects to `dst` from a socket made inside the network namespace at `ns`.
+pub(crate) async fn connect_in(ns: &Path, dst: SocketAddrV4) -> io::Result<TcpStream> {
     let ns = ns.to_path_buf();
     let std = tokio::task::spawn_blocking(move || in_netns(&ns, tcp_socket))
         .await
@@ -370,6 +419,14 @@ async fn relay_one(sandbox: TcpStream, ns: &Path, killed: oneshot::Receiver<()>,
             return;
         }
     };
+    // The router's nftables drop these too; the relay checks for itself (the host's addresses
+    // are read again every few seconds, the rules are not the only guard).
+    if crate::net::host_blocked(dst) {
+        shared.to_host.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(%dst, "egress relay: destination is the host's; refused");
+        s.reset_on_drop();
+        return;
+    }
     let mut u = match connect_in(ns, dst).await {
         Ok(u) => u,
         Err(e) => {

@@ -18,7 +18,7 @@ use prometheus::{Encoder, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncode
 
 use super::{not_found, Engine, InUse, Slot};
 use crate::error::{ControlError, Result};
-use crate::store::{SandboxRecord, Store, StoreError};
+use crate::store::{SandboxRecord, Store, StoreError, TemplateRecord};
 
 /// A running sandbox borrowed for one proxied request, and where to connect. While this lives
 /// the sandbox cannot be checkpointed: the sleep ladder waits for proxied requests to finish.
@@ -65,17 +65,23 @@ pub type SandboxConn<B> = (
     >,
 );
 
-/// Connects to `addr` (a sandbox port through its worker's router) and does the HTTP/1
-/// handshake, on a stream that answers the sandbox's close with a RST (torpor_runtime::relay).
+/// Connects to `addr` (a sandbox port, named by its worker's router address) and does the
+/// HTTP/1 handshake, on a stream that answers the sandbox's close with a RST
+/// (torpor_runtime::relay). The connection is made from inside the worker's router namespace
+/// (torpor_runtime::net::connect_ingress): nothing on the host side reaches a sandbox's ports
+/// but this path, behind the proxy's checks.
 pub async fn sandbox_handshake<B>(addr: SocketAddr) -> std::result::Result<SandboxConn<B>, String>
 where
     B: hyper::body::Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    let SocketAddr::V4(addr) = addr else {
+        return Err("not a sandbox address".into());
+    };
     let stream = tokio::time::timeout(
         std::time::Duration::from_secs(10),
-        tokio::net::TcpStream::connect(addr),
+        torpor_runtime::net::connect_ingress(*addr.ip(), addr.port()),
     )
     .await
     .map_err(|_| "connect timed out".to_string())?
@@ -157,11 +163,39 @@ pub(super) async fn settle_connections(live: &super::Live) {
     }
 }
 
-/// Validates a requested policy; `None` when the sandbox gets no network.
-pub(super) fn check_policy(p: Option<&NetworkPolicy>) -> Result<Option<NetworkPolicy>> {
-    let Some(p) = p else { return Ok(None) };
+/// Refuses a policy wider than `tpl`'s (the operator's ceiling; a template without a network
+/// allows ingress only): 400 `invalid_request` naming the template.
+fn check_ceiling(policy: &NetworkPolicy, tpl: &TemplateRecord) -> Result<()> {
+    let ceiling = tpl.spec.network.clone().unwrap_or_default();
+    if torpor_core::network::narrows(policy, &ceiling) {
+        return Ok(());
+    }
+    let shown = if ceiling.is_none() {
+        "none: ingress only, no egress".to_string()
+    } else {
+        serde_json::to_string(&ceiling).unwrap_or_default()
+    };
+    Err(ControlError::Invalid(format!(
+        "network: the policy is wider than template {:?} allows (its network policy is {shown}); \
+         a sandbox's policy may only narrow its template's",
+        tpl.name.to_string()
+    )))
+}
+
+/// The policy a new sandbox of `tpl` gets: the requested one (validated, and no wider than the
+/// template's), else the template's; `None` when it gets no network.
+pub(super) fn check_policy(
+    requested: Option<&NetworkPolicy>,
+    tpl: &TemplateRecord,
+) -> Result<Option<NetworkPolicy>> {
+    let Some(p) = requested.or(tpl.spec.network.as_ref()) else {
+        return Ok(None);
+    };
     p.validate()
         .map_err(|e| ControlError::Invalid(e.to_string()))?;
+    if requested.is_some() {
+        check_ceiling(p, tpl)?;
+    }
     if p.is_none() {
         return Ok(None);
     }
@@ -279,6 +313,18 @@ impl Engine {
         policy
             .validate()
             .map_err(|e| ControlError::Invalid(e.to_string()))?;
+        // The template's policy bounds every change. A template is not removed while it has
+        // sandboxes; should its record be gone, nothing but ingress is allowed.
+        match self.store.template(&rec.template)? {
+            Some(tpl) => check_ceiling(&policy, &tpl)?,
+            None if !torpor_core::network::narrows(&policy, &NetworkPolicy::none()) => {
+                return Err(ControlError::Invalid(format!(
+                    "network: template {:?} is gone; only a policy without egress can be set",
+                    rec.template.to_string()
+                )));
+            }
+            None => {}
+        }
         if self.store.network(id)?.is_none() {
             if policy.is_none() {
                 return Ok(rec);
