@@ -223,7 +223,14 @@ async fn a_tenant_cannot_port_scan_through_pool_status() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_tenant_cannot_see_or_delete_another_tenants_pool_or_exceed_max_pools() {
     let redis = Redis::start();
-    let d = Daemon::start_with(&["--broker-allow", &format!("127.0.0.1:{}", redis.port)]).await;
+    let keda_port = free_port();
+    let d = Daemon::start_with(&[
+        "--broker-allow",
+        &format!("127.0.0.1:{}", redis.port),
+        "--keda-listen",
+        &format!("127.0.0.1:{keda_port}"),
+    ])
+    .await;
     let a = tenant(&d, "team-a", None).await;
     let b = tenant(
         &d,
@@ -287,6 +294,35 @@ async fn a_tenant_cannot_see_or_delete_another_tenants_pool_or_exceed_max_pools(
             .as_str(),
         "team-b"
     );
+    // KEDA (the operator's listener) names the tenant; without it, the operator's pool.
+    {
+        use torpor_triggers::externalscaler::external_scaler_client::ExternalScalerClient;
+        use torpor_triggers::externalscaler::ScaledObjectRef;
+        let mut g = ExternalScalerClient::connect(format!("http://127.0.0.1:{keda_port}"))
+            .await
+            .unwrap();
+        let obj = |meta: &[(&str, &str)]| ScaledObjectRef {
+            name: "workers".into(),
+            namespace: "default".into(),
+            scaler_metadata: meta
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        let spec = g
+            .get_metric_spec(obj(&[("pool", "b-only"), ("tenant", "team-b")]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(spec.metric_specs[0].metric_name, "b-only");
+        for meta in [
+            &[("pool", "b-only")][..],
+            &[("pool", "b-only"), ("tenant", "team-a")],
+        ] {
+            let e = g.get_metric_spec(obj(meta)).await.unwrap_err();
+            assert_eq!(e.code(), tonic::Code::NotFound, "{meta:?}");
+        }
+    }
     // A's delete of its "jobs" leaves B's.
     a.delete_pool("jobs").await.unwrap();
     assert_eq!(b.pool("jobs").await.unwrap().tenant.as_str(), "team-b");
