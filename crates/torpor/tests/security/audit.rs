@@ -70,12 +70,17 @@ fn calls<'a>(recs: &'a [Value], method: &str, route: &str) -> Vec<&'a Value> {
         .collect()
 }
 
-fn one<'a>(recs: &'a [Value], method: &str, route: &str, status: u16) -> &'a Value {
+/// The one call record by `actor` with this method, route and status.
+fn one<'a>(recs: &'a [Value], actor: &str, method: &str, route: &str, status: u16) -> &'a Value {
     let found: Vec<_> = calls(recs, method, route)
         .into_iter()
-        .filter(|r| r["status"] == status)
+        .filter(|r| r["status"] == status && r["actor"] == actor)
         .collect();
-    assert_eq!(found.len(), 1, "{method} {route} {status} in {recs:#?}");
+    assert_eq!(
+        found.len(),
+        1,
+        "{actor} {method} {route} {status} in {recs:#?}"
+    );
     found[0]
 }
 
@@ -178,30 +183,22 @@ async fn a_tenants_calls_and_refusals_are_audited_without_its_token_or_env_value
 
     let recs = tail_until(&d, |r| !calls(r, "DELETE", "/v1/sandboxes/{id}").is_empty()).await;
 
-    let r = one(&recs, "POST", "/v1/tenants", 201);
-    assert_eq!(r["actor"], "admin");
-    let r = one(&recs, "POST", "/v1/sandboxes", 201);
-    assert_eq!(r["actor"], "audit-a");
-    let r = one(&recs, "POST", "/v1/sandboxes/{id}/exec", 200);
-    assert_eq!(r["actor"], "audit-a");
+    one(&recs, "admin", "POST", "/v1/tenants", 201);
+    one(&recs, "audit-a", "POST", "/v1/sandboxes", 201);
+    let r = one(&recs, "audit-a", "POST", "/v1/sandboxes/{id}/exec", 200);
     assert_eq!(
         r["object"],
         serde_json::json!({"kind": "sandbox", "name": sa})
     );
-    let r = one(&recs, "GET", "/v1/sandboxes/{id}", 404);
-    assert_eq!(r["actor"], "audit-a");
+    let r = one(&recs, "audit-a", "GET", "/v1/sandboxes/{id}", 404);
     assert_eq!(r["code"], "not_found");
     assert_eq!(r["object"]["name"], s_admin.as_str());
-    let r = one(&recs, "GET", "/v1/sandboxes", 401);
-    assert_eq!(r["actor"], "anonymous");
+    let r = one(&recs, "anonymous", "GET", "/v1/sandboxes", 401);
     assert_eq!(r["code"], "unauthorized");
-    let r = one(&recs, "POST", "/sandboxes", 401);
-    assert_eq!(r["actor"], "anonymous");
-    let r = one(&recs, "GET", "/v1/tenants", 403);
-    assert_eq!(r["actor"], "audit-a");
+    one(&recs, "anonymous", "POST", "/sandboxes", 401);
+    let r = one(&recs, "audit-a", "GET", "/v1/tenants", 403);
     assert_eq!(r["code"], "forbidden");
-    let r = one(&recs, "DELETE", "/v1/sandboxes/{id}", 204);
-    assert_eq!(r["actor"], "audit-a");
+    let r = one(&recs, "audit-a", "DELETE", "/v1/sandboxes/{id}", 204);
     assert_eq!(r["request_id"], del_id.as_str());
     assert!(
         !recs
