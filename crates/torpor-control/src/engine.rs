@@ -73,6 +73,12 @@ pub struct EngineConfig {
 }
 
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a delete waits for calls in flight before it destroys the container under them.
+const DELETE_GRACE: Duration = Duration::from_secs(2);
+/// How long a delete then waits for those calls to notice.
+const DELETE_CUT_WAIT: Duration = Duration::from_secs(30);
+/// How long shutdown waits for one sandbox's calls in flight before it leaves it.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 const MAX_METADATA_ENTRIES: usize = 64;
 /// Forks made by one call.
 pub const MAX_FORKS: usize = 64;
@@ -1673,9 +1679,28 @@ impl Engine {
     }
 
     pub async fn delete_sandbox(&self, tenant: &TenantId, id: &SandboxId) -> Result<()> {
-        self.sandbox(tenant, id)?;
+        let seen = self.sandbox(tenant, id)?;
         let slot = self.slot(id);
-        let mut guard = slot.state.clone().write_owned().await;
+        // Calls in flight hold the sandbox (a command that never ends, an open WebSocket).
+        // A delete does not wait on them without bound: after a short grace it destroys the
+        // container, which ends those calls, and then takes the sandbox.
+        let mut guard = match tokio::time::timeout(DELETE_GRACE, slot.state.clone().write_owned())
+            .await
+        {
+            Ok(g) => g,
+            Err(_) => {
+                tracing::info!(sandbox = %id, "delete cuts the calls still in flight");
+                self.runsc.destroy(&seen.container_id()).await;
+                tokio::time::timeout(DELETE_CUT_WAIT, slot.state.clone().write_owned())
+                    .await
+                    .map_err(|_| {
+                        ControlError::Busy(
+                            "the sandbox's calls did not end after its container was destroyed; retry the delete"
+                                .into(),
+                        )
+                    })?
+            }
+        };
         let Some(mut rec) = self.store.sandbox(id)? else {
             return Err(not_found(id));
         };
@@ -2139,7 +2164,15 @@ impl Engine {
         let mut touched = Vec::new();
         for (id, slot) in slots {
             touched.push((id.clone(), slot.last_active.load(Ordering::Relaxed)));
-            let mut guard = slot.state.clone().write_owned().await;
+            // A call that never ends (an exec of `sleep infinity`, an open WebSocket) must
+            // not hold the shutdown: after the grace, that one sandbox is left to the next
+            // start's reconcile (back to its last snapshot), and the others are checkpointed.
+            let Ok(mut guard) =
+                tokio::time::timeout(SHUTDOWN_GRACE, slot.state.clone().write_owned()).await
+            else {
+                tracing::error!(sandbox = %id, "calls still in flight at shutdown; not checkpointed, it restarts from its last snapshot");
+                continue;
+            };
             if guard.live.is_some() {
                 tracing::info!(sandbox = %id, "checkpointing for shutdown");
                 if let Err(e) = self.park_locked(&mut guard, &id, "shutdown").await {

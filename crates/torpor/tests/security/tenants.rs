@@ -390,3 +390,60 @@ async fn sandbox_env_is_not_kept_in_plain_text_in_the_state_store() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_never_ending_call_does_not_block_delete_or_shutdown() {
+    let mut d = Daemon::start().await;
+    let a = tenant(&d, "team-a", Quotas::default()).await;
+    let stuck = create(&a, "host").await;
+    let other = create(&a, "host").await;
+    let forever = |id: String| {
+        let a = a.clone();
+        tokio::spawn(async move {
+            a.exec(
+                &id,
+                &torpor_api::types::ExecBody {
+                    cmd: vec!["sleep".into(), "100000".into()],
+                    ..Default::default()
+                },
+            )
+            .await
+        })
+    };
+    let call = forever(stuck.clone());
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let t = std::time::Instant::now();
+    a.delete_sandbox(&stuck).await.unwrap();
+    // The cut call ends with an error rather than hanging (bounded by the test's timeout).
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(60), call)
+        .await
+        .expect("the call in flight ended")
+        .unwrap();
+    assert!(ended.is_err() || ended.unwrap().exit_code != Some(0));
+    assert_eq!(refusal(a.sandbox(&stuck).await.unwrap_err()).0, 404);
+    eprintln!("delete under a never-ending call took {:?}", t.elapsed());
+    // Shutdown is not held either: the other sandbox with a never-ending call is left to the
+    // next start (its last snapshot), and the daemon exits.
+    let _call = forever(other.clone());
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let pid = d.pid();
+    let t = std::time::Instant::now();
+    // SAFETY: kill(2) on the daemon this test started.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let mut exited = false;
+    for _ in 0..1200 {
+        // SAFETY: waitpid on our own child, without blocking.
+        let r = unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+        if r == pid {
+            exited = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(exited, "the daemon did not exit under a never-ending call");
+    eprintln!("shutdown under a never-ending call took {:?}", t.elapsed());
+    d.kill();
+    d.spawn().await;
+    let s = d.client().sandbox(&other).await.unwrap();
+    assert_ne!(s.state, "running");
+}
