@@ -32,7 +32,35 @@ pub enum ClientError {
     },
     #[error("unexpected answer from torpor (HTTP {status}): {body}")]
     Unexpected { status: u16, body: String },
+    /// A local file the call sends (an upload) cannot be read.
+    #[error("cannot read {path}")]
+    LocalFile {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
+
+/// What an uploaded archive holds (`?kind=` of `POST /v1/templates/{name}/image`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UploadKind {
+    /// An OCI layout or archive, or a `docker save` tarball.
+    Image,
+    /// A tarball of a root filesystem.
+    Rootfs,
+}
+
+impl UploadKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UploadKind::Image => "image",
+            UploadKind::Rootfs => "rootfs",
+        }
+    }
+}
+
+/// How much of an uploaded file is read at a time.
+const UPLOAD_CHUNK: usize = 256 << 10;
 
 impl ClientError {
     /// The API error code, if the server sent one.
@@ -123,9 +151,14 @@ impl Client {
             .await
     }
 
+    /// `GET /metrics`, with this client's token (the admin or the metrics token).
     pub async fn metrics(&self) -> Result<String> {
         let resp = self
-            .send(self.http.get(format!("{}/metrics", self.base)))
+            .send(
+                self.http
+                    .get(format!("{}/metrics", self.base))
+                    .bearer_auth(&self.token),
+            )
             .await?;
         resp.text().await.map_err(|e| ClientError::Connect {
             url: self.base.clone(),
@@ -159,6 +192,61 @@ impl Client {
 
     pub async fn create_template(&self, spec: &TemplateSpec) -> Result<Template> {
         self.json_body(Method::POST, "/v1/templates", spec).await
+    }
+
+    /// `POST /v1/templates/{name}/image`: registers a template from an archive on this machine,
+    /// streamed (never read into memory) as the `image` part of a multipart body, after a `spec`
+    /// part holding the template's other fields (`command`, `env`, `limits`, ...; no `name` or
+    /// `source`). `kind`: the archive is an image (OCI layout/archive or `docker save`) or a
+    /// root-filesystem tarball; `reference` picks an image of a multi-image archive.
+    pub async fn upload_template_image(
+        &self,
+        name: &str,
+        spec_json: &serde_json::Value,
+        file_path: &std::path::Path,
+        kind: UploadKind,
+        reference: Option<&str>,
+    ) -> Result<Template> {
+        let local = |source: std::io::Error| ClientError::LocalFile {
+            path: file_path.to_path_buf(),
+            source,
+        };
+        let file = tokio::fs::File::open(file_path).await.map_err(local)?;
+        let len = file.metadata().await.map_err(local)?.len();
+        let chunks = futures::stream::try_unfold(file, |mut f| async move {
+            use tokio::io::AsyncReadExt;
+            let mut buf = vec![0u8; UPLOAD_CHUNK];
+            let n = f.read(&mut buf).await?;
+            if n == 0 {
+                return Ok::<_, std::io::Error>(None);
+            }
+            buf.truncate(n);
+            Ok(Some((bytes::Bytes::from(buf), f)))
+        });
+        let file_name = file_path
+            .file_name()
+            .map_or_else(|| "image".into(), |n| n.to_string_lossy().into_owned());
+        let spec = reqwest::multipart::Part::text(spec_json.to_string())
+            .mime_str("application/json")
+            .expect("a valid MIME type");
+        let image =
+            reqwest::multipart::Part::stream_with_length(reqwest::Body::wrap_stream(chunks), len)
+                .file_name(file_name)
+                .mime_str("application/octet-stream")
+                .expect("a valid MIME type");
+        let form = reqwest::multipart::Form::new()
+            .part("spec", spec)
+            .part("image", image);
+        let mut query = vec![("kind", kind.as_str())];
+        if let Some(r) = reference {
+            query.push(("reference", r));
+        }
+        self.json(
+            self.request(Method::POST, &format!("/v1/templates/{name}/image"))
+                .query(&query)
+                .multipart(form),
+        )
+        .await
     }
 
     pub async fn templates(&self) -> Result<Vec<Template>> {

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use torpor_api::client::UploadKind;
 use torpor_api::types::{CreateSandboxBody, ExecBody, ExecEvent, Sandbox, Template};
 use torpor_api::{Client, ClientError};
 use torpor_core::{
@@ -92,6 +93,29 @@ pub enum Command {
         /// Serve KEDA's external scaler (gRPC) on this address, e.g. 0.0.0.0:9090.
         #[arg(long)]
         keda_listen: Option<SocketAddr>,
+        /// The only host directory a tenant's template source may name (rootfs or image path);
+        /// without it tenants may not name host paths at all and upload images instead.
+        #[arg(long)]
+        import_dir: Option<PathBuf>,
+        /// Brokers event-driven pools may name, as HOST[:PORT] (comma-separated or repeated);
+        /// without it tenants' pools may name no broker (the admin's may name any).
+        #[arg(long, value_delimiter = ',')]
+        broker_allow: Vec<String>,
+        /// Serve GET /metrics without a token on this separate address (else /metrics on the
+        /// API listener needs the admin token or DATA_DIR/metrics-token).
+        #[arg(long)]
+        metrics_listen: Option<SocketAddr>,
+        /// API requests per second for tenants created without `requests_per_s`.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
+        default_requests_per_s: u64,
+        /// API connections open at once; more are accepted and closed at once (default 4096,
+        /// lowered to fit RLIMIT_NOFILE beside the workers' descriptors).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
+        max_connections: Option<u64>,
+        /// How long a request head may take to arrive, and a connection may sit idle, before
+        /// the connection is closed.
+        #[arg(long, default_value_t = crate::serve::DEFAULT_HEADER_READ_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(100..))]
+        header_read_timeout_ms: u64,
         /// Host-based routing to sandbox ports: `{port}-{id}.<DOMAIN>` (docs/NETWORKING.md).
         #[arg(long)]
         proxy_domain: Option<String>,
@@ -101,6 +125,14 @@ pub enum Command {
         /// Most packets per second a networked sandbox may send.
         #[arg(long, default_value_t = 50_000, value_parser = clap::value_parser!(u32).range(1..))]
         egress_pps: u32,
+        /// Host destinations sandboxes may reach, as ADDR or ADDR:PORT (comma-separated or
+        /// repeated); without it no sandbox reaches any of the host's addresses, link-local,
+        /// loopback or the daemon's listeners, whatever its policy (docs/NETWORKING.md).
+        #[arg(long, value_delimiter = ',')]
+        sandbox_reach_host: Vec<torpor_runtime::net::HostReach>,
+        /// Relayed TCP connections one sandbox may have open at once (new ones are reset).
+        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+        max_sandbox_connections: u32,
     },
     /// Inspect, verify and collect the snapshot store (operator only).
     #[command(subcommand)]
@@ -114,6 +146,9 @@ pub enum Command {
     /// Event-driven pools: agents scaled from queue depth, to zero and back.
     #[command(subcommand)]
     Pool(crate::pool::PoolCmd),
+    /// The audit log on this machine: verify its chain, print its last records.
+    #[command(subcommand)]
+    Audit(crate::audit::AuditCmd),
     /// Create a sandbox from a template (a restore of its golden snapshot).
     Create {
         template: String,
@@ -232,12 +267,20 @@ pub enum TemplateCmd {
     /// Register a template: import its filesystem, boot it once, take its golden snapshot.
     Add {
         name: String,
-        /// A root-filesystem directory on the daemon's machine.
+        /// A root-filesystem directory on the daemon's machine (the admin's, or under the
+        /// daemon's --import-dir).
         #[arg(long, conflicts_with = "image")]
         rootfs: Option<String>,
-        /// An OCI layout, oci-archive or `docker save` tarball on the daemon's machine.
+        /// An OCI layout, oci-archive or `docker save` tarball: uploaded from this machine
+        /// unless the caller is the admin (then a path on the daemon's machine).
         #[arg(long)]
         image: Option<String>,
+        /// A tarball of a root filesystem on this machine, uploaded.
+        #[arg(long, conflicts_with_all = ["rootfs", "image"])]
+        rootfs_tar: Option<PathBuf>,
+        /// Upload the --image file even as the admin.
+        #[arg(long, requires = "image")]
+        upload: bool,
         /// Which image in the archive (tag or ref name).
         #[arg(long, requires = "image")]
         reference: Option<String>,
@@ -297,6 +340,19 @@ pub enum TenantCmd {
         max_running: Option<u64>,
         #[arg(long)]
         max_memory_mib: Option<u64>,
+        /// CPU limits of its resident sandboxes, summed.
+        #[arg(long)]
+        max_cpus: Option<u64>,
+        #[arg(long)]
+        max_templates: Option<u64>,
+        #[arg(long)]
+        max_pools: Option<u64>,
+        /// Disk its checkpoints, golden snapshots and uploads take, in MiB.
+        #[arg(long)]
+        max_disk_mib: Option<u64>,
+        /// API requests per second (default: the daemon's --default-requests-per-s).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        requests_per_s: Option<u64>,
         #[command(flatten)]
         conn: Conn,
     },
@@ -433,11 +489,27 @@ async fn dispatch(cmd: Command) -> CliResult {
             cuda_checkpoint,
             store,
             keda_listen,
+            import_dir,
+            broker_allow,
+            metrics_listen,
+            default_requests_per_s,
+            max_connections,
+            header_read_timeout_ms,
             proxy_domain,
             egress_mbit,
             egress_pps,
+            sandbox_reach_host,
+            max_sandbox_connections,
         } => {
             init_logging();
+            torpor_runtime::net::set_host_guard(
+                sandbox_reach_host,
+                &[Some(listen), metrics_listen, keda_listen]
+                    .into_iter()
+                    .flatten()
+                    .collect::<Vec<_>>(),
+            );
+            torpor_runtime::relay::set_max_connections(max_sandbox_connections as usize);
             torpor_runtime::net::set_egress_limits(torpor_runtime::net::EgressLimits {
                 mbit_per_s: egress_mbit,
                 packets_per_s: egress_pps,
@@ -462,6 +534,12 @@ async fn dispatch(cmd: Command) -> CliResult {
                 cuda_checkpoint,
                 snapshots: store.config(),
                 keda_listen,
+                import_dir,
+                broker_allow,
+                metrics_listen,
+                default_requests_per_s,
+                max_connections: max_connections.map(|m| m as usize),
+                header_read_timeout: Duration::from_millis(header_read_timeout_ms),
             })
             .await?;
             Ok(0)
@@ -470,6 +548,7 @@ async fn dispatch(cmd: Command) -> CliResult {
         Command::Tenant(t) => tenant(t).await,
         Command::Snapshot(c) => crate::snapshot::run(c).await,
         Command::Pool(p) => crate::pool::run(p).await,
+        Command::Audit(a) => crate::audit::run(a),
         Command::Create {
             template,
             env,
@@ -710,6 +789,8 @@ async fn template(cmd: TemplateCmd) -> CliResult {
             name,
             rootfs,
             image,
+            rootfs_tar,
+            upload,
             reference,
             command,
             env,
@@ -726,9 +807,20 @@ async fn template(cmd: TemplateCmd) -> CliResult {
             conn,
         } => {
             let c = client(&conn)?;
+            // Tenants bring archives by upload; host paths are the admin's (or --import-dir's).
+            let upload = match (&image, rootfs_tar) {
+                (_, Some(tar)) => Some((tar, UploadKind::Rootfs)),
+                (Some(img), None) if upload || !is_admin(&conn) => {
+                    Some((PathBuf::from(img), UploadKind::Image))
+                }
+                _ => None,
+            };
             let source = match (rootfs, image) {
                 (Some(path), None) => TemplateSource::Rootfs { path },
-                (None, Some(path)) => TemplateSource::Image { path, reference },
+                (None, Some(path)) if upload.is_none() => TemplateSource::Image {
+                    path,
+                    reference: reference.clone(),
+                },
                 _ => TemplateSource::Host,
             };
             let defaults = IdlePolicy::default();
@@ -762,7 +854,22 @@ async fn template(cmd: TemplateCmd) -> CliResult {
                 eprintln!("building template {name}: import, boot, golden snapshot ...");
             }
             let t = Instant::now();
-            let tpl = c.create_template(&spec).await?;
+            let tpl = match upload {
+                Some((file, kind)) => {
+                    if !conn.json {
+                        eprintln!("uploading {}", file.display());
+                    }
+                    c.upload_template_image(
+                        &name,
+                        &upload_spec(&spec),
+                        &file,
+                        kind,
+                        reference.as_deref(),
+                    )
+                    .await?
+                }
+                None => c.create_template(&spec).await?,
+            };
             if conn.json {
                 print_json(&tpl);
             } else {
@@ -798,6 +905,11 @@ async fn tenant(cmd: TenantCmd) -> CliResult {
             max_sandboxes,
             max_running,
             max_memory_mib,
+            max_cpus,
+            max_templates,
+            max_pools,
+            max_disk_mib,
+            requests_per_s,
             conn,
         } => {
             let created = client(&conn)?
@@ -807,6 +919,11 @@ async fn tenant(cmd: TenantCmd) -> CliResult {
                         max_sandboxes,
                         max_running,
                         max_memory_mib,
+                        max_cpus,
+                        max_templates,
+                        max_pools,
+                        max_disk_mib,
+                        requests_per_s,
                     }),
                 })
                 .await?;
@@ -831,16 +948,30 @@ async fn tenant(cmd: TenantCmd) -> CliResult {
             } else {
                 let q = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
                 println!(
-                    "{:<20} {:>10} {:>10} {:>12}  CREATED",
-                    "NAME", "SANDBOXES", "RUNNING", "MEMORY MIB"
+                    "{:<20} {:>9} {:>8} {:>10} {:>5} {:>9} {:>5} {:>9} {:>6}  CREATED",
+                    "NAME",
+                    "SANDBOXES",
+                    "RUNNING",
+                    "MEMORY MIB",
+                    "CPUS",
+                    "TEMPLATES",
+                    "POOLS",
+                    "DISK MIB",
+                    "REQ/S"
                 );
                 for t in all {
+                    let qs = &t.quotas;
                     println!(
-                        "{:<20} {:>10} {:>10} {:>12}  {}",
+                        "{:<20} {:>9} {:>8} {:>10} {:>5} {:>9} {:>5} {:>9} {:>6}  {}",
                         t.name,
-                        q(t.quotas.max_sandboxes),
-                        q(t.quotas.max_running),
-                        q(t.quotas.max_memory_mib),
+                        q(qs.max_sandboxes),
+                        q(qs.max_running),
+                        q(qs.max_memory_mib),
+                        q(qs.max_cpus),
+                        q(qs.max_templates),
+                        q(qs.max_pools),
+                        q(qs.max_disk_mib),
+                        q(qs.requests_per_s),
                         t.created_at
                     );
                 }
@@ -852,6 +983,26 @@ async fn tenant(cmd: TenantCmd) -> CliResult {
             Ok(0)
         }
     }
+}
+
+/// Whether the CLI calls as the admin: no token given (the data directory's admin token is
+/// used), or the token given is that one.
+fn is_admin(conn: &Conn) -> bool {
+    let Some(token) = &conn.token else {
+        return true;
+    };
+    std::fs::read_to_string(daemon::default_data_dir().join(daemon::TOKEN_FILE))
+        .is_ok_and(|admin| admin.trim() == token.trim())
+}
+
+/// The `spec` part of an upload: the template's fields but its name and source.
+fn upload_spec(spec: &TemplateSpec) -> serde_json::Value {
+    let mut v = serde_json::to_value(spec).expect("a template spec serialises");
+    if let Some(o) = v.as_object_mut() {
+        o.remove("name");
+        o.remove("source");
+    }
+    v
 }
 
 fn split_remote(s: &str) -> Option<(&str, &str)> {

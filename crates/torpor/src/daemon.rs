@@ -10,14 +10,18 @@ use anyhow::{bail, Context};
 use torpor_api::ApiState;
 use torpor_control::{Engine, EngineConfig};
 
+use crate::{datadir, nofile, serve};
+
 /// Environment variables the CLI and daemon read.
 pub const ENV_URL: &str = "TORPOR_URL";
 pub const ENV_TOKEN: &str = "TORPOR_TOKEN";
 pub const ENV_DATA_DIR: &str = "TORPOR_DATA_DIR";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7077";
-pub const TOKEN_FILE: &str = "admin-token";
+pub const TOKEN_FILE: &str = datadir::ADMIN_TOKEN_FILE;
 /// How long calls in flight may take to finish after SIGTERM.
 const GRACE: Duration = Duration::from_secs(10);
+/// Connections the `--metrics-listen` listener serves at once (scrapers, not tenants).
+const METRICS_MAX_CONNECTIONS: usize = 64;
 
 pub struct UpConfig {
     pub listen: SocketAddr,
@@ -37,6 +41,19 @@ pub struct UpConfig {
     pub snapshots: torpor_control::SnapshotConfig,
     /// Where to serve KEDA's external scaler (gRPC), if anywhere.
     pub keda_listen: Option<SocketAddr>,
+    /// The only host directory tenants' template sources may name (`--import-dir`).
+    pub import_dir: Option<PathBuf>,
+    /// Brokers (HOST[:PORT]) tenants' pools may name (`--broker-allow`).
+    pub broker_allow: Vec<String>,
+    /// A separate, unauthenticated listener for /metrics (`--metrics-listen`).
+    pub metrics_listen: Option<SocketAddr>,
+    /// Requests per second for tenants without their own `requests_per_s`.
+    pub default_requests_per_s: u64,
+    /// API connections open at once (`--max-connections`); `None`: the default, lowered to fit
+    /// RLIMIT_NOFILE.
+    pub max_connections: Option<usize>,
+    /// How long a request head may take and a connection may idle (`--header-read-timeout-ms`).
+    pub header_read_timeout: Duration,
 }
 
 /// Default memory budget: 70% of the machine's RAM.
@@ -113,31 +130,42 @@ pub fn default_workers() -> usize {
 
 /// Reads the admin token, creating it (mode 0600) on first start.
 pub fn ensure_admin_token(data_dir: &Path) -> anyhow::Result<String> {
-    let path = data_dir.join(TOKEN_FILE);
-    if let Ok(t) = std::fs::read_to_string(&path) {
-        let t = t.trim().to_string();
-        if !t.is_empty() {
-            return Ok(t);
-        }
+    Ok(datadir::ensure_token(data_dir, TOKEN_FILE, "tpr_admin_")?)
+}
+
+/// Reads the metrics token (`GET /metrics` accepts it besides the admin token), creating it
+/// (mode 0600) on first start.
+pub fn ensure_metrics_token(data_dir: &Path) -> anyhow::Result<String> {
+    Ok(datadir::ensure_token(
+        data_dir,
+        datadir::METRICS_TOKEN_FILE,
+        "tpr_metrics_",
+    )?)
+}
+
+/// Raises RLIMIT_NOFILE and picks the connection cap that fits under it.
+fn descriptor_headroom(max_connections: Option<usize>, workers: usize) -> anyhow::Result<usize> {
+    let limit = nofile::raise()?;
+    let cap = nofile::connection_cap(limit, max_connections, workers)?;
+    if max_connections.is_none() && cap < nofile::DEFAULT_MAX_CONNECTIONS {
+        tracing::warn!(
+            limit,
+            max_connections = cap,
+            workers,
+            "RLIMIT_NOFILE is low: the connection cap is lowered to fit (raise the limit or set --max-connections)"
+        );
+        eprintln!(
+            "torpor: warning: RLIMIT_NOFILE is {limit}; --max-connections lowered from {} to {cap} to fit beside {workers} workers",
+            nofile::DEFAULT_MAX_CONNECTIONS
+        );
     }
-    let token: String = (0..32)
-        .map(|_| format!("{:02x}", rand::random::<u8>()))
-        .collect();
-    let token = format!("tpr_admin_{token}");
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&path)
-        .with_context(|| format!("cannot write the admin token to {}", path.display()))?;
-    f.write_all(token.as_bytes())?;
-    Ok(token)
+    tracing::info!(limit, max_connections = cap, "descriptor headroom checked");
+    Ok(cap)
 }
 
 pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
+    // Before anything is created: the data directory, its files and runsc's are private.
+    datadir::set_private_umask();
     std::fs::create_dir_all(&cfg.data_dir).with_context(|| {
         format!(
             "cannot create the data directory {} (use --data-dir or {ENV_DATA_DIR})",
@@ -152,11 +180,20 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         );
     }
     let _ = std::fs::remove_file(&probe);
+    // One daemon per directory: a second would reconcile (kill) the first one's sandboxes.
+    let _lock = datadir::lock(&cfg.data_dir)?;
+    datadir::make_private(&cfg.data_dir)?;
     let token = ensure_admin_token(&cfg.data_dir)?;
+    let metrics_token = ensure_metrics_token(&cfg.data_dir)?;
     let workers = cfg.workers.unwrap_or_else(default_workers);
     if workers == 0 {
         bail!("--workers must be at least 1");
     }
+    let max_connections = descriptor_headroom(cfg.max_connections, workers)?;
+    let serve_cfg = serve::ServeConfig {
+        max_connections,
+        header_read_timeout: cfg.header_read_timeout,
+    };
     let gpus = crate::gpu::daemon_gpus(
         cfg.gpu_inventory,
         cfg.gpu_quotas,
@@ -179,13 +216,17 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         tick: cfg.tick,
         warm_pool: cfg.warm_pool.unwrap_or(workers),
         snapshots: cfg.snapshots,
+        import_dir: cfg.import_dir.clone(),
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e} ({})", e.code()))?;
     if let Some(gpus) = gpus {
         engine.attach_gpus(gpus);
     }
-    let pools = torpor_control::pools::Pools::start(engine.clone(), &cfg.data_dir)
+    let pools_config = torpor_control::pools::PoolsConfig {
+        broker_allow: cfg.broker_allow.clone(),
+    };
+    let pools = torpor_control::pools::Pools::start(engine.clone(), &cfg.data_dir, pools_config)
         .await
         .map_err(|e| anyhow::anyhow!("{e} ({})", e.code()))?;
     let (keda_stop, keda_stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -206,11 +247,29 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let audit = torpor_api::audit::AuditLog::open(
+        &cfg.data_dir,
+        Default::default(),
+        Some(&engine.metrics),
+    )?;
     let state = Arc::new(ApiState {
+        audit: audit.clone(),
         engine: engine.clone(),
+        metrics_token,
         admin_token: token,
         pools: pools.clone(),
+        default_requests_per_s: cfg.default_requests_per_s,
+        limits: Default::default(),
     });
+    let metrics_listener = match cfg.metrics_listen {
+        Some(addr) => Some((
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr} (--metrics-listen)"))?,
+            torpor_api::server::metrics_router(state.clone()),
+        )),
+        None => None,
+    };
     let app = torpor_api::router(state);
     tracing::info!(listen = %cfg.listen, data_dir = %cfg.data_dir.display(), workers, "torpor is up");
     eprintln!(
@@ -221,24 +280,42 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     );
     // On SIGTERM: stop accepting, give calls in flight up to GRACE to finish (idle keep-alive
     // connections would otherwise hold the shutdown forever), then checkpoint.
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(async move {
-        // No Nagle delay: E2B's streams (Connect) write small frames one after another, and
-        // a frame held back for the client's delayed ACK costs up to 40 ms.
-        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let _ = stop_rx.await;
-            })
-            .await
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let server = tokio::spawn(serve::serve(
+        listener,
+        app,
+        serve_cfg,
+        stopped(stop_rx.clone()),
+    ));
+    let metrics_server = metrics_listener.map(|(l, router)| {
+        eprintln!(
+            "torpor: metrics on http://{} (no token)",
+            cfg.metrics_listen.expect("bound")
+        );
+        tokio::spawn(serve::serve(
+            l,
+            router,
+            serve::ServeConfig {
+                max_connections: METRICS_MAX_CONNECTIONS,
+                header_read_timeout: cfg.header_read_timeout,
+            },
+            stopped(stop_rx.clone()),
+        ))
     });
     shutdown_signal().await;
-    let _ = stop_tx.send(());
-    match tokio::time::timeout(GRACE, server).await {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(e))) => return Err(e).context("the API server failed"),
+    let _ = stop_tx.send(true);
+    let servers = async {
+        let api = server.await;
+        if let Some(m) = metrics_server {
+            let _ = m.await;
+        }
+        api
+    };
+    match tokio::time::timeout(GRACE, servers).await {
+        Ok(Ok(())) => {}
         Ok(Err(e)) => bail!("the API server task failed: {e}"),
         Err(_) => eprintln!("torpor: calls still open after {GRACE:?}; going on with shutdown"),
     }
@@ -249,6 +326,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     eprintln!("torpor: shutting down; pools finish in-flight messages, then checkpointing resident sandboxes");
     pools.shutdown().await;
     engine.shutdown().await;
+    audit.close().await;
     eprintln!("torpor: stopped");
     Ok(())
 }

@@ -2,12 +2,16 @@
 //! daemon (engine + API), `sandbox-agent` is the init process inside every sandbox, and every
 //! other command is a client of the HTTP API.
 
+mod audit;
 mod cli;
 mod daemon;
+mod datadir;
 mod demo;
 mod gpu;
+mod nofile;
 mod pool;
 mod report;
+mod serve;
 mod snapshot;
 
 use clap::Parser;

@@ -1,0 +1,190 @@
+//! Open-descriptor headroom (`RLIMIT_NOFILE`). The default soft limit (often 1024) is less than
+//! a busy daemon needs: every API connection, every resident sandbox (runsc's pipes, the
+//! agent's connection, cgroup files, relayed connections) and the database take descriptors. At
+//! start the soft limit is raised to the hard limit (as root the hard limit first, when the kernel
+//! allows), and the daemon checks that its connection cap and workers fit under it, so that
+//! running out shows at start with the flags to change, not as `EMFILE` under load.
+
+/// The connection cap when `--max-connections` is not given.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// Descriptors a resident sandbox may take in the daemon (runsc's pipes and logs, the agent's
+/// connection, cgroup files, its share of relayed connections).
+pub const FDS_PER_WORKER: u64 = 64;
+/// Descriptors the daemon takes whatever its load: the database, listeners, logs, the store.
+pub const FDS_BASE: u64 = 256;
+/// Below this many connections a lowered default cap would not serve; refuse instead.
+pub const MIN_CONNECTIONS: usize = 64;
+/// What root asks the hard limit to be raised to (the kernel's `fs.nr_open` caps it).
+pub const ROOT_HARD_LIMIT: u64 = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NofileError {
+    #[error(
+        "RLIMIT_NOFILE allows {limit} open descriptors, but --max-connections {max_connections} and \
+         --workers {workers} need {needed} ({max_connections} + {workers} x {FDS_PER_WORKER} + \
+         {FDS_BASE}); lower --max-connections or --workers, or raise the limit (ulimit -n, \
+         LimitNOFILE= in a systemd unit)"
+    )]
+    TooFew {
+        limit: u64,
+        max_connections: usize,
+        workers: usize,
+        needed: u64,
+    },
+    #[error("cannot read RLIMIT_NOFILE")]
+    Read(#[source] std::io::Error),
+}
+
+/// Descriptors the daemon may need with this connection cap and this many workers.
+pub fn needed(max_connections: usize, workers: usize) -> u64 {
+    (max_connections as u64)
+        .saturating_add((workers as u64).saturating_mul(FDS_PER_WORKER))
+        .saturating_add(FDS_BASE)
+}
+
+/// The connection cap to run with under `limit` descriptors: the operator's, if it fits (else an
+/// error naming the flags); without one, the default, lowered to what fits (the caller warns).
+pub fn connection_cap(
+    limit: u64,
+    max_connections: Option<usize>,
+    workers: usize,
+) -> Result<usize, NofileError> {
+    let too_few = |max_connections| NofileError::TooFew {
+        limit,
+        max_connections,
+        workers,
+        needed: needed(max_connections, workers),
+    };
+    match max_connections {
+        Some(m) if needed(m, workers) <= limit => Ok(m),
+        Some(m) => Err(too_few(m)),
+        None => {
+            let rest = limit.saturating_sub(needed(0, workers));
+            let cap = rest.min(DEFAULT_MAX_CONNECTIONS as u64) as usize;
+            if cap >= MIN_CONNECTIONS {
+                Ok(cap)
+            } else {
+                Err(too_few(DEFAULT_MAX_CONNECTIONS))
+            }
+        }
+    }
+}
+
+/// The (soft, hard) limits to ask for: the soft limit up to the hard one; as root the hard limit
+/// up to [`ROOT_HARD_LIMIT`] first, never past the kernel's `nr_open`, never lowered.
+pub fn raise_target(soft: u64, hard: u64, root: bool, nr_open: u64) -> (u64, u64) {
+    let hard = if root {
+        hard.max(ROOT_HARD_LIMIT.min(nr_open))
+    } else {
+        hard
+    };
+    // RLIM_INFINITY is not a valid soft limit for descriptors; nr_open is the real ceiling.
+    (soft.max(hard.min(nr_open)), hard)
+}
+
+/// Raises `RLIMIT_NOFILE` as [`raise_target`] says, falling back to the soft limit at the
+/// current hard limit when the kernel refuses the larger hard limit. Returns the soft limit now
+/// in force.
+pub fn raise() -> Result<u64, NofileError> {
+    let mut cur = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we pass.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut cur) } != 0 {
+        return Err(NofileError::Read(std::io::Error::last_os_error()));
+    }
+    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(ROOT_HARD_LIMIT);
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let (soft, hard) = raise_target(cur.rlim_cur, cur.rlim_max, root, nr_open);
+    let set = |soft: u64, hard: u64| {
+        let want = libc::rlimit {
+            rlim_cur: soft,
+            rlim_max: hard,
+        };
+        // SAFETY: setrlimit reads the struct we pass.
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) == 0 }
+    };
+    if (soft, hard) == (cur.rlim_cur, cur.rlim_max) || set(soft, hard) {
+        return Ok(soft);
+    }
+    let (soft, _) = raise_target(cur.rlim_cur, cur.rlim_max, false, nr_open);
+    if soft != cur.rlim_cur && set(soft, cur.rlim_max) {
+        return Ok(soft);
+    }
+    Ok(cur.rlim_cur)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn needed_counts_connections_workers_and_the_base() {
+        assert_eq!(needed(4096, 8), 4096 + 8 * 64 + 256);
+        assert_eq!(needed(0, 0), FDS_BASE);
+        assert_eq!(needed(usize::MAX, usize::MAX), u64::MAX);
+    }
+
+    #[test]
+    fn an_operators_cap_that_fits_is_kept_and_one_that_does_not_is_refused() {
+        assert_eq!(connection_cap(1 << 20, Some(4096), 256).unwrap(), 4096);
+        let limit = needed(1000, 4);
+        assert_eq!(connection_cap(limit, Some(1000), 4).unwrap(), 1000);
+        let err = connection_cap(limit - 1, Some(1000), 4).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                NofileError::TooFew {
+                    limit: l,
+                    max_connections: 1000,
+                    workers: 4,
+                    needed: n
+                } if l == limit - 1 && n == limit
+            ),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("--max-connections 1000") && msg.contains("--workers 4"));
+    }
+
+    #[test]
+    fn the_default_cap_is_lowered_to_fit_and_refused_when_too_little_is_left() {
+        assert_eq!(
+            connection_cap(1 << 20, None, 16).unwrap(),
+            DEFAULT_MAX_CONNECTIONS
+        );
+        // A non-root user's usual 4096: the default cap shrinks by the workers and the base.
+        assert_eq!(connection_cap(4096, None, 4).unwrap(), 4096 - 4 * 64 - 256);
+        assert_eq!(
+            connection_cap(needed(MIN_CONNECTIONS, 4), None, 4).unwrap(),
+            MIN_CONNECTIONS
+        );
+        assert!(matches!(
+            connection_cap(1024, None, 16),
+            Err(NofileError::TooFew { workers: 16, .. })
+        ));
+    }
+
+    #[test]
+    fn the_soft_limit_goes_up_to_the_hard_one_and_root_raises_the_hard_one() {
+        assert_eq!(raise_target(1024, 4096, false, 1 << 20), (4096, 4096));
+        assert_eq!(raise_target(1024, 4096, true, 1 << 20), (1 << 20, 1 << 20));
+        // Never past nr_open, never lowered.
+        assert_eq!(raise_target(1024, 4096, true, 65536), (65536, 65536));
+        assert_eq!(
+            raise_target(1024, 1 << 22, true, 1 << 23),
+            (1 << 22, 1 << 22)
+        );
+        assert_eq!(raise_target(8192, 8192, false, 1 << 20), (8192, 8192));
+        // An unlimited hard limit: the soft limit stops at nr_open.
+        assert_eq!(
+            raise_target(1024, u64::MAX, false, 1 << 20),
+            (1 << 20, u64::MAX)
+        );
+    }
+}
