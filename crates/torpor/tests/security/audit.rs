@@ -163,8 +163,33 @@ async fn a_tenants_calls_and_refusals_are_audited_without_its_token_or_env_value
         .unwrap();
     assert_eq!(e2b.status(), 401);
     assert_eq!(ca.tenants().await.unwrap_err().code(), Some("forbidden"));
+    // E2B: a sandbox made with the tenant's key, its envd called with and without its token.
+    let sbx: Value = http
+        .post(format!("{}/sandboxes", d.url()))
+        .header("x-api-key", &a.token)
+        .json(&serde_json::json!({"templateID": "base"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let e2b_id = sbx["sandboxID"].as_str().expect("created").to_string();
+    let envd_token = sbx["envdAccessToken"].as_str().unwrap().to_string();
+    for (token, want) in [(envd_token.as_str(), 200), ("wrong", 401)] {
+        let resp = http
+            .post(format!("{}/process.Process/List", d.url()))
+            .header("E2b-Sandbox-Id", &e2b_id)
+            .header("X-Access-Token", token)
+            .header("Content-Type", "application/json")
+            .body("{}")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), want);
+    }
     // A read that is allowed is not audited.
-    assert_eq!(ca.sandboxes(None).await.unwrap().len(), 1);
+    assert_eq!(ca.sandboxes(None).await.unwrap().len(), 2);
     // The request id the client got is the record's.
     let del = http
         .delete(format!("{}/v1/sandboxes/{sa}", d.url()))
@@ -198,6 +223,11 @@ async fn a_tenants_calls_and_refusals_are_audited_without_its_token_or_env_value
     one(&recs, "anonymous", "POST", "/sandboxes", 401);
     let r = one(&recs, "audit-a", "GET", "/v1/tenants", 403);
     assert_eq!(r["code"], "forbidden");
+    one(&recs, "audit-a", "POST", "/sandboxes", 201);
+    let r = one(&recs, "audit-a", "POST", "/process.Process/List", 200);
+    assert_eq!(r["object"]["name"], e2b_id.as_str());
+    let r = one(&recs, "anonymous", "POST", "/process.Process/List", 401);
+    assert_eq!(r["code"], "unauthenticated");
     let r = one(&recs, "audit-a", "DELETE", "/v1/sandboxes/{id}", 204);
     assert_eq!(r["request_id"], del_id.as_str());
     assert!(
@@ -225,12 +255,25 @@ async fn a_tenants_calls_and_refusals_are_audited_without_its_token_or_env_value
 
     // Nothing secret anywhere the daemon wrote its audit log or its own log.
     let written = everything_written(&d);
-    for secret in [&a.token, &env_secret, &exec_secret, &d.token()] {
+    for secret in [&a.token, &env_secret, &exec_secret, &envd_token, &d.token()] {
         assert!(!written.contains(secret.as_str()), "{secret} leaked");
     }
     let (code, text) = verify(&d.dir);
     assert_eq!(code, 0, "{text}");
     assert!(text.contains("records checked"), "{text}");
+    // The writer's counters are scraped with the rest.
+    let metrics = admin.metrics().await.unwrap();
+    let written: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("torpor_audit_records_total "))
+        .expect("torpor_audit_records_total is served")
+        .parse()
+        .unwrap();
+    assert!(written >= recs.len() as u64, "{written} < {}", recs.len());
+    assert!(
+        metrics.contains("torpor_audit_dropped_total 0"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
