@@ -255,6 +255,17 @@ impl Engine {
     fn templates_dir(&self) -> PathBuf {
         self.cfg.data_dir.join("templates")
     }
+    /// Where a template's files live: the operator's under `templates/<name>`, a tenant's under
+    /// `templates/@<tenant>/<name>` (`@` is in no name, so the two never meet).
+    fn template_dir(&self, owner: &TenantId, name: &TemplateName) -> PathBuf {
+        if *owner == TenantId::admin() {
+            self.templates_dir().join(name.as_str())
+        } else {
+            self.templates_dir()
+                .join(format!("@{owner}"))
+                .join(name.as_str())
+        }
+    }
     fn sandbox_dir(&self, id: &SandboxId) -> PathBuf {
         self.cfg.data_dir.join("sandboxes").join(id.as_str())
     }
@@ -309,7 +320,11 @@ impl Engine {
             gpus: std::sync::OnceLock::new(),
         });
         engine.reconcile().await?;
-        if engine.store.template(&TemplateName::host())?.is_none() {
+        if engine
+            .store
+            .template(&TenantId::admin(), &TemplateName::host())?
+            .is_none()
+        {
             tracing::info!("building the built-in host template (first start)");
             engine
                 .register_template(
@@ -378,8 +393,8 @@ impl Engine {
         for t in self.store.templates()? {
             if t.status == TemplateStatus::Building {
                 tracing::warn!(template = %t.name, "dropping a template whose build was interrupted");
-                let _ = std::fs::remove_dir_all(self.templates_dir().join(t.name.as_str()));
-                self.store.delete_template(&t.name)?;
+                let _ = std::fs::remove_dir_all(t.rootfs.parent().unwrap_or(&t.rootfs));
+                self.store.delete_template(&t.tenant, &t.name)?;
             }
         }
         for mut s in self.store.sandboxes()? {
@@ -519,8 +534,28 @@ impl Engine {
             .collect())
     }
 
+    /// The template `name` means for `tenant`: its own, else the operator's. The admin also
+    /// reaches a tenant's template when no operator template has that name and exactly one
+    /// tenant does.
     pub fn template(&self, tenant: &TenantId, name: &TemplateName) -> Result<TemplateRecord> {
-        match self.store.template(name)? {
+        let found = match self.store.template_for(tenant, name)? {
+            Some(t) => Some(t),
+            None if *tenant == TenantId::admin() => {
+                let mut all: Vec<_> = self
+                    .store
+                    .templates()?
+                    .into_iter()
+                    .filter(|t| t.name == *name)
+                    .collect();
+                if all.len() == 1 {
+                    all.pop()
+                } else {
+                    None
+                }
+            }
+            None => None,
+        };
+        match found {
             Some(t) if visible(tenant, &t.tenant) => Ok(t),
             _ => Err(ControlError::NotFound {
                 kind: "template",
@@ -561,7 +596,7 @@ impl Engine {
         if let Some(gpu) = &spec.gpu {
             crate::gpu::NodeGpus::parse_request(self.gpus.get(), gpu, tenant)?;
         }
-        let dir = self.templates_dir().join(spec.name.as_str());
+        let dir = self.template_dir(tenant, &spec.name);
         let mut rec = TemplateRecord {
             name: spec.name.clone(),
             tenant: tenant.clone(),
@@ -574,6 +609,19 @@ impl Engine {
             golden_bytes: 0,
             created_at: now_millis(),
         };
+        // A tenant's template may not shadow an operator's (which every tenant sees, so this
+        // tells nothing new): sandboxes name their template by name.
+        if *tenant != TenantId::admin()
+            && self
+                .store
+                .template(&TenantId::admin(), &rec.name)?
+                .is_some()
+        {
+            return Err(ControlError::AlreadyExists {
+                kind: "template",
+                id: rec.name.to_string(),
+            });
+        }
         {
             // The build takes a worker with the template's limits: charged like a resident
             // sandbox until the record leaves `building`.
@@ -590,7 +638,7 @@ impl Engine {
             Ok(()) => Ok(rec),
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
-                self.store.delete_template(&rec.name)?;
+                self.store.delete_template(&rec.tenant, &rec.name)?;
                 Err(e)
             }
         }
@@ -725,13 +773,13 @@ impl Engine {
                 id: name.to_string(),
             });
         }
-        let n = self.store.count_sandboxes_of_template(name)?;
+        let n = self.store.count_sandboxes_of_template(&t.tenant, name)?;
         if n > 0 {
             return Err(ControlError::TemplateInUse(name.to_string(), n));
         }
-        self.store.delete_template(name)?;
+        self.store.delete_template(&t.tenant, name)?;
         self.template_sizes.forget(&t.tenant, name);
-        let _ = std::fs::remove_dir_all(self.templates_dir().join(name.as_str()));
+        let _ = std::fs::remove_dir_all(t.rootfs.parent().unwrap_or(&t.rootfs));
         Ok(())
     }
 
@@ -1230,7 +1278,7 @@ impl Engine {
         let t = Instant::now();
         let tpl = self
             .store
-            .template(&rec.template)?
+            .template_for(&rec.tenant, &rec.template)?
             .ok_or_else(|| ControlError::NotFound {
                 kind: "template",
                 id: rec.template.to_string(),
@@ -1436,7 +1484,7 @@ impl Engine {
             ImageRef::Local(p) => p.clone(),
             ImageRef::Golden => {
                 self.store
-                    .template(&rec.template)?
+                    .template_for(&rec.tenant, &rec.template)?
                     .ok_or_else(|| ControlError::NotFound {
                         kind: "template",
                         id: rec.template.to_string(),
@@ -1566,12 +1614,13 @@ impl Engine {
                 .map_err(|e| ControlError::Snapshot(format!("snapshot id {s:?}: {e}")))?,
             ImageRef::Local(dir) => self.put_snapshot(&source.tenant, id, dir.clone()).await?,
             ImageRef::Golden => {
-                let tpl = self.store.template(&source.template)?.ok_or_else(|| {
-                    ControlError::NotFound {
+                let tpl = self
+                    .store
+                    .template_for(&source.tenant, &source.template)?
+                    .ok_or_else(|| ControlError::NotFound {
                         kind: "template",
                         id: source.template.to_string(),
-                    }
-                })?;
+                    })?;
                 self.snapshots
                     .golden(
                         &source.tenant,
@@ -2297,7 +2346,7 @@ impl Engine {
         };
         // The template's rootfs and bind mounts: where a sandbox's own cuda-checkpoint lives.
         let tpl = match self.store.sandbox(id)? {
-            Some(rec) => self.store.template(&rec.template)?,
+            Some(rec) => self.store.template_for(&rec.tenant, &rec.template)?,
             None => None,
         };
         let (rootfs, mounts) = match &tpl {

@@ -117,7 +117,7 @@ pub struct Store {
 const SCHEMA: &str = r#"
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS templates (
-    name TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
     tenant TEXT NOT NULL,
     spec TEXT NOT NULL,
     status TEXT NOT NULL,
@@ -126,7 +126,8 @@ CREATE TABLE IF NOT EXISTS templates (
     agent_dir TEXT NOT NULL,
     golden_dir TEXT NOT NULL,
     golden_bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL
+    created_at INTEGER NOT NULL,
+    PRIMARY KEY (tenant, name)
 );
 CREATE TABLE IF NOT EXISTS sandboxes (
     id TEXT PRIMARY KEY,
@@ -165,7 +166,32 @@ CREATE TABLE IF NOT EXISTS pools (
 "#;
 
 /// Schema version written to `meta`; a newer database is refused rather than misread.
-const SCHEMA_VERSION: i64 = 1;
+/// 2: templates are keyed by (tenant, name), so tenants' template names do not collide.
+const SCHEMA_VERSION: i64 = 2;
+
+/// Version 1 keyed templates by name alone.
+const MIGRATE_1_TO_2: &str = r#"
+BEGIN;
+CREATE TABLE templates_v2 (
+    name TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    status TEXT NOT NULL,
+    rootfs TEXT NOT NULL,
+    mounts TEXT NOT NULL,
+    agent_dir TEXT NOT NULL,
+    golden_dir TEXT NOT NULL,
+    golden_bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL,
+    PRIMARY KEY (tenant, name)
+);
+INSERT INTO templates_v2 SELECT name, tenant, spec, status, rootfs, mounts, agent_dir,
+    golden_dir, golden_bytes, created_at FROM templates;
+DROP TABLE templates;
+ALTER TABLE templates_v2 RENAME TO templates;
+UPDATE meta SET value='2' WHERE key='schema';
+COMMIT;
+"#;
 
 fn json<T: Serialize>(v: &T) -> String {
     serde_json::to_string(v).expect("store values serialise")
@@ -203,6 +229,7 @@ impl Store {
                     "schema version {v} is newer than this torpor understands ({SCHEMA_VERSION})"
                 ))));
             }
+            Some(1) => conn.execute_batch(MIGRATE_1_TO_2).map_err(open_err)?,
             Some(_) => {}
         }
         let key = path.with_file_name("env.key");
@@ -272,7 +299,7 @@ impl Store {
         self.with(|c| {
             c.execute(
                 "UPDATE templates SET status=?2, mounts=?3, agent_dir=?4, golden_bytes=?5, spec=?6
-                 WHERE name=?1",
+                 WHERE name=?1 AND tenant=?7",
                 params![
                     t.name.as_str(),
                     json(&t.status),
@@ -280,33 +307,51 @@ impl Store {
                     t.agent_dir.to_string_lossy(),
                     t.golden_bytes as i64,
                     json(&t.spec),
+                    t.tenant.as_str(),
                 ],
             )
             .map(|_| ())
         })
     }
 
-    pub fn delete_template(&self, name: &TemplateName) -> Result<(), StoreError> {
+    pub fn delete_template(&self, owner: &TenantId, name: &TemplateName) -> Result<(), StoreError> {
         self.with(|c| {
             c.execute(
-                "DELETE FROM templates WHERE name=?1",
-                params![name.as_str()],
+                "DELETE FROM templates WHERE name=?1 AND tenant=?2",
+                params![name.as_str(), owner.as_str()],
             )
             .map(|_| ())
         })
     }
 
-    pub fn template(&self, name: &TemplateName) -> Result<Option<TemplateRecord>, StoreError> {
+    /// The template `owner` has under `name`.
+    pub fn template(
+        &self,
+        owner: &TenantId,
+        name: &TemplateName,
+    ) -> Result<Option<TemplateRecord>, StoreError> {
         let row = self.with(|c| {
             c.query_row(
                 "SELECT name, tenant, spec, status, rootfs, mounts, agent_dir, golden_dir, golden_bytes, created_at
-                 FROM templates WHERE name=?1",
-                params![name.as_str()],
+                 FROM templates WHERE name=?1 AND tenant=?2",
+                params![name.as_str(), owner.as_str()],
                 raw_template,
             )
             .optional()
         })?;
         row.map(parse_template).transpose()
+    }
+
+    /// The template `name` means for `tenant`: its own, else the operator's.
+    pub fn template_for(
+        &self,
+        tenant: &TenantId,
+        name: &TemplateName,
+    ) -> Result<Option<TemplateRecord>, StoreError> {
+        match self.template(tenant, name)? {
+            Some(t) => Ok(Some(t)),
+            None => self.template(&TenantId::admin(), name),
+        }
     }
 
     pub fn templates(&self) -> Result<Vec<TemplateRecord>, StoreError> {
@@ -438,11 +483,19 @@ impl Store {
         rows.into_iter().map(|r| self.parse_sandbox(r)).collect()
     }
 
-    pub fn count_sandboxes_of_template(&self, name: &TemplateName) -> Result<u64, StoreError> {
+    /// Sandboxes made from `owner`'s template `name`: the owner's own, or for an operator
+    /// template, every tenant's that has no template of that name itself.
+    pub fn count_sandboxes_of_template(
+        &self,
+        owner: &TenantId,
+        name: &TemplateName,
+    ) -> Result<u64, StoreError> {
         self.with(|c| {
             c.query_row(
-                "SELECT COUNT(*) FROM sandboxes WHERE template=?1",
-                params![name.as_str()],
+                "SELECT COUNT(*) FROM sandboxes s WHERE s.template=?1 AND (s.tenant=?2 OR (?2=?3
+                   AND NOT EXISTS (SELECT 1 FROM templates t
+                                   WHERE t.name=?1 AND t.tenant=s.tenant AND t.tenant<>?3)))",
+                params![name.as_str(), owner.as_str(), TenantId::admin().as_str()],
                 |r| r.get::<_, i64>(0),
             )
             .map(|n| n as u64)
@@ -864,6 +917,77 @@ mod tests {
         assert_eq!(store.sandbox(&s.id).unwrap().unwrap().last_active_at, 50);
         store.delete_sandbox(&s.id).unwrap();
         assert!(store.sandboxes().unwrap().is_empty());
+    }
+
+    fn template(tenant: &str, name: &str) -> TemplateRecord {
+        TemplateRecord {
+            name: TemplateName::new(name).unwrap(),
+            tenant: TenantId::new(tenant).unwrap(),
+            spec: serde_json::from_value(
+                serde_json::json!({"name": name, "source": {"kind": "host"}}),
+            )
+            .unwrap(),
+            status: TemplateStatus::Ready,
+            rootfs: "/r".into(),
+            mounts: Vec::new(),
+            agent_dir: "/a".into(),
+            golden_dir: "/g".into(),
+            golden_bytes: 0,
+            created_at: 1,
+        }
+    }
+
+    #[test]
+    fn template_names_are_per_tenant_and_a_version_1_store_is_migrated() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        {
+            // A version-1 store: templates keyed by name alone.
+            let c = Connection::open(&path).unwrap();
+            let v1 = SCHEMA.replace(
+                "    created_at INTEGER NOT NULL,\n    PRIMARY KEY (tenant, name)\n);",
+                "    created_at INTEGER NOT NULL,\n    UNIQUE (name)\n);",
+            );
+            assert_ne!(v1, SCHEMA);
+            c.execute_batch(&v1).unwrap();
+            c.execute("INSERT INTO meta(key, value) VALUES ('schema', '1')", [])
+                .unwrap();
+        }
+        {
+            let store = Store::open(&path).unwrap();
+            assert!(store.insert_template(&template("admin", "host")).unwrap());
+        }
+        let store = Store::open(&path).unwrap();
+        let a = TenantId::new("a").unwrap();
+        let b = TenantId::new("b").unwrap();
+        let app = TemplateName::new("app").unwrap();
+        assert!(store.insert_template(&template("a", "app")).unwrap());
+        assert!(store.insert_template(&template("b", "app")).unwrap());
+        assert!(!store.insert_template(&template("b", "app")).unwrap());
+        assert_eq!(store.template(&a, &app).unwrap().unwrap().tenant, a);
+        assert_eq!(store.template(&b, &app).unwrap().unwrap().tenant, b);
+        let host = TemplateName::host();
+        assert_eq!(
+            store.template_for(&a, &host).unwrap().unwrap().tenant,
+            TenantId::admin()
+        );
+        let mut sb = sandbox();
+        sb.tenant = a.clone();
+        sb.template = app.clone();
+        store.insert_sandbox(&sb).unwrap();
+        assert_eq!(store.count_sandboxes_of_template(&a, &app).unwrap(), 1);
+        assert_eq!(store.count_sandboxes_of_template(&b, &app).unwrap(), 0);
+        store.delete_template(&b, &app).unwrap();
+        assert!(store.template(&b, &app).unwrap().is_none());
+        assert!(store.template(&a, &app).unwrap().is_some());
+        let v: String = store
+            .with(|c| {
+                c.query_row("SELECT value FROM meta WHERE key='schema'", [], |r| {
+                    r.get(0)
+                })
+            })
+            .unwrap();
+        assert_eq!(v, "2");
     }
 
     #[test]

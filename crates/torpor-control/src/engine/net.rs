@@ -315,7 +315,7 @@ impl Engine {
             .map_err(|e| ControlError::Invalid(e.to_string()))?;
         // The template's policy bounds every change. A template is not removed while it has
         // sandboxes; should its record be gone, nothing but ingress is allowed.
-        match self.store.template(&rec.template)? {
+        match self.store.template_for(&rec.tenant, &rec.template)? {
             Some(tpl) => check_ceiling(&policy, &tpl)?,
             None if !torpor_core::network::narrows(&policy, &NetworkPolicy::none()) => {
                 return Err(ControlError::Invalid(format!(

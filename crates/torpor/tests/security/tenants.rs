@@ -447,3 +447,33 @@ async fn a_never_ending_call_does_not_block_delete_or_shutdown() {
     let s = d.client().sandbox(&other).await.unwrap();
     assert_ne!(s.state, "running");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn template_names_are_per_tenant_and_tell_nothing_of_others() {
+    let d = Daemon::start().await;
+    let (a, ta) = tenant_with_token(&d, "team-a", Quotas::default()).await;
+    let (b, tb) = tenant_with_token(&d, "team-b", Quotas::default()).await;
+    let spec = json!({"name": "app", "source": {"kind": "host"},
+        "limits": {"memory_mib": 64, "cpus": 1.0, "pids": 64}});
+    // Both may have an `app`: B's create does not learn that A has one.
+    let (status, body) = post_template(&ta, &d, spec.clone()).await;
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = post_template(&tb, &d, spec.clone()).await;
+    assert_eq!(status, 201, "{body}");
+    // Each uses its own; deleting one leaves the other.
+    let sa = create(&a, "app").await;
+    assert_eq!(a.sandbox(&sa).await.unwrap().template, "app");
+    b.delete_template("app").await.unwrap();
+    assert_eq!(refusal(b.template("app").await.unwrap_err()).0, 404);
+    assert_eq!(a.template("app").await.unwrap().tenant, "team-a");
+    let (status, code, _) = refusal(a.delete_template("app").await.unwrap_err());
+    assert_eq!((status, code.as_str()), (409, "template_in_use"));
+    // An operator template (which every tenant sees) cannot be shadowed.
+    let (status, body) =
+        post_template(&ta, &d, json!({"name": "host", "source": {"kind": "host"}})).await;
+    assert_eq!(status, 409, "{body}");
+    // A's sandbox still wakes from its own template after being parked.
+    a.suspend(&sa, None).await.unwrap();
+    let out = a.exec(&sa, &sh("echo ok")).await.unwrap();
+    assert_eq!(out.stdout, "ok\n");
+}
