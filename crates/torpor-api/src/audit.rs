@@ -1033,6 +1033,10 @@ pub struct VerifyReport {
     pub last_hash: String,
     /// The last record is a checkpoint: the daemon stopped cleanly (or is idle since).
     pub ends_with_checkpoint: bool,
+    /// Records after the one the signed head names: being written, left unsigned by a crash
+    /// (the next start signs them), or appended by someone without the key. Zero on a log
+    /// whose daemon stopped cleanly.
+    pub unsigned_tail: u64,
 }
 
 /// Checks every record of the log in `data_dir/audit`: its own hash, its place in the chain
@@ -1055,6 +1059,7 @@ pub fn verify(data_dir: &Path) -> Result<VerifyReport, VerifyError> {
         last_seq: 0,
         last_hash: GENESIS.into(),
         ends_with_checkpoint: false,
+        unsigned_tail: 0,
     };
     let bad = |file: &str, line: u64, seq: Option<u64>, problem| {
         VerifyError::Bad(BadRecord {
@@ -1160,6 +1165,7 @@ pub fn verify(data_dir: &Path) -> Result<VerifyReport, VerifyError> {
             return Err(bad(HEAD_FILE, 0, Some(h.seq), problem));
         }
         Some(h) => {
+            report.unsigned_tail = report.last_seq - h.seq;
             if let Some((file, line, hash)) = head_hash_seen {
                 if hash != h.hash {
                     return Err(bad(&file, line, Some(h.seq), Problem::HeadMismatch));
@@ -1720,6 +1726,27 @@ mod tests {
         let b = bad(&tmp);
         assert_eq!(b.line, 7, "the closing checkpoint");
         assert_eq!(b.problem, Problem::BadSignature);
+    }
+
+    #[test]
+    fn a_record_appended_without_the_key_is_reported_unsigned() {
+        let tmp = log_of(2, cfg(1000, 1 << 20));
+        assert_eq!(verify(tmp.path()).unwrap().unsigned_tail, 0);
+        let path = file(&tmp, 1);
+        let last = decode(lines_of(&path).last().unwrap().as_bytes()).unwrap();
+        let forged = Record {
+            v: FORMAT_VERSION,
+            seq: last.seq + 1,
+            time: now_rfc3339(SystemTime::now()),
+            event: Event::Call(call("team-a", 7)),
+            prev: last.hash.unwrap(),
+            hash: None,
+        };
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(&encode(&forged).unwrap().0).unwrap();
+        let r = verify(tmp.path()).unwrap();
+        assert_eq!(r.unsigned_tail, 1);
+        assert!(!r.ends_with_checkpoint);
     }
 
     #[test]

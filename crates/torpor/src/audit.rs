@@ -66,6 +66,13 @@ pub fn run(cmd: AuditCmd) -> Result<i32, CliError> {
                     if r.recoveries > 0 {
                         println!("{} torn tails were moved aside after crashes", r.recoveries);
                     }
+                    if r.unsigned_tail > 0 {
+                        println!(
+                            "{} records after the signed head: being written, left unsigned by a \
+                             crash (the next start signs them), or appended without the key",
+                            r.unsigned_tail
+                        );
+                    }
                     if !r.ends_with_checkpoint && r.records > 0 {
                         println!(
                             "the log does not end with a checkpoint: the daemon is running, or did \

@@ -297,6 +297,11 @@ async fn an_edited_or_removed_audit_record_is_named_by_verify_and_an_untouched_l
     assert_eq!(before.last().unwrap()["kind"], "checkpoint", "{before:#?}");
     let (code, text) = verify(&d.dir);
     assert_eq!(code, 0, "{text}");
+    assert!(
+        !text.contains("after the signed head"),
+        "all signed: {text}"
+    );
+    assert!(!text.contains("does not end with a checkpoint"), "{text}");
 
     // After a restart the chain goes on from the checkpoint, and verifies.
     d.spawn().await;
