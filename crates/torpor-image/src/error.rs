@@ -141,12 +141,75 @@ impl ImageError {
         }
     }
 
+    /// The message for an API client: what is wrong with the image, naming entries and
+    /// values inside it, never a path on the host (where the archive was stored, where it
+    /// is unpacked). [`Display`](std::fmt::Display) is for the operator's log.
+    pub fn client_message(&self) -> String {
+        match self {
+            ImageError::NotFound { .. } => {
+                "the image, or a file it refers to, was not found in the archive".to_owned()
+            }
+            ImageError::Unrecognized { .. } => {
+                "the archive is neither an OCI image archive nor a docker save archive".to_owned()
+            }
+            ImageError::ReferenceNotFound { reference, .. } => {
+                format!("no image named {reference:?} in the archive")
+            }
+            ImageError::Ambiguous { count, .. } => {
+                format!("the archive holds {count} images; choose one with a reference")
+            }
+            ImageError::PlatformNotFound {
+                os, architecture, ..
+            } => format!("the image has no manifest for {os}/{architecture}"),
+            ImageError::Corrupt { detail, .. } => format!("the image is corrupt: {detail}"),
+            ImageError::InvalidJson { what, .. } => {
+                format!("the image's {what} is not valid JSON")
+            }
+            ImageError::DigestMismatch {
+                expected, actual, ..
+            } => format!("a blob of the image has digest {actual}, expected {expected}"),
+            ImageError::SizeMismatch {
+                expected, actual, ..
+            } => format!("a blob of the image is {actual} bytes, its descriptor says {expected}"),
+            ImageError::UnsupportedDigest { digest, .. } => format!(
+                "the image refers to digest {digest:?}, which is not `sha256:` and 64 \
+                 lowercase hex digits"
+            ),
+            ImageError::UnsupportedMediaType { media_type, .. } => {
+                format!("the image has media type {media_type:?}, which torpor cannot unpack")
+            }
+            ImageError::PathEscape { entry, reason, .. } => format!(
+                "entry {} would leave the root filesystem: {reason}",
+                entry.display()
+            ),
+            ImageError::TooLarge { what, limit, .. } => {
+                format!("the image exceeds the limit of {limit} bytes for {what}")
+            }
+            ImageError::TooManyEntries { limit, .. } => {
+                format!("the image has more than {limit} entries")
+            }
+            ImageError::DestinationNotEmpty { .. } => {
+                "the template's root filesystem could not be prepared".to_owned()
+            }
+            ImageError::Read { .. } => "the image could not be read".to_owned(),
+            ImageError::Write { source, .. } if is_no_space(source) => {
+                "the image does not fit on the server's disk".to_owned()
+            }
+            ImageError::Write { .. } => "the image could not be written to disk".to_owned(),
+        }
+    }
+
     pub(crate) fn corrupt(path: impl Into<PathBuf>, detail: impl Into<String>) -> Self {
         ImageError::Corrupt {
             path: path.into(),
             detail: detail.into(),
         }
     }
+}
+
+/// ENOSPC or EDQUOT.
+fn is_no_space(err: &io::Error) -> bool {
+    matches!(err.raw_os_error(), Some(28) | Some(122))
 }
 
 #[cfg(test)]

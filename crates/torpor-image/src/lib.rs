@@ -11,9 +11,17 @@
 //!   are parsed, layers while they stream),
 //! - no layer entry can write outside the destination or through a symbolic link in it
 //!   (every path is walked with `openat(O_NOFOLLOW)` from a descriptor of the root),
-//! - JSON documents and the total unpacked size have limits ([`Limits`]),
+//! - JSON documents, the total unpacked size and the entry count have limits ([`Limits`]),
+//! - set-user-id and set-group-id bits are stripped and device nodes left out, so a root
+//!   filesystem on the host's disk gives no local user more than the image's files,
 //! - malformed input is an [`ImageError`] with a stable [`code`](ImageError::code), never a
 //!   panic.
+//!
+//! A plain root filesystem tarball (what `tar -C rootfs -c .` writes, plain, gzip or zstd)
+//! is unpacked with [`unpack_rootfs_tar`], under the same rules.
+//!
+//! Errors name paths on the host for the operator's log; [`ImageError::client_message`] is
+//! what an API client may be told.
 //!
 //! Everything is synchronous; callers on an async runtime run it on a blocking thread.
 //!
@@ -34,6 +42,8 @@
 
 mod digest;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod plan;
 mod rootfs;
 mod store;
@@ -271,6 +281,81 @@ pub fn unpack_with(
         }
     }
     result.map(|()| plan.config)
+}
+
+/// [`unpack_rootfs_tar_with`] with the default limits.
+pub fn unpack_rootfs_tar(archive: &Path, dest_rootfs: &Path) -> Result<u64, ImageError> {
+    unpack_rootfs_tar_with(archive, dest_rootfs, &Limits::default())
+}
+
+/// Unpacks a root filesystem tarball (plain, gzip or zstd; told from its first bytes) into
+/// `dest_rootfs`, which must be missing or empty, under the same rules as an image layer:
+/// no entry leaves the destination or writes through a link, set-id bits are stripped,
+/// device nodes are left out, and `limits` bound the unpacked bytes and the entries.
+/// Returns the size of the uncompressed tar stream.
+///
+/// On error, what was written is removed (and `dest_rootfs` too, if this call created it).
+pub fn unpack_rootfs_tar_with(
+    archive: &Path,
+    dest_rootfs: &Path,
+    limits: &Limits,
+) -> Result<u64, ImageError> {
+    let span = tracing::info_span!(
+        "rootfs_unpack",
+        source = %archive.display(),
+        dest = %dest_rootfs.display(),
+    );
+    let _entered = span.enter();
+    let file = fs::File::open(archive).map_err(|source| match source.kind() {
+        io::ErrorKind::NotFound => ImageError::NotFound {
+            path: archive.to_owned(),
+        },
+        _ => ImageError::Read {
+            path: archive.to_owned(),
+            source,
+        },
+    })?;
+    let is_file = file
+        .metadata()
+        .map_err(|source| ImageError::Read {
+            path: archive.to_owned(),
+            source,
+        })?
+        .is_file();
+    if !is_file {
+        return Err(ImageError::Unrecognized {
+            path: archive.to_owned(),
+        });
+    }
+    let options = UnpackOptions {
+        limits: limits.clone(),
+        platform: Platform::default(),
+    };
+    let layer = LayerPlan {
+        member: String::new(),
+        compression: None,
+        blob: None,
+        diff_id: None,
+    };
+    let (mut rootfs, created) = Rootfs::create(dest_rootfs, limits)?;
+    rootfs.begin_layer();
+    let result = apply_layer(
+        Box::new(BufReader::new(file)),
+        &layer,
+        archive,
+        &mut rootfs,
+        limits.max_unpacked_bytes,
+        &options,
+    )
+    .and_then(|unpacked_bytes| rootfs.finish().map(|()| unpacked_bytes));
+    match &result {
+        Ok(unpacked_bytes) => tracing::info!(unpacked_bytes, "root filesystem unpacked"),
+        Err(err) => {
+            tracing::warn!(code = err.code(), error = %err, "root filesystem unpack failed; discarding");
+            discard(dest_rootfs, created);
+        }
+    }
+    result
 }
 
 /// Best effort: the error that led here is the one worth reporting.

@@ -8,11 +8,22 @@
 //! So no entry can write outside the root, through a link planted by an earlier entry, or
 //! into another file's inode.
 //!
+//! The image's files may be readable by anyone inside the root filesystem (they are the
+//! image's), but nothing in it may give a host user more power: set-user-id and
+//! set-group-id bits are stripped from every entry, and device nodes are never created
+//! (the sandbox gets its own `/dev`). Tar has no socket entries; a fifo is only ever made
+//! with `S_IFIFO`, whatever its header's mode says. Skipped and stripped entries are
+//! logged (the first [`LOGGED_PER_KIND`] of each kind one by one, then a count).
+//!
+//! Paths are at most [`MAX_PATH_BYTES`] long, and every directory an entry creates
+//! implicitly counts as an entry, so the bookkeeping kept per path stays bounded by
+//! [`Limits::max_entries`].
+//!
 //! Directories are created owner-writable while layers are applied and get their real modes
 //! and times at the end ([`Rootfs::finish`]), deepest first, so that a read-only directory in
 //! a lower layer does not stop an unprivileged unpack.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -38,6 +49,13 @@ const PAX_GID: &str = "gid";
 const WORKING_DIR_MODE: u32 = 0o700;
 /// Mode of a directory no entry describes, created only as a parent.
 const IMPLICIT_DIR_MODE: u32 = 0o755;
+/// Set-user-id and set-group-id: never kept from an image.
+const SET_ID_BITS: u32 = 0o6000;
+/// Longest entry path or link target (Linux's `PATH_MAX`): nothing longer can be opened
+/// by path inside the sandbox anyway, and it bounds what is kept per path.
+pub(crate) const MAX_PATH_BYTES: usize = 4096;
+/// How many skipped or stripped entries of one kind are logged by name.
+pub(crate) const LOGGED_PER_KIND: u64 = 16;
 
 #[derive(Debug, Clone, Copy)]
 struct DirMeta {
@@ -54,8 +72,13 @@ pub(crate) struct Rootfs {
     privileged: bool,
     /// Final mode and mtime of every directory, by path relative to the root (`a/b`).
     dirs: BTreeMap<Vec<u8>, DirMeta>,
-    /// Paths the current layer created, and their parents: what an opaque marker keeps.
-    layer_paths: HashSet<Vec<u8>>,
+    /// Paths the current layer created: they and their parents are what an opaque marker
+    /// keeps.
+    layer_paths: BTreeSet<Vec<u8>>,
+    /// Entries whose set-id bits were stripped.
+    set_id_stripped: u64,
+    /// Device nodes left out.
+    devices_skipped: u64,
     file_bytes: u64,
     max_file_bytes: u64,
     entries: u64,
@@ -109,7 +132,9 @@ impl Rootfs {
             root_path: dest.to_owned(),
             privileged: rustix::process::geteuid().is_root(),
             dirs: BTreeMap::new(),
-            layer_paths: HashSet::new(),
+            layer_paths: BTreeSet::new(),
+            set_id_stripped: 0,
+            devices_skipped: 0,
             file_bytes: 0,
             max_file_bytes: limits.max_unpacked_bytes,
             entries: 0,
@@ -137,6 +162,22 @@ impl Rootfs {
             });
         }
         let raw_path = entry.path_bytes().into_owned();
+        if raw_path.len() > MAX_PATH_BYTES {
+            return Err(ImageError::TooLarge {
+                path: layer.to_owned(),
+                what: "one entry's path",
+                limit: MAX_PATH_BYTES as u64,
+            });
+        }
+        if let Some(target) = entry.link_name_bytes() {
+            if target.len() > MAX_PATH_BYTES {
+                return Err(ImageError::TooLarge {
+                    path: layer.to_owned(),
+                    what: "one link's target",
+                    limit: MAX_PATH_BYTES as u64,
+                });
+            }
+        }
         let entry_path = PathBuf::from(OsStr::from_bytes(&raw_path));
         let context = EntryContext {
             layer,
@@ -167,6 +208,11 @@ impl Rootfs {
         // an untrusted image would sit on the host's disk, openable by any host process
         // that wanders into the root filesystem.
         if matches!(entry_type, EntryType::Char | EntryType::Block) {
+            self.devices_skipped += 1;
+            if self.devices_skipped <= LOGGED_PER_KIND {
+                tracing::info!(entry = %entry_path.display(), kind = ?entry_type,
+                    "image import: device node left out");
+            }
             return Ok(());
         }
 
@@ -194,12 +240,18 @@ impl Rootfs {
             return Ok(());
         }
 
-        for end in 1..=components.len() {
-            self.layer_paths.insert(components[..end].join(&b'/'));
-        }
         let relative = components.join(&b'/');
+        self.layer_paths.insert(relative.clone());
         let mut created = Vec::new();
         let walked = self.walk(parents, Some(&mut created), &context)?;
+        // Directories made only as parents cost what an entry costs.
+        self.entries += created.len() as u64;
+        if self.entries > self.max_entries {
+            return Err(ImageError::TooManyEntries {
+                path: layer.to_owned(),
+                limit: self.max_entries,
+            });
+        }
         for implicit in created {
             self.dirs.insert(
                 implicit,
@@ -220,6 +272,16 @@ impl Rootfs {
             .mode()
             .map_err(|err| self.bad_header(&context, "mode", err))?
             & 0o7777;
+        let mode = if mode & SET_ID_BITS != 0 {
+            self.set_id_stripped += 1;
+            if self.set_id_stripped <= LOGGED_PER_KIND {
+                tracing::info!(entry = %entry_path.display(), mode = format!("{mode:o}"),
+                    "image import: set-user-id/set-group-id bits stripped");
+            }
+            mode & !SET_ID_BITS
+        } else {
+            mode
+        };
         let mtime = header
             .mtime()
             .map_err(|err| self.bad_header(&context, "mtime", err))?;
@@ -295,6 +357,13 @@ impl Rootfs {
 
     /// Gives every directory its final mode and modification time, deepest first.
     pub(crate) fn finish(self) -> Result<(), ImageError> {
+        if self.set_id_stripped > 0 || self.devices_skipped > 0 {
+            tracing::info!(
+                set_id_stripped = self.set_id_stripped,
+                devices_skipped = self.devices_skipped,
+                "image import: entries made harmless"
+            );
+        }
         let context = EntryContext {
             layer: &self.root_path,
             entry: &self.root_path,
@@ -619,7 +688,7 @@ impl Rootfs {
     fn clear_opaque(&mut self, dir: &OwnedFd, relative: &[u8]) -> Result<(), ImageError> {
         for child in self.list(dir, relative)? {
             let child_relative = join(relative, &child);
-            if !self.layer_paths.contains(&child_relative) {
+            if !self.layer_keeps(&child_relative) {
                 self.remove_all_at(dir, &child, &child_relative)?;
                 continue;
             }
@@ -630,6 +699,19 @@ impl Rootfs {
             }
         }
         Ok(())
+    }
+
+    /// Whether the current layer wrote `relative` or something below it.
+    fn layer_keeps(&self, relative: &[u8]) -> bool {
+        if self.layer_paths.contains(relative) {
+            return true;
+        }
+        let mut below = relative.to_vec();
+        below.push(b'/');
+        self.layer_paths
+            .range(below.clone()..)
+            .next()
+            .is_some_and(|path| path.starts_with(&below))
     }
 
     fn list(&self, dir: &OwnedFd, relative: &[u8]) -> Result<Vec<Vec<u8>>, ImageError> {

@@ -11,7 +11,7 @@ use std::sync::LazyLock;
 use common::*;
 use proptest::prelude::*;
 use tempfile::TempDir;
-use torpor_image::{detect, unpack, ImageSource};
+use torpor_image::{detect, unpack, unpack_rootfs_tar, ImageSource};
 
 const SENTINEL: &str = "do not touch";
 
@@ -21,6 +21,9 @@ static RUNS_HERE_DAMAGED: LazyLock<bool> =
     LazyLock::new(|| body_runs_here("damaged_archives_fail_cleanly"));
 static RUNS_HERE_HOSTILE: LazyLock<bool> =
     LazyLock::new(|| body_runs_here("hostile_layers_never_write_outside"));
+static RUNS_HERE_ROOTFS: LazyLock<bool> = LazyLock::new(|| {
+    body_runs_here("hostile_rootfs_tarballs_never_write_outside_or_keep_set_id_bits_or_devices")
+});
 
 /// Every path under `dir` (relative), with the content of regular files.
 fn snapshot(dir: &Path) -> Vec<(String, Option<Vec<u8>>)> {
@@ -66,6 +69,8 @@ enum Entry {
     Dir(String),
     Symlink(String, String),
     Hardlink(String, String),
+    /// Any entry type (devices, fifos, ...) with any mode (set-id bits included).
+    Special(String, u8, u32),
 }
 
 fn component() -> impl Strategy<Value = String> {
@@ -118,6 +123,54 @@ fn hostile_entry() -> impl Strategy<Value = Entry> {
     ]
 }
 
+fn special_entry() -> impl Strategy<Value = Entry> {
+    let kinds = prop_oneof![
+        Just(b'0'),
+        Just(b'3'),
+        Just(b'4'),
+        Just(b'5'),
+        Just(b'6'),
+        Just(b'7'),
+        any::<u8>(),
+    ];
+    let modes = prop_oneof![
+        Just(0o4755u32),
+        Just(0o2755),
+        Just(0o6777),
+        Just(0o1777),
+        0..0o10000u32
+    ];
+    (entry_path(), kinds, modes).prop_map(|(p, k, m)| Entry::Special(p, k, m))
+}
+
+/// Every path under `dir` that has a set-id bit or is a device node or socket.
+fn dangerous_nodes(dir: &Path) -> Vec<String> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let mut found = Vec::new();
+    let mut pending = vec![dir.to_owned()];
+    while let Some(current) = pending.pop() {
+        // The image's directory modes may lock its owner out (0o000): open them up to look
+        // (and so that the temporary directory can be removed).
+        fs::set_permissions(&current, fs::Permissions::from_mode(0o700)).unwrap();
+        for item in fs::read_dir(&current).unwrap() {
+            let path = item.unwrap().path();
+            let meta = fs::symlink_metadata(&path).unwrap();
+            let kind = meta.file_type();
+            if meta.permissions().mode() & 0o6000 != 0
+                || kind.is_block_device()
+                || kind.is_char_device()
+                || kind.is_socket()
+            {
+                found.push(path.display().to_string());
+            }
+            if kind.is_dir() {
+                pending.push(path);
+            }
+        }
+    }
+    found
+}
+
 fn hostile_layer(entries: &[Entry], outside: &str) -> Vec<u8> {
     let mut layer = Layer::new();
     for entry in entries {
@@ -129,6 +182,9 @@ fn hostile_layer(entries: &[Entry], outside: &str) -> Vec<u8> {
             }
             Entry::Hardlink(path, target) => {
                 layer.hardlink(path, &target.replace("OUTSIDE", outside))
+            }
+            Entry::Special(path, kind, mode) => {
+                layer.raw(path, tar::EntryType::new(*kind), *mode, b"")
             }
         };
     }
@@ -226,6 +282,86 @@ proptest! {
                 ["path_escape", "image_corrupt"].contains(&code),
                 "unexpected {}: {}", code, err
             );
+        }
+    }
+
+    #[test]
+    fn the_fuzz_entry_point_accepts_what_unpack_must(
+        cuts in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+    ) {
+        // The cargo-fuzz target's own checks, on a valid archive (lightly damaged) and a
+        // rootfs tarball full of set-id files and devices.
+        let mut archive = valid_archive();
+        for (index, value) in &cuts {
+            let position = index.index(archive.len());
+            archive[position] = *value;
+        }
+        torpor_image::fuzzing::unpack_untrusted(&archive);
+        let privileged = Layer::new()
+            .file("su", b"x", 0o4755)
+            .char_device("mem", 1, 1)
+            .dir("shared", 0o2775)
+            .tar();
+        torpor_image::fuzzing::unpack_untrusted(&privileged);
+    }
+
+    #[test]
+    fn random_bytes_never_panic_as_a_rootfs_tarball(bytes in prop::collection::vec(any::<u8>(), 0..4096)) {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("random.tar");
+        fs::write(&path, &bytes).unwrap();
+        let rootfs = dir.path().join("rootfs");
+        match unpack_rootfs_tar(&path, &rootfs) {
+            Ok(_) => prop_assert!(dangerous_nodes(&rootfs).is_empty()),
+            Err(err) => {
+                prop_assert!(!rootfs.exists());
+                prop_assert!(!err.client_message().contains(dir.path().to_str().unwrap()));
+            }
+        }
+    }
+
+    #[test]
+    fn hostile_rootfs_tarballs_never_write_outside_or_keep_set_id_bits_or_devices(
+        entries in prop::collection::vec(prop_oneof![hostile_entry(), special_entry()], 0..16),
+        compression in 0..3u8,
+    ) {
+        if !*RUNS_HERE_ROOTFS {
+            return Ok(());
+        }
+        let dir = TempDir::new().unwrap();
+        let outside = dir.path().join("outside");
+        fs::create_dir(&outside).unwrap();
+        fs::write(outside.join("a"), SENTINEL).unwrap();
+        fs::create_dir(outside.join("b")).unwrap();
+        let outside_name = outside.to_str().unwrap().to_owned();
+        let before = snapshot(&outside);
+
+        let tar = hostile_layer(&entries, &outside_name);
+        let bytes = match compression {
+            0 => tar,
+            1 => gzip(&tar),
+            _ => zstd(&tar),
+        };
+        let archive = dir.path().join("upload.tar");
+        fs::write(&archive, bytes).unwrap();
+        let rootfs = dir.path().join("rootfs");
+        let result = unpack_rootfs_tar(&archive, &rootfs);
+
+        prop_assert_eq!(snapshot(&outside), before);
+        match &result {
+            Ok(_) => prop_assert_eq!(dangerous_nodes(&rootfs), Vec::<String>::new()),
+            Err(err) => {
+                prop_assert!(!rootfs.exists());
+                prop_assert!(
+                    ["path_escape", "image_corrupt"].contains(&err.code()),
+                    "unexpected {}: {}", err.code(), err
+                );
+                // The archive may name host paths itself (link targets); the message may
+                // repeat those, never where the archive or the root filesystem are.
+                let message = err.client_message();
+                prop_assert!(!message.contains(archive.to_str().unwrap()), "{}", message);
+                prop_assert!(!message.contains(rootfs.to_str().unwrap()), "{}", message);
+            }
         }
     }
 }

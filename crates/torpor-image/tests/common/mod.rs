@@ -149,6 +149,31 @@ impl Layer {
         self.push(header, &[])
     }
 
+    pub fn block_device(self, path: &str, major: u32, minor: u32) -> Layer {
+        let mut header = Layer::header(path, tar::EntryType::Block, 0o666, 0);
+        header.set_device_major(major).unwrap();
+        header.set_device_minor(minor).unwrap();
+        self.push(header, &[])
+    }
+
+    /// An entry of any type and mode, with `data` as its content.
+    pub fn raw(self, path: &str, kind: tar::EntryType, mode: u32, data: &[u8]) -> Layer {
+        let header = Layer::header(path, kind, mode, data.len() as u64);
+        self.push(header, data)
+    }
+
+    /// A file whose path may be longer than a header holds (a GNU long-name record).
+    pub fn long_file(mut self, path: &str, contents: &[u8]) -> Layer {
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(tar::EntryType::Regular);
+        header.set_mode(0o644);
+        header.set_size(contents.len() as u64);
+        self.builder
+            .append_data(&mut header, path, contents)
+            .unwrap();
+        self
+    }
+
     /// A whiteout for `path` (`dir/.wh.name`).
     pub fn whiteout(self, dir: &str, name: &str) -> Layer {
         let path = if dir.is_empty() {
