@@ -315,6 +315,13 @@ async fn an_edited_or_removed_audit_record_is_named_by_verify_and_an_untouched_l
     );
     let (code, text) = verify(&d.dir);
     assert_eq!(code, 0, "{text}");
+    // A crash (SIGKILL, no final checkpoint): the next start goes on from what is on disk.
+    d.kill();
+    d.spawn().await;
+    d.client().delete_tenant("audit-c").await.unwrap();
+    tail_until(&d, |r| calls(r, "DELETE", "/v1/tenants/{name}").len() == 2).await;
+    let (code, text) = verify(&d.dir);
+    assert_eq!(code, 0, "{text}");
     d.stop();
 
     // One record edited (a refusal turned into a success): verify names the file and line.
