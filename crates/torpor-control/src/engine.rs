@@ -2618,10 +2618,15 @@ async fn commit_image(tmp: &Path, dest: &Path) -> Result<()> {
 /// Unpacks a root-filesystem tarball (plain, gzip or zstd) into `dest`, refusing entries that
 /// would land outside it.
 async fn unpack_rootfs_tar(archive: &Path, dest: &Path) -> Result<()> {
-    let _ = (archive, dest);
-    Err(ControlError::Unsupported(
-        "root-filesystem tarballs are not supported yet; upload an OCI or docker image".into(),
-    ))
+    let (archive, dest) = (archive.to_path_buf(), dest.to_path_buf());
+    tokio::task::spawn_blocking(move || {
+        // The destination must be missing or empty; the build made it empty.
+        let _ = std::fs::remove_dir(&dest);
+        torpor_image::unpack_rootfs_tar(&archive, &dest)
+    })
+    .await
+    .map_err(|e| ControlError::Unsupported(format!("rootfs unpack task failed: {e}")))??;
+    Ok(())
 }
 
 async fn copy_tree(src: &Path, dest: &Path) -> Result<()> {

@@ -477,3 +477,72 @@ async fn template_names_are_per_tenant_and_tell_nothing_of_others() {
     let out = a.exec(&sa, &sh("echo ok")).await.unwrap();
     assert_eq!(out.stdout, "ok\n");
 }
+
+/// A root-filesystem tarball: the host's dash and its libraries, `/app/hello.txt`, and what
+/// `evil` adds (entries that try to leave the root).
+fn make_rootfs_tar(path: &std::path::Path, evil: bool) {
+    const SCRIPT: &str = r#"
+import io, os, subprocess, sys, tarfile
+out, evil = sys.argv[1], sys.argv[2] == "1"
+with tarfile.open(out, "w") as t:
+    def add(host, inside):
+        t.add(os.path.realpath(host), arcname=inside.lstrip("/"))
+    add("/bin/dash", "/bin/sh")
+    for line in subprocess.run(["ldd", "/bin/dash"], capture_output=True, text=True).stdout.splitlines():
+        parts = line.split()
+        p = parts[2] if "=>" in parts and len(parts) > 2 else parts[0]
+        if p.startswith("/"): add(p, p)
+    data = b"hi from a rootfs tarball\n"
+    info = tarfile.TarInfo("app/hello.txt"); info.size = len(data); t.addfile(info, io.BytesIO(data))
+    if evil:
+        link = tarfile.TarInfo("escape"); link.type = tarfile.SYMTYPE; link.linkname = "/tmp"
+        t.addfile(link)
+        data = b"written outside\n"
+        info = tarfile.TarInfo("escape/torpor-evil-marker"); info.size = len(data); t.addfile(info, io.BytesIO(data))
+        info = tarfile.TarInfo("../../../tmp/torpor-evil-marker2"); info.size = len(data); t.addfile(info, io.BytesIO(data))
+"#;
+    let st = std::process::Command::new("python3")
+        .args(["-c", SCRIPT])
+        .arg(path)
+        .arg(if evil { "1" } else { "0" })
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rootfs_tarball_upload_cannot_write_outside_its_root() {
+    let d = Daemon::start().await;
+    let a = tenant(&d, "team-a", Quotas::default()).await;
+    let good = tempfile::NamedTempFile::new().unwrap();
+    make_rootfs_tar(good.path(), false);
+    let limits = json!({"limits": {"memory_mib": 128, "cpus": 1.0, "pids": 64}});
+    a.upload_template_image("fs", &limits, good.path(), UploadKind::Rootfs, None)
+        .await
+        .unwrap();
+    let id = create(&a, "fs").await;
+    let out = a
+        .exec(&id, &sh("read l < /app/hello.txt; echo \"$l\""))
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "hi from a rootfs tarball\n", "{out:?}");
+    let _ = std::fs::remove_file("/tmp/torpor-evil-marker");
+    let _ = std::fs::remove_file("/tmp/torpor-evil-marker2");
+    let evil = tempfile::NamedTempFile::new().unwrap();
+    make_rootfs_tar(evil.path(), true);
+    let (status, _, message) = refusal(
+        a.upload_template_image("evil", &limits, evil.path(), UploadKind::Rootfs, None)
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(status, 400, "{message}");
+    assert!(!message.contains(d.dir.to_str().unwrap()), "{message}");
+    assert!(!std::path::Path::new("/tmp/torpor-evil-marker").exists());
+    assert!(!std::path::Path::new("/tmp/torpor-evil-marker2").exists());
+    assert!(a
+        .templates()
+        .await
+        .unwrap()
+        .iter()
+        .all(|t| t.name != "evil"));
+}
