@@ -193,14 +193,13 @@ fn client_message(e: &ControlError, status: StatusCode) -> String {
         }
         return e.to_string();
     }
+    if let ControlError::Image(img) = e {
+        // The tenant's own image is at fault: its text without the host paths.
+        tracing::info!(%request_id, error = %e, code = e.code(), "image refused");
+        return img.client_message();
+    }
     tracing::error!(%request_id, error = %e, code = e.code(), "request failed");
     match e {
-        ControlError::Image(_) => {
-            format!(
-                "the image cannot be used ({}); request id {request_id}",
-                e.code()
-            )
-        }
         ControlError::Conn(_) => {
             format!("the sandbox's agent is unavailable; retry (request id {request_id})")
         }
