@@ -1081,4 +1081,28 @@ mod tests {
         assert!(t.contains("jump tp_host\n"));
         assert!(!t.contains(&format!("dnat to {SANDBOX_ADDR}")), "{t}");
     }
+
+    /// The relay's own check (no operator list in unit tests): every address of this host,
+    /// loopback, link-local and 0.0.0.0/8 are refused; a documentation address is not.
+    #[test]
+    fn the_relay_refuses_the_hosts_addresses() {
+        let v4 = |a: Ipv4Addr, p| std::net::SocketAddrV4::new(a, p);
+        for a in host_addresses() {
+            assert!(
+                host_blocked(v4(Ipv4Addr::from(a), 22)),
+                "{}",
+                Ipv4Addr::from(a)
+            );
+        }
+        for a in [
+            "127.0.0.1",
+            "127.3.4.5",
+            "169.254.169.254",
+            "0.0.0.0",
+            "0.1.2.3",
+        ] {
+            assert!(host_blocked(v4(a.parse().unwrap(), 80)), "{a}");
+        }
+        assert!(!host_blocked(v4(Ipv4Addr::new(203, 0, 113, 77), 80)));
+    }
 }
