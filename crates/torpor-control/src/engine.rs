@@ -508,6 +508,13 @@ impl Engine {
                 format!("{templates} templates"),
             ));
         }
+        let pools = self.store.count_pools(id)?;
+        if pools > 0 {
+            return Err(ControlError::TenantInUse(
+                id.to_string(),
+                format!("{pools} pools"),
+            ));
+        }
         if !self.store.delete_tenant(id)? {
             return Err(ControlError::NotFound {
                 kind: "tenant",

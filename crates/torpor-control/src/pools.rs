@@ -1535,8 +1535,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("torpor.db")).unwrap();
         // A table as older torpor made it (the store's schema still does, on a new database).
-        assert!(store.insert_pool(&row("team-a", "jobs")).unwrap());
-        assert!(!store.insert_pool(&row("team-b", "jobs")).unwrap());
+        let old_insert = |r: &PoolRow| {
+            store
+                .with(|c| {
+                    c.execute(
+                        "INSERT OR IGNORE INTO pools(name, tenant, spec, created_at) VALUES (?1, ?2, ?3, ?4)",
+                        rusqlite::params![r.name, r.tenant.as_str(), r.spec_json, r.created_at],
+                    )
+                })
+                .unwrap()
+                == 1
+        };
+        assert!(old_insert(&row("team-a", "jobs")));
+        assert!(!old_insert(&row("team-b", "jobs")));
         table::migrate(&store).unwrap();
         table::migrate(&store).unwrap();
         let all = table::all(&store).unwrap();

@@ -787,52 +787,16 @@ pub struct PoolRow {
 }
 
 impl Store {
-    /// Inserts a pool; false when the name is taken.
-    pub fn insert_pool(&self, p: &PoolRow) -> Result<bool, StoreError> {
+    /// Pools `tenant` owns (the pools module owns the table's other SQL).
+    pub fn count_pools(&self, tenant: &TenantId) -> Result<u64, StoreError> {
         self.with(|c| {
-            c.execute(
-                "INSERT OR IGNORE INTO pools(name, tenant, spec, created_at) VALUES (?1, ?2, ?3, ?4)",
-                params![p.name, p.tenant.as_str(), p.spec_json, p.created_at],
+            c.query_row(
+                "SELECT COUNT(*) FROM pools WHERE tenant=?1",
+                params![tenant.as_str()],
+                |r| r.get::<_, i64>(0),
             )
+            .map(|n| n as u64)
         })
-        .map(|n| n == 1)
-    }
-
-    pub fn delete_pool(&self, name: &str) -> Result<bool, StoreError> {
-        self.with(|c| c.execute("DELETE FROM pools WHERE name = ?1", params![name]))
-            .map(|n| n == 1)
-    }
-
-    pub fn pools(&self) -> Result<Vec<PoolRow>, StoreError> {
-        let rows = self.with(|c| {
-            let mut st =
-                c.prepare("SELECT name, tenant, spec, created_at FROM pools ORDER BY name")?;
-            let rows = st
-                .query_map([], |r| {
-                    Ok((
-                        r.get::<_, String>(0)?,
-                        r.get::<_, String>(1)?,
-                        r.get::<_, String>(2)?,
-                        r.get::<_, i64>(3)?,
-                    ))
-                })?
-                .collect::<rusqlite::Result<Vec<_>>>()?;
-            Ok(rows)
-        })?;
-        rows.into_iter()
-            .map(|(name, tenant, spec_json, created_at)| {
-                let tenant = TenantId::new(tenant).map_err(|_| StoreError::Corrupt {
-                    what: "pool",
-                    key: name.clone(),
-                })?;
-                Ok(PoolRow {
-                    name,
-                    tenant,
-                    spec_json,
-                    created_at,
-                })
-            })
-            .collect()
     }
 }
 
