@@ -24,6 +24,15 @@ with tarfile.open(fileobj=layer, mode="w") as t:
             add_file(t, path, path)
     data = b"hi from image\n"
     info = tarfile.TarInfo("app/hello.txt"); info.size = len(data); t.addfile(info, io.BytesIO(data))
+    if len(sys.argv) > 2 and sys.argv[2] == "hostile":
+        # What would give a local user root if it reached the host's disk as it is.
+        dash = open(os.path.realpath("/bin/dash"), "rb").read()
+        for name, mode in (("bin/su", 0o4755), ("bin/wall", 0o2755)):
+            info = tarfile.TarInfo(name); info.size = len(dash); info.mode = mode; info.uid = 0
+            t.addfile(info, io.BytesIO(dash))
+        for name, kind, major, minor in (("dev/mem", tarfile.CHRTYPE, 1, 1), ("dev/sda", tarfile.BLKTYPE, 8, 0)):
+            info = tarfile.TarInfo(name); info.type = kind; info.devmajor = major; info.devminor = minor
+            info.mode = 0o666; t.addfile(info)
 layer = layer.getvalue()
 def blob(b): return "sha256:" + hashlib.sha256(b).hexdigest()
 config = json.dumps({"architecture": "amd64", "os": "linux",
@@ -123,4 +132,85 @@ async fn an_oci_archive_becomes_a_template() {
         .unwrap()
         .iter()
         .all(|t| t.name != "garbage"));
+}
+
+/// Every path under `root` that has a set-id bit or is a device node.
+fn set_id_files_and_devices(root: &std::path::Path) -> Vec<String> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let mut found = Vec::new();
+    let mut pending = vec![root.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        for item in std::fs::read_dir(&dir).unwrap() {
+            let path = item.unwrap().path();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            let kind = meta.file_type();
+            if meta.permissions().mode() & 0o6000 != 0
+                || kind.is_block_device()
+                || kind.is_char_device()
+            {
+                found.push(path.display().to_string());
+            }
+            if kind.is_dir() {
+                pending.push(path);
+            }
+        }
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_image_cannot_plant_set_id_binaries_or_device_nodes_on_the_host() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let image = d.dir.join("hostile.tar");
+    let st = std::process::Command::new("python3")
+        .args(["-c", MAKE_IMAGE])
+        .arg(&image)
+        .arg("hostile")
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let spec = TemplateSpec {
+        name: TemplateName::new("hostile").unwrap(),
+        source: TemplateSource::Image {
+            path: image.to_string_lossy().into_owned(),
+            reference: None,
+        },
+        command: vec![],
+        env: Default::default(),
+        cwd: None,
+        limits: Default::default(),
+        idle: no_idle(),
+        warmup_ms: 0,
+        gpu: None,
+        network: None,
+    };
+    let t = c.create_template(&spec).await.unwrap();
+    assert_eq!(t.status, "ready");
+
+    // On the host: the template's root filesystem holds the binaries, without their
+    // set-id bits, and no device node.
+    let rootfs = d.dir.join("templates/hostile/rootfs");
+    assert!(rootfs.join("bin/su").is_file(), "{}", rootfs.display());
+    assert_eq!(set_id_files_and_devices(&rootfs), Vec::<String>::new());
+
+    // In the sandbox: the same files, still runnable, not set-id.
+    let id = create(&c, "hostile").await;
+    let r = c
+        .exec(
+            &id,
+            &ExecBody {
+                cmd: vec![
+                    "/bin/sh".into(),
+                    "-c".into(),
+                    "test -u /bin/su && echo setuid; test -g /bin/wall && echo setgid; \
+                     /bin/su -c 'echo runs'"
+                        .into(),
+                ],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, "runs\n", "{r:?}");
 }
