@@ -69,7 +69,33 @@ pub fn prepare_host_rootfs(root: &Path) -> Result<Vec<Mount>, RootfsError> {
         }
     }
     write_etc(&root.join("etc"))?;
+    open_layout(root)?;
     Ok(mounts)
+}
+
+/// Gives the layout the modes a root filesystem has (directories 0755, files 0644, /tmp 1777)
+/// whatever the daemon's umask (077, to keep its data directory private): they are what
+/// processes inside the sandbox see, and a non-root one must reach `/etc/passwd`.
+fn open_layout(root: &Path) -> Result<(), RootfsError> {
+    let meta = fs::symlink_metadata(root).map_err(io_err(root))?;
+    let mode = if meta.is_dir() {
+        if root.file_name().is_some_and(|n| n == "tmp") {
+            0o1777
+        } else {
+            0o755
+        }
+    } else if meta.is_file() {
+        0o644
+    } else {
+        return Ok(());
+    };
+    set_mode(root, mode)?;
+    if meta.is_dir() {
+        for entry in fs::read_dir(root).map_err(io_err(root))? {
+            open_layout(&entry.map_err(io_err(root))?.path())?;
+        }
+    }
+    Ok(())
 }
 
 /// Writes the minimal /etc a sandbox needs: users, hosts, resolver, CA certificates.
@@ -219,6 +245,27 @@ mod tests {
             passwd,
             fs::read_to_string("/etc/passwd").unwrap_or_default()
         );
+    }
+
+    #[test]
+    fn host_rootfs_modes_do_not_follow_the_daemons_umask() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("rootfs");
+        fs::create_dir(&root).unwrap();
+        // What umask 077 makes of it: the daemon's umask is process-wide, so simulate it.
+        set_mode(&root, 0o700).unwrap();
+        prepare_host_rootfs(&root).unwrap();
+        for p in ["etc", "var", "var/log", "etc/passwd"] {
+            set_mode(&root.join(p), 0o700).unwrap();
+        }
+        open_layout(&root).unwrap();
+        let mode = |p: &str| fs::metadata(root.join(p)).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode(""), 0o755);
+        assert_eq!(mode("etc"), 0o755);
+        assert_eq!(mode("var/log"), 0o755);
+        assert_eq!(mode("etc/passwd"), 0o644);
+        assert_eq!(mode("tmp"), 0o1777);
     }
 
     #[test]

@@ -143,11 +143,8 @@ fn walk(dir: &Path, rel: &Path, out: &mut Vec<(PathBuf, std::fs::Metadata)>) {
 /// because every directory above them is private.
 fn is_sandbox_content(rel: &Path) -> bool {
     let parts: Vec<_> = rel.components().map(|c| c.as_os_str()).collect();
-    let in_template_rootfs = parts.first().is_some_and(|p| *p == "templates")
-        && parts
-            .iter()
-            .position(|p| *p == "rootfs")
-            .is_some_and(|i| i + 1 < parts.len());
+    let in_template_rootfs =
+        parts.first().is_some_and(|p| *p == "templates") && parts.iter().any(|p| *p == "rootfs");
     let agent_binary = parts.first().is_some_and(|p| *p == "agent") && parts.len() > 2;
     in_template_rootfs || agent_binary
 }
@@ -210,6 +207,19 @@ async fn another_local_user_cannot_read_the_data_directory() {
     for f in ["admin-token", "metrics-token", "torpor.db", "torpor.lock"] {
         assert_eq!(mode(&d.dir.join(f)), 0o600, "{f}");
     }
+    // Inside, the sandbox's layout keeps a root filesystem's modes (not the daemon's umask):
+    // a non-root process reaches /etc/passwd.
+    let r = c
+        .exec(
+            &fresh,
+            &sh(
+                "python3 -c \"import os; os.setgid(65534); os.setuid(65534); \
+                 print(open('/etc/passwd').readline().split(':')[0])\"",
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.stdout.trim(), "root", "{r:?}");
 }
 
 fn open_descriptors(pid: i32) -> usize {
