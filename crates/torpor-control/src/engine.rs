@@ -674,7 +674,8 @@ impl Engine {
             TemplateSource::Rootfs { path } => {
                 if Path::new(&path).is_file() {
                     progress("unpacking the root filesystem archive");
-                    unpack_rootfs_tar(Path::new(&path), &rec.rootfs).await?;
+                    let limits = self.unpack_options(&rec.tenant)?.limits;
+                    unpack_rootfs_tar(Path::new(&path), &rec.rootfs, limits).await?;
                 } else {
                     progress(&format!("copying root filesystem {path}"));
                     copy_tree(Path::new(&path), &rec.rootfs).await?;
@@ -698,12 +699,19 @@ impl Engine {
                 progress(&format!("importing image {path}"));
                 let rootfs = rec.rootfs.clone();
                 let name = rec.name.to_string();
+                let options = self.unpack_options(&rec.tenant)?;
                 let config = tokio::task::spawn_blocking(move || {
                     let _ = std::fs::remove_dir(&rootfs);
                     let src = torpor_image::detect(Path::new(&path))?;
-                    torpor_image::unpack(&src, reference.as_deref(), &rootfs, &mut |p| {
-                        tracing::info!(template = %name, progress = ?p, "image import");
-                    })
+                    torpor_image::unpack_with(
+                        &src,
+                        reference.as_deref(),
+                        &rootfs,
+                        &options,
+                        &mut |p| {
+                            tracing::info!(template = %name, progress = ?p, "image import");
+                        },
+                    )
                 })
                 .await
                 .map_err(|e| {
@@ -1994,6 +2002,51 @@ impl Engine {
         Ok(body)
     }
 
+    /// Up to `max_bytes` of a file from `offset`, and whether more follows. An agent that
+    /// predates ranged reads (its hello said an older version: restored from an older
+    /// snapshot) is asked for the whole file, which is then cut here.
+    pub async fn read_file_range(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        path: &str,
+        offset: u64,
+        max_bytes: u64,
+    ) -> Result<(Vec<u8>, bool)> {
+        let ranged = {
+            let in_use = self.use_sandbox(tenant, id).await?;
+            in_use.container().conn.agent_version() >= proto::READ_RANGE_SINCE
+        };
+        if !ranged {
+            let whole = self
+                .read_file(tenant, id, path, proto::MAX_BODY as u64)
+                .await?;
+            let start = (offset as usize).min(whole.len());
+            let end = start.saturating_add(max_bytes as usize).min(whole.len());
+            return Ok((whole[start..end].to_vec(), end < whole.len()));
+        }
+        let ranged = self
+            .agent_call(
+                tenant,
+                id,
+                Request::ReadRange {
+                    path: path.into(),
+                    offset,
+                    max_bytes,
+                },
+                &[],
+            )
+            .await;
+        match ranged {
+            Ok((Reply::Data { truncated }, body)) => Ok((body, truncated)),
+            Ok((other, _)) => Err(ControlError::Agent {
+                code: AgentErrorCode::Io,
+                message: format!("unexpected reply to a ranged read: {other:?}"),
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
     pub async fn write_file(
         &self,
         tenant: &TenantId,
@@ -2624,12 +2677,16 @@ async fn commit_image(tmp: &Path, dest: &Path) -> Result<()> {
 
 /// Unpacks a root-filesystem tarball (plain, gzip or zstd) into `dest`, refusing entries that
 /// would land outside it.
-async fn unpack_rootfs_tar(archive: &Path, dest: &Path) -> Result<()> {
+async fn unpack_rootfs_tar(
+    archive: &Path,
+    dest: &Path,
+    limits: torpor_image::Limits,
+) -> Result<()> {
     let (archive, dest) = (archive.to_path_buf(), dest.to_path_buf());
     tokio::task::spawn_blocking(move || {
         // The destination must be missing or empty; the build made it empty.
         let _ = std::fs::remove_dir(&dest);
-        torpor_image::unpack_rootfs_tar(&archive, &dest)
+        torpor_image::unpack_rootfs_tar_with(&archive, &dest, &limits)
     })
     .await
     .map_err(|e| ControlError::Unsupported(format!("rootfs unpack task failed: {e}")))??;

@@ -149,6 +149,11 @@ impl Agent {
             }
             Request::Exec(req) => self.exec(id, req, body),
             Request::ReadFile { path, max_bytes } => read_file(&path, max_bytes),
+            Request::ReadRange {
+                path,
+                offset,
+                max_bytes,
+            } => read_range(&path, offset, max_bytes),
             Request::WriteFile { path, mode } => write_file(&path, mode, &body),
             Request::List { path } => list(&path),
             Request::ListChanged {
@@ -703,6 +708,28 @@ fn read_file(path: &str, max_bytes: u64) -> Answer {
     Ok((Reply::Data { truncated }, data))
 }
 
+/// Up to `max_bytes` (at most one frame) of a file from `offset`: what a follower of a growing
+/// file asks for, so that no side reads the whole file on every change.
+fn read_range(path: &str, offset: u64, max_bytes: u64) -> Answer {
+    use std::io::{Seek, SeekFrom};
+    let p = resolve(path)?;
+    let mut f = File::open(&p).map_err(|e| io_error(&p, e))?;
+    let meta = f.metadata().map_err(|e| io_error(&p, e))?;
+    if meta.is_dir() {
+        return Err(io_error(&p, io::Error::from(io::ErrorKind::IsADirectory)));
+    }
+    let cap = max_bytes.min(proto::MAX_BODY as u64);
+    f.seek(SeekFrom::Start(offset))
+        .map_err(|e| io_error(&p, e))?;
+    let mut data = Vec::with_capacity(cap.min(meta.len().saturating_sub(offset)) as usize);
+    f.take(cap + 1)
+        .read_to_end(&mut data)
+        .map_err(|e| io_error(&p, e))?;
+    let truncated = data.len() as u64 > cap;
+    data.truncate(cap as usize);
+    Ok((Reply::Data { truncated }, data))
+}
+
 fn write_file(path: &str, mode: Option<u32>, data: &[u8]) -> Answer {
     let p = resolve(path)?;
     if let Some(parent) = p.parent() {
@@ -928,5 +955,24 @@ mod output_cap_tests {
         let mut small = Vec::new();
         keep_capped(&mut small, b"hello");
         assert_eq!(small, b"hello");
+    }
+
+    #[test]
+    fn a_ranged_read_returns_the_window_and_says_whether_more_follows() {
+        let tmp = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(tmp.path(), b"0123456789").unwrap();
+        let p = tmp.path().to_str().unwrap();
+        assert_eq!(
+            read_range(p, 2, 3).unwrap(),
+            (Reply::Data { truncated: true }, b"234".to_vec())
+        );
+        assert_eq!(
+            read_range(p, 7, 3).unwrap(),
+            (Reply::Data { truncated: false }, b"789".to_vec())
+        );
+        assert_eq!(
+            read_range(p, 20, 3).unwrap(),
+            (Reply::Data { truncated: false }, Vec::new())
+        );
     }
 }

@@ -28,6 +28,8 @@ pub struct AgentConn {
     routes: Routes,
     next_id: AtomicU64,
     closed: watch::Receiver<bool>,
+    /// The protocol version the agent said hello with (0 until it has).
+    version: std::sync::atomic::AtomicU32,
 }
 
 impl AgentConn {
@@ -43,7 +45,17 @@ impl AgentConn {
             routes,
             next_id: AtomicU64::new(1),
             closed,
+            version: std::sync::atomic::AtomicU32::new(0),
         })
+    }
+
+    /// The protocol version the agent said hello with; 0 before its hello.
+    pub fn agent_version(&self) -> u32 {
+        self.version.load(Ordering::Relaxed)
+    }
+
+    pub fn set_agent_version(&self, v: u32) {
+        self.version.store(v, Ordering::Relaxed);
     }
 
     /// Sends a request; replies to it arrive on the returned channel (several for a streamed

@@ -21,7 +21,10 @@ pub const MAX_BODY: usize = 256 << 20;
 /// The longest a `ListChanged` waits.
 pub const MAX_WAIT_MS: u64 = 5_000;
 /// Protocol version; the agent reports it in its hello.
-pub const VERSION: u32 = 1;
+/// 2: `ReadRange`.
+pub const VERSION: u32 = 2;
+/// The first version that answers `ReadRange`.
+pub const READ_RANGE_SINCE: u32 = 2;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -37,6 +40,13 @@ pub enum Request {
     /// Reads a file; the reply body holds it.
     ReadFile {
         path: String,
+        max_bytes: u64,
+    },
+    /// Reads at most `max_bytes` of a file from `offset`; the reply is `Data` whose
+    /// `truncated` says more follows. Agents before it answer `bad_request`.
+    ReadRange {
+        path: String,
+        offset: u64,
         max_bytes: u64,
     },
     /// Writes the body to a file, creating parent directories.

@@ -329,7 +329,10 @@ impl Runsc {
     pub async fn wait_ready(&self, c: &Container, timeout: Duration) -> Result<(), RuntimeError> {
         let hello = tokio::time::timeout(timeout, c.conn.call(&Request::Hello, &[])).await;
         match hello {
-            Ok(Ok((Reply::Hello { .. }, _))) => Ok(()),
+            Ok(Ok((Reply::Hello { version, .. }, _))) => {
+                c.conn.set_agent_version(version);
+                Ok(())
+            }
             Ok(Ok((other, _))) => Err(RuntimeError::ExitedEarly(format!(
                 "unexpected hello reply {other:?}"
             ))),

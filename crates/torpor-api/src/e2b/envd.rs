@@ -872,6 +872,9 @@ fn signal_name(n: i32) -> &'static str {
     }
 }
 
+/// How much of a process's output file one read takes while following it.
+const FOLLOW_WINDOW: u64 = 1 << 20;
+
 /// Streams a process's output from the given offsets until it ends, the client goes, the
 /// deadline passes or the sandbox goes to sleep.
 async fn follow(
@@ -919,24 +922,33 @@ async fn follow(
             (fd_out, "out", state.out_len, &mut out_off),
             (2u8, "err", state.err_len, &mut err_off),
         ] {
-            if len <= *off {
-                continue;
-            }
-            let data = match read(&st, &c, &format!("{dir}/{name}")).await {
-                Ok(d) => d,
-                Err(e) => {
-                    let _ = tx.send(Item::End(Some(e))).await;
-                    return;
+            // What was added since the last look, a window at a time: memory per stream is
+            // one window, whatever the process writes (the channel's backpressure paces it).
+            let path = format!("{dir}/{name}");
+            while len > *off {
+                let window = FOLLOW_WINDOW.min(len - *off);
+                let (data, _) = match st
+                    .api
+                    .engine
+                    .read_file_range(&c.tenant, &c.id, &path, *off, window)
+                    .await
+                {
+                    Ok(d) => d,
+                    Err(e) => {
+                        let _ = tx.send(Item::End(Some(e.into()))).await;
+                        return;
+                    }
+                };
+                if data.is_empty() {
+                    break;
                 }
-            };
-            if (data.len() as u64) > *off {
-                for part in data[*off as usize..].chunks(64 << 10) {
+                for part in data.chunks(64 << 10) {
                     let msg = connect::message_frame(&event_data(fd, part));
                     if tx.send(Item::Message(msg)).await.is_err() {
                         return;
                     }
                 }
-                *off = data.len() as u64;
+                *off += data.len() as u64;
                 last_sent = Instant::now();
             }
         }

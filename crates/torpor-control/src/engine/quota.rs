@@ -24,6 +24,10 @@ use crate::store::{Quotas, TemplateStatus};
 /// Most processes one tenant's sandbox may have: a fork bomb should stay inside its sandbox
 /// long before the node's pid table fills.
 pub const TENANT_MAX_PIDS: u64 = 32_768;
+/// Most bytes a tenant's image may unpack to (its disk quota may allow less).
+pub const TENANT_MAX_UNPACKED: u64 = 16 << 30;
+/// Most entries a tenant's image may hold.
+pub const TENANT_MAX_ENTRIES: u64 = 1 << 20;
 
 /// What a call is about to add for a tenant.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -248,6 +252,25 @@ impl Engine {
                 Ok((limit << 20).saturating_sub(held.disk_bytes).min(cap))
             }
         }
+    }
+
+    /// How much an import for `tenant` may unpack: at most [`TENANT_MAX_UNPACKED`], and no
+    /// more than its disk quota's headroom (a gzip bomb stops at the quota, not at the disk).
+    pub(crate) fn unpack_options(&self, tenant: &TenantId) -> Result<torpor_image::UnpackOptions> {
+        let mut options = torpor_image::UnpackOptions::default();
+        if *tenant == TenantId::admin() {
+            return Ok(options);
+        }
+        let mut limit = TENANT_MAX_UNPACKED;
+        if let Some(t) = self.store.tenant(tenant)? {
+            if let Some(max) = t.quotas.max_disk_mib {
+                let held = self.held(tenant, &t.quotas)?;
+                limit = limit.min((max << 20).saturating_sub(held.disk_bytes));
+            }
+        }
+        options.limits.max_unpacked_bytes = limit;
+        options.limits.max_entries = TENANT_MAX_ENTRIES;
+        Ok(options)
     }
 
     /// Refuses limits no sandbox of `tenant` may have on this node: more memory than the
