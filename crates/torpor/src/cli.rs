@@ -540,6 +540,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                 default_requests_per_s,
                 max_connections: max_connections.map(|m| m as usize),
                 header_read_timeout: Duration::from_millis(header_read_timeout_ms),
+                max_sandbox_connections: max_sandbox_connections as usize,
             })
             .await?;
             Ok(0)

@@ -54,6 +54,9 @@ pub struct UpConfig {
     pub max_connections: Option<usize>,
     /// How long a request head may take and a connection may idle (`--header-read-timeout-ms`).
     pub header_read_timeout: Duration,
+    /// Relayed TCP connections per sandbox (`--max-sandbox-connections`), counted in the
+    /// descriptor headroom.
+    pub max_sandbox_connections: usize,
 }
 
 /// Default memory budget: 70% of the machine's RAM.
@@ -144,19 +147,23 @@ pub fn ensure_metrics_token(data_dir: &Path) -> anyhow::Result<String> {
 }
 
 /// Raises RLIMIT_NOFILE and picks the connection cap that fits under it.
-fn descriptor_headroom(max_connections: Option<usize>, workers: usize) -> anyhow::Result<usize> {
+fn descriptor_headroom(
+    max_connections: Option<usize>,
+    load: nofile::Load,
+) -> anyhow::Result<usize> {
     let limit = nofile::raise()?;
-    let cap = nofile::connection_cap(limit, max_connections, workers)?;
+    let cap = nofile::connection_cap(limit, max_connections, load)?;
     if max_connections.is_none() && cap < nofile::DEFAULT_MAX_CONNECTIONS {
         tracing::warn!(
             limit,
             max_connections = cap,
-            workers,
+            workers = load.workers,
             "RLIMIT_NOFILE is low: the connection cap is lowered to fit (raise the limit or set --max-connections)"
         );
         eprintln!(
-            "torpor: warning: RLIMIT_NOFILE is {limit}; --max-connections lowered from {} to {cap} to fit beside {workers} workers",
-            nofile::DEFAULT_MAX_CONNECTIONS
+            "torpor: warning: RLIMIT_NOFILE is {limit}; --max-connections lowered from {} to {cap} to fit beside {} workers",
+            nofile::DEFAULT_MAX_CONNECTIONS,
+            load.workers
         );
     }
     tracing::info!(limit, max_connections = cap, "descriptor headroom checked");
@@ -189,7 +196,13 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     if workers == 0 {
         bail!("--workers must be at least 1");
     }
-    let max_connections = descriptor_headroom(cfg.max_connections, workers)?;
+    let max_connections = descriptor_headroom(
+        cfg.max_connections,
+        nofile::Load {
+            workers,
+            relayed_per_sandbox: cfg.max_sandbox_connections,
+        },
+    )?;
     let serve_cfg = serve::ServeConfig {
         max_connections,
         header_read_timeout: cfg.header_read_timeout,

@@ -2,13 +2,14 @@
 //! a busy daemon needs: every API connection, every resident sandbox (runsc's pipes, the
 //! agent's connection, cgroup files, relayed connections) and the database take descriptors. At
 //! start the soft limit is raised to the hard limit (as root the hard limit first, when the kernel
-//! allows), and the daemon checks that its connection cap and workers fit under it, so that
+//! allows), and the daemon checks that its connection cap, workers and their relayed connections
+//! fit under it, so that
 //! running out shows at start with the flags to change, not as `EMFILE` under load.
 
 /// The connection cap when `--max-connections` is not given.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
-/// Descriptors a resident sandbox may take in the daemon (runsc's pipes and logs, the agent's
-/// connection, cgroup files, its share of relayed connections).
+/// Descriptors a resident sandbox takes in the daemon besides its relayed connections (runsc's
+/// pipes and logs, the agent's connection, cgroup and OOM files).
 pub const FDS_PER_WORKER: u64 = 64;
 /// Descriptors the daemon takes whatever its load: the database, listeners, logs, the store.
 pub const FDS_BASE: u64 = 256;
@@ -17,28 +18,47 @@ pub const MIN_CONNECTIONS: usize = 64;
 /// What root asks the hard limit to be raised to (the kernel's `fs.nr_open` caps it).
 pub const ROOT_HARD_LIMIT: u64 = 1 << 20;
 
+/// What the daemon is set to hold at once, in descriptors' terms.
+#[derive(Debug, Clone, Copy)]
+pub struct Load {
+    /// `--workers`: resident sandboxes.
+    pub workers: usize,
+    /// `--max-sandbox-connections`: relayed TCP connections per sandbox, two descriptors each.
+    pub relayed_per_sandbox: usize,
+}
+
+impl Load {
+    /// Descriptors one resident sandbox may take in the daemon.
+    pub fn per_worker(&self) -> u64 {
+        FDS_PER_WORKER.saturating_add((self.relayed_per_sandbox as u64).saturating_mul(2))
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum NofileError {
     #[error(
-        "RLIMIT_NOFILE allows {limit} open descriptors, but --max-connections {max_connections} and \
-         --workers {workers} need {needed} ({max_connections} + {workers} x {FDS_PER_WORKER} + \
-         {FDS_BASE}); lower --max-connections or --workers, or raise the limit (ulimit -n, \
-         LimitNOFILE= in a systemd unit)"
+        "RLIMIT_NOFILE allows {limit} open descriptors, but --max-connections {max_connections} \
+         with --workers {workers} and --max-sandbox-connections {relayed} need {needed} \
+         ({max_connections} + {workers} x {per_worker} + {FDS_BASE}); lower --max-connections, \
+         --workers or --max-sandbox-connections, or raise the limit (ulimit -n, LimitNOFILE= in \
+         a systemd unit)"
     )]
     TooFew {
         limit: u64,
         max_connections: usize,
         workers: usize,
+        relayed: usize,
+        per_worker: u64,
         needed: u64,
     },
     #[error("cannot read RLIMIT_NOFILE")]
     Read(#[source] std::io::Error),
 }
 
-/// Descriptors the daemon may need with this connection cap and this many workers.
-pub fn needed(max_connections: usize, workers: usize) -> u64 {
+/// Descriptors the daemon may need with this connection cap under this load.
+pub fn needed(max_connections: usize, load: Load) -> u64 {
     (max_connections as u64)
-        .saturating_add((workers as u64).saturating_mul(FDS_PER_WORKER))
+        .saturating_add((load.workers as u64).saturating_mul(load.per_worker()))
         .saturating_add(FDS_BASE)
 }
 
@@ -47,19 +67,21 @@ pub fn needed(max_connections: usize, workers: usize) -> u64 {
 pub fn connection_cap(
     limit: u64,
     max_connections: Option<usize>,
-    workers: usize,
+    load: Load,
 ) -> Result<usize, NofileError> {
     let too_few = |max_connections| NofileError::TooFew {
         limit,
         max_connections,
-        workers,
-        needed: needed(max_connections, workers),
+        workers: load.workers,
+        relayed: load.relayed_per_sandbox,
+        per_worker: load.per_worker(),
+        needed: needed(max_connections, load),
     };
     match max_connections {
-        Some(m) if needed(m, workers) <= limit => Ok(m),
+        Some(m) if needed(m, load) <= limit => Ok(m),
         Some(m) => Err(too_few(m)),
         None => {
-            let rest = limit.saturating_sub(needed(0, workers));
+            let rest = limit.saturating_sub(needed(0, load));
             let cap = rest.min(DEFAULT_MAX_CONNECTIONS as u64) as usize;
             if cap >= MIN_CONNECTIONS {
                 Ok(cap)
@@ -123,19 +145,33 @@ pub fn raise() -> Result<u64, NofileError> {
 mod tests {
     use super::*;
 
+    fn load(workers: usize, relayed_per_sandbox: usize) -> Load {
+        Load {
+            workers,
+            relayed_per_sandbox,
+        }
+    }
+
     #[test]
-    fn needed_counts_connections_workers_and_the_base() {
-        assert_eq!(needed(4096, 8), 4096 + 8 * 64 + 256);
-        assert_eq!(needed(0, 0), FDS_BASE);
-        assert_eq!(needed(usize::MAX, usize::MAX), u64::MAX);
+    fn needed_counts_connections_workers_their_relays_and_the_base() {
+        assert_eq!(needed(4096, load(8, 0)), 4096 + 8 * 64 + 256);
+        assert_eq!(needed(4096, load(8, 256)), 4096 + 8 * (64 + 2 * 256) + 256);
+        assert_eq!(needed(0, load(0, 256)), FDS_BASE);
+        assert_eq!(needed(usize::MAX, load(usize::MAX, usize::MAX)), u64::MAX);
     }
 
     #[test]
     fn an_operators_cap_that_fits_is_kept_and_one_that_does_not_is_refused() {
-        assert_eq!(connection_cap(1 << 20, Some(4096), 256).unwrap(), 4096);
-        let limit = needed(1000, 4);
-        assert_eq!(connection_cap(limit, Some(1000), 4).unwrap(), 1000);
-        let err = connection_cap(limit - 1, Some(1000), 4).unwrap_err();
+        assert_eq!(
+            connection_cap(1 << 20, Some(4096), load(256, 256)).unwrap(),
+            4096
+        );
+        let limit = needed(1000, load(4, 10));
+        assert_eq!(
+            connection_cap(limit, Some(1000), load(4, 10)).unwrap(),
+            1000
+        );
+        let err = connection_cap(limit - 1, Some(1000), load(4, 10)).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -143,31 +179,48 @@ mod tests {
                     limit: l,
                     max_connections: 1000,
                     workers: 4,
+                    relayed: 10,
+                    per_worker: 84,
                     needed: n
                 } if l == limit - 1 && n == limit
             ),
             "{err:?}"
         );
         let msg = err.to_string();
-        assert!(msg.contains("--max-connections 1000") && msg.contains("--workers 4"));
+        assert!(
+            msg.contains("--max-connections 1000")
+                && msg.contains("--workers 4")
+                && msg.contains("--max-sandbox-connections 10"),
+            "{msg}"
+        );
     }
 
     #[test]
     fn the_default_cap_is_lowered_to_fit_and_refused_when_too_little_is_left() {
         assert_eq!(
-            connection_cap(1 << 20, None, 16).unwrap(),
+            connection_cap(1 << 20, None, load(16, 256)).unwrap(),
             DEFAULT_MAX_CONNECTIONS
         );
-        // A non-root user's usual 4096: the default cap shrinks by the workers and the base.
-        assert_eq!(connection_cap(4096, None, 4).unwrap(), 4096 - 4 * 64 - 256);
+        // A usual non-root hard limit of 4096: the default cap shrinks by the workers and the
+        // base.
         assert_eq!(
-            connection_cap(needed(MIN_CONNECTIONS, 4), None, 4).unwrap(),
+            connection_cap(4096, None, load(4, 0)).unwrap(),
+            4096 - 4 * 64 - 256
+        );
+        assert_eq!(
+            connection_cap(needed(MIN_CONNECTIONS, load(4, 8)), None, load(4, 8)).unwrap(),
             MIN_CONNECTIONS
         );
         assert!(matches!(
-            connection_cap(1024, None, 16),
+            connection_cap(1024, None, load(16, 0)),
             Err(NofileError::TooFew { workers: 16, .. })
         ));
+        // Relays count: 4 sandboxes relaying 256 connections each leave less room.
+        assert_eq!(
+            connection_cap(4096, None, load(4, 256)).unwrap(),
+            4096 - 4 * (64 + 2 * 256) - 256
+        );
+        assert!(connection_cap(4096, None, load(8, 256)).is_err());
     }
 
     #[test]
