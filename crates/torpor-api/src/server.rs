@@ -173,19 +173,21 @@ fn status_of(e: &ControlError) -> StatusCode {
 /// failure (and an image error shown to a tenant, whose text names host paths) a message with
 /// the stable code and the request id, the details going to the log under that id.
 fn client_message(e: &ControlError, status: StatusCode) -> String {
-    let meant_for_clients = match e {
-        ControlError::NoWorker(_)
-        | ControlError::LotFull(_)
-        | ControlError::ShuttingDown
-        | ControlError::ExecTimeout { .. }
-        | ControlError::SandboxCrashed { .. } => true,
-        ControlError::Gpu(g) => !matches!(g, torpor_control::gpu::GpuError::Driver(_)),
-        ControlError::Image(_) => {
-            crate::request_id::caller().is_some_and(|c| c == TenantId::admin())
-        }
-        ControlError::Agent { code, .. } => *code != torpor_runtime::proto::AgentErrorCode::Io,
-        _ => !status.is_server_error(),
-    };
+    // The operator sees everything anyway: the admin's errors keep their detail (a snapshot
+    // store's corrupt chunk, the path that failed) for the operator to act on.
+    let admin = crate::request_id::caller().is_some_and(|c| c == TenantId::admin());
+    let meant_for_clients = admin
+        || match e {
+            ControlError::NoWorker(_)
+            | ControlError::LotFull(_)
+            | ControlError::ShuttingDown
+            | ControlError::ExecTimeout { .. }
+            | ControlError::SandboxCrashed { .. } => true,
+            ControlError::Gpu(g) => !matches!(g, torpor_control::gpu::GpuError::Driver(_)),
+            ControlError::Image(_) => false,
+            ControlError::Agent { code, .. } => *code != torpor_runtime::proto::AgentErrorCode::Io,
+            _ => !status.is_server_error(),
+        };
     let request_id = crate::request_id::current_id();
     if meant_for_clients {
         if status.is_server_error() {

@@ -221,7 +221,8 @@ while True:
 async fn self_consuming_agents_read_the_broker_over_egress_and_scale_zero_k_zero() {
     let host = host_addr();
     let redis = Redis::start_bound(&host, free_port());
-    let d = Daemon::start_with(&["--workers", "8"]).await;
+    // The broker is on a host address: closed to sandboxes unless listed.
+    let d = Daemon::start_with(&["--workers", "8", "--sandbox-reach-host", &host]).await;
     let c = d.client();
     let mut tpl = agent_template("self-agent", no_idle());
     tpl.command = vec![

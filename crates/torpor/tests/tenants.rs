@@ -19,6 +19,7 @@ async fn tenants_are_isolated_and_held_to_their_quotas() {
                 max_sandboxes: Some(2),
                 max_running: Some(1),
                 max_memory_mib: None,
+                ..Default::default()
             }),
         })
         .await

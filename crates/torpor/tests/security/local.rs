@@ -557,7 +557,6 @@ async fn tenant_and_image(d: &Daemon, work: &Path, rootfs: bool) -> (String, Pat
 }
 
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "the server answers `unsupported` for ?kind=rootfs until uploads.rs imports rootfs tarballs"]
 async fn a_tenant_cli_uploads_a_rootfs_tarball_instead_of_naming_a_host_directory() {
     let d = Daemon::start().await;
     let work = tempfile::tempdir().unwrap();
