@@ -55,13 +55,13 @@ impl EnvSeal {
             Ok(k) => k,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let k: [u8; 32] = rand::random();
-                let mut f = std::fs::OpenOptions::new()
+                let created = std::fs::OpenOptions::new()
                     .write(true)
                     .create_new(true)
                     .mode(0o600)
                     .open(path);
-                match &mut f {
-                    Ok(f) => {
+                match created {
+                    Ok(mut f) => {
                         f.write_all(&k).map_err(key_err)?;
                         f.sync_all().map_err(key_err)?;
                         k.to_vec()
@@ -70,7 +70,7 @@ impl EnvSeal {
                     Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                         std::fs::read(path).map_err(key_err)?
                     }
-                    Err(_) => return Err(key_err(f.err().expect("an error"))),
+                    Err(e) => return Err(key_err(e)),
                 }
             }
             Err(e) => return Err(key_err(e)),
