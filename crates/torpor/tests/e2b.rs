@@ -108,7 +108,13 @@ async fn the_official_javascript_sdk_runs_against_torpor() {
 async fn the_python_sdk_reaches_ports_and_sets_egress() {
     // The egress script's server is on a host address: closed to sandboxes unless listed.
     let host_ip = common::host_addr();
-    let d = Daemon::start_with(&["--proxy-domain", "e2b.test", "--sandbox-reach-host", &host_ip]).await;
+    let d = Daemon::start_with(&[
+        "--proxy-domain",
+        "e2b.test",
+        "--sandbox-reach-host",
+        &host_ip,
+    ])
+    .await;
     let key = tenant(&d, "ports-a").await;
     let addr = format!("127.0.0.1:{}", d.port);
     let extra = [("TORPOR_ADDR", addr), ("EXPECT_DOMAIN", "e2b.test".into())];
