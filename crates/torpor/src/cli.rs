@@ -131,8 +131,9 @@ pub enum Command {
         #[arg(long, value_delimiter = ',')]
         sandbox_reach_host: Vec<torpor_runtime::net::HostReach>,
         /// Relayed TCP connections one sandbox may have open at once (new ones are reset).
-        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
-        max_sandbox_connections: u32,
+        /// Default 256, lowered to fit RLIMIT_NOFILE beside --workers when that is low.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        max_sandbox_connections: Option<u32>,
     },
     /// Inspect, verify and collect the snapshot store (operator only).
     #[command(subcommand)]
@@ -509,7 +510,6 @@ async fn dispatch(cmd: Command) -> CliResult {
                     .flatten()
                     .collect::<Vec<_>>(),
             );
-            torpor_runtime::relay::set_max_connections(max_sandbox_connections as usize);
             torpor_runtime::net::set_egress_limits(torpor_runtime::net::EgressLimits {
                 mbit_per_s: egress_mbit,
                 packets_per_s: egress_pps,
@@ -540,7 +540,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                 default_requests_per_s,
                 max_connections: max_connections.map(|m| m as usize),
                 header_read_timeout: Duration::from_millis(header_read_timeout_ms),
-                max_sandbox_connections: max_sandbox_connections as usize,
+                max_sandbox_connections: max_sandbox_connections.map(|n| n as usize),
             })
             .await?;
             Ok(0)

@@ -56,7 +56,7 @@ pub struct UpConfig {
     pub header_read_timeout: Duration,
     /// Relayed TCP connections per sandbox (`--max-sandbox-connections`), counted in the
     /// descriptor headroom.
-    pub max_sandbox_connections: usize,
+    pub max_sandbox_connections: Option<usize>,
 }
 
 /// Default memory budget: 70% of the machine's RAM.
@@ -146,12 +146,32 @@ pub fn ensure_metrics_token(data_dir: &Path) -> anyhow::Result<String> {
     )?)
 }
 
-/// Raises RLIMIT_NOFILE and picks the connection cap that fits under it.
+/// Raises RLIMIT_NOFILE and picks the relayed-connection cap per sandbox (the operator's, or
+/// the default lowered to fit) and the connection cap that fit under it.
 fn descriptor_headroom(
     max_connections: Option<usize>,
-    load: nofile::Load,
+    workers: usize,
+    max_sandbox_connections: Option<usize>,
 ) -> anyhow::Result<usize> {
     let limit = nofile::raise()?;
+    let relayed = match max_sandbox_connections {
+        Some(n) => n,
+        None => {
+            let fit = nofile::default_relayed(limit, workers);
+            if fit < nofile::DEFAULT_RELAYED_PER_SANDBOX {
+                eprintln!(
+                    "torpor: warning: RLIMIT_NOFILE is {limit}; --max-sandbox-connections lowered from {} to {fit} to fit beside {workers} workers",
+                    nofile::DEFAULT_RELAYED_PER_SANDBOX
+                );
+            }
+            fit
+        }
+    };
+    torpor_runtime::relay::set_max_connections(relayed);
+    let load = nofile::Load {
+        workers,
+        relayed_per_sandbox: relayed,
+    };
     let cap = nofile::connection_cap(limit, max_connections, load)?;
     if max_connections.is_none() && cap < nofile::DEFAULT_MAX_CONNECTIONS {
         tracing::warn!(
@@ -196,13 +216,8 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     if workers == 0 {
         bail!("--workers must be at least 1");
     }
-    let max_connections = descriptor_headroom(
-        cfg.max_connections,
-        nofile::Load {
-            workers,
-            relayed_per_sandbox: cfg.max_sandbox_connections,
-        },
-    )?;
+    let max_connections =
+        descriptor_headroom(cfg.max_connections, workers, cfg.max_sandbox_connections)?;
     let serve_cfg = serve::ServeConfig {
         max_connections,
         header_read_timeout: cfg.header_read_timeout,

@@ -11,6 +11,10 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 /// Descriptors a resident sandbox takes in the daemon besides its relayed connections (runsc's
 /// pipes and logs, the agent's connection, cgroup and OOM files).
 pub const FDS_PER_WORKER: u64 = 64;
+/// Relayed connections per sandbox when the limit allows it.
+pub const DEFAULT_RELAYED_PER_SANDBOX: usize = 256;
+/// The least a lowered default gives a sandbox.
+pub const MIN_RELAYED_PER_SANDBOX: usize = 16;
 /// Descriptors the daemon takes whatever its load: the database, listeners, logs, the store.
 pub const FDS_BASE: u64 = 256;
 /// Below this many connections a lowered default cap would not serve; refuse instead.
@@ -56,6 +60,18 @@ pub enum NofileError {
 }
 
 /// Descriptors the daemon may need with this connection cap under this load.
+/// `--max-sandbox-connections` when the operator does not set it: 256, or less when the limit
+/// is low: half of the descriptors go to relayed connections (two each) beside the workers'
+/// own, never below [`MIN_RELAYED_PER_SANDBOX`].
+pub fn default_relayed(limit: u64, workers: usize) -> usize {
+    let workers = workers.max(1) as u64;
+    let budget = (limit / 2).saturating_sub(workers * FDS_PER_WORKER);
+    (budget / (2 * workers)).clamp(
+        MIN_RELAYED_PER_SANDBOX as u64,
+        DEFAULT_RELAYED_PER_SANDBOX as u64,
+    ) as usize
+}
+
 pub fn needed(max_connections: usize, load: Load) -> u64 {
     (max_connections as u64)
         .saturating_add((load.workers as u64).saturating_mul(load.per_worker()))
@@ -221,6 +237,24 @@ mod tests {
             4096 - 4 * (64 + 2 * 256) - 256
         );
         assert!(connection_cap(4096, None, load(8, 256)).is_err());
+    }
+
+    #[test]
+    fn the_default_relay_cap_fits_a_low_limit_and_stays_256_under_a_high_one() {
+        assert_eq!(default_relayed(1 << 20, 47), DEFAULT_RELAYED_PER_SANDBOX);
+        // 20000 descriptors, 47 workers (this CI's machine): lowered, and the rest still fits
+        // the default connection cap.
+        let r = default_relayed(20_000, 47);
+        assert!((MIN_RELAYED_PER_SANDBOX..DEFAULT_RELAYED_PER_SANDBOX).contains(&r));
+        let load = Load {
+            workers: 47,
+            relayed_per_sandbox: r,
+        };
+        assert_eq!(
+            connection_cap(20_000, None, load).unwrap(),
+            DEFAULT_MAX_CONNECTIONS
+        );
+        assert_eq!(default_relayed(1024, 256), MIN_RELAYED_PER_SANDBOX);
     }
 
     #[test]
