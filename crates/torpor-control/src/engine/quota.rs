@@ -273,14 +273,18 @@ impl Engine {
         Ok(options)
     }
 
-    /// Refuses limits no sandbox of `tenant` may have on this node: more memory than the
-    /// node's memory budget, more CPUs than it has, more processes than [`TENANT_MAX_PIDS`].
+    /// Refuses limits no tenant's sandbox may have on this node: more memory than the machine
+    /// has, more CPUs than it has, more processes than [`TENANT_MAX_PIDS`]. (Limits are
+    /// ceilings, not reservations: the memory budget is kept against what sandboxes use.) The
+    /// operator's own sandboxes are not held to this.
     pub(crate) fn check_limits_fit(&self, tenant: &TenantId, l: &Limits) -> Result<()> {
-        if let Some(budget) = self.cfg.memory_budget {
-            let budget_mib = budget >> 20;
-            if l.memory_mib > budget_mib {
+        if *tenant == TenantId::admin() {
+            return Ok(());
+        }
+        if let Some(total_mib) = machine_memory_mib() {
+            if l.memory_mib > total_mib {
                 return Err(ControlError::Invalid(format!(
-                    "limits.memory_mib {} is more than this node's memory budget ({budget_mib} MiB)",
+                    "limits.memory_mib {} is more than this node's memory ({total_mib} MiB)",
                     l.memory_mib
                 )));
             }
@@ -294,7 +298,7 @@ impl Engine {
                 l.cpus
             )));
         }
-        if *tenant != TenantId::admin() && l.pids > TENANT_MAX_PIDS {
+        if l.pids > TENANT_MAX_PIDS {
             return Err(ControlError::Invalid(format!(
                 "limits.pids {} is more than a tenant's sandbox may have ({TENANT_MAX_PIDS})",
                 l.pids
@@ -302,6 +306,17 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// The machine's memory (MemTotal), in MiB.
+fn machine_memory_mib() -> Option<u64> {
+    std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find(|l| l.starts_with("MemTotal:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(|kib| kib / 1024)
+    })
 }
 
 #[cfg(test)]

@@ -288,7 +288,7 @@ async fn uploads_and_builds_count_against_quotas() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn limits_beyond_the_node_or_the_tenants_cpus_are_refused() {
-    let d = Daemon::start_with(&["--memory-budget", "2G"]).await;
+    let d = Daemon::start().await;
     let a = tenant(
         &d,
         "cpu",
