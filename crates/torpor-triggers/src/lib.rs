@@ -15,6 +15,8 @@
 pub mod allow;
 pub mod consume;
 pub mod depth;
+#[doc(hidden)]
+pub mod fuzzing;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod keda;

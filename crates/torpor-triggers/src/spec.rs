@@ -318,6 +318,12 @@ fn check_url(field: &str, v: &str, schemes: &[&str]) -> Result<(), TriggerError>
             ),
         ));
     }
+    if url.port() == Some(0) {
+        return Err(invalid(
+            field.into(),
+            format!("{v:?}: the port must be a number from 1 to 65535"),
+        ));
+    }
     match url.host_str() {
         None | Some("") => Err(invalid(field.into(), format!("{v:?} has no host"))),
         Some(h) if !crate::allow::plain_host(h) => Err(invalid(
