@@ -4,6 +4,8 @@
 pub mod audit;
 pub mod client;
 pub mod e2b;
+#[doc(hidden)]
+pub mod fuzzing;
 mod pools;
 pub mod proxy;
 pub mod ratelimit;

@@ -705,6 +705,9 @@ pub async fn list_v1(
     list(&st, &headers, &q, false)
 }
 
+#[doc(hidden)]
+pub mod fuzzing;
+
 #[cfg(test)]
 mod tests {
     use super::*;

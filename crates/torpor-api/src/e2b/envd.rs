@@ -1345,6 +1345,9 @@ exit 0"#,
     }
 }
 
+#[doc(hidden)]
+pub mod fuzzing;
+
 #[cfg(test)]
 mod tests {
     use super::*;

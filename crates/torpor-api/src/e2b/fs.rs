@@ -686,6 +686,9 @@ pub async fn upload(
     Ok(axum::Json(written).into_response())
 }
 
+#[doc(hidden)]
+pub mod fuzzing;
+
 #[cfg(test)]
 mod tests {
     use super::*;
