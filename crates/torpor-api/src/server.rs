@@ -116,7 +116,6 @@ fn status_of(e: &ControlError) -> StatusCode {
     match e {
         ControlError::NotFound { .. } => StatusCode::NOT_FOUND,
         ControlError::Forbidden(_) => StatusCode::FORBIDDEN,
-        ControlError::Upload { .. } => StatusCode::BAD_REQUEST,
         ControlError::QuotaExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
         ControlError::TenantInUse(..)
         | ControlError::AlreadyExists { .. }

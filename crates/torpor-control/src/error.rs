@@ -68,10 +68,6 @@ pub enum ControlError {
     SnapshotStore { code: &'static str, message: String },
     #[error("image: {0}")]
     Image(#[from] torpor_image::ImageError),
-    /// An uploaded archive could not be imported: the image error's code, with a message that
-    /// names the archive, not where the daemon keeps it.
-    #[error("{message}")]
-    Upload { code: &'static str, message: String },
     #[error("sandbox agent: {0}")]
     Conn(#[from] torpor_runtime::conn::ConnError),
     #[error("{0}")]
@@ -122,7 +118,6 @@ impl ControlError {
             ControlError::Runtime(_) => "runtime_error",
             ControlError::Conn(_) => "sandbox_unavailable",
             ControlError::Image(e) => e.code(),
-            ControlError::Upload { code, .. } => code,
             ControlError::Snapshot(_) => "snapshot_store_error",
             ControlError::SnapshotStore { code, .. } => code,
             ControlError::Store(_) => "state_store_error",

@@ -101,8 +101,7 @@ impl Engine {
     }
 
     /// Registers a template from an archive the caller uploaded into [`Engine::upload_dir`].
-    /// The archive is removed whatever happens. Errors name "the uploaded archive", never its
-    /// path on the host.
+    /// The archive is removed whatever happens; its path on the host is not recorded.
     pub async fn register_template_upload(
         &self,
         tenant: &TenantId,
@@ -129,30 +128,11 @@ impl Engine {
             },
             UploadKind::Rootfs => TemplateSource::Rootfs { path: path.into() },
         };
-        let upload = archive.to_string_lossy().into_owned();
         spec.source = source(UPLOADED);
-        let read_from = source(&upload);
-        let result = self
-            .register_template_checked(tenant, spec, read_from, progress)
-            .await;
-        result.map_err(|e| hide_path(e, &upload))
-    }
-}
-
-/// An error whose text names `path` (an upload in the data directory) says "the uploaded
-/// archive" instead.
-fn hide_path(e: ControlError, path: &str) -> ControlError {
-    let text = e.to_string();
-    if !text.contains(path) {
-        return e;
-    }
-    match e {
-        ControlError::Image(ie) => ControlError::Upload {
-            code: ie.code(),
-            message: text.replace(path, "the uploaded archive"),
-        },
-        // Other errors are the daemon's (5xx): the API answers them without their text.
-        other => other,
+        let read_from = source(&archive.to_string_lossy());
+        // Image errors reach a tenant through ImageError::client_message (no host paths).
+        self.register_template_checked(tenant, spec, read_from, progress)
+            .await
     }
 }
 

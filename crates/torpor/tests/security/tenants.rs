@@ -212,7 +212,8 @@ async fn a_tenant_uploads_its_image_and_setuid_bits_and_devices_do_not_survive()
         .unwrap();
     assert_eq!(out.stdout, "hi from an upload\n", "{out:?}");
     // On the host, the template's root filesystem has no setuid file and no device node.
-    let rootfs = std::fs::read_dir(d.dir.join("templates"))
+    // A tenant's templates live under templates/@<tenant>/.
+    let rootfs = std::fs::read_dir(d.dir.join("templates/@team-a"))
         .unwrap()
         .flatten()
         .map(|e| e.path().join("rootfs"))
