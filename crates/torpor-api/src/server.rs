@@ -264,10 +264,8 @@ fn too_large(limit: usize) -> ApiError {
 /// Reads a request's body, refusing it (`413 body_too_large`) from its `Content-Length` before
 /// anything is read, or as soon as more than `limit` bytes arrived.
 pub(crate) async fn read_capped(req: Request, limit: usize) -> ApiResult<Bytes> {
-    if content_length(req.headers()).is_some_and(|n| n > limit as u64) {
-        return Err(too_large(limit));
-    }
-    read_body_capped(req.into_body(), limit)
+    let (parts, body) = req.into_parts();
+    read_body_capped(&parts.headers, body, limit)
         .await
         .map_err(|e| match e {
             BodyError::TooLarge => too_large(limit),
@@ -288,9 +286,17 @@ pub enum BodyError {
     Read(String),
 }
 
-/// Reads a body chunk by chunk, stopping as soon as it passes `limit` bytes.
-pub async fn read_body_capped(body: Body, limit: usize) -> Result<Bytes, BodyError> {
+/// Reads a body chunk by chunk, stopping as soon as it passes `limit` bytes; a
+/// `Content-Length` over the limit is refused before anything is read.
+pub async fn read_body_capped(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<Bytes, BodyError> {
     use futures::StreamExt as _;
+    if content_length(headers).is_some_and(|n| n > limit as u64) {
+        return Err(BodyError::TooLarge);
+    }
     let mut stream = body.into_data_stream();
     let mut out = bytes::BytesMut::new();
     while let Some(chunk) = stream.next().await {

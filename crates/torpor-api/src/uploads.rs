@@ -21,7 +21,7 @@ use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use serde::Deserialize;
 use tokio::io::AsyncWriteExt;
-use torpor_control::{ControlError, UploadKind};
+use torpor_control::{ControlError, UploadAllowance, UploadKind};
 use torpor_core::{TemplateName, TemplateSpec, TenantId};
 
 use crate::server::{ApiError, ApiResult, ApiState, MAX_JSON_BODY};
@@ -115,6 +115,10 @@ pub async fn upload_template_image(
     let _slot = UploadSlot::take(&tenant)?;
     // Refuse before reading a byte when the tenant may not add a template.
     let allowance = engine.upload_allowance(&tenant, MAX_UPLOAD_BYTES).await?;
+    // A stated length over what may be kept is refused before a byte is read.
+    if crate::server::content_length(&headers).is_some_and(|n| n > allowance.bytes) {
+        return Err(over_cap(allowance));
+    }
     let dir = engine.upload_dir();
     make_private_dir(&dir)?;
     let partial = Partial(dir.join(format!("{tenant}.{:016x}.part", rand::random::<u64>())));
@@ -219,8 +223,8 @@ fn template_spec(
     })
 }
 
-/// Streams `body` into a new file at `path` (0600), refusing it once it passes `cap` bytes.
-async fn write_capped<S>(mut body: S, path: &FsPath, cap: u64) -> ApiResult<u64>
+/// Streams `body` into a new file at `path` (0600), refusing it once it passes the allowance.
+async fn write_capped<S>(mut body: S, path: &FsPath, allowance: UploadAllowance) -> ApiResult<u64>
 where
     S: Stream<Item = Result<Bytes, String>> + Unpin,
 {
@@ -241,20 +245,8 @@ where
             )
         })?;
         written += chunk.len() as u64;
-        if written > cap {
-            return Err(if cap < MAX_UPLOAD_BYTES {
-                ApiError::from(ControlError::QuotaExceeded {
-                    what: "disk_mib",
-                    limit: cap >> 20,
-                    used: written >> 20,
-                })
-            } else {
-                ApiError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "body_too_large",
-                    format!("uploads are limited to {} MiB", MAX_UPLOAD_BYTES >> 20),
-                )
-            });
+        if written > allowance.bytes {
+            return Err(over_cap(allowance));
         }
         file.write_all(&chunk)
             .await
@@ -271,6 +263,24 @@ where
         ));
     }
     Ok(written)
+}
+
+/// An upload over what it may bring: the tenant's disk quota when that is what capped it, else
+/// the upload size limit.
+fn over_cap(allowance: UploadAllowance) -> ApiError {
+    if let Some((limit, used)) = allowance.disk_quota {
+        ApiError::from(ControlError::QuotaExceeded {
+            what: "disk_mib",
+            limit,
+            used,
+        })
+    } else {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("uploads are limited to {} MiB", MAX_UPLOAD_BYTES >> 20),
+        )
+    }
 }
 
 async fn read_small(mut field: multer::Field<'_>) -> ApiResult<Vec<u8>> {
@@ -357,12 +367,16 @@ mod tests {
         let chunks = futures::stream::iter(
             (0..100).map(|_| Ok::<_, String>(Bytes::from(vec![0u8; 1 << 16]))),
         );
-        let e = write_capped(chunks, &path, 1 << 20).await.unwrap_err();
+        let quota = UploadAllowance {
+            bytes: 1 << 20,
+            disk_quota: Some((1, 0)),
+        };
+        let e = write_capped(chunks, &path, quota).await.unwrap_err();
         assert_eq!(e.code(), "quota_exceeded");
         let ok =
             futures::stream::iter((0..4).map(|_| Ok::<_, String>(Bytes::from_static(b"abcd"))));
         let path2 = tmp.path().join("y.part");
-        assert_eq!(write_capped(ok, &path2, 1 << 20).await.unwrap(), 16);
+        assert_eq!(write_capped(ok, &path2, quota).await.unwrap(), 16);
         use std::os::unix::fs::PermissionsExt;
         assert_eq!(
             std::fs::metadata(&path2).unwrap().permissions().mode() & 0o777,

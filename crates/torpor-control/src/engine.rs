@@ -39,7 +39,7 @@ use crate::store::{
 };
 pub use net::{count_proxied, sandbox_handshake, sandbox_http, ProxyTarget, SandboxConn};
 use quota::Charge;
-pub use quota::TENANT_MAX_PIDS;
+pub use quota::{UploadAllowance, TENANT_MAX_PIDS};
 pub use sources::{UploadKind, UPLOADED};
 
 /// Everything the engine needs to know at start.

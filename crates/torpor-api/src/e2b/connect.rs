@@ -129,10 +129,7 @@ pub async fn read_message_body(headers: &HeaderMap, body: Body) -> Result<Bytes,
             format!("message exceeds the limit of {MAX_MESSAGE} bytes"),
         )
     };
-    if crate::server::content_length(headers).is_some_and(|n| n > limit as u64) {
-        return Err(too_large());
-    }
-    crate::server::read_body_capped(body, limit)
+    crate::server::read_body_capped(headers, body, limit)
         .await
         .map_err(|e| match e {
             crate::server::BodyError::TooLarge => too_large(),

@@ -153,10 +153,7 @@ pub async fn read_body(
             format!("request body too large (at most {limit} bytes)"),
         )
     };
-    if crate::server::content_length(headers).is_some_and(|n| n > limit as u64) {
-        return Err(too_large());
-    }
-    crate::server::read_body_capped(body, limit)
+    crate::server::read_body_capped(headers, body, limit)
         .await
         .map_err(|e| match e {
             crate::server::BodyError::TooLarge => too_large(),

@@ -123,6 +123,14 @@ pub(crate) fn first_exceeded(
         .find_map(|(what, hit)| hit.map(|(limit, used)| (what, limit, used)))
 }
 
+/// What one upload may bring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UploadAllowance {
+    pub bytes: u64,
+    /// When the tenant's disk quota is what limits it: (limit, in use), in MiB.
+    pub disk_quota: Option<(u64, u64)>,
+}
+
 /// Sizes of templates' directories: they do not change once built.
 #[derive(Default)]
 pub(crate) struct TemplateSizes(Mutex<HashMap<(TenantId, TemplateName), u64>>);
@@ -233,9 +241,13 @@ impl Engine {
 
     /// How many bytes `tenant` may upload now: its disk quota's headroom (after a check that it
     /// may add a template at all), at most `cap`.
-    pub async fn upload_allowance(&self, tenant: &TenantId, cap: u64) -> Result<u64> {
+    pub async fn upload_allowance(&self, tenant: &TenantId, cap: u64) -> Result<UploadAllowance> {
+        let unlimited = UploadAllowance {
+            bytes: cap,
+            disk_quota: None,
+        };
         let Some(t) = self.store.tenant(tenant)? else {
-            return Ok(cap);
+            return Ok(unlimited);
         };
         let _quota = self.quota_lock.lock().await;
         self.check_quota(
@@ -246,10 +258,14 @@ impl Engine {
             },
         )?;
         match t.quotas.max_disk_mib {
-            None => Ok(cap),
+            None => Ok(unlimited),
             Some(limit) => {
                 let held = self.held(tenant, &t.quotas)?;
-                Ok((limit << 20).saturating_sub(held.disk_bytes).min(cap))
+                let headroom = (limit << 20).saturating_sub(held.disk_bytes);
+                Ok(UploadAllowance {
+                    bytes: headroom.min(cap),
+                    disk_quota: (headroom < cap).then_some((limit, held.disk_bytes >> 20)),
+                })
             }
         }
     }
