@@ -7,62 +7,12 @@ use common::*;
 use torpor_api::types::ExecBody;
 use torpor_core::{TemplateName, TemplateSource, TemplateSpec};
 
-/// Builds an oci-archive from a tiny root filesystem: /bin/sh (the host's dash) with the
-/// libraries it loads, and /app/hello.txt. Config: env GREETING, working dir /app.
-const MAKE_IMAGE: &str = r#"
-import hashlib, io, json, os, subprocess, sys, tarfile
-out = sys.argv[1]
-def add_file(tar, host, inside):
-    tar.add(os.path.realpath(host), arcname=inside.lstrip("/"))
-layer = io.BytesIO()
-with tarfile.open(fileobj=layer, mode="w") as t:
-    add_file(t, "/bin/dash", "/bin/sh")
-    for line in subprocess.run(["ldd", "/bin/dash"], capture_output=True, text=True).stdout.splitlines():
-        parts = line.split()
-        path = parts[2] if "=>" in parts and len(parts) > 2 else parts[0]
-        if path.startswith("/"):
-            add_file(t, path, path)
-    data = b"hi from image\n"
-    info = tarfile.TarInfo("app/hello.txt"); info.size = len(data); t.addfile(info, io.BytesIO(data))
-    if len(sys.argv) > 2 and sys.argv[2] == "hostile":
-        # What would give a local user root if it reached the host's disk as it is.
-        dash = open(os.path.realpath("/bin/dash"), "rb").read()
-        for name, mode in (("bin/su", 0o4755), ("bin/wall", 0o2755)):
-            info = tarfile.TarInfo(name); info.size = len(dash); info.mode = mode; info.uid = 0
-            t.addfile(info, io.BytesIO(dash))
-        for name, kind, major, minor in (("dev/mem", tarfile.CHRTYPE, 1, 1), ("dev/sda", tarfile.BLKTYPE, 8, 0)):
-            info = tarfile.TarInfo(name); info.type = kind; info.devmajor = major; info.devminor = minor
-            info.mode = 0o666; t.addfile(info)
-layer = layer.getvalue()
-def blob(b): return "sha256:" + hashlib.sha256(b).hexdigest()
-config = json.dumps({"architecture": "amd64", "os": "linux",
-    "config": {"Env": ["GREETING=from-image", "PATH=/bin"], "WorkingDir": "/app"},
-    "rootfs": {"type": "layers", "diff_ids": [blob(layer)]}}).encode()
-manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-    "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": blob(config), "size": len(config)},
-    "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": blob(layer), "size": len(layer)}]}).encode()
-index = json.dumps({"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
-    "digest": blob(manifest), "size": len(manifest), "annotations": {"org.opencontainers.image.ref.name": "tiny"}}]}).encode()
-with tarfile.open(out, "w") as t:
-    def put(name, b):
-        info = tarfile.TarInfo(name); info.size = len(b); t.addfile(info, io.BytesIO(b))
-    put("oci-layout", b'{"imageLayoutVersion": "1.0.0"}')
-    put("index.json", index)
-    for b in (layer, config, manifest):
-        put("blobs/sha256/" + blob(b)[7:], b)
-"#;
-
 #[tokio::test(flavor = "multi_thread")]
 async fn an_oci_archive_becomes_a_template() {
     let d = Daemon::start().await;
     let c = d.client();
     let image = d.dir.join("tiny.tar");
-    let st = std::process::Command::new("python3")
-        .args(["-c", MAKE_IMAGE])
-        .arg(&image)
-        .status()
-        .unwrap();
-    assert!(st.success());
+    make_image(&image, &[]);
     let spec = |name: &str, reference: Option<&str>| TemplateSpec {
         name: TemplateName::new(name).unwrap(),
         source: TemplateSource::Image {
@@ -163,13 +113,7 @@ async fn an_image_cannot_plant_set_id_binaries_or_device_nodes_on_the_host() {
     let d = Daemon::start().await;
     let c = d.client();
     let image = d.dir.join("hostile.tar");
-    let st = std::process::Command::new("python3")
-        .args(["-c", MAKE_IMAGE])
-        .arg(&image)
-        .arg("hostile")
-        .status()
-        .unwrap();
-    assert!(st.success());
+    make_image(&image, &["hostile"]);
     let spec = TemplateSpec {
         name: TemplateName::new("hostile").unwrap(),
         source: TemplateSource::Image {

@@ -277,3 +277,19 @@ pub fn host_addr() -> String {
         })
         .expect("a global IPv4 address")
 }
+
+/// The tests' image maker (see its header): `make_image(out, &["hostile"])`,
+/// `make_image(out, &["rootfs"])`, ...
+pub const MAKE_IMAGE: &str = include_str!("make_image.py");
+
+/// Writes a tiny test image to `out` (an oci-archive, or with `rootfs` a root-filesystem
+/// tarball); `flags` as `make_image.py` takes them.
+pub fn make_image(out: &std::path::Path, flags: &[&str]) {
+    let st = Command::new("python3")
+        .args(["-c", MAKE_IMAGE])
+        .arg(out)
+        .args(flags)
+        .status()
+        .unwrap();
+    assert!(st.success(), "make_image.py {flags:?}");
+}

@@ -418,47 +418,6 @@ async fn metrics_need_a_token_unless_served_on_the_operators_own_listener() {
     assert_eq!(api.status(), 404, "the metrics listener serves no API");
 }
 
-/// An oci-archive of a tiny root filesystem: /bin/sh (the host's dash) with its libraries and
-/// /app/hello.txt (no other programs); config: env GREETING, working dir /app (as tests/images.rs builds it). With a
-/// second argument `rootfs`, that root filesystem as a plain tarball instead.
-const MAKE_IMAGE: &str = r#"
-import hashlib, io, json, os, subprocess, sys, tarfile
-out = sys.argv[1]
-rootfs_only = len(sys.argv) > 2 and sys.argv[2] == "rootfs"
-def add_file(tar, host, inside):
-    tar.add(os.path.realpath(host), arcname=inside.lstrip("/"))
-layer = io.BytesIO()
-with tarfile.open(fileobj=layer, mode="w") as t:
-    add_file(t, "/bin/dash", "/bin/sh")
-    for line in subprocess.run(["ldd", "/bin/dash"], capture_output=True, text=True).stdout.splitlines():
-        parts = line.split()
-        path = parts[2] if "=>" in parts and len(parts) > 2 else parts[0]
-        if path.startswith("/"):
-            add_file(t, path, path)
-    data = b"hi from image\n"
-    info = tarfile.TarInfo("app/hello.txt"); info.size = len(data); t.addfile(info, io.BytesIO(data))
-layer = layer.getvalue()
-if rootfs_only:
-    open(out, "wb").write(layer)
-    sys.exit(0)
-def blob(b): return "sha256:" + hashlib.sha256(b).hexdigest()
-config = json.dumps({"architecture": "amd64", "os": "linux",
-    "config": {"Env": ["GREETING=from-image", "PATH=/bin"], "WorkingDir": "/app"},
-    "rootfs": {"type": "layers", "diff_ids": [blob(layer)]}}).encode()
-manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-    "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": blob(config), "size": len(config)},
-    "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": blob(layer), "size": len(layer)}]}).encode()
-index = json.dumps({"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
-    "digest": blob(manifest), "size": len(manifest), "annotations": {"org.opencontainers.image.ref.name": "tiny"}}]}).encode()
-with tarfile.open(out, "w") as t:
-    def put(name, b):
-        info = tarfile.TarInfo(name); info.size = len(b); t.addfile(info, io.BytesIO(b))
-    put("oci-layout", b'{"imageLayoutVersion": "1.0.0"}')
-    put("index.json", index)
-    for b in (layer, config, manifest):
-        put("blobs/sha256/" + blob(b)[7:], b)
-"#;
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_tenant_cli_uploads_its_image_instead_of_naming_a_host_path() {
     let d = Daemon::start().await;
@@ -472,12 +431,7 @@ async fn a_tenant_cli_uploads_its_image_instead_of_naming_a_host_path() {
         .unwrap();
     let work = tempfile::tempdir().unwrap();
     let image = work.path().join("tiny.tar");
-    let st = Command::new("python3")
-        .args(["-c", MAKE_IMAGE])
-        .arg(&image)
-        .status()
-        .unwrap();
-    assert!(st.success());
+    make_image(&image, &[]);
     let url = d.url();
     let env = [
         ("TORPOR_URL", url.as_str()),
@@ -547,12 +501,7 @@ async fn tenant_and_image(d: &Daemon, work: &Path, rootfs: bool) -> (String, Pat
         .await
         .unwrap();
     let file = work.join(if rootfs { "rootfs.tar" } else { "tiny.tar" });
-    let mut cmd = Command::new("python3");
-    cmd.args(["-c", MAKE_IMAGE]).arg(&file);
-    if rootfs {
-        cmd.arg("rootfs");
-    }
-    assert!(cmd.status().unwrap().success());
+    make_image(&file, if rootfs { &["rootfs"] } else { &[] });
     (tenant.token, file)
 }
 
