@@ -59,6 +59,8 @@ pub struct E2b {
     pub watchers: Mutex<HashMap<String, fs::Watcher>>,
     /// Sandboxes whose agent predates `ListChanged` (restored from older snapshots).
     pub legacy_agents: Mutex<std::collections::HashSet<SandboxId>>,
+    /// Sandboxes whose E2B timeout action is running (see [`enforce_timeouts`]).
+    timeouts_in_flight: Mutex<std::collections::HashSet<SandboxId>>,
 }
 
 impl E2b {
@@ -74,6 +76,7 @@ impl E2b {
             domain,
             watchers: Mutex::new(HashMap::new()),
             legacy_agents: Mutex::new(Default::default()),
+            timeouts_in_flight: Mutex::new(Default::default()),
         }
     }
 
@@ -227,7 +230,10 @@ async fn timeout_task(st: std::sync::Weak<E2b>) {
     }
 }
 
-pub async fn enforce_timeouts(st: &E2b) -> Result<(), E2bError> {
+/// Puts every running sandbox past its E2B deadline to sleep (or deletes it). Each action runs
+/// in its own task: one sandbox whose calls hold its suspend (up to the drain bound) does not
+/// hold the sweep, nor any other tenant's deadlines; a sandbox already being acted on is skipped.
+pub async fn enforce_timeouts(st: &Arc<E2b>) -> Result<(), E2bError> {
     let now = torpor_core::now_millis();
     let admin = TenantId::admin();
     for rec in st.api.engine.sandboxes(&admin)? {
@@ -241,26 +247,48 @@ pub async fn enforce_timeouts(st: &E2b) -> Result<(), E2bError> {
         if end_at > now || !is_running(rec.tier) {
             continue;
         }
+        if !st
+            .timeouts_in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(rec.id.clone())
+        {
+            continue;
+        }
         let kill = rec.metadata.get(META_ON_TIMEOUT).map(String::as_str) == Some("kill");
         tracing::info!(sandbox = %rec.id, kill, "e2b timeout reached");
-        let result = if kill {
-            st.api.engine.delete_sandbox(&admin, &rec.id).await
-        } else {
-            // Clear the deadline first: a later wake (any call) must not be put back to
-            // sleep at once; `connect` sets a new deadline.
-            st.api
-                .engine
-                .patch_sandbox_metadata(&admin, &rec.id, &[(META_END_AT.to_string(), None)].into())
-                .map(|_| ())?;
-            st.api
-                .engine
-                .suspend(&admin, &rec.id, Tier::Parked)
-                .await
-                .map(|_| ())
-        };
-        if let Err(e) = result {
-            tracing::warn!(sandbox = %rec.id, error = %e, "e2b timeout action failed");
-        }
+        let st = st.clone();
+        tokio::spawn(async move {
+            let result = timeout_action(&st, &rec.id, kill).await;
+            if let Err(e) = result {
+                tracing::warn!(sandbox = %rec.id, error = %e, "e2b timeout action failed");
+            }
+            st.timeouts_in_flight
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&rec.id);
+        });
     }
     Ok(())
+}
+
+async fn timeout_action(
+    st: &E2b,
+    id: &SandboxId,
+    kill: bool,
+) -> Result<(), torpor_control::ControlError> {
+    let admin = TenantId::admin();
+    if kill {
+        return st.api.engine.delete_sandbox(&admin, id).await;
+    }
+    // Clear the deadline first: a later wake (any call) must not be put back to sleep at
+    // once; `connect` sets a new deadline.
+    st.api
+        .engine
+        .patch_sandbox_metadata(&admin, id, &[(META_END_AT.to_string(), None)].into())?;
+    st.api
+        .engine
+        .suspend(&admin, id, Tier::Parked)
+        .await
+        .map(|_| ())
 }
