@@ -202,9 +202,7 @@ async fn real_runsc_checkpoint_survives_the_store() {
         .len();
 
     let store = Store::new(
-        std::sync::Arc::new(
-            torpor_snapshot::LocalBackend::open(t.path().join("store")).unwrap(),
-        ),
+        std::sync::Arc::new(torpor_snapshot::LocalBackend::open(t.path().join("store")).unwrap()),
         StoreConfig::default(),
     )
     .unwrap();
