@@ -773,6 +773,21 @@ fn egress_limits() -> EgressLimits {
     LIMITS.get().copied().unwrap_or_default()
 }
 
+/// Conntrack mark bits on a sandbox's TCP connections with torpor (the egress relay, the
+/// ingress proxy): the sandbox sent its FIN / torpor sent its FIN.
+///
+/// gVisor refuses to checkpoint, and stops, a sandbox holding a TCP endpoint in TIME_WAIT, and
+/// ignores a RST in TIME_WAIT (RFC 1337). The relay answers a sandbox that closes first with a
+/// RST (crate::relay::PeerCloseAware), but when both ends close at once (torpor's FIN is on its
+/// way while the program closes: a client that stops reading after the answer it wanted) the
+/// sandbox's FIN crosses torpor's, and the ACK of it would put the sandbox in TIME_WAIT for 60 s.
+/// So once both FINs were seen, every further packet from torpor to the sandbox (that ACK, or
+/// torpor's FIN after the sandbox's) leaves as a RST: the sandbox's endpoint closes at once,
+/// whichever order the FINs crossed in; torpor's own socket is untouched.
+const CT_SANDBOX_FIN: u32 = 0x1;
+const CT_TORPOR_FIN: u32 = 0x2;
+const CT_BOTH_FIN: u32 = CT_SANDBOX_FIN | CT_TORPOR_FIN;
+
 fn base_table(
     host_addr: Ipv4Addr,
     dns_port: Option<u16>,
@@ -850,6 +865,7 @@ fn base_table(
   }}
   chain tp_in {{
     type filter hook input priority filter; policy accept;
+    iifname "sb0" tcp flags & fin == fin ct mark set ct mark or {CT_SANDBOX_FIN}
     iifname "sb0" ct direction reply counter name "tx"
     iifname "sb0" ct state established,related accept
     iifname "sb0" tcp dport {RELAY_PORT} ct status dnat accept
@@ -860,6 +876,8 @@ fn base_table(
   }}
   chain tp_out {{
     type filter hook output priority filter; policy accept;
+    oifname "sb0" tcp flags & fin == fin ct mark set ct mark or {CT_TORPOR_FIN}
+    oifname "sb0" ct mark & {CT_BOTH_FIN} == {CT_BOTH_FIN} tcp flags & rst == 0 counter tcp flags set rst | ack
     oifname "sb0" ct state new counter name "ingress_conns"
     oifname "sb0" ct direction original counter name "rx"
   }}

@@ -17,6 +17,9 @@
 //!   ([`PeerCloseAware`]); a RST in FIN-WAIT-2 closes the endpoint at once, so there is no
 //!   TIME_WAIT (the data torpor sent before is acknowledged first);
 //! - when torpor closes first, the sandbox is the passive closer and ends in CLOSED;
+//! - when both close at once (the FINs cross), the router's nftables turn torpor's ACK of the
+//!   sandbox's FIN into a RST (`CT_BOTH_FIN` in crate::net), which gVisor takes in CLOSING or
+//!   LAST-ACK but would ignore in TIME_WAIT;
 //! - before a checkpoint, [`EgressRelay::reset_all`] resets every connection still open: the
 //!   program sees `ECONNRESET`, as after any network move, and reconnects after its wake.
 
