@@ -1525,6 +1525,8 @@ impl Engine {
         )];
         match self.snapshots.put(&rec.tenant, labels, source).await {
             Ok(report) => {
+                self.store
+                    .set_snapshot_bytes(report.id.as_str(), report.stats.input_bytes)?;
                 let old = std::mem::replace(&mut rec.image, ImageRef::Store(report.id.to_string()));
                 rec.state = SandboxState::Suspended;
                 rec.tier = Tier::Suspended;
@@ -1558,7 +1560,12 @@ impl Engine {
             ImageRef::Local(p) => {
                 let _ = std::fs::remove_dir_all(p);
             }
-            ImageRef::Store(snapshot) => self.snapshots.retire(tenant, snapshot).await,
+            ImageRef::Store(snapshot) => {
+                if let Err(e) = self.store.forget_snapshot_bytes(snapshot) {
+                    tracing::warn!(snapshot, error = %e, "cannot forget a snapshot's size");
+                }
+                self.snapshots.retire(tenant, snapshot).await
+            }
         }
     }
 
@@ -1636,16 +1643,23 @@ impl Engine {
                         kind: "template",
                         id: source.template.to_string(),
                     })?;
-                self.snapshots
+                let golden = self
+                    .snapshots
                     .golden(
                         &source.tenant,
                         tpl.name.as_str(),
                         tpl.created_at,
                         tpl.golden_dir,
                     )
-                    .await?
+                    .await?;
+                self.store
+                    .set_snapshot_bytes(golden.as_str(), tpl.golden_bytes)?;
+                golden
             }
         };
+        // Each fork is charged what its source's snapshot holds (quotas count before
+        // deduplication).
+        let snapshot_bytes = self.store.snapshot_bytes(snapshot.as_str())?;
         drop(guard);
         let ids = self.snapshots.fork(&source.tenant, snapshot, count).await?;
         let mut forks = Vec::with_capacity(count);
@@ -1669,6 +1683,8 @@ impl Engine {
                 last_error: None,
                 oom_killed: false,
             };
+            self.store
+                .set_snapshot_bytes(snap.as_str(), snapshot_bytes)?;
             let inserted = {
                 let _quota = self.quota_lock.lock().await;
                 self.check_quota(
@@ -1711,6 +1727,8 @@ impl Engine {
             sandbox.to_string(),
         )];
         let report = self.snapshots.put(tenant, labels, dir).await?;
+        self.store
+            .set_snapshot_bytes(report.id.as_str(), report.stats.input_bytes)?;
         self.metrics
             .checkpoint_bytes
             .with_label_values(&["store_new"])

@@ -157,6 +157,10 @@ CREATE TABLE IF NOT EXISTS tenants (
     created_at INTEGER NOT NULL,
     quotas TEXT NOT NULL DEFAULT '{}'
 );
+CREATE TABLE IF NOT EXISTS snapshot_bytes (
+    snapshot TEXT PRIMARY KEY,
+    bytes INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS pools (
     name TEXT PRIMARY KEY,
     tenant TEXT NOT NULL,
@@ -784,6 +788,42 @@ pub struct PoolRow {
     pub tenant: TenantId,
     pub spec_json: String,
     pub created_at: UnixMillis,
+}
+
+impl Store {
+    /// Records what a snapshot in the store holds for quota purposes: the checkpoint's size on
+    /// disk before deduplication.
+    pub fn set_snapshot_bytes(&self, snapshot: &str, bytes: u64) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "INSERT OR REPLACE INTO snapshot_bytes(snapshot, bytes) VALUES (?1, ?2)",
+                params![snapshot, bytes as i64],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub fn snapshot_bytes(&self, snapshot: &str) -> Result<u64, StoreError> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT bytes FROM snapshot_bytes WHERE snapshot=?1",
+                params![snapshot],
+                |r| r.get::<_, i64>(0),
+            )
+            .optional()
+            .map(|b| b.unwrap_or(0) as u64)
+        })
+    }
+
+    pub fn forget_snapshot_bytes(&self, snapshot: &str) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "DELETE FROM snapshot_bytes WHERE snapshot=?1",
+                params![snapshot],
+            )
+            .map(|_| ())
+        })
+    }
 }
 
 impl Store {

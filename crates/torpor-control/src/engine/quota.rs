@@ -8,9 +8,11 @@
 //! calls at the last unit cannot both win. Template builds consume their share by their
 //! `building` record (counted as resident until the build ends).
 //!
-//! Disk is measured, not declared: templates' directories once (they are immutable) and each
-//! sandbox's checkpoint directory on each check (a handful of files). Snapshots in the store are
-//! deduplicated across tenants and are not charged here (see docs/SECURITY.md).
+//! Disk is measured, not declared: templates' directories once (they are immutable), each
+//! sandbox's checkpoint directory on each check (a handful of files), and for a sandbox asleep
+//! in the snapshot store the size its checkpoint had when it was stored (forks: their source's).
+//! Quotas count before deduplication: sharing chunks is the node's saving, not a tenant's
+//! allowance. Snapshots stored by older versions have no recorded size and count zero.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -19,7 +21,7 @@ use torpor_core::{Limits, TemplateName, TenantId};
 
 use super::{dir_size, Engine};
 use crate::error::{ControlError, Result};
-use crate::store::{Quotas, TemplateStatus};
+use crate::store::{ImageRef, Quotas, TemplateStatus};
 
 /// Most processes one tenant's sandbox may have: a fork bomb should stay inside its sandbox
 /// long before the node's pid table fills.
@@ -218,6 +220,9 @@ impl Engine {
                 .filter(|s| s.tenant == *tenant)
             {
                 bytes += dir_size(&self.sandbox_dir(&s.id));
+                if let ImageRef::Store(snapshot) = &s.image {
+                    bytes += self.store.snapshot_bytes(snapshot)?;
+                }
             }
             bytes += self.uploads_in_flight(tenant);
             held.disk_bytes = bytes;

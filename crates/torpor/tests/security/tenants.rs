@@ -472,3 +472,52 @@ async fn a_rootfs_tarball_upload_cannot_write_outside_its_root() {
         .iter()
         .all(|t| t.name != "evil"));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn checkpoints_in_the_snapshot_store_count_against_the_disk_quota() {
+    let d = Daemon::start().await;
+    let a = tenant(
+        &d,
+        "disk",
+        Quotas {
+            // A host sandbox's stored checkpoint is about half a MiB: counted, it fills this.
+            max_disk_mib: Some(1),
+            ..Default::default()
+        },
+    )
+    .await;
+    let id = create(&a, "host").await;
+    // Asleep in the snapshot store: no local image left, the stored checkpoint is charged.
+    let s = a
+        .suspend(&id, Some(torpor_core::Tier::Suspended))
+        .await
+        .unwrap();
+    assert_eq!(s.tier, "suspended");
+    assert!(
+        !d.dir.join("sandboxes").join(&id).join("images").exists()
+            || std::fs::read_dir(d.dir.join("sandboxes").join(&id).join("images"))
+                .unwrap()
+                .next()
+                .is_none()
+    );
+    let e = a
+        .create_sandbox(&CreateSandboxBody {
+            template: "host".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    match e {
+        ClientError::Api {
+            status, details, ..
+        } => {
+            assert_eq!(status, 429);
+            assert_eq!(details.unwrap()["quota"], "disk_mib");
+        }
+        other => panic!("{other}"),
+    }
+    // Its own wake is not refused (nothing new is stored), and deleting it gives the room back.
+    assert_eq!(a.exec(&id, &sh("echo up")).await.unwrap().stdout, "up\n");
+    a.delete_sandbox(&id).await.unwrap();
+    create(&a, "host").await;
+}
