@@ -31,9 +31,9 @@ impl Rng {
 fn fixture(name: &str) -> Inventory {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .ancestors()
-        .map(|d| d.join("shared/fixtures/gpu"))
+        .map(|d| d.join("fixtures/gpu"))
         .find(|d| d.is_dir())
-        .expect("shared/fixtures/gpu above the crate (../shared/fixtures/gpu of the repository)")
+        .expect("fixtures/gpu of the repository above the crate")
         .join(name);
     Inventory::load(&path).unwrap_or_else(|e| panic!("{e}"))
 }

@@ -1,6 +1,6 @@
 //! MIG geometry: profiles, allowed start slices, per-GPU limits, and placement on one GPU.
 //!
-//! The facts are those of `shared/fixtures/gpu/MIG-GEOMETRY.md`: a MIG-capable GPU has 8 memory
+//! The facts are those of `fixtures/gpu/MIG-GEOMETRY.md`: a MIG-capable GPU has 8 memory
 //! slices and 7 SM slices; an instance occupies memory slices `[start, start + size)`; a
 //! placement is valid when its start is allowed for the profile, it overlaps no other instance,
 //! and the profile's per-GPU limit holds. On real hardware the placements come from NVML and

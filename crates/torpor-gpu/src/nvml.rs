@@ -1079,7 +1079,7 @@ mod tests {
         .unwrap();
         let fixture = std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../../../shared/fixtures/gpu/pcie-a100-4.toml"
+            "/../../fixtures/gpu/pcie-a100-4.toml"
         ))
         .ok()
         .and_then(|t| Inventory::from_toml(&t, "pcie-a100-4.toml").ok());

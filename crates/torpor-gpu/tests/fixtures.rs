@@ -1,4 +1,4 @@
-//! Every declared inventory in shared/fixtures/gpu must load, with the facts it declares.
+//! Every declared inventory in fixtures/gpu must load, with the facts it declares.
 
 use std::path::PathBuf;
 
@@ -8,12 +8,12 @@ use torpor_gpu::mig::MigModel;
 use torpor_gpu::topology::Link;
 
 fn fixtures_dir() -> PathBuf {
-    // The fixtures sit beside the repository (`../shared`); a worktree may be deeper.
+    // The fixtures are the repository's `fixtures/gpu` (copied from the shared reference data).
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .ancestors()
-        .map(|d| d.join("shared/fixtures/gpu"))
+        .map(|d| d.join("fixtures/gpu"))
         .find(|d| d.is_dir())
-        .expect("shared/fixtures/gpu above the crate (../shared/fixtures/gpu of the repository)")
+        .expect("fixtures/gpu of the repository above the crate")
 }
 
 fn load(name: &str) -> Inventory {

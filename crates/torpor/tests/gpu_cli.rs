@@ -12,12 +12,12 @@ use serde_json::{json, Value};
 const BIN: &str = env!("CARGO_BIN_EXE_torpor");
 
 fn fixture(name: &str) -> PathBuf {
-    // The fixtures sit beside the repository (`../shared`); a worktree may be deeper.
+    // The fixtures are the repository's `fixtures/gpu` (copied from the shared reference data).
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .ancestors()
-        .map(|d| d.join("shared/fixtures/gpu"))
+        .map(|d| d.join("fixtures/gpu"))
         .find(|d| d.is_dir())
-        .expect("shared/fixtures/gpu above the crate (../shared/fixtures/gpu of the repository)")
+        .expect("fixtures/gpu of the repository above the crate")
         .join(name)
 }
 

@@ -6,12 +6,12 @@ use std::path::PathBuf;
 use torpor_gpu::inventory::Inventory;
 
 pub fn fixtures_dir() -> PathBuf {
-    // The fixtures sit beside the repository (`../shared`); a worktree may be deeper.
+    // The fixtures are the repository's `fixtures/gpu` (copied from the shared reference data).
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .ancestors()
-        .map(|d| d.join("shared/fixtures/gpu"))
+        .map(|d| d.join("fixtures/gpu"))
         .find(|d| d.is_dir())
-        .expect("shared/fixtures/gpu above the crate (../shared/fixtures/gpu of the repository)")
+        .expect("fixtures/gpu of the repository above the crate")
 }
 
 pub fn load(name: &str) -> Inventory {

@@ -390,9 +390,9 @@ impl Drop for Extender {
 fn gpu_fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .ancestors()
-        .map(|d| d.join("shared/fixtures/gpu"))
+        .map(|d| d.join("fixtures/gpu"))
         .find(|d| d.is_dir())
-        .expect("shared/fixtures/gpu above the crate")
+        .expect("fixtures/gpu of the repository above the crate")
         .join(name)
 }
 
