@@ -140,7 +140,7 @@ fn rpc_message() -> BoxedStrategy<Value> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
     /// Arbitrary bytes through every entry point: no panic, no broken promise.
     #[test]
@@ -309,7 +309,7 @@ fn create_body() -> BoxedStrategy<Value> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
     /// Create and network bodies under every kind of template policy (the entry points assert
     /// that none widens a policy that is not `full`).
@@ -576,7 +576,7 @@ fn pool_spec() -> BoxedStrategy<Value> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
     /// Pool specs built from the real fields (the entry point asserts a valid pool's brokers
     /// are all checkable and that it reads back as itself).
@@ -692,4 +692,47 @@ fn generated_inputs_are_both_accepted_and_refused() {
         .filter(|_| fuzzing::pool_spec(&serde_json::to_vec(&sample(&pools)).unwrap()).is_ok())
         .count();
     count("pool specs", ok, n);
+}
+
+/// The fuzz targets' seeds (`fuzz/seeds/`) are what their decoders accept, so a fuzz run starts
+/// from inputs that reach past the parsers.
+#[test]
+fn fuzz_seeds_are_accepted_by_their_decoders() {
+    let seed = |target: &str, name: &str| {
+        let path = format!(
+            "{}/../../fuzz/seeds/{target}/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+    };
+    // connect_envelopes: the first byte picks the chunking and the user; the rest is the body.
+    let body = |name: &str| seed("connect_envelopes", name)[1..].to_vec();
+    fuzzing::process_message("Start", Framing::Stream, &body("start"), &[]).unwrap();
+    fuzzing::process_message("StreamInput", Framing::Stream, &body("stream_input"), &[3]).unwrap();
+    fuzzing::process_message("SendSignal", Framing::Unary, &body("send_signal"), &[]).unwrap();
+    fuzzing::process_message("Update", Framing::Unary, &body("update"), &[]).unwrap();
+    fuzzing::path_message("Move", Framing::Unary, &body("fs_move"), None).unwrap();
+    fuzzing::path_message("WatchDir", Framing::Stream, &body("fs_watch"), None).unwrap();
+    // e2b_bodies: the first byte picks the template policy (2: full) and the list's version.
+    let body = |name: &str| seed("e2b_bodies", name)[1..].to_vec();
+    let full = fuzzing::template_policies()[2].clone();
+    fuzzing::create_body(&body("create"), full.as_ref()).unwrap();
+    fuzzing::network_body(&body("network"), full.as_ref()).unwrap();
+    assert_eq!(fuzzing::timeout_body(&body("timeout"), true).unwrap(), 60);
+    let list = fuzzing::list_query(std::str::from_utf8(&body("list")).unwrap(), true).unwrap();
+    assert_eq!((list.limit, list.metadata.len()), (10, 2));
+    let files = body("files");
+    let mut fields = files.splitn(4, |b| *b == b'\n');
+    let (query, auth, ct, upload) = (
+        fields.next().unwrap(),
+        fields.next().unwrap(),
+        fields.next().unwrap(),
+        fields.next().unwrap(),
+    );
+    let (query, ct) = (
+        std::str::from_utf8(query).unwrap(),
+        std::str::from_utf8(ct).unwrap(),
+    );
+    assert_eq!(fuzzing::files_upload(query, auth, ct, upload), Ok(2));
+    fuzzing::pool_spec(&seed("pool_specs", "pool")).unwrap();
 }
