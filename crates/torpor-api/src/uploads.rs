@@ -115,8 +115,13 @@ pub async fn upload_template_image(
     let _slot = UploadSlot::take(&tenant)?;
     // Refuse before reading a byte when the tenant may not add a template.
     let allowance = engine.upload_allowance(&tenant, MAX_UPLOAD_BYTES).await?;
-    // A stated length over what may be kept is refused before a byte is read.
+    // A stated length over what may be kept is refused before a byte is kept.
     if crate::server::content_length(&headers).is_some_and(|n| n > allowance.bytes) {
+        drain(
+            body.into_data_stream()
+                .map(|r| r.map_err(|e| e.to_string())),
+        )
+        .await;
         return Err(over_cap(allowance));
     }
     let dir = engine.upload_dir();
@@ -246,6 +251,8 @@ where
         })?;
         written += chunk.len() as u64;
         if written > allowance.bytes {
+            drop(file);
+            drain(body).await;
             return Err(over_cap(allowance));
         }
         file.write_all(&chunk)
@@ -263,6 +270,29 @@ where
         ));
     }
     Ok(written)
+}
+
+/// Most of a refused upload read and dropped before the refusal is sent, and for how long.
+const DRAIN_MAX_BYTES: usize = 64 << 20;
+const DRAIN_MAX_TIME: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Reads and drops what is left of a refused upload, up to [`DRAIN_MAX_BYTES`] and
+/// [`DRAIN_MAX_TIME`]: a client still sending then reads the refusal instead of a connection
+/// reset (closing a socket with unread data resets it). A larger body is cut.
+async fn drain<S>(mut body: S)
+where
+    S: Stream<Item = Result<Bytes, String>> + Unpin,
+{
+    let _ = tokio::time::timeout(DRAIN_MAX_TIME, async {
+        let mut n = 0;
+        while let Some(Ok(chunk)) = body.next().await {
+            n += chunk.len();
+            if n > DRAIN_MAX_BYTES {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 /// An upload over what it may bring: the tenant's disk quota when that is what capped it, else
