@@ -3,23 +3,15 @@
 //! the scheduler extender over real HTTP with a real client.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 
 use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_torpor");
 
-fn fixture(name: &str) -> PathBuf {
-    // The fixtures are the repository's `fixtures/gpu` (copied from the shared reference data).
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .map(|d| d.join("fixtures/gpu"))
-        .find(|d| d.is_dir())
-        .expect("fixtures/gpu of the repository above the crate")
-        .join(name)
-}
+mod common;
+use common::{gpu_fixture as fixture, ExtenderProcess};
 
 fn local(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -317,54 +309,6 @@ fn ls_without_inventory_or_driver_says_so() {
     assert_eq!(out.status.code(), Some(1));
     let err: Value = serde_json::from_slice(&out.stderr).unwrap();
     assert_eq!(err["error"]["code"], "gpu_no_inventory");
-}
-
-/// A running `torpor gpu extender`, stopped by its PID when dropped.
-struct ExtenderProcess {
-    child: Child,
-    url: String,
-}
-
-impl ExtenderProcess {
-    fn start(inventories: &[PathBuf]) -> ExtenderProcess {
-        Self::start_with(inventories, &[])
-    }
-
-    fn start_with(inventories: &[PathBuf], extra: &[&str]) -> ExtenderProcess {
-        let mut cmd = Command::new(BIN);
-        cmd.args(["gpu", "extender", "--listen", "127.0.0.1:0"]);
-        if !extra.contains(&"--extender-token-file") {
-            cmd.arg("--no-auth");
-        }
-        cmd.args(extra);
-        cmd.arg("--inventory");
-        cmd.args(inventories);
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_owned();
-        ExtenderProcess {
-            child,
-            url: format!("http://{addr}"),
-        }
-    }
-}
-
-impl Drop for ExtenderProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn pod(uid: &str, annotations: Value, gpus: u32) -> Value {

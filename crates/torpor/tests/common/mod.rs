@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -292,4 +293,63 @@ pub fn make_image(out: &std::path::Path, flags: &[&str]) {
         .status()
         .unwrap();
     assert!(st.success(), "make_image.py {flags:?}");
+}
+
+/// The repository's GPU fixture `name` (`fixtures/gpu`).
+pub fn gpu_fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .map(|d| d.join("fixtures/gpu"))
+        .find(|d| d.is_dir())
+        .expect("fixtures/gpu of the repository above the crate")
+        .join(name)
+}
+
+/// A running `torpor gpu extender` on a free port, stopped when dropped. Without
+/// `--extender-token-file` among `extra` it runs `--no-auth`.
+pub struct ExtenderProcess {
+    child: Child,
+    pub url: String,
+}
+
+impl ExtenderProcess {
+    pub fn start(inventories: &[PathBuf]) -> ExtenderProcess {
+        Self::start_with(inventories, &[])
+    }
+
+    pub fn start_with(inventories: &[PathBuf], extra: &[&str]) -> ExtenderProcess {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["gpu", "extender", "--listen", "127.0.0.1:0"]);
+        if !extra.contains(&"--extender-token-file") {
+            cmd.arg("--no-auth");
+        }
+        cmd.args(extra);
+        cmd.arg("--inventory");
+        cmd.args(inventories);
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_owned();
+        ExtenderProcess {
+            child,
+            url: format!("http://{addr}"),
+        }
+    }
+}
+
+impl Drop for ExtenderProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -7,9 +7,7 @@
 #[path = "../common/brokers.rs"]
 mod brokers;
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use brokers::{free_port, wait_pool, Redis};
@@ -18,7 +16,7 @@ use torpor_api::types::CreateTenantBody;
 use torpor_api::{Client, ClientError};
 use torpor_control::Quotas;
 
-use crate::common::{Daemon, BIN};
+use crate::common::{gpu_fixture, Daemon, ExtenderProcess, BIN};
 
 async fn tenant(d: &Daemon, name: &str, quotas: Option<Quotas>) -> Client {
     let t = d
@@ -348,54 +346,6 @@ async fn a_tenant_cannot_see_or_delete_another_tenants_pool_or_exceed_max_pools(
         .unwrap();
 }
 
-/// A `torpor gpu extender` on a free port, stopped when dropped.
-struct Extender {
-    child: Child,
-    url: String,
-}
-
-impl Extender {
-    fn start(args: &[&str]) -> Extender {
-        let mut child = Command::new(BIN)
-            .args(["gpu", "extender", "--listen", "127.0.0.1:0", "--inventory"])
-            .arg(gpu_fixture("l4-2.toml"))
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_owned();
-        Extender {
-            child,
-            url: format!("http://{addr}"),
-        }
-    }
-}
-
-impl Drop for Extender {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn gpu_fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .map(|d| d.join("fixtures/gpu"))
-        .find(|d| d.is_dir())
-        .expect("fixtures/gpu of the repository above the crate")
-        .join(name)
-}
-
 fn whole_gpu_pod(uid: &str) -> Value {
     json!({
         "metadata": {"name": uid, "namespace": "ns1", "uid": uid},
@@ -410,7 +360,10 @@ async fn an_unauthenticated_caller_cannot_bind_pods_through_the_gpu_extender() {
     let dir = tempfile::tempdir().unwrap();
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
-    let ext = Extender::start(&["--extender-token-file", token_file.to_str().unwrap()]);
+    let ext = ExtenderProcess::start_with(
+        &[gpu_fixture("l4-2.toml")],
+        &["--extender-token-file", token_file.to_str().unwrap()],
+    );
     let http = reqwest::Client::new();
     let filter = json!({"Pod": whole_gpu_pod("p1"), "NodeNames": ["l4-01"]});
     let bind = json!({"PodName": "p1", "PodNamespace": "ns1", "PodUID": "p1", "Node": "l4-01"});
@@ -471,7 +424,7 @@ async fn a_crafted_pod_name_in_a_bind_cannot_reach_another_api_server_path() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let api = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
-    let ext = Extender::start(&["--no-auth", "--kube-api", &api]);
+    let ext = ExtenderProcess::start_with(&[gpu_fixture("l4-2.toml")], &["--kube-api", &api]);
     let http = reqwest::Client::new();
     let post = |path: &str, body: Value| http.post(format!("{}{path}", ext.url)).json(&body).send();
     post(
