@@ -312,14 +312,23 @@ fn on_timeout(body: &NewSandbox) -> E2bResult<&'static str> {
     })
 }
 
-/// POST /sandboxes and /v2/sandboxes → 201.
-pub async fn create(
-    State(st): State<Arc<E2b>>,
-    headers: HeaderMap,
-    body: Body,
-) -> E2bResult<(StatusCode, Json<SandboxJson>)> {
-    let tenant = authenticate(&st, &headers)?;
-    let body: NewSandbox = parse_body(&headers, body).await?;
+/// What `POST /sandboxes` asks of the engine, decided from its body alone: the template, the
+/// metadata that keeps E2B's lifecycle and egress, the env and the network policy. The fuzz
+/// entry point drives this same function.
+pub(crate) struct CreatePlan {
+    pub template: TemplateName,
+    pub metadata: BTreeMap<String, String>,
+    pub env: BTreeMap<String, String>,
+    pub network: torpor_core::NetworkPolicy,
+}
+
+/// Checks a create body and plans the sandbox. `template_network` gives the named template's
+/// network policy (its ceiling); `traffic_token` makes the token of a private sandbox.
+pub(crate) fn plan_create(
+    body: NewSandbox,
+    template_network: impl FnOnce(&TemplateName) -> E2bResult<Option<torpor_core::NetworkPolicy>>,
+    traffic_token: impl FnOnce() -> String,
+) -> E2bResult<CreatePlan> {
     let tpl = template_to_torpor(body.template_id.as_deref().unwrap_or("base"));
     let template = TemplateName::new(tpl)
         .map_err(|_| E2bError::not_found(format_args!("template {tpl:?}")))?;
@@ -334,7 +343,7 @@ pub async fn create(
     metadata.insert(META_ON_TIMEOUT.into(), on_timeout(&body)?.into());
     // Reachable on its ports (get_host): always an interface. Egress: the template's policy,
     // narrowed (or, under a `full` template, set) by E2B's egress options.
-    let tpl_network = template_network(&st, &tenant, &template)?;
+    let tpl_network = template_network(&template)?;
     let net = body.network.unwrap_or_default();
     super::egress::refuse_unsupported(
         net.egress_proxy.as_ref(),
@@ -364,21 +373,42 @@ pub async fn create(
         if public {
             "public".into()
         } else {
-            super::ports::new_traffic_token(&st)
+            traffic_token()
         },
     );
+    Ok(CreatePlan {
+        template,
+        metadata,
+        env: body.env_vars.unwrap_or_default(),
+        network,
+    })
+}
+
+/// POST /sandboxes and /v2/sandboxes → 201.
+pub async fn create(
+    State(st): State<Arc<E2b>>,
+    headers: HeaderMap,
+    body: Body,
+) -> E2bResult<(StatusCode, Json<SandboxJson>)> {
+    let tenant = authenticate(&st, &headers)?;
+    let body: NewSandbox = parse_body(&headers, body).await?;
+    let plan = plan_create(
+        body,
+        |template| template_network(&st, &tenant, template),
+        || super::ports::new_traffic_token(&st),
+    )?;
     let rec = st
         .api
         .engine
         .create_sandbox(
             &tenant,
             CreateSandbox {
-                template,
-                env: body.env_vars.unwrap_or_default(),
-                metadata,
+                template: plan.template,
+                env: plan.env,
+                metadata: plan.metadata,
                 limits: Default::default(),
                 gpu: None,
-                network: Some(network),
+                network: Some(plan.network),
             },
         )
         .await

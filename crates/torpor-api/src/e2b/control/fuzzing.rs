@@ -33,39 +33,31 @@ fn egress_policy(
     Ok(p)
 }
 
-/// `POST /sandboxes`'s body, under a template whose network policy is `template`.
+/// `POST /sandboxes`'s body, under a template whose network policy is `template`: the
+/// handler's own [`plan_create`], then the engine's env check.
 pub fn create_body(body: &[u8], template: Option<&NetworkPolicy>) -> E2bResult<()> {
     let body: NewSandbox = body_of(body)?;
-    let tpl = template_to_torpor(body.template_id.as_deref().unwrap_or("base"));
-    TemplateName::new(tpl).map_err(|_| E2bError::not_found(format_args!("template {tpl:?}")))?;
-    timeout_seconds(body.timeout)?;
-    let metadata = body.metadata.clone().unwrap_or_default();
-    if metadata.keys().any(|k| k.starts_with(META_PREFIX)) {
-        return Err(E2bError::bad_request("reserved metadata key"));
+    let tpl = template_to_torpor(body.template_id.as_deref().unwrap_or("base")).to_string();
+    let plan = plan_create(body, |_| Ok(template.cloned()), || "token".into())?;
+    // Its promise: under a template that is not `full`, never wider than the template.
+    if !matches!(template, Some(t) if *t == NetworkPolicy::full()) {
+        let base = super::super::ports::ingress_policy(template);
+        let ingress_only = NetworkPolicy::Allow(Default::default());
+        assert!(
+            plan.network == base || plan.network == ingress_only,
+            "template {tpl:?}: policy {template:?} widened to {:?}",
+            plan.network
+        );
     }
-    on_timeout(&body)?;
-    let net = body.network.unwrap_or_default();
-    super::super::egress::refuse_unsupported(
-        net.egress_proxy.as_ref(),
-        net.rules.as_ref(),
-        net.https_ports.as_ref(),
-    )?;
-    let egress = Egress {
-        allow_out: net.allow_out,
-        deny_out: net.deny_out,
-        dns_servers: net.dns_servers,
-        allow_internet_access: body.allow_internet_access,
-    };
-    egress_policy(tpl, template, &egress)?;
     // What is kept in the sandbox's metadata reads back as what was asked.
-    let kept = serde_json::to_string(&egress).expect("egress serialises");
-    assert_eq!(serde_json::from_str::<Egress>(&kept).ok(), Some(egress));
-    if let Some(mask) = net.mask_request_host {
-        super::super::ports::check_mask_host(&mask).map_err(E2bError::bad_request)?;
+    if let Some(kept) = plan.metadata.get(META_EGRESS) {
+        let egress: Egress = serde_json::from_str(kept).expect("kept egress reads back");
+        assert_eq!(
+            serde_json::to_string(&egress).ok().as_deref(),
+            Some(kept.as_str())
+        );
     }
-    if let Some(env) = &body.env_vars {
-        torpor_core::validate_env(env).map_err(|e| E2bError::bad_request(e.to_string()))?;
-    }
+    torpor_core::validate_env(&plan.env).map_err(|e| E2bError::bad_request(e.to_string()))?;
     Ok(())
 }
 
