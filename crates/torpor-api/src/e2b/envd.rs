@@ -417,17 +417,14 @@ pub async fn process_rpc(
     result.unwrap_or_else(|e| connect::error_response(framing, &e))
 }
 
-async fn start(
-    st: Arc<E2b>,
-    c: Ctx,
-    body: &[u8],
-    keepalive: Duration,
-    deadline: Option<Instant>,
-) -> Result<Response, RpcError> {
-    let req: StartRequest = connect::parse_request(Framing::Stream, body)?;
+/// A `Start` request checked: the request, its pty size (if a pty is asked for) and the
+/// process, which must name a command. The fuzz entry point runs this too.
+fn parse_start(body: &[u8]) -> Result<(StartRequest, Option<PtySize>, ProcessConfig), RpcError> {
+    let mut req: StartRequest = connect::parse_request(Framing::Stream, body)?;
     let pty = req.pty.as_ref().map(PtyRequest::size).transpose()?;
     let config = req
         .process
+        .take()
         .ok_or_else(|| RpcError::new(Code::InvalidArgument, "process is required"))?;
     if config.cmd.is_empty() {
         return Err(RpcError::new(
@@ -435,6 +432,17 @@ async fn start(
             "process.cmd is required",
         ));
     }
+    Ok((req, pty, config))
+}
+
+async fn start(
+    st: Arc<E2b>,
+    c: Ctx,
+    body: &[u8],
+    keepalive: Duration,
+    deadline: Option<Instant>,
+) -> Result<Response, RpcError> {
+    let (req, pty, config) = parse_start(body)?;
     let cwd = match &config.cwd {
         Some(d) if !d.is_empty() => super::fs::resolve(d, None)?,
         // The home, or `/` when there is none.

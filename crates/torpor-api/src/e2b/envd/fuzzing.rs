@@ -55,17 +55,7 @@ pub fn process_message(
     connect::check_method("process.Process", method, known, streaming, framing)?;
     match method {
         "Start" => {
-            let req: StartRequest = connect::parse_request(Framing::Stream, body)?;
-            req.pty.as_ref().map(PtyRequest::size).transpose()?;
-            let config = req
-                .process
-                .ok_or_else(|| RpcError::new(Code::InvalidArgument, "process is required"))?;
-            if config.cmd.is_empty() {
-                return Err(RpcError::new(
-                    Code::InvalidArgument,
-                    "process.cmd is required",
-                ));
-            }
+            let (req, _, config) = parse_start(body)?;
             if let Some(d) = config.cwd.as_deref().filter(|d| !d.is_empty()) {
                 super::super::fs::resolve(d, None)?;
             }
