@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Kafka tests (cargo feature `kafka`), kept out of scripts/test.sh because their broker,
 # tansu (a Kafka-compatible broker in Rust), is built from source: ~20 min on 2 cores the first
-# time. Installs tansu idempotently into /opt/tansu (features `dynostore,libsql`, as in ../shared/SERVICES.md; the tests use memory storage),
+# time. Installs tansu idempotently into /opt/tansu (features `dynostore,libsql`, as in the project's services recipe; the tests use memory storage),
 # then runs the feature-gated tests, which start and stop their own broker on a free port.
 # Usage: sudo bash scripts/test-kafka.sh
 set -euo pipefail
