@@ -57,11 +57,14 @@ enum Op {
     },
 }
 
-/// Runs operations on the real file system below `base` and logs them (relative to it).
+/// Runs operations on the real file system below `base` and logs them (relative to it). Each
+/// operation and its log entry happen under one lock, so the log's order is the order the file
+/// system saw (concurrent chunk writers create the same shard directories).
 #[derive(Debug)]
 struct RecordingFs {
     base: PathBuf,
     log: Mutex<Vec<Op>>,
+    one_at_a_time: Mutex<()>,
 }
 
 impl RecordingFs {
@@ -69,6 +72,7 @@ impl RecordingFs {
         Arc::new(RecordingFs {
             base: base.to_path_buf(),
             log: Mutex::new(Vec::new()),
+            one_at_a_time: Mutex::new(()),
         })
     }
 
@@ -97,6 +101,7 @@ impl RecordingFs {
 
 impl Fs for RecordingFs {
     fn create_dir(&self, path: &Path) -> std::io::Result<()> {
+        let _serial = self.one_at_a_time.lock().unwrap();
         let existed = path.is_dir();
         RealFs.create_dir(path)?;
         if !existed {
@@ -106,6 +111,7 @@ impl Fs for RecordingFs {
     }
 
     fn write_new(&self, path: &Path, data: &[u8], sync: bool) -> std::io::Result<()> {
+        let _serial = self.one_at_a_time.lock().unwrap();
         RealFs.write_new(path, data, sync)?;
         self.push(Op::Write {
             path: self.rel(path),
@@ -118,24 +124,28 @@ impl Fs for RecordingFs {
     }
 
     fn sync_file(&self, path: &Path) -> std::io::Result<()> {
+        let _serial = self.one_at_a_time.lock().unwrap();
         RealFs.sync_file(path)?;
         self.push(Op::SyncFile(self.rel(path)));
         Ok(())
     }
 
     fn sync_dir(&self, path: &Path) -> std::io::Result<()> {
+        let _serial = self.one_at_a_time.lock().unwrap();
         RealFs.sync_dir(path)?;
         self.push(Op::SyncDir(self.rel(path)));
         Ok(())
     }
 
     fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
+        let _serial = self.one_at_a_time.lock().unwrap();
         RealFs.rename(from, to)?;
         self.push(Op::Rename(self.rel(from), self.rel(to)));
         Ok(())
     }
 
     fn remove_file(&self, path: &Path) -> std::io::Result<()> {
+        let _serial = self.one_at_a_time.lock().unwrap();
         RealFs.remove_file(path)?;
         self.push(Op::Remove(self.rel(path)));
         Ok(())
