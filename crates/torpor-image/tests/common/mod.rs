@@ -21,7 +21,7 @@ pub const MEDIA_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
 
 /// Set in the environment of a test re-run as an unprivileged user.
 const UNPRIVILEGED_CHILD: &str = "TORPOR_IMAGE_TEST_UNPRIVILEGED";
-/// `nobody`/`nogroup` on Debian.
+/// `nobody`/`nogroup` on Debian. (`Command::uid` as root also drops supplementary groups.)
 const NOBODY: u32 = 65534;
 
 /// Tests that try to escape the destination run their body as an unprivileged user when
@@ -32,15 +32,21 @@ const NOBODY: u32 = 65534;
 /// Returns whether the caller should run the body itself: it is that unprivileged child,
 /// or it was not root to begin with. Otherwise the body has run in the child, and this
 /// asserts that it passed.
+///
+/// The child does not run from the build tree: a clone under a directory only root may
+/// enter (`/root`, mode 0700) would leave `nobody` unable to execute it. See
+/// [`UnprivilegedRun`].
 pub fn body_runs_here(test: &str) -> bool {
     if std::env::var_os(UNPRIVILEGED_CHILD).is_some() || !rustix::process::geteuid().is_root() {
         return true;
     }
-    let output = Command::new(std::env::current_exe().unwrap())
+    let run = UnprivilegedRun::prepare();
+    let output = Command::new(&run.exe)
         .args(["--exact", test, "--test-threads=1"])
         .env(UNPRIVILEGED_CHILD, "1")
-        .env("TMPDIR", std::env::temp_dir())
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("TMPDIR", &run.tmp)
+        .env("HOME", &run.tmp)
+        .current_dir(&run.tmp)
         .uid(NOBODY)
         .gid(NOBODY)
         .output()
@@ -51,7 +57,47 @@ pub fn body_runs_here(test: &str) -> bool {
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
+    // A renamed test would otherwise match nothing and "pass".
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("running 1 test") && stdout.contains("1 passed"),
+        "{test} did not run in the unprivileged child:\n{stdout}"
+    );
     false
+}
+
+/// What the unprivileged child needs, where it can reach it: a fresh directory under
+/// `/tmp` (mode 0755) holding a copy of this test binary (0755) and a private scratch
+/// directory owned by the child (its `TMPDIR`, `HOME` and working directory). The tests
+/// build their inputs at run time, so the binary is all they read. Removed on drop.
+struct UnprivilegedRun {
+    _dir: tempfile::TempDir,
+    exe: PathBuf,
+    tmp: PathBuf,
+}
+
+impl UnprivilegedRun {
+    fn prepare() -> UnprivilegedRun {
+        use std::os::unix::fs::PermissionsExt;
+        // `/tmp` itself, not `TMPDIR`: that may point under a directory `nobody` cannot enter.
+        let dir = tempfile::Builder::new()
+            .prefix("torpor-image-unprivileged-")
+            .tempdir_in("/tmp")
+            .unwrap();
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        let exe = dir.path().join("test");
+        fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+        fs::set_permissions(&exe, fs::Permissions::from_mode(0o755)).unwrap();
+        let tmp = dir.path().join("tmp");
+        fs::create_dir(&tmp).unwrap();
+        fs::set_permissions(&tmp, fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::chown(&tmp, Some(NOBODY), Some(NOBODY)).unwrap();
+        UnprivilegedRun {
+            _dir: dir,
+            exe,
+            tmp,
+        }
+    }
 }
 
 pub fn sha256(bytes: &[u8]) -> String {
