@@ -12,6 +12,7 @@ pub mod pools;
 pub mod secrets;
 pub mod snapshots;
 pub mod store;
+pub mod usage;
 
 pub use engine::{
     CreateSandbox, Engine, EngineConfig, ExecEvent, ExecResult, FileEntry, InUse, UploadAllowance,

@@ -257,6 +257,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     let pools = torpor_control::pools::Pools::start(engine.clone(), &cfg.data_dir, pools_config)
         .await
         .map_err(|e| anyhow::anyhow!("{e} ({})", e.code()))?;
+    let _usage = torpor_control::usage::Sampler::spawn(engine.clone(), Some(pools.clone()))?;
     let (keda_stop, keda_stop_rx) = tokio::sync::oneshot::channel::<()>();
     let keda = match cfg.keda_listen {
         Some(addr) => {

@@ -1,0 +1,782 @@
+//! Usage accounting: what each sandbox, and so each tenant, consumed over time, durable in the
+//! engine's SQLite file (`torpor.db`, table `usage_intervals`) and summed into fixed hourly
+//! intervals, so a year of history is one row per sandbox, measure and hour at most.
+//!
+//! A [`Sampler`] runs every `TORPOR_USAGE_SAMPLE_MS` (default 15 s). Each sample reads the
+//! sandboxes (state store), the resident ones' cgroups and network counters
+//! ([`Engine::usage_probe`]) and the GPU allocations, and adds what happened since the last
+//! sample to the current interval:
+//!
+//! | measure | unit | dimension | how |
+//! |---|---|---|---|
+//! | `memory_gib_hours` | GiB-hours | tier (`running`, `frozen`) | resident memory (RSS + shmem) × time |
+//! | `cpu_seconds` | seconds | | the worker cgroup's `cpuacct.usage` delta |
+//! | `gpu_hours` | GPU-hours | share (`whole`, `mig:3g.71gb`, `mps:50`, `timeslice`) | fraction of one GPU × time |
+//! | `snapshot_gib_hours` | GiB-hours | | a sleeping sandbox's local checkpoint bytes × time |
+//! | `wakes` | count | tier woken from (`golden`, `frozen`, `parked`, `suspended`) | generation bumps and thaws seen between samples |
+//! | `egress_bytes` | bytes | | its interface's tx counter delta |
+//!
+//! Time between two samples is capped at twice the period: while the daemon is down nothing
+//! runs (it checkpoints at shutdown), so a restart bills no gap, and what was recorded before it
+//! is in SQLite already. The sampler also sets the Prometheus usage counters, the lot and
+//! memory gauges and the pool gauges ([`crate::metrics`]).
+//!
+//! This module owns the `usage_intervals` table and nothing else of the state store.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rusqlite::{params, Connection};
+use serde::{Deserialize, Serialize};
+use torpor_core::{now_millis, SandboxId, TenantId, Tier, UnixMillis};
+
+use crate::engine::usage_probe::ResidentProbe;
+use crate::engine::Engine;
+
+/// Length of one accounting interval.
+pub const INTERVAL_S: i64 = 3600;
+/// The sampling period, in milliseconds.
+pub const SAMPLE_MS_ENV: &str = "TORPOR_USAGE_SAMPLE_MS";
+pub const DEFAULT_SAMPLE: Duration = Duration::from_secs(15);
+const GIB: f64 = (1u64 << 30) as f64;
+
+const SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS usage_intervals (
+    start_s INTEGER NOT NULL,
+    tenant TEXT NOT NULL,
+    sandbox TEXT NOT NULL,
+    measure TEXT NOT NULL,
+    dim TEXT NOT NULL,
+    value REAL NOT NULL,
+    PRIMARY KEY (start_s, tenant, sandbox, measure, dim)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS usage_by_tenant ON usage_intervals (tenant, start_s);
+"#;
+
+#[derive(Debug, thiserror::Error)]
+pub enum UsageError {
+    #[error("cannot open the usage store {path}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("usage store")]
+    Sql(#[from] rusqlite::Error),
+    #[error("cannot read the sandboxes")]
+    Sandboxes(#[source] crate::store::StoreError),
+    #[error("`from` ({from}) must be before `to` ({to})")]
+    BadRange { from: i64, to: i64 },
+    #[error("unknown group_by {0:?}: use tenant, sandbox or interval, comma-separated")]
+    BadGroupBy(String),
+}
+
+/// What one row of usage measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Measure {
+    MemoryGibHours,
+    CpuSeconds,
+    GpuHours,
+    SnapshotGibHours,
+    Wakes,
+    EgressBytes,
+}
+
+impl Measure {
+    pub const ALL: [Measure; 6] = [
+        Measure::MemoryGibHours,
+        Measure::CpuSeconds,
+        Measure::GpuHours,
+        Measure::SnapshotGibHours,
+        Measure::Wakes,
+        Measure::EgressBytes,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Measure::MemoryGibHours => "memory_gib_hours",
+            Measure::CpuSeconds => "cpu_seconds",
+            Measure::GpuHours => "gpu_hours",
+            Measure::SnapshotGibHours => "snapshot_gib_hours",
+            Measure::Wakes => "wakes",
+            Measure::EgressBytes => "egress_bytes",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Measure> {
+        Measure::ALL.into_iter().find(|m| m.as_str() == s)
+    }
+}
+
+/// One addition to an interval.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageDelta {
+    pub tenant: TenantId,
+    pub sandbox: SandboxId,
+    pub measure: Measure,
+    pub dim: String,
+    pub value: f64,
+}
+
+/// How `GET /v1/usage` groups its rows: always by tenant, optionally by sandbox and interval.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct GroupBy {
+    pub sandbox: bool,
+    pub interval: bool,
+}
+
+impl GroupBy {
+    /// `tenant`, `sandbox`, `interval` (also `hour`), comma-separated; empty: by tenant.
+    pub fn parse(s: &str) -> Result<GroupBy, UsageError> {
+        let mut g = GroupBy::default();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            match part {
+                "tenant" => {}
+                "sandbox" => g.sandbox = true,
+                "interval" | "hour" => g.interval = true,
+                other => return Err(UsageError::BadGroupBy(other.chars().take(40).collect())),
+            }
+        }
+        Ok(g)
+    }
+}
+
+/// A usage query: `[from_s, to_s)` in Unix seconds, whole intervals that start inside it.
+#[derive(Debug, Clone)]
+pub struct UsageQuery {
+    /// `None`: every tenant (the operator).
+    pub tenant: Option<TenantId>,
+    pub from_s: i64,
+    pub to_s: i64,
+    pub group_by: GroupBy,
+}
+
+/// Usage of one group (a tenant, a sandbox, an interval) in the units of [`Measure`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct UsageRow {
+    pub tenant: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<String>,
+    /// The interval's start (Unix seconds) when grouped by interval.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval_start_s: Option<i64>,
+    /// By tier: `running`, `frozen`.
+    pub memory_gib_hours: BTreeMap<String, f64>,
+    pub cpu_seconds: f64,
+    /// By share: `whole`, `mig:<profile>`, `mps:<compute %>`, `timeslice`; in GPUs × hours.
+    pub gpu_hours: BTreeMap<String, f64>,
+    pub snapshot_gib_hours: f64,
+    /// By the tier woken from.
+    pub wakes: BTreeMap<String, u64>,
+    pub egress_bytes: u64,
+}
+
+impl UsageRow {
+    fn add(&mut self, measure: Measure, dim: &str, value: f64) {
+        match measure {
+            Measure::MemoryGibHours => {
+                *self.memory_gib_hours.entry(dim.into()).or_default() += value
+            }
+            Measure::CpuSeconds => self.cpu_seconds += value,
+            Measure::GpuHours => *self.gpu_hours.entry(dim.into()).or_default() += value,
+            Measure::SnapshotGibHours => self.snapshot_gib_hours += value,
+            Measure::Wakes => *self.wakes.entry(dim.into()).or_default() += value.round() as u64,
+            Measure::EgressBytes => self.egress_bytes += value.round() as u64,
+        }
+    }
+}
+
+/// `GET /v1/usage`'s answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct UsageReport {
+    pub from_s: i64,
+    pub to_s: i64,
+    pub interval_s: i64,
+    pub rows: Vec<UsageRow>,
+}
+
+/// The `usage_intervals` table, on its own connection to the engine's database file.
+pub struct UsageStore {
+    conn: Mutex<Connection>,
+}
+
+impl UsageStore {
+    /// The usage store in `engine`'s database file.
+    pub fn of(engine: &Engine) -> Result<UsageStore, UsageError> {
+        UsageStore::open(&engine.usage_db_path())
+    }
+
+    pub fn open(path: &Path) -> Result<UsageStore, UsageError> {
+        let open_err = |source| UsageError::Open {
+            path: path.to_path_buf(),
+            source,
+        };
+        let conn = Connection::open(path).map_err(open_err)?;
+        conn.execute_batch("PRAGMA busy_timeout=5000;")
+            .map_err(open_err)?;
+        conn.execute_batch(SCHEMA).map_err(open_err)?;
+        Ok(UsageStore {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    /// Adds `deltas` to the interval holding `at_ms`, in one transaction.
+    pub fn record(&self, at_ms: UnixMillis, deltas: &[UsageDelta]) -> Result<(), UsageError> {
+        let start = interval_start(at_ms / 1000);
+        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let tx = conn.transaction()?;
+        {
+            let mut st = tx.prepare_cached(
+                "INSERT INTO usage_intervals (start_s, tenant, sandbox, measure, dim, value)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                 ON CONFLICT (start_s, tenant, sandbox, measure, dim)
+                 DO UPDATE SET value = value + excluded.value",
+            )?;
+            for d in deltas.iter().filter(|d| d.value > 0.0) {
+                st.execute(params![
+                    start,
+                    d.tenant.as_str(),
+                    d.sandbox.as_str(),
+                    d.measure.as_str(),
+                    d.dim,
+                    d.value
+                ])?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// The rows of `q`, sorted by tenant, sandbox and interval.
+    pub fn query(&self, q: &UsageQuery) -> Result<UsageReport, UsageError> {
+        if q.from_s >= q.to_s {
+            return Err(UsageError::BadRange {
+                from: q.from_s,
+                to: q.to_s,
+            });
+        }
+        let from = interval_start(q.from_s);
+        let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = conn.prepare_cached(
+            "SELECT tenant, sandbox, start_s, measure, dim, value FROM usage_intervals
+             WHERE start_s >= ?1 AND start_s < ?2 AND (?3 IS NULL OR tenant = ?3)",
+        )?;
+        let tenant = q.tenant.as_ref().map(|t| t.as_str().to_string());
+        let mut groups: BTreeMap<(String, Option<String>, Option<i64>), UsageRow> = BTreeMap::new();
+        let rows = st.query_map(params![from, q.to_s, tenant], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, i64>(2)?,
+                r.get::<_, String>(3)?,
+                r.get::<_, String>(4)?,
+                r.get::<_, f64>(5)?,
+            ))
+        })?;
+        for row in rows {
+            let (tenant, sandbox, start, measure, dim, value) = row?;
+            let Some(measure) = Measure::parse(&measure) else {
+                continue;
+            };
+            let key = (
+                tenant,
+                q.group_by.sandbox.then_some(sandbox),
+                q.group_by.interval.then_some(start),
+            );
+            groups
+                .entry(key.clone())
+                .or_insert_with(|| UsageRow {
+                    tenant: key.0.clone(),
+                    sandbox: key.1.clone(),
+                    interval_start_s: key.2,
+                    ..Default::default()
+                })
+                .add(measure, &dim, value);
+        }
+        Ok(UsageReport {
+            from_s: from,
+            to_s: q.to_s,
+            interval_s: INTERVAL_S,
+            rows: groups.into_values().collect(),
+        })
+    }
+}
+
+/// The start of the interval holding `t_s`.
+pub fn interval_start(t_s: i64) -> i64 {
+    t_s.div_euclid(INTERVAL_S) * INTERVAL_S
+}
+
+/// What the sampler remembers between samples.
+#[derive(Default)]
+struct Seen {
+    last_ms: Option<UnixMillis>,
+    /// `cpuacct.usage` (ns) of every worker cgroup at the last sample.
+    cpu_ns: HashMap<String, u64>,
+    /// Transmitted bytes since a wake, by sandbox and generation.
+    tx_bytes: HashMap<(SandboxId, u32), u64>,
+    /// Generation and tier of every sandbox at the last sample.
+    sandboxes: HashMap<SandboxId, (u32, Tier)>,
+    /// Local checkpoint bytes of a sleeping sandbox, by generation (an image does not change
+    /// while it sleeps).
+    image_bytes: HashMap<SandboxId, (u32, u64)>,
+    /// Pools' processed and dead-lettered counts.
+    pool_counts: HashMap<(String, String), (u64, u64)>,
+}
+
+/// Samples the engine into the usage store and the usage metrics.
+pub struct Sampler {
+    engine: Arc<Engine>,
+    pools: Option<Arc<crate::pools::Pools>>,
+    store: UsageStore,
+    period: Duration,
+    seen: Mutex<Seen>,
+}
+
+impl Sampler {
+    pub fn new(
+        engine: Arc<Engine>,
+        pools: Option<Arc<crate::pools::Pools>>,
+        period: Duration,
+    ) -> Result<Sampler, UsageError> {
+        Ok(Sampler {
+            store: UsageStore::of(&engine)?,
+            engine,
+            pools,
+            period,
+            seen: Mutex::new(Seen::default()),
+        })
+    }
+
+    /// The period from [`SAMPLE_MS_ENV`], or [`DEFAULT_SAMPLE`].
+    pub fn period_from_env() -> Duration {
+        std::env::var(SAMPLE_MS_ENV)
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|ms| *ms >= 100)
+            .map(Duration::from_millis)
+            .unwrap_or(DEFAULT_SAMPLE)
+    }
+
+    /// Starts sampling every period until the runtime stops.
+    pub fn spawn(
+        engine: Arc<Engine>,
+        pools: Option<Arc<crate::pools::Pools>>,
+    ) -> Result<tokio::task::JoinHandle<()>, UsageError> {
+        let sampler = Arc::new(Sampler::new(engine, pools, Self::period_from_env())?);
+        Ok(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(sampler.period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let s = sampler.clone();
+                let outcome = tokio::task::spawn_blocking(move || s.sample(now_millis())).await;
+                let ok = matches!(outcome, Ok(Ok(())));
+                if let Ok(Err(e)) = &outcome {
+                    tracing::warn!(error = %e, "usage sample failed");
+                }
+                sampler
+                    .engine
+                    .metrics
+                    .usage
+                    .samples
+                    .with_label_values(&[if ok { "ok" } else { "failed" }])
+                    .inc();
+            }
+        }))
+    }
+
+    /// One sample at `now_ms`: measures, records and exports what happened since the last.
+    pub fn sample(&self, now_ms: UnixMillis) -> Result<(), UsageError> {
+        let metrics = &self.engine.metrics;
+        let stats = self.engine.worker_stats();
+        metrics.lot_capacity.set(stats.lot_capacity as i64);
+        metrics
+            .resident_memory_bytes
+            .set(stats.resident_memory_bytes as i64);
+        metrics
+            .memory_budget_bytes
+            .set(stats.memory_budget_bytes.unwrap_or(0) as i64);
+        self.sample_pools();
+
+        let records = self.engine.store.sandboxes().map_err(|e| {
+            metrics.store_error("state");
+            UsageError::Sandboxes(e)
+        })?;
+        let probes: HashMap<SandboxId, ResidentProbe> = self
+            .engine
+            .usage_probe()
+            .into_iter()
+            .map(|p| (p.sandbox.clone(), p))
+            .collect();
+        let gpu = self.gpu_fractions();
+        let cpu_now = read_cpuacct();
+
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let first = seen.last_ms.is_none();
+        let cap = self.period.as_millis() as i64 * 2;
+        let dt_h = seen
+            .last_ms
+            .map(|last| (now_ms - last).clamp(0, cap) as f64 / 3_600_000.0)
+            .unwrap_or(0.0);
+        let mut deltas = Vec::new();
+        let mut push = |tenant: &TenantId, sandbox: &SandboxId, m: Measure, dim: &str, v: f64| {
+            if v > 0.0 {
+                deltas.push(UsageDelta {
+                    tenant: tenant.clone(),
+                    sandbox: sandbox.clone(),
+                    measure: m,
+                    dim: dim.to_string(),
+                    value: v,
+                });
+            }
+        };
+        let mut live = std::collections::HashSet::new();
+        for rec in &records {
+            let (id, tenant) = (&rec.id, &rec.tenant);
+            live.insert(id.clone());
+            // Wakes: a new generation is a restore (or a create); a thaw keeps it.
+            let prev = seen
+                .sandboxes
+                .insert(id.clone(), (rec.generation, rec.tier));
+            if !first {
+                let from = match prev {
+                    None if rec.tier.is_resident() => Some("golden"),
+                    Some((g, t)) if rec.generation > g => Some(if t.is_resident() {
+                        "parked"
+                    } else {
+                        t.as_str()
+                    }),
+                    Some((_, Tier::Frozen)) if rec.tier == Tier::Running => Some("frozen"),
+                    _ => None,
+                };
+                if let Some(from) = from {
+                    push(tenant, id, Measure::Wakes, from, 1.0);
+                }
+            }
+            if let Some(p) = probes.get(id) {
+                let tier = if p.frozen { "frozen" } else { "running" };
+                let gib = p.memory_bytes.unwrap_or(0) as f64 / GIB;
+                push(tenant, id, Measure::MemoryGibHours, tier, gib * dt_h);
+                if let Some(now) = cpu_now.get(&p.cgroup) {
+                    // A group seen before: its delta; one made since the last sample started
+                    // at zero; at the first sample nothing is known yet.
+                    let before = seen.cpu_ns.get(&p.cgroup).copied();
+                    let used = match before {
+                        Some(b) => now.saturating_sub(b),
+                        None if !first => *now,
+                        None => 0,
+                    };
+                    push(tenant, id, Measure::CpuSeconds, "", used as f64 / 1e9);
+                }
+                if let Some(tx) = p.tx_bytes {
+                    let key = (id.clone(), rec.generation);
+                    let before = seen.tx_bytes.insert(key, tx);
+                    let sent = match before {
+                        Some(b) => tx.saturating_sub(b),
+                        None if !first => tx,
+                        None => 0,
+                    };
+                    push(tenant, id, Measure::EgressBytes, "", sent as f64);
+                }
+                for (dim, fraction) in gpu.get(id.as_str()).into_iter().flatten() {
+                    push(tenant, id, Measure::GpuHours, dim, fraction * dt_h);
+                }
+            } else if !rec.tier.is_resident() {
+                let bytes = match seen.image_bytes.get(id) {
+                    Some((g, b)) if *g == rec.generation => *b,
+                    _ => {
+                        let b = dir_bytes(&self.engine.usage_image_dir(id));
+                        seen.image_bytes.insert(id.clone(), (rec.generation, b));
+                        b
+                    }
+                };
+                push(
+                    tenant,
+                    id,
+                    Measure::SnapshotGibHours,
+                    "",
+                    bytes as f64 / GIB * dt_h,
+                );
+            }
+        }
+        seen.cpu_ns = cpu_now;
+        seen.sandboxes.retain(|id, _| live.contains(id));
+        seen.image_bytes.retain(|id, _| live.contains(id));
+        seen.tx_bytes.retain(|(id, _), _| probes.contains_key(id));
+        seen.last_ms = Some(now_ms);
+        drop(seen);
+
+        if let Err(e) = self.store.record(now_ms, &deltas) {
+            metrics.store_error("usage");
+            return Err(e);
+        }
+        let u = &metrics.usage;
+        for d in &deltas {
+            let t = d.tenant.as_str();
+            match d.measure {
+                Measure::MemoryGibHours => u
+                    .memory_byte_seconds
+                    .with_label_values(&[t, &d.dim])
+                    .inc_by(d.value * GIB * 3600.0),
+                Measure::CpuSeconds => u.cpu_seconds.with_label_values(&[t]).inc_by(d.value),
+                Measure::GpuHours => {
+                    let mode = d.dim.split(':').next().unwrap_or("");
+                    u.gpu_share_seconds
+                        .with_label_values(&[t, mode])
+                        .inc_by(d.value * 3600.0)
+                }
+                Measure::SnapshotGibHours => u
+                    .snapshot_byte_seconds
+                    .with_label_values(&[t])
+                    .inc_by(d.value * GIB * 3600.0),
+                Measure::Wakes => u
+                    .wakes
+                    .with_label_values(&[t, &d.dim])
+                    .inc_by(d.value as u64),
+                Measure::EgressBytes => u
+                    .egress_bytes
+                    .with_label_values(&[t])
+                    .inc_by(d.value as u64),
+            }
+        }
+        Ok(())
+    }
+
+    /// GPU held by each sandbox: (share, fraction of one GPU).
+    fn gpu_fractions(&self) -> HashMap<String, Vec<(String, f64)>> {
+        let mut out: HashMap<String, Vec<(String, f64)>> = HashMap::new();
+        let Some(gpus) = self.engine.gpus() else {
+            return out;
+        };
+        let status = gpus.status(&TenantId::admin());
+        let mut timesliced: HashMap<String, usize> = HashMap::new();
+        for a in &status.allocations {
+            for d in &a.devices {
+                if d.mode.as_str() == "timeslice" {
+                    *timesliced.entry(d.gpu_uuid.clone()).or_default() += 1;
+                }
+            }
+        }
+        for a in &status.allocations {
+            for d in &a.devices {
+                let (dim, fraction) = match (d.mode.as_str(), &d.profile, d.compute_pct) {
+                    ("mig", Some(profile), _) => (format!("mig:{profile}"), mig_fraction(profile)),
+                    ("mps", _, Some(pct)) => (format!("mps:{pct}"), f64::from(pct) / 100.0),
+                    ("timeslice", _, _) => (
+                        "timeslice".to_string(),
+                        1.0 / timesliced.get(&d.gpu_uuid).copied().unwrap_or(1).max(1) as f64,
+                    ),
+                    (mode, _, _) => (mode.to_string(), 1.0),
+                };
+                out.entry(a.sandbox.clone())
+                    .or_default()
+                    .push((dim, fraction));
+            }
+        }
+        out
+    }
+
+    fn sample_pools(&self) {
+        let Some(pools) = &self.pools else {
+            return;
+        };
+        let m = &self.engine.metrics.pools;
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        for p in pools.list(&TenantId::admin()) {
+            let (t, n) = (p.tenant.to_string(), p.name.to_string());
+            m.queue_depth
+                .with_label_values(&[&t, &n])
+                .set(p.depth.unwrap_or(0) as i64);
+            m.desired_agents
+                .with_label_values(&[&t, &n])
+                .set(i64::from(p.desired));
+            let asleep = p.sandboxes.len() as i64
+                - i64::from(p.running)
+                - i64::from(p.starting)
+                - i64::from(p.draining);
+            for (state, v) in [
+                ("running", i64::from(p.running)),
+                ("starting", i64::from(p.starting)),
+                ("draining", i64::from(p.draining)),
+                ("asleep", asleep.max(0)),
+            ] {
+                m.agents.with_label_values(&[&t, &n, state]).set(v);
+            }
+            let before = seen
+                .pool_counts
+                .insert((t.clone(), n.clone()), (p.processed, p.dead_lettered))
+                .unwrap_or((0, 0));
+            m.processed
+                .with_label_values(&[&t, &n])
+                .inc_by(p.processed.saturating_sub(before.0));
+            m.dead_lettered
+                .with_label_values(&[&t, &n])
+                .inc_by(p.dead_lettered.saturating_sub(before.1));
+        }
+    }
+}
+
+/// A MIG profile's share of its GPU: `<g>g.<mem>` is g of 7 compute slices.
+fn mig_fraction(profile: &str) -> f64 {
+    profile
+        .split_once('g')
+        .and_then(|(g, _)| g.parse::<u32>().ok())
+        .map(|g| f64::from(g.min(7)) / 7.0)
+        .unwrap_or(1.0)
+}
+
+/// `cpuacct.usage` (ns) of every group under torpor's cgroup parent.
+fn read_cpuacct() -> HashMap<String, u64> {
+    let dir = Path::new(torpor_runtime::cgroup::CGROUP_ROOT)
+        .join("cpuacct")
+        .join(torpor_runtime::cgroup::PARENT);
+    let mut out = HashMap::new();
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let Ok(name) = e.file_name().into_string() else {
+            continue;
+        };
+        if let Some(ns) = std::fs::read_to_string(e.path().join("cpuacct.usage"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+        {
+            out.insert(name, ns);
+        }
+    }
+    out
+}
+
+/// Bytes of the regular files under `dir` (a parked sandbox's checkpoint image).
+fn dir_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            match e.file_type() {
+                Ok(t) if t.is_dir() => stack.push(e.path()),
+                Ok(t) if t.is_file() => total += e.metadata().map(|m| m.len()).unwrap_or(0),
+                _ => {}
+            }
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn delta(tenant: &str, sandbox: &str, m: Measure, dim: &str, v: f64) -> UsageDelta {
+        UsageDelta {
+            tenant: TenantId::new(tenant).unwrap(),
+            sandbox: SandboxId::new(sandbox).unwrap(),
+            measure: m,
+            dim: dim.into(),
+            value: v,
+        }
+    }
+
+    #[test]
+    fn records_add_up_in_hourly_intervals_and_survive_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("torpor.db");
+        let h = 3_600_000;
+        {
+            let s = UsageStore::open(&db).unwrap();
+            let a = "sb-aaaaaaaaaaaaaaaa";
+            s.record(
+                10 * h + 5,
+                &[delta("team-a", a, Measure::MemoryGibHours, "running", 0.5)],
+            )
+            .unwrap();
+            s.record(
+                10 * h + 90_000,
+                &[
+                    delta("team-a", a, Measure::MemoryGibHours, "running", 0.25),
+                    delta("team-a", a, Measure::Wakes, "parked", 1.0),
+                ],
+            )
+            .unwrap();
+            s.record(
+                11 * h,
+                &[delta(
+                    "team-b",
+                    "sb-bbbbbbbbbbbbbbbb",
+                    Measure::CpuSeconds,
+                    "",
+                    3.0,
+                )],
+            )
+            .unwrap();
+        }
+        let s = UsageStore::open(&db).unwrap();
+        let all = s
+            .query(&UsageQuery {
+                tenant: None,
+                from_s: 0,
+                to_s: 12 * 3600,
+                group_by: GroupBy::parse("tenant,interval").unwrap(),
+            })
+            .unwrap();
+        assert_eq!(all.rows.len(), 2, "{all:?}");
+        assert_eq!(all.rows[0].tenant, "team-a");
+        assert_eq!(all.rows[0].interval_start_s, Some(36_000));
+        assert_eq!(all.rows[0].memory_gib_hours["running"], 0.75);
+        assert_eq!(all.rows[0].wakes["parked"], 1);
+        assert_eq!(all.rows[1].cpu_seconds, 3.0);
+        let own = s
+            .query(&UsageQuery {
+                tenant: Some(TenantId::new("team-b").unwrap()),
+                from_s: 0,
+                to_s: 12 * 3600,
+                group_by: GroupBy::default(),
+            })
+            .unwrap();
+        assert_eq!(own.rows.len(), 1);
+        assert_eq!(own.rows[0].tenant, "team-b");
+        // An interval outside the range is left out.
+        let early = s
+            .query(&UsageQuery {
+                tenant: None,
+                from_s: 0,
+                to_s: 10 * 3600,
+                group_by: GroupBy::default(),
+            })
+            .unwrap();
+        assert!(early.rows.is_empty(), "{early:?}");
+    }
+
+    #[test]
+    fn bad_queries_are_refused() {
+        assert!(matches!(
+            GroupBy::parse("tenant,colour"),
+            Err(UsageError::BadGroupBy(_))
+        ));
+        let dir = tempfile::tempdir().unwrap();
+        let s = UsageStore::open(&dir.path().join("t.db")).unwrap();
+        let err = s
+            .query(&UsageQuery {
+                tenant: None,
+                from_s: 10,
+                to_s: 10,
+                group_by: GroupBy::default(),
+            })
+            .unwrap_err();
+        assert!(matches!(err, UsageError::BadRange { .. }));
+    }
+
+    #[test]
+    fn mig_profiles_are_priced_by_their_compute_slices() {
+        assert_eq!(mig_fraction("7g.141gb"), 1.0);
+        assert!((mig_fraction("3g.71gb") - 3.0 / 7.0).abs() < 1e-9);
+        assert!((mig_fraction("1g.18gb") - 1.0 / 7.0).abs() < 1e-9);
+    }
+}
