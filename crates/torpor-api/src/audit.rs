@@ -98,7 +98,7 @@ use prometheus::IntCounter;
 use serde::{Deserialize, Serialize};
 use torpor_core::{SandboxId, TenantId};
 
-use crate::server::{constant_time_eq, ApiState};
+use crate::{auth::constant_time_eq, state::ApiState};
 
 /// `DATA_DIR/audit`.
 pub const AUDIT_DIR: &str = "audit";

@@ -129,9 +129,9 @@ pub fn e2b_bodies(data: &[u8]) {
 ///
 /// Asserted: a valid pool's triggers all have the broker addresses the tenant allow-list
 /// checks (so no valid pool escapes the check).
-pub fn pool_spec(json: &[u8]) -> Result<(), crate::server::ApiError> {
+pub fn pool_spec(json: &[u8]) -> Result<(), crate::errors::ApiError> {
     let spec: torpor_control::pools::PoolSpec =
-        crate::server::parse_json(&Bytes::copy_from_slice(json))?;
+        crate::body::parse_json(&Bytes::copy_from_slice(json))?;
     spec.validate()?;
     for (i, t) in spec.triggers.iter().enumerate() {
         let at = format!("triggers[{i}]");

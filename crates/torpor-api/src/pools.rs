@@ -10,14 +10,18 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::{Extension, Json};
 use serde::Deserialize;
+use torpor_control::error::ErrorKind;
 use torpor_control::pools::{PoolSpec, PoolStatus};
 use torpor_core::{PoolName, TenantId};
 
-use crate::server::{parse_json, ApiError, ApiResult, ApiState, RawBody};
+use crate::body::{parse_json, RawBody};
+use crate::errors::{ApiError, ApiResult};
+use crate::params::bad_query;
+use crate::state::ApiState;
 
 fn not_found(raw: &str) -> ApiError {
     ApiError::new(
-        StatusCode::NOT_FOUND,
+        ErrorKind::NotFound,
         "not_found",
         format!("pool {raw:?} not found"),
     )
@@ -36,8 +40,7 @@ pub(crate) struct Owner {
 type OwnerQuery = Result<Query<Owner>, axum::extract::rejection::QueryRejection>;
 
 fn owner_of(query: OwnerQuery, name: &str) -> ApiResult<Option<TenantId>> {
-    let Query(owner) = query
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()))?;
+    let Query(owner) = query.map_err(bad_query)?;
     owner.tenant(name)
 }
 

@@ -18,11 +18,13 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
+use torpor_control::error::ErrorKind;
 use torpor_core::{NetworkPolicy, SandboxId, TenantId};
 
-use crate::server::{parse_json, sandbox_id, ApiError, ApiState, RawBody};
-
-type ApiResult<T> = Result<T, ApiError>;
+use crate::body::{parse_json, RawBody};
+use crate::errors::{ApiError, ApiResult};
+use crate::params::sandbox_id;
+use crate::state::ApiState;
 
 /// Body of `PATCH /v1/sandboxes/{id}` and its answer.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -125,7 +127,7 @@ fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
 pub(crate) fn split_route(path: &str) -> ApiResult<(String, u16, String)> {
     let bad_port = |p: &str| {
         ApiError::new(
-            StatusCode::BAD_REQUEST,
+            ErrorKind::InvalidArgument,
             "invalid_port",
             format!("port {p:?} is not a number in 1-65535"),
         )
@@ -134,12 +136,12 @@ pub(crate) fn split_route(path: &str) -> ApiResult<(String, u16, String)> {
         .strip_prefix("/v1")
         .unwrap_or(path)
         .strip_prefix("/sandboxes/")
-        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route"))?;
+        .ok_or_else(|| ApiError::new(ErrorKind::NotFound, "not_found", "no such route"))?;
     let mut parts = rest.splitn(4, '/');
     let id = parts.next().unwrap_or_default().to_string();
     if parts.next() != Some("ports") {
         return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
+            ErrorKind::NotFound,
             "not_found",
             "no such route",
         ));
@@ -159,7 +161,7 @@ pub(crate) fn split_route(path: &str) -> ApiResult<(String, u16, String)> {
 fn check_tail(tail: &str) -> ApiResult<()> {
     let bad = || {
         ApiError::new(
-            StatusCode::BAD_REQUEST,
+            ErrorKind::InvalidArgument,
             "invalid_path",
             format!("path {tail:?} may not contain '.' or '..' segments, encoded slashes or NUL"),
         )
@@ -265,10 +267,11 @@ pub(crate) async fn host_route(
     let Some(label) = label else {
         return next.run(req).await;
     };
+    crate::request_id::set_route("{port}-{id}.<proxy domain>/{*path}");
     let result = async {
         let (port_raw, id) = label.split_once('-').ok_or_else(|| {
             ApiError::new(
-                StatusCode::BAD_REQUEST,
+                ErrorKind::InvalidArgument,
                 "invalid_host",
                 format!("host {label:?}.{domain}: expected {{port}}-{{sandbox id}}.{domain}"),
             )
@@ -307,7 +310,7 @@ fn bad_gateway(
     e: impl std::fmt::Display,
 ) -> ApiError {
     ApiError::new(
-        StatusCode::BAD_GATEWAY,
+        ErrorKind::BadGateway,
         code,
         format!("sandbox {id} port {port}: {e}"),
     )
@@ -364,7 +367,7 @@ async fn forward(
             .contains_key(axum::http::header::TRANSFER_ENCODING);
     let out_req = out_req
         .body(if has_body { body } else { Body::empty() })
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()))?;
+        .map_err(|e| ApiError::new(ErrorKind::InvalidArgument, "invalid_request", e.to_string()))?;
 
     // One connection per request. Whoever closes, the sandbox's stack keeps no endpoint that
     // would block its checkpoint (torpor_control::engine::sandbox_http).

@@ -8,6 +8,9 @@
 //! `RateLimit-Reset` (seconds until the bucket is full again), put there by
 //! crate::request_id.
 //!
+//! What the limiter needs of the daemon (its buckets, the tenants' rates) it reads through
+//! [`Rates`], so that it does not depend on the API's state.
+//!
 //! Buckets work on an explicit clock ([`Bucket::take_at`]) so that they are tested without
 //! sleeping. Tenants' rates are read from the engine and cached for [`RATE_CACHE`].
 //!
@@ -19,11 +22,35 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use torpor_control::error::ErrorKind;
+use torpor_control::ControlError;
 use torpor_core::TenantId;
 
-use crate::server::{ApiError, ApiState};
+use crate::errors::ApiError;
+
+/// What the limiter reads of the daemon.
+pub trait Rates {
+    /// The buckets and upload budgets.
+    fn limits(&self) -> &EdgeLimits;
+    /// Every tenant's `requests_per_s` quota (None: the default).
+    fn tenant_rates(&self) -> Result<Vec<(TenantId, Option<u64>)>, ControlError>;
+    /// The rate of tenants whose quotas name none (0: not limited).
+    fn default_rate(&self) -> u64;
+}
+
+impl<T: Rates + ?Sized> Rates for Arc<T> {
+    fn limits(&self) -> &EdgeLimits {
+        (**self).limits()
+    }
+    fn tenant_rates(&self) -> Result<Vec<(TenantId, Option<u64>)>, ControlError> {
+        (**self).tenant_rates()
+    }
+    fn default_rate(&self) -> u64 {
+        (**self).default_rate()
+    }
+}
 
 /// How long a tenant's `requests_per_s` is cached.
 pub const RATE_CACHE: Duration = Duration::from_secs(2);
@@ -189,16 +216,13 @@ impl RateLimiter {
     }
 
     /// `tenant`'s rate: its quota's `requests_per_s`, else `default` (cached briefly).
-    fn rate_of(&self, state: &ApiState, tenant: &TenantId) -> u64 {
+    fn rate_of(&self, state: &(impl Rates + ?Sized), tenant: &TenantId) -> u64 {
         let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         let stale = c.fetched.is_none_or(|t| t.elapsed() > RATE_CACHE);
         if stale || !c.rates.contains_key(tenant) {
-            match state.engine.tenants() {
+            match state.tenant_rates() {
                 Ok(all) => {
-                    c.rates = all
-                        .into_iter()
-                        .map(|t| (t.id, t.quotas.requests_per_s))
-                        .collect();
+                    c.rates = all.into_iter().collect();
                     c.fetched = Some(Instant::now());
                 }
                 Err(e) => tracing::warn!(error = %e, "cannot read tenants' rates"),
@@ -208,7 +232,7 @@ impl RateLimiter {
             .get(tenant)
             .copied()
             .flatten()
-            .unwrap_or(state.default_requests_per_s)
+            .unwrap_or(state.default_rate())
     }
 }
 
@@ -297,23 +321,29 @@ pub struct EdgeLimits {
 
 /// Takes a token for `tenant`'s `class`: Ok (the headers are recorded for the response), or
 /// `429 rate_limited`. The admin is never limited, nor is any tenant when its rate is 0.
-pub fn check(state: &ApiState, tenant: &TenantId, class: RouteClass) -> Result<(), ApiError> {
+pub fn check(
+    state: &(impl Rates + ?Sized),
+    tenant: &TenantId,
+    class: RouteClass,
+) -> Result<(), ApiError> {
     if *tenant == TenantId::admin() {
         return Ok(());
     }
-    let rate = state.limits.rate.rate_of(state, tenant);
+    let lim = &state.limits().rate;
+    let rate = lim.rate_of(state, tenant);
     if rate == 0 {
         return Ok(());
     }
-    let lim = &state.limits.rate;
     let d = lim.take_at(tenant, class, rate, lim.start.elapsed());
-    crate::request_id::set_rate(d);
+    let mut headers = HeaderMap::new();
+    d.write_headers(&mut headers);
+    crate::request_id::add_response_headers(headers);
     if d.allowed {
         return Ok(());
     }
     tracing::info!(tenant = %tenant, class = class.as_str(), "rate limited");
     Err(ApiError::new(
-        StatusCode::TOO_MANY_REQUESTS,
+        ErrorKind::RateLimited,
         "rate_limited",
         format!(
             "over the rate of {rate} requests per second for {} calls; retry in {} s",

@@ -4,43 +4,22 @@
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
-use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
+use axum::{Extension, Json};
 use serde::Deserialize;
+use torpor_control::error::ErrorKind;
 use torpor_control::snapshots::{
     GcResult, SnapshotDetail, SnapshotStats, SnapshotSummary, VerifyResult,
 };
 use torpor_core::TenantId;
 
-use crate::server::{ApiError, ApiState};
-
-type ApiResult<T> = Result<T, ApiError>;
-
-/// The snapshot routes, to be nested under /v1 inside authentication.
-pub fn routes() -> Router<Arc<ApiState>> {
-    Router::new()
-        .route("/snapshots", get(list))
-        .route("/snapshots/stats", get(stats))
-        .route("/snapshots/gc", post(gc))
-        .route("/snapshots/verify", post(verify_all))
-        .route("/snapshots/{id}", get(inspect))
-        .route("/snapshots/{id}/verify", post(verify_one))
-}
+use crate::errors::{ApiError, ApiResult};
+use crate::state::ApiState;
 
 fn operator(tenant: &TenantId) -> ApiResult<()> {
-    if *tenant == TenantId::admin() {
-        Ok(())
-    } else {
-        Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "forbidden",
-            "only the operator's (admin) token manages the snapshot store",
-        ))
-    }
+    crate::auth::operator_only(tenant, "manages the snapshot store")
 }
 
-async fn list(
+pub(crate) async fn list(
     State(state): State<Arc<ApiState>>,
     Extension(tenant): Extension<TenantId>,
 ) -> ApiResult<Json<Vec<SnapshotSummary>>> {
@@ -48,7 +27,7 @@ async fn list(
     Ok(Json(state.engine.list_snapshots().await?))
 }
 
-async fn inspect(
+pub(crate) async fn inspect(
     State(state): State<Arc<ApiState>>,
     Extension(tenant): Extension<TenantId>,
     Path(id): Path<String>,
@@ -57,7 +36,7 @@ async fn inspect(
     Ok(Json(state.engine.inspect_snapshot(&id).await?))
 }
 
-async fn verify_one(
+pub(crate) async fn verify_one(
     State(state): State<Arc<ApiState>>,
     Extension(tenant): Extension<TenantId>,
     Path(id): Path<String>,
@@ -66,7 +45,7 @@ async fn verify_one(
     Ok(Json(state.engine.verify_snapshots(Some(&id)).await?))
 }
 
-async fn verify_all(
+pub(crate) async fn verify_all(
     State(state): State<Arc<ApiState>>,
     Extension(tenant): Extension<TenantId>,
 ) -> ApiResult<Json<VerifyResult>> {
@@ -76,12 +55,12 @@ async fn verify_all(
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct GcQuery {
+pub(crate) struct GcQuery {
     #[serde(default)]
     dry_run: bool,
 }
 
-async fn gc(
+pub(crate) async fn gc(
     State(state): State<Arc<ApiState>>,
     Extension(tenant): Extension<TenantId>,
     query: Result<Query<GcQuery>, axum::extract::rejection::QueryRejection>,
@@ -89,7 +68,7 @@ async fn gc(
     operator(&tenant)?;
     let Query(q) = query.map_err(|e| {
         ApiError::new(
-            StatusCode::BAD_REQUEST,
+            ErrorKind::InvalidArgument,
             "invalid_request",
             format!("query: {}", e.body_text()),
         )
@@ -97,7 +76,7 @@ async fn gc(
     Ok(Json(state.engine.gc_snapshots(q.dry_run).await?))
 }
 
-async fn stats(
+pub(crate) async fn stats(
     State(state): State<Arc<ApiState>>,
     Extension(tenant): Extension<TenantId>,
 ) -> ApiResult<Json<SnapshotStats>> {

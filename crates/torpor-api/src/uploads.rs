@@ -21,10 +21,14 @@ use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use serde::Deserialize;
 use tokio::io::AsyncWriteExt;
+use torpor_control::error::ErrorKind;
 use torpor_control::{ControlError, UploadAllowance, UploadKind};
 use torpor_core::{TemplateName, TemplateSpec, TenantId};
 
-use crate::server::{ApiError, ApiResult, ApiState, MAX_JSON_BODY};
+use crate::body::{content_length, MAX_JSON_BODY};
+use crate::errors::{ApiError, ApiResult};
+use crate::params::bad_query;
+use crate::state::ApiState;
 use crate::types::Template;
 
 /// The largest archive one upload may carry (a tenant's disk quota may allow less).
@@ -56,7 +60,7 @@ impl UploadSlot {
         let n = map.entry(tenant.clone()).or_default();
         if *n >= MAX_UPLOADS_PER_TENANT {
             return Err(ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
+                ErrorKind::RateLimited,
                 "rate_limited",
                 format!("at most {MAX_UPLOADS_PER_TENANT} uploads at once; retry when one ends"),
             )
@@ -96,16 +100,15 @@ pub async fn upload_template_image(
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult<(StatusCode, Json<Template>)> {
-    let Query(q) = query
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()))?;
+    let Query(q) = query.map_err(bad_query)?;
     let name = TemplateName::new(&name)
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()))?;
+        .map_err(|e| ApiError::new(ErrorKind::InvalidArgument, "invalid_request", e.to_string()))?;
     let kind = match q.kind.as_deref() {
         None | Some("image") => UploadKind::Image,
         Some("rootfs") => UploadKind::Rootfs,
         Some(other) => {
             return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
+                ErrorKind::InvalidArgument,
                 "invalid_request",
                 format!("kind must be `image` or `rootfs`, not {other:?}"),
             ))
@@ -116,7 +119,7 @@ pub async fn upload_template_image(
     // Refuse before reading a byte when the tenant may not add a template.
     let allowance = engine.upload_allowance(&tenant, MAX_UPLOAD_BYTES).await?;
     // A stated length over what may be kept is refused before a byte is kept.
-    if crate::server::content_length(&headers).is_some_and(|n| n > allowance.bytes) {
+    if content_length(&headers).is_some_and(|n| n > allowance.bytes) {
         drain(
             body.into_data_stream()
                 .map(|r| r.map_err(|e| e.to_string())),
@@ -141,7 +144,7 @@ pub async fn upload_template_image(
                     let text = read_small(field).await?;
                     spec_json = Some(serde_json::from_slice(&text).map_err(|e| {
                         ApiError::new(
-                            StatusCode::BAD_REQUEST,
+                            ErrorKind::InvalidArgument,
                             "invalid_json",
                             format!("spec part: {e}"),
                         )
@@ -154,7 +157,7 @@ pub async fn upload_template_image(
                 }
                 other => {
                     return Err(ApiError::new(
-                        StatusCode::BAD_REQUEST,
+                        ErrorKind::InvalidArgument,
                         "invalid_request",
                         format!(
                             "unexpected multipart part {:?}: send `spec` (JSON) and `image` (the archive)",
@@ -173,7 +176,7 @@ pub async fn upload_template_image(
     }
     if !got_archive {
         return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
+            ErrorKind::InvalidArgument,
             "invalid_request",
             "no archive: send it as the body, or as the multipart part `image`",
         ));
@@ -198,7 +201,7 @@ fn template_spec(
         Some(serde_json::Value::Object(m)) => m,
         Some(_) => {
             return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
+                ErrorKind::InvalidArgument,
                 "invalid_request",
                 "the spec part must be a JSON object",
             ))
@@ -207,7 +210,7 @@ fn template_spec(
     for key in ["name", "source"] {
         if fields.contains_key(key) {
             return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
+                ErrorKind::InvalidArgument,
                 "invalid_request",
                 format!("the spec part may not set `{key}`: the path names the template and the body is its source"),
             ));
@@ -221,7 +224,7 @@ fn template_spec(
     fields.insert("source".into(), source);
     serde_json::from_value(serde_json::Value::Object(fields)).map_err(|e| {
         ApiError::new(
-            StatusCode::BAD_REQUEST,
+            ErrorKind::InvalidArgument,
             "invalid_request",
             format!("spec part: {e}"),
         )
@@ -244,7 +247,7 @@ where
     while let Some(chunk) = body.next().await {
         let chunk = chunk.map_err(|e| {
             ApiError::new(
-                StatusCode::BAD_REQUEST,
+                ErrorKind::InvalidArgument,
                 "invalid_request",
                 format!("the upload was cut short: {e}"),
             )
@@ -264,7 +267,7 @@ where
         .map_err(|e| internal("cannot write an upload", e))?;
     if written == 0 {
         return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
+            ErrorKind::InvalidArgument,
             "invalid_request",
             "the archive is empty",
         ));
@@ -306,7 +309,7 @@ fn over_cap(allowance: UploadAllowance) -> ApiError {
         })
     } else {
         ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::PayloadTooLarge,
             "body_too_large",
             format!("uploads are limited to {} MiB", MAX_UPLOAD_BYTES >> 20),
         )
@@ -319,7 +322,7 @@ async fn read_small(mut field: multer::Field<'_>) -> ApiResult<Vec<u8>> {
         out.extend_from_slice(&chunk);
         if out.len() > MAX_JSON_BODY {
             return Err(ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
+                ErrorKind::PayloadTooLarge,
                 "body_too_large",
                 format!("the spec part is limited to {MAX_JSON_BODY} bytes"),
             ));
@@ -330,7 +333,7 @@ async fn read_small(mut field: multer::Field<'_>) -> ApiResult<Vec<u8>> {
 
 fn multipart_error(e: multer::Error) -> ApiError {
     ApiError::new(
-        StatusCode::BAD_REQUEST,
+        ErrorKind::InvalidArgument,
         "invalid_request",
         format!("multipart body: {e}"),
     )
@@ -350,7 +353,7 @@ fn make_private_dir(dir: &FsPath) -> ApiResult<()> {
 fn internal(what: &str, e: std::io::Error) -> ApiError {
     tracing::error!(error = %e, "{what}");
     ApiError::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
+        ErrorKind::Internal,
         "io_error",
         "the upload could not be stored",
     )

@@ -1,11 +1,82 @@
-//! The control plane's errors. Each variant has a stable `code()` that clients can match on;
-//! the API maps variants to HTTP statuses in one place (`torpor-api`).
+//! The control plane's errors. Each variant has a stable `code()` that clients can match on
+//! and a [`kind()`](ControlError::kind) (what sort of failure it is); the API derives both the
+//! HTTP status and the Connect code from the kind in one place (`torpor_api::errors`).
 
 use torpor_core::{SandboxState, Tier};
 use torpor_runtime::proto::AgentErrorCode;
 use torpor_runtime::RuntimeError;
 
 use crate::store::StoreError;
+
+/// What sort of failure an error is: the one thing the API needs to choose an HTTP status and
+/// a Connect code (`torpor_api::errors::wire`). A kind is never matched on to tell errors
+/// apart for anything else; that is what `code()` is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// The request is malformed or names something impossible (bad id, bad body, bad path).
+    InvalidArgument,
+    /// Well formed, but this build or node does not do it (a feature, a tier, a GPU inventory).
+    Unsupported,
+    /// No or a wrong credential (the API edge's).
+    Unauthenticated,
+    /// The caller may not do this.
+    Forbidden,
+    /// The named thing does not exist (or the caller may not see it).
+    NotFound,
+    /// The route exists, not with this method (the API edge's).
+    MethodNotAllowed,
+    /// Something of that name exists already.
+    AlreadyExists,
+    /// The target is in the wrong state for this (in use, not built yet, wrong tier).
+    FailedPrecondition,
+    /// Another operation holds the target right now; retrying later may work.
+    Busy,
+    /// The request body or a file is over its limit.
+    PayloadTooLarge,
+    /// A tenant's quota would be exceeded.
+    QuotaExceeded,
+    /// Over the tenant's request rate (the API edge's).
+    RateLimited,
+    /// A bug or a host-side failure: the client hears the code and the request id only.
+    Internal,
+    /// This node's runtime cannot do what was asked (a GPU runtime).
+    NotImplemented,
+    /// The sandbox (its agent or a server in it) failed while answering.
+    BadGateway,
+    /// No capacity now: no worker free in time, the parking lot full, no GPU share.
+    NoCapacity,
+    /// Not serving now (shutting down, an agent or a store backend unreachable); retryable.
+    Unavailable,
+    /// The operation ran past its deadline.
+    DeadlineExceeded,
+    /// The disk of a store is full: the operator's to fix.
+    InsufficientStorage,
+}
+
+impl ErrorKind {
+    /// Every kind, for tables and tests.
+    pub const ALL: [ErrorKind; 19] = [
+        ErrorKind::InvalidArgument,
+        ErrorKind::Unsupported,
+        ErrorKind::Unauthenticated,
+        ErrorKind::Forbidden,
+        ErrorKind::NotFound,
+        ErrorKind::MethodNotAllowed,
+        ErrorKind::AlreadyExists,
+        ErrorKind::FailedPrecondition,
+        ErrorKind::Busy,
+        ErrorKind::PayloadTooLarge,
+        ErrorKind::QuotaExceeded,
+        ErrorKind::RateLimited,
+        ErrorKind::Internal,
+        ErrorKind::NotImplemented,
+        ErrorKind::BadGateway,
+        ErrorKind::NoCapacity,
+        ErrorKind::Unavailable,
+        ErrorKind::DeadlineExceeded,
+        ErrorKind::InsufficientStorage,
+    ];
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -123,6 +194,62 @@ impl ControlError {
             ControlError::Store(_) => "state_store_error",
             ControlError::Io { .. } => "io_error",
             ControlError::Gpu(e) => e.code(),
+        }
+    }
+
+    /// What sort of failure this is (the API's status and Connect code come from it).
+    pub fn kind(&self) -> ErrorKind {
+        use crate::gpu::GpuError as G;
+        use ErrorKind as K;
+        match self {
+            ControlError::NotFound { .. } => K::NotFound,
+            ControlError::AlreadyExists { .. } => K::AlreadyExists,
+            ControlError::Invalid(_) => K::InvalidArgument,
+            ControlError::Forbidden(_) => K::Forbidden,
+            ControlError::InvalidTransition { .. }
+            | ControlError::TemplateInUse(..)
+            | ControlError::TemplateNotReady(_)
+            | ControlError::TenantInUse(..) => K::FailedPrecondition,
+            ControlError::QuotaExceeded { .. } => K::QuotaExceeded,
+            ControlError::LotFull(_) | ControlError::NoWorker(_) => K::NoCapacity,
+            ControlError::Busy(_) => K::Busy,
+            ControlError::ShuttingDown | ControlError::Conn(_) => K::Unavailable,
+            ControlError::Unsupported(_) | ControlError::FeatureDisabled(_) => K::Unsupported,
+            ControlError::ExecTimeout { .. } => K::DeadlineExceeded,
+            ControlError::SandboxCrashed { .. } => K::BadGateway,
+            ControlError::Agent { code, .. } => match code {
+                AgentErrorCode::NotFound => K::NotFound,
+                AgentErrorCode::PermissionDenied => K::Forbidden,
+                AgentErrorCode::TooLarge => K::PayloadTooLarge,
+                AgentErrorCode::Io => K::Internal,
+                AgentErrorCode::NotADirectory
+                | AgentErrorCode::IsADirectory
+                | AgentErrorCode::InvalidPath
+                | AgentErrorCode::SpawnFailed
+                | AgentErrorCode::BadRequest => K::InvalidArgument,
+            },
+            // A tenant's image at fault (its text is made safe by `client_message`).
+            ControlError::Image(_) => K::InvalidArgument,
+            ControlError::Gpu(g) => match g {
+                G::NotConfigured => K::Unsupported,
+                G::BadRequest { .. } => K::InvalidArgument,
+                G::Unavailable { .. } => K::NoCapacity,
+                G::Quota { .. } => K::QuotaExceeded,
+                G::Checkpoint(_) => K::FailedPrecondition,
+                G::Driver(_) => K::Internal,
+                G::RuntimeUnsupported(_) => K::NotImplemented,
+            },
+            // The store's stable code says which: its backend unreachable or locked is
+            // retryable; a full disk is the operator's to fix.
+            ControlError::SnapshotStore { code, .. } => match *code {
+                "backend_remote" | "backend_io" | "store_locked" => K::Unavailable,
+                "backend_no_space" | "output_no_space" => K::InsufficientStorage,
+                _ => K::Internal,
+            },
+            ControlError::Runtime(_)
+            | ControlError::Store(_)
+            | ControlError::Snapshot(_)
+            | ControlError::Io { .. } => K::Internal,
         }
     }
 

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -17,60 +17,8 @@ pub const UNARY_CONTENT_TYPE: &str = "application/json";
 pub const END_STREAM: u8 = 0x02;
 const COMPRESSED: u8 = 0x01;
 
-/// Connect's error codes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Code {
-    Canceled,
-    Unknown,
-    InvalidArgument,
-    DeadlineExceeded,
-    NotFound,
-    AlreadyExists,
-    PermissionDenied,
-    ResourceExhausted,
-    FailedPrecondition,
-    Unimplemented,
-    Internal,
-    Unavailable,
-    Unauthenticated,
-}
-
-impl Code {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Code::Canceled => "canceled",
-            Code::Unknown => "unknown",
-            Code::InvalidArgument => "invalid_argument",
-            Code::DeadlineExceeded => "deadline_exceeded",
-            Code::NotFound => "not_found",
-            Code::AlreadyExists => "already_exists",
-            Code::PermissionDenied => "permission_denied",
-            Code::ResourceExhausted => "resource_exhausted",
-            Code::FailedPrecondition => "failed_precondition",
-            Code::Unimplemented => "unimplemented",
-            Code::Internal => "internal",
-            Code::Unavailable => "unavailable",
-            Code::Unauthenticated => "unauthenticated",
-        }
-    }
-
-    /// The HTTP status of a unary error (Connect's table).
-    pub fn http_status(self) -> StatusCode {
-        match self {
-            Code::Canceled => StatusCode::from_u16(499).expect("valid"),
-            Code::Unknown | Code::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-            Code::InvalidArgument | Code::FailedPrecondition => StatusCode::BAD_REQUEST,
-            Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
-            Code::NotFound => StatusCode::NOT_FOUND,
-            Code::AlreadyExists => StatusCode::CONFLICT,
-            Code::PermissionDenied => StatusCode::FORBIDDEN,
-            Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
-            Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
-            Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Code::Unauthenticated => StatusCode::UNAUTHORIZED,
-        }
-    }
-}
+/// Connect's error codes: the one table of kinds, statuses and codes is crate::errors.
+pub use crate::errors::ConnectCode as Code;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct RpcError {
@@ -93,29 +41,10 @@ impl RpcError {
 
 impl From<torpor_control::ControlError> for RpcError {
     fn from(e: torpor_control::ControlError) -> Self {
-        use torpor_control::ControlError as C;
-        use torpor_runtime::proto::AgentErrorCode as A;
-        let code = match &e {
-            C::NotFound { .. } => Code::NotFound,
-            C::QuotaExceeded { .. } | C::NoWorker(_) | C::LotFull(_) => Code::ResourceExhausted,
-            C::InvalidTransition { .. } | C::AlreadyExists { .. } => Code::FailedPrecondition,
-            C::Invalid(_) | C::Unsupported(_) => Code::InvalidArgument,
-            C::ShuttingDown | C::Conn(_) | C::SandboxCrashed { .. } => Code::Unavailable,
-            C::ExecTimeout { .. } => Code::DeadlineExceeded,
-            C::Agent { code, .. } => match code {
-                A::NotFound => Code::NotFound,
-                A::PermissionDenied => Code::PermissionDenied,
-                A::TooLarge => Code::ResourceExhausted,
-                A::NotADirectory | A::IsADirectory | A::InvalidPath | A::BadRequest => {
-                    Code::InvalidArgument
-                }
-                A::SpawnFailed | A::Io => Code::Internal,
-            },
-            _ => Code::Internal,
-        };
-        // The message clients get (internal details go to the log with the request id).
-        let message = crate::server::ApiError::from(e).message().to_string();
-        RpcError::new(code, message)
+        // The code from the error's kind, the message clients may read (internal details go
+        // to the log with the request id): both crate::errors.
+        let api = crate::errors::ApiError::from(e);
+        RpcError::new(api.connect_code(), api.message())
     }
 }
 
@@ -465,6 +394,7 @@ pub fn timeout(headers: &HeaderMap) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::StatusCode;
 
     #[test]
     fn envelopes_round_trip_and_bad_ones_are_refused() {

@@ -9,7 +9,7 @@
 //! private: a request then needs `e2b-traffic-access-token` (the `trafficAccessToken` of the
 //! create answer) or torpor's bearer token of the owning tenant.
 
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use torpor_core::network::AllowList;
 use torpor_core::{NetworkPolicy, SandboxId, TenantId};
 
@@ -108,7 +108,7 @@ pub(crate) fn host_route_tenant(
         return Ok(HostRoute { tenant, host });
     }
     Err(ApiError::new(
-        StatusCode::UNAUTHORIZED,
+        torpor_control::error::ErrorKind::Unauthenticated,
         "unauthorized",
         format!(
             "missing `Authorization: Bearer TOKEN` header (or `{TRAFFIC_HEADER}` for a private \
