@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use clap::Subcommand;
 use torpor_api::audit::{self, Event, Record, VerifyError};
 
-use crate::cli::{print_json, CliError};
+use crate::common::{print_json, CliError};
 use crate::daemon;
 
 /// Exit code of `torpor audit verify` when the chain is broken.

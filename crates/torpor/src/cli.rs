@@ -6,16 +6,19 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 use torpor_api::client::UploadKind;
 use torpor_api::types::{CreateSandboxBody, ExecBody, ExecEvent, Sandbox, Template};
-use torpor_api::{Client, ClientError};
 use torpor_core::{
     IdlePolicy, Limits, LimitsPatch, NetworkPolicy, TemplateName, TemplateSource, TemplateSpec,
     Tier,
 };
 
-use crate::daemon::{self, ENV_TOKEN, ENV_URL};
+use crate::common::{
+    client, human_bytes, is_admin, print_json, CliError, CliResult, Conn, DEFAULT_LISTEN,
+    ENV_DATA_DIR,
+};
+use crate::daemon;
 
 #[derive(Parser)]
 #[command(
@@ -28,29 +31,16 @@ pub struct Cli {
     pub command: Command,
 }
 
-#[derive(Args, Clone)]
-pub struct Conn {
-    /// torpor's API address.
-    #[arg(long, env = ENV_URL, global = true)]
-    pub(crate) url: Option<String>,
-    /// Bearer token (default: the admin token in the data directory on this machine).
-    #[arg(long, env = ENV_TOKEN, global = true, hide_env_values = true)]
-    pub(crate) token: Option<String>,
-    /// Print JSON instead of tables.
-    #[arg(long, global = true)]
-    pub(crate) json: bool,
-}
-
 #[derive(Subcommand)]
 pub enum Command {
     /// Run the all-in-one daemon: API, workers, state and checkpoints on this machine.
     Up {
-        #[arg(long, default_value = daemon::DEFAULT_LISTEN)]
+        #[arg(long, default_value = DEFAULT_LISTEN)]
         listen: SocketAddr,
         /// Sandboxes that may be resident at once (default: from the machine's memory).
         #[arg(long)]
         workers: Option<usize>,
-        #[arg(long, env = daemon::ENV_DATA_DIR)]
+        #[arg(long, env = ENV_DATA_DIR)]
         data_dir: Option<PathBuf>,
         /// Path of the runsc binary (default: found on PATH).
         #[arg(long)]
@@ -406,29 +396,6 @@ fn parse_network(s: &str) -> Result<NetworkPolicy, String> {
     Ok(p)
 }
 
-/// An error the CLI reports; the exit code is 1 unless the command said otherwise.
-pub struct CliError(pub(crate) String);
-
-impl From<ClientError> for CliError {
-    fn from(e: ClientError) -> Self {
-        CliError(e.to_string())
-    }
-}
-
-impl From<anyhow::Error> for CliError {
-    fn from(e: anyhow::Error) -> Self {
-        CliError(format!("{e:#}"))
-    }
-}
-
-impl From<std::io::Error> for CliError {
-    fn from(e: std::io::Error) -> Self {
-        CliError(e.to_string())
-    }
-}
-
-pub(crate) type CliResult = Result<i32, CliError>;
-
 pub async fn run(cli: Cli) -> i32 {
     match dispatch(cli.command).await {
         Ok(code) => code,
@@ -437,29 +404,6 @@ pub async fn run(cli: Cli) -> i32 {
             1
         }
     }
-}
-
-/// A client from --url/--token, the environment, or the local daemon's token file.
-pub fn client(conn: &Conn) -> Result<Client, CliError> {
-    let url = conn
-        .url
-        .clone()
-        .unwrap_or_else(|| format!("http://{}", daemon::DEFAULT_LISTEN));
-    let token = match &conn.token {
-        Some(t) => t.clone(),
-        None => {
-            let path = daemon::default_data_dir().join(daemon::TOKEN_FILE);
-            std::fs::read_to_string(&path)
-                .map(|t| t.trim().to_string())
-                .map_err(|e| {
-                    CliError(format!(
-                        "no token: set {ENV_TOKEN} or --token, or run on the daemon's machine ({}: {e})",
-                        path.display()
-                    ))
-                })?
-        }
-    };
-    Ok(Client::new(&url, &token))
 }
 
 fn init_logging() {
@@ -986,16 +930,6 @@ async fn tenant(cmd: TenantCmd) -> CliResult {
     }
 }
 
-/// Whether the CLI calls as the admin: no token given (the data directory's admin token is
-/// used), or the token given is that one.
-fn is_admin(conn: &Conn) -> bool {
-    let Some(token) = &conn.token else {
-        return true;
-    };
-    std::fs::read_to_string(daemon::default_data_dir().join(daemon::TOKEN_FILE))
-        .is_ok_and(|admin| admin.trim() == token.trim())
-}
-
 /// The `spec` part of an upload: the template's fields but its name and source.
 fn upload_spec(spec: &TemplateSpec) -> serde_json::Value {
     let mut v = serde_json::to_value(spec).expect("a template spec serialises");
@@ -1014,28 +948,6 @@ fn split_remote(s: &str) -> Option<(&str, &str)> {
 fn atty_stdin() -> bool {
     // SAFETY: isatty on fd 0 has no preconditions.
     unsafe { libc::isatty(0) == 1 }
-}
-
-pub fn print_json<T: serde::Serialize>(v: &T) {
-    println!(
-        "{}",
-        serde_json::to_string_pretty(v).expect("values serialise")
-    );
-}
-
-pub fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i < UNITS.len() - 1 {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[i])
-    }
 }
 
 fn print_sandboxes(all: &[Sandbox]) {

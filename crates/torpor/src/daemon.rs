@@ -10,14 +10,11 @@ use anyhow::{bail, Context};
 use torpor_api::ApiState;
 use torpor_control::{Engine, EngineConfig};
 
+// Where the daemon is and its files are: shared with the client commands (`common`), and
+// named here too for the callers that start or inspect a daemon.
+pub use crate::common::{default_data_dir, ENV_DATA_DIR, ENV_TOKEN, TOKEN_FILE};
 use crate::{datadir, nofile, serve};
 
-/// Environment variables the CLI and daemon read.
-pub const ENV_URL: &str = "TORPOR_URL";
-pub const ENV_TOKEN: &str = "TORPOR_TOKEN";
-pub const ENV_DATA_DIR: &str = "TORPOR_DATA_DIR";
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:7077";
-pub const TOKEN_FILE: &str = datadir::ADMIN_TOKEN_FILE;
 /// How long calls in flight may take to finish after SIGTERM.
 const GRACE: Duration = Duration::from_secs(10);
 /// Connections the `--metrics-listen` listener serves at once (scrapers, not tenants).
@@ -99,22 +96,6 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         return Err(format!("{s:?} must be above zero"));
     }
     Ok((n * mult as f64) as u64)
-}
-
-/// `/var/lib/torpor` as root, else `$XDG_DATA_HOME/torpor` (or `~/.local/share/torpor`).
-pub fn default_data_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os(ENV_DATA_DIR) {
-        return PathBuf::from(d);
-    }
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } == 0 {
-        return PathBuf::from("/var/lib/torpor");
-    }
-    let base = std::env::var_os("XDG_DATA_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")))
-        .unwrap_or_else(|| PathBuf::from("/tmp"));
-    base.join("torpor")
 }
 
 /// Workers from the machine: one per 512 MiB of RAM, between 2 and 256.

@@ -203,7 +203,7 @@ async fn dispatch(cmd: GpuCmd) -> Result<(), GpuCliError> {
                     source: &'a str,
                     gpus: Vec<report::GpuRow>,
                 }
-                crate::cli::print_json(&Ls {
+                crate::common::print_json(&Ls {
                     node: inventory.node.as_str(),
                     source: &source,
                     gpus: report::gpu_rows(&inventory, &ledger),

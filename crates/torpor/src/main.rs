@@ -4,6 +4,7 @@
 
 mod audit;
 mod cli;
+mod common;
 mod daemon;
 mod datadir;
 mod demo;

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Subcommand;
 use torpor_control::pools::PoolStatus;
 
-use crate::cli::{client, print_json, CliError, CliResult, Conn};
+use crate::common::{client, print_json, CliError, CliResult, Conn};
 
 #[derive(Subcommand)]
 #[allow(clippy::large_enum_variant)] // parsed once per process

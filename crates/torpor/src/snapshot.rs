@@ -10,7 +10,7 @@ use std::time::Duration;
 use clap::{Args, Subcommand};
 use torpor_control::{SnapshotConfig, StoreLocation};
 
-use crate::cli::{client, human_bytes, print_json, CliError, Conn};
+use crate::common::{client, human_bytes, print_json, CliError, Conn};
 use crate::daemon;
 
 /// Exit code of `torpor snapshot verify` when a chunk is missing or corrupt.
