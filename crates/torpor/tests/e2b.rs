@@ -19,6 +19,7 @@ const PORTS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/p
 const NETWORK_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/network.py");
 const PTY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/pty.py");
 const LEGACY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/legacy.py");
+const PARITY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/parity.py");
 const JS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/js");
 
 async fn tenant(d: &Daemon, name: &str) -> String {
@@ -132,6 +133,16 @@ async fn the_python_sdk_reaches_ports_and_sets_egress() {
     extra.push(("HOST_IP", common::host_addr()));
     extra.push(("FULL_TEMPLATE", "net-full".into()));
     run_sdk(&d, "python3", NETWORK_SCRIPT, &key, &extra).await;
+}
+
+/// Issue 19: what E2B's users rely on beyond the happy path (gzip, list order and depth,
+/// symlinks, is_running after pause and timeout, auto-resume, list order and filters, fork,
+/// metrics, E2B-shaped errors), as the SDK sees it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_python_sdk_sees_e2b_semantics_beyond_the_happy_path() {
+    let d = Daemon::start().await;
+    let key = tenant(&d, "parity-a").await;
+    run_sdk(&d, "python3", PARITY_SCRIPT, &key, &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -1,12 +1,11 @@
 //! E2B's control plane: create, connect, pause, kill, get, timeout, list.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use torpor_control::{CreateSandbox, SandboxRecord};
@@ -14,8 +13,9 @@ use torpor_core::{SandboxId, TemplateName, TenantId, Tier};
 
 use super::egress::{Egress, META_EGRESS};
 use super::{
-    is_running, template_to_e2b, template_to_torpor, E2b, E2bError, DEFAULT_TIMEOUT_S,
-    MAX_TIMEOUT_S, META_END_AT, META_ON_TIMEOUT, META_PREFIX,
+    e2b_running, is_running, template_to_e2b, template_to_torpor, E2b, E2bError, DEFAULT_TIMEOUT_S,
+    MAX_TIMEOUT_S, META_AUTO_RESUME, META_END_AT, META_ON_TIMEOUT, META_PAUSED, META_PREFIX,
+    META_TIMEOUT,
 };
 use crate::server::constant_time_eq;
 use crate::types::rfc3339;
@@ -232,7 +232,7 @@ pub fn detail_json(st: &E2b, rec: &SandboxRecord, with_token: bool) -> SandboxDe
         cpu_count: (rec.limits.cpus.ceil() as u32).max(1),
         memory_mb: rec.limits.memory_mib,
         disk_size_mb: 0,
-        state: if is_running(rec.tier) {
+        state: if e2b_running(rec) {
             "running"
         } else {
             "paused"
@@ -288,6 +288,37 @@ fn deadline(timeout_s: u64) -> String {
     (torpor_core::now_millis() + (timeout_s as i64) * 1000).to_string()
 }
 
+/// Whether a paused sandbox wakes on a call to it: `autoResume: {"enabled": true}` (what the
+/// SDKs send for `lifecycle={"auto_resume": True}`), `autoResume: true`, or the lifecycle's
+/// own `auto_resume` / `autoResume`.
+fn auto_resume(body: &NewSandbox) -> E2bResult<bool> {
+    let flag = |v: &serde_json::Value, what: &str| match v {
+        serde_json::Value::Bool(b) => Ok(*b),
+        serde_json::Value::Null => Ok(false),
+        serde_json::Value::Object(o) => match o.get("enabled") {
+            Some(serde_json::Value::Bool(b)) => Ok(*b),
+            None | Some(serde_json::Value::Null) => Ok(false),
+            Some(_) => Err(E2bError::bad_request(format!(
+                "{what}.enabled must be a boolean"
+            ))),
+        },
+        _ => Err(E2bError::bad_request(format!(
+            "{what} must be a boolean or {{\"enabled\": boolean}}"
+        ))),
+    };
+    if let Some(v) = &body.auto_resume {
+        return flag(v, "autoResume");
+    }
+    match body
+        .lifecycle
+        .as_ref()
+        .and_then(|l| l.get("autoResume").or_else(|| l.get("auto_resume")))
+    {
+        Some(v) => flag(v, "lifecycle.autoResume"),
+        None => Ok(false),
+    }
+}
+
 /// What a timed-out sandbox does: `kill` only when asked for explicitly (`autoPause: false`
 /// or `lifecycle.onTimeout: "kill"`); otherwise it is put to sleep.
 fn on_timeout(body: &NewSandbox) -> E2bResult<&'static str> {
@@ -340,7 +371,11 @@ pub(crate) fn plan_create(
         )));
     }
     metadata.insert(META_END_AT.into(), deadline(timeout));
+    metadata.insert(META_TIMEOUT.into(), timeout.to_string());
     metadata.insert(META_ON_TIMEOUT.into(), on_timeout(&body)?.into());
+    if auto_resume(&body)? {
+        metadata.insert(META_AUTO_RESUME.into(), "1".into());
+    }
     // Reachable on its ports (get_host): always an interface. Egress: the template's policy,
     // narrowed (or, under a `full` template, set) by E2B's egress options.
     let tpl_network = template_network(&template)?;
@@ -437,7 +472,7 @@ pub async fn connect(
     let body: TimeoutBody = parse_body(&headers, body).await?;
     let timeout = timeout_seconds(body.timeout)?;
     let before = st.api.engine.sandbox(&tenant, &id)?;
-    let was_running = is_running(before.tier);
+    let was_running = is_running(before.tier) && !before.metadata.contains_key(META_PAUSED);
     // A running sandbox's deadline only moves later; a woken one gets a fresh one.
     let new_end = torpor_core::now_millis() + timeout as i64 * 1000;
     let old_end = before
@@ -448,7 +483,11 @@ pub async fn connect(
         st.api.engine.patch_sandbox_metadata(
             &tenant,
             &id,
-            &[(META_END_AT.to_string(), Some(new_end.to_string()))].into(),
+            &[
+                (META_END_AT.to_string(), Some(new_end.to_string())),
+                (META_PAUSED.to_string(), None),
+            ]
+            .into(),
         )?;
     }
     let rec = st.api.engine.resume(&tenant, &id).await?;
@@ -469,7 +508,7 @@ pub async fn resume(
 ) -> E2bResult<(StatusCode, Json<SandboxJson>)> {
     let tenant = authenticate(&st, &headers)?;
     let sid = sandbox_id(&id)?;
-    if is_running(st.api.engine.sandbox(&tenant, &sid)?.tier) {
+    if e2b_running(&st.api.engine.sandbox(&tenant, &sid)?) {
         return Err(E2bError::new(
             StatusCode::CONFLICT,
             format!("sandbox {id} is already running"),
@@ -487,26 +526,37 @@ pub async fn pause(
     let tenant = authenticate(&st, &headers)?;
     let sid = sandbox_id(&id)?;
     let rec = st.api.engine.sandbox(&tenant, &sid)?;
-    if !is_running(rec.tier) {
+    if !e2b_running(&rec) {
         return Err(E2bError::new(
             StatusCode::CONFLICT,
             format!("sandbox {id} is already paused"),
         ));
     }
-    st.api
-        .engine
-        .suspend(&tenant, &sid, Tier::Parked)
-        .await
-        .map_err(|e| match e {
-            // Lost a race with the idle policy: it is asleep, which is what was asked, but
-            // E2B answers a second pause with 409.
-            torpor_control::ControlError::InvalidTransition { .. } => E2bError::new(
-                StatusCode::CONFLICT,
-                format!("sandbox {id} is already paused"),
-            ),
-            e => e.into(),
-        })?;
-    Ok(StatusCode::NO_CONTENT)
+    // Paused to E2B from now on (is_running answers false while it checkpoints). A sandbox
+    // torpor's idle policy already put to sleep only changes its E2B state.
+    st.api.engine.patch_sandbox_metadata(
+        &tenant,
+        &sid,
+        &[
+            (META_PAUSED.to_string(), Some("pause".to_string())),
+            (META_END_AT.to_string(), None),
+        ]
+        .into(),
+    )?;
+    if !is_running(rec.tier) {
+        return Ok(StatusCode::NO_CONTENT);
+    }
+    match st.api.engine.suspend(&tenant, &sid, Tier::Parked).await {
+        // Lost a race with the idle policy: it is asleep, which is what was asked.
+        Ok(_) | Err(torpor_control::ControlError::InvalidTransition { .. }) => {
+            Ok(StatusCode::NO_CONTENT)
+        }
+        Err(e) => {
+            // Not paused after all: E2B's view goes back to running, with its deadline.
+            let _ = super::mark_resumed(&st.api.engine, &rec, None);
+            Err(e.into())
+        }
+    }
 }
 
 /// DELETE /sandboxes/{id}: 204; 404.
@@ -588,152 +638,9 @@ pub async fn set_timeout(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// The filters of a list, parsed from the query.
-#[derive(Debug, Default, PartialEq)]
-pub struct ListFilter {
-    pub running: bool,
-    pub paused: bool,
-    pub metadata: BTreeMap<String, String>,
-    pub limit: usize,
-    pub next_token: Option<String>,
-}
-
-pub const MAX_PAGE: usize = 100;
-
-/// Parses `state=running,paused`, `metadata=k%3Dv%26k2%3Dv2` (a URL-encoded query string,
-/// itself URL-encoded), `limit`, `nextToken`.
-pub fn parse_list_query(
-    q: &HashMap<String, String>,
-    default_paused: bool,
-) -> E2bResult<ListFilter> {
-    let mut f = ListFilter {
-        running: true,
-        paused: default_paused,
-        limit: MAX_PAGE,
-        ..Default::default()
-    };
-    if let Some(states) = q.get("state") {
-        f.running = false;
-        f.paused = false;
-        for s in states.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            match s {
-                "running" => f.running = true,
-                "paused" => f.paused = true,
-                other => {
-                    return Err(E2bError::bad_request(format!(
-                        "state must be running or paused, got {other:?}"
-                    )))
-                }
-            }
-        }
-    }
-    if let Some(m) = q.get("metadata") {
-        for pair in m.split('&').filter(|p| !p.is_empty()) {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            let dec = |s: &str| {
-                percent_decode(s)
-                    .ok_or_else(|| E2bError::bad_request("metadata filter is not valid UTF-8"))
-            };
-            f.metadata.insert(dec(k)?, dec(v)?);
-        }
-    }
-    if let Some(l) = q.get("limit") {
-        f.limit = l
-            .parse::<usize>()
-            .ok()
-            .filter(|l| (1..=MAX_PAGE).contains(l))
-            .ok_or_else(|| E2bError::bad_request(format!("limit must be 1..={MAX_PAGE}")))?;
-    }
-    f.next_token = q.get("nextToken").filter(|t| !t.is_empty()).cloned();
-    Ok(f)
-}
-
-/// Decodes `%XX` escapes and `+` (as a space) once.
-pub fn percent_decode(s: &str) -> Option<String> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'%' if i + 2 < b.len() => {
-                let hex = std::str::from_utf8(&b[i + 1..i + 3]).ok()?;
-                out.push(u8::from_str_radix(hex, 16).ok()?);
-                i += 3;
-            }
-            b'%' => return None,
-            b'+' => {
-                out.push(b' ');
-                i += 1;
-            }
-            c => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8(out).ok()
-}
-
-/// The page of `all` (sorted by id) that `f` selects, and the token of the next page.
-pub fn page<'a>(
-    all: &'a [SandboxRecord],
-    f: &ListFilter,
-) -> (Vec<&'a SandboxRecord>, Option<String>) {
-    let mut selected: Vec<&SandboxRecord> = all
-        .iter()
-        .filter(|r| {
-            let running = is_running(r.tier);
-            (running && f.running) || (!running && f.paused)
-        })
-        .filter(|r| f.metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v)))
-        .filter(|r| f.next_token.as_deref().is_none_or(|t| r.id.as_str() > t))
-        .collect();
-    selected.sort_by(|a, b| a.id.as_str().cmp(b.id.as_str()));
-    let next = (selected.len() > f.limit).then(|| selected[f.limit - 1].id.to_string());
-    selected.truncate(f.limit);
-    (selected, next)
-}
-
-fn list(
-    st: &E2b,
-    headers: &HeaderMap,
-    q: &HashMap<String, String>,
-    v2: bool,
-) -> E2bResult<Response> {
-    let tenant = authenticate(st, headers)?;
-    if q.get("metadata").is_some_and(|m| m.contains(META_PREFIX)) {
-        return Err(E2bError::bad_request(format!(
-            "metadata keys starting with {META_PREFIX:?} are reserved"
-        )));
-    }
-    let f = parse_list_query(q, v2)?;
-    let all = st.api.engine.sandboxes(&tenant)?;
-    let (items, next) = page(&all, &f);
-    let body: Vec<SandboxDetailJson> = items.iter().map(|r| detail_json(st, r, false)).collect();
-    let mut resp = Json(body).into_response();
-    if let Some(next) = next.and_then(|n| HeaderValue::from_str(&n).ok()) {
-        resp.headers_mut().insert("x-next-token", next);
-    }
-    Ok(resp)
-}
-
-/// GET /v2/sandboxes (running and paused by default).
-pub async fn list_v2(
-    State(st): State<Arc<E2b>>,
-    headers: HeaderMap,
-    Query(q): Query<HashMap<String, String>>,
-) -> E2bResult<Response> {
-    list(&st, &headers, &q, true)
-}
-
-/// GET /sandboxes (E2B's v1 list: running ones).
-pub async fn list_v1(
-    State(st): State<Arc<E2b>>,
-    headers: HeaderMap,
-    Query(q): Query<HashMap<String, String>>,
-) -> E2bResult<Response> {
-    list(&st, &headers, &q, false)
-}
+pub use super::listing::{
+    list_v1, list_v2, page, parse_list_query, percent_decode, ListFilter, MAX_PAGE,
+};
 
 #[doc(hidden)]
 pub mod fuzzing;
@@ -741,30 +648,7 @@ pub mod fuzzing;
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn list_query_parses_states_metadata_and_paging() {
-        let q: HashMap<String, String> = [
-            ("state".to_string(), "paused".to_string()),
-            // the SDK's double encoding of {"a b": "c&d"}
-            ("metadata".to_string(), "a%2520b=c%2526d&x=y".to_string()),
-            ("limit".to_string(), "2".to_string()),
-        ]
-        .into();
-        // axum's Query decodes one level; what is left is the SDK's own quoting.
-        let mut q2 = q.clone();
-        q2.insert("metadata".into(), percent_decode(&q["metadata"]).unwrap());
-        let f = parse_list_query(&q2, true).unwrap();
-        assert!(!f.running && f.paused);
-        assert_eq!(f.limit, 2);
-        assert_eq!(f.metadata.get("a b").map(String::as_str), Some("c&d"));
-        assert_eq!(f.metadata.get("x").map(String::as_str), Some("y"));
-        assert!(parse_list_query(&[("state".into(), "zombie".into())].into(), true).is_err());
-        assert!(parse_list_query(&[("limit".into(), "0".into())].into(), true).is_err());
-        assert!(parse_list_query(&[("metadata".into(), "%ZZ=1".into())].into(), true).is_err());
-        assert_eq!(percent_decode("%"), None);
-        assert_eq!(percent_decode("a%2"), None);
-    }
+    use axum::response::IntoResponse;
 
     #[test]
     fn errors_have_the_e2b_shape() {

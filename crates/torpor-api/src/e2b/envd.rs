@@ -82,6 +82,8 @@ pub enum CtxError {
     Missing(&'static str),
     Unauthenticated,
     UnknownSandbox(String),
+    /// Paused through E2B, without auto-resume: not running until `connect`.
+    Paused(String),
     /// Over the owner's rate (its status and message).
     RateLimited(String),
     Internal(String),
@@ -100,6 +102,10 @@ impl CtxError {
             CtxError::UnknownSandbox(id) => {
                 RpcError::new(Code::NotFound, format!("sandbox {id:?} not found"))
             }
+            CtxError::Paused(id) => RpcError::new(
+                Code::Unavailable,
+                format!("sandbox {id:?} is paused; connect to it to resume it"),
+            ),
             CtxError::RateLimited(m) => RpcError::new(Code::ResourceExhausted, m.clone()),
             CtxError::Internal(m) => RpcError::new(Code::Internal, m.clone()),
         }
@@ -115,6 +121,12 @@ impl CtxError {
             CtxError::UnknownSandbox(id) => E2bError::new(
                 StatusCode::BAD_GATEWAY,
                 format!("The sandbox {id} was not found"),
+            ),
+            // As E2B's edge answers for a paused sandbox (the SDK's is_running reads 502 as
+            // not running).
+            CtxError::Paused(id) => E2bError::new(
+                StatusCode::BAD_GATEWAY,
+                format!("The sandbox {id} is paused"),
             ),
             CtxError::RateLimited(m) => E2bError::new(StatusCode::TOO_MANY_REQUESTS, m.clone()),
             CtxError::Internal(m) => E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, m.clone()),
@@ -137,8 +149,8 @@ pub fn ctx(
         .ok_or(CtxError::Missing("E2b-Sandbox-Id"))?;
     let id = SandboxId::new(raw).map_err(|_| CtxError::UnknownSandbox(raw.to_string()))?;
     // As E2B's edge: an unknown sandbox is told before the token is looked at.
-    let tenant = match st.api.engine.sandbox(&TenantId::admin(), &id) {
-        Ok(rec) => rec.tenant,
+    let rec = match st.api.engine.sandbox(&TenantId::admin(), &id) {
+        Ok(rec) => rec,
         Err(torpor_control::ControlError::NotFound { .. }) => {
             return Err(CtxError::UnknownSandbox(raw.to_string()))
         }
@@ -152,9 +164,20 @@ pub fn ctx(
     if !constant_time_eq(token.as_bytes(), st.access_token(&id).as_bytes()) {
         return Err(CtxError::Unauthenticated);
     }
+    let tenant = rec.tenant.clone();
     crate::request_id::set_caller(&tenant);
     crate::ratelimit::check(&st.api, &tenant, class)
         .map_err(|e| CtxError::RateLimited(e.message().to_string()))?;
+    // Paused through E2B: refused as E2B refuses it, or (auto-resume) woken by this call,
+    // which the engine does; E2B's view changes first so is_running answers true again.
+    if rec.metadata.contains_key(super::META_PAUSED) {
+        if !super::auto_resumes(&rec) {
+            return Err(CtxError::Paused(raw.to_string()));
+        }
+        super::mark_resumed(&st.api.engine, &rec, None)
+            .map_err(|e| CtxError::Internal(E2bError::from(e).message))?;
+        tracing::info!(sandbox = %id, "e2b auto-resume");
+    }
     Ok(Ctx { tenant, id })
 }
 
@@ -171,7 +194,8 @@ pub fn rpc_call(
     Ok((framing, c))
 }
 
-/// GET /health → 204 (waking the sandbox if it sleeps, like any call).
+/// GET /health → 204, waking the sandbox if torpor's idle policy put it to sleep (E2B sees it
+/// running) or if it auto-resumes; 502 if it is paused through E2B (see [`ctx`]).
 pub async fn health(State(st): State<Arc<E2b>>, headers: HeaderMap) -> Response {
     let c = match ctx(&st, &headers, crate::ratelimit::RouteClass::Lifecycle) {
         Ok(c) => c,

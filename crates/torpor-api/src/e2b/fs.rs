@@ -1,20 +1,25 @@
-//! envd's `filesystem.Filesystem` service and the `/files` upload and download.
+//! envd's `filesystem.Filesystem` service (the `/files` upload and download are in
+//! [`super::files`]).
+//!
+//! Entries are described as envd describes them: a symlink reports its target's type and mode
+//! plus `symlinkTarget` (absolute, every link resolved); `ListDir` walks depth first in name
+//! order, as Go's `filepath.WalkDir` does, without descending into symlinked directories.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes};
-use axum::extract::{Path, Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap};
+use axum::response::Response;
 use serde::Deserialize;
 use serde_json::json;
 use torpor_runtime::proto::{DirEntry, FileKind};
 
 use super::connect::{self, Code, Item, RpcError};
-use super::envd::{ctx, rpc_call, run, Ctx, HOME};
-use super::{is_running, E2b, E2bError};
+use super::envd::{rpc_call, run, Ctx, HOME};
+use super::{is_running, E2b};
 
 /// Entries one ListDir (all depths) or one watcher snapshot may hold.
 const MAX_ENTRIES: usize = 10_000;
@@ -62,7 +67,7 @@ pub fn resolve(path: &str, user: Option<&str>) -> Result<String, RpcError> {
     Ok(format!("/{}", parts.join("/")))
 }
 
-fn parent_and_name(path: &str) -> (String, String) {
+pub(crate) fn parent_and_name(path: &str) -> (String, String) {
     match path.rsplit_once('/') {
         Some(("", name)) => ("/".into(), name.into()),
         Some((parent, name)) => (parent.into(), name.into()),
@@ -78,11 +83,11 @@ fn join(dir: &str, name: &str) -> String {
     }
 }
 
-/// `-rw-r--r--` from a mode.
+/// `-rw-r--r--` from a mode (Go's `FileMode.String()`, which envd reports: `L` for a link).
 pub fn permissions(kind: FileKind, mode: u32) -> String {
     let t = match kind {
         FileKind::Dir => 'd',
-        FileKind::Symlink => 'l',
+        FileKind::Symlink => 'L',
         _ => '-',
     };
     let mut s = String::with_capacity(10);
@@ -96,33 +101,146 @@ pub fn permissions(kind: FileKind, mode: u32) -> String {
     s
 }
 
-/// An envd `EntryInfo` in proto JSON.
-pub fn entry_info(dir: &str, e: &DirEntry) -> serde_json::Value {
-    let ty = match e.kind {
+/// What a symlink resolves to: its absolute target (every link followed) and the target's
+/// kind and permission bits; `None` when it dangles or loops.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinkTarget {
+    pub path: String,
+    pub kind: FileKind,
+    pub mode: u32,
+}
+
+fn file_type(kind: FileKind) -> &'static str {
+    match kind {
         FileKind::Dir => "FILE_TYPE_DIRECTORY",
         FileKind::Symlink => "FILE_TYPE_SYMLINK",
         FileKind::File => "FILE_TYPE_FILE",
         FileKind::Other => "FILE_TYPE_UNSPECIFIED",
-    };
+    }
+}
+
+/// An envd `EntryInfo` in proto JSON. A symlink (`link` is what it resolved to, if it did)
+/// reports its target's type and mode, and `symlinkTarget`: the target, or the link's own path
+/// when it dangles (envd's rule, type then unspecified).
+pub fn entry_info(dir: &str, e: &DirEntry, link: Option<&Option<LinkTarget>>) -> serde_json::Value {
+    let path = join(dir, &e.name);
     let t = std::time::UNIX_EPOCH + Duration::from_millis(e.modified_ms.max(0) as u64);
-    json!({
+    let (ty, mode) = match (e.kind, link) {
+        (FileKind::Symlink, Some(Some(target))) => (file_type(target.kind), target.mode),
+        (FileKind::Symlink, _) => ("FILE_TYPE_UNSPECIFIED", 0),
+        (kind, _) => (file_type(kind), e.mode),
+    };
+    let mut v = json!({
         "name": e.name,
         "type": ty,
-        "path": join(dir, &e.name),
+        "path": path,
         "size": e.size.to_string(),
-        "mode": e.mode & 0o7777,
+        "mode": mode & 0o7777,
         "permissions": permissions(e.kind, e.mode),
         "owner": "root",
         "group": "root",
         "modifiedTime": humantime::format_rfc3339_millis(t).to_string(),
-    })
+    });
+    if e.kind == FileKind::Symlink {
+        let target = match link {
+            Some(Some(t)) => t.path.clone(),
+            _ => path,
+        };
+        v["symlinkTarget"] = json!(target);
+    }
+    v
+}
+
+/// Resolves symlinks in the sandbox with one helper run (`readlink -e`, then the target's kind
+/// and mode); answers one element per path, in order.
+pub(crate) const RESOLVE_LINKS: &str = r#"for p; do
+  if t=$(readlink -e -- "$p" 2>/dev/null) && [ -n "$t" ]; then
+    if [ -d "$t" ]; then k=d; elif [ -f "$t" ]; then k=f; else k=o; fi
+    m=$(stat -Lc %a -- "$t" 2>/dev/null)
+    printf '%s\0%s\0%s\0' "$t" "$k" "$m"
+  else
+    printf '\0\0\0'
+  fi
+done"#;
+
+/// Parses [`RESOLVE_LINKS`]' output: NUL-separated (target, kind, octal mode) triples.
+pub fn parse_links(out: &str, count: usize) -> Vec<Option<LinkTarget>> {
+    let fields: Vec<&str> = out.split('\0').collect();
+    (0..count)
+        .map(|i| {
+            let target = *fields.get(3 * i)?;
+            if !target.starts_with('/') {
+                return None;
+            }
+            let kind = match *fields.get(3 * i + 1)? {
+                "d" => FileKind::Dir,
+                "f" => FileKind::File,
+                _ => FileKind::Other,
+            };
+            let mode = u32::from_str_radix(fields.get(3 * i + 2)?, 8).unwrap_or(0);
+            Some(LinkTarget {
+                path: target.to_string(),
+                kind,
+                mode,
+            })
+        })
+        .collect()
+}
+
+async fn resolve_links(st: &E2b, c: &Ctx, paths: &[String]) -> Vec<Option<LinkTarget>> {
+    if paths.is_empty() {
+        return Vec::new();
+    }
+    let mut cmd = vec!["sh", "-c", RESOLVE_LINKS, "sh"];
+    cmd.extend(paths.iter().map(String::as_str));
+    match run(st, c, &cmd, Vec::new()).await {
+        Ok((_, out, _)) => parse_links(&out, paths.len()),
+        Err(e) => {
+            tracing::debug!(sandbox = %c.id, error = %e.message, "cannot resolve symlinks");
+            vec![None; paths.len()]
+        }
+    }
+}
+
+/// Describes entries (as (directory, entry)), resolving the symlinks among them.
+async fn describe(st: &E2b, c: &Ctx, entries: &[(String, DirEntry)]) -> Vec<serde_json::Value> {
+    let links: Vec<String> = entries
+        .iter()
+        .filter(|(_, e)| e.kind == FileKind::Symlink)
+        .map(|(d, e)| join(d, &e.name))
+        .collect();
+    let mut resolved = resolve_links(st, c, &links).await.into_iter();
+    entries
+        .iter()
+        .map(|(d, e)| {
+            if e.kind == FileKind::Symlink {
+                let link = resolved.next().unwrap_or(None);
+                entry_info(d, e, Some(&link))
+            } else {
+                entry_info(d, e, None)
+            }
+        })
+        .collect()
 }
 
 async fn list(st: &E2b, c: &Ctx, dir: &str) -> Result<Vec<DirEntry>, RpcError> {
     Ok(st.api.engine.list_files(&c.tenant, &c.id, dir).await?)
 }
 
-/// The entry at `path`, or not_found.
+/// The entry at `path` (not followed if it is a symlink), or not_found.
+async fn lstat(st: &E2b, c: &Ctx, path: &str) -> Result<(String, DirEntry), RpcError> {
+    let (parent, name) = parent_and_name(path);
+    let entries = list(st, c, &parent)
+        .await
+        .map_err(|e| not_found_as(e, path))?;
+    entries
+        .into_iter()
+        .find(|e| e.name == name)
+        .map(|e| (parent, e))
+        .ok_or_else(|| RpcError::new(Code::NotFound, format!("path {path:?} does not exist")))
+}
+
+/// The envd entry at `path`, or not_found.
 async fn stat(st: &E2b, c: &Ctx, path: &str) -> Result<serde_json::Value, RpcError> {
     if path == "/" {
         return Ok(
@@ -130,18 +248,14 @@ async fn stat(st: &E2b, c: &Ctx, path: &str) -> Result<serde_json::Value, RpcErr
             "size": "0", "mode": 0o755, "permissions": "drwxr-xr-x", "owner": "root", "group": "root"}),
         );
     }
-    let (parent, name) = parent_and_name(path);
-    let entries = list(st, c, &parent)
+    let found = lstat(st, c, path).await?;
+    Ok(describe(st, c, std::slice::from_ref(&found))
         .await
-        .map_err(|e| not_found_as(e, path))?;
-    entries
-        .iter()
-        .find(|e| e.name == name)
-        .map(|e| entry_info(&parent, e))
-        .ok_or_else(|| RpcError::new(Code::NotFound, format!("path {path:?} does not exist")))
+        .pop()
+        .expect("one entry"))
 }
 
-fn not_found_as(e: RpcError, path: &str) -> RpcError {
+pub(crate) fn not_found_as(e: RpcError, path: &str) -> RpcError {
     if e.code == Code::NotFound {
         RpcError::new(Code::NotFound, format!("path {path:?} does not exist"))
     } else {
@@ -149,7 +263,9 @@ fn not_found_as(e: RpcError, path: &str) -> RpcError {
     }
 }
 
-/// Entries under `root` down to `depth` levels, as (directory, entry).
+/// Entries under `root` down to `depth` levels, as (directory, entry), in envd's order: depth
+/// first, each directory's entries by name, a directory's contents right after it. Symlinks
+/// are not descended into.
 async fn walk(
     st: &E2b,
     c: &Ctx,
@@ -157,29 +273,34 @@ async fn walk(
     depth: usize,
 ) -> Result<Vec<(String, DirEntry)>, RpcError> {
     let mut out = Vec::new();
-    let mut level = vec![root.to_string()];
-    for _ in 0..depth.max(1) {
-        let mut next = Vec::new();
-        for dir in level {
-            let entries = match list(st, c, &dir).await {
-                Ok(e) => e,
-                Err(e) if dir == root => return Err(not_found_as(e, root)),
-                Err(_) => continue, // vanished or unreadable below the root
-            };
-            for e in entries {
-                if e.kind == FileKind::Dir {
-                    next.push(join(&dir, &e.name));
-                }
-                out.push((dir.clone(), e));
-                if out.len() > MAX_ENTRIES {
-                    return Err(RpcError::new(
-                        Code::ResourceExhausted,
-                        format!("more than {MAX_ENTRIES} entries under {root:?}"),
-                    ));
-                }
+    let sorted = |mut v: Vec<DirEntry>| {
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        VecDeque::from(v)
+    };
+    let first = list(st, c, root).await.map_err(|e| not_found_as(e, root))?;
+    // (directory, its level below root, the entries of it not yet visited)
+    let mut stack: Vec<(String, usize, VecDeque<DirEntry>)> =
+        vec![(root.to_string(), 1, sorted(first))];
+    while let Some((dir, level, rest)) = stack.last_mut() {
+        let Some(e) = rest.pop_front() else {
+            stack.pop();
+            continue;
+        };
+        let (dir, level) = (dir.clone(), *level);
+        let child = (e.kind == FileKind::Dir && level < depth).then(|| join(&dir, &e.name));
+        out.push((dir, e));
+        if out.len() > MAX_ENTRIES {
+            return Err(RpcError::new(
+                Code::ResourceExhausted,
+                format!("more than {MAX_ENTRIES} entries under {root:?}"),
+            ));
+        }
+        if let Some(child) = child {
+            // Vanished or unreadable below the root: skipped.
+            if let Ok(entries) = list(st, c, &child).await {
+                stack.push((child, level + 1, sorted(entries)));
             }
         }
-        level = next;
     }
     Ok(out)
 }
@@ -243,11 +364,7 @@ pub async fn filesystem_rpc(
             "ListDir" => {
                 let p = resolve(&req.path, user.as_deref())?;
                 let depth = req.depth.unwrap_or(1).clamp(1, 32) as usize;
-                let entries: Vec<_> = walk(&st, &c, &p, depth)
-                    .await?
-                    .iter()
-                    .map(|(d, e)| entry_info(d, e))
-                    .collect();
+                let entries = describe(&st, &c, &walk(&st, &c, &p, depth).await?).await;
                 Ok(connect::unary_ok(&json!({"entries": entries})))
             }
             "MakeDir" => {
@@ -294,11 +411,16 @@ pub async fn filesystem_rpc(
                 if p == "/" {
                     return Err(RpcError::new(Code::InvalidArgument, "cannot remove /"));
                 }
-                st.api
-                    .engine
-                    .remove_file(&c.tenant, &c.id, &p, true)
-                    .await
-                    .map_err(|e| not_found_as(e.into(), &p))?;
+                // As envd's os.RemoveAll: removing what does not exist succeeds.
+                match st.api.engine.remove_file(&c.tenant, &c.id, &p, true).await {
+                    Ok(()) => {}
+                    Err(e) => {
+                        let e = RpcError::from(e);
+                        if e.code != Code::NotFound {
+                            return Err(e);
+                        }
+                    }
+                }
                 Ok(connect::unary_ok(&json!({})))
             }
             "CreateWatcher" => {
@@ -346,7 +468,7 @@ pub async fn filesystem_rpc(
 }
 
 /// The user named by envd's `Authorization: Basic base64(user:)`.
-fn basic_user(headers: &HeaderMap) -> Option<String> {
+pub(crate) fn basic_user(headers: &HeaderMap) -> Option<String> {
     use base64::Engine as _;
     let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     let raw = base64::engine::general_purpose::STANDARD
@@ -575,117 +697,6 @@ async fn watch_stream(st: Arc<E2b>, c: Ctx, mut w: Watcher, tx: tokio::sync::mps
     }
 }
 
-// ------------------------------------------------------------------ /files
-
-#[derive(Debug, Deserialize)]
-pub struct FilesQuery {
-    path: Option<String>,
-    username: Option<String>,
-}
-
-fn http_err(e: RpcError) -> E2bError {
-    let status = match e.code {
-        Code::NotFound => StatusCode::NOT_FOUND,
-        Code::InvalidArgument | Code::FailedPrecondition => StatusCode::BAD_REQUEST,
-        Code::Unauthenticated => StatusCode::UNAUTHORIZED,
-        Code::PermissionDenied => StatusCode::FORBIDDEN,
-        Code::ResourceExhausted => StatusCode::PAYLOAD_TOO_LARGE,
-        Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-        _ => StatusCode::INTERNAL_SERVER_ERROR,
-    };
-    E2bError::new(status, e.message)
-}
-
-/// GET /files?path= → the file's raw bytes.
-pub async fn download(
-    State(st): State<Arc<E2b>>,
-    headers: HeaderMap,
-    q: Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>,
-) -> Result<Response, E2bError> {
-    let c = ctx(&st, &headers, crate::ratelimit::RouteClass::Files).map_err(|e| e.http())?;
-    let Query(q) = q.map_err(|e| E2bError::bad_request(e.body_text()))?;
-    let user = q.username.clone().or_else(|| basic_user(&headers));
-    let path = resolve(q.path.as_deref().unwrap_or(""), user.as_deref()).map_err(http_err)?;
-    let data = st
-        .api
-        .engine
-        .read_file(&c.tenant, &c.id, &path, crate::server::MAX_FILE_BODY as u64)
-        .await
-        .map_err(|e| http_err(not_found_as(e.into(), &path)))?;
-    Ok((
-        [(header::CONTENT_TYPE, "application/octet-stream")],
-        Body::from(data),
-    )
-        .into_response())
-}
-
-/// POST /files?path= (multipart/form-data, or application/octet-stream) → the written entries.
-pub async fn upload(
-    State(st): State<Arc<E2b>>,
-    headers: HeaderMap,
-    q: Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>,
-    body: Body,
-) -> Result<Response, E2bError> {
-    let c = ctx(&st, &headers, crate::ratelimit::RouteClass::Files).map_err(|e| e.http())?;
-    let Query(q) = q.map_err(|e| E2bError::bad_request(e.body_text()))?;
-    let user = q.username.clone().or_else(|| basic_user(&headers));
-    if headers
-        .get(header::CONTENT_ENCODING)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| !v.eq_ignore_ascii_case("identity"))
-    {
-        return Err(E2bError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "compressed uploads are not supported",
-        ));
-    }
-    let ct = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    // The body is read only now (the caller is known), within the upload budgets.
-    let _slot = crate::server::upload_slot(&st.api, &c.tenant, &headers)?;
-    let body = super::read_body(&headers, body, crate::server::MAX_FILE_BODY).await?;
-    let mut files: Vec<(String, Bytes)> = Vec::new();
-    if ct.starts_with("multipart/form-data") {
-        let boundary = super::multipart::boundary(ct)
-            .ok_or_else(|| E2bError::bad_request("multipart body without a boundary"))?;
-        let parts = super::multipart::parse(&body, &boundary).map_err(E2bError::bad_request)?;
-        let single = parts.len() == 1;
-        for p in parts {
-            let target = match (&q.path, p.filename.as_deref()) {
-                (Some(path), _) if single => path.clone(),
-                (_, Some(f)) if !f.is_empty() => f.to_string(),
-                (Some(path), _) => path.clone(),
-                _ => {
-                    return Err(E2bError::bad_request(
-                        "a part names no file and no path= was given",
-                    ))
-                }
-            };
-            files.push((target, body.slice_ref(p.data)));
-        }
-    } else {
-        let path = q
-            .path
-            .clone()
-            .ok_or_else(|| E2bError::bad_request("path= is required"))?;
-        files.push((path, body.clone()));
-    }
-    let mut written = Vec::new();
-    for (raw, data) in files {
-        let path = resolve(&raw, user.as_deref()).map_err(http_err)?;
-        st.api
-            .engine
-            .write_file(&c.tenant, &c.id, &path, None, &data)
-            .await
-            .map_err(|e| http_err(e.into()))?;
-        let (_, name) = parent_and_name(&path);
-        written.push(json!({"name": name, "type": "file", "path": path}));
-    }
-    Ok(axum::Json(written).into_response())
-}
-
 #[doc(hidden)]
 pub mod fuzzing;
 
@@ -723,7 +734,7 @@ mod tests {
             mode: 0o100644,
             modified_ms: 0,
         };
-        let v = entry_info("/home/user", &e);
+        let v = entry_info("/home/user", &e, None);
         assert_eq!(v["path"], "/home/user/f");
         assert_eq!(v["type"], "FILE_TYPE_FILE");
         assert_eq!(v["size"], "5");

@@ -17,7 +17,11 @@ pub mod connect;
 pub mod control;
 pub mod egress;
 pub mod envd;
+pub mod files;
+pub mod fork;
 pub mod fs;
+pub mod listing;
+pub mod metrics;
 pub mod multipart;
 pub mod ports;
 
@@ -42,6 +46,14 @@ pub const ENVD_VERSION: &str = "0.5.7";
 pub const META_PREFIX: &str = "torpor.e2b.";
 const META_END_AT: &str = "torpor.e2b.end_at";
 const META_ON_TIMEOUT: &str = "torpor.e2b.on_timeout";
+/// Set while a sandbox is paused the E2B way (`pause`, or its timeout): it is not running to
+/// E2B, and an envd call does not wake it unless [`META_AUTO_RESUME`]; `connect` clears it.
+const META_PAUSED: &str = "torpor.e2b.paused";
+/// `1` when the sandbox was created with `autoResume.enabled` (lifecycle `auto_resume`): a
+/// call to a paused sandbox wakes it, with a new deadline of [`META_TIMEOUT`] seconds.
+const META_AUTO_RESUME: &str = "torpor.e2b.auto_resume";
+/// The timeout (s) given at create or the last connect: the deadline an auto-resume sets.
+const META_TIMEOUT: &str = "torpor.e2b.timeout";
 /// E2B's default sandbox timeout.
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
 /// The longest timeout accepted (E2B's own ceiling is 24 h).
@@ -61,6 +73,8 @@ pub struct E2b {
     pub legacy_agents: Mutex<std::collections::HashSet<SandboxId>>,
     /// Sandboxes whose E2B timeout action is running (see [`enforce_timeouts`]).
     timeouts_in_flight: Mutex<std::collections::HashSet<SandboxId>>,
+    /// Metrics samples kept for `get_metrics`.
+    pub metrics: metrics::Samples,
 }
 
 impl E2b {
@@ -77,6 +91,7 @@ impl E2b {
             watchers: Mutex::new(HashMap::new()),
             legacy_agents: Mutex::new(Default::default()),
             timeouts_in_flight: Mutex::new(Default::default()),
+            metrics: Default::default(),
         }
     }
 
@@ -164,9 +179,52 @@ pub async fn read_body(
         })
 }
 
-/// Whether a sandbox is resident (E2B `running`) rather than asleep (E2B `paused`).
+/// Whether a sandbox is resident rather than asleep.
 pub fn is_running(tier: Tier) -> bool {
     matches!(tier, Tier::Running | Tier::Frozen)
+}
+
+/// Whether E2B sees a sandbox running: not paused through E2B (pause, timeout), and either
+/// resident or put to sleep by torpor's own idle policy before its E2B deadline (any call
+/// wakes it, so to E2B it never stopped). A sandbox without E2B lifecycle (made through
+/// torpor's own API) is running when resident.
+pub fn e2b_running(rec: &torpor_control::SandboxRecord) -> bool {
+    if rec.metadata.contains_key(META_PAUSED) {
+        return false;
+    }
+    is_running(rec.tier) || rec.metadata.contains_key(META_END_AT)
+}
+
+/// Whether a sandbox paused through E2B wakes on a call to it (`autoResume`).
+pub fn auto_resumes(rec: &torpor_control::SandboxRecord) -> bool {
+    rec.metadata.get(META_AUTO_RESUME).map(String::as_str) == Some("1")
+}
+
+/// Records that a sandbox paused through E2B is being woken (by `connect`, an auto-resume or
+/// traffic to its ports): no longer paused, with a new deadline of `timeout_s` (default: the
+/// timeout it was given).
+pub fn mark_resumed(
+    engine: &torpor_control::Engine,
+    rec: &torpor_control::SandboxRecord,
+    timeout_s: Option<u64>,
+) -> Result<(), torpor_control::ControlError> {
+    let timeout = timeout_s.unwrap_or_else(|| {
+        rec.metadata
+            .get(META_TIMEOUT)
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(DEFAULT_TIMEOUT_S)
+    });
+    let end = torpor_core::now_millis() + timeout as i64 * 1000;
+    engine.patch_sandbox_metadata(
+        &TenantId::admin(),
+        &rec.id,
+        &[
+            (META_PAUSED.to_string(), None),
+            (META_END_AT.to_string(), Some(end.to_string())),
+        ]
+        .into(),
+    )?;
+    Ok(())
 }
 
 /// E2B's `base` template is torpor's default `host` template.
@@ -193,8 +251,8 @@ pub fn router(api: Arc<ApiState>) -> Router<Arc<ApiState>> {
         rt.spawn(timeout_task(Arc::downgrade(&st)));
     }
     Router::new()
-        .route("/sandboxes", post(control::create).get(control::list_v1))
-        .route("/v2/sandboxes", post(control::create).get(control::list_v2))
+        .route("/sandboxes", post(control::create).get(listing::list_v1))
+        .route("/v2/sandboxes", post(control::create).get(listing::list_v2))
         .route(
             "/sandboxes/{id}",
             get(control::get_one).delete(control::kill),
@@ -205,11 +263,41 @@ pub fn router(api: Arc<ApiState>) -> Router<Arc<ApiState>> {
         .route("/sandboxes/{id}/pause", post(control::pause))
         .route("/sandboxes/{id}/timeout", post(control::set_timeout))
         .route("/sandboxes/{id}/network", put(control::set_network))
+        .route("/sandboxes/{id}/fork", post(fork::fork))
+        .route("/sandboxes/{id}/metrics", get(metrics::get_metrics))
+        // E2B routes torpor does not serve: answered in E2B's error shape, so the SDKs raise
+        // their own exception rather than failing to read the error.
+        .route("/sandboxes/{id}/snapshots", post(unsupported))
+        .route("/snapshots", get(unsupported))
+        .route("/templates/{id}", axum::routing::delete(unsupported))
+        .route("/sandboxes/{id}/logs", get(unsupported))
+        .route("/v2/sandboxes/{id}/logs", get(unsupported))
+        .route("/sandboxes/metrics", get(unsupported))
+        .route("/sandboxes/{id}/refreshes", post(unsupported))
         .route("/process.Process/{method}", post(envd::process_rpc))
         .route("/filesystem.Filesystem/{method}", post(fs::filesystem_rpc))
-        .route("/files", get(fs::download).post(fs::upload))
+        .route("/files", get(files::download).post(files::upload))
         .route("/health", get(envd::health))
         .with_state(st)
+}
+
+/// An E2B route torpor does not serve: 501 in E2B's `{code, message}` shape, once the caller
+/// is authenticated (401 before that, as for every E2B route).
+async fn unsupported(
+    axum::extract::State(st): axum::extract::State<Arc<E2b>>,
+    headers: axum::http::HeaderMap,
+    uri: axum::http::Uri,
+) -> E2bError {
+    if let Err(e) = control::authenticate(&st, &headers) {
+        return e;
+    }
+    E2bError::new(
+        StatusCode::NOT_IMPLEMENTED,
+        format!(
+            "{} is not supported by torpor's E2B API (see docs/E2B.md)",
+            uri.path()
+        ),
+    )
 }
 
 /// Every second: sandboxes past their E2B deadline go to sleep (or are deleted for
@@ -244,7 +332,12 @@ pub async fn enforce_timeouts(st: &Arc<E2b>) -> Result<(), E2bError> {
         else {
             continue;
         };
-        if end_at > now || !is_running(rec.tier) {
+        if end_at > now {
+            continue;
+        }
+        if !is_running(rec.tier) {
+            // Asleep already (torpor's idle policy): only E2B's view changes, at once.
+            timeout_asleep(st, &rec).await;
             continue;
         }
         if !st
@@ -272,6 +365,30 @@ pub async fn enforce_timeouts(st: &Arc<E2b>) -> Result<(), E2bError> {
     Ok(())
 }
 
+/// The deadline of a sandbox already asleep passed: deleted (`kill`) or marked paused.
+async fn timeout_asleep(st: &E2b, rec: &torpor_control::SandboxRecord) {
+    let admin = TenantId::admin();
+    let result = if rec.metadata.get(META_ON_TIMEOUT).map(String::as_str) == Some("kill") {
+        st.api.engine.delete_sandbox(&admin, &rec.id).await
+    } else {
+        st.api
+            .engine
+            .patch_sandbox_metadata(
+                &admin,
+                &rec.id,
+                &[
+                    (META_END_AT.to_string(), None),
+                    (META_PAUSED.to_string(), Some("timeout".to_string())),
+                ]
+                .into(),
+            )
+            .map(|_| ())
+    };
+    if let Err(e) = result {
+        tracing::warn!(sandbox = %rec.id, error = %e, "e2b timeout of a sleeping sandbox failed");
+    }
+}
+
 async fn timeout_action(
     st: &E2b,
     id: &SandboxId,
@@ -281,11 +398,18 @@ async fn timeout_action(
     if kill {
         return st.api.engine.delete_sandbox(&admin, id).await;
     }
-    // Clear the deadline first: a later wake (any call) must not be put back to sleep at
-    // once; `connect` sets a new deadline.
-    st.api
-        .engine
-        .patch_sandbox_metadata(&admin, id, &[(META_END_AT.to_string(), None)].into())?;
+    // Paused to E2B from now on (is_running answers false while it checkpoints), and the
+    // deadline cleared: a later wake must not be put back to sleep at once; `connect` (or
+    // an auto-resume) sets a new one.
+    st.api.engine.patch_sandbox_metadata(
+        &admin,
+        id,
+        &[
+            (META_END_AT.to_string(), None),
+            (META_PAUSED.to_string(), Some("timeout".to_string())),
+        ]
+        .into(),
+    )?;
     st.api
         .engine
         .suspend(&admin, id, Tier::Parked)

@@ -81,6 +81,19 @@ pub(crate) fn host_route_tenant(
         .as_ref()
         .and_then(|r| r.metadata.get(META_MASK_HOST))
         .map(|m| m.replace("${PORT}", &port.to_string()));
+    // Traffic the caller may send wakes a sandbox paused through E2B (as before E2B's pause
+    // existed here): it is running again to E2B, with a new deadline.
+    let paused = rec
+        .as_ref()
+        .filter(|r| r.metadata.contains_key(super::META_PAUSED))
+        .cloned();
+    let mark_resumed = || {
+        if let Some(r) = &paused {
+            if let Err(e) = super::mark_resumed(&state.engine, r, None) {
+                tracing::warn!(sandbox = %r.id, error = %e, "cannot mark an e2b sandbox resumed");
+            }
+        }
+    };
     let owner = rec.as_ref().map(|r| r.tenant.clone());
     let traffic = rec.and_then(|rec| rec.metadata.get(META_TRAFFIC).cloned());
     let allowed = match traffic.as_deref() {
@@ -97,6 +110,7 @@ pub(crate) fn host_route_tenant(
         if let Some(owner) = &owner {
             crate::ratelimit::check(state, owner, proxy)?;
         }
+        mark_resumed();
         return Ok(HostRoute {
             tenant: admin,
             host,
@@ -105,6 +119,9 @@ pub(crate) fn host_route_tenant(
     if headers.contains_key(axum::http::header::AUTHORIZATION) {
         let tenant = crate::server::tenant_of(state, headers)?;
         crate::ratelimit::check(state, &tenant, proxy)?;
+        if tenant == TenantId::admin() || owner.as_ref() == Some(&tenant) {
+            mark_resumed();
+        }
         return Ok(HostRoute { tenant, host });
     }
     Err(ApiError::new(

@@ -5,6 +5,8 @@
 use torpor_core::NetworkPolicy;
 
 use super::*;
+use axum::extract::Query;
+use std::collections::HashMap;
 
 /// An empty body is the default, anything else JSON, as [`super::parse_body`] reads it.
 fn body_of<T: for<'de> Deserialize<'de> + Default>(body: &[u8]) -> E2bResult<T> {
@@ -108,7 +110,7 @@ pub fn list_query(query: &str, v2: bool) -> E2bResult<ListFilter> {
         "limit {} passed",
         f.limit
     );
-    let (items, next) = page(&[], &f);
+    let (items, next) = page(&[], &f)?;
     assert!(items.is_empty() && next.is_none());
     Ok(f)
 }

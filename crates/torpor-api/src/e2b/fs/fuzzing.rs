@@ -5,6 +5,9 @@
 
 use super::connect::Framing;
 use super::*;
+use crate::e2b::files::FilesQuery;
+use axum::body::Bytes;
+use axum::extract::Query;
 
 /// The methods of `filesystem.Filesystem` that are served, and whether each is a stream.
 pub const FILESYSTEM_METHODS: &[(&str, bool)] = &[

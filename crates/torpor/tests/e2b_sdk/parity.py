@@ -1,0 +1,161 @@
+"""E2B behaviours beyond the happy path (issue 19), through the official, unmodified e2b Python
+SDK: gzip transfers, list order and depth, symlink info, removing what is not there,
+is_running after pause and timeout, auto-resume, list order/paging/filters, fork, metrics, and
+E2B-shaped errors for routes torpor does not serve.
+
+Environment: E2B_API_KEY, E2B_API_URL, E2B_SANDBOX_URL (torpor's listener).
+"""
+import datetime
+import time
+import uuid
+
+from e2b import Sandbox, SandboxQuery, SandboxState
+from e2b.sandbox.filesystem.filesystem import FileType
+
+
+def step(name):
+    print(f"step: {name}", flush=True)
+
+
+def expect(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+RUN = uuid.uuid4().hex[:8]
+META = {"suite": "e2b-parity", "run": RUN}
+
+sbx = Sandbox.create(timeout=600, metadata=META)
+
+step("gzip upload and download")
+data = "compressible " * 5000
+w = sbx.files.write("/home/user/g.txt", data, gzip=True)
+expect(w.path == "/home/user/g.txt", f"write info {w}")
+expect(sbx.files.read("/home/user/g.txt") == data, "plain read of a gzip upload")
+expect(sbx.files.read("/home/user/g.txt", gzip=True) == data, "gzip read")
+
+step("files.list order and depth")
+sbx.commands.run(
+    "mkdir -p /home/user/tree/b/y && cd /home/user/tree && : > c.txt && : > a.txt"
+    " && : > b/x.txt && : > b/y/z.txt"
+)
+names = lambda es: [e.path.removeprefix("/home/user/tree/") for e in es]  # noqa: E731
+got = names(sbx.files.list("/home/user/tree"))
+expect(got == ["a.txt", "b", "c.txt"], f"depth 1: {got}")
+got = names(sbx.files.list("/home/user/tree", depth=2))
+expect(got == ["a.txt", "b", "b/x.txt", "b/y", "c.txt"], f"depth 2: {got}")
+got = names(sbx.files.list("/home/user/tree", depth=3))
+expect(got == ["a.txt", "b", "b/x.txt", "b/y", "b/y/z.txt", "c.txt"], f"depth 3: {got}")
+
+step("get_info of a symlink")
+sbx.commands.run(
+    "ln -s /home/user/tree/a.txt /home/user/flink && ln -s tree /home/user/dlink"
+    " && ln -s /nowhere /home/user/dangling"
+)
+i = sbx.files.get_info("/home/user/flink")
+expect(i.type == FileType.FILE, f"file link type {i}")
+expect(i.symlink_target == "/home/user/tree/a.txt", f"file link target {i}")
+i = sbx.files.get_info("/home/user/dlink")
+expect(i.type == FileType.DIR, f"dir link type {i}")
+expect(i.symlink_target == "/home/user/tree", f"dir link target {i}")
+i = sbx.files.get_info("/home/user/dangling")
+expect(i.symlink_target == "/home/user/dangling", f"dangling link {i}")
+i = sbx.files.get_info("/home/user/g.txt")
+expect(i.type == FileType.FILE and i.symlink_target is None, f"plain file {i}")
+
+step("remove of a missing file does not raise")
+sbx.files.remove("/home/user/not-there")
+sbx.files.remove("/home/user/g.txt")
+expect(not sbx.files.exists("/home/user/g.txt"), "removed")
+
+step("metrics")
+m = sbx.get_metrics()
+expect(len(m) >= 1, f"metrics {m}")
+expect(m[-1].mem_total > 0 and m[-1].cpu_count >= 1, f"sample {m[-1]}")
+expect(0 <= m[-1].cpu_used_pct <= 100, f"cpu {m[-1]}")
+future = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)
+expect(sbx.get_metrics(start=future) == [], "nothing after the end of time")
+
+step("fork")
+sbx.files.write("/home/user/forked.txt", "from the source")
+forks = sbx.fork(count=2, timeout=600)
+expect(len(forks) == 2, f"forks {forks}")
+ids = set()
+for f in forks:
+    expect(isinstance(f, Sandbox), f"fork failed: {f!r}")
+    expect(f.files.read("/home/user/forked.txt") == "from the source", "fork's files")
+    expect(f.commands.run("echo fork").stdout == "fork\n", "fork runs")
+    ids.add(f.sandbox_id)
+expect(len(ids) == 2 and sbx.sandbox_id not in ids, f"fork ids {ids}")
+expect(sbx.is_running(), "the source goes on running")
+expect(sbx.commands.run("echo src").stdout == "src\n", "source runs")
+for f in forks:
+    f.kill()
+
+step("is_running after pause, until connect")
+expect(sbx.is_running(), "running")
+expect(sbx.pause() is True, "pause")
+expect(sbx.is_running() is False, "not running once paused")
+expect(sbx.is_running() is False, "the health call did not wake it")
+expect(Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED, "still paused")
+sbx = Sandbox.connect(sbx.sandbox_id)
+expect(sbx.is_running(), "running after connect")
+expect(sbx.files.read("/home/user/forked.txt") == "from the source", "files kept")
+
+step("list: newest first, paging across running and paused, filters")
+newer = Sandbox.create(timeout=600, metadata=META)
+expect(newer.pause() is True, "pause the newer one")
+q = SandboxQuery(metadata=META)
+got = [s.sandbox_id for s in Sandbox.list(query=q).next_items()]
+expect(got == [newer.sandbox_id, sbx.sandbox_id], f"newest first: {got}")
+pages = Sandbox.list(query=q, limit=1)
+first = pages.next_items()
+expect(pages.has_next, "a second page")
+second = pages.next_items()
+got = [s.sandbox_id for s in first + second]
+expect(got == [newer.sandbox_id, sbx.sandbox_id], f"pages {got}")
+expect(not pages.has_next or pages.next_items() == [], "two pages")
+started = Sandbox.get_info(newer.sandbox_id).started_at
+q2 = SandboxQuery(metadata=META, started_after=started)
+got = [s.sandbox_id for s in Sandbox.list(query=q2).next_items()]
+expect(got == [newer.sandbox_id], f"started_after: {got}")
+got = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata=META, template="base")).next_items()]
+expect(len(got) == 2, f"template base: {got}")
+got = Sandbox.list(query=SandboxQuery(metadata=META, template="not-a-template")).next_items()
+expect(got == [], f"template filter: {got}")
+newer.kill()
+
+step("is_running after the timeout")
+short = Sandbox.create(timeout=600, metadata=META)
+short.set_timeout(5)
+deadline = time.monotonic() + 120
+while Sandbox.get_info(short.sandbox_id).state != SandboxState.PAUSED:
+    expect(time.monotonic() < deadline, "the timeout never paused it")
+    time.sleep(0.5)
+expect(short.is_running() is False, "not running after its timeout")
+short.kill()
+
+step("auto_resume")
+auto = Sandbox.create(
+    timeout=600, metadata=META, lifecycle={"on_timeout": "pause", "auto_resume": True}
+)
+expect(auto.pause() is True, "pause")
+expect(Sandbox.get_info(auto.sandbox_id).state == SandboxState.PAUSED, "paused")
+expect(auto.is_running() is True, "traffic resumes it")
+expect(Sandbox.get_info(auto.sandbox_id).state == SandboxState.RUNNING, "running again")
+expect(auto.commands.run("echo woke").stdout == "woke\n", "runs after auto-resume")
+auto.kill()
+
+step("routes torpor does not serve answer in E2B's shape")
+try:
+    sbx.create_snapshot()
+    raise AssertionError("create_snapshot succeeded")
+except KeyError as e:
+    raise AssertionError(f"the SDK could not read the error: {e!r}")
+except AssertionError:
+    raise
+except Exception as e:  # the SDK's own exception, built from {code, message}
+    expect("not supported" in str(e), f"error {e!r}")
+
+sbx.kill()
+print("ALL OK", flush=True)
