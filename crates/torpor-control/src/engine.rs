@@ -24,13 +24,16 @@ use torpor_core::{
     TemplateSource, TemplateSpec, TenantId, Tier,
 };
 use torpor_runtime::proto::{self, AgentErrorCode, DirEntry, ExecRequest, Reply, Request};
-use torpor_runtime::{rootfs, Container, ContainerSpec, Runsc, WarmPool, Worker};
+use torpor_runtime::{
+    rootfs, ContainerSpec, Launch, Node, NodeEvent, NodeInfo, Resident, RunscNode, RunscNodeConfig,
+};
 
 use crate::error::{ControlError, Result};
 
 mod net;
 mod quota;
 mod sources;
+pub mod usage_probe;
 
 use crate::lot::{LotError, Parked, WorkerPermit, WorkerPool};
 use crate::metrics::Metrics;
@@ -142,10 +145,9 @@ pub enum ExecEvent {
 }
 
 struct Live {
-    container: Container,
+    /// The container on the node; its worker goes back to the node with it.
+    resident: Box<dyn Resident>,
     _permit: WorkerPermit,
-    /// The prepared cgroups and bundle the container runs in; reset and reused when dropped.
-    _worker: Worker,
     frozen: bool,
 }
 
@@ -201,17 +203,16 @@ impl Evictor {
 impl InUse {
     /// Where the proxy reaches the sandbox's ports (networked sandboxes only).
     pub fn ingress_addr(&self) -> Option<std::net::Ipv4Addr> {
-        let live = self.guard.live.as_ref()?;
-        live._worker.net().map(|n| n.ingress_addr())
+        self.guard.live.as_ref()?.resident.ingress_addr()
     }
 
-    fn container(&self) -> &Container {
-        &self
+    fn resident(&self) -> &dyn Resident {
+        &*self
             .guard
             .live
             .as_ref()
             .expect("in-use sandbox is live")
-            .container
+            .resident
     }
 }
 
@@ -228,12 +229,11 @@ pub struct Engine {
     me: std::sync::Weak<Engine>,
     cfg: EngineConfig,
     pub(crate) store: Store,
-    runsc: Runsc,
-    agent_dir: PathBuf,
+    /// The machine the sandboxes run on.
+    node: Arc<dyn Node>,
+    node_info: NodeInfo,
     slots: Mutex<HashMap<SandboxId, Arc<Slot>>>,
     workers: Arc<WorkerPool>,
-    /// Prepared workers (cgroups, bundle directories) handed to wakes.
-    warm: WarmPool,
     evictor: Arc<Evictor>,
     /// At most this many checkpoints run at once (each is CPU- and disk-heavy).
     checkpoints: Arc<Semaphore>,
@@ -269,29 +269,31 @@ impl Engine {
     fn sandbox_dir(&self, id: &SandboxId) -> PathBuf {
         self.cfg.data_dir.join("sandboxes").join(id.as_str())
     }
-    fn bundle_dir(&self, container_id: &str) -> PathBuf {
-        self.cfg.data_dir.join("run").join(container_id)
-    }
 }
 
 impl Engine {
-    /// Opens the store, checks runsc, reconciles what a previous run left behind and makes sure
-    /// the built-in `host` template exists. Then starts the idle-policy task.
+    /// Starts the engine on this machine's node (runsc, the warm pool, cgroups): see
+    /// [`Engine::start_on`].
     pub async fn start(cfg: EngineConfig) -> Result<Arc<Engine>> {
-        for sub in ["", "templates", "sandboxes", "store", "run", "agent"] {
-            let p = cfg.data_dir.join(sub);
-            std::fs::create_dir_all(&p).map_err(ControlError::io("cannot create", &p))?;
-        }
+        create_data_dirs(&cfg.data_dir)?;
+        let node = RunscNode::start(RunscNodeConfig {
+            data_dir: cfg.data_dir.clone(),
+            runsc_binary: cfg.runsc_binary.clone(),
+            runsc_platform: cfg.runsc_platform.clone(),
+            agent_binary: cfg.agent_binary.clone(),
+            warm_pool: cfg.warm_pool,
+        })?;
+        Engine::start_on(cfg, Arc::new(node)).await
+    }
+
+    /// Opens the store, reconciles what a previous run left behind (on `node` and in the
+    /// store) and makes sure the built-in `host` template exists. Then starts the idle policy,
+    /// the evictor and the node's event watch.
+    pub async fn start_on(cfg: EngineConfig, node: Arc<dyn Node>) -> Result<Arc<Engine>> {
+        create_data_dirs(&cfg.data_dir)?;
         let store = Store::open(&cfg.data_dir.join("torpor.db"))?;
-        let runsc = Runsc::detect(
-            cfg.runsc_binary.clone(),
-            cfg.runsc_platform.clone(),
-            cfg.data_dir.join("runsc"),
-            cfg.data_dir.join("logs"),
-        )?;
-        tracing::info!(version = %runsc.version, platform = %runsc.platform, overlay = ?runsc.overlay_flags, "runsc detected");
-        let agent_dir = rootfs::install_agent(&cfg.agent_binary, &cfg.data_dir.join("agent"))
-            .map_err(|e| ControlError::Unsupported(e.to_string()))?;
+        let node_info = node.info();
+        let events = node.take_events();
         let metrics = Metrics::new();
         let snapshots = Arc::new(crate::snapshots::Snapshots::open(
             &cfg.data_dir,
@@ -299,18 +301,15 @@ impl Engine {
             &metrics,
         )?);
         metrics.workers_total.set(cfg.workers as i64);
-        // Before reconcile: this also thaws and empties the groups a previous run left.
-        let warm = WarmPool::start(&cfg.data_dir, cfg.warm_pool);
         let engine = Arc::new_cyclic(|me| Engine {
             me: me.clone(),
-            warm,
             evictor: Arc::default(),
             workers: WorkerPool::new(cfg.workers, cfg.lot_capacity),
             checkpoints: Arc::new(Semaphore::new(2)),
             cfg,
             store,
-            runsc,
-            agent_dir,
+            node,
+            node_info,
             slots: Mutex::default(),
             metrics,
             shutting_down: AtomicBool::new(false),
@@ -349,12 +348,17 @@ impl Engine {
         tokio::spawn(async move { ticker.run_policy().await });
         let evictor = engine.clone();
         tokio::spawn(async move { evictor.run_evictor().await });
+        if let Some(events) = events {
+            let watcher = engine.clone();
+            tokio::spawn(async move { watcher.watch_node(events).await });
+        }
         engine.spawn_snapshot_gc();
         Ok(engine)
     }
 
-    pub fn runsc(&self) -> &Runsc {
-        &self.runsc
+    /// What the node runs (runtime version, platform, GPU pass-through).
+    pub fn node_info(&self) -> &NodeInfo {
+        &self.node_info
     }
 
     pub fn workers(&self) -> usize {
@@ -372,24 +376,9 @@ impl Engine {
             .into_iter()
             .map(|s| s.id.to_string())
             .collect();
-        torpor_runtime::cgroup::thaw_matching(|cid| {
-            cid.rsplit_once("-g")
-                .is_some_and(|(id, _)| ours.contains(id))
-        });
-        let strays = self.runsc.kill_strays();
-        if strays > 0 {
-            tracing::warn!(
-                processes = strays,
-                "killed runsc processes left by a previous run"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        for cid in self.runsc.list().await {
-            tracing::warn!(container = %cid, "removing a container left by a previous run");
-            self.runsc.destroy(&cid).await;
-        }
-        let _ = std::fs::remove_dir_all(self.cfg.data_dir.join("run"));
-        let _ = std::fs::create_dir_all(self.cfg.data_dir.join("run"));
+        self.node
+            .reconcile(&|cid: &str| sandbox_of(cid).is_some_and(|id| ours.contains(id)))
+            .await;
         for t in self.store.templates()? {
             if t.status == TemplateStatus::Building {
                 tracing::warn!(template = %t.name, "dropping a template whose build was interrupted");
@@ -611,7 +600,7 @@ impl Engine {
             status: TemplateStatus::Building,
             rootfs: dir.join("rootfs"),
             mounts: Vec::new(),
-            agent_dir: self.agent_dir.clone(),
+            agent_dir: self.node_info.agent_dir.clone(),
             golden_dir: dir.join("golden"),
             golden_bytes: 0,
             created_at: now_millis(),
@@ -727,16 +716,13 @@ impl Engine {
         let permit = self
             .acquire_worker(&rec.tenant, rec.spec.limits.memory_bytes())
             .await?;
-        let cid = format!("tpl-{}-{:04x}", rec.name, rand::random::<u16>());
-        let bundle = self.bundle_dir(&cid);
-        let spec = container_spec(rec, &rec.spec.limits, &rec.spec.env);
-        let container = match self.runsc.boot(&cid, &bundle, &spec, READY_TIMEOUT).await {
-            Ok(c) => c,
-            Err(e) => {
-                self.runsc.destroy(&cid).await;
-                return Err(e.into());
-            }
+        let launch = Launch {
+            container_id: format!("tpl-{}-{:04x}", rec.name, rand::random::<u16>()),
+            spec: container_spec(rec, &rec.spec.limits, &rec.spec.env),
+            network: None,
+            ready_timeout: READY_TIMEOUT,
         };
+        let container = self.node.boot(launch).await?;
         if rec.spec.warmup_ms > 0 {
             progress(&format!("warming up for {} ms", rec.spec.warmup_ms));
             tokio::time::sleep(Duration::from_millis(rec.spec.warmup_ms)).await;
@@ -748,10 +734,10 @@ impl Engine {
                 ..
             },
             _,
-        )) = container.conn.call(&Request::MainStatus, &[]).await
+        )) = container.call(&Request::MainStatus, &[]).await
         {
             if !rec.spec.command.is_empty() {
-                self.runsc.destroy(&cid).await;
+                container.destroy().await;
                 return Err(ControlError::Invalid(format!(
                     "the template's command exited during boot (exit code {exit_code:?})"
                 )));
@@ -760,9 +746,8 @@ impl Engine {
         progress("checkpointing the golden snapshot");
         let tmp = dir.join(".golden.tmp");
         let t = Instant::now();
-        let result = self.runsc.checkpoint(&container, &tmp).await;
+        let result = container.checkpoint(&tmp).await;
         drop(permit);
-        let _ = std::fs::remove_dir_all(&bundle);
         result?;
         commit_image(&tmp, &rec.golden_dir).await?;
         rec.golden_bytes = dir_size(&rec.golden_dir);
@@ -934,31 +919,27 @@ impl Engine {
         tpl: &TemplateRecord,
         image: &Path,
         configure: bool,
-    ) -> Result<(Container, Worker)> {
-        let cid = rec.container_id();
+    ) -> Result<Box<dyn Resident>> {
         let gpu = self.gpu_runtime(&rec.id)?;
-        let mut worker = self
-            .warm
-            .take()
-            .map_err(torpor_runtime::RuntimeError::from)?;
-        self.metrics
-            .warm_takes
-            .with_label_values(&[if worker.was_warm() { "warm" } else { "cold" }])
-            .inc();
         let mut spec = container_spec(tpl, &rec.limits, &tpl.spec.env);
         spec.devices = gpu.devices;
         spec.mounts.extend(gpu.mounts);
         let networked = self.store.network(&rec.id)?;
-        if let Some(policy) = &networked {
-            spec.netns = Some(net::prepare_worker_net(&mut worker, policy)?);
-        }
-        let container = self.runsc.restore(&cid, &worker, &spec, image)?;
+        let launch = Launch {
+            container_id: rec.container_id(),
+            spec,
+            network: networked.clone(),
+            ready_timeout: READY_TIMEOUT,
+        };
+        let container = self.node.restore(launch, image).await?;
+        self.metrics
+            .warm_takes
+            .with_label_values(&[if container.was_warm() { "warm" } else { "cold" }])
+            .inc();
         let ready = async {
-            self.runsc.wait_ready(&container, READY_TIMEOUT).await?;
-            self.gpu_cuda_resume(&rec.id, &container).await?;
+            self.gpu_cuda_resume(&rec.id, &*container).await?;
             if configure {
                 container
-                    .conn
                     .call(
                         &Request::Configure {
                             env: rec.env.clone(),
@@ -967,67 +948,69 @@ impl Engine {
                     )
                     .await?;
                 if networked.is_some() {
-                    net::write_resolv_conf(&container).await?;
+                    net::write_resolv_conf(&*container).await?;
                 }
             }
             Ok::<_, ControlError>(())
         }
         .await;
         if let Err(e) = ready {
-            container.expect_exit();
-            self.runsc.destroy(&cid).await;
+            container.destroy().await;
             return Err(e);
         }
-        Ok((container, worker))
+        Ok(container)
     }
 
     fn install_live(
         &self,
         guard: &mut OwnedRwLockWriteGuard<SlotState>,
         rec: &SandboxRecord,
-        (container, worker): (Container, Worker),
+        resident: Box<dyn Resident>,
         permit: WorkerPermit,
     ) {
-        self.watch_crash(rec.id.clone(), &container);
+        tracing::debug!(sandbox = %rec.id, container = resident.id(), worker = resident.worker(), "resident");
         guard.live = Some(Live {
-            container,
+            resident,
             _permit: permit,
-            _worker: worker,
             frozen: false,
         });
         self.metrics.workers_busy.set(self.workers.busy() as i64);
     }
 
-    /// Sends the sandbox back to its last snapshot when its container dies on its own.
-    fn watch_crash(&self, id: SandboxId, container: &Container) {
-        let exit = container.exit_handle();
-        let cid = container.id.clone();
-        let Some(engine) = self.me.upgrade() else {
-            return;
-        };
-        tokio::spawn(async move {
-            let info = exit.exited().await;
-            if exit.expected() {
-                return;
+    /// Sends a sandbox back to its last snapshot when the node reports that its container
+    /// died on its own.
+    async fn watch_node(self: Arc<Self>, mut events: mpsc::UnboundedReceiver<NodeEvent>) {
+        while let Some(event) = events.recv().await {
+            let NodeEvent::Exited {
+                container_id,
+                info,
+                expected,
+            } = event;
+            if expected {
+                continue;
             }
-            engine
-                .on_crash(&id, &cid, &crash_reason(&info), info.oom_killed)
-                .await;
-        });
+            let Some(id) = sandbox_of(&container_id).and_then(|s| SandboxId::new(s).ok()) else {
+                continue; // a template build's container: its build reports the failure
+            };
+            let engine = self.clone();
+            tokio::spawn(async move {
+                engine
+                    .on_crash(&id, &container_id, &crash_reason(&info), info.oom_killed)
+                    .await;
+            });
+        }
     }
 
     async fn on_crash(&self, id: &SandboxId, cid: &str, reason: &str, oom: bool) {
         let slot = self.slot(id);
         let mut guard = slot.state.clone().write_owned().await;
-        let same = guard.live.as_ref().is_some_and(|l| l.container.id == cid);
+        let same = guard.live.as_ref().is_some_and(|l| l.resident.id() == cid);
         if !same {
             return;
         }
         let live = guard.live.take().expect("checked above");
-        live.container.expect_exit();
-        tracing::warn!(sandbox = %id, container = %cid, reason, log = %self.runsc.log_tail(cid), "sandbox crashed; back to its last snapshot");
-        self.runsc.destroy(cid).await;
-        drop(live);
+        tracing::warn!(sandbox = %id, container = %cid, reason, log = %self.node.log_tail(cid), "sandbox crashed; back to its last snapshot");
+        live.resident.destroy().await;
         self.release_gpu(id);
         self.metrics
             .crashes
@@ -1102,8 +1085,7 @@ impl Engine {
             .iter()
             .filter_map(|slot| {
                 let guard = slot.state.try_read().ok()?;
-                let live = guard.live.as_ref()?;
-                torpor_runtime::cgroup::memory_usage(&live.container.cgroup)
+                guard.live.as_ref()?.resident.memory()
             })
             .sum()
     }
@@ -1127,7 +1109,7 @@ impl Engine {
 
     /// Workers: how many, how many hold a sandbox, how many calls wait.
     pub fn worker_stats(&self) -> WorkerStats {
-        let warm = self.warm.stats();
+        let warm = self.node.warm_stats();
         WorkerStats {
             memory_budget_bytes: self.cfg.memory_budget,
             resident_memory_bytes: self.resident_memory(),
@@ -1224,7 +1206,7 @@ impl Engine {
             {
                 let guard = slot.state.clone().read_owned().await;
                 if let Some(live) = &guard.live {
-                    if !live.frozen && !live.container.conn.is_closed() {
+                    if !live.frozen && live.resident.alive() {
                         slot.touch();
                         return Ok(InUse {
                             guard,
@@ -1240,10 +1222,7 @@ impl Engine {
             let Some(mut rec) = self.store.sandbox(id)? else {
                 return Err(not_found(id));
             };
-            let live_state = guard
-                .live
-                .as_ref()
-                .map(|l| (l.frozen, l.container.conn.is_closed()));
+            let live_state = guard.live.as_ref().map(|l| (l.frozen, !l.resident.alive()));
             match live_state {
                 Some((_, true)) => {
                     // Its container died; the crash watch is about to record it. Let it.
@@ -1254,8 +1233,7 @@ impl Engine {
                 Some((true, false)) => {
                     let t = Instant::now();
                     let live = guard.live.as_mut().expect("checked");
-                    torpor_runtime::cgroup::set_frozen(&live.container.cgroup, false)
-                        .map_err(torpor_runtime::RuntimeError::from)?;
+                    live.resident.set_frozen(false).await?;
                     live.frozen = false;
                     rec.state = SandboxState::Running;
                     rec.tier = Tier::Running;
@@ -1382,8 +1360,7 @@ impl Engine {
         if live.frozen {
             return Ok(());
         }
-        torpor_runtime::cgroup::set_frozen(&live.container.cgroup, true)
-            .map_err(torpor_runtime::RuntimeError::from)?;
+        live.resident.set_frozen(true).await?;
         live.frozen = true;
         if let Some(mut rec) = self.store.sandbox(id)? {
             rec.state = SandboxState::Frozen;
@@ -1406,9 +1383,9 @@ impl Engine {
     ) -> Result<()> {
         let mut cuda_toggled = None;
         if let Some(live) = guard.live.as_ref() {
-            let cuda_tool = self.gpu_checkpoint_gate(id, &live.container.id)?;
+            let cuda_tool = self.gpu_checkpoint_gate(id, live.resident.id())?;
             if let (Some(tool), Some(gpus)) = (cuda_tool, self.gpus.get()) {
-                cuda_toggled = Some(gpus.cuda_suspend(&live.container, tool).await?);
+                cuda_toggled = Some(gpus.cuda_suspend(&*live.resident, tool).await?);
             }
         }
         let Some(live) = guard.live.take() else {
@@ -1425,11 +1402,13 @@ impl Engine {
         let dest = images.join(rec.generation.to_string());
         let _ = std::fs::remove_dir_all(&tmp);
         let t = Instant::now();
-        net::settle_connections(&live).await;
-        let result = self.runsc.checkpoint(&live.container, &tmp).await;
-        self.gpu_after_checkpoint(id, &live.container, cuda_toggled, result.is_ok())
-            .await;
-        drop(live);
+        let Live {
+            resident, _permit, ..
+        } = live;
+        resident.settle_connections().await;
+        let result = resident.checkpoint(&tmp).await;
+        self.gpu_after_checkpoint(id, cuda_toggled, result.is_ok());
+        drop(_permit);
         self.release_gpu(id);
         self.metrics.workers_busy.set(self.workers.busy() as i64);
         match result {
@@ -1772,7 +1751,7 @@ impl Engine {
             Ok(g) => g,
             Err(_) => {
                 tracing::info!(sandbox = %id, "delete cuts the calls still in flight");
-                self.runsc.destroy(&seen.container_id()).await;
+                self.node.kill(&seen.container_id()).await;
                 tokio::time::timeout(DELETE_CUT_WAIT, slot.state.clone().write_owned())
                     .await
                     .map_err(|_| {
@@ -1789,8 +1768,7 @@ impl Engine {
         rec.state = SandboxState::Deleting;
         self.store.update_sandbox(&rec)?;
         if let Some(live) = guard.live.take() {
-            live.container.expect_exit();
-            self.runsc.destroy(&live.container.id).await;
+            live.resident.destroy().await;
         }
         self.forget_gpu(id);
         self.remove_image(&rec.tenant, &rec.image).await;
@@ -1822,8 +1800,7 @@ impl Engine {
         let timeout_ms = req.timeout_ms;
         let detach = req.detach;
         let mut rx = in_use
-            .container()
-            .conn
+            .resident()
             .send(
                 &Request::Exec(ExecRequest {
                     stream: false,
@@ -1891,8 +1868,7 @@ impl Engine {
         let in_use = self.use_sandbox(tenant, id).await?;
         let timeout_ms = req.timeout_ms;
         let mut rx = in_use
-            .container()
-            .conn
+            .resident()
             .send(
                 &Request::Exec(ExecRequest {
                     stream: true,
@@ -1963,8 +1939,8 @@ impl Engine {
     /// The agent channel closed under a call: wait for the container's exit and record the
     /// crash (so the sandbox's status says so before the caller hears back), then name the cause.
     async fn died_during_call(&self, in_use: InUse) -> ControlError {
-        let exit = in_use.container().exit_handle();
-        let cid = in_use.container().id.clone();
+        let exit = in_use.resident().exit_handle();
+        let cid = in_use.resident().id().to_string();
         let id = in_use.id.clone();
         // The crash is recorded under the write lock: release our read lock first.
         drop(in_use);
@@ -1991,7 +1967,7 @@ impl Engine {
         body: &[u8],
     ) -> Result<(Reply, Vec<u8>)> {
         let in_use = self.use_sandbox(tenant, id).await?;
-        let reply = in_use.container().conn.call(&req, body).await;
+        let reply = in_use.resident().call(&req, body).await;
         match reply {
             Ok((Reply::Error { code, message }, _)) => Err(ControlError::Agent { code, message }),
             Ok(r) => Ok(r),
@@ -2033,7 +2009,7 @@ impl Engine {
     ) -> Result<(Vec<u8>, bool)> {
         let ranged = {
             let in_use = self.use_sandbox(tenant, id).await?;
-            in_use.container().conn.agent_version() >= proto::READ_RANGE_SINCE
+            in_use.resident().agent_version() >= proto::READ_RANGE_SINCE
         };
         if !ranged {
             let whole = self
@@ -2119,7 +2095,7 @@ impl Engine {
         let slot = self.slot(id);
         let guard = slot.state.clone().read_owned().await;
         match &guard.live {
-            Some(live) if !live.frozen && !live.container.conn.is_closed() => {}
+            Some(live) if !live.frozen && live.resident.alive() => {}
             _ => return Ok(None),
         }
         let in_use = InUse {
@@ -2133,7 +2109,7 @@ impl Engine {
             known,
             timeout_ms,
         };
-        match in_use.container().conn.call(&req, &[]).await {
+        match in_use.resident().call(&req, &[]).await {
             Ok((Reply::Entries { entries }, _)) => Ok(Some(entries)),
             Ok((Reply::Error { code, message }, _)) => Err(ControlError::Agent { code, message }),
             Ok((other, _)) => Err(ControlError::Invalid(format!(
@@ -2277,7 +2253,9 @@ impl Engine {
             *counts.entry((rec.state, rec.tier)).or_default() += 1;
         }
         self.set_sandbox_gauges(counts);
-        self.metrics.warm_ready.set(self.warm.stats().ready as i64);
+        self.metrics
+            .warm_ready
+            .set(self.node.warm_stats().ready as i64);
         Ok(())
     }
 
@@ -2310,8 +2288,7 @@ impl Engine {
         if let Err(e) = self.store.touch_sandboxes(&touched) {
             tracing::warn!(error = %e, "cannot persist activity clocks");
         }
-        let warm = self.warm.clone();
-        let _ = tokio::task::spawn_blocking(move || warm.shutdown()).await;
+        self.node.shutdown().await;
     }
 }
 
@@ -2320,7 +2297,7 @@ impl Engine {
 impl Engine {
     /// Gives the engine the node's GPUs; once, right after start.
     pub fn attach_gpus(&self, mut gpus: crate::gpu::NodeGpus) {
-        gpus.set_nvproxy(self.runsc.nvproxy());
+        gpus.set_nvproxy(self.node_info.nvproxy);
         // Stored shares against the states reconcile left: awake holders keep theirs.
         match self.store.sandboxes() {
             Ok(all) => {
@@ -2440,12 +2417,12 @@ impl Engine {
         Ok(gpus.checkpoint_gate(id, container_id, &rootfs, &mounts)?)
     }
 
-    /// After a checkpoint taken with cuda-checkpoint: remembered for the restore, or (when the
-    /// checkpoint failed and the container still runs) toggled straight back.
-    async fn gpu_after_checkpoint(
+    /// After a checkpoint taken with cuda-checkpoint: remembered for the restore. A failed
+    /// checkpoint stops the container (runsc), so there is nothing to toggle back: the sandbox
+    /// goes back to its previous image, taken before this toggle.
+    fn gpu_after_checkpoint(
         &self,
         id: &SandboxId,
-        container: &Container,
         toggled: Option<torpor_gpu::cuda_checkpoint::Toggled>,
         ok: bool,
     ) {
@@ -2456,13 +2433,13 @@ impl Engine {
             if let Err(e) = gpus.save_toggled(id, &toggled) {
                 tracing::error!(sandbox = %id, error = %e, "cannot record the cuda-checkpoint toggle");
             }
-        } else if let Err(e) = gpus.cuda_resume(container, &toggled).await {
-            tracing::warn!(sandbox = %id, error = %e, "cannot toggle GPU state back after a failed checkpoint");
+        } else {
+            tracing::warn!(sandbox = %id, "checkpoint failed after cuda-checkpoint; the container is gone and the sandbox goes back to its previous image");
         }
     }
 
     /// After a restore: brings GPU state that cuda-checkpoint moved to host memory back.
-    async fn gpu_cuda_resume(&self, id: &SandboxId, container: &Container) -> Result<()> {
+    async fn gpu_cuda_resume(&self, id: &SandboxId, container: &dyn Resident) -> Result<()> {
         let Some(gpus) = self.gpus.get() else {
             return Ok(());
         };
@@ -2472,6 +2449,19 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+fn create_data_dirs(data_dir: &Path) -> Result<()> {
+    for sub in ["", "templates", "sandboxes", "store", "run", "agent"] {
+        let p = data_dir.join(sub);
+        std::fs::create_dir_all(&p).map_err(ControlError::io("cannot create", &p))?;
+    }
+    Ok(())
+}
+
+/// The sandbox id in a container id (`<sandbox id>-g<generation>`).
+fn sandbox_of(container_id: &str) -> Option<&str> {
+    container_id.rsplit_once("-g").map(|(id, _)| id)
 }
 
 /// Tokens are kept only as hashes.

@@ -763,7 +763,7 @@ impl NodeGpus {
     /// already toggled are toggled back.
     pub async fn cuda_suspend(
         &self,
-        container: &torpor_runtime::Container,
+        container: &dyn torpor_runtime::Resident,
         tool: torpor_gpu::cuda_checkpoint::Tool,
     ) -> Result<torpor_gpu::cuda_checkpoint::Toggled, GpuError> {
         use torpor_gpu::cuda_checkpoint::{holders_command, parse_holders, toggle_command};
@@ -797,7 +797,7 @@ impl NodeGpus {
     /// Brings the GPU state of toggled processes back onto the GPU (after a restore).
     pub async fn cuda_resume(
         &self,
-        container: &torpor_runtime::Container,
+        container: &dyn torpor_runtime::Resident,
         toggled: &torpor_gpu::cuda_checkpoint::Toggled,
     ) -> Result<(), GpuError> {
         for cmd in toggled.resume_commands() {
@@ -1062,14 +1062,13 @@ pub fn label_samples(
 /// Runs `cmd` inside the container through its agent; its stdout, or an error naming the
 /// command when it does not exit 0.
 async fn run_in(
-    container: &torpor_runtime::Container,
+    container: &dyn torpor_runtime::Resident,
     cmd: Vec<String>,
     timeout_ms: u64,
 ) -> Result<String, GpuError> {
     use torpor_runtime::proto::{ExecRequest, Reply, Request};
     let shown = cmd.join(" ");
     let (reply, body) = container
-        .conn
         .call(
             &Request::Exec(ExecRequest {
                 cmd,

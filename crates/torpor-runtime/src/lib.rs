@@ -8,6 +8,7 @@ pub mod conn;
 pub mod dns;
 pub mod gpu;
 pub mod net;
+pub mod node;
 pub mod proto;
 pub mod relay;
 pub mod rootfs;
@@ -15,6 +16,7 @@ pub mod runsc;
 pub mod spec;
 pub mod warm;
 
+pub use node::{Launch, Node, NodeEvent, NodeInfo, Resident, RunscNode, RunscNodeConfig};
 pub use runsc::{Container, ExitHandle, ExitInfo, Runsc, RuntimeError};
 pub use spec::{ContainerSpec, Mount};
 pub use warm::{WarmPool, WarmStats, Worker};

@@ -49,6 +49,8 @@ pub enum RuntimeError {
     Conn(#[from] ConnError),
     #[error(transparent)]
     Cgroup(#[from] cgroup::CgroupError),
+    #[error("sandbox network: {0}")]
+    Net(#[from] crate::net::NetError),
     #[error("{0}")]
     Unsupported(String),
 }
@@ -105,6 +107,17 @@ pub struct ExitHandle {
 }
 
 impl ExitHandle {
+    /// A handle over an exit channel and an "expected" flag (for other nodes than runsc's).
+    pub fn from_parts(
+        exit: watch::Receiver<Option<ExitInfo>>,
+        expected_exit: Arc<AtomicBool>,
+    ) -> ExitHandle {
+        ExitHandle {
+            exit,
+            expected_exit,
+        }
+    }
+
     /// Resolves when the container's runsc process has exited.
     pub async fn exited(&self) -> ExitInfo {
         let mut rx = self.exit.clone();

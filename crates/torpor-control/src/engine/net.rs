@@ -7,12 +7,11 @@
 //! created without a network never gets one (its checkpoints have no interface).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use rusqlite::params;
 use torpor_core::{NetworkPolicy, SandboxId, TenantId};
-use torpor_runtime::Worker;
+use torpor_runtime::Resident;
 
 use prometheus::{Encoder, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
 
@@ -149,20 +148,6 @@ async fn close_connection(mut s: torpor_runtime::relay::PeerCloseAware, server_c
     drain(&mut s).await;
 }
 
-/// Resets the sandbox's open TCP connections (all of which pass through torpor: the egress
-/// relay and the ingress proxy) before a checkpoint, which gVisor refuses, stopping the
-/// container, while any non-listening TCP endpoint exists. The sandbox runs a moment so its
-/// stack takes the resets in.
-pub(super) async fn settle_connections(live: &super::Live) {
-    let Some(net) = live._worker.net() else {
-        return;
-    };
-    if net.reset_connections().await > 0 {
-        let _ = torpor_runtime::cgroup::set_frozen(&live.container.cgroup, false);
-        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
-    }
-}
-
 /// Refuses a policy wider than `tpl`'s (the operator's ceiling; a template without a network
 /// allows ingress only): 400 `invalid_request` naming the template.
 fn check_ceiling(policy: &NetworkPolicy, tpl: &TemplateRecord) -> Result<()> {
@@ -209,37 +194,22 @@ pub(super) fn check_policy(
     Ok(Some(p.clone()))
 }
 
-/// Makes `worker`'s network ready for a sandbox under `policy`: namespaces (first use),
-/// the sandbox's address (runsc took it from the previous one), the egress rules. Returns the
-/// namespace path for the spec.
-pub(super) fn prepare_worker_net(worker: &mut Worker, policy: &NetworkPolicy) -> Result<PathBuf> {
-    let net = worker.ensure_net().map_err(net_err)?;
-    net.set_sandbox_addr().map_err(net_err)?;
-    net.apply_policy(policy).map_err(net_err)?;
-    Ok(net.sandbox_ns_path())
-}
-
 /// Points the sandbox's resolver at its gateway (torpor's DNS responder, through the router).
 /// Written once, at create: the address is the same on every worker.
-pub(super) async fn write_resolv_conf(c: &torpor_runtime::Container) -> Result<()> {
-    c.conn
-        .call(
-            &torpor_runtime::proto::Request::WriteFile {
-                path: "/etc/resolv.conf".into(),
-                mode: Some(0o644),
-            },
-            format!(
-                "# written by torpor: names on the sandbox's allowlist resolve here\nnameserver {}\n",
-                torpor_runtime::net::GATEWAY_ADDR
-            )
-            .as_bytes(),
+pub(super) async fn write_resolv_conf(c: &dyn Resident) -> Result<()> {
+    c.call(
+        &torpor_runtime::proto::Request::WriteFile {
+            path: "/etc/resolv.conf".into(),
+            mode: Some(0o644),
+        },
+        format!(
+            "# written by torpor: names on the sandbox's allowlist resolve here\nnameserver {}\n",
+            torpor_runtime::net::GATEWAY_ADDR
         )
-        .await?;
+        .as_bytes(),
+    )
+    .await?;
     Ok(())
-}
-
-fn net_err(e: torpor_runtime::net::NetError) -> ControlError {
-    ControlError::Runtime(torpor_runtime::RuntimeError::ExitedEarly(e.to_string()))
 }
 
 impl Store {
@@ -280,7 +250,7 @@ impl Engine {
     pub fn resident_worker(&self, id: &SandboxId) -> Option<String> {
         let slot = self.slot(id);
         let guard = slot.state.try_read().ok()?;
-        guard.live.as_ref().map(|l| l._worker.name().to_string())
+        guard.live.as_ref().map(|l| l.resident.worker().to_string())
     }
 
     /// The address the proxy connects to for a resident networked sandbox (its worker's
@@ -292,12 +262,11 @@ impl Engine {
     ) -> Result<Option<std::net::Ipv4Addr>> {
         self.sandbox(tenant, id)?;
         let slot = self.slot(id);
-        let addr = slot.state.try_read().ok().and_then(|g| {
-            g.live
-                .as_ref()
-                .and_then(|l| l._worker.net())
-                .map(|n| n.ingress_addr())
-        });
+        let addr = slot
+            .state
+            .try_read()
+            .ok()
+            .and_then(|g| g.live.as_ref().and_then(|l| l.resident.ingress_addr()));
         Ok(addr)
     }
 
@@ -338,8 +307,8 @@ impl Engine {
         // stored policy and the live rules agree.
         let guard = slot.state.clone().read_owned().await;
         self.store.set_network(id, &policy)?;
-        if let Some(net) = guard.live.as_ref().and_then(|l| l._worker.net()) {
-            net.apply_policy(&policy).map_err(net_err)?;
+        if let Some(live) = guard.live.as_ref() {
+            live.resident.apply_policy(&policy)?;
         }
         Ok(rec)
     }
@@ -382,10 +351,9 @@ impl Engine {
             let Ok(guard) = slot.state.try_read() else {
                 continue;
             };
-            let Some(net) = guard.live.as_ref().and_then(|l| l._worker.net()) else {
+            let Some(st) = guard.live.as_ref().and_then(|l| l.resident.net_stats()) else {
                 continue;
             };
-            let st = net.stats();
             let id = id.as_str();
             bytes.with_label_values(&[id, "tx"]).set(st.tx_bytes as i64);
             bytes.with_label_values(&[id, "rx"]).set(st.rx_bytes as i64);

@@ -1,0 +1,182 @@
+//! The node seam: every operation the control plane asks of a machine that runs sandboxes.
+//!
+//! ```text
+//!   torpor-control (lifecycle, policy, store)
+//!        │  Arc<dyn Node>                      Box<dyn Resident>
+//!        ▼                                     ▼
+//!   ┌──────────────┐  boot / restore   ┌──────────────────┐  call · freeze · memory · net
+//!   │     Node     │ ───────────────▶ │ Resident (one     │  checkpoint(self) · destroy(self)
+//!   │ (a machine)  │ ◀─── events ──── │ container on it)  │
+//!   └──────────────┘  Exited{id,info} └──────────────────┘
+//! ```
+//!
+//! A [`Node`] turns an image into a running container on one of its prepared workers and hands
+//! back a [`Resident`]: the only way to reach that container. The resident is consumed by
+//! [`Resident::checkpoint`] and [`Resident::destroy`], so a container that is gone cannot be
+//! called by mistake; dropping it without either leaves the container to [`Node::kill`] or to
+//! the next [`Node::reconcile`]. Containers that end on their own (crash, OOM kill) are reported
+//! once on the node's event stream ([`Node::take_events`]).
+//!
+//! Two implementations: [`RunscNode`] (gVisor's runsc, the warm pool's cgroups and bundles,
+//! network namespaces: this machine) and [`fake::FakeNode`] (in memory, deterministic, with
+//! injectable failures and a record of every call, for tests that need neither root nor runsc).
+//! A remote worker (cluster mode) is a third: the same calls over the controller-worker protocol.
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::mpsc;
+use torpor_core::NetworkPolicy;
+
+use crate::conn::ConnError;
+use crate::net::NetStats;
+use crate::proto::{Reply, Request};
+use crate::runsc::{ExitHandle, ExitInfo, RuntimeError};
+use crate::spec::ContainerSpec;
+use crate::warm::WarmStats;
+
+pub mod fake;
+mod runsc_node;
+
+pub use runsc_node::{RunscNode, RunscNodeConfig};
+
+/// What a node runs and how (shown by `GET /healthz`, used to decide GPU support).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// The sandbox runtime's version (runsc's build).
+    pub runtime_version: String,
+    /// The runtime's platform (ptrace, systrap, kvm).
+    pub platform: String,
+    /// Whether the runtime can pass GPUs through (runsc nvproxy).
+    pub nvproxy: bool,
+    /// Where the in-sandbox agent is installed on the node (mounted read-only into each sandbox).
+    pub agent_dir: PathBuf,
+}
+
+/// One container to start.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    /// `<sandbox id>-g<generation>` for a sandbox, `tpl-<name>-<nonce>` for a template build:
+    /// fresh for every start, so a container a crashed daemon left never collides.
+    pub container_id: String,
+    pub spec: ContainerSpec,
+    /// The sandbox's egress policy; `None`: no network interface at all.
+    pub network: Option<NetworkPolicy>,
+    /// How long to wait for the agent's hello.
+    pub ready_timeout: Duration,
+}
+
+/// Something the node reports on its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeEvent {
+    /// A container's runtime process ended. `expected`: torpor asked for it (checkpoint,
+    /// destroy, kill); otherwise it is a crash (`info.oom_killed` for the OOM killer).
+    Exited {
+        container_id: String,
+        info: ExitInfo,
+        expected: bool,
+    },
+}
+
+/// A machine that runs sandboxes.
+#[async_trait]
+pub trait Node: Send + Sync + 'static {
+    fn info(&self) -> NodeInfo;
+
+    /// The node's event stream; the first caller gets it, later callers `None`.
+    fn take_events(&self) -> Option<mpsc::UnboundedReceiver<NodeEvent>>;
+
+    /// Clears what a previous run of this node left: containers and runtime processes, after
+    /// thawing the frozen groups of containers `ours` recognises (a frozen process cannot die).
+    /// Returns how many leftovers were removed.
+    async fn reconcile(&self, ours: &(dyn for<'a> Fn(&'a str) -> bool + Send + Sync)) -> usize;
+
+    /// Boots a fresh container (a template build) and waits until its agent answers.
+    async fn boot(&self, launch: Launch) -> Result<Box<dyn Resident>, RuntimeError>;
+
+    /// Restores a container from a checkpoint image on a prepared worker (its network made
+    /// ready for `launch.network`) and waits until its agent answers. On failure nothing of it
+    /// is left running.
+    async fn restore(
+        &self,
+        launch: Launch,
+        image: &Path,
+    ) -> Result<Box<dyn Resident>, RuntimeError>;
+
+    /// Kills a container by id, whoever holds its [`Resident`] (a delete cutting calls in
+    /// flight): the calls end with [`ConnError::Closed`], the holder then destroys it.
+    async fn kill(&self, container_id: &str);
+
+    /// The last lines of a container's log (for the operator's log, never for clients).
+    fn log_tail(&self, container_id: &str) -> String;
+
+    /// Prepared workers: target, ready, warm and cold takes.
+    fn warm_stats(&self) -> WarmStats;
+
+    /// Tears down prepared workers; resident containers are the caller's to checkpoint first.
+    async fn shutdown(&self);
+}
+
+/// One running container on a node, held by the control plane.
+#[async_trait]
+pub trait Resident: Send + Sync {
+    /// The container id ([`Launch::container_id`]).
+    fn id(&self) -> &str;
+
+    /// The node's name for the worker it runs on (unique within the node's run).
+    fn worker(&self) -> &str;
+
+    /// Whether the worker came prepared (a warm take) rather than made for this start.
+    fn was_warm(&self) -> bool;
+
+    /// Sends a request to the sandbox's agent; its replies (several for a streamed exec)
+    /// arrive on the channel, which ends when the agent goes away.
+    async fn send(
+        &self,
+        req: &Request,
+        body: &[u8],
+    ) -> Result<mpsc::Receiver<(Reply, Vec<u8>)>, ConnError>;
+
+    /// Sends a request and waits for its one reply.
+    async fn call(&self, req: &Request, body: &[u8]) -> Result<(Reply, Vec<u8>), ConnError> {
+        let mut rx = self.send(req, body).await?;
+        rx.recv().await.ok_or(ConnError::Closed)
+    }
+
+    /// The protocol version the agent said hello with.
+    fn agent_version(&self) -> u32;
+
+    /// Whether the agent channel is open (false once the container died).
+    fn alive(&self) -> bool;
+
+    /// How the container ends (for a call that lost its agent).
+    fn exit_handle(&self) -> ExitHandle;
+
+    /// Freezes (no CPU, memory kept) or thaws the container.
+    async fn set_frozen(&self, frozen: bool) -> Result<(), RuntimeError>;
+
+    /// Bytes charged to the container's memory.
+    fn memory(&self) -> Option<u64>;
+
+    /// Writes the container's whole state to `image_dir`. The container is gone afterwards,
+    /// also when this fails (the caller falls back to its previous image).
+    async fn checkpoint(self: Box<Self>, image_dir: &Path) -> Result<(), RuntimeError>;
+
+    /// Stops the container and gives its worker back.
+    async fn destroy(self: Box<Self>);
+
+    /// Where the ingress proxy reaches the sandbox's ports (networked sandboxes only).
+    fn ingress_addr(&self) -> Option<Ipv4Addr>;
+
+    /// Replaces the sandbox's egress rules (networked sandboxes only; others: no-op).
+    fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), RuntimeError>;
+
+    /// The sandbox's traffic counters since this start (networked sandboxes only).
+    fn net_stats(&self) -> Option<NetStats>;
+
+    /// Resets the sandbox's open TCP connections before a checkpoint (which gVisor refuses
+    /// while one is open) and lets the sandbox take the resets in.
+    async fn settle_connections(&self);
+}

@@ -1,0 +1,301 @@
+//! The node of this machine: gVisor's runsc on the warm pool's prepared workers.
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use async_trait::async_trait;
+use tokio::sync::mpsc;
+use torpor_core::NetworkPolicy;
+
+use super::{Launch, Node, NodeEvent, NodeInfo, Resident};
+use crate::conn::ConnError;
+use crate::net::{NetError, NetStats};
+use crate::proto::{Reply, Request};
+use crate::runsc::{Container, ExitHandle, Runsc, RuntimeError};
+use crate::warm::{WarmPool, WarmStats, Worker};
+use crate::{cgroup, rootfs};
+
+/// Where and how the node runs sandboxes.
+#[derive(Debug, Clone)]
+pub struct RunscNodeConfig {
+    pub data_dir: PathBuf,
+    pub runsc_binary: Option<PathBuf>,
+    pub runsc_platform: Option<String>,
+    /// The binary copied into every sandbox as its agent (normally the running `torpor`).
+    pub agent_binary: PathBuf,
+    /// Free workers kept prepared (cgroups, bundle directory) so a wake does only the restore.
+    pub warm_pool: usize,
+}
+
+pub struct RunscNode {
+    runsc: Runsc,
+    warm: WarmPool,
+    data_dir: PathBuf,
+    agent_dir: PathBuf,
+    events: mpsc::UnboundedSender<NodeEvent>,
+    events_rx: Mutex<Option<mpsc::UnboundedReceiver<NodeEvent>>>,
+}
+
+impl RunscNode {
+    /// Finds runsc, installs the agent and starts the warm pool (which also thaws and empties
+    /// the groups a previous run left).
+    pub fn start(cfg: RunscNodeConfig) -> Result<RunscNode, RuntimeError> {
+        let runsc = Runsc::detect(
+            cfg.runsc_binary.clone(),
+            cfg.runsc_platform.clone(),
+            cfg.data_dir.join("runsc"),
+            cfg.data_dir.join("logs"),
+        )?;
+        tracing::info!(version = %runsc.version, platform = %runsc.platform, overlay = ?runsc.overlay_flags, "runsc detected");
+        let agent_dir = rootfs::install_agent(&cfg.agent_binary, &cfg.data_dir.join("agent"))
+            .map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
+        let warm = WarmPool::start(&cfg.data_dir, cfg.warm_pool);
+        let (events, rx) = mpsc::unbounded_channel();
+        Ok(RunscNode {
+            runsc,
+            warm,
+            data_dir: cfg.data_dir,
+            agent_dir,
+            events,
+            events_rx: Mutex::new(Some(rx)),
+        })
+    }
+
+    fn resident(&self, container: Container, worker: Option<Worker>) -> Box<dyn Resident> {
+        let exit = container.exit_handle();
+        let events = self.events.clone();
+        let container_id = container.id.clone();
+        tokio::spawn(async move {
+            let info = exit.exited().await;
+            let _ = events.send(NodeEvent::Exited {
+                container_id,
+                info,
+                expected: exit.expected(),
+            });
+        });
+        let bundle = worker
+            .is_none()
+            .then(|| self.data_dir.join("run").join(&container.id));
+        Box::new(RunscResident {
+            runsc: self.runsc.clone(),
+            container,
+            worker,
+            bundle,
+        })
+    }
+}
+
+#[async_trait]
+impl Node for RunscNode {
+    fn info(&self) -> NodeInfo {
+        NodeInfo {
+            runtime_version: self.runsc.version.clone(),
+            platform: self.runsc.platform.clone(),
+            nvproxy: self.runsc.nvproxy(),
+            agent_dir: self.agent_dir.clone(),
+        }
+    }
+
+    fn take_events(&self) -> Option<mpsc::UnboundedReceiver<NodeEvent>> {
+        self.events_rx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
+    async fn reconcile(&self, ours: &(dyn for<'a> Fn(&'a str) -> bool + Send + Sync)) -> usize {
+        cgroup::thaw_matching(|cid: &str| ours(cid));
+        let strays = self.runsc.kill_strays();
+        if strays > 0 {
+            tracing::warn!(
+                processes = strays,
+                "killed runsc processes left by a previous run"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        let left = self.runsc.list().await;
+        for cid in &left {
+            tracing::warn!(container = %cid, "removing a container left by a previous run");
+            self.runsc.destroy(cid).await;
+        }
+        let run = self.data_dir.join("run");
+        let _ = std::fs::remove_dir_all(&run);
+        let _ = std::fs::create_dir_all(&run);
+        strays + left.len()
+    }
+
+    async fn boot(&self, launch: Launch) -> Result<Box<dyn Resident>, RuntimeError> {
+        let bundle = self.data_dir.join("run").join(&launch.container_id);
+        match self
+            .runsc
+            .boot(
+                &launch.container_id,
+                &bundle,
+                &launch.spec,
+                launch.ready_timeout,
+            )
+            .await
+        {
+            Ok(c) => Ok(self.resident(c, None)),
+            Err(e) => {
+                self.runsc.destroy(&launch.container_id).await;
+                let _ = std::fs::remove_dir_all(&bundle);
+                Err(e)
+            }
+        }
+    }
+
+    async fn restore(
+        &self,
+        launch: Launch,
+        image: &Path,
+    ) -> Result<Box<dyn Resident>, RuntimeError> {
+        let mut worker = self.warm.take()?;
+        let mut spec = launch.spec;
+        if let Some(policy) = &launch.network {
+            spec.netns = Some(prepare_worker_net(&mut worker, policy)?);
+        }
+        let container = self
+            .runsc
+            .restore(&launch.container_id, &worker, &spec, image)?;
+        if let Err(e) = self
+            .runsc
+            .wait_ready(&container, launch.ready_timeout)
+            .await
+        {
+            container.expect_exit();
+            self.runsc.destroy(&container.id).await;
+            return Err(e);
+        }
+        Ok(self.resident(container, Some(worker)))
+    }
+
+    async fn kill(&self, container_id: &str) {
+        self.runsc.destroy(container_id).await;
+    }
+
+    fn log_tail(&self, container_id: &str) -> String {
+        self.runsc.log_tail(container_id)
+    }
+
+    fn warm_stats(&self) -> WarmStats {
+        self.warm.stats()
+    }
+
+    async fn shutdown(&self) {
+        let warm = self.warm.clone();
+        let _ = tokio::task::spawn_blocking(move || warm.shutdown()).await;
+    }
+}
+
+/// Makes `worker`'s network ready for a sandbox under `policy`: namespaces (first use),
+/// the sandbox's address (runsc took it from the previous one), the egress rules. Returns the
+/// namespace path for the spec.
+fn prepare_worker_net(worker: &mut Worker, policy: &NetworkPolicy) -> Result<PathBuf, NetError> {
+    let net = worker.ensure_net()?;
+    net.set_sandbox_addr()?;
+    net.apply_policy(policy)?;
+    Ok(net.sandbox_ns_path())
+}
+
+struct RunscResident {
+    runsc: Runsc,
+    container: Container,
+    /// The prepared worker it runs on; dropped (reset and reused) once the container is gone.
+    /// `None` for a template build, which runs in its own bundle.
+    worker: Option<Worker>,
+    /// A template build's bundle, removed once the container is gone.
+    bundle: Option<PathBuf>,
+}
+
+impl Drop for RunscResident {
+    fn drop(&mut self) {
+        if let Some(b) = &self.bundle {
+            let _ = std::fs::remove_dir_all(b);
+        }
+    }
+}
+
+#[async_trait]
+impl Resident for RunscResident {
+    fn id(&self) -> &str {
+        &self.container.id
+    }
+
+    fn worker(&self) -> &str {
+        self.worker
+            .as_ref()
+            .map_or(self.container.cgroup.as_str(), |w| w.name())
+    }
+
+    fn was_warm(&self) -> bool {
+        self.worker.as_ref().is_some_and(|w| w.was_warm())
+    }
+
+    async fn send(
+        &self,
+        req: &Request,
+        body: &[u8],
+    ) -> Result<mpsc::Receiver<(Reply, Vec<u8>)>, ConnError> {
+        self.container.conn.send(req, body).await
+    }
+
+    fn agent_version(&self) -> u32 {
+        self.container.conn.agent_version()
+    }
+
+    fn alive(&self) -> bool {
+        !self.container.conn.is_closed()
+    }
+
+    fn exit_handle(&self) -> ExitHandle {
+        self.container.exit_handle()
+    }
+
+    async fn set_frozen(&self, frozen: bool) -> Result<(), RuntimeError> {
+        let group = self.container.cgroup.clone();
+        tokio::task::spawn_blocking(move || cgroup::set_frozen(&group, frozen))
+            .await
+            .map_err(|e| RuntimeError::Unsupported(format!("freezer task failed: {e}")))?
+            .map_err(RuntimeError::from)
+    }
+
+    fn memory(&self) -> Option<u64> {
+        cgroup::memory_usage(&self.container.cgroup)
+    }
+
+    async fn checkpoint(self: Box<Self>, image_dir: &Path) -> Result<(), RuntimeError> {
+        self.runsc.checkpoint(&self.container, image_dir).await
+    }
+
+    async fn destroy(self: Box<Self>) {
+        self.container.expect_exit();
+        self.runsc.destroy(&self.container.id).await;
+    }
+
+    fn ingress_addr(&self) -> Option<Ipv4Addr> {
+        self.worker.as_ref()?.net().map(|n| n.ingress_addr())
+    }
+
+    fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), RuntimeError> {
+        match self.worker.as_ref().and_then(|w| w.net()) {
+            Some(net) => Ok(net.apply_policy(policy)?),
+            None => Ok(()),
+        }
+    }
+
+    fn net_stats(&self) -> Option<NetStats> {
+        Some(self.worker.as_ref()?.net()?.stats())
+    }
+
+    async fn settle_connections(&self) {
+        let Some(net) = self.worker.as_ref().and_then(|w| w.net()) else {
+            return;
+        };
+        if net.reset_connections().await > 0 {
+            let _ = self.set_frozen(false).await;
+            tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+        }
+    }
+}
