@@ -561,6 +561,21 @@ mod tests {
         assert_eq!(api.retry_after, None);
     }
 
+    #[tokio::test]
+    async fn a_failed_engine_task_is_internal_and_its_text_stays_in_the_log() {
+        let join = tokio::spawn(async { panic!("cannot read /var/lib/torpor/x") })
+            .await
+            .unwrap_err();
+        let api = ApiError::from(ControlError::TaskFailed {
+            what: "image import",
+            source: join,
+        });
+        assert_eq!((api.status().as_u16(), api.code()), (500, "task_failed"));
+        assert_eq!(api.connect_code(), ConnectCode::Internal);
+        assert!(!api.message.contains("/var/lib"), "{}", api.message);
+        assert!(!api.message.contains("panic"), "{}", api.message);
+    }
+
     #[test]
     fn an_error_answers_in_the_one_shape_with_retry_after() {
         let resp = ApiError::new(ErrorKind::RateLimited, "rate_limited", "slow down")

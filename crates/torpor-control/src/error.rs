@@ -145,6 +145,13 @@ pub enum ControlError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Gpu(#[from] crate::gpu::GpuError),
+    /// A blocking task of the engine panicked or was cancelled (an image import, a rootfs
+    /// check): an internal failure, whose text clients never see.
+    #[error("{what}: {source}")]
+    TaskFailed {
+        what: &'static str,
+        source: tokio::task::JoinError,
+    },
     #[error("{what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -193,6 +200,7 @@ impl ControlError {
             ControlError::SnapshotStore { code, .. } => code,
             ControlError::Store(_) => "state_store_error",
             ControlError::Io { .. } => "io_error",
+            ControlError::TaskFailed { .. } => "task_failed",
             ControlError::Gpu(e) => e.code(),
         }
     }
@@ -249,6 +257,7 @@ impl ControlError {
             ControlError::Runtime(_)
             | ControlError::Store(_)
             | ControlError::Snapshot(_)
+            | ControlError::TaskFailed { .. }
             | ControlError::Io { .. } => K::Internal,
         }
     }
