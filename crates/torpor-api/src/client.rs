@@ -166,6 +166,12 @@ impl Client {
         })
     }
 
+    /// `GET /v1/usage` with `query` (`?tenant=..&from=..`, already encoded, or empty).
+    pub async fn usage(&self, query: &str) -> Result<torpor_control::usage::UsageReport> {
+        self.json(self.request(Method::GET, &format!("/v1/usage{query}")))
+            .await
+    }
+
     pub async fn workers(&self) -> Result<torpor_control::WorkerStats> {
         self.json(self.request(Method::GET, "/v1/workers")).await
     }

@@ -140,6 +140,8 @@ pub enum Command {
     /// The audit log on this machine: verify its chain, print its last records.
     #[command(subcommand)]
     Audit(crate::audit::AuditCmd),
+    /// Usage per tenant (and sandbox, hour): memory, CPU, GPU, snapshots, wakes, egress.
+    Usage(crate::usage::UsageArgs),
     /// Create a sandbox from a template (a restore of its golden snapshot).
     Create {
         template: String,
@@ -494,6 +496,7 @@ async fn dispatch(cmd: Command) -> CliResult {
         Command::Snapshot(c) => crate::snapshot::run(c).await,
         Command::Pool(p) => crate::pool::run(p).await,
         Command::Audit(a) => crate::audit::run(a),
+        Command::Usage(u) => crate::usage::run(u).await,
         Command::Create {
             template,
             env,

@@ -14,6 +14,7 @@ mod pool;
 mod report;
 mod serve;
 mod snapshot;
+mod usage;
 
 use clap::Parser;
 

@@ -1,0 +1,845 @@
+//! Observability against the real things: the real `torpor up` daemon runs a small workload
+//! (two tenants, a quota refusal, sleeping and waking agents, a GPU share on a declared
+//! inventory, a networked sandbox with a denied connection, a pool on a real Redis), a real
+//! Prometheus (Debian's `prometheus`) scrapes it with `deploy/prometheus`'s rules loaded, and:
+//! `promtool check metrics` is clean on the scrape; every series a rule or a Grafana panel
+//! names is exported (DCGM's only with NVML: those are checked against docs/GPU.md); every
+//! panel's query returns data with the labels it groups by; `promtool check rules` and
+//! `promtool test rules` pass. Also the usage records of a known workload, across a restart.
+//! `scripts/deps.sh` installs prometheus (promtool comes with it).
+
+#[path = "common/brokers.rs"]
+mod brokers;
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+use torpor_api::types::{CreateSandboxBody, ExecBody};
+use torpor_core::{IdlePolicy, NetworkPolicy, Tier};
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .find(|d| d.join("deploy/prometheus").is_dir())
+        .expect("the repository root above the crate")
+        .to_path_buf()
+}
+
+fn gpu_fixture_local(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/gpu")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn promtool(args: &[&str], stdin: Option<&str>) -> (bool, String) {
+    use std::io::Write;
+    let mut child = Command::new("promtool")
+        .args(args)
+        .current_dir(repo())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (apt-get install prometheus; scripts/deps.sh)");
+    if let Some(text) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+    } else {
+        drop(child.stdin.take());
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+#[test]
+fn promtool_checks_the_rules_and_fires_each_alert_in_its_unit_tests() {
+    let (ok, out) = promtool(
+        &[
+            "check",
+            "rules",
+            "deploy/prometheus/torpor-rules.yml",
+            "deploy/prometheus/torpor-alerts.yml",
+        ],
+        None,
+    );
+    assert!(ok, "{out}");
+    let (ok, out) = promtool(
+        &["test", "rules", "deploy/prometheus/torpor-alerts.test.yml"],
+        None,
+    );
+    assert!(ok, "{out}");
+    // Every alert of the rules file has a unit test that names it.
+    let alerts =
+        std::fs::read_to_string(repo().join("deploy/prometheus/torpor-alerts.yml")).unwrap();
+    let tests =
+        std::fs::read_to_string(repo().join("deploy/prometheus/torpor-alerts.test.yml")).unwrap();
+    for name in alerts
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- alert: "))
+    {
+        assert!(
+            tests.contains(&format!("alertname: {name}\n")),
+            "alert {name} has no promtool test"
+        );
+    }
+}
+
+/// A real Prometheus on a free port with its own data directory, stopped by PID when dropped.
+struct Prometheus {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    fn start(scrape: &str) -> Prometheus {
+        let dir = tempfile::Builder::new()
+            .prefix("torpor-prom-")
+            .tempdir()
+            .unwrap();
+        let rules = repo().join("deploy/prometheus");
+        let config = format!(
+            "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\n\
+             rule_files: [{:?}, {:?}]\n\
+             scrape_configs:\n\
+             - job_name: torpor\n  static_configs: [{{targets: [\"{scrape}\"]}}]\n",
+            rules.join("torpor-rules.yml"),
+            rules.join("torpor-alerts.yml"),
+        );
+        let cfg = dir.path().join("prometheus.yml");
+        std::fs::write(&cfg, config).unwrap();
+        let port = free_port();
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", cfg.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("prometheus.log")).unwrap())
+            .spawn()
+            .expect("prometheus (apt-get install prometheus; scripts/deps.sh)");
+        Prometheus {
+            child,
+            port,
+            _dir: dir,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self._dir.path().join("prometheus.log")).unwrap_or_default()
+    }
+
+    async fn api(&self, path: &str, params: &[(&str, &str)]) -> Option<Value> {
+        let r = reqwest::Client::new()
+            .get(format!("http://127.0.0.1:{}/api/v1/{path}", self.port))
+            .query(params)
+            .send()
+            .await
+            .ok()?;
+        let v: Value = r.json().await.ok()?;
+        (v["status"] == "success").then(|| v["data"].clone())
+    }
+
+    async fn query(&self, expr: &str) -> Vec<Value> {
+        self.api("query", &[("query", expr)])
+            .await
+            .and_then(|d| d["result"].as_array().cloned())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+const PROMQL_WORDS: &[&str] = &[
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+    // Aggregations, which may be followed by `by (..)` rather than `(`.
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "group",
+    "stddev",
+    "stdvar",
+    "count",
+    "count_values",
+    "bottomk",
+    "topk",
+    "quantile",
+];
+
+/// The metric names a PromQL expression reads: identifiers outside strings, label matchers
+/// and ranges that are neither functions, keywords, numbers nor Grafana variables.
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    let mut plain = String::new();
+    let (mut depth_brace, mut depth_bracket, mut in_str) = (0, 0, false);
+    for ch in expr.chars() {
+        match ch {
+            '"' if depth_brace == 0 || in_str => in_str = !in_str,
+            '{' if !in_str => depth_brace += 1,
+            '}' if !in_str => depth_brace -= 1,
+            '[' if !in_str => depth_bracket += 1,
+            ']' if !in_str => depth_bracket -= 1,
+            c if !in_str && depth_brace == 0 && depth_bracket == 0 => {
+                plain.push(c);
+                continue;
+            }
+            _ => {}
+        }
+        plain.push(' ');
+    }
+    // `by (a, b)` lists labels, not metrics.
+    let mut out = BTreeSet::new();
+    let chars: Vec<char> = plain.chars().collect();
+    let mut i = 0;
+    let mut skip_list = false;
+    while i < chars.len() {
+        let c = chars[i];
+        if c == '$' {
+            while i < chars.len()
+                && (chars[i] == '$' || chars[i].is_alphanumeric() || chars[i] == '_')
+            {
+                i += 1;
+            }
+            continue;
+        }
+        if c.is_ascii_alphabetic() || c == '_' || c == ':' {
+            let start = i;
+            while i < chars.len()
+                && (chars[i].is_ascii_alphanumeric() || chars[i] == '_' || chars[i] == ':')
+            {
+                i += 1;
+            }
+            let word: String = chars[start..i].iter().collect();
+            let mut j = i;
+            while j < chars.len() && chars[j] == ' ' {
+                j += 1;
+            }
+            let is_call = j < chars.len() && chars[j] == '(';
+            if matches!(
+                word.as_str(),
+                "by" | "without" | "on" | "ignoring" | "group_left" | "group_right"
+            ) {
+                skip_list = true;
+            } else if !is_call
+                && !skip_list
+                && !PROMQL_WORDS.contains(&word.to_lowercase().as_str())
+            {
+                out.insert(word);
+            }
+            continue;
+        }
+        if c == '(' && skip_list {
+            // The label list: skip to its ')'.
+            while i < chars.len() && chars[i] != ')' {
+                i += 1;
+            }
+            skip_list = false;
+        } else if c.is_ascii_digit() || c == '.' {
+            while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '.') {
+                i += 1;
+            }
+            continue;
+        }
+        i += 1;
+    }
+    out
+}
+
+/// Labels an expression groups by (`by (a, b)`), less `le` (histogram_quantile drops it).
+fn grouped_labels(expr: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut rest = expr;
+    while let Some(at) = rest.find("by (") {
+        let list = &rest[at + 4..];
+        let end = list.find(')').unwrap_or(list.len());
+        for l in list[..end].split(',').map(str::trim) {
+            if !l.is_empty() && l != "le" {
+                out.insert(l.to_string());
+            }
+        }
+        rest = &list[end..];
+    }
+    out
+}
+
+#[test]
+fn metric_names_come_out_of_promql_without_labels_functions_or_variables() {
+    let names = metric_names(
+        r#"histogram_quantile(0.95, sum by (le, from_tier) (rate(torpor_wake_seconds_bucket{instance=~"$instance",x="a{b}"}[5m]))) / 1073741824 * $price + torpor:lot:saturation_ratio > bool 0.8 or up{job="torpor"} == 0"#,
+    );
+    let want: BTreeSet<String> = [
+        "torpor_wake_seconds_bucket",
+        "torpor:lot:saturation_ratio",
+        "up",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    assert_eq!(names, want);
+    assert_eq!(
+        grouped_labels("histogram_quantile(0.9, sum by (le, tier) (x)) + sum by (tenant) (y)"),
+        ["tenant", "tier"].iter().map(|s| s.to_string()).collect()
+    );
+}
+
+/// Every (dashboard, panel title, expression) of deploy/grafana/dashboards.
+fn panel_queries() -> Vec<(String, String, String)> {
+    let dir = repo().join("deploy/grafana/dashboards");
+    let mut out = Vec::new();
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 5, "dashboards: {files:?}");
+    for f in files {
+        let d: Value = serde_json::from_str(&std::fs::read_to_string(&f).unwrap())
+            .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        let name = d["title"].as_str().unwrap().to_string();
+        for p in d["panels"].as_array().unwrap() {
+            for t in p["targets"].as_array().unwrap() {
+                out.push((
+                    name.clone(),
+                    p["title"].as_str().unwrap().to_string(),
+                    t["expr"].as_str().unwrap().to_string(),
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// The GPU exporter's (DCGM's) names docs/GPU.md lists.
+fn dcgm_names_in_docs() -> BTreeSet<String> {
+    let doc = std::fs::read_to_string(repo().join("docs/GPU.md")).unwrap();
+    doc.split('`')
+        .filter(|w| {
+            w.starts_with("DCGM_FI_")
+                && w.chars()
+                    .all(|c| c.is_ascii_uppercase() || c == '_' || c.is_ascii_digit())
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+async fn post_json(d: &Daemon, path: &str, token: &str, body: Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("{}{path}", d.url()))
+        .bearer_auth(token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+}
+
+async fn get_json(d: &Daemon, path: &str, token: &str) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .get(format!("{}{path}", d.url()))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// Runs until `check` holds or `limit` passes (then panics with `what`).
+async fn wait_for<F, Fut>(what: &str, limit: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<String>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        let missing = check().await;
+        let Some(missing) = missing else {
+            return;
+        };
+        assert!(Instant::now() < deadline, "{what}: {missing}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_real_prometheus_scrapes_every_series_the_rules_and_dashboards_name() {
+    let redis = brokers::Redis::start();
+    let host = host_addr();
+    let metrics_port = free_port();
+    let metrics_addr = format!("127.0.0.1:{metrics_port}");
+    let d = Daemon::start_with_env(
+        &[
+            "--workers",
+            "6",
+            "--metrics-listen",
+            &metrics_addr,
+            "--sandbox-reach-host",
+            &host,
+            "--gpu-inventory",
+            &gpu_fixture_local("node-h200-l4.toml"),
+            "--gpu-quotas",
+            &gpu_fixture_local("quotas-admin.toml"),
+        ],
+        &[("TORPOR_USAGE_SAMPLE_MS", "300")],
+    )
+    .await;
+    let c = d.client();
+    let admin = d.token();
+    let prom = Prometheus::start(&metrics_addr);
+
+    // Sleeping and waking: freeze after 1 s, park after 2 s.
+    let sleepy = IdlePolicy {
+        freeze_after_s: Some(1.0),
+        park_after_s: Some(2.0),
+        suspend_after_s: None,
+    };
+    c.create_template(&agent_template("sleepy", sleepy))
+        .await
+        .unwrap();
+    let agent = create(&c, "sleepy").await;
+    call_agent(&c, &agent, "first").await;
+    let a2 = agent.clone();
+    let c2 = c.clone();
+    wait_for("the agent parks", Duration::from_secs(60), || {
+        let (c, a) = (c2.clone(), a2.clone());
+        async move {
+            let s = c.sandbox(&a).await.unwrap();
+            (s.tier != "parked").then(|| format!("tier {}", s.tier))
+        }
+    })
+    .await;
+    call_agent(&c, &agent, "woken").await;
+    c.suspend(&agent, Some(Tier::Suspended)).await.unwrap();
+    call_agent(&c, &agent, "from the store").await;
+
+    // A quota refusal of another tenant.
+    let r = post_json(
+        &d,
+        "/v1/tenants",
+        &admin,
+        json!({"name": "team-b", "quotas": {"max_sandboxes": 1}}),
+    )
+    .await;
+    assert_eq!(r.status(), 201, "{:?}", r.text().await);
+    let team_b: Value = r.json().await.unwrap();
+    let tb = team_b["token"].as_str().unwrap().to_string();
+    let b = torpor_api::Client::new(&d.url(), &tb);
+    create(&b, "host").await;
+    let err = b
+        .create_sandbox(&CreateSandboxBody {
+            template: "host".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some("quota_exceeded"), "{err}");
+
+    // A GPU share on the declared inventory.
+    let gpu = c
+        .create_sandbox(&CreateSandboxBody {
+            template: "host".into(),
+            gpu: Some(json!({"mode": "mig", "profile": "3g.71gb"})),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .id;
+
+    // A networked sandbox: one allowed fetch, one denied, one proxied request.
+    let listener = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        for mut s in listener.incoming().flatten() {
+            let mut buf = [0u8; 1024];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhi");
+        }
+    });
+    let mut tpl = agent_template("net", no_idle());
+    tpl.command = Vec::new();
+    tpl.warmup_ms = 0;
+    tpl.network = Some(NetworkPolicy::full());
+    c.create_template(&tpl).await.unwrap();
+    let net = c
+        .create_sandbox(&CreateSandboxBody {
+            template: "net".into(),
+            network: Some(
+                serde_json::from_value(
+                    json!({"allow": [{"cidr": format!("{host}/32"), "ports": [port]}]}),
+                )
+                .unwrap(),
+            ),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .id;
+    let fetch = |url: String| {
+        ExecBody {
+        cmd: vec![
+            "python3".into(),
+            "-c".into(),
+            "import sys,urllib.request;print(urllib.request.urlopen(sys.argv[1],timeout=3).read().decode())".into(),
+            url,
+        ],
+        timeout_ms: Some(30_000),
+        ..Default::default()
+    }
+    };
+    let ok = c
+        .exec(&net, &fetch(format!("http://{host}:{port}/")))
+        .await
+        .unwrap();
+    assert_eq!(ok.stdout.trim(), "hi", "{ok:?}");
+    let denied = c
+        .exec(&net, &fetch(format!("http://{host}:{}/", port + 1)))
+        .await
+        .unwrap();
+    assert_ne!(denied.exit_code, Some(0), "{denied:?}");
+    let _ = reqwest::Client::new()
+        .get(format!("{}/v1/sandboxes/{net}/ports/8080/", d.url()))
+        .bearer_auth(&admin)
+        .send()
+        .await
+        .unwrap();
+
+    // A pool on a real Redis (no work: its gauges and counters exist from its first reading).
+    let r = post_json(
+        &d,
+        "/v1/pools",
+        &admin,
+        json!({"name": "jobs", "template": "host", "min": 0, "max": 2, "target": 1,
+               "poll_interval_ms": 300,
+               "triggers": [{"type": "redis-list", "url": redis.url(), "key": "jobs"}],
+               "dispatch": {"command": ["cat"]}}),
+    )
+    .await;
+    assert!(r.status().is_success(), "{:?}", r.text().await);
+
+    // promtool on a real scrape of /metrics.
+    let scrape = reqwest::get(format!("http://{metrics_addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let (ok, out) = promtool(&["check", "metrics"], Some(&scrape));
+    assert!(ok, "promtool check metrics:\n{out}\n{scrape}");
+
+    // What the rules and the dashboards name.
+    let dcgm = dcgm_names_in_docs();
+    assert!(dcgm.contains("DCGM_FI_DEV_XID_ERRORS"), "{dcgm:?}");
+    let panels = panel_queries();
+    wait_for(
+        "Prometheus loads the rules",
+        Duration::from_secs(60),
+        || async {
+            let groups = prom.api("rules", &[]).await?;
+            let n = groups["groups"].as_array()?.len();
+            (n != 2).then(|| format!("{n} groups\n{}", prom.log()))
+        },
+    )
+    .await;
+    let groups = prom.api("rules", &[]).await.unwrap();
+    let mut recorded = BTreeSet::new();
+    let mut rule_exprs = Vec::new();
+    for g in groups["groups"].as_array().unwrap() {
+        for r in g["rules"].as_array().unwrap() {
+            if r["type"] == "recording" {
+                recorded.insert(r["name"].as_str().unwrap().to_string());
+            }
+            rule_exprs.push((
+                r["name"].as_str().unwrap().to_string(),
+                r["query"].as_str().unwrap().to_string(),
+            ));
+        }
+    }
+    let mut named: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (who, expr) in rule_exprs
+        .iter()
+        .map(|(n, e)| (format!("rule {n}"), e))
+        .chain(panels.iter().map(|(d, p, e)| (format!("{d} / {p}"), e)))
+    {
+        for name in metric_names(expr) {
+            named.entry(name).or_default().push(who.clone());
+        }
+    }
+    // Each name: exported by torpor (seen by Prometheus), recorded by a rule, Prometheus' own
+    // `up`, or a DCGM name docs/GPU.md lists (there is no GPU here).
+    wait_for(
+        "every named series is scraped",
+        Duration::from_secs(90),
+        || async {
+            let scraped: BTreeSet<String> = prom
+                .api("label/__name__/values", &[])
+                .await?
+                .as_array()?
+                .iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect();
+            let missing: Vec<String> = named
+                .iter()
+                .filter(|(n, _)| {
+                    !(scraped.contains(*n)
+                        || n.as_str() == "up"
+                        || (n.starts_with("DCGM_FI_") && dcgm.contains(*n))
+                        || (n.contains(':') && recorded.contains(*n)))
+                })
+                .map(|(n, who)| format!("{n} (named by {})", who.join("; ")))
+                .collect();
+            (!missing.is_empty()).then(|| missing.join("\n"))
+        },
+    )
+    .await;
+    // Each panel's query (but DCGM's) returns data, with the labels it groups by; each
+    // recording rule has a value.
+    let substitute = |e: &str| {
+        e.replace("$instance", ".*")
+            .replace("$price_gib_hour", "1")
+            .replace("$price_vcpu_hour", "1")
+    };
+    wait_for(
+        "every panel and recording rule returns data",
+        Duration::from_secs(120),
+        || async {
+            let mut empty = Vec::new();
+            for (dash, panel, expr) in &panels {
+                if metric_names(expr).iter().any(|n| n.starts_with("DCGM_FI_")) {
+                    continue;
+                }
+                let result = prom.query(&substitute(expr)).await;
+                if result.is_empty() {
+                    empty.push(format!("{dash} / {panel}: {expr}"));
+                    continue;
+                }
+                for series in &result {
+                    for l in grouped_labels(expr) {
+                        if series["metric"].get(&l).is_none() {
+                            empty.push(format!("{dash} / {panel}: no label {l} in {series}"));
+                        }
+                    }
+                }
+            }
+            // Sandboxes in a transition: empty unless one is in flight (the alert's input).
+            for r in recorded
+                .iter()
+                .filter(|r| r.as_str() != "torpor:sandboxes_in_transition:by_state")
+            {
+                if prom.query(r).await.is_empty() {
+                    empty.push(format!("recording rule {r}"));
+                }
+            }
+            (!empty.is_empty()).then(|| empty.join("\n"))
+        },
+    )
+    .await;
+    let _ = gpu;
+}
+
+/// Usage of `tenant`'s rows (summed) from `GET /v1/usage`, as `token` sees it.
+async fn usage_of(d: &Daemon, token: &str, query: &str) -> (u16, Value) {
+    get_json(d, &format!("/v1/usage{query}"), token).await
+}
+
+fn num(v: &Value, path: &[&str]) -> f64 {
+    let mut v = v;
+    for p in path {
+        v = &v[*p];
+    }
+    v.as_f64().unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn usage_of_a_known_workload_is_recorded_per_tenant_and_survives_a_restart() {
+    let mut d =
+        Daemon::start_with_env(&["--workers", "4"], &[("TORPOR_USAGE_SAMPLE_MS", "200")]).await;
+    let c = d.client();
+    let admin = d.token();
+    let mut tokens = BTreeMap::new();
+    for t in ["team-a", "team-b"] {
+        let r = post_json(&d, "/v1/tenants", &admin, json!({"name": t})).await;
+        assert_eq!(r.status(), 201);
+        let v: Value = r.json().await.unwrap();
+        tokens.insert(t, v["token"].as_str().unwrap().to_string());
+    }
+    let a = torpor_api::Client::new(&d.url(), &tokens["team-a"]);
+    let b = torpor_api::Client::new(&d.url(), &tokens["team-b"]);
+    // Both: 256 MiB, 1 CPU (the `host` template's limits are the test agent's: see below).
+    c.create_template(&agent_template("agent", no_idle()))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let sa = create(&a, "agent").await;
+    let sb = create(&b, "agent").await;
+    // team-a burns 2 CPU-seconds (process time inside the sandbox); team-b stays idle.
+    let burn = c
+        .exec(
+            &sa,
+            &sh("python3 -c 'import time\nt=time.process_time()\nwhile time.process_time()-t<2: pass'"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(burn.exit_code, Some(0), "{burn:?}");
+    // team-a's sandbox is parked, then woken: one wake from parked.
+    a.suspend(&sa, Some(Tier::Parked)).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    call_agent(&a, &sa, "after the park").await;
+    let resident_s_bound = started.elapsed().as_secs_f64() + 1.0;
+
+    let (code, mine) = usage_of(&d, &tokens["team-a"], "?group_by=sandbox").await;
+    assert_eq!(code, 200, "{mine}");
+    // Wait for a sample after the wake.
+    let mut mine = mine;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while num(&mine["rows"][0], &["wakes", "parked"]) < 1.0 {
+        assert!(Instant::now() < deadline, "no wake recorded: {mine}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        mine = usage_of(&d, &tokens["team-a"], "?group_by=sandbox").await.1;
+    }
+    let rows = mine["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "a tenant sees only its own: {mine}");
+    let row = &rows[0];
+    assert_eq!(row["tenant"], "team-a");
+    assert_eq!(row["sandbox"], sa.as_str());
+    // By hand: CPU at least 80% of the 2 s burned inside (gVisor's sentry adds on top), at most
+    // what 1 CPU can do over the time it was resident.
+    let cpu = num(row, &["cpu_seconds"]);
+    assert!(cpu >= 1.6 && cpu <= resident_s_bound, "cpu {cpu}: {row}");
+    // Memory: at least the agent's 4 MiB buffer, at most its 256 MiB limit, over the time it
+    // was resident.
+    let gib_h = num(row, &["memory_gib_hours", "running"]);
+    let hours = resident_s_bound / 3600.0;
+    assert!(
+        gib_h > 0.0 && gib_h <= 0.25 * hours,
+        "memory {gib_h}: {row}"
+    );
+    assert_eq!(num(row, &["wakes", "parked"]), 1.0, "{row}");
+    assert!(
+        num(row, &["snapshot_gib_hours"]) > 0.0,
+        "parked for a second: {row}"
+    );
+
+    // team-b may not read team-a's usage; the admin reads both.
+    let (code, refused) = usage_of(&d, &tokens["team-b"], "?tenant=team-a").await;
+    assert_eq!(code, 403, "{refused}");
+    assert_eq!(refused["error"]["code"], "forbidden");
+    let (_, all) = usage_of(&d, &admin, "?group_by=sandbox").await;
+    let tenants: BTreeSet<&str> = all["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["tenant"].as_str())
+        .collect();
+    assert!(
+        tenants.contains("team-a") && tenants.contains("team-b"),
+        "{all}"
+    );
+    let b_cpu = all["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["sandbox"] == sb.as_str())
+        .map(|r| num(r, &["cpu_seconds"]))
+        .unwrap();
+    assert!(
+        b_cpu < cpu,
+        "the idle tenant used less CPU ({b_cpu} vs {cpu})"
+    );
+    let (code, bad) = usage_of(&d, &admin, "?group_by=colour").await;
+    assert_eq!(
+        (code, bad["error"]["code"].as_str()),
+        (400, Some("invalid_request"))
+    );
+    drop(b);
+
+    // A restart loses nothing recorded.
+    let before = usage_of(&d, &admin, "?tenant=team-a").await.1;
+    d.stop();
+    d.spawn().await;
+    let after = usage_of(&d, &admin, "?tenant=team-a").await.1;
+    for path in [
+        &["cpu_seconds"][..],
+        &["memory_gib_hours", "running"],
+        &["snapshot_gib_hours"],
+        &["wakes", "parked"],
+    ] {
+        assert!(
+            num(&after["rows"][0], path) >= num(&before["rows"][0], path),
+            "{path:?} went down over a restart: {before} -> {after}"
+        );
+    }
+
+    // The CLI: CSV for billing systems, with the fixed header.
+    let out = Command::new(BIN)
+        .args([
+            "usage",
+            "--csv",
+            "--group-by",
+            "sandbox",
+            "--url",
+            &d.url(),
+            "--token",
+            &admin,
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut lines = text.lines();
+    assert!(lines
+        .next()
+        .unwrap()
+        .starts_with("tenant,sandbox,interval_start_s,memory_gib_hours_running"));
+    assert!(
+        lines.any(|l| l.starts_with(&format!("team-a,{sa},"))),
+        "{text}"
+    );
+}
