@@ -6,6 +6,7 @@
 #   e2b (Python SDK)      the E2B-compatibility tests drive torpor with the official SDK
 #   nodejs, npm, e2b (npm) the same tests with the official JavaScript SDK
 #   redis-server, nats-server, rabbitmq-server   brokers for the pool and trigger tests
+#   prometheus (promtool) the observability tests: rules, alerts, a real scrape
 #   a Rust toolchain      to build torpor (rustup, when cargo is missing)
 set -euo pipefail
 
@@ -42,6 +43,13 @@ if [ ${#need_brokers[@]} -gt 0 ]; then
   # In some containers adduser's chfn fails under PAM after the system user was made; a second
   # configure pass then succeeds (the user exists).
   apt-get install -y -qq "${need_brokers[@]}" >/dev/null 2>&1 || dpkg --configure -a >/dev/null
+fi
+
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  echo "deps.sh: installing prometheus (and promtool)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 
 if ! command -v moto_server >/dev/null 2>&1; then
