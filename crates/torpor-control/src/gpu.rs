@@ -21,31 +21,43 @@
 //! restart keeps every share. [`NodeGpus::reconcile`] then matches them with the sandboxes'
 //! states: an awake holder keeps its share, a sleeping one holds none (its share becomes a
 //! ticket for the same devices on wake), a sandbox that is gone holds nothing.
+//!
+//! This file holds the node's state and the share lifecycle (open, acquire, release, forget,
+//! the runtime's devices) and the GPU side of a checkpoint (`cuda-checkpoint` in the
+//! container). Beside it, by concern: `errors` ([`GpuError`], [`GpuSetupError`]), `requests`
+//! (each sandbox's request file), `shares` (the stored rows, restore and reconcile), `report`
+//! (`GET /v1/gpus` and `/metrics`) and `mig_drivers` (stand-in MIG devices).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use serde::Serialize;
-use torpor_core::{SandboxId, TenantId};
-
-use crate::gpu_store::{MigRecord, ShareRecord};
-use torpor_gpu::ids::{AllocationId, MigUuid};
-use torpor_gpu::inject::{injection, InjectConfig, MigDevice, MigHandles};
-use torpor_gpu::inventory::{Gpu, Inventory};
+use torpor_core::SandboxId;
+use torpor_gpu::ids::AllocationId;
+use torpor_gpu::inject::{injection, InjectConfig, MigHandles};
+use torpor_gpu::inventory::Inventory;
 use torpor_gpu::ledger::Ledger;
 use torpor_gpu::ledger::ShareKind;
-use torpor_gpu::mig::MigInstance;
-use torpor_gpu::nvml::{dcgm_metrics, GpuSample};
-use torpor_gpu::planner::{commit, describe, PlacedDevice, Plan, Policy, Refusal};
+use torpor_gpu::nvml::GpuSample;
+use torpor_gpu::planner::{commit, describe, Plan, Policy, Refusal};
 use torpor_gpu::quota::QuotaBook;
 use torpor_gpu::realize::{realize, unrealize, MigDriver, RealizeError};
-use torpor_gpu::report::{allocation_metrics, gpu_rows, GpuRow};
-use torpor_gpu::request::GpuRequest;
 use torpor_gpu::sleep::{
-    checkpoint_method, find_cuda_checkpoint, plan_wake, release_for_sleep, CheckpointError,
-    SleepTicket,
+    checkpoint_method, find_cuda_checkpoint, plan_wake, release_for_sleep, SleepTicket,
 };
+
+mod errors;
+mod mig_drivers;
+mod report;
+mod requests;
+mod shares;
+
+pub use errors::{GpuError, GpuSetupError};
+pub use report::{label_samples, GpuStatus, SandboxShare};
+
+use errors::chain;
+use mig_drivers::{DeclaredMigDriver, NoMigDriver};
+use shares::restore;
 
 /// Reads the GPUs' telemetry (NVML, in the binary that links the driver loader). An error
 /// leaves the DCGM families out of one scrape.
@@ -53,56 +65,6 @@ pub type Sampler = Box<dyn Fn() -> Result<Vec<GpuSample>, String> + Send + Sync>
 
 /// Device minors of MIG capabilities, written by the NVIDIA driver.
 const MIG_MINORS: &str = "/proc/driver/nvidia-caps/mig-minors";
-
-/// Largest GPU request file read back.
-const MAX_REQUEST_FILE: u64 = 64 * 1024;
-
-/// Why a GPU operation failed. Each variant has a stable code; the API maps them to statuses.
-#[derive(Debug, thiserror::Error)]
-pub enum GpuError {
-    #[error("this node has no GPU inventory: start `torpor up` with --gpu-inventory FILE, or on a machine with an NVIDIA driver")]
-    NotConfigured,
-    #[error("invalid GPU request ({code}): {message}")]
-    BadRequest { code: &'static str, message: String },
-    #[error("no GPU share for this sandbox now ({code}): {message}")]
-    Unavailable { code: &'static str, message: String },
-    #[error("GPU quota ({code}): {message}")]
-    Quota { code: &'static str, message: String },
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
-    #[error("GPU driver: {0}")]
-    Driver(String),
-    #[error("GPU runtime: {0}")]
-    RuntimeUnsupported(String),
-}
-
-impl GpuError {
-    pub fn code(&self) -> &'static str {
-        match self {
-            GpuError::NotConfigured => "gpu_not_configured",
-            GpuError::BadRequest { .. } => "gpu_request_invalid",
-            GpuError::Unavailable { .. } => "gpu_unavailable",
-            GpuError::Quota { .. } => "gpu_quota_exceeded",
-            GpuError::Checkpoint(e) => e.code(),
-            GpuError::Driver(_) => "gpu_driver_error",
-            GpuError::RuntimeUnsupported(_) => "gpu_runtime_unsupported",
-        }
-    }
-
-    fn from_refusal(refusal: &Refusal) -> GpuError {
-        let code = refusal.code();
-        let message = refusal.to_string();
-        match refusal {
-            Refusal::Request(_)
-            | Refusal::NoMigGpu
-            | Refusal::UnknownProfile { .. }
-            | Refusal::LargerThanAnyGpu { .. }
-            | Refusal::NotEnoughGpus { .. } => GpuError::BadRequest { code, message },
-            Refusal::Quota(_) => GpuError::Quota { code, message },
-            _ => GpuError::Unavailable { code, message },
-        }
-    }
-}
 
 /// What `torpor up` says about GPUs.
 #[derive(Debug, Clone, Default)]
@@ -116,66 +78,6 @@ pub struct GpuConfig {
     /// A host `cuda-checkpoint` to use (`--cuda-checkpoint`, `TORPOR_CUDA_CHECKPOINT`);
     /// without it the sandbox's rootfs and then the host `PATH` are searched.
     pub cuda_checkpoint: Option<PathBuf>,
-}
-
-/// Stand-in MIG devices for a declared inventory: there is no driver to create instances, so
-/// each placement gets a deterministic `MIG-` UUID derived from its GPU, profile and start.
-/// With NVML the instances must be created by the driver; that driver is not written yet.
-struct DeclaredMigDriver;
-
-fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
-impl MigDriver for DeclaredMigDriver {
-    fn create(&mut self, gpu: &Gpu, instance: MigInstance) -> Result<MigDevice, RealizeError> {
-        let key = format!("{}/{}/{}", gpu.uuid, instance.profile_id, instance.start);
-        let (a, b) = (fnv(key.as_bytes()), fnv(format!("{key}#").as_bytes()));
-        let uuid = format!(
-            "MIG-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
-            a >> 32,
-            (a >> 16) & 0xffff,
-            a & 0xffff,
-            b >> 48,
-            b & 0xffff_ffff_ffff
-        );
-        Ok(MigDevice {
-            uuid: MigUuid::new(uuid).map_err(|_| RealizeError::UnknownGpu { gpu: gpu.index })?,
-            gpu_instance_id: u32::from(instance.start) + 1,
-            compute_instance_id: 0,
-        })
-    }
-
-    fn destroy(&mut self, _gpu: &Gpu, _device: &MigDevice) -> Result<(), RealizeError> {
-        Ok(())
-    }
-}
-
-/// The MIG driver of a node with real GPUs but no NVML MIG driver: every call fails (MIG
-/// requests are refused before they get here).
-struct NoMigDriver;
-
-impl MigDriver for NoMigDriver {
-    fn create(&mut self, gpu: &Gpu, instance: MigInstance) -> Result<MigDevice, RealizeError> {
-        Err(RealizeError::Create {
-            gpu: gpu.index,
-            profile_id: instance.profile_id,
-            start: instance.start,
-            driver_code: "nvml_mig_driver_missing",
-            driver_message: "this node has no NVML MIG driver".into(),
-        })
-    }
-
-    fn destroy(&mut self, gpu: &Gpu, device: &MigDevice) -> Result<(), RealizeError> {
-        Err(RealizeError::Destroy {
-            gpu: gpu.index,
-            uuid: device.uuid.clone(),
-            driver_code: "nvml_mig_driver_missing",
-            driver_message: "this node has no NVML MIG driver".into(),
-        })
-    }
 }
 
 struct Held {
@@ -223,67 +125,6 @@ pub struct NodeGpus {
     /// stand-in devices.
     mig_driver: Option<Mutex<Box<dyn MigDriver + Send>>>,
     inner: Mutex<Inner>,
-}
-
-/// One sandbox's share as `GET /v1/gpus` shows it.
-#[derive(Debug, Clone, Serialize)]
-pub struct SandboxShare {
-    pub sandbox: String,
-    pub tenant: Option<String>,
-    pub devices: Vec<PlacedDevice>,
-    pub env: BTreeMap<String, String>,
-}
-
-/// `GET /v1/gpus`.
-#[derive(Debug, Clone, Serialize)]
-pub struct GpuStatus {
-    pub node: String,
-    /// `nvml` or the declared file's path.
-    pub source: String,
-    pub gpus: Vec<GpuRow>,
-    /// Shares held by running or frozen sandboxes (a tenant sees its own).
-    pub allocations: Vec<SandboxShare>,
-    /// Sandboxes asleep that will ask for their share again on wake.
-    pub sleeping: Vec<String>,
-    /// Whether `cuda-checkpoint` was found (a GPU context can then be checkpointed).
-    pub cuda_checkpoint: bool,
-}
-
-/// Why the GPU part of the daemon could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum GpuSetupError {
-    #[error("{message}")]
-    Inventory { code: &'static str, message: String },
-    #[error("{message}")]
-    Quotas { code: &'static str, message: String },
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-}
-
-impl GpuSetupError {
-    pub fn code(&self) -> &'static str {
-        match self {
-            GpuSetupError::Inventory { code, .. } | GpuSetupError::Quotas { code, .. } => code,
-            GpuSetupError::Io { .. } => "io_error",
-        }
-    }
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        let text = inner.to_string();
-        if !s.contains(&text) {
-            s.push_str(": ");
-            s.push_str(&text);
-        }
-        source = inner.source();
-    }
-    s
 }
 
 impl NodeGpus {
@@ -442,134 +283,10 @@ impl NodeGpus {
         Ok(GpuRuntime { devices, mounts })
     }
 
-    /// Matches the stored shares with the sandboxes' states after a restart: `awake(id)` is
-    /// `Some(true)` for a sandbox whose container runs, `Some(false)` for one asleep and `None`
-    /// for one that no longer exists. Awake holders keep their share; sleeping ones give it
-    /// back (keeping a ticket for the same devices); gone ones lose share and ticket.
-    pub fn reconcile(&self, awake: impl Fn(&SandboxId) -> Option<bool>) {
-        let (held, ticketed): (Vec<SandboxId>, Vec<SandboxId>) = {
-            let inner = self.lock();
-            (
-                inner.held.keys().cloned().collect(),
-                inner.tickets.keys().cloned().collect(),
-            )
-        };
-        for id in held {
-            match awake(&id) {
-                Some(true) => {}
-                Some(false) => {
-                    tracing::info!(sandbox = %id, "asleep after the restart: its GPU share is released");
-                    self.release(&id);
-                }
-                None => {
-                    tracing::info!(sandbox = %id, "gone after the restart: its GPU share is dropped");
-                    self.forget(&id);
-                }
-            }
-        }
-        for id in ticketed {
-            if awake(&id).is_none() {
-                self.forget(&id);
-            }
-        }
-    }
-
-    /// Writes `id`'s row as `inner` has it now (a held share, a ticket, or nothing).
-    fn persist(&self, inner: &Inner, id: &SandboxId) {
-        let Some(store) = &self.store else {
-            return;
-        };
-        let record = share_record(inner, id);
-        let result = match &record {
-            Some(r) => store.put_gpu_share(id, r),
-            None => store.delete_gpu_share(id),
-        };
-        if let Err(e) = result {
-            tracing::error!(sandbox = %id, error = %e, "cannot store the GPU share");
-        }
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         // Every method computes on copies and commits at its end; a poisoned lock still holds
         // a consistent ledger.
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn request_path(&self, id: &SandboxId) -> PathBuf {
-        self.requests_dir.join(format!("{}.json", id.as_str()))
-    }
-
-    /// Parses and checks a GPU request for `tenant`'s sandbox: its shape, and that this node
-    /// could ever satisfy it. The tenant charged is always the sandbox's owner.
-    pub fn parse_request(
-        node: Option<&NodeGpus>,
-        value: &serde_json::Value,
-        tenant: &TenantId,
-    ) -> Result<GpuRequest, GpuError> {
-        let Some(node) = node else {
-            return Err(GpuError::NotConfigured);
-        };
-        let mut request: GpuRequest =
-            serde_json::from_value(value.clone()).map_err(|e| GpuError::BadRequest {
-                code: "request_malformed",
-                message: format!("gpu: {e}"),
-            })?;
-        request.tenant = Some(
-            torpor_gpu::ids::TenantId::new(tenant.as_str()).map_err(|e| GpuError::BadRequest {
-                code: e.code(),
-                message: format!("tenant {tenant}: {e}"),
-            })?,
-        );
-        // What no GPU of this node could ever satisfy is refused now, not at every wake.
-        let empty = Ledger::new(&node.inventory);
-        if let Err(refusal) = torpor_gpu::planner::plan(
-            &node.inventory,
-            &empty,
-            &request,
-            &node.policy,
-            &QuotaBook::unlimited(),
-        ) {
-            let error = GpuError::from_refusal(&refusal);
-            if matches!(error, GpuError::BadRequest { .. }) {
-                return Err(error);
-            }
-        }
-        node.runtime_check()?;
-        if request.mode == torpor_gpu::partition::PartitionMode::Mig
-            && !node.declared
-            && node.mig_driver.is_none()
-        {
-            return Err(GpuError::Driver(
-                "this node has no NVML MIG driver to create MIG instances; use mps, timeslice or whole".into(),
-            ));
-        }
-        Ok(request)
-    }
-
-    /// Remembers a sandbox's GPU request (written before its first restore).
-    pub fn save_request(&self, id: &SandboxId, request: &GpuRequest) -> std::io::Result<()> {
-        let path = self.request_path(id);
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(
-            &tmp,
-            serde_json::to_vec(request).map_err(std::io::Error::other)?,
-        )?;
-        std::fs::rename(&tmp, &path)
-    }
-
-    /// The GPU request of a sandbox, if it has one.
-    pub fn request_of(&self, id: &SandboxId) -> Option<GpuRequest> {
-        use std::io::Read;
-        let file = std::fs::File::open(self.request_path(id)).ok()?;
-        let mut text = Vec::new();
-        file.take(MAX_REQUEST_FILE).read_to_end(&mut text).ok()?;
-        match serde_json::from_slice(&text) {
-            Ok(r) => Some(r),
-            Err(e) => {
-                tracing::error!(sandbox = %id, error = %e, "unreadable GPU request file");
-                None
-            }
-        }
     }
 
     /// Gets `id` its share (create or wake): the same shares it had before sleeping when they
@@ -840,223 +557,6 @@ impl NodeGpus {
     pub fn clear_toggled(&self, id: &SandboxId) {
         let _ = std::fs::remove_file(self.toggled_path(id));
     }
-
-    /// `GET /v1/gpus`; a tenant other than the admin sees only its own sandboxes' shares.
-    pub fn status(&self, viewer: &TenantId) -> GpuStatus {
-        let inner = self.lock();
-        let mut allocations: Vec<SandboxShare> = inner
-            .held
-            .iter()
-            .filter_map(|(sandbox, held)| {
-                let allocation = inner.ledger.allocation(held.allocation)?;
-                let tenant = allocation.tenant.as_ref().map(|t| t.to_string());
-                let visible =
-                    *viewer == TenantId::admin() || tenant.as_deref() == Some(viewer.as_str());
-                visible.then(|| SandboxShare {
-                    sandbox: sandbox.to_string(),
-                    tenant,
-                    devices: allocation
-                        .shares
-                        .iter()
-                        .map(|s| describe(&self.inventory, s))
-                        .collect(),
-                    env: held.env.clone(),
-                })
-            })
-            .collect();
-        allocations.sort_by(|a, b| a.sandbox.cmp(&b.sandbox));
-        let mut sleeping: Vec<String> = inner
-            .tickets
-            .iter()
-            .filter(|(_, t)| {
-                *viewer == TenantId::admin()
-                    || t.request.tenant.as_ref().map(|x| x.as_str()) == Some(viewer.as_str())
-            })
-            .map(|(s, _)| s.to_string())
-            .collect();
-        sleeping.sort();
-        GpuStatus {
-            node: self.inventory.node.to_string(),
-            source: self.source.clone(),
-            gpus: gpu_rows(&self.inventory, &inner.ledger),
-            allocations,
-            sleeping,
-            cuda_checkpoint: self.cuda_checkpoint.is_some(),
-        }
-    }
-
-    /// Samples telemetry on every scrape: DCGM exporter's metric families are added to
-    /// `/metrics`, labelled with the tenant and sandbox that hold each device.
-    pub fn set_sampler(&mut self, sampler: Sampler) {
-        self.sampler = Some(sampler);
-    }
-
-    /// Who holds each device (GPU UUID, or MIG UUID for a MIG instance): `(tenant, sandbox)`.
-    fn holders(&self, inner: &Inner) -> BTreeMap<String, Vec<(Option<String>, String)>> {
-        let mut out: BTreeMap<String, Vec<(Option<String>, String)>> = BTreeMap::new();
-        for (sandbox, held) in &inner.held {
-            let Some(allocation) = inner.ledger.allocation(held.allocation) else {
-                continue;
-            };
-            let tenant = allocation.tenant.as_ref().map(|t| t.to_string());
-            for share in &allocation.shares {
-                let uuid = match share.kind {
-                    ShareKind::Mig { instance } => inner
-                        .handles
-                        .get(&(share.gpu, instance))
-                        .map(|d| d.uuid.to_string()),
-                    _ => self.inventory.gpu(share.gpu).map(|g| g.uuid.to_string()),
-                };
-                if let Some(uuid) = uuid {
-                    out.entry(uuid)
-                        .or_default()
-                        .push((tenant.clone(), sandbox.to_string()));
-                }
-            }
-        }
-        out
-    }
-
-    /// Allocation metrics (shares used and free by GPU and mode, quota use), always; with a
-    /// sampler (NVML) also DCGM exporter's families.
-    pub fn metrics(&self) -> String {
-        let (mut text, holders) = {
-            let inner = self.lock();
-            (
-                allocation_metrics(&self.inventory, &inner.ledger, &self.quotas),
-                self.holders(&inner),
-            )
-        };
-        if let Some(sampler) = &self.sampler {
-            match sampler() {
-                Ok(mut samples) => {
-                    label_samples(&mut samples, &holders);
-                    text.push_str(&dcgm_metrics(self.inventory.node.as_str(), &samples));
-                }
-                Err(e) => tracing::warn!(error = %e, "cannot sample GPU telemetry"),
-            }
-        }
-        text
-    }
-}
-
-/// The row of `id` as `inner` has it.
-fn share_record(inner: &Inner, id: &SandboxId) -> Option<ShareRecord> {
-    if let Some(held) = inner.held.get(id) {
-        let allocation = inner.ledger.allocation(held.allocation)?.clone();
-        let mig = allocation
-            .shares
-            .iter()
-            .filter_map(|s| match s.kind {
-                ShareKind::Mig { instance } => {
-                    inner
-                        .handles
-                        .get(&(s.gpu, instance))
-                        .map(|device| MigRecord {
-                            gpu: s.gpu,
-                            instance,
-                            device: device.clone(),
-                        })
-                }
-                _ => None,
-            })
-            .collect();
-        return Some(ShareRecord::Held { allocation, mig });
-    }
-    inner.tickets.get(id).map(|ticket| ShareRecord::Sleeping {
-        ticket: ticket.clone(),
-    })
-}
-
-/// Rebuilds the ledger, MIG devices, holders and tickets from the stored rows. A held share
-/// that no longer fits the inventory (it changed) becomes a ticket: the sandbox plans again
-/// on wake.
-fn restore(
-    inventory: &Inventory,
-    inject: &InjectConfig,
-    store: &crate::store::Store,
-    stored: Vec<(SandboxId, ShareRecord)>,
-) -> Inner {
-    let mut inner = Inner {
-        ledger: Ledger::new(inventory),
-        handles: MigHandles::new(),
-        held: HashMap::new(),
-        tickets: HashMap::new(),
-    };
-    for (id, record) in stored {
-        match record {
-            ShareRecord::Sleeping { ticket } => {
-                inner.tickets.insert(id, ticket);
-            }
-            ShareRecord::Held { allocation, mig } => {
-                let mut ledger = inner.ledger.clone();
-                let mut handles = inner.handles.clone();
-                for m in &mig {
-                    handles.insert((m.gpu, m.instance), m.device.clone());
-                }
-                let restored = ledger
-                    .insert(
-                        inventory,
-                        allocation.request.clone(),
-                        allocation.shares.clone(),
-                        true,
-                    )
-                    .map_err(|e| e.to_string())
-                    .and_then(|aid| {
-                        let a = ledger.allocation(aid).cloned().ok_or("lost")?;
-                        injection(inventory, &a, &handles, inject)
-                            .map(|inj| (aid, inj))
-                            .map_err(|e| e.to_string())
-                    });
-                match restored {
-                    Ok((aid, inj)) => {
-                        inner.ledger = ledger;
-                        inner.handles = handles;
-                        inner.held.insert(
-                            id,
-                            Held {
-                                allocation: aid,
-                                env: inj.env,
-                                devices: inj.devices,
-                                mounts: inj.mounts,
-                            },
-                        );
-                    }
-                    Err(e) => {
-                        tracing::warn!(sandbox = %id, error = %e, "a stored GPU share no longer fits this inventory; it is asked for again on wake");
-                        let ticket = SleepTicket {
-                            node: inventory.node.clone(),
-                            request: allocation.request,
-                            shares: allocation.shares,
-                            model: None,
-                        };
-                        let record = ShareRecord::Sleeping {
-                            ticket: ticket.clone(),
-                        };
-                        if let Err(e) = store.put_gpu_share(&id, &record) {
-                            tracing::error!(sandbox = %id, error = %e, "cannot store the GPU share");
-                        }
-                        inner.tickets.insert(id, ticket);
-                    }
-                }
-            }
-        }
-    }
-    inner
-}
-
-/// Adds `tenant` and `sandbox` labels to the samples of devices that exactly one sandbox holds
-/// (a whole GPU, a MIG instance, or a shared GPU with a single client).
-pub fn label_samples(
-    samples: &mut [GpuSample],
-    holders: &BTreeMap<String, Vec<(Option<String>, String)>>,
-) {
-    for sample in samples {
-        if let Some([(tenant, sandbox)]) = holders.get(&sample.uuid).map(Vec::as_slice) {
-            sample.tenant = tenant.clone();
-            sample.sandbox = Some(sandbox.clone());
-        }
-    }
 }
 
 /// Runs `cmd` inside the container through its agent; its stdout, or an error naming the
@@ -1149,6 +649,11 @@ fn pids_holding_files(pids: &[u32], dir: &Path, prefix: &str) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use torpor_core::TenantId;
+    use torpor_gpu::ids::MigUuid;
+    use torpor_gpu::inject::MigDevice;
+    use torpor_gpu::inventory::Gpu;
+    use torpor_gpu::mig::MigInstance;
 
     #[test]
     fn finds_a_process_holding_a_device_like_file() {
@@ -1160,134 +665,6 @@ mod tests {
         assert!(pids_holding_files(&[me], dir.path(), "nvidiactl-").is_empty());
         // A pid that does not exist holds nothing.
         assert!(pids_holding_files(&[u32::MAX - 1], dir.path(), "nvidia").is_empty());
-    }
-
-    fn sample(uuid: &str, mig: Option<(&str, u32)>) -> GpuSample {
-        GpuSample {
-            gpu: 0,
-            uuid: uuid.to_owned(),
-            model_name: "NVIDIA H200".to_owned(),
-            mig: mig.map(|(p, i)| (p.to_owned(), i)),
-            tenant: None,
-            sandbox: None,
-            util_pct: Some(30),
-            fb_used_mib: Some(1024),
-            temp_c: None,
-            power_w: None,
-            tensor_active: None,
-            xid_last: None,
-            ecc_dbe_volatile: None,
-        }
-    }
-
-    #[test]
-    fn dcgm_samples_get_tenant_and_sandbox_of_a_single_holder() {
-        let mut samples = vec![
-            sample("GPU-0", None),
-            sample("MIG-a", Some(("3g.71gb", 2))),
-            sample("GPU-1", None),
-        ];
-        let holders = BTreeMap::from([
-            (
-                "MIG-a".to_owned(),
-                vec![(Some("team-a".to_owned()), "sb-1".to_owned())],
-            ),
-            (
-                "GPU-1".to_owned(),
-                vec![(None, "sb-2".to_owned()), (None, "sb-3".to_owned())],
-            ),
-        ]);
-        label_samples(&mut samples, &holders);
-        assert_eq!(samples[0].sandbox, None);
-        assert_eq!(samples[1].tenant.as_deref(), Some("team-a"));
-        assert_eq!(samples[1].sandbox.as_deref(), Some("sb-1"));
-        assert_eq!(samples[2].sandbox, None, "two MPS clients: no single owner");
-        let text = dcgm_metrics("node-1", &samples);
-        assert!(text.contains("DCGM_FI_DEV_FB_USED{gpu=\"0\",UUID=\"MIG-a\",device=\"nvidia0\",modelName=\"NVIDIA H200\",Hostname=\"node-1\",GPU_I_PROFILE=\"3g.71gb\",GPU_I_ID=\"2\",tenant=\"team-a\",sandbox=\"sb-1\"} 1024"), "{text}");
-        assert!(text.contains("DCGM_FI_DEV_GPU_UTIL{gpu=\"0\",UUID=\"GPU-0\""));
-    }
-
-    #[test]
-    fn metrics_with_a_sampler_carry_dcgm_families_labelled_by_holder() {
-        let dir = tempfile::tempdir().unwrap();
-        let inv = dir.path().join("inv.toml");
-        std::fs::write(
-            &inv,
-            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA L4\"\nmemory_mib = 23034\nmig_capable = false\npci_bus_id = \"0000:01:00.0\"\n",
-        )
-        .unwrap();
-        let mut gpus = NodeGpus::open(
-            GpuConfig {
-                inventory: Some(inv),
-                ..GpuConfig::default()
-            },
-            dir.path(),
-        )
-        .unwrap()
-        .unwrap();
-        gpus.set_sampler(Box::new(|| Ok(vec![sample("GPU-a", None)])));
-        let id = SandboxId::generate();
-        let request = NodeGpus::parse_request(
-            Some(&gpus),
-            &serde_json::json!({"mode": "whole"}),
-            &TenantId::admin(),
-        )
-        .unwrap();
-        gpus.save_request(&id, &request).unwrap();
-        gpus.acquire(&id).unwrap();
-        let text = gpus.metrics();
-        assert!(
-            text.contains(
-                "torpor_gpu_shares{node=\"n\",gpu=\"0\",UUID=\"GPU-a\",mode=\"whole\"} 1"
-            ),
-            "{text}"
-        );
-        assert!(
-            text.contains(&format!("tenant=\"admin\",sandbox=\"{id}\"}} 30")),
-            "{text}"
-        );
-    }
-
-    #[test]
-    fn declared_mig_uuids_are_stable_and_distinct() {
-        let inv = Inventory::from_toml(
-            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA H100 80GB HBM3\"\nmemory_mib = 81559\nmig_capable = true\npci_bus_id = \"0000:01:00.0\"\n",
-            "t",
-        )
-        .unwrap();
-        let gpu = &inv.gpus()[0];
-        let mut d = DeclaredMigDriver;
-        let a = d
-            .create(
-                gpu,
-                MigInstance {
-                    profile_id: 9,
-                    start: 4,
-                },
-            )
-            .unwrap();
-        let b = d
-            .create(
-                gpu,
-                MigInstance {
-                    profile_id: 9,
-                    start: 0,
-                },
-            )
-            .unwrap();
-        let again = d
-            .create(
-                gpu,
-                MigInstance {
-                    profile_id: 9,
-                    start: 4,
-                },
-            )
-            .unwrap();
-        assert_eq!(a.uuid, again.uuid);
-        assert_ne!(a.uuid, b.uuid);
-        assert!(a.uuid.as_str().starts_with("MIG-"));
-        assert_eq!(a.uuid.as_str().len(), "MIG-".len() + 36);
     }
 
     #[test]
@@ -1333,71 +710,6 @@ mod tests {
         gpus.acquire(&a).unwrap();
         assert_eq!(gpus.status(&tenant).allocations.len(), 1);
         assert!(gpus.metrics().contains("torpor_gpu_shares{"));
-    }
-
-    #[test]
-    fn stored_shares_come_back_and_reconcile_by_state() {
-        let dir = tempfile::tempdir().unwrap();
-        let inv = dir.path().join("inv.toml");
-        std::fs::write(
-            &inv,
-            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA H100 80GB HBM3\"\nmemory_mib = 81559\nmig_capable = true\npci_bus_id = \"0000:01:00.0\"\n",
-        )
-        .unwrap();
-        let open = || {
-            NodeGpus::open(
-                GpuConfig {
-                    inventory: Some(inv.clone()),
-                    ..GpuConfig::default()
-                },
-                dir.path(),
-            )
-            .unwrap()
-            .unwrap()
-        };
-        let admin = TenantId::admin();
-        let gpus = open();
-        let request = NodeGpus::parse_request(
-            Some(&gpus),
-            &serde_json::json!({"mode": "mig", "profile": "3g.40gb"}),
-            &admin,
-        )
-        .unwrap();
-        let (awake, asleep, gone) = (
-            SandboxId::generate(),
-            SandboxId::generate(),
-            SandboxId::generate(),
-        );
-        for id in [&awake, &asleep, &gone] {
-            gpus.save_request(id, &request).unwrap();
-        }
-        gpus.acquire(&awake).unwrap();
-        gpus.acquire(&asleep).unwrap();
-        gpus.release(&asleep);
-        let before = serde_json::to_value(gpus.status(&admin)).unwrap();
-        drop(gpus);
-
-        // Read back as it was written, before any reconcile.
-        let gpus = open();
-        assert_eq!(serde_json::to_value(gpus.status(&admin)).unwrap(), before);
-        gpus.reconcile(|id| (*id != gone).then_some(*id == awake));
-        let status = gpus.status(&admin);
-        assert_eq!(status.allocations.len(), 1);
-        assert_eq!(status.allocations[0].sandbox, awake.to_string());
-        assert_eq!(status.sleeping, vec![asleep.to_string()]);
-        // The awake holder's share is still counted once: a second acquire is a no-op, and
-        // the sleeping one wakes on its own placement next to it.
-        gpus.acquire(&awake).unwrap();
-        gpus.acquire(&asleep).unwrap();
-        assert_eq!(gpus.status(&admin).gpus[0].shares, 2);
-        // The awake holder went to sleep with the daemon down: released at the next start.
-        drop(gpus);
-        let gpus = open();
-        gpus.reconcile(|_| Some(false));
-        let status = gpus.status(&admin);
-        assert!(status.allocations.is_empty());
-        assert_eq!(status.sleeping.len(), 2);
-        assert_eq!(status.gpus[0].shares, 0);
     }
 
     /// A node whose (declared) inventory stands in for NVML's, with its state directory.

@@ -1,0 +1,93 @@
+//! Each sandbox's GPU request: parsed and checked for its tenant, and kept as one JSON file per
+//! sandbox under `DATA/gpu/requests/` so that it survives a restart.
+
+use std::path::PathBuf;
+
+use torpor_core::{SandboxId, TenantId};
+use torpor_gpu::ledger::Ledger;
+use torpor_gpu::quota::QuotaBook;
+use torpor_gpu::request::GpuRequest;
+
+use super::{GpuError, NodeGpus};
+
+/// Largest GPU request file read back.
+const MAX_REQUEST_FILE: u64 = 64 * 1024;
+
+impl NodeGpus {
+    pub(super) fn request_path(&self, id: &SandboxId) -> PathBuf {
+        self.requests_dir.join(format!("{}.json", id.as_str()))
+    }
+
+    /// Parses and checks a GPU request for `tenant`'s sandbox: its shape, and that this node
+    /// could ever satisfy it. The tenant charged is always the sandbox's owner.
+    pub fn parse_request(
+        node: Option<&NodeGpus>,
+        value: &serde_json::Value,
+        tenant: &TenantId,
+    ) -> Result<GpuRequest, GpuError> {
+        let Some(node) = node else {
+            return Err(GpuError::NotConfigured);
+        };
+        let mut request: GpuRequest =
+            serde_json::from_value(value.clone()).map_err(|e| GpuError::BadRequest {
+                code: "request_malformed",
+                message: format!("gpu: {e}"),
+            })?;
+        request.tenant = Some(
+            torpor_gpu::ids::TenantId::new(tenant.as_str()).map_err(|e| GpuError::BadRequest {
+                code: e.code(),
+                message: format!("tenant {tenant}: {e}"),
+            })?,
+        );
+        // What no GPU of this node could ever satisfy is refused now, not at every wake.
+        let empty = Ledger::new(&node.inventory);
+        if let Err(refusal) = torpor_gpu::planner::plan(
+            &node.inventory,
+            &empty,
+            &request,
+            &node.policy,
+            &QuotaBook::unlimited(),
+        ) {
+            let error = GpuError::from_refusal(&refusal);
+            if matches!(error, GpuError::BadRequest { .. }) {
+                return Err(error);
+            }
+        }
+        node.runtime_check()?;
+        if request.mode == torpor_gpu::partition::PartitionMode::Mig
+            && !node.declared
+            && node.mig_driver.is_none()
+        {
+            return Err(GpuError::Driver(
+                "this node has no NVML MIG driver to create MIG instances; use mps, timeslice or whole".into(),
+            ));
+        }
+        Ok(request)
+    }
+
+    /// Remembers a sandbox's GPU request (written before its first restore).
+    pub fn save_request(&self, id: &SandboxId, request: &GpuRequest) -> std::io::Result<()> {
+        let path = self.request_path(id);
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(
+            &tmp,
+            serde_json::to_vec(request).map_err(std::io::Error::other)?,
+        )?;
+        std::fs::rename(&tmp, &path)
+    }
+
+    /// The GPU request of a sandbox, if it has one.
+    pub fn request_of(&self, id: &SandboxId) -> Option<GpuRequest> {
+        use std::io::Read;
+        let file = std::fs::File::open(self.request_path(id)).ok()?;
+        let mut text = Vec::new();
+        file.take(MAX_REQUEST_FILE).read_to_end(&mut text).ok()?;
+        match serde_json::from_slice(&text) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::error!(sandbox = %id, error = %e, "unreadable GPU request file");
+                None
+            }
+        }
+    }
+}
