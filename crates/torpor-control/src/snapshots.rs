@@ -7,7 +7,7 @@
 //! and never builds one itself. It must not touch the state store's rows: the engine tells it
 //! which snapshots sandboxes depend on.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -18,16 +18,13 @@ use std::time::Duration;
 use prometheus::{IntCounter, IntCounterVec, Opts};
 use serde::{Deserialize, Serialize};
 use torpor_core::TenantId;
-use torpor_snapshot::manifest::{ExtentData, FileKind};
 use torpor_snapshot::{
-    Backend, ChunkCache, GcOptions, LocalBackend, Manifest, PutOptions, PutReport, S3Backend,
-    S3Config, SnapshotId, Store, StoreConfig, StoreError, TenantKey,
+    Backend, ChunkCache, LocalBackend, Manifest, PutOptions, PutReport, S3Backend, S3Config,
+    SnapshotId, Store, StoreConfig, StoreError, TenantKey,
 };
 
-use crate::engine::Engine;
 use crate::error::{ControlError, Result};
 use crate::metrics::Metrics;
-use crate::store::ImageRef;
 
 /// Environment variables read for an `s3://` store (the AWS SDK's names).
 pub const ENV_S3_ENDPOINT: &str = "AWS_ENDPOINT_URL";
@@ -124,13 +121,13 @@ pub struct Snapshots {
     shared: Option<Arc<Store>>,
     key_dir: Option<PathBuf>,
     per_tenant: Mutex<HashMap<TenantId, Arc<Store>>>,
-    keep: Option<usize>,
-    gc_interval: Option<Duration>,
+    pub(crate) keep: Option<usize>,
+    pub(crate) gc_interval: Option<Duration>,
     description: String,
     cache_hits: IntCounter,
     cache_misses: IntCounter,
-    gc_runs: IntCounterVec,
-    gc_removed: IntCounterVec,
+    pub(crate) gc_runs: IntCounterVec,
+    pub(crate) gc_removed: IntCounterVec,
 }
 
 impl Snapshots {
@@ -434,7 +431,10 @@ impl Snapshots {
         }
     }
 
-    fn stores_of(&self, tenants: &[TenantId]) -> Result<Vec<(Option<TenantId>, Arc<Store>)>> {
+    pub(crate) fn stores_of(
+        &self,
+        tenants: &[TenantId],
+    ) -> Result<Vec<(Option<TenantId>, Arc<Store>)>> {
         match &self.shared {
             Some(s) => Ok(vec![(None, s.clone())]),
             None => tenants
@@ -523,7 +523,7 @@ pub struct SnapshotStats {
     pub snapshots: u64,
 }
 
-fn summary(m: &Manifest, pinned: bool, used_by: Vec<String>) -> SnapshotSummary {
+pub(crate) fn summary(m: &Manifest, pinned: bool, used_by: Vec<String>) -> SnapshotSummary {
     SnapshotSummary {
         id: m.id.to_string(),
         tenant: m.label(LABEL_TENANT).map(str::to_string),
@@ -540,323 +540,14 @@ fn summary(m: &Manifest, pinned: bool, used_by: Vec<String>) -> SnapshotSummary 
     }
 }
 
-impl Engine {
-    fn snapshot_tenants(&self) -> Result<Vec<TenantId>> {
-        let mut all = vec![TenantId::admin()];
-        all.extend(
-            self.tenants()?
-                .into_iter()
-                .map(|t| t.id)
-                .filter(|t| *t != TenantId::admin()),
-        );
-        Ok(all)
-    }
-
-    /// Snapshot id -> sandboxes whose current image it is.
-    fn snapshot_users(&self) -> Result<HashMap<String, Vec<String>>> {
-        let mut users: HashMap<String, Vec<String>> = HashMap::new();
-        for s in self.store.sandboxes()? {
-            if let ImageRef::Store(snap) = &s.image {
-                users
-                    .entry(snap.clone())
-                    .or_default()
-                    .push(s.id.to_string());
-            }
-        }
-        Ok(users)
-    }
-
-    /// Finds the store holding `id` (tenants' stores are searched when encrypted).
-    async fn locate_snapshot(&self, id: &str) -> Result<(Arc<Store>, Manifest)> {
-        let sid = snapshot_id(id).map_err(|_| not_found(id))?;
-        for (_, store) in self.snapshots.stores_of(&self.snapshot_tenants()?)? {
-            let s = store.clone();
-            let want = sid.clone();
-            match tokio::spawn(async move { s.load_manifest(&want).await })
-                .await
-                .map_err(|e| ControlError::Snapshot(format!("task failed: {e}")))?
-            {
-                Ok(m) => return Ok((store, m)),
-                Err(StoreError::SnapshotNotFound { .. }) => continue,
-                Err(e) => return Err(store_error(e)),
-            }
-        }
-        Err(not_found(id))
-    }
-
-    pub async fn list_snapshots(&self) -> Result<Vec<SnapshotSummary>> {
-        let users = self.snapshot_users()?;
-        let mut out = Vec::new();
-        for (_, store) in self.snapshots.stores_of(&self.snapshot_tenants()?)? {
-            let found = tokio::spawn(async move {
-                let pinned = store.pinned().await?;
-                let mut ms = Vec::new();
-                for id in store.list_snapshots().await? {
-                    match store.load_manifest(&id).await {
-                        Ok(m) => ms.push((pinned.contains(&id), m)),
-                        // Deleted between the listing and the read.
-                        Err(StoreError::SnapshotNotFound { .. }) => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-                Ok(ms)
-            })
-            .await
-            .map_err(|e| ControlError::Snapshot(format!("task failed: {e}")))?
-            .map_err(store_error)?;
-            for (pinned, m) in found {
-                let used = users.get(m.id.as_str()).cloned().unwrap_or_default();
-                out.push(summary(&m, pinned, used));
-            }
-        }
-        out.sort_by(|a, b| (a.created_unix_ms, &a.id).cmp(&(b.created_unix_ms, &b.id)));
-        Ok(out)
-    }
-
-    pub async fn inspect_snapshot(&self, id: &str) -> Result<SnapshotDetail> {
-        let (store, m) = self.locate_snapshot(id).await?;
-        let pinned = tokio::spawn(async move { store.pinned().await })
-            .await
-            .map_err(|e| ControlError::Snapshot(format!("task failed: {e}")))?
-            .map_err(store_error)?
-            .contains(&m.id);
-        let used = self
-            .snapshot_users()?
-            .remove(m.id.as_str())
-            .unwrap_or_default();
-        let unique: HashSet<_> = m.chunk_refs().map(|(c, _)| *c).collect();
-        let file_list = m
-            .files
-            .iter()
-            .map(|f| {
-                let (kind, size, chunks, zero) = match &f.kind {
-                    FileKind::Dir => ("dir", 0, 0, 0),
-                    FileKind::Symlink { target } => ("symlink", target.len() as u64, 0, 0),
-                    FileKind::Content {
-                        size,
-                        image,
-                        extents,
-                    } => (
-                        if image.is_some() {
-                            "gvisor_image"
-                        } else {
-                            "file"
-                        },
-                        *size,
-                        extents
-                            .iter()
-                            .filter(|e| matches!(e.data, ExtentData::Chunk(_)))
-                            .count() as u64,
-                        extents
-                            .iter()
-                            .filter(|e| matches!(e.data, ExtentData::Zero))
-                            .map(|e| e.len)
-                            .sum(),
-                    ),
-                };
-                SnapshotFile {
-                    path: f.path.clone(),
-                    kind: kind.into(),
-                    mode: f.mode,
-                    size,
-                    chunks,
-                    zero_bytes: zero,
-                }
-            })
-            .collect();
-        Ok(SnapshotDetail {
-            summary: summary(&m, pinned, used),
-            labels: m.labels.iter().cloned().collect(),
-            chunking: [
-                ("min".to_string(), m.chunking.min),
-                ("avg".to_string(), m.chunking.avg),
-                ("max".to_string(), m.chunking.max),
-            ]
-            .into_iter()
-            .collect(),
-            unique_chunks: unique.len() as u64,
-            file_list,
-        })
-    }
-
-    /// Verifies one snapshot, or every snapshot when `id` is `None`. Bad chunks are reported,
-    /// never deleted.
-    pub async fn verify_snapshots(&self, id: Option<&str>) -> Result<VerifyResult> {
-        let mut targets: Vec<(Arc<Store>, SnapshotId)> = Vec::new();
-        match id {
-            Some(id) => {
-                let (store, m) = self.locate_snapshot(id).await?;
-                targets.push((store, m.id));
-            }
-            None => {
-                for (_, store) in self.snapshots.stores_of(&self.snapshot_tenants()?)? {
-                    let s = store.clone();
-                    let ids = tokio::spawn(async move { s.list_snapshots().await })
-                        .await
-                        .map_err(|e| ControlError::Snapshot(format!("task failed: {e}")))?
-                        .map_err(store_error)?;
-                    targets.extend(ids.into_iter().map(|i| (store.clone(), i)));
-                }
-            }
-        }
-        let mut result = VerifyResult {
-            snapshots_checked: 0,
-            chunks_checked: 0,
-            ok: true,
-            problems: Vec::new(),
-        };
-        for (store, sid) in targets {
-            let report = tokio::spawn(async move { store.verify(&sid).await })
-                .await
-                .map_err(|e| ControlError::Snapshot(format!("task failed: {e}")))?;
-            let report = match report {
-                Ok(r) => r,
-                // Deleted while we walked the list.
-                Err(StoreError::SnapshotNotFound { .. }) if id.is_none() => continue,
-                Err(e) => return Err(store_error(e)),
-            };
-            result.snapshots_checked += 1;
-            result.chunks_checked += report.chunks_checked;
-            for p in report.problems {
-                let message = error_chain(&p);
-                let code = p.code().to_string();
-                if let StoreError::ChunkMissing {
-                    snapshot,
-                    chunk,
-                    path,
-                }
-                | StoreError::ChunkCorrupt {
-                    snapshot,
-                    chunk,
-                    path,
-                    ..
-                } = p
-                {
-                    result.problems.push(VerifyProblem {
-                        code,
-                        snapshot: snapshot.to_string(),
-                        chunk: chunk.to_hex(),
-                        path,
-                        message,
-                    });
-                }
-            }
-        }
-        result.ok = result.problems.is_empty();
-        if !result.ok {
-            tracing::error!(
-                problems = result.problems.len(),
-                "snapshot verify found bad chunks"
-            );
-        }
-        Ok(result)
-    }
-
-    pub async fn snapshot_stats(&self) -> Result<SnapshotStats> {
-        let mut total = SnapshotStats::default();
-        for (_, store) in self.snapshots.stores_of(&self.snapshot_tenants()?)? {
-            let s = tokio::spawn(async move { store.stats().await })
-                .await
-                .map_err(|e| ControlError::Snapshot(format!("task failed: {e}")))?
-                .map_err(store_error)?;
-            total.logical_bytes += s.logical_bytes;
-            total.stored_bytes += s.stored_bytes;
-            total.chunks += s.chunks;
-            total.snapshots += s.snapshots;
-        }
-        Ok(total)
-    }
-
-    /// Garbage collection: retention (newest N per sandbox; pinned snapshots, golden ones and
-    /// those a sandbox depends on are kept), then mark and sweep. Safe against concurrent puts:
-    /// the store's exclusive lock waits for puts in flight and holds new ones back.
-    pub async fn gc_snapshots(&self, dry_run: bool) -> Result<GcResult> {
-        let protect: HashSet<SnapshotId> = self
-            .snapshot_users()?
-            .into_keys()
-            .filter_map(|s| SnapshotId::new(s).ok())
-            .collect();
-        let mut total = GcResult {
-            dry_run,
-            ..GcResult::default()
-        };
-        for (tenant, store) in self.snapshots.stores_of(&self.snapshot_tenants()?)? {
-            let opts = GcOptions {
-                keep_last_per_sandbox: self.snapshots.keep,
-                dry_run,
-                protect: protect.clone(),
-            };
-            let r = tokio::spawn(async move { store.gc(&opts).await })
-                .await
-                .map_err(|e| ControlError::Snapshot(format!("gc task failed: {e}")))?;
-            let r = match r {
-                Ok(r) => r,
-                Err(e) => {
-                    self.snapshots.gc_runs.with_label_values(&["failed"]).inc();
-                    tracing::warn!(tenant = ?tenant, error = %error_chain(&e), "snapshot gc failed");
-                    return Err(store_error(e));
-                }
-            };
-            total.snapshots_kept += r.snapshots_kept;
-            total
-                .snapshots_removed
-                .extend(r.snapshots_removed.iter().map(|s| s.to_string()));
-            total.chunks_live += r.chunks_live;
-            total.chunks_removed += r.chunks_removed;
-            total.bytes_freed += r.bytes_freed;
-        }
-        self.snapshots.gc_runs.with_label_values(&["ok"]).inc();
-        if !dry_run {
-            let m = &self.snapshots.gc_removed;
-            m.with_label_values(&["snapshots"])
-                .inc_by(total.snapshots_removed.len() as u64);
-            m.with_label_values(&["chunks"])
-                .inc_by(total.chunks_removed);
-            m.with_label_values(&["bytes"]).inc_by(total.bytes_freed);
-        }
-        Ok(total)
-    }
-
-    /// Runs the collector every `--gc-interval` until shutdown.
-    pub(crate) fn spawn_snapshot_gc(self: &Arc<Self>) {
-        let Some(every) = self.snapshots.gc_interval else {
-            return;
-        };
-        let me = Arc::downgrade(self);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            tick.tick().await; // the first tick is immediate
-            loop {
-                tick.tick().await;
-                let Some(engine) = me.upgrade() else { return };
-                if engine.check_running().is_err() {
-                    return;
-                }
-                match engine.gc_snapshots(false).await {
-                    Ok(r) => tracing::info!(
-                        removed_snapshots = r.snapshots_removed.len(),
-                        removed_chunks = r.chunks_removed,
-                        freed = r.bytes_freed,
-                        "scheduled snapshot gc"
-                    ),
-                    Err(e) => {
-                        tracing::warn!(error = %e, code = e.code(), "scheduled snapshot gc failed")
-                    }
-                }
-            }
-        });
-    }
-}
-
-fn not_found(id: &str) -> ControlError {
+pub(crate) fn snapshot_not_found(id: &str) -> ControlError {
     ControlError::NotFound {
         kind: "snapshot",
         id: id.to_string(),
     }
 }
 
-fn snapshot_id(s: &str) -> Result<SnapshotId> {
+pub(crate) fn snapshot_id(s: &str) -> Result<SnapshotId> {
     SnapshotId::new(s).map_err(|e| ControlError::Snapshot(format!("snapshot id {s:?}: {e}")))
 }
 
@@ -878,7 +569,7 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 /// A store error as the control plane's error, keeping the store's stable code.
 pub fn store_error(e: StoreError) -> ControlError {
     match e {
-        StoreError::SnapshotNotFound { id } => not_found(id.as_str()),
+        StoreError::SnapshotNotFound { id } => snapshot_not_found(id.as_str()),
         e => ControlError::SnapshotStore {
             code: e.code(),
             message: error_chain(&e),

@@ -13,9 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::spec::Mount;
-
-/// Where the agent directory appears inside a sandbox.
-pub const AGENT_MOUNT: &str = "/.torpor";
+pub use crate::spec::AGENT_MOUNT;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RootfsError {

@@ -8,7 +8,9 @@ use serde::{Deserialize, Serialize};
 use torpor_core::Limits;
 
 use crate::cgroup;
-use crate::rootfs::AGENT_MOUNT;
+
+/// Where the agent directory appears inside a sandbox.
+pub const AGENT_MOUNT: &str = "/.torpor";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Mount {

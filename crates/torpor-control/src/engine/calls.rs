@@ -1,0 +1,428 @@
+//! Calls into a running sandbox: exec (whole or streamed) and files, through its agent. A call
+//! holds the sandbox's read lock, so no transition runs under it; a call that loses its agent
+//! records the crash before it answers.
+
+use super::*;
+
+impl Engine {
+    pub async fn exec(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        req: ExecRequest,
+        stdin: Vec<u8>,
+    ) -> Result<ExecResult> {
+        check_exec(&req)?;
+        let in_use = self.use_sandbox(tenant, id).await?;
+        let t = Instant::now();
+        let timeout_ms = req.timeout_ms;
+        let detach = req.detach;
+        let mut rx = in_use
+            .resident()
+            .send(
+                &Request::Exec(ExecRequest {
+                    stream: false,
+                    env: self.gpu_env(id, req.env.clone()),
+                    ..req
+                }),
+                &stdin,
+            )
+            .await
+            .map_err(torpor_runtime::RuntimeError::from)?;
+        let reply = rx.recv().await;
+        let result = match reply {
+            Some((reply, body)) => exec_reply(reply, body, timeout_ms, detach),
+            None => Err(self.died_during_call(in_use).await),
+        };
+        self.metrics
+            .exec_seconds
+            .with_label_values(&[if result.is_ok() { "ok" } else { "error" }])
+            .observe(t.elapsed().as_secs_f64());
+        match result {
+            // A program that cannot be started answers like a shell would.
+            Err(ControlError::Agent {
+                code: code @ (AgentErrorCode::NotFound | AgentErrorCode::PermissionDenied),
+                message,
+            }) => Ok(ExecResult {
+                exit_code: Some(if code == AgentErrorCode::NotFound {
+                    127
+                } else {
+                    126
+                }),
+                signal: None,
+                stdout: String::new(),
+                stderr: format!("{message}\n"),
+                oom_killed: false,
+                duration_ms: t.elapsed().as_secs_f64() * 1000.0,
+            }),
+            Err(ControlError::SandboxCrashed { reason }) if reason == "oom_killed" => {
+                Ok(ExecResult {
+                    exit_code: Some(137),
+                    signal: Some(9),
+                    stdout: String::new(),
+                    stderr: String::new(),
+                    oom_killed: true,
+                    duration_ms: t.elapsed().as_secs_f64() * 1000.0,
+                })
+            }
+            other => other,
+        }
+    }
+
+    /// Runs a command and streams its output as events; the last event is Exit or Error.
+    pub async fn exec_stream(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+        id: &SandboxId,
+        req: ExecRequest,
+        stdin: Vec<u8>,
+    ) -> Result<mpsc::Receiver<ExecEvent>> {
+        check_exec(&req)?;
+        if req.detach {
+            return Err(ControlError::Invalid(
+                "detach and stream do not go together".into(),
+            ));
+        }
+        let in_use = self.use_sandbox(tenant, id).await?;
+        let timeout_ms = req.timeout_ms;
+        let mut rx = in_use
+            .resident()
+            .send(
+                &Request::Exec(ExecRequest {
+                    stream: true,
+                    env: self.gpu_env(id, req.env.clone()),
+                    ..req
+                }),
+                &stdin,
+            )
+            .await
+            .map_err(torpor_runtime::RuntimeError::from)?;
+        let (tx, out) = mpsc::channel(64);
+        let engine = self.clone();
+        // Each chunk is handed on as it comes and not kept: a slow reader holds the channel
+        // full, which holds the agent connection's reader, which holds the command's pipe.
+        tokio::spawn(async move {
+            loop {
+                let event = match rx.recv().await {
+                    Some((Reply::Output { fd }, body)) => {
+                        let data = String::from_utf8_lossy(&body).into_owned();
+                        if fd == 1 {
+                            ExecEvent::Stdout { data }
+                        } else {
+                            ExecEvent::Stderr { data }
+                        }
+                    }
+                    Some((reply, body)) => {
+                        let ev = match exec_reply(reply, body, timeout_ms, false) {
+                            Ok(r) => ExecEvent::Exit(r),
+                            Err(e) => ExecEvent::Error {
+                                code: e.code().into(),
+                                message: e.to_string(),
+                            },
+                        };
+                        let _ = tx.send(ev).await;
+                        break;
+                    }
+                    None => {
+                        let e = engine.died_during_call(in_use).await;
+                        let ev = match &e {
+                            ControlError::SandboxCrashed { reason } if reason == "oom_killed" => {
+                                ExecEvent::Exit(ExecResult {
+                                    exit_code: Some(137),
+                                    signal: Some(9),
+                                    stdout: String::new(),
+                                    stderr: String::new(),
+                                    oom_killed: true,
+                                    duration_ms: 0.0,
+                                })
+                            }
+                            _ => ExecEvent::Error {
+                                code: e.code().into(),
+                                message: e.to_string(),
+                            },
+                        };
+                        let _ = tx.send(ev).await;
+                        break;
+                    }
+                };
+                if tx.send(event).await.is_err() {
+                    // The client went away; the command runs to its end (or its timeout).
+                    break;
+                }
+            }
+        });
+        Ok(out)
+    }
+
+    /// The agent channel closed under a call: wait for the container's exit and record the
+    /// crash (so the sandbox's status says so before the caller hears back), then name the cause.
+    pub(super) async fn died_during_call(&self, in_use: InUse) -> ControlError {
+        let exit = in_use.resident().exit_handle();
+        let cid = in_use.resident().id().to_string();
+        let id = in_use.id.clone();
+        // The crash is recorded under the write lock: release our read lock first.
+        drop(in_use);
+        match tokio::time::timeout(Duration::from_secs(5), exit.exited()).await {
+            Ok(info) => {
+                let reason = crash_reason(&info);
+                // No transition can run while a call holds the sandbox, so this exit is a crash.
+                // The crash watch may be recording it already; on_crash waits for it, and
+                // records it itself otherwise.
+                self.on_crash(&id, &cid, &reason, info.oom_killed).await;
+                ControlError::SandboxCrashed { reason }
+            }
+            Err(_) => ControlError::SandboxCrashed {
+                reason: "agent channel closed".into(),
+            },
+        }
+    }
+
+    pub async fn agent_call(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        req: Request,
+        body: &[u8],
+    ) -> Result<(Reply, Vec<u8>)> {
+        let in_use = self.use_sandbox(tenant, id).await?;
+        let reply = in_use.resident().call(&req, body).await;
+        match reply {
+            Ok((Reply::Error { code, message }, _)) => Err(ControlError::Agent { code, message }),
+            Ok(r) => Ok(r),
+            Err(_) => Err(self.died_during_call(in_use).await),
+        }
+    }
+
+    pub async fn read_file(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        path: &str,
+        max_bytes: u64,
+    ) -> Result<Vec<u8>> {
+        let (_, body) = self
+            .agent_call(
+                tenant,
+                id,
+                Request::ReadFile {
+                    path: path.into(),
+                    max_bytes,
+                },
+                &[],
+            )
+            .await?;
+        Ok(body)
+    }
+
+    /// Up to `max_bytes` of a file from `offset`, and whether more follows. An agent that
+    /// predates ranged reads (its hello said an older version: restored from an older
+    /// snapshot) is asked for the whole file, which is then cut here.
+    pub async fn read_file_range(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        path: &str,
+        offset: u64,
+        max_bytes: u64,
+    ) -> Result<(Vec<u8>, bool)> {
+        let ranged = {
+            let in_use = self.use_sandbox(tenant, id).await?;
+            in_use.resident().agent_version() >= proto::READ_RANGE_SINCE
+        };
+        if !ranged {
+            let whole = self
+                .read_file(tenant, id, path, proto::MAX_BODY as u64)
+                .await?;
+            let start = (offset as usize).min(whole.len());
+            let end = start.saturating_add(max_bytes as usize).min(whole.len());
+            return Ok((whole[start..end].to_vec(), end < whole.len()));
+        }
+        let ranged = self
+            .agent_call(
+                tenant,
+                id,
+                Request::ReadRange {
+                    path: path.into(),
+                    offset,
+                    max_bytes,
+                },
+                &[],
+            )
+            .await;
+        match ranged {
+            Ok((Reply::Data { truncated }, body)) => Ok((body, truncated)),
+            Ok((other, _)) => Err(ControlError::Agent {
+                code: AgentErrorCode::Io,
+                message: format!("unexpected reply to a ranged read: {other:?}"),
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub async fn write_file(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        path: &str,
+        mode: Option<u32>,
+        data: &[u8],
+    ) -> Result<()> {
+        self.agent_call(
+            tenant,
+            id,
+            Request::WriteFile {
+                path: path.into(),
+                mode,
+            },
+            data,
+        )
+        .await
+        .map(|_| ())
+    }
+
+    pub async fn list_files(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        path: &str,
+    ) -> Result<Vec<DirEntry>> {
+        match self
+            .agent_call(tenant, id, Request::List { path: path.into() }, &[])
+            .await?
+        {
+            (Reply::Entries { entries }, _) => Ok(entries),
+            (other, _) => Err(ControlError::Invalid(format!(
+                "unexpected agent reply {other:?}"
+            ))),
+        }
+    }
+
+    /// Lists `path` once its (name, size) set differs from `known`, or after `timeout_ms`
+    /// (see [`Request::ListChanged`]), holding the sandbox for at most that long. Never wakes
+    /// it: `Ok(None)` when the sandbox is not resident and running (asleep, frozen, or in a
+    /// transition), so a follower can stop instead of keeping it awake.
+    pub async fn list_files_changed(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        path: &str,
+        known: BTreeMap<String, u64>,
+        timeout_ms: u64,
+    ) -> Result<Option<Vec<DirEntry>>> {
+        self.sandbox(tenant, id)?;
+        let slot = self.slot(id);
+        let guard = slot.state.clone().read_owned().await;
+        match &guard.live {
+            Some(live) if !live.frozen && live.resident.alive() => {}
+            _ => return Ok(None),
+        }
+        let in_use = InUse {
+            guard,
+            slot: slot.clone(),
+            id: id.clone(),
+            evictor: self.evictor.clone(),
+        };
+        let req = Request::ListChanged {
+            path: path.into(),
+            known,
+            timeout_ms,
+        };
+        match in_use.resident().call(&req, &[]).await {
+            Ok((Reply::Entries { entries }, _)) => Ok(Some(entries)),
+            Ok((Reply::Error { code, message }, _)) => Err(ControlError::Agent { code, message }),
+            Ok((other, _)) => Err(ControlError::Invalid(format!(
+                "unexpected agent reply {other:?}"
+            ))),
+            Err(_) => Err(self.died_during_call(in_use).await),
+        }
+    }
+
+    pub async fn remove_file(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        path: &str,
+        recursive: bool,
+    ) -> Result<()> {
+        self.agent_call(
+            tenant,
+            id,
+            Request::Remove {
+                path: path.into(),
+                recursive,
+            },
+            &[],
+        )
+        .await
+        .map(|_| ())
+    }
+}
+
+pub(super) fn check_exec(req: &ExecRequest) -> Result<()> {
+    if req.cmd.is_empty() || req.cmd[0].is_empty() {
+        return Err(ControlError::Invalid("cmd must name a program".into()));
+    }
+    if req.cmd.iter().any(|a| a.contains('\0')) {
+        return Err(ControlError::Invalid(
+            "cmd arguments must not hold NUL bytes".into(),
+        ));
+    }
+    validate_env(&req.env).map_err(|e| ControlError::Invalid(e.to_string()))?;
+    if req.timeout_ms == Some(0) {
+        return Err(ControlError::Invalid("timeout_ms must be above 0".into()));
+    }
+    if let Some(cwd) = &req.cwd {
+        if !cwd.starts_with('/') {
+            return Err(ControlError::Invalid("cwd must be an absolute path".into()));
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn exec_reply(
+    reply: Reply,
+    body: Vec<u8>,
+    timeout_ms: Option<u64>,
+    detach: bool,
+) -> Result<ExecResult> {
+    match reply {
+        Reply::Exit {
+            exit_code,
+            signal,
+            timed_out,
+            duration_us,
+            stdout_len,
+        } => {
+            let split = (stdout_len as usize).min(body.len());
+            let stdout = String::from_utf8_lossy(&body[..split]).into_owned();
+            let stderr = String::from_utf8_lossy(&body[split..]).into_owned();
+            if timed_out {
+                return Err(ControlError::ExecTimeout {
+                    timeout_ms: timeout_ms.unwrap_or(0),
+                    stdout,
+                    stderr,
+                });
+            }
+            Ok(ExecResult {
+                exit_code,
+                signal,
+                stdout,
+                stderr,
+                oom_killed: false,
+                duration_ms: duration_us as f64 / 1000.0,
+            })
+        }
+        Reply::Started { pid } if detach => Ok(ExecResult {
+            exit_code: None,
+            signal: None,
+            stdout: format!("{pid}"),
+            stderr: String::new(),
+            oom_killed: false,
+            duration_ms: 0.0,
+        }),
+        Reply::Error { code, message } => Err(ControlError::Agent { code, message }),
+        other => Err(ControlError::Invalid(format!(
+            "unexpected agent reply {other:?}"
+        ))),
+    }
+}

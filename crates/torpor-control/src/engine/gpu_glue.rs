@@ -1,0 +1,169 @@
+//! GPU shares (crate::gpu) as the lifecycle sees them: acquired before a restore, released
+//! when a sandbox leaves its worker, cuda-checkpoint around checkpoints.
+
+use super::*;
+
+impl Engine {
+    /// Gives the engine the node's GPUs; once, right after start.
+    pub fn attach_gpus(&self, mut gpus: crate::gpu::NodeGpus) {
+        gpus.set_nvproxy(self.node_info.nvproxy);
+        // Stored shares against the states reconcile left: awake holders keep theirs.
+        match self.store.sandboxes() {
+            Ok(all) => {
+                let states: HashMap<SandboxId, SandboxState> =
+                    all.into_iter().map(|s| (s.id, s.state)).collect();
+                gpus.reconcile(|id| states.get(id).map(|s| s.may_have_container()));
+            }
+            Err(e) => tracing::error!(error = %e, "cannot read sandboxes to reconcile GPU shares"),
+        }
+        if self.gpus.set(gpus).is_err() {
+            tracing::warn!("GPUs attached twice; the first stays");
+        }
+    }
+
+    pub fn gpus(&self) -> Option<&crate::gpu::NodeGpus> {
+        self.gpus.get()
+    }
+
+    /// Gets a sandbox its GPU share before a restore (`request` is saved first on create).
+    /// Borrowed shares reclaimed for it are parked in the background.
+    pub(super) async fn acquire_gpu(
+        &self,
+        id: &SandboxId,
+        request: Option<&torpor_gpu::request::GpuRequest>,
+    ) -> Result<()> {
+        let Some(gpus) = self.gpus.get() else {
+            return Ok(());
+        };
+        if let Some(request) = request {
+            gpus.save_request(id, request).map_err(ControlError::io(
+                "cannot save the GPU request of",
+                Path::new(id.as_str()),
+            ))?;
+        }
+        for victim in gpus.acquire(id)? {
+            let Some(engine) = self.me.upgrade() else {
+                break;
+            };
+            tokio::spawn(async move {
+                let slot = engine.slot(&victim);
+                let mut guard = slot.state.clone().write_owned().await;
+                if let Err(e) = engine
+                    .park_locked(&mut guard, &victim, "gpu_reclaimed")
+                    .await
+                {
+                    tracing::warn!(sandbox = %victim, error = %e, "cannot park a sandbox whose GPU share was reclaimed");
+                }
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn release_gpu(&self, id: &SandboxId) {
+        if let Some(gpus) = self.gpus.get() {
+            gpus.release(id);
+        }
+    }
+
+    pub(super) fn forget_gpu(&self, id: &SandboxId) {
+        if let Some(gpus) = self.gpus.get() {
+            gpus.forget(id);
+        }
+    }
+
+    pub(super) fn copy_gpu_request(&self, from: &SandboxId, to: &SandboxId) {
+        if let Some(gpus) = self.gpus.get() {
+            if let Some(request) = gpus.request_of(from) {
+                if let Err(e) = gpus.save_request(to, &request) {
+                    tracing::warn!(sandbox = %to, error = %e, "cannot copy the GPU request to a fork");
+                }
+            }
+        }
+    }
+
+    /// The exec environment: the GPU share's variables, then the caller's on top.
+    pub(super) fn gpu_env(
+        &self,
+        id: &SandboxId,
+        env: BTreeMap<String, String>,
+    ) -> BTreeMap<String, String> {
+        match self.gpus.get() {
+            Some(gpus) => {
+                let mut all = gpus.env(id);
+                all.extend(env);
+                all
+            }
+            None => env,
+        }
+    }
+
+    pub(super) fn gpu_runtime(&self, id: &SandboxId) -> Result<crate::gpu::GpuRuntime> {
+        match self.gpus.get() {
+            Some(gpus) => Ok(gpus.runtime(id)?),
+            None => Ok(crate::gpu::GpuRuntime::default()),
+        }
+    }
+
+    pub(super) fn gpu_checkpoint_gate(
+        &self,
+        id: &SandboxId,
+        container_id: &str,
+    ) -> Result<Option<torpor_gpu::cuda_checkpoint::Tool>> {
+        let Some(gpus) = self.gpus.get().filter(|g| g.holds(id)) else {
+            return Ok(None);
+        };
+        // The template's rootfs and bind mounts: where a sandbox's own cuda-checkpoint lives.
+        let tpl = match self.store.sandbox(id)? {
+            Some(rec) => self.store.template_for(&rec.tenant, &rec.template)?,
+            None => None,
+        };
+        let (rootfs, mounts) = match &tpl {
+            Some(t) => (
+                t.rootfs.clone(),
+                t.mounts
+                    .iter()
+                    .map(|m| (PathBuf::from(&m.source), m.destination.clone()))
+                    .collect::<Vec<_>>(),
+            ),
+            None => (PathBuf::new(), Vec::new()),
+        };
+        Ok(gpus.checkpoint_gate(id, container_id, &rootfs, &mounts)?)
+    }
+
+    /// After a checkpoint taken with cuda-checkpoint: remembered for the restore. A failed
+    /// checkpoint stops the container (runsc), so there is nothing to toggle back: the sandbox
+    /// goes back to its previous image, taken before this toggle.
+    pub(super) fn gpu_after_checkpoint(
+        &self,
+        id: &SandboxId,
+        toggled: Option<torpor_gpu::cuda_checkpoint::Toggled>,
+        ok: bool,
+    ) {
+        let (Some(gpus), Some(toggled)) = (self.gpus.get(), toggled) else {
+            return;
+        };
+        if ok {
+            if let Err(e) = gpus.save_toggled(id, &toggled) {
+                tracing::error!(sandbox = %id, error = %e, "cannot record the cuda-checkpoint toggle");
+            }
+        } else {
+            tracing::warn!(sandbox = %id, "checkpoint failed after cuda-checkpoint; the container is gone and the sandbox goes back to its previous image");
+        }
+    }
+
+    /// After a restore: brings GPU state that cuda-checkpoint moved to host memory back.
+    pub(super) async fn gpu_cuda_resume(
+        &self,
+        id: &SandboxId,
+        container: &dyn Resident,
+    ) -> Result<()> {
+        let Some(gpus) = self.gpus.get() else {
+            return Ok(());
+        };
+        if let Some(toggled) = gpus.toggled(id) {
+            gpus.cuda_resume(container, &toggled).await?;
+            gpus.clear_toggled(id);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,442 @@
+//! The sandbox operations the API calls: create, borrow for a call (waking it), suspend to a
+//! tier, fork, resume, metadata, delete. Each takes the sandbox's slot lock and runs its
+//! transitions (`transitions`) under it.
+
+use super::*;
+
+impl Engine {
+    pub fn sandboxes(&self, tenant: &TenantId) -> Result<Vec<SandboxRecord>> {
+        // Only what the caller owns: the operator's sandboxes are not a tenant's to see.
+        let mut all = self.store.sandboxes()?;
+        all.retain(|s| owns(tenant, &s.tenant));
+        for s in &mut all {
+            self.fresh_activity(s);
+        }
+        Ok(all)
+    }
+
+    /// A sandbox the tenant owns; another tenant's answers NotFound, so existence is not leaked.
+    pub fn sandbox(&self, tenant: &TenantId, id: &SandboxId) -> Result<SandboxRecord> {
+        match self.store.sandbox(id)? {
+            Some(mut s) if owns(tenant, &s.tenant) => {
+                self.fresh_activity(&mut s);
+                Ok(s)
+            }
+            _ => Err(not_found(id)),
+        }
+    }
+
+    pub(super) fn fresh_activity(&self, s: &mut SandboxRecord) {
+        let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(slot) = slots.get(&s.id) {
+            s.last_active_at = s
+                .last_active_at
+                .max(slot.last_active.load(Ordering::Relaxed));
+        }
+    }
+
+    #[tracing::instrument(name = "transition", skip_all, fields(template = %req.template, to = "running", cause = "create"))]
+    pub async fn create_sandbox(
+        &self,
+        tenant: &TenantId,
+        req: CreateSandbox,
+    ) -> Result<SandboxRecord> {
+        self.check_running()?;
+        let tpl = self.template(tenant, &req.template)?;
+        if tpl.status != TemplateStatus::Ready {
+            return Err(ControlError::TemplateNotReady(tpl.name.to_string()));
+        }
+        let limits = tpl
+            .spec
+            .limits
+            .patched(&req.limits)
+            .map_err(|e| ControlError::Invalid(e.to_string()))?;
+        self.check_limits_fit(tenant, &limits)?;
+        validate_env(&req.env).map_err(|e| ControlError::Invalid(e.to_string()))?;
+        check_metadata(&req.metadata)?;
+        let gpu_request = match req.gpu.as_ref().or(tpl.spec.gpu.as_ref()) {
+            Some(gpu) => Some(crate::gpu::NodeGpus::parse_request(
+                self.gpus.get(),
+                gpu,
+                tenant,
+            )?),
+            None => None,
+        };
+        // The sandbox's own policy, else its template's.
+        let network = net::check_policy(req.network.as_ref(), &tpl)?;
+        let now = now_millis();
+        let mut rec = SandboxRecord {
+            id: SandboxId::generate(),
+            tenant: tenant.clone(),
+            template: tpl.name.clone(),
+            state: SandboxState::Creating,
+            tier: Tier::Running,
+            limits,
+            env: req.env,
+            metadata: req.metadata,
+            created_at: now,
+            last_active_at: now,
+            generation: 1,
+            image: ImageRef::Golden,
+            last_error: None,
+            oom_killed: false,
+        };
+        {
+            let _quota = self.quota_lock.lock().await;
+            self.check_quota(tenant, Charge::sandbox(rec.limits))?;
+            self.store.insert_sandbox(&rec)?;
+            if let Some(policy) = &network {
+                self.store.set_network(&rec.id, policy)?;
+            }
+        }
+        let permit = match self.acquire_worker(tenant, rec.limits.memory_bytes()).await {
+            Ok(p) => p,
+            Err(e) => {
+                self.store.delete_sandbox(&rec.id)?;
+                return Err(e);
+            }
+        };
+        if let Err(e) = self.acquire_gpu(&rec.id, gpu_request.as_ref()).await {
+            self.forget_gpu(&rec.id);
+            self.store.delete_sandbox(&rec.id)?;
+            return Err(e);
+        }
+        let slot = self.slot(&rec.id);
+        let mut guard = slot.state.clone().write_owned().await;
+        let t = Instant::now();
+        match self
+            .restore_container(&rec, &tpl, &tpl.golden_dir, true)
+            .await
+        {
+            Ok(container) => {
+                self.move_to(&mut rec, SandboxState::Running, "create")?;
+                self.install_live(&mut guard, &rec, container, permit);
+                slot.touch();
+                self.metrics
+                    .wake_seconds
+                    .with_label_values(&["golden"])
+                    .observe(t.elapsed().as_secs_f64());
+                Ok(rec)
+            }
+            Err(e) => {
+                self.forget_gpu(&rec.id);
+                self.store.delete_sandbox(&rec.id)?;
+                self.remove_sandbox_files(&rec.id);
+                self.slots
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&rec.id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Borrows a running sandbox for one call, waking it first if it sleeps.
+    pub async fn use_sandbox(&self, tenant: &TenantId, id: &SandboxId) -> Result<InUse> {
+        self.sandbox(tenant, id)?;
+        let slot = self.slot(id);
+        loop {
+            {
+                let guard = slot.state.clone().read_owned().await;
+                if let Some(live) = &guard.live {
+                    if !live.frozen && live.resident.alive() {
+                        slot.touch();
+                        return Ok(InUse {
+                            guard,
+                            slot: slot.clone(),
+                            id: id.clone(),
+                            evictor: self.evictor.clone(),
+                        });
+                    }
+                }
+            }
+            self.check_running()?;
+            let mut guard = slot.state.clone().write_owned().await;
+            let Some(mut rec) = self.store.sandbox(id)? else {
+                return Err(not_found(id));
+            };
+            let live_state = guard.live.as_ref().map(|l| (l.frozen, !l.resident.alive()));
+            match live_state {
+                Some((_, true)) => {
+                    // Its container died; the crash watch is about to record it. Let it.
+                    drop(guard);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+                Some((true, false)) => {
+                    let t = Instant::now();
+                    let live = guard.live.as_mut().expect("checked");
+                    live.resident.set_frozen(false).await?;
+                    live.frozen = false;
+                    self.move_to(&mut rec, SandboxState::Running, "call")?;
+                    self.metrics
+                        .wake_seconds
+                        .with_label_values(&["frozen"])
+                        .observe(t.elapsed().as_secs_f64());
+                }
+                Some((false, false)) => {}
+                None => self.wake_locked(&mut guard, rec).await?,
+            }
+            slot.touch();
+            return Ok(InUse {
+                guard: guard.downgrade(),
+                slot: slot.clone(),
+                id: id.clone(),
+                evictor: self.evictor.clone(),
+            });
+        }
+    }
+
+    /// Puts a sandbox to sleep down to `tier` (explicit suspend).
+    pub async fn suspend(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        tier: Tier,
+    ) -> Result<SandboxRecord> {
+        self.sandbox(tenant, id)?;
+        let slot = self.slot(id);
+        let mut guard =
+            tokio::time::timeout(self.cfg.drain_timeout, slot.state.clone().write_owned())
+                .await
+                .map_err(|_| {
+                    ControlError::Busy(format!(
+                        "sandbox {id} still has calls in flight (execs, proxied requests or an \
+                         open WebSocket) after {} ms; nothing was cut, retry later",
+                        self.cfg.drain_timeout.as_millis()
+                    ))
+                })?;
+        let current = self.store.sandbox(id)?.ok_or_else(|| not_found(id))?;
+        let refused = || ControlError::InvalidTransition {
+            from: current.state,
+            to: tier,
+        };
+        if current.tier > tier {
+            return Err(refused());
+        }
+        match tier {
+            Tier::Running => return Err(refused()),
+            Tier::Frozen => self.freeze_locked(&mut guard, id, "api").await?,
+            Tier::Parked => self.park_locked(&mut guard, id, "api").await?,
+            Tier::Suspended => {
+                self.park_locked(&mut guard, id, "api").await?;
+                self.upload_locked(id, "api").await?;
+            }
+        }
+        drop(guard);
+        self.sandbox(tenant, id)
+    }
+
+    /// Makes `count` new sandboxes from `id`'s latest snapshot, without copying: the snapshot
+    /// goes into the store (deduplicated), and each fork is a manifest sharing its chunks. A
+    /// resident source is parked first. The forks are Suspended; their first call wakes them.
+    pub async fn fork(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        count: usize,
+    ) -> Result<Vec<SandboxRecord>> {
+        self.check_running()?;
+        if !(1..=MAX_FORKS).contains(&count) {
+            return Err(ControlError::Invalid(format!(
+                "count must be between 1 and {MAX_FORKS}"
+            )));
+        }
+        self.sandbox(tenant, id)?;
+        let slot = self.slot(id);
+        let mut guard = slot.state.clone().write_owned().await;
+        if guard.live.is_some() {
+            self.park_locked(&mut guard, id, "fork").await?;
+        }
+        let source = self.store.sandbox(id)?.ok_or_else(|| not_found(id))?;
+        let snapshot = match &source.image {
+            ImageRef::Store(s) => torpor_snapshot::SnapshotId::new(s.as_str())
+                .map_err(|e| ControlError::Snapshot(format!("snapshot id {s:?}: {e}")))?,
+            ImageRef::Local(dir) => self.put_snapshot(&source.tenant, id, dir.clone()).await?,
+            ImageRef::Golden => {
+                let tpl = self
+                    .store
+                    .template_for(&source.tenant, &source.template)?
+                    .ok_or_else(|| ControlError::NotFound {
+                        kind: "template",
+                        id: source.template.to_string(),
+                    })?;
+                let golden = self
+                    .snapshots
+                    .golden(
+                        &source.tenant,
+                        tpl.name.as_str(),
+                        tpl.created_at,
+                        tpl.golden_dir,
+                    )
+                    .await?;
+                self.store
+                    .set_snapshot_bytes(golden.as_str(), tpl.golden_bytes)?;
+                golden
+            }
+        };
+        // Each fork is charged what its source's snapshot holds (quotas count before
+        // deduplication).
+        let snapshot_bytes = self.store.snapshot_bytes(snapshot.as_str())?;
+        drop(guard);
+        let ids = self.snapshots.fork(&source.tenant, snapshot, count).await?;
+        let mut forks = Vec::with_capacity(count);
+        for snap in ids {
+            let now = now_millis();
+            let mut metadata = source.metadata.clone();
+            metadata.insert("forked_from".into(), source.id.to_string());
+            let rec = SandboxRecord {
+                id: SandboxId::generate(),
+                tenant: source.tenant.clone(),
+                template: source.template.clone(),
+                state: SandboxState::Suspended,
+                tier: Tier::Suspended,
+                limits: source.limits,
+                env: source.env.clone(),
+                metadata,
+                created_at: now,
+                last_active_at: now,
+                generation: source.generation,
+                image: ImageRef::Store(snap.to_string()),
+                last_error: None,
+                oom_killed: false,
+            };
+            self.store
+                .set_snapshot_bytes(snap.as_str(), snapshot_bytes)?;
+            let inserted = {
+                let _quota = self.quota_lock.lock().await;
+                self.check_quota(
+                    &rec.tenant,
+                    Charge {
+                        sandboxes: 1,
+                        ..Charge::default()
+                    },
+                )
+                .and_then(|()| Ok(self.store.insert_sandbox(&rec)?))
+            };
+            if let Err(e) = inserted {
+                // Forks made so far stay; the rest of the snapshots are dropped.
+                self.remove_image(&rec.tenant, &rec.image).await;
+                if forks.is_empty() {
+                    return Err(e);
+                }
+                tracing::warn!(sandbox = %id, made = forks.len(), error = %e, "fork stopped early");
+                break;
+            }
+            self.copy_gpu_request(id, &rec.id);
+            // A fork of a networked sandbox is networked, with the same policy.
+            if let Some(policy) = self.store.network(id)? {
+                self.store.set_network(&rec.id, &policy)?;
+            }
+            forks.push(rec);
+        }
+        Ok(forks)
+    }
+
+    /// Puts a checkpoint directory into the snapshot store.
+    pub(super) async fn put_snapshot(
+        &self,
+        tenant: &TenantId,
+        sandbox: &SandboxId,
+        dir: PathBuf,
+    ) -> Result<torpor_snapshot::SnapshotId> {
+        let labels = vec![(
+            torpor_snapshot::store::LABEL_SANDBOX.to_string(),
+            sandbox.to_string(),
+        )];
+        let report = self.snapshots.put(tenant, labels, dir).await?;
+        self.store
+            .set_snapshot_bytes(report.id.as_str(), report.stats.input_bytes)?;
+        self.metrics
+            .checkpoint_bytes
+            .with_label_values(&["store_new"])
+            .inc_by(report.stats.bytes_written);
+        Ok(report.id)
+    }
+
+    /// Wakes a sandbox to Running without running anything in it.
+    pub async fn resume(&self, tenant: &TenantId, id: &SandboxId) -> Result<SandboxRecord> {
+        drop(self.use_sandbox(tenant, id).await?);
+        self.sandbox(tenant, id)
+    }
+
+    /// Sets (`Some`) or removes (`None`) metadata keys of a sandbox; answers the new record.
+    pub fn patch_sandbox_metadata(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        patch: &BTreeMap<String, Option<String>>,
+    ) -> Result<SandboxRecord> {
+        let mut rec = self.sandbox(tenant, id)?;
+        for (k, v) in patch {
+            match v {
+                Some(v) => rec.metadata.insert(k.clone(), v.clone()),
+                None => rec.metadata.remove(k),
+            };
+        }
+        self.store.set_sandbox_metadata(id, &rec.metadata)?;
+        Ok(rec)
+    }
+
+    #[tracing::instrument(name = "transition", skip_all, fields(sandbox = %id, to = "deleted", cause = "api"))]
+    pub async fn delete_sandbox(&self, tenant: &TenantId, id: &SandboxId) -> Result<()> {
+        let seen = self.sandbox(tenant, id)?;
+        let slot = self.slot(id);
+        // Calls in flight hold the sandbox (a command that never ends, an open WebSocket).
+        // A delete does not wait on them without bound: after a short grace it destroys the
+        // container, which ends those calls, and then takes the sandbox.
+        let mut guard = match tokio::time::timeout(DELETE_GRACE, slot.state.clone().write_owned())
+            .await
+        {
+            Ok(g) => g,
+            Err(_) => {
+                tracing::info!(sandbox = %id, "delete cuts the calls still in flight");
+                self.node.kill(&seen.container_id()).await;
+                tokio::time::timeout(DELETE_CUT_WAIT, slot.state.clone().write_owned())
+                    .await
+                    .map_err(|_| {
+                        ControlError::Busy(
+                            "the sandbox's calls did not end after its container was destroyed; retry the delete"
+                                .into(),
+                        )
+                    })?
+            }
+        };
+        let Some(mut rec) = self.store.sandbox(id)? else {
+            return Err(not_found(id));
+        };
+        self.move_to(&mut rec, SandboxState::Deleting, "delete")?;
+        if let Some(live) = guard.live.take() {
+            live.resident.destroy().await;
+        }
+        self.forget_gpu(id);
+        self.remove_image(&rec.tenant, &rec.image).await;
+        self.snapshots
+            .forget_sandbox(&rec.tenant, id.as_str())
+            .await;
+        self.remove_sandbox_files(id);
+        self.store.delete_sandbox(id)?;
+        self.slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        self.metrics.workers_busy.set(self.workers.busy() as i64);
+        Ok(())
+    }
+}
+
+pub(super) fn check_metadata(m: &BTreeMap<String, String>) -> Result<()> {
+    if m.len() > MAX_METADATA_ENTRIES {
+        return Err(ControlError::Invalid(format!(
+            "metadata may hold at most {MAX_METADATA_ENTRIES} entries"
+        )));
+    }
+    if m.iter()
+        .any(|(k, v)| k.is_empty() || k.len() > MAX_METADATA_LEN || v.len() > MAX_METADATA_LEN)
+    {
+        return Err(ControlError::Invalid(format!(
+            "metadata keys must be non-empty and keys and values at most {MAX_METADATA_LEN} bytes"
+        )));
+    }
+    Ok(())
+}

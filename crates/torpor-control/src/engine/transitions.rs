@@ -1,0 +1,518 @@
+//! The transitions of one sandbox, each run under its slot's write lock: restore (create and
+//! wake), freeze/thaw, park (checkpoint to this node's disk), upload (into the snapshot store),
+//! and what a crash does. Each writes its transitional state before its side effect on the
+//! node and its stable state after, or goes back to the last committed one on failure.
+//!
+//! Every state write goes through [`Engine::move_to`], which checks it against the state
+//! machine (`torpor_core::SandboxState::can_transition_to`):
+//!
+//! ```text
+//!            create                 freeze (idle)
+//!  Creating ────────▶ Running ◀──────────────────▶ Frozen
+//!                      │  ▲    thaw (call)            │
+//!       park (idle,    │  │ wake                      │ park
+//!       evict, api)    ▼  │                           ▼
+//!               Checkpointing ─────────────────▶ Parked ◀─────┐
+//!                      │ (failed: back to the    │  ▲          │ upload failed
+//!                      │  last committed image)  │  │          │
+//!                      ▼                 upload  ▼  │ wake     │
+//!                  Suspended ◀──────────── Uploading ──────────┘
+//!                      │
+//!                      └── wake: Resuming ──▶ Running (or back to Parked/Suspended)
+//!  any resident state ── crash ──▶ its last committed image's tier (Parked or Suspended)
+//!  any stable state  ── delete ──▶ Deleting ──▶ (gone)
+//! ```
+//!
+//! A daemon crash leaves at most one transitional state per sandbox; `Engine::reconcile`
+//! resolves each at the next start (`torpor_core::Recovery`).
+
+use super::*;
+
+impl Engine {
+    /// The one place a sandbox's state changes: checks the move against the state machine,
+    /// sets the tier that goes with a stable state, persists the record and logs the move
+    /// (inside the transition's span). A move the state machine does not allow is a bug: it is
+    /// refused (and fails debug builds, so every test catches it) rather than written.
+    pub(super) fn move_to(
+        &self,
+        rec: &mut SandboxRecord,
+        to: SandboxState,
+        cause: &str,
+    ) -> Result<()> {
+        let from = rec.state;
+        if from != to && !from.can_transition_to(to) {
+            tracing::error!(sandbox = %rec.id, %from, %to, cause, "refused a transition the state machine does not allow");
+            debug_assert!(false, "illegal transition {from} -> {to} ({cause})");
+            return Err(ControlError::InvalidTransition { from, to: rec.tier });
+        }
+        rec.state = to;
+        rec.tier = match to {
+            SandboxState::Running => Tier::Running,
+            SandboxState::Frozen => Tier::Frozen,
+            SandboxState::Parked => Tier::Parked,
+            SandboxState::Suspended => Tier::Suspended,
+            _ => rec.tier,
+        };
+        self.store.update_sandbox(rec)?;
+        if from != to {
+            tracing::info!(sandbox = %rec.id, %from, %to, cause, "state");
+        }
+        Ok(())
+    }
+
+    /// Restores a container for `rec` from `image` on a warm worker and waits until its agent
+    /// answers.
+    pub(super) async fn restore_container(
+        &self,
+        rec: &SandboxRecord,
+        tpl: &TemplateRecord,
+        image: &Path,
+        configure: bool,
+    ) -> Result<Box<dyn Resident>> {
+        let gpu = self.gpu_runtime(&rec.id)?;
+        let mut spec = container_spec(tpl, &rec.limits, &tpl.spec.env);
+        spec.devices = gpu.devices;
+        spec.mounts.extend(gpu.mounts);
+        let networked = self.store.network(&rec.id)?;
+        let launch = Launch {
+            container_id: rec.container_id(),
+            spec,
+            network: networked.clone(),
+            ready_timeout: READY_TIMEOUT,
+        };
+        let container = self.node.restore(launch, image).await?;
+        self.metrics
+            .warm_takes
+            .with_label_values(&[if container.was_warm() { "warm" } else { "cold" }])
+            .inc();
+        let ready = async {
+            self.gpu_cuda_resume(&rec.id, &*container).await?;
+            if configure {
+                container
+                    .call(
+                        &Request::Configure {
+                            env: rec.env.clone(),
+                        },
+                        &[],
+                    )
+                    .await?;
+                if networked.is_some() {
+                    net::write_resolv_conf(&*container).await?;
+                }
+            }
+            Ok::<_, ControlError>(())
+        }
+        .await;
+        if let Err(e) = ready {
+            container.destroy().await;
+            return Err(e);
+        }
+        Ok(container)
+    }
+
+    pub(super) fn install_live(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        rec: &SandboxRecord,
+        resident: Box<dyn Resident>,
+        permit: WorkerPermit,
+    ) {
+        tracing::debug!(sandbox = %rec.id, container = resident.id(), worker = resident.worker(), "resident");
+        guard.live = Some(Live {
+            resident,
+            _permit: permit,
+            frozen: false,
+        });
+        self.metrics.workers_busy.set(self.workers.busy() as i64);
+    }
+
+    /// Sends a sandbox back to its last snapshot when the node reports that its container
+    /// died on its own.
+    pub(super) async fn watch_node(
+        self: Arc<Self>,
+        mut events: mpsc::UnboundedReceiver<NodeEvent>,
+    ) {
+        while let Some(event) = events.recv().await {
+            let NodeEvent::Exited {
+                container_id,
+                info,
+                expected,
+            } = event;
+            if expected {
+                continue;
+            }
+            let Some(id) = sandbox_of(&container_id).and_then(|s| SandboxId::new(s).ok()) else {
+                continue; // a template build's container: its build reports the failure
+            };
+            let engine = self.clone();
+            tokio::spawn(async move {
+                engine
+                    .on_crash(&id, &container_id, &crash_reason(&info), info.oom_killed)
+                    .await;
+            });
+        }
+    }
+
+    #[tracing::instrument(name = "transition", skip_all, fields(sandbox = %id, to = "last_snapshot", cause = "crash"))]
+    pub(super) async fn on_crash(&self, id: &SandboxId, cid: &str, reason: &str, oom: bool) {
+        let slot = self.slot(id);
+        let mut guard = slot.state.clone().write_owned().await;
+        let same = guard.live.as_ref().is_some_and(|l| l.resident.id() == cid);
+        if !same {
+            return;
+        }
+        let live = guard.live.take().expect("checked above");
+        tracing::warn!(sandbox = %id, container = %cid, reason, log = %self.node.log_tail(cid), "sandbox crashed; back to its last snapshot");
+        live.resident.destroy().await;
+        self.release_gpu(id);
+        self.metrics
+            .crashes
+            .with_label_values(&[if oom { "oom_killed" } else { "exited" }])
+            .inc();
+        self.metrics.workers_busy.set(self.workers.busy() as i64);
+        if let Ok(Some(mut rec)) = self.store.sandbox(id) {
+            rec.last_error = Some(format!("{reason}; restored to its last snapshot"));
+            rec.oom_killed = oom;
+            let to = rec.image.sleeping_state();
+            if let Err(e) = self.move_to(&mut rec, to, "crash") {
+                tracing::error!(sandbox = %id, error = %e, "cannot record a crash");
+            }
+        }
+    }
+
+    #[tracing::instrument(name = "transition", skip_all, fields(sandbox = %rec.id, from = %rec.state, to = "running", cause = "call"))]
+    pub(super) async fn wake_locked(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        mut rec: SandboxRecord,
+    ) -> Result<()> {
+        let from = rec.tier;
+        rec.state
+            .check_transition(SandboxState::Resuming)
+            .map_err(|e| ControlError::InvalidTransition {
+                from: e.from,
+                to: Tier::Running,
+            })?;
+        let t = Instant::now();
+        let tpl = self
+            .store
+            .template_for(&rec.tenant, &rec.template)?
+            .ok_or_else(|| ControlError::NotFound {
+                kind: "template",
+                id: rec.template.to_string(),
+            })?;
+        let previous = rec.state;
+        {
+            let _quota = self.quota_lock.lock().await;
+            self.check_quota(&rec.tenant, Charge::wake(rec.limits))?;
+            rec.generation += 1;
+            self.move_to(&mut rec, SandboxState::Resuming, "call")?;
+        }
+        let permit = match self
+            .acquire_worker(&rec.tenant, rec.limits.memory_bytes())
+            .await
+        {
+            Ok(p) => p,
+            Err(e) => {
+                self.move_to(&mut rec, previous, "no_worker")?;
+                return Err(e);
+            }
+        };
+        if let Err(e) = self.acquire_gpu(&rec.id, None).await {
+            rec.last_error = Some(format!("wake failed: {e}"));
+            self.move_to(&mut rec, previous, "gpu_unavailable")?;
+            return Err(e);
+        }
+        // A Suspended checkpoint is fetched (every chunk verified) next to the parked ones.
+        let fetched = self
+            .sandbox_dir(&rec.id)
+            .join("images")
+            .join(format!(".tmp-fetch-{}", rec.generation));
+        let image = match &rec.image {
+            ImageRef::Golden => tpl.golden_dir.clone(),
+            ImageRef::Local(p) => p.clone(),
+            ImageRef::Store(snapshot) => {
+                let _ = std::fs::remove_dir_all(&fetched);
+                if let Err(e) = self.snapshots.fetch(&rec.tenant, snapshot, &fetched).await {
+                    self.release_gpu(&rec.id);
+                    rec.last_error = Some(format!("wake failed: {e}"));
+                    self.move_to(&mut rec, previous, "fetch_failed")?;
+                    return Err(e);
+                }
+                fetched.clone()
+            }
+        };
+        let golden = rec.image == ImageRef::Golden;
+        let restored = self.restore_container(&rec, &tpl, &image, golden).await;
+        // The restore has read the image; the store keeps the committed copy.
+        let _ = std::fs::remove_dir_all(&fetched);
+        match restored {
+            Ok(container) => {
+                self.move_to(&mut rec, SandboxState::Running, "call")?;
+                self.install_live(guard, &rec, container, permit);
+                self.metrics
+                    .wake_seconds
+                    .with_label_values(&[from.as_str()])
+                    .observe(t.elapsed().as_secs_f64());
+                Ok(())
+            }
+            Err(e) => {
+                self.release_gpu(&rec.id);
+                rec.last_error = Some(format!("wake failed: {e}"));
+                self.move_to(&mut rec, previous, "restore_failed")?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Freezes a running sandbox (cgroup freezer): its memory stays, its CPU use drops to 0.
+    #[tracing::instrument(name = "transition", skip_all, fields(sandbox = %id, to = "frozen", cause = %cause))]
+    pub(super) async fn freeze_locked(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        id: &SandboxId,
+        cause: &str,
+    ) -> Result<()> {
+        let Some(live) = guard.live.as_mut() else {
+            return Ok(());
+        };
+        if live.frozen {
+            return Ok(());
+        }
+        live.resident.set_frozen(true).await?;
+        live.frozen = true;
+        if let Some(mut rec) = self.store.sandbox(id)? {
+            self.move_to(&mut rec, SandboxState::Frozen, cause)?;
+        }
+        self.metrics
+            .transitions
+            .with_label_values(&["frozen", cause])
+            .inc();
+        Ok(())
+    }
+
+    /// Checkpoints a resident sandbox to this node's disk and releases its worker.
+    #[tracing::instrument(name = "transition", skip_all, fields(sandbox = %id, to = "parked", cause = %cause))]
+    pub(super) async fn park_locked(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        id: &SandboxId,
+        cause: &str,
+    ) -> Result<()> {
+        let mut cuda_toggled = None;
+        if let Some(live) = guard.live.as_ref() {
+            let cuda_tool = self.gpu_checkpoint_gate(id, live.resident.id())?;
+            if let (Some(tool), Some(gpus)) = (cuda_tool, self.gpus.get()) {
+                cuda_toggled = Some(gpus.cuda_suspend(&*live.resident, tool).await?);
+            }
+        }
+        let Some(live) = guard.live.take() else {
+            return Ok(());
+        };
+        let Some(mut rec) = self.store.sandbox(id)? else {
+            return Err(not_found(id));
+        };
+        let _slot = self.checkpoints.clone().acquire_owned().await;
+        self.move_to(&mut rec, SandboxState::Checkpointing, cause)?;
+        let images = self.sandbox_dir(id).join("images");
+        let tmp = images.join(format!(".tmp-{}", rec.generation));
+        let dest = images.join(rec.generation.to_string());
+        let _ = std::fs::remove_dir_all(&tmp);
+        let t = Instant::now();
+        let Live {
+            resident, _permit, ..
+        } = live;
+        resident.settle_connections().await;
+        let result = resident.checkpoint(&tmp).await;
+        self.gpu_after_checkpoint(id, cuda_toggled, result.is_ok());
+        drop(_permit);
+        self.release_gpu(id);
+        self.metrics.workers_busy.set(self.workers.busy() as i64);
+        match result {
+            Ok(()) => {
+                // Durable before the record points at it; the old image goes only after.
+                if let Err(e) = commit_image(&tmp, &dest).await {
+                    rec.last_error = Some(
+                        "checkpoint could not be stored durably; back to its last snapshot".into(),
+                    );
+                    let to = rec.image.sleeping_state();
+                    self.move_to(&mut rec, to, "commit_failed")?;
+                    return Err(e);
+                }
+                let old = std::mem::replace(&mut rec.image, ImageRef::Local(dest.clone()));
+                self.move_to(&mut rec, SandboxState::Parked, cause)?;
+                self.remove_image(&rec.tenant, &old).await;
+                let bytes = dir_size(&dest);
+                self.metrics
+                    .checkpoint_seconds
+                    .with_label_values(&["ok"])
+                    .observe(t.elapsed().as_secs_f64());
+                self.metrics
+                    .checkpoint_bytes
+                    .with_label_values(&["sandbox"])
+                    .inc_by(bytes);
+                self.metrics
+                    .transitions
+                    .with_label_values(&["parked", cause])
+                    .inc();
+                Ok(())
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&tmp);
+                self.metrics
+                    .checkpoint_seconds
+                    .with_label_values(&["failed"])
+                    .observe(t.elapsed().as_secs_f64());
+                rec.last_error = Some(format!("checkpoint failed, back to its last snapshot: {e}"));
+                let to = rec.image.sleeping_state();
+                self.move_to(&mut rec, to, "checkpoint_failed")?;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Moves a parked sandbox's checkpoint into the snapshot store.
+    #[tracing::instrument(name = "transition", skip_all, fields(sandbox = %id, to = "suspended", cause = %cause))]
+    pub(super) async fn upload_locked(&self, id: &SandboxId, cause: &str) -> Result<()> {
+        let Some(mut rec) = self.store.sandbox(id)? else {
+            return Err(not_found(id));
+        };
+        if rec.state == SandboxState::Suspended {
+            return Ok(());
+        }
+        rec.state
+            .check_transition(SandboxState::Uploading)
+            .map_err(|e| ControlError::InvalidTransition {
+                from: e.from,
+                to: Tier::Suspended,
+            })?;
+        self.move_to(&mut rec, SandboxState::Uploading, cause)?;
+        let source = match &rec.image {
+            ImageRef::Local(p) => p.clone(),
+            ImageRef::Golden => {
+                self.store
+                    .template_for(&rec.tenant, &rec.template)?
+                    .ok_or_else(|| ControlError::NotFound {
+                        kind: "template",
+                        id: rec.template.to_string(),
+                    })?
+                    .golden_dir
+            }
+            ImageRef::Store(_) => {
+                // Already in the store (a sandbox that fell back to its stored snapshot).
+                self.move_to(&mut rec, SandboxState::Suspended, cause)?;
+                return Ok(());
+            }
+        };
+        let t = Instant::now();
+        // The manifest is the commit marker: until put_dir returns, the store holds no
+        // snapshot for this checkpoint, and the local image stays the sandbox's.
+        // The store's futures run in their own task: their internal borrows stay out of the
+        // API handlers' futures (which must be Send for any lifetime).
+        let labels = vec![(
+            torpor_snapshot::store::LABEL_SANDBOX.to_string(),
+            id.to_string(),
+        )];
+        match self.snapshots.put(&rec.tenant, labels, source).await {
+            Ok(report) => {
+                self.store
+                    .set_snapshot_bytes(report.id.as_str(), report.stats.input_bytes)?;
+                let old = std::mem::replace(&mut rec.image, ImageRef::Store(report.id.to_string()));
+                self.move_to(&mut rec, SandboxState::Suspended, cause)?;
+                self.remove_image(&rec.tenant, &old).await;
+                self.metrics
+                    .checkpoint_bytes
+                    .with_label_values(&["store_new"])
+                    .inc_by(report.stats.bytes_written);
+                self.metrics
+                    .transitions
+                    .with_label_values(&["suspended", cause])
+                    .inc();
+                tracing::info!(sandbox = %id, snapshot = %report.id, ms = t.elapsed().as_millis() as u64,
+                    written = report.stats.bytes_written, "checkpoint in the snapshot store");
+                Ok(())
+            }
+            Err(e) => {
+                rec.last_error = Some(format!("upload failed, still parked on this node: {e}"));
+                self.move_to(&mut rec, SandboxState::Parked, "upload_failed")?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Removes a superseded checkpoint: a local image directory, or a snapshot in the store.
+    pub(super) async fn remove_image(&self, tenant: &TenantId, image: &ImageRef) {
+        match image {
+            ImageRef::Golden => {}
+            ImageRef::Local(p) => {
+                let _ = std::fs::remove_dir_all(p);
+            }
+            ImageRef::Store(snapshot) => {
+                if let Err(e) = self.store.forget_snapshot_bytes(snapshot) {
+                    tracing::warn!(snapshot, error = %e, "cannot forget a snapshot's size");
+                }
+                self.snapshots.retire(tenant, snapshot).await
+            }
+        }
+    }
+}
+
+pub(super) fn crash_reason(info: &torpor_runtime::ExitInfo) -> String {
+    if info.oom_killed {
+        "oom_killed".to_string()
+    } else {
+        format!("exited (code {:?}, signal {:?})", info.code, info.signal)
+    }
+}
+
+/// Copies a directory tree with `cp -a` (keeps modes, owners, links and special files).
+/// Makes a checkpoint image that runsc wrote at `tmp` durable (every file, then the
+/// directories) and publishes it at `dest` with a durable rename, replacing what was there. A
+/// record may point at `dest` once this returns: a power loss cannot leave it half written.
+pub(super) async fn commit_image(tmp: &Path, dest: &Path) -> Result<()> {
+    let (tmp, dest) = (tmp.to_path_buf(), dest.to_path_buf());
+    tokio::task::spawn_blocking(move || {
+        use torpor_snapshot::durable;
+        durable::fsync_tree(&tmp)?;
+        let _ = std::fs::remove_dir_all(&dest);
+        durable::rename_durably(&tmp, &dest)
+    })
+    .await
+    .map_err(|e| ControlError::Unsupported(format!("image commit task failed: {e}")))?
+    .map_err(|e| ControlError::Io {
+        what: "cannot commit the image",
+        path: e.path.clone(),
+        source: e.source,
+    })
+}
+
+/// Removes every entry of `dir` but `keep` (compared by name; nothing is removed when `keep`
+/// does not lie in `dir` or does not exist).
+pub(super) fn remove_other_entries(dir: &Path, keep: &Path) {
+    let (Some(name), Some(parent)) = (keep.file_name(), keep.parent()) else {
+        return;
+    };
+    if parent.file_name() != dir.file_name() || !keep.exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name() != name {
+            tracing::info!(path = %e.path().display(), "removing a checkpoint no record points at");
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+pub(super) fn remove_tmp_entries(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(".tmp-") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
