@@ -1,8 +1,8 @@
 //! The node's GPU shares in the daemon: which sandbox holds what, and what it must be given.
 //!
 //! Owns the node's inventory (declared file or NVML), the ledger of allocations, tenant GPU
-//! quotas, the MIG devices handed out and each sandbox's GPU request (one JSON file per sandbox
-//! under `DATA/gpu/requests/`, so a request survives a restart without a state-store column).
+//! quotas, the MIG devices handed out and each sandbox's GPU request (kept in the state store,
+//! so a request survives a restart).
 //! It decides with `torpor-gpu`'s pure planner and does no container work: the engine calls
 //! [`NodeGpus::acquire`] before a restore (create, wake), [`NodeGpus::release`] when the
 //! sandbox's container goes away (park, suspend, crash, delete), [`NodeGpus::env`] on every exec,
@@ -16,7 +16,7 @@
 //!   delete ──forget──> nothing
 //! ```
 //!
-//! Allocations are kept in the state store (`gpu_shares`, see [`crate::gpu_store`]): every
+//! Allocations are kept in the state store ([`crate::store::ShareRecord`]): every
 //! acquire and release writes the sandbox's row, and [`NodeGpus::open`] reads them back, so a
 //! restart keeps every share. [`NodeGpus::reconcile`] then matches them with the sandboxes'
 //! states: an awake holder keeps its share, a sleeping one holds none (its share becomes a
@@ -110,13 +110,10 @@ pub struct NodeGpus {
     policy: Policy,
     inject: InjectConfig,
     declared: bool,
-    requests_dir: PathBuf,
     /// The host `cuda-checkpoint` (configured, else found on `PATH` at start).
     cuda_checkpoint: Option<PathBuf>,
     /// The configured one only (a sandbox's own rootfs copy is preferred to `PATH`'s).
     cuda_configured: Option<PathBuf>,
-    /// What each checkpoint taken with `cuda-checkpoint` must toggle back after its restore.
-    toggled_dir: PathBuf,
     sampler: Option<Sampler>,
     store: Option<crate::store::Store>,
     /// Whether runsc can pass devices through (nvproxy); set by the engine at attach.
@@ -149,11 +146,6 @@ impl NodeGpus {
                 message: chain(&e),
             })?,
         };
-        let requests_dir = data_dir.join("gpu").join("requests");
-        std::fs::create_dir_all(&requests_dir).map_err(|source| GpuSetupError::Io {
-            path: requests_dir.clone(),
-            source,
-        })?;
         let cuda_configured = cfg.cuda_checkpoint.clone();
         if let Some(p) = &cuda_configured {
             if !p.is_file() {
@@ -166,11 +158,6 @@ impl NodeGpus {
         let cuda_checkpoint = cuda_configured
             .clone()
             .or_else(|| std::env::var_os("PATH").and_then(|p| find_cuda_checkpoint(&p)));
-        let toggled_dir = data_dir.join("gpu").join("cuda-toggled");
-        std::fs::create_dir_all(&toggled_dir).map_err(|source| GpuSetupError::Io {
-            path: toggled_dir.clone(),
-            source,
-        })?;
         tracing::info!(node = %inventory.node, %source, gpus = inventory.gpus().len(),
             quotas = quotas.enforced(), cuda_checkpoint = ?cuda_checkpoint, "GPU inventory");
         let db = data_dir.join("torpor.db");
@@ -201,10 +188,8 @@ impl NodeGpus {
             policy: Policy::default(),
             inject,
             declared,
-            requests_dir,
             cuda_checkpoint,
             cuda_configured,
-            toggled_dir,
             sampler: None,
             store: Some(store),
             nvproxy: false,
@@ -422,7 +407,11 @@ impl NodeGpus {
         inner.tickets.remove(id);
         self.persist(&inner, id);
         drop(inner);
-        let _ = std::fs::remove_file(self.request_path(id));
+        if let Some(store) = &self.store {
+            if let Err(e) = store.delete_gpu_request(id) {
+                tracing::error!(sandbox = %id, error = %e, "cannot forget the GPU request");
+            }
+        }
         self.clear_toggled(id);
     }
 
@@ -469,10 +458,6 @@ impl NodeGpus {
         };
         checkpoint_method(holding, tool.as_ref().map(|t| Path::new(&t.in_sandbox)))?;
         Ok(tool)
-    }
-
-    fn toggled_path(&self, id: &SandboxId) -> PathBuf {
-        self.toggled_dir.join(format!("{}.json", id.as_str()))
     }
 
     /// Runs `cuda-checkpoint --toggle` inside the container for every process holding a GPU
@@ -534,28 +519,37 @@ impl NodeGpus {
         id: &SandboxId,
         toggled: &torpor_gpu::cuda_checkpoint::Toggled,
     ) -> std::io::Result<()> {
-        let path = self.toggled_path(id);
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(
-            &tmp,
-            serde_json::to_vec(toggled).map_err(std::io::Error::other)?,
-        )?;
-        std::fs::rename(&tmp, &path)
+        self.state_store()?
+            .put_gpu_toggled(id, toggled)
+            .map_err(std::io::Error::other)
     }
 
     /// What `id`'s last checkpoint toggled, if anything.
     pub fn toggled(&self, id: &SandboxId) -> Option<torpor_gpu::cuda_checkpoint::Toggled> {
-        let text = std::fs::read(self.toggled_path(id)).ok()?;
-        serde_json::from_slice(&text)
+        self.store
+            .as_ref()?
+            .gpu_toggled(id)
             .map_err(
                 |e| tracing::error!(sandbox = %id, error = %e, "unreadable cuda-checkpoint record"),
             )
             .ok()
+            .flatten()
     }
 
     /// Forgets `id`'s toggled state (its GPU state is back, or a new checkpoint replaces it).
     pub fn clear_toggled(&self, id: &SandboxId) {
-        let _ = std::fs::remove_file(self.toggled_path(id));
+        if let Some(store) = &self.store {
+            if let Err(e) = store.delete_gpu_toggled(id) {
+                tracing::error!(sandbox = %id, error = %e, "cannot forget the cuda-checkpoint record");
+            }
+        }
+    }
+
+    /// The state store, which every node opened by [`NodeGpus::open`] has.
+    fn state_store(&self) -> std::io::Result<&crate::store::Store> {
+        self.store
+            .as_ref()
+            .ok_or_else(|| std::io::Error::other("no state store"))
     }
 }
 

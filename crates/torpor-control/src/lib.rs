@@ -5,7 +5,6 @@
 pub mod engine;
 pub mod error;
 pub mod gpu;
-pub mod gpu_store;
 pub mod lot;
 pub mod metrics;
 pub mod pools;

@@ -21,19 +21,20 @@
 //! is in SQLite already. The sampler also sets the Prometheus usage counters, the lot and
 //! memory gauges and the pool gauges ([`crate::metrics`]).
 //!
-//! This module owns the `usage_intervals` table and nothing else of the state store.
+//! The intervals are kept by the state store ([`crate::store::StateStore::add_usage`]); this
+//! module owns what the measures are and how rows are grouped.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rusqlite::{params, Connection};
 use serde::{Deserialize, Serialize};
 use torpor_core::{now_millis, SandboxId, TenantId, Tier, UnixMillis};
 
 use crate::engine::usage_probe::ResidentProbe;
 use crate::engine::Engine;
+use crate::store::{Store, StoreError, UsageInterval};
 
 /// Length of one accounting interval.
 pub const INTERVAL_S: i64 = 3600;
@@ -42,29 +43,10 @@ pub const SAMPLE_MS_ENV: &str = "TORPOR_USAGE_SAMPLE_MS";
 pub const DEFAULT_SAMPLE: Duration = Duration::from_secs(15);
 const GIB: f64 = (1u64 << 30) as f64;
 
-const SCHEMA: &str = r#"
-CREATE TABLE IF NOT EXISTS usage_intervals (
-    start_s INTEGER NOT NULL,
-    tenant TEXT NOT NULL,
-    sandbox TEXT NOT NULL,
-    measure TEXT NOT NULL,
-    dim TEXT NOT NULL,
-    value REAL NOT NULL,
-    PRIMARY KEY (start_s, tenant, sandbox, measure, dim)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS usage_by_tenant ON usage_intervals (tenant, start_s);
-"#;
-
 #[derive(Debug, thiserror::Error)]
 pub enum UsageError {
-    #[error("cannot open the usage store {path}")]
-    Open {
-        path: PathBuf,
-        #[source]
-        source: rusqlite::Error,
-    },
     #[error("usage store")]
-    Sql(#[from] rusqlite::Error),
+    Store(#[from] StoreError),
     #[error("cannot read the sandboxes")]
     Sandboxes(#[source] crate::store::StoreError),
     #[error("`from` ({from}) must be before `to` ({to})")]
@@ -197,9 +179,9 @@ pub struct UsageReport {
     pub rows: Vec<UsageRow>,
 }
 
-/// The `usage_intervals` table, on its own connection to the engine's database file.
+/// Usage intervals in the state store of the engine's database file.
 pub struct UsageStore {
-    conn: Mutex<Connection>,
+    store: Store,
 }
 
 impl UsageStore {
@@ -208,45 +190,29 @@ impl UsageStore {
         UsageStore::open(&engine.usage_db_path())
     }
 
+    /// The usage store in the database file `path` (the same store as the engine's when it
+    /// has the file open).
     pub fn open(path: &Path) -> Result<UsageStore, UsageError> {
-        let open_err = |source| UsageError::Open {
-            path: path.to_path_buf(),
-            source,
-        };
-        let conn = Connection::open(path).map_err(open_err)?;
-        conn.execute_batch("PRAGMA busy_timeout=5000;")
-            .map_err(open_err)?;
-        conn.execute_batch(SCHEMA).map_err(open_err)?;
         Ok(UsageStore {
-            conn: Mutex::new(conn),
+            store: Store::open(path)?,
         })
     }
 
     /// Adds `deltas` to the interval holding `at_ms`, in one transaction.
     pub fn record(&self, at_ms: UnixMillis, deltas: &[UsageDelta]) -> Result<(), UsageError> {
-        let start = interval_start(at_ms / 1000);
-        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        let tx = conn.transaction()?;
-        {
-            let mut st = tx.prepare_cached(
-                "INSERT INTO usage_intervals (start_s, tenant, sandbox, measure, dim, value)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)
-                 ON CONFLICT (start_s, tenant, sandbox, measure, dim)
-                 DO UPDATE SET value = value + excluded.value",
-            )?;
-            for d in deltas.iter().filter(|d| d.value > 0.0) {
-                st.execute(params![
-                    start,
-                    d.tenant.as_str(),
-                    d.sandbox.as_str(),
-                    d.measure.as_str(),
-                    d.dim,
-                    d.value
-                ])?;
-            }
-        }
-        tx.commit()?;
-        Ok(())
+        let start_s = interval_start(at_ms / 1000);
+        let rows: Vec<UsageInterval> = deltas
+            .iter()
+            .map(|d| UsageInterval {
+                start_s,
+                tenant: d.tenant.clone(),
+                sandbox: d.sandbox.clone(),
+                measure: d.measure.as_str().to_owned(),
+                dim: d.dim.clone(),
+                value: d.value,
+            })
+            .collect();
+        Ok(self.store.add_usage(&rows)?)
     }
 
     /// The rows of `q`, sorted by tenant, sandbox and interval.
@@ -258,32 +224,19 @@ impl UsageStore {
             });
         }
         let from = interval_start(q.from_s);
-        let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        let mut st = conn.prepare_cached(
-            "SELECT tenant, sandbox, start_s, measure, dim, value FROM usage_intervals
-             WHERE start_s >= ?1 AND start_s < ?2 AND (?3 IS NULL OR tenant = ?3)",
-        )?;
-        let tenant = q.tenant.as_ref().map(|t| t.as_str().to_string());
+        let rows = self
+            .store
+            .usage_intervals(from, q.to_s, q.tenant.as_ref())?;
         let mut groups: BTreeMap<(String, Option<String>, Option<i64>), UsageRow> = BTreeMap::new();
-        let rows = st.query_map(params![from, q.to_s, tenant], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, i64>(2)?,
-                r.get::<_, String>(3)?,
-                r.get::<_, String>(4)?,
-                r.get::<_, f64>(5)?,
-            ))
-        })?;
         for row in rows {
-            let (tenant, sandbox, start, measure, dim, value) = row?;
-            let Some(measure) = Measure::parse(&measure) else {
+            let Some(measure) = Measure::parse(&row.measure) else {
                 continue;
             };
+            let (dim, value) = (row.dim, row.value);
             let key = (
-                tenant,
-                q.group_by.sandbox.then_some(sandbox),
-                q.group_by.interval.then_some(start),
+                row.tenant.to_string(),
+                q.group_by.sandbox.then(|| row.sandbox.to_string()),
+                q.group_by.interval.then_some(row.start_s),
             );
             groups
                 .entry(key.clone())

@@ -9,7 +9,6 @@
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 
-use rusqlite::params;
 use torpor_core::{NetworkPolicy, SandboxId, TenantId};
 use torpor_runtime::Resident;
 
@@ -17,7 +16,7 @@ use prometheus::{Encoder, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncode
 
 use super::{not_found, Engine, InUse, Slot};
 use crate::error::{ControlError, Result};
-use crate::store::{SandboxRecord, Store, StoreError, TemplateRecord};
+use crate::store::{SandboxRecord, TemplateRecord};
 
 /// A running sandbox borrowed for one proxied request, and where to connect. While this lives
 /// the sandbox cannot be checkpointed: the sleep ladder waits for proxied requests to finish.
@@ -210,33 +209,6 @@ pub(super) async fn write_resolv_conf(c: &dyn Resident) -> Result<()> {
     )
     .await?;
     Ok(())
-}
-
-impl Store {
-    pub fn set_network(&self, id: &SandboxId, policy: &NetworkPolicy) -> Result<(), StoreError> {
-        let json = serde_json::to_string(policy).expect("policy serialises");
-        self.with(|c| {
-            c.execute(
-                "INSERT INTO sandbox_network (id, policy) VALUES (?1, ?2)
-                 ON CONFLICT(id) DO UPDATE SET policy=excluded.policy",
-                params![id.as_str(), json],
-            )
-            .map(|_| ())
-        })
-    }
-
-    /// The policy of a networked sandbox; `None` for one without network.
-    pub fn network(&self, id: &SandboxId) -> Result<Option<NetworkPolicy>, StoreError> {
-        let raw: Option<String> = self.with(|c| {
-            let mut st = c.prepare("SELECT policy FROM sandbox_network WHERE id=?1")?;
-            let mut rows = st.query(params![id.as_str()])?;
-            match rows.next()? {
-                Some(r) => Ok(Some(r.get(0)?)),
-                None => Ok(None),
-            }
-        })?;
-        Ok(raw.and_then(|s| serde_json::from_str(&s).ok()))
-    }
 }
 
 impl Engine {

@@ -1,7 +1,5 @@
-//! Each sandbox's GPU request: parsed and checked for its tenant, and kept as one JSON file per
-//! sandbox under `DATA/gpu/requests/` so that it survives a restart.
-
-use std::path::PathBuf;
+//! Each sandbox's GPU request: parsed and checked for its tenant, and kept in the state store so
+//! that it survives a restart.
 
 use torpor_core::{SandboxId, TenantId};
 use torpor_gpu::ledger::Ledger;
@@ -10,14 +8,7 @@ use torpor_gpu::request::GpuRequest;
 
 use super::{GpuError, NodeGpus};
 
-/// Largest GPU request file read back.
-const MAX_REQUEST_FILE: u64 = 64 * 1024;
-
 impl NodeGpus {
-    pub(super) fn request_path(&self, id: &SandboxId) -> PathBuf {
-        self.requests_dir.join(format!("{}.json", id.as_str()))
-    }
-
     /// Parses and checks a GPU request for `tenant`'s sandbox: its shape, and that this node
     /// could ever satisfy it. The tenant charged is always the sandbox's owner.
     pub fn parse_request(
@@ -67,25 +58,17 @@ impl NodeGpus {
 
     /// Remembers a sandbox's GPU request (written before its first restore).
     pub fn save_request(&self, id: &SandboxId, request: &GpuRequest) -> std::io::Result<()> {
-        let path = self.request_path(id);
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(
-            &tmp,
-            serde_json::to_vec(request).map_err(std::io::Error::other)?,
-        )?;
-        std::fs::rename(&tmp, &path)
+        self.state_store()?
+            .put_gpu_request(id, request)
+            .map_err(std::io::Error::other)
     }
 
     /// The GPU request of a sandbox, if it has one.
     pub fn request_of(&self, id: &SandboxId) -> Option<GpuRequest> {
-        use std::io::Read;
-        let file = std::fs::File::open(self.request_path(id)).ok()?;
-        let mut text = Vec::new();
-        file.take(MAX_REQUEST_FILE).read_to_end(&mut text).ok()?;
-        match serde_json::from_slice(&text) {
-            Ok(r) => Some(r),
+        match self.store.as_ref()?.gpu_request(id) {
+            Ok(r) => r,
             Err(e) => {
-                tracing::error!(sandbox = %id, error = %e, "unreadable GPU request file");
+                tracing::error!(sandbox = %id, error = %e, "unreadable GPU request");
                 None
             }
         }

@@ -11,7 +11,7 @@ use torpor_gpu::ledger::{Ledger, ShareKind};
 use torpor_gpu::sleep::SleepTicket;
 
 use super::{Held, Inner, NodeGpus};
-use crate::gpu_store::{MigRecord, ShareRecord};
+use crate::store::{MigRecord, ShareRecord};
 
 impl NodeGpus {
     /// Matches the stored shares with the sandboxes' states after a restart: `awake(id)` is

@@ -22,7 +22,7 @@
 //! `network` policy must allow the broker). They take work while [`DRAIN_FILE`] is absent:
 //! torpor writes it as the drain notice and removes it when it makes an agent active.
 //!
-//! Pool names are per tenant: the `pools` table is keyed by (tenant, name), two tenants may each
+//! Pool names are per tenant: the state store keys pools by (tenant, name), two tenants may each
 //! have a pool `jobs`, and another tenant's pool answers like one that does not exist. A tenant's
 //! pool may name only the brokers of the operator's allow-list (`--broker-allow`; checked at
 //! create and again when the daemon starts), and what a tenant sees of a broker it cannot reach
@@ -33,7 +33,6 @@
 //! - `spec`: what a pool is asked to be ([`PoolSpec`]) and its validation;
 //! - `status`: what a pool answers ([`PoolStatus`]) and what a tenant may see of broker errors;
 //! - `registry`: [`Pools`], every pool of the node, its quota and who may address which pool;
-//! - `table`: the `pools` table (the only SQL here);
 //! - `controller`: one pool's actor, which reads depth and moves agents;
 //! - `lane`: dispatch mode's per-agent consumer, which hands each message to its agent.
 //!
@@ -44,7 +43,6 @@ mod lane;
 mod registry;
 mod spec;
 mod status;
-mod table;
 
 pub use registry::{Pools, PoolsConfig};
 pub use spec::{DispatchSpec, HttpDispatch, PoolSpec};

@@ -1,6 +1,7 @@
-//! [`Pools`]: every pool of this node. It opens the `pools` table, starts one controller per
-//! stored pool, checks brokers against the operator's allow-list and the tenant's quota at
-//! create, and answers who may see which pool (another tenant's pool is a 404).
+//! [`Pools`]: every pool of this node. It reads the pools from the state store, starts one
+//! controller per stored pool, checks brokers against the operator's allow-list and the
+//! tenant's quota at create, and answers who may see which pool (another tenant's pool is a
+//! 404).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -15,7 +16,7 @@ use torpor_triggers::BrokerAllowList;
 use super::controller::Controller;
 use super::spec::{invalid, PoolSpec};
 use super::status::{initial_status, PoolStatus};
-use super::{table, POOL_METADATA_KEY};
+use super::POOL_METADATA_KEY;
 use crate::engine::Engine;
 use crate::error::{ControlError, Result};
 use crate::store::{PoolRow, Store};
@@ -74,9 +75,9 @@ impl Pools {
     ) -> Result<Arc<Pools>> {
         let allow = BrokerAllowList::parse(&config.broker_allow)
             .map_err(|e| ControlError::Invalid(e.to_string()))?;
+        // The engine's store: one per database file in the process.
         let store = Store::open(&data_dir.join("torpor.db"))?;
-        table::migrate(&store)?;
-        let rows = table::all(&store)?;
+        let rows = store.pools()?;
         let pools = Arc::new(Pools {
             engine,
             store,
@@ -137,7 +138,7 @@ impl Pools {
             }
         }
         let row = PoolRow {
-            name: spec.name.to_string(),
+            name: spec.name.clone(),
             tenant: tenant.clone(),
             spec_json: serde_json::to_string(&spec).expect("pool specs serialise"),
             created_at: now_millis(),
@@ -145,7 +146,7 @@ impl Pools {
         {
             let _quota = self.create_lock.lock().await;
             self.check_quota(tenant)?;
-            if !table::insert(&self.store, &row)? {
+            if !self.store.insert_pool(&row)? {
                 return Err(ControlError::AlreadyExists {
                     kind: "pool",
                     id: spec.name.to_string(),
@@ -165,7 +166,7 @@ impl Pools {
         let Some(limit) = self.store.tenant(tenant)?.and_then(|t| t.quotas.max_pools) else {
             return Ok(());
         };
-        let used = table::count(&self.store, tenant)?;
+        let used = self.store.count_pools(tenant)?;
         if used >= limit {
             return Err(ControlError::QuotaExceeded {
                 what: "pools",
@@ -263,7 +264,7 @@ impl Pools {
         name: &PoolName,
     ) -> Result<()> {
         let h = self.handle(caller, owner, name)?;
-        table::delete(&self.store, &h.tenant, name.as_str())?;
+        self.store.delete_pool(&h.tenant, name)?;
         self.map().remove(&(h.tenant.clone(), name.clone()));
         let _ = h.stop.send(true);
         let task = h.task.lock().unwrap_or_else(|p| p.into_inner()).take();

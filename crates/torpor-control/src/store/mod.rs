@@ -1,0 +1,306 @@
+//! The state store: everything the control plane keeps across restarts, behind one trait.
+//!
+//! [`StateStore`] owns all persistence of the control plane: templates, sandboxes (and their
+//! network policies), tenants and their token hashes, pools, GPU shares, GPU requests and
+//! `cuda-checkpoint` toggles, what each stored snapshot holds, and usage intervals. No other
+//! module writes SQL or keeps state in files of its own; they call the store through a
+//! [`Store`] handle, which is cheap to clone and shared by the engine, the GPU ledger, pools
+//! and usage accounting.
+//!
+//! The one implementation is [`SqliteStore`] (embedded mode: one SQLite file, `torpor.db`,
+//! one connection). The trait is written so that a second backend fits (cluster mode puts
+//! PostgreSQL behind it): its signatures hold the records of [`records`] and typed ids, never a
+//! driver's types; an error is a [`StoreError`] whose [`StoreErrorKind`] (not found, conflict,
+//! unavailable, corrupt) is all a caller decides on; and no method relies on SQLite-only
+//! behaviour (each call is one atomic write or one consistent read).
+//!
+//! Cluster mode will also need writes that check what they overwrite: several controllers may
+//! act on one sandbox. [`StateStore::compare_and_set_sandbox`] writes a sandbox only if its row
+//! is still at the [`Version`] the caller read (every write of the row bumps it), and answers
+//! [`StoreErrorKind::Conflict`] otherwise. Embedded mode serialises a sandbox's transitions in
+//! the engine and does not call it yet; it is exercised by this module's tests.
+//!
+//! The trait is synchronous: each call is one short statement or transaction (tens of
+//! microseconds on SQLite), made from the engine without an `.await` between read and write.
+
+use std::collections::BTreeMap;
+use std::ops::Deref;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
+
+use torpor_core::{NetworkPolicy, PoolName, SandboxId, TemplateName, TenantId, UnixMillis};
+use torpor_gpu::cuda_checkpoint::Toggled;
+use torpor_gpu::request::GpuRequest;
+
+mod gpu_files;
+pub mod records;
+mod schema;
+mod sqlite;
+#[cfg(test)]
+mod tests;
+
+pub use records::{
+    ImageRef, MigRecord, PoolRow, Quotas, SandboxRecord, ShareRecord, TemplateRecord,
+    TemplateStatus, TenantRecord, Usage, UsageInterval, Version,
+};
+pub use sqlite::SqliteStore;
+
+/// A backend's own failure (driver error, I/O), kept as the source of a [`StoreError`].
+pub type BackendError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// What sort of store failure an error is; callers decide on this, never on the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StoreErrorKind {
+    /// The record an operation needs does not exist.
+    NotFound,
+    /// The record changed since it was read (a compare-and-set lost).
+    Conflict,
+    /// The store cannot be reached or used now (I/O, locked, a schema this build cannot read).
+    Unavailable,
+    /// The store holds something this build cannot parse.
+    Corrupt,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("state store {path}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: BackendError,
+    },
+    #[error("state store {path}: schema version {found} is newer than this torpor understands ({supported})")]
+    NewerSchema {
+        path: PathBuf,
+        found: i64,
+        supported: i64,
+    },
+    #[error("state store: {op}")]
+    Unavailable {
+        op: &'static str,
+        #[source]
+        source: BackendError,
+    },
+    #[error("state store has no {what} {key}")]
+    NotFound { what: &'static str, key: String },
+    #[error("state store: {what} {key} changed since version {expected} was read")]
+    Conflict {
+        what: &'static str,
+        key: String,
+        expected: Version,
+    },
+    #[error("state store holds a malformed {what} row {key}")]
+    Corrupt { what: &'static str, key: String },
+    #[error("state store env key")]
+    EnvKey(#[from] crate::secrets::SealError),
+}
+
+impl StoreError {
+    pub fn kind(&self) -> StoreErrorKind {
+        match self {
+            StoreError::Open { .. }
+            | StoreError::NewerSchema { .. }
+            | StoreError::Unavailable { .. }
+            | StoreError::EnvKey(_) => StoreErrorKind::Unavailable,
+            StoreError::NotFound { .. } => StoreErrorKind::NotFound,
+            StoreError::Conflict { .. } => StoreErrorKind::Conflict,
+            StoreError::Corrupt { .. } => StoreErrorKind::Corrupt,
+        }
+    }
+}
+
+/// Everything the control plane persists. See the module doc for what a backend must keep.
+///
+/// Writes that take a whole record (`update_*`) write every mutable field and leave a missing
+/// row missing (a concurrent delete wins). Lookups answer `None` for a missing record.
+pub trait StateStore: Send + Sync {
+    // --- templates, keyed by (owner, name) ---
+
+    /// Inserts a template; false when its owner already has one of that name.
+    fn insert_template(&self, t: &TemplateRecord) -> Result<bool, StoreError>;
+    /// Writes a template's status, mounts, agent dir, golden size and spec.
+    fn update_template(&self, t: &TemplateRecord) -> Result<(), StoreError>;
+    fn delete_template(&self, owner: &TenantId, name: &TemplateName) -> Result<(), StoreError>;
+    /// The template `owner` has under `name`.
+    fn template(
+        &self,
+        owner: &TenantId,
+        name: &TemplateName,
+    ) -> Result<Option<TemplateRecord>, StoreError>;
+    /// Every template, by name.
+    fn templates(&self) -> Result<Vec<TemplateRecord>, StoreError>;
+
+    /// The template `name` means for `tenant`: its own, else the operator's.
+    fn template_for(
+        &self,
+        tenant: &TenantId,
+        name: &TemplateName,
+    ) -> Result<Option<TemplateRecord>, StoreError> {
+        match self.template(tenant, name)? {
+            Some(t) => Ok(Some(t)),
+            None => self.template(&TenantId::admin(), name),
+        }
+    }
+
+    // --- sandboxes ---
+
+    /// Inserts a new sandbox (at version 0); a taken id is an error.
+    fn insert_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError>;
+    /// Writes every mutable field of a sandbox (state, tier, activity, generation, image,
+    /// error, OOM flag) and bumps its version.
+    fn update_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError>;
+    /// Writes what [`StateStore::update_sandbox`] writes only if the row is still at
+    /// `expected`; answers the new version, [`StoreErrorKind::Conflict`] when the row moved on,
+    /// [`StoreErrorKind::NotFound`] when it is gone.
+    fn compare_and_set_sandbox(
+        &self,
+        s: &SandboxRecord,
+        expected: Version,
+    ) -> Result<Version, StoreError>;
+    /// A sandbox and the version of its row.
+    fn sandbox_versioned(
+        &self,
+        id: &SandboxId,
+    ) -> Result<Option<(SandboxRecord, Version)>, StoreError>;
+    /// Replaces a sandbox's metadata (and nothing else, so it cannot undo a concurrent state
+    /// change). Used by the E2B adapter for its lifecycle keys.
+    fn set_sandbox_metadata(
+        &self,
+        id: &SandboxId,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<(), StoreError>;
+    /// Moves `last_active_at` forward (never back), all in one write.
+    fn touch_sandboxes(&self, touched: &[(SandboxId, UnixMillis)]) -> Result<(), StoreError>;
+    /// Deletes a sandbox and its network policy.
+    fn delete_sandbox(&self, id: &SandboxId) -> Result<(), StoreError>;
+    /// Every sandbox, oldest first.
+    fn sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError>;
+    /// Sandboxes made from `owner`'s template `name`: the owner's own, or for an operator
+    /// template, every tenant's that has no template of that name itself.
+    fn count_sandboxes_of_template(
+        &self,
+        owner: &TenantId,
+        name: &TemplateName,
+    ) -> Result<u64, StoreError>;
+
+    fn sandbox(&self, id: &SandboxId) -> Result<Option<SandboxRecord>, StoreError> {
+        Ok(self.sandbox_versioned(id)?.map(|(s, _)| s))
+    }
+
+    // --- network policies of networked sandboxes ---
+
+    fn set_network(&self, id: &SandboxId, policy: &NetworkPolicy) -> Result<(), StoreError>;
+    /// The policy of a networked sandbox; `None` for one without network.
+    fn network(&self, id: &SandboxId) -> Result<Option<NetworkPolicy>, StoreError>;
+
+    // --- tenants and their tokens (stored as hashes only) ---
+
+    /// Inserts a tenant; false when the name is taken.
+    fn insert_tenant(&self, t: &TenantRecord, token_hash: &str) -> Result<bool, StoreError>;
+    fn tenant_by_token_hash(&self, token_hash: &str) -> Result<Option<TenantId>, StoreError>;
+    /// Every tenant, by id.
+    fn tenants(&self) -> Result<Vec<TenantRecord>, StoreError>;
+    fn tenant(&self, id: &TenantId) -> Result<Option<TenantRecord>, StoreError>;
+    /// False when there was no such tenant.
+    fn delete_tenant(&self, id: &TenantId) -> Result<bool, StoreError>;
+    /// What a tenant holds: all its sandboxes, and those resident or becoming resident.
+    fn usage(&self, tenant: &TenantId) -> Result<Usage, StoreError>;
+
+    // --- what stored snapshots hold, for disk quotas (by snapshot id) ---
+
+    /// Records a snapshot's checkpoint size on disk before deduplication.
+    fn set_snapshot_bytes(&self, snapshot: &str, bytes: u64) -> Result<(), StoreError>;
+    /// 0 for a snapshot never recorded.
+    fn snapshot_bytes(&self, snapshot: &str) -> Result<u64, StoreError>;
+    fn forget_snapshot_bytes(&self, snapshot: &str) -> Result<(), StoreError>;
+
+    // --- pools, keyed by (tenant, name) ---
+
+    /// Inserts a pool; false when its tenant already has one of that name.
+    fn insert_pool(&self, p: &PoolRow) -> Result<bool, StoreError>;
+    /// False when there was no such pool.
+    fn delete_pool(&self, tenant: &TenantId, name: &PoolName) -> Result<bool, StoreError>;
+    fn count_pools(&self, tenant: &TenantId) -> Result<u64, StoreError>;
+    /// Every pool, by tenant and name.
+    fn pools(&self) -> Result<Vec<PoolRow>, StoreError>;
+
+    // --- this node's GPU state, by sandbox ---
+
+    /// Every stored GPU share; records that do not parse are logged and left out.
+    fn gpu_shares(&self) -> Result<Vec<(SandboxId, ShareRecord)>, StoreError>;
+    /// Records what `id` has now (replacing what it had).
+    fn put_gpu_share(&self, id: &SandboxId, record: &ShareRecord) -> Result<(), StoreError>;
+    fn delete_gpu_share(&self, id: &SandboxId) -> Result<(), StoreError>;
+    /// Records a sandbox's GPU request (replacing an earlier one).
+    fn put_gpu_request(&self, id: &SandboxId, request: &GpuRequest) -> Result<(), StoreError>;
+    fn gpu_request(&self, id: &SandboxId) -> Result<Option<GpuRequest>, StoreError>;
+    fn delete_gpu_request(&self, id: &SandboxId) -> Result<(), StoreError>;
+    /// Records that `id`'s checkpoint holds GPU state moved to host memory by `cuda-checkpoint`.
+    fn put_gpu_toggled(&self, id: &SandboxId, toggled: &Toggled) -> Result<(), StoreError>;
+    fn gpu_toggled(&self, id: &SandboxId) -> Result<Option<Toggled>, StoreError>;
+    fn delete_gpu_toggled(&self, id: &SandboxId) -> Result<(), StoreError>;
+
+    // --- usage intervals ---
+
+    /// Adds each row's value (those that are positive) to its interval's row of the same key
+    /// (start, tenant, sandbox, measure, dimension), all in one write.
+    fn add_usage(&self, rows: &[UsageInterval]) -> Result<(), StoreError>;
+    /// The rows of intervals starting in `[from_s, to_s)`, of `tenant` or of every tenant.
+    fn usage_intervals(
+        &self,
+        from_s: i64,
+        to_s: i64,
+        tenant: Option<&TenantId>,
+    ) -> Result<Vec<UsageInterval>, StoreError>;
+}
+
+/// A shared handle on the state store: what the engine, the GPU ledger, pools and usage
+/// accounting hold. It derefs to the [`StateStore`], so `store.sandbox(id)` calls the backend.
+#[derive(Clone)]
+pub struct Store(Arc<dyn StateStore>);
+
+impl Store {
+    /// The SQLite store in `path` (created and migrated as needed). A file already open in
+    /// this process answers the same store, so every part of the daemon shares one connection.
+    pub fn open(path: &Path) -> Result<Store, StoreError> {
+        static OPEN: Mutex<Vec<(PathBuf, Weak<SqliteStore>)>> = Mutex::new(Vec::new());
+        let key = canonical(path);
+        let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+        open.retain(|(_, s)| s.strong_count() > 0);
+        if let Some(store) = open
+            .iter()
+            .find(|(p, _)| *p == key)
+            .and_then(|(_, s)| s.upgrade())
+        {
+            return Ok(Store(store));
+        }
+        let store = Arc::new(SqliteStore::open(path)?);
+        open.push((key, Arc::downgrade(&store)));
+        Ok(Store(store))
+    }
+
+    /// A handle on another backend.
+    pub fn new(backend: Arc<dyn StateStore>) -> Store {
+        Store(backend)
+    }
+}
+
+impl Deref for Store {
+    type Target = dyn StateStore;
+
+    fn deref(&self) -> &Self::Target {
+        &*self.0
+    }
+}
+
+/// `path` with its directory resolved, so two spellings of one file name one store.
+fn canonical(path: &Path) -> PathBuf {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    match (
+        dir.map_or_else(|| std::env::current_dir(), std::fs::canonicalize),
+        path.file_name(),
+    ) {
+        (Ok(dir), Some(name)) => dir.join(name),
+        _ => path.to_path_buf(),
+    }
+}

@@ -1,0 +1,778 @@
+//! Tests of the SQLite state store: every record kind through the trait, schema migrations
+//! from databases built with the SQL older versions wrote, compare-and-set, and the move of
+//! GPU state files into the store.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use rusqlite::{params, Connection};
+use torpor_core::{
+    Limits, NetworkPolicy, PoolName, SandboxId, SandboxState, TemplateName, TenantId, Tier,
+};
+use torpor_gpu::cuda_checkpoint::{Toggled, Tool};
+use torpor_gpu::ids::NodeName;
+use torpor_gpu::partition::PartitionMode;
+use torpor_gpu::request::GpuRequest;
+use torpor_gpu::sleep::SleepTicket;
+
+use super::*;
+
+fn sandbox() -> SandboxRecord {
+    SandboxRecord {
+        id: SandboxId::generate(),
+        tenant: TenantId::admin(),
+        template: TemplateName::host(),
+        state: SandboxState::Creating,
+        tier: Tier::Running,
+        limits: Limits::default(),
+        env: BTreeMap::new(),
+        metadata: [("k".to_string(), "v".to_string())].into(),
+        created_at: 1,
+        last_active_at: 1,
+        generation: 1,
+        image: ImageRef::Golden,
+        last_error: None,
+        oom_killed: false,
+    }
+}
+
+fn template(tenant: &str, name: &str) -> TemplateRecord {
+    TemplateRecord {
+        name: TemplateName::new(name).unwrap(),
+        tenant: TenantId::new(tenant).unwrap(),
+        spec: serde_json::from_value(serde_json::json!({"name": name, "source": {"kind": "host"}}))
+            .unwrap(),
+        status: TemplateStatus::Ready,
+        rootfs: "/r".into(),
+        mounts: Vec::new(),
+        agent_dir: "/a".into(),
+        golden_dir: "/g".into(),
+        golden_bytes: 0,
+        created_at: 1,
+    }
+}
+
+fn tenant(id: &str) -> TenantId {
+    TenantId::new(id).unwrap()
+}
+
+fn pool(t: &str, name: &str) -> PoolRow {
+    PoolRow {
+        name: PoolName::new(name).unwrap(),
+        tenant: tenant(t),
+        spec_json: format!("{{\"name\":\"{name}\"}}"),
+        created_at: 1,
+    }
+}
+
+fn schema_version(path: &Path) -> String {
+    Connection::open(path)
+        .unwrap()
+        .query_row("SELECT value FROM meta WHERE key='schema'", [], |r| {
+            r.get(0)
+        })
+        .unwrap()
+}
+
+fn sqlite(path: &Path) -> SqliteStore {
+    SqliteStore::open(path).unwrap()
+}
+
+#[test]
+fn templates_are_per_tenant_with_the_operators_as_fallback() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite(&dir.path().join("t.db"));
+    let (a, b) = (tenant("a"), tenant("b"));
+    let app = TemplateName::new("app").unwrap();
+    assert!(store.insert_template(&template("a", "app")).unwrap());
+    assert!(store.insert_template(&template("b", "app")).unwrap());
+    assert!(!store.insert_template(&template("b", "app")).unwrap());
+    assert!(store.insert_template(&template("admin", "host")).unwrap());
+    assert_eq!(store.template(&a, &app).unwrap().unwrap().tenant, a);
+    assert_eq!(store.template(&b, &app).unwrap().unwrap().tenant, b);
+    assert_eq!(
+        store
+            .template_for(&a, &TemplateName::host())
+            .unwrap()
+            .unwrap()
+            .tenant,
+        TenantId::admin()
+    );
+    assert!(store.template(&a, &TemplateName::host()).unwrap().is_none());
+
+    let mut t = template("a", "app");
+    t.status = TemplateStatus::Building;
+    t.golden_bytes = 4096;
+    t.agent_dir = "/agent2".into();
+    store.update_template(&t).unwrap();
+    assert_eq!(store.template(&a, &app).unwrap(), Some(t));
+    assert_eq!(
+        store.template(&b, &app).unwrap().unwrap().status,
+        TemplateStatus::Ready,
+        "another tenant's template of the same name is untouched"
+    );
+    assert_eq!(store.templates().unwrap().len(), 3);
+
+    let mut sb = sandbox();
+    sb.tenant = a.clone();
+    sb.template = app.clone();
+    store.insert_sandbox(&sb).unwrap();
+    assert_eq!(store.count_sandboxes_of_template(&a, &app).unwrap(), 1);
+    assert_eq!(store.count_sandboxes_of_template(&b, &app).unwrap(), 0);
+    store.delete_template(&b, &app).unwrap();
+    assert!(store.template(&b, &app).unwrap().is_none());
+    assert!(store.template(&a, &app).unwrap().is_some());
+}
+
+#[test]
+fn sandboxes_survive_reopen_and_each_write_lands_where_it_should() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let mut s = sandbox();
+    {
+        let store = sqlite(&path);
+        store.insert_sandbox(&s).unwrap();
+        let again = store.insert_sandbox(&s).unwrap_err();
+        assert_eq!(again.kind(), StoreErrorKind::Conflict);
+        s.state = SandboxState::Parked;
+        s.tier = Tier::Parked;
+        s.image = ImageRef::Local("/x".into());
+        s.generation = 2;
+        s.last_error = Some("restored to its last snapshot".into());
+        s.oom_killed = true;
+        store.update_sandbox(&s).unwrap();
+    }
+    let store = sqlite(&path);
+    assert_eq!(store.sandbox(&s.id).unwrap(), Some(s.clone()));
+    store.touch_sandboxes(&[(s.id.clone(), 50)]).unwrap();
+    store.touch_sandboxes(&[(s.id.clone(), 20)]).unwrap();
+    assert_eq!(
+        store.sandbox(&s.id).unwrap().unwrap().last_active_at,
+        50,
+        "activity only moves forward"
+    );
+    let meta: BTreeMap<String, String> =
+        [("e2b.lifecycle".to_string(), "pause".to_string())].into();
+    store.set_sandbox_metadata(&s.id, &meta).unwrap();
+    let read = store.sandbox(&s.id).unwrap().unwrap();
+    assert_eq!(read.metadata, meta);
+    assert_eq!(
+        read.state,
+        SandboxState::Parked,
+        "metadata writes nothing else"
+    );
+
+    let other = sandbox();
+    store.insert_sandbox(&other).unwrap();
+    assert_eq!(store.sandboxes().unwrap().len(), 2);
+    store.set_network(&s.id, &NetworkPolicy::full()).unwrap();
+    store.delete_sandbox(&s.id).unwrap();
+    assert!(store.sandbox(&s.id).unwrap().is_none());
+    assert!(
+        store.network(&s.id).unwrap().is_none(),
+        "the policy goes with its sandbox"
+    );
+    assert_eq!(store.sandboxes().unwrap(), vec![other]);
+    // An update of a deleted sandbox leaves it deleted.
+    store.update_sandbox(&s).unwrap();
+    assert!(store.sandbox(&s.id).unwrap().is_none());
+}
+
+#[test]
+fn env_values_are_sealed_at_rest_and_old_plain_rows_are_sealed_on_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let mut s = sandbox();
+    s.env.insert("API_KEY".into(), "sk-live-hunter2".into());
+    let mut old = sandbox();
+    old.env.insert("OLD".into(), "plain-secret-7".into());
+    {
+        let store = sqlite(&path);
+        store.insert_sandbox(&s).unwrap();
+        store.insert_sandbox(&old).unwrap();
+        // As an older torpor wrote it: plain JSON.
+        store.raw(|c| {
+            c.execute(
+                "UPDATE sandboxes SET env=?2 WHERE id=?1",
+                params![old.id.as_str(), r#"{"OLD":"plain-secret-7"}"#],
+            )
+        });
+    }
+    let store = sqlite(&path);
+    assert_eq!(store.sandbox(&s.id).unwrap().unwrap().env, s.env);
+    assert_eq!(store.sandbox(&old.id).unwrap().unwrap().env, old.env);
+    drop(store);
+    // Checkpoint the WAL into the main file, then no file holds either secret.
+    let c = Connection::open(&path).unwrap();
+    c.execute_batch("PRAGMA wal_checkpoint(TRUNCATE); VACUUM;")
+        .unwrap();
+    drop(c);
+    for f in std::fs::read_dir(dir.path()).unwrap() {
+        let bytes = std::fs::read(f.unwrap().path()).unwrap();
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(!text.contains("hunter2"));
+        assert!(!text.contains("plain-secret-7"));
+    }
+}
+
+#[test]
+fn network_policies_are_set_replaced_and_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite(&dir.path().join("t.db"));
+    let s = sandbox();
+    store.insert_sandbox(&s).unwrap();
+    assert!(store.network(&s.id).unwrap().is_none());
+    store.set_network(&s.id, &NetworkPolicy::full()).unwrap();
+    assert_eq!(store.network(&s.id).unwrap(), Some(NetworkPolicy::full()));
+    store.set_network(&s.id, &NetworkPolicy::none()).unwrap();
+    assert_eq!(store.network(&s.id).unwrap(), Some(NetworkPolicy::none()));
+    // A row this build cannot read is reported as corrupt, not taken for "no network".
+    store.raw(|c| {
+        c.execute(
+            "UPDATE sandbox_network SET policy='{' WHERE id=?1",
+            params![s.id.as_str()],
+        )
+    });
+    assert_eq!(
+        store.network(&s.id).unwrap_err().kind(),
+        StoreErrorKind::Corrupt
+    );
+}
+
+#[test]
+fn tenants_tokens_and_holdings() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite(&dir.path().join("t.db"));
+    let a = TenantRecord {
+        id: tenant("team-a"),
+        created_at: 5,
+        quotas: Quotas {
+            max_sandboxes: Some(3),
+            ..Quotas::default()
+        },
+    };
+    assert!(store.insert_tenant(&a, "hash-a").unwrap());
+    assert!(!store.insert_tenant(&a, "hash-other").unwrap());
+    let b = TenantRecord {
+        id: tenant("team-b"),
+        created_at: 6,
+        quotas: Quotas::default(),
+    };
+    assert!(
+        !store.insert_tenant(&b, "hash-a").unwrap(),
+        "two tenants never share a token"
+    );
+    assert!(store.tenant(&b.id).unwrap().is_none());
+    assert!(store.insert_tenant(&b, "hash-b").unwrap());
+    assert_eq!(
+        store.tenant_by_token_hash("hash-a").unwrap(),
+        Some(a.id.clone())
+    );
+    assert_eq!(store.tenant_by_token_hash("nope").unwrap(), None);
+    assert_eq!(store.tenant(&a.id).unwrap(), Some(a.clone()));
+    assert_eq!(store.tenants().unwrap(), vec![a.clone(), b.clone()]);
+
+    let mut running = sandbox();
+    running.tenant = a.id.clone();
+    running.state = SandboxState::Running;
+    running.limits.memory_mib = 512;
+    running.limits.cpus = 1.5;
+    store.insert_sandbox(&running).unwrap();
+    let mut parked = sandbox();
+    parked.tenant = a.id.clone();
+    parked.state = SandboxState::Parked;
+    store.insert_sandbox(&parked).unwrap();
+    assert_eq!(
+        store.usage(&a.id).unwrap(),
+        Usage {
+            sandboxes: 2,
+            resident: 1,
+            resident_memory_mib: 512,
+            resident_millicpus: 1500,
+        }
+    );
+    assert_eq!(store.usage(&b.id).unwrap(), Usage::default());
+
+    assert!(store.delete_tenant(&a.id).unwrap());
+    assert!(!store.delete_tenant(&a.id).unwrap());
+    assert!(store.tenant(&a.id).unwrap().is_none());
+    assert_eq!(store.tenant_by_token_hash("hash-a").unwrap(), None);
+}
+
+#[test]
+fn snapshot_sizes_are_recorded_replaced_and_forgotten() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite(&dir.path().join("t.db"));
+    assert_eq!(store.snapshot_bytes("snap-1").unwrap(), 0);
+    store.set_snapshot_bytes("snap-1", 10).unwrap();
+    store.set_snapshot_bytes("snap-1", 1 << 40).unwrap();
+    store.set_snapshot_bytes("snap-2", 7).unwrap();
+    assert_eq!(store.snapshot_bytes("snap-1").unwrap(), 1 << 40);
+    store.forget_snapshot_bytes("snap-1").unwrap();
+    assert_eq!(store.snapshot_bytes("snap-1").unwrap(), 0);
+    assert_eq!(store.snapshot_bytes("snap-2").unwrap(), 7);
+}
+
+#[test]
+fn pools_are_keyed_by_tenant_and_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite(&dir.path().join("t.db"));
+    assert!(store.insert_pool(&pool("team-a", "jobs")).unwrap());
+    assert!(store.insert_pool(&pool("team-b", "jobs")).unwrap());
+    assert!(!store.insert_pool(&pool("team-b", "jobs")).unwrap());
+    assert!(store.insert_pool(&pool("team-b", "mail")).unwrap());
+    assert_eq!(store.count_pools(&tenant("team-b")).unwrap(), 2);
+    assert_eq!(store.count_pools(&tenant("team-c")).unwrap(), 0);
+    let jobs = PoolName::new("jobs").unwrap();
+    assert!(store.delete_pool(&tenant("team-b"), &jobs).unwrap());
+    assert!(!store.delete_pool(&tenant("team-b"), &jobs).unwrap());
+    assert_eq!(
+        store.pools().unwrap(),
+        vec![pool("team-a", "jobs"), pool("team-b", "mail")]
+    );
+}
+
+fn gpu_request() -> GpuRequest {
+    GpuRequest::new(PartitionMode::Mps, 1)
+}
+
+fn toggled() -> Toggled {
+    Toggled {
+        tool: Tool {
+            in_sandbox: "/usr/bin/cuda-checkpoint".into(),
+            host_mount: None,
+        },
+        pids: vec![3, 9],
+    }
+}
+
+#[test]
+fn gpu_shares_requests_and_toggles_are_kept_per_sandbox() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let (a, b) = (SandboxId::generate(), SandboxId::generate());
+    let sleeping = ShareRecord::Sleeping {
+        ticket: SleepTicket {
+            node: NodeName::new("node-1").unwrap(),
+            request: gpu_request(),
+            shares: Vec::new(),
+            model: Some("NVIDIA H100".into()),
+        },
+    };
+    {
+        let store = sqlite(&path);
+        store.put_gpu_share(&a, &sleeping).unwrap();
+        store.put_gpu_share(&b, &sleeping).unwrap();
+        store.put_gpu_request(&a, &gpu_request()).unwrap();
+        store.put_gpu_toggled(&a, &toggled()).unwrap();
+        // A row that no longer parses is left out of the list, not fatal.
+        store.raw(|c| {
+            c.execute(
+                "INSERT INTO gpu_shares(sandbox, state, data) VALUES ('sb-bad', 'held', '{')",
+                [],
+            )
+        });
+    }
+    let store = sqlite(&path);
+    let shares = store.gpu_shares().unwrap();
+    assert_eq!(shares.len(), 2);
+    assert!(shares.iter().all(|(_, r)| *r == sleeping));
+    store.delete_gpu_share(&b).unwrap();
+    assert_eq!(store.gpu_shares().unwrap().len(), 1);
+
+    assert_eq!(store.gpu_request(&a).unwrap(), Some(gpu_request()));
+    assert_eq!(store.gpu_request(&b).unwrap(), None);
+    let mut whole = gpu_request();
+    whole.mode = PartitionMode::Whole;
+    store.put_gpu_request(&a, &whole).unwrap();
+    assert_eq!(store.gpu_request(&a).unwrap(), Some(whole));
+    store.delete_gpu_request(&a).unwrap();
+    assert_eq!(store.gpu_request(&a).unwrap(), None);
+
+    assert_eq!(store.gpu_toggled(&a).unwrap(), Some(toggled()));
+    store.delete_gpu_toggled(&a).unwrap();
+    assert_eq!(store.gpu_toggled(&a).unwrap(), None);
+}
+
+#[test]
+fn usage_intervals_add_up_per_key_and_filter_by_tenant_and_range() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite(&dir.path().join("t.db"));
+    let s = SandboxId::generate();
+    let row = |start_s: i64, t: &str, measure: &str, dim: &str, value: f64| UsageInterval {
+        start_s,
+        tenant: tenant(t),
+        sandbox: s.clone(),
+        measure: measure.into(),
+        dim: dim.into(),
+        value,
+    };
+    store
+        .add_usage(&[
+            row(3600, "a", "cpu_seconds", "", 1.5),
+            row(3600, "a", "memory_gib_hours", "running", 0.25),
+            row(3600, "b", "wakes", "parked", 1.0),
+            row(3600, "a", "egress_bytes", "", 0.0),
+        ])
+        .unwrap();
+    store
+        .add_usage(&[row(3600, "a", "cpu_seconds", "", 2.0)])
+        .unwrap();
+    store
+        .add_usage(&[row(7200, "a", "cpu_seconds", "", 4.0)])
+        .unwrap();
+    let mut a = store.usage_intervals(0, 7200, Some(&tenant("a"))).unwrap();
+    a.sort_by(|x, y| x.measure.cmp(&y.measure));
+    assert_eq!(
+        a.len(),
+        2,
+        "zero deltas are not stored; 7200 is out of range"
+    );
+    assert_eq!(a[0].measure, "cpu_seconds");
+    assert_eq!(a[0].value, 3.5);
+    assert_eq!(a[0].sandbox, s);
+    assert_eq!(a[1].measure, "memory_gib_hours");
+    assert_eq!(store.usage_intervals(0, 1 << 40, None).unwrap().len(), 4);
+    assert_eq!(
+        store.usage_intervals(7200, 7201, None).unwrap()[0].value,
+        4.0
+    );
+}
+
+#[test]
+fn compare_and_set_writes_only_over_the_version_it_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite(&dir.path().join("t.db"));
+    let mut s = sandbox();
+    store.insert_sandbox(&s).unwrap();
+    let (read, v0) = store.sandbox_versioned(&s.id).unwrap().unwrap();
+    assert_eq!(read, s);
+    assert_eq!(v0, Version(0));
+
+    s.state = SandboxState::Running;
+    let v1 = store.compare_and_set_sandbox(&s, v0).unwrap();
+    assert!(v1 > v0);
+    assert_eq!(
+        store.sandbox(&s.id).unwrap().unwrap().state,
+        SandboxState::Running
+    );
+
+    // A second writer that read v0 loses, and writes nothing.
+    let mut stale = s.clone();
+    stale.state = SandboxState::Deleting;
+    let err = store.compare_and_set_sandbox(&stale, v0).unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Conflict);
+    assert_eq!(
+        store.sandbox(&s.id).unwrap().unwrap().state,
+        SandboxState::Running
+    );
+
+    // Every other write of the row moves the version on too.
+    store.update_sandbox(&s).unwrap();
+    assert_eq!(
+        store.compare_and_set_sandbox(&s, v1).unwrap_err().kind(),
+        StoreErrorKind::Conflict
+    );
+    let (_, v2) = store.sandbox_versioned(&s.id).unwrap().unwrap();
+    store.set_sandbox_metadata(&s.id, &BTreeMap::new()).unwrap();
+    assert_eq!(
+        store.compare_and_set_sandbox(&s, v2).unwrap_err().kind(),
+        StoreErrorKind::Conflict
+    );
+    let (_, v3) = store.sandbox_versioned(&s.id).unwrap().unwrap();
+    s.state = SandboxState::Parked;
+    assert!(store.compare_and_set_sandbox(&s, v3).unwrap() > v3);
+
+    store.delete_sandbox(&s.id).unwrap();
+    assert_eq!(
+        store.compare_and_set_sandbox(&s, v3).unwrap_err().kind(),
+        StoreErrorKind::NotFound
+    );
+}
+
+/// The tables as torpor wrote them at schema version 1 (templates keyed by name alone), with
+/// the pools and GPU tables as the pools module and GPU ledger of then created them.
+const V1_SQL: &str = r#"
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+INSERT INTO meta(key, value) VALUES ('schema', '1');
+CREATE TABLE templates (
+    name TEXT PRIMARY KEY, tenant TEXT NOT NULL, spec TEXT NOT NULL, status TEXT NOT NULL,
+    rootfs TEXT NOT NULL, mounts TEXT NOT NULL, agent_dir TEXT NOT NULL,
+    golden_dir TEXT NOT NULL, golden_bytes INTEGER NOT NULL, created_at INTEGER NOT NULL
+);
+CREATE TABLE sandboxes (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, template TEXT NOT NULL, state TEXT NOT NULL,
+    tier TEXT NOT NULL, limits TEXT NOT NULL, env TEXT NOT NULL, metadata TEXT NOT NULL,
+    created_at INTEGER NOT NULL, last_active_at INTEGER NOT NULL, generation INTEGER NOT NULL,
+    image TEXT NOT NULL, last_error TEXT, oom_killed INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE sandbox_network (id TEXT PRIMARY KEY, policy TEXT NOT NULL);
+CREATE TABLE tenants (
+    id TEXT PRIMARY KEY, token_hash TEXT NOT NULL UNIQUE, created_at INTEGER NOT NULL,
+    quotas TEXT NOT NULL DEFAULT '{}'
+);
+"#;
+
+/// Version 2: templates keyed by (tenant, name); pools still keyed by name (as the store's
+/// schema made them), and the GPU and usage tables their own modules had added.
+const V2_SQL: &str = r#"
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+INSERT INTO meta(key, value) VALUES ('schema', '2');
+CREATE TABLE templates (
+    name TEXT NOT NULL, tenant TEXT NOT NULL, spec TEXT NOT NULL, status TEXT NOT NULL,
+    rootfs TEXT NOT NULL, mounts TEXT NOT NULL, agent_dir TEXT NOT NULL,
+    golden_dir TEXT NOT NULL, golden_bytes INTEGER NOT NULL, created_at INTEGER NOT NULL,
+    PRIMARY KEY (tenant, name)
+);
+CREATE TABLE sandboxes (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, template TEXT NOT NULL, state TEXT NOT NULL,
+    tier TEXT NOT NULL, limits TEXT NOT NULL, env TEXT NOT NULL, metadata TEXT NOT NULL,
+    created_at INTEGER NOT NULL, last_active_at INTEGER NOT NULL, generation INTEGER NOT NULL,
+    image TEXT NOT NULL, last_error TEXT, oom_killed INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX sandboxes_tenant ON sandboxes(tenant);
+CREATE INDEX sandboxes_template ON sandboxes(template);
+CREATE TABLE sandbox_network (id TEXT PRIMARY KEY, policy TEXT NOT NULL);
+CREATE TABLE tenants (
+    id TEXT PRIMARY KEY, token_hash TEXT NOT NULL UNIQUE, created_at INTEGER NOT NULL,
+    quotas TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE snapshot_bytes (snapshot TEXT PRIMARY KEY, bytes INTEGER NOT NULL);
+CREATE TABLE pools (
+    name TEXT PRIMARY KEY, tenant TEXT NOT NULL, spec TEXT NOT NULL, created_at INTEGER NOT NULL
+);
+CREATE TABLE gpu_shares (sandbox TEXT PRIMARY KEY, state TEXT NOT NULL, data TEXT NOT NULL);
+CREATE TABLE usage_intervals (
+    start_s INTEGER NOT NULL, tenant TEXT NOT NULL, sandbox TEXT NOT NULL,
+    measure TEXT NOT NULL, dim TEXT NOT NULL, value REAL NOT NULL,
+    PRIMARY KEY (start_s, tenant, sandbox, measure, dim)
+) WITHOUT ROWID;
+"#;
+
+/// A sandbox row as versions 1 and 2 wrote it (plain env, no version column).
+fn insert_old_sandbox(c: &Connection, id: &SandboxId, tenant: &str) {
+    c.execute(
+        "INSERT INTO sandboxes (id, tenant, template, state, tier, limits, env, metadata,
+         created_at, last_active_at, generation, image, last_error, oom_killed)
+         VALUES (?1, ?2, 'host', 'parked', 'parked', ?3, '{\"K\":\"v\"}', '{}', 1, 2, 3,
+                 '{\"kind\":\"golden\"}', NULL, 0)",
+        params![
+            id.as_str(),
+            tenant,
+            serde_json::to_string(&Limits::default()).unwrap()
+        ],
+    )
+    .unwrap();
+}
+
+fn insert_old_template(c: &Connection, tenant: &str, name: &str) {
+    let t = template(tenant, name);
+    c.execute(
+        "INSERT INTO templates (name, tenant, spec, status, rootfs, mounts, agent_dir,
+         golden_dir, golden_bytes, created_at) VALUES (?1, ?2, ?3, '\"ready\"', '/r', '[]',
+         '/a', '/g', 0, 1)",
+        params![name, tenant, serde_json::to_string(&t.spec).unwrap()],
+    )
+    .unwrap();
+}
+
+/// What a migrated old database must answer: its rows, the new keys, compare-and-set.
+fn check_migrated(path: &Path, id: &SandboxId) {
+    let store = sqlite(path);
+    assert_eq!(schema_version(path), "3");
+    let (s, v) = store.sandbox_versioned(id).unwrap().unwrap();
+    assert_eq!(s.state, SandboxState::Parked);
+    assert_eq!(s.generation, 3);
+    assert_eq!(s.env, [("K".to_string(), "v".to_string())].into());
+    assert_eq!(v, Version(0));
+    let mut moved = s.clone();
+    moved.state = SandboxState::Resuming;
+    assert!(store.compare_and_set_sandbox(&moved, v).is_ok());
+    // Templates per tenant.
+    let app = TemplateName::new("app").unwrap();
+    assert!(store.template(&tenant("a"), &app).unwrap().is_some());
+    assert!(store.insert_template(&template("b", "app")).unwrap());
+    // Pools per tenant, and the tables version 3 added.
+    assert!(store.insert_pool(&pool("team-a", "jobs")).unwrap());
+    assert!(store.insert_pool(&pool("team-b", "jobs")).unwrap());
+    store.put_gpu_request(id, &gpu_request()).unwrap();
+    store.put_gpu_toggled(id, &toggled()).unwrap();
+    store.add_usage(&[]).unwrap();
+    drop(store);
+    // Opening again migrates nothing more and keeps everything.
+    let store = sqlite(path);
+    assert_eq!(
+        store.sandbox(id).unwrap().unwrap().state,
+        SandboxState::Resuming
+    );
+    let jobs = store
+        .pools()
+        .unwrap()
+        .into_iter()
+        .filter(|p| p.name.as_str() == "jobs")
+        .count();
+    assert_eq!(jobs, 2);
+}
+
+#[test]
+fn a_version_1_database_is_migrated_to_the_current_schema() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let id = SandboxId::generate();
+    {
+        let c = Connection::open(&path).unwrap();
+        c.execute_batch(V1_SQL).unwrap();
+        insert_old_template(&c, "a", "app");
+        insert_old_sandbox(&c, &id, "a");
+    }
+    check_migrated(&path, &id);
+}
+
+#[test]
+fn a_version_2_database_is_migrated_with_its_pools_gpu_shares_and_usage() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let id = SandboxId::generate();
+    {
+        let c = Connection::open(&path).unwrap();
+        c.execute_batch(V2_SQL).unwrap();
+        insert_old_template(&c, "a", "app");
+        insert_old_sandbox(&c, &id, "a");
+        c.execute(
+            "INSERT INTO pools (name, tenant, spec, created_at) VALUES ('old', 'team-a', '{}', 1)",
+            [],
+        )
+        .unwrap();
+        c.execute(
+            "INSERT INTO gpu_shares (sandbox, state, data) VALUES (?1, 'sleeping', ?2)",
+            params![
+                id.as_str(),
+                r#"{"state":"sleeping","ticket":{"node":"n1","request":{"mode":"whole"},"shares":[],"model":null}}"#
+            ],
+        )
+        .unwrap();
+        c.execute(
+            "INSERT INTO usage_intervals VALUES (3600, 'a', ?1, 'cpu_seconds', '', 2.5)",
+            params![id.as_str()],
+        )
+        .unwrap();
+    }
+    check_migrated(&path, &id);
+    let store = sqlite(&path);
+    let pools = store.pools().unwrap();
+    assert!(pools
+        .iter()
+        .any(|p| p.name.as_str() == "old" && p.tenant == tenant("team-a")));
+    assert_eq!(store.gpu_shares().unwrap().len(), 1);
+    assert_eq!(store.usage_intervals(0, 7200, None).unwrap()[0].value, 2.5);
+}
+
+#[test]
+fn a_version_2_database_whose_pools_were_already_rekeyed_keeps_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    {
+        let c = Connection::open(&path).unwrap();
+        // Version 2 as it was after a torpor of then had started its pools: the pools table
+        // rebuilt keyed by (tenant, name).
+        let rekeyed = V2_SQL.replace(
+            "CREATE TABLE pools (\n    name TEXT PRIMARY KEY, tenant TEXT NOT NULL, spec TEXT NOT NULL, created_at INTEGER NOT NULL\n);",
+            "CREATE TABLE pools (tenant TEXT NOT NULL, name TEXT NOT NULL, spec TEXT NOT NULL,\n    created_at INTEGER NOT NULL, PRIMARY KEY (tenant, name));",
+        );
+        assert_ne!(rekeyed, V2_SQL);
+        c.execute_batch(&rekeyed).unwrap();
+        for t in ["team-a", "team-b"] {
+            c.execute(
+                "INSERT INTO pools (tenant, name, spec, created_at) VALUES (?1, 'jobs', '{}', 1)",
+                params![t],
+            )
+            .unwrap();
+        }
+    }
+    let store = sqlite(&path);
+    assert_eq!(store.pools().unwrap().len(), 2);
+    assert_eq!(schema_version(&path), "3");
+}
+
+#[test]
+fn a_newer_schema_is_refused_as_unavailable() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    drop(sqlite(&path));
+    let c = Connection::open(&path).unwrap();
+    c.execute("UPDATE meta SET value='99' WHERE key='schema'", [])
+        .unwrap();
+    drop(c);
+    let err = SqliteStore::open(&path).err().unwrap();
+    assert!(matches!(err, StoreError::NewerSchema { found: 99, .. }));
+    assert_eq!(err.kind(), StoreErrorKind::Unavailable);
+}
+
+#[test]
+fn gpu_state_files_of_an_older_torpor_move_into_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path();
+    let requests = data.join(gpu_files::REQUESTS_DIR);
+    let toggles = data.join(gpu_files::TOGGLED_DIR);
+    let (a, b, kept) = (
+        SandboxId::generate(),
+        SandboxId::generate(),
+        SandboxId::generate(),
+    );
+    // `kept` already has a newer request in the store: its file does not overwrite it.
+    let mut newer = gpu_request();
+    newer.mode = PartitionMode::Whole;
+    {
+        let store = sqlite(&data.join("torpor.db"));
+        store.put_gpu_request(&kept, &newer).unwrap();
+    }
+    std::fs::create_dir_all(&requests).unwrap();
+    std::fs::create_dir_all(&toggles).unwrap();
+    let write =
+        |dir: &Path, name: String, value: &[u8]| std::fs::write(dir.join(name), value).unwrap();
+    let request_json = serde_json::to_vec(&gpu_request()).unwrap();
+    write(&requests, format!("{a}.json"), &request_json);
+    write(&requests, format!("{kept}.json"), &request_json);
+    write(&requests, format!("{b}.json.tmp"), b"{\"half");
+    write(&requests, format!("{b}.json"), b"not json");
+    write(
+        &toggles,
+        format!("{a}.json"),
+        &serde_json::to_vec(&toggled()).unwrap(),
+    );
+
+    let store = sqlite(&data.join("torpor.db"));
+    assert_eq!(store.gpu_request(&a).unwrap(), Some(gpu_request()));
+    assert_eq!(store.gpu_request(&kept).unwrap(), Some(newer));
+    assert_eq!(store.gpu_request(&b).unwrap(), None);
+    assert_eq!(store.gpu_toggled(&a).unwrap(), Some(toggled()));
+    let left: Vec<String> = std::fs::read_dir(&requests)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        left,
+        vec![format!("{b}.json")],
+        "migrated and half-written files are removed; the unreadable one stays"
+    );
+    assert!(!toggles.exists(), "an emptied directory is removed");
+}
+
+#[test]
+fn one_file_opened_twice_in_a_process_is_one_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("torpor.db");
+    let a = Store::open(&path).unwrap();
+    let b = Store::open(&dir.path().join(".").join("torpor.db")).unwrap();
+    assert!(Arc::ptr_eq(&a.0, &b.0));
+    let other = Store::open(&dir.path().join("other.db")).unwrap();
+    assert!(!Arc::ptr_eq(&a.0, &other.0));
+    let s = sandbox();
+    a.insert_sandbox(&s).unwrap();
+    assert_eq!(b.sandbox(&s.id).unwrap(), Some(s));
+    // Once every handle is gone the file is opened afresh.
+    drop((a, b));
+    let c = Store::open(&path).unwrap();
+    assert_eq!(c.sandboxes().unwrap().len(), 1);
+}
