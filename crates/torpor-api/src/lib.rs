@@ -2,16 +2,17 @@
 //! contract) and the Rust client the CLI uses. Both sides share [`types`].
 //!
 //! Modules by layer: leaf modules hold what every handler shares ([`state`], [`errors`],
-//! [`body`], [`params`], [`auth`], [`request_id`], [`ratelimit`]); handler modules ([`tenants`],
-//! [`templates`], [`sandboxes`], [`exec`], [`files`], [`health`], [`snapshots`], `pools`,
-//! [`uploads`], [`proxy`], [`e2b`]) import those; [`server`] holds the one routes table and
-//! imports the handlers. No handler imports [`server`] (crate::e2b still names its re-exports of
-//! the leaf modules' items, to be moved to the leaf paths).
+//! [`body`], [`params`], [`auth`], [`request_id`], [`ratelimit`], [`domain`]); handler modules
+//! ([`tenants`], [`templates`], [`sandboxes`], [`exec`], [`files`], [`health`], [`snapshots`],
+//! `pools`, [`uploads`], [`proxy`], [`e2b`]) import those; [`server`] holds the one routes
+//! table and imports the handlers. No handler imports [`server`] (crate::e2b still names its
+//! re-exports of the leaf modules' items, to be moved to the leaf paths).
 
 pub mod audit;
 pub mod auth;
 pub mod body;
 pub mod client;
+pub mod domain;
 pub mod e2b;
 pub mod errors;
 pub mod exec;

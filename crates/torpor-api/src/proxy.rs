@@ -9,7 +9,7 @@
 //! the response body has been streamed to the client, so the sleep ladder drains proxied
 //! requests instead of cutting them.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
@@ -218,27 +218,7 @@ struct Target {
     host: Option<String>,
 }
 
-static DOMAIN: OnceLock<String> = OnceLock::new();
-
-/// The domain of host-based routing when none is set: `{port}-{id}.localhost`.
-pub const DEFAULT_PROXY_DOMAIN: &str = "localhost";
-
-/// Sets the domain of host-based routing: `{port}-{id}.<domain>` reaches `port` of sandbox `id`.
-pub fn set_proxy_domain(domain: &str) {
-    let _ = DOMAIN.set(domain.trim_matches('.').to_ascii_lowercase());
-}
-
-/// The domain of host-based routing (and of E2B's `get_host`): the one set by
-/// `--proxy-domain`, else `TORPOR_E2B_DOMAIN`, else [`DEFAULT_PROXY_DOMAIN`].
-pub fn proxy_domain() -> &'static str {
-    DOMAIN.get_or_init(|| {
-        std::env::var("TORPOR_E2B_DOMAIN")
-            .ok()
-            .map(|d| d.trim_matches('.').to_ascii_lowercase())
-            .filter(|d| !d.is_empty())
-            .unwrap_or_else(|| DEFAULT_PROXY_DOMAIN.into())
-    })
-}
+pub use crate::domain::{proxy_domain, set_proxy_domain, DEFAULT_PROXY_DOMAIN};
 
 /// Host-based routing: a request whose Host is `{port}-{id}.<domain>` (the domain given to
 /// [`set_proxy_domain`]) is proxied like `/v1/sandboxes/{id}/ports/{port}/{path}`, with the same
