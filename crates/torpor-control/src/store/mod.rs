@@ -297,7 +297,7 @@ impl Deref for Store {
 fn canonical(path: &Path) -> PathBuf {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
     match (
-        dir.map_or_else(|| std::env::current_dir(), std::fs::canonicalize),
+        dir.map_or_else(std::env::current_dir, std::fs::canonicalize),
         path.file_name(),
     ) {
         (Ok(dir), Some(name)) => dir.join(name),
