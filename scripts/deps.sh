@@ -7,6 +7,7 @@
 #   nodejs, npm, e2b (npm) the same tests with the official JavaScript SDK
 #   redis-server, nats-server, rabbitmq-server   brokers for the pool and trigger tests
 #   prometheus (promtool) the observability tests: rules, alerts, a real scrape
+#   chromium              the observability test renders the cost report in a real browser
 #   a Rust toolchain      to build torpor (rustup, when cargo is missing)
 set -euo pipefail
 
@@ -50,6 +51,13 @@ if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "deps.sh: installing chromium (the report's rendering test)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq chromium >/dev/null
 fi
 
 if ! command -v moto_server >/dev/null 2>&1; then

@@ -10,8 +10,9 @@
 //! | measure | unit | dimension | how |
 //! |---|---|---|---|
 //! | `memory_gib_hours` | GiB-hours | tier (`running`, `frozen`) | resident memory (RSS + shmem) × time |
+//! | `tier_hours` | hours | tier (`running`, `frozen`, `parked`, `suspended`) | time in that tier (their sum: the agent-hours) |
 //! | `cpu_seconds` | seconds | | the worker cgroup's `cpuacct.usage` delta |
-//! | `gpu_hours` | GPU-hours | share (`whole`, `mig:3g.71gb`, `mps:50`, `timeslice`) | fraction of one GPU × time |
+//! | `gpu_hours` | GPU-hours | share and model (`mig:3g.71gb@NVIDIA H200`; shares `whole`, `mig:<profile>`, `mps:<pct>`, `timeslice`) | fraction of one GPU × time |
 //! | `snapshot_gib_hours` | GiB-hours | | a sleeping sandbox's local checkpoint bytes × time |
 //! | `wakes` | count | tier woken from (`golden`, `frozen`, `parked`, `suspended`) | generation bumps and thaws seen between samples |
 //! | `egress_bytes` | bytes | | its interface's tx counter delta |
@@ -59,6 +60,7 @@ pub enum UsageError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Measure {
     MemoryGibHours,
+    TierHours,
     CpuSeconds,
     GpuHours,
     SnapshotGibHours,
@@ -67,8 +69,9 @@ pub enum Measure {
 }
 
 impl Measure {
-    pub const ALL: [Measure; 6] = [
+    pub const ALL: [Measure; 7] = [
         Measure::MemoryGibHours,
+        Measure::TierHours,
         Measure::CpuSeconds,
         Measure::GpuHours,
         Measure::SnapshotGibHours,
@@ -79,6 +82,7 @@ impl Measure {
     pub fn as_str(self) -> &'static str {
         match self {
             Measure::MemoryGibHours => "memory_gib_hours",
+            Measure::TierHours => "tier_hours",
             Measure::CpuSeconds => "cpu_seconds",
             Measure::GpuHours => "gpu_hours",
             Measure::SnapshotGibHours => "snapshot_gib_hours",
@@ -146,8 +150,13 @@ pub struct UsageRow {
     pub interval_start_s: Option<i64>,
     /// By tier: `running`, `frozen`.
     pub memory_gib_hours: BTreeMap<String, f64>,
+    /// Hours in each tier (`running`, `frozen`, `parked`, `suspended`); their sum is the
+    /// agent-hours.
+    #[serde(default)]
+    pub tier_hours: BTreeMap<String, f64>,
     pub cpu_seconds: f64,
-    /// By share: `whole`, `mig:<profile>`, `mps:<compute %>`, `timeslice`; in GPUs × hours.
+    /// By share and GPU model (`mig:3g.71gb@NVIDIA H200`; shares `whole`, `mig:<profile>`,
+    /// `mps:<compute %>`, `timeslice`), in GPUs × hours.
     pub gpu_hours: BTreeMap<String, f64>,
     pub snapshot_gib_hours: f64,
     /// By the tier woken from.
@@ -161,6 +170,7 @@ impl UsageRow {
             Measure::MemoryGibHours => {
                 *self.memory_gib_hours.entry(dim.into()).or_default() += value
             }
+            Measure::TierHours => *self.tier_hours.entry(dim.into()).or_default() += value,
             Measure::CpuSeconds => self.cpu_seconds += value,
             Measure::GpuHours => *self.gpu_hours.entry(dim.into()).or_default() += value,
             Measure::SnapshotGibHours => self.snapshot_gib_hours += value,
@@ -413,6 +423,7 @@ impl Sampler {
                 let tier = if p.frozen { "frozen" } else { "running" };
                 let gib = p.memory_bytes.unwrap_or(0) as f64 / GIB;
                 push(tenant, id, Measure::MemoryGibHours, tier, gib * dt_h);
+                push(tenant, id, Measure::TierHours, tier, dt_h);
                 if let Some(now) = cpu_now.get(&p.cgroup) {
                     // A group seen before: its delta; one made since the last sample started
                     // at zero; at the first sample nothing is known yet.
@@ -437,7 +448,11 @@ impl Sampler {
                 for (dim, fraction) in gpu.get(id.as_str()).into_iter().flatten() {
                     push(tenant, id, Measure::GpuHours, dim, fraction * dt_h);
                 }
-            } else if !rec.tier.is_resident() {
+            } else if rec.tier.is_resident() {
+                // Mid-transition (its lock was held): its time counts, its memory is unknown.
+                push(tenant, id, Measure::TierHours, rec.tier.as_str(), dt_h);
+            } else {
+                push(tenant, id, Measure::TierHours, rec.tier.as_str(), dt_h);
                 let bytes = match seen.image_bytes.get(id) {
                     Some((g, b)) if *g == rec.generation => *b,
                     _ => {
@@ -475,8 +490,9 @@ impl Sampler {
                     .with_label_values(&[t, &d.dim])
                     .inc_by(d.value * GIB * 3600.0),
                 Measure::CpuSeconds => u.cpu_seconds.with_label_values(&[t]).inc_by(d.value),
+                Measure::TierHours => {}
                 Measure::GpuHours => {
-                    let mode = d.dim.split(':').next().unwrap_or("");
+                    let mode = d.dim.split([':', '@']).next().unwrap_or("");
                     u.gpu_share_seconds
                         .with_label_values(&[t, mode])
                         .inc_by(d.value * 3600.0)
@@ -505,6 +521,11 @@ impl Sampler {
             return out;
         };
         let status = gpus.status(&TenantId::admin());
+        let models: HashMap<&str, &str> = status
+            .gpus
+            .iter()
+            .map(|g| (g.uuid.as_str(), g.model.as_str()))
+            .collect();
         let mut timesliced: HashMap<String, usize> = HashMap::new();
         for a in &status.allocations {
             for d in &a.devices {
@@ -524,9 +545,13 @@ impl Sampler {
                     ),
                     (mode, _, _) => (mode.to_string(), 1.0),
                 };
+                let model = models
+                    .get(d.gpu_uuid.as_str())
+                    .copied()
+                    .unwrap_or("unknown");
                 out.entry(a.sandbox.clone())
                     .or_default()
-                    .push((dim, fraction));
+                    .push((format!("{dim}@{model}"), fraction));
             }
         }
         out

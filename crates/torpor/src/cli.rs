@@ -142,6 +142,9 @@ pub enum Command {
     Audit(crate::audit::AuditCmd),
     /// Usage per tenant (and sandbox, hour): memory, CPU, GPU, snapshots, wakes, egress.
     Usage(crate::usage::UsageArgs),
+    /// What tenants' agents cost (a price sheet over measured usage) against one resident
+    /// sandbox and a whole GPU each: a table, --json, or --html FILE.
+    Report(crate::finops::ReportArgs),
     /// Create a sandbox from a template (a restore of its golden snapshot).
     Create {
         template: String,
@@ -497,6 +500,7 @@ async fn dispatch(cmd: Command) -> CliResult {
         Command::Pool(p) => crate::pool::run(p).await,
         Command::Audit(a) => crate::audit::run(a),
         Command::Usage(u) => crate::usage::run(u).await,
+        Command::Report(r) => crate::finops::run(r).await,
         Command::Create {
             template,
             env,

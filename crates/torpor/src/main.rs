@@ -8,6 +8,7 @@ mod common;
 mod daemon;
 mod datadir;
 mod demo;
+mod finops;
 mod gpu;
 mod nofile;
 mod pool;

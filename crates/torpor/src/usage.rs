@@ -81,7 +81,7 @@ pub async fn run(args: UsageArgs) -> CliResult {
     Ok(0)
 }
 
-fn encode(s: &str) -> String {
+pub(crate) fn encode(s: &str) -> String {
     s.bytes()
         .map(|b| match b {
             b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b',' => {

@@ -842,4 +842,89 @@ async fn usage_of_a_known_workload_is_recorded_per_tenant_and_survives_a_restart
         lines.any(|l| l.starts_with(&format!("team-a,{sa},"))),
         "{text}"
     );
+    // The report: with both agents deleted nothing accrues any more, so its figures can be
+    // checked exactly against the usage records priced by hand.
+    a.delete_sandbox(&sa).await.unwrap();
+    torpor_api::Client::new(&d.url(), &tokens["team-b"])
+        .delete_sandbox(&sb)
+        .await
+        .unwrap();
+    let mut settled = usage_of(&d, &admin, "").await.1;
+    loop {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let again = usage_of(&d, &admin, "").await.1;
+        if again["rows"] == settled["rows"] {
+            break;
+        }
+        settled = again;
+    }
+    let prices = d.dir.join("prices.toml");
+    std::fs::write(
+        &prices,
+        "currency = \"USD\"\nmemory_gib_hour = 0.5\nvcpu_hour = 2.0\nstorage_gib_month = 73.0\n",
+    )
+    .unwrap();
+    let page = d.dir.join("report.html");
+    let out = Command::new(BIN)
+        .args(["report", "--json", "--url", &d.url(), "--token", &admin])
+        .arg("--prices")
+        .arg(&prices)
+        .arg("--html")
+        .arg(&page)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    for row in settled["rows"].as_array().unwrap() {
+        let tenant = row["tenant"].as_str().unwrap();
+        let memory: f64 = row["memory_gib_hours"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .sum();
+        let by_hand = memory * 0.5
+            + num(row, &["cpu_seconds"]) / 3600.0 * 2.0
+            + num(row, &["snapshot_gib_hours"]) / 730.0 * 73.0;
+        let priced = report["tenants"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["tenant"] == tenant)
+            .unwrap_or_else(|| panic!("{tenant} missing from {report}"));
+        let total = num(priced, &["cost", "total"]);
+        assert!(
+            (total - by_hand).abs() <= 1e-9 * by_hand.max(1e-9),
+            "{tenant}: report {total} vs by hand {by_hand}"
+        );
+        // Sleeping made it cheaper than one resident sandbox each (team-a was parked a while).
+        assert!(
+            num(priced, &["cost", "always_resident"]) >= total - num(priced, &["cost", "storage"])
+        );
+    }
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert!(html.contains("<svg") && html.contains("team-a") && html.contains("team-b"));
+    assert!(
+        !html.contains("http://") && !html.contains("https://"),
+        "self-contained"
+    );
+    // A real browser renders it at a phone's width (Debian's chromium; scripts/deps.sh).
+    let shot = d.dir.join("report-phone.png");
+    let out = Command::new("chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=390,1600",
+        ])
+        .arg(format!("--screenshot={}", shot.display()))
+        .arg(format!("file://{}", page.display()))
+        .output()
+        .expect("chromium (apt-get install chromium; scripts/deps.sh)");
+    assert!(out.status.success(), "{out:?}");
+    let png = std::fs::read(&shot).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "a PNG");
+    let width = u32::from_be_bytes(png[16..20].try_into().unwrap());
+    assert_eq!(width, 390, "rendered at phone width");
 }
