@@ -1,0 +1,709 @@
+//! The controller's side: [`RemoteNode`], a [`Node`] whose machine is a worker across the
+//! network, so that `Engine::start_on(cfg, Arc::new(remote))` drives it unchanged.
+//!
+//! Every call has a deadline. The node seam's synchronous reads are answered from what the
+//! worker reports on its event stream: a container's memory and traffic counters and the warm
+//! pool's counters arrive every `usage_interval` (so they are at most that old); a container's
+//! exit arrives as it happens and resolves its [`ExitHandle`]. The event stream reconnects by
+//! itself; while it is down, those reads keep their last values.
+//!
+//! What a remote node cannot do here, and says so:
+//! - `ingress_addr` is `None`: the address is inside the worker's network namespaces, which a
+//!   controller cannot reach (ingress over the protocol is for a later slice);
+//! - `apply_policy` needs the multi-threaded runtime (it blocks on the call, the seam being
+//!   synchronous there); on a current-thread runtime it is refused;
+//! - `shutdown` does not stop the worker (its own operator does): it stops the event stream.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch};
+use tonic::metadata::MetadataValue;
+use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::{Request, Status};
+use torpor_core::NetworkPolicy;
+use torpor_runtime::conn::ConnError;
+use torpor_runtime::net::NetStats;
+use torpor_runtime::node::{Launch, Node, NodeEvent, NodeInfo, Resident};
+use torpor_runtime::proto::{Reply, Request as AgentRequest};
+use torpor_runtime::runsc::{ExitHandle, ExitInfo, RuntimeError};
+use torpor_runtime::warm::WarmStats;
+
+use crate::convert;
+use crate::pb;
+use crate::pb::node_client::NodeClient;
+use crate::tls::{refusal_reason, TlsSource};
+use crate::{MAX_MESSAGE, PROTOCOL_HEADER, PROTOCOL_VERSION};
+
+/// Deadlines of the calls to a worker.
+#[derive(Debug, Clone)]
+pub struct Deadlines {
+    /// Connecting (TCP and TLS).
+    pub connect: Duration,
+    /// Quick calls: info, freeze, memory, policy, stats, kill.
+    pub quick: Duration,
+    /// Added to a launch's `ready_timeout` for a boot or a restore (reading the image).
+    pub start_margin: Duration,
+    /// A checkpoint (writing the whole memory).
+    pub checkpoint: Duration,
+    /// A destroy and a reconcile.
+    pub teardown: Duration,
+    /// One agent request with all its replies (a streamed exec runs at most this long).
+    pub agent_call: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Deadlines {
+            connect: Duration::from_secs(10),
+            quick: Duration::from_secs(15),
+            start_margin: Duration::from_secs(120),
+            checkpoint: Duration::from_secs(600),
+            teardown: Duration::from_secs(120),
+            agent_call: Duration::from_secs(24 * 3600),
+        }
+    }
+}
+
+/// How to reach one worker.
+#[derive(Debug, Clone)]
+pub struct RemoteConfig {
+    /// `host:port` of the worker's `--listen`.
+    pub addr: String,
+    pub deadlines: Deadlines,
+    /// How often the worker reports memory, traffic and warm-pool counters.
+    pub usage_interval: Duration,
+}
+
+impl RemoteConfig {
+    pub fn new(addr: impl Into<String>) -> RemoteConfig {
+        RemoteConfig {
+            addr: addr.into(),
+            deadlines: Deadlines::default(),
+            usage_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    #[error("worker address {0:?} is not host:port")]
+    Addr(String),
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
+    #[error("worker {addr} did not answer")]
+    Call {
+        addr: String,
+        #[source]
+        source: Status,
+    },
+    #[error("worker {addr} speaks protocol {theirs}, this controller {PROTOCOL_VERSION}")]
+    Version { addr: String, theirs: u32 },
+}
+
+/// What one container's exit and usage look like from here.
+struct Tracked {
+    exit: watch::Sender<Option<ExitInfo>>,
+    expected: Arc<AtomicBool>,
+    memory: Option<u64>,
+    net: Option<NetStats>,
+}
+
+#[derive(Default)]
+struct Shared {
+    containers: HashMap<String, Tracked>,
+    /// Log tails of containers that exited on their own (reported with the exit).
+    tails: HashMap<String, String>,
+    warm: WarmStats,
+}
+
+struct Inner {
+    client: NodeClient<Channel>,
+    cfg: RemoteConfig,
+    name: String,
+    shared: Mutex<Shared>,
+    events: mpsc::UnboundedSender<NodeEvent>,
+    events_rx: Mutex<Option<mpsc::UnboundedReceiver<NodeEvent>>>,
+    stop: watch::Sender<bool>,
+}
+
+/// A worker across the network, as a [`Node`].
+#[derive(Clone)]
+pub struct RemoteNode {
+    inner: Arc<Inner>,
+    info: NodeInfo,
+}
+
+fn call<T>(msg: T, deadline: Duration) -> Request<T> {
+    let mut r = Request::new(msg);
+    r.set_timeout(deadline);
+    r.metadata_mut()
+        .insert(PROTOCOL_HEADER, MetadataValue::from(PROTOCOL_VERSION));
+    r
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn client(&self) -> NodeClient<Channel> {
+        self.client.clone()
+    }
+
+    fn err(&self, st: &Status, ready_timeout: Duration) -> RuntimeError {
+        convert::runtime_error_of(st, &self.name, ready_timeout)
+    }
+
+    fn track(&self, id: &str) -> (watch::Receiver<Option<ExitInfo>>, Arc<AtomicBool>) {
+        let mut s = self.lock();
+        let t = s
+            .containers
+            .entry(id.to_string())
+            .or_insert_with(|| Tracked {
+                exit: watch::channel(None).0,
+                expected: Arc::new(AtomicBool::new(false)),
+                memory: None,
+                net: None,
+            });
+        (t.exit.subscribe(), t.expected.clone())
+    }
+
+    fn untrack(&self, id: &str) {
+        self.lock().containers.remove(id);
+    }
+
+    fn on_event(&self, ev: pb::Event) {
+        match ev.kind {
+            Some(pb::event::Kind::Exited(e)) => {
+                let info = convert::exit_from_pb(e.info);
+                {
+                    let mut s = self.lock();
+                    if let Some(t) = s.containers.get(&e.container_id) {
+                        if e.expected {
+                            t.expected.store(true, Ordering::SeqCst);
+                        }
+                        t.exit.send_replace(Some(info));
+                    }
+                    if !e.log_tail.is_empty() {
+                        if s.tails.len() > 256 {
+                            s.tails.clear();
+                        }
+                        s.tails.insert(e.container_id.clone(), e.log_tail);
+                    }
+                }
+                let _ = self.events.send(NodeEvent::Exited {
+                    container_id: e.container_id,
+                    info,
+                    expected: e.expected,
+                });
+            }
+            Some(pb::event::Kind::Usage(u)) => {
+                let mut s = self.lock();
+                for c in u.containers {
+                    if let Some(t) = s.containers.get_mut(&c.container_id) {
+                        t.memory = c.memory;
+                        t.net = c.net.map(convert::net_from_pb);
+                    }
+                }
+                if let Some(w) = &u.warm {
+                    s.warm = convert::warm_from_pb(w);
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// Follows the worker's event stream, reconnecting until stopped.
+    async fn follow_events(self: Arc<Self>) {
+        let mut stop = self.stop.subscribe();
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let mut req = Request::new(pb::EventsRequest {
+                usage_interval_ms: self.cfg.usage_interval.as_millis() as u64,
+            });
+            req.metadata_mut()
+                .insert(PROTOCOL_HEADER, MetadataValue::from(PROTOCOL_VERSION));
+            let mut client = self.client();
+            let opened = tokio::select! {
+                r = client.events(req) => r,
+                _ = stop.changed() => return,
+            };
+            match opened {
+                Ok(resp) => {
+                    backoff = Duration::from_millis(100);
+                    let mut stream = resp.into_inner();
+                    loop {
+                        let next = tokio::select! {
+                            m = stream.message() => m,
+                            _ = stop.changed() => return,
+                        };
+                        match next {
+                            Ok(Some(ev)) => self.on_event(ev),
+                            Ok(None) => break,
+                            Err(st) => {
+                                tracing::warn!(worker = %self.name, error = %st, "worker event stream broke; reconnecting");
+                                break;
+                            }
+                        }
+                    }
+                }
+                Err(st) => {
+                    tracing::warn!(worker = %self.name, error = %st, "cannot follow the worker's events; retrying");
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = stop.changed() => return,
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+}
+
+/// Dials the worker and wraps the connection in TLS with this controller's identity; refusals
+/// of the worker are counted and logged by `tls`.
+#[derive(Clone)]
+struct TlsConnector {
+    tls: Arc<TlsSource>,
+    connector: tokio_rustls::TlsConnector,
+    addr: String,
+}
+
+impl tower::Service<Uri> for TlsConnector {
+    type Response = TokioIo<tokio_rustls::client::TlsStream<TcpStream>>;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _uri: Uri) -> Self::Future {
+        let me = self.clone();
+        Box::pin(async move {
+            let tcp = TcpStream::connect(&me.addr).await?;
+            let _ = tcp.set_nodelay(true);
+            let peer = tcp.peer_addr().ok();
+            // The worker's identity is checked by the verifier, not its host name.
+            let name = rustls::pki_types::ServerName::try_from("torpor-worker")
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+            match me.connector.connect(name, tcp).await {
+                Ok(io) => Ok(TokioIo::new(io)),
+                Err(e) => {
+                    me.tls.refused(peer, refusal_reason(&e), &e);
+                    Err(e)
+                }
+            }
+        })
+    }
+}
+
+impl RemoteNode {
+    /// Connects to the worker at `cfg.addr` as the controller `tls` names, checks its protocol
+    /// version and starts following its events.
+    pub async fn connect(
+        cfg: RemoteConfig,
+        tls: Arc<TlsSource>,
+    ) -> Result<RemoteNode, RemoteError> {
+        if !cfg.addr.contains(':') {
+            return Err(RemoteError::Addr(cfg.addr.clone()));
+        }
+        let connector = TlsConnector {
+            connector: tokio_rustls::TlsConnector::from(tls.client_config()?),
+            tls,
+            addr: cfg.addr.clone(),
+        };
+        let endpoint = Endpoint::from_shared(format!("http://{}", cfg.addr))
+            .map_err(|_| RemoteError::Addr(cfg.addr.clone()))?
+            .connect_timeout(cfg.deadlines.connect)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(20))
+            .keep_alive_while_idle(true);
+        let channel = endpoint.connect_with_connector_lazy(connector);
+        let client = NodeClient::new(channel)
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE);
+        let info = client
+            .clone()
+            .info(call(pb::InfoRequest {}, cfg.deadlines.quick))
+            .await
+            .map_err(|source| RemoteError::Call {
+                addr: cfg.addr.clone(),
+                source,
+            })?
+            .into_inner();
+        if info.protocol_version != PROTOCOL_VERSION {
+            return Err(RemoteError::Version {
+                addr: cfg.addr.clone(),
+                theirs: info.protocol_version,
+            });
+        }
+        let (events, rx) = mpsc::unbounded_channel();
+        let inner = Arc::new(Inner {
+            client,
+            name: info.worker_name.clone(),
+            cfg,
+            shared: Mutex::default(),
+            events,
+            events_rx: Mutex::new(Some(rx)),
+            stop: watch::channel(false).0,
+        });
+        tokio::spawn(inner.clone().follow_events());
+        tracing::info!(worker = %info.worker_name, addr = %inner.cfg.addr, runtime = %info.runtime_version, "connected to worker");
+        Ok(RemoteNode {
+            inner,
+            info: NodeInfo {
+                runtime_version: info.runtime_version,
+                platform: info.platform,
+                nvproxy: info.nvproxy,
+                agent_dir: info.agent_dir.into(),
+            },
+        })
+    }
+
+    /// The worker's name (from its certificate).
+    pub fn worker_name(&self) -> &str {
+        &self.inner.name
+    }
+
+    async fn start(
+        &self,
+        launch: Launch,
+        image: Option<&Path>,
+    ) -> Result<Box<dyn Resident>, RuntimeError> {
+        let inner = &self.inner;
+        let ready = launch.ready_timeout;
+        let deadline = ready + inner.cfg.deadlines.start_margin;
+        let id = launch.container_id.clone();
+        // Tracked before the call, so an exit reported before the reply is not missed.
+        let (exit, expected) = inner.track(&id);
+        let msg = convert::launch_to_pb(&launch);
+        let reply = match image {
+            Some(image) => {
+                inner
+                    .client()
+                    .restore(call(
+                        pb::RestoreRequest {
+                            launch: Some(msg),
+                            image: image.to_string_lossy().into_owned(),
+                        },
+                        deadline,
+                    ))
+                    .await
+            }
+            None => inner.client().boot(call(msg, deadline)).await,
+        };
+        let reply = match reply {
+            Ok(r) => r.into_inner(),
+            Err(st) => {
+                inner.untrack(&id);
+                return Err(inner.err(&st, ready));
+            }
+        };
+        if let Some(t) = inner.lock().containers.get_mut(&id) {
+            t.memory = reply.memory;
+        }
+        Ok(Box::new(RemoteResident {
+            node: inner.clone(),
+            id,
+            worker: reply.worker,
+            was_warm: reply.was_warm,
+            agent_version: AtomicU32::new(reply.agent_version),
+            exit,
+            expected,
+        }))
+    }
+}
+
+#[async_trait]
+impl Node for RemoteNode {
+    fn info(&self) -> NodeInfo {
+        self.info.clone()
+    }
+
+    fn take_events(&self) -> Option<mpsc::UnboundedReceiver<NodeEvent>> {
+        self.inner
+            .events_rx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
+    /// A worker belongs to its cluster: every container on it is treated as this controller's
+    /// (`_ours` is not consulted), thawed, killed and removed.
+    async fn reconcile(&self, _ours: &(dyn for<'a> Fn(&'a str) -> bool + Send + Sync)) -> usize {
+        let inner = &self.inner;
+        match inner
+            .client()
+            .reconcile(call(pb::ReconcileRequest {}, inner.cfg.deadlines.teardown))
+            .await
+        {
+            Ok(r) => r.into_inner().removed as usize,
+            Err(st) => {
+                tracing::warn!(worker = %inner.name, error = %st, "reconciling the worker failed");
+                0
+            }
+        }
+    }
+
+    async fn boot(&self, launch: Launch) -> Result<Box<dyn Resident>, RuntimeError> {
+        self.start(launch, None).await
+    }
+
+    async fn restore(
+        &self,
+        launch: Launch,
+        image: &Path,
+    ) -> Result<Box<dyn Resident>, RuntimeError> {
+        self.start(launch, Some(image)).await
+    }
+
+    async fn kill(&self, container_id: &str) {
+        let inner = &self.inner;
+        if let Some(t) = inner.lock().containers.get(container_id) {
+            t.expected.store(true, Ordering::SeqCst);
+        }
+        if let Err(st) = inner
+            .client()
+            .kill(call(
+                pb::ContainerRef {
+                    container_id: container_id.to_string(),
+                },
+                inner.cfg.deadlines.teardown,
+            ))
+            .await
+        {
+            tracing::warn!(worker = %inner.name, container = %container_id, error = %st, "kill on the worker failed");
+        }
+    }
+
+    fn log_tail(&self, container_id: &str) -> String {
+        self.inner
+            .lock()
+            .tails
+            .get(container_id)
+            .cloned()
+            .unwrap_or_else(|| format!("(in the log of worker {})", self.inner.name))
+    }
+
+    fn warm_stats(&self) -> WarmStats {
+        self.inner.lock().warm
+    }
+
+    async fn shutdown(&self) {
+        let _ = self.inner.stop.send(true);
+    }
+}
+
+/// A container on a remote worker.
+struct RemoteResident {
+    node: Arc<Inner>,
+    id: String,
+    worker: String,
+    was_warm: bool,
+    agent_version: AtomicU32,
+    exit: watch::Receiver<Option<ExitInfo>>,
+    expected: Arc<AtomicBool>,
+}
+
+impl RemoteResident {
+    fn cref(&self) -> pb::ContainerRef {
+        pb::ContainerRef {
+            container_id: self.id.clone(),
+        }
+    }
+
+    fn quick(&self) -> Duration {
+        self.node.cfg.deadlines.quick
+    }
+}
+
+impl Drop for RemoteResident {
+    fn drop(&mut self) {
+        self.node.untrack(&self.id);
+    }
+}
+
+#[async_trait]
+impl Resident for RemoteResident {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn worker(&self) -> &str {
+        &self.worker
+    }
+
+    fn was_warm(&self) -> bool {
+        self.was_warm
+    }
+
+    async fn send(
+        &self,
+        req: &AgentRequest,
+        body: &[u8],
+    ) -> Result<mpsc::Receiver<(Reply, Vec<u8>)>, ConnError> {
+        let request_json = serde_json::to_string(req).map_err(|e| {
+            tracing::warn!(error = %e, "agent request does not encode");
+            ConnError::Closed
+        })?;
+        let msg = pb::AgentRequest {
+            container_id: self.id.clone(),
+            request_json,
+            body: body.to_vec(),
+        };
+        let mut stream = match self
+            .node
+            .client()
+            .send(call(msg, self.node.cfg.deadlines.agent_call))
+            .await
+        {
+            Ok(s) => s.into_inner(),
+            Err(st) => {
+                tracing::debug!(worker = %self.node.name, container = %self.id, error = %st, "agent call refused by the worker");
+                return Err(ConnError::Closed);
+            }
+        };
+        let (tx, rx) = mpsc::channel(16);
+        let worker = self.node.name.clone();
+        tokio::spawn(async move {
+            loop {
+                let frame = tokio::select! {
+                    f = stream.message() => f,
+                    _ = tx.closed() => break,
+                };
+                match frame {
+                    Ok(Some(f)) => match serde_json::from_str::<Reply>(&f.reply_json) {
+                        Ok(reply) => {
+                            if tx.send((reply, f.body)).await.is_err() {
+                                break;
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(%worker, error = %e, "agent reply from the worker does not decode");
+                            break;
+                        }
+                    },
+                    Ok(None) => break,
+                    Err(st) => {
+                        tracing::debug!(%worker, error = %st, "agent reply stream ended");
+                        break;
+                    }
+                }
+            }
+        });
+        Ok(rx)
+    }
+
+    fn agent_version(&self) -> u32 {
+        self.agent_version.load(Ordering::Relaxed)
+    }
+
+    fn alive(&self) -> bool {
+        self.exit.borrow().is_none()
+    }
+
+    fn exit_handle(&self) -> ExitHandle {
+        ExitHandle::from_parts(self.exit.clone(), self.expected.clone())
+    }
+
+    async fn set_frozen(&self, frozen: bool) -> Result<(), RuntimeError> {
+        self.node
+            .client()
+            .set_frozen(call(
+                pb::SetFrozenRequest {
+                    container_id: self.id.clone(),
+                    frozen,
+                },
+                self.quick(),
+            ))
+            .await
+            .map(|_| ())
+            .map_err(|st| self.node.err(&st, Duration::ZERO))
+    }
+
+    fn memory(&self) -> Option<u64> {
+        self.node.lock().containers.get(&self.id)?.memory
+    }
+
+    async fn checkpoint(self: Box<Self>, image_dir: &Path) -> Result<(), RuntimeError> {
+        self.expected.store(true, Ordering::SeqCst);
+        self.node
+            .client()
+            .checkpoint(call(
+                pb::CheckpointRequest {
+                    container_id: self.id.clone(),
+                    image_dir: image_dir.to_string_lossy().into_owned(),
+                },
+                self.node.cfg.deadlines.checkpoint,
+            ))
+            .await
+            .map(|_| ())
+            .map_err(|st| self.node.err(&st, Duration::ZERO))
+    }
+
+    async fn destroy(self: Box<Self>) {
+        self.expected.store(true, Ordering::SeqCst);
+        if let Err(st) = self
+            .node
+            .client()
+            .destroy(call(self.cref(), self.node.cfg.deadlines.teardown))
+            .await
+        {
+            tracing::warn!(worker = %self.node.name, container = %self.id, error = %st, "destroy on the worker failed");
+        }
+    }
+
+    fn ingress_addr(&self) -> Option<Ipv4Addr> {
+        None
+    }
+
+    fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), RuntimeError> {
+        let policy_json = serde_json::to_string(policy)
+            .map_err(|e| RuntimeError::Unsupported(format!("policy does not encode: {e}")))?;
+        let handle = tokio::runtime::Handle::try_current()
+            .map_err(|_| RuntimeError::Unsupported("no async runtime".into()))?;
+        if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
+            return Err(RuntimeError::Unsupported(
+                "changing a remote sandbox's policy needs the multi-threaded runtime".into(),
+            ));
+        }
+        let mut client = self.node.client();
+        let msg = call(
+            pb::PolicyRequest {
+                container_id: self.id.clone(),
+                policy_json,
+            },
+            self.quick(),
+        );
+        tokio::task::block_in_place(|| handle.block_on(client.apply_policy(msg)))
+            .map(|_| ())
+            .map_err(|st| self.node.err(&st, Duration::ZERO))
+    }
+
+    fn net_stats(&self) -> Option<NetStats> {
+        self.node.lock().containers.get(&self.id)?.net.clone()
+    }
+
+    async fn settle_connections(&self) {
+        if let Err(st) = self
+            .node
+            .client()
+            .settle_connections(call(self.cref(), self.quick()))
+            .await
+        {
+            tracing::warn!(worker = %self.node.name, container = %self.id, error = %st, "settling connections on the worker failed");
+        }
+    }
+}

@@ -1,0 +1,593 @@
+//! The worker's side: its machine's [`Node`] served over the protocol to controllers, behind
+//! mutual TLS.
+//!
+//! The worker keeps the [`Resident`]s it started in a table by container id; the controller
+//! names a container in each call. A resident's checkpoint and destroy take it out of the table
+//! (they consume it), under the entry's write lock, so no call is in flight on it then.
+//! Operations that start or end containers (boot, restore, checkpoint, destroy, kill) run in
+//! their own task: a controller whose deadline passes, or which goes away, does not cut them
+//! half-way; a container started for a caller that is gone is destroyed at once.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, RwLock};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::Connected;
+use tonic::{Request, Response, Status};
+use torpor_runtime::node::{Node, NodeEvent, Resident};
+use torpor_runtime::proto::Request as AgentRequest;
+
+use crate::ca::Role;
+use crate::convert::{self, bad, status_of};
+use crate::pb;
+use crate::pb::node_server::{Node as NodeRpc, NodeServer};
+use crate::tls::{refusal_reason, PeerInfo, TlsSource};
+use crate::{MAX_MESSAGE, PROTOCOL_HEADER, PROTOCOL_VERSION};
+
+/// How long a connection may take to finish its TLS handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Fewest milliseconds between two usage reports on the event stream.
+const MIN_USAGE_INTERVAL_MS: u64 = 100;
+
+/// One container the worker holds for a controller.
+struct Held {
+    resident: RwLock<Option<Box<dyn Resident>>>,
+}
+
+pub struct NodeService {
+    node: Arc<dyn Node>,
+    name: String,
+    residents: Mutex<HashMap<String, Arc<Held>>>,
+    events: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<NodeEvent>>>,
+}
+
+impl NodeService {
+    /// Serves `node`, whose event stream it takes. `name`: the worker's name (its identity's).
+    pub fn new(node: Arc<dyn Node>, name: String) -> Arc<NodeService> {
+        let events = node.take_events().unwrap_or_else(|| {
+            // Someone took the stream already: this worker reports no exits on its own.
+            tracing::warn!("the node's event stream was taken; exits are not reported");
+            mpsc::unbounded_channel().1
+        });
+        Arc::new(NodeService {
+            node,
+            name,
+            residents: Mutex::default(),
+            events: Arc::new(tokio::sync::Mutex::new(events)),
+        })
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Held>>> {
+        self.residents.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn held(&self, id: &str) -> Result<Arc<Held>, Status> {
+        self.table().get(id).cloned().ok_or_else(|| gone(id))
+    }
+
+    fn usage(&self) -> pb::Usage {
+        let held: Vec<(String, Arc<Held>)> = self
+            .table()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let mut containers = Vec::with_capacity(held.len());
+        for (id, h) in held {
+            // A checkpoint or destroy holds the write lock: that container is going anyway.
+            let Ok(guard) = h.resident.try_read() else {
+                continue;
+            };
+            let Some(r) = guard.as_ref() else { continue };
+            containers.push(pb::ContainerUsage {
+                container_id: id,
+                memory: r.memory(),
+                net: r.net_stats().as_ref().map(convert::net_to_pb),
+            });
+        }
+        pb::Usage {
+            containers,
+            warm: Some(convert::warm_to_pb(&self.node.warm_stats())),
+        }
+    }
+
+    /// Runs a start (boot or restore) in its own task; a container started for a caller that
+    /// went away is destroyed.
+    async fn start(
+        self: &Arc<Self>,
+        container_id: String,
+        op: impl std::future::Future<Output = Result<Box<dyn Resident>, torpor_runtime::RuntimeError>>
+            + Send
+            + 'static,
+    ) -> Result<Response<pb::ResidentReply>, Status> {
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let _guard = CancelOnDrop(cancelled.clone());
+        let me = self.clone();
+        let task = tokio::spawn(async move {
+            let resident = op.await.map_err(|e| status_of(&e))?;
+            if cancelled.load(Ordering::SeqCst) {
+                tracing::warn!(container = %container_id, "the controller went away during the start; destroying the container");
+                resident.destroy().await;
+                return Err(Status::cancelled("the caller went away"));
+            }
+            let reply = pb::ResidentReply {
+                container_id: resident.id().to_string(),
+                worker: resident.worker().to_string(),
+                was_warm: resident.was_warm(),
+                agent_version: resident.agent_version(),
+                memory: resident.memory(),
+            };
+            me.table().insert(
+                container_id,
+                Arc::new(Held {
+                    resident: RwLock::new(Some(resident)),
+                }),
+            );
+            Ok(reply)
+        });
+        match task.await {
+            Ok(r) => r.map(Response::new),
+            Err(e) => Err(Status::internal(format!("start task failed: {e}"))),
+        }
+    }
+
+    /// Takes a container out of the table for `op` (checkpoint, destroy), in its own task.
+    async fn finish(
+        self: &Arc<Self>,
+        id: String,
+        op: impl FnOnce(
+                Box<dyn Resident>,
+            )
+                -> Pin<Box<dyn std::future::Future<Output = Result<(), Status>> + Send>>
+            + Send
+            + 'static,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let held = self.held(&id)?;
+        let me = self.clone();
+        let task = tokio::spawn(async move {
+            let resident = held.resident.write().await.take();
+            me.table().remove(&id);
+            match resident {
+                Some(r) => op(r).await,
+                None => Err(gone(&id)),
+            }
+        });
+        match task.await {
+            Ok(r) => r.map(|()| Response::new(pb::Empty {})),
+            Err(e) => Err(Status::internal(format!("task failed: {e}"))),
+        }
+    }
+}
+
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+fn gone(id: &str) -> Status {
+    let mut st = Status::not_found(format!("no container {id} on this worker"));
+    st.metadata_mut().insert(
+        convert::ERROR_KIND,
+        tonic::metadata::MetadataValue::from_static("conn_closed"),
+    );
+    st
+}
+
+type Stream<T> = ReceiverStream<Result<T, Status>>;
+
+#[tonic::async_trait]
+impl NodeRpc for Arc<NodeService> {
+    async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::InfoReply>, Status> {
+        let i = self.node.info();
+        Ok(Response::new(pb::InfoReply {
+            protocol_version: PROTOCOL_VERSION,
+            runtime_version: i.runtime_version,
+            platform: i.platform,
+            nvproxy: i.nvproxy,
+            agent_dir: i.agent_dir.to_string_lossy().into_owned(),
+            worker_name: self.name.clone(),
+        }))
+    }
+
+    async fn reconcile(
+        &self,
+        _: Request<pb::ReconcileRequest>,
+    ) -> Result<Response<pb::ReconcileReply>, Status> {
+        // Every container on a worker is its cluster's: a controller that reconciles starts
+        // from a clean worker (it resumes sandboxes from their committed images).
+        let held: Vec<Arc<Held>> = self.table().drain().map(|(_, h)| h).collect();
+        let node = self.node.clone();
+        let removed = tokio::spawn(async move {
+            let removed = node.reconcile(&|_: &str| true).await;
+            for h in held {
+                if let Some(r) = h.resident.write().await.take() {
+                    r.destroy().await;
+                }
+            }
+            removed
+        })
+        .await
+        .map_err(|e| Status::internal(format!("reconcile task failed: {e}")))?;
+        Ok(Response::new(pb::ReconcileReply {
+            removed: removed as u64,
+        }))
+    }
+
+    async fn boot(
+        &self,
+        req: Request<pb::LaunchRequest>,
+    ) -> Result<Response<pb::ResidentReply>, Status> {
+        let launch = convert::launch_from_pb(req.into_inner())?;
+        let node = self.node.clone();
+        let id = launch.container_id.clone();
+        self.start(id, async move { node.boot(launch).await }).await
+    }
+
+    async fn restore(
+        &self,
+        req: Request<pb::RestoreRequest>,
+    ) -> Result<Response<pb::ResidentReply>, Status> {
+        let req = req.into_inner();
+        let launch =
+            convert::launch_from_pb(req.launch.ok_or_else(|| bad("restore", "no launch"))?)?;
+        let image = PathBuf::from(req.image);
+        let node = self.node.clone();
+        let id = launch.container_id.clone();
+        self.start(id, async move { node.restore(launch, &image).await })
+            .await
+    }
+
+    async fn kill(&self, req: Request<pb::ContainerRef>) -> Result<Response<pb::Empty>, Status> {
+        let id = req.into_inner().container_id;
+        let node = self.node.clone();
+        tokio::spawn(async move { node.kill(&id).await })
+            .await
+            .map_err(|e| Status::internal(format!("kill task failed: {e}")))?;
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    type SendStream = Stream<pb::AgentFrame>;
+
+    async fn send(
+        &self,
+        req: Request<pb::AgentRequest>,
+    ) -> Result<Response<Self::SendStream>, Status> {
+        let req = req.into_inner();
+        let agent_req: AgentRequest =
+            serde_json::from_str(&req.request_json).map_err(|e| bad("agent request", e))?;
+        let held = self.held(&req.container_id)?;
+        let mut replies = {
+            let guard = held.resident.read().await;
+            let r = guard.as_ref().ok_or_else(|| gone(&req.container_id))?;
+            r.send(&agent_req, &req.body)
+                .await
+                .map_err(|e| status_of(&e.into()))?
+        };
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    next = replies.recv() => {
+                        let Some((reply, body)) = next else { break };
+                        let frame = match serde_json::to_string(&reply) {
+                            Ok(reply_json) => Ok(pb::AgentFrame { reply_json, body }),
+                            Err(e) => Err(Status::internal(format!("reply encoding: {e}"))),
+                        };
+                        if tx.send(frame).await.is_err() {
+                            break;
+                        }
+                    }
+                    // The controller went away: stop reading (the agent's replies are dropped).
+                    _ = tx.closed() => break,
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn set_frozen(
+        &self,
+        req: Request<pb::SetFrozenRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let req = req.into_inner();
+        let held = self.held(&req.container_id)?;
+        let guard = held.resident.read().await;
+        let r = guard.as_ref().ok_or_else(|| gone(&req.container_id))?;
+        r.set_frozen(req.frozen).await.map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn memory(
+        &self,
+        req: Request<pb::ContainerRef>,
+    ) -> Result<Response<pb::MemoryReply>, Status> {
+        let id = req.into_inner().container_id;
+        let held = self.held(&id)?;
+        let guard = held.resident.read().await;
+        let r = guard.as_ref().ok_or_else(|| gone(&id))?;
+        Ok(Response::new(pb::MemoryReply { bytes: r.memory() }))
+    }
+
+    async fn checkpoint(
+        &self,
+        req: Request<pb::CheckpointRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let req = req.into_inner();
+        let dir = PathBuf::from(req.image_dir);
+        self.finish(req.container_id, move |r| {
+            Box::pin(async move { r.checkpoint(&dir).await.map_err(|e| status_of(&e)) })
+        })
+        .await
+    }
+
+    async fn destroy(&self, req: Request<pb::ContainerRef>) -> Result<Response<pb::Empty>, Status> {
+        let id = req.into_inner().container_id;
+        self.finish(id, |r| {
+            Box::pin(async move {
+                r.destroy().await;
+                Ok(())
+            })
+        })
+        .await
+    }
+
+    async fn apply_policy(
+        &self,
+        req: Request<pb::PolicyRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let req = req.into_inner();
+        let policy = serde_json::from_str(&req.policy_json).map_err(|e| bad("policy", e))?;
+        let held = self.held(&req.container_id)?;
+        let guard = held.resident.read().await;
+        let r = guard.as_ref().ok_or_else(|| gone(&req.container_id))?;
+        r.apply_policy(&policy).map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn net_stats(
+        &self,
+        req: Request<pb::ContainerRef>,
+    ) -> Result<Response<pb::NetStatsReply>, Status> {
+        let id = req.into_inner().container_id;
+        let held = self.held(&id)?;
+        let guard = held.resident.read().await;
+        let r = guard.as_ref().ok_or_else(|| gone(&id))?;
+        Ok(Response::new(pb::NetStatsReply {
+            stats: r.net_stats().as_ref().map(convert::net_to_pb),
+        }))
+    }
+
+    async fn settle_connections(
+        &self,
+        req: Request<pb::ContainerRef>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let id = req.into_inner().container_id;
+        let held = self.held(&id)?;
+        let guard = held.resident.read().await;
+        let r = guard.as_ref().ok_or_else(|| gone(&id))?;
+        r.settle_connections().await;
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn warm_stats(
+        &self,
+        _: Request<pb::Empty>,
+    ) -> Result<Response<pb::WarmStatsReply>, Status> {
+        Ok(Response::new(convert::warm_to_pb(&self.node.warm_stats())))
+    }
+
+    async fn log_tail(
+        &self,
+        req: Request<pb::ContainerRef>,
+    ) -> Result<Response<pb::LogTailReply>, Status> {
+        let id = req.into_inner().container_id;
+        Ok(Response::new(pb::LogTailReply {
+            tail: self.node.log_tail(&id),
+        }))
+    }
+
+    type EventsStream = Stream<pb::Event>;
+
+    async fn events(
+        &self,
+        req: Request<pb::EventsRequest>,
+    ) -> Result<Response<Self::EventsStream>, Status> {
+        let interval = Duration::from_millis(
+            req.into_inner()
+                .usage_interval_ms
+                .max(MIN_USAGE_INTERVAL_MS),
+        );
+        let (tx, rx) = mpsc::channel(64);
+        let me = self.clone();
+        tokio::spawn(async move {
+            // One subscriber at a time; exits wait in the node's queue meanwhile.
+            let mut events = tokio::select! {
+                g = me.events.clone().lock_owned() => g,
+                _ = tx.closed() => return,
+            };
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                let event = tokio::select! {
+                    ev = events.recv() => match ev {
+                        Some(NodeEvent::Exited { container_id, info, expected }) => {
+                            let log_tail = if expected { String::new() } else { me.node.log_tail(&container_id) };
+                            pb::event::Kind::Exited(pb::Exited {
+                                container_id,
+                                info: Some(convert::exit_to_pb(&info)),
+                                expected,
+                                log_tail,
+                            })
+                        }
+                        None => break,
+                    },
+                    _ = tick.tick() => pb::event::Kind::Usage(me.usage()),
+                    _ = tx.closed() => break,
+                };
+                if tx.send(Ok(pb::Event { kind: Some(event) })).await.is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Refuses calls of another protocol version and callers that are not controllers (the TLS
+/// layer refused them already; this holds if that layer is ever configured otherwise).
+fn check_call(req: Request<()>) -> Result<Request<()>, Status> {
+    let version = req
+        .metadata()
+        .get(PROTOCOL_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u32>().ok());
+    if version != Some(PROTOCOL_VERSION) {
+        return Err(Status::failed_precondition(format!(
+            "this worker speaks protocol {PROTOCOL_VERSION}, the caller {version:?}"
+        )));
+    }
+    match req.extensions().get::<PeerInfo>() {
+        Some(p) if p.identity.role == Role::Controller => Ok(req),
+        _ => Err(Status::permission_denied(
+            "only controllers may call a worker",
+        )),
+    }
+}
+
+/// A TLS connection whose peer has been verified.
+pub struct PeerConn {
+    io: tokio_rustls::server::TlsStream<TcpStream>,
+    info: PeerInfo,
+}
+
+impl Connected for PeerConn {
+    type ConnectInfo = PeerInfo;
+    fn connect_info(&self) -> PeerInfo {
+        self.info.clone()
+    }
+}
+
+impl AsyncRead for PeerConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for PeerConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
+    #[error("gRPC server")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves `service` on `listener` to controllers that pass `tls`, until `shutdown` resolves.
+pub async fn serve(
+    service: Arc<NodeService>,
+    listener: TcpListener,
+    tls: Arc<TlsSource>,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls.server_config()?);
+    let (conns, incoming) = mpsc::channel::<Result<PeerConn, std::io::Error>>(64);
+    let accept_tls = tls.clone();
+    let accept_loop = tokio::spawn(async move {
+        loop {
+            let (tcp, addr) = match listener.accept().await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting a cluster connection failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let acceptor = acceptor.clone();
+            let conns = conns.clone();
+            let tls = accept_tls.clone();
+            tokio::spawn(async move {
+                let _ = tcp.set_nodelay(true);
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(io)) => {
+                        let identity =
+                            crate::tls::peer_identity(io.get_ref().1.peer_certificates());
+                        let Some(identity) = identity else {
+                            tls.refused(
+                                Some(addr),
+                                "wrong_identity",
+                                &"no identity after the handshake",
+                            );
+                            return;
+                        };
+                        tracing::debug!(peer = %addr, %identity, "controller connected");
+                        let _ = conns
+                            .send(Ok(PeerConn {
+                                io,
+                                info: PeerInfo { addr, identity },
+                            }))
+                            .await;
+                    }
+                    Ok(Err(e)) => tls.refused(Some(addr), refusal_reason(&e), &e),
+                    Err(_) => tls.refused(Some(addr), "timeout", &"no TLS handshake in time"),
+                }
+            });
+        }
+    });
+    let result = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            NodeServer::new(service)
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE),
+            check_call,
+        ))
+        .serve_with_incoming_shutdown(ReceiverStream::new(incoming), shutdown)
+        .await;
+    accept_loop.abort();
+    Ok(result?)
+}
+
+/// The address a listener is bound to (for logs).
+pub fn local_addr(l: &TcpListener) -> Option<SocketAddr> {
+    l.local_addr().ok()
+}
