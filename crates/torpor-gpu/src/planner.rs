@@ -4,6 +4,10 @@
 //! changes the ledger; [`commit`] applies a plan, all or nothing. Decisions are deterministic:
 //! GPUs are visited in index order and ties keep the first candidate.
 //!
+//! It is one file of about 1,000 lines on purpose: every placement rule (MIG geometry, MPS and
+//! time-slice shares, topology, quotas) meets in one ordered search that reads top to bottom;
+//! splitting it would scatter that order across modules.
+//!
 //! How a placement is chosen:
 //! 1. The request's shape is checked, then what no GPU of the node could ever satisfy
 //!    (unknown profile, MIG on a node without MIG, more memory than any GPU, ...).

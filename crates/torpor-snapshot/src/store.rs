@@ -1,6 +1,7 @@
 //! The snapshot store: puts a checkpoint directory as chunks plus a manifest, and gets it
 //! back verified. Owns the object layout and the put/get pipelines; byte formats live in
-//! `chunk`, `manifest` and `gvisor`, storage in `backend`.
+//! `chunk`, `manifest` and `gvisor`, storage in `backend`. Just over 1,000 lines: the put and
+//! get pipelines and the collector share the object layout's invariants, kept in one file.
 //!
 //! Object layout under the (optional) tenant namespace `tenants/<ns>/`:
 //!

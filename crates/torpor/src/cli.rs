@@ -1,4 +1,6 @@
 //! Command-line arguments and the client commands. Tables for people, `--json` for scripts.
+//! About 1,000 lines because it is the whole clap command tree in one place (every flag of every
+//! sub-command, with its help text); the sub-commands' work lives in their own modules.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -109,6 +111,11 @@ pub enum Command {
         /// Host-based routing to sandbox ports: `{port}-{id}.<DOMAIN>` (docs/NETWORKING.md).
         #[arg(long)]
         proxy_domain: Option<String>,
+        /// Egress ceiling of E2B's `base` template: `none` (ingress only, the default), `full`,
+        /// or comma-separated CIDRs; the host's addresses stay closed whatever it says
+        /// (docs/E2B.md).
+        #[arg(long, value_parser = torpor_api::e2b::base::parse_ceiling)]
+        e2b_egress_ceiling: Option<torpor_core::NetworkPolicy>,
         /// Most a networked sandbox may send, in Mbit/s (dropped above; docs/NETWORKING.md).
         #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
         egress_mbit: u32,
@@ -145,6 +152,11 @@ pub enum Command {
     /// What tenants' agents cost (a price sheet over measured usage) against one resident
     /// sandbox and a whole GPU each: a table, --json, or --html FILE.
     Report(crate::finops::ReportArgs),
+    /// The cluster's certificate authority (cluster mode, preview; docs/OPERATIONS.md).
+    #[command(subcommand)]
+    Ca(crate::ca::CaCmd),
+    /// Serve this machine's sandboxes to the cluster's controllers (cluster mode, preview).
+    Worker(crate::worker::WorkerArgs),
     /// Create a sandbox from a template (a restore of its golden snapshot).
     Create {
         template: String,
@@ -446,6 +458,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             max_connections,
             header_read_timeout_ms,
             proxy_domain,
+            e2b_egress_ceiling,
             egress_mbit,
             egress_pps,
             sandbox_reach_host,
@@ -465,6 +478,9 @@ async fn dispatch(cmd: Command) -> CliResult {
             });
             if let Some(d) = &proxy_domain {
                 torpor_api::proxy::set_proxy_domain(d);
+            }
+            if let Some(c) = e2b_egress_ceiling {
+                torpor_api::e2b::base::set_egress_ceiling(c);
             }
             daemon::up(daemon::UpConfig {
                 listen,
@@ -501,6 +517,8 @@ async fn dispatch(cmd: Command) -> CliResult {
         Command::Audit(a) => crate::audit::run(a),
         Command::Usage(u) => crate::usage::run(u).await,
         Command::Report(r) => crate::finops::run(r).await,
+        Command::Ca(c) => crate::ca::run(c),
+        Command::Worker(w) => Ok(crate::worker::run(w).await.map(|()| 0)?),
         Command::Create {
             template,
             env,
