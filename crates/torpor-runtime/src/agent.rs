@@ -27,6 +27,7 @@ use crate::proto::{
 };
 
 mod procs;
+pub mod sudo;
 
 /// Where the main process's output and detached execs' output go inside the sandbox.
 pub const LOG_DIR: &str = "/var/log/torpor";
@@ -38,8 +39,22 @@ pub const LOG_DIR: &str = "/var/log/torpor";
 /// for sandboxes restored from older snapshots. Nothing else changes.
 pub const TEST_WITHOUT_SPAWN: &str = "TORPOR_AGENT_TEST_WITHOUT_SPAWN";
 
+/// When the agent's environment (a template's `env`) sets this to `UID:GID`, files and the
+/// directories `WriteFile` creates belong to that user (E2B's `base`: files written through
+/// the SDK belong to `user`) instead of root.
+pub const FILE_OWNER: &str = "TORPOR_AGENT_FILE_OWNER";
+
 /// Runs the agent until stdin closes. `main_cmd` is the template's main process (may be empty).
+///
+/// The same entry point runs the sandbox's sudo broker and its client ([`sudo`]) when the
+/// first argument is [`sudo::SERVER_FLAG`] or [`sudo::CLIENT_FLAG`] (they are this binary,
+/// mounted read-only in every sandbox, started inside it).
 pub fn run(main_cmd: Vec<String>) -> io::Result<()> {
+    match main_cmd.first().map(String::as_str) {
+        Some(sudo::SERVER_FLAG) => return sudo::serve(&main_cmd[1..]),
+        Some(sudo::CLIENT_FLAG) => std::process::exit(sudo::client(&main_cmd[1..])),
+        _ => {}
+    }
     // SAFETY: fds 0 and 1 are the container's stdio, open for the agent's whole life; nothing
     // else in this process uses them through std's handles.
     let input = unsafe { File::from_raw_fd(0) };
@@ -50,6 +65,7 @@ pub fn run(main_cmd: Vec<String>) -> io::Result<()> {
         children: Arc::new(ChildTable::default()),
         main: Mutex::new(MainState::default()),
         without_spawn: std::env::var_os(TEST_WITHOUT_SPAWN).is_some_and(|v| v == "1"),
+        file_owner: std::env::var(FILE_OWNER).ok().and_then(|v| parse_owner(&v)),
     });
     let _ = fs::create_dir_all(LOG_DIR);
     {
@@ -93,6 +109,17 @@ struct Agent {
     main: Mutex<MainState>,
     /// [`TEST_WITHOUT_SPAWN`] is set.
     without_spawn: bool,
+    /// [`FILE_OWNER`]: who owns what `WriteFile` creates.
+    file_owner: Option<proto::RunAs>,
+}
+
+/// `UID:GID` (both numbers).
+fn parse_owner(v: &str) -> Option<proto::RunAs> {
+    let (u, g) = v.trim().split_once(':')?;
+    Some(proto::RunAs {
+        uid: u.parse().ok()?,
+        gid: g.parse().ok()?,
+    })
 }
 
 #[derive(Default)]
@@ -154,7 +181,7 @@ impl Agent {
                 offset,
                 max_bytes,
             } => read_range(&path, offset, max_bytes),
-            Request::WriteFile { path, mode } => write_file(&path, mode, &body),
+            Request::WriteFile { path, mode } => write_file(&path, mode, &body, self.file_owner),
             Request::List { path } => list(&path),
             Request::ListChanged {
                 path,
@@ -730,10 +757,18 @@ fn read_range(path: &str, offset: u64, max_bytes: u64) -> Answer {
     Ok((Reply::Data { truncated }, data))
 }
 
-fn write_file(path: &str, mode: Option<u32>, data: &[u8]) -> Answer {
+fn write_file(path: &str, mode: Option<u32>, data: &[u8], owner: Option<proto::RunAs>) -> Answer {
     let p = resolve(path)?;
     if let Some(parent) = p.parent() {
+        // The directories this write makes: from the highest missing one down to the parent.
+        let made: Vec<&Path> = parent.ancestors().take_while(|a| !a.exists()).collect();
         fs::create_dir_all(parent).map_err(|e| io_error(parent, e))?;
+        if let Some(o) = owner {
+            for d in made {
+                std::os::unix::fs::chown(d, Some(o.uid), Some(o.gid))
+                    .map_err(|e| io_error(d, e))?;
+            }
+        }
     }
     if p.is_dir() {
         return Err(io_error(&p, io::Error::from(io::ErrorKind::IsADirectory)));
@@ -750,6 +785,9 @@ fn write_file(path: &str, mode: Option<u32>, data: &[u8]) -> Answer {
             .truncate(true)
             .mode(mode.unwrap_or(0o644))
             .open(&tmp)?;
+        if let Some(o) = owner {
+            std::os::unix::fs::fchown(&f, Some(o.uid), Some(o.gid))?;
+        }
         f.write_all(data)?;
         if let Some(m) = mode {
             f.set_permissions(fs::Permissions::from_mode(m))?;
@@ -907,11 +945,49 @@ mod tests {
     }
 
     #[test]
+    fn written_files_and_the_directories_made_for_them_get_the_file_owner() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        // SAFETY: getuid/getgid have no preconditions.
+        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        // As root (how the agent runs) another user; otherwise our own (chown to self works).
+        let owner = if uid == 0 {
+            proto::RunAs {
+                uid: 4321,
+                gid: 4322,
+            }
+        } else {
+            proto::RunAs { uid, gid }
+        };
+        let path = dir.path().join("a/b/f.txt");
+        write_file(path.to_str().unwrap(), None, b"x", Some(owner)).unwrap();
+        for p in [dir.path().join("a"), dir.path().join("a/b"), path.clone()] {
+            let m = fs::metadata(&p).unwrap();
+            assert_eq!(
+                (m.uid(), m.gid()),
+                (owner.uid, owner.gid),
+                "{}",
+                p.display()
+            );
+        }
+        let m = fs::metadata(dir.path()).unwrap();
+        assert_eq!(m.uid(), uid, "an existing directory keeps its owner");
+        assert_eq!(
+            parse_owner("1000:1000"),
+            Some(proto::RunAs {
+                uid: 1000,
+                gid: 1000
+            })
+        );
+        assert_eq!(parse_owner("user"), None);
+    }
+
+    #[test]
     fn files_round_trip_in_a_temp_dir() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("sub/f.txt");
         let path = path.to_str().unwrap();
-        write_file(path, Some(0o600), b"hello").unwrap();
+        write_file(path, Some(0o600), b"hello", None).unwrap();
         let (reply, data) = read_file(path, 1024).unwrap();
         assert_eq!(reply, Reply::Data { truncated: false });
         assert_eq!(data, b"hello");

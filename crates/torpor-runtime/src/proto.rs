@@ -112,6 +112,19 @@ pub struct SpawnRequest {
     /// Run it on a new pseudo-terminal of this size (its stdin, stdout and stderr).
     #[serde(default)]
     pub pty: Option<PtySize>,
+    /// Run it as this user and group (with no supplementary groups) instead of the agent's
+    /// root. Absent from the frame when unset, so agents that predate it still parse requests
+    /// that do not need it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<RunAs>,
+}
+
+/// A numeric user and group a process runs as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunAs {
+    pub uid: u32,
+    pub gid: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

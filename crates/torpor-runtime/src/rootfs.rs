@@ -132,6 +132,7 @@ pub fn install_agent(binary: &Path, agents_dir: &Path) -> Result<PathBuf, Rootfs
     let key = content_key(&bytes);
     let dir = agents_dir.join(&key);
     if dir.join("torpor").exists() && dir.join("ld.so").exists() {
+        open_agent_dir(&dir)?;
         return Ok(dir);
     }
     let tmp = agents_dir.join(format!(".{key}.tmp"));
@@ -147,6 +148,7 @@ pub fn install_agent(binary: &Path, agents_dir: &Path) -> Result<PathBuf, Rootfs
     }
     fs::copy(&loader, tmp.join("ld.so")).map_err(io_err(&loader))?;
     set_mode(&tmp.join("ld.so"), 0o755)?;
+    open_agent_dir(&tmp)?;
     match fs::rename(&tmp, &dir) {
         Ok(()) => Ok(dir),
         // Another daemon start raced us to the same content; theirs is as good as ours.
@@ -156,6 +158,20 @@ pub fn install_agent(binary: &Path, agents_dir: &Path) -> Result<PathBuf, Rootfs
         }
         Err(e) => Err(io_err(&dir)(e)),
     }
+}
+
+/// The agent directory and its `lib` readable and searchable by every user inside the sandbox
+/// (0755 whatever the daemon's umask), so a non-root process can run the agent binary as a
+/// client (E2B's `base`: `sudo` for its `user`). On the host it stays under the 0700 data
+/// directory.
+fn open_agent_dir(dir: &Path) -> Result<(), RootfsError> {
+    set_mode(dir, 0o755)?;
+    set_mode(&dir.join("lib"), 0o755)?;
+    for entry in fs::read_dir(dir.join("lib")).map_err(io_err(dir))? {
+        let p = entry.map_err(io_err(dir))?.path();
+        set_mode(&p, 0o755)?;
+    }
+    Ok(())
 }
 
 /// The argv that starts the agent inside a sandbox, with `main` as its main process.

@@ -20,6 +20,8 @@ const NETWORK_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk
 const PTY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/pty.py");
 const LEGACY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/legacy.py");
 const PARITY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/parity.py");
+const BASE_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/base.py");
+const SNAPSHOTS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/snapshots.py");
 const JS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/js");
 
 async fn tenant(d: &Daemon, name: &str) -> String {
@@ -143,6 +145,31 @@ async fn the_python_sdk_sees_e2b_semantics_beyond_the_happy_path() {
     let d = Daemon::start().await;
     let key = tenant(&d, "parity-a").await;
     run_sdk(&d, "python3", PARITY_SCRIPT, &key, &[]).await;
+}
+
+/// Issue 19: E2B's `base` (user `user`, sudo, python, files owned by `user`), as the SDK sees it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_python_sdk_finds_e2bs_base_template() {
+    let d = Daemon::start().await;
+    let key = tenant(&d, "base-a").await;
+    run_sdk(&d, "python3", BASE_SCRIPT, &key, &[]).await;
+}
+
+/// Issue 19: E2B's named snapshots (create, list, create from, delete; another tenant's
+/// unreachable), as the SDK sees them.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_python_sdk_takes_and_uses_named_snapshots() {
+    let d = Daemon::start().await;
+    let key = tenant(&d, "snap-a").await;
+    let other = tenant(&d, "snap-b").await;
+    run_sdk(
+        &d,
+        "python3",
+        SNAPSHOTS_SCRIPT,
+        &key,
+        &[("OTHER_KEY", other)],
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -13,9 +13,8 @@ use torpor_core::{SandboxId, TemplateName, TenantId, Tier};
 
 use super::egress::{Egress, META_EGRESS};
 use super::{
-    e2b_running, is_running, template_to_e2b, template_to_torpor, E2b, E2bError, DEFAULT_TIMEOUT_S,
-    MAX_TIMEOUT_S, META_AUTO_RESUME, META_END_AT, META_ON_TIMEOUT, META_PAUSED, META_PREFIX,
-    META_TIMEOUT,
+    e2b_running, is_running, E2b, E2bError, DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, META_AUTO_RESUME,
+    META_END_AT, META_ON_TIMEOUT, META_PAUSED, META_PREFIX, META_TIMEOUT,
 };
 use crate::server::constant_time_eq;
 use crate::types::rfc3339;
@@ -41,6 +40,19 @@ pub fn authenticate(st: &E2b, headers: &HeaderMap) -> E2bResult<TenantId> {
     crate::request_id::set_caller(&tenant);
     crate::ratelimit::check(&st.api, &tenant, crate::ratelimit::RouteClass::Lifecycle)?;
     Ok(tenant)
+}
+
+/// A sandbox of the caller's, as E2B sees sandboxes: the holder of a named snapshot is not
+/// one (404, as for nothing).
+pub fn e2b_sandbox(st: &E2b, tenant: &TenantId, id: &SandboxId) -> E2bResult<SandboxRecord> {
+    let rec = st.api.engine.sandbox(tenant, id)?;
+    if super::is_snapshot(&rec) {
+        return Err(E2bError::not_found(format_args!(
+            "sandbox {:?}",
+            id.as_str()
+        )));
+    }
+    Ok(rec)
 }
 
 fn sandbox_id(raw: &str) -> E2bResult<SandboxId> {
@@ -194,7 +206,7 @@ fn user_metadata(rec: &SandboxRecord) -> BTreeMap<String, String> {
 }
 
 pub fn sandbox_json(st: &E2b, rec: &SandboxRecord) -> SandboxJson {
-    let tpl = template_to_e2b(rec.template.as_str()).to_string();
+    let tpl = rec.template.to_string();
     SandboxJson {
         template_id: tpl.clone(),
         sandbox_id: rec.id.to_string(),
@@ -212,7 +224,7 @@ pub fn sandbox_json(st: &E2b, rec: &SandboxRecord) -> SandboxJson {
 }
 
 pub fn detail_json(st: &E2b, rec: &SandboxRecord, with_token: bool) -> SandboxDetailJson {
-    let tpl = template_to_e2b(rec.template.as_str()).to_string();
+    let tpl = rec.template.to_string();
     let egress = egress_of(rec);
     let end_at = rec
         .metadata
@@ -360,7 +372,7 @@ pub(crate) fn plan_create(
     template_network: impl FnOnce(&TemplateName) -> E2bResult<Option<torpor_core::NetworkPolicy>>,
     traffic_token: impl FnOnce() -> String,
 ) -> E2bResult<CreatePlan> {
-    let tpl = template_to_torpor(body.template_id.as_deref().unwrap_or("base"));
+    let tpl = body.template_id.as_deref().unwrap_or(super::base::BASE);
     let template = TemplateName::new(tpl)
         .map_err(|_| E2bError::not_found(format_args!("template {tpl:?}")))?;
     let timeout = timeout_seconds(body.timeout)?;
@@ -426,12 +438,34 @@ pub async fn create(
     body: Body,
 ) -> E2bResult<(StatusCode, Json<SandboxJson>)> {
     let tenant = authenticate(&st, &headers)?;
-    let body: NewSandbox = parse_body(&headers, body).await?;
+    let mut body: NewSandbox = parse_body(&headers, body).await?;
+    let requested = body
+        .template_id
+        .clone()
+        .unwrap_or_else(|| super::base::BASE.to_string());
+    // A named snapshot (`Sandbox.create(snapshot_id)`): by its id or name, unless a template
+    // of that name is there.
+    let is_template =
+        || TemplateName::new(&requested).is_ok_and(|n| st.api.engine.template(&tenant, &n).is_ok());
+    let holder =
+        if requested != super::base::BASE && (requested.contains([':', '/']) || !is_template()) {
+            super::snapshots::find(&st, &tenant, &requested)?
+        } else {
+            None
+        };
+    match &holder {
+        Some(h) => body.template_id = Some(h.template.to_string()),
+        None if requested == super::base::BASE => super::base::ensure(&st).await?,
+        None => {}
+    }
     let plan = plan_create(
         body,
         |template| template_network(&st, &tenant, template),
         || super::ports::new_traffic_token(&st),
     )?;
+    if let Some(h) = holder {
+        return super::snapshots::create_from(&st, &tenant, &h, plan).await;
+    }
     let rec = st
         .api
         .engine
@@ -471,7 +505,7 @@ pub async fn connect(
     let id = sandbox_id(&id)?;
     let body: TimeoutBody = parse_body(&headers, body).await?;
     let timeout = timeout_seconds(body.timeout)?;
-    let before = st.api.engine.sandbox(&tenant, &id)?;
+    let before = e2b_sandbox(&st, &tenant, &id)?;
     let was_running = is_running(before.tier) && !before.metadata.contains_key(META_PAUSED);
     // A running sandbox's deadline only moves later; a woken one gets a fresh one.
     let new_end = torpor_core::now_millis() + timeout as i64 * 1000;
@@ -508,7 +542,7 @@ pub async fn resume(
 ) -> E2bResult<(StatusCode, Json<SandboxJson>)> {
     let tenant = authenticate(&st, &headers)?;
     let sid = sandbox_id(&id)?;
-    if e2b_running(&st.api.engine.sandbox(&tenant, &sid)?) {
+    if e2b_running(&e2b_sandbox(&st, &tenant, &sid)?) {
         return Err(E2bError::new(
             StatusCode::CONFLICT,
             format!("sandbox {id} is already running"),
@@ -525,7 +559,7 @@ pub async fn pause(
 ) -> E2bResult<StatusCode> {
     let tenant = authenticate(&st, &headers)?;
     let sid = sandbox_id(&id)?;
-    let rec = st.api.engine.sandbox(&tenant, &sid)?;
+    let rec = e2b_sandbox(&st, &tenant, &sid)?;
     if !e2b_running(&rec) {
         return Err(E2bError::new(
             StatusCode::CONFLICT,
@@ -566,10 +600,9 @@ pub async fn kill(
     Path(id): Path<String>,
 ) -> E2bResult<StatusCode> {
     let tenant = authenticate(&st, &headers)?;
-    st.api
-        .engine
-        .delete_sandbox(&tenant, &sandbox_id(&id)?)
-        .await?;
+    let sid = sandbox_id(&id)?;
+    e2b_sandbox(&st, &tenant, &sid)?;
+    st.api.engine.delete_sandbox(&tenant, &sid).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -580,7 +613,7 @@ pub async fn get_one(
     Path(id): Path<String>,
 ) -> E2bResult<Json<SandboxDetailJson>> {
     let tenant = authenticate(&st, &headers)?;
-    let rec = st.api.engine.sandbox(&tenant, &sandbox_id(&id)?)?;
+    let rec = e2b_sandbox(&st, &tenant, &sandbox_id(&id)?)?;
     Ok(Json(detail_json(&st, &rec, true)))
 }
 
@@ -595,7 +628,7 @@ pub async fn set_network(
     let tenant = authenticate(&st, &headers)?;
     let sid = sandbox_id(&id)?;
     let body: NetworkUpdate = parse_body(&headers, body).await?;
-    let rec = st.api.engine.sandbox(&tenant, &sid)?;
+    let rec = e2b_sandbox(&st, &tenant, &sid)?;
     super::egress::refuse_unsupported(body.egress_proxy.as_ref(), body.rules.as_ref(), None)?;
     let egress = Egress {
         allow_out: body.allow_out,
@@ -604,7 +637,7 @@ pub async fn set_network(
         allow_internet_access: body.allow_internet_access,
     };
     let tpl_network = template_network(&st, &tenant, &rec.template)?;
-    let tpl = template_to_e2b(rec.template.as_str());
+    let tpl = rec.template.as_str();
     let policy = super::egress::policy(tpl, tpl_network.as_ref(), &egress)?;
     st.api.engine.set_network(&tenant, &sid, policy).await?;
     let kept = (egress != Egress::default()).then(|| serde_json::to_string(&egress).expect("json"));

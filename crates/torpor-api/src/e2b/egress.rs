@@ -171,15 +171,49 @@ pub fn policy(
     };
     let ingress_only = NetworkPolicy::Allow(AllowList::default());
     let template_full = matches!(template, Some(p) if *p == NetworkPolicy::full());
-    if template_full || wanted == ingress_only {
+    if template_full || wanted == ingress_only || within(&wanted, &base) {
         return Ok(wanted);
     }
     Err(E2bError::bad_request(format!(
-        "template {template_name:?} limits egress (its network policy is {}); allowOut and \
-         denyOut need a template whose network is \"full\" (only allow_internet_access=false \
-         without allowOut narrows any template)",
+        "template {template_name:?} limits egress (its network policy is {}); under it allowOut \
+         and denyOut may only narrow it (denyOut 0.0.0.0/0 with allowOut addresses or CIDRs \
+         inside it, or allow_internet_access=false); a template whose network is \"full\" \
+         takes any",
         serde_json::to_string(&base).unwrap_or_default()
     )))
+}
+
+/// Whether `wanted` lets through nothing `ceiling` does not: an allowlist of CIDRs (no
+/// names, no deny rules, nothing by default) each inside a CIDR the ceiling allows on every
+/// port. (Names are not: what a name resolves to is known only when it is looked up.)
+pub fn within(wanted: &NetworkPolicy, ceiling: &NetworkPolicy) -> bool {
+    let (NetworkPolicy::Allow(w), NetworkPolicy::Allow(c)) = (wanted, ceiling) else {
+        return false;
+    };
+    let plain = |l: &AllowList| l.default == Verdict::Deny && l.deny.is_empty();
+    if !plain(w) || !plain(c) || !w.hosts.is_empty() {
+        return false;
+    }
+    w.allow.iter().all(|r| {
+        let Ok(inner) = parse_cidr(&r.cidr) else {
+            return false;
+        };
+        c.allow.iter().any(|o| {
+            o.ports.is_empty() && parse_cidr(&o.cidr).is_ok_and(|outer| cidr_contains(outer, inner))
+        })
+    })
+}
+
+/// Whether network `outer` holds network `inner`.
+fn cidr_contains((a, l): (Ipv4Addr, u8), (b, m): (Ipv4Addr, u8)) -> bool {
+    let mask = |len: u8| {
+        if len == 0 {
+            0
+        } else {
+            u32::MAX << (32 - len as u32)
+        }
+    };
+    m >= l && (u32::from(a) & mask(l)) == (u32::from(b) & mask(l))
 }
 
 fn cidr_rule(addr: Ipv4Addr, len: u8) -> AllowRule {
@@ -277,6 +311,25 @@ mod tests {
                 policy("t", t, &no_internet).unwrap(),
                 NetworkPolicy::Allow(AllowList::default())
             );
+            // A narrower allowlist inside the ceiling is taken as it is.
+            let inside = policy(
+                "t",
+                Some(&tpl),
+                &egress(&["10.1.2.3", "10.9.0.0/16"], &["0.0.0.0/0"]),
+            );
+            let cidrs: Vec<String> = list(inside.unwrap())
+                .allow
+                .into_iter()
+                .map(|r| r.cidr)
+                .collect();
+            assert_eq!(cidrs, ["10.1.2.3/32", "10.9.0.0/16"]);
+            assert!(policy("t", Some(&tpl), &egress(&["10.0.0.0/7"], &["0.0.0.0/0"])).is_err());
+            assert!(policy(
+                "t",
+                Some(&tpl),
+                &egress(&["api.example.com"], &["0.0.0.0/0"])
+            )
+            .is_err());
             let e = policy("t", t, &egress(&["1.1.1.1"], &["0.0.0.0/0"])).unwrap_err();
             assert!(
                 e.message.contains("template \"t\" limits egress"),

@@ -210,6 +210,10 @@ pub async fn upload(
             .write_file(&c.tenant, &c.id, &path, None, &data)
             .await
             .map_err(|e| http_err(e.into()))?;
+        // E2B's `base`: the agent makes new files `user`'s; one written as `root` is root's.
+        if c.base && user.as_deref() == Some("root") {
+            let _ = super::envd::run(&st, &c, &["chown", "0:0", "--", &path], Vec::new()).await;
+        }
         let (_, name) = parent_and_name(&path);
         written.push(json!({"name": name, "type": "file", "path": path}));
     }

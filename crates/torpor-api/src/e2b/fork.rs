@@ -65,7 +65,7 @@ pub async fn fork(
             .map_err(|e| E2bError::bad_request(format!("request body: {e}")))?
     };
     let (timeout, count) = check_fork(&body)?;
-    let source = st.api.engine.sandbox(&tenant, &sid)?;
+    let source = super::control::e2b_sandbox(&st, &tenant, &sid)?;
     if !e2b_running(&source) {
         return Err(E2bError::new(
             StatusCode::CONFLICT,

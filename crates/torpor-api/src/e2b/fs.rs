@@ -379,7 +379,8 @@ pub async fn filesystem_rpc(
                     Err(e) if e.code == Code::NotFound => {}
                     Err(e) => return Err(e),
                 }
-                let (code, _, err) = run(&st, &c, &["mkdir", "-p", "--", &p], Vec::new()).await?;
+                let cmd = as_caller(&c, user.as_deref(), &["mkdir", "-p", "--", &p]);
+                let (code, _, err) = run(&st, &c, &cmd, Vec::new()).await?;
                 if code != 0 {
                     return Err(RpcError::new(
                         Code::InvalidArgument,
@@ -394,8 +395,8 @@ pub async fn filesystem_rpc(
                 let src = resolve(&req.source, user.as_deref())?;
                 let dst = resolve(&req.destination, user.as_deref())?;
                 stat(&st, &c, &src).await?;
-                let (code, _, err) =
-                    run(&st, &c, &["mv", "-f", "--", &src, &dst], Vec::new()).await?;
+                let cmd = as_caller(&c, user.as_deref(), &["mv", "-f", "--", &src, &dst]);
+                let (code, _, err) = run(&st, &c, &cmd, Vec::new()).await?;
                 if code != 0 {
                     return Err(RpcError::new(
                         Code::InvalidArgument,
@@ -465,6 +466,14 @@ pub async fn filesystem_rpc(
     }
     .await;
     result.unwrap_or_else(|e| connect::error_response(framing, &e))
+}
+
+/// A helper command line run as the call's user (E2B's `base`: `user` unless `root` is
+/// named, so its permissions apply and what it makes is `user`'s).
+fn as_caller(c: &Ctx, user: Option<&str>, cmd: &[&str]) -> Vec<String> {
+    let mut v = super::base::as_user(&super::base::identity(c.base, user));
+    v.extend(cmd.iter().map(|s| s.to_string()));
+    v
 }
 
 /// The user named by envd's `Authorization: Basic base64(user:)`.

@@ -12,7 +12,7 @@ use axum::Json;
 use torpor_control::SandboxRecord;
 
 use super::control::{authenticate, detail_json, SandboxDetailJson};
-use super::{e2b_running, template_to_e2b, E2b, E2bError, META_PREFIX};
+use super::{e2b_running, E2b, E2bError, META_PREFIX};
 
 type E2bResult<T> = Result<T, E2bError>;
 
@@ -172,6 +172,7 @@ pub fn page<'a>(
     let key = |r: &SandboxRecord| (r.created_at, r.id.to_string());
     let mut selected: Vec<&SandboxRecord> = all
         .iter()
+        .filter(|r| !super::is_snapshot(r))
         .filter(|r| {
             let running = e2b_running(r);
             (running && f.running) || (!running && f.paused)
@@ -179,9 +180,9 @@ pub fn page<'a>(
         .filter(|r| f.metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v)))
         .filter(|r| f.started_after.is_none_or(|t| r.created_at >= t))
         .filter(|r| {
-            f.template.as_deref().is_none_or(|t| {
-                t == r.template.as_str() || t == template_to_e2b(r.template.as_str())
-            })
+            f.template
+                .as_deref()
+                .is_none_or(|t| t == r.template.as_str())
         })
         .filter(|r| {
             after.is_none_or(|(at, id)| {

@@ -130,11 +130,12 @@ pub async fn get_metrics(
     }
     let sid =
         SandboxId::new(&id).map_err(|_| E2bError::not_found(format_args!("sandbox {id:?}")))?;
-    let rec = st.api.engine.sandbox(&tenant, &sid)?;
+    let rec = super::control::e2b_sandbox(&st, &tenant, &sid)?;
     if rec.tier == torpor_core::Tier::Running {
         let c = Ctx {
             tenant: rec.tenant.clone(),
             id: sid.clone(),
+            base: false,
         };
         match run(&st, &c, &["sh", "-c", SAMPLE_SCRIPT], Vec::new()).await {
             Ok((0, out, _)) => match parse_sample(out.trim(), torpor_core::now_millis()) {

@@ -13,6 +13,7 @@
 //! (`end_at`, ms) and what happens at it (`on_timeout`). A [`timeout_task`] puts a sandbox past
 //! its deadline to sleep (parked), or deletes it when `on_timeout` is `kill`.
 
+pub mod base;
 pub mod connect;
 pub mod control;
 pub mod egress;
@@ -24,6 +25,7 @@ pub mod listing;
 pub mod metrics;
 pub mod multipart;
 pub mod ports;
+pub mod snapshots;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -54,6 +56,11 @@ const META_PAUSED: &str = "torpor.e2b.paused";
 const META_AUTO_RESUME: &str = "torpor.e2b.auto_resume";
 /// The timeout (s) given at create or the last connect: the deadline an auto-resume sets.
 const META_TIMEOUT: &str = "torpor.e2b.timeout";
+/// Set on the sandbox that holds an E2B named snapshot ([`snapshots`]): the id of the sandbox
+/// it was taken from. Such a sandbox is never shown or woken as a sandbox through E2B.
+pub const META_SNAPSHOT_OF: &str = "torpor.e2b.snapshot_of";
+/// The name of an E2B named snapshot (absent: unnamed).
+pub const META_SNAPSHOT_NAME: &str = "torpor.e2b.snapshot_name";
 /// E2B's default sandbox timeout.
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
 /// The longest timeout accepted (E2B's own ceiling is 24 h).
@@ -75,6 +82,8 @@ pub struct E2b {
     timeouts_in_flight: Mutex<std::collections::HashSet<SandboxId>>,
     /// Metrics samples kept for `get_metrics`.
     pub metrics: metrics::Samples,
+    /// Set once E2B's `base` template exists ([`base::ensure`]).
+    base_ready: tokio::sync::OnceCell<()>,
 }
 
 impl E2b {
@@ -83,7 +92,7 @@ impl E2b {
             "torpor e2b envd access token v1",
             api.admin_token.as_bytes(),
         );
-        let domain = crate::proxy::proxy_domain().to_string();
+        let domain = crate::domain::proxy_domain().to_string();
         E2b {
             api,
             token_key,
@@ -92,6 +101,7 @@ impl E2b {
             legacy_agents: Mutex::new(Default::default()),
             timeouts_in_flight: Mutex::new(Default::default()),
             metrics: Default::default(),
+            base_ready: tokio::sync::OnceCell::new(),
         }
     }
 
@@ -195,6 +205,11 @@ pub fn e2b_running(rec: &torpor_control::SandboxRecord) -> bool {
     is_running(rec.tier) || rec.metadata.contains_key(META_END_AT)
 }
 
+/// Whether a sandbox is the holder of an E2B named snapshot rather than a sandbox.
+pub fn is_snapshot(rec: &torpor_control::SandboxRecord) -> bool {
+    rec.metadata.contains_key(META_SNAPSHOT_OF)
+}
+
 /// Whether a sandbox paused through E2B wakes on a call to it (`autoResume`).
 pub fn auto_resumes(rec: &torpor_control::SandboxRecord) -> bool {
     rec.metadata.get(META_AUTO_RESUME).map(String::as_str) == Some("1")
@@ -227,23 +242,6 @@ pub fn mark_resumed(
     Ok(())
 }
 
-/// E2B's `base` template is torpor's default `host` template.
-pub fn template_to_torpor(name: &str) -> &str {
-    if name == "base" {
-        "host"
-    } else {
-        name
-    }
-}
-
-pub fn template_to_e2b(name: &str) -> &str {
-    if name == "host" {
-        "base"
-    } else {
-        name
-    }
-}
-
 /// The E2B routes, to be merged into torpor's router.
 pub fn router(api: Arc<ApiState>) -> Router<Arc<ApiState>> {
     let st = Arc::new(E2b::new(api));
@@ -267,9 +265,9 @@ pub fn router(api: Arc<ApiState>) -> Router<Arc<ApiState>> {
         .route("/sandboxes/{id}/metrics", get(metrics::get_metrics))
         // E2B routes torpor does not serve: answered in E2B's error shape, so the SDKs raise
         // their own exception rather than failing to read the error.
-        .route("/sandboxes/{id}/snapshots", post(unsupported))
-        .route("/snapshots", get(unsupported))
-        .route("/templates/{id}", axum::routing::delete(unsupported))
+        .route("/sandboxes/{id}/snapshots", post(snapshots::create))
+        .route("/snapshots", get(snapshots::list))
+        .route("/templates/{id}", axum::routing::delete(snapshots::delete))
         .route("/sandboxes/{id}/logs", get(unsupported))
         .route("/v2/sandboxes/{id}/logs", get(unsupported))
         .route("/sandboxes/metrics", get(unsupported))
@@ -325,6 +323,9 @@ pub async fn enforce_timeouts(st: &Arc<E2b>) -> Result<(), E2bError> {
     let now = torpor_core::now_millis();
     let admin = TenantId::admin();
     for rec in st.api.engine.sandboxes(&admin)? {
+        if is_snapshot(&rec) {
+            continue;
+        }
         let Some(end_at) = rec
             .metadata
             .get(META_END_AT)

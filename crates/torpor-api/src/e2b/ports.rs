@@ -76,7 +76,9 @@ pub(crate) fn host_route_tenant(
     let admin = TenantId::admin();
     let rec = SandboxId::new(id)
         .ok()
-        .and_then(|id| state.engine.sandbox(&admin, &id).ok());
+        .and_then(|id| state.engine.sandbox(&admin, &id).ok())
+        // A named snapshot's holder is no E2B sandbox: no public traffic wakes it.
+        .filter(|r| !super::is_snapshot(r));
     let host = rec
         .as_ref()
         .and_then(|r| r.metadata.get(META_MASK_HOST))

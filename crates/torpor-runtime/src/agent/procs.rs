@@ -100,6 +100,10 @@ impl Agent {
             command.env("TERM", "xterm-256color");
         }
         command.envs(&req.env);
+        if let Some(u) = req.user {
+            // std drops the supplementary groups too (setgroups before setuid).
+            command.uid(u.uid).gid(u.gid);
+        }
         if let Some(cwd) = &req.cwd {
             if !Path::new(cwd).is_dir() {
                 return Err(Reply::Error {
