@@ -207,7 +207,7 @@ pub fn client_message(e: &ControlError) -> String {
     let admin = crate::request_id::caller().is_some_and(|c| c == TenantId::admin());
     let meant_for_clients = admin
         || match e {
-            ControlError::NoWorker(_)
+            ControlError::NoWorker { .. }
             | ControlError::LotFull(_)
             | ControlError::ShuttingDown
             | ControlError::ExecTimeout { .. }
@@ -250,7 +250,9 @@ impl From<ControlError> for ApiError {
             }
             _ => None,
         };
-        let retry_after = (wire(kind).status == StatusCode::SERVICE_UNAVAILABLE).then_some(1);
+        let retry_after = e
+            .retry_after_s()
+            .or((wire(kind).status == StatusCode::SERVICE_UNAVAILABLE).then_some(1));
         ApiError {
             kind,
             code: e.code().into(),
@@ -396,7 +398,14 @@ mod tests {
                 "tenant_in_use",
             ),
             (ControlError::LotFull(3), 503, "lot_full"),
-            (ControlError::NoWorker(5), 503, "no_worker_available"),
+            (
+                ControlError::NoWorker {
+                    budget_ms: 5,
+                    expected_ms: None,
+                },
+                503,
+                "no_worker_available",
+            ),
             (ControlError::Busy("x".into()), 409, "sandbox_busy"),
             (ControlError::ShuttingDown, 503, "shutting_down"),
             (ControlError::Unsupported("x".into()), 400, "unsupported"),
@@ -511,7 +520,13 @@ mod tests {
         assert_eq!(agent(A::InvalidPath), C::InvalidArgument);
         assert_eq!(agent(A::Io), C::Internal);
         let of = |e: ControlError| ApiError::from(e).connect_code();
-        assert_eq!(of(ControlError::NoWorker(1)), C::ResourceExhausted);
+        assert_eq!(
+            of(ControlError::NoWorker {
+                budget_ms: 1,
+                expected_ms: None
+            }),
+            C::ResourceExhausted
+        );
         assert_eq!(of(ControlError::LotFull(1)), C::ResourceExhausted);
         assert_eq!(of(ControlError::ShuttingDown), C::Unavailable);
         assert_eq!(
@@ -535,6 +550,19 @@ mod tests {
     }
 
     #[test]
+    fn a_call_refused_by_admission_says_when_to_retry() {
+        let api = ApiError::from(ControlError::NoWorker {
+            budget_ms: 1000,
+            expected_ms: Some(2500),
+        });
+        assert_eq!(api.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(api.code, "no_worker_available");
+        assert_eq!(api.retry_after, Some(3));
+        let resp = api.into_response();
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "3");
+    }
+
+    #[test]
     fn internal_errors_tell_clients_the_code_and_request_id_never_the_details() {
         let e = ControlError::Io {
             what: "reading",
@@ -553,7 +581,10 @@ mod tests {
         ));
         assert!(!api.message.contains("/var/lib"), "{}", api.message);
         // Errors meant for clients keep their text.
-        let api = ApiError::from(ControlError::NoWorker(5));
+        let api = ApiError::from(ControlError::NoWorker {
+            budget_ms: 5,
+            expected_ms: None,
+        });
         assert_eq!(api.message, "no worker became free within 5 ms");
         assert_eq!(api.retry_after, Some(1));
         let api = ApiError::from(ControlError::Invalid("cmd is empty".into()));

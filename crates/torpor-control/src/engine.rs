@@ -245,8 +245,11 @@ pub struct Engine {
     slots: Mutex<HashMap<SandboxId, Arc<Slot>>>,
     workers: Arc<WorkerPool>,
     evictor: Arc<Evictor>,
-    /// At most this many checkpoints run at once (each is CPU- and disk-heavy).
+    /// At most this many checkpoints run at once (each is CPU- and disk-heavy): one per core.
     checkpoints: Arc<Semaphore>,
+    /// At most this many restores run at once, one per core: more only slow each other down
+    /// (50 parallel restores on 2 cores take each 10x longer) and the first wake waits for all.
+    restores: Arc<Semaphore>,
     pub metrics: Metrics,
     shutting_down: AtomicBool,
     /// The snapshot store: Suspended sandboxes' checkpoints, chunked, deduplicated, verified.
@@ -315,7 +318,8 @@ impl Engine {
             me: me.clone(),
             evictor: Arc::default(),
             workers: WorkerPool::new(cfg.workers, cfg.lot_capacity),
-            checkpoints: Arc::new(Semaphore::new(2)),
+            checkpoints: Arc::new(Semaphore::new(cores())),
+            restores: Arc::new(Semaphore::new(cores())),
             cfg,
             store,
             node,
@@ -481,6 +485,11 @@ impl Engine {
         }
         self.node.shutdown().await;
     }
+}
+
+/// The node's cores (at least 2): how many restores and checkpoints run at once.
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get().max(2))
 }
 
 fn create_data_dirs(data_dir: &Path) -> Result<()> {

@@ -106,8 +106,13 @@ pub enum ControlError {
     TenantInUse(String, String),
     #[error("the parking lot is full ({0} calls wait for a worker); retry later")]
     LotFull(usize),
-    #[error("no worker became free within {0} ms")]
-    NoWorker(u64),
+    /// No worker within the call's budget: it waited `budget_ms` in vain, or (`expected_ms`)
+    /// the lot's measured service rate said it would wait that long, and it was refused at once.
+    #[error("{}", no_worker_message(*budget_ms, *expected_ms))]
+    NoWorker {
+        budget_ms: u64,
+        expected_ms: Option<u64>,
+    },
     #[error("{0}")]
     Busy(String),
     #[error("torpor is shutting down")]
@@ -171,7 +176,7 @@ impl ControlError {
             ControlError::InvalidTransition { .. } => "invalid_transition",
             ControlError::TemplateInUse(..) => "template_in_use",
             ControlError::TemplateNotReady(_) => "template_not_ready",
-            ControlError::NoWorker(_) => "no_worker_available",
+            ControlError::NoWorker { .. } => "no_worker_available",
             ControlError::LotFull(_) => "lot_full",
             ControlError::QuotaExceeded { .. } => "quota_exceeded",
             ControlError::TenantInUse(..) => "tenant_in_use",
@@ -219,7 +224,7 @@ impl ControlError {
             | ControlError::TemplateNotReady(_)
             | ControlError::TenantInUse(..) => K::FailedPrecondition,
             ControlError::QuotaExceeded { .. } => K::QuotaExceeded,
-            ControlError::LotFull(_) | ControlError::NoWorker(_) => K::NoCapacity,
+            ControlError::LotFull(_) | ControlError::NoWorker { .. } => K::NoCapacity,
             ControlError::Busy(_) => K::Busy,
             ControlError::ShuttingDown | ControlError::Conn(_) => K::Unavailable,
             ControlError::Unsupported(_) | ControlError::FeatureDisabled(_) => K::Unsupported,
@@ -270,6 +275,29 @@ impl ControlError {
             what,
             path: path.to_path_buf(),
             source,
+        }
+    }
+}
+
+fn no_worker_message(budget_ms: u64, expected_ms: Option<u64>) -> String {
+    match expected_ms {
+        None => format!("no worker became free within {budget_ms} ms"),
+        Some(wait) => format!(
+            "no worker would be free within {budget_ms} ms: at this node's current rate the wait \
+             is about {wait} ms; retry later"
+        ),
+    }
+}
+
+impl ControlError {
+    /// When the client may usefully retry, in seconds (`Retry-After`), if the error knows.
+    pub fn retry_after_s(&self) -> Option<u64> {
+        match self {
+            ControlError::NoWorker {
+                expected_ms: Some(ms),
+                ..
+            } => Some(ms.div_ceil(1000).max(1)),
+            _ => None,
         }
     }
 }

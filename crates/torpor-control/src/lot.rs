@@ -11,6 +11,12 @@
 //! One tenant may hold at most half of the lot's places ([`WorkerPool::tenant_share`]); beyond
 //! it that tenant's calls are refused `lot_full` while the other half stays open to everyone
 //! else, so one tenant's burst cannot give every other tenant `lot_full`.
+//!
+//! Admission: the lot measures how fast it serves parked calls (the interval between hand-offs
+//! while calls wait, an exponential average). A call that would be served, at that rate and at
+//! its place in the tenants' round-robin, only after its budget is refused at once
+//! ([`LotError::WouldWait`], with the expected wait for `Retry-After`) instead of waiting the
+//! budget out and failing anyway; every call that can be served in time is admitted.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -25,6 +31,44 @@ pub enum LotError {
     Full,
     /// No worker became free within the budget.
     Timeout,
+    /// At the measured service rate this call would wait about this long, past its budget.
+    WouldWait(Duration),
+}
+
+/// How fast the lot serves parked calls, measured.
+#[derive(Debug, Default)]
+struct Service {
+    /// Exponential average of the seconds between hand-offs to parked calls while calls wait.
+    interval_s: f64,
+    samples: u32,
+    /// The last hand-off (or the moment the lot stopped being empty), while calls wait.
+    since: Option<Instant>,
+}
+
+/// Hand-offs measured before admission trusts the rate.
+const MIN_SAMPLES: u32 = 3;
+/// Weight of the newest interval in the average.
+const ALPHA: f64 = 0.2;
+
+impl Service {
+    fn record(&mut self, now: Instant, still_waiting: bool) {
+        if let Some(since) = self.since {
+            let dt = now.duration_since(since).as_secs_f64();
+            self.interval_s = if self.samples == 0 {
+                dt
+            } else {
+                ALPHA * dt + (1.0 - ALPHA) * self.interval_s
+            };
+            self.samples = self.samples.saturating_add(1);
+        }
+        self.since = still_waiting.then_some(now);
+    }
+
+    /// The expected wait of a call served after `position` hand-offs; `None` until measured.
+    fn expected_wait(&self, position: usize) -> Option<Duration> {
+        (self.samples >= MIN_SAMPLES)
+            .then(|| Duration::from_secs_f64(self.interval_s * position as f64))
+    }
 }
 
 pub struct WorkerPool {
@@ -41,6 +85,7 @@ struct PoolState {
     order: VecDeque<TenantId>,
     parked: usize,
     next_ticket: u64,
+    service: Service,
 }
 
 /// A worker held by a resident sandbox; dropping it frees the worker for the next parked call.
@@ -106,6 +151,19 @@ impl WorkerPool {
         self.lock().parked
     }
 
+    /// The measured interval between hand-offs to parked calls; `None` until measured.
+    pub fn service_interval(&self) -> Option<Duration> {
+        self.lock().service.expected_wait(1)
+    }
+
+    /// How long a new call of `tenant` would wait now, if it had to park (`None`: not measured
+    /// yet). Its place: behind every parked call, or behind one round of the tenants' queues
+    /// per call of its own already waiting, whichever comes first.
+    pub fn expected_wait(&self, tenant: &TenantId) -> Option<Duration> {
+        let st = self.lock();
+        st.service.expected_wait(position(&st, tenant))
+    }
+
     /// A worker now, without parking; None when all are taken or calls are already waiting.
     pub fn try_acquire(self: &Arc<Self>) -> Option<WorkerPermit> {
         let mut st = self.lock();
@@ -142,6 +200,11 @@ impl WorkerPool {
             if held >= self.tenant_share() {
                 return Err(LotError::Full);
             }
+            if let Some(wait) = st.service.expected_wait(position(&st, tenant)) {
+                if wait > budget {
+                    return Err(LotError::WouldWait(wait));
+                }
+            }
             let (tx, rx) = oneshot::channel();
             st.next_ticket += 1;
             let ticket = st.next_ticket;
@@ -154,6 +217,9 @@ impl WorkerPool {
                 .expect("just inserted")
                 .push_back((ticket, tx));
             st.parked += 1;
+            if st.parked == 1 {
+                st.service.since = Some(Instant::now());
+            }
             (ticket, rx)
         };
         let started = Instant::now();
@@ -201,7 +267,11 @@ impl WorkerPool {
                 pool: Some(self.clone()),
             };
             match tx.send(permit) {
-                Ok(()) => return,
+                Ok(()) => {
+                    let waiting = st.parked > 0;
+                    st.service.record(Instant::now(), waiting);
+                    return;
+                }
                 // That call gave up; its permit came back here. Forget it (no release loop)
                 // and try the next waiter.
                 Err(mut returned) => {
@@ -210,7 +280,16 @@ impl WorkerPool {
             }
         }
         st.free += 1;
+        st.service.since = None;
     }
+}
+
+/// Hand-offs before a new call of `tenant` is served: every parked call at most; with the
+/// tenants served in turn, one round per call of its own already queued.
+fn position(st: &PoolState, tenant: &TenantId) -> usize {
+    let own = st.queues.get(tenant).map_or(0, VecDeque::len);
+    let tenants = st.order.len() + usize::from(own == 0);
+    (st.parked + 1).min((own + 1) * tenants.max(1))
 }
 
 /// A call's place in the lot; dropping it (the client went away) gives the place up.
@@ -235,6 +314,9 @@ impl Place<'_> {
                         st.order.retain(|t| t != self.tenant);
                     }
                     st.parked -= 1;
+                    if st.parked == 0 {
+                        st.service.since = None;
+                    }
                     return None;
                 }
             }
@@ -380,5 +462,74 @@ mod tests {
         assert_eq!(pool.parked(), 0);
         drop(held);
         assert_eq!(pool.free(), 1, "the worker came back to the pool");
+    }
+
+    #[tokio::test]
+    async fn a_call_that_cannot_be_served_in_its_budget_is_refused_at_once() {
+        let pool = WorkerPool::new(1, 64);
+        let a = t("a");
+        let mut current = pool.acquire(&a, Duration::from_secs(1)).await.unwrap().0;
+        // Serve parked calls one every 50 ms: the lot measures that rate.
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for _ in 0..6 {
+            let (p, a, tx) = (pool.clone(), a.clone(), tx.clone());
+            tokio::spawn(async move {
+                let permit = p.acquire(&a, Duration::from_secs(5)).await.unwrap().0;
+                let _ = tx.send(permit);
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        for _ in 0..6 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            drop(current);
+            current = rx.recv().await.unwrap();
+        }
+        let interval = pool.service_interval().expect("measured");
+        assert!(interval >= Duration::from_millis(40), "{interval:?}");
+        // One worker held, calls queue: the tenth in line would wait about 10 intervals.
+        let hold = current;
+        let mut queued = Vec::new();
+        for _ in 0..9 {
+            let p = pool.clone();
+            let a = a.clone();
+            queued.push(tokio::spawn(async move {
+                p.acquire(&a, Duration::from_secs(5)).await.map(|x| x.0)
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let start = Instant::now();
+        match pool.acquire(&a, interval * 5).await {
+            Err(LotError::WouldWait(w)) => {
+                assert!(w > interval * 5, "{w:?}");
+                assert!(start.elapsed() < interval, "refused at once");
+            }
+            other => panic!("expected WouldWait, got {:?}", other.map(|_| ())),
+        }
+        // A budget that covers the line is admitted (and served).
+        let p = pool.clone();
+        let b = a.clone();
+        let admitted =
+            tokio::spawn(async move { p.acquire(&b, Duration::from_secs(30)).await.map(|x| x.0) });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(pool.parked(), 10);
+        drop(hold);
+        for q in queued {
+            drop(q.await.unwrap().unwrap());
+        }
+        assert!(admitted.await.unwrap().is_ok());
+    }
+
+    #[test]
+    fn a_new_tenant_waits_one_round_not_the_whole_line() {
+        let pool = WorkerPool::new(1, 64);
+        let mut st = pool.lock();
+        for i in 0..10 {
+            let (tx, _rx) = oneshot::channel();
+            st.queues.entry(t("a")).or_default().push_back((i, tx));
+        }
+        st.order.push_back(t("a"));
+        st.parked = 10;
+        assert_eq!(position(&st, &t("a")), 11);
+        assert_eq!(position(&st, &t("b")), 2);
     }
 }

@@ -49,9 +49,20 @@ impl Engine {
                     .lot_wait_seconds
                     .with_label_values(&["timeout"])
                     .observe(self.cfg.worker_wait.as_secs_f64());
-                Err(ControlError::NoWorker(
-                    self.cfg.worker_wait.as_millis() as u64
-                ))
+                Err(ControlError::NoWorker {
+                    budget_ms: self.cfg.worker_wait.as_millis() as u64,
+                    expected_ms: None,
+                })
+            }
+            Err(LotError::WouldWait(expected)) => {
+                self.metrics
+                    .lot_rejections
+                    .with_label_values(&["would_wait"])
+                    .inc();
+                Err(ControlError::NoWorker {
+                    budget_ms: self.cfg.worker_wait.as_millis() as u64,
+                    expected_ms: Some(expected.as_millis() as u64),
+                })
             }
         }
     }

@@ -80,7 +80,10 @@ impl Engine {
             network: networked.clone(),
             ready_timeout: READY_TIMEOUT,
         };
-        let container = self.node.restore(launch, image).await?;
+        let container = {
+            let _turn = self.restores.acquire().await;
+            self.node.restore(launch, image).await?
+        };
         self.metrics
             .warm_takes
             .with_label_values(&[if container.was_warm() { "warm" } else { "cold" }])
