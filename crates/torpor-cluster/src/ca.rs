@@ -355,11 +355,21 @@ impl Ca {
     /// Issues a certificate for `role`/`name`, valid from now for `ttl`.
     pub fn issue(&self, role: Role, name: &MemberName, ttl: Duration) -> Result<Issued, CaError> {
         let now = OffsetDateTime::now_utc();
-        self.issue_between(role, name, now - BACKDATE, now + to_time(ttl)?)
+        self.issue_at(role, name, now - BACKDATE, now + to_time(ttl)?)
     }
 
     /// Issues a certificate valid between two instants (tests use one already expired).
     pub fn issue_between(
+        &self,
+        role: Role,
+        name: &MemberName,
+        not_before: std::time::SystemTime,
+        not_after: std::time::SystemTime,
+    ) -> Result<Issued, CaError> {
+        self.issue_at(role, name, not_before.into(), not_after.into())
+    }
+
+    fn issue_at(
         &self,
         role: Role,
         name: &MemberName,

@@ -518,7 +518,10 @@ async fn dispatch(cmd: Command) -> CliResult {
         Command::Usage(u) => crate::usage::run(u).await,
         Command::Report(r) => crate::finops::run(r).await,
         Command::Ca(c) => crate::ca::run(c),
-        Command::Worker(w) => Ok(crate::worker::run(w).await.map(|()| 0)?),
+        Command::Worker(w) => {
+            init_logging();
+            Ok(crate::worker::run(w).await.map(|()| 0)?)
+        }
         Command::Create {
             template,
             env,

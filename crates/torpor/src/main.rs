@@ -3,6 +3,7 @@
 //! other command is a client of the HTTP API.
 
 mod audit;
+mod ca;
 mod cli;
 mod common;
 mod daemon;
@@ -16,6 +17,7 @@ mod report;
 mod serve;
 mod snapshot;
 mod usage;
+mod worker;
 
 use clap::Parser;
 
