@@ -399,8 +399,32 @@ pub async fn run(args: ReportArgs) -> CliResult {
     Ok(0)
 }
 
+/// `MM-DD HH:00` (UTC) of a Unix time, for the density chart's labels.
+fn utc_hour(t: i64) -> String {
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = t.div_euclid(86_400) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    format!("{month:02}-{day:02} {:02}:00", t.rem_euclid(86_400) / 3600)
+}
+
+/// An amount with enough decimals to show small figures (a short window costs fractions of a
+/// cent).
+fn amount(v: f64) -> String {
+    if v == 0.0 || v.abs() >= 0.01 {
+        format!("{v:.4}")
+    } else {
+        format!("{v:.3e}")
+    }
+}
+
 fn money(v: f64, cur: &str) -> String {
-    format!("{v:.4} {cur}")
+    format!("{} {cur}", amount(v))
 }
 
 /// The terminal summary.
@@ -448,8 +472,9 @@ fn esc(s: &str) -> String {
 
 /// Horizontal bars: one group per label, one bar per series.
 fn bars(groups: &[(String, Vec<f64>)], series: &[(&str, &str)], unit: &str) -> String {
-    let row_h = 14.0 * series.len() as f64 + 18.0;
-    let (w, left) = (640.0, 150.0);
+    // Narrow enough that its text stays legible when a phone scales it to its width.
+    let row_h = 16.0 * series.len() as f64 + 20.0;
+    let (w, left) = (420.0, 110.0);
     let h = row_h * groups.len().max(1) as f64 + 30.0;
     let max = groups
         .iter()
@@ -463,36 +488,38 @@ fn bars(groups: &[(String, Vec<f64>)], series: &[(&str, &str)], unit: &str) -> S
         let y0 = 10.0 + row_h * i as f64;
         let _ = write!(
             s,
-            "<text x=\"0\" y=\"{:.1}\" font-size=\"12\">{}</text>",
-            y0 + 12.0,
-            esc(label)
+            "<text x=\"0\" y=\"{:.1}\" font-size=\"13\">{}</text>",
+            y0 + 13.0,
+            esc(&label.chars().take(14).collect::<String>())
         );
         for (j, v) in values.iter().enumerate() {
-            let bw = (w - left - 90.0) * v.max(0.0) / max;
-            let y = y0 + 14.0 * j as f64;
+            let bw = (w - left - 80.0) * v.max(0.0) / max;
+            let y = y0 + 16.0 * j as f64;
             let _ = write!(
                 s,
-                "<rect x=\"{left}\" y=\"{y:.1}\" width=\"{bw:.1}\" height=\"12\" fill=\"{}\"><title>{}: {v:.4} {}</title></rect>\
-                 <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\">{v:.4}</text>",
+                "<rect x=\"{left}\" y=\"{y:.1}\" width=\"{bw:.1}\" height=\"14\" fill=\"{}\"><title>{}: {} {}</title></rect>\
+                 <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"12\">{}</text>",
                 series[j].1,
                 esc(series[j].0),
+                amount(*v),
                 esc(unit),
                 left + bw + 4.0,
-                y + 10.0
+                y + 12.0,
+                amount(*v)
             );
         }
     }
-    let mut x = left;
+    let mut x = 0.0;
     for (name, color) in series {
         let _ = write!(
             s,
-            "<rect x=\"{x}\" y=\"{:.1}\" width=\"10\" height=\"10\" fill=\"{color}\"/><text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\">{}</text>",
+            "<rect x=\"{x}\" y=\"{:.1}\" width=\"10\" height=\"10\" fill=\"{color}\"/><text x=\"{:.1}\" y=\"{:.1}\" font-size=\"12\">{}</text>",
             h - 14.0,
             x + 14.0,
             h - 5.0,
             esc(name)
         );
-        x += 150.0;
+        x += 128.0;
     }
     s.push_str("</svg>");
     s
@@ -562,26 +589,26 @@ pub fn html(r: &FinopsReport) -> String {
     for t in &r.tenants {
         let _ = write!(
             h,
-            "<tr><td>{}</td><td>{}</td><td>{:.3}</td><td>{:.4}</td><td>{:.4}</td><td>{:.4}</td>\
-             <td>{:.4}</td><td>{:.4}</td><td>{:.6}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{}</td>\
+             <td>{}</td><td>{}</td><td>{}</td></tr>",
             esc(&t.tenant),
             t.agents,
             t.agent_hours,
-            t.cost.memory,
-            t.cost.cpu,
-            t.cost.gpu,
-            t.cost.storage,
-            t.cost.total,
-            t.cost_per_agent_hour
+            amount(t.cost.memory),
+            amount(t.cost.cpu),
+            amount(t.cost.gpu),
+            amount(t.cost.storage),
+            amount(t.cost.total),
+            amount(t.cost_per_agent_hour)
         );
     }
-    h.push_str("</table></div><h2>Density: agents and resident agents per hour</h2>");
+    h.push_str("</table></div><h2>Density: agents and resident agents per hour (UTC)</h2>");
     let groups: Vec<(String, Vec<f64>)> = r
         .density
         .iter()
         .map(|d| {
             (
-                format!("{}", d.interval_start_s),
+                utc_hour(d.interval_start_s),
                 vec![d.agents as f64, d.resident],
             )
         })
@@ -688,6 +715,14 @@ mod tests {
         assert_eq!(r.gpu_shares[0].share, "mig:3g.71gb");
         assert_eq!(r.gpu_shares[0].model, "NVIDIA H200");
         close(r.density[0].resident, 0.2);
+    }
+
+    #[test]
+    fn hours_are_labelled_in_utc() {
+        assert_eq!(utc_hour(0), "01-01 00:00");
+        // 2026-12-01 15:00:00 UTC
+        assert_eq!(utc_hour(1_796_137_200), "12-01 15:00");
+        assert_eq!(utc_hour(951_782_400), "02-29 00:00");
     }
 
     #[test]
