@@ -681,7 +681,26 @@ async fn a_real_prometheus_scrapes_every_series_the_rules_and_dashboards_name() 
         },
     )
     .await;
-    let _ = gpu;
+    // The GPU share in the usage records: a 3g MIG slice is 3/7 of an H200 for every hour the
+    // sandbox was resident (a sample taken mid-transition counts the time, not the share).
+    let (_, usage) = get_json(&d, "/v1/usage?group_by=sandbox", &admin).await;
+    let row = usage["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["sandbox"] == gpu.as_str())
+        .unwrap_or_else(|| panic!("no usage for {gpu}: {usage}"))
+        .clone();
+    let held = row["gpu_hours"]["mig:3g.71gb@NVIDIA H200"]
+        .as_f64()
+        .unwrap_or(0.0);
+    let resident = row["tier_hours"]["running"].as_f64().unwrap_or(0.0)
+        + row["tier_hours"]["frozen"].as_f64().unwrap_or(0.0);
+    let by_hand = resident * 3.0 / 7.0;
+    assert!(
+        held > 0.5 * by_hand && held <= by_hand * (1.0 + 1e-9),
+        "GPU-hours {held} vs 3/7 x {resident} resident hours: {row}"
+    );
 }
 
 /// Usage of `tenant`'s rows (summed) from `GET /v1/usage`, as `token` sees it.
