@@ -8,13 +8,15 @@
 //! - `network`: what a sandbox can reach and what reaches a sandbox;
 //! - `pools`: broker URLs, the GPU extender;
 //! - `local`: the data directory, the lock, durability;
-//! - `audit`: the tamper-evident log.
+//! - `audit`: the tamper-evident log;
+//! - `e2b`: E2B's `base` template (its operator-set egress ceiling).
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod audit;
 mod cluster;
+mod e2b;
 mod edge;
 mod local;
 mod network;
