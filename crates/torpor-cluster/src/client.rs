@@ -442,11 +442,16 @@ impl Node for RemoteNode {
 
     /// A worker belongs to its cluster: every container on it is treated as this controller's
     /// (`_ours` is not consulted), thawed, killed and removed.
-    async fn reconcile(&self, _ours: &(dyn for<'a> Fn(&'a str) -> bool + Send + Sync)) -> usize {
+    async fn reconcile(&self, known_sandboxes: &[String]) -> usize {
         let inner = &self.inner;
         match inner
             .client()
-            .reconcile(call(pb::ReconcileRequest {}, inner.cfg.deadlines.teardown))
+            .reconcile(call(
+                pb::ReconcileRequest {
+                    known_sandboxes: known_sandboxes.to_vec(),
+                },
+                inner.cfg.deadlines.teardown,
+            ))
             .await
         {
             Ok(r) => r.into_inner().removed as usize,
@@ -669,17 +674,9 @@ impl Resident for RemoteResident {
         None
     }
 
-    fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), RuntimeError> {
+    async fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), RuntimeError> {
         let policy_json = serde_json::to_string(policy)
             .map_err(|e| RuntimeError::Unsupported(format!("policy does not encode: {e}")))?;
-        let handle = tokio::runtime::Handle::try_current()
-            .map_err(|_| RuntimeError::Unsupported("no async runtime".into()))?;
-        if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
-            return Err(RuntimeError::Unsupported(
-                "changing a remote sandbox's policy needs the multi-threaded runtime".into(),
-            ));
-        }
-        let mut client = self.node.client();
         let msg = call(
             pb::PolicyRequest {
                 container_id: self.id.clone(),
@@ -687,7 +684,10 @@ impl Resident for RemoteResident {
             },
             self.quick(),
         );
-        tokio::task::block_in_place(|| handle.block_on(client.apply_policy(msg)))
+        self.node
+            .client()
+            .apply_policy(msg)
+            .await
             .map(|_| ())
             .map_err(|st| self.node.err(&st, Duration::ZERO))
     }

@@ -202,14 +202,15 @@ impl NodeRpc for Arc<NodeService> {
 
     async fn reconcile(
         &self,
-        _: Request<pb::ReconcileRequest>,
+        req: Request<pb::ReconcileRequest>,
     ) -> Result<Response<pb::ReconcileReply>, Status> {
+        let known = req.into_inner().known_sandboxes;
         // Every container on a worker is its cluster's: a controller that reconciles starts
         // from a clean worker (it resumes sandboxes from their committed images).
         let held: Vec<Arc<Held>> = self.table().drain().map(|(_, h)| h).collect();
         let node = self.node.clone();
         let removed = tokio::spawn(async move {
-            let removed = node.reconcile(&|_: &str| true).await;
+            let removed = node.reconcile(&known).await;
             for h in held {
                 if let Some(r) = h.resident.write().await.take() {
                     r.destroy().await;
@@ -351,7 +352,7 @@ impl NodeRpc for Arc<NodeService> {
         let held = self.held(&req.container_id)?;
         let guard = held.resident.read().await;
         let r = guard.as_ref().ok_or_else(|| gone(&req.container_id))?;
-        r.apply_policy(&policy).map_err(|e| status_of(&e))?;
+        r.apply_policy(&policy).await.map_err(|e| status_of(&e))?;
         Ok(Response::new(pb::Empty {}))
     }
 

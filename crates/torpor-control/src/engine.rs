@@ -23,6 +23,7 @@ use torpor_core::{
     now_millis, validate_env, Limits, LimitsPatch, SandboxId, SandboxState, TemplateName,
     TemplateSource, TemplateSpec, TenantId, Tier,
 };
+use torpor_runtime::node::sandbox_of;
 use torpor_runtime::proto::{self, AgentErrorCode, DirEntry, ExecRequest, Reply, Request};
 use torpor_runtime::{
     rootfs, ContainerSpec, Launch, Node, NodeEvent, NodeInfo, Resident, RunscNode, RunscNodeConfig,
@@ -384,15 +385,13 @@ impl Engine {
         // The agent channel of any container still running died with the previous daemon; such
         // a container cannot be talked to again, so its sandbox goes back to its last snapshot.
         // Containers the previous run froze cannot die until thawed.
-        let ours: std::collections::HashSet<String> = self
+        let known: Vec<String> = self
             .store
             .sandboxes()?
             .into_iter()
             .map(|s| s.id.to_string())
             .collect();
-        self.node
-            .reconcile(&|cid: &str| sandbox_of(cid).is_some_and(|id| ours.contains(id)))
-            .await;
+        self.node.reconcile(&known).await;
         for t in self.store.templates()? {
             if t.status == TemplateStatus::Building {
                 tracing::warn!(template = %t.name, "dropping a template whose build was interrupted");
@@ -498,11 +497,6 @@ fn create_data_dirs(data_dir: &Path) -> Result<()> {
         std::fs::create_dir_all(&p).map_err(ControlError::io("cannot create", &p))?;
     }
     Ok(())
-}
-
-/// The sandbox id in a container id (`<sandbox id>-g<generation>`).
-fn sandbox_of(container_id: &str) -> Option<&str> {
-    container_id.rsplit_once("-g").map(|(id, _)| id)
 }
 
 fn visible(tenant: &TenantId, owner: &TenantId) -> bool {

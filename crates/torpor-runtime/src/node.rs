@@ -42,6 +42,15 @@ mod runsc_node;
 
 pub use runsc_node::{RunscNode, RunscNodeConfig};
 
+/// The sandbox id in a container id (`<sandbox id>-g<generation>`); `None` for others
+/// (a template build's `tpl-...`).
+pub fn sandbox_of(container_id: &str) -> Option<&str> {
+    container_id
+        .rsplit_once("-g")
+        .map(|(id, _)| id)
+        .filter(|_| !container_id.starts_with("tpl-"))
+}
+
 /// What a node runs and how (shown by `GET /healthz`, used to decide GPU support).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeInfo {
@@ -89,9 +98,10 @@ pub trait Node: Send + Sync + 'static {
     fn take_events(&self) -> Option<mpsc::UnboundedReceiver<NodeEvent>>;
 
     /// Clears what a previous run of this node left: containers and runtime processes, after
-    /// thawing the frozen groups of containers `ours` recognises (a frozen process cannot die).
-    /// Returns how many leftovers were removed.
-    async fn reconcile(&self, ours: &(dyn for<'a> Fn(&'a str) -> bool + Send + Sync)) -> usize;
+    /// thawing the frozen groups of containers of `known_sandboxes` (a frozen process cannot
+    /// die). Plain data, so a remote node can be asked the same. Returns how many leftovers
+    /// were removed.
+    async fn reconcile(&self, known_sandboxes: &[String]) -> usize;
 
     /// Boots a fresh container (a template build) and waits until its agent answers.
     async fn boot(&self, launch: Launch) -> Result<Box<dyn Resident>, RuntimeError>;
@@ -116,6 +126,7 @@ pub trait Node: Send + Sync + 'static {
     fn warm_stats(&self) -> WarmStats;
 
     /// Tears down prepared workers; resident containers are the caller's to checkpoint first.
+    /// (A remote node stops talking to its worker; the worker's own operator stops it.)
     async fn shutdown(&self);
 }
 
@@ -171,7 +182,7 @@ pub trait Resident: Send + Sync {
     fn ingress_addr(&self) -> Option<Ipv4Addr>;
 
     /// Replaces the sandbox's egress rules (networked sandboxes only; others: no-op).
-    fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), RuntimeError>;
+    async fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), RuntimeError>;
 
     /// The sandbox's traffic counters since this start (networked sandboxes only).
     fn net_stats(&self) -> Option<NetStats>;

@@ -280,7 +280,7 @@ impl Engine {
         let guard = slot.state.clone().read_owned().await;
         self.store.set_network(id, &policy)?;
         if let Some(live) = guard.live.as_ref() {
-            live.resident.apply_policy(&policy)?;
+            live.resident.apply_policy(&policy).await?;
         }
         Ok(rec)
     }

@@ -141,8 +141,12 @@ impl Engine {
         match read_from {
             TemplateSource::Host => {
                 progress("preparing the host root filesystem");
-                rec.mounts = rootfs::prepare_host_rootfs(&rec.rootfs)
-                    .map_err(|e| ControlError::Unsupported(e.to_string()))?;
+                rec.mounts =
+                    rootfs::prepare_host_rootfs(&rec.rootfs).map_err(|e| ControlError::Io {
+                        what: "cannot prepare the host root filesystem",
+                        path: rec.rootfs.clone(),
+                        source: std::io::Error::other(e.to_string()),
+                    })?;
             }
             TemplateSource::Rootfs { path } => {
                 if Path::new(&path).is_file() {
@@ -157,8 +161,9 @@ impl Engine {
                 let stripped =
                     tokio::task::spawn_blocking(move || sources::strip_privileged(&root))
                         .await
-                        .map_err(|e| {
-                            ControlError::Unsupported(format!("rootfs check failed: {e}"))
+                        .map_err(|e| ControlError::TaskFailed {
+                            what: "rootfs check",
+                            source: e,
                         })?
                         .map_err(ControlError::io("cannot check", &rec.rootfs))?;
                 if stripped > 0 {
@@ -187,8 +192,9 @@ impl Engine {
                     )
                 })
                 .await
-                .map_err(|e| {
-                    ControlError::Unsupported(format!("image import task failed: {e}"))
+                .map_err(|e| ControlError::TaskFailed {
+                    what: "image import",
+                    source: e,
                 })??;
                 apply_image_config(&mut rec.spec, &config);
                 let agent_mount = rec.rootfs.join(".torpor");
@@ -323,7 +329,10 @@ pub(super) async fn unpack_rootfs_tar(
         torpor_image::unpack_rootfs_tar_with(&archive, &dest, &limits)
     })
     .await
-    .map_err(|e| ControlError::Unsupported(format!("rootfs unpack task failed: {e}")))??;
+    .map_err(|e| ControlError::TaskFailed {
+        what: "rootfs unpack",
+        source: e,
+    })??;
     Ok(())
 }
 

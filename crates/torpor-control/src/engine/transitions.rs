@@ -481,7 +481,10 @@ pub(super) async fn commit_image(tmp: &Path, dest: &Path) -> Result<()> {
         durable::rename_durably(&tmp, &dest)
     })
     .await
-    .map_err(|e| ControlError::Unsupported(format!("image commit task failed: {e}")))?
+    .map_err(|e| ControlError::TaskFailed {
+        what: "image commit",
+        source: e,
+    })?
     .map_err(|e| ControlError::Io {
         what: "cannot commit the image",
         path: e.path.clone(),

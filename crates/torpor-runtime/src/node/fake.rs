@@ -334,7 +334,7 @@ impl Node for Arc<FakeNode> {
             .take()
     }
 
-    async fn reconcile(&self, _ours: &(dyn for<'a> Fn(&'a str) -> bool + Send + Sync)) -> usize {
+    async fn reconcile(&self, _known_sandboxes: &[String]) -> usize {
         self.record(Call::Reconcile);
         0
     }
@@ -582,7 +582,7 @@ impl Resident for FakeResident {
         self.c.networked.then_some(Ipv4Addr::new(127, 0, 0, 1))
     }
 
-    fn apply_policy(&self, _policy: &NetworkPolicy) -> Result<(), RuntimeError> {
+    async fn apply_policy(&self, _policy: &NetworkPolicy) -> Result<(), RuntimeError> {
         Ok(())
     }
 

@@ -104,8 +104,10 @@ impl Node for RunscNode {
             .take()
     }
 
-    async fn reconcile(&self, ours: &(dyn for<'a> Fn(&'a str) -> bool + Send + Sync)) -> usize {
-        cgroup::thaw_matching(|cid: &str| ours(cid));
+    async fn reconcile(&self, known_sandboxes: &[String]) -> usize {
+        cgroup::thaw_matching(|cid: &str| {
+            super::sandbox_of(cid).is_some_and(|id| known_sandboxes.iter().any(|k| k == id))
+        });
         let strays = self.runsc.kill_strays();
         if strays > 0 {
             tracing::warn!(
@@ -278,7 +280,7 @@ impl Resident for RunscResident {
         self.worker.as_ref()?.net().map(|n| n.ingress_addr())
     }
 
-    fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), RuntimeError> {
+    async fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), RuntimeError> {
         match self.worker.as_ref().and_then(|w| w.net()) {
             Some(net) => Ok(net.apply_policy(policy)?),
             None => Ok(()),
