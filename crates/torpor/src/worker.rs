@@ -81,7 +81,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         warm_pool: args.warm_pool,
     })?;
     let node: Arc<dyn Node> = Arc::new(node);
-    let removed = node.reconcile(&|_: &str| true).await;
+    // Every container here is a previous run's: none is kept. (Sandbox containers run in the
+    // warm pool's groups, which the pool thawed and emptied at start.)
+    let removed = node.reconcile(&[]).await;
     if removed > 0 {
         tracing::warn!(
             removed,
