@@ -899,3 +899,87 @@ async fn a_timed_out_sandbox_sleeps_and_wakes_with_its_state() {
         .unwrap();
     assert_eq!(resp.text().await.unwrap(), "kept");
 }
+
+/// Runs `cmd` in sandbox `id` through torpor's own exec (as root) as uid 1000, the way a
+/// `base` command runs: its stdout, trimmed.
+async fn as_user(d: &Daemon, key: &str, id: &str, cmd: &[&str]) -> String {
+    let argv: Vec<String> = [
+        "setpriv",
+        "--reuid=1000",
+        "--regid=1000",
+        "--clear-groups",
+        "--",
+    ]
+    .iter()
+    .chain(cmd)
+    .map(|s| s.to_string())
+    .collect();
+    let r = torpor_api::Client::new(&d.url(), key)
+        .exec(
+            id,
+            &torpor_api::types::ExecBody {
+                cmd: argv,
+                timeout_ms: Some(60_000),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
+    r.stdout.trim().to_string()
+}
+
+/// E2B's `base` across daemon restarts: its sandboxes keep `user`'s sudo (broker and agent
+/// directory restored), and a changed `--e2b-egress-ceiling` is applied once no sandbox uses
+/// the `base` built under the former one.
+#[tokio::test(flavor = "multi_thread")]
+async fn e2bs_base_survives_restarts_and_takes_a_new_ceiling_once_free() {
+    let mut d = Daemon::start().await;
+    let key = tenant(&d, "restart-a").await;
+    let e = E2b {
+        http: reqwest::Client::new(),
+        url: d.url(),
+        key: key.clone(),
+    };
+    let (status, v) = e
+        .call(reqwest::Method::POST, "/sandboxes", Some(json!({})))
+        .await;
+    assert_eq!(status, 201, "{v}");
+    let id = v["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(as_user(&d, &key, &id, &["sudo", "whoami"]).await, "root");
+    let wide = json!({"network": {"allowOut": ["0.0.0.0/0"]}});
+
+    // A restart with a full ceiling: the sandbox still sudoes; base is in use, so it keeps
+    // its former ceiling (ingress only) and a wide request is still refused.
+    d.stop();
+    d.extra_args = vec!["--e2b-egress-ceiling".into(), "full".into()];
+    d.spawn().await;
+    assert_eq!(as_user(&d, &key, &id, &["sudo", "whoami"]).await, "root");
+    let (status, v) = e
+        .call(reqwest::Method::POST, "/sandboxes", Some(wide.clone()))
+        .await;
+    assert_error(status, &v, 400);
+    assert!(
+        d.log().contains("keeps its former egress ceiling"),
+        "{}",
+        d.log()
+    );
+
+    // Once its sandboxes are gone, the next create rebuilds base under the new ceiling.
+    let (status, v) = e
+        .call(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(status, 204, "{v}");
+    let (status, v) = e
+        .call(reqwest::Method::POST, "/sandboxes", Some(wide))
+        .await;
+    assert_eq!(status, 201, "{v}");
+    let id = v["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(as_user(&d, &key, &id, &["sudo", "whoami"]).await, "root");
+    assert!(
+        d.log()
+            .contains("rebuilding E2B's base template under the new egress ceiling"),
+        "{}",
+        d.log()
+    );
+}

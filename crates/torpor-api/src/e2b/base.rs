@@ -66,48 +66,67 @@ pub fn spec(network: Option<NetworkPolicy>) -> TemplateSpec {
     }
 }
 
-/// Registers `base` for the admin unless it exists with the operator's current ceiling; one
-/// registration at a time (callers wait for it), retried by the next caller if it failed. A
-/// `base` built under another ceiling is rebuilt, unless sandboxes still use it: then it
-/// keeps its former ceiling (logged) until they are gone and the daemon restarts.
+/// Where `base` stands for this daemon.
+#[derive(Debug, Default, PartialEq)]
+pub enum BaseState {
+    /// Not looked at yet.
+    #[default]
+    Unchecked,
+    /// Built under another ceiling and still used by sandboxes: looked at again at each
+    /// create, rebuilt once they are gone.
+    InUseUnderOldCeiling,
+    /// Built under the operator's current ceiling.
+    Current,
+}
+
+/// Makes sure `base` exists for the admin under the operator's current ceiling before an E2B
+/// create uses it: built the first time (callers wait for it), rebuilt when it was built
+/// under another ceiling and no sandbox uses it any more (until then it keeps its former
+/// ceiling, logged once). A failed build is tried again by the next create.
 pub async fn ensure(st: &E2b) -> Result<(), E2bError> {
-    st.base_ready
-        .get_or_try_init(|| async {
-            let admin = TenantId::admin();
-            let name = TemplateName::new(BASE).expect("valid name");
-            let want = egress_ceiling().filter(|p| !p.is_none());
-            match st.api.engine.template(&admin, &name) {
-                Ok(t) if t.spec.network == want => return Ok(()),
-                Ok(t) => match st.api.engine.delete_template(&admin, &name).await {
-                    Ok(()) => tracing::info!(
-                        was = ?t.spec.network, now = ?want,
-                        "rebuilding E2B's base template under the new egress ceiling"
-                    ),
-                    Err(torpor_control::ControlError::TemplateInUse(_, n)) => {
-                        tracing::warn!(
-                            sandboxes = n, kept = ?t.spec.network, wanted = ?want,
-                            "E2B's base keeps its former egress ceiling while sandboxes use it"
-                        );
-                        return Ok(());
-                    }
-                    Err(e) => return Err(E2bError::from(e)),
-                },
-                Err(torpor_control::ControlError::NotFound { .. }) => {}
-                Err(e) => return Err(E2bError::from(e)),
+    let mut state = st.base_state.lock().await;
+    if *state == BaseState::Current {
+        return Ok(());
+    }
+    let admin = TenantId::admin();
+    let name = TemplateName::new(BASE).expect("valid name");
+    let want = egress_ceiling().filter(|p| !p.is_none());
+    match st.api.engine.template(&admin, &name) {
+        Ok(t) if t.spec.network == want => {
+            *state = BaseState::Current;
+            return Ok(());
+        }
+        Ok(t) => match st.api.engine.delete_template(&admin, &name).await {
+            Ok(()) => tracing::info!(
+                was = ?t.spec.network, now = ?want,
+                "rebuilding E2B's base template under the new egress ceiling"
+            ),
+            Err(torpor_control::ControlError::TemplateInUse(_, n)) => {
+                if *state != BaseState::InUseUnderOldCeiling {
+                    tracing::warn!(
+                        sandboxes = n, kept = ?t.spec.network, wanted = ?want,
+                        "E2B's base keeps its former egress ceiling while sandboxes use it"
+                    );
+                }
+                *state = BaseState::InUseUnderOldCeiling;
+                return Ok(());
             }
-            tracing::info!("building E2B's base template (first E2B use)");
-            st.api
-                .engine
-                .register_template(&admin, spec(want), &|_| {})
-                .await
-                .map(|_| ())
-                .map_err(|e| {
-                    tracing::warn!(error = %e, "the base template could not be built");
-                    E2bError::from(e)
-                })
-        })
+            Err(e) => return Err(E2bError::from(e)),
+        },
+        Err(torpor_control::ControlError::NotFound { .. }) => {}
+        Err(e) => return Err(E2bError::from(e)),
+    }
+    tracing::info!("building E2B's base template");
+    st.api
+        .engine
+        .register_template(&admin, spec(want), &|_| {})
         .await
-        .map(|_| ())
+        .map_err(|e| {
+            tracing::warn!(error = %e, "the base template could not be built");
+            E2bError::from(e)
+        })?;
+    *state = BaseState::Current;
+    Ok(())
 }
 
 /// Who an envd call acts as: the process's uid and gid (`None`: the agent's root), its name

@@ -82,8 +82,8 @@ pub struct E2b {
     timeouts_in_flight: Mutex<std::collections::HashSet<SandboxId>>,
     /// Metrics samples kept for `get_metrics`.
     pub metrics: metrics::Samples,
-    /// Set once E2B's `base` template exists ([`base::ensure`]).
-    base_ready: tokio::sync::OnceCell<()>,
+    /// Where E2B's `base` template stands ([`base::ensure`]); held while it is built.
+    base_state: tokio::sync::Mutex<base::BaseState>,
 }
 
 impl E2b {
@@ -101,7 +101,7 @@ impl E2b {
             legacy_agents: Mutex::new(Default::default()),
             timeouts_in_flight: Mutex::new(Default::default()),
             metrics: Default::default(),
-            base_ready: tokio::sync::OnceCell::new(),
+            base_state: Default::default(),
         }
     }
 
