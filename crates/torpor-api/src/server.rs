@@ -23,12 +23,10 @@ use crate::{
 
 // The paths crate::e2b, crate::audit, crate::fuzzing and the fuzz targets import; new code
 // imports the leaf modules (crate::errors, crate::body, crate::state, crate::auth) instead.
-pub(crate) use crate::auth::{constant_time_eq, tenant_of};
 pub use crate::body::{
     decode_all_bodies, parse_json, read_body_capped, BodyError, MAX_FILE_BODY, MAX_JSON_BODY,
 };
 pub use crate::errors::ApiError;
-pub(crate) use crate::files::upload_slot;
 pub use crate::health::OPENAPI;
 pub use crate::state::ApiState;
 

@@ -85,7 +85,10 @@ pub(super) fn object_kind(collection: &str) -> Option<&'static str> {
 }
 
 /// Matches `path` against one template; the object is the parameter after a collection.
-pub(super) fn match_template(template: &str, path: &str) -> Option<(Option<Object>, Option<String>)> {
+pub(super) fn match_template(
+    template: &str,
+    path: &str,
+) -> Option<(Option<Object>, Option<String>)> {
     let mut pat = template.split('/').skip(1);
     let mut segs = path.split('/').skip(1);
     let mut object = None;
@@ -116,7 +119,11 @@ pub(super) fn match_template(template: &str, path: &str) -> Option<(Option<Objec
 }
 
 /// The route of a request: host-based routing first (as the proxy sees it), then the table.
-pub(super) fn classify(host: Option<&str>, path: &str, envd_sandbox: Option<&str>) -> Option<RouteInfo> {
+pub(super) fn classify(
+    host: Option<&str>,
+    path: &str,
+    envd_sandbox: Option<&str>,
+) -> Option<RouteInfo> {
     let domain = crate::proxy::proxy_domain();
     let label = host
         .map(|h| {

@@ -319,10 +319,10 @@ mod middleware;
 mod verify;
 mod writer;
 
+use files::*;
 pub use middleware::*;
 pub use verify::*;
 pub use writer::*;
-use files::*;
 
 #[cfg(test)]
 mod tests {
@@ -778,4 +778,3 @@ mod tests {
         }
     }
 }
-

@@ -425,7 +425,11 @@ impl Writer {
         };
     }
 
-    pub(super) fn encode_or_count(&mut self, rec: &Record, is_call: bool) -> Option<(Vec<u8>, String)> {
+    pub(super) fn encode_or_count(
+        &mut self,
+        rec: &Record,
+        is_call: bool,
+    ) -> Option<(Vec<u8>, String)> {
         match encode(rec) {
             Ok(l) => Some(l),
             Err(e) => {

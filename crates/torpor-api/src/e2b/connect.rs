@@ -58,11 +58,11 @@ pub async fn read_message_body(headers: &HeaderMap, body: Body) -> Result<Bytes,
             format!("message exceeds the limit of {MAX_MESSAGE} bytes"),
         )
     };
-    crate::server::read_body_capped(headers, body, limit)
+    crate::body::read_body_capped(headers, body, limit)
         .await
         .map_err(|e| match e {
-            crate::server::BodyError::TooLarge => too_large(),
-            crate::server::BodyError::Read(m) => RpcError::new(Code::Canceled, m),
+            crate::body::BodyError::TooLarge => too_large(),
+            crate::body::BodyError::Read(m) => RpcError::new(Code::Canceled, m),
         })
 }
 

@@ -16,7 +16,7 @@ use super::{
     e2b_running, is_running, E2b, E2bError, DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, META_AUTO_RESUME,
     META_END_AT, META_ON_TIMEOUT, META_PAUSED, META_PREFIX, META_TIMEOUT,
 };
-use crate::server::constant_time_eq;
+use crate::auth::constant_time_eq;
 use crate::types::rfc3339;
 
 type E2bResult<T> = Result<T, E2bError>;
@@ -66,7 +66,7 @@ async fn parse_body<T: for<'de> Deserialize<'de> + Default>(
     headers: &HeaderMap,
     body: Body,
 ) -> E2bResult<T> {
-    let body = super::read_body(headers, body, crate::server::MAX_JSON_BODY).await?;
+    let body = super::read_body(headers, body, crate::body::MAX_JSON_BODY).await?;
     if body.is_empty() {
         return Ok(T::default());
     }

@@ -33,7 +33,7 @@ use torpor_runtime::proto::{
 
 use super::connect::{self, Code, Framing, Item, RpcError};
 use super::{E2b, E2bError};
-use crate::server::constant_time_eq;
+use crate::auth::constant_time_eq;
 
 /// Where process state lives inside the sandbox.
 pub const PROC_DIR: &str = "/run/e2b/proc";

@@ -121,7 +121,7 @@ pub async fn download(
     let data = st
         .api
         .engine
-        .read_file(&c.tenant, &c.id, &path, crate::server::MAX_FILE_BODY as u64)
+        .read_file(&c.tenant, &c.id, &path, crate::body::MAX_FILE_BODY as u64)
         .await
         .map_err(|e| http_err(not_found_as(e.into(), &path)))?;
     if accepts_gzip(&headers) {
@@ -167,11 +167,11 @@ pub async fn upload(
         .to_string();
     // The body is read only now (the caller is known), within the upload budgets; once
     // inflated it is held to the same cap.
-    let _slot = crate::server::upload_slot(&st.api, &c.tenant, &headers)?;
-    let mut body = super::read_body(&headers, body, crate::server::MAX_FILE_BODY).await?;
+    let _slot = crate::files::upload_slot(&st.api, &c.tenant, &headers)?;
+    let mut body = super::read_body(&headers, body, crate::body::MAX_FILE_BODY).await?;
     if coding == Coding::Gzip {
         body = tokio::task::spawn_blocking(move || {
-            gunzip_capped(&body, crate::server::MAX_FILE_BODY).map(Bytes::from)
+            gunzip_capped(&body, crate::body::MAX_FILE_BODY).map(Bytes::from)
         })
         .await
         .map_err(|_| E2bError::bad_request("the body is not valid gzip"))??;

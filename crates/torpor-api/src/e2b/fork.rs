@@ -57,7 +57,7 @@ pub async fn fork(
     let tenant = authenticate(&st, &headers)?;
     let sid =
         SandboxId::new(&id).map_err(|_| E2bError::not_found(format_args!("sandbox {id:?}")))?;
-    let body = super::read_body(&headers, body, crate::server::MAX_JSON_BODY).await?;
+    let body = super::read_body(&headers, body, crate::body::MAX_JSON_BODY).await?;
     let body: ForkBody = if body.is_empty() {
         ForkBody::default()
     } else {

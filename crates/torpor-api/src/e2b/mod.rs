@@ -38,7 +38,7 @@ use axum::{Json, Router};
 use serde::Serialize;
 use torpor_core::{SandboxId, TenantId, Tier};
 
-use crate::server::ApiState;
+use crate::state::ApiState;
 
 /// The envd version advertised: the features of envd 0.5.7 are what this adapter implements
 /// (octet-stream uploads, CloseStdin, default user); later ones (file metadata, entry info on
@@ -156,14 +156,14 @@ impl IntoResponse for E2bError {
 
 impl From<torpor_control::ControlError> for E2bError {
     fn from(e: torpor_control::ControlError) -> Self {
-        crate::server::ApiError::from(e).into()
+        crate::errors::ApiError::from(e).into()
     }
 }
 
 /// The API's errors (a refused rate, a sanitised domain error) in E2B's shape; the headers of
 /// a refused rate are added by crate::request_id.
-impl From<crate::server::ApiError> for E2bError {
-    fn from(api: crate::server::ApiError) -> Self {
+impl From<crate::errors::ApiError> for E2bError {
+    fn from(api: crate::errors::ApiError) -> Self {
         E2bError::new(api.status(), api.message().to_string())
     }
 }
@@ -181,11 +181,11 @@ pub async fn read_body(
             format!("request body too large (at most {limit} bytes)"),
         )
     };
-    crate::server::read_body_capped(headers, body, limit)
+    crate::body::read_body_capped(headers, body, limit)
         .await
         .map_err(|e| match e {
-            crate::server::BodyError::TooLarge => too_large(),
-            crate::server::BodyError::Read(m) => E2bError::bad_request(m),
+            crate::body::BodyError::TooLarge => too_large(),
+            crate::body::BodyError::Read(m) => E2bError::bad_request(m),
         })
 }
 

@@ -14,7 +14,9 @@ use torpor_core::network::AllowList;
 use torpor_core::{NetworkPolicy, SandboxId, TenantId};
 
 use super::E2b;
-use crate::server::{constant_time_eq, ApiError, ApiState};
+use crate::auth::constant_time_eq;
+use crate::errors::ApiError;
+use crate::state::ApiState;
 
 /// Metadata key: `public`, or the traffic access token a request must carry.
 pub const META_TRAFFIC: &str = "torpor.e2b.traffic";
@@ -119,7 +121,7 @@ pub(crate) fn host_route_tenant(
         });
     }
     if headers.contains_key(axum::http::header::AUTHORIZATION) {
-        let tenant = crate::server::tenant_of(state, headers)?;
+        let tenant = crate::auth::tenant_of(state, headers)?;
         crate::ratelimit::check(state, &tenant, proxy)?;
         if tenant == TenantId::admin() || owner.as_ref() == Some(&tenant) {
             mark_resumed();

@@ -140,7 +140,7 @@ pub async fn create(
     let tenant = authenticate(&st, &headers)?;
     let sid =
         SandboxId::new(&id).map_err(|_| E2bError::not_found(format_args!("sandbox {id:?}")))?;
-    let raw = super::read_body(&headers, body, crate::server::MAX_JSON_BODY).await?;
+    let raw = super::read_body(&headers, body, crate::body::MAX_JSON_BODY).await?;
     let body: SnapshotBody = if raw.is_empty() {
         SnapshotBody::default()
     } else {

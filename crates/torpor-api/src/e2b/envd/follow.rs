@@ -190,7 +190,7 @@ pub(super) async fn read(st: &E2b, c: &Ctx, path: &str) -> Result<Vec<u8>, RpcEr
     Ok(st
         .api
         .engine
-        .read_file(&c.tenant, &c.id, path, crate::server::MAX_FILE_BODY as u64)
+        .read_file(&c.tenant, &c.id, path, crate::body::MAX_FILE_BODY as u64)
         .await?)
 }
 
