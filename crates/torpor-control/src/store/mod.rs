@@ -7,21 +7,23 @@
 //! [`Store`] handle, which is cheap to clone and shared by the engine, the GPU ledger, pools
 //! and usage accounting.
 //!
-//! The one implementation is [`SqliteStore`] (embedded mode: one SQLite file, `torpor.db`,
-//! one connection). The trait is written so that a second backend fits (cluster mode puts
-//! PostgreSQL behind it): its signatures hold the records of [`records`] and typed ids, never a
-//! driver's types; an error is a [`StoreError`] whose [`StoreErrorKind`] (not found, conflict,
-//! unavailable, corrupt) is all a caller decides on; and no method relies on SQLite-only
-//! behaviour (each call is one atomic write or one consistent read).
+//! Two implementations: [`SqliteStore`] (embedded mode: one SQLite file, `torpor.db`, one
+//! connection; [`Store::open`]) and [`PostgresStore`] (cluster mode: one PostgreSQL database
+//! shared by every controller; [`Store::connect`]). Signatures hold the records of [`records`]
+//! and typed ids, never a driver's types; an error is a [`StoreError`] whose
+//! [`StoreErrorKind`] (not found, conflict, unavailable, corrupt) is all a caller decides on;
+//! and no method relies on one backend's behaviour (each call is one atomic write or one
+//! consistent read). The same test suite runs over both (`tests.rs`).
 //!
-//! Cluster mode will also need writes that check what they overwrite: several controllers may
-//! act on one sandbox. [`StateStore::compare_and_set_sandbox`] writes a sandbox only if its row
-//! is still at the [`Version`] the caller read (every write of the row bumps it), and answers
-//! [`StoreErrorKind::Conflict`] otherwise. Embedded mode serialises a sandbox's transitions in
-//! the engine and does not call it yet; it is exercised by this module's tests.
+//! Several controllers may act on one sandbox. [`StateStore::compare_and_set_sandbox`] writes
+//! a sandbox only if its row is still at the [`Version`] the caller read (every write of the
+//! row bumps it), and answers [`StoreErrorKind::Conflict`] otherwise; on PostgreSQL it is one
+//! `UPDATE … WHERE id=$1 AND version=$2`. Embedded mode serialises a sandbox's transitions in
+//! the engine and does not call it yet.
 //!
 //! The trait is synchronous: each call is one short statement or transaction (tens of
-//! microseconds on SQLite), made from the engine without an `.await` between read and write.
+//! microseconds on SQLite, a round trip on PostgreSQL, which runs its calls on a runtime of its
+//! own), made from the engine without an `.await` between read and write.
 
 use std::collections::BTreeMap;
 use std::ops::Deref;
@@ -33,12 +35,17 @@ use torpor_gpu::cuda_checkpoint::Toggled;
 use torpor_gpu::request::GpuRequest;
 
 mod gpu_files;
+mod pg_schema;
+#[cfg(test)]
+mod pg_testing;
+mod postgres;
 pub mod records;
 mod schema;
 mod sqlite;
 #[cfg(test)]
 mod tests;
 
+pub use postgres::PostgresStore;
 pub use records::{
     ImageRef, MigRecord, PoolRow, Quotas, SandboxRecord, ShareRecord, TemplateRecord,
     TemplateStatus, TenantRecord, Usage, UsageInterval, Version,
@@ -75,6 +82,19 @@ pub enum StoreError {
         found: i64,
         supported: i64,
     },
+    #[error("state store {target}: cannot connect or migrate")]
+    Connect {
+        /// The database, without its password.
+        target: String,
+        #[source]
+        source: BackendError,
+    },
+    #[error("state store {target}: schema version {found} is newer than this torpor understands ({supported})")]
+    NewerSchemaAt {
+        target: String,
+        found: i64,
+        supported: i64,
+    },
     #[error("state store: {op}")]
     Unavailable {
         op: &'static str,
@@ -99,7 +119,9 @@ impl StoreError {
     pub fn kind(&self) -> StoreErrorKind {
         match self {
             StoreError::Open { .. }
+            | StoreError::Connect { .. }
             | StoreError::NewerSchema { .. }
+            | StoreError::NewerSchemaAt { .. }
             | StoreError::Unavailable { .. }
             | StoreError::EnvKey(_) => StoreErrorKind::Unavailable,
             StoreError::NotFound { .. } => StoreErrorKind::NotFound,
@@ -277,6 +299,15 @@ impl Store {
         let store = Arc::new(SqliteStore::open(path)?);
         open.push((key, Arc::downgrade(&store)));
         Ok(Store(store))
+    }
+
+    /// The PostgreSQL store at `url` (`postgres://user:password@host:port/db`; cluster mode),
+    /// its schema created or migrated under an advisory lock, with sandboxes' env sealed under
+    /// the key file `env_key` (created when missing; every controller of one database must be
+    /// given the same file, and one whose key does not match the database's is refused).
+    /// Each call makes a new connection pool: call it once per process.
+    pub fn connect(url: &str, env_key: &Path) -> Result<Store, StoreError> {
+        Ok(Store(Arc::new(PostgresStore::connect(url, env_key)?)))
     }
 
     /// A handle on another backend.

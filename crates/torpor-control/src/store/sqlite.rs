@@ -781,7 +781,7 @@ impl StateStore for SqliteStore {
     }
 }
 
-fn parse_tenant(
+pub(super) fn parse_tenant(
     (id, created_at, quotas): (String, i64, String),
 ) -> Result<TenantRecord, StoreError> {
     let corrupt = || StoreError::Corrupt {
@@ -802,7 +802,7 @@ const SANDBOX_COLUMNS: &str =
     "SELECT id, tenant, template, state, tier, limits, env, metadata, created_at,
     last_active_at, generation, image, last_error, oom_killed, version FROM sandboxes";
 
-type RawTemplate = (
+pub(super) type RawTemplate = (
     String,
     String,
     String,
@@ -830,7 +830,7 @@ fn raw_template(r: &Row) -> rusqlite::Result<RawTemplate> {
     ))
 }
 
-fn parse_template(raw: RawTemplate) -> Result<TemplateRecord, StoreError> {
+pub(super) fn parse_template(raw: RawTemplate) -> Result<TemplateRecord, StoreError> {
     let (name, tenant, spec, status, rootfs, mounts, agent_dir, golden_dir, golden_bytes, created) =
         raw;
     let corrupt = || StoreError::Corrupt {
@@ -851,7 +851,7 @@ fn parse_template(raw: RawTemplate) -> Result<TemplateRecord, StoreError> {
     })
 }
 
-type RawSandbox = (
+pub(super) type RawSandbox = (
     String,
     String,
     String,
@@ -889,7 +889,7 @@ fn raw_sandbox(r: &Row) -> rusqlite::Result<RawSandbox> {
     ))
 }
 
-fn parse_sandbox(raw: RawSandbox) -> Result<(SandboxRecord, Version), StoreError> {
+pub(super) fn parse_sandbox(raw: RawSandbox) -> Result<(SandboxRecord, Version), StoreError> {
     let (
         id,
         tenant,

@@ -1,10 +1,13 @@
-//! Tests of the SQLite state store: every record kind through the trait, schema migrations
-//! from databases built with the SQL older versions wrote, compare-and-set, and the move of
-//! GPU state files into the store.
+//! Tests of the state store. The trait's behaviour is tested on both backends (SQLite, and a
+//! real PostgreSQL server started by [`super::pg_testing`]): every record kind, reopening,
+//! env sealing, compare-and-set, a newer schema. Then each backend's own: SQLite's migrations
+//! from databases built with the SQL older versions wrote and the move of GPU state files;
+//! PostgreSQL's controllers migrating together, racing compare-and-sets across controllers, a
+//! torn connection, and a controller with another env key.
 
 use std::collections::BTreeMap;
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Barrier};
 
 use rusqlite::{params, Connection};
 use torpor_core::{
@@ -16,7 +19,134 @@ use torpor_gpu::partition::PartitionMode;
 use torpor_gpu::request::GpuRequest;
 use torpor_gpu::sleep::SleepTicket;
 
+use super::pg_testing::{self, Admin};
 use super::*;
+
+/// One backend under test: opens (and reopens) one store, and reaches its rows beside it.
+trait Backend {
+    fn open(&self) -> Result<Box<dyn StateStore>, StoreError>;
+    /// Runs `sql` (text parameters `$1…`) on the store's database directly.
+    fn exec(&self, sql: &str, args: &[&str]);
+    /// The first column of each row of `sql`, as text.
+    fn texts(&self, sql: &str, args: &[&str]) -> Vec<String>;
+}
+
+struct Sqlite {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl Sqlite {
+    fn new() -> Sqlite {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        Sqlite { _dir: dir, path }
+    }
+}
+
+impl Backend for Sqlite {
+    fn open(&self) -> Result<Box<dyn StateStore>, StoreError> {
+        Ok(Box::new(SqliteStore::open(&self.path)?))
+    }
+
+    fn exec(&self, sql: &str, args: &[&str]) {
+        Connection::open(&self.path)
+            .unwrap()
+            .execute(&sqlite_sql(sql), rusqlite::params_from_iter(args))
+            .unwrap();
+    }
+
+    fn texts(&self, sql: &str, args: &[&str]) -> Vec<String> {
+        let c = Connection::open(&self.path).unwrap();
+        let mut st = c.prepare(&sqlite_sql(sql)).unwrap();
+        let rows = st
+            .query_map(rusqlite::params_from_iter(args), |r| r.get::<_, String>(0))
+            .unwrap();
+        rows.map(Result::unwrap).collect()
+    }
+}
+
+/// `sql` with PostgreSQL's parameters (`$1`) as SQLite's numbered ones (`?1`): SQLite reads
+/// `$1` as a named parameter, numbered by first appearance.
+fn sqlite_sql(sql: &str) -> String {
+    sql.replace('$', "?")
+}
+
+/// A database of its own on the test process's PostgreSQL server.
+struct Postgres {
+    dir: tempfile::TempDir,
+    db: String,
+    server: &'static pg_testing::Server,
+    admin: Admin,
+}
+
+impl Postgres {
+    /// `None` (the server's message said why) when PostgreSQL is not installed here.
+    fn new() -> Option<Postgres> {
+        let server = pg_testing::server()?;
+        let db = pg_testing::new_database(server);
+        Some(Postgres {
+            dir: tempfile::tempdir().unwrap(),
+            admin: Admin::connect(&server.url(&db)),
+            db,
+            server,
+        })
+    }
+
+    fn url(&self) -> String {
+        self.server.url(&self.db)
+    }
+
+    fn key(&self) -> PathBuf {
+        self.dir.path().join("env.key")
+    }
+
+    fn connect(&self) -> PostgresStore {
+        PostgresStore::connect(&self.url(), &self.key()).unwrap()
+    }
+}
+
+impl Backend for Postgres {
+    fn open(&self) -> Result<Box<dyn StateStore>, StoreError> {
+        Ok(Box::new(PostgresStore::connect(&self.url(), &self.key())?))
+    }
+
+    fn exec(&self, sql: &str, args: &[&str]) {
+        self.admin.exec(sql, args);
+    }
+
+    fn texts(&self, sql: &str, args: &[&str]) -> Vec<String> {
+        self.admin.texts(sql, args)
+    }
+}
+
+/// Runs each named test (a `fn(&dyn Backend)`) on SQLite and on PostgreSQL.
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod on_sqlite {
+            $( #[test] fn $name() { super::$name(&super::Sqlite::new()) } )*
+        }
+        mod on_postgres {
+            $( #[test] fn $name() {
+                if let Some(b) = super::Postgres::new() { super::$name(&b) }
+            } )*
+        }
+    };
+}
+
+on_both_backends!(
+    templates_are_per_tenant_with_the_operators_as_fallback,
+    sandboxes_survive_reopen_and_each_write_lands_where_it_should,
+    env_values_are_sealed_at_rest,
+    network_policies_are_set_replaced_and_read,
+    tenants_tokens_and_holdings,
+    snapshot_sizes_are_recorded_replaced_and_forgotten,
+    pools_are_keyed_by_tenant_and_name,
+    gpu_shares_requests_and_toggles_are_kept_per_sandbox,
+    usage_intervals_add_up_per_key_and_filter_by_tenant_and_range,
+    compare_and_set_writes_only_over_the_version_it_read,
+    a_newer_schema_is_refused_as_unavailable,
+);
 
 fn sandbox() -> SandboxRecord {
     SandboxRecord {
@@ -79,10 +209,8 @@ fn sqlite(path: &Path) -> SqliteStore {
     SqliteStore::open(path).unwrap()
 }
 
-#[test]
-fn templates_are_per_tenant_with_the_operators_as_fallback() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = sqlite(&dir.path().join("t.db"));
+fn templates_are_per_tenant_with_the_operators_as_fallback(b: &dyn Backend) {
+    let store = b.open().unwrap();
     let (a, b) = (tenant("a"), tenant("b"));
     let app = TemplateName::new("app").unwrap();
     assert!(store.insert_template(&template("a", "app")).unwrap());
@@ -125,13 +253,10 @@ fn templates_are_per_tenant_with_the_operators_as_fallback() {
     assert!(store.template(&a, &app).unwrap().is_some());
 }
 
-#[test]
-fn sandboxes_survive_reopen_and_each_write_lands_where_it_should() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("t.db");
+fn sandboxes_survive_reopen_and_each_write_lands_where_it_should(b: &dyn Backend) {
     let mut s = sandbox();
     {
-        let store = sqlite(&path);
+        let store = b.open().unwrap();
         store.insert_sandbox(&s).unwrap();
         let again = store.insert_sandbox(&s).unwrap_err();
         assert_eq!(again.kind(), StoreErrorKind::Conflict);
@@ -143,7 +268,7 @@ fn sandboxes_survive_reopen_and_each_write_lands_where_it_should() {
         s.oom_killed = true;
         store.update_sandbox(&s).unwrap();
     }
-    let store = sqlite(&path);
+    let store = b.open().unwrap();
     assert_eq!(store.sandbox(&s.id).unwrap(), Some(s.clone()));
     store.touch_sandboxes(&[(s.id.clone(), 50)]).unwrap();
     store.touch_sandboxes(&[(s.id.clone(), 20)]).unwrap();
@@ -179,8 +304,38 @@ fn sandboxes_survive_reopen_and_each_write_lands_where_it_should() {
     assert!(store.sandbox(&s.id).unwrap().is_none());
 }
 
+fn env_values_are_sealed_at_rest(b: &dyn Backend) {
+    let mut s = sandbox();
+    s.env.insert("API_KEY".into(), "sk-live-hunter2".into());
+    {
+        let store = b.open().unwrap();
+        store.insert_sandbox(&s).unwrap();
+    }
+    let stored = b.texts("SELECT env FROM sandboxes WHERE id=$1", &[s.id.as_str()]);
+    assert_eq!(stored.len(), 1);
+    assert!(
+        crate::secrets::EnvSeal::is_sealed(&stored[0]),
+        "{}",
+        stored[0]
+    );
+    assert!(!stored[0].contains("hunter2"));
+    let store = b.open().unwrap();
+    assert_eq!(store.sandbox(&s.id).unwrap().unwrap().env, s.env);
+    // A sealed env moved onto another sandbox's row does not open there.
+    let other = sandbox();
+    store.insert_sandbox(&other).unwrap();
+    b.exec(
+        "UPDATE sandboxes SET env=$2 WHERE id=$1",
+        &[other.id.as_str(), &stored[0]],
+    );
+    assert_eq!(
+        store.sandbox(&other.id).unwrap_err().kind(),
+        StoreErrorKind::Corrupt
+    );
+}
+
 #[test]
-fn env_values_are_sealed_at_rest_and_old_plain_rows_are_sealed_on_open() {
+fn old_plain_env_rows_are_sealed_on_open_and_no_file_holds_a_secret() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.db");
     let mut s = sandbox();
@@ -216,10 +371,8 @@ fn env_values_are_sealed_at_rest_and_old_plain_rows_are_sealed_on_open() {
     }
 }
 
-#[test]
-fn network_policies_are_set_replaced_and_read() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = sqlite(&dir.path().join("t.db"));
+fn network_policies_are_set_replaced_and_read(b: &dyn Backend) {
+    let store = b.open().unwrap();
     let s = sandbox();
     store.insert_sandbox(&s).unwrap();
     assert!(store.network(&s.id).unwrap().is_none());
@@ -228,22 +381,18 @@ fn network_policies_are_set_replaced_and_read() {
     store.set_network(&s.id, &NetworkPolicy::none()).unwrap();
     assert_eq!(store.network(&s.id).unwrap(), Some(NetworkPolicy::none()));
     // A row this build cannot read is reported as corrupt, not taken for "no network".
-    store.raw(|c| {
-        c.execute(
-            "UPDATE sandbox_network SET policy='{' WHERE id=?1",
-            params![s.id.as_str()],
-        )
-    });
+    b.exec(
+        "UPDATE sandbox_network SET policy='{' WHERE id=$1",
+        &[s.id.as_str()],
+    );
     assert_eq!(
         store.network(&s.id).unwrap_err().kind(),
         StoreErrorKind::Corrupt
     );
 }
 
-#[test]
-fn tenants_tokens_and_holdings() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = sqlite(&dir.path().join("t.db"));
+fn tenants_tokens_and_holdings(b: &dyn Backend) {
+    let store = b.open().unwrap();
     let a = TenantRecord {
         id: tenant("team-a"),
         created_at: 5,
@@ -300,10 +449,8 @@ fn tenants_tokens_and_holdings() {
     assert_eq!(store.tenant_by_token_hash("hash-a").unwrap(), None);
 }
 
-#[test]
-fn snapshot_sizes_are_recorded_replaced_and_forgotten() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = sqlite(&dir.path().join("t.db"));
+fn snapshot_sizes_are_recorded_replaced_and_forgotten(b: &dyn Backend) {
+    let store = b.open().unwrap();
     assert_eq!(store.snapshot_bytes("snap-1").unwrap(), 0);
     store.set_snapshot_bytes("snap-1", 10).unwrap();
     store.set_snapshot_bytes("snap-1", 1 << 40).unwrap();
@@ -314,10 +461,8 @@ fn snapshot_sizes_are_recorded_replaced_and_forgotten() {
     assert_eq!(store.snapshot_bytes("snap-2").unwrap(), 7);
 }
 
-#[test]
-fn pools_are_keyed_by_tenant_and_name() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = sqlite(&dir.path().join("t.db"));
+fn pools_are_keyed_by_tenant_and_name(b: &dyn Backend) {
+    let store = b.open().unwrap();
     assert!(store.insert_pool(&pool("team-a", "jobs")).unwrap());
     assert!(store.insert_pool(&pool("team-b", "jobs")).unwrap());
     assert!(!store.insert_pool(&pool("team-b", "jobs")).unwrap());
@@ -347,10 +492,8 @@ fn toggled() -> Toggled {
     }
 }
 
-#[test]
-fn gpu_shares_requests_and_toggles_are_kept_per_sandbox() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("t.db");
+fn gpu_shares_requests_and_toggles_are_kept_per_sandbox(b: &dyn Backend) {
+    let backend = b;
     let (a, b) = (SandboxId::generate(), SandboxId::generate());
     let sleeping = ShareRecord::Sleeping {
         ticket: SleepTicket {
@@ -361,20 +504,18 @@ fn gpu_shares_requests_and_toggles_are_kept_per_sandbox() {
         },
     };
     {
-        let store = sqlite(&path);
+        let store = backend.open().unwrap();
         store.put_gpu_share(&a, &sleeping).unwrap();
         store.put_gpu_share(&b, &sleeping).unwrap();
         store.put_gpu_request(&a, &gpu_request()).unwrap();
         store.put_gpu_toggled(&a, &toggled()).unwrap();
         // A row that no longer parses is left out of the list, not fatal.
-        store.raw(|c| {
-            c.execute(
-                "INSERT INTO gpu_shares(sandbox, state, data) VALUES ('sb-bad', 'held', '{')",
-                [],
-            )
-        });
+        backend.exec(
+            "INSERT INTO gpu_shares(sandbox, state, data) VALUES ('sb-bad', 'held', '{')",
+            &[],
+        );
     }
-    let store = sqlite(&path);
+    let store = backend.open().unwrap();
     let shares = store.gpu_shares().unwrap();
     assert_eq!(shares.len(), 2);
     assert!(shares.iter().all(|(_, r)| *r == sleeping));
@@ -395,10 +536,8 @@ fn gpu_shares_requests_and_toggles_are_kept_per_sandbox() {
     assert_eq!(store.gpu_toggled(&a).unwrap(), None);
 }
 
-#[test]
-fn usage_intervals_add_up_per_key_and_filter_by_tenant_and_range() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = sqlite(&dir.path().join("t.db"));
+fn usage_intervals_add_up_per_key_and_filter_by_tenant_and_range(b: &dyn Backend) {
+    let store = b.open().unwrap();
     let s = SandboxId::generate();
     let row = |start_s: i64, t: &str, measure: &str, dim: &str, value: f64| UsageInterval {
         start_s,
@@ -440,10 +579,8 @@ fn usage_intervals_add_up_per_key_and_filter_by_tenant_and_range() {
     );
 }
 
-#[test]
-fn compare_and_set_writes_only_over_the_version_it_read() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = sqlite(&dir.path().join("t.db"));
+fn compare_and_set_writes_only_over_the_version_it_read(b: &dyn Backend) {
+    let store = b.open().unwrap();
     let mut s = sandbox();
     store.insert_sandbox(&s).unwrap();
     let (read, v0) = store.sandbox_versioned(&s.id).unwrap().unwrap();
@@ -695,17 +832,17 @@ fn a_version_2_database_whose_pools_were_already_rekeyed_keeps_them() {
     assert_eq!(schema_version(&path), "3");
 }
 
-#[test]
-fn a_newer_schema_is_refused_as_unavailable() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("t.db");
-    drop(sqlite(&path));
-    let c = Connection::open(&path).unwrap();
-    c.execute("UPDATE meta SET value='99' WHERE key='schema'", [])
-        .unwrap();
-    drop(c);
-    let err = SqliteStore::open(&path).err().unwrap();
-    assert!(matches!(err, StoreError::NewerSchema { found: 99, .. }));
+fn a_newer_schema_is_refused_as_unavailable(b: &dyn Backend) {
+    drop(b.open().unwrap());
+    b.exec("UPDATE meta SET value='99' WHERE key='schema'", &[]);
+    let err = b.open().err().unwrap();
+    assert!(
+        matches!(
+            err,
+            StoreError::NewerSchema { found: 99, .. } | StoreError::NewerSchemaAt { found: 99, .. }
+        ),
+        "{err:?}"
+    );
     assert_eq!(err.kind(), StoreErrorKind::Unavailable);
 }
 
@@ -775,4 +912,272 @@ fn one_file_opened_twice_in_a_process_is_one_store() {
     drop((a, b));
     let c = Store::open(&path).unwrap();
     assert_eq!(c.sandboxes().unwrap().len(), 1);
+}
+
+// --- PostgreSQL: several controllers on one database ---
+
+/// The store's sessions of `db` (application name `torpor`) waiting on a lock.
+fn waiting_on_a_lock(admin: &Admin, db: &str) -> Vec<String> {
+    admin.texts(
+        "SELECT pid::text FROM pg_stat_activity
+         WHERE datname=$1 AND application_name='torpor' AND wait_event_type='Lock'",
+        &[db],
+    )
+}
+
+/// Waits until `n` of the store's sessions wait on a lock (each test call below blocks on a
+/// lock the test holds; this is the moment they all do).
+fn wait_for_waiters(admin: &Admin, db: &str, n: usize) -> Vec<String> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let waiting = waiting_on_a_lock(admin, db);
+        if waiting.len() >= n {
+            return waiting;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} of {n} store calls ever waited on the test's lock",
+            waiting.len()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn controllers_starting_together_on_a_new_database_all_migrate() {
+    let Some(pg) = Postgres::new() else { return };
+    const CONTROLLERS: usize = 6;
+    let start = Arc::new(Barrier::new(CONTROLLERS));
+    let (url, key) = (pg.url(), pg.key());
+    // The key exists before they start, as the file every controller is given does.
+    crate::secrets::EnvSeal::load_or_create(&key).unwrap();
+    let threads: Vec<_> = (0..CONTROLLERS)
+        .map(|_| {
+            let (start, url, key) = (start.clone(), url.clone(), key.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                let store = PostgresStore::connect(&url, &key)?;
+                let s = sandbox();
+                store.insert_sandbox(&s)?;
+                Ok::<_, StoreError>((store, s))
+            })
+        })
+        .collect();
+    let opened: Vec<(PostgresStore, SandboxRecord)> = threads
+        .into_iter()
+        .map(|t| {
+            t.join()
+                .unwrap()
+                .expect("every controller migrates and writes")
+        })
+        .collect();
+    assert_eq!(
+        pg.texts("SELECT value FROM meta WHERE key='schema'", &[]),
+        vec![pg_schema::SCHEMA_VERSION.to_string()]
+    );
+    // Each controller reads what every other wrote.
+    for (store, _) in &opened {
+        let mut ids: Vec<SandboxId> = store
+            .sandboxes()
+            .unwrap()
+            .into_iter()
+            .map(|s| s.id)
+            .collect();
+        ids.sort();
+        let mut want: Vec<SandboxId> = opened.iter().map(|(_, s)| s.id.clone()).collect();
+        want.sort();
+        assert_eq!(ids, want);
+    }
+    // A controller started later finds the schema current and changes nothing.
+    drop(pg.connect());
+    assert_eq!(
+        pg.texts("SELECT count(*)::text FROM sandboxes", &[]),
+        vec![CONTROLLERS.to_string()]
+    );
+}
+
+#[test]
+fn two_controllers_compare_and_set_one_sandbox_at_the_same_moment_and_exactly_one_wins() {
+    let Some(pg) = Postgres::new() else { return };
+    let (a, b) = (Arc::new(pg.connect()), Arc::new(pg.connect()));
+    let s = sandbox();
+    a.insert_sandbox(&s).unwrap();
+    let (_, v0) = b.sandbox_versioned(&s.id).unwrap().unwrap();
+
+    // The test holds the row's lock, so both controllers' writes are in flight at once and
+    // queue on it; then it lets them go.
+    let holder = Admin::connect(&pg.url());
+    holder.batch("BEGIN");
+    holder.exec(
+        "SELECT 1 FROM sandboxes WHERE id=$1 FOR UPDATE",
+        &[s.id.as_str()],
+    );
+    let race = |store: Arc<PostgresStore>, state: SandboxState| {
+        let mut mine = s.clone();
+        mine.state = state;
+        std::thread::spawn(move || store.compare_and_set_sandbox(&mine, v0).map(|v| (v, state)))
+    };
+    let ta = race(a.clone(), SandboxState::Running);
+    let tb = race(b.clone(), SandboxState::Deleting);
+    wait_for_waiters(&pg.admin, &pg.db, 2);
+    holder.batch("COMMIT");
+    let results = [ta.join().unwrap(), tb.join().unwrap()];
+
+    let won: Vec<_> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+    assert_eq!(won.len(), 1, "exactly one write lands: {results:?}");
+    let lost = results.iter().find_map(|r| r.as_ref().err()).unwrap();
+    assert_eq!(lost.kind(), StoreErrorKind::Conflict, "{lost:?}");
+    let (v, state) = *won[0];
+    let (read, version) = a.sandbox_versioned(&s.id).unwrap().unwrap();
+    assert_eq!(read.state, state, "the row holds the winner's write");
+    assert_eq!(version, v);
+    assert_eq!(version, Version(v0.0 + 1), "one transition, not two");
+}
+
+#[test]
+fn many_controllers_racing_on_one_sandbox_make_one_transition_per_version() {
+    let Some(pg) = Postgres::new() else { return };
+    const CONTROLLERS: usize = 4;
+    const ROUNDS: u64 = 25;
+    let stores: Vec<Arc<PostgresStore>> =
+        (0..CONTROLLERS).map(|_| Arc::new(pg.connect())).collect();
+    let s = sandbox();
+    stores[0].insert_sandbox(&s).unwrap();
+    for round in 0..ROUNDS {
+        let (_, v) = stores[0].sandbox_versioned(&s.id).unwrap().unwrap();
+        assert_eq!(v, Version(round));
+        let start = Arc::new(Barrier::new(CONTROLLERS));
+        let threads: Vec<_> = stores
+            .iter()
+            .enumerate()
+            .map(|(i, store)| {
+                let (store, start, mut mine) = (store.clone(), start.clone(), s.clone());
+                mine.last_error = Some(format!("controller {i}"));
+                std::thread::spawn(move || {
+                    start.wait();
+                    store.compare_and_set_sandbox(&mine, v)
+                })
+            })
+            .collect();
+        let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        assert_eq!(
+            results.iter().filter(|r| r.is_ok()).count(),
+            1,
+            "{results:?}"
+        );
+        assert!(results
+            .iter()
+            .filter_map(|r| r.as_ref().err())
+            .all(|e| e.kind() == StoreErrorKind::Conflict));
+    }
+    let (_, v) = stores[1].sandbox_versioned(&s.id).unwrap().unwrap();
+    assert_eq!(v, Version(ROUNDS));
+}
+
+#[test]
+fn a_torn_connection_is_reported_unavailable_and_the_next_call_reconnects() {
+    let Some(pg) = Postgres::new() else { return };
+    let store = Arc::new(pg.connect());
+    let s = sandbox();
+    store.insert_sandbox(&s).unwrap();
+
+    // A call in flight when the server ends its session.
+    let holder = Admin::connect(&pg.url());
+    holder.batch("BEGIN; LOCK TABLE sandboxes IN ACCESS EXCLUSIVE MODE");
+    let reading = {
+        let store = store.clone();
+        std::thread::spawn(move || store.sandboxes())
+    };
+    let pids = wait_for_waiters(&pg.admin, &pg.db, 1);
+    pg.admin.texts(
+        "SELECT pg_terminate_backend($1::text::int)::text",
+        &[pids[0].as_str()],
+    );
+    let err = reading.join().unwrap().unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}");
+    holder.batch("ROLLBACK");
+
+    // The next call gets a new session and works.
+    assert_eq!(store.sandboxes().unwrap().len(), 1);
+    let mut moved = s.clone();
+    moved.state = SandboxState::Running;
+    store.update_sandbox(&moved).unwrap();
+    assert_eq!(
+        store.sandbox(&s.id).unwrap().unwrap().state,
+        SandboxState::Running
+    );
+    let sessions = pg.texts(
+        "SELECT pid::text FROM pg_stat_activity WHERE datname=$1 AND application_name='torpor'",
+        &[&pg.db],
+    );
+    assert!(
+        !sessions.contains(&pids[0]),
+        "the ended session is not reused"
+    );
+
+    // Idle sessions ended under the pool: at most the first call notices, the next works.
+    pg.admin.texts(
+        "SELECT pg_terminate_backend(pid)::text FROM pg_stat_activity
+         WHERE datname=$1 AND application_name='torpor'",
+        &[&pg.db],
+    );
+    if let Err(e) = store.sandboxes() {
+        assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{e:?}");
+    }
+    assert_eq!(store.sandboxes().unwrap().len(), 1);
+}
+
+#[test]
+fn an_unreachable_database_is_unavailable_and_its_password_is_not_in_the_error() {
+    let Some(pg) = Postgres::new() else { return };
+    let wrong = pg
+        .url()
+        .replace(pg_testing::PASSWORD, "not-the-password-42");
+    let err = PostgresStore::connect(&wrong, &pg.key()).err().unwrap();
+    assert_eq!(err.kind(), StoreErrorKind::Unavailable);
+    let shown = format!("{err} {err:?}");
+    assert!(!shown.contains("not-the-password-42"), "{shown}");
+    assert!(shown.contains(&pg.db), "names the database: {shown}");
+    // Nothing listens on this port.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let err = PostgresStore::connect(
+        &format!("postgres://postgres:secret-9@127.0.0.1:{port}/x"),
+        &pg.key(),
+    )
+    .err()
+    .unwrap();
+    assert_eq!(err.kind(), StoreErrorKind::Unavailable);
+    assert!(!format!("{err} {err:?}").contains("secret-9"));
+}
+
+#[test]
+fn a_controller_with_another_env_key_is_refused_and_cannot_seal_envs_the_others_cannot_read() {
+    let Some(pg) = Postgres::new() else { return };
+    let first = pg.connect();
+    let mut s = sandbox();
+    s.env.insert("TOKEN".into(), "abc".into());
+    first.insert_sandbox(&s).unwrap();
+    let other_key = pg.dir.path().join("other.key");
+    let err = PostgresStore::connect(&pg.url(), &other_key).err().unwrap();
+    assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}");
+    // The right key still works, and reads the env.
+    let again = pg.connect();
+    assert_eq!(again.sandbox(&s.id).unwrap().unwrap().env, s.env);
+}
+
+#[test]
+fn store_connect_answers_a_handle_over_postgres() {
+    let Some(pg) = Postgres::new() else { return };
+    let store = Store::connect(&pg.url(), &pg.key()).unwrap();
+    let s = sandbox();
+    store.insert_sandbox(&s).unwrap();
+    assert_eq!(store.sandbox(&s.id).unwrap(), Some(s));
+    assert_eq!(
+        pg.texts("SELECT id FROM sandboxes", &[]),
+        vec![store.sandboxes().unwrap()[0].id.to_string()]
+    );
 }

@@ -1,0 +1,101 @@
+//! The PostgreSQL store's schema: migrations versioned in the repo (`store/pg/NNNN_*.sql`,
+//! compiled in), applied at connect in one transaction under a PostgreSQL advisory lock, so
+//! several controllers started together migrate one after the other (the first applies the
+//! steps, the others find the schema current). The version is kept in `meta` (`schema`), as in
+//! the SQLite store; a database at a version newer than this build is refused rather than
+//! misread.
+//!
+//! The lock is `pg_advisory_xact_lock`: the transaction-scoped form of `pg_advisory_lock`,
+//! released by the commit or rollback (or by the server when the connection dies), so a
+//! controller that fails mid-migration never leaves the lock held.
+//!
+//! | version | file | change |
+//! |---|---|---|
+//! | 1 | `0001_initial.sql` | the tables of the SQLite store's schema 3 |
+//!
+//! To change the schema, add the next file and its line to [`MIGRATIONS`]; never edit a file
+//! that has shipped.
+
+use tokio_postgres::Client;
+
+/// Every migration, in order: `MIGRATIONS[i]` moves a database from version `i` to `i + 1`.
+pub(super) const MIGRATIONS: &[&str] = &[include_str!("pg/0001_initial.sql")];
+
+/// The schema version this build writes and reads.
+pub(super) const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+/// The advisory-lock key every torpor controller takes to migrate ("torpor" in ASCII).
+pub(super) const MIGRATION_LOCK: i64 = 0x746f_7270_6f72;
+
+/// Why the schema could not be made current.
+#[derive(Debug)]
+pub(super) enum MigrateError {
+    Db(tokio_postgres::Error),
+    /// The database is at a version this build does not know.
+    Newer(i64),
+}
+
+impl From<tokio_postgres::Error> for MigrateError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        MigrateError::Db(e)
+    }
+}
+
+/// What the database holds after migration.
+pub(super) struct Migrated {
+    /// The version the database was at before (0: a new database).
+    pub from: i64,
+    /// The env-key check value stored in `meta` (the one given, when this call stored it).
+    pub env_key_check: String,
+}
+
+/// Creates or migrates the schema, and records `env_key_check` (a value sealed with this
+/// controller's env key) unless an earlier controller recorded its own.
+pub(super) async fn migrate(
+    client: &mut Client,
+    env_key_check: &str,
+) -> Result<Migrated, MigrateError> {
+    let tx = client.transaction().await?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+        .await?;
+    tx.batch_execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        .await?;
+    let recorded = tx
+        .query_opt("SELECT value FROM meta WHERE key='schema'", &[])
+        .await?
+        .map(|r| r.try_get::<_, String>(0))
+        .transpose()?;
+    let from = match recorded {
+        None => 0,
+        // A value this build cannot read was written by a build it does not know.
+        Some(v) => v.parse::<i64>().unwrap_or(SCHEMA_VERSION + 1),
+    };
+    if from > SCHEMA_VERSION {
+        tx.rollback().await?;
+        return Err(MigrateError::Newer(from));
+    }
+    for (i, sql) in MIGRATIONS.iter().enumerate().skip(from.max(0) as usize) {
+        tx.batch_execute(sql).await?;
+        tracing::info!(version = i + 1, "PostgreSQL state store migrated");
+    }
+    tx.execute(
+        "INSERT INTO meta(key, value) VALUES ('schema', $1)
+         ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        &[&SCHEMA_VERSION.to_string()],
+    )
+    .await?;
+    tx.execute(
+        "INSERT INTO meta(key, value) VALUES ('env_key_check', $1) ON CONFLICT (key) DO NOTHING",
+        &[&env_key_check],
+    )
+    .await?;
+    let check: String = tx
+        .query_one("SELECT value FROM meta WHERE key='env_key_check'", &[])
+        .await?
+        .try_get(0)?;
+    tx.commit().await?;
+    Ok(Migrated {
+        from,
+        env_key_check: check,
+    })
+}

@@ -1,0 +1,1055 @@
+//! [`PostgresStore`]: the state store in PostgreSQL (cluster mode), shared by every controller.
+//!
+//! **Driver.** `tokio-postgres` (the async half of rust-postgres) with a small `deadpool`
+//! connection pool, driven on a runtime of its own (two threads, `torpor-pg`). The
+//! [`StateStore`] trait is synchronous and is called from inside the engine's tokio tasks:
+//! the sync `postgres` crate blocks on a runtime of its own per connection and panics when
+//! called from inside another runtime, so each call is instead spawned on the store's runtime
+//! and the caller waits for its answer on a channel (as it waits on SQLite's mutex). Each call
+//! is one statement (or one short transaction) with a deadline ([`CALL_TIMEOUT`], and the
+//! server's `statement_timeout`), and answers [`StoreErrorKind::Unavailable`] when it passes.
+//!
+//! **Concurrency.** Several controllers write the same rows. Every write of a sandbox row bumps
+//! its `version`; [`StateStore::compare_and_set_sandbox`] is one
+//! `UPDATE … WHERE id=$1 AND version=$9`, so of two controllers that read the same version
+//! exactly one writes and the other gets [`StoreErrorKind::Conflict`] (the second `UPDATE`
+//! waits for the first's row lock, then finds the version moved). Row locks last one statement:
+//! no transaction is ever open across a network call or an `.await` outside the store.
+//! Batch writes (activity, usage) are single statements over `unnest`ed arrays, their rows
+//! taken in key order, so two controllers' batches cannot deadlock.
+//!
+//! **Connections.** A call on a connection that the server or the network closed answers
+//! Unavailable and the connection leaves the pool; the next call opens a fresh one. No call is
+//! retried by the store: a write whose answer was lost may have committed.
+//!
+//! **Env at rest.** Sandboxes' env values are sealed as in SQLite ([`crate::secrets`]), under a
+//! key file every controller of one database must share (like the admin token file). The first
+//! controller records a value sealed with its key in `meta`; a controller whose key does not
+//! open it is refused at connect, so no controller ever seals envs the others cannot read.
+//!
+//! Schema and migrations: [`super::pg_schema`].
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::Path;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
+use futures::future::BoxFuture;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{NoTls, Row};
+use torpor_core::{
+    Limits, NetworkPolicy, PoolName, SandboxId, SandboxState, TemplateName, TenantId, UnixMillis,
+};
+use torpor_gpu::cuda_checkpoint::Toggled;
+use torpor_gpu::request::GpuRequest;
+
+use super::pg_schema::{self, MigrateError};
+use super::records::*;
+use super::sqlite::{parse_sandbox, parse_template, parse_tenant, RawSandbox, RawTemplate};
+use super::{StateStore, StoreError};
+
+/// The most one call waits for a connection and its statement.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// The most opening one connection takes.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The server-side limit on one statement (set unless the URL sets `options`).
+const STATEMENT_TIMEOUT_MS: u64 = 20_000;
+/// Connections per controller.
+const POOL_SIZE: usize = 8;
+
+/// What the env-key check value in `meta` is sealed for (its associated data).
+const ENV_KEY_CHECK_AAD: &str = "torpor-env-key-check";
+
+type Param = Box<dyn ToSql + Sync + Send>;
+
+fn p<T: ToSql + Sync + Send + 'static>(v: T) -> Param {
+    Box::new(v)
+}
+
+fn json<T: Serialize>(v: &T) -> String {
+    serde_json::to_string(v).expect("store values serialise")
+}
+
+pub struct PostgresStore {
+    pool: Pool,
+    /// The runtime the pool's connections and every call run on; `None` once dropped.
+    runtime: Option<tokio::runtime::Runtime>,
+    handle: tokio::runtime::Handle,
+    env_seal: crate::secrets::EnvSeal,
+}
+
+impl Drop for PostgresStore {
+    fn drop(&mut self) {
+        // Dropping a runtime blocks, which panics inside another runtime's task.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// `url` without its password: what error messages and logs name.
+pub fn describe(config: &tokio_postgres::Config) -> String {
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .zip(config.get_ports().iter().chain(std::iter::repeat(&5432)))
+        .map(|(h, port)| match h {
+            tokio_postgres::config::Host::Tcp(h) => format!("{h}:{port}"),
+            tokio_postgres::config::Host::Unix(p) => format!("{}:{port}", p.display()),
+        })
+        .collect();
+    format!(
+        "postgres://{}@{}/{}",
+        config.get_user().unwrap_or(""),
+        hosts.join(","),
+        config.get_dbname().unwrap_or("")
+    )
+}
+
+impl PostgresStore {
+    /// Connects to the database at `url` (`postgres://user:password@host:port/db`), creating
+    /// or migrating its schema, with sandboxes' env sealed under the key in `env_key` (created
+    /// when missing; every controller of one database needs the same file). Prefer
+    /// [`super::Store::connect`].
+    pub fn connect(url: &str, env_key: &Path) -> Result<PostgresStore, StoreError> {
+        let mut config: tokio_postgres::Config = url.parse().map_err(|e| StoreError::Connect {
+            target: "postgres URL".into(),
+            source: Box::new(e),
+        })?;
+        let target = describe(&config);
+        let connect_err = |source: crate::store::BackendError| StoreError::Connect {
+            target: target.clone(),
+            source,
+        };
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(CONNECT_TIMEOUT);
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("torpor");
+        }
+        if config.get_options().is_none() {
+            config.options(format!(
+                "-c statement_timeout={STATEMENT_TIMEOUT_MS} -c idle_in_transaction_session_timeout={STATEMENT_TIMEOUT_MS}"
+            ));
+        }
+        config.keepalives(true);
+        config.keepalives_idle(Duration::from_secs(30));
+        let env_seal = crate::secrets::EnvSeal::load_or_create(env_key)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("torpor-pg")
+            .enable_all()
+            .build()
+            .map_err(|e| connect_err(e.into()))?;
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(POOL_SIZE)
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .wait_timeout(Some(CALL_TIMEOUT))
+            .create_timeout(Some(CONNECT_TIMEOUT))
+            .recycle_timeout(Some(CONNECT_TIMEOUT))
+            .build()
+            .map_err(|e| connect_err(e.into()))?;
+        let store = PostgresStore {
+            pool,
+            handle: runtime.handle().clone(),
+            runtime: Some(runtime),
+            env_seal,
+        };
+        let check = store.env_seal.seal(ENV_KEY_CHECK_AAD, "ok");
+        let pool = store.pool.clone();
+        let migrated = store.spawn_wait("migrate", async move {
+            let mut client = pool.get().await.map_err(|e| StoreError::Connect {
+                target: String::new(),
+                source: e.into(),
+            })?;
+            Ok(pg_schema::migrate(&mut client, &check).await)
+        });
+        let migrated = match migrated {
+            Ok(Ok(m)) => m,
+            Ok(Err(MigrateError::Newer(found))) => {
+                return Err(StoreError::NewerSchemaAt {
+                    target,
+                    found,
+                    supported: pg_schema::SCHEMA_VERSION,
+                })
+            }
+            Ok(Err(MigrateError::Db(e))) => return Err(connect_err(e.into())),
+            Err(StoreError::Connect { source, .. }) => return Err(connect_err(source)),
+            Err(e) => return Err(e),
+        };
+        store
+            .env_seal
+            .open(ENV_KEY_CHECK_AAD, &migrated.env_key_check)?;
+        tracing::info!(
+            database = %target,
+            from = migrated.from,
+            schema = pg_schema::SCHEMA_VERSION,
+            "PostgreSQL state store connected"
+        );
+        Ok(store)
+    }
+
+    /// Runs `fut` on the store's runtime and waits for its answer (the caller's thread blocks,
+    /// as on SQLite's mutex; it may be a thread of another runtime).
+    fn spawn_wait<T: Send + 'static>(
+        &self,
+        op: &'static str,
+        fut: impl Future<Output = Result<T, StoreError>> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.handle.spawn(async move {
+            let answer = match tokio::time::timeout(CALL_TIMEOUT, fut).await {
+                Ok(a) => a,
+                Err(_) => Err(StoreError::Unavailable {
+                    op,
+                    source: "no answer from PostgreSQL within the call deadline".into(),
+                }),
+            };
+            let _ = tx.send(answer);
+        });
+        rx.recv().unwrap_or_else(|_| {
+            Err(StoreError::Unavailable {
+                op,
+                source: "the state store's runtime stopped".into(),
+            })
+        })
+    }
+
+    /// Runs `f` with a pooled connection; its errors are [`StoreError::Unavailable`] for `op`,
+    /// and a connection that broke leaves the pool.
+    fn with<T, F>(&self, op: &'static str, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: for<'c> FnOnce(&'c mut Object) -> BoxFuture<'c, Result<T, tokio_postgres::Error>>
+            + Send
+            + 'static,
+    {
+        let pool = self.pool.clone();
+        self.spawn_wait(op, async move {
+            let mut client = pool.get().await.map_err(|e| StoreError::Unavailable {
+                op,
+                source: e.into(),
+            })?;
+            match f(&mut client).await {
+                Ok(v) => Ok(v),
+                Err(e) => {
+                    if client.is_closed() || connection_lost(&e) {
+                        tracing::warn!(op, error = %e, "PostgreSQL connection lost; dropped from the pool");
+                        drop(Object::take(client));
+                    }
+                    Err(StoreError::Unavailable {
+                        op,
+                        source: e.into(),
+                    })
+                }
+            }
+        })
+    }
+
+    /// One statement's rows.
+    fn query(
+        &self,
+        op: &'static str,
+        sql: &'static str,
+        params: Vec<Param>,
+    ) -> Result<Vec<Row>, StoreError> {
+        self.with(op, move |c| {
+            Box::pin(async move {
+                let st = c.prepare_cached(sql).await?;
+                c.query(&st, &refs(&params)).await
+            })
+        })
+    }
+
+    /// One statement; the number of rows it wrote.
+    fn execute(
+        &self,
+        op: &'static str,
+        sql: &'static str,
+        params: Vec<Param>,
+    ) -> Result<u64, StoreError> {
+        self.with(op, move |c| {
+            Box::pin(async move {
+                let st = c.prepare_cached(sql).await?;
+                c.execute(&st, &refs(&params)).await
+            })
+        })
+    }
+
+    fn query_opt(
+        &self,
+        op: &'static str,
+        sql: &'static str,
+        params: Vec<Param>,
+    ) -> Result<Option<Row>, StoreError> {
+        Ok(self.query(op, sql, params)?.into_iter().next())
+    }
+
+    /// A JSON value kept under a sandbox key (`gpu_requests`, `gpu_toggled`, network).
+    fn sandbox_json<T: DeserializeOwned>(
+        &self,
+        what: &'static str,
+        sql: &'static str,
+        id: &SandboxId,
+    ) -> Result<Option<T>, StoreError> {
+        let corrupt = || StoreError::Corrupt {
+            what,
+            key: id.to_string(),
+        };
+        let Some(row) = self.query_opt(what, sql, vec![p(id.to_string())])? else {
+            return Ok(None);
+        };
+        let text: String = row.try_get(0).map_err(|_| corrupt())?;
+        serde_json::from_str(&text).map(Some).map_err(|_| corrupt())
+    }
+
+    fn parse_sandbox(&self, row: &Row) -> Result<(SandboxRecord, Version), StoreError> {
+        let mut raw = raw_sandbox(row)?;
+        raw.6 = self
+            .env_seal
+            .open(&raw.0, &raw.6)
+            .map_err(|_| StoreError::Corrupt {
+                what: "sandbox env",
+                key: raw.0.clone(),
+            })?;
+        parse_sandbox(raw)
+    }
+}
+
+fn refs(params: &[Param]) -> Vec<&(dyn ToSql + Sync)> {
+    params.iter().map(|p| &**p as &(dyn ToSql + Sync)).collect()
+}
+
+/// Whether `e` means the connection is gone (closed, reset, or ended by the server), so it
+/// must not be reused.
+fn connection_lost(e: &tokio_postgres::Error) -> bool {
+    match e.code() {
+        // Not an error the server reported on a live session: I/O, closed, protocol.
+        None => true,
+        // Class 08: connection exception; class 57: operator intervention
+        // (pg_terminate_backend, shutdown).
+        Some(code) => code.code().starts_with("08") || code.code().starts_with("57"),
+    }
+}
+
+fn is_unique_violation(e: &StoreError) -> bool {
+    matches!(e, StoreError::Unavailable { source, .. }
+        if source
+            .downcast_ref::<tokio_postgres::Error>()
+            .and_then(tokio_postgres::Error::code)
+            == Some(&SqlState::UNIQUE_VIOLATION))
+}
+
+fn get<'a, T: tokio_postgres::types::FromSql<'a>>(
+    row: &'a Row,
+    i: usize,
+    what: &'static str,
+) -> Result<T, StoreError> {
+    row.try_get(i).map_err(|_| StoreError::Corrupt {
+        what,
+        key: row
+            .try_get::<_, String>(0)
+            .unwrap_or_else(|_| "?".to_string()),
+    })
+}
+
+macro_rules! template_columns {
+    () => {
+        "SELECT name, tenant, spec, status, rootfs, mounts, agent_dir, golden_dir, golden_bytes,
+         created_at FROM templates"
+    };
+}
+
+macro_rules! sandbox_columns {
+    () => {
+        "SELECT id, tenant, template, state, tier, limits, env, metadata, created_at,
+         last_active_at, generation, image, last_error, oom_killed, version FROM sandboxes"
+    };
+}
+
+fn raw_template(r: &Row) -> Result<RawTemplate, StoreError> {
+    let w = "template";
+    Ok((
+        get(r, 0, w)?,
+        get(r, 1, w)?,
+        get(r, 2, w)?,
+        get(r, 3, w)?,
+        get(r, 4, w)?,
+        get(r, 5, w)?,
+        get(r, 6, w)?,
+        get(r, 7, w)?,
+        get(r, 8, w)?,
+        get(r, 9, w)?,
+    ))
+}
+
+fn raw_sandbox(r: &Row) -> Result<RawSandbox, StoreError> {
+    let w = "sandbox";
+    let generation: i64 = get(r, 10, w)?;
+    Ok((
+        get(r, 0, w)?,
+        get(r, 1, w)?,
+        get(r, 2, w)?,
+        get(r, 3, w)?,
+        get(r, 4, w)?,
+        get(r, 5, w)?,
+        get(r, 6, w)?,
+        get(r, 7, w)?,
+        get(r, 8, w)?,
+        get(r, 9, w)?,
+        u32::try_from(generation).map_err(|_| StoreError::Corrupt {
+            what: w,
+            key: get::<String>(r, 0, w).unwrap_or_default(),
+        })?,
+        get(r, 11, w)?,
+        get(r, 12, w)?,
+        get(r, 13, w)?,
+        get(r, 14, w)?,
+    ))
+}
+
+fn sandbox_params(s: &SandboxRecord) -> Vec<Param> {
+    vec![
+        p(s.id.to_string()),
+        p(s.state.as_str()),
+        p(s.tier.as_str()),
+        p(s.last_active_at),
+        p(i64::from(s.generation)),
+        p(json(&s.image)),
+        p(s.last_error.clone()),
+        p(s.oom_killed),
+    ]
+}
+
+impl StateStore for PostgresStore {
+    // --- templates ---
+
+    fn insert_template(&self, t: &TemplateRecord) -> Result<bool, StoreError> {
+        let n = self.execute(
+            "insert template",
+            "INSERT INTO templates
+             (name, tenant, spec, status, rootfs, mounts, agent_dir, golden_dir, golden_bytes, created_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT DO NOTHING",
+            vec![
+                p(t.name.to_string()),
+                p(t.tenant.to_string()),
+                p(json(&t.spec)),
+                p(json(&t.status)),
+                p(t.rootfs.to_string_lossy().into_owned()),
+                p(json(&t.mounts)),
+                p(t.agent_dir.to_string_lossy().into_owned()),
+                p(t.golden_dir.to_string_lossy().into_owned()),
+                p(t.golden_bytes as i64),
+                p(t.created_at),
+            ],
+        )?;
+        Ok(n == 1)
+    }
+
+    fn update_template(&self, t: &TemplateRecord) -> Result<(), StoreError> {
+        self.execute(
+            "update template",
+            "UPDATE templates SET status=$2, mounts=$3, agent_dir=$4, golden_bytes=$5, spec=$6
+             WHERE name=$1 AND tenant=$7",
+            vec![
+                p(t.name.to_string()),
+                p(json(&t.status)),
+                p(json(&t.mounts)),
+                p(t.agent_dir.to_string_lossy().into_owned()),
+                p(t.golden_bytes as i64),
+                p(json(&t.spec)),
+                p(t.tenant.to_string()),
+            ],
+        )
+        .map(drop)
+    }
+
+    fn delete_template(&self, owner: &TenantId, name: &TemplateName) -> Result<(), StoreError> {
+        self.execute(
+            "delete template",
+            "DELETE FROM templates WHERE name=$1 AND tenant=$2",
+            vec![p(name.to_string()), p(owner.to_string())],
+        )
+        .map(drop)
+    }
+
+    fn template(
+        &self,
+        owner: &TenantId,
+        name: &TemplateName,
+    ) -> Result<Option<TemplateRecord>, StoreError> {
+        const SQL: &str = concat!(template_columns!(), " WHERE name=$1 AND tenant=$2");
+        self.query_opt(
+            "read template",
+            SQL,
+            vec![p(name.to_string()), p(owner.to_string())],
+        )?
+        .map(|r| raw_template(&r).and_then(parse_template))
+        .transpose()
+    }
+
+    fn templates(&self) -> Result<Vec<TemplateRecord>, StoreError> {
+        const SQL: &str = concat!(template_columns!(), " ORDER BY name, tenant");
+        self.query("read templates", SQL, Vec::new())?
+            .iter()
+            .map(|r| raw_template(r).and_then(parse_template))
+            .collect()
+    }
+
+    // --- sandboxes ---
+
+    fn insert_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
+        let result = self.execute(
+            "insert sandbox",
+            "INSERT INTO sandboxes
+             (id, tenant, template, state, tier, limits, env, metadata, created_at, last_active_at,
+              generation, image, last_error, oom_killed, version)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 0)",
+            vec![
+                p(s.id.to_string()),
+                p(s.tenant.to_string()),
+                p(s.template.to_string()),
+                p(s.state.as_str()),
+                p(s.tier.as_str()),
+                p(json(&s.limits)),
+                p(self.env_seal.seal(s.id.as_str(), &json(&s.env))),
+                p(json(&s.metadata)),
+                p(s.created_at),
+                p(s.last_active_at),
+                p(i64::from(s.generation)),
+                p(json(&s.image)),
+                p(s.last_error.clone()),
+                p(s.oom_killed),
+            ],
+        );
+        match result {
+            Ok(_) => Ok(()),
+            Err(e) if is_unique_violation(&e) => Err(StoreError::Conflict {
+                what: "sandbox",
+                key: s.id.to_string(),
+                expected: Version(0),
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn update_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
+        self.execute(
+            "update sandbox",
+            "UPDATE sandboxes SET state=$2, tier=$3, last_active_at=$4, generation=$5, image=$6,
+             last_error=$7, oom_killed=$8, version=version+1 WHERE id=$1",
+            sandbox_params(s),
+        )
+        .map(drop)
+    }
+
+    fn compare_and_set_sandbox(
+        &self,
+        s: &SandboxRecord,
+        expected: Version,
+    ) -> Result<Version, StoreError> {
+        let mut params = sandbox_params(s);
+        params.push(p(expected.0 as i64));
+        // One statement: the UPDATE writes only over `expected` (a concurrent writer's UPDATE
+        // waits for the row lock, then finds the version moved and writes nothing); the second
+        // column, read from the statement's snapshot, tells a moved row from a missing one.
+        let row = self
+            .query_opt(
+                "compare and set sandbox",
+                "WITH written AS (
+                     UPDATE sandboxes SET state=$2, tier=$3, last_active_at=$4, generation=$5,
+                         image=$6, last_error=$7, oom_killed=$8, version=version+1
+                     WHERE id=$1 AND version=$9 RETURNING version)
+                 SELECT (SELECT version FROM written),
+                        (SELECT version FROM sandboxes WHERE id=$1)",
+                params,
+            )?
+            .ok_or_else(|| StoreError::Unavailable {
+                op: "compare and set sandbox",
+                source: "no result row".into(),
+            })?;
+        let written: Option<i64> = get(&row, 0, "sandbox version")?;
+        let found: Option<i64> = get(&row, 1, "sandbox version")?;
+        match (written, found) {
+            (Some(v), _) => Ok(Version(v.max(0) as u64)),
+            (None, None) => Err(StoreError::NotFound {
+                what: "sandbox",
+                key: s.id.to_string(),
+            }),
+            (None, Some(_)) => Err(StoreError::Conflict {
+                what: "sandbox",
+                key: s.id.to_string(),
+                expected,
+            }),
+        }
+    }
+
+    fn sandbox_versioned(
+        &self,
+        id: &SandboxId,
+    ) -> Result<Option<(SandboxRecord, Version)>, StoreError> {
+        const SQL: &str = concat!(sandbox_columns!(), " WHERE id=$1");
+        self.query_opt("read sandbox", SQL, vec![p(id.to_string())])?
+            .map(|r| self.parse_sandbox(&r))
+            .transpose()
+    }
+
+    fn set_sandbox_metadata(
+        &self,
+        id: &SandboxId,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<(), StoreError> {
+        self.execute(
+            "set sandbox metadata",
+            "UPDATE sandboxes SET metadata=$2, version=version+1 WHERE id=$1",
+            vec![p(id.to_string()), p(json(metadata))],
+        )
+        .map(drop)
+    }
+
+    fn touch_sandboxes(&self, touched: &[(SandboxId, UnixMillis)]) -> Result<(), StoreError> {
+        if touched.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<String> = touched.iter().map(|(id, _)| id.to_string()).collect();
+        let ats: Vec<i64> = touched.iter().map(|(_, at)| *at).collect();
+        self.execute(
+            "touch sandboxes",
+            "UPDATE sandboxes s SET last_active_at = t.at
+             FROM (SELECT id, max(at) AS at FROM unnest($1::text[], $2::bigint[]) AS u(id, at)
+                   GROUP BY id ORDER BY id) t
+             WHERE s.id = t.id AND s.last_active_at < t.at",
+            vec![p(ids), p(ats)],
+        )
+        .map(drop)
+    }
+
+    fn delete_sandbox(&self, id: &SandboxId) -> Result<(), StoreError> {
+        self.execute(
+            "delete sandbox",
+            "WITH network AS (DELETE FROM sandbox_network WHERE id=$1)
+             DELETE FROM sandboxes WHERE id=$1",
+            vec![p(id.to_string())],
+        )
+        .map(drop)
+    }
+
+    fn sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
+        const SQL: &str = concat!(sandbox_columns!(), " ORDER BY created_at, id");
+        self.query("read sandboxes", SQL, Vec::new())?
+            .iter()
+            .map(|r| self.parse_sandbox(r).map(|(s, _)| s))
+            .collect()
+    }
+
+    fn count_sandboxes_of_template(
+        &self,
+        owner: &TenantId,
+        name: &TemplateName,
+    ) -> Result<u64, StoreError> {
+        let row = self.query_opt(
+            "count sandboxes of a template",
+            "SELECT COUNT(*) FROM sandboxes s WHERE s.template=$1 AND (s.tenant=$2 OR ($2=$3
+               AND NOT EXISTS (SELECT 1 FROM templates t
+                               WHERE t.name=$1 AND t.tenant=s.tenant AND t.tenant<>$3)))",
+            vec![
+                p(name.to_string()),
+                p(owner.to_string()),
+                p(TenantId::admin().to_string()),
+            ],
+        )?;
+        let n: i64 = row.map_or(Ok(0), |r| get(&r, 0, "sandbox count"))?;
+        Ok(n.max(0) as u64)
+    }
+
+    // --- network ---
+
+    fn set_network(&self, id: &SandboxId, policy: &NetworkPolicy) -> Result<(), StoreError> {
+        self.execute(
+            "set network policy",
+            "INSERT INTO sandbox_network (id, policy) VALUES ($1, $2)
+             ON CONFLICT (id) DO UPDATE SET policy=excluded.policy",
+            vec![p(id.to_string()), p(json(policy))],
+        )
+        .map(drop)
+    }
+
+    fn network(&self, id: &SandboxId) -> Result<Option<NetworkPolicy>, StoreError> {
+        self.sandbox_json(
+            "sandbox network policy",
+            "SELECT policy FROM sandbox_network WHERE id=$1",
+            id,
+        )
+    }
+
+    // --- tenants ---
+
+    fn insert_tenant(&self, t: &TenantRecord, token_hash: &str) -> Result<bool, StoreError> {
+        let n = self.execute(
+            "insert tenant",
+            "INSERT INTO tenants (id, token_hash, created_at, quotas) VALUES ($1, $2, $3, $4)
+             ON CONFLICT DO NOTHING",
+            vec![
+                p(t.id.to_string()),
+                p(token_hash.to_string()),
+                p(t.created_at),
+                p(json(&t.quotas)),
+            ],
+        )?;
+        Ok(n == 1)
+    }
+
+    fn tenant_by_token_hash(&self, token_hash: &str) -> Result<Option<TenantId>, StoreError> {
+        let Some(row) = self.query_opt(
+            "find tenant by token",
+            "SELECT id FROM tenants WHERE token_hash=$1",
+            vec![p(token_hash.to_string())],
+        )?
+        else {
+            return Ok(None);
+        };
+        let id: String = get(&row, 0, "tenant")?;
+        TenantId::new(&id)
+            .map(Some)
+            .map_err(|_| StoreError::Corrupt {
+                what: "tenant",
+                key: id.clone(),
+            })
+    }
+
+    fn tenants(&self) -> Result<Vec<TenantRecord>, StoreError> {
+        self.query(
+            "read tenants",
+            "SELECT id, created_at, quotas FROM tenants ORDER BY id",
+            Vec::new(),
+        )?
+        .iter()
+        .map(raw_tenant)
+        .collect()
+    }
+
+    fn tenant(&self, id: &TenantId) -> Result<Option<TenantRecord>, StoreError> {
+        self.query_opt(
+            "read tenant",
+            "SELECT id, created_at, quotas FROM tenants WHERE id=$1",
+            vec![p(id.to_string())],
+        )?
+        .as_ref()
+        .map(raw_tenant)
+        .transpose()
+    }
+
+    fn delete_tenant(&self, id: &TenantId) -> Result<bool, StoreError> {
+        self.execute(
+            "delete tenant",
+            "DELETE FROM tenants WHERE id=$1",
+            vec![p(id.to_string())],
+        )
+        .map(|n| n == 1)
+    }
+
+    fn usage(&self, tenant: &TenantId) -> Result<Usage, StoreError> {
+        let mut u = Usage::default();
+        let rows = self.query(
+            "read a tenant's holdings",
+            "SELECT state, limits FROM sandboxes WHERE tenant=$1",
+            vec![p(tenant.to_string())],
+        )?;
+        for row in rows {
+            let state: String = get(&row, 0, "sandbox")?;
+            let limits: String = get(&row, 1, "sandbox")?;
+            u.sandboxes += 1;
+            if SandboxState::parse(&state).is_some_and(|s| s.may_have_container()) {
+                u.resident += 1;
+                if let Ok(l) = serde_json::from_str::<Limits>(&limits) {
+                    u.resident_memory_mib += l.memory_mib;
+                    u.resident_millicpus += (l.cpus * 1000.0).round() as u64;
+                }
+            }
+        }
+        Ok(u)
+    }
+
+    // --- snapshot sizes ---
+
+    fn set_snapshot_bytes(&self, snapshot: &str, bytes: u64) -> Result<(), StoreError> {
+        self.execute(
+            "set snapshot size",
+            "INSERT INTO snapshot_bytes(snapshot, bytes) VALUES ($1, $2)
+             ON CONFLICT (snapshot) DO UPDATE SET bytes=excluded.bytes",
+            vec![
+                p(snapshot.to_string()),
+                p(bytes.min(i64::MAX as u64) as i64),
+            ],
+        )
+        .map(drop)
+    }
+
+    fn snapshot_bytes(&self, snapshot: &str) -> Result<u64, StoreError> {
+        let row = self.query_opt(
+            "read snapshot size",
+            "SELECT bytes FROM snapshot_bytes WHERE snapshot=$1",
+            vec![p(snapshot.to_string())],
+        )?;
+        let bytes: i64 = row.map_or(Ok(0), |r| get(&r, 0, "snapshot size"))?;
+        Ok(bytes.max(0) as u64)
+    }
+
+    fn forget_snapshot_bytes(&self, snapshot: &str) -> Result<(), StoreError> {
+        self.execute(
+            "forget snapshot size",
+            "DELETE FROM snapshot_bytes WHERE snapshot=$1",
+            vec![p(snapshot.to_string())],
+        )
+        .map(drop)
+    }
+
+    // --- pools ---
+
+    fn insert_pool(&self, pool: &PoolRow) -> Result<bool, StoreError> {
+        self.execute(
+            "insert pool",
+            "INSERT INTO pools(tenant, name, spec, created_at) VALUES ($1, $2, $3, $4)
+             ON CONFLICT DO NOTHING",
+            vec![
+                p(pool.tenant.to_string()),
+                p(pool.name.to_string()),
+                p(pool.spec_json.clone()),
+                p(pool.created_at),
+            ],
+        )
+        .map(|n| n == 1)
+    }
+
+    fn delete_pool(&self, tenant: &TenantId, name: &PoolName) -> Result<bool, StoreError> {
+        self.execute(
+            "delete pool",
+            "DELETE FROM pools WHERE tenant=$1 AND name=$2",
+            vec![p(tenant.to_string()), p(name.to_string())],
+        )
+        .map(|n| n == 1)
+    }
+
+    fn count_pools(&self, tenant: &TenantId) -> Result<u64, StoreError> {
+        let row = self.query_opt(
+            "count pools",
+            "SELECT COUNT(*) FROM pools WHERE tenant=$1",
+            vec![p(tenant.to_string())],
+        )?;
+        let n: i64 = row.map_or(Ok(0), |r| get(&r, 0, "pool count"))?;
+        Ok(n.max(0) as u64)
+    }
+
+    fn pools(&self) -> Result<Vec<PoolRow>, StoreError> {
+        self.query(
+            "read pools",
+            "SELECT tenant, name, spec, created_at FROM pools ORDER BY tenant, name",
+            Vec::new(),
+        )?
+        .iter()
+        .map(|r| {
+            let tenant: String = get(r, 0, "pool")?;
+            let name: String = get(r, 1, "pool")?;
+            let corrupt = || StoreError::Corrupt {
+                what: "pool",
+                key: format!("{tenant}/{name}"),
+            };
+            Ok(PoolRow {
+                tenant: TenantId::new(&tenant).map_err(|_| corrupt())?,
+                name: PoolName::new(&name).map_err(|_| corrupt())?,
+                spec_json: get(r, 2, "pool")?,
+                created_at: get(r, 3, "pool")?,
+            })
+        })
+        .collect()
+    }
+
+    // --- GPU ---
+
+    fn gpu_shares(&self) -> Result<Vec<(SandboxId, ShareRecord)>, StoreError> {
+        let rows = self.query(
+            "read GPU shares",
+            "SELECT sandbox, data FROM gpu_shares ORDER BY sandbox",
+            Vec::new(),
+        )?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            let sandbox: String = get(&row, 0, "GPU share")?;
+            let data: String = get(&row, 1, "GPU share")?;
+            let id = match SandboxId::new(sandbox.clone()) {
+                Ok(id) => id,
+                Err(e) => {
+                    tracing::error!(%sandbox, error = %e, "GPU share row with a bad sandbox id; ignored");
+                    continue;
+                }
+            };
+            match serde_json::from_str::<ShareRecord>(&data) {
+                Ok(r) => out.push((id, r)),
+                Err(e) => {
+                    tracing::error!(%sandbox, error = %e, "unreadable GPU share row; ignored")
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn put_gpu_share(&self, id: &SandboxId, record: &ShareRecord) -> Result<(), StoreError> {
+        self.execute(
+            "write GPU share",
+            "INSERT INTO gpu_shares(sandbox, state, data) VALUES ($1, $2, $3)
+             ON CONFLICT (sandbox) DO UPDATE SET state=excluded.state, data=excluded.data",
+            vec![p(id.to_string()), p(record.state()), p(json(record))],
+        )
+        .map(drop)
+    }
+
+    fn delete_gpu_share(&self, id: &SandboxId) -> Result<(), StoreError> {
+        self.execute(
+            "delete GPU share",
+            "DELETE FROM gpu_shares WHERE sandbox=$1",
+            vec![p(id.to_string())],
+        )
+        .map(drop)
+    }
+
+    fn put_gpu_request(&self, id: &SandboxId, request: &GpuRequest) -> Result<(), StoreError> {
+        self.execute(
+            "write GPU request",
+            "INSERT INTO gpu_requests(sandbox, request) VALUES ($1, $2)
+             ON CONFLICT (sandbox) DO UPDATE SET request=excluded.request",
+            vec![p(id.to_string()), p(json(request))],
+        )
+        .map(drop)
+    }
+
+    fn gpu_request(&self, id: &SandboxId) -> Result<Option<GpuRequest>, StoreError> {
+        self.sandbox_json(
+            "GPU request",
+            "SELECT request FROM gpu_requests WHERE sandbox=$1",
+            id,
+        )
+    }
+
+    fn delete_gpu_request(&self, id: &SandboxId) -> Result<(), StoreError> {
+        self.execute(
+            "delete GPU request",
+            "DELETE FROM gpu_requests WHERE sandbox=$1",
+            vec![p(id.to_string())],
+        )
+        .map(drop)
+    }
+
+    fn put_gpu_toggled(&self, id: &SandboxId, toggled: &Toggled) -> Result<(), StoreError> {
+        self.execute(
+            "write cuda-checkpoint record",
+            "INSERT INTO gpu_toggled(sandbox, toggled) VALUES ($1, $2)
+             ON CONFLICT (sandbox) DO UPDATE SET toggled=excluded.toggled",
+            vec![p(id.to_string()), p(json(toggled))],
+        )
+        .map(drop)
+    }
+
+    fn gpu_toggled(&self, id: &SandboxId) -> Result<Option<Toggled>, StoreError> {
+        self.sandbox_json(
+            "cuda-checkpoint record",
+            "SELECT toggled FROM gpu_toggled WHERE sandbox=$1",
+            id,
+        )
+    }
+
+    fn delete_gpu_toggled(&self, id: &SandboxId) -> Result<(), StoreError> {
+        self.execute(
+            "delete cuda-checkpoint record",
+            "DELETE FROM gpu_toggled WHERE sandbox=$1",
+            vec![p(id.to_string())],
+        )
+        .map(drop)
+    }
+
+    // --- usage intervals ---
+
+    fn add_usage(&self, rows: &[UsageInterval]) -> Result<(), StoreError> {
+        let rows: Vec<&UsageInterval> = rows.iter().filter(|r| r.value > 0.0).collect();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let col = |f: fn(&UsageInterval) -> String| rows.iter().map(|r| f(r)).collect::<Vec<_>>();
+        let starts: Vec<i64> = rows.iter().map(|r| r.start_s).collect();
+        let values: Vec<f64> = rows.iter().map(|r| r.value).collect();
+        // Rows of one key in the batch are summed first (one statement cannot update a row
+        // twice), and taken in key order so concurrent batches lock rows in the same order.
+        self.execute(
+            "record usage",
+            "INSERT INTO usage_intervals (start_s, tenant, sandbox, measure, dim, value)
+             SELECT start_s, tenant, sandbox, measure, dim, sum(value)
+             FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[],
+                         $6::float8[]) AS u(start_s, tenant, sandbox, measure, dim, value)
+             GROUP BY start_s, tenant, sandbox, measure, dim
+             ORDER BY start_s, tenant, sandbox, measure, dim
+             ON CONFLICT (start_s, tenant, sandbox, measure, dim)
+             DO UPDATE SET value = usage_intervals.value + excluded.value",
+            vec![
+                p(starts),
+                p(col(|r| r.tenant.to_string())),
+                p(col(|r| r.sandbox.to_string())),
+                p(col(|r| r.measure.clone())),
+                p(col(|r| r.dim.clone())),
+                p(values),
+            ],
+        )
+        .map(drop)
+    }
+
+    fn usage_intervals(
+        &self,
+        from_s: i64,
+        to_s: i64,
+        tenant: Option<&TenantId>,
+    ) -> Result<Vec<UsageInterval>, StoreError> {
+        let rows = self.query(
+            "read usage",
+            "SELECT tenant, sandbox, start_s, measure, dim, value FROM usage_intervals
+             WHERE start_s >= $1 AND start_s < $2 AND ($3::text IS NULL OR tenant = $3)",
+            vec![p(from_s), p(to_s), p(tenant.map(|t| t.to_string()))],
+        )?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            let w = "usage interval";
+            let tenant: String = get(&row, 0, w)?;
+            let sandbox: String = get(&row, 1, w)?;
+            let measure: String = get(&row, 3, w)?;
+            let (Ok(t), Ok(s)) = (TenantId::new(&tenant), SandboxId::new(&sandbox)) else {
+                tracing::warn!(%tenant, %sandbox, %measure, "unreadable usage row; ignored");
+                continue;
+            };
+            out.push(UsageInterval {
+                start_s: get(&row, 2, w)?,
+                tenant: t,
+                sandbox: s,
+                measure,
+                dim: get(&row, 4, w)?,
+                value: get(&row, 5, w)?,
+            });
+        }
+        Ok(out)
+    }
+}
+
+fn raw_tenant(r: &Row) -> Result<TenantRecord, StoreError> {
+    parse_tenant((
+        get(r, 0, "tenant")?,
+        get(r, 1, "tenant")?,
+        get(r, 2, "tenant")?,
+    ))
+}
