@@ -7,6 +7,7 @@
 #   nodejs, npm, e2b (npm) the same tests with the official JavaScript SDK
 #   redis-server, nats-server, rabbitmq-server   brokers for the pool and trigger tests
 #   prometheus (promtool) the observability tests: rules, alerts, a real scrape
+#   postgresql            the PostgreSQL state store's tests start a private server from its binaries
 #   chromium              the observability test renders the cost report in a real browser
 #   a Rust toolchain      to build torpor (rustup, when cargo is missing)
 set -euo pipefail
@@ -44,6 +45,15 @@ if [ ${#need_brokers[@]} -gt 0 ]; then
   # In some containers adduser's chfn fails under PAM after the system user was made; a second
   # configure pass then succeeds (the user exists).
   apt-get install -y -qq "${need_brokers[@]}" >/dev/null 2>&1 || dpkg --configure -a >/dev/null
+fi
+
+# The server binaries (initdb, postgres) under /usr/lib/postgresql/<version>/bin; the tests start
+# their own server on a free loopback port (crates/torpor-control/src/store/pg_testing.rs).
+if ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; then
+  echo "deps.sh: installing postgresql (the PostgreSQL state store's tests)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq postgresql >/dev/null
 fi
 
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then

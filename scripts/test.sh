@@ -24,6 +24,9 @@ cargo test --workspace --exclude torpor-control --quiet 2>&1 | tee /tmp/torpor-t
 # directory `nobody` cannot enter (`/root`, mode 0700). The test binaries must therefore
 # read nothing from the source tree (fixtures are compiled in).
 echo "== cargo test -p torpor-control (unprivileged)"
+# The PostgreSQL state store's tests start their own server (as `nobody`, from the binaries
+# deps.sh installed) and must not skip here.
+export TORPOR_TEST_POSTGRES=required
 control_bins=$(cargo test -p torpor-control --no-run --quiet --message-format=json \
   | python3 -c 'import json, sys
 for line in sys.stdin:
