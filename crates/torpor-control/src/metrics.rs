@@ -31,7 +31,7 @@ pub const TRANSITION_CAUSES: [&str; 6] = [
 /// Why a resident sandbox was parked to make room.
 pub const EVICTION_REASONS: [&str; 2] = ["memory_pressure", "parked_calls"];
 /// The stores whose failures `torpor_store_errors_total` counts.
-pub const STORES: [&str; 2] = ["state", "usage"];
+pub const STORES: [&str; 3] = ["state", "usage", "snapshots"];
 
 pub struct Metrics {
     registry: Registry,
@@ -206,7 +206,7 @@ impl Metrics {
         );
         let store_errors = counter(
             "torpor_store_errors_total",
-            "Failed reads or writes of a store, by store (state: the SQLite state store; usage: usage records).",
+            "Failed reads or writes of a store, by store (state: the SQLite state store; usage: usage records; snapshots: the snapshot store as usage reads it).",
             &["store"],
         );
         let usage = UsageMetrics {

@@ -13,7 +13,7 @@
 //! | `tier_hours` | hours | tier (`running`, `frozen`, `parked`, `suspended`) | time in that tier (their sum: the agent-hours) |
 //! | `cpu_seconds` | seconds | | the worker cgroup's `cpuacct.usage` delta |
 //! | `gpu_hours` | GPU-hours | share and model (`mig:3g.71gb@NVIDIA H200`; shares `whole`, `mig:<profile>`, `mps:<pct>`, `timeslice`) | fraction of one GPU × time |
-//! | `snapshot_gib_hours` | GiB-hours | | a sleeping sandbox's local checkpoint bytes × time |
+//! | `snapshot_gib_hours` | GiB-hours | | a sleeping sandbox's checkpoint × time: its local image (Parked), or its deduplication-fair share of the snapshot store (Suspended: each chunk split among the sandboxes whose images hold it) |
 //! | `wakes` | count | tier woken from (`golden`, `frozen`, `parked`, `suspended`) | generation bumps and thaws seen between samples |
 //! | `egress_bytes` | bytes | | its interface's tx counter delta |
 //!
@@ -296,7 +296,14 @@ pub struct Sampler {
     store: UsageStore,
     period: Duration,
     seen: Mutex<Seen>,
+    /// Deduplication-fair snapshot-store bytes of each Suspended sandbox
+    /// ([`Engine::usage_store_shares`]), refreshed every [`STORE_SHARES_EVERY`] samples.
+    store_shares: Mutex<HashMap<SandboxId, f64>>,
 }
+
+/// Samples between two readings of the snapshot store's manifests (they cost a read of every
+/// current image's manifest).
+pub const STORE_SHARES_EVERY: u64 = 20;
 
 impl Sampler {
     pub fn new(
@@ -310,6 +317,7 @@ impl Sampler {
             pools,
             period,
             seen: Mutex::new(Seen::default()),
+            store_shares: Mutex::new(HashMap::new()),
         })
     }
 
@@ -332,8 +340,24 @@ impl Sampler {
         Ok(tokio::spawn(async move {
             let mut tick = tokio::time::interval(sampler.period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut samples: u64 = 0;
             loop {
                 tick.tick().await;
+                if samples.is_multiple_of(STORE_SHARES_EVERY) {
+                    match sampler.engine.usage_store_shares().await {
+                        Ok(shares) => {
+                            *sampler
+                                .store_shares
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner()) = shares
+                        }
+                        Err(e) => {
+                            sampler.engine.metrics.store_error("snapshots");
+                            tracing::warn!(error = %e, "cannot read the snapshot store for usage");
+                        }
+                    }
+                }
+                samples += 1;
                 let s = sampler.clone();
                 let outcome = tokio::task::spawn_blocking(move || s.sample(now_millis())).await;
                 let ok = matches!(outcome, Ok(Ok(())));
@@ -453,8 +477,16 @@ impl Sampler {
                 push(tenant, id, Measure::TierHours, rec.tier.as_str(), dt_h);
             } else {
                 push(tenant, id, Measure::TierHours, rec.tier.as_str(), dt_h);
-                let bytes = match seen.image_bytes.get(id) {
-                    Some((g, b)) if *g == rec.generation => *b,
+                let bytes = match (&rec.image, seen.image_bytes.get(id)) {
+                    (crate::store::ImageRef::Store(_), _) => {
+                        self.store_shares
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get(id)
+                            .copied()
+                            .unwrap_or(0.0) as u64
+                    }
+                    (_, Some((g, b))) if *g == rec.generation => *b,
                     _ => {
                         let b = dir_bytes(&self.engine.usage_image_dir(id));
                         seen.image_bytes.insert(id.clone(), (rec.generation, b));

@@ -947,3 +947,107 @@ async fn usage_of_a_known_workload_is_recorded_per_tenant_and_survives_a_restart
     let width = u32::from_be_bytes(png[16..20].try_into().unwrap());
     assert_eq!(width, 390, "rendered at phone width");
 }
+
+/// Snapshot GiB-hours of each sandbox in `rows` (grouped by sandbox).
+fn snapshot_by_sandbox(usage: &Value) -> BTreeMap<String, f64> {
+    usage["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["sandbox"].as_str().unwrap().to_string(),
+                num(r, &["snapshot_gib_hours"]),
+            )
+        })
+        .collect()
+}
+
+/// How fast each of `ids`' snapshot GiB-hours grow, in GiB (GiB-hours per hour), over `window`.
+async fn snapshot_gib(d: &Daemon, token: &str, ids: &[String], window: Duration) -> Vec<f64> {
+    let (_, u) = usage_of(d, token, "?group_by=sandbox").await;
+    let first = snapshot_by_sandbox(&u);
+    let t = Instant::now();
+    tokio::time::sleep(window).await;
+    let (_, u) = usage_of(d, token, "?group_by=sandbox").await;
+    let hours = t.elapsed().as_secs_f64() / 3600.0;
+    let second = snapshot_by_sandbox(&u);
+    ids.iter()
+        .map(|id| (second[id] - first.get(id).copied().unwrap_or(0.0)) / hours)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn suspended_forks_pay_an_equal_share_of_the_chunks_they_share() {
+    let d = Daemon::start_with_env(&["--workers", "2"], &[("TORPOR_USAGE_SAMPLE_MS", "200")]).await;
+    let c = d.client();
+    let admin = d.token();
+    c.create_template(&agent_template("agent", no_idle()))
+        .await
+        .unwrap();
+    let source = create(&c, "agent").await;
+    call_agent(&c, &source, "state").await;
+    c.suspend(&source, Some(Tier::Suspended)).await.unwrap();
+    let wait_charged = |ids: Vec<String>| {
+        let (d, admin) = (&d, &admin);
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let (_, u) = usage_of(d, admin, "?group_by=sandbox").await;
+                let by = snapshot_by_sandbox(&u);
+                if ids.iter().all(|id| by.get(id).is_some_and(|v| *v > 0.0)) {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "no store share recorded: {u}");
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+    };
+    // Alone, the source pays for its whole image: measured once the sampler has read the
+    // store (two windows in a row agree; before, it was charged for its local image).
+    wait_charged(vec![source.clone()]).await;
+    let one = std::slice::from_ref(&source);
+    let mut alone = snapshot_gib(&d, &admin, one, Duration::from_secs(3)).await[0];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let next = snapshot_gib(&d, &admin, one, Duration::from_secs(3)).await[0];
+        if next > 0.0 && (next - alone).abs() <= 0.1 * next {
+            alone = next;
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the source's charge does not settle"
+        );
+        alone = next;
+    }
+    // Two forks share its chunks: once the sampler has read the store again, each of the
+    // three pays a third (stated tolerance: 25%, for the sample period against the window).
+    let forks: Vec<String> = c
+        .fork(&source, 2)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    let all: Vec<String> = std::iter::once(source.clone()).chain(forks).collect();
+    wait_charged(all.clone()).await;
+    let mut shared = snapshot_gib(&d, &admin, &all, Duration::from_secs(3)).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let next = snapshot_gib(&d, &admin, &all, Duration::from_secs(3)).await;
+        if (next[0] - shared[0]).abs() <= 0.1 * next[0] {
+            shared = next;
+            break;
+        }
+        assert!(Instant::now() < deadline, "the shares do not settle");
+        shared = next;
+    }
+    for (id, g) in all.iter().zip(&shared) {
+        let ratio = g * 3.0 / alone;
+        assert!(
+            (0.75..=1.33).contains(&ratio),
+            "{id} pays {g} GiB against {alone} alone (x3 = {ratio}): {shared:?}"
+        );
+    }
+}

@@ -55,3 +55,63 @@ impl Engine {
             .collect()
     }
 }
+
+impl Engine {
+    /// Bytes of the snapshot store held for each sandbox whose current image is there
+    /// (Suspended), deduplication-fair: every chunk its image references is counted once and
+    /// split evenly among the sandboxes whose current images reference it (logical chunk
+    /// length; compression is not seen). Reads the sandboxes' image refs, the tenants, and
+    /// each referenced manifest through `snapshots.stores_of`.
+    pub async fn usage_store_shares(&self) -> Result<HashMap<SandboxId, f64>> {
+        let mut users: HashMap<String, Vec<SandboxId>> = HashMap::new();
+        for s in self.store.sandboxes()? {
+            if let ImageRef::Store(snap) = &s.image {
+                users.entry(snap.clone()).or_default().push(s.id.clone());
+            }
+        }
+        let mut out = HashMap::new();
+        if users.is_empty() {
+            return Ok(out);
+        }
+        let mut tenants = vec![TenantId::admin()];
+        tenants.extend(
+            self.tenants()?
+                .into_iter()
+                .map(|t| t.id)
+                .filter(|t| *t != TenantId::admin()),
+        );
+        let mut chunks: HashMap<torpor_snapshot::ChunkId, (u64, Vec<SandboxId>)> = HashMap::new();
+        for (_, store) in self.snapshots.stores_of(&tenants)? {
+            let ids = store
+                .list_snapshots()
+                .await
+                .map_err(crate::snapshots::store_error)?;
+            for id in ids {
+                let Some(holders) = users.get(id.as_str()) else {
+                    continue;
+                };
+                let m = match store.load_manifest(&id).await {
+                    Ok(m) => m,
+                    // Deleted between the listing and the read.
+                    Err(torpor_snapshot::StoreError::SnapshotNotFound { .. }) => continue,
+                    Err(e) => return Err(crate::snapshots::store_error(e)),
+                };
+                for (chunk, len) in m.chunk_refs() {
+                    let entry = chunks.entry(*chunk).or_insert((len, Vec::new()));
+                    for h in holders {
+                        if !entry.1.contains(h) {
+                            entry.1.push(h.clone());
+                        }
+                    }
+                }
+            }
+        }
+        for (len, holders) in chunks.into_values() {
+            let share = len as f64 / holders.len().max(1) as f64;
+            for h in holders {
+                *out.entry(h).or_insert(0.0) += share;
+            }
+        }
+        Ok(out)
+    }
+}
