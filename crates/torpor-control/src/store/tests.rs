@@ -277,6 +277,11 @@ fn sandboxes_survive_reopen_and_each_write_lands_where_it_should(b: &dyn Backend
         50,
         "activity only moves forward"
     );
+    // One batch naming a sandbox twice keeps the later time.
+    store
+        .touch_sandboxes(&[(s.id.clone(), 70), (s.id.clone(), 60)])
+        .unwrap();
+    assert_eq!(store.sandbox(&s.id).unwrap().unwrap().last_active_at, 70);
     let meta: BTreeMap<String, String> =
         [("e2b.lifecycle".to_string(), "pause".to_string())].into();
     store.set_sandbox_metadata(&s.id, &meta).unwrap();
@@ -555,8 +560,12 @@ fn usage_intervals_add_up_per_key_and_filter_by_tenant_and_range(b: &dyn Backend
             row(3600, "a", "egress_bytes", "", 0.0),
         ])
         .unwrap();
+    // One batch naming a key twice adds both.
     store
-        .add_usage(&[row(3600, "a", "cpu_seconds", "", 2.0)])
+        .add_usage(&[
+            row(3600, "a", "cpu_seconds", "", 1.25),
+            row(3600, "a", "cpu_seconds", "", 0.75),
+        ])
         .unwrap();
     store
         .add_usage(&[row(7200, "a", "cpu_seconds", "", 4.0)])
@@ -1180,4 +1189,73 @@ fn store_connect_answers_a_handle_over_postgres() {
         pg.texts("SELECT id FROM sandboxes", &[]),
         vec![store.sandboxes().unwrap()[0].id.to_string()]
     );
+}
+
+#[test]
+fn the_postgres_store_is_opened_called_and_dropped_inside_another_runtime() {
+    let Some(pg) = Postgres::new() else { return };
+    // As the engine does: synchronous store calls from a task of the daemon's runtime (a
+    // current-thread one, the strictest: the store must not need this thread to answer).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (url, key) = (pg.url(), pg.key());
+    let id = rt.block_on(async move {
+        let store = Store::connect(&url, &key).unwrap();
+        let s = sandbox();
+        store.insert_sandbox(&s).unwrap();
+        tokio::task::yield_now().await;
+        assert_eq!(store.sandbox(&s.id).unwrap(), Some(s.clone()));
+        drop(store);
+        s.id
+    });
+    assert_eq!(
+        pg.texts("SELECT id FROM sandboxes", &[]),
+        vec![id.to_string()]
+    );
+}
+
+#[test]
+fn controllers_adding_usage_to_the_same_intervals_at_once_lose_nothing() {
+    let Some(pg) = Postgres::new() else { return };
+    const CONTROLLERS: usize = 4;
+    const BATCHES: usize = 20;
+    let sandboxes: Vec<SandboxId> = (0..3).map(|_| SandboxId::generate()).collect();
+    let start = Arc::new(Barrier::new(CONTROLLERS));
+    let threads: Vec<_> = (0..CONTROLLERS)
+        .map(|i| {
+            let (store, start, mut sandboxes) = (pg.connect(), start.clone(), sandboxes.clone());
+            // Each controller's batches name the same keys, in a different order.
+            sandboxes.rotate_left(i % 3);
+            std::thread::spawn(move || {
+                start.wait();
+                for _ in 0..BATCHES {
+                    let rows: Vec<UsageInterval> = sandboxes
+                        .iter()
+                        .map(|s| UsageInterval {
+                            start_s: 3600,
+                            tenant: tenant("a"),
+                            sandbox: s.clone(),
+                            measure: "cpu_seconds".into(),
+                            dim: String::new(),
+                            value: 1.0,
+                        })
+                        .collect();
+                    store.add_usage(&rows)?;
+                }
+                Ok::<_, StoreError>(())
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join()
+            .unwrap()
+            .expect("no batch fails (no deadlock, no lost update)");
+    }
+    let rows = pg.connect().usage_intervals(0, 7200, None).unwrap();
+    assert_eq!(rows.len(), 3);
+    for r in rows {
+        assert_eq!(r.value, (CONTROLLERS * BATCHES) as f64, "{r:?}");
+    }
 }
