@@ -13,6 +13,9 @@ impl Engine {
                 return;
             }
             if let Err(e) = self.policy_tick().await {
+                if matches!(e, ControlError::Store(_)) {
+                    self.metrics.store_error("state");
+                }
                 tracing::warn!(error = %e, "idle policy tick failed");
             }
         }
@@ -90,7 +93,18 @@ impl Engine {
     }
 
     pub(super) fn set_sandbox_gauges(&self, counts: HashMap<(SandboxState, Tier), i64>) {
-        self.metrics.sandboxes.reset();
+        // Every (state, tier) pair is written, zero when empty, so a series never vanishes
+        // between events (dashboards and alerts find it; 9 x 4 series, bounded).
+        for state in SandboxState::ALL {
+            for tier in [Tier::Running, Tier::Frozen, Tier::Parked, Tier::Suspended] {
+                if !counts.contains_key(&(state, tier)) {
+                    self.metrics
+                        .sandboxes
+                        .with_label_values(&[state.as_str(), tier.as_str()])
+                        .set(0);
+                }
+            }
+        }
         for ((state, tier), n) in counts {
             self.metrics
                 .sandboxes

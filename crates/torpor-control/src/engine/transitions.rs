@@ -53,7 +53,10 @@ impl Engine {
             SandboxState::Suspended => Tier::Suspended,
             _ => rec.tier,
         };
-        self.store.update_sandbox(rec)?;
+        if let Err(e) = self.store.update_sandbox(rec) {
+            self.metrics.store_error("state");
+            return Err(e.into());
+        }
         if from != to {
             tracing::info!(sandbox = %rec.id, %from, %to, cause, "state");
         }
