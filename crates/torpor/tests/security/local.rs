@@ -145,7 +145,10 @@ fn is_sandbox_content(rel: &Path) -> bool {
     let parts: Vec<_> = rel.components().map(|c| c.as_os_str()).collect();
     let in_template_rootfs =
         parts.first().is_some_and(|p| *p == "templates") && parts.iter().any(|p| *p == "rootfs");
-    let agent_binary = parts.first().is_some_and(|p| *p == "agent") && parts.len() > 2;
+    // `agent/<hash>/` is mounted read-only at /.torpor in every sandbox and must be readable
+    // by the sandbox's non-root users (E2B's `user` runs its sudo client from it); the 0700
+    // data directory above it keeps other host users out.
+    let agent_binary = parts.first().is_some_and(|p| *p == "agent") && parts.len() >= 2;
     in_template_rootfs || agent_binary
 }
 
