@@ -16,7 +16,7 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 echo "== cargo test (workspace but torpor-control)"
-cargo test --workspace --exclude torpor-control --quiet 2>&1 | tee /tmp/torpor-test.log
+cargo test --workspace --exclude torpor-control --no-fail-fast --quiet 2>&1 | tee /tmp/torpor-test.log
 
 # torpor-control's tests run as an unprivileged user: the control plane's logic is tested
 # against the fake node, without root, runsc or cgroups. Built here (as root), then run as

@@ -187,7 +187,7 @@ impl ControlError {
             ControlError::ExecTimeout { .. } => "exec_timeout",
             ControlError::SandboxCrashed { .. } => "sandbox_crashed",
             ControlError::Agent { code, .. } => match code {
-                AgentErrorCode::NotFound => "file_not_found",
+                AgentErrorCode::NotFound | AgentErrorCode::NoSuchCwd => "file_not_found",
                 AgentErrorCode::NotADirectory => "not_a_directory",
                 AgentErrorCode::IsADirectory => "is_a_directory",
                 AgentErrorCode::PermissionDenied => "permission_denied",
@@ -231,7 +231,7 @@ impl ControlError {
             ControlError::ExecTimeout { .. } => K::DeadlineExceeded,
             ControlError::SandboxCrashed { .. } => K::BadGateway,
             ControlError::Agent { code, .. } => match code {
-                AgentErrorCode::NotFound => K::NotFound,
+                AgentErrorCode::NotFound | AgentErrorCode::NoSuchCwd => K::NotFound,
                 AgentErrorCode::PermissionDenied => K::Forbidden,
                 AgentErrorCode::TooLarge => K::PayloadTooLarge,
                 AgentErrorCode::Io => K::Internal,

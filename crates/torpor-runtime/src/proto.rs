@@ -227,6 +227,9 @@ pub enum AgentErrorCode {
     TooLarge,
     Io,
     BadRequest,
+    /// The working directory a process was asked to start in does not exist (agents before
+    /// this answered `not_found` with a "cwd ..." message).
+    NoSuchCwd,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -37,8 +37,7 @@ use crate::auth::constant_time_eq;
 
 /// Where process state lives inside the sandbox.
 pub const PROC_DIR: &str = "/run/e2b/proc";
-/// E2B's default user home: commands start there, relative paths resolve against it.
-pub const HOME: &str = "/home/user";
+pub use super::paths::HOME;
 
 mod follow;
 mod input;
@@ -267,7 +266,7 @@ pub async fn process_rpc(
     let deadline = connect::timeout(&headers).map(|t| Instant::now() + t);
     let result = match method.as_str() {
         "Start" => {
-            let who = super::base::identity(c.base, super::fs::basic_user(&headers).as_deref());
+            let who = super::base::identity(c.base, super::paths::basic_user(&headers).as_deref());
             start(st, c, &body, who, keepalive, deadline).await
         }
         "Connect" => attach(st, c, &body, keepalive, deadline).await,

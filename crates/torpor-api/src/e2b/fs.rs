@@ -18,54 +18,14 @@ use serde_json::json;
 use torpor_runtime::proto::{DirEntry, FileKind};
 
 use super::connect::{self, Code, Item, RpcError};
-use super::envd::{rpc_call, run, Ctx, HOME};
+use super::envd::{rpc_call, run, Ctx};
+pub(crate) use super::paths::basic_user;
+pub use super::paths::resolve;
 use super::{is_running, E2b};
 
 /// Entries one ListDir (all depths) or one watcher snapshot may hold.
 const MAX_ENTRIES: usize = 10_000;
 const WATCH_POLL: Duration = Duration::from_millis(200);
-
-/// Resolves an envd path: relative paths are against the user's home; `.` and `..` are
-/// resolved lexically, and a path climbing above `/` is refused.
-pub fn resolve(path: &str, user: Option<&str>) -> Result<String, RpcError> {
-    if path.contains('\0') {
-        return Err(RpcError::new(
-            Code::InvalidArgument,
-            "path must not hold NUL bytes",
-        ));
-    }
-    let home = match user {
-        Some("root") => "/root",
-        _ => HOME,
-    };
-    let joined = if path.starts_with('/') {
-        path.to_string()
-    } else if path.is_empty() {
-        home.to_string()
-    } else if let Some(rest) = path.strip_prefix("~/") {
-        format!("{home}/{rest}")
-    } else if path == "~" {
-        home.to_string()
-    } else {
-        format!("{home}/{path}")
-    };
-    let mut parts: Vec<&str> = Vec::new();
-    for p in joined.split('/') {
-        match p {
-            "" | "." => {}
-            ".." => {
-                if parts.pop().is_none() {
-                    return Err(RpcError::new(
-                        Code::InvalidArgument,
-                        format!("path {path:?} escapes the sandbox's root"),
-                    ));
-                }
-            }
-            p => parts.push(p),
-        }
-    }
-    Ok(format!("/{}", parts.join("/")))
-}
 
 pub(crate) fn parent_and_name(path: &str) -> (String, String) {
     match path.rsplit_once('/') {
@@ -474,17 +434,6 @@ fn as_caller(c: &Ctx, user: Option<&str>, cmd: &[&str]) -> Vec<String> {
     let mut v = super::base::as_user(&super::base::identity(c.base, user));
     v.extend(cmd.iter().map(|s| s.to_string()));
     v
-}
-
-/// The user named by envd's `Authorization: Basic base64(user:)`.
-pub(crate) fn basic_user(headers: &HeaderMap) -> Option<String> {
-    use base64::Engine as _;
-    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    let raw = base64::engine::general_purpose::STANDARD
-        .decode(v.strip_prefix("Basic ")?.trim())
-        .ok()?;
-    let s = String::from_utf8(raw).ok()?;
-    Some(s.split(':').next()?.to_string())
 }
 
 /// A watcher nobody asked for events for this long is removed.

@@ -24,6 +24,7 @@ pub mod fs;
 pub mod listing;
 pub mod metrics;
 pub mod multipart;
+pub mod paths;
 pub mod ports;
 pub mod snapshots;
 

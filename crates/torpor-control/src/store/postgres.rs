@@ -1,4 +1,6 @@
 //! [`PostgresStore`]: the state store in PostgreSQL (cluster mode), shared by every controller.
+//! Just over 1,000 lines because it implements every method of the `StateStore` trait, one
+//! statement each, beside its SQLite twin; splitting it by record kind would split the trait.
 //!
 //! **Driver.** `tokio-postgres` (the async half of rust-postgres) with a small `deadpool`
 //! connection pool, driven on a runtime of its own (two threads, `torpor-pg`). The

@@ -1,4 +1,4 @@
-//! Tests of the state store. The trait's behaviour is tested on both backends (SQLite, and a
+//! Tests of the state store (a test file, long because one suite runs on both backends). The trait's behaviour is tested on both backends (SQLite, and a
 //! real PostgreSQL server started by [`super::pg_testing`]): every record kind, reopening,
 //! env sealing, compare-and-set, a newer schema. Then each backend's own: SQLite's migrations
 //! from databases built with the SQL older versions wrote and the move of GPU state files;

@@ -107,7 +107,7 @@ impl Agent {
         if let Some(cwd) = &req.cwd {
             if !Path::new(cwd).is_dir() {
                 return Err(Reply::Error {
-                    code: AgentErrorCode::NotFound,
+                    code: AgentErrorCode::NoSuchCwd,
                     message: format!("cwd {cwd:?} is not a directory"),
                 });
             }

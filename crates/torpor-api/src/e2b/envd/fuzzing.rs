@@ -57,7 +57,7 @@ pub fn process_message(
         "Start" => {
             let (req, _, config) = parse_start(body)?;
             if let Some(d) = config.cwd.as_deref().filter(|d| !d.is_empty()) {
-                super::super::fs::resolve(d, None)?;
+                super::super::paths::resolve(d, None)?;
             }
             // What the handler records about the process must serialise.
             serde_json::to_vec(&Recorded {

@@ -68,7 +68,7 @@ pub(super) async fn start(
 ) -> Result<Response, RpcError> {
     let (req, pty, config) = parse_start(body)?;
     let cwd = match &config.cwd {
-        Some(d) if !d.is_empty() => super::super::fs::resolve(d, None)?,
+        Some(d) if !d.is_empty() => super::super::paths::resolve(d, None)?,
         // The home, or `/` when there is none.
         _ => String::new(),
     };
@@ -165,9 +165,9 @@ pub(super) async fn spawn_in_agent(
                 ))
             }
             Ok(Err(torpor_control::ControlError::Agent {
-                code: AgentErrorCode::NotFound,
-                message,
-            })) if message.starts_with("cwd ") => {
+                code: AgentErrorCode::NoSuchCwd,
+                ..
+            })) => {
                 if default_cwd && spawn.cwd.as_deref() == Some(home) {
                     // No home in this sandbox: start in `/`.
                     spawn.cwd = Some("/".into());
