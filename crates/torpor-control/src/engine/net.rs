@@ -338,15 +338,8 @@ impl Engine {
             limited
                 .with_label_values(&[id])
                 .set(st.limited_packets as i64);
-            let mut listed = 0;
-            for (dest, n) in &st.denied_by_destination {
-                denied.with_label_values(&[id, dest]).set(*n as i64);
-                listed += n;
-            }
-            if st.denied_packets > listed {
-                denied
-                    .with_label_values(&[id, "other"])
-                    .set((st.denied_packets - listed) as i64);
+            for (dest, n) in denied_series(&st.denied_by_destination, st.denied_packets) {
+                denied.with_label_values(&[id, &dest]).set(n as i64);
             }
         }
         let mut families = proxy_counter().0.gather();
@@ -397,5 +390,45 @@ impl Engine {
             addr: SocketAddr::from((addr, port)),
             woke: !running,
         })
+    }
+}
+
+/// Destinations a sandbox's denied-egress metric names one by one; the rest are summed into
+/// `other`, so one sandbox adds at most this many plus one series however many addresses it
+/// tries (the nftables set holds up to 4096).
+const DENIED_SERIES: usize = 16;
+
+/// The denied-egress series of one sandbox: the [`DENIED_SERIES`] destinations with the most
+/// packets (ties by name), then `other` with every packet not listed (unlisted destinations and
+/// drops the set did not record).
+fn denied_series(by_destination: &[(String, u64)], total: u64) -> Vec<(String, u64)> {
+    let mut top: Vec<(String, u64)> = by_destination.to_vec();
+    top.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    top.truncate(DENIED_SERIES);
+    let listed: u64 = top.iter().map(|(_, n)| n).sum();
+    if total > listed {
+        top.push(("other".into(), total - listed));
+    }
+    top
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn denied_egress_names_the_top_destinations_and_sums_the_rest() {
+        let many: Vec<(String, u64)> = (0..100u64)
+            .map(|i| (format!("10.0.0.{i}:80"), i + 1))
+            .collect();
+        let total: u64 = many.iter().map(|(_, n)| n).sum::<u64>() + 7;
+        let series = denied_series(&many, total);
+        assert_eq!(series.len(), DENIED_SERIES + 1);
+        assert_eq!(series[0], ("10.0.0.99:80".to_string(), 100));
+        assert_eq!(series.last().unwrap().0, "other");
+        assert_eq!(series.iter().map(|(_, n)| n).sum::<u64>(), total);
+        // Few destinations, all recorded: no `other`.
+        let few = vec![("1.1.1.1:53".to_string(), 3)];
+        assert_eq!(denied_series(&few, 3), few);
     }
 }
