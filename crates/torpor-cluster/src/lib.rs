@@ -17,6 +17,7 @@
 pub mod ca;
 pub mod client;
 mod convert;
+pub mod placement;
 pub mod server;
 pub mod tls;
 
