@@ -9,5 +9,5 @@ pub mod crd;
 pub mod operator;
 pub mod reconcile;
 pub mod status;
-#[cfg(any(test, feature = "testing"))]
+#[cfg(feature = "testing")]
 pub mod testing;

@@ -157,6 +157,9 @@ pub enum Command {
     Ca(crate::ca::CaCmd),
     /// Serve this machine's sandboxes to the cluster's controllers (cluster mode, preview).
     Worker(crate::worker::WorkerArgs),
+    /// Kubernetes: print the CRDs, or run the operator that reconciles them into torpor's API.
+    #[command(subcommand)]
+    K8s(crate::k8s::K8sCmd),
     /// Create a sandbox from a template (a restore of its golden snapshot).
     Create {
         template: String,
@@ -521,6 +524,10 @@ async fn dispatch(cmd: Command) -> CliResult {
         Command::Worker(w) => {
             init_logging();
             Ok(crate::worker::run(w).await.map(|()| 0)?)
+        }
+        Command::K8s(k) => {
+            init_logging();
+            Ok(crate::k8s::run(k).await.map(|()| 0)?)
         }
         Command::Create {
             template,

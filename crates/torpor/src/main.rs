@@ -11,6 +11,7 @@ mod datadir;
 mod demo;
 mod finops;
 mod gpu;
+mod k8s;
 mod nofile;
 mod pool;
 mod report;
