@@ -204,6 +204,11 @@ pub struct DirEntry {
     pub size: u64,
     pub mode: u32,
     pub modified_ms: i64,
+    /// Owner and group (numeric). Agents before them send neither: read as root's.
+    #[serde(default)]
+    pub uid: u32,
+    #[serde(default)]
+    pub gid: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -21,6 +21,7 @@ const PTY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/pty
 const LEGACY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/legacy.py");
 const PARITY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/parity.py");
 const BASE_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/base.py");
+const FILES_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/files.py");
 const SNAPSHOTS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/snapshots.py");
 const JS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/js");
 
@@ -153,6 +154,16 @@ async fn the_python_sdk_finds_e2bs_base_template() {
     let d = Daemon::start().await;
     let key = tenant(&d, "base-a").await;
     run_sdk(&d, "python3", BASE_SCRIPT, &key, &[]).await;
+}
+
+/// Issue 19: E2B's filesystem beyond the happy path (entries' owners, writes as envd makes
+/// them, signed URLs with expiry and tampering, recursive watches with entry info and events in
+/// order), as the SDK sees it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_python_sdk_sees_e2bs_filesystem_owners_signed_urls_and_watches() {
+    let d = Daemon::start().await;
+    let key = tenant(&d, "files-a").await;
+    run_sdk(&d, "python3", FILES_SCRIPT, &key, &[]).await;
 }
 
 /// Issue 19: E2B's named snapshots (create, list, create from, delete; another tenant's
@@ -327,7 +338,7 @@ async fn wire_contract_statuses_shapes_and_bad_input() {
     ] {
         assert!(sbx[f].is_string(), "{f} missing: {sbx}");
     }
-    assert_eq!(sbx["envdVersion"], "0.5.7");
+    assert_eq!(sbx["envdVersion"], "0.6.3");
     assert_eq!(sbx["templateID"], "base");
     // The default proxy domain; public ports carry no traffic token.
     assert_eq!(sbx["domain"], "localhost");

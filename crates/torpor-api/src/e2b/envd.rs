@@ -144,6 +144,18 @@ pub fn ctx(
     if !constant_time_eq(token.as_bytes(), st.access_token(&id).as_bytes()) {
         return Err(CtxError::Unauthenticated);
     }
+    ctx_for(st, rec, raw, class)
+}
+
+/// The rest of [`ctx`] once the caller is authorised for sandbox `rec` (by its token, or a
+/// signed URL's signature): the owner's rate, and E2B's pause.
+pub fn ctx_for(
+    st: &E2b,
+    rec: torpor_control::SandboxRecord,
+    raw: &str,
+    class: crate::ratelimit::RouteClass,
+) -> Result<Ctx, CtxError> {
+    let id = rec.id.clone();
     let tenant = rec.tenant.clone();
     crate::request_id::set_caller(&tenant);
     crate::ratelimit::check(&st.api, &tenant, class)
@@ -321,6 +333,8 @@ mod tests {
             size,
             mode: 0o644,
             modified_ms: 0,
+            uid: 0,
+            gid: 0,
         };
         let s = proc_state(&[e("config", 9), e("out", 0), e("err", 0)]);
         assert!(!s.started && s.exit.is_none());

@@ -13,14 +13,17 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::connect::{Code, RpcError};
-use super::envd::ctx;
 use super::fs::{basic_user, not_found_as, parent_and_name, resolve};
+use super::signed::{files_ctx, Operation};
 use super::{E2b, E2bError};
 
 #[derive(Debug, Deserialize)]
 pub struct FilesQuery {
     pub(crate) path: Option<String>,
     pub(crate) username: Option<String>,
+    /// A signed URL's signature and expiry (Unix seconds): see [`super::signed`].
+    pub(crate) signature: Option<String>,
+    pub(crate) signature_expiration: Option<i64>,
 }
 
 pub(crate) fn http_err(e: RpcError) -> E2bError {
@@ -83,6 +86,23 @@ pub fn accepts_gzip(headers: &HeaderMap) -> bool {
         })
 }
 
+/// The header prefix of envd 0.6.2's file metadata (user xattrs) on an upload.
+pub const METADATA_HEADER_PREFIX: &str = "x-metadata-";
+
+/// Uploads with file metadata are refused (400) rather than written without it: torpor does
+/// not keep file metadata.
+pub fn refuse_metadata(headers: &HeaderMap) -> Result<(), E2bError> {
+    if headers
+        .keys()
+        .any(|k| k.as_str().starts_with(METADATA_HEADER_PREFIX))
+    {
+        return Err(E2bError::bad_request(
+            "file metadata (X-Metadata-* headers) is not supported by torpor",
+        ));
+    }
+    Ok(())
+}
+
 /// Inflates a gzip body (one or more members) of at most `limit` bytes once inflated: a body
 /// that inflates past it is refused (413) as soon as it does, so a small bomb costs nothing.
 pub fn gunzip_capped(data: &[u8], limit: usize) -> Result<Vec<u8>, E2bError> {
@@ -114,8 +134,8 @@ pub async fn download(
     headers: HeaderMap,
     q: Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, E2bError> {
-    let c = ctx(&st, &headers, crate::ratelimit::RouteClass::Files).map_err(|e| e.http())?;
     let Query(q) = q.map_err(|e| E2bError::bad_request(e.body_text()))?;
+    let c = files_ctx(&st, &headers, &q, Operation::Read)?;
     let user = q.username.clone().or_else(|| basic_user(&headers));
     let path = resolve(q.path.as_deref().unwrap_or(""), user.as_deref()).map_err(http_err)?;
     let data = st
@@ -156,9 +176,10 @@ pub async fn upload(
     q: Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>,
     body: Body,
 ) -> Result<Response, E2bError> {
-    let c = ctx(&st, &headers, crate::ratelimit::RouteClass::Files).map_err(|e| e.http())?;
     let Query(q) = q.map_err(|e| E2bError::bad_request(e.body_text()))?;
+    let c = files_ctx(&st, &headers, &q, Operation::Write)?;
     let user = q.username.clone().or_else(|| basic_user(&headers));
+    refuse_metadata(&headers)?;
     let coding = upload_coding(&headers)?;
     let ct = headers
         .get(header::CONTENT_TYPE)

@@ -5,9 +5,9 @@
 //! plus `symlinkTarget` (absolute, every link resolved); `ListDir` walks depth first in name
 //! order, as Go's `filepath.WalkDir` does, without descending into symlinked directories.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
@@ -17,15 +17,15 @@ use serde::Deserialize;
 use serde_json::json;
 use torpor_runtime::proto::{DirEntry, FileKind};
 
-use super::connect::{self, Code, Item, RpcError};
+use super::connect::{self, Code, RpcError};
 use super::envd::{rpc_call, run, Ctx};
+use super::owners::{names_for, Names};
 pub(crate) use super::paths::basic_user;
 pub use super::paths::resolve;
-use super::{is_running, E2b};
+use super::E2b;
 
 /// Entries one ListDir (all depths) or one watcher snapshot may hold.
 const MAX_ENTRIES: usize = 10_000;
-const WATCH_POLL: Duration = Duration::from_millis(200);
 
 pub(crate) fn parent_and_name(path: &str) -> (String, String) {
     match path.rsplit_once('/') {
@@ -82,7 +82,12 @@ fn file_type(kind: FileKind) -> &'static str {
 /// An envd `EntryInfo` in proto JSON. A symlink (`link` is what it resolved to, if it did)
 /// reports its target's type and mode, and `symlinkTarget`: the target, or the link's own path
 /// when it dangles (envd's rule, type then unspecified).
-pub fn entry_info(dir: &str, e: &DirEntry, link: Option<&Option<LinkTarget>>) -> serde_json::Value {
+pub fn entry_info(
+    dir: &str,
+    e: &DirEntry,
+    link: Option<&Option<LinkTarget>>,
+    names: &Names,
+) -> serde_json::Value {
     let path = join(dir, &e.name);
     let t = std::time::UNIX_EPOCH + Duration::from_millis(e.modified_ms.max(0) as u64);
     let (ty, mode) = match (e.kind, link) {
@@ -97,8 +102,8 @@ pub fn entry_info(dir: &str, e: &DirEntry, link: Option<&Option<LinkTarget>>) ->
         "size": e.size.to_string(),
         "mode": mode & 0o7777,
         "permissions": permissions(e.kind, e.mode),
-        "owner": "root",
-        "group": "root",
+        "owner": names.user(e.uid),
+        "group": names.group(e.gid),
         "modifiedTime": humantime::format_rfc3339_millis(t).to_string(),
     });
     if e.kind == FileKind::Symlink {
@@ -169,15 +174,19 @@ async fn describe(st: &E2b, c: &Ctx, entries: &[(String, DirEntry)]) -> Vec<serd
         .filter(|(_, e)| e.kind == FileKind::Symlink)
         .map(|(d, e)| join(d, &e.name))
         .collect();
-    let mut resolved = resolve_links(st, c, &links).await.into_iter();
+    let (resolved, names) = tokio::join!(
+        resolve_links(st, c, &links),
+        names_for(st, c, entries.iter().map(|(_, e)| e))
+    );
+    let mut resolved = resolved.into_iter();
     entries
         .iter()
         .map(|(d, e)| {
             if e.kind == FileKind::Symlink {
                 let link = resolved.next().unwrap_or(None);
-                entry_info(d, e, Some(&link))
+                entry_info(d, e, Some(&link), &names)
             } else {
-                entry_info(d, e, None)
+                entry_info(d, e, None, &names)
             }
         })
         .collect()
@@ -275,6 +284,8 @@ struct PathRequest {
     destination: String,
     #[serde(rename = "watcherId", alias = "watcher_id")]
     watcher_id: String,
+    #[serde(rename = "includeEntry", alias = "include_entry")]
+    include_entry: bool,
 }
 
 /// POST /filesystem.Filesystem/{method}
@@ -387,7 +398,8 @@ pub async fn filesystem_rpc(
             "CreateWatcher" => {
                 let p = resolve(&req.path, user.as_deref())?;
                 room_for_watcher(&st, &c)?;
-                let w = Watcher::new(&st, &c, p, req.recursive).await?;
+                let w = WatchState::new(&st, &c, p, req.recursive, req.include_entry).await?;
+                let w = Watcher::start(&st, &c, w);
                 let id = format!("w{}", torpor_core::SandboxId::generate());
                 let mut all = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
                 // Checked again under the lock: watchers made meanwhile count too.
@@ -396,29 +408,21 @@ pub async fn filesystem_rpc(
                 Ok(connect::unary_ok(&json!({"watcherId": id})))
             }
             "GetWatcherEvents" => {
-                let w = take_watcher(&st, &c, &req.watcher_id)?;
-                let result = w.events(&st, &c).await;
-                let (mut w, events) = match result {
-                    Ok(x) => x,
-                    Err(e) => return Err(e),
-                };
-                w.polled = Instant::now();
-                st.watchers
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(req.watcher_id.clone(), w);
-                Ok(connect::unary_ok(&json!({"events": events})))
+                let state = watch_state(&st, &c, &req.watcher_id)?;
+                let mut state = state.lock().await;
+                state.poll(&st, &c).await?;
+                Ok(connect::unary_ok(&json!({"events": state.drain()})))
             }
             "RemoveWatcher" => {
-                take_watcher(&st, &c, &req.watcher_id)?;
+                remove_watcher(&st, &c, &req.watcher_id)?;
                 Ok(connect::unary_ok(&json!({})))
             }
             "WatchDir" => {
                 let p = resolve(&req.path, user.as_deref())?;
-                let w = Watcher::new(&st, &c, p, req.recursive).await?;
+                let w = WatchState::new(&st, &c, p, req.recursive, req.include_entry).await?;
                 let st = st.clone();
                 Ok(connect::stream_response(move |tx| {
-                    watch_stream(st, c, w, tx)
+                    watch::watch_stream(st, c, w, tx)
                 }))
             }
             _ => unreachable!("checked above"),
@@ -436,227 +440,14 @@ fn as_caller(c: &Ctx, user: Option<&str>, cmd: &[&str]) -> Vec<String> {
     v
 }
 
-/// A watcher nobody asked for events for this long is removed.
-pub const WATCHER_IDLE: Duration = Duration::from_secs(60);
-/// Watchers (CreateWatcher) one sandbox may have.
-pub const MAX_WATCHERS_PER_SANDBOX: usize = 64;
-/// Watchers one tenant's sandboxes may have together.
-pub const MAX_WATCHERS_PER_TENANT: usize = 256;
-
-/// Removes the watchers unpolled for [`WATCHER_IDLE`] (called by the adapter's sweep and
-/// before a watcher is made); answers how many went.
-pub fn expire_watchers(st: &E2b) -> usize {
-    let mut all = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
-    expire_at(&mut all, Instant::now())
-}
-
-fn expire_at(all: &mut HashMap<String, Watcher>, now: Instant) -> usize {
-    let before = all.len();
-    all.retain(|_, w| now.saturating_duration_since(w.polled) < WATCHER_IDLE);
-    before - all.len()
-}
-
-fn room_for_watcher(st: &E2b, c: &Ctx) -> Result<(), RpcError> {
-    expire_watchers(st);
-    let all = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
-    check_watcher_caps(&all, c)
-}
-
-fn check_watcher_caps(all: &HashMap<String, Watcher>, c: &Ctx) -> Result<(), RpcError> {
-    let of_sandbox = all.values().filter(|w| w.sandbox == c.id).count();
-    let of_tenant = all.values().filter(|w| w.tenant == c.tenant).count();
-    if of_sandbox >= MAX_WATCHERS_PER_SANDBOX || of_tenant >= MAX_WATCHERS_PER_TENANT {
-        return Err(RpcError::new(
-            Code::ResourceExhausted,
-            format!(
-                "too many watchers ({MAX_WATCHERS_PER_SANDBOX} per sandbox, \
-                 {MAX_WATCHERS_PER_TENANT} per tenant); remove one (RemoveWatcher) or let \
-                 an unpolled one expire ({} s)",
-                WATCHER_IDLE.as_secs()
-            ),
-        ));
-    }
-    Ok(())
-}
-
-fn take_watcher(st: &E2b, c: &Ctx, id: &str) -> Result<Watcher, RpcError> {
-    let mut all = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
-    match all.get(id) {
-        Some(w) if w.sandbox == c.id => Ok(all.remove(id).expect("present")),
-        _ => Err(RpcError::new(
-            Code::NotFound,
-            format!("watcher {id:?} not found"),
-        )),
-    }
-}
-
-/// A directory watch: the last snapshot, diffed against the next.
-pub struct Watcher {
-    sandbox: torpor_core::SandboxId,
-    tenant: torpor_core::TenantId,
-    /// When events were last asked for (or it was made): unpolled for [`WATCHER_IDLE`], it goes.
-    polled: Instant,
-    root: String,
-    recursive: bool,
-    seen: BTreeMap<String, (u64, i64, bool)>,
-}
-
-impl Watcher {
-    async fn new(st: &E2b, c: &Ctx, root: String, recursive: bool) -> Result<Watcher, RpcError> {
-        let e = stat(st, c, &root).await?;
-        if e["type"] != "FILE_TYPE_DIRECTORY" {
-            return Err(RpcError::new(
-                Code::InvalidArgument,
-                format!("path {root:?} is not a directory"),
-            ));
-        }
-        let mut w = Watcher {
-            sandbox: c.id.clone(),
-            tenant: c.tenant.clone(),
-            polled: Instant::now(),
-            root,
-            recursive,
-            seen: BTreeMap::new(),
-        };
-        w.seen = w.snapshot(st, c).await?;
-        Ok(w)
-    }
-
-    async fn snapshot(
-        &self,
-        st: &E2b,
-        c: &Ctx,
-    ) -> Result<BTreeMap<String, (u64, i64, bool)>, RpcError> {
-        let depth = if self.recursive { 32 } else { 1 };
-        let prefix = if self.root == "/" {
-            1
-        } else {
-            self.root.len() + 1
-        };
-        Ok(walk(st, c, &self.root, depth)
-            .await?
-            .into_iter()
-            .map(|(d, e)| {
-                let full = join(&d, &e.name);
-                (
-                    full[prefix.min(full.len())..].to_string(),
-                    (e.size, e.modified_ms, e.kind == FileKind::Dir),
-                )
-            })
-            .collect())
-    }
-
-    /// The events since the last call (and the watcher, updated).
-    async fn events(
-        mut self,
-        st: &E2b,
-        c: &Ctx,
-    ) -> Result<(Watcher, Vec<serde_json::Value>), RpcError> {
-        let now = self.snapshot(st, c).await?;
-        let events = diff(&self.seen, &now);
-        self.seen = now;
-        Ok((self, events))
-    }
-}
-
-/// Filesystem events between two snapshots (relative name → size, mtime, is_dir).
-pub fn diff(
-    before: &BTreeMap<String, (u64, i64, bool)>,
-    after: &BTreeMap<String, (u64, i64, bool)>,
-) -> Vec<serde_json::Value> {
-    let mut out = Vec::new();
-    for (name, now) in after {
-        match before.get(name) {
-            None => {
-                out.push(json!({"name": name, "type": "EVENT_TYPE_CREATE"}));
-                if !now.2 && now.0 > 0 {
-                    out.push(json!({"name": name, "type": "EVENT_TYPE_WRITE"}));
-                }
-            }
-            Some(old) if !now.2 && (old.0 != now.0 || old.1 != now.1) => {
-                out.push(json!({"name": name, "type": "EVENT_TYPE_WRITE"}))
-            }
-            _ => {}
-        }
-    }
-    for name in before.keys() {
-        if !after.contains_key(name) {
-            out.push(json!({"name": name, "type": "EVENT_TYPE_REMOVE"}));
-        }
-    }
-    out
-}
-
-async fn watch_stream(st: Arc<E2b>, c: Ctx, mut w: Watcher, tx: tokio::sync::mpsc::Sender<Item>) {
-    if tx
-        .send(Item::Message(connect::message_frame(&json!({"start": {}}))))
-        .await
-        .is_err()
-    {
-        return;
-    }
-    let mut last = Instant::now();
-    loop {
-        tokio::time::sleep(WATCH_POLL).await;
-        if tx.is_closed() {
-            return;
-        }
-        match st.api.engine.sandbox(&c.tenant, &c.id) {
-            Ok(rec) if is_running(rec.tier) => {}
-            Ok(_) => {
-                let _ = tx
-                    .send(Item::End(Some(RpcError::new(
-                        Code::Unavailable,
-                        "the sandbox was paused",
-                    ))))
-                    .await;
-                return;
-            }
-            Err(e) => {
-                let _ = tx.send(Item::End(Some(e.into()))).await;
-                return;
-            }
-        }
-        let events = match w.events(&st, &c).await {
-            Ok((nw, ev)) => {
-                w = nw;
-                ev
-            }
-            Err(e) => {
-                let _ = tx.send(Item::End(Some(e))).await;
-                return;
-            }
-        };
-        for ev in &events {
-            if tx
-                .send(Item::Message(connect::message_frame(
-                    &json!({"filesystem": ev}),
-                )))
-                .await
-                .is_err()
-            {
-                return;
-            }
-        }
-        if !events.is_empty() {
-            last = Instant::now();
-        } else if last.elapsed() > Duration::from_secs(30) {
-            if tx
-                .send(Item::Message(connect::message_frame(
-                    &json!({"keepalive": {}}),
-                )))
-                .await
-                .is_err()
-            {
-                return;
-            }
-            last = Instant::now();
-        }
-    }
-}
-
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod watch;
+
+use watch::{check_watcher_caps, remove_watcher, room_for_watcher, watch_state, WatchState};
+pub use watch::{
+    expire_watchers, Watcher, MAX_WATCHERS_PER_SANDBOX, MAX_WATCHERS_PER_TENANT, WATCHER_IDLE,
+};
 
 #[cfg(test)]
 mod tests {
@@ -691,58 +482,19 @@ mod tests {
             size: 5,
             mode: 0o100644,
             modified_ms: 0,
+            uid: 1000,
+            gid: 0,
         };
-        let v = entry_info("/home/user", &e, None);
+        let v = entry_info("/home/user", &e, None, &Names::builtin(true));
+        assert_eq!(
+            (v["owner"].as_str(), v["group"].as_str()),
+            (Some("user"), Some("root"))
+        );
         assert_eq!(v["path"], "/home/user/f");
         assert_eq!(v["type"], "FILE_TYPE_FILE");
         assert_eq!(v["size"], "5");
         assert_eq!(v["mode"], 0o644);
         assert_eq!(v["permissions"], "-rw-r--r--");
         assert_eq!(v["modifiedTime"], "1970-01-01T00:00:00.000Z");
-    }
-
-    #[test]
-    fn unpolled_watchers_expire_and_polled_ones_stay() {
-        let t0 = Instant::now();
-        let w = |polled| Watcher {
-            sandbox: torpor_core::SandboxId::new("sb-aaaaaaaaaaaaaaaa").unwrap(),
-            tenant: torpor_core::TenantId::admin(),
-            polled,
-            root: "/".into(),
-            recursive: false,
-            seen: BTreeMap::new(),
-        };
-        let mut all: HashMap<String, Watcher> = [
-            ("old".to_string(), w(t0)),
-            ("new".to_string(), w(t0 + WATCHER_IDLE)),
-        ]
-        .into();
-        assert_eq!(
-            expire_at(&mut all, t0 + WATCHER_IDLE - Duration::from_millis(1)),
-            0
-        );
-        assert_eq!(expire_at(&mut all, t0 + WATCHER_IDLE), 1);
-        assert!(all.contains_key("new") && !all.contains_key("old"));
-        assert_eq!(expire_at(&mut all, t0 + 2 * WATCHER_IDLE), 1);
-        assert!(all.is_empty());
-    }
-
-    #[test]
-    fn diffs_name_creates_writes_and_removes() {
-        let a: BTreeMap<_, _> = [
-            ("x".to_string(), (1, 1, false)),
-            ("gone".into(), (0, 0, false)),
-        ]
-        .into();
-        let b: BTreeMap<_, _> = [
-            ("x".to_string(), (2, 2, false)),
-            ("new".into(), (0, 0, false)),
-        ]
-        .into();
-        let ev = diff(&a, &b);
-        assert!(ev.contains(&json!({"name": "x", "type": "EVENT_TYPE_WRITE"})));
-        assert!(ev.contains(&json!({"name": "new", "type": "EVENT_TYPE_CREATE"})));
-        assert!(ev.contains(&json!({"name": "gone", "type": "EVENT_TYPE_REMOVE"})));
-        assert_eq!(ev.len(), 3);
     }
 }

@@ -24,8 +24,10 @@ pub mod fs;
 pub mod listing;
 pub mod metrics;
 pub mod multipart;
+pub mod owners;
 pub mod paths;
 pub mod ports;
+pub mod signed;
 pub mod snapshots;
 
 use std::collections::HashMap;
@@ -41,10 +43,11 @@ use torpor_core::{SandboxId, TenantId, Tier};
 
 use crate::state::ApiState;
 
-/// The envd version advertised: the features of envd 0.5.7 are what this adapter implements
-/// (octet-stream uploads, CloseStdin, default user); later ones (file metadata, entry info on
-/// watch events) are not advertised, so the SDK does not use them.
-pub const ENVD_VERSION: &str = "0.5.7";
+/// The envd version advertised: envd 0.6.3's features are what this adapter implements
+/// (octet-stream uploads, CloseStdin, default user, entry info on watch events), except file
+/// metadata (0.6.2), whose uploads are refused with 400 rather than dropped; the network-mounts
+/// watch option (0.6.4) is not advertised, so the SDK refuses it itself.
+pub const ENVD_VERSION: &str = "0.6.3";
 /// Metadata keys the adapter keeps for itself; hidden from E2B responses and filters.
 pub const META_PREFIX: &str = "torpor.e2b.";
 const META_END_AT: &str = "torpor.e2b.end_at";

@@ -706,6 +706,8 @@ async fn serve(
                         size: v.len() as u64,
                         mode: 0o644,
                         modified_ms: 0,
+                        uid: 0,
+                        gid: 0,
                     })
                 })
                 .collect();

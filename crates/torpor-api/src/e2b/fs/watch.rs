@@ -1,0 +1,509 @@
+//! Directory watches (`CreateWatcher`/`GetWatcherEvents`/`RemoveWatcher`, and the `WatchDir`
+//! stream): snapshots of the directory (recursive: every level, so folders made after the
+//! watch started are watched too), diffed into envd's events.
+//!
+//! A watcher made by `CreateWatcher` is polled in the background every [`WATCH_POLL`] while its
+//! sandbox runs (never waking it), and its events queue up until the client asks for them, as
+//! envd's inotify queue does: a file made, written and removed between two
+//! `GetWatcherEvents` gives its three events, in that order. Within one poll, events are
+//! ordered by modification time (a created folder before what it holds, a create before its
+//! write, removes last, deepest first). A change that is undone within one poll is not seen.
+//! With `includeEntry`, create and write events carry the entry's `EntryInfo`.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use torpor_core::{SandboxId, TenantId, Tier};
+use torpor_runtime::proto::{DirEntry, FileKind};
+
+use super::super::connect::{self, Code, Item, RpcError};
+use super::super::envd::Ctx;
+use super::super::owners::names_for;
+use super::super::{is_running, E2b};
+use super::{entry_info, join, stat, walk};
+
+/// How often a watcher looks at its directory.
+pub const WATCH_POLL: Duration = Duration::from_millis(200);
+/// A watcher nobody asked for events for this long is removed.
+pub const WATCHER_IDLE: Duration = Duration::from_secs(60);
+/// Watchers (CreateWatcher) one sandbox may have.
+pub const MAX_WATCHERS_PER_SANDBOX: usize = 64;
+/// Watchers one tenant's sandboxes may have together.
+pub const MAX_WATCHERS_PER_TENANT: usize = 256;
+/// Events one watcher keeps for its client; past that the oldest go (logged).
+pub const MAX_PENDING: usize = 10_000;
+
+/// Removes the watchers unpolled for [`WATCHER_IDLE`] (called by the adapter's sweep and
+/// before a watcher is made); answers how many went.
+pub fn expire_watchers(st: &E2b) -> usize {
+    let mut all = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
+    expire_at(&mut all, Instant::now())
+}
+
+pub(super) fn expire_at(all: &mut HashMap<String, Watcher>, now: Instant) -> usize {
+    let before = all.len();
+    all.retain(|_, w| now.saturating_duration_since(w.polled) < WATCHER_IDLE);
+    before - all.len()
+}
+
+pub(super) fn room_for_watcher(st: &E2b, c: &Ctx) -> Result<(), RpcError> {
+    expire_watchers(st);
+    let all = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
+    check_watcher_caps(&all, c)
+}
+
+pub(super) fn check_watcher_caps(all: &HashMap<String, Watcher>, c: &Ctx) -> Result<(), RpcError> {
+    let of_sandbox = all.values().filter(|w| w.sandbox == c.id).count();
+    let of_tenant = all.values().filter(|w| w.tenant == c.tenant).count();
+    if of_sandbox >= MAX_WATCHERS_PER_SANDBOX || of_tenant >= MAX_WATCHERS_PER_TENANT {
+        return Err(RpcError::new(
+            Code::ResourceExhausted,
+            format!(
+                "too many watchers ({MAX_WATCHERS_PER_SANDBOX} per sandbox, \
+                 {MAX_WATCHERS_PER_TENANT} per tenant); remove one (RemoveWatcher) or let \
+                 an unpolled one expire ({} s)",
+                WATCHER_IDLE.as_secs()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The state of a watcher of `c`'s sandbox with id `id`, its last poll marked now.
+pub(super) fn watch_state(
+    st: &E2b,
+    c: &Ctx,
+    id: &str,
+) -> Result<Arc<tokio::sync::Mutex<WatchState>>, RpcError> {
+    let mut all = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
+    match all.get_mut(id) {
+        Some(w) if w.sandbox == c.id => {
+            w.polled = Instant::now();
+            Ok(w.state.clone())
+        }
+        _ => Err(RpcError::new(
+            Code::NotFound,
+            format!("watcher {id:?} not found"),
+        )),
+    }
+}
+
+pub(super) fn remove_watcher(st: &E2b, c: &Ctx, id: &str) -> Result<(), RpcError> {
+    let mut all = st.watchers.lock().unwrap_or_else(|p| p.into_inner());
+    match all.get(id) {
+        Some(w) if w.sandbox == c.id => {
+            all.remove(id);
+            Ok(())
+        }
+        _ => Err(RpcError::new(
+            Code::NotFound,
+            format!("watcher {id:?} not found"),
+        )),
+    }
+}
+
+/// What a snapshot holds of one entry.
+#[derive(Debug, Clone)]
+pub(super) struct Seen {
+    dir: String,
+    entry: DirEntry,
+}
+
+/// A watch's last snapshot and the events not yet handed out.
+pub struct WatchState {
+    root: String,
+    recursive: bool,
+    include_entry: bool,
+    seen: BTreeMap<String, Seen>,
+    pending: VecDeque<serde_json::Value>,
+}
+
+impl WatchState {
+    /// A watch of `root` (a directory, else `invalid_argument`), its first snapshot taken.
+    pub(super) async fn new(
+        st: &E2b,
+        c: &Ctx,
+        root: String,
+        recursive: bool,
+        include_entry: bool,
+    ) -> Result<WatchState, RpcError> {
+        let e = stat(st, c, &root).await?;
+        if e["type"] != "FILE_TYPE_DIRECTORY" {
+            return Err(RpcError::new(
+                Code::InvalidArgument,
+                format!("path {root:?} is not a directory"),
+            ));
+        }
+        let mut w = WatchState {
+            root,
+            recursive,
+            include_entry,
+            seen: BTreeMap::new(),
+            pending: VecDeque::new(),
+        };
+        w.seen = w.snapshot(st, c).await?;
+        Ok(w)
+    }
+
+    async fn snapshot(&self, st: &E2b, c: &Ctx) -> Result<BTreeMap<String, Seen>, RpcError> {
+        let depth = if self.recursive { 32 } else { 1 };
+        let prefix = if self.root == "/" {
+            1
+        } else {
+            self.root.len() + 1
+        };
+        Ok(walk(st, c, &self.root, depth)
+            .await?
+            .into_iter()
+            .map(|(dir, entry)| {
+                let full = join(&dir, &entry.name);
+                (
+                    full[prefix.min(full.len())..].to_string(),
+                    Seen { dir, entry },
+                )
+            })
+            .collect())
+    }
+
+    /// Looks at the directory now and queues what changed since the last look.
+    pub(super) async fn poll(&mut self, st: &E2b, c: &Ctx) -> Result<(), RpcError> {
+        let now = self.snapshot(st, c).await?;
+        let changes = diff(&self.seen, &now);
+        if !changes.is_empty() {
+            let names = if self.include_entry {
+                let touched = changes
+                    .iter()
+                    .filter_map(|(name, _)| now.get(name))
+                    .map(|s| &s.entry);
+                Some(names_for(st, c, touched).await)
+            } else {
+                None
+            };
+            for (name, ty) in changes {
+                let mut ev = json!({"name": name, "type": ty.as_str()});
+                if let (Some(names), Some(s), false) =
+                    (&names, now.get(&name), ty == EventType::Remove)
+                {
+                    ev["entry"] = entry_info(&s.dir, &s.entry, None, names);
+                }
+                if self.pending.len() >= MAX_PENDING {
+                    self.pending.pop_front();
+                    tracing::debug!(sandbox = %c.id, "e2b watcher queue full: oldest event dropped");
+                }
+                self.pending.push_back(ev);
+            }
+        }
+        self.seen = now;
+        Ok(())
+    }
+
+    pub(super) fn drain(&mut self) -> Vec<serde_json::Value> {
+        self.pending.drain(..).collect()
+    }
+}
+
+/// A `CreateWatcher` watch: its state, shared with the task that polls it in the background
+/// (stopped when the watcher is dropped: removed or expired).
+pub struct Watcher {
+    pub(super) sandbox: SandboxId,
+    pub(super) tenant: TenantId,
+    /// When events were last asked for (or it was made): unpolled for [`WATCHER_IDLE`], it goes.
+    pub(super) polled: Instant,
+    pub(super) state: Arc<tokio::sync::Mutex<WatchState>>,
+    poller: Option<tokio::task::AbortHandle>,
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        if let Some(p) = &self.poller {
+            p.abort();
+        }
+    }
+}
+
+impl Watcher {
+    /// A watcher of `state`, polled in the background while the sandbox runs.
+    pub(super) fn start(st: &Arc<E2b>, c: &Ctx, state: WatchState) -> Watcher {
+        let state = Arc::new(tokio::sync::Mutex::new(state));
+        let poller = tokio::spawn(poll_forever(
+            Arc::downgrade(st),
+            Ctx {
+                tenant: c.tenant.clone(),
+                id: c.id.clone(),
+                base: c.base,
+            },
+            state.clone(),
+        ))
+        .abort_handle();
+        Watcher {
+            sandbox: c.id.clone(),
+            tenant: c.tenant.clone(),
+            polled: Instant::now(),
+            state,
+            poller: Some(poller),
+        }
+    }
+
+    #[cfg(test)]
+    pub(super) fn idle(sandbox: SandboxId, tenant: TenantId, polled: Instant) -> Watcher {
+        Watcher {
+            sandbox,
+            tenant,
+            polled,
+            state: Arc::new(tokio::sync::Mutex::new(WatchState {
+                root: "/".into(),
+                recursive: false,
+                include_entry: false,
+                seen: BTreeMap::new(),
+                pending: VecDeque::new(),
+            })),
+            poller: None,
+        }
+    }
+}
+
+/// Polls a watcher's directory every [`WATCH_POLL`] while its sandbox is running (a sleeping
+/// one is not woken, and is not changing); errors wait for the client's next call, which polls
+/// too and answers them.
+async fn poll_forever(st: Weak<E2b>, c: Ctx, state: Arc<tokio::sync::Mutex<WatchState>>) {
+    loop {
+        tokio::time::sleep(WATCH_POLL).await;
+        let Some(st) = st.upgrade() else { return };
+        match st.api.engine.sandbox(&c.tenant, &c.id) {
+            Ok(rec) if rec.tier == Tier::Running => {}
+            Ok(_) => continue,
+            Err(_) => return,
+        }
+        if let Err(e) = state.lock().await.poll(&st, &c).await {
+            tracing::debug!(sandbox = %c.id, error = %e.message, "e2b watcher poll failed");
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventType {
+    Create,
+    Write,
+    Remove,
+}
+
+impl EventType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventType::Create => "EVENT_TYPE_CREATE",
+            EventType::Write => "EVENT_TYPE_WRITE",
+            EventType::Remove => "EVENT_TYPE_REMOVE",
+        }
+    }
+}
+
+/// The events between two snapshots (relative name → entry), in the order they most likely
+/// happened: creates and writes by modification time (a folder made in this interval counts
+/// from the earliest of what it holds, so it comes before its contents; ties keep name order,
+/// a create before its write), then removes, deepest first.
+pub(super) fn diff(
+    before: &BTreeMap<String, Seen>,
+    after: &BTreeMap<String, Seen>,
+) -> Vec<(String, EventType)> {
+    // (time key, name, type), in name order.
+    let mut changed: Vec<(i64, String, EventType)> = Vec::new();
+    for (name, now) in after {
+        let e = &now.entry;
+        let is_dir = e.kind == FileKind::Dir;
+        match before.get(name) {
+            None => {
+                changed.push((e.modified_ms, name.clone(), EventType::Create));
+                if !is_dir && e.size > 0 {
+                    changed.push((e.modified_ms, name.clone(), EventType::Write));
+                }
+            }
+            Some(old)
+                if !is_dir
+                    && (old.entry.size != e.size || old.entry.modified_ms != e.modified_ms) =>
+            {
+                changed.push((e.modified_ms, name.clone(), EventType::Write))
+            }
+            _ => {}
+        }
+    }
+    // A created folder takes the earliest time of what changed under it.
+    let created_dirs: Vec<usize> = changed
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, n, t))| *t == EventType::Create && after[n].entry.kind == FileKind::Dir)
+        .map(|(i, _)| i)
+        .collect();
+    for i in created_dirs {
+        let prefix = format!("{}/", changed[i].1);
+        let earliest = changed
+            .iter()
+            .filter(|(_, n, _)| n.starts_with(&prefix))
+            .map(|(t, _, _)| *t)
+            .min();
+        if let Some(t) = earliest {
+            changed[i].0 = changed[i].0.min(t);
+        }
+    }
+    changed.sort_by_key(|(t, _, _)| *t);
+    let mut out: Vec<(String, EventType)> = changed.into_iter().map(|(_, n, t)| (n, t)).collect();
+    let mut removed: Vec<&String> = before.keys().filter(|n| !after.contains_key(*n)).collect();
+    removed.sort_by(|a, b| b.cmp(a));
+    out.extend(removed.into_iter().map(|n| (n.clone(), EventType::Remove)));
+    out
+}
+
+/// `WatchDir`: the watch's events as a server stream, polled every [`WATCH_POLL`]; ends with
+/// `unavailable` when the sandbox goes to sleep.
+pub(super) async fn watch_stream(
+    st: Arc<E2b>,
+    c: Ctx,
+    mut w: WatchState,
+    tx: tokio::sync::mpsc::Sender<Item>,
+) {
+    if tx
+        .send(Item::Message(connect::message_frame(&json!({"start": {}}))))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let mut last = Instant::now();
+    loop {
+        tokio::time::sleep(WATCH_POLL).await;
+        if tx.is_closed() {
+            return;
+        }
+        match st.api.engine.sandbox(&c.tenant, &c.id) {
+            Ok(rec) if is_running(rec.tier) => {}
+            Ok(_) => {
+                let _ = tx
+                    .send(Item::End(Some(RpcError::new(
+                        Code::Unavailable,
+                        "the sandbox was paused",
+                    ))))
+                    .await;
+                return;
+            }
+            Err(e) => {
+                let _ = tx.send(Item::End(Some(e.into()))).await;
+                return;
+            }
+        }
+        if let Err(e) = w.poll(&st, &c).await {
+            let _ = tx.send(Item::End(Some(e))).await;
+            return;
+        }
+        let events = w.drain();
+        for ev in &events {
+            if tx
+                .send(Item::Message(connect::message_frame(
+                    &json!({"filesystem": ev}),
+                )))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        if !events.is_empty() {
+            last = Instant::now();
+        } else if last.elapsed() > Duration::from_secs(30) {
+            if tx
+                .send(Item::Message(connect::message_frame(
+                    &json!({"keepalive": {}}),
+                )))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            last = Instant::now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(kind: FileKind, size: u64, modified_ms: i64) -> Seen {
+        Seen {
+            dir: "/w".into(),
+            entry: DirEntry {
+                name: "x".into(),
+                kind,
+                size,
+                mode: 0o644,
+                modified_ms,
+                uid: 1000,
+                gid: 1000,
+            },
+        }
+    }
+
+    #[test]
+    fn unpolled_watchers_expire_and_polled_ones_stay() {
+        let t0 = Instant::now();
+        let w = |polled| {
+            Watcher::idle(
+                SandboxId::new("sb-aaaaaaaaaaaaaaaa").unwrap(),
+                TenantId::admin(),
+                polled,
+            )
+        };
+        let mut all: HashMap<String, Watcher> = [
+            ("old".to_string(), w(t0)),
+            ("new".to_string(), w(t0 + WATCHER_IDLE)),
+        ]
+        .into();
+        assert_eq!(
+            expire_at(&mut all, t0 + WATCHER_IDLE - Duration::from_millis(1)),
+            0
+        );
+        assert_eq!(expire_at(&mut all, t0 + WATCHER_IDLE), 1);
+        assert!(all.contains_key("new") && !all.contains_key("old"));
+        assert_eq!(expire_at(&mut all, t0 + 2 * WATCHER_IDLE), 1);
+        assert!(all.is_empty());
+    }
+
+    #[test]
+    fn diffs_come_in_the_order_things_happened() {
+        use EventType::*;
+        let before: BTreeMap<_, _> = [
+            ("x".to_string(), seen(FileKind::File, 1, 1)),
+            ("gone".into(), seen(FileKind::File, 0, 0)),
+            ("old".into(), seen(FileKind::Dir, 0, 0)),
+            ("old/inner".into(), seen(FileKind::File, 0, 0)),
+        ]
+        .into();
+        let after: BTreeMap<_, _> = [
+            // written last
+            ("x".to_string(), seen(FileKind::File, 2, 50)),
+            // a folder made at 10, its file at 20, the folder's mtime moved by a later file
+            ("d".into(), seen(FileKind::Dir, 0, 40)),
+            ("d/a".into(), seen(FileKind::File, 3, 20)),
+            ("d/b".into(), seen(FileKind::File, 0, 40)),
+            // made first, though later in name order
+            ("zz".into(), seen(FileKind::File, 0, 5)),
+        ]
+        .into();
+        let got = diff(&before, &after);
+        assert_eq!(
+            got,
+            vec![
+                ("zz".to_string(), Create),
+                ("d".into(), Create),
+                ("d/a".into(), Create),
+                ("d/a".into(), Write),
+                ("d/b".into(), Create),
+                ("x".into(), Write),
+                ("old/inner".into(), Remove),
+                ("old".into(), Remove),
+                ("gone".into(), Remove),
+            ]
+        );
+        assert!(diff(&after, &after).is_empty());
+    }
+}
