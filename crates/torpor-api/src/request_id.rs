@@ -139,6 +139,8 @@ pub async fn request_context(mut req: Request, next: Next) -> Response {
         method = %req.method(),
         route = %route,
         tenant = tracing::field::Empty,
+        // A W3C trace context (55 characters): the trace exporter continues the client's trace.
+        traceparent = req.headers().get("traceparent").and_then(|v| v.to_str().ok()).filter(|v| v.len() == 55),
     );
     let ctx = Ctx {
         id: id.as_str().into(),

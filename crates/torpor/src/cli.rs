@@ -34,6 +34,8 @@ pub struct Cli {
 }
 
 #[derive(Subcommand)]
+// Parsed once at start: `up`'s many flags make its variant the big one, and that costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Command {
     /// Run the all-in-one daemon: API, workers, state and checkpoints on this machine.
     Up {
@@ -131,6 +133,8 @@ pub enum Command {
         /// Default 256, lowered to fit RLIMIT_NOFILE beside --workers when that is low.
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         max_sandbox_connections: Option<u32>,
+        #[command(flatten)]
+        telemetry: crate::telemetry::TelemetryArgs,
     },
     /// Inspect, verify and collect the snapshot store (operator only).
     #[command(subcommand)]
@@ -466,8 +470,9 @@ async fn dispatch(cmd: Command) -> CliResult {
             egress_pps,
             sandbox_reach_host,
             max_sandbox_connections,
+            telemetry,
         } => {
-            init_logging();
+            let telemetry = crate::telemetry::Telemetry::init(&telemetry)?;
             torpor_runtime::net::set_host_guard(
                 sandbox_reach_host,
                 &[Some(listen), metrics_listen, keda_listen]
@@ -485,7 +490,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             if let Some(c) = e2b_egress_ceiling {
                 torpor_api::e2b::base::set_egress_ceiling(c);
             }
-            daemon::up(daemon::UpConfig {
+            let up = daemon::up(daemon::UpConfig {
                 listen,
                 data_dir: data_dir.unwrap_or_else(daemon::default_data_dir),
                 workers,
@@ -510,7 +515,9 @@ async fn dispatch(cmd: Command) -> CliResult {
                 header_read_timeout: Duration::from_millis(header_read_timeout_ms),
                 max_sandbox_connections: max_sandbox_connections.map(|n| n as usize),
             })
-            .await?;
+            .await;
+            telemetry.shutdown().await;
+            up?;
             Ok(0)
         }
         Command::Template(t) => template(t).await,

@@ -17,6 +17,7 @@ mod pool;
 mod report;
 mod serve;
 mod snapshot;
+mod telemetry;
 mod usage;
 mod worker;
 
