@@ -41,6 +41,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::ops::Bound;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -134,10 +135,12 @@ pub struct Choice {
 }
 
 /// An index entry: sorts the best candidate first (most free slots, most free memory, name).
-type Key = (Reverse<u32>, Reverse<u64>, String);
+/// The name is shared with the worker's record, so a key costs no allocation.
+type Key = (Reverse<u32>, Reverse<u64>, Arc<str>);
 
 #[derive(Debug, Clone)]
 struct Worker {
+    name: Arc<str>,
     cap: Capacity,
     load: Load,
     state: WorkerState,
@@ -155,10 +158,15 @@ impl Worker {
     }
 
     /// Its index key, when it can take a sandbox at all.
-    fn key(&self, name: &str) -> Option<Key> {
+    fn key(&self) -> Option<Key> {
         let slots = self.free_slots();
-        (self.state == WorkerState::Ready && slots > 0)
-            .then(|| (Reverse(slots), Reverse(self.free_memory()), name.to_owned()))
+        (self.state == WorkerState::Ready && slots > 0).then(|| {
+            (
+                Reverse(slots),
+                Reverse(self.free_memory()),
+                self.name.clone(),
+            )
+        })
     }
 
     fn has_labels(&self, need: &Need) -> bool {
@@ -182,250 +190,20 @@ impl Worker {
     }
 }
 
-fn smaller<'a>(a: &'a BTreeSet<Key>, b: &'a BTreeSet<Key>) -> &'a BTreeSet<Key> {
-    if b.len() < a.len() {
-        b
-    } else {
-        a
-    }
-}
-
-/// The placement index. See the module documentation for the rules.
-#[derive(Debug, Clone, Default)]
-pub struct Placement {
-    workers: HashMap<String, Worker>,
-    /// Every Ready worker with a free slot.
+/// The ordered sets of Ready workers with a free slot (no empty sets or maps).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Index {
+    /// The whole fleet.
     all: BTreeSet<Key>,
-    /// The same, per GPU model (no empty sets).
+    /// Per GPU model.
     by_gpu: HashMap<String, BTreeSet<Key>>,
-    /// The same, per label key and value (no empty sets or maps).
+    /// Per label key, then value.
     by_label: HashMap<String, HashMap<String, BTreeSet<Key>>>,
 }
 
-impl Placement {
-    /// An empty index.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Registers a worker (Ready, no load) or updates its capacity, keeping its load and state.
-    pub fn upsert(&mut self, name: &str, cap: Capacity) {
-        if self.workers.contains_key(name) {
-            self.update(name, |w| w.cap = cap);
-        } else {
-            self.workers.insert(
-                name.to_owned(),
-                Worker {
-                    cap,
-                    load: Load::default(),
-                    state: WorkerState::Ready,
-                },
-            );
-            self.index(name);
-        }
-    }
-
-    /// Sets a worker's state; false when the name is unknown.
-    pub fn set_state(&mut self, name: &str, state: WorkerState) -> bool {
-        self.update(name, |w| w.state = state).is_some()
-    }
-
-    /// Forgets a worker (no-op for an unknown name).
-    pub fn remove(&mut self, name: &str) {
-        self.unindex(name);
-        self.workers.remove(name);
-    }
-
-    /// Replaces a worker's load with what it reported (no-op for an unknown name). A report may
-    /// say more than its capacity (it is the truth); the worker then has no free slot or memory.
-    pub fn report(&mut self, name: &str, load: Load) {
-        self.update(name, |w| w.load = load);
-    }
-
-    /// The worker for `need`, without reserving anything. `prefer` wins when it fits; else the
-    /// fitting worker with the most free slots, then the most free memory, then the smallest name.
-    pub fn choose(&self, need: &Need, prefer: Option<&str>) -> Option<Choice> {
-        let mut considered = 0;
-        if let Some((name, w)) = prefer.and_then(|p| self.workers.get_key_value(p)) {
-            considered += 1;
-            if w.fits(need) {
-                return Some(Choice {
-                    worker: name.clone(),
-                    considered,
-                });
-            }
-        }
-        // The smallest set that holds every fit; a model or label nobody has: no fit.
-        let mut set = &self.all;
-        if let Some(model) = &need.gpu_model {
-            set = smaller(set, self.by_gpu.get(model)?);
-        }
-        for (k, v) in &need.labels {
-            set = smaller(set, self.by_label.get(k)?.get(v)?);
-        }
-        let mut from = Bound::Unbounded;
-        'seek: loop {
-            for (Reverse(slots), Reverse(memory), name) in set.range((from, Bound::Unbounded)) {
-                considered += 1;
-                if *memory < need.memory {
-                    // The rest of this run of equal free slots has no more memory: skip it.
-                    if *slots <= 1 {
-                        return None;
-                    }
-                    from = Bound::Included((Reverse(*slots - 1), Reverse(u64::MAX), String::new()));
-                    continue 'seek;
-                }
-                // Indexed means Ready with a free slot; the set covers one label or the model.
-                let w = &self.workers[name.as_str()];
-                if w.has_gpu(need) && w.has_labels(need) {
-                    return Some(Choice {
-                        worker: name.clone(),
-                        considered,
-                    });
-                }
-            }
-            return None;
-        }
-    }
-
-    /// Takes one slot and `memory` bytes on a Ready worker if both are free; false (and nothing
-    /// taken) otherwise, or for an unknown name.
-    pub fn reserve(&mut self, name: &str, memory: u64) -> bool {
-        let Some(w) = self.workers.get(name) else {
-            return false;
-        };
-        if w.state != WorkerState::Ready || w.free_slots() == 0 || w.free_memory() < memory {
-            return false;
-        }
-        self.update(name, |w| {
-            w.load.busy += 1;
-            w.load.reserved_memory += memory;
-        });
-        true
-    }
-
-    /// Gives back one slot and `memory` bytes (saturating at zero; no-op for an unknown name).
-    pub fn release(&mut self, name: &str, memory: u64) {
-        self.update(name, |w| {
-            w.load.busy = w.load.busy.saturating_sub(1);
-            w.load.reserved_memory = w.load.reserved_memory.saturating_sub(memory);
-        });
-    }
-
-    /// [`choose`](Self::choose), then [`reserve`](Self::reserve) `need.memory` on the choice.
-    pub fn place(&mut self, need: &Need, prefer: Option<&str>) -> Option<Choice> {
-        let choice = self.choose(need, prefer)?;
-        let reserved = self.reserve(&choice.worker, need.memory);
-        debug_assert!(reserved, "a chosen worker fits its need");
-        reserved.then_some(choice)
-    }
-
-    /// A worker's capacity, load and state.
-    pub fn get(&self, name: &str) -> Option<(Capacity, Load, WorkerState)> {
-        self.workers
-            .get(name)
-            .map(|w| (w.cap.clone(), w.load, w.state))
-    }
-
-    /// Every worker (any state), in no particular order.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &Capacity, &Load, WorkerState)> {
-        self.workers
-            .iter()
-            .map(|(n, w)| (n.as_str(), &w.cap, &w.load, w.state))
-    }
-
-    /// Registered workers, in any state.
-    pub fn len(&self) -> usize {
-        self.workers.len()
-    }
-
-    /// No worker registered.
-    pub fn is_empty(&self) -> bool {
-        self.workers.is_empty()
-    }
-
-    /// Checks that the index holds exactly the Ready workers with a free slot, under their
-    /// current keys, in the fleet set and in the set of each of their GPU models and labels.
-    /// For tests and debugging: it walks the whole fleet.
-    pub fn check_invariants(&self) -> Result<(), String> {
-        let mut want_all = BTreeSet::new();
-        let mut want_gpu: HashMap<&str, BTreeSet<Key>> = HashMap::new();
-        let mut want_label: HashMap<&str, HashMap<&str, BTreeSet<Key>>> = HashMap::new();
-        for (name, w) in &self.workers {
-            if let Some(key) = w.key(name) {
-                for model in &w.cap.gpu_models {
-                    want_gpu.entry(model).or_default().insert(key.clone());
-                }
-                for (k, v) in &w.cap.labels {
-                    want_label
-                        .entry(k)
-                        .or_default()
-                        .entry(v)
-                        .or_default()
-                        .insert(key.clone());
-                }
-                want_all.insert(key);
-            }
-        }
-        if self.all != want_all {
-            return Err(format!(
-                "fleet index has {:?}, workers say {:?}",
-                self.all, want_all
-            ));
-        }
-        if self.by_gpu.len() != want_gpu.len() {
-            return Err(format!(
-                "{} GPU model sets, workers have {} models with a ready free slot",
-                self.by_gpu.len(),
-                want_gpu.len()
-            ));
-        }
-        for (model, want) in want_gpu {
-            match self.by_gpu.get(model) {
-                Some(set) if *set == want => {}
-                other => {
-                    return Err(format!(
-                        "GPU model {model:?} index has {other:?}, workers say {want:?}"
-                    ))
-                }
-            }
-        }
-        let have_label: HashMap<&str, HashMap<&str, &BTreeSet<Key>>> = self
-            .by_label
-            .iter()
-            .map(|(k, values)| {
-                let values = values.iter().map(|(v, set)| (v.as_str(), set)).collect();
-                (k.as_str(), values)
-            })
-            .collect();
-        let want_label: HashMap<&str, HashMap<&str, &BTreeSet<Key>>> = want_label
-            .iter()
-            .map(|(k, values)| (*k, values.iter().map(|(v, set)| (*v, set)).collect()))
-            .collect();
-        if have_label != want_label {
-            return Err(format!(
-                "label index has {have_label:?}, workers say {want_label:?}"
-            ));
-        }
-        Ok(())
-    }
-
-    /// Applies `change` to a worker, moving its index entries from its old key to its new one.
-    fn update<R>(&mut self, name: &str, change: impl FnOnce(&mut Worker) -> R) -> Option<R> {
-        if !self.workers.contains_key(name) {
-            return None;
-        }
-        self.unindex(name);
-        let result = change(self.workers.get_mut(name)?);
-        self.index(name);
-        Some(result)
-    }
-
-    fn index(&mut self, name: &str) {
-        let Some(w) = self.workers.get(name) else {
-            return;
-        };
-        let Some(key) = w.key(name) else {
+impl Index {
+    fn insert(&mut self, w: &Worker) {
+        let Some(key) = w.key() else {
             return;
         };
         for model in &w.cap.gpu_models {
@@ -456,11 +234,8 @@ impl Placement {
         self.all.insert(key);
     }
 
-    fn unindex(&mut self, name: &str) {
-        let Some(w) = self.workers.get(name) else {
-            return;
-        };
-        let Some(key) = w.key(name) else {
+    fn remove(&mut self, w: &Worker) {
+        let Some(key) = w.key() else {
             return;
         };
         for model in &w.cap.gpu_models {
@@ -485,6 +260,198 @@ impl Placement {
             }
         }
         self.all.remove(&key);
+    }
+
+    /// The smallest set that holds every worker fitting `need`'s GPU model and labels; `None`
+    /// when one of them is on no candidate at all.
+    fn candidates(&self, need: &Need) -> Option<&BTreeSet<Key>> {
+        let mut set = &self.all;
+        if let Some(model) = &need.gpu_model {
+            set = smaller(set, self.by_gpu.get(model)?);
+        }
+        for (k, v) in &need.labels {
+            set = smaller(set, self.by_label.get(k)?.get(v)?);
+        }
+        Some(set)
+    }
+}
+
+fn smaller<'a>(a: &'a BTreeSet<Key>, b: &'a BTreeSet<Key>) -> &'a BTreeSet<Key> {
+    if b.len() < a.len() {
+        b
+    } else {
+        a
+    }
+}
+
+/// The placement index. See the module documentation for the rules.
+#[derive(Debug, Clone, Default)]
+pub struct Placement {
+    workers: HashMap<Arc<str>, Worker>,
+    index: Index,
+}
+
+impl Placement {
+    /// An empty index.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a worker (Ready, no load) or updates its capacity, keeping its load and state.
+    pub fn upsert(&mut self, name: &str, cap: Capacity) {
+        if self.update(name, |w| w.cap = cap.clone()).is_none() {
+            let name: Arc<str> = Arc::from(name);
+            let worker = Worker {
+                name: name.clone(),
+                cap,
+                load: Load::default(),
+                state: WorkerState::Ready,
+            };
+            self.index.insert(&worker);
+            self.workers.insert(name, worker);
+        }
+    }
+
+    /// Sets a worker's state; false when the name is unknown.
+    pub fn set_state(&mut self, name: &str, state: WorkerState) -> bool {
+        self.update(name, |w| w.state = state).is_some()
+    }
+
+    /// Forgets a worker (no-op for an unknown name).
+    pub fn remove(&mut self, name: &str) {
+        if let Some(w) = self.workers.remove(name) {
+            self.index.remove(&w);
+        }
+    }
+
+    /// Replaces a worker's load with what it reported (no-op for an unknown name). A report may
+    /// say more than its capacity (it is the truth); the worker then has no free slot or memory.
+    pub fn report(&mut self, name: &str, load: Load) {
+        self.update(name, |w| w.load = load);
+    }
+
+    /// The worker for `need`, without reserving anything. `prefer` wins when it fits; else the
+    /// fitting worker with the most free slots, then the most free memory, then the smallest name.
+    pub fn choose(&self, need: &Need, prefer: Option<&str>) -> Option<Choice> {
+        let mut considered = 0;
+        if let Some(w) = prefer.and_then(|p| self.workers.get(p)) {
+            considered += 1;
+            if w.fits(need) {
+                return Some(Choice {
+                    worker: w.name.to_string(),
+                    considered,
+                });
+            }
+        }
+        let set = self.index.candidates(need)?;
+        let mut from = Bound::Unbounded;
+        'seek: loop {
+            for (Reverse(slots), Reverse(memory), name) in set.range((from, Bound::Unbounded)) {
+                considered += 1;
+                if *memory < need.memory {
+                    // The rest of this run of equal free slots has no more memory: skip it.
+                    if *slots <= 1 {
+                        return None;
+                    }
+                    from = Bound::Included((Reverse(*slots - 1), Reverse(u64::MAX), Arc::from("")));
+                    continue 'seek;
+                }
+                // Indexed means Ready with a free slot; the set covers one label or the model.
+                let w = &self.workers[name];
+                if w.has_gpu(need) && w.has_labels(need) {
+                    return Some(Choice {
+                        worker: name.to_string(),
+                        considered,
+                    });
+                }
+            }
+            return None;
+        }
+    }
+
+    /// Takes one slot and `memory` bytes on a Ready worker if both are free; false (and nothing
+    /// taken) otherwise, or for an unknown name.
+    pub fn reserve(&mut self, name: &str, memory: u64) -> bool {
+        self.update(name, |w| {
+            let fits =
+                w.state == WorkerState::Ready && w.free_slots() > 0 && w.free_memory() >= memory;
+            if fits {
+                w.load.busy += 1;
+                w.load.reserved_memory += memory;
+            }
+            fits
+        })
+        .unwrap_or(false)
+    }
+
+    /// Gives back one slot and `memory` bytes (saturating at zero; no-op for an unknown name).
+    pub fn release(&mut self, name: &str, memory: u64) {
+        self.update(name, |w| {
+            w.load.busy = w.load.busy.saturating_sub(1);
+            w.load.reserved_memory = w.load.reserved_memory.saturating_sub(memory);
+        });
+    }
+
+    /// [`choose`](Self::choose), then [`reserve`](Self::reserve) `need.memory` on the choice.
+    pub fn place(&mut self, need: &Need, prefer: Option<&str>) -> Option<Choice> {
+        let choice = self.choose(need, prefer)?;
+        let reserved = self.reserve(&choice.worker, need.memory);
+        debug_assert!(reserved, "a chosen worker fits its need");
+        reserved.then_some(choice)
+    }
+
+    /// A worker's capacity, load and state.
+    pub fn get(&self, name: &str) -> Option<(Capacity, Load, WorkerState)> {
+        self.workers
+            .get(name)
+            .map(|w| (w.cap.clone(), w.load, w.state))
+    }
+
+    /// Every worker (any state), in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Capacity, &Load, WorkerState)> {
+        self.workers
+            .values()
+            .map(|w| (&*w.name, &w.cap, &w.load, w.state))
+    }
+
+    /// Registered workers, in any state.
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// No worker registered.
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+
+    /// Checks that the index is exactly the one built from scratch from the workers' current
+    /// records: every Ready worker with a free slot, under its current key, in the fleet set and
+    /// in the set of each of its GPU models and labels; nothing else, no empty set. For tests
+    /// and debugging: it rebuilds the whole index.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut want = Index::default();
+        for (name, w) in &self.workers {
+            if *name != w.name {
+                return Err(format!("worker {:?} is filed as {name:?}", w.name));
+            }
+            want.insert(w);
+        }
+        if self.index != want {
+            return Err(format!(
+                "index holds {:?}, the workers' records say {:?}",
+                self.index, want
+            ));
+        }
+        Ok(())
+    }
+
+    /// Applies `change` to a worker, moving its index entries from its old key to its new one.
+    fn update<R>(&mut self, name: &str, change: impl FnOnce(&mut Worker) -> R) -> Option<R> {
+        let w = self.workers.get_mut(name)?;
+        self.index.remove(w);
+        let result = change(w);
+        self.index.insert(w);
+        Some(result)
     }
 }
 
