@@ -207,9 +207,8 @@ async fn ensure_template(
         ));
     };
     let want = digest(&body);
-    let existing = match client.template(name).await {
-        Ok(t) => Some(t),
-        Err(e) if is_not_found(&e) => None,
+    let existing = match owned_template(&client, name, tenant).await {
+        Ok(t) => t,
         Err(e) => {
             return Ok(Outcome::from_torpor(
                 &format!("reading template {name}"),
@@ -266,6 +265,26 @@ async fn ensure_template(
     }
 }
 
+/// The template `name` of `tenant` (the operator's without one), if torpor has it. As the
+/// admin, torpor answers a name the admin lacks with the one tenant's template of that name:
+/// that one is not the operator's.
+async fn owned_template(
+    client: &Client,
+    name: &str,
+    tenant: Option<&str>,
+) -> Result<Option<torpor_api::types::Template>, torpor_api::ClientError> {
+    let owner = tenant.unwrap_or(ADMIN);
+    match client.template(name).await {
+        Ok(t) if t.tenant == owner => Ok(Some(t)),
+        Ok(_) => Ok(None),
+        Err(e) if is_not_found(&e) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The operator's own tenant in torpor.
+const ADMIN: &str = "admin";
+
 async fn cleanup_template(obj: &SandboxTemplate, ctx: &Context) -> Result<Action, Error> {
     let name = template_name(obj);
     if !obj.status.as_ref().is_some_and(|s| s.managed) {
@@ -276,7 +295,13 @@ async fn cleanup_template(obj: &SandboxTemplate, ctx: &Context) -> Result<Action
         // Without the tenant's token: if the tenant is gone, so is its template.
         return tenant_gone_or(tenant.unwrap_or_default(), ctx).await;
     };
-    match client.delete_template(&name).await {
+    // Only the owner's own: the admin's lookup of a name it lacks finds a tenant's.
+    let deleted = match owned_template(&client, &name, tenant).await {
+        Ok(None) => Ok(()),
+        Ok(Some(_)) => client.delete_template(&name).await,
+        Err(e) => Err(e),
+    };
+    match deleted {
         Ok(()) => Ok(Action::await_change()),
         Err(e) if is_not_found(&e) => Ok(Action::await_change()),
         Err(e) => {
