@@ -817,7 +817,7 @@ mod tests {
         };
         let c = q.choose(&with(&[("zone", "z")]), None).unwrap();
         assert_eq!((c.worker.as_str(), c.considered), ("zoned", 1));
-        // A label or GPU model nobody has: refused without looking at anyone.
+        // A label or GPU model nobody has (no set for it): refused, even past a preferred worker.
         assert_eq!(q.choose(&with(&[("zone", "nowhere")]), None), None);
         let b200 = Need {
             gpu_model: Some("b200".into()),
