@@ -16,6 +16,17 @@
 //! | `snapshot_gib_hours` | GiB-hours | | a sleeping sandbox's checkpoint × time: its local image (Parked), or its deduplication-fair share of the snapshot store (Suspended: each chunk split among the sandboxes whose images hold it) |
 //! | `wakes` | count | tier woken from (`golden`, `frozen`, `parked`, `suspended`) | generation bumps and thaws seen between samples |
 //! | `egress_bytes` | bytes | | its interface's tx counter delta |
+//! | `gpu_util_sampled_hours` | GPU-hours | as `gpu_hours` | the part of `gpu_hours` held while the device's utilisation was read |
+//! | `gpu_busy_hours` | GPU-hours | as `gpu_hours` | that part × the device's utilisation (`DCGM_FI_DEV_GPU_UTIL` / 100) |
+//! | `gpu_fb_sampled_hours` | hours | as `gpu_hours` | time held while the device's framebuffer use was read |
+//! | `gpu_fb_used_gib_hours` | GiB-hours | as `gpu_hours` | framebuffer used (`DCGM_FI_DEV_FB_USED`) × that time |
+//!
+//! GPU readings come from the DCGM families torpor exports on `/metrics` (the same figures the
+//! GPU dashboard shows), and only for a device one sandbox holds alone (a whole GPU, a MIG
+//! instance, the only client of a shared GPU): a shared GPU's utilisation cannot be split among
+//! its clients. NVML gives no utilisation for a MIG instance (its framebuffer use it does), and
+//! a declared inventory has no telemetry at all: those shares have GPU-hours and no reading,
+//! which the report shows as not measured, never as idle.
 //!
 //! Time between two samples is capped at twice the period: while the daemon is down nothing
 //! runs (it checkpoints at shutdown), so a restart bills no gap, and what was recorded before it
@@ -66,10 +77,14 @@ pub enum Measure {
     SnapshotGibHours,
     Wakes,
     EgressBytes,
+    GpuUtilSampledHours,
+    GpuBusyHours,
+    GpuFbSampledHours,
+    GpuFbUsedGibHours,
 }
 
 impl Measure {
-    pub const ALL: [Measure; 7] = [
+    pub const ALL: [Measure; 11] = [
         Measure::MemoryGibHours,
         Measure::TierHours,
         Measure::CpuSeconds,
@@ -77,6 +92,10 @@ impl Measure {
         Measure::SnapshotGibHours,
         Measure::Wakes,
         Measure::EgressBytes,
+        Measure::GpuUtilSampledHours,
+        Measure::GpuBusyHours,
+        Measure::GpuFbSampledHours,
+        Measure::GpuFbUsedGibHours,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -88,6 +107,10 @@ impl Measure {
             Measure::SnapshotGibHours => "snapshot_gib_hours",
             Measure::Wakes => "wakes",
             Measure::EgressBytes => "egress_bytes",
+            Measure::GpuUtilSampledHours => "gpu_util_sampled_hours",
+            Measure::GpuBusyHours => "gpu_busy_hours",
+            Measure::GpuFbSampledHours => "gpu_fb_sampled_hours",
+            Measure::GpuFbUsedGibHours => "gpu_fb_used_gib_hours",
         }
     }
 
@@ -162,6 +185,20 @@ pub struct UsageRow {
     /// By the tier woken from.
     pub wakes: BTreeMap<String, u64>,
     pub egress_bytes: u64,
+    /// By share and model as `gpu_hours`: the GPU-hours held while the device's utilisation
+    /// was read (absent: never read, e.g. a declared inventory or a MIG instance).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub gpu_util_sampled_hours: BTreeMap<String, f64>,
+    /// Those GPU-hours × the utilisation read: `gpu_busy_hours / gpu_util_sampled_hours` is the
+    /// share's mean utilisation.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub gpu_busy_hours: BTreeMap<String, f64>,
+    /// Hours held while the device's framebuffer use was read.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub gpu_fb_sampled_hours: BTreeMap<String, f64>,
+    /// Framebuffer used (GiB) × those hours.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub gpu_fb_used_gib_hours: BTreeMap<String, f64>,
 }
 
 impl UsageRow {
@@ -176,6 +213,16 @@ impl UsageRow {
             Measure::SnapshotGibHours => self.snapshot_gib_hours += value,
             Measure::Wakes => *self.wakes.entry(dim.into()).or_default() += value.round() as u64,
             Measure::EgressBytes => self.egress_bytes += value.round() as u64,
+            Measure::GpuUtilSampledHours => {
+                *self.gpu_util_sampled_hours.entry(dim.into()).or_default() += value
+            }
+            Measure::GpuBusyHours => *self.gpu_busy_hours.entry(dim.into()).or_default() += value,
+            Measure::GpuFbSampledHours => {
+                *self.gpu_fb_sampled_hours.entry(dim.into()).or_default() += value
+            }
+            Measure::GpuFbUsedGibHours => {
+                *self.gpu_fb_used_gib_hours.entry(dim.into()).or_default() += value
+            }
         }
     }
 }
@@ -399,6 +446,7 @@ impl Sampler {
             .map(|p| (p.sandbox.clone(), p))
             .collect();
         let gpu = self.gpu_fractions();
+        let gpu_readings = self.gpu_readings();
         let cpu_now = read_cpuacct();
 
         let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
@@ -469,8 +517,21 @@ impl Sampler {
                     };
                     push(tenant, id, Measure::EgressBytes, "", sent as f64);
                 }
-                for (dim, fraction) in gpu.get(id.as_str()).into_iter().flatten() {
-                    push(tenant, id, Measure::GpuHours, dim, fraction * dt_h);
+                let readings = gpu_readings
+                    .get(id.as_str())
+                    .map(Vec::as_slice)
+                    .unwrap_or_default();
+                for share in gpu.get(id.as_str()).into_iter().flatten() {
+                    push(
+                        tenant,
+                        id,
+                        Measure::GpuHours,
+                        &share.dim,
+                        share.fraction * dt_h,
+                    );
+                    for (m, v) in share_reading_deltas(share, readings, dt_h) {
+                        push(tenant, id, m, &share.dim, v);
+                    }
                 }
             } else if rec.tier.is_resident() {
                 // Mid-transition (its lock was held): its time counts, its memory is unknown.
@@ -541,14 +602,19 @@ impl Sampler {
                     .egress_bytes
                     .with_label_values(&[t])
                     .inc_by(d.value as u64),
+                // Prometheus has the DCGM gauges themselves.
+                Measure::GpuUtilSampledHours
+                | Measure::GpuBusyHours
+                | Measure::GpuFbSampledHours
+                | Measure::GpuFbUsedGibHours => {}
             }
         }
         Ok(())
     }
 
-    /// GPU held by each sandbox: (share, fraction of one GPU).
-    fn gpu_fractions(&self) -> HashMap<String, Vec<(String, f64)>> {
-        let mut out: HashMap<String, Vec<(String, f64)>> = HashMap::new();
+    /// GPU held by each sandbox: its shares, each with its fraction of one GPU.
+    fn gpu_fractions(&self) -> HashMap<String, Vec<HeldShare>> {
+        let mut out: HashMap<String, Vec<HeldShare>> = HashMap::new();
         let Some(gpus) = self.engine.gpus() else {
             return out;
         };
@@ -581,12 +647,28 @@ impl Sampler {
                     .get(d.gpu_uuid.as_str())
                     .copied()
                     .unwrap_or("unknown");
-                out.entry(a.sandbox.clone())
-                    .or_default()
-                    .push((format!("{dim}@{model}"), fraction));
+                out.entry(a.sandbox.clone()).or_default().push(HeldShare {
+                    dim: format!("{dim}@{model}"),
+                    fraction,
+                    gpu_index: d.gpu_index,
+                    mig_profile: if d.mode.as_str() == "mig" {
+                        d.profile.clone()
+                    } else {
+                        None
+                    },
+                });
             }
         }
         out
+    }
+
+    /// What the GPU telemetry says of the devices each sandbox holds alone: the DCGM
+    /// families of `/metrics` (empty without telemetry, e.g. a declared inventory).
+    fn gpu_readings(&self) -> HashMap<String, Vec<DeviceReading>> {
+        match self.engine.gpus() {
+            Some(gpus) => dcgm_readings(&gpus.metrics()),
+            None => HashMap::new(),
+        }
     }
 
     fn sample_pools(&self) {
@@ -627,6 +709,132 @@ impl Sampler {
                 .inc_by(p.dead_lettered.saturating_sub(before.1));
         }
     }
+}
+
+/// One GPU share a sandbox holds, as the sampler prices and reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeldShare {
+    /// `share@model`, the dimension of its GPU measures.
+    pub dim: String,
+    /// Of one GPU.
+    pub fraction: f64,
+    pub gpu_index: u32,
+    /// The MIG profile of a MIG instance (its telemetry is the instance's).
+    pub mig_profile: Option<String>,
+}
+
+/// The DCGM readings of one device (a GPU or a MIG instance) held by one sandbox alone.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DeviceReading {
+    pub uuid: String,
+    pub gpu_index: u32,
+    pub mig_profile: Option<String>,
+    pub util_pct: Option<f64>,
+    pub fb_used_mib: Option<f64>,
+}
+
+const DCGM_UTIL: &str = "DCGM_FI_DEV_GPU_UTIL";
+const DCGM_FB_USED: &str = "DCGM_FI_DEV_FB_USED";
+
+/// The utilisation and framebuffer readings of `/metrics`' DCGM families, by the sandbox
+/// label (present only on a device one sandbox holds alone, see `gpu::label_samples`).
+pub fn dcgm_readings(exposition: &str) -> HashMap<String, Vec<DeviceReading>> {
+    let mut by_device: BTreeMap<(String, String), DeviceReading> = BTreeMap::new();
+    for line in exposition.lines() {
+        let Some((name, rest)) = line.split_once('{') else {
+            continue;
+        };
+        if name != DCGM_UTIL && name != DCGM_FB_USED {
+            continue;
+        }
+        let Some((labels, value)) = rest.rsplit_once('}') else {
+            continue;
+        };
+        let Ok(value) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        if !value.is_finite() || value < 0.0 {
+            continue;
+        }
+        let labels = parse_labels(labels);
+        let (Some(sandbox), Some(uuid), Some(gpu)) = (
+            labels.get("sandbox"),
+            labels.get("UUID"),
+            labels.get("gpu").and_then(|g| g.parse::<u32>().ok()),
+        ) else {
+            continue;
+        };
+        let r = by_device
+            .entry((sandbox.clone(), uuid.clone()))
+            .or_insert_with(|| DeviceReading {
+                uuid: uuid.clone(),
+                gpu_index: gpu,
+                mig_profile: labels.get("GPU_I_PROFILE").cloned(),
+                ..Default::default()
+            });
+        if name == DCGM_UTIL {
+            r.util_pct = Some(value.min(100.0));
+        } else {
+            r.fb_used_mib = Some(value);
+        }
+    }
+    let mut out: HashMap<String, Vec<DeviceReading>> = HashMap::new();
+    for ((sandbox, _), r) in by_device {
+        out.entry(sandbox).or_default().push(r);
+    }
+    out
+}
+
+/// `k="v",k2="v2"` of an exposition line, unescaping `\\`, `\"` and `\n`.
+fn parse_labels(s: &str) -> HashMap<String, String> {
+    let mut out = HashMap::new();
+    let mut chars = s.chars().peekable();
+    loop {
+        let key: String = chars.by_ref().take_while(|c| *c != '=').collect();
+        let key = key.trim_start_matches(',').trim().to_string();
+        if key.is_empty() || chars.next() != Some('"') {
+            return out;
+        }
+        let mut value = String::new();
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' => match chars.next() {
+                    Some('n') => value.push('\n'),
+                    Some(other) => value.push(other),
+                    None => return out,
+                },
+                '"' => break,
+                c => value.push(c),
+            }
+        }
+        out.insert(key, value);
+    }
+}
+
+/// What one sample adds for `share` from the readings of its sandbox's devices over `dt_h`
+/// hours: the devices that are this share's (same GPU, same MIG profile or none), their mean
+/// utilisation and framebuffer use.
+pub fn share_reading_deltas(
+    share: &HeldShare,
+    readings: &[DeviceReading],
+    dt_h: f64,
+) -> Vec<(Measure, f64)> {
+    let mine: Vec<&DeviceReading> = readings
+        .iter()
+        .filter(|r| r.gpu_index == share.gpu_index && r.mig_profile == share.mig_profile)
+        .collect();
+    let mean = |v: Vec<f64>| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
+    let mut out = Vec::new();
+    if let Some(util) = mean(mine.iter().filter_map(|r| r.util_pct).collect()) {
+        let held = share.fraction * dt_h;
+        out.push((Measure::GpuUtilSampledHours, held));
+        out.push((Measure::GpuBusyHours, held * util / 100.0));
+    }
+    if let Some(mib) = mean(mine.iter().filter_map(|r| r.fb_used_mib).collect()) {
+        out.push((Measure::GpuFbSampledHours, dt_h));
+        out.push((Measure::GpuFbUsedGibHours, mib / 1024.0 * dt_h));
+    }
+    out
 }
 
 /// A MIG profile's share of its GPU: `<g>g.<mem>` is g of 7 compute slices.
@@ -781,6 +989,176 @@ mod tests {
             })
             .unwrap_err();
         assert!(matches!(err, UsageError::BadRange { .. }));
+    }
+
+    fn gpu_sample(gpu: u32, uuid: &str, mig: Option<&str>) -> torpor_gpu::nvml::GpuSample {
+        torpor_gpu::nvml::GpuSample {
+            gpu,
+            uuid: uuid.into(),
+            model_name: "NVIDIA H200".into(),
+            mig: mig.map(|p| (p.to_string(), 2)),
+            tenant: None,
+            sandbox: None,
+            util_pct: None,
+            fb_used_mib: None,
+            temp_c: Some(40),
+            power_w: None,
+            tensor_active: None,
+            xid_last: None,
+            ecc_dbe_volatile: None,
+        }
+    }
+
+    /// `/metrics`' DCGM families as the daemon writes them (torpor-gpu's renderer, labelled
+    /// by holder as `NodeGpus::metrics` does).
+    fn exposition() -> String {
+        let mut whole = gpu_sample(0, "GPU-0", None);
+        whole.util_pct = Some(37);
+        whole.fb_used_mib = Some(2048);
+        let mut mig = gpu_sample(1, "MIG-a\"x", Some("3g.71gb"));
+        mig.fb_used_mib = Some(512);
+        let mut shared = gpu_sample(2, "GPU-2", None);
+        shared.util_pct = Some(90);
+        let mut samples = vec![whole, mig, shared];
+        crate::gpu::label_samples(
+            &mut samples,
+            &BTreeMap::from([
+                (
+                    "GPU-0".to_string(),
+                    vec![(Some("team-a".to_string()), "sb-w".to_string())],
+                ),
+                ("MIG-a\"x".to_string(), vec![(None, "sb-m".to_string())]),
+                (
+                    "GPU-2".to_string(),
+                    vec![(None, "sb-1".to_string()), (None, "sb-2".to_string())],
+                ),
+            ]),
+        );
+        torpor_gpu::nvml::dcgm_metrics("node-1", &samples)
+    }
+
+    #[test]
+    fn dcgm_families_give_the_readings_of_devices_one_sandbox_holds_alone() {
+        let r = dcgm_readings(&exposition());
+        assert_eq!(
+            r["sb-w"],
+            vec![DeviceReading {
+                uuid: "GPU-0".into(),
+                gpu_index: 0,
+                mig_profile: None,
+                util_pct: Some(37.0),
+                fb_used_mib: Some(2048.0),
+            }]
+        );
+        assert_eq!(
+            r["sb-m"][0].uuid, "MIG-a\"x",
+            "escaped label values come back"
+        );
+        assert_eq!(r["sb-m"][0].mig_profile.as_deref(), Some("3g.71gb"));
+        assert_eq!(r["sb-m"][0].util_pct, None, "NVML reads no MIG utilisation");
+        assert_eq!(r["sb-m"][0].fb_used_mib, Some(512.0));
+        // Two clients of one GPU: nobody's.
+        assert!(!r.contains_key("sb-1") && !r.contains_key("sb-2"));
+        assert_eq!(r.len(), 2);
+    }
+
+    #[test]
+    fn a_share_gets_its_own_devices_readings_and_nothing_when_unread() {
+        let r = dcgm_readings(&exposition());
+        let close = |x: f64, y: f64| assert!((x - y).abs() < 1e-12, "{x} != {y}");
+        let whole = HeldShare {
+            dim: "whole@NVIDIA H200".into(),
+            fraction: 1.0,
+            gpu_index: 0,
+            mig_profile: None,
+        };
+        let d = share_reading_deltas(&whole, &r["sb-w"], 0.5);
+        assert_eq!(d.len(), 4, "{d:?}");
+        assert_eq!(d[0].0, Measure::GpuUtilSampledHours);
+        close(d[0].1, 0.5);
+        assert_eq!(d[1].0, Measure::GpuBusyHours);
+        close(d[1].1, 0.5 * 0.37);
+        assert_eq!(d[2].0, Measure::GpuFbSampledHours);
+        close(d[2].1, 0.5);
+        assert_eq!(d[3].0, Measure::GpuFbUsedGibHours);
+        close(d[3].1, 2.0 * 0.5);
+        // A 3g MIG slice: framebuffer only; the share's other device does not count.
+        let mig = HeldShare {
+            dim: "mig:3g.71gb@NVIDIA H200".into(),
+            fraction: 3.0 / 7.0,
+            gpu_index: 1,
+            mig_profile: Some("3g.71gb".into()),
+        };
+        let d = share_reading_deltas(&mig, &r["sb-m"], 1.0);
+        assert_eq!(
+            d.iter().map(|x| x.0).collect::<Vec<_>>(),
+            [Measure::GpuFbSampledHours, Measure::GpuFbUsedGibHours]
+        );
+        close(d[1].1, 0.5);
+        let elsewhere = HeldShare {
+            gpu_index: 3,
+            ..whole.clone()
+        };
+        assert!(share_reading_deltas(&elsewhere, &r["sb-w"], 1.0).is_empty());
+        assert!(share_reading_deltas(&whole, &[], 1.0).is_empty());
+    }
+
+    #[test]
+    fn readings_add_up_per_share_in_the_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = UsageStore::open(&dir.path().join("torpor.db")).unwrap();
+        let dim = "whole@NVIDIA H200";
+        s.record(
+            0,
+            &[
+                delta("team-a", "sb-aaaaaaaaaaaaaaaa", Measure::GpuHours, dim, 1.0),
+                delta(
+                    "team-a",
+                    "sb-aaaaaaaaaaaaaaaa",
+                    Measure::GpuUtilSampledHours,
+                    dim,
+                    0.5,
+                ),
+                delta(
+                    "team-a",
+                    "sb-aaaaaaaaaaaaaaaa",
+                    Measure::GpuBusyHours,
+                    dim,
+                    0.1,
+                ),
+                delta(
+                    "team-a",
+                    "sb-aaaaaaaaaaaaaaaa",
+                    Measure::GpuFbSampledHours,
+                    dim,
+                    0.5,
+                ),
+                delta(
+                    "team-a",
+                    "sb-aaaaaaaaaaaaaaaa",
+                    Measure::GpuFbUsedGibHours,
+                    dim,
+                    2.0,
+                ),
+            ],
+        )
+        .unwrap();
+        let q = s
+            .query(&UsageQuery {
+                tenant: None,
+                from_s: 0,
+                to_s: 3600,
+                group_by: GroupBy::default(),
+            })
+            .unwrap();
+        let row = &q.rows[0];
+        assert_eq!(row.gpu_util_sampled_hours[dim], 0.5);
+        assert_eq!(row.gpu_busy_hours[dim], 0.1);
+        assert_eq!(row.gpu_fb_sampled_hours[dim], 0.5);
+        assert_eq!(row.gpu_fb_used_gib_hours[dim], 2.0);
+        // Rows without readings keep their old JSON shape.
+        let json = serde_json::to_value(UsageRow::default()).unwrap();
+        assert!(json.get("gpu_busy_hours").is_none(), "{json}");
     }
 
     #[test]

@@ -166,12 +166,76 @@ pub struct DensityPoint {
     pub resident: f64,
 }
 
-#[derive(Debug, Clone, Serialize)]
+/// GPU use of one kind of share (`mig:3g.71gb` of an `NVIDIA H200`), or of one agent's share.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct GpuShareCost {
     pub share: String,
     pub model: String,
+    /// GPUs × hours held (a 3g MIG slice for an hour is 3/7).
     pub gpu_hours: f64,
     pub cost: f64,
+    /// Mean utilisation (0–1) of the held device over the GPU-hours it was read for
+    /// (`DCGM_FI_DEV_GPU_UTIL`); `null`: never read (a declared inventory, a MIG instance,
+    /// a GPU shared by several sandboxes).
+    pub utilisation: Option<f64>,
+    /// The GPU-hours the utilisation was read for (at most `gpu_hours`).
+    pub measured_gpu_hours: f64,
+    /// Of the measured GPU-hours, those the device was idle: measured × (1 − utilisation).
+    pub idle_gpu_hours: Option<f64>,
+    /// What the idle GPU-hours cost.
+    pub idle_cost: Option<f64>,
+    /// Mean framebuffer used (GiB) while it was read (`DCGM_FI_DEV_FB_USED`), MIG included.
+    pub mean_fb_used_gib: Option<f64>,
+}
+
+/// One agent's GPU share, for the list of shares held idle.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct GpuHolder {
+    pub tenant: String,
+    pub sandbox: String,
+    #[serde(flatten)]
+    pub share: GpuShareCost,
+}
+
+/// Sums of one share's GPU measures.
+#[derive(Default)]
+struct ShareSums {
+    gpu_hours: f64,
+    cost: f64,
+    price: f64,
+    util_sampled: f64,
+    busy: f64,
+    fb_sampled: f64,
+    fb_gib_hours: f64,
+}
+
+impl ShareSums {
+    fn add(&mut self, o: &ShareSums) {
+        self.gpu_hours += o.gpu_hours;
+        self.cost += o.cost;
+        self.price = o.price;
+        self.util_sampled += o.util_sampled;
+        self.busy += o.busy;
+        self.fb_sampled += o.fb_sampled;
+        self.fb_gib_hours += o.fb_gib_hours;
+    }
+
+    fn report(&self, share: &str, model: &str) -> GpuShareCost {
+        let utilisation =
+            (self.util_sampled > 0.0).then(|| (self.busy / self.util_sampled).clamp(0.0, 1.0));
+        let idle = utilisation.map(|u| self.util_sampled * (1.0 - u));
+        GpuShareCost {
+            share: share.into(),
+            model: model.into(),
+            gpu_hours: self.gpu_hours,
+            cost: self.cost,
+            utilisation,
+            measured_gpu_hours: self.util_sampled,
+            idle_gpu_hours: idle,
+            idle_cost: idle.map(|h| h * self.price),
+            mean_fb_used_gib: (self.fb_sampled > 0.0).then(|| self.fb_gib_hours / self.fb_sampled),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -186,6 +250,8 @@ pub struct FinopsReport {
     pub savings_vs_whole_gpu_each: f64,
     pub density: Vec<DensityPoint>,
     pub gpu_shares: Vec<GpuShareCost>,
+    /// The agents' GPU shares, the most idle cost first, then the most GPU-hours (at most 10).
+    pub gpu_holders: Vec<GpuHolder>,
     /// The agents that held the most memory while idle, most first (at most 10).
     pub top_idle_resident: Vec<AgentCost>,
 }
@@ -234,8 +300,16 @@ pub fn price(usage: &UsageReport, prices: &PriceSheet) -> Result<FinopsReport, C
         for (k, v) in &r.tier_hours {
             *a.tier_hours.entry(k.clone()).or_default() += v;
         }
-        for (k, v) in &r.gpu_hours {
-            *a.gpu_hours.entry(k.clone()).or_default() += v;
+        for (src, dst) in [
+            (&r.gpu_hours, &mut a.gpu_hours),
+            (&r.gpu_util_sampled_hours, &mut a.gpu_util_sampled_hours),
+            (&r.gpu_busy_hours, &mut a.gpu_busy_hours),
+            (&r.gpu_fb_sampled_hours, &mut a.gpu_fb_sampled_hours),
+            (&r.gpu_fb_used_gib_hours, &mut a.gpu_fb_used_gib_hours),
+        ] {
+            for (k, v) in src {
+                *dst.entry(k.clone()).or_default() += v;
+            }
         }
         for (k, v) in &r.wakes {
             *a.wakes.entry(k.clone()).or_default() += v;
@@ -251,7 +325,8 @@ pub fn price(usage: &UsageReport, prices: &PriceSheet) -> Result<FinopsReport, C
         }
     }
     let mut costs = Vec::new();
-    let mut shares: BTreeMap<(String, String), (f64, f64)> = BTreeMap::new();
+    let mut shares: BTreeMap<(String, String), ShareSums> = BTreeMap::new();
+    let mut holders = Vec::new();
     for ((tenant, sandbox), a) in &agents {
         let agent_hours = sum(&a.tier_hours);
         let resident = resident_hours(a);
@@ -263,9 +338,25 @@ pub fn price(usage: &UsageReport, prices: &PriceSheet) -> Result<FinopsReport, C
             let (share, model) = split_gpu_dim(dim);
             let p = prices.gpu(model)?;
             gpu += h * p;
-            let e = shares.entry((share.into(), model.into())).or_default();
-            e.0 += h;
-            e.1 += h * p;
+            let of = |m: &BTreeMap<String, f64>| m.get(dim).copied().unwrap_or(0.0);
+            let held = ShareSums {
+                gpu_hours: *h,
+                cost: h * p,
+                price: p,
+                util_sampled: of(&a.gpu_util_sampled_hours),
+                busy: of(&a.gpu_busy_hours),
+                fb_sampled: of(&a.gpu_fb_sampled_hours),
+                fb_gib_hours: of(&a.gpu_fb_used_gib_hours),
+            };
+            shares
+                .entry((share.into(), model.into()))
+                .or_default()
+                .add(&held);
+            holders.push(GpuHolder {
+                tenant: tenant.clone(),
+                sandbox: sandbox.clone(),
+                share: held.report(share, model),
+            });
             if resident > 0.0 {
                 gpu_held_always += h / resident * agent_hours * p;
             }
@@ -336,6 +427,14 @@ pub fn price(usage: &UsageReport, prices: &PriceSheet) -> Result<FinopsReport, C
             .total_cmp(&a.idle_resident_gib_hours)
     });
     idle.truncate(10);
+    holders.sort_by(|a, b| {
+        b.share
+            .idle_cost
+            .unwrap_or(0.0)
+            .total_cmp(&a.share.idle_cost.unwrap_or(0.0))
+            .then(b.share.gpu_hours.total_cmp(&a.share.gpu_hours))
+    });
+    holders.truncate(10);
     Ok(FinopsReport {
         from_s: usage.from_s,
         to_s: usage.to_s,
@@ -357,14 +456,10 @@ pub fn price(usage: &UsageReport, prices: &PriceSheet) -> Result<FinopsReport, C
             })
             .collect(),
         gpu_shares: shares
-            .into_iter()
-            .map(|((share, model), (h, c))| GpuShareCost {
-                share,
-                model,
-                gpu_hours: h,
-                cost: c,
-            })
+            .iter()
+            .map(|((share, model), sums)| sums.report(share, model))
             .collect(),
+        gpu_holders: holders,
         top_idle_resident: idle,
     })
 }
@@ -618,25 +713,11 @@ pub fn html(r: &FinopsReport) -> String {
         &[("agents", "#4a90d9"), ("resident (mean)", "#7ed321")],
         "agents",
     ));
-    h.push_str("<h2>GPU shares</h2>");
+    h.push_str("<h2>GPU shares: held and used</h2>");
     if r.gpu_shares.is_empty() {
         h.push_str("<p>No GPU held in this window.</p>");
     } else {
-        h.push_str(
-            "<div class=\"wrap\"><table><tr><th>share</th><th>model</th><th>GPU-hours</th>\
-             <th>cost</th></tr>",
-        );
-        for g in &r.gpu_shares {
-            let _ = write!(
-                h,
-                "<tr><td>{}</td><td>{}</td><td>{:.4}</td><td>{:.4}</td></tr>",
-                esc(&g.share),
-                esc(&g.model),
-                g.gpu_hours,
-                g.cost
-            );
-        }
-        h.push_str("</table></div>");
+        h.push_str(&gpu_shares_html(r));
     }
     h.push_str(
         "<h2>Idle but resident</h2><p>Agents that held memory while their CPU was idle \
@@ -656,6 +737,87 @@ pub fn html(r: &FinopsReport) -> String {
         );
     }
     h.push_str("</table></div></body></html>\n");
+    h
+}
+
+/// Percent with one decimal, or "not measured".
+fn pct_or_unread(v: Option<f64>) -> String {
+    v.map_or_else(|| "not measured".into(), |u| format!("{:.1}%", u * 100.0))
+}
+
+fn or_dash(v: Option<f64>, decimals: usize) -> String {
+    v.map_or_else(|| "–".into(), |x| format!("{x:.decimals$}"))
+}
+
+/// The GPU section: each kind of share's GPU-hours next to its utilisation, a chart of held
+/// against busy GPU-hours where measured, and the agents' shares by idle cost.
+fn gpu_shares_html(r: &FinopsReport) -> String {
+    let mut h = String::from(
+        "<p>Utilisation is the held device's (<code>DCGM_FI_DEV_GPU_UTIL</code>) over the \
+         GPU-hours it was read for; a GPU several sandboxes share, a MIG instance (NVML reads \
+         no utilisation there) and a declared inventory are not measured, which is not idle. \
+         Idle GPU-hours are measured GPU-hours × (1 − utilisation): held, paid, unused.</p>\
+         <div class=\"wrap\"><table><tr><th>share</th><th>model</th><th>GPU-hours</th>\
+         <th>cost</th><th>utilisation</th><th>measured GPU-h</th><th>idle GPU-h</th>\
+         <th>idle cost</th><th>framebuffer used (GiB)</th></tr>",
+    );
+    for g in &r.gpu_shares {
+        let _ = write!(
+            h,
+            "<tr><td>{}</td><td>{}</td><td>{:.4}</td><td>{}</td><td>{}</td><td>{:.4}</td>\
+             <td>{}</td><td>{}</td><td>{}</td></tr>",
+            esc(&g.share),
+            esc(&g.model),
+            g.gpu_hours,
+            amount(g.cost),
+            pct_or_unread(g.utilisation),
+            g.measured_gpu_hours,
+            or_dash(g.idle_gpu_hours, 4),
+            g.idle_cost.map_or_else(|| "–".into(), amount),
+            or_dash(g.mean_fb_used_gib, 2)
+        );
+    }
+    h.push_str("</table></div>");
+    let measured: Vec<(String, Vec<f64>)> = r
+        .gpu_shares
+        .iter()
+        .filter(|g| g.utilisation.is_some())
+        .map(|g| {
+            (
+                format!("{} {}", g.share, g.model),
+                vec![
+                    g.measured_gpu_hours,
+                    g.measured_gpu_hours - g.idle_gpu_hours.unwrap_or(0.0),
+                ],
+            )
+        })
+        .collect();
+    if !measured.is_empty() {
+        h.push_str(&bars(
+            &measured,
+            &[("held (measured)", "#9b9b9b"), ("busy", "#4a90d9")],
+            "GPU-h",
+        ));
+    }
+    h.push_str(
+        "<h3>Agents' GPU shares, most idle cost first</h3><div class=\"wrap\"><table>\
+         <tr><th>agent</th><th>tenant</th><th>share</th><th>GPU-hours</th>\
+         <th>utilisation</th><th>idle cost</th></tr>",
+    );
+    for a in &r.gpu_holders {
+        let _ = write!(
+            h,
+            "<tr><td>{}</td><td>{}</td><td>{} {}</td><td>{:.4}</td><td>{}</td><td>{}</td></tr>",
+            esc(&a.sandbox),
+            esc(&a.tenant),
+            esc(&a.share.share),
+            esc(&a.share.model),
+            a.share.gpu_hours,
+            pct_or_unread(a.share.utilisation),
+            a.share.idle_cost.map_or_else(|| "–".into(), amount)
+        );
+    }
+    h.push_str("</table></div>");
     h
 }
 
@@ -715,6 +877,78 @@ mod tests {
         assert_eq!(r.gpu_shares[0].share, "mig:3g.71gb");
         assert_eq!(r.gpu_shares[0].model, "NVIDIA H200");
         close(r.density[0].resident, 0.2);
+    }
+
+    #[test]
+    fn gpu_utilisation_per_share_is_shown_next_to_its_share_hours() {
+        // sb-w: a whole H200 for 1 h, its utilisation read for 0.8 of it at 25% mean, 4 GiB
+        // of framebuffer used. sb-m: a 3g MIG slice (3/7) for 1 h, framebuffer read only
+        // (NVML has no MIG utilisation). sb-d: the same slice on a declared inventory, no
+        // telemetry at all.
+        let whole = "whole@NVIDIA H200";
+        let mig = "mig:3g.71gb@NVIDIA H200";
+        let mut w = row("sb-w", 0);
+        w.tier_hours.insert("running".into(), 1.0);
+        w.gpu_hours.insert(whole.into(), 1.0);
+        w.gpu_util_sampled_hours.insert(whole.into(), 0.8);
+        w.gpu_busy_hours.insert(whole.into(), 0.2);
+        w.gpu_fb_sampled_hours.insert(whole.into(), 0.8);
+        w.gpu_fb_used_gib_hours.insert(whole.into(), 3.2);
+        let mut m = row("sb-m", 0);
+        m.tier_hours.insert("running".into(), 1.0);
+        m.gpu_hours.insert(mig.into(), 3.0 / 7.0);
+        m.gpu_fb_sampled_hours.insert(mig.into(), 1.0);
+        m.gpu_fb_used_gib_hours.insert(mig.into(), 10.0);
+        let mut d = row("sb-d", 0);
+        d.tier_hours.insert("running".into(), 1.0);
+        d.gpu_hours.insert(mig.into(), 3.0 / 7.0);
+        // The same agent in a second interval adds up.
+        let mut w2 = row("sb-w", 3600);
+        w2.gpu_hours.insert(whole.into(), 0.0);
+        w2.gpu_util_sampled_hours.insert(whole.into(), 0.0);
+        let usage = UsageReport {
+            from_s: 0,
+            to_s: 7200,
+            interval_s: 3600,
+            rows: vec![w, m, d, w2],
+        };
+        let r = price(&usage, &sheet()).unwrap();
+        let close = |x: f64, y: f64| assert!((x - y).abs() < 1e-9, "{x} != {y}");
+        assert_eq!(r.gpu_shares.len(), 2);
+        let (sm, sw) = (&r.gpu_shares[0], &r.gpu_shares[1]);
+        assert_eq!(
+            (sm.share.as_str(), sw.share.as_str()),
+            ("mig:3g.71gb", "whole")
+        );
+        close(sw.gpu_hours, 1.0);
+        close(sw.cost, 7.0);
+        close(sw.utilisation.unwrap(), 0.25);
+        close(sw.measured_gpu_hours, 0.8);
+        close(sw.idle_gpu_hours.unwrap(), 0.6);
+        close(sw.idle_cost.unwrap(), 0.6 * 7.0);
+        close(sw.mean_fb_used_gib.unwrap(), 4.0);
+        close(sm.gpu_hours, 6.0 / 7.0);
+        assert_eq!(sm.utilisation, None, "never read is not idle");
+        assert_eq!(sm.idle_cost, None);
+        close(sm.measured_gpu_hours, 0.0);
+        close(sm.mean_fb_used_gib.unwrap(), 10.0);
+        // Per agent: the measured idle one first.
+        assert_eq!(r.gpu_holders.len(), 3);
+        assert_eq!(r.gpu_holders[0].sandbox, "sb-w");
+        close(r.gpu_holders[0].share.idle_cost.unwrap(), 4.2);
+        assert_eq!(r.gpu_holders[1].share.utilisation, None);
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["gpu_shares"][1]["utilisation"], 0.25);
+        assert!(json["gpu_shares"][0]["utilisation"].is_null());
+        assert_eq!(json["gpu_holders"][0]["sandbox"], "sb-w");
+        assert_eq!(json["gpu_holders"][0]["share"], "whole");
+        let page = html(&r);
+        assert!(page.contains("GPU shares: held and used"), "{page}");
+        assert!(page.contains("<td>25.0%</td>"), "{page}");
+        assert!(page.contains("<td>not measured</td>"), "{page}");
+        assert!(page.contains("<td>4.2000</td>"), "the idle cost: {page}");
+        assert!(page.contains("busy"), "the held-against-busy chart: {page}");
+        assert_eq!(page.matches("<svg").count(), 3, "tenants, density, GPU");
     }
 
     #[test]

@@ -1051,3 +1051,103 @@ async fn suspended_forks_pay_an_equal_share_of_the_chunks_they_share() {
         );
     }
 }
+
+/// `torpor report` shows each GPU share's GPU-hours next to its utilisation. On a declared
+/// inventory there is no telemetry: the share is priced from its GPU-hours and its utilisation
+/// is not measured (`null`, "not measured"), never reported as idle. The measured case (DCGM
+/// readings of a held device) is checked in torpor-control's usage tests and finops' tests.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_report_shows_each_gpu_share_next_to_its_utilisation_on_a_declared_inventory() {
+    let d = Daemon::start_with_env(
+        &[
+            "--gpu-inventory",
+            &gpu_fixture_local("node-h200-l4.toml"),
+            "--gpu-quotas",
+            &gpu_fixture_local("quotas-admin.toml"),
+        ],
+        &[("TORPOR_USAGE_SAMPLE_MS", "200")],
+    )
+    .await;
+    let c = d.client();
+    let admin = d.token();
+    let gpu = c
+        .create_sandbox(&CreateSandboxBody {
+            template: "host".into(),
+            gpu: Some(json!({"mode": "mig", "profile": "3g.71gb"})),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .id;
+    let dim = "mig:3g.71gb@NVIDIA H200";
+    wait_for("GPU-hours in the usage", Duration::from_secs(60), || {
+        let (d, admin) = (&d, admin.clone());
+        async move {
+            let (_, u) = get_json(d, "/v1/usage", &admin).await;
+            let held = u["rows"][0]["gpu_hours"][dim].as_f64().unwrap_or(0.0);
+            (held <= 0.0).then(|| format!("{u}"))
+        }
+    })
+    .await;
+    // Deleted, it accrues nothing more: the report can be checked against the records.
+    c.delete_sandbox(&gpu).await.unwrap();
+    let mut settled = usage_of(&d, &admin, "").await.1;
+    loop {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let again = usage_of(&d, &admin, "").await.1;
+        if again["rows"] == settled["rows"] {
+            break;
+        }
+        settled = again;
+    }
+    let row = &settled["rows"][0];
+    let held = num(row, &["gpu_hours", dim]);
+    assert!(held > 0.0, "{settled}");
+    for never_read in [
+        "gpu_util_sampled_hours",
+        "gpu_busy_hours",
+        "gpu_fb_sampled_hours",
+    ] {
+        assert!(row.get(never_read).is_none(), "no telemetry here: {row}");
+    }
+    let prices = d.dir.join("prices.toml");
+    std::fs::write(
+        &prices,
+        "memory_gib_hour = 0.5\nvcpu_hour = 2.0\nstorage_gib_month = 73.0\n\
+         [gpu_hour]\n\"NVIDIA H200\" = 7.0\n",
+    )
+    .unwrap();
+    let page = d.dir.join("report.html");
+    let out = Command::new(BIN)
+        .args(["report", "--json", "--url", &d.url(), "--token", &admin])
+        .arg("--prices")
+        .arg(&prices)
+        .arg("--html")
+        .arg(&page)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let shares = report["gpu_shares"].as_array().unwrap();
+    assert_eq!(shares.len(), 1, "{report}");
+    let share = &shares[0];
+    assert_eq!(share["share"], "mig:3g.71gb");
+    assert_eq!(share["model"], "NVIDIA H200");
+    let close = |x: f64, y: f64| assert!((x - y).abs() <= 1e-9 * y.max(1e-9), "{x} vs {y}");
+    close(num(share, &["gpu_hours"]), held);
+    close(num(share, &["cost"]), held * 7.0);
+    assert!(share["utilisation"].is_null(), "{share}");
+    assert_eq!(num(share, &["measured_gpu_hours"]), 0.0);
+    assert!(share["idle_cost"].is_null() && share["mean_fb_used_gib"].is_null());
+    assert_eq!(report["gpu_holders"][0]["sandbox"], gpu.as_str());
+    let html = std::fs::read_to_string(&page).unwrap();
+    let cells = format!(
+        "<td>mig:3g.71gb</td><td>NVIDIA H200</td><td>{held:.4}</td><td>{}</td><td>not measured</td>",
+        if held * 7.0 >= 0.01 {
+            format!("{:.4}", held * 7.0)
+        } else {
+            format!("{:.3e}", held * 7.0)
+        }
+    );
+    assert!(html.contains(&cells), "{cells} in {html}");
+}
