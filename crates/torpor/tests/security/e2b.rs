@@ -223,3 +223,188 @@ async fn an_e2b_sandbox_under_a_full_ceiling_still_cannot_reach_the_host() {
         "the host's server saw no connection"
     );
 }
+
+/// An E2B sandbox of `key`'s (base): (id, envd access token).
+async fn e2b_sandbox(d: &Daemon, key: &str) -> (String, String) {
+    let (status, body) = e2b_create(d, key, json!({})).await;
+    assert_eq!(status, 201, "{body}");
+    (
+        body["sandboxID"].as_str().unwrap().to_string(),
+        body["envdAccessToken"].as_str().unwrap().to_string(),
+    )
+}
+
+/// `/files` on torpor's listener: `query` as given, optional sandbox and token headers, a
+/// body for POST (octet-stream). Answers (status, body text).
+async fn files_call(
+    d: &Daemon,
+    post: Option<&str>,
+    query: &[(&str, String)],
+    sandbox: Option<&str>,
+    token: Option<&str>,
+) -> (u16, String) {
+    let client = reqwest::Client::new();
+    let url = format!("{}/files", d.url());
+    let mut req = match post {
+        Some(data) => client
+            .post(url)
+            .header("Content-Type", "application/octet-stream")
+            .body(data.to_string()),
+        None => client.get(url),
+    }
+    .query(query);
+    if let Some(s) = sandbox {
+        req = req.header("E2b-Sandbox-Id", s);
+    }
+    if let Some(t) = token {
+        req = req.header("X-Access-Token", t);
+    }
+    let r = req.send().await.unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
+}
+
+/// A signed `/files` query as the SDK builds it (path, optional username, signature, expiry).
+fn signed_query(
+    path: &str,
+    user: &str,
+    sig: String,
+    exp: Option<i64>,
+) -> Vec<(&'static str, String)> {
+    let mut q = vec![("path", path.to_string()), ("signature", sig)];
+    if !user.is_empty() {
+        q.push(("username", user.to_string()));
+    }
+    if let Some(e) = exp {
+        q.push(("signature_expiration", e.to_string()));
+    }
+    q
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_signed_file_url_reaches_only_its_own_sandbox_path_user_and_operation() {
+    use torpor_api::e2b::signed::{signature, Operation};
+    let d = Daemon::start().await;
+    let key_a = tenant(&d, "sign-a").await;
+    let key_b = tenant(&d, "sign-b").await;
+    let (a, token_a) = e2b_sandbox(&d, &key_a).await;
+    let (b, token_b) = e2b_sandbox(&d, &key_b).await;
+    for (id, token, data) in [(&a, &token_a, "a-secret"), (&b, &token_b, "b-own")] {
+        for path in ["/home/user/secret.txt", "/home/user/public.txt"] {
+            let q = [("path", path.to_string())];
+            let (s, body) = files_call(&d, Some(data), &q, Some(id), Some(token)).await;
+            assert_eq!(s, 200, "{body}");
+        }
+    }
+    let exp = Some(unix_now() + 600);
+    let read_public =
+        |token: &str| signature("/home/user/public.txt", Operation::Read, "", token, exp);
+    // The legitimate use works, with or without naming the sandbox.
+    let q = signed_query("/home/user/public.txt", "", read_public(&token_a), exp);
+    assert_eq!(
+        files_call(&d, None, &q, None, None).await,
+        (200, "a-secret".into())
+    );
+    assert_eq!(
+        files_call(&d, None, &q, Some(&a), None).await,
+        (200, "a-secret".into())
+    );
+    let invalid = (
+        401,
+        r#"{"code":401,"message":"invalid signature"}"#.to_string(),
+    );
+
+    // Another path than the one signed.
+    let q = signed_query("/home/user/secret.txt", "", read_public(&token_a), exp);
+    assert_eq!(files_call(&d, None, &q, None, None).await, invalid);
+    assert_eq!(files_call(&d, None, &q, Some(&a), None).await, invalid);
+    // Another user than the one signed (root reads what user cannot).
+    let q = signed_query("/home/user/public.txt", "root", read_public(&token_a), exp);
+    assert_eq!(files_call(&d, None, &q, None, None).await, invalid);
+    // A later expiry than the one signed, or none.
+    let q = signed_query(
+        "/home/user/public.txt",
+        "",
+        read_public(&token_a),
+        Some(unix_now() + 99_999),
+    );
+    assert_eq!(files_call(&d, None, &q, None, None).await, invalid);
+    let q = signed_query("/home/user/public.txt", "", read_public(&token_a), None);
+    assert_eq!(files_call(&d, None, &q, None, None).await, invalid);
+    // A read signature used to write: refused, nothing written.
+    let q = signed_query("/home/user/public.txt", "", read_public(&token_a), exp);
+    assert_eq!(
+        files_call(&d, Some("overwritten"), &q, None, None).await,
+        invalid
+    );
+    assert_eq!(
+        files_call(&d, Some("overwritten"), &q, Some(&a), None).await,
+        invalid
+    );
+    // Another sandbox's signature: tenant B signs with its own sandbox's token and names A's
+    // sandbox: refused; unaddressed, it reaches B's own sandbox only.
+    let q = signed_query("/home/user/public.txt", "", read_public(&token_b), exp);
+    assert_eq!(files_call(&d, None, &q, Some(&a), None).await, invalid);
+    assert_eq!(
+        files_call(&d, None, &q, None, None).await,
+        (200, "b-own".into())
+    );
+    // A wrong access token beside a valid signature: the token is checked (envd's rule).
+    let q = signed_query("/home/user/public.txt", "", read_public(&token_a), exp);
+    let (s, _) = files_call(&d, None, &q, Some(&a), Some(&token_b)).await;
+    assert_eq!(s, 401);
+    // Forged and malformed signatures.
+    for sig in [
+        "v1_".to_string() + &"A".repeat(43),
+        String::new(),
+        "v2_x".into(),
+        token_a.clone(),
+    ] {
+        let q = signed_query("/home/user/public.txt", "", sig, exp);
+        assert_eq!(files_call(&d, None, &q, None, None).await, invalid);
+    }
+    // An expired signature, valid otherwise.
+    let past = Some(unix_now() - 5);
+    let sig = signature("/home/user/public.txt", Operation::Read, "", &token_a, past);
+    let q = signed_query("/home/user/public.txt", "", sig, past);
+    assert_eq!(
+        files_call(&d, None, &q, None, None).await,
+        (
+            401,
+            r#"{"code":401,"message":"signature is already expired"}"#.into()
+        )
+    );
+    // Nothing leaked or changed: A's files are as written, and tenant B still works.
+    for (path, want) in [
+        ("/home/user/secret.txt", "a-secret"),
+        ("/home/user/public.txt", "a-secret"),
+    ] {
+        let q = [("path", path.to_string())];
+        assert_eq!(
+            files_call(&d, None, &q, Some(&a), Some(&token_a)).await,
+            (200, want.into())
+        );
+    }
+    let q = [("path", "/home/user/secret.txt".to_string())];
+    assert_eq!(
+        files_call(&d, None, &q, Some(&b), Some(&token_b)).await,
+        (200, "b-own".into())
+    );
+    // A write signature writes, as the signed user, only where it was signed for.
+    let sig = signature("/home/user/up.txt", Operation::Write, "", &token_a, exp);
+    let q = signed_query("/home/user/up.txt", "", sig, exp);
+    let (s, body) = files_call(&d, Some("uploaded"), &q, None, None).await;
+    assert_eq!(s, 200, "{body}");
+    let q = [("path", "/home/user/up.txt".to_string())];
+    assert_eq!(
+        files_call(&d, None, &q, Some(&a), Some(&token_a)).await,
+        (200, "uploaded".into())
+    );
+    let _ = key_b;
+}
