@@ -13,6 +13,7 @@ export RUST_TEST_THREADS=${RUST_TEST_THREADS:-2}
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
+echo "== deploy/k8s manifests" && bash deploy/k8s/validate.sh  # kubernetes-validate + the CRDs' schemas
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 echo "== cargo test (workspace but torpor-control)"
