@@ -3,7 +3,7 @@
 //!
 //! Modules by layer: leaf modules hold what every handler shares ([`state`], [`errors`],
 //! [`body`], [`params`], [`auth`], [`request_id`], [`ratelimit`], [`domain`]); handler modules
-//! ([`tenants`], [`templates`], [`sandboxes`], [`exec`], [`files`], [`health`], [`snapshots`],
+//! ([`tenants`], [`templates`], [`sandboxes`], [`exec`], [`files`], [`health`], [`nodes`], [`snapshots`],
 //! `pools`, [`uploads`], [`proxy`], [`e2b`]) import those; [`server`] holds the one routes
 //! table and imports the handlers. No handler imports [`server`] (crate::e2b still names its
 //! re-exports of the leaf modules' items, to be moved to the leaf paths).
@@ -20,6 +20,7 @@ pub mod files;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod health;
+pub mod nodes;
 pub mod params;
 mod pools;
 pub mod proxy;

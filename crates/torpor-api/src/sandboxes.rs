@@ -72,7 +72,10 @@ pub(crate) async fn get_sandbox(
     let id = sandbox_id(&id)?;
     let s = state.engine.sandbox(&tenant, &id)?;
     let mut out = Sandbox::from(&s);
-    out.worker = state.engine.resident_worker(&id);
+    if let Some((worker, node)) = state.engine.resident_worker(&id) {
+        out.worker = Some(worker);
+        out.node = node;
+    }
     Ok(Json(out))
 }
 

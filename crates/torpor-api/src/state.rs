@@ -19,6 +19,8 @@ pub struct ApiState {
     pub metrics_token: String,
     /// Rate-limit buckets and upload slots: `EdgeLimits::default()`.
     pub limits: crate::ratelimit::EdgeLimits,
+    /// The cluster's workers (`torpor controller`); `None` on a single machine.
+    pub nodes: Option<Arc<dyn crate::nodes::NodeDirectory>>,
 }
 
 impl crate::ratelimit::Rates for ApiState {

@@ -27,6 +27,10 @@ pub struct Sandbox {
     /// The worker it is resident on (`GET /v1/sandboxes/{id}` only); absent while it sleeps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker: Option<String>,
+    /// The worker process it is resident on in cluster mode (`GET /v1/sandboxes/{id}`); `null`
+    /// while it sleeps and on a single machine.
+    #[serde(default)]
+    pub node: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -165,6 +169,7 @@ impl From<&torpor_control::SandboxRecord> for Sandbox {
             last_error: s.last_error.clone(),
             oom_killed: s.oom_killed,
             worker: None,
+            node: None,
         }
     }
 }

@@ -138,9 +138,12 @@ fn needs(scenario: Scenario, rng: &mut Rng) -> Vec<Need> {
         .collect()
 }
 
+/// A candidate's rank: free slots, free memory, then the smaller name.
+type Rank<'a> = (u32, u64, Reverse<&'a str>);
+
 /// The baseline: look at every worker, keep the best that fits (same order as the index).
 fn scan_choose(workers: &[Worker], need: &Need) -> Option<usize> {
-    let mut best: Option<(usize, (u32, u64, Reverse<&str>))> = None;
+    let mut best: Option<(usize, Rank<'_>)> = None;
     for (i, w) in workers.iter().enumerate() {
         let free_slots = w.cap.slots.saturating_sub(w.load.busy);
         let free_memory = w.cap.memory_budget.saturating_sub(w.load.reserved_memory);

@@ -144,7 +144,7 @@ pub struct RemoteNode {
     info: NodeInfo,
 }
 
-fn call<T>(msg: T, deadline: Duration) -> Request<T> {
+pub(crate) fn call<T>(msg: T, deadline: Duration) -> Request<T> {
     let mut r = Request::new(msg);
     r.set_timeout(deadline);
     r.metadata_mut()
@@ -274,7 +274,7 @@ impl Inner {
 /// Dials the worker and wraps the connection in TLS with this controller's identity; refusals
 /// of the worker are counted and logged by `tls`.
 #[derive(Clone)]
-struct TlsConnector {
+pub(crate) struct TlsConnector {
     tls: Arc<TlsSource>,
     connector: tokio_rustls::TlsConnector,
     addr: String,
@@ -309,6 +309,32 @@ impl tower::Service<Uri> for TlsConnector {
     }
 }
 
+impl TlsConnector {
+    /// A lazily connecting channel to `addr` over TLS as `tls`'s identity (the peer checked
+    /// for the role `tls`'s side accepts).
+    pub(crate) fn channel(
+        addr: &str,
+        tls: Arc<TlsSource>,
+        connect_timeout: Duration,
+    ) -> Result<Channel, RemoteError> {
+        if !addr.contains(':') {
+            return Err(RemoteError::Addr(addr.to_string()));
+        }
+        let connector = TlsConnector {
+            connector: tokio_rustls::TlsConnector::from(tls.client_config()?),
+            tls,
+            addr: addr.to_string(),
+        };
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|_| RemoteError::Addr(addr.to_string()))?
+            .connect_timeout(connect_timeout)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(20))
+            .keep_alive_while_idle(true);
+        Ok(endpoint.connect_with_connector_lazy(connector))
+    }
+}
+
 impl RemoteNode {
     /// Connects to the worker at `cfg.addr` as the controller `tls` names, checks its protocol
     /// version and starts following its events.
@@ -316,21 +342,7 @@ impl RemoteNode {
         cfg: RemoteConfig,
         tls: Arc<TlsSource>,
     ) -> Result<RemoteNode, RemoteError> {
-        if !cfg.addr.contains(':') {
-            return Err(RemoteError::Addr(cfg.addr.clone()));
-        }
-        let connector = TlsConnector {
-            connector: tokio_rustls::TlsConnector::from(tls.client_config()?),
-            tls,
-            addr: cfg.addr.clone(),
-        };
-        let endpoint = Endpoint::from_shared(format!("http://{}", cfg.addr))
-            .map_err(|_| RemoteError::Addr(cfg.addr.clone()))?
-            .connect_timeout(cfg.deadlines.connect)
-            .http2_keep_alive_interval(Duration::from_secs(10))
-            .keep_alive_timeout(Duration::from_secs(20))
-            .keep_alive_while_idle(true);
-        let channel = endpoint.connect_with_connector_lazy(connector);
+        let channel = TlsConnector::channel(&cfg.addr, tls, cfg.deadlines.connect)?;
         let client = NodeClient::new(channel)
             .max_decoding_message_size(MAX_MESSAGE)
             .max_encoding_message_size(MAX_MESSAGE);

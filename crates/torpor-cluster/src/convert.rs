@@ -197,6 +197,7 @@ pub fn status_of(e: &RuntimeError) -> Status {
         RuntimeError::AgentTimeout(..) => (Code::DeadlineExceeded, "agent_timeout"),
         RuntimeError::ExitedEarly(_) => (Code::Aborted, "exited_early"),
         RuntimeError::RunscMissing { .. } => (Code::FailedPrecondition, "runsc_missing"),
+        RuntimeError::NoCapacity(_) => (Code::ResourceExhausted, "no_capacity"),
         _ => (Code::Internal, "runtime"),
     };
     let mut st = Status::new(code, e.to_string());
@@ -221,6 +222,10 @@ pub fn runtime_error_of(st: &Status, worker: &str, ready_timeout: Duration) -> R
         "runsc_missing" => RuntimeError::RunscMissing {
             path: PathBuf::from(format!("runsc on worker {worker}")),
         },
+        "no_capacity" => RuntimeError::NoCapacity(
+            msg.trim_start_matches("no worker can take it: ")
+                .to_string(),
+        ),
         "runtime" => RuntimeError::Unsupported(format!("worker {worker}: {msg}")),
         _ => RuntimeError::Unsupported(format!(
             "worker {worker} did not answer: {:?} {msg}",

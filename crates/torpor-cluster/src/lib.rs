@@ -17,6 +17,8 @@
 pub mod ca;
 pub mod client;
 mod convert;
+pub mod fleet;
+pub mod join;
 pub mod placement;
 pub mod server;
 pub mod tls;
@@ -29,6 +31,8 @@ pub mod pb {
 
 pub use ca::{Ca, CaError, Identity, MemberName, Role, TrustDomain};
 pub use client::{Deadlines, RemoteConfig, RemoteError, RemoteNode};
+pub use fleet::{serve_cluster, Fleet, FleetCapacity, FleetConfig, FleetError, NodeStatus};
+pub use join::{join, JoinConfig};
 pub use server::{serve, NodeService, ServeError};
 pub use tls::{Side, TlsFiles, TlsMetrics, TlsSource};
 

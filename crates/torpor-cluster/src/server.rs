@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, RwLock};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 use tonic::{Request, Response, Status};
-use torpor_runtime::node::{Node, NodeEvent, Resident};
+use torpor_runtime::node::{Launch, Node, NodeEvent, Resident};
 use torpor_runtime::proto::Request as AgentRequest;
 
 use crate::ca::Role;
@@ -46,6 +46,8 @@ struct Held {
 pub struct NodeService {
     node: Arc<dyn Node>,
     name: String,
+    /// Containers this worker runs at once (`torpor worker --workers`); 0: no limit.
+    slots: std::sync::atomic::AtomicUsize,
     residents: Mutex<HashMap<String, Arc<Held>>>,
     events: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<NodeEvent>>>,
 }
@@ -61,9 +63,37 @@ impl NodeService {
         Arc::new(NodeService {
             node,
             name,
+            slots: std::sync::atomic::AtomicUsize::new(0),
             residents: Mutex::default(),
             events: Arc::new(tokio::sync::Mutex::new(events)),
         })
+    }
+
+    /// Refuses starts beyond `slots` containers at once (a controller's placement keeps under
+    /// it; this holds when two controllers' views race).
+    pub fn limit_slots(&self, slots: usize) {
+        self.slots.store(slots, Ordering::SeqCst);
+    }
+
+    /// Containers held and the bytes charged to their memory (the worker's heartbeat).
+    pub fn load(&self) -> (u32, u64) {
+        let usage = self.usage();
+        let memory = usage.containers.iter().filter_map(|c| c.memory).sum();
+        (self.table().len() as u32, memory)
+    }
+
+    /// Destroys every container held (the worker is stopping: its controllers count them
+    /// lost, and a frozen one left behind could not even be killed).
+    pub async fn destroy_all(&self) {
+        let held: Vec<(String, Arc<Held>)> = self.table().drain().collect();
+        for (id, h) in held {
+            if let Some(r) = h.resident.write().await.take() {
+                tracing::info!(container = %id, "destroying a container of a stopping worker");
+                // A frozen process cannot die.
+                let _ = r.set_frozen(false).await;
+                r.destroy().await;
+            }
+        }
     }
 
     fn table(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Held>>> {
@@ -97,6 +127,19 @@ impl NodeService {
             containers,
             warm: Some(convert::warm_to_pb(&self.node.warm_stats())),
         }
+    }
+
+    /// A launch made this worker's: its own agent directory (the controller's is another
+    /// machine's), within its slots.
+    fn local_launch(&self, mut launch: Launch) -> Result<Launch, Status> {
+        let slots = self.slots.load(Ordering::SeqCst);
+        if slots > 0 && self.table().len() >= slots {
+            return Err(status_of(&torpor_runtime::RuntimeError::NoCapacity(
+                format!("worker {} runs {slots} sandboxes already", self.name),
+            )));
+        }
+        launch.spec.agent_dir = self.node.info().agent_dir;
+        Ok(launch)
     }
 
     /// Runs a start (boot or restore) in its own task; a container started for a caller that
@@ -229,7 +272,7 @@ impl NodeRpc for Arc<NodeService> {
         &self,
         req: Request<pb::LaunchRequest>,
     ) -> Result<Response<pb::ResidentReply>, Status> {
-        let launch = convert::launch_from_pb(req.into_inner())?;
+        let launch = self.local_launch(convert::launch_from_pb(req.into_inner())?)?;
         let node = self.node.clone();
         let id = launch.container_id.clone();
         self.start(id, async move { node.boot(launch).await }).await
@@ -240,8 +283,9 @@ impl NodeRpc for Arc<NodeService> {
         req: Request<pb::RestoreRequest>,
     ) -> Result<Response<pb::ResidentReply>, Status> {
         let req = req.into_inner();
-        let launch =
-            convert::launch_from_pb(req.launch.ok_or_else(|| bad("restore", "no launch"))?)?;
+        let launch = self.local_launch(convert::launch_from_pb(
+            req.launch.ok_or_else(|| bad("restore", "no launch"))?,
+        )?)?;
         let image = PathBuf::from(req.image);
         let node = self.node.clone();
         let id = launch.container_id.clone();
@@ -430,6 +474,8 @@ impl NodeRpc for Arc<NodeService> {
                                 log_tail,
                             })
                         }
+                        // Only a fleet of workers reports losses, never one worker's node.
+                        Some(NodeEvent::Lost { .. }) => continue,
                         None => break,
                     },
                     _ = tick.tick() => pb::event::Kind::Usage(me.usage()),
@@ -444,9 +490,8 @@ impl NodeRpc for Arc<NodeService> {
     }
 }
 
-/// Refuses calls of another protocol version and callers that are not controllers (the TLS
-/// layer refused them already; this holds if that layer is ever configured otherwise).
-fn check_call(req: Request<()>) -> Result<Request<()>, Status> {
+/// Refuses a call of another protocol version; `me` names this side in the message.
+pub(crate) fn check_version(req: &Request<()>, me: &str) -> Result<(), Status> {
     let version = req
         .metadata()
         .get(PROTOCOL_HEADER)
@@ -454,9 +499,16 @@ fn check_call(req: Request<()>) -> Result<Request<()>, Status> {
         .and_then(|v| v.parse::<u32>().ok());
     if version != Some(PROTOCOL_VERSION) {
         return Err(Status::failed_precondition(format!(
-            "this worker speaks protocol {PROTOCOL_VERSION}, the caller {version:?}"
+            "this {me} speaks protocol {PROTOCOL_VERSION}, the caller {version:?}"
         )));
     }
+    Ok(())
+}
+
+/// Refuses calls of another protocol version and callers that are not controllers (the TLS
+/// layer refused them already; this holds if that layer is ever configured otherwise).
+fn check_call(req: Request<()>) -> Result<Request<()>, Status> {
+    check_version(&req, "worker")?;
     match req.extensions().get::<PeerInfo>() {
         Some(p) if p.identity.role == Role::Controller => Ok(req),
         _ => Err(Status::permission_denied(
@@ -522,16 +574,17 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Serves `service` on `listener` to controllers that pass `tls`, until `shutdown` resolves.
-pub async fn serve(
-    service: Arc<NodeService>,
+/// Verified connections, as a tonic server's incoming stream.
+pub(crate) type Verified = ReceiverStream<Result<PeerConn, std::io::Error>>;
+
+/// Accepts TLS connections on `listener` whose peers `tls` verifies, in a task of its own
+/// (aborted with the returned handle), as a stream for a tonic server.
+pub(crate) fn accept_verified(
     listener: TcpListener,
     tls: Arc<TlsSource>,
-    shutdown: impl std::future::Future<Output = ()> + Send,
-) -> Result<(), ServeError> {
+) -> Result<(Verified, tokio::task::JoinHandle<()>), ServeError> {
     let acceptor = tokio_rustls::TlsAcceptor::from(tls.server_config()?);
     let (conns, incoming) = mpsc::channel::<Result<PeerConn, std::io::Error>>(64);
-    let accept_tls = tls.clone();
     let accept_loop = tokio::spawn(async move {
         loop {
             let (tcp, addr) = match listener.accept().await {
@@ -544,7 +597,7 @@ pub async fn serve(
             };
             let acceptor = acceptor.clone();
             let conns = conns.clone();
-            let tls = accept_tls.clone();
+            let tls = tls.clone();
             tokio::spawn(async move {
                 let _ = tcp.set_nodelay(true);
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
@@ -559,7 +612,7 @@ pub async fn serve(
                             );
                             return;
                         };
-                        tracing::debug!(peer = %addr, %identity, "controller connected");
+                        tracing::debug!(peer = %addr, %identity, "cluster peer connected");
                         let _ = conns
                             .send(Ok(PeerConn {
                                 io,
@@ -573,6 +626,17 @@ pub async fn serve(
             });
         }
     });
+    Ok((ReceiverStream::new(incoming), accept_loop))
+}
+
+/// Serves `service` on `listener` to controllers that pass `tls`, until `shutdown` resolves.
+pub async fn serve(
+    service: Arc<NodeService>,
+    listener: TcpListener,
+    tls: Arc<TlsSource>,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    let (incoming, accept_loop) = accept_verified(listener, tls)?;
     let result = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
@@ -582,7 +646,7 @@ pub async fn serve(
                 .max_encoding_message_size(MAX_MESSAGE),
             check_call,
         ))
-        .serve_with_incoming_shutdown(ReceiverStream::new(incoming), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await;
     accept_loop.abort();
     Ok(result?)

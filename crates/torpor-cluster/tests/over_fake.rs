@@ -92,6 +92,7 @@ fn engine_config(dir: &Path) -> EngineConfig {
         drain_timeout: Duration::from_secs(2),
         snapshots: Default::default(),
         import_dir: None,
+        database: None,
     }
 }
 

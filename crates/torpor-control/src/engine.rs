@@ -84,6 +84,10 @@ pub struct EngineConfig {
     /// The only host directory a tenant's template source may name (`--import-dir`); `None`:
     /// tenants may not name host paths at all (they upload images). The admin may name any.
     pub import_dir: Option<PathBuf>,
+    /// The state store: `None` for SQLite in the data directory (embedded mode), or a
+    /// `postgres://` URL (cluster mode; the env key file stays in the data directory and must
+    /// be the same for every controller of one database).
+    pub database: Option<String>,
 }
 
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -305,7 +309,10 @@ impl Engine {
     /// the evictor and the node's event watch.
     pub async fn start_on(cfg: EngineConfig, node: Arc<dyn Node>) -> Result<Arc<Engine>> {
         create_data_dirs(&cfg.data_dir)?;
-        let store = Store::open(&cfg.data_dir.join("torpor.db"))?;
+        let store = match &cfg.database {
+            None => Store::open(&cfg.data_dir.join("torpor.db"))?,
+            Some(url) => Store::connect(url, &cfg.data_dir.join("env.key"))?,
+        };
         let node_info = node.info();
         let events = node.take_events();
         let metrics = Metrics::new();
@@ -340,24 +347,33 @@ impl Engine {
             .is_none()
         {
             tracing::info!("building the built-in host template (first start)");
-            engine
-                .register_template(
-                    &TenantId::admin(),
-                    TemplateSpec {
-                        name: TemplateName::host(),
-                        source: TemplateSource::Host,
-                        command: Vec::new(),
-                        env: BTreeMap::new(),
-                        cwd: None,
-                        limits: Limits::default(),
-                        idle: Default::default(),
-                        warmup_ms: 0,
-                        gpu: None,
-                        network: None,
-                    },
-                    &|_| {},
-                )
-                .await?;
+            match engine.build_host_template().await {
+                Ok(()) => {}
+                // Cluster mode before any worker joined: built as soon as one can take it.
+                Err(e) if e.kind() == crate::error::ErrorKind::NoCapacity => {
+                    tracing::warn!(why = %e, "the host template is built when a worker can take it");
+                    let retry = engine.clone();
+                    tokio::spawn(async move {
+                        loop {
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            if retry.shutting_down.load(Ordering::SeqCst) {
+                                return;
+                            }
+                            match retry.build_host_template().await {
+                                Ok(()) => return,
+                                Err(e) if e.kind() == crate::error::ErrorKind::NoCapacity => {
+                                    continue
+                                }
+                                Err(e) => {
+                                    tracing::error!(error = %e, "cannot build the host template");
+                                    return;
+                                }
+                            }
+                        }
+                    });
+                }
+                Err(e) => return Err(e),
+            }
         }
         let ticker = engine.clone();
         tokio::spawn(async move { ticker.run_policy().await });
@@ -371,13 +387,49 @@ impl Engine {
         Ok(engine)
     }
 
+    /// Builds the built-in `host` template.
+    async fn build_host_template(&self) -> Result<()> {
+        self.register_template(
+            &TenantId::admin(),
+            TemplateSpec {
+                name: TemplateName::host(),
+                source: TemplateSource::Host,
+                command: Vec::new(),
+                env: BTreeMap::new(),
+                cwd: None,
+                limits: Limits::default(),
+                idle: Default::default(),
+                warmup_ms: 0,
+                gpu: None,
+                network: None,
+            },
+            &|_| {},
+        )
+        .await
+        .map(|_| ())
+    }
+
     /// What the node runs (runtime version, platform, GPU pass-through).
     pub fn node_info(&self) -> &NodeInfo {
         &self.node_info
     }
 
     pub fn workers(&self) -> usize {
-        self.cfg.workers
+        self.workers.total()
+    }
+
+    /// Resizes the lot's workers (cluster mode: the slots of the ready workers, as they join,
+    /// drain and are lost). Parked calls take new slots first.
+    pub fn set_workers(&self, total: usize) {
+        self.workers.set_total(total);
+        self.metrics.workers_total.set(total as i64);
+        self.metrics.workers_busy.set(self.workers.busy() as i64);
+        self.evictor.poke();
+    }
+
+    /// The engine's state store (shared with pools and the GPU ledger).
+    pub fn state_store(&self) -> Store {
+        self.store.clone()
     }
 
     /// Resolves every transitional state a crashed daemon left and removes stray containers.

@@ -198,6 +198,7 @@ impl ControlError {
                 AgentErrorCode::BadRequest => "invalid_request",
             },
             ControlError::Runtime(RuntimeError::RunscMissing { .. }) => "runsc_missing",
+            ControlError::Runtime(RuntimeError::NoCapacity(_)) => "no_worker",
             ControlError::Runtime(_) => "runtime_error",
             ControlError::Conn(_) => "sandbox_unavailable",
             ControlError::Image(e) => e.code(),
@@ -224,7 +225,9 @@ impl ControlError {
             | ControlError::TemplateNotReady(_)
             | ControlError::TenantInUse(..) => K::FailedPrecondition,
             ControlError::QuotaExceeded { .. } => K::QuotaExceeded,
-            ControlError::LotFull(_) | ControlError::NoWorker { .. } => K::NoCapacity,
+            ControlError::LotFull(_)
+            | ControlError::NoWorker { .. }
+            | ControlError::Runtime(RuntimeError::NoCapacity(_)) => K::NoCapacity,
             ControlError::Busy(_) => K::Busy,
             ControlError::ShuttingDown | ControlError::Conn(_) => K::Unavailable,
             ControlError::Unsupported(_) | ControlError::FeatureDisabled(_) => K::Unsupported,

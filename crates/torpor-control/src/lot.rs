@@ -72,7 +72,8 @@ impl Service {
 }
 
 pub struct WorkerPool {
-    total: usize,
+    /// Changes in cluster mode as workers join and leave ([`WorkerPool::set_total`]).
+    total: std::sync::atomic::AtomicUsize,
     capacity: usize,
     state: Mutex<PoolState>,
 }
@@ -80,6 +81,8 @@ pub struct WorkerPool {
 #[derive(Default)]
 struct PoolState {
     free: usize,
+    /// Permits to swallow as they come back: the pool shrank below what is held.
+    owed: usize,
     queues: HashMap<TenantId, VecDeque<(u64, oneshot::Sender<WorkerPermit>)>>,
     /// Tenants with parked calls, in the order they are served next.
     order: VecDeque<TenantId>,
@@ -113,7 +116,7 @@ pub enum Parked {
 impl WorkerPool {
     pub fn new(total: usize, capacity: usize) -> Arc<Self> {
         Arc::new(WorkerPool {
-            total,
+            total: std::sync::atomic::AtomicUsize::new(total),
             capacity,
             state: Mutex::new(PoolState {
                 free: total,
@@ -127,7 +130,35 @@ impl WorkerPool {
     }
 
     pub fn total(&self) -> usize {
-        self.total
+        self.total.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Resizes the pool (cluster mode: the ready workers' slots). Growing hands the new
+    /// permits to parked calls first; shrinking takes free permits, then swallows held ones
+    /// as they come back, so no more than `total` are ever out afterwards.
+    pub fn set_total(self: &Arc<Self>, total: usize) {
+        let old = self.total.swap(total, std::sync::atomic::Ordering::SeqCst);
+        if total > old {
+            let mut grow = total - old;
+            {
+                let mut st = self.lock();
+                let paid = grow.min(st.owed);
+                st.owed -= paid;
+                grow -= paid;
+            }
+            for _ in 0..grow {
+                // A new permit, released at once: a parked call takes it, else it is free.
+                drop(WorkerPermit {
+                    pool: Some(self.clone()),
+                });
+            }
+        } else if total < old {
+            let mut st = self.lock();
+            let shrink = old - total;
+            let from_free = shrink.min(st.free);
+            st.free -= from_free;
+            st.owed += shrink - from_free;
+        }
     }
 
     pub fn capacity(&self) -> usize {
@@ -144,7 +175,8 @@ impl WorkerPool {
     }
 
     pub fn busy(&self) -> usize {
-        self.total - self.free()
+        let st = self.lock();
+        (self.total() + st.owed).saturating_sub(st.free)
     }
 
     pub fn parked(&self) -> usize {
@@ -248,6 +280,10 @@ impl WorkerPool {
     /// A permit came back: hand it to the next parked call, tenants in turn.
     fn release(self: &Arc<Self>) {
         let mut st = self.lock();
+        if st.owed > 0 {
+            st.owed -= 1;
+            return;
+        }
         while let Some(tenant) = st.order.pop_front() {
             let Some(queue) = st.queues.get_mut(&tenant) else {
                 continue;
@@ -352,6 +388,39 @@ mod tests {
         drop(a);
         drop(b);
         assert_eq!(pool.free(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_pool_grown_serves_parked_calls_and_a_pool_shrunk_never_has_more_out() {
+        let pool = WorkerPool::new(0, 10);
+        let waiting = {
+            let pool = pool.clone();
+            tokio::spawn(async move { pool.acquire(&t("a"), Duration::from_secs(30)).await })
+        };
+        while pool.parked() == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // A worker joins: the parked call gets its slot.
+        pool.set_total(2);
+        let (first, parked) = waiting.await.unwrap().unwrap();
+        assert!(matches!(parked, Parked::Waited(_)));
+        assert_eq!((pool.total(), pool.free(), pool.busy()), (2, 1, 1));
+        let second = pool.try_acquire().unwrap();
+        // Shrunk to one while two are held: the first one back is swallowed.
+        pool.set_total(1);
+        assert_eq!(pool.busy(), 2);
+        drop(first);
+        assert_eq!((pool.free(), pool.busy()), (0, 1));
+        assert!(pool.try_acquire().is_none());
+        drop(second);
+        assert_eq!((pool.free(), pool.busy()), (1, 0));
+        // Growing pays what is owed first.
+        let held = pool.try_acquire().unwrap();
+        pool.set_total(0);
+        pool.set_total(3);
+        assert_eq!((pool.free(), pool.busy()), (2, 1));
+        drop(held);
+        assert_eq!(pool.free(), 3);
     }
 
     #[tokio::test]

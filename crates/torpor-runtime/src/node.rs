@@ -87,6 +87,16 @@ pub enum NodeEvent {
         info: ExitInfo,
         expected: bool,
     },
+    /// The machine a container ran on stopped answering (cluster mode: its worker missed its
+    /// heartbeats past the controller's limit). The container counts as gone: whatever it did
+    /// since its last snapshot is lost.
+    Lost {
+        container_id: String,
+        /// The worker's name.
+        worker: String,
+        /// How long it had been silent.
+        silent_for: Duration,
+    },
 }
 
 /// A machine that runs sandboxes.
@@ -138,6 +148,12 @@ pub trait Resident: Send + Sync {
 
     /// The node's name for the worker it runs on (unique within the node's run).
     fn worker(&self) -> &str;
+
+    /// The worker process the container runs on, in cluster mode (its certificate's name);
+    /// `None` on a single machine.
+    fn node(&self) -> Option<&str> {
+        None
+    }
 
     /// Whether the worker came prepared (a warm take) rather than made for this start.
     fn was_warm(&self) -> bool;

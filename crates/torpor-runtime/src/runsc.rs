@@ -53,6 +53,10 @@ pub enum RuntimeError {
     Net(#[from] crate::net::NetError),
     #[error("{0}")]
     Unsupported(String),
+    /// No machine of the node can take the container now (cluster mode: every worker is
+    /// full, draining or lost); retryable.
+    #[error("no worker can take it: {0}")]
+    NoCapacity(String),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {

@@ -161,6 +161,9 @@ pub enum Command {
     Ca(crate::ca::CaCmd),
     /// Serve this machine's sandboxes to the cluster's controllers (cluster mode, preview).
     Worker(crate::worker::WorkerArgs),
+    /// Serve the API over the cluster's workers, state in PostgreSQL (cluster mode, preview;
+    /// docs/CLUSTER.md).
+    Controller(crate::controller::ControllerArgs),
     /// Kubernetes: print the CRDs, or run the operator that reconciles them into torpor's API.
     #[command(subcommand)]
     K8s(crate::k8s::K8sCmd),
@@ -401,7 +404,7 @@ impl From<TierArg> for Tier {
     }
 }
 
-fn parse_kv(s: &str) -> Result<(String, String), String> {
+pub(crate) fn parse_kv(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
@@ -514,6 +517,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                 max_connections: max_connections.map(|m| m as usize),
                 header_read_timeout: Duration::from_millis(header_read_timeout_ms),
                 max_sandbox_connections: max_sandbox_connections.map(|n| n as usize),
+                cluster: None,
             })
             .await;
             telemetry.shutdown().await;
@@ -531,6 +535,10 @@ async fn dispatch(cmd: Command) -> CliResult {
         Command::Worker(w) => {
             init_logging();
             Ok(crate::worker::run(w).await.map(|()| 0)?)
+        }
+        Command::Controller(c) => {
+            init_logging();
+            Ok(crate::controller::run(c).await.map(|()| 0)?)
         }
         Command::K8s(k) => {
             init_logging();

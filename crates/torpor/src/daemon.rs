@@ -54,6 +54,20 @@ pub struct UpConfig {
     /// Relayed TCP connections per sandbox (`--max-sandbox-connections`), counted in the
     /// descriptor headroom.
     pub max_sandbox_connections: Option<usize>,
+    /// `torpor controller`: sandboxes run on the cluster's workers, state in PostgreSQL.
+    pub cluster: Option<ClusterRole>,
+}
+
+/// What makes `up` a controller (crate::controller).
+pub struct ClusterRole {
+    pub fleet: Arc<torpor_cluster::Fleet>,
+    /// postgres:// URL of the state store.
+    pub database: String,
+    pub admin_token: String,
+    /// `--cluster-listen`, bound.
+    pub listener: tokio::net::TcpListener,
+    pub tls: Arc<torpor_cluster::TlsSource>,
+    pub tls_metrics: torpor_cluster::TlsMetrics,
 }
 
 /// Default memory budget: 70% of the machine's RAM.
@@ -191,14 +205,24 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     // One daemon per directory: a second would reconcile (kill) the first one's sandboxes.
     let _lock = datadir::lock(&cfg.data_dir)?;
     datadir::make_private(&cfg.data_dir)?;
-    let token = ensure_admin_token(&cfg.data_dir)?;
+    let token = match &cfg.cluster {
+        Some(c) => c.admin_token.clone(),
+        None => ensure_admin_token(&cfg.data_dir)?,
+    };
     let metrics_token = ensure_metrics_token(&cfg.data_dir)?;
-    let workers = cfg.workers.unwrap_or_else(default_workers);
-    if workers == 0 {
+    // A controller's workers are the cluster's (the lot grows as they join).
+    let workers = match &cfg.cluster {
+        Some(_) => 0,
+        None => cfg.workers.unwrap_or_else(default_workers),
+    };
+    if workers == 0 && cfg.cluster.is_none() {
         bail!("--workers must be at least 1");
     }
-    let max_connections =
-        descriptor_headroom(cfg.max_connections, workers, cfg.max_sandbox_connections)?;
+    let max_connections = descriptor_headroom(
+        cfg.max_connections,
+        workers.max(1),
+        cfg.max_sandbox_connections,
+    )?;
     let serve_cfg = serve::ServeConfig {
         max_connections,
         header_read_timeout: cfg.header_read_timeout,
@@ -212,7 +236,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
-    let engine = Engine::start(EngineConfig {
+    let engine_cfg = EngineConfig {
         data_dir: cfg.data_dir.clone(),
         workers,
         runsc_binary: cfg.runsc,
@@ -221,14 +245,55 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         worker_wait: cfg.worker_wait,
         drain_timeout: cfg.drain_timeout,
         lot_capacity: cfg.lot_capacity,
-        memory_budget: Some(cfg.memory_budget.unwrap_or_else(default_memory_budget)),
+        memory_budget: match &cfg.cluster {
+            // Each worker keeps its own budget; placement never overcommits one.
+            Some(_) => None,
+            None => Some(cfg.memory_budget.unwrap_or_else(default_memory_budget)),
+        },
         tick: cfg.tick,
         warm_pool: cfg.warm_pool.unwrap_or(workers),
         snapshots: cfg.snapshots,
         import_dir: cfg.import_dir.clone(),
-    })
-    .await
+        database: cfg.cluster.as_ref().map(|c| c.database.clone()),
+    };
+    let engine = match &cfg.cluster {
+        None => Engine::start(engine_cfg).await,
+        Some(c) => Engine::start_on(engine_cfg, c.fleet.clone()).await,
+    }
     .map_err(|e| anyhow::anyhow!("{e} ({})", e.code()))?;
+    let mut cluster_server = None;
+    if let Some(c) = cfg.cluster {
+        // The lot follows the ready workers' slots.
+        let mut capacity = c.fleet.capacity();
+        let sized = engine.clone();
+        tokio::spawn(async move {
+            loop {
+                let slots = capacity.borrow_and_update().slots;
+                sized.set_workers(slots);
+                if capacity.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        engine
+            .metrics
+            .register(Box::new(c.tls_metrics.refusals.clone()));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let addr = c.listener.local_addr().ok();
+        eprintln!(
+            "torpor: workers join on {} (mutual TLS)",
+            addr.map(|a| a.to_string()).unwrap_or_default()
+        );
+        let task = tokio::spawn(torpor_cluster::serve_cluster(
+            c.fleet.clone(),
+            c.listener,
+            c.tls,
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        cluster_server = Some((stop, task, c.fleet));
+    }
     if let Some(gpus) = gpus {
         engine.attach_gpus(gpus);
     }
@@ -270,6 +335,10 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         pools: pools.clone(),
         default_requests_per_s: cfg.default_requests_per_s,
         limits: Default::default(),
+        nodes: cluster_server.as_ref().map(|(_, _, fleet)| {
+            Arc::new(crate::controller::FleetNodes(fleet.clone()))
+                as Arc<dyn torpor_api::nodes::NodeDirectory>
+        }),
     });
     let metrics_listener = match cfg.metrics_listen {
         Some(addr) => Some((
@@ -336,6 +405,10 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     eprintln!("torpor: shutting down; pools finish in-flight messages, then checkpointing resident sandboxes");
     pools.shutdown().await;
     engine.shutdown().await;
+    if let Some((stop, task, _)) = cluster_server {
+        let _ = stop.send(());
+        let _ = task.await;
+    }
     audit.close().await;
     eprintln!("torpor: stopped");
     Ok(())

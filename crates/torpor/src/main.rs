@@ -6,6 +6,7 @@ mod audit;
 mod ca;
 mod cli;
 mod common;
+mod controller;
 mod daemon;
 mod datadir;
 mod demo;

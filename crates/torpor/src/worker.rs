@@ -16,9 +16,27 @@ use crate::datadir;
 
 #[derive(Args)]
 pub struct WorkerArgs {
-    /// Where controllers call this worker (gRPC over mutual TLS), e.g. 0.0.0.0:7443.
-    #[arg(long)]
+    /// Controllers to join, `host:port` of their --cluster-listen (comma-separated or
+    /// repeated); without any, the worker only serves controllers that dial it.
+    #[arg(long, value_delimiter = ',')]
+    controller: Vec<String>,
+    /// Where controllers call this worker (gRPC over mutual TLS). The default, port 0 on
+    /// every interface, picks a free port and tells the controllers which.
+    #[arg(long, default_value = "0.0.0.0:0")]
     listen: SocketAddr,
+    /// The address controllers reach --listen at, when it is not the one they see this
+    /// worker's registrations come from (NAT, a Service).
+    #[arg(long)]
+    advertise: Option<SocketAddr>,
+    /// Sandboxes this worker runs at once (default: from the machine's memory).
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Memory its sandboxes may hold together, e.g. 12G (default: 70% of RAM).
+    #[arg(long, value_parser = crate::daemon::parse_size)]
+    memory_budget: Option<u64>,
+    /// Labels placement can ask for, KEY=VALUE (repeatable).
+    #[arg(long = "label", value_parser = crate::cli::parse_kv)]
+    labels: Vec<(String, String)>,
     /// cert.pem, key.pem and ca.pem of this worker (`torpor ca issue --role worker --out DIR`);
     /// re-read when they change.
     #[arg(long)]
@@ -35,9 +53,10 @@ pub struct WorkerArgs {
     /// gVisor platform (default: systrap if this runsc has it, else ptrace).
     #[arg(long)]
     platform: Option<String>,
-    /// Free workers kept prepared so that a wake does only the restore.
-    #[arg(long, default_value_t = 4)]
-    warm_pool: usize,
+    /// Free workers kept prepared so that a wake does only the restore (default: as many
+    /// as --workers, at most 4).
+    #[arg(long)]
+    warm_pool: Option<usize>,
     /// Serve GET /metrics (TLS refusals) without a token on this address.
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
@@ -73,12 +92,19 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         }
     }
 
+    let slots = args.workers.unwrap_or_else(crate::daemon::default_workers);
+    if slots == 0 {
+        bail!("--workers must be at least 1");
+    }
+    let memory_budget = args
+        .memory_budget
+        .unwrap_or_else(crate::daemon::default_memory_budget);
     let node = RunscNode::start(RunscNodeConfig {
         data_dir: args.data_dir.clone(),
         runsc_binary: args.runsc,
         runsc_platform: args.platform,
         agent_binary: std::env::current_exe().context("cannot find the torpor binary")?,
-        warm_pool: args.warm_pool,
+        warm_pool: args.warm_pool.unwrap_or(slots.min(4)),
     })?;
     let node: Arc<dyn Node> = Arc::new(node);
     // Every container here is a previous run's: none is kept. (Sandbox containers run in the
@@ -122,12 +148,47 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
-    tracing::info!(%identity, listen = %args.listen, data_dir = %args.data_dir.display(), "worker serving controllers");
+    let bound = listener
+        .local_addr()
+        .context("the listener has no address")?;
+    tracing::info!(%identity, listen = %bound, data_dir = %args.data_dir.display(), slots, memory_budget, "worker serving controllers");
+    eprintln!("torpor worker {} on {bound}", identity.name);
     let service = NodeService::new(node.clone(), identity.name.to_string());
-    torpor_cluster::serve(service, listener, tls, shutdown_signal()).await?;
+    service.limit_slots(slots);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let joining = (!args.controller.is_empty()).then(|| {
+        let cfg = torpor_cluster::JoinConfig {
+            controllers: args.controller.clone(),
+            node_addr: args.advertise.unwrap_or(bound).to_string(),
+            slots: slots as u32,
+            memory_budget,
+            gpu_models: Vec::new(),
+            labels: args.labels.iter().cloned().collect(),
+            run_id: run_id(),
+            deadline: std::time::Duration::from_secs(5),
+        };
+        tokio::spawn(torpor_cluster::join(
+            cfg,
+            tls.clone(),
+            service.clone(),
+            stop_rx,
+        ))
+    });
+    torpor_cluster::serve(service.clone(), listener, tls, shutdown_signal()).await?;
+    let _ = stop_tx.send(true);
+    service.destroy_all().await;
+    if let Some(j) = joining {
+        let _ = j.await;
+    }
     tracing::info!("worker stopping");
     node.shutdown().await;
     Ok(())
+}
+
+/// A fresh id for this run of the worker (controllers tell a restart from a reconnect by it).
+fn run_id() -> String {
+    let bytes: [u8; 8] = rand::random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 async fn shutdown_signal() {

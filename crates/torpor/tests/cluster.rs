@@ -58,6 +58,7 @@ async fn an_engine_drives_a_real_worker_over_mtls_create_exec_park_wake_delete()
             drain_timeout: Duration::from_secs(10),
             snapshots: Default::default(),
             import_dir: None,
+            database: None,
         },
         Arc::new(remote),
     )

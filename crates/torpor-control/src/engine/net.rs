@@ -218,11 +218,17 @@ impl Engine {
         Ok(self.store.network(id)?.unwrap_or_else(NetworkPolicy::none))
     }
 
-    /// The worker a sandbox is resident on, if it is (not while a wake or checkpoint holds it).
-    pub fn resident_worker(&self, id: &SandboxId) -> Option<String> {
+    /// The worker a sandbox is resident on, and in cluster mode the worker process (node)
+    /// holding it, if it is resident (not while a wake or checkpoint holds it).
+    pub fn resident_worker(&self, id: &SandboxId) -> Option<(String, Option<String>)> {
         let slot = self.slot(id);
         let guard = slot.state.try_read().ok()?;
-        guard.live.as_ref().map(|l| l.resident.worker().to_string())
+        guard.live.as_ref().map(|l| {
+            (
+                l.resident.worker().to_string(),
+                l.resident.node().map(str::to_string),
+            )
+        })
     }
 
     /// The address the proxy connects to for a resident networked sandbox (its worker's

@@ -89,7 +89,7 @@ impl Engine {
         let Some(budget) = self.cfg.memory_budget else {
             return;
         };
-        for _ in 0..self.cfg.workers {
+        for _ in 0..self.workers.total() {
             if self.resident_memory() + incoming <= budget {
                 return;
             }

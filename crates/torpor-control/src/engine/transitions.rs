@@ -139,22 +139,30 @@ impl Engine {
         mut events: mpsc::UnboundedReceiver<NodeEvent>,
     ) {
         while let Some(event) = events.recv().await {
-            let NodeEvent::Exited {
-                container_id,
-                info,
-                expected,
-            } = event;
-            if expected {
-                continue;
-            }
+            let (container_id, reason, oom) = match event {
+                NodeEvent::Exited { expected: true, .. } => continue,
+                NodeEvent::Exited {
+                    container_id, info, ..
+                } => (container_id, crash_reason(&info), info.oom_killed),
+                NodeEvent::Lost {
+                    container_id,
+                    worker,
+                    silent_for,
+                } => (
+                    container_id,
+                    format!(
+                        "worker {worker} was lost (no heartbeat for {} s)",
+                        silent_for.as_secs()
+                    ),
+                    false,
+                ),
+            };
             let Some(id) = sandbox_of(&container_id).and_then(|s| SandboxId::new(s).ok()) else {
                 continue; // a template build's container: its build reports the failure
             };
             let engine = self.clone();
             tokio::spawn(async move {
-                engine
-                    .on_crash(&id, &container_id, &crash_reason(&info), info.oom_killed)
-                    .await;
+                engine.on_crash(&id, &container_id, &reason, oom).await;
             });
         }
     }
@@ -177,7 +185,10 @@ impl Engine {
             .inc();
         self.metrics.workers_busy.set(self.workers.busy() as i64);
         if let Ok(Some(mut rec)) = self.store.sandbox(id) {
-            rec.last_error = Some(format!("{reason}; restored to its last snapshot"));
+            rec.last_error = Some(format!(
+                "{reason}; restored to its last snapshot{}",
+                snapshot_age(&rec.image)
+            ));
             rec.oom_killed = oom;
             let to = rec.image.sleeping_state();
             if let Err(e) = self.move_to(&mut rec, to, "crash") {
@@ -461,6 +472,22 @@ impl Engine {
             }
         }
     }
+}
+
+/// When a sandbox's last snapshot was taken, for the error that sends it back there: what
+/// it did since is what it lost.
+fn snapshot_age(image: &ImageRef) -> String {
+    let ImageRef::Local(dir) = image else {
+        return String::new();
+    };
+    let Ok(taken) = std::fs::metadata(dir).and_then(|m| m.modified()) else {
+        return String::new();
+    };
+    let lost = taken.elapsed().unwrap_or_default().as_secs();
+    format!(
+        " (taken at {}; the last {lost} s of work are lost)",
+        humantime::format_rfc3339_seconds(taken)
+    )
 }
 
 pub(super) fn crash_reason(info: &torpor_runtime::ExitInfo) -> String {

@@ -75,8 +75,9 @@ impl Pools {
     ) -> Result<Arc<Pools>> {
         let allow = BrokerAllowList::parse(&config.broker_allow)
             .map_err(|e| ControlError::Invalid(e.to_string()))?;
-        // The engine's store: one per database file in the process.
-        let store = Store::open(&data_dir.join("torpor.db"))?;
+        // The engine's store (SQLite in the data directory, or the cluster's PostgreSQL).
+        let _ = data_dir;
+        let store = engine.state_store();
         let rows = store.pools()?;
         let pools = Arc::new(Pools {
             engine,

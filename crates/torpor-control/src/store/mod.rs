@@ -36,8 +36,10 @@ use torpor_gpu::request::GpuRequest;
 
 mod gpu_files;
 mod pg_schema;
-#[cfg(test)]
-mod pg_testing;
+/// A real PostgreSQL server for tests (this crate's, and others' with the `testing` feature).
+#[cfg(any(test, feature = "testing"))]
+#[doc(hidden)]
+pub mod pg_testing;
 mod postgres;
 pub mod records;
 mod schema;

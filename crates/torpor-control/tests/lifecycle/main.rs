@@ -41,6 +41,7 @@ pub fn config(data_dir: &Path) -> EngineConfig {
         drain_timeout: Duration::from_secs(2),
         snapshots: Default::default(),
         import_dir: None,
+        database: None,
     }
 }
 

@@ -1,0 +1,93 @@
+//! `GET /v1/nodes` and `POST /v1/nodes/{name}/drain` (admin only): the machines sandboxes run
+//! on. In cluster mode these are the workers registered with this controller (the
+//! [`NodeDirectory`] the controller gives the API); on a single machine, the machine itself
+//! (`local`, always `ready`), which cannot be drained.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::{Extension, Json};
+use serde::{Deserialize, Serialize};
+use torpor_control::error::ErrorKind;
+use torpor_core::{now_millis, TenantId};
+
+use crate::auth::operator_only;
+use crate::errors::{ApiError, ApiResult};
+use crate::state::ApiState;
+use crate::types::rfc3339;
+
+const MANAGES: &str = "manages nodes";
+
+/// One node as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeView {
+    pub name: String,
+    /// `ready`, `draining` or `lost`.
+    pub state: String,
+    /// Sandboxes it runs at once, and runs now.
+    pub workers: u32,
+    pub busy: u32,
+    pub memory_budget_bytes: u64,
+    pub resident_memory_bytes: u64,
+    /// Its last heartbeat (RFC 3339).
+    pub last_seen_at: String,
+    /// Where controllers reach it (cluster mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub addr: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_models: Vec<String>,
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub labels: std::collections::BTreeMap<String, String>,
+}
+
+/// The cluster's workers, as a controller knows them.
+pub trait NodeDirectory: Send + Sync {
+    fn nodes(&self) -> Vec<NodeView>;
+    /// Drains a known worker; `None` when there is none by that name.
+    fn drain(&self, name: &str) -> Option<NodeView>;
+}
+
+pub(crate) async fn list(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+) -> ApiResult<Json<Vec<NodeView>>> {
+    operator_only(&tenant, MANAGES)?;
+    if let Some(dir) = &state.nodes {
+        return Ok(Json(dir.nodes()));
+    }
+    let w = state.engine.worker_stats();
+    Ok(Json(vec![NodeView {
+        name: "local".into(),
+        state: "ready".into(),
+        workers: w.total as u32,
+        busy: w.busy as u32,
+        memory_budget_bytes: w.memory_budget_bytes.unwrap_or(0),
+        resident_memory_bytes: w.resident_memory_bytes,
+        last_seen_at: rfc3339(now_millis()),
+        addr: None,
+        gpu_models: Vec::new(),
+        labels: Default::default(),
+    }]))
+}
+
+pub(crate) async fn drain(
+    State(state): State<Arc<ApiState>>,
+    Extension(tenant): Extension<TenantId>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<NodeView>> {
+    operator_only(&tenant, MANAGES)?;
+    let Some(dir) = &state.nodes else {
+        return Err(ApiError::new(
+            ErrorKind::FailedPrecondition,
+            "not_clustered",
+            "this daemon runs sandboxes on its own machine (embedded mode): there is no worker to drain",
+        ));
+    };
+    dir.drain(&name).map(Json).ok_or_else(|| {
+        ApiError::new(
+            ErrorKind::NotFound,
+            "node_not_found",
+            format!("no worker named {name:?} has registered with this controller"),
+        )
+    })
+}

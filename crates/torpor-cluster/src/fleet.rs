@@ -1,0 +1,832 @@
+//! The controller's workers: [`Fleet`], a [`Node`] made of every worker that registered with
+//! this controller, so that `Engine::start_on(cfg, fleet)` runs sandboxes across machines.
+//!
+//! ```text
+//!   worker ──Register/Heartbeat (mTLS, worker identity)──▶ Cluster service ──▶ Fleet
+//!   worker ◀──────── Node calls (mTLS, controller identity) ── RemoteNode ◀──── Fleet.boot/restore
+//! ```
+//!
+//! - **Joining.** A worker calls [`pb::cluster_server::Cluster::register`] with where its Node
+//!   service listens and what it can run; its name is its certificate's, never a field. The
+//!   controller dials it back (a [`RemoteNode`]), checks that the worker it reached carries the
+//!   same name, and makes it `ready`. Registering again with another run id means the worker
+//!   restarted: what it ran is gone and is reported so.
+//! - **Health.** A worker heartbeats every [`FleetConfig::heartbeat`] with its load. One that is
+//!   silent for [`FleetConfig::lost_after`] is `lost`: it gets nothing new and every container
+//!   it held is reported on the event stream as [`NodeEvent::Lost`], which sends its sandbox
+//!   back to its last snapshot (it resumes on another worker at its next call). A lost worker
+//!   that comes back must register again, and its leftovers are removed first.
+//! - **Draining.** [`Fleet::drain`] keeps a worker's sandboxes where they are but sends it no
+//!   new ones; it survives the worker's re-registration.
+//! - **Placement.** Starts go through [`Placement`] (an index by free capacity): the worker that
+//!   last ran the sandbox when it is ready and has room (its image is warm there), else the
+//!   least loaded worker that fits. A start refused by a worker (no slot, unreachable) is tried
+//!   once more elsewhere.
+//!
+//! Lock discipline: one `std` mutex over the members, never held across an await.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant, SystemTime};
+
+use async_trait::async_trait;
+use tokio::sync::{mpsc, watch};
+use tonic::{Request, Response, Status};
+use torpor_core::NetworkPolicy;
+use torpor_runtime::conn::ConnError;
+use torpor_runtime::net::NetStats;
+use torpor_runtime::node::{sandbox_of, Launch, Node, NodeEvent, NodeInfo, Resident};
+use torpor_runtime::proto::{Reply, Request as AgentRequest};
+use torpor_runtime::runsc::{ExitHandle, RuntimeError};
+use torpor_runtime::warm::WarmStats;
+
+use crate::ca::Role;
+use crate::client::{Deadlines, RemoteConfig, RemoteNode};
+use crate::pb;
+use crate::pb::cluster_server::{Cluster as ClusterRpc, ClusterServer};
+use crate::placement::{Capacity, Load, Need, Placement, WorkerState};
+use crate::server::{accept_verified, check_version, ServeError};
+use crate::tls::{PeerInfo, TlsSource};
+use crate::MAX_MESSAGE;
+
+/// How a controller keeps its workers.
+#[derive(Debug, Clone)]
+pub struct FleetConfig {
+    /// How often workers heartbeat.
+    pub heartbeat: Duration,
+    /// Silence after which a worker is lost.
+    pub lost_after: Duration,
+    /// Deadlines of the calls to workers.
+    pub deadlines: Deadlines,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        FleetConfig {
+            heartbeat: Duration::from_secs(1),
+            lost_after: Duration::from_secs(10),
+            deadlines: Deadlines::default(),
+        }
+    }
+}
+
+/// One worker as `GET /v1/nodes` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct NodeStatus {
+    pub name: String,
+    pub state: WorkerState,
+    /// Where its Node service listens.
+    pub addr: String,
+    /// Sandboxes it runs at once.
+    pub workers: u32,
+    /// Sandboxes it runs now.
+    pub busy: u32,
+    pub memory_budget_bytes: u64,
+    pub resident_memory_bytes: u64,
+    pub gpu_models: Vec<String>,
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// Unix milliseconds of its last heartbeat.
+    pub last_seen_at: u64,
+}
+
+/// What the ready workers offer together (the engine sizes its lot from it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FleetCapacity {
+    pub slots: usize,
+    pub memory_budget: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    #[error("no worker named {0}")]
+    UnknownWorker(String),
+}
+
+struct Member {
+    addr: String,
+    run_id: String,
+    remote: Arc<RemoteNode>,
+    last_seen: Instant,
+    last_seen_at: SystemTime,
+    /// The operator drains it (kept across re-registrations).
+    drain: bool,
+    lost: bool,
+}
+
+#[derive(Default)]
+struct Members {
+    placement: Placement,
+    workers: HashMap<String, Member>,
+    /// Every container started through the fleet and not yet ended: its worker and the memory
+    /// placement reserved for it.
+    containers: HashMap<String, (String, u64)>,
+    /// The worker that last ran each sandbox (its image is warm there).
+    last_worker: HashMap<String, String>,
+    /// Drains asked for workers that have not registered (yet).
+    drains: std::collections::HashSet<String>,
+}
+
+pub struct Fleet {
+    me: Weak<Fleet>,
+    tls: Arc<TlsSource>,
+    cfg: FleetConfig,
+    members: Mutex<Members>,
+    events: mpsc::UnboundedSender<NodeEvent>,
+    events_rx: Mutex<Option<mpsc::UnboundedReceiver<NodeEvent>>>,
+    capacity: watch::Sender<FleetCapacity>,
+    /// Serialises registrations (each dials the worker back): a worker's two registrations
+    /// never interleave.
+    joining: tokio::sync::Mutex<()>,
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Fleet {
+    /// An empty fleet dialling workers as `tls`'s controller identity; starts the loss watch.
+    pub fn new(tls: Arc<TlsSource>, cfg: FleetConfig) -> Arc<Fleet> {
+        let (events, rx) = mpsc::unbounded_channel();
+        let fleet = Arc::new_cyclic(|me| Fleet {
+            me: me.clone(),
+            tls,
+            cfg,
+            members: Mutex::default(),
+            events,
+            events_rx: Mutex::new(Some(rx)),
+            capacity: watch::channel(FleetCapacity::default()).0,
+            joining: tokio::sync::Mutex::new(()),
+        });
+        let watch = Arc::downgrade(&fleet);
+        let period = (fleet.cfg.heartbeat / 2).max(Duration::from_millis(50));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            loop {
+                tick.tick().await;
+                let Some(fleet) = watch.upgrade() else { return };
+                fleet.mark_lost();
+            }
+        });
+        fleet
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Members> {
+        self.members.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What the ready workers offer, as it changes.
+    pub fn capacity(&self) -> watch::Receiver<FleetCapacity> {
+        self.capacity.subscribe()
+    }
+
+    fn publish_capacity(&self, m: &Members) {
+        let mut c = FleetCapacity::default();
+        for (_, cap, _, state) in m.placement.iter() {
+            if state == WorkerState::Ready {
+                c.slots += cap.slots as usize;
+                c.memory_budget += cap.memory_budget;
+            }
+        }
+        self.capacity.send_if_modified(|old| {
+            let changed = *old != c;
+            *old = c;
+            changed
+        });
+    }
+
+    /// Every worker this controller knows, by name.
+    pub fn nodes(&self) -> Vec<NodeStatus> {
+        let m = self.lock();
+        let mut out: Vec<NodeStatus> = m
+            .workers
+            .iter()
+            .filter_map(|(name, w)| {
+                let (cap, load, state) = m.placement.get(name)?;
+                Some(NodeStatus {
+                    name: name.clone(),
+                    state,
+                    addr: w.addr.clone(),
+                    workers: cap.slots,
+                    busy: load.busy,
+                    memory_budget_bytes: cap.memory_budget,
+                    resident_memory_bytes: load.reserved_memory,
+                    gpu_models: cap.gpu_models,
+                    labels: cap.labels,
+                    last_seen_at: unix_ms(w.last_seen_at),
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
+    /// Sends a worker no new sandboxes; those it holds stay. Known workers only.
+    pub fn drain(&self, name: &str) -> Result<NodeStatus, FleetError> {
+        {
+            let mut m = self.lock();
+            let Some(w) = m.workers.get_mut(name) else {
+                return Err(FleetError::UnknownWorker(name.to_string()));
+            };
+            w.drain = true;
+            let lost = w.lost;
+            m.drains.insert(name.to_string());
+            if !lost {
+                m.placement.set_state(name, WorkerState::Draining);
+            }
+            self.publish_capacity(&m);
+        }
+        tracing::info!(worker = name, "worker draining: no new sandboxes");
+        self.nodes()
+            .into_iter()
+            .find(|n| n.name == name)
+            .ok_or_else(|| FleetError::UnknownWorker(name.to_string()))
+    }
+
+    /// Marks workers silent past the limit lost and reports their containers.
+    fn mark_lost(&self) {
+        let mut lost = Vec::new();
+        {
+            let mut m = self.lock();
+            let now = Instant::now();
+            let silent: Vec<(String, Duration)> = m
+                .workers
+                .iter()
+                .filter(|(_, w)| !w.lost && now.duration_since(w.last_seen) >= self.cfg.lost_after)
+                .map(|(n, w)| (n.clone(), now.duration_since(w.last_seen)))
+                .collect();
+            for (name, silent_for) in silent {
+                if let Some(w) = m.workers.get_mut(&name) {
+                    w.lost = true;
+                }
+                m.placement.set_state(&name, WorkerState::Lost);
+                let held: Vec<String> = m
+                    .containers
+                    .iter()
+                    .filter(|(_, (w, _))| *w == name)
+                    .map(|(c, _)| c.clone())
+                    .collect();
+                for c in &held {
+                    m.containers.remove(c);
+                }
+                m.placement.report(&name, Load::default());
+                lost.push((name, silent_for, held));
+            }
+            if !lost.is_empty() {
+                self.publish_capacity(&m);
+            }
+        }
+        for (worker, silent_for, held) in lost {
+            tracing::warn!(%worker, silent_ms = silent_for.as_millis() as u64, containers = held.len(),
+                "worker lost: its sandboxes go back to their last snapshots");
+            for container_id in held {
+                let _ = self.events.send(NodeEvent::Lost {
+                    container_id,
+                    worker: worker.clone(),
+                    silent_for,
+                });
+            }
+        }
+    }
+
+    fn is_lost(&self, worker: &str) -> bool {
+        self.lock().workers.get(worker).is_none_or(|w| w.lost)
+    }
+
+    /// A registration: dials the worker back, checks it is who called, makes it ready.
+    async fn register(
+        &self,
+        caller: &PeerInfo,
+        req: pb::RegisterRequest,
+    ) -> Result<pb::RegisterReply, Status> {
+        let name = caller.identity.name.to_string();
+        let addr = node_addr(&req.node_addr, caller.addr)?;
+        let _one = self.joining.lock().await;
+        let same = {
+            let m = self.lock();
+            m.workers
+                .get(&name)
+                .is_some_and(|w| w.run_id == req.run_id && w.addr == addr && !w.lost)
+        };
+        if !same {
+            let remote = RemoteNode::connect(
+                RemoteConfig {
+                    addr: addr.clone(),
+                    deadlines: self.cfg.deadlines.clone(),
+                    ..RemoteConfig::new(addr.clone())
+                },
+                self.tls.clone(),
+            )
+            .await
+            .map_err(|e| {
+                Status::unavailable(format!("cannot reach the worker back at {addr}: {e}"))
+            })?;
+            if remote.worker_name() != name {
+                tracing::warn!(caller = %name, reached = remote.worker_name(), %addr,
+                    "a worker registered another worker's address; refused");
+                return Err(Status::permission_denied(
+                    "the worker at that address is not the caller",
+                ));
+            }
+            // Anything it still runs was started for a run this controller no longer tracks
+            // (a restart, or containers already reported lost): remove it.
+            let removed = remote.reconcile(&[]).await;
+            if let Some(events) = remote.take_events() {
+                let fleet = self.me.clone();
+                tokio::spawn(forward_events(fleet, events));
+            }
+            let remote = Arc::new(remote);
+            let gone: Vec<String>;
+            {
+                let mut m = self.lock();
+                gone = m
+                    .containers
+                    .iter()
+                    .filter(|(_, (w, _))| *w == name)
+                    .map(|(c, _)| c.clone())
+                    .collect();
+                for c in &gone {
+                    m.containers.remove(c);
+                }
+                let drain = m.drains.contains(&name);
+                let previous = m.workers.insert(
+                    name.clone(),
+                    Member {
+                        addr: addr.clone(),
+                        run_id: req.run_id.clone(),
+                        remote,
+                        last_seen: Instant::now(),
+                        last_seen_at: SystemTime::now(),
+                        drain,
+                        lost: false,
+                    },
+                );
+                if let Some(p) = previous {
+                    let old = p.remote.clone();
+                    tokio::spawn(async move { old.shutdown().await });
+                }
+                m.placement.upsert(
+                    &name,
+                    Capacity {
+                        slots: req.slots,
+                        memory_budget: req.memory_budget,
+                        gpu_models: req.gpu_models.clone(),
+                        labels: req.labels.clone().into_iter().collect(),
+                    },
+                );
+                m.placement.report(&name, Load::default());
+                m.placement.set_state(
+                    &name,
+                    if drain {
+                        WorkerState::Draining
+                    } else {
+                        WorkerState::Ready
+                    },
+                );
+                self.publish_capacity(&m);
+            }
+            for container_id in gone {
+                let _ = self.events.send(NodeEvent::Lost {
+                    container_id,
+                    worker: name.clone(),
+                    silent_for: Duration::ZERO,
+                });
+            }
+            tracing::info!(worker = %name, %addr, slots = req.slots, memory_budget = req.memory_budget,
+                removed, "worker registered");
+        }
+        Ok(pb::RegisterReply {
+            controller: self.tls.identity().name.to_string(),
+            heartbeat_ms: self.cfg.heartbeat.as_millis() as u64,
+        })
+    }
+
+    fn heartbeat(&self, caller: &PeerInfo, req: pb::HeartbeatRequest) -> pb::HeartbeatReply {
+        let name = caller.identity.name.as_str();
+        let mut m = self.lock();
+        let reserved: u32 = m.containers.values().filter(|(w, _)| w == name).count() as u32;
+        let Some(w) = m.workers.get_mut(name) else {
+            return pb::HeartbeatReply::default();
+        };
+        if w.run_id != req.run_id || w.lost {
+            return pb::HeartbeatReply::default();
+        }
+        w.last_seen = Instant::now();
+        w.last_seen_at = SystemTime::now();
+        let draining = w.drain;
+        // Starts in flight count before the worker reports them.
+        m.placement.report(
+            name,
+            Load {
+                busy: req.busy.max(reserved),
+                reserved_memory: req.resident_memory,
+            },
+        );
+        pb::HeartbeatReply {
+            known: true,
+            draining,
+        }
+    }
+
+    /// Starts a container on the best worker; a worker that refuses or cannot be reached is
+    /// skipped once for another.
+    async fn start(
+        &self,
+        launch: Launch,
+        image: Option<&Path>,
+    ) -> Result<Box<dyn Resident>, RuntimeError> {
+        let need = Need {
+            memory: launch.spec.limits.memory_bytes(),
+            ..Need::default()
+        };
+        let sandbox = sandbox_of(&launch.container_id).map(str::to_string);
+        let mut refused: Option<String> = None;
+        for _attempt in 0..2 {
+            let (worker, remote) = {
+                let mut m = self.lock();
+                let prefer = sandbox
+                    .as_ref()
+                    .and_then(|s| m.last_worker.get(s))
+                    .filter(|w| Some(*w) != refused.as_ref())
+                    .cloned();
+                // The refusing worker sits out this start.
+                let skipped = refused.as_ref().and_then(|r| {
+                    let (_, _, state) = m.placement.get(r)?;
+                    (state == WorkerState::Ready).then(|| {
+                        m.placement.set_state(r, WorkerState::Draining);
+                        r.clone()
+                    })
+                });
+                let choice = m.placement.place(&need, prefer.as_deref());
+                if let Some(r) = skipped {
+                    m.placement.set_state(&r, WorkerState::Ready);
+                }
+                let Some(choice) = choice else {
+                    let ready = m
+                        .placement
+                        .iter()
+                        .filter(|(_, _, _, s)| *s == WorkerState::Ready)
+                        .count();
+                    return Err(RuntimeError::NoCapacity(if ready == 0 {
+                        "no worker is ready in the cluster".to_string()
+                    } else {
+                        format!("none of the {ready} ready workers has a free slot and the memory")
+                    }));
+                };
+                let Some(w) = m.workers.get(&choice.worker) else {
+                    m.placement.release(&choice.worker, need.memory);
+                    return Err(RuntimeError::NoCapacity(
+                        "placement chose a gone worker".into(),
+                    ));
+                };
+                let remote = w.remote.clone();
+                m.containers.insert(
+                    launch.container_id.clone(),
+                    (choice.worker.clone(), need.memory),
+                );
+                (choice.worker, remote)
+            };
+            let started = match image {
+                Some(image) => remote.restore(launch.clone(), image).await,
+                None => remote.boot(launch.clone()).await,
+            };
+            match started {
+                Ok(inner) => {
+                    let mut m = self.lock();
+                    if let Some(s) = &sandbox {
+                        m.last_worker.insert(s.clone(), worker.clone());
+                    }
+                    let slot = format!("{worker}/{}", inner.worker());
+                    tracing::debug!(container = %launch.container_id, %worker, "started on worker");
+                    return Ok(Box::new(FleetResident {
+                        inner,
+                        fleet: self.me.clone(),
+                        node: worker,
+                        slot,
+                    }));
+                }
+                Err(e) => {
+                    self.forget(&launch.container_id);
+                    let retry = matches!(e, RuntimeError::NoCapacity(_) | RuntimeError::Conn(_))
+                        || matches!(&e, RuntimeError::Unsupported(m) if m.contains("did not answer"));
+                    if !retry || refused.is_some() {
+                        return Err(e);
+                    }
+                    tracing::warn!(%worker, error = %e, "worker refused a start; trying another");
+                    refused = Some(worker);
+                }
+            }
+        }
+        Err(RuntimeError::NoCapacity("no worker took it".into()))
+    }
+
+    /// A container ended: its slot and memory go back to its worker.
+    fn forget(&self, container_id: &str) {
+        let mut m = self.lock();
+        if let Some((worker, memory)) = m.containers.remove(container_id) {
+            m.placement.release(&worker, memory);
+        }
+    }
+
+    fn remote_of(&self, container_id: &str) -> Option<Arc<RemoteNode>> {
+        let m = self.lock();
+        let (worker, _) = m.containers.get(container_id)?;
+        Some(m.workers.get(worker)?.remote.clone())
+    }
+
+    fn remotes(&self) -> Vec<Arc<RemoteNode>> {
+        self.lock()
+            .workers
+            .values()
+            .filter(|w| !w.lost)
+            .map(|w| w.remote.clone())
+            .collect()
+    }
+}
+
+/// Passes a worker's events on (exits: the container is forgotten first).
+async fn forward_events(fleet: Weak<Fleet>, mut events: mpsc::UnboundedReceiver<NodeEvent>) {
+    while let Some(ev) = events.recv().await {
+        let Some(fleet) = fleet.upgrade() else { return };
+        if let NodeEvent::Exited {
+            container_id,
+            expected: false,
+            ..
+        } = &ev
+        {
+            fleet.forget(container_id);
+        }
+        if fleet.events.send(ev).is_err() {
+            return;
+        }
+    }
+}
+
+/// Where to reach a worker's Node service: its announced address, with an unspecified host
+/// replaced by the address its registration came from.
+fn node_addr(announced: &str, peer: SocketAddr) -> Result<String, Status> {
+    let addr: SocketAddr = announced.parse().map_err(|_| {
+        Status::invalid_argument("node_addr must be an IP address and a port, e.g. 10.0.0.7:7443")
+    })?;
+    if addr.port() == 0 {
+        return Err(Status::invalid_argument("node_addr needs a port"));
+    }
+    let ip = if addr.ip().is_unspecified() {
+        peer.ip()
+    } else {
+        addr.ip()
+    };
+    Ok(SocketAddr::new(ip, addr.port()).to_string())
+}
+
+#[async_trait]
+impl Node for Fleet {
+    fn info(&self) -> NodeInfo {
+        NodeInfo {
+            runtime_version: "cluster".into(),
+            platform: "remote".into(),
+            nvproxy: false,
+            agent_dir: Default::default(),
+        }
+    }
+
+    fn take_events(&self) -> Option<mpsc::UnboundedReceiver<NodeEvent>> {
+        self.events_rx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
+    async fn reconcile(&self, known_sandboxes: &[String]) -> usize {
+        let mut removed = 0;
+        for r in self.remotes() {
+            removed += r.reconcile(known_sandboxes).await;
+        }
+        removed
+    }
+
+    async fn boot(&self, launch: Launch) -> Result<Box<dyn Resident>, RuntimeError> {
+        self.start(launch, None).await
+    }
+
+    async fn restore(
+        &self,
+        launch: Launch,
+        image: &Path,
+    ) -> Result<Box<dyn Resident>, RuntimeError> {
+        self.start(launch, Some(image)).await
+    }
+
+    async fn kill(&self, container_id: &str) {
+        if let Some(r) = self.remote_of(container_id) {
+            r.kill(container_id).await;
+        }
+    }
+
+    fn log_tail(&self, container_id: &str) -> String {
+        self.remote_of(container_id)
+            .map(|r| r.log_tail(container_id))
+            .unwrap_or_default()
+    }
+
+    fn warm_stats(&self) -> WarmStats {
+        let mut total = WarmStats::default();
+        for r in self.remotes() {
+            let s = r.warm_stats();
+            total.target += s.target;
+            total.ready += s.ready;
+            total.warm_takes += s.warm_takes;
+            total.cold_takes += s.cold_takes;
+            total.discarded += s.discarded;
+        }
+        total
+    }
+
+    async fn shutdown(&self) {
+        for r in self.remotes() {
+            r.shutdown().await;
+        }
+    }
+}
+
+/// A container on one of the fleet's workers.
+struct FleetResident {
+    inner: Box<dyn Resident>,
+    fleet: Weak<Fleet>,
+    /// The worker's name.
+    node: String,
+    /// `<worker>/<its slot>`.
+    slot: String,
+}
+
+impl FleetResident {
+    fn forget(&self) {
+        if let Some(f) = self.fleet.upgrade() {
+            f.forget(self.inner.id());
+        }
+    }
+
+    fn worker_lost(&self) -> bool {
+        self.fleet.upgrade().is_none_or(|f| f.is_lost(&self.node))
+    }
+}
+
+#[async_trait]
+impl Resident for FleetResident {
+    fn id(&self) -> &str {
+        self.inner.id()
+    }
+    fn worker(&self) -> &str {
+        &self.slot
+    }
+    fn node(&self) -> Option<&str> {
+        Some(&self.node)
+    }
+    fn was_warm(&self) -> bool {
+        self.inner.was_warm()
+    }
+    async fn send(
+        &self,
+        req: &AgentRequest,
+        body: &[u8],
+    ) -> Result<mpsc::Receiver<(Reply, Vec<u8>)>, ConnError> {
+        self.inner.send(req, body).await
+    }
+    fn agent_version(&self) -> u32 {
+        self.inner.agent_version()
+    }
+    fn alive(&self) -> bool {
+        self.inner.alive() && !self.worker_lost()
+    }
+    fn exit_handle(&self) -> ExitHandle {
+        self.inner.exit_handle()
+    }
+    async fn set_frozen(&self, frozen: bool) -> Result<(), RuntimeError> {
+        self.inner.set_frozen(frozen).await
+    }
+    fn memory(&self) -> Option<u64> {
+        self.inner.memory()
+    }
+    async fn checkpoint(self: Box<Self>, image_dir: &Path) -> Result<(), RuntimeError> {
+        let FleetResident {
+            inner, fleet, node, ..
+        } = *self;
+        let id = inner.id().to_string();
+        let result = inner.checkpoint(image_dir).await;
+        if let Some(f) = fleet.upgrade() {
+            f.forget(&id);
+            tracing::debug!(container = %id, worker = %node, ok = result.is_ok(), "checkpointed on worker");
+        }
+        result
+    }
+    async fn destroy(self: Box<Self>) {
+        if self.worker_lost() {
+            // Nothing to call: the worker removes it when it registers again.
+            self.forget();
+            return;
+        }
+        self.forget();
+        self.inner.destroy().await
+    }
+    fn ingress_addr(&self) -> Option<std::net::Ipv4Addr> {
+        self.inner.ingress_addr()
+    }
+    async fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), RuntimeError> {
+        self.inner.apply_policy(policy).await
+    }
+    fn net_stats(&self) -> Option<NetStats> {
+        self.inner.net_stats()
+    }
+    async fn settle_connections(&self) {
+        self.inner.settle_connections().await
+    }
+}
+
+/// The controller's Cluster service: registrations and heartbeats of workers.
+struct ClusterService(Arc<Fleet>);
+
+fn caller(req: &Request<impl Sized>) -> Result<PeerInfo, Status> {
+    match req.extensions().get::<PeerInfo>() {
+        Some(p) if p.identity.role == Role::Worker => Ok(p.clone()),
+        _ => Err(Status::permission_denied("only workers may join a cluster")),
+    }
+}
+
+#[tonic::async_trait]
+impl ClusterRpc for ClusterService {
+    async fn register(
+        &self,
+        req: Request<pb::RegisterRequest>,
+    ) -> Result<Response<pb::RegisterReply>, Status> {
+        let peer = caller(&req)?;
+        self.0
+            .register(&peer, req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn heartbeat(
+        &self,
+        req: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatReply>, Status> {
+        let peer = caller(&req)?;
+        Ok(Response::new(self.0.heartbeat(&peer, req.into_inner())))
+    }
+}
+
+/// Refuses calls of another protocol version.
+fn check_controller_call(req: Request<()>) -> Result<Request<()>, Status> {
+    check_version(&req, "controller")?;
+    Ok(req)
+}
+
+/// Serves the Cluster service on `listener` to workers that pass `tls` (a controller's
+/// identity: it accepts workers), until `shutdown` resolves.
+pub async fn serve_cluster(
+    fleet: Arc<Fleet>,
+    listener: tokio::net::TcpListener,
+    tls: Arc<TlsSource>,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    let (incoming, accept_loop) = accept_verified(listener, tls)?;
+    let result = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            ClusterServer::new(ClusterService(fleet))
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE),
+            check_controller_call,
+        ))
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await;
+    accept_loop.abort();
+    Ok(result?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unspecified_host_is_the_callers_and_a_bad_address_is_refused() {
+        let peer: SocketAddr = "10.1.2.3:55555".parse().unwrap();
+        assert_eq!(node_addr("0.0.0.0:7443", peer).unwrap(), "10.1.2.3:7443");
+        assert_eq!(node_addr("10.9.9.9:7443", peer).unwrap(), "10.9.9.9:7443");
+        assert_eq!(
+            node_addr("[::]:7443", "[fd00::1]:4000".parse().unwrap()).unwrap(),
+            "[fd00::1]:7443"
+        );
+        assert_eq!(
+            node_addr("worker-1:7443", peer).unwrap_err().code(),
+            tonic::Code::InvalidArgument
+        );
+        assert_eq!(
+            node_addr("0.0.0.0:0", peer).unwrap_err().code(),
+            tonic::Code::InvalidArgument
+        );
+    }
+}

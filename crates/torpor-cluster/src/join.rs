@@ -1,0 +1,137 @@
+//! The worker's side of joining: registers with every controller it is given and heartbeats
+//! each, re-registering whenever a controller does not know it (the controller restarted, or
+//! marked it lost). Each controller is followed independently: one that is down does not
+//! delay the others.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::client::{call, TlsConnector};
+use crate::pb;
+use crate::pb::cluster_client::ClusterClient;
+use crate::server::NodeService;
+use crate::tls::TlsSource;
+use crate::MAX_MESSAGE;
+
+/// What a worker announces.
+#[derive(Debug, Clone)]
+pub struct JoinConfig {
+    /// `host:port` of each controller's `--cluster-listen`.
+    pub controllers: Vec<String>,
+    /// Where its Node service listens (an unspecified host: the controller uses the address
+    /// the registration came from).
+    pub node_addr: String,
+    pub slots: u32,
+    pub memory_budget: u64,
+    pub gpu_models: Vec<String>,
+    pub labels: BTreeMap<String, String>,
+    /// Fresh for this process.
+    pub run_id: String,
+    /// Deadline of each call to a controller.
+    pub deadline: Duration,
+}
+
+/// Joins every controller until `stop` turns true.
+pub async fn join(
+    cfg: JoinConfig,
+    tls: Arc<TlsSource>,
+    node: Arc<NodeService>,
+    stop: watch::Receiver<bool>,
+) {
+    let mut tasks = Vec::new();
+    for controller in cfg.controllers.clone() {
+        let cfg = cfg.clone();
+        let tls = tls.clone();
+        let node = node.clone();
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            follow(controller, cfg, tls, node, stop).await
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+}
+
+async fn follow(
+    controller: String,
+    cfg: JoinConfig,
+    tls: Arc<TlsSource>,
+    node: Arc<NodeService>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let channel = match TlsConnector::channel(&controller, tls, cfg.deadline) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(%controller, error = %e, "cannot join this controller");
+            return;
+        }
+    };
+    let client = ClusterClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE)
+        .max_encoding_message_size(MAX_MESSAGE);
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        // Register (again).
+        let register = pb::RegisterRequest {
+            node_addr: cfg.node_addr.clone(),
+            slots: cfg.slots,
+            memory_budget: cfg.memory_budget,
+            gpu_models: cfg.gpu_models.clone(),
+            labels: cfg.labels.clone().into_iter().collect(),
+            run_id: cfg.run_id.clone(),
+        };
+        let every = match client.clone().register(call(register, cfg.deadline)).await {
+            Ok(r) => {
+                let r = r.into_inner();
+                tracing::info!(%controller, name = %r.controller, "registered with controller");
+                backoff = Duration::from_millis(200);
+                Duration::from_millis(r.heartbeat_ms.clamp(100, 60_000))
+            }
+            Err(st) => {
+                tracing::warn!(%controller, error = %st, "registration failed; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = stop.changed() => return,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        // Heartbeat until the controller forgets this worker.
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut draining = false;
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.changed() => return,
+            }
+            let (busy, resident_memory) = node.load();
+            let beat = pb::HeartbeatRequest {
+                run_id: cfg.run_id.clone(),
+                busy,
+                resident_memory,
+            };
+            match client.clone().heartbeat(call(beat, cfg.deadline)).await {
+                Ok(r) => {
+                    let r = r.into_inner();
+                    if !r.known {
+                        tracing::warn!(%controller, "the controller does not know this worker; registering again");
+                        break;
+                    }
+                    if r.draining != draining {
+                        draining = r.draining;
+                        tracing::info!(%controller, draining, "drain state changed");
+                    }
+                }
+                Err(st) => {
+                    tracing::warn!(%controller, error = %st, "heartbeat failed");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! `torpor controller`: the public API (v1, E2B, ingress proxy, KEDA scaler, metrics) over the
+//! cluster's workers. State lives in PostgreSQL (`--database`), snapshots in the shared store
+//! (`--store`); workers join it on `--cluster-listen` (gRPC, mutual TLS) and it drives them as
+//! one fleet (`torpor_cluster::Fleet`). See docs/CLUSTER.md.
+//!
+//! What this slice does not do yet (docs/CLUSTER.md, "Not yet"): two controllers on one
+//! database (each would reconcile the other's sandboxes), and moving images between machines
+//! (workers read templates and checkpoints at the paths the controller names: one machine, or
+//! a data directory shared at the same path).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use torpor_cluster::{Fleet, FleetConfig, Side, TlsFiles, TlsMetrics, TlsSource};
+
+use crate::common::ENV_DATA_DIR;
+use crate::daemon::{self, ClusterRole};
+
+#[derive(Args)]
+pub struct ControllerArgs {
+    /// The state store: postgres://user:password@host:port/database (the password may come
+    /// from PGPASSWORD instead).
+    #[arg(long)]
+    database: String,
+    #[command(flatten)]
+    store: crate::snapshot::StoreArgs,
+    /// The public API.
+    #[arg(long, default_value = crate::common::DEFAULT_LISTEN)]
+    listen: SocketAddr,
+    /// Where workers join (gRPC over mutual TLS), e.g. 0.0.0.0:7443.
+    #[arg(long)]
+    cluster_listen: SocketAddr,
+    /// cert.pem, key.pem and ca.pem of this controller (`torpor ca issue --role controller`);
+    /// re-read when they change.
+    #[arg(long)]
+    tls_dir: PathBuf,
+    /// The admin token (one line), the same file for every controller.
+    #[arg(long)]
+    admin_token_file: PathBuf,
+    /// Local files of this controller: the env-key file (the same for every controller of one
+    /// database), the audit log, uploads and template builds.
+    #[arg(long, env = ENV_DATA_DIR)]
+    data_dir: Option<PathBuf>,
+    /// How often workers heartbeat.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..))]
+    heartbeat_ms: u64,
+    /// Silence after which a worker is lost and its sandboxes resume elsewhere.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(500..))]
+    worker_lost_after_ms: u64,
+    /// How long a call waits (parked) for a free worker before 503 no_worker_available.
+    #[arg(long, default_value_t = 5000)]
+    worker_wait_ms: u64,
+    /// How long an explicit suspend waits for calls in flight before 409 sandbox_busy.
+    #[arg(long, default_value_t = 30_000)]
+    drain_timeout_ms: u64,
+    /// How many calls may wait for a worker at once; beyond it, 503 lot_full.
+    #[arg(long, default_value_t = 1024)]
+    lot_size: usize,
+    /// How often the idle policy runs.
+    #[arg(long, default_value_t = 500)]
+    tick_ms: u64,
+    /// Serve KEDA's external scaler (gRPC) on this address.
+    #[arg(long)]
+    keda_listen: Option<SocketAddr>,
+    /// The only host directory a tenant's template source may name.
+    #[arg(long)]
+    import_dir: Option<PathBuf>,
+    /// Brokers event-driven pools may name, as HOST[:PORT].
+    #[arg(long, value_delimiter = ',')]
+    broker_allow: Vec<String>,
+    /// Serve GET /metrics without a token on this separate address.
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
+    /// API requests per second for tenants created without `requests_per_s`.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
+    default_requests_per_s: u64,
+}
+
+pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
+    if !(args.database.starts_with("postgres://") || args.database.starts_with("postgresql://")) {
+        bail!("--database must be a postgres:// URL (cluster state lives in PostgreSQL)");
+    }
+    let admin_token = std::fs::read_to_string(&args.admin_token_file)
+        .with_context(|| {
+            format!(
+                "cannot read the admin token file {}",
+                args.admin_token_file.display()
+            )
+        })?
+        .trim()
+        .to_string();
+    if admin_token.len() < 16 || admin_token.chars().any(char::is_whitespace) {
+        bail!(
+            "{}: the admin token must be one word of at least 16 characters",
+            args.admin_token_file.display()
+        );
+    }
+    let metrics = TlsMetrics::new();
+    let tls = TlsSource::load(
+        TlsFiles::in_dir(&args.tls_dir),
+        Side::Controller,
+        metrics.clone(),
+    )
+    .context("cannot load the controller's TLS files")?;
+    let listener = tokio::net::TcpListener::bind(args.cluster_listen)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot listen on {} (--cluster-listen)",
+                args.cluster_listen
+            )
+        })?;
+    let fleet = Fleet::new(
+        tls.clone(),
+        FleetConfig {
+            heartbeat: Duration::from_millis(args.heartbeat_ms),
+            lost_after: Duration::from_millis(args.worker_lost_after_ms),
+            ..FleetConfig::default()
+        },
+    );
+    tracing::info!(identity = %tls.identity(), cluster_listen = %args.cluster_listen, "controller");
+    daemon::up(daemon::UpConfig {
+        listen: args.listen,
+        data_dir: args.data_dir.unwrap_or_else(daemon::default_data_dir),
+        workers: None,
+        runsc: None,
+        platform: None,
+        worker_wait: Duration::from_millis(args.worker_wait_ms),
+        drain_timeout: Duration::from_millis(args.drain_timeout_ms),
+        lot_capacity: args.lot_size.max(1),
+        memory_budget: None,
+        tick: Duration::from_millis(args.tick_ms.max(50)),
+        warm_pool: Some(0),
+        gpu_inventory: None,
+        gpu_quotas: None,
+        cuda_checkpoint: None,
+        snapshots: args.store.config(),
+        keda_listen: args.keda_listen,
+        import_dir: args.import_dir,
+        broker_allow: args.broker_allow,
+        metrics_listen: args.metrics_listen,
+        default_requests_per_s: args.default_requests_per_s,
+        max_connections: None,
+        header_read_timeout: Duration::from_millis(crate::serve::DEFAULT_HEADER_READ_TIMEOUT_MS),
+        max_sandbox_connections: None,
+        cluster: Some(ClusterRole {
+            fleet,
+            database: args.database,
+            admin_token,
+            listener,
+            tls,
+            tls_metrics: metrics,
+        }),
+    })
+    .await
+}
+
+/// The fleet as the API's node directory.
+pub struct FleetNodes(pub Arc<Fleet>);
+
+impl torpor_api::nodes::NodeDirectory for FleetNodes {
+    fn nodes(&self) -> Vec<torpor_api::nodes::NodeView> {
+        self.0.nodes().into_iter().map(view).collect()
+    }
+
+    fn drain(&self, name: &str) -> Option<torpor_api::nodes::NodeView> {
+        self.0.drain(name).ok().map(view)
+    }
+}
+
+fn view(n: torpor_cluster::NodeStatus) -> torpor_api::nodes::NodeView {
+    torpor_api::nodes::NodeView {
+        name: n.name,
+        state: n.state.to_string(),
+        workers: n.workers,
+        busy: n.busy,
+        memory_budget_bytes: n.memory_budget_bytes,
+        resident_memory_bytes: n.resident_memory_bytes,
+        last_seen_at: torpor_api::types::rfc3339(n.last_seen_at as i64),
+        addr: Some(n.addr),
+        gpu_models: n.gpu_models,
+        labels: n.labels,
+    }
+}

@@ -1,0 +1,483 @@
+//! Cluster mode end to end: a real `torpor controller` (state in a real PostgreSQL) and three
+//! real `torpor worker` processes (real runsc, each its own data directory and cgroup prefix)
+//! that join it over mutual TLS with certificates from the real `torpor ca`. Everything goes
+//! through the public API, as an operator and an agent developer would drive it.
+//!
+//! Run as root, like the other end-to-end tests (`RUST_TEST_THREADS=1`); PostgreSQL comes
+//! from Debian's package (scripts/deps.sh), started by the test (`store::pg_testing`).
+
+#[path = "common/cluster.rs"]
+mod cluster;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime};
+
+use serde_json::{json, Value};
+use torpor_cluster::{Ca, MemberName, Role};
+use torpor_control::store::pg_testing;
+
+const TOKEN: &str = "tpr_admin_cluster_e2e_0123456789";
+
+struct Controller {
+    api: String,
+    cluster: String,
+    log: PathBuf,
+    child: Child,
+}
+
+impl Controller {
+    async fn start(tmp: &Path, database: &str) -> Controller {
+        let token = tmp.join("admin-token");
+        std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+        let api = format!("127.0.0.1:{}", cluster::free_port());
+        let cluster_addr = format!("127.0.0.1:{}", cluster::free_port());
+        let data = tmp.join("controller");
+        std::fs::create_dir_all(&data).unwrap();
+        let log = tmp.join("controller.log");
+        let child = Command::new(cluster::BIN)
+            .args(["controller", "--database", database])
+            .args(["--store", tmp.join("store").to_str().unwrap()])
+            .args(["--listen", &api, "--cluster-listen", &cluster_addr])
+            .args(["--tls-dir", tmp.join("c1").to_str().unwrap()])
+            .args(["--admin-token-file", token.to_str().unwrap()])
+            .args(["--data-dir", data.to_str().unwrap()])
+            .args(["--heartbeat-ms", "200", "--worker-lost-after-ms", "2000"])
+            .args(["--tick-ms", "100"])
+            .env("TORPOR_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut c = Controller {
+            api,
+            cluster: cluster_addr,
+            log,
+            child,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if reqwest::get(format!("http://{}/healthz", c.api))
+                .await
+                .is_ok_and(|r| r.status().is_success())
+            {
+                return c;
+            }
+            if let Some(status) = c.child.try_wait().unwrap() {
+                panic!("controller exited with {status}:\n{}", c.log());
+            }
+            assert!(Instant::now() < deadline, "controller not up:\n{}", c.log());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let client = reqwest::Client::new();
+        let mut req = client
+            .request(method, format!("http://{}{path}", self.api))
+            .bearer_auth(TOKEN)
+            .timeout(Duration::from_secs(120));
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    async fn ok(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
+        let (status, v) = self.call(method, path, body).await;
+        assert!(
+            (200..300).contains(&status),
+            "{path}: {status} {v}\n{}",
+            self.log()
+        );
+        v
+    }
+
+    async fn nodes(&self) -> Vec<Value> {
+        self.ok(reqwest::Method::GET, "/v1/nodes", None)
+            .await
+            .as_array()
+            .unwrap()
+            .clone()
+    }
+
+    /// Waits until `/v1/nodes` says `want(name -> state)`.
+    async fn wait_nodes(&self, what: &str, want: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let nodes = self.nodes().await;
+            if want(&nodes) {
+                return nodes;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: nodes {nodes:?}\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn exec(&self, id: &str, script: &str) -> String {
+        let v = self
+            .ok(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(json!({"cmd": ["sh", "-c", script]})),
+            )
+            .await;
+        assert_eq!(v["exit_code"], 0, "{script}: {v}");
+        v["stdout"].as_str().unwrap().to_string()
+    }
+
+    async fn sandbox(&self, id: &str) -> Value {
+        self.ok(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
+            .await
+    }
+
+    /// `torpor_cluster_tls_refusals_total{side="controller",reason}` from /metrics.
+    async fn refusals(&self, reason: &str) -> u64 {
+        let text = reqwest::Client::new()
+            .get(format!("http://{}/metrics", self.api))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let series =
+            format!("torpor_cluster_tls_refusals_total{{reason=\"{reason}\",side=\"controller\"}}");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .map_or(0, |v| v.trim().parse().unwrap())
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Worker {
+    name: String,
+    data: PathBuf,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Worker {
+    fn start(tmp: &Path, tls: &str, name: &str, controller: &str) -> Worker {
+        let data = tmp.join(format!("data-{name}"));
+        std::fs::create_dir_all(&data).unwrap();
+        let log = tmp.join(format!("{name}.log"));
+        let child = Command::new(cluster::BIN)
+            .args(["worker", "--controller", controller])
+            .args(["--tls-dir", tmp.join(tls).to_str().unwrap()])
+            .args(["--data-dir", data.to_str().unwrap()])
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--workers",
+                "2",
+                "--warm-pool",
+                "1",
+            ])
+            .args(["--memory-budget", "2G"])
+            .env("TORPOR_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Worker {
+            name: name.to_string(),
+            data,
+            log,
+            child: Some(child),
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn sigkill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // What a SIGKILLed worker left: its runsc containers, maybe frozen (a frozen process
+        // cannot die): thaw its groups (named like its bundle directories), then delete.
+        for group in std::fs::read_dir(self.data.join("workers"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let state = Path::new("/sys/fs/cgroup/freezer/torpor")
+                .join(group.file_name())
+                .join("freezer.state");
+            let _ = std::fs::write(state, "THAWED");
+        }
+        let _ = Command::new("runsc")
+            .arg("--root")
+            .arg(self.data.join("runsc"))
+            .args(["list", "-quiet"])
+            .output()
+            .map(|out| {
+                for id in String::from_utf8_lossy(&out.stdout).lines() {
+                    let _ = Command::new("runsc")
+                        .arg("--root")
+                        .arg(self.data.join("runsc"))
+                        .args(["delete", "-force", id])
+                        .output();
+                }
+            });
+    }
+}
+
+fn state_of<'a>(nodes: &'a [Value], name: &str) -> Option<&'a str> {
+    nodes
+        .iter()
+        .find(|n| n["name"] == name)
+        .and_then(|n| n["state"].as_str())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_cannot_join() {
+    // The PostgreSQL harness is synchronous (its own runtime): off this one's threads.
+    let database = tokio::task::spawn_blocking(|| {
+        pg_testing::server().map(|pg| pg.url(&pg_testing::new_database(pg)))
+    })
+    .await
+    .unwrap();
+    let Some(database) = database else {
+        return;
+    };
+    let tmp = tempfile::Builder::new()
+        .prefix("torpor-cluster-mode-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
+    let ca = dir.join("ca");
+    cluster::ca_init(&ca, "e2e.cluster");
+    cluster::ca_issue(&ca, "controller", "c1", &dir.join("c1"), "1h");
+    for w in ["w1", "w2", "w3"] {
+        cluster::ca_issue(&ca, "worker", w, &dir.join(w), "1h");
+    }
+    let controller = Controller::start(dir, &database).await;
+    let mut workers: Vec<Worker> = ["w1", "w2", "w3"]
+        .iter()
+        .map(|w| Worker::start(dir, w, w, &controller.cluster))
+        .collect();
+
+    // Registration: every worker is ready with what it declared.
+    let nodes = controller
+        .wait_nodes("three ready workers", |n| {
+            ["w1", "w2", "w3"]
+                .iter()
+                .all(|w| state_of(n, w) == Some("ready"))
+        })
+        .await;
+    for n in &nodes {
+        assert_eq!(n["workers"], 2, "{n}");
+        assert_eq!(n["memory_budget_bytes"], 2u64 << 30, "{n}");
+        assert!(n["last_seen_at"].as_str().unwrap().ends_with('Z'), "{n}");
+    }
+
+    // The built-in template is built on a worker once one joined.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let (status, t) = controller
+            .call(reqwest::Method::GET, "/v1/templates/host", None)
+            .await;
+        if status == 200 && t["status"] == "ready" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "host template: {status} {t}\n{}",
+            controller.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // A sandbox with state in files, memory (tmpfs) and a process.
+    let sb = controller
+        .ok(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "host"})),
+        )
+        .await;
+    let id = sb["id"].as_str().unwrap().to_string();
+    controller
+        .exec(
+            &id,
+            "echo disk-1 > /tmp/state; mkdir -p /dev/shm && echo mem-1 > /dev/shm/state; \
+             (setsid sleep 100000 </dev/null >/dev/null 2>&1 &); sleep 0.2; pgrep -x sleep > /tmp/pid",
+        )
+        .await;
+    let check = "cat /tmp/state /dev/shm/state; kill -0 $(cat /tmp/pid) && echo process-alive";
+    let first = controller.sandbox(&id).await;
+    let first_node = first["node"]
+        .as_str()
+        .expect("a resident sandbox names its node")
+        .to_string();
+    assert!(
+        first["worker"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("{first_node}/")),
+        "{first}"
+    );
+
+    // Drained, its worker keeps it but takes nothing new; parked, it wakes elsewhere.
+    let drained = controller
+        .ok(
+            reqwest::Method::POST,
+            &format!("/v1/nodes/{first_node}/drain"),
+            None,
+        )
+        .await;
+    assert_eq!(drained["state"], "draining");
+    controller
+        .ok(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{id}/suspend"),
+            Some(json!({"tier": "parked"})),
+        )
+        .await;
+    let parked = controller.sandbox(&id).await;
+    assert_eq!(parked["node"], Value::Null, "asleep: no node: {parked}");
+    assert_eq!(
+        controller.exec(&id, check).await,
+        "disk-1\nmem-1\nprocess-alive\n"
+    );
+    let second = controller.sandbox(&id).await;
+    let second_node = second["node"].as_str().unwrap().to_string();
+    assert_ne!(second_node, first_node, "woke on another worker: {second}");
+    assert_ne!(second["worker"], first["worker"]);
+
+    // Committed (parked) again, then changed, then its worker dies: it comes back from the
+    // last snapshot on a third worker, and says what it lost.
+    controller
+        .ok(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{id}/suspend"),
+            Some(json!({"tier": "parked"})),
+        )
+        .await;
+    controller.exec(&id, "echo disk-2 > /tmp/state").await;
+    let holding = controller.sandbox(&id).await["node"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let victim = workers.iter_mut().find(|w| w.name == holding).unwrap();
+    victim.sigkill();
+    controller
+        .wait_nodes("the killed worker is lost", |n| {
+            state_of(n, &holding) == Some("lost")
+        })
+        .await;
+    let after = controller.exec(&id, check).await;
+    assert_eq!(
+        after, "disk-1\nmem-1\nprocess-alive\n",
+        "back to the last snapshot (disk-2 came after it)"
+    );
+    let back = controller.sandbox(&id).await;
+    let third_node = back["node"].as_str().unwrap();
+    assert!(
+        third_node != holding && third_node != first_node,
+        "resumed on the worker neither lost nor drained: {back}"
+    );
+    let err = back["last_error"].as_str().unwrap_or_default();
+    assert!(
+        err.contains(&format!("worker {holding} was lost")) && err.contains("taken at"),
+        "last_error says what happened: {back}"
+    );
+
+    // Strangers: a worker certificate from another CA, and an expired one, cannot join.
+    let other = dir.join("other-ca");
+    cluster::ca_init(&other, "e2e.cluster");
+    cluster::ca_issue(&other, "worker", "w9", &dir.join("w9"), "1h");
+    let ca = Ca::load(&ca).unwrap();
+    let now = SystemTime::now();
+    ca.issue_between(
+        Role::Worker,
+        &MemberName::new("w8").unwrap(),
+        now - Duration::from_secs(2 * 3600),
+        now - Duration::from_secs(60),
+    )
+    .unwrap()
+    .write_to(&dir.join("w8"))
+    .unwrap();
+    // The stranger's worker already refuses the controller's certificate (another CA), so
+    // the controller sees the handshake fail; the expired one is refused by the controller.
+    let before = (
+        controller.refusals("handshake").await + controller.refusals("unknown_ca").await,
+        controller.refusals("expired").await,
+    );
+    let stranger = Worker::start(dir, "w9", "w9", &controller.cluster);
+    let expired = Worker::start(dir, "w8", "w8", &controller.cluster);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = (
+            controller.refusals("handshake").await + controller.refusals("unknown_ca").await,
+            controller.refusals("expired").await,
+        );
+        if now.0 > before.0 && now.1 > before.1 && stranger.log().contains("unknown_ca") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "refusals not counted ({before:?} -> {now:?}):\n{}\n{}",
+            stranger.log(),
+            expired.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let nodes = controller.nodes().await;
+    assert!(
+        state_of(&nodes, "w9").is_none() && state_of(&nodes, "w8").is_none(),
+        "{nodes:?}"
+    );
+    assert!(controller.log().contains("cluster peer refused"));
+    // The cluster still serves.
+    assert_eq!(controller.exec(&id, "cat /tmp/state").await, "disk-1\n");
+    controller
+        .ok(
+            reqwest::Method::DELETE,
+            &format!("/v1/sandboxes/{id}"),
+            None,
+        )
+        .await;
+}
