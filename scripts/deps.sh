@@ -9,6 +9,7 @@
 #   prometheus (promtool) the observability tests: rules, alerts, a real scrape
 #   postgresql            the PostgreSQL state store's tests start a private server from its binaries
 #   chromium              the observability test renders the cost report in a real browser
+#   python3-venv          deploy/k8s/validate.sh makes a venv with PyPI's kubernetes-validate
 #   a Rust toolchain      to build torpor (rustup, when cargo is missing)
 set -euo pipefail
 
@@ -21,6 +22,7 @@ need_apt=()
 command -v runsc >/dev/null 2>&1 || need_apt+=(runsc)
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 command -v pip3 >/dev/null 2>&1 || python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
+python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v ldd >/dev/null 2>&1 || need_apt+=(libc-bin)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
 command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
