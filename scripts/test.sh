@@ -16,6 +16,9 @@ cargo fmt --all -- --check
 echo "== deploy/k8s manifests" && bash deploy/k8s/validate.sh  # kubernetes-validate + the CRDs' schemas
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+# PostgreSQL tests (the state store's, cluster mode's) start their own server from the binaries
+# deps.sh installed, and must not skip here.
+export TORPOR_TEST_POSTGRES=required
 echo "== cargo test (workspace but torpor-control)"
 cargo test --workspace --exclude torpor-control --no-fail-fast --quiet 2>&1 | tee /tmp/torpor-test.log
 
@@ -25,9 +28,7 @@ cargo test --workspace --exclude torpor-control --no-fail-fast --quiet 2>&1 | te
 # directory `nobody` cannot enter (`/root`, mode 0700). The test binaries must therefore
 # read nothing from the source tree (fixtures are compiled in).
 echo "== cargo test -p torpor-control (unprivileged)"
-# The PostgreSQL state store's tests start their own server (as `nobody`, from the binaries
-# deps.sh installed) and must not skip here.
-export TORPOR_TEST_POSTGRES=required
+# (The PostgreSQL state store's tests start their server as `nobody` here.)
 control_bins=$(cargo test -p torpor-control --no-run --quiet --message-format=json \
   | python3 -c 'import json, sys
 for line in sys.stdin:
