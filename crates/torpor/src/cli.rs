@@ -537,8 +537,10 @@ async fn dispatch(cmd: Command) -> CliResult {
             Ok(crate::worker::run(w).await.map(|()| 0)?)
         }
         Command::Controller(c) => {
-            init_logging();
-            Ok(crate::controller::run(c).await.map(|()| 0)?)
+            let telemetry = crate::telemetry::Telemetry::init(&c.telemetry)?;
+            let run = crate::controller::run(c).await;
+            telemetry.shutdown().await;
+            Ok(run.map(|()| 0)?)
         }
         Command::K8s(k) => {
             init_logging();

@@ -78,6 +78,8 @@ pub struct ControllerArgs {
     /// API requests per second for tenants created without `requests_per_s`.
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
     default_requests_per_s: u64,
+    #[command(flatten)]
+    pub telemetry: crate::telemetry::TelemetryArgs,
 }
 
 pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
