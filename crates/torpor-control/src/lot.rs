@@ -17,6 +17,13 @@
 //! its place in the tenants' round-robin, only after its budget is refused at once
 //! ([`LotError::WouldWait`], with the expected wait for `Retry-After`) instead of waiting the
 //! budget out and failing anyway; every call that can be served in time is admitted.
+//!
+//! Before the lot has measured a hand-off (a cold burst: every call arrives in the same
+//! instant), the rate is seeded from the node's turnaround ([`WorkerPool::note_turnaround`]):
+//! freeing a worker costs a checkpoint and serving the call a restore, as many at once as the
+//! node has cores. Whenever the rate changes (a seed, a hand-off) the calls already parked are
+//! checked again in the order they would be served: one that can no longer be served before its
+//! deadline leaves the lot at once with [`LotError::WouldWait`], the others keep their places.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -43,6 +50,9 @@ struct Service {
     samples: u32,
     /// The last hand-off (or the moment the lot stopped being empty), while calls wait.
     since: Option<Instant>,
+    /// Seconds between hand-offs predicted from the node's turnaround (checkpoint + restore
+    /// over the cores), an exponential average; used until hand-offs are measured.
+    seed_s: Option<f64>,
 }
 
 /// Hand-offs measured before admission trusts the rate.
@@ -55,7 +65,10 @@ impl Service {
         if let Some(since) = self.since {
             let dt = now.duration_since(since).as_secs_f64();
             self.interval_s = if self.samples == 0 {
-                dt
+                // The seed, if any, is the prior: one early outlier (a cold pipeline filling)
+                // does not decide the rate alone.
+                self.seed_s
+                    .map_or(dt, |seed| ALPHA * dt + (1.0 - ALPHA) * seed)
             } else {
                 ALPHA * dt + (1.0 - ALPHA) * self.interval_s
             };
@@ -64,11 +77,42 @@ impl Service {
         self.since = still_waiting.then_some(now);
     }
 
-    /// The expected wait of a call served after `position` hand-offs; `None` until measured.
-    fn expected_wait(&self, position: usize) -> Option<Duration> {
-        (self.samples >= MIN_SAMPLES)
-            .then(|| Duration::from_secs_f64(self.interval_s * position as f64))
+    fn seed(&mut self, interval_s: f64) {
+        self.seed_s = Some(match self.seed_s {
+            None => interval_s,
+            Some(old) => ALPHA * interval_s + (1.0 - ALPHA) * old,
+        });
     }
+
+    /// Seconds between hand-offs: measured once trusted, else the seed; `None` when neither.
+    fn interval(&self) -> Option<f64> {
+        if self.samples >= MIN_SAMPLES {
+            Some(self.interval_s)
+        } else {
+            self.seed_s
+        }
+    }
+
+    /// The expected wait of a call served after `position` hand-offs; `None` until measured
+    /// or seeded.
+    fn expected_wait(&self, position: usize) -> Option<Duration> {
+        self.interval()
+            .map(|i| Duration::from_secs_f64(i * position as f64))
+    }
+}
+
+/// What a parked call is sent: a worker, or its refusal when a re-check finds that at the
+/// current rate it would be served only after its deadline (about this long from now).
+enum Handoff {
+    Worker(WorkerPermit),
+    Refused(Duration),
+}
+
+/// A parked call: its ticket, when its budget runs out, where to send its outcome.
+struct Waiter {
+    ticket: u64,
+    deadline: Instant,
+    tx: oneshot::Sender<Handoff>,
 }
 
 pub struct WorkerPool {
@@ -83,7 +127,7 @@ struct PoolState {
     free: usize,
     /// Permits to swallow as they come back: the pool shrank below what is held.
     owed: usize,
-    queues: HashMap<TenantId, VecDeque<(u64, oneshot::Sender<WorkerPermit>)>>,
+    queues: HashMap<TenantId, VecDeque<Waiter>>,
     /// Tenants with parked calls, in the order they are served next.
     order: VecDeque<TenantId>,
     parked: usize,
@@ -183,9 +227,23 @@ impl WorkerPool {
         self.lock().parked
     }
 
-    /// The measured interval between hand-offs to parked calls; `None` until measured.
+    /// The interval between hand-offs to parked calls, measured or seeded; `None` before both.
     pub fn service_interval(&self) -> Option<Duration> {
         self.lock().service.expected_wait(1)
+    }
+
+    /// The node's turnaround for one parked call measured: `turnaround` (a checkpoint freeing a
+    /// worker plus the restore that serves the call) with `parallel` of them running at once.
+    /// Seeds the service rate until hand-offs are measured, and re-checks the parked calls.
+    pub fn note_turnaround(&self, turnaround: Duration, parallel: usize) {
+        self.note_turnaround_at(turnaround, parallel, Instant::now());
+    }
+
+    fn note_turnaround_at(&self, turnaround: Duration, parallel: usize, now: Instant) {
+        let mut st = self.lock();
+        st.service
+            .seed(turnaround.as_secs_f64() / parallel.max(1) as f64);
+        recheck(&mut st, now);
     }
 
     /// How long a new call of `tenant` would wait now, if it had to park (`None`: not measured
@@ -247,7 +305,11 @@ impl WorkerPool {
             st.queues
                 .get_mut(tenant)
                 .expect("just inserted")
-                .push_back((ticket, tx));
+                .push_back(Waiter {
+                    ticket,
+                    deadline: Instant::now() + budget,
+                    tx,
+                });
             st.parked += 1;
             if st.parked == 1 {
                 st.service.since = Some(Instant::now());
@@ -262,18 +324,18 @@ impl WorkerPool {
             rx: Some(rx),
         };
         let rx = place.rx.as_mut().expect("set above");
-        match tokio::time::timeout(budget, rx).await {
-            Ok(Ok(permit)) => {
+        let outcome = match tokio::time::timeout(budget, rx).await {
+            Ok(Ok(handoff)) => {
                 place.rx = None;
-                Ok((permit, Parked::Waited(started.elapsed())))
+                Some(handoff)
             }
-            _ => {
-                // Leave the lot; a permit sent in the meantime is taken rather than lost.
-                if let Some(permit) = place.leave() {
-                    return Ok((permit, Parked::Waited(started.elapsed())));
-                }
-                Err(LotError::Timeout)
-            }
+            // Leave the lot; a permit sent in the meantime is taken rather than lost.
+            _ => place.leave(),
+        };
+        match outcome {
+            Some(Handoff::Worker(permit)) => Ok((permit, Parked::Waited(started.elapsed()))),
+            Some(Handoff::Refused(wait)) => Err(LotError::WouldWait(wait)),
+            None => Err(LotError::Timeout),
         }
     }
 
@@ -288,7 +350,7 @@ impl WorkerPool {
             let Some(queue) = st.queues.get_mut(&tenant) else {
                 continue;
             };
-            let Some((_, tx)) = queue.pop_front() else {
+            let Some(Waiter { tx, .. }) = queue.pop_front() else {
                 st.queues.remove(&tenant);
                 continue;
             };
@@ -302,16 +364,20 @@ impl WorkerPool {
             let permit = WorkerPermit {
                 pool: Some(self.clone()),
             };
-            match tx.send(permit) {
+            match tx.send(Handoff::Worker(permit)) {
                 Ok(()) => {
+                    let now = Instant::now();
                     let waiting = st.parked > 0;
-                    st.service.record(Instant::now(), waiting);
+                    st.service.record(now, waiting);
+                    recheck(&mut st, now);
                     return;
                 }
                 // That call gave up; its permit came back here. Forget it (no release loop)
                 // and try the next waiter.
-                Err(mut returned) => {
-                    returned.pool = None;
+                Err(returned) => {
+                    if let Handoff::Worker(mut permit) = returned {
+                        permit.pool = None;
+                    }
                 }
             }
         }
@@ -328,22 +394,81 @@ fn position(st: &PoolState, tenant: &TenantId) -> usize {
     (st.parked + 1).min((own + 1) * tenants.max(1))
 }
 
+/// Checks the parked calls again at the current rate, in the order [`WorkerPool::release`]
+/// serves them (tenants in turn, each tenant's calls in order): a call whose expected wait at
+/// its place passes its deadline is refused at once and leaves, and the calls behind it move
+/// up. The calls that stay keep their order; no permit is involved, so none can be lost.
+fn recheck(st: &mut PoolState, now: Instant) {
+    let Some(interval) = st.service.interval() else {
+        return;
+    };
+    if st.parked == 0 {
+        return;
+    }
+    let mut refused: Vec<(TenantId, u64, Duration)> = Vec::new();
+    {
+        let mut turns: VecDeque<&TenantId> = st.order.iter().collect();
+        let mut next: HashMap<&TenantId, usize> = HashMap::new();
+        let mut served = 0usize;
+        while let Some(tenant) = turns.pop_front() {
+            let Some(queue) = st.queues.get(tenant) else {
+                continue;
+            };
+            let i = next.entry(tenant).or_default();
+            // This turn goes to the tenant's first call that can still make it.
+            while let Some(w) = queue.get(*i) {
+                *i += 1;
+                let wait = Duration::from_secs_f64(interval * (served + 1) as f64);
+                if now + wait > w.deadline {
+                    refused.push((tenant.clone(), w.ticket, wait));
+                } else {
+                    served += 1;
+                    break;
+                }
+            }
+            if *i < queue.len() {
+                turns.push_back(tenant);
+            }
+        }
+    }
+    for (tenant, ticket, wait) in refused {
+        let Some(queue) = st.queues.get_mut(&tenant) else {
+            continue;
+        };
+        let Some(pos) = queue.iter().position(|w| w.ticket == ticket) else {
+            continue;
+        };
+        let waiter = queue.remove(pos).expect("found above");
+        if queue.is_empty() {
+            st.queues.remove(&tenant);
+            st.order.retain(|t| *t != tenant);
+        }
+        st.parked -= 1;
+        // A call that went away meanwhile cannot be told; it is out of the lot either way.
+        let _ = waiter.tx.send(Handoff::Refused(wait));
+    }
+    if st.parked == 0 {
+        st.service.since = None;
+    }
+}
+
 /// A call's place in the lot; dropping it (the client went away) gives the place up.
 struct Place<'a> {
     pool: &'a Arc<WorkerPool>,
     tenant: &'a TenantId,
     ticket: u64,
-    rx: Option<oneshot::Receiver<WorkerPermit>>,
+    rx: Option<oneshot::Receiver<Handoff>>,
 }
 
 impl Place<'_> {
-    /// Removes this call from the lot. Returns a permit that was sent to it meanwhile.
-    fn leave(&mut self) -> Option<WorkerPermit> {
+    /// Removes this call from the lot. Returns what was sent to it meanwhile (a permit, or its
+    /// refusal by a re-check).
+    fn leave(&mut self) -> Option<Handoff> {
         let mut rx = self.rx.take()?;
         {
             let mut st = self.pool.lock();
             if let Some(queue) = st.queues.get_mut(self.tenant) {
-                if let Some(pos) = queue.iter().position(|(t, _)| *t == self.ticket) {
+                if let Some(pos) = queue.iter().position(|w| w.ticket == self.ticket) {
                     queue.remove(pos);
                     if queue.is_empty() {
                         st.queues.remove(self.tenant);
@@ -357,7 +482,7 @@ impl Place<'_> {
                 }
             }
         }
-        // Not queued any more: release() already sent us a permit.
+        // Not queued any more: release() already sent us a permit, or a re-check our refusal.
         rx.try_recv().ok()
     }
 }
@@ -588,13 +713,197 @@ mod tests {
         assert!(admitted.await.unwrap().is_ok());
     }
 
+    type Call = tokio::task::JoinHandle<Result<WorkerPermit, LotError>>;
+
+    /// Starts a call of `tenant` and waits until it is parked (`None`) or answered at once.
+    async fn arrive(pool: &Arc<WorkerPool>, tenant: &str, budget: Duration) -> Call {
+        let before = pool.parked();
+        let (p, tn) = (pool.clone(), t(tenant));
+        let call = tokio::spawn(async move { p.acquire(&tn, budget).await.map(|x| x.0) });
+        while pool.parked() == before && !call.is_finished() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        call
+    }
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    #[tokio::test]
+    async fn a_cold_burst_is_refused_at_once_once_the_rate_is_seeded() {
+        // Seeded before the burst: a turnaround of 20 s, two at once, is a hand-off every
+        // 10 s. With a 25 s budget the first two calls in line can be served, the rest not.
+        let pool = WorkerPool::new(1, 64);
+        let held = pool.try_acquire().unwrap();
+        pool.note_turnaround(secs(20), 2);
+        assert_eq!(pool.service_interval(), Some(secs(10)));
+        let mut burst = Vec::new();
+        for _ in 0..6 {
+            burst.push(arrive(&pool, "a", secs(25)).await);
+        }
+        assert_eq!(pool.parked(), 2);
+        let admitted: Vec<Call> = burst.drain(..2).collect();
+        for refused in burst {
+            assert!(refused.is_finished(), "refused without waiting");
+            assert_eq!(
+                refused.await.unwrap().err(),
+                Some(LotError::WouldWait(secs(30)))
+            );
+        }
+        drop(held);
+        for call in admitted {
+            drop(call.await.unwrap().unwrap());
+        }
+        assert_eq!((pool.free(), pool.busy(), pool.parked()), (1, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_burst_parked_before_the_rate_is_known_is_checked_again_when_it_is() {
+        let pool = WorkerPool::new(1, 64);
+        let held = pool.try_acquire().unwrap();
+        let t0 = Instant::now();
+        let mut burst = Vec::new();
+        for _ in 0..6 {
+            burst.push(arrive(&pool, "a", secs(25)).await);
+        }
+        // No rate yet: all six park.
+        assert_eq!(pool.parked(), 6);
+        pool.note_turnaround_at(secs(20), 2, t0);
+        // The four that cannot be served in time leave at once; two keep their places.
+        assert_eq!(pool.parked(), 2);
+        let admitted: Vec<Call> = burst.drain(..2).collect();
+        for refused in burst {
+            assert_eq!(
+                refused.await.unwrap().err(),
+                Some(LotError::WouldWait(secs(30)))
+            );
+        }
+        assert!(admitted.iter().all(|c| !c.is_finished()));
+        // A new call now would be third in line: refused at once as well.
+        assert_eq!(
+            pool.acquire(&t("a"), secs(25)).await.err(),
+            Some(LotError::WouldWait(secs(30)))
+        );
+        drop(held);
+        for call in admitted {
+            drop(call.await.unwrap().unwrap());
+        }
+        assert_eq!((pool.free(), pool.busy(), pool.parked()), (1, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_recheck_refuses_exactly_the_calls_that_cannot_make_it_and_keeps_the_rest_in_order() {
+        let pool = WorkerPool::new(1, 64);
+        let held = pool.try_acquire().unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let t0 = Instant::now();
+        let mut calls = HashMap::new();
+        // Served in turn a1, b1, a2, b2, a3, b3; one hand-off every 10 s once seeded.
+        for (name, budget) in [
+            ("a1", 100),
+            ("a2", 25),
+            ("a3", 100),
+            ("b1", 5),
+            ("b2", 100),
+            ("b3", 35),
+        ] {
+            let before = pool.parked();
+            let (p, tn, tx) = (pool.clone(), t(&name[..1]), tx.clone());
+            calls.insert(
+                name,
+                tokio::spawn(async move {
+                    let permit = p.acquire(&tn, secs(budget)).await?.0;
+                    let _ = tx.send((name, permit));
+                    Ok::<(), LotError>(())
+                }),
+            );
+            while pool.parked() == before {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        pool.note_turnaround_at(secs(20), 2, t0);
+        // a1 at 10 s stays; b1 (5 s) cannot, b2 takes its turn at 20 s; a2 (25 s) cannot,
+        // a3 takes its turn at 30 s; b3 (35 s) would be fourth, at 40 s: refused.
+        assert_eq!(pool.parked(), 3);
+        for (name, wait) in [("b1", 20), ("a2", 30), ("b3", 40)] {
+            let call = calls.remove(name).unwrap();
+            assert_eq!(
+                call.await.unwrap(),
+                Err(LotError::WouldWait(secs(wait))),
+                "{name}"
+            );
+        }
+        drop(held);
+        let mut order = Vec::new();
+        for _ in 0..3 {
+            let (name, permit) = rx.recv().await.unwrap();
+            order.push(name);
+            drop(permit);
+        }
+        assert_eq!(order, ["a1", "b2", "a3"]);
+        for (_, call) in calls {
+            assert_eq!(call.await.unwrap(), Ok(()));
+        }
+        assert_eq!((pool.free(), pool.busy(), pool.parked()), (1, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn rechecks_racing_releases_resizes_and_departures_lose_no_worker() {
+        let pool = WorkerPool::new(2, 64);
+        let held = [pool.try_acquire().unwrap(), pool.try_acquire().unwrap()];
+        let t0 = Instant::now();
+        let mut calls = Vec::new();
+        for i in 0..12u64 {
+            let tenant = ["a", "b", "c"][i as usize % 3];
+            let budget = if i % 4 == 3 { secs(15) } else { secs(200) };
+            let before = pool.parked();
+            let (p, tn) = (pool.clone(), t(tenant));
+            calls.push(tokio::spawn(async move {
+                let permit = p.acquire(&tn, budget).await?.0;
+                tokio::task::yield_now().await;
+                drop(permit);
+                Ok::<(), LotError>(())
+            }));
+            while pool.parked() == before {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        // One hand-off every 10 s: the 15 s calls past the first place are refused.
+        pool.note_turnaround_at(secs(20), 2, t0);
+        let left = calls.remove(5);
+        left.abort();
+        let _ = left.await;
+        pool.set_total(3);
+        drop(held);
+        pool.note_turnaround(secs(20), 2);
+        pool.set_total(2);
+        let (mut served, mut refused) = (0, 0);
+        for call in calls {
+            match call.await.unwrap() {
+                Ok(()) => served += 1,
+                Err(LotError::WouldWait(_)) => refused += 1,
+                Err(e) => panic!("{e:?}"),
+            }
+        }
+        assert_eq!(served + refused, 11);
+        assert!(refused > 0);
+        assert_eq!(pool.parked(), 0);
+        assert_eq!(pool.free() + pool.busy(), pool.total());
+        assert_eq!((pool.total(), pool.free()), (2, 2));
+    }
+
     #[test]
     fn a_new_tenant_waits_one_round_not_the_whole_line() {
         let pool = WorkerPool::new(1, 64);
         let mut st = pool.lock();
         for i in 0..10 {
             let (tx, _rx) = oneshot::channel();
-            st.queues.entry(t("a")).or_default().push_back((i, tx));
+            st.queues.entry(t("a")).or_default().push_back(Waiter {
+                ticket: i,
+                deadline: Instant::now(),
+                tx,
+            });
         }
         st.order.push_back(t("a"));
         st.parked = 10;

@@ -413,19 +413,30 @@ async fn parking() -> serde_json::Value {
         } else {
             Expect::default()
         };
-        set.spawn(async move { call(&c, &id, prior, 11).await });
+        set.spawn(async move {
+            let t = Instant::now();
+            let r = call(&c, &id, prior, 11).await;
+            (r, t.elapsed().as_secs_f64() * 1000.0)
+        });
     }
     let mut lat = Vec::new();
+    // no_worker_available, told at once (the lot's expected wait passed the budget) or after
+    // waiting the budget out; how long each took to be told.
+    let (mut refused_ms, mut timed_out_ms) = (Vec::new(), Vec::new());
     let mut failures = BTreeMap::<String, usize>::new();
     while let Some(r) = set.join_next().await {
         match r.expect("task") {
-            Ok((_, ms)) => lat.push(ms),
-            Err(e) => {
+            (Ok((_, ms)), _) => lat.push(ms),
+            (Err(e), ms) if e.contains("no worker would be free") => refused_ms.push(ms),
+            (Err(e), ms) if e.contains("no worker became free") => timed_out_ms.push(ms),
+            (Err(e), _) => {
                 let key: String = e.chars().take(60).collect();
                 *failures.entry(key).or_default() += 1;
             }
         }
     }
+    let (refused, timed_out) = (refused_ms.len(), timed_out_ms.len());
+    let (r50, r99) = (pct(&mut refused_ms, 50.0), pct(&mut refused_ms, 99.0));
     let elapsed = t.elapsed().as_secs_f64();
     let after = c.metrics().await.unwrap_or_default();
     let waited = |m: &str| {
@@ -439,7 +450,7 @@ async fn parking() -> serde_json::Value {
         histogram_quantile(&after, "torpor_lot_wait_seconds", "outcome=\"worker\"", q) * 1000.0
     };
     let (w50, w99) = (q(0.5), q(0.99));
-    let failed: usize = failures.values().sum();
+    let failed: usize = failures.values().sum::<usize>() + refused + timed_out;
     let wakes_per_s = lat.len() as f64 / elapsed;
     let (a50, l50, l99) = (
         pct(&mut alone, 50.0),
@@ -461,10 +472,17 @@ async fn parking() -> serde_json::Value {
         "parked wait for a worker (daemon histogram)", w50, w99
     );
     println!(
-        "failures: {failed} of {n} {failures:?}; parked calls {parked_calls:.0}; {wakes_per_s:.1} wakes/s sustained over {elapsed:.1} s"
+        "{:<44} {:>10.0} {:>10.0}",
+        "refused at once (no_worker_available)", r50, r99
+    );
+    println!(
+        "served {} of {n}; refused at once {refused}; timed out after the budget {timed_out}; other failures {failures:?}; parked calls {parked_calls:.0}; {wakes_per_s:.1} wakes/s sustained over {elapsed:.1} s",
+        lat.len()
     );
     json!({
         "workers": workers, "calls": n, "failures": failed, "elapsed_s": elapsed,
+        "served": lat.len(), "refused_at_once": refused, "timed_out": timed_out,
+        "refused_p50_ms": r50, "refused_p99_ms": r99,
         "call_p50_ms": l50, "call_p99_ms": l99, "baseline_wake_p50_ms": a50,
         "parked_wait_p50_ms": w50, "parked_wait_p99_ms": w99, "parked_calls": parked_calls,
         "wakes_per_s": wakes_per_s,

@@ -67,6 +67,27 @@ impl Engine {
         }
     }
 
+    /// Restores a container (the caller holds a restore turn) and feeds the lot the node's
+    /// turnaround for one parked call: this restore plus the mean checkpoint that frees a
+    /// worker, as many at once as the node has cores. The lot seeds its service rate with it
+    /// before it has measured a hand-off, so a cold burst is admitted against a real rate.
+    pub(super) async fn timed_restore(
+        &self,
+        launch: Launch,
+        image: &Path,
+    ) -> Result<Box<dyn Resident>> {
+        let t = Instant::now();
+        let container = self.node.restore(launch, image).await?;
+        let restore = t.elapsed();
+        let checkpoints = self.metrics.checkpoint_seconds.with_label_values(&["ok"]);
+        let count = checkpoints.get_sample_count();
+        if count > 0 {
+            let checkpoint = Duration::from_secs_f64(checkpoints.get_sample_sum() / count as f64);
+            self.workers.note_turnaround(checkpoint + restore, cores());
+        }
+        Ok(container)
+    }
+
     /// Bytes charged to the memory cgroups of every resident sandbox.
     pub fn resident_memory(&self) -> u64 {
         let slots: Vec<Arc<Slot>> = {

@@ -85,7 +85,7 @@ impl Engine {
         };
         let container = {
             let _turn = self.restores.acquire().await;
-            self.node.restore(launch, image).await?
+            self.timed_restore(launch, image).await?
         };
         self.metrics
             .warm_takes
