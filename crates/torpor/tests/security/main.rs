@@ -16,6 +16,7 @@ mod common;
 
 mod audit;
 mod cluster;
+mod cluster_join;
 mod e2b;
 mod edge;
 mod local;
