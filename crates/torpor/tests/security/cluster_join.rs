@@ -11,6 +11,8 @@
 //!
 //! Also here: `GET /v1/nodes` and `POST /v1/nodes/{name}/drain` are the operator's only.
 
+// The same harness file as `cluster`'s (private there): loaded again, on purpose.
+#[allow(clippy::duplicate_mod)]
 #[path = "../common/cluster.rs"]
 mod harness;
 
