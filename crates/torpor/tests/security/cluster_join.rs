@@ -293,6 +293,38 @@ async fn a_worker_cannot_register_another_workers_node_address() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "hole: Fleet::register holds one fleet-wide lock across the dial-back (fleet.rs `joining`), so one worker announcing a silent address stalls every other registration for the connect deadline"]
+async fn a_worker_announcing_a_silent_address_cannot_stall_other_workers_joining() {
+    let rig = Rig::start(Duration::from_secs(3600)).await;
+    let w2 = rig.worker("w2").await;
+    // w1 announces an address that accepts TCP and never speaks TLS.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap().to_string();
+    let (dialled, mut dialled_rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((tcp, _)) = silent.accept().await {
+            held.push(tcp);
+            let _ = dialled.send(());
+        }
+    });
+    let mut as_w1 = rig.as_worker("w1");
+    let stall = tokio::spawn(async move { register(&mut as_w1, &silent_addr, "run-w1").await });
+    // The controller is dialling w1's silent address back.
+    dialled_rx.recv().await.unwrap();
+    let mut as_w2 = rig.as_worker("w2");
+    let honest = register(&mut as_w2, &w2.addr, "run-w2");
+    tokio::select! {
+        biased;
+        r = honest => {
+            assert_eq!(r.unwrap(), "c1");
+            assert_eq!(state_of(&rig.ctl.fleet, "w2").as_deref(), Some("ready"));
+        }
+        r = stall => panic!("w2 joined only after w1's dial-back gave up: {r:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_controller_certificate_cannot_join_as_a_worker() {
     let rig = Rig::start(Duration::from_secs(3600)).await;
     // A controller of the same CA and trust domain: a valid chain, the wrong role.
