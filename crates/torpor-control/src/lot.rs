@@ -232,8 +232,9 @@ impl WorkerPool {
         self.lock().service.expected_wait(1)
     }
 
-    /// The node's turnaround for one parked call measured: `turnaround` (a checkpoint freeing a
-    /// worker plus the restore that serves the call) with `parallel` of them running at once.
+    /// The node's turnaround for one parked call measured: `turnaround` (the time a worker
+    /// takes to change hands: the slower of the checkpoint freeing it and the restore serving
+    /// the call, which overlap) with `parallel` of them running at once.
     /// Seeds the service rate until hand-offs are measured, and re-checks the parked calls.
     pub fn note_turnaround(&self, turnaround: Duration, parallel: usize) {
         self.note_turnaround_at(turnaround, parallel, Instant::now());

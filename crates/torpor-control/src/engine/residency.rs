@@ -83,7 +83,12 @@ impl Engine {
         let count = checkpoints.get_sample_count();
         if count > 0 {
             let checkpoint = Duration::from_secs_f64(checkpoints.get_sample_sum() / count as f64);
-            self.workers.note_turnaround(checkpoint + restore, cores());
+            // The eviction's checkpoint and the wake's restore run at once (their own
+            // semaphores, one per core each): a wake per core comes as often as the slower of
+            // the two, not their sum (which, measured under that very contention, counts it
+            // twice and refused calls the node then served).
+            self.workers
+                .note_turnaround(checkpoint.max(restore), cores());
         }
         Ok(container)
     }
