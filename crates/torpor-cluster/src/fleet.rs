@@ -51,6 +51,9 @@ use crate::server::{accept_verified, check_version, ServeError};
 use crate::tls::{PeerInfo, TlsSource};
 use crate::MAX_MESSAGE;
 
+/// How long a registration may take to reach the worker back (TCP, TLS, its info).
+const DIAL_BACK: Duration = Duration::from_secs(5);
+
 /// How a controller keeps its workers.
 #[derive(Debug, Clone)]
 pub struct FleetConfig {
@@ -136,9 +139,10 @@ pub struct Fleet {
     events: mpsc::UnboundedSender<NodeEvent>,
     events_rx: Mutex<Option<mpsc::UnboundedReceiver<NodeEvent>>>,
     capacity: watch::Sender<FleetCapacity>,
-    /// Serialises registrations (each dials the worker back): a worker's two registrations
-    /// never interleave.
-    joining: tokio::sync::Mutex<()>,
+    /// Serialises each worker's registrations (each dials the worker back), so one worker's
+    /// two registrations never interleave while workers join side by side: one announcing
+    /// an address that never answers holds up only itself.
+    joining: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -159,7 +163,7 @@ impl Fleet {
             events,
             events_rx: Mutex::new(Some(rx)),
             capacity: watch::channel(FleetCapacity::default()).0,
-            joining: tokio::sync::Mutex::new(()),
+            joining: Mutex::default(),
         });
         let watch = Arc::downgrade(&fleet);
         let period = (fleet.cfg.heartbeat / 2).max(Duration::from_millis(50));
@@ -304,7 +308,12 @@ impl Fleet {
     ) -> Result<pb::RegisterReply, Status> {
         let name = caller.identity.name.to_string();
         let addr = node_addr(&req.node_addr, caller.addr)?;
-        let _one = self.joining.lock().await;
+        let turn = {
+            let mut j = self.joining.lock().unwrap_or_else(|p| p.into_inner());
+            j.retain(|_, m| Arc::strong_count(m) > 1);
+            j.entry(name.clone()).or_default().clone()
+        };
+        let _one = turn.lock().await;
         let same = {
             let m = self.lock();
             m.workers
@@ -312,18 +321,24 @@ impl Fleet {
                 .is_some_and(|w| w.run_id == req.run_id && w.addr == addr && !w.lost)
         };
         if !same {
-            let remote = RemoteNode::connect(
+            let dial = RemoteNode::connect(
                 RemoteConfig {
                     addr: addr.clone(),
                     deadlines: self.cfg.deadlines.clone(),
                     ..RemoteConfig::new(addr.clone())
                 },
                 self.tls.clone(),
-            )
-            .await
-            .map_err(|e| {
-                Status::unavailable(format!("cannot reach the worker back at {addr}: {e}"))
-            })?;
+            );
+            let remote = tokio::time::timeout(DIAL_BACK, dial)
+                .await
+                .map_err(|_| {
+                    Status::unavailable(format!(
+                        "the worker did not answer at {addr} within {DIAL_BACK:?}"
+                    ))
+                })?
+                .map_err(|e| {
+                    Status::unavailable(format!("cannot reach the worker back at {addr}: {e}"))
+                })?;
             if remote.worker_name() != name {
                 tracing::warn!(caller = %name, reached = remote.worker_name(), %addr,
                     "a worker registered another worker's address; refused");

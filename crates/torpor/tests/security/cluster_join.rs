@@ -293,7 +293,6 @@ async fn a_worker_cannot_register_another_workers_node_address() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "hole: Fleet::register holds one fleet-wide lock across the dial-back (fleet.rs `joining`), so one worker announcing a silent address stalls every other registration for the connect deadline"]
 async fn a_worker_announcing_a_silent_address_cannot_stall_other_workers_joining() {
     let rig = Rig::start(Duration::from_secs(3600)).await;
     let w2 = rig.worker("w2").await;
