@@ -116,6 +116,8 @@ struct Member {
     /// The operator drains it (kept across re-registrations).
     drain: bool,
     lost: bool,
+    /// Containers started on it through the fleet and not yet ended.
+    held: std::collections::HashSet<String>,
 }
 
 #[derive(Default)]
@@ -149,6 +151,21 @@ fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+impl Members {
+    /// Forgets every container `worker` held (it is lost or restarted) and returns their ids.
+    fn take_held(&mut self, worker: &str) -> Vec<String> {
+        let held = self
+            .workers
+            .get_mut(worker)
+            .map(|w| std::mem::take(&mut w.held))
+            .unwrap_or_default();
+        for c in &held {
+            self.containers.remove(c);
+        }
+        held.into_iter().collect()
+    }
 }
 
 impl Fleet {
@@ -267,15 +284,7 @@ impl Fleet {
                     w.lost = true;
                 }
                 m.placement.set_state(&name, WorkerState::Lost);
-                let held: Vec<String> = m
-                    .containers
-                    .iter()
-                    .filter(|(_, (w, _))| *w == name)
-                    .map(|(c, _)| c.clone())
-                    .collect();
-                for c in &held {
-                    m.containers.remove(c);
-                }
+                let held = m.take_held(&name);
                 m.placement.report(&name, Load::default());
                 lost.push((name, silent_for, held));
             }
@@ -286,13 +295,18 @@ impl Fleet {
         for (worker, silent_for, held) in lost {
             tracing::warn!(%worker, silent_ms = silent_for.as_millis() as u64, containers = held.len(),
                 "worker lost: its sandboxes go back to their last snapshots");
-            for container_id in held {
-                let _ = self.events.send(NodeEvent::Lost {
-                    container_id,
-                    worker: worker.clone(),
-                    silent_for,
-                });
-            }
+            self.report_lost(&worker, silent_for, held);
+        }
+    }
+
+    /// Tells the engine that `held`, on `worker`, are gone.
+    fn report_lost(&self, worker: &str, silent_for: Duration, held: Vec<String>) {
+        for container_id in held {
+            let _ = self.events.send(NodeEvent::Lost {
+                container_id,
+                worker: worker.to_string(),
+                silent_for,
+            });
         }
     }
 
@@ -323,7 +337,6 @@ impl Fleet {
         if !same {
             let dial = RemoteNode::connect(
                 RemoteConfig {
-                    addr: addr.clone(),
                     deadlines: self.cfg.deadlines.clone(),
                     ..RemoteConfig::new(addr.clone())
                 },
@@ -357,15 +370,7 @@ impl Fleet {
             let gone: Vec<String>;
             {
                 let mut m = self.lock();
-                gone = m
-                    .containers
-                    .iter()
-                    .filter(|(_, (w, _))| *w == name)
-                    .map(|(c, _)| c.clone())
-                    .collect();
-                for c in &gone {
-                    m.containers.remove(c);
-                }
+                gone = m.take_held(&name);
                 let drain = m.drains.contains(&name);
                 let previous = m.workers.insert(
                     name.clone(),
@@ -377,6 +382,7 @@ impl Fleet {
                         last_seen_at: SystemTime::now(),
                         drain,
                         lost: false,
+                        held: Default::default(),
                     },
                 );
                 if let Some(p) = previous {
@@ -403,13 +409,7 @@ impl Fleet {
                 );
                 self.publish_capacity(&m);
             }
-            for container_id in gone {
-                let _ = self.events.send(NodeEvent::Lost {
-                    container_id,
-                    worker: name.clone(),
-                    silent_for: Duration::ZERO,
-                });
-            }
+            self.report_lost(&name, Duration::ZERO, gone);
             tracing::info!(worker = %name, %addr, slots = req.slots, memory_budget = req.memory_budget,
                 removed, "worker registered");
         }
@@ -422,10 +422,10 @@ impl Fleet {
     fn heartbeat(&self, caller: &PeerInfo, req: pb::HeartbeatRequest) -> pb::HeartbeatReply {
         let name = caller.identity.name.as_str();
         let mut m = self.lock();
-        let reserved: u32 = m.containers.values().filter(|(w, _)| w == name).count() as u32;
         let Some(w) = m.workers.get_mut(name) else {
             return pb::HeartbeatReply::default();
         };
+        let reserved = w.held.len() as u32;
         if w.run_id != req.run_id || w.lost {
             return pb::HeartbeatReply::default();
         }
@@ -491,12 +491,13 @@ impl Fleet {
                         format!("none of the {ready} ready workers has a free slot and the memory")
                     }));
                 };
-                let Some(w) = m.workers.get(&choice.worker) else {
+                let Some(w) = m.workers.get_mut(&choice.worker) else {
                     m.placement.release(&choice.worker, need.memory);
                     return Err(RuntimeError::NoCapacity(
                         "placement chose a gone worker".into(),
                     ));
                 };
+                w.held.insert(launch.container_id.clone());
                 let remote = w.remote.clone();
                 m.containers.insert(
                     launch.container_id.clone(),
@@ -542,6 +543,9 @@ impl Fleet {
     fn forget(&self, container_id: &str) {
         let mut m = self.lock();
         if let Some((worker, memory)) = m.containers.remove(container_id) {
+            if let Some(w) = m.workers.get_mut(&worker) {
+                w.held.remove(container_id);
+            }
             m.placement.release(&worker, memory);
         }
     }
