@@ -26,6 +26,7 @@ use crate::proto::{
     self, AgentErrorCode, DirEntry, ExecRequest, FileKind, FrameError, Reply, Request,
 };
 
+mod metadata;
 mod procs;
 pub mod sudo;
 
@@ -189,6 +190,8 @@ impl Agent {
                 timeout_ms,
             } => list_changed(&path, &known, timeout_ms),
             Request::Remove { path, recursive } => remove(&path, recursive),
+            Request::SetMetadata { path, metadata } => metadata::set(&path, &metadata),
+            Request::ListWithMetadata { path, name } => metadata::list(&path, name.as_deref()),
             Request::MainStatus => Ok((self.main_status(), Vec::new())),
             Request::Spawn(req) => self.spawn_proc(req, &body),
             Request::ProcInput { pid } => self.proc_input(pid, &body),
@@ -807,31 +810,39 @@ fn list(path: &str) -> Answer {
     for entry in fs::read_dir(&p).map_err(|e| io_error(&p, e))? {
         let entry = entry.map_err(|e| io_error(&p, e))?;
         let Ok(meta) = entry.metadata() else { continue };
-        let ft = meta.file_type();
-        entries.push(DirEntry {
-            name: entry.file_name().to_string_lossy().into_owned(),
-            kind: if ft.is_dir() {
-                FileKind::Dir
-            } else if ft.is_file() {
-                FileKind::File
-            } else if ft.is_symlink() {
-                FileKind::Symlink
-            } else {
-                FileKind::Other
-            },
-            size: meta.len(),
-            mode: meta.permissions().mode() & 0o7777,
-            modified_ms: meta
-                .modified()
-                .ok()
-                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                .map_or(0, |d| d.as_millis() as i64),
-            uid: meta.uid(),
-            gid: meta.gid(),
-        });
+        entries.push(dir_entry(
+            entry.file_name().to_string_lossy().into_owned(),
+            &meta,
+        ));
     }
     entries.sort_by(|a, b| a.name.cmp(&b.name));
     Ok((Reply::Entries { entries }, Vec::new()))
+}
+
+/// An entry as `List` describes it, from its `lstat`.
+fn dir_entry(name: String, meta: &fs::Metadata) -> DirEntry {
+    let ft = meta.file_type();
+    DirEntry {
+        name,
+        kind: if ft.is_dir() {
+            FileKind::Dir
+        } else if ft.is_file() {
+            FileKind::File
+        } else if ft.is_symlink() {
+            FileKind::Symlink
+        } else {
+            FileKind::Other
+        },
+        size: meta.len(),
+        mode: meta.permissions().mode() & 0o7777,
+        modified_ms: meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_millis() as i64),
+        uid: meta.uid(),
+        gid: meta.gid(),
+    }
 }
 
 /// [`Request::ListChanged`]: re-lists `path` (sleeping 0.5 ms, backing off to 5 ms) until

@@ -21,10 +21,14 @@ pub const MAX_BODY: usize = 256 << 20;
 /// The longest a `ListChanged` waits.
 pub const MAX_WAIT_MS: u64 = 5_000;
 /// Protocol version; the agent reports it in its hello.
-/// 2: `ReadRange`.
-pub const VERSION: u32 = 2;
+/// 2: `ReadRange`. 3: `SetMetadata`, `ListWithMetadata` (E2B's file metadata).
+pub const VERSION: u32 = 3;
 /// The first version that answers `ReadRange`.
 pub const READ_RANGE_SINCE: u32 = 2;
+/// The first version that answers `SetMetadata` and `ListWithMetadata`. An older agent cannot
+/// parse them (it answers `bad_request` under id 0, never under the request's id), so a
+/// caller asks only an agent whose hello said at least this.
+pub const METADATA_SINCE: u32 = 3;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -69,6 +73,23 @@ pub enum Request {
     Remove {
         path: String,
         recursive: bool,
+    },
+    /// Replaces the user metadata of the file at `path` (not followed if a symlink): every
+    /// `user.e2b.*` extended attribute not in `metadata` is removed, each key is set as
+    /// `user.e2b.<key>` (the agent writes no other namespace). Checked with
+    /// [`validate_metadata`]. Answered with `Metadata`: what the file holds afterwards (empty
+    /// where its filesystem keeps no extended attributes).
+    SetMetadata {
+        path: String,
+        metadata: BTreeMap<String, String>,
+    },
+    /// As `List`, each entry with its user metadata (see [`read_metadata_budget`]); with
+    /// `name`, only that entry of the directory (none if it does not exist). Answered with
+    /// `MetaEntries`.
+    ListWithMetadata {
+        path: String,
+        #[serde(default)]
+        name: Option<String>,
     },
     /// The main process's state.
     MainStatus,
@@ -184,6 +205,14 @@ pub enum Reply {
     Entries {
         entries: Vec<DirEntry>,
     },
+    /// Entries with their user metadata (`ListWithMetadata`).
+    MetaEntries {
+        entries: Vec<MetaEntry>,
+    },
+    /// A file's user metadata (`SetMetadata`).
+    Metadata {
+        metadata: BTreeMap<String, String>,
+    },
     Main {
         pid: Option<u32>,
         running: bool,
@@ -209,6 +238,85 @@ pub struct DirEntry {
     pub uid: u32,
     #[serde(default)]
     pub gid: u32,
+}
+
+/// A directory entry and its user metadata: the `user.e2b.*` extended attributes of what it
+/// names (a symlink's are its target's), keys without the prefix.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetaEntry {
+    pub entry: DirEntry,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// The extended-attribute namespace of E2B's file metadata: key `k` is stored as
+/// `user.e2b.k`. The `user.` namespace is the only one an unprivileged process may write; the
+/// agent never builds a name outside this prefix.
+pub const METADATA_XATTR_PREFIX: &str = "user.e2b.";
+/// The longest key: Linux limits an attribute name (prefix included) to 255 bytes.
+pub const MAX_METADATA_KEY_LEN: usize = 255 - METADATA_XATTR_PREFIX.len();
+/// The most metadata one file may be given, counted as envd counts it: per key the prefix,
+/// the key and the value. (So at most 409 keys.)
+pub const MAX_METADATA_TOTAL: usize = 4096;
+/// The most metadata surfaced for one entry, counted the same way (metadata set inside the
+/// sandbox by other means may exceed what an upload may set): attributes beyond it, in name
+/// order, are left out.
+pub const MAX_METADATA_READ_ENTRY: usize = 16 << 10;
+/// The most metadata one `ListWithMetadata` reply carries; past it the agent answers
+/// `too_large` rather than a reply its header cannot hold.
+pub const MAX_METADATA_READ_REPLY: usize = 512 << 10;
+
+/// Why a metadata set is refused (the rules of envd's `ValidateMetadata`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MetadataError {
+    #[error("metadata key must not be empty")]
+    EmptyKey,
+    #[error("metadata key {key:?} exceeds {MAX_METADATA_KEY_LEN} bytes")]
+    KeyTooLong { key: String },
+    #[error("metadata key {key:?} contains a byte that is not printable ASCII")]
+    KeyNotPrintable { key: String },
+    #[error("metadata value for key {key:?} contains a byte that is not printable ASCII")]
+    ValueNotPrintable { key: String },
+    #[error("total metadata size {total} exceeds {MAX_METADATA_TOTAL} bytes")]
+    TooLarge { total: usize },
+}
+
+/// Checks a metadata set as envd does: keys non-empty and at most [`MAX_METADATA_KEY_LEN`]
+/// bytes, keys and values printable US-ASCII (0x20–0x7E), and at most [`MAX_METADATA_TOTAL`]
+/// bytes in all.
+pub fn validate_metadata(metadata: &BTreeMap<String, String>) -> Result<(), MetadataError> {
+    let printable = |s: &str| s.bytes().all(|b| (0x20..=0x7e).contains(&b));
+    let mut total = 0usize;
+    for (k, v) in metadata {
+        if k.is_empty() {
+            return Err(MetadataError::EmptyKey);
+        }
+        if k.len() > MAX_METADATA_KEY_LEN {
+            return Err(MetadataError::KeyTooLong {
+                key: k.chars().take(32).collect(),
+            });
+        }
+        if !printable(k) {
+            return Err(MetadataError::KeyNotPrintable {
+                key: k.escape_default().take(32).collect(),
+            });
+        }
+        if !printable(v) {
+            return Err(MetadataError::ValueNotPrintable { key: k.clone() });
+        }
+        total += METADATA_XATTR_PREFIX.len() + k.len() + v.len();
+    }
+    if total > MAX_METADATA_TOTAL {
+        return Err(MetadataError::TooLarge { total });
+    }
+    Ok(())
+}
+
+/// What one metadata entry costs against [`MAX_METADATA_READ_ENTRY`] and
+/// [`MAX_METADATA_READ_REPLY`].
+pub fn read_metadata_budget(key: &str, value: &str) -> usize {
+    METADATA_XATTR_PREFIX.len() + key.len() + value.len()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -337,6 +445,72 @@ mod tests {
         assert_eq!(h.id, 7);
         assert_eq!(h.msg, req);
         assert_eq!(body, b"stdin");
+    }
+
+    #[test]
+    fn metadata_is_checked_as_envd_checks_it() {
+        let m = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        assert_eq!(
+            validate_metadata(&m(&[("author", "mish"), ("e", "")])),
+            Ok(())
+        );
+        // A key naming another namespace is only a key: it is stored under `user.e2b.`.
+        assert_eq!(validate_metadata(&m(&[("trusted.x", "v")])), Ok(()));
+        assert_eq!(
+            validate_metadata(&m(&[("", "v")])),
+            Err(MetadataError::EmptyKey)
+        );
+        assert!(matches!(
+            validate_metadata(&m(&[(&"k".repeat(MAX_METADATA_KEY_LEN + 1), "v")])),
+            Err(MetadataError::KeyTooLong { .. })
+        ));
+        assert_eq!(
+            validate_metadata(&m(&[(&"k".repeat(MAX_METADATA_KEY_LEN), "")])),
+            Ok(())
+        );
+        assert!(matches!(
+            validate_metadata(&m(&[("k\u{0}", "v")])),
+            Err(MetadataError::KeyNotPrintable { .. })
+        ));
+        assert!(matches!(
+            validate_metadata(&m(&[("k", "\u{7f}")])),
+            Err(MetadataError::ValueNotPrintable { .. })
+        ));
+        // The total counts the prefix of every key: exactly at the limit passes, one more fails.
+        let at_limit = "v".repeat(MAX_METADATA_TOTAL - METADATA_XATTR_PREFIX.len() - 1);
+        assert_eq!(validate_metadata(&m(&[("k", &at_limit)])), Ok(()));
+        let over = format!("{at_limit}v");
+        assert!(matches!(
+            validate_metadata(&m(&[("k", &over)])),
+            Err(MetadataError::TooLarge { total }) if total == MAX_METADATA_TOTAL + 1
+        ));
+    }
+
+    #[test]
+    fn requests_of_older_versions_keep_their_shape() {
+        // What an agent of version 2 parses: a `WriteFile` and a `List` as they always were.
+        let w = encode(
+            1,
+            &Request::WriteFile {
+                path: "/a".into(),
+                mode: None,
+            },
+            b"",
+        )
+        .unwrap();
+        assert!(String::from_utf8_lossy(&w)
+            .contains(r#"{"id":1,"op":"write_file","path":"/a","mode":null}"#));
+        let r = Request::ListWithMetadata {
+            path: "/d".into(),
+            name: Some("f".into()),
+        };
+        let buf = encode(2, &r, b"").unwrap();
+        assert_eq!(read_frame::<Request>(&mut &buf[..]).unwrap().0.msg, r);
     }
 
     #[test]

@@ -604,6 +604,8 @@ fn request_kind(req: &Request) -> &'static str {
         Request::List { .. } => "list",
         Request::ListChanged { .. } => "list_changed",
         Request::Remove { .. } => "remove",
+        Request::SetMetadata { .. } => "set_metadata",
+        Request::ListWithMetadata { .. } => "list_with_metadata",
         Request::MainStatus => "main_status",
         Request::Spawn(_) => "spawn",
         Request::ProcInput { .. } => "proc_input",
