@@ -12,18 +12,31 @@
 //! it that tenant's calls are refused `lot_full` while the other half stays open to everyone
 //! else, so one tenant's burst cannot give every other tenant `lot_full`.
 //!
-//! Admission: the lot measures how fast it serves parked calls (the interval between hand-offs
-//! while calls wait, an exponential average). A call that would be served, at that rate and at
-//! its place in the tenants' round-robin, only after its budget is refused at once
-//! ([`LotError::WouldWait`], with the expected wait for `Retry-After`) instead of waiting the
-//! budget out and failing anyway; every call that can be served in time is admitted.
+//! Admission: a call that would be served, at the lot's service rate and at its place in the
+//! tenants' round-robin, only after its budget is refused at once ([`LotError::WouldWait`], with
+//! the expected wait for `Retry-After`) instead of waiting the budget out and failing anyway;
+//! every call that can be served in time is admitted.
 //!
-//! Before the lot has measured a hand-off (a cold burst: every call arrives in the same
-//! instant), the rate is seeded from the node's turnaround ([`WorkerPool::note_turnaround`]):
-//! freeing a worker costs a checkpoint and serving the call a restore, as many at once as the
-//! node has cores. Whenever the rate changes (a seed, a hand-off) the calls already parked are
-//! checked again in the order they would be served: one that can no longer be served before its
-//! deadline leaves the lot at once with [`LotError::WouldWait`], the others keep their places.
+//! The service rate. A worker changes hands when an eviction's checkpoint ends; the engine runs
+//! at most one checkpoint and one restore per core at once, and both are CPU-bound, so on a
+//! full node a hand-off comes every (checkpoint + restore) / cores: the CPU time of one wake
+//! over the cores. The engine feeds the lot each restore's and the recent checkpoints' duration
+//! scaled to one core ([`WorkerPool::note_turnaround`]); that is the *seed*, used before
+//! hand-offs are measured. Measured: the mean gap between hand-offs over the last
+//! [`WINDOW`] gaps taken while calls waited without a break (the first hand-off of a burst is
+//! latency, not rate, and is not counted). The two are blended, the seed weighing as
+//! [`PRIOR`] gaps, and each measured gap's weight halves every [`HALF_LIFE`]: the learned rate
+//! is kept across bursts and fades back to the seed only as it grows stale.
+//!
+//! The expected wait of the call served at the p-th hand-off from now is (p + cores - 1) ×
+//! interval: hand-offs come in rounds of up to one per core (the checkpoints run side by side),
+//! so the p-th lands at the end of round ⌈p / cores⌉, which is at most that far away; a burst
+//! that finds no checkpoint under way pays the whole first round.
+//!
+//! Whenever the rate changes (a seed, a hand-off) the calls already parked are checked again in
+//! the order they would be served: one that can no longer be served before its deadline leaves
+//! the lot at once with [`LotError::WouldWait`] (logged: admission was wrong for it), the
+//! others keep their places.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -42,63 +55,134 @@ pub enum LotError {
     WouldWait(Duration),
 }
 
-/// How fast the lot serves parked calls, measured.
+/// How fast the lot serves parked calls: measured hand-offs blended with the node's seed.
 #[derive(Debug, Default)]
 struct Service {
-    /// Exponential average of the seconds between hand-offs to parked calls while calls wait.
-    interval_s: f64,
-    samples: u32,
-    /// The last hand-off (or the moment the lot stopped being empty), while calls wait.
-    since: Option<Instant>,
-    /// Seconds between hand-offs predicted from the node's turnaround (checkpoint + restore
-    /// over the cores), an exponential average; used until hand-offs are measured.
-    seed_s: Option<f64>,
+    /// The newest gaps between hand-offs to parked calls, taken while calls waited without a
+    /// break: (when, seconds). At most [`WINDOW`]; never cleared, only aged.
+    gaps: VecDeque<(Instant, f64)>,
+    /// While calls wait: the last hand-off, or the moment the lot stopped being empty
+    /// (`counts: false`: the gap to the first hand-off of a burst is latency, not rate).
+    since: Option<Since>,
+    /// One checkpoint and one restore on one core (seconds), exponential averages.
+    checkpoint_s: Option<f64>,
+    restore_s: Option<f64>,
+    /// The node's checkpoint count and seconds at the last feed.
+    checkpoints_seen: (u64, f64),
+    /// Checkpoints (and restores) the node runs at once: its cores.
+    parallel: usize,
 }
 
-/// Hand-offs measured before admission trusts the rate.
-const MIN_SAMPLES: u32 = 3;
-/// Weight of the newest interval in the average.
-const ALPHA: f64 = 0.2;
+#[derive(Debug, Clone, Copy)]
+struct Since {
+    at: Instant,
+    counts: bool,
+}
+
+/// Measured gaps the rate is taken over.
+const WINDOW: usize = 32;
+/// What the seed weighs against measured gaps, in gaps.
+const PRIOR: f64 = 2.0;
+/// Gaps measured before the rate is trusted without a seed.
+const MIN_GAPS: usize = 2;
+/// A measured gap weighs half as much after this long.
+const HALF_LIFE: Duration = Duration::from_secs(300);
+/// Weight of the newest cost in the seed's averages.
+const ALPHA: f64 = 0.3;
 
 impl Service {
+    /// A worker changed hands at `now`; `still_waiting`: calls remain in the lot.
     fn record(&mut self, now: Instant, still_waiting: bool) {
-        if let Some(since) = self.since {
-            let dt = now.duration_since(since).as_secs_f64();
-            self.interval_s = if self.samples == 0 {
-                // The seed, if any, is the prior: one early outlier (a cold pipeline filling)
-                // does not decide the rate alone.
-                self.seed_s
-                    .map_or(dt, |seed| ALPHA * dt + (1.0 - ALPHA) * seed)
-            } else {
-                ALPHA * dt + (1.0 - ALPHA) * self.interval_s
-            };
-            self.samples = self.samples.saturating_add(1);
+        if let Some(Since { at, counts: true }) = self.since {
+            if self.gaps.len() == WINDOW {
+                self.gaps.pop_front();
+            }
+            self.gaps
+                .push_back((now, now.saturating_duration_since(at).as_secs_f64()));
         }
-        self.since = still_waiting.then_some(now);
-    }
-
-    fn seed(&mut self, interval_s: f64) {
-        self.seed_s = Some(match self.seed_s {
-            None => interval_s,
-            Some(old) => ALPHA * interval_s + (1.0 - ALPHA) * old,
+        self.since = still_waiting.then_some(Since {
+            at: now,
+            counts: true,
         });
     }
 
-    /// Seconds between hand-offs: measured once trusted, else the seed; `None` when neither.
-    fn interval(&self) -> Option<f64> {
-        if self.samples >= MIN_SAMPLES {
-            Some(self.interval_s)
+    /// Calls started waiting at `now` (the lot was empty).
+    fn start_waiting(&mut self, now: Instant) {
+        self.since = Some(Since {
+            at: now,
+            counts: false,
+        });
+    }
+
+    fn seed_costs(&mut self, t: Turnaround) {
+        let sharing = if t.sharing.is_finite() {
+            t.sharing.max(1.0)
         } else {
-            self.seed_s
+            1.0
+        };
+        let avg =
+            |old: Option<f64>, new: f64| Some(old.map_or(new, |o| ALPHA * new + (1.0 - ALPHA) * o));
+        let (count, sum) = t.checkpoints;
+        let (seen, seen_sum) = self.checkpoints_seen;
+        if count > seen {
+            let mean = (sum - seen_sum).max(0.0) / (count - seen) as f64;
+            self.checkpoint_s = avg(self.checkpoint_s, mean / sharing);
+        }
+        self.checkpoints_seen = (count, sum);
+        self.restore_s = avg(self.restore_s, t.restore.as_secs_f64() / sharing);
+        self.parallel = t.parallel.max(1);
+    }
+
+    /// Seconds between hand-offs predicted from the node's costs: one wake's CPU over the cores.
+    fn seed(&self) -> Option<f64> {
+        Some((self.checkpoint_s? + self.restore_s?) / self.parallel.max(1) as f64)
+    }
+
+    /// Seconds between hand-offs at `now`: the measured gaps, each weighed down by its age,
+    /// blended with the seed; `None` before either.
+    fn interval(&self, now: Instant) -> Option<f64> {
+        let Some(&(newest, _)) = self.gaps.back() else {
+            return self.seed();
+        };
+        // Weights relative to the newest gap (so none underflows), then its own age's.
+        let (mut weight, mut sum) = (0.0, 0.0);
+        for &(at, gap) in &self.gaps {
+            let w = half_lives(newest.saturating_duration_since(at));
+            weight += w;
+            sum += w * gap;
+        }
+        let measured = sum / weight;
+        let weight = weight * half_lives(now.saturating_duration_since(newest));
+        match self.seed() {
+            Some(seed) => Some((weight * measured + PRIOR * seed) / (weight + PRIOR)),
+            None if self.gaps.len() >= MIN_GAPS => Some(measured),
+            None => None,
         }
     }
 
-    /// The expected wait of a call served after `position` hand-offs; `None` until measured
-    /// or seeded.
-    fn expected_wait(&self, position: usize) -> Option<Duration> {
-        self.interval()
-            .map(|i| Duration::from_secs_f64(i * position as f64))
+    /// Hand-offs are at most this many at once (one per checkpoint under way).
+    fn round(&self) -> usize {
+        self.parallel.max(1)
     }
+
+    /// The expected wait of the call served at the `position`-th hand-off from now; `None`
+    /// until measured or seeded.
+    fn expected_wait(&self, position: usize, now: Instant) -> Option<Duration> {
+        let interval = self.interval(now)?;
+        Some(wait_at(interval, position, self.round()))
+    }
+}
+
+/// The weight of a measurement this old: it halves every [`HALF_LIFE`].
+fn half_lives(age: Duration) -> f64 {
+    0.5f64.powf(age.as_secs_f64() / HALF_LIFE.as_secs_f64())
+}
+
+/// The wait of the `position`-th hand-off (from 1) when they come every `interval` seconds in
+/// rounds of up to `round`: at most (position + round - 1) intervals.
+fn wait_at(interval: f64, position: usize, round: usize) -> Duration {
+    let turns = position.saturating_add(round).saturating_sub(1) as f64;
+    Duration::try_from_secs_f64(interval * turns).unwrap_or(Duration::MAX)
 }
 
 /// What a parked call is sent: a worker, or its refusal when a re-check finds that at the
@@ -133,6 +217,35 @@ struct PoolState {
     parked: usize,
     next_ticket: u64,
     service: Service,
+    counts: LotCounts,
+}
+
+/// What the lot has done since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LotCounts {
+    /// Workers handed to parked calls.
+    pub handoffs: u64,
+    /// Calls refused on arrival: their expected wait passed their budget.
+    pub refused_at_once: u64,
+    /// Parked calls refused by a re-check: the rate fell after they were admitted.
+    pub refused_parked: u64,
+    /// Parked calls that waited their whole budget in vain.
+    pub timed_out: u64,
+}
+
+/// A wake's cost on this node, measured: what the lot's rate is seeded with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Turnaround {
+    /// Checkpoints finished on the node so far and their seconds in all (the lot takes those
+    /// since its last feed).
+    pub checkpoints: (u64, f64),
+    /// This restore's duration.
+    pub restore: Duration,
+    /// Checkpoints and restores that ran per core meanwhile (at least 1): each duration is
+    /// divided by it to give the cost on one core.
+    pub sharing: f64,
+    /// How many checkpoints and restores the node runs at once (its cores).
+    pub parallel: usize,
 }
 
 /// A worker held by a resident sandbox; dropping it frees the worker for the next parked call.
@@ -229,21 +342,24 @@ impl WorkerPool {
 
     /// The interval between hand-offs to parked calls, measured or seeded; `None` before both.
     pub fn service_interval(&self) -> Option<Duration> {
-        self.lock().service.expected_wait(1)
+        let interval = self.lock().service.interval(Instant::now())?;
+        Duration::try_from_secs_f64(interval).ok()
     }
 
-    /// The node's turnaround for one parked call measured: `turnaround` (the time a worker
-    /// takes to change hands: the slower of the checkpoint freeing it and the restore serving
-    /// the call, which overlap) with `parallel` of them running at once.
-    /// Seeds the service rate until hand-offs are measured, and re-checks the parked calls.
-    pub fn note_turnaround(&self, turnaround: Duration, parallel: usize) {
-        self.note_turnaround_at(turnaround, parallel, Instant::now());
+    /// What the lot has done so far (hand-offs, refusals, timeouts).
+    pub fn counts(&self) -> LotCounts {
+        self.lock().counts
     }
 
-    fn note_turnaround_at(&self, turnaround: Duration, parallel: usize, now: Instant) {
+    /// The node's cost of a wake measured (see [`Turnaround`]). Seeds the service rate, and
+    /// re-checks the parked calls against it.
+    pub fn note_turnaround(&self, turnaround: Turnaround) {
+        self.note_turnaround_at(turnaround, Instant::now());
+    }
+
+    fn note_turnaround_at(&self, t: Turnaround, now: Instant) {
         let mut st = self.lock();
-        st.service
-            .seed(turnaround.as_secs_f64() / parallel.max(1) as f64);
+        st.service.seed_costs(t);
         recheck(&mut st, now);
     }
 
@@ -252,7 +368,8 @@ impl WorkerPool {
     /// per call of its own already waiting, whichever comes first.
     pub fn expected_wait(&self, tenant: &TenantId) -> Option<Duration> {
         let st = self.lock();
-        st.service.expected_wait(position(&st, tenant))
+        st.service
+            .expected_wait(position(&st, tenant), Instant::now())
     }
 
     /// A worker now, without parking; None when all are taken or calls are already waiting.
@@ -291,8 +408,10 @@ impl WorkerPool {
             if held >= self.tenant_share() {
                 return Err(LotError::Full);
             }
-            if let Some(wait) = st.service.expected_wait(position(&st, tenant)) {
+            let now = Instant::now();
+            if let Some(wait) = st.service.expected_wait(position(&st, tenant), now) {
                 if wait > budget {
+                    st.counts.refused_at_once += 1;
                     return Err(LotError::WouldWait(wait));
                 }
             }
@@ -308,12 +427,12 @@ impl WorkerPool {
                 .expect("just inserted")
                 .push_back(Waiter {
                     ticket,
-                    deadline: Instant::now() + budget,
+                    deadline: now + budget,
                     tx,
                 });
             st.parked += 1;
             if st.parked == 1 {
-                st.service.since = Some(Instant::now());
+                st.service.start_waiting(now);
             }
             (ticket, rx)
         };
@@ -336,7 +455,10 @@ impl WorkerPool {
         match outcome {
             Some(Handoff::Worker(permit)) => Ok((permit, Parked::Waited(started.elapsed()))),
             Some(Handoff::Refused(wait)) => Err(LotError::WouldWait(wait)),
-            None => Err(LotError::Timeout),
+            None => {
+                self.lock().counts.timed_out += 1;
+                Err(LotError::Timeout)
+            }
         }
     }
 
@@ -369,6 +491,7 @@ impl WorkerPool {
                 Ok(()) => {
                     let now = Instant::now();
                     let waiting = st.parked > 0;
+                    st.counts.handoffs += 1;
                     st.service.record(now, waiting);
                     recheck(&mut st, now);
                     return;
@@ -400,9 +523,10 @@ fn position(st: &PoolState, tenant: &TenantId) -> usize {
 /// its place passes its deadline is refused at once and leaves, and the calls behind it move
 /// up. The calls that stay keep their order; no permit is involved, so none can be lost.
 fn recheck(st: &mut PoolState, now: Instant) {
-    let Some(interval) = st.service.interval() else {
+    let Some(interval) = st.service.interval(now) else {
         return;
     };
+    let round = st.service.round();
     if st.parked == 0 {
         return;
     }
@@ -419,7 +543,7 @@ fn recheck(st: &mut PoolState, now: Instant) {
             // This turn goes to the tenant's first call that can still make it.
             while let Some(w) = queue.get(*i) {
                 *i += 1;
-                let wait = Duration::from_secs_f64(interval * (served + 1) as f64);
+                let wait = wait_at(interval, served + 1, round);
                 if now + wait > w.deadline {
                     refused.push((tenant.clone(), w.ticket, wait));
                 } else {
@@ -446,7 +570,14 @@ fn recheck(st: &mut PoolState, now: Instant) {
         }
         st.parked -= 1;
         // A call that went away meanwhile cannot be told; it is out of the lot either way.
-        let _ = waiter.tx.send(Handoff::Refused(wait));
+        if waiter.tx.send(Handoff::Refused(wait)).is_ok() {
+            st.counts.refused_parked += 1;
+            tracing::warn!(
+                tenant = %tenant,
+                expected_wait_ms = wait.as_millis() as u64,
+                "a parked call can no longer be served in its budget at the node's current rate; refused"
+            );
+        }
     }
     if st.parked == 0 {
         st.service.since = None;
@@ -731,13 +862,24 @@ mod tests {
         Duration::from_secs(s)
     }
 
+    /// A node of one core where a wake (checkpoint + restore) costs `s` seconds: a hand-off
+    /// every `s` seconds, one at a time.
+    fn every(s: u64) -> Turnaround {
+        Turnaround {
+            checkpoints: (1, s as f64 / 2.0),
+            restore: Duration::from_secs_f64(s as f64 / 2.0),
+            sharing: 1.0,
+            parallel: 1,
+        }
+    }
+
     #[tokio::test]
     async fn a_cold_burst_is_refused_at_once_once_the_rate_is_seeded() {
-        // Seeded before the burst: a turnaround of 20 s, two at once, is a hand-off every
-        // 10 s. With a 25 s budget the first two calls in line can be served, the rest not.
+        // Seeded before the burst: a wake costs 10 s of CPU on a one-core node, a hand-off
+        // every 10 s. With a 25 s budget the first two calls in line can be served, the rest not.
         let pool = WorkerPool::new(1, 64);
         let held = pool.try_acquire().unwrap();
-        pool.note_turnaround(secs(20), 2);
+        pool.note_turnaround(every(10));
         assert_eq!(pool.service_interval(), Some(secs(10)));
         let mut burst = Vec::new();
         for _ in 0..6 {
@@ -770,7 +912,7 @@ mod tests {
         }
         // No rate yet: all six park.
         assert_eq!(pool.parked(), 6);
-        pool.note_turnaround_at(secs(20), 2, t0);
+        pool.note_turnaround_at(every(10), t0);
         // The four that cannot be served in time leave at once; two keep their places.
         assert_eq!(pool.parked(), 2);
         let admitted: Vec<Call> = burst.drain(..2).collect();
@@ -823,7 +965,7 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }
-        pool.note_turnaround_at(secs(20), 2, t0);
+        pool.note_turnaround_at(every(10), t0);
         // a1 at 10 s stays; b1 (5 s) cannot, b2 takes its turn at 20 s; a2 (25 s) cannot,
         // a3 takes its turn at 30 s; b3 (35 s) would be fourth, at 40 s: refused.
         assert_eq!(pool.parked(), 3);
@@ -871,13 +1013,13 @@ mod tests {
             }
         }
         // One hand-off every 10 s: the 15 s calls past the first place are refused.
-        pool.note_turnaround_at(secs(20), 2, t0);
+        pool.note_turnaround_at(every(10), t0);
         let left = calls.remove(5);
         left.abort();
         let _ = left.await;
         pool.set_total(3);
         drop(held);
-        pool.note_turnaround(secs(20), 2);
+        pool.note_turnaround(every(10));
         pool.set_total(2);
         let (mut served, mut refused) = (0, 0);
         for call in calls {
@@ -910,5 +1052,284 @@ mod tests {
         st.parked = 10;
         assert_eq!(position(&st, &t("a")), 11);
         assert_eq!(position(&st, &t("b")), 2);
+    }
+
+    /// A service seeded with a wake costing `interval × parallel` seconds of CPU.
+    fn seeded(interval: f64, parallel: usize) -> Service {
+        let mut sv = Service::default();
+        let half = interval * parallel as f64 / 2.0;
+        sv.seed_costs(Turnaround {
+            checkpoints: (1, half),
+            restore: Duration::from_secs_f64(half),
+            sharing: 1.0,
+            parallel,
+        });
+        sv
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9 * b.abs().max(1.0)
+    }
+
+    /// Within 1% (measurements a few seconds apart weigh a hair differently).
+    fn near(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-2 * b.abs()
+    }
+
+    #[test]
+    fn the_seed_is_one_wakes_cpu_over_the_cores_with_shared_cores_scaled_out() {
+        let now = Instant::now();
+        let mut sv = Service::default();
+        assert_eq!(sv.interval(now), None);
+        // Two checkpoints of 1 s and a restore of 2 s, measured while two of them ran on
+        // each core: half that each on a core of their own. Two cores: a hand-off every
+        // (0.5 + 1.0) / 2 s.
+        sv.seed_costs(Turnaround {
+            checkpoints: (2, 2.0),
+            restore: secs(2),
+            sharing: 2.0,
+            parallel: 2,
+        });
+        assert!(
+            close(sv.interval(now).unwrap(), 0.75),
+            "{:?}",
+            sv.interval(now)
+        );
+        // No checkpoint since: the checkpoint cost stays, the restore's is averaged in.
+        sv.seed_costs(Turnaround {
+            checkpoints: (2, 2.0),
+            restore: secs(1),
+            sharing: 1.0,
+            parallel: 2,
+        });
+        assert!(close(sv.checkpoint_s.unwrap(), 0.5));
+        assert!(close(sv.restore_s.unwrap(), 1.0));
+        // Two more checkpoints, 4 s in all, on cores of their own: 2 s each, averaged in.
+        sv.seed_costs(Turnaround {
+            checkpoints: (4, 6.0),
+            restore: secs(1),
+            sharing: 0.5, // never below one core's worth
+            parallel: 2,
+        });
+        assert!(close(
+            sv.checkpoint_s.unwrap(),
+            ALPHA * 2.0 + (1.0 - ALPHA) * 0.5
+        ));
+        assert!(close(sv.restore_s.unwrap(), 1.0));
+    }
+
+    #[test]
+    fn hand_offs_come_in_rounds_of_one_per_core() {
+        // One hand-off a second, two cores: the first two land within 2 s, the third 3 s.
+        let sv = seeded(1.0, 2);
+        let now = Instant::now();
+        let waits: Vec<_> = (1..=4).map(|p| sv.expected_wait(p, now).unwrap()).collect();
+        assert_eq!(waits, [secs(2), secs(3), secs(4), secs(5)]);
+        assert_eq!(wait_at(1.0, usize::MAX, 4), Duration::MAX);
+    }
+
+    #[test]
+    fn the_learned_rate_is_kept_across_bursts_and_fades_back_to_the_seed() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut sv = seeded(1.0, 1);
+        // A burst: calls wait from 0; hand-offs at 0.5 s (latency: not a rate sample) and
+        // then every 0.2 s, 30 of them, the last one emptying the lot.
+        sv.start_waiting(at(0));
+        sv.record(at(500), true);
+        assert!(
+            close(sv.interval(at(500)).unwrap(), 1.0),
+            "latency is no rate"
+        );
+        let mut t = 500;
+        for i in 0..30 {
+            t += 200;
+            sv.record(at(t), i < 29);
+        }
+        let learned = sv.interval(at(t)).unwrap();
+        assert!(
+            near(learned, (30.0 * 0.2 + PRIOR) / (30.0 + PRIOR)),
+            "{learned}"
+        );
+        // Idle for a minute (not a gap), then the next burst starts with the learned rate,
+        // barely faded; its first hand-off is latency again.
+        let next = t + 60_000;
+        sv.start_waiting(at(next));
+        let kept = sv.interval(at(next)).unwrap();
+        let w = 30.0 * 0.5f64.powf(60.0 / HALF_LIFE.as_secs_f64());
+        assert!(near(kept, (w * 0.2 + PRIOR) / (w + PRIOR)), "{kept}");
+        assert!(
+            kept > learned && kept < 1.5 * learned,
+            "{kept} vs {learned}"
+        );
+        sv.record(at(next + 5_000), true);
+        assert_eq!(sv.gaps.len(), 30);
+        // Hours later the measurement has faded: the seed rules again.
+        let stale = sv.interval(at(next + 6 * 3_600_000)).unwrap();
+        assert!(near(stale, 1.0), "{stale}");
+        // Only the newest WINDOW gaps are kept.
+        for _ in 0..WINDOW {
+            t += 100;
+            sv.record(at(next + 5_000 + t), true);
+        }
+        assert_eq!(sv.gaps.len(), WINDOW);
+    }
+
+    #[test]
+    fn without_a_seed_the_rate_is_trusted_after_a_few_gaps() {
+        let t0 = Instant::now();
+        let mut sv = Service::default();
+        sv.start_waiting(t0);
+        sv.record(t0 + secs(1), true);
+        sv.record(t0 + secs(2), true);
+        assert_eq!(sv.interval(t0 + secs(2)), None, "one gap is not a rate");
+        sv.record(t0 + secs(4), true);
+        assert!(near(sv.interval(t0 + secs(4)).unwrap(), 1.5));
+        // Days later, with nothing else to go by, it is still the rate (no underflow).
+        let later = sv.interval(t0 + secs(30 * 86_400)).unwrap();
+        assert!(near(later, 1.5), "{later}");
+    }
+
+    /// A node that hands workers over in rounds: `per_round` at once every `round_s` seconds
+    /// from the moment calls start waiting (the slowest pipeline the model allows).
+    fn served_at(j: usize, per_round: usize, round_s: f64) -> f64 {
+        j.div_ceil(per_round) as f64 * round_s
+    }
+
+    proptest::proptest! {
+        /// Admission against a node whose hand-offs come in rounds of one per core: every call
+        /// it admits is served within its budget, and it refuses at most one round of calls
+        /// that node could have served. First seeded from the wake's cost, then (the next
+        /// burst) from the rate the lot measured during the first.
+        #[test]
+        fn admission_serves_every_admitted_call_in_its_budget_and_refuses_little_more(
+            cores in 1usize..=4,
+            round_ms in 100u64..3_000,
+            budget_s in 1u64..60,
+            calls in 1usize..400,
+        ) {
+            let round_s = round_ms as f64 / 1000.0;
+            let budget = secs(budget_s);
+            let t0 = Instant::now();
+            let mut sv = seeded(round_s / cores as f64, cores);
+            for burst in 0..2 {
+                let start = t0 + secs(3_600 * burst);
+                // Every call arrives at `start`; the lot admits while the expected wait of
+                // the next place fits the budget.
+                let mut admitted = 0;
+                for _ in 0..calls {
+                    let wait = sv.expected_wait(admitted + 1, start).unwrap();
+                    if wait <= budget {
+                        admitted += 1;
+                    }
+                }
+                let servable = (1..=calls)
+                    .take_while(|&j| served_at(j, cores, round_s) <= budget_s as f64)
+                    .count();
+                for j in 1..=admitted {
+                    proptest::prop_assert!(
+                        served_at(j, cores, round_s) <= budget_s as f64 + 1e-9,
+                        "burst {burst}: call {j} admitted, served after its budget"
+                    );
+                }
+                proptest::prop_assert!(
+                    admitted + cores >= servable,
+                    "burst {burst}: admitted {admitted}, servable {servable}"
+                );
+                // The node serves the burst (and the lot measures it): rounds of `cores`.
+                sv.start_waiting(start);
+                for j in 1..=admitted.max(2 * cores + 2) {
+                    let at = start + Duration::from_secs_f64(served_at(j, cores, round_s));
+                    sv.record(at, true);
+                }
+                // The lot learned the true interval (the seed weighs in, but is the same).
+                let learned = sv.interval(start + secs(budget_s)).unwrap();
+                let truth = round_s / cores as f64;
+                proptest::prop_assert!((learned - truth).abs() < 0.35 * truth, "{learned} vs {truth}");
+                sv.record(start + secs(budget_s + 1), false);
+            }
+        }
+
+        /// The rate lies between the fastest and the slowest of what it was taken from, and
+        /// a place further back in line never waits less.
+        #[test]
+        fn the_rate_is_bounded_by_its_inputs_and_waits_grow_with_the_place(
+            gaps in proptest::collection::vec(1u64..5_000, 0..50),
+            seed_ms in proptest::option::of(1u64..5_000),
+            cores in 1usize..=8,
+            idle_s in 0u64..10_000,
+        ) {
+            let t0 = Instant::now();
+            let mut sv = match seed_ms {
+                Some(ms) => seeded(ms as f64 / 1000.0, cores),
+                None => Service::default(),
+            };
+            sv.start_waiting(t0);
+            let mut t = t0;
+            sv.record(t, true);
+            for g in &gaps {
+                t += Duration::from_millis(*g);
+                sv.record(t, true);
+            }
+            let now = t + secs(idle_s);
+            let inputs: Vec<f64> = gaps
+                .iter()
+                .rev()
+                .take(WINDOW)
+                .map(|g| *g as f64 / 1000.0)
+                .chain(seed_ms.map(|ms| ms as f64 / 1000.0))
+                .collect();
+            match sv.interval(now) {
+                None => proptest::prop_assert!(seed_ms.is_none() && gaps.len() < 2),
+                Some(i) => {
+                    let lo = inputs.iter().cloned().fold(f64::INFINITY, f64::min);
+                    let hi = inputs.iter().cloned().fold(0.0, f64::max);
+                    proptest::prop_assert!(i >= lo - 1e-9 && i <= hi + 1e-9, "{i} not in [{lo}, {hi}]");
+                    let mut last = Duration::ZERO;
+                    for p in 1..100 {
+                        let w = sv.expected_wait(p, now).unwrap();
+                        proptest::prop_assert!(w >= last);
+                        last = w;
+                    }
+                }
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn the_lot_counts_hand_offs_and_each_kind_of_refusal() {
+        let pool = WorkerPool::new(1, 64);
+        let held = pool.try_acquire().unwrap();
+        pool.note_turnaround(every(10));
+        // A hand-off every 10 s, one at a time: a's first two calls fit 25 s, its third not.
+        let a1 = arrive(&pool, "a", secs(25)).await;
+        let a2 = arrive(&pool, "a", secs(25)).await;
+        let a3 = arrive(&pool, "a", secs(25)).await;
+        assert_eq!(a3.await.unwrap().err(), Some(LotError::WouldWait(secs(30))));
+        // b's first call waits one round: 20 s.
+        let b1 = arrive(&pool, "b", secs(25)).await;
+        assert_eq!(pool.parked(), 3);
+        // The node turns out slower (restores of 20 s): b1, second in line, and a2, third,
+        // can no longer make it; a1 can.
+        for _ in 0..10 {
+            pool.note_turnaround(Turnaround {
+                restore: secs(20),
+                ..every(10)
+            });
+        }
+        assert!(matches!(b1.await.unwrap(), Err(LotError::WouldWait(_))));
+        assert!(matches!(a2.await.unwrap(), Err(LotError::WouldWait(_))));
+        assert_eq!(pool.parked(), 1);
+        drop(held);
+        drop(a1.await.unwrap().unwrap());
+        assert_eq!(
+            pool.counts(),
+            LotCounts {
+                handoffs: 1,
+                refused_at_once: 1,
+                refused_parked: 2,
+                timed_out: 0,
+            }
+        );
     }
 }

@@ -67,30 +67,39 @@ impl Engine {
         }
     }
 
-    /// Restores a container (the caller holds a restore turn) and feeds the lot the node's
-    /// turnaround for one parked call: this restore plus the mean checkpoint that frees a
-    /// worker, as many at once as the node has cores. The lot seeds its service rate with it
-    /// before it has measured a hand-off, so a cold burst is admitted against a real rate.
+    /// Restores a container (the caller holds a restore turn) and feeds the lot what a wake
+    /// costs on this node: this restore and the checkpoints finished so far, with how many
+    /// checkpoints and restores shared each core meanwhile. Both are CPU-bound and share the
+    /// cores with the other checkpoints and restores under way (at most one of each per core),
+    /// so a duration measured while k of them ran on n cores is k/n times its cost alone (the
+    /// lot scales the checkpoints that finished since its last feed by the same sharing). The
+    /// lot seeds its service rate with it, so a burst is admitted against a real rate from its
+    /// first call.
     pub(super) async fn timed_restore(
         &self,
         launch: Launch,
         image: &Path,
     ) -> Result<Box<dyn Resident>> {
+        let cores = cores();
+        let before = self.heavy_in_flight(cores);
         let t = Instant::now();
         let container = self.node.restore(launch, image).await?;
         let restore = t.elapsed();
+        let sharing = ((before + self.heavy_in_flight(cores)) as f64 / 2.0 / cores as f64).max(1.0);
         let checkpoints = self.metrics.checkpoint_seconds.with_label_values(&["ok"]);
-        let count = checkpoints.get_sample_count();
-        if count > 0 {
-            let checkpoint = Duration::from_secs_f64(checkpoints.get_sample_sum() / count as f64);
-            // The eviction's checkpoint and the wake's restore run at once (their own
-            // semaphores, one per core each): a wake per core comes as often as the slower of
-            // the two, not their sum (which, measured under that very contention, counts it
-            // twice and refused calls the node then served).
-            self.workers
-                .note_turnaround(checkpoint.max(restore), cores());
-        }
+        self.workers.note_turnaround(crate::lot::Turnaround {
+            checkpoints: (checkpoints.get_sample_count(), checkpoints.get_sample_sum()),
+            restore,
+            sharing,
+            parallel: cores,
+        });
         Ok(container)
+    }
+
+    /// Checkpoints and restores running now (each holds a turn of its semaphore).
+    fn heavy_in_flight(&self, cores: usize) -> usize {
+        let busy = |s: &Semaphore| cores.saturating_sub(s.available_permits());
+        busy(&self.checkpoints) + busy(&self.restores)
     }
 
     /// Bytes charged to the memory cgroups of every resident sandbox.
