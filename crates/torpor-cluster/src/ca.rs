@@ -10,7 +10,14 @@
 //! without new certificates. Keys are ECDSA P-256; every file holding a key is written 0600.
 //!
 //! An operator's own CA (cert-manager, Vault) works as well, as long as it issues certificates
-//! with these URIs: nothing but `ca.pem` of this module is read by the TLS side.
+//! with these URIs: nothing but `ca.pem` (and `crl.pem`, when there is one) of this module is
+//! read by the TLS side.
+//!
+//! Revocation (`torpor ca revoke`): the CA directory keeps the list of revoked serial numbers
+//! in `revoked.json` (versioned) and, after each revocation, a CRL signed by the CA in
+//! `crl.pem`, listing every serial ever revoked with a CRL number one higher than the last.
+//! The operator copies `crl.pem` next to each member's identity (`OUT/crl.pem`); `torpor ca
+//! issue` does it for the identities it writes. The TLS side reloads it like the certificates.
 
 use std::fmt;
 use std::fs;
@@ -21,8 +28,9 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber,
+    BasicConstraints, CertificateParams, CertificateRevocationListParams, DistinguishedName,
+    DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyIdMethod, KeyPair, KeyUsagePurpose,
+    RevokedCertParams, SanType, SerialNumber,
 };
 use time::OffsetDateTime;
 
@@ -40,6 +48,17 @@ pub const CA_CERT: &str = "ca.pem";
 pub const CA_KEY: &str = "ca.key";
 pub const CERT: &str = "cert.pem";
 pub const KEY: &str = "key.pem";
+/// The CA's certificate revocation list, in the CA directory and next to an identity.
+pub const CRL: &str = "crl.pem";
+/// The CA directory's record of revoked serial numbers (what `crl.pem` is made from).
+pub const REVOKED: &str = "revoked.json";
+/// How long a CRL says it is current (its `nextUpdate`). torpor itself keeps using a CRL past
+/// it (a stale list still names what is revoked); other tools may not.
+pub const CRL_VALIDITY: Duration = Duration::from_secs(30 * 24 * 3600);
+/// The version of `revoked.json`'s format.
+const REVOKED_FORMAT: u32 = 1;
+/// Reading `revoked.json` stops here (about 100,000 revocations).
+const REVOKED_MAX_BYTES: u64 = 16 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CaError {
@@ -67,6 +86,12 @@ pub enum CaError {
     Lifetime(Duration),
     #[error("the system's random number generator failed")]
     Random,
+    #[error("invalid serial number {0:?}: hexadecimal digits, optionally separated by ':'")]
+    Serial(String),
+    #[error("{path}: not a certificate issued by this CA: {reason}")]
+    NotIssuedHere { path: PathBuf, reason: String },
+    #[error("{path}: unreadable revocation record: {reason}")]
+    Record { path: PathBuf, reason: String },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CaError + '_ {
@@ -252,15 +277,21 @@ pub struct Issued {
     pub cert_pem: String,
     pub key_pem: String,
     pub ca_pem: String,
+    /// The CA's current CRL, when it has revoked anything.
+    pub crl_pem: Option<String>,
     pub not_after: OffsetDateTime,
 }
 
 impl Issued {
     /// Writes `DIR/cert.pem`, `DIR/key.pem` and `DIR/ca.pem` (each 0600; the directory 0700
-    /// when made here). Files are replaced by a rename, so a reader never sees half a file:
-    /// a running worker or controller picks the new ones up (rotation without restart).
+    /// when made here), and `DIR/crl.pem` when the CA has one. Files are replaced by a rename,
+    /// so a reader never sees half a file: a running worker or controller picks the new ones
+    /// up (rotation without restart).
     pub fn write_to(&self, dir: &Path) -> Result<(), CaError> {
         make_private_dir(dir)?;
+        if let Some(crl) = &self.crl_pem {
+            write_private(&dir.join(CRL), crl.as_bytes())?;
+        }
         write_private(&dir.join(CA_CERT), self.ca_pem.as_bytes())?;
         write_private(&dir.join(KEY), self.key_pem.as_bytes())?;
         write_private(&dir.join(CERT), self.cert_pem.as_bytes())?;
@@ -270,6 +301,7 @@ impl Issued {
 
 /// A CA directory: `ca.pem` (the certificate every member trusts) and `ca.key`.
 pub struct Ca {
+    dir: PathBuf,
     trust_domain: TrustDomain,
     cert_pem: String,
     key: KeyPair,
@@ -309,6 +341,7 @@ impl Ca {
         write_private(&key_path, key.serialize_pem().as_bytes())?;
         write_private(&dir.join(CA_CERT), cert.pem().as_bytes())?;
         Ok(Ca {
+            dir: dir.to_path_buf(),
             trust_domain: trust_domain.clone(),
             cert_pem: cert.pem(),
             key,
@@ -338,6 +371,7 @@ impl Ca {
             _ => return Err(not_ours("no spiffe:// trust domain URI".into())),
         };
         Ok(Ca {
+            dir: dir.to_path_buf(),
             trust_domain: TrustDomain::new(domain)?,
             cert_pem,
             key,
@@ -400,13 +434,233 @@ impl Ca {
         params.not_after = not_after;
         let issuer = Issuer::from_ca_cert_pem(&self.cert_pem, &self.key)?;
         let cert = params.signed_by(&key, &issuer)?;
+        let crl_path = self.dir.join(CRL);
+        let crl_pem = match fs::read_to_string(&crl_path) {
+            Ok(pem) => Some(pem),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(io_err(&crl_path)(e)),
+        };
         Ok(Issued {
             identity,
             cert_pem: cert.pem(),
             key_pem: key.serialize_pem(),
             ca_pem: self.cert_pem.clone(),
+            crl_pem,
             not_after,
         })
+    }
+
+    /// Revokes the certificate in the PEM file `cert_path`, which must be one this CA signed.
+    pub fn revoke_certificate(&self, cert_path: &Path) -> Result<Revocation, CaError> {
+        let not_here = |reason: String| CaError::NotIssuedHere {
+            path: cert_path.to_path_buf(),
+            reason,
+        };
+        let pem = fs::read(cert_path).map_err(io_err(cert_path))?;
+        let der: rustls_pki_types::CertificateDer<'static> =
+            rustls_pki_types::pem::PemObject::from_pem_slice(&pem)
+                .map_err(|e| not_here(e.to_string()))?;
+        let (_, cert) =
+            x509_parser::parse_x509_certificate(&der).map_err(|e| not_here(e.to_string()))?;
+        let ca_der: rustls_pki_types::CertificateDer<'static> =
+            rustls_pki_types::pem::PemObject::from_pem_slice(self.cert_pem.as_bytes())
+                .map_err(|e| not_here(format!("ca.pem: {e}")))?;
+        let (_, ca_cert) =
+            x509_parser::parse_x509_certificate(&ca_der).map_err(|e| not_here(e.to_string()))?;
+        if cert.issuer().as_raw() != ca_cert.subject().as_raw()
+            || cert.verify_signature(Some(ca_cert.public_key())).is_err()
+        {
+            return Err(not_here("it is not signed by this CA's key".into()));
+        }
+        let identity = Identity::of_certificate(&der).ok().map(|i| i.uri());
+        self.revoke(Serial::from_bytes(cert.raw_serial()), identity)
+    }
+
+    /// Revokes a certificate by its serial number (for one whose file is gone).
+    pub fn revoke_serial(&self, serial: Serial) -> Result<Revocation, CaError> {
+        self.revoke(serial, None)
+    }
+
+    /// Records `serial` in `revoked.json` and writes a new `crl.pem` listing every revoked
+    /// serial. Revoking a serial twice keeps its first record and still writes the CRL.
+    fn revoke(&self, serial: Serial, identity: Option<String>) -> Result<Revocation, CaError> {
+        let record_path = self.dir.join(REVOKED);
+        let mut record = RevocationRecord::read(&record_path)?;
+        let now = OffsetDateTime::now_utc();
+        let newly = !record.revoked.iter().any(|r| r.serial == serial.hex());
+        if newly {
+            record.revoked.push(RevokedEntry {
+                serial: serial.hex(),
+                identity: identity.clone(),
+                revoked_at: now.unix_timestamp(),
+            });
+        }
+        record.crl_number += 1;
+        let crl_pem = self.sign_crl(&record, now)?;
+        let json = serde_json::to_vec_pretty(&record).map_err(|e| CaError::Record {
+            path: record_path.clone(),
+            reason: e.to_string(),
+        })?;
+        // The record first: a CRL is always made from a record that is on disk.
+        write_private(&record_path, &json)?;
+        let crl_path = self.dir.join(CRL);
+        write_private(&crl_path, crl_pem.as_bytes())?;
+        Ok(Revocation {
+            serial,
+            identity,
+            newly,
+            listed: record.revoked.len(),
+            crl_number: record.crl_number,
+            crl_path,
+        })
+    }
+
+    fn sign_crl(&self, record: &RevocationRecord, now: OffsetDateTime) -> Result<String, CaError> {
+        let mut revoked_certs = Vec::with_capacity(record.revoked.len());
+        for r in &record.revoked {
+            revoked_certs.push(RevokedCertParams {
+                serial_number: SerialNumber::from_slice(&Serial::parse(&r.serial)?.0),
+                revocation_time: OffsetDateTime::from_unix_timestamp(r.revoked_at).map_err(
+                    |e| CaError::Record {
+                        path: self.dir.join(REVOKED),
+                        reason: e.to_string(),
+                    },
+                )?,
+                reason_code: None,
+                invalidity_date: None,
+            });
+        }
+        let params = CertificateRevocationListParams {
+            this_update: now,
+            next_update: now + to_time(CRL_VALIDITY)?,
+            crl_number: SerialNumber::from(record.crl_number),
+            issuing_distribution_point: None,
+            revoked_certs,
+            key_identifier_method: KeyIdMethod::Sha256,
+        };
+        let issuer = Issuer::from_ca_cert_pem(&self.cert_pem, &self.key)?;
+        Ok(params.signed_by(&issuer)?.pem()?)
+    }
+}
+
+/// A certificate's serial number: its magnitude, without leading zero bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Serial(Vec<u8>);
+
+impl Serial {
+    /// From the bytes of a DER INTEGER (a leading 0x00 of a positive number is dropped).
+    pub fn from_bytes(bytes: &[u8]) -> Serial {
+        let start = bytes
+            .iter()
+            .position(|&b| b != 0)
+            .unwrap_or(bytes.len().saturating_sub(1));
+        Serial(bytes[start..].to_vec())
+    }
+
+    /// Hexadecimal, with or without ':' between bytes (`openssl x509 -serial` prints
+    /// `serial=3A5F…`; `-text` prints `3a:5f:…`).
+    pub fn parse(s: &str) -> Result<Serial, CaError> {
+        let bad = || CaError::Serial(s.to_string());
+        let digits: String = s.trim().chars().filter(|c| *c != ':').collect();
+        if digits.is_empty() || digits.len() > 64 || !digits.bytes().all(|b| b.is_ascii_hexdigit())
+        {
+            return Err(bad());
+        }
+        let padded = if digits.len() % 2 == 1 {
+            format!("0{digits}")
+        } else {
+            digits
+        };
+        let bytes = (0..padded.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&padded[i..i + 2], 16).map_err(|_| bad()))
+            .collect::<Result<Vec<u8>, _>>()?;
+        Ok(Serial::from_bytes(&bytes))
+    }
+
+    /// Lowercase hexadecimal without separators.
+    pub fn hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+impl fmt::Display for Serial {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.hex())
+    }
+}
+
+/// What `torpor ca revoke` did.
+#[derive(Debug)]
+pub struct Revocation {
+    pub serial: Serial,
+    /// The revoked certificate's identity, when revoked by its file.
+    pub identity: Option<String>,
+    /// False when the serial was revoked already.
+    pub newly: bool,
+    /// How many serials the new CRL lists.
+    pub listed: usize,
+    pub crl_number: u64,
+    pub crl_path: PathBuf,
+}
+
+/// `revoked.json`.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RevocationRecord {
+    version: u32,
+    /// The number of the last CRL written.
+    crl_number: u64,
+    revoked: Vec<RevokedEntry>,
+}
+
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RevokedEntry {
+    /// Lowercase hexadecimal.
+    serial: String,
+    identity: Option<String>,
+    /// Unix seconds.
+    revoked_at: i64,
+}
+
+impl RevocationRecord {
+    fn read(path: &Path) -> Result<RevocationRecord, CaError> {
+        let bad = |reason: String| CaError::Record {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let f = match fs::File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(RevocationRecord {
+                    version: REVOKED_FORMAT,
+                    ..RevocationRecord::default()
+                })
+            }
+            Err(e) => return Err(io_err(path)(e)),
+        };
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(
+            &mut std::io::Read::take(f, REVOKED_MAX_BYTES + 1),
+            &mut bytes,
+        )
+        .map_err(io_err(path))?;
+        if bytes.len() as u64 > REVOKED_MAX_BYTES {
+            return Err(bad(format!("larger than {REVOKED_MAX_BYTES} bytes")));
+        }
+        let record: RevocationRecord =
+            serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
+        if record.version != REVOKED_FORMAT {
+            return Err(bad(format!(
+                "format version {} (this torpor reads {REVOKED_FORMAT})",
+                record.version
+            )));
+        }
+        for r in &record.revoked {
+            Serial::parse(&r.serial).map_err(|e| bad(e.to_string()))?;
+        }
+        Ok(record)
     }
 }
 
@@ -546,6 +800,154 @@ mod tests {
         assert!(TrustDomain::new("").is_err());
         assert!(MemberName::new(&"a".repeat(64)).is_err());
         assert!("admin".parse::<Role>().is_err());
+    }
+
+    /// The serials a PEM CRL lists, after checking it is signed by `ca_pem`'s key.
+    fn crl_serials(crl_pem: &str, ca_pem: &str) -> (Vec<String>, u64) {
+        let der: rustls_pki_types::CertificateRevocationListDer<'static> =
+            rustls_pki_types::pem::PemObject::from_pem_slice(crl_pem.as_bytes()).unwrap();
+        let (_, crl) = x509_parser::parse_x509_crl(&der).unwrap();
+        let ca_der = der_of(ca_pem);
+        let (_, ca_cert) = x509_parser::parse_x509_certificate(&ca_der).unwrap();
+        crl.verify_signature(ca_cert.public_key()).unwrap();
+        assert_eq!(crl.issuer().as_raw(), ca_cert.subject().as_raw());
+        let number = crl.crl_number().unwrap().to_u64_digits()[0];
+        let serials = crl
+            .iter_revoked_certificates()
+            .map(|r| Serial::from_bytes(r.raw_serial()).hex())
+            .collect();
+        (serials, number)
+    }
+
+    fn serial_of(pem: &str) -> String {
+        let der = der_of(pem);
+        let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
+        Serial::from_bytes(cert.raw_serial()).hex()
+    }
+
+    #[test]
+    fn revoking_records_the_serial_and_signs_a_crl_listing_every_revocation() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca_dir = dir.path().join("ca");
+        let ca = Ca::init(&ca_dir, &TrustDomain::new("td").unwrap(), DEFAULT_CA_TTL).unwrap();
+        let mut serials = Vec::new();
+        for name in ["w1", "w2"] {
+            let issued = ca
+                .issue(
+                    Role::Worker,
+                    &MemberName::new(name).unwrap(),
+                    DEFAULT_LEAF_TTL,
+                )
+                .unwrap();
+            assert!(issued.crl_pem.is_none(), "no CRL before any revocation");
+            issued.write_to(&dir.path().join(name)).unwrap();
+            assert!(!dir.path().join(name).join(CRL).exists());
+            serials.push(serial_of(&issued.cert_pem));
+        }
+
+        let r = ca
+            .revoke_certificate(&dir.path().join("w1").join(CERT))
+            .unwrap();
+        assert!(r.newly);
+        assert_eq!(r.serial.hex(), serials[0]);
+        assert_eq!(r.identity.as_deref(), Some("spiffe://td/worker/w1"));
+        assert_eq!((r.listed, r.crl_number), (1, 1));
+        assert_eq!(r.crl_path, ca_dir.join(CRL));
+        assert_eq!(mode(&ca_dir.join(CRL)), 0o600);
+        assert_eq!(mode(&ca_dir.join(REVOKED)), 0o600);
+        let crl = fs::read_to_string(ca_dir.join(CRL)).unwrap();
+        assert_eq!(
+            crl_serials(&crl, ca.cert_pem()),
+            (vec![serials[0].clone()], 1)
+        );
+
+        // Again: kept once, a newer CRL. Then by serial (as openssl prints it), from a
+        // reloaded CA: both listed.
+        let again = ca
+            .revoke_certificate(&dir.path().join("w1").join(CERT))
+            .unwrap();
+        assert!(!again.newly);
+        assert_eq!((again.listed, again.crl_number), (1, 2));
+        let ca = Ca::load(&ca_dir).unwrap();
+        let by_serial = ca
+            .revoke_serial(Serial::parse(&serials[1].to_uppercase()).unwrap())
+            .unwrap();
+        assert!(by_serial.newly && by_serial.identity.is_none());
+        let crl = fs::read_to_string(ca_dir.join(CRL)).unwrap();
+        assert_eq!(crl_serials(&crl, ca.cert_pem()), (serials.clone(), 3));
+
+        // An identity issued from now on carries the CRL.
+        let issued = ca
+            .issue(
+                Role::Worker,
+                &MemberName::new("w3").unwrap(),
+                DEFAULT_LEAF_TTL,
+            )
+            .unwrap();
+        issued.write_to(&dir.path().join("w3")).unwrap();
+        assert_eq!(
+            fs::read_to_string(dir.path().join("w3").join(CRL)).unwrap(),
+            crl
+        );
+    }
+
+    #[test]
+    fn a_certificate_of_another_ca_cannot_be_revoked_here() {
+        let dir = tempfile::tempdir().unwrap();
+        let td = TrustDomain::new("td").unwrap();
+        let ca = Ca::init(&dir.path().join("ca"), &td, DEFAULT_CA_TTL).unwrap();
+        let other = Ca::init(&dir.path().join("other"), &td, DEFAULT_CA_TTL).unwrap();
+        other
+            .issue(
+                Role::Worker,
+                &MemberName::new("w1").unwrap(),
+                DEFAULT_LEAF_TTL,
+            )
+            .unwrap()
+            .write_to(&dir.path().join("x"))
+            .unwrap();
+        assert!(matches!(
+            ca.revoke_certificate(&dir.path().join("x").join(CERT)),
+            Err(CaError::NotIssuedHere { .. })
+        ));
+        assert!(!dir.path().join("ca").join(CRL).exists());
+        assert!(!dir.path().join("ca").join(REVOKED).exists());
+    }
+
+    #[test]
+    fn serials_parse_as_openssl_prints_them() {
+        assert_eq!(Serial::parse("3A:5f:00").unwrap().hex(), "3a5f00");
+        assert!(Serial::parse("0x1").is_err());
+        assert_eq!(Serial::parse("00ff").unwrap().hex(), "ff");
+        assert_eq!(Serial::parse("abc").unwrap().hex(), "0abc");
+        assert_eq!(Serial::parse("0").unwrap().hex(), "00");
+        assert_eq!(Serial::from_bytes(&[0, 0x80, 1]).hex(), "8001");
+        for bad in ["", ":", "xyz", &"a".repeat(65)] {
+            assert!(Serial::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_tampered_revocation_record_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca_dir = dir.path().join("ca");
+        let ca = Ca::init(&ca_dir, &TrustDomain::new("td").unwrap(), DEFAULT_CA_TTL).unwrap();
+        for body in [
+            r#"{"version":2,"crl_number":1,"revoked":[]}"#,
+            r#"{"version":1,"crl_number":1,"revoked":[{"serial":"zz","identity":null,"revoked_at":0}]}"#,
+            r#"{"version":1,"crl_number":1,"revoked":[],"extra":1}"#,
+            "[",
+        ] {
+            fs::write(ca_dir.join(REVOKED), body).unwrap();
+            assert!(
+                matches!(
+                    ca.revoke_serial(Serial::parse("01").unwrap()),
+                    Err(CaError::Record { .. })
+                ),
+                "{body}"
+            );
+            assert!(!ca_dir.join(CRL).exists());
+        }
     }
 
     #[test]

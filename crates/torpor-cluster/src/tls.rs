@@ -7,10 +7,18 @@
 //! worker accepts only controllers, a controller only workers. Host names play no part; the
 //! identity is the name (as SPIFFE's X.509-SVID verification prescribes).
 //!
-//! Rotation: the source re-reads the three files when their size, modification time or inode
-//! changes (checked at most once a second, on the next handshake), so a certificate renewed
-//! by `torpor ca issue` or cert-manager is used for new connections without a restart. Files
-//! that do not parse are not taken; the previous material stays in use and the error is logged.
+//! Revocation: when a `crl.pem` lies beside them (`torpor ca revoke` writes it in the CA
+//! directory; the operator copies it to each member), a peer whose certificate's serial it
+//! lists is refused (reason `revoked`), on both sides. Only the peer's own certificate is
+//! looked up (not the CA's), the file must hold one CRL for each CA of `ca.pem`, each signed by
+//! it (otherwise it is not taken), and a CRL past its `nextUpdate` is still used. Without the
+//! file nothing is checked for revocation (short lifetimes are the other defence).
+//!
+//! Rotation: the source re-reads the files when the size, modification time or inode of any
+//! of them changes (checked at most once a second, on the next handshake), so a certificate
+//! renewed by `torpor ca issue` or cert-manager, or a new CRL, is used for new connections
+//! without a restart. Files that do not parse are not taken; the previous material stays in
+//! use and the error is logged. A connection already open is not re-checked.
 //!
 //! Refusals are logged (peer address, reason) and counted in
 //! `torpor_cluster_tls_refusals_total{side, reason}`.
@@ -26,7 +34,9 @@ use prometheus::{IntCounterVec, Opts, Registry};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::ResolvesClientCert;
 use rustls::crypto::CryptoProvider;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::pki_types::{
+    CertificateDer, CertificateRevocationListDer, PrivateKeyDer, ServerName, UnixTime,
+};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::{ClientHello, ParsedCertificate, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
@@ -36,13 +46,14 @@ use rustls::{
 };
 use rustls_pki_types::pem::PemObject;
 
-use crate::ca::{Identity, Role, TrustDomain, CA_CERT, CERT, KEY};
+use crate::ca::{Identity, Role, TrustDomain, CA_CERT, CERT, CRL, KEY};
 
 /// Why a peer was refused (the `reason` label).
-pub const REFUSAL_REASONS: [&str; 6] = [
+pub const REFUSAL_REASONS: [&str; 7] = [
     "no_certificate",
     "unknown_ca",
     "expired",
+    "revoked",
     "wrong_identity",
     "handshake",
     "timeout",
@@ -64,21 +75,25 @@ pub enum TlsError {
     Config(#[from] rustls::Error),
 }
 
-/// Where a side's certificate, key and trusted CA are.
+/// Where a side's certificate, key, trusted CA and (optional) revocation list are.
 #[derive(Debug, Clone)]
 pub struct TlsFiles {
     pub cert: PathBuf,
     pub key: PathBuf,
     pub ca: PathBuf,
+    /// Read when it exists; its absence means no revocation check.
+    pub crl: PathBuf,
 }
 
 impl TlsFiles {
-    /// `DIR/cert.pem`, `DIR/key.pem`, `DIR/ca.pem` (`torpor ca issue --out DIR`).
+    /// `DIR/cert.pem`, `DIR/key.pem`, `DIR/ca.pem` (`torpor ca issue --out DIR`) and
+    /// `DIR/crl.pem` when the operator put one there.
     pub fn in_dir(dir: &Path) -> TlsFiles {
         TlsFiles {
             cert: dir.join(CERT),
             key: dir.join(KEY),
             ca: dir.join(CA_CERT),
+            crl: dir.join(CRL),
         }
     }
 }
@@ -170,6 +185,7 @@ pub fn refusal_reason(e: &std::io::Error) -> &'static str {
             | CertificateError::BadSignature
             | CertificateError::UnhandledCriticalExtension => "unknown_ca",
             CertificateError::ApplicationVerificationFailure => "wrong_identity",
+            CertificateError::Revoked => "revoked",
             _ => "handshake",
         },
         _ => "handshake",
@@ -183,7 +199,7 @@ struct Stamp(Vec<(u64, u64, Option<SystemTime>)>);
 impl Stamp {
     fn of(files: &TlsFiles) -> Stamp {
         Stamp(
-            [&files.cert, &files.key, &files.ca]
+            [&files.cert, &files.key, &files.ca, &files.crl]
                 .iter()
                 .map(|p| match std::fs::metadata(p) {
                     Ok(m) => (m.ino(), m.len(), m.modified().ok()),
@@ -199,7 +215,9 @@ struct Material {
     identity: Identity,
     key: Arc<CertifiedKey>,
     roots: Arc<RootCertStore>,
-    /// The server side's chain checker over `roots` (client-auth usage).
+    /// The CA's revocation lists (empty without `crl.pem`).
+    crls: Vec<webpki::CertRevocationList<'static>>,
+    /// The server side's chain checker over `roots` and `crls` (client-auth usage).
     client_verifier: Arc<dyn ClientCertVerifier>,
 }
 
@@ -401,19 +419,141 @@ fn load_material(
             reason: "no CA certificate in the file".into(),
         });
     }
+    let crl_ders = load_crls(&files.crl, &ca_bytes)?;
+    let crls = crl_ders
+        .iter()
+        .map(|der| {
+            webpki::OwnedCertRevocationList::from_der(der)
+                .map(webpki::CertRevocationList::from)
+                .map_err(|e| TlsError::Material {
+                    path: files.crl.clone(),
+                    reason: format!("{e:?}"),
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let roots = Arc::new(roots);
-    let client_verifier =
-        WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
-            .build()
-            .map_err(|e| TlsError::Material {
-                path: files.ca.clone(),
-                reason: e.to_string(),
-            })?;
+    let mut builder = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone());
+    if !crl_ders.is_empty() {
+        // The peer's own certificate only (as for a server, below); a certificate whose issuer
+        // has no CRL here is refused rather than let through unchecked.
+        builder = builder
+            .with_crls(crl_ders)
+            .only_check_end_entity_revocation();
+    }
+    let client_verifier = builder.build().map_err(|e| TlsError::Material {
+        path: files.ca.clone(),
+        reason: e.to_string(),
+    })?;
     Ok(Material {
         identity,
         key: Arc::new(key),
         roots,
+        crls,
         client_verifier,
+    })
+}
+
+/// The CRLs in `path`, when it exists: one per CA certificate of `ca_pem`, each issued and
+/// signed by it. Anything else is refused here rather than at every handshake.
+fn load_crls(
+    path: &Path,
+    ca_pem: &[u8],
+) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsError> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(TlsError::Io {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let bad = |reason: String| TlsError::Material {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let crls: Vec<CertificateRevocationListDer<'static>> =
+        CertificateRevocationListDer::pem_slice_iter(&bytes)
+            .collect::<Result<_, _>>()
+            .map_err(pem_err(path))?;
+    if crls.is_empty() {
+        return Err(bad("no CRL in the file".into()));
+    }
+    let cas: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(ca_pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| bad(format!("ca.pem: {e}")))?;
+    let mut covered = vec![false; cas.len()];
+    for der in &crls {
+        let (_, crl) =
+            x509_parser::parse_x509_crl(der).map_err(|e| bad(format!("unreadable CRL: {e}")))?;
+        let mut signed_by_a_ca = false;
+        for (i, ca) in cas.iter().enumerate() {
+            let Ok((_, ca)) = x509_parser::parse_x509_certificate(ca) else {
+                continue;
+            };
+            if ca.subject().as_raw() == crl.issuer().as_raw()
+                && crl.verify_signature(ca.public_key()).is_ok()
+            {
+                signed_by_a_ca = true;
+                covered[i] = true;
+            }
+        }
+        if !signed_by_a_ca {
+            return Err(bad(format!(
+                "the CRL of {} is not signed by a CA of ca.pem",
+                crl.issuer()
+            )));
+        }
+    }
+    if let Some(i) = covered.iter().position(|c| !c) {
+        let subject = x509_parser::parse_x509_certificate(&cas[i])
+            .map(|(_, c)| c.subject().to_string())
+            .unwrap_or_default();
+        return Err(bad(format!(
+            "no CRL for the CA {subject:?} of ca.pem (one per CA, or its members would all be refused)"
+        )));
+    }
+    Ok(crls)
+}
+
+/// Whether the server certificate `end_entity` is revoked by `m`'s CRLs (its chain is checked
+/// already; this builds it again with the revocation lookup, which rustls' server-side helper
+/// does not offer without also matching a DNS name).
+fn check_server_revocation(
+    m: &Material,
+    provider: &CryptoProvider,
+    end_entity: &CertificateDer<'_>,
+    intermediates: &[CertificateDer<'_>],
+    now: UnixTime,
+) -> Result<(), rustls::Error> {
+    let refs: Vec<&webpki::CertRevocationList<'_>> = m.crls.iter().collect();
+    let Ok(builder) = webpki::RevocationOptionsBuilder::new(&refs) else {
+        return Ok(()); // No CRL: nothing to look up.
+    };
+    let revocation = builder
+        .with_depth(webpki::RevocationCheckDepth::EndEntity)
+        .with_status_policy(webpki::UnknownStatusPolicy::Deny)
+        .with_expiration_policy(webpki::ExpirationPolicy::Ignore)
+        .build();
+    let cert = webpki::EndEntityCert::try_from(end_entity)
+        .map_err(|_| rustls::Error::InvalidCertificate(CertificateError::BadEncoding))?;
+    cert.verify_for_usage(
+        provider.signature_verification_algorithms.all,
+        &m.roots.roots,
+        intermediates,
+        now,
+        webpki::KeyUsage::server_auth(),
+        Some(revocation),
+        None,
+    )
+    .map(|_| ())
+    .map_err(|e| {
+        rustls::Error::InvalidCertificate(match e {
+            webpki::Error::CertRevoked => CertificateError::Revoked,
+            webpki::Error::UnknownRevocationStatus => CertificateError::UnknownRevocationStatus,
+            other => CertificateError::Other(rustls::OtherError(Arc::new(other))),
+        })
     })
 }
 
@@ -521,6 +661,7 @@ impl ServerCertVerifier for PeerVerifier {
             now,
             self.0.provider.signature_verification_algorithms.all,
         )?;
+        check_server_revocation(&m, &self.0.provider, end_entity, intermediates, now)?;
         self.0
             .check_identity(&m.identity.trust_domain, end_entity)?;
         Ok(ServerCertVerified::assertion())
@@ -559,4 +700,218 @@ pub struct PeerInfo {
 /// The identity a verified connection's peer presented.
 pub fn peer_identity(certs: Option<&[CertificateDer<'_>]>) -> Option<Identity> {
     Identity::of_certificate(certs?.first()?).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ca::{Ca, MemberName, DEFAULT_CA_TTL, DEFAULT_LEAF_TTL};
+
+    /// A CA in `tmp/ca` and identities `c1` (controller), `w1` and `w2` (workers).
+    struct Pki {
+        tmp: tempfile::TempDir,
+        ca: Ca,
+    }
+
+    impl Pki {
+        fn new() -> Pki {
+            let tmp = tempfile::tempdir().unwrap();
+            let td = TrustDomain::new("unit.test").unwrap();
+            let ca = Ca::init(&tmp.path().join("ca"), &td, DEFAULT_CA_TTL).unwrap();
+            let pki = Pki { tmp, ca };
+            pki.issue(Role::Controller, "c1");
+            pki.issue(Role::Worker, "w1");
+            pki.issue(Role::Worker, "w2");
+            pki
+        }
+
+        fn dir(&self, name: &str) -> PathBuf {
+            self.tmp.path().join(name)
+        }
+
+        fn issue(&self, role: Role, name: &str) {
+            self.ca
+                .issue(role, &MemberName::new(name).unwrap(), DEFAULT_LEAF_TTL)
+                .unwrap()
+                .write_to(&self.dir(name))
+                .unwrap();
+        }
+
+        fn source(&self, name: &str, side: Side) -> Arc<TlsSource> {
+            TlsSource::load(TlsFiles::in_dir(&self.dir(name)), side, TlsMetrics::new()).unwrap()
+        }
+
+        fn revoke(&self, name: &str) {
+            self.ca
+                .revoke_certificate(&self.dir(name).join(CERT))
+                .unwrap();
+        }
+
+        /// The operator's copy of the CA's CRL into a member's directory.
+        fn copy_crl_to(&self, name: &str) {
+            std::fs::copy(self.dir("ca").join(CRL), self.dir(name).join(CRL)).unwrap();
+        }
+    }
+
+    /// Makes the next handshake look at the files (instead of waiting for the interval).
+    fn look_now(src: &TlsSource) {
+        let mut l = src.loaded.lock().unwrap();
+        l.checked = Instant::now()
+            .checked_sub(RELOAD_CHECK)
+            .expect("the clock is past the reload interval");
+    }
+
+    #[derive(Debug)]
+    enum Refused {
+        ByServer(rustls::Error),
+        ByClient(rustls::Error),
+    }
+
+    /// A TLS handshake in memory between `client` dialling and `server` accepting.
+    fn handshake(client: &Arc<TlsSource>, server: &Arc<TlsSource>) -> Result<(), Refused> {
+        let name = ServerName::try_from("torpor-peer").unwrap();
+        let mut c = rustls::ClientConnection::new(client.client_config().unwrap(), name).unwrap();
+        let mut s = rustls::ServerConnection::new(server.server_config().unwrap()).unwrap();
+        for _ in 0..10 {
+            let mut buf = Vec::new();
+            while c.wants_write() {
+                c.write_tls(&mut buf).unwrap();
+            }
+            let mut rd = &buf[..];
+            while !rd.is_empty() {
+                s.read_tls(&mut rd).unwrap();
+            }
+            s.process_new_packets().map_err(Refused::ByServer)?;
+            let mut buf = Vec::new();
+            while s.wants_write() {
+                s.write_tls(&mut buf).unwrap();
+            }
+            let mut rd = &buf[..];
+            while !rd.is_empty() {
+                c.read_tls(&mut rd).unwrap();
+            }
+            c.process_new_packets().map_err(Refused::ByClient)?;
+            if !c.is_handshaking() && !s.is_handshaking() {
+                return Ok(());
+            }
+        }
+        panic!("the handshake did not finish");
+    }
+
+    fn reason_of(e: rustls::Error) -> &'static str {
+        refusal_reason(&std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+    }
+
+    #[test]
+    fn a_revoked_worker_is_refused_by_a_running_controller_once_the_crl_is_there() {
+        let pki = Pki::new();
+        let controller = pki.source("c1", Side::Controller);
+        let w1 = pki.source("w1", Side::Worker);
+        let w2 = pki.source("w2", Side::Worker);
+        handshake(&w1, &controller).unwrap();
+
+        pki.revoke("w1");
+        // Until the controller has the CRL, nothing changes.
+        handshake(&w1, &controller).unwrap();
+        pki.copy_crl_to("c1");
+        look_now(&controller);
+        match handshake(&w1, &controller) {
+            Err(Refused::ByServer(e)) => assert_eq!(reason_of(e), "revoked"),
+            other => panic!("a revoked worker was not refused: {other:?}"),
+        }
+        // The other worker, and the controller dialling it, are unaffected.
+        handshake(&w2, &controller).unwrap();
+        handshake(&controller, &pki.source("w2", Side::Worker)).unwrap();
+        // The controller dialling the revoked worker's Node service refuses it too.
+        match handshake(&controller, &w1) {
+            Err(Refused::ByClient(e)) => assert_eq!(reason_of(e), "revoked"),
+            other => panic!("a revoked worker's server was not refused: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_worker_refuses_a_revoked_controller_both_ways() {
+        let pki = Pki::new();
+        pki.issue(Role::Controller, "c2");
+        pki.revoke("c1");
+        pki.copy_crl_to("w1");
+        let w1 = pki.source("w1", Side::Worker);
+        let c1 = pki.source("c1", Side::Controller);
+        match handshake(&c1, &w1) {
+            Err(Refused::ByServer(e)) => assert_eq!(reason_of(e), "revoked"),
+            other => panic!("a revoked controller dialled a worker: {other:?}"),
+        }
+        match handshake(&w1, &c1) {
+            Err(Refused::ByClient(e)) => assert_eq!(reason_of(e), "revoked"),
+            other => panic!("a worker joined a revoked controller: {other:?}"),
+        }
+        let c2 = pki.source("c2", Side::Controller);
+        handshake(&c2, &w1).unwrap();
+        handshake(&w1, &c2).unwrap();
+    }
+
+    #[test]
+    fn a_crl_of_another_ca_is_not_taken_and_the_previous_one_stays() {
+        let pki = Pki::new();
+        pki.revoke("w1");
+        pki.copy_crl_to("c1");
+        let controller = pki.source("c1", Side::Controller);
+        let w1 = pki.source("w1", Side::Worker);
+        assert!(handshake(&w1, &controller).is_err());
+
+        // Another CA (same trust domain name) revokes something: its CRL is not ours.
+        let rogue_dir = pki.dir("rogue");
+        let rogue = Ca::init(
+            &rogue_dir,
+            &TrustDomain::new("unit.test").unwrap(),
+            DEFAULT_CA_TTL,
+        )
+        .unwrap();
+        rogue
+            .issue(
+                Role::Worker,
+                &MemberName::new("x").unwrap(),
+                DEFAULT_LEAF_TTL,
+            )
+            .unwrap()
+            .write_to(&pki.dir("x"))
+            .unwrap();
+        rogue.revoke_certificate(&pki.dir("x").join(CERT)).unwrap();
+        std::fs::copy(rogue_dir.join(CRL), pki.dir("c1").join(CRL)).unwrap();
+        let err = TlsSource::load(
+            TlsFiles::in_dir(&pki.dir("c1")),
+            Side::Controller,
+            TlsMetrics::new(),
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("not signed by a CA of ca.pem"),
+            "{err}"
+        );
+        // A running side keeps its previous CRL: w1 stays refused.
+        look_now(&controller);
+        assert!(matches!(
+            handshake(&w1, &controller),
+            Err(Refused::ByServer(_))
+        ));
+        // A file that is no CRL at all is not taken either.
+        std::fs::write(pki.dir("c1").join(CRL), "not a crl").unwrap();
+        assert!(TlsSource::load(
+            TlsFiles::in_dir(&pki.dir("c1")),
+            Side::Controller,
+            TlsMetrics::new()
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn reasons_name_revocation() {
+        assert!(REFUSAL_REASONS.contains(&"revoked"));
+        assert_eq!(
+            reason_of(rustls::Error::InvalidCertificate(CertificateError::Revoked)),
+            "revoked"
+        );
+        let m = TlsMetrics::new();
+        assert_eq!(m.refused(Side::Controller, "revoked"), 0);
+    }
 }

@@ -1,11 +1,11 @@
-//! `torpor ca init` / `torpor ca issue`: the cluster's certificate authority (the logic is in
+//! `torpor ca init` / `torpor ca issue` / `torpor ca revoke`: the cluster's certificate authority (the logic is in
 //! `torpor_cluster::ca`; this maps arguments onto it).
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Subcommand;
-use torpor_cluster::ca::DEFAULT_TRUST_DOMAIN;
+use torpor_cluster::ca::{Serial, CRL, DEFAULT_TRUST_DOMAIN};
 use torpor_cluster::{Ca, MemberName, Role, TrustDomain};
 
 use crate::common::CliError;
@@ -41,6 +41,20 @@ pub enum CaCmd {
         #[arg(long, value_parser = humantime::parse_duration, default_value = "24h")]
         ttl: Duration,
     },
+    /// Revoke a member's certificate: recorded in DIR/revoked.json, and DIR/crl.pem (a CRL
+    /// signed by the CA) rewritten. Copy DIR/crl.pem to every member's --tls-dir as crl.pem:
+    /// running members re-read it and refuse the certificate from their next handshake on.
+    Revoke {
+        /// The CA directory (`torpor ca init --dir`).
+        #[arg(long)]
+        dir: PathBuf,
+        /// The certificate to revoke (PEM, issued by this CA), e.g. OUT/cert.pem.
+        #[arg(long, required_unless_present = "serial", conflicts_with = "serial")]
+        cert: Option<PathBuf>,
+        /// Or its serial number in hexadecimal (`openssl x509 -noout -serial`).
+        #[arg(long)]
+        serial: Option<String>,
+    },
 }
 
 fn err(e: impl std::fmt::Display) -> CliError {
@@ -74,6 +88,30 @@ pub fn run(cmd: CaCmd) -> Result<i32, CliError> {
                 issued.identity,
                 humantime::format_rfc3339_seconds(issued.not_after.into()),
                 out.display()
+            );
+        }
+        CaCmd::Revoke { dir, cert, serial } => {
+            let ca = Ca::load(&dir).map_err(err)?;
+            let done = match (cert, serial) {
+                (Some(cert), _) => ca.revoke_certificate(&cert),
+                (None, Some(serial)) => ca.revoke_serial(Serial::parse(&serial).map_err(err)?),
+                (None, None) => return Err(err("give --cert FILE or --serial HEX")),
+            }
+            .map_err(err)?;
+            let what = match &done.identity {
+                Some(id) => format!("serial {} ({id})", done.serial),
+                None => format!("serial {}", done.serial),
+            };
+            let verb = if done.newly {
+                "revoked"
+            } else {
+                "already revoked"
+            };
+            println!(
+                "{verb} {what}; {} (CRL #{}) lists {} certificate(s): copy it to every member's --tls-dir as {CRL}",
+                done.crl_path.display(),
+                done.crl_number,
+                done.listed
             );
         }
     }

@@ -586,3 +586,105 @@ async fn a_tenant_cannot_list_or_drain_nodes() {
     assert_eq!(status, 409, "{body}");
     assert_eq!(body["error"]["code"], "not_clustered", "{body}");
 }
+
+/// `torpor ca revoke --dir CA --cert CERT`; its output.
+fn ca_revoke(ca: &Path, cert: &Path) -> String {
+    harness::torpor(&[
+        "ca",
+        "revoke",
+        "--dir",
+        ca.to_str().unwrap(),
+        "--cert",
+        cert.to_str().unwrap(),
+    ])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_worker_certificate_cannot_join_a_running_controller() {
+    let rig = Rig::start(Duration::from_secs(3600)).await;
+    // Until it is revoked, w1's certificate is taken by this controller.
+    assert!(
+        !heartbeat(&mut rig.as_worker("w1"), "run-w1")
+            .await
+            .unwrap()
+            .known
+    );
+
+    let out = ca_revoke(&rig.path("ca"), &rig.path("w1/cert.pem"));
+    assert!(out.contains("revoked serial"), "{out}");
+    assert!(out.contains("spiffe://sec.join/worker/w1"), "{out}");
+    // The operator hands the CRL to the running controller (no restart). It looks at its files
+    // at most once a second, so w1 is taken until then and refused from then on.
+    std::fs::copy(rig.path("ca/crl.pem"), rig.path("c1/crl.pem")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let st = loop {
+        match heartbeat(&mut rig.as_worker("w1"), "run-w1").await {
+            Err(st) => break st,
+            Ok(r) => assert!(!r.known),
+        }
+        assert!(Instant::now() < deadline, "the CRL was never taken");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    refused_at_tls(&st);
+    rig.wait_refusals("revoked", 1).await;
+
+    // w1 cannot register, whatever address it announces; each refusal is counted as
+    // `revoked` (not as another reason).
+    let w2 = rig.worker("w2").await;
+    let st = register(&mut rig.as_worker("w1"), &w2.addr, "run-w1")
+        .await
+        .expect_err("a revoked worker registered");
+    refused_at_tls(&st);
+    rig.wait_refusals("revoked", 2).await;
+    for other in ["unknown_ca", "expired", "wrong_identity", "handshake"] {
+        assert_eq!(
+            rig.ctl.metrics.refused(Side::Controller, other),
+            0,
+            "{other}"
+        );
+    }
+    assert_eq!(rig.ctl.fleet.nodes(), Vec::<NodeStatus>::new());
+
+    // Another worker of the same CA joins the same controller as before.
+    let mut as_w2 = rig.as_worker("w2");
+    assert_eq!(
+        register(&mut as_w2, &w2.addr, "run-w2").await.unwrap(),
+        "c1"
+    );
+    let nodes = rig.ctl.fleet.nodes();
+    assert_eq!(nodes.len(), 1, "{nodes:?}");
+    assert_eq!(state_of(&rig.ctl.fleet, "w2").as_deref(), Some("ready"));
+    assert!(heartbeat(&mut as_w2, "run-w2").await.unwrap().known);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_worker_refuses_a_controller_once_its_certificate_is_revoked() {
+    let rig = Rig::start(Duration::from_secs(3600)).await;
+    ca_issue(&rig.path("ca"), "controller", "c2", &rig.path("c2"), "1h");
+    let w1 = rig.worker("w1").await;
+    harness::connect(&w1.addr, &rig.path("c2"))
+        .await
+        .expect("c2 drives w1 before its revocation");
+
+    ca_revoke(&rig.path("ca"), &rig.path("c2/cert.pem"));
+    // The worker process is not restarted: its --tls-dir gets the CRL.
+    std::fs::copy(rig.path("ca/crl.pem"), rig.path("w1/crl.pem")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while harness::connect(&w1.addr, &rig.path("c2")).await.is_ok() {
+        assert!(Instant::now() < deadline, "the worker never took the CRL");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    w1.wait_refusals("revoked", 1).await;
+    assert_eq!(w1.refusals("unknown_ca").await, 0);
+    let log = w1.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("cluster peer refused") && l.contains("revoked")),
+        "{log}"
+    );
+    // The controller that is not revoked still drives it.
+    harness::connect(&w1.addr, &rig.path("c1"))
+        .await
+        .expect("c1 is refused");
+    assert_eq!(w1.containers(), Vec::<String>::new());
+}
