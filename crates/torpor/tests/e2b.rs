@@ -23,6 +23,7 @@ const PARITY_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/
 const BASE_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/base.py");
 const FILES_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/files.py");
 const SNAPSHOTS_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/snapshots.py");
+const METADATA_SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/metadata.py");
 const JS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b_sdk/js");
 
 async fn tenant(d: &Daemon, name: &str) -> String {
@@ -164,6 +165,15 @@ async fn the_python_sdk_sees_e2bs_filesystem_owners_signed_urls_and_watches() {
     let d = Daemon::start().await;
     let key = tenant(&d, "files-a").await;
     run_sdk(&d, "python3", FILES_SCRIPT, &key, &[]).await;
+}
+
+/// Issue 19: E2B's file metadata (user xattrs set on upload, surfaced by get_info and list,
+/// kept across rename, cleared on overwrite, refused as envd refuses it), as the SDK sees it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_python_sdk_keeps_file_metadata_as_envd_does() {
+    let d = Daemon::start().await;
+    let key = tenant(&d, "metadata-a").await;
+    run_sdk(&d, "python3", METADATA_SCRIPT, &key, &[]).await;
 }
 
 /// Issue 19: E2B's named snapshots (create, list, create from, delete; another tenant's

@@ -1,6 +1,7 @@
 //! envd's HTTP `/files`: download (`GET`) and upload (`POST`, multipart or octet-stream), each
 //! optionally gzip-compressed as envd does (`Accept-Encoding: gzip` on a download,
-//! `Content-Encoding: gzip` on an upload).
+//! `Content-Encoding: gzip` on an upload). An upload may carry file metadata in
+//! `X-Metadata-*` headers ([`super::fs::metadata`]).
 
 use std::io::{Read as _, Write as _};
 use std::sync::Arc;
@@ -86,23 +87,6 @@ pub fn accepts_gzip(headers: &HeaderMap) -> bool {
         })
 }
 
-/// The header prefix of envd 0.6.2's file metadata (user xattrs) on an upload.
-pub const METADATA_HEADER_PREFIX: &str = "x-metadata-";
-
-/// Uploads with file metadata are refused (400) rather than written without it: torpor does
-/// not keep file metadata.
-pub fn refuse_metadata(headers: &HeaderMap) -> Result<(), E2bError> {
-    if headers
-        .keys()
-        .any(|k| k.as_str().starts_with(METADATA_HEADER_PREFIX))
-    {
-        return Err(E2bError::bad_request(
-            "file metadata (X-Metadata-* headers) is not supported by torpor",
-        ));
-    }
-    Ok(())
-}
-
 /// Inflates a gzip body (one or more members) of at most `limit` bytes once inflated: a body
 /// that inflates past it is refused (413) as soon as it does, so a small bomb costs nothing.
 pub fn gunzip_capped(data: &[u8], limit: usize) -> Result<Vec<u8>, E2bError> {
@@ -169,7 +153,9 @@ pub async fn download(
 }
 
 /// POST /files?path= (multipart/form-data, or application/octet-stream; either possibly
-/// `Content-Encoding: gzip`) → the written entries.
+/// `Content-Encoding: gzip`) → the written entries. `X-Metadata-<key>` headers give every file
+/// written that metadata (checked before anything is read or written; 400 if envd would refuse
+/// it); an upload without them leaves the new file with none, as a replaced file's is gone.
 pub async fn upload(
     State(st): State<Arc<E2b>>,
     headers: HeaderMap,
@@ -179,7 +165,7 @@ pub async fn upload(
     let Query(q) = q.map_err(|e| E2bError::bad_request(e.body_text()))?;
     let c = files_ctx(&st, &headers, &q, Operation::Write)?;
     let user = q.username.clone().or_else(|| basic_user(&headers));
-    refuse_metadata(&headers)?;
+    let metadata = super::fs::metadata::from_headers(&headers)?;
     let coding = upload_coding(&headers)?;
     let ct = headers
         .get(header::CONTENT_TYPE)
@@ -223,9 +209,19 @@ pub async fn upload(
             .ok_or_else(|| E2bError::bad_request("path= is required"))?;
         files.push((path, body.clone()));
     }
+    let paths = files
+        .iter()
+        .map(|(raw, _)| resolve(raw, user.as_deref()).map_err(http_err))
+        .collect::<Result<Vec<_>, _>>()?;
+    if !metadata.is_empty()
+        && !super::fs::metadata::agent_keeps_metadata(&st, &c)
+            .await
+            .map_err(http_err)?
+    {
+        return Err(E2bError::bad_request(super::fs::metadata::AGENT_TOO_OLD));
+    }
     let mut written = Vec::new();
-    for (raw, data) in files {
-        let path = resolve(&raw, user.as_deref()).map_err(http_err)?;
+    for ((_, data), path) in files.into_iter().zip(paths) {
         st.api
             .engine
             .write_file(&c.tenant, &c.id, &path, None, &data)
@@ -235,8 +231,17 @@ pub async fn upload(
         if c.base && user.as_deref() == Some("root") {
             let _ = super::envd::run(&st, &c, &["chown", "0:0", "--", &path], Vec::new()).await;
         }
-        let (_, name) = parent_and_name(&path);
-        written.push(json!({"name": name, "type": "file", "path": path}));
+        let mut entry = json!({"name": parent_and_name(&path).1, "type": "file", "path": path});
+        if !metadata.is_empty() {
+            // What the file holds afterwards, as envd reads it back.
+            let kept = super::fs::metadata::set(&st, &c, &path, metadata.clone())
+                .await
+                .map_err(|e| http_err(not_found_as(e, &path)))?;
+            if !kept.is_empty() {
+                entry["metadata"] = json!(kept);
+            }
+        }
+        written.push(entry);
     }
     Ok(axum::Json(written).into_response())
 }

@@ -4,8 +4,9 @@
 //! Entries are described as envd describes them: a symlink reports its target's type and mode
 //! plus `symlinkTarget` (absolute, every link resolved); `ListDir` walks depth first in name
 //! order, as Go's `filepath.WalkDir` does, without descending into symlinked directories.
+//! Entries carry the file's user metadata as `metadata` ([`metadata`]).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,7 +16,7 @@ use axum::http::{header, HeaderMap};
 use axum::response::Response;
 use serde::Deserialize;
 use serde_json::json;
-use torpor_runtime::proto::{DirEntry, FileKind};
+use torpor_runtime::proto::{DirEntry, FileKind, MetaEntry};
 
 use super::connect::{self, Code, RpcError};
 use super::envd::{rpc_call, run, Ctx};
@@ -167,27 +168,42 @@ async fn resolve_links(st: &E2b, c: &Ctx, paths: &[String]) -> Vec<Option<LinkTa
     }
 }
 
-/// Describes entries (as (directory, entry)), resolving the symlinks among them.
-async fn describe(st: &E2b, c: &Ctx, entries: &[(String, DirEntry)]) -> Vec<serde_json::Value> {
+/// Adds an entry's user metadata to its `EntryInfo` (absent when it has none, as envd's
+/// proto JSON leaves an empty map out).
+fn with_metadata(
+    mut v: serde_json::Value,
+    metadata: &BTreeMap<String, String>,
+) -> serde_json::Value {
+    if !metadata.is_empty() {
+        v["metadata"] = json!(metadata);
+    }
+    v
+}
+
+/// Describes entries (as (directory, entry with its metadata)), resolving the symlinks among
+/// them.
+async fn describe(st: &E2b, c: &Ctx, entries: &[(String, MetaEntry)]) -> Vec<serde_json::Value> {
     let links: Vec<String> = entries
         .iter()
-        .filter(|(_, e)| e.kind == FileKind::Symlink)
-        .map(|(d, e)| join(d, &e.name))
+        .filter(|(_, e)| e.entry.kind == FileKind::Symlink)
+        .map(|(d, e)| join(d, &e.entry.name))
         .collect();
     let (resolved, names) = tokio::join!(
         resolve_links(st, c, &links),
-        names_for(st, c, entries.iter().map(|(_, e)| e))
+        names_for(st, c, entries.iter().map(|(_, e)| &e.entry))
     );
     let mut resolved = resolved.into_iter();
     entries
         .iter()
-        .map(|(d, e)| {
-            if e.kind == FileKind::Symlink {
+        .map(|(d, m)| {
+            let e = &m.entry;
+            let v = if e.kind == FileKind::Symlink {
                 let link = resolved.next().unwrap_or(None);
                 entry_info(d, e, Some(&link), &names)
             } else {
                 entry_info(d, e, None, &names)
-            }
+            };
+            with_metadata(v, &m.metadata)
         })
         .collect()
 }
@@ -196,17 +212,57 @@ async fn list(st: &E2b, c: &Ctx, dir: &str) -> Result<Vec<DirEntry>, RpcError> {
     Ok(st.api.engine.list_files(&c.tenant, &c.id, dir).await?)
 }
 
-/// The entry at `path` (not followed if it is a symlink), or not_found.
-async fn lstat(st: &E2b, c: &Ctx, path: &str) -> Result<(String, DirEntry), RpcError> {
+/// The entries of `dir`, with their metadata when `with_meta` (the agent keeps it), else
+/// without.
+async fn list_meta(
+    st: &E2b,
+    c: &Ctx,
+    dir: &str,
+    with_meta: bool,
+) -> Result<Vec<MetaEntry>, RpcError> {
+    if with_meta {
+        return metadata::list(st, c, dir, None).await;
+    }
+    Ok(list(st, c, dir)
+        .await?
+        .into_iter()
+        .map(|entry| MetaEntry {
+            entry,
+            metadata: BTreeMap::new(),
+        })
+        .collect())
+}
+
+/// The entry at `path` (not followed if it is a symlink) with its metadata, or not_found.
+async fn lstat(st: &E2b, c: &Ctx, path: &str) -> Result<(String, MetaEntry), RpcError> {
     let (parent, name) = parent_and_name(path);
+    let missing = || RpcError::new(Code::NotFound, format!("path {path:?} does not exist"));
+    if metadata::agent_keeps_metadata(st, c).await? {
+        let found = metadata::list(st, c, &parent, Some(&name))
+            .await
+            .map_err(|e| not_found_as(e, path))?;
+        return found
+            .into_iter()
+            .find(|e| e.entry.name == name)
+            .map(|e| (parent, e))
+            .ok_or_else(missing);
+    }
     let entries = list(st, c, &parent)
         .await
         .map_err(|e| not_found_as(e, path))?;
     entries
         .into_iter()
         .find(|e| e.name == name)
-        .map(|e| (parent, e))
-        .ok_or_else(|| RpcError::new(Code::NotFound, format!("path {path:?} does not exist")))
+        .map(|entry| {
+            (
+                parent,
+                MetaEntry {
+                    entry,
+                    metadata: BTreeMap::new(),
+                },
+            )
+        })
+        .ok_or_else(missing)
 }
 
 /// The envd entry at `path`, or not_found.
@@ -234,21 +290,24 @@ pub(crate) fn not_found_as(e: RpcError, path: &str) -> RpcError {
 
 /// Entries under `root` down to `depth` levels, as (directory, entry), in envd's order: depth
 /// first, each directory's entries by name, a directory's contents right after it. Symlinks
-/// are not descended into.
+/// are not descended into. With `with_meta`, each entry carries its user metadata.
 async fn walk(
     st: &E2b,
     c: &Ctx,
     root: &str,
     depth: usize,
-) -> Result<Vec<(String, DirEntry)>, RpcError> {
+    with_meta: bool,
+) -> Result<Vec<(String, MetaEntry)>, RpcError> {
     let mut out = Vec::new();
-    let sorted = |mut v: Vec<DirEntry>| {
-        v.sort_by(|a, b| a.name.cmp(&b.name));
+    let sorted = |mut v: Vec<MetaEntry>| {
+        v.sort_by(|a, b| a.entry.name.cmp(&b.entry.name));
         VecDeque::from(v)
     };
-    let first = list(st, c, root).await.map_err(|e| not_found_as(e, root))?;
+    let first = list_meta(st, c, root, with_meta)
+        .await
+        .map_err(|e| not_found_as(e, root))?;
     // (directory, its level below root, the entries of it not yet visited)
-    let mut stack: Vec<(String, usize, VecDeque<DirEntry>)> =
+    let mut stack: Vec<(String, usize, VecDeque<MetaEntry>)> =
         vec![(root.to_string(), 1, sorted(first))];
     while let Some((dir, level, rest)) = stack.last_mut() {
         let Some(e) = rest.pop_front() else {
@@ -256,7 +315,8 @@ async fn walk(
             continue;
         };
         let (dir, level) = (dir.clone(), *level);
-        let child = (e.kind == FileKind::Dir && level < depth).then(|| join(&dir, &e.name));
+        let child =
+            (e.entry.kind == FileKind::Dir && level < depth).then(|| join(&dir, &e.entry.name));
         out.push((dir, e));
         if out.len() > MAX_ENTRIES {
             return Err(RpcError::new(
@@ -266,7 +326,7 @@ async fn walk(
         }
         if let Some(child) = child {
             // Vanished or unreadable below the root: skipped.
-            if let Ok(entries) = list(st, c, &child).await {
+            if let Ok(entries) = list_meta(st, c, &child, with_meta).await {
                 stack.push((child, level + 1, sorted(entries)));
             }
         }
@@ -335,7 +395,9 @@ pub async fn filesystem_rpc(
             "ListDir" => {
                 let p = resolve(&req.path, user.as_deref())?;
                 let depth = req.depth.unwrap_or(1).clamp(1, 32) as usize;
-                let entries = describe(&st, &c, &walk(&st, &c, &p, depth).await?).await;
+                let with_meta = metadata::agent_keeps_metadata(&st, &c).await?;
+                let found = walk(&st, &c, &p, depth, with_meta).await?;
+                let entries = describe(&st, &c, &found).await;
                 Ok(connect::unary_ok(&json!({"entries": entries})))
             }
             "MakeDir" => {
@@ -442,6 +504,7 @@ fn as_caller(c: &Ctx, user: Option<&str>, cmd: &[&str]) -> Vec<String> {
 
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod metadata;
 pub mod watch;
 
 use watch::{check_watcher_caps, remove_watcher, room_for_watcher, watch_state, WatchState};

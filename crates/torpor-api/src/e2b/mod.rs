@@ -44,9 +44,9 @@ use torpor_core::{SandboxId, TenantId, Tier};
 use crate::state::ApiState;
 
 /// The envd version advertised: envd 0.6.3's features are what this adapter implements
-/// (octet-stream uploads, CloseStdin, default user, entry info on watch events), except file
-/// metadata (0.6.2), whose uploads are refused with 400 rather than dropped; the network-mounts
-/// watch option (0.6.4) is not advertised, so the SDK refuses it itself.
+/// (octet-stream uploads, CloseStdin, default user, file metadata as `user.e2b.*` xattrs
+/// (0.6.2, [`fs::metadata`]), entry info on watch events); the network-mounts watch option
+/// (0.6.4) is not advertised, so the SDK refuses it itself.
 pub const ENVD_VERSION: &str = "0.6.3";
 /// Metadata keys the adapter keeps for itself; hidden from E2B responses and filters.
 pub const META_PREFIX: &str = "torpor.e2b.";
@@ -82,6 +82,8 @@ pub struct E2b {
     pub watchers: Mutex<HashMap<String, fs::Watcher>>,
     /// Sandboxes whose agent predates `ListChanged` (restored from older snapshots).
     pub legacy_agents: Mutex<std::collections::HashSet<SandboxId>>,
+    /// Sandboxes whose agent keeps file metadata ([`fs::metadata`]).
+    pub metadata_agents: fs::metadata::MetadataAgents,
     /// Sandboxes whose E2B timeout action is running (see [`enforce_timeouts`]).
     timeouts_in_flight: Mutex<std::collections::HashSet<SandboxId>>,
     /// Metrics samples kept for `get_metrics`.
@@ -103,6 +105,7 @@ impl E2b {
             domain,
             watchers: Mutex::new(HashMap::new()),
             legacy_agents: Mutex::new(Default::default()),
+            metadata_agents: Default::default(),
             timeouts_in_flight: Mutex::new(Default::default()),
             metrics: Default::default(),
             base_state: Default::default(),

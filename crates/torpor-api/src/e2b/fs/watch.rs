@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use torpor_core::{SandboxId, TenantId, Tier};
-use torpor_runtime::proto::{DirEntry, FileKind};
+use torpor_runtime::proto::{DirEntry, FileKind, MetaEntry};
 
 use super::super::connect::{self, Code, Item, RpcError};
 use super::super::envd::Ctx;
@@ -154,10 +154,12 @@ impl WatchState {
         } else {
             self.root.len() + 1
         };
-        Ok(walk(st, c, &self.root, depth)
+        // Events carry no metadata: reading every entry's attributes on each look would cost
+        // the sandbox more than a watch is worth.
+        Ok(walk(st, c, &self.root, depth, false)
             .await?
             .into_iter()
-            .map(|(dir, entry)| {
+            .map(|(dir, MetaEntry { entry, .. })| {
                 let full = join(&dir, &entry.name);
                 (
                     full[prefix.min(full.len())..].to_string(),
