@@ -220,10 +220,18 @@ struct Target {
 
 pub use crate::domain::{proxy_domain, set_proxy_domain, DEFAULT_PROXY_DOMAIN};
 
-/// Host-based routing: a request whose Host is `{port}-{id}.<domain>` (the domain given to
-/// [`set_proxy_domain`]) is proxied like `/v1/sandboxes/{id}/ports/{port}/{path}`, with the same
-/// authentication (or none for a public E2B sandbox, see crate::e2b::ports); every other
-/// request goes on to the API.
+/// The port E2B's SDKs reach a sandbox's envd at: `49983-{id}.<domain>` is served by E2B's
+/// envd routes (crate::e2b) for sandbox `id`, not proxied to a port of the sandbox.
+pub const ENVD_PORT: u16 = 49983;
+/// The control plane's name under the domain: E2B's SDKs default to `https://api.<domain>`.
+pub const API_LABEL: &str = "api";
+
+/// Host-based routing, by the label in front of the domain given to [`set_proxy_domain`]:
+/// - `{port}-{id}.<domain>` is proxied like `/v1/sandboxes/{id}/ports/{port}/{path}`, with the
+///   same authentication (or none for a public E2B sandbox, see crate::e2b::ports);
+/// - `49983-{id}.<domain>` ([`ENVD_PORT`]) reaches E2B's envd routes for sandbox `id` (see
+///   [`envd_by_host`]), as E2B's SDKs build envd's URL;
+/// - `api.<domain>` and every other host go on to the API.
 pub(crate) async fn host_route(
     State(state): State<Arc<ApiState>>,
     req: Request,
@@ -244,25 +252,40 @@ pub(crate) async fn host_route(
             .and_then(|l| l.strip_suffix('.'))
             .map(str::to_string)
     });
-    let Some(label) = label else {
+    let Some(label) = label.filter(|l| l != API_LABEL) else {
         return next.run(req).await;
     };
     crate::request_id::set_route("{port}-{id}.<proxy domain>/{*path}");
-    let result = async {
-        let (port_raw, id) = label.split_once('-').ok_or_else(|| {
+    let parsed = label
+        .split_once('-')
+        .ok_or_else(|| {
             ApiError::new(
                 ErrorKind::InvalidArgument,
                 "invalid_host",
                 format!("host {label:?}.{domain}: expected {{port}}-{{sandbox id}}.{domain}"),
             )
-        })?;
-        let port = split_route(&format!("/sandboxes/{id}/ports/{port_raw}"))?.1;
-        let route = crate::e2b::ports::host_route_tenant(&state, id, port, req.headers())?;
+        })
+        .and_then(|(port_raw, id)| {
+            let port = split_route(&format!("/sandboxes/{id}/ports/{port_raw}"))?.1;
+            Ok((port, id.to_string()))
+        });
+    let (port, id) = match parsed {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    if port == ENVD_PORT {
+        crate::request_id::set_route("49983-{id}.<proxy domain>/{envd route}");
+        return envd_by_host(&id, req, next)
+            .await
+            .unwrap_or_else(|e| e.into_response());
+    }
+    let result = async {
+        let route = crate::e2b::ports::host_route_tenant(&state, &id, port, req.headers())?;
         let uri = req.uri().clone();
         let tail = uri.path().trim_start_matches('/').to_string();
         check_tail(&tail)?;
         let target = Target {
-            id: id.to_string(),
+            id,
             port,
             host: route.host,
         };
@@ -270,6 +293,43 @@ pub(crate) async fn host_route(
     }
     .await;
     result.unwrap_or_else(|e| e.into_response())
+}
+
+/// Whether `path` is one of envd's routes (crate::e2b::router): Connect-RPC `process` and
+/// `filesystem`, HTTP `/files` and `/health`.
+fn is_envd_path(path: &str) -> bool {
+    path.starts_with("/process.Process/")
+        || path.starts_with("/filesystem.Filesystem/")
+        || matches!(path, "/files" | "/health")
+}
+
+/// `49983-{id}.<domain>`: envd of sandbox `id`. The host names the sandbox, so the request's
+/// `E2b-Sandbox-Id` is set to `id` whatever it said (a request for one sandbox's host never
+/// acts on another's), and envd's own checks apply unchanged: the sandbox's `X-Access-Token`
+/// (or a signed URL's signature), its owner's rate, E2B's pause. Paths other than envd's are
+/// not served under such a name (404).
+async fn envd_by_host(
+    id: &str,
+    mut req: Request,
+    next: axum::middleware::Next,
+) -> ApiResult<Response> {
+    if !is_envd_path(req.uri().path()) {
+        return Err(ApiError::new(
+            ErrorKind::NotFound,
+            "not_found",
+            "no such route (a sandbox's envd host serves envd's routes only)",
+        ));
+    }
+    let value = axum::http::HeaderValue::from_str(id).map_err(|_| {
+        ApiError::new(
+            ErrorKind::InvalidArgument,
+            "invalid_host",
+            "the sandbox id in the host is not a header value",
+        )
+    })?;
+    req.headers_mut()
+        .insert(HeaderName::from_static("e2b-sandbox-id"), value);
+    Ok(next.run(req).await)
 }
 
 /// Counts a proxied request the sandbox answered and starts the client's answer: its status and
@@ -414,6 +474,28 @@ async fn forward(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn envd_hosts_serve_envd_routes_only() {
+        for p in [
+            "/process.Process/Start",
+            "/filesystem.Filesystem/Stat",
+            "/files",
+            "/health",
+        ] {
+            assert!(is_envd_path(p), "{p}");
+        }
+        for p in [
+            "/v1/sandboxes",
+            "/sandboxes",
+            "/files/x",
+            "/healthz",
+            "/",
+            "/metrics",
+        ] {
+            assert!(!is_envd_path(p), "{p}");
+        }
+    }
 
     #[test]
     fn routes_split_and_escapes_are_refused() {

@@ -135,6 +135,8 @@ pub enum Command {
         max_sandbox_connections: Option<u32>,
         #[command(flatten)]
         telemetry: crate::telemetry::TelemetryArgs,
+        #[command(flatten)]
+        tls: crate::tls_listen::TlsArgs,
     },
     /// Inspect, verify and collect the snapshot store (operator only).
     #[command(subcommand)]
@@ -474,11 +476,12 @@ async fn dispatch(cmd: Command) -> CliResult {
             sandbox_reach_host,
             max_sandbox_connections,
             telemetry,
+            tls,
         } => {
             let telemetry = crate::telemetry::Telemetry::init(&telemetry)?;
             torpor_runtime::net::set_host_guard(
                 sandbox_reach_host,
-                &[Some(listen), metrics_listen, keda_listen]
+                &[Some(listen), metrics_listen, keda_listen, tls.tls_listen]
                     .into_iter()
                     .flatten()
                     .collect::<Vec<_>>(),
@@ -490,6 +493,9 @@ async fn dispatch(cmd: Command) -> CliResult {
             if let Some(d) = &proxy_domain {
                 torpor_api::proxy::set_proxy_domain(d);
             }
+            crate::tls_listen::prepare(&tls, torpor_api::proxy::proxy_domain())
+                .await
+                .map_err(|e| CliError(e.report()))?;
             if let Some(c) = e2b_egress_ceiling {
                 torpor_api::e2b::base::set_egress_ceiling(c);
             }

@@ -363,7 +363,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    let server = tokio::spawn(serve::serve(
+    let server = tokio::spawn(serve::serve_api(
         listener,
         app,
         serve_cfg,

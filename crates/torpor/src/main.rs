@@ -19,6 +19,7 @@ mod report;
 mod serve;
 mod snapshot;
 mod telemetry;
+mod tls_listen;
 mod usage;
 mod worker;
 

@@ -22,6 +22,10 @@
 //!   known) nor HTTP/2, so each connection also has a watchdog: with no request in flight (a
 //!   response streaming counts as in flight) for `header_read_timeout`, the connection is asked to
 //!   close, and dropped if it is still idle one timeout later.
+//! - **TLS.** On the HTTPS listener (`--tls-listen`, crate::tls_listen) the handshake runs in the
+//!   connection's own task, holding its slot, and must finish within `header_read_timeout`; a
+//!   peer that never finishes it is dropped. [`serve_api`] serves the API router on `--listen`
+//!   and, when one was prepared, on the HTTPS listener too, with the same stop.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -61,6 +65,49 @@ pub async fn serve(
     cfg: ServeConfig,
     stop: impl Future<Output = ()> + Send + 'static,
 ) {
+    serve_on(listener, None, app, cfg, stop).await
+}
+
+/// The API listener: [`serve`] on `listener` (plain HTTP) and, when `--tls-listen` was
+/// prepared (crate::tls_listen::prepare), the same router over HTTPS on that listener, both
+/// stopped by `stop`; returns when both have.
+pub async fn serve_api(
+    listener: TcpListener,
+    app: Router,
+    cfg: ServeConfig,
+    stop: impl Future<Output = ()> + Send + 'static,
+) {
+    let Some(tls) = crate::tls_listen::take_prepared() else {
+        return serve(listener, app, cfg, stop).await;
+    };
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        stop.await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    tracing::info!(listen = %tls.addr, "HTTPS listener up");
+    eprintln!("torpor: HTTPS on {} (--tls-listen)", tls.addr);
+    let https = tokio::spawn(serve_on(
+        tls.listener,
+        Some(tls.acceptor),
+        app.clone(),
+        cfg,
+        stopped(stop_rx.clone()),
+    ));
+    serve(listener, app, cfg, stopped(stop_rx)).await;
+    let _ = https.await;
+}
+
+async fn serve_on(
+    listener: TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    app: Router,
+    cfg: ServeConfig,
+    stop: impl Future<Output = ()> + Send + 'static,
+) {
     let local = listener
         .local_addr()
         .map_or_else(|_| "?".to_string(), |a| a.to_string());
@@ -93,32 +140,58 @@ pub async fn serve(
         // No Nagle delay: E2B's streams (Connect) write small frames one after another, and a
         // frame held back for the client's delayed ACK costs up to 40 ms.
         let _ = tcp.set_nodelay(true);
-        let io = TokioIo::new(Held {
+        let held = Held {
             tcp,
             _permit: permit,
-        });
-        tokio::spawn(serve_connection(
-            io,
-            remote,
-            app.clone(),
-            cfg,
-            signal_tx.clone(),
-            close_rx.clone(),
-        ));
+        };
+        let (app, signal_tx, close_rx) = (app.clone(), signal_tx.clone(), close_rx.clone());
+        match &tls {
+            None => {
+                tokio::spawn(serve_connection(
+                    TokioIo::new(held),
+                    remote,
+                    app,
+                    cfg,
+                    signal_tx,
+                    close_rx,
+                ));
+            }
+            Some(acceptor) => {
+                let handshake = acceptor.accept(held);
+                tokio::spawn(async move {
+                    let stream =
+                        match tokio::time::timeout(cfg.header_read_timeout, handshake).await {
+                            Ok(Ok(s)) => s,
+                            Ok(Err(e)) => {
+                                tracing::debug!(%remote, error = %e, "TLS handshake failed");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::debug!(%remote, "TLS handshake timed out");
+                                return;
+                            }
+                        };
+                    serve_connection(TokioIo::new(stream), remote, app, cfg, signal_tx, close_rx)
+                        .await
+                });
+            }
+        }
     }
     drop(close_rx);
     drop(listener);
     close_tx.closed().await;
 }
 
-async fn serve_connection(
-    io: TokioIo<Held>,
+async fn serve_connection<I>(
+    io: TokioIo<I>,
     remote: SocketAddr,
     app: Router,
     cfg: ServeConfig,
     signal_tx: watch::Sender<()>,
     close_rx: watch::Receiver<()>,
-) {
+) where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let activity = Arc::new(Activity::new());
     let service = Tracked {
         app,
@@ -431,6 +504,81 @@ mod tests {
             Ok(0) | Err(_) => true,
             Ok(_) => false,
         }
+    }
+
+    /// A TLS server with a certificate for `*.tls.test` (and the client config trusting it).
+    async fn start_tls(header_read_timeout: Duration) -> (Server, Arc<rustls::ClientConfig>) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["*.tls.test".to_string()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (c, k) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
+        std::fs::write(&c, cert.pem()).unwrap();
+        std::fs::write(&k, key.serialize_pem()).unwrap();
+        let certs = Arc::new(crate::tls_listen::CertSource::load(&c, &k).unwrap());
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(certs.server_config()));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = Router::new().route("/", get(|| async { "ok" }));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let cfg = ServeConfig {
+            max_connections: 16,
+            header_read_timeout,
+        };
+        let task = tokio::spawn(serve_on(listener, Some(acceptor), app, cfg, async {
+            let _ = stopped.await;
+        }));
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(cert.der().clone()).unwrap();
+        let mut client = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        client.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let srv = Server {
+            addr,
+            stop: Some(stop),
+            task,
+        };
+        (srv, Arc::new(client))
+    }
+
+    #[tokio::test]
+    async fn tls_serves_requests_and_drops_a_client_that_never_finishes_its_handshake() {
+        let (srv, client) = start_tls(Duration::from_millis(200)).await;
+        let tcp = TcpStream::connect(srv.addr).await.unwrap();
+        let name = rustls::pki_types::ServerName::try_from("8080-sb-x.tls.test").unwrap();
+        let mut tls = tokio_rustls::TlsConnector::from(client)
+            .connect(name, tcp)
+            .await
+            .unwrap();
+        assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
+        tls.write_all(b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(GUARD, tls.read_to_end(&mut out))
+            .await
+            .expect("the answer ends");
+        let out = String::from_utf8_lossy(&out);
+        assert!(
+            out.starts_with("HTTP/1.1 200") && out.ends_with("ok"),
+            "{out}"
+        );
+        // Silent, and half a ClientHello: both closed after the timeout.
+        let mut silent = TcpStream::connect(srv.addr).await.unwrap();
+        let mut partial = TcpStream::connect(srv.addr).await.unwrap();
+        partial.write_all(&[0x16, 0x03, 0x01, 0x02]).await.unwrap();
+        assert!(closed_by_server(&mut silent).await);
+        assert!(closed_by_server(&mut partial).await);
+        // Plain HTTP gets no HTTP answer.
+        let body = get_body(srv.addr, "/").await;
+        assert!(!body.starts_with("HTTP/1.1"), "{body:?}");
     }
 
     #[tokio::test]

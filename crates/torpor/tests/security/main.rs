@@ -9,7 +9,8 @@
 //! - `pools`: broker URLs, the GPU extender;
 //! - `local`: the data directory, the lock, durability;
 //! - `audit`: the tamper-evident log;
-//! - `e2b`: E2B's `base` template (its operator-set egress ceiling).
+//! - `e2b`: E2B's `base` template (its operator-set egress ceiling);
+//! - `tls_hosts`: host names over HTTPS (`--tls-listen`): another tenant's envd and ports.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -23,3 +24,4 @@ mod local;
 mod network;
 mod pools;
 mod tenants;
+mod tls_hosts;
