@@ -83,9 +83,9 @@ pub enum Request {
         path: String,
         metadata: BTreeMap<String, String>,
     },
-    /// As `List`, each entry with its user metadata (see [`read_metadata_budget`]); with
-    /// `name`, only that entry of the directory (none if it does not exist). Answered with
-    /// `MetaEntries`.
+    /// As `List`, each entry with its user metadata (within [`MAX_METADATA_READ_ENTRY`] each
+    /// and [`MAX_METADATA_READ_REPLY`] in all); with `name`, only that entry of the directory
+    /// (none if it does not exist). Answered with `MetaEntries`.
     ListWithMetadata {
         path: String,
         #[serde(default)]
@@ -205,9 +205,10 @@ pub enum Reply {
     Entries {
         entries: Vec<DirEntry>,
     },
-    /// Entries with their user metadata (`ListWithMetadata`).
+    /// Entries with their user metadata (`ListWithMetadata`): the body holds the `count`
+    /// entries as a JSON array of [`MetaEntry`] (metadata can be more than a header holds).
     MetaEntries {
-        entries: Vec<MetaEntry>,
+        count: u32,
     },
     /// A file's user metadata (`SetMetadata`).
     Metadata {
@@ -259,13 +260,13 @@ pub const MAX_METADATA_KEY_LEN: usize = 255 - METADATA_XATTR_PREFIX.len();
 /// The most metadata one file may be given, counted as envd counts it: per key the prefix,
 /// the key and the value. (So at most 409 keys.)
 pub const MAX_METADATA_TOTAL: usize = 4096;
-/// The most metadata surfaced for one entry, counted the same way (metadata set inside the
-/// sandbox by other means may exceed what an upload may set): attributes beyond it, in name
-/// order, are left out.
-pub const MAX_METADATA_READ_ENTRY: usize = 16 << 10;
-/// The most metadata one `ListWithMetadata` reply carries; past it the agent answers
-/// `too_large` rather than a reply its header cannot hold.
-pub const MAX_METADATA_READ_REPLY: usize = 512 << 10;
+/// The most metadata surfaced for one entry, counted the same way: what an upload may set
+/// always shows whole; of more, set inside the sandbox by other means, the attributes beyond
+/// it (in name order) are left out.
+pub const MAX_METADATA_READ_ENTRY: usize = MAX_METADATA_TOTAL;
+/// The most metadata one `ListWithMetadata` reply carries (2048 entries with as much as an
+/// upload may set); past it the agent answers `too_large`.
+pub const MAX_METADATA_READ_REPLY: usize = 8 << 20;
 
 /// Why a metadata set is refused (the rules of envd's `ValidateMetadata`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -309,12 +309,24 @@ async fn walk(
     // (directory, its level below root, the entries of it not yet visited)
     let mut stack: Vec<(String, usize, VecDeque<MetaEntry>)> =
         vec![(root.to_string(), 1, sorted(first))];
+    let mut metadata_left = metadata::MAX_LISTED_METADATA;
     while let Some((dir, level, rest)) = stack.last_mut() {
         let Some(e) = rest.pop_front() else {
             stack.pop();
             continue;
         };
         let (dir, level) = (dir.clone(), *level);
+        metadata_left = metadata_left
+            .checked_sub(metadata::cost(&e))
+            .ok_or_else(|| {
+                RpcError::new(
+                    Code::ResourceExhausted,
+                    format!(
+                        "the entries under {root:?} carry more than {} bytes of metadata",
+                        metadata::MAX_LISTED_METADATA
+                    ),
+                )
+            })?;
         let child =
             (e.entry.kind == FileKind::Dir && level < depth).then(|| join(&dir, &e.entry.name));
         out.push((dir, e));

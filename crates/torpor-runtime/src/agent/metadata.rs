@@ -220,6 +220,11 @@ pub(super) fn set(path: &str, metadata: &BTreeMap<String, String>) -> Answer {
 
 /// `ListWithMetadata`: the entries of `path` (only `name` when given) with their metadata.
 pub(super) fn list(path: &str, name: Option<&str>) -> Answer {
+    list_within(path, name, proto::MAX_METADATA_READ_REPLY)
+}
+
+/// [`list`] with at most `budget` bytes of metadata in all (`too_large` past it).
+fn list_within(path: &str, name: Option<&str>, budget: usize) -> Answer {
     let p = resolve(path)?;
     let mut found: Vec<(String, fs::Metadata)> = Vec::new();
     match name {
@@ -249,7 +254,7 @@ pub(super) fn list(path: &str, name: Option<&str>) -> Answer {
         }
     }
     found.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut left = proto::MAX_METADATA_READ_REPLY;
+    let mut left = budget;
     let mut entries = Vec::with_capacity(found.len());
     for (n, meta) in found {
         let metadata = read(&p.join(&n), true, proto::MAX_METADATA_READ_ENTRY);
@@ -261,9 +266,8 @@ pub(super) fn list(path: &str, name: Option<&str>) -> Answer {
             return Err(Reply::Error {
                 code: AgentErrorCode::TooLarge,
                 message: format!(
-                    "{}: the entries' metadata is over {} bytes in all",
+                    "{}: the entries' metadata is over {budget} bytes in all",
                     p.display(),
-                    proto::MAX_METADATA_READ_REPLY
                 ),
             });
         }
@@ -273,7 +277,12 @@ pub(super) fn list(path: &str, name: Option<&str>) -> Answer {
             metadata,
         });
     }
-    Ok((Reply::MetaEntries { entries }, Vec::new()))
+    let body = serde_json::to_vec(&entries).map_err(|e| Reply::Error {
+        code: AgentErrorCode::Io,
+        message: format!("cannot encode the entries: {e}"),
+    })?;
+    let count = u32::try_from(entries.len()).unwrap_or(u32::MAX);
+    Ok((Reply::MetaEntries { count }, body))
 }
 
 #[cfg(test)]
@@ -307,6 +316,19 @@ mod tests {
             Err(e) if unsupported(&e) => None,
             Err(e) => panic!("setting a user attribute: {e}"),
         }
+    }
+
+    /// The entries of a `MetaEntries` answer (its body).
+    fn entries_of(answer: Answer) -> Vec<MetaEntry> {
+        let (reply, body) = answer.unwrap();
+        let entries: Vec<MetaEntry> = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            reply,
+            Reply::MetaEntries {
+                count: entries.len() as u32
+            }
+        );
+        entries
     }
 
     #[test]
@@ -343,10 +365,7 @@ mod tests {
         // Renamed: the attributes go with the inode.
         let g = dir.path().join("g");
         fs::rename(&f, &g).unwrap();
-        let (reply, _) = list(dir.path().to_str().unwrap(), Some("g")).unwrap();
-        let Reply::MetaEntries { entries } = reply else {
-            panic!("{reply:?}")
-        };
+        let entries = entries_of(list(dir.path().to_str().unwrap(), Some("g")));
         assert_eq!(entries.len(), 1);
         assert_eq!(entries[0].metadata, second);
         // Empty clears.
@@ -371,9 +390,24 @@ mod tests {
         let small = read(&f, true, 100);
         assert_eq!(small.keys().collect::<Vec<_>>(), ["a"]);
         // A missing entry by name: none, not an error.
-        let (reply, _) = list(dir.path().to_str().unwrap(), Some("nope")).unwrap();
-        assert_eq!(reply, Reply::MetaEntries { entries: vec![] });
+        assert!(entries_of(list(dir.path().to_str().unwrap(), Some("nope"))).is_empty());
         assert!(list(dir.path().to_str().unwrap(), Some("../etc")).is_err());
+        // A whole listing within its budget answers; past it, too_large.
+        let g = dir.path().join("g");
+        fs::write(&g, b"y").unwrap();
+        set_raw(&g, "user.e2b.c", &[b'w'; 2000]).unwrap();
+        let d = dir.path().to_str().unwrap();
+        let entries = entries_of(list(d, None));
+        let names: Vec<&str> = entries.iter().map(|e| e.entry.name.as_str()).collect();
+        assert_eq!(names, ["f", "g", "probe"]);
+        assert_eq!(entries[1].metadata["c"].len(), 2000);
+        assert!(matches!(
+            list_within(d, None, 4000),
+            Err(Reply::Error {
+                code: AgentErrorCode::TooLarge,
+                ..
+            })
+        ));
     }
 
     #[test]

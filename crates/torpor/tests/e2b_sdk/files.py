@@ -162,13 +162,10 @@ expect(entry is not None, "no event with entry info")
 expect(entry.type == FileType.FILE and entry.path == "/home/user/w/e.txt", f"entry {entry}")
 expect(entry.owner == "user", f"entry owner {entry}")
 
-step("file metadata is refused, not dropped")
-try:
-    sbx.files.write("/home/user/meta.txt", "x", metadata={"k": "v"})
-    raise AssertionError("metadata was accepted and not kept")
-except Exception as e:
-    expect("metadata" in str(e) and "not supported" in str(e), f"refusal {e!r}")
-expect(not sbx.files.exists("/home/user/meta.txt"), "nothing written with metadata refused")
+step("file metadata is kept (the rest of it: metadata.py)")
+w = sbx.files.write("/home/user/meta.txt", "x", metadata={"k": "v"})
+expect(w.metadata == {"k": "v"}, f"metadata kept: {w}")
+expect(sbx.files.get_info("/home/user/meta.txt").metadata == {"k": "v"}, "and read back")
 
 sbx.kill()
 print("ALL OK")

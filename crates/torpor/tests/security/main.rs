@@ -9,6 +9,7 @@
 //! - `pools`: broker URLs, the GPU extender;
 //! - `local`: the data directory, the lock, durability;
 //! - `audit`: the tamper-evident log;
+//! - `e2b_metadata`: E2B's file metadata (attribute namespaces, sizes, read bounds);
 //! - `e2b`: E2B's `base` template (its operator-set egress ceiling);
 //! - `tls_hosts`: host names over HTTPS (`--tls-listen`): another tenant's envd and ports.
 
@@ -19,6 +20,7 @@ mod audit;
 mod cluster;
 mod cluster_join;
 mod e2b;
+mod e2b_metadata;
 mod edge;
 mod local;
 mod network;

@@ -12,7 +12,7 @@
 //!   (`trusted.`, `security.`, `system.`): a key `trusted.x` is stored as `user.e2b.trusted.x`.
 //! - `Stat`, `ListDir`, `Move` and `MakeDir` entries carry them as `metadata` (the agent reads
 //!   them within [`proto::MAX_METADATA_READ_ENTRY`] per entry, whatever a process in the
-//!   sandbox stored by other means).
+//!   sandbox stored by other means, and within [`MAX_LISTED_METADATA`] per `ListDir`).
 //! - Rename keeps them (the inode moves); an upload over a file replaces it (the agent writes
 //!   a new file and renames it into place), so the old set is gone and only the new one stays.
 //!
@@ -38,6 +38,18 @@ pub const METADATA_HEADER_PREFIX: &str = "x-metadata-";
 /// The message of an upload with metadata to a sandbox whose agent cannot keep it.
 pub const AGENT_TOO_OLD: &str = "file metadata needs a newer sandbox agent: this sandbox was \
      restored from an older torpor's snapshot (write without metadata, or use a new sandbox)";
+
+/// The most metadata one `ListDir` answers, over all the directories it walks
+/// (`resource_exhausted` past it): the agent bounds each directory's, this the whole answer.
+pub const MAX_LISTED_METADATA: usize = 16 << 20;
+
+/// What an entry's metadata costs against [`MAX_LISTED_METADATA`].
+pub(crate) fn cost(m: &MetaEntry) -> usize {
+    m.metadata
+        .iter()
+        .map(|(k, v)| proto::read_metadata_budget(k, v))
+        .sum()
+}
 
 /// How many sandboxes' agent versions are remembered; past it the memory starts over (each is
 /// asked again once).
@@ -143,7 +155,10 @@ pub(crate) async fn list(
         name: name.map(str::to_string),
     };
     match st.api.engine.agent_call(&c.tenant, &c.id, req, &[]).await? {
-        (Reply::MetaEntries { entries }, _) => Ok(entries),
+        (Reply::MetaEntries { .. }, body) => serde_json::from_slice(&body).map_err(|e| {
+            tracing::warn!(sandbox = %c.id, error = %e, "malformed entries from the agent");
+            RpcError::new(Code::Internal, "unexpected reply from the sandbox's agent")
+        }),
         (other, _) => Err(unexpected(c, &other)),
     }
 }
