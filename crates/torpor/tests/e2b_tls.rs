@@ -63,31 +63,40 @@ async fn bad_certificate_files_stop_the_daemon_with_a_stable_code() {
     let other = https::TestCerts::wildcard(DOMAIN);
     let cert = certs.cert.to_str().unwrap();
     let key = certs.key.to_str().unwrap();
-    for (what, cert, key, code) in [
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_addr = taken.local_addr().unwrap().to_string();
+    let any = "127.0.0.1:0";
+    let garbage = garbage.to_str().unwrap();
+    let other_key = other.key.to_str().unwrap();
+    for (what, listen, cert, key, code) in [
         (
             "missing file",
+            any,
             "/nonexistent/cert.pem",
             key,
             "tls_file_unreadable",
         ),
-        (
-            "no certificate",
-            garbage.to_str().unwrap(),
-            key,
-            "tls_cert_invalid",
-        ),
-        ("no key", cert, garbage.to_str().unwrap(), "tls_key_invalid"),
+        ("no certificate", any, garbage, key, "tls_cert_invalid"),
+        ("no key", any, cert, garbage, "tls_key_invalid"),
         (
             "another certificate's key",
+            any,
             cert,
-            other.key.to_str().unwrap(),
+            other_key,
             "tls_key_mismatch",
+        ),
+        (
+            "an address in use",
+            &taken_addr,
+            cert,
+            key,
+            "tls_listen_failed",
         ),
     ] {
         let out = Command::new(BIN)
             .args(["up", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(dir.path().join(format!("data-{code}")))
-            .args(["--tls-listen", "127.0.0.1:0", "--tls-cert", cert])
+            .args(["--tls-listen", listen, "--tls-cert", cert])
             .args(["--tls-key", key])
             .output()
             .unwrap();
