@@ -130,6 +130,9 @@ pub struct ApiError {
     message: String,
     details: Option<serde_json::Value>,
     retry_after: Option<u64>,
+    /// Cluster mode: the controller that holds the sandbox answers at this address (read and
+    /// removed by the forwarding layer, crate::forward; never reaches a client).
+    held_at: Option<Box<str>>,
 }
 
 /// The result of a handler.
@@ -144,6 +147,7 @@ impl ApiError {
             message: message.into(),
             details: None,
             retry_after: None,
+            held_at: None,
         }
     }
 
@@ -192,6 +196,9 @@ impl IntoResponse for ApiError {
         if let Some(s) = self.retry_after {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        if let Some(v) = self.held_at.and_then(|a| HeaderValue::from_str(&a).ok()) {
+            resp.headers_mut().insert(crate::forward::HELD_AT, v);
         }
         resp
     }
@@ -253,12 +260,17 @@ impl From<ControlError> for ApiError {
         let retry_after = e
             .retry_after_s()
             .or((wire(kind).status == StatusCode::SERVICE_UNAVAILABLE).then_some(1));
+        let held_at = match &e {
+            ControlError::HeldElsewhere { api_addr, .. } => api_addr.as_deref().map(Box::from),
+            _ => None,
+        };
         ApiError {
             kind,
             code: e.code().into(),
             message: client_message(&e),
             details,
             retry_after,
+            held_at,
         }
     }
 }

@@ -17,6 +17,7 @@ pub mod e2b;
 pub mod errors;
 pub mod exec;
 pub mod files;
+pub mod forward;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod health;

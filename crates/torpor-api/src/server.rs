@@ -108,6 +108,11 @@ pub fn router(state: Arc<ApiState>) -> Router {
             state.clone(),
             crate::audit::record_calls,
         ))
+        // Cluster mode: a call for a sandbox another controller holds goes there whole.
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            crate::forward::forward,
+        ))
         .with_state(state)
 }
 

@@ -31,6 +31,10 @@ pub struct Sandbox {
     /// while it sleeps and on a single machine.
     #[serde(default)]
     pub node: Option<String>,
+    /// Cluster mode: the controller that holds it (runs its transitions; calls through
+    /// another controller are forwarded there); absent while it sleeps and on one machine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub controller: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -170,6 +174,7 @@ impl From<&torpor_control::SandboxRecord> for Sandbox {
             oom_killed: s.oom_killed,
             worker: None,
             node: None,
+            controller: s.controller.clone(),
         }
     }
 }

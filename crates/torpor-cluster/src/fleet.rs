@@ -640,8 +640,15 @@ impl Node for Fleet {
     }
 
     async fn kill(&self, container_id: &str) {
-        if let Some(r) = self.remote_of(container_id) {
-            r.kill(container_id).await;
+        match self.remote_of(container_id) {
+            Some(r) => r.kill(container_id).await,
+            // Not one this controller started (a lost controller's, taken over): whichever
+            // worker runs it removes it.
+            None => {
+                for r in self.remotes() {
+                    r.kill(container_id).await;
+                }
+            }
         }
     }
 

@@ -7,6 +7,11 @@
 //! Operations that start or end containers (boot, restore, checkpoint, destroy, kill) run in
 //! their own task: a controller whose deadline passes, or which goes away, does not cut them
 //! half-way; a container started for a caller that is gone is destroyed at once.
+//!
+//! Several controllers may drive one worker (one database, several controller replicas): each
+//! container belongs to the controller that started it, a controller's `Reconcile` removes only
+//! its own, and every controller's event stream hears every exit (a controller ignores exits
+//! of containers it does not hold).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -40,8 +45,13 @@ const MIN_USAGE_INTERVAL_MS: u64 = 100;
 
 /// One container the worker holds for a controller.
 struct Held {
+    /// The controller that started it (its certificate's name).
+    owner: String,
     resident: RwLock<Option<Box<dyn Resident>>>,
 }
+
+/// Exits kept for an event stream that falls behind; past it, the stream skips ahead.
+const EVENT_BACKLOG: usize = 4096;
 
 pub struct NodeService {
     node: Arc<dyn Node>,
@@ -49,23 +59,32 @@ pub struct NodeService {
     /// Containers this worker runs at once (`torpor worker --workers`); 0: no limit.
     slots: std::sync::atomic::AtomicUsize,
     residents: Mutex<HashMap<String, Arc<Held>>>,
-    events: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<NodeEvent>>>,
+    /// The node's events, for every controller's stream.
+    events: tokio::sync::broadcast::Sender<NodeEvent>,
 }
 
 impl NodeService {
     /// Serves `node`, whose event stream it takes. `name`: the worker's name (its identity's).
     pub fn new(node: Arc<dyn Node>, name: String) -> Arc<NodeService> {
-        let events = node.take_events().unwrap_or_else(|| {
+        let mut node_events = node.take_events().unwrap_or_else(|| {
             // Someone took the stream already: this worker reports no exits on its own.
             tracing::warn!("the node's event stream was taken; exits are not reported");
             mpsc::unbounded_channel().1
+        });
+        let (events, _) = tokio::sync::broadcast::channel(EVENT_BACKLOG);
+        let fan_out = events.clone();
+        tokio::spawn(async move {
+            while let Some(ev) = node_events.recv().await {
+                // No stream open: no controller to tell (one that connects later reconciles).
+                let _ = fan_out.send(ev);
+            }
         });
         Arc::new(NodeService {
             node,
             name,
             slots: std::sync::atomic::AtomicUsize::new(0),
             residents: Mutex::default(),
-            events: Arc::new(tokio::sync::Mutex::new(events)),
+            events,
         })
     }
 
@@ -146,6 +165,7 @@ impl NodeService {
     /// went away is destroyed.
     async fn start(
         self: &Arc<Self>,
+        owner: String,
         container_id: String,
         op: impl std::future::Future<Output = Result<Box<dyn Resident>, torpor_runtime::RuntimeError>>
             + Send
@@ -171,6 +191,7 @@ impl NodeService {
             me.table().insert(
                 container_id,
                 Arc::new(Held {
+                    owner,
                     resident: RwLock::new(Some(resident)),
                 }),
             );
@@ -247,16 +268,28 @@ impl NodeRpc for Arc<NodeService> {
         &self,
         req: Request<pb::ReconcileRequest>,
     ) -> Result<Response<pb::ReconcileReply>, Status> {
-        let known = req.into_inner().known_sandboxes;
-        // Every container on a worker is its cluster's: a controller that reconciles starts
-        // from a clean worker (it resumes sandboxes from their committed images).
-        let held: Vec<Arc<Held>> = self.table().drain().map(|(_, h)| h).collect();
-        let node = self.node.clone();
+        // A controller that reconciles starts from what it knows: the containers it started
+        // here earlier (before its restart, or before it counted this worker lost) are
+        // removed; other controllers' are theirs. Leftovers of an earlier run of the worker
+        // itself were removed when it started.
+        let caller = caller(&req);
+        let held: Vec<Arc<Held>> = {
+            let mut table = self.table();
+            let mine: Vec<String> = table
+                .iter()
+                .filter(|(_, h)| h.owner == caller)
+                .map(|(id, _)| id.clone())
+                .collect();
+            mine.iter().filter_map(|id| table.remove(id)).collect()
+        };
         let removed = tokio::spawn(async move {
-            let removed = node.reconcile(&known).await;
+            let mut removed = 0;
             for h in held {
                 if let Some(r) = h.resident.write().await.take() {
+                    // A frozen process cannot die.
+                    let _ = r.set_frozen(false).await;
                     r.destroy().await;
+                    removed += 1;
                 }
             }
             removed
@@ -272,16 +305,19 @@ impl NodeRpc for Arc<NodeService> {
         &self,
         req: Request<pb::LaunchRequest>,
     ) -> Result<Response<pb::ResidentReply>, Status> {
+        let owner = caller(&req);
         let launch = self.local_launch(convert::launch_from_pb(req.into_inner())?)?;
         let node = self.node.clone();
         let id = launch.container_id.clone();
-        self.start(id, async move { node.boot(launch).await }).await
+        self.start(owner, id, async move { node.boot(launch).await })
+            .await
     }
 
     async fn restore(
         &self,
         req: Request<pb::RestoreRequest>,
     ) -> Result<Response<pb::ResidentReply>, Status> {
+        let owner = caller(&req);
         let req = req.into_inner();
         let launch = self.local_launch(convert::launch_from_pb(
             req.launch.ok_or_else(|| bad("restore", "no launch"))?,
@@ -289,16 +325,37 @@ impl NodeRpc for Arc<NodeService> {
         let image = PathBuf::from(req.image);
         let node = self.node.clone();
         let id = launch.container_id.clone();
-        self.start(id, async move { node.restore(launch, &image).await })
+        self.start(owner, id, async move { node.restore(launch, &image).await })
             .await
     }
 
     async fn kill(&self, req: Request<pb::ContainerRef>) -> Result<Response<pb::Empty>, Status> {
+        let caller = caller(&req);
         let id = req.into_inner().container_id;
+        // Another controller's container: that controller is gone (the caller took its
+        // sandbox over), so nobody will destroy it: the worker does, and frees its slot.
+        let orphan = {
+            let mut table = self.table();
+            match table.get(&id) {
+                Some(h) if h.owner != caller => table.remove(&id),
+                _ => None,
+            }
+        };
         let node = self.node.clone();
-        tokio::spawn(async move { node.kill(&id).await })
-            .await
-            .map_err(|e| Status::internal(format!("kill task failed: {e}")))?;
+        tokio::spawn(async move {
+            match orphan {
+                Some(h) => {
+                    if let Some(r) = h.resident.write().await.take() {
+                        tracing::info!(container = %id, %caller, "destroying a container of a lost controller");
+                        let _ = r.set_frozen(false).await;
+                        r.destroy().await;
+                    }
+                }
+                None => node.kill(&id).await,
+            }
+        })
+        .await
+        .map_err(|e| Status::internal(format!("kill task failed: {e}")))?;
         Ok(Response::new(pb::Empty {}))
     }
 
@@ -455,17 +512,13 @@ impl NodeRpc for Arc<NodeService> {
         );
         let (tx, rx) = mpsc::channel(64);
         let me = self.clone();
+        let mut events = self.events.subscribe();
         tokio::spawn(async move {
-            // One subscriber at a time; exits wait in the node's queue meanwhile.
-            let mut events = tokio::select! {
-                g = me.events.clone().lock_owned() => g,
-                _ = tx.closed() => return,
-            };
             let mut tick = tokio::time::interval(interval);
             loop {
                 let event = tokio::select! {
                     ev = events.recv() => match ev {
-                        Some(NodeEvent::Exited { container_id, info, expected }) => {
+                        Ok(NodeEvent::Exited { container_id, info, expected }) => {
                             let log_tail = if expected { String::new() } else { me.node.log_tail(&container_id) };
                             pb::event::Kind::Exited(pb::Exited {
                                 container_id,
@@ -475,8 +528,12 @@ impl NodeRpc for Arc<NodeService> {
                             })
                         }
                         // Only a fleet of workers reports losses, never one worker's node.
-                        Some(NodeEvent::Lost { .. }) => continue,
-                        None => break,
+                        Ok(NodeEvent::Lost { .. }) => continue,
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                            tracing::warn!(skipped = n, "a controller's event stream fell behind; exits skipped");
+                            continue;
+                        }
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
                     },
                     _ = tick.tick() => pb::event::Kind::Usage(me.usage()),
                     _ = tx.closed() => break,
@@ -503,6 +560,15 @@ pub(crate) fn check_version(req: &Request<()>, me: &str) -> Result<(), Status> {
         )));
     }
     Ok(())
+}
+
+/// The calling controller's name (its certificate's); empty where no TLS layer ran (tests
+/// that serve the protocol in memory).
+fn caller<T>(req: &Request<T>) -> String {
+    req.extensions()
+        .get::<PeerInfo>()
+        .map(|p| p.identity.name.to_string())
+        .unwrap_or_default()
 }
 
 /// Refuses calls of another protocol version and callers that are not controllers (the TLS

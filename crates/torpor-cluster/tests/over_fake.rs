@@ -93,6 +93,7 @@ fn engine_config(dir: &Path) -> EngineConfig {
         snapshots: Default::default(),
         import_dir: None,
         database: None,
+        controller: None,
     }
 }
 

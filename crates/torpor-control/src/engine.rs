@@ -32,6 +32,7 @@ use torpor_runtime::{
 use crate::error::{ControlError, Result};
 
 mod calls;
+mod cluster;
 mod gpu_glue;
 mod lifecycle;
 mod net;
@@ -50,6 +51,7 @@ use crate::metrics::Metrics;
 use crate::store::{
     ImageRef, Quotas, SandboxRecord, Store, TemplateRecord, TemplateStatus, TenantRecord,
 };
+pub use cluster::{ControllerIdentity, Route, POOLS_LEASE};
 pub use net::{count_proxied, sandbox_handshake, sandbox_http, ProxyTarget, SandboxConn};
 use quota::Charge;
 pub use quota::{UploadAllowance, TENANT_MAX_PIDS};
@@ -88,6 +90,9 @@ pub struct EngineConfig {
     /// `postgres://` URL (cluster mode; the env key file stays in the data directory and must
     /// be the same for every controller of one database).
     pub database: Option<String>,
+    /// Cluster mode: this controller's identity among the controllers of one database
+    /// (`None`: the only engine on its store).
+    pub controller: Option<ControllerIdentity>,
 }
 
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -266,6 +271,8 @@ pub struct Engine {
     template_sizes: quota::TemplateSizes,
     /// The node's GPU shares, when it has GPUs (attached by the daemon after start).
     gpus: std::sync::OnceLock<crate::gpu::NodeGpus>,
+    /// Live controllers and leases (cluster mode).
+    cluster: cluster::ClusterState,
 }
 
 /// Paths under the data directory.
@@ -339,7 +346,10 @@ impl Engine {
             template_sizes: Default::default(),
             snapshots,
             gpus: std::sync::OnceLock::new(),
+            cluster: Default::default(),
         });
+        // Alive before touching any sandbox: the others must not take ours over meanwhile.
+        engine.announce()?;
         engine.reconcile().await?;
         if engine
             .store
@@ -377,6 +387,8 @@ impl Engine {
         }
         let ticker = engine.clone();
         tokio::spawn(async move { ticker.run_policy().await });
+        let heart = engine.clone();
+        tokio::spawn(async move { heart.run_heartbeat().await });
         let evictor = engine.clone();
         tokio::spawn(async move { evictor.run_evictor().await });
         if let Some(events) = events {
@@ -444,8 +456,10 @@ impl Engine {
             .map(|s| s.id.to_string())
             .collect();
         self.node.reconcile(&known).await;
+        // Another live controller may be building a template right now.
+        let others = self.others_alive()?;
         for t in self.store.templates()? {
-            if t.status == TemplateStatus::Building {
+            if t.status == TemplateStatus::Building && !others {
                 tracing::warn!(template = %t.name, "dropping a template whose build was interrupted");
                 let _ = std::fs::remove_dir_all(t.rootfs.parent().unwrap_or(&t.rootfs));
                 self.store.delete_template(&t.tenant, &t.name)?;
@@ -453,6 +467,9 @@ impl Engine {
         }
         for mut s in self.store.sandboxes()? {
             use torpor_core::Recovery;
+            if !self.reconciles(&s)? {
+                continue; // another live controller holds it
+            }
             match s.state.recovery() {
                 Recovery::Keep => {}
                 Recovery::BackToSnapshot => {
@@ -534,6 +551,7 @@ impl Engine {
         if let Err(e) = self.store.touch_sandboxes(&touched) {
             tracing::warn!(error = %e, "cannot persist activity clocks");
         }
+        self.retire();
         self.node.shutdown().await;
     }
 }

@@ -115,6 +115,13 @@ pub enum ControlError {
     },
     #[error("{0}")]
     Busy(String),
+    /// Cluster mode: another controller holds the sandbox (it won the race to wake it, or
+    /// holds it already); the API forwards the call there (`api_addr`, when it is alive).
+    #[error("sandbox is held by controller {controller}; retry")]
+    HeldElsewhere {
+        controller: String,
+        api_addr: Option<String>,
+    },
     #[error("torpor is shutting down")]
     ShuttingDown,
     #[error("{0}")]
@@ -182,6 +189,7 @@ impl ControlError {
             ControlError::TenantInUse(..) => "tenant_in_use",
             ControlError::ShuttingDown => "shutting_down",
             ControlError::Busy(_) => "sandbox_busy",
+            ControlError::HeldElsewhere { .. } => "sandbox_elsewhere",
             ControlError::Unsupported(_) => "unsupported",
             ControlError::FeatureDisabled(_) => "feature_disabled",
             ControlError::ExecTimeout { .. } => "exec_timeout",
@@ -228,7 +236,7 @@ impl ControlError {
             ControlError::LotFull(_)
             | ControlError::NoWorker { .. }
             | ControlError::Runtime(RuntimeError::NoCapacity(_)) => K::NoCapacity,
-            ControlError::Busy(_) => K::Busy,
+            ControlError::Busy(_) | ControlError::HeldElsewhere { .. } => K::Busy,
             ControlError::ShuttingDown | ControlError::Conn(_) => K::Unavailable,
             ControlError::Unsupported(_) | ControlError::FeatureDisabled(_) => K::Unsupported,
             ControlError::ExecTimeout { .. } => K::DeadlineExceeded,
@@ -300,6 +308,7 @@ impl ControlError {
                 expected_ms: Some(ms),
                 ..
             } => Some(ms.div_ceil(1000).max(1)),
+            ControlError::HeldElsewhere { .. } => Some(1),
             _ => None,
         }
     }

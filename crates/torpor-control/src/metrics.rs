@@ -159,7 +159,7 @@ impl Metrics {
         );
         let crashes = counter(
             "torpor_sandbox_crashes_total",
-            "Sandboxes that died on their own, by reason.",
+            "Sandboxes that died on their own, or whose controller was lost (cluster mode), by reason.",
             &["reason"],
         );
         let transitions = counter(
@@ -277,7 +277,7 @@ impl Metrics {
         for (vec, values) in [
             (&warm_takes, &["warm", "cold"][..]),
             (&checkpoint_bytes, &["golden", "sandbox", "store_new"][..]),
-            (&crashes, &["exited", "oom_killed"][..]),
+            (&crashes, &["exited", "oom_killed", "controller_lost"][..]),
             (&lot_rejections, &["lot_full", "no_worker_available"][..]),
             (&evictions, &EVICTION_REASONS[..]),
             (&store_errors, &STORES[..]),

@@ -3,10 +3,13 @@
 //! (`--store`); workers join it on `--cluster-listen` (gRPC, mutual TLS) and it drives them as
 //! one fleet (`torpor_cluster::Fleet`). See docs/CLUSTER.md.
 //!
-//! What this slice does not do yet (docs/CLUSTER.md, "Not yet"): two controllers on one
-//! database (each would reconcile the other's sandboxes), and moving images between machines
-//! (workers read templates and checkpoints at the paths the controller names: one machine, or
-//! a data directory shared at the same path).
+//! Several controllers may serve one database: each sandbox is held by one controller at a
+//! time, calls for it through another are forwarded (crate torpor_api::forward), and a dead
+//! controller's sandboxes and pools are taken over (torpor_control::engine, cluster module).
+//!
+//! What this slice does not do yet (docs/CLUSTER.md, "Not yet"): moving images between
+//! machines (workers read templates and checkpoints at the paths the controller names: one
+//! machine, or a data directory shared at the same path).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -48,6 +51,16 @@ pub struct ControllerArgs {
     /// How often workers heartbeat.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..))]
     heartbeat_ms: u64,
+    /// Where the other controllers of this database reach this one's API (`host:port`), to
+    /// forward calls for the sandboxes it holds; default: `--listen`, with an unspecified host
+    /// (0.0.0.0) replaced by this machine's first non-loopback IPv4 address (on Kubernetes:
+    /// `--advertise $(POD_IP):7077`).
+    #[arg(long)]
+    advertise: Option<SocketAddr>,
+    /// Silence after which the other controllers count this one lost and take its sandboxes
+    /// over (back to their last snapshots) and its pools.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1000..))]
+    controller_lost_after_ms: u64,
     /// Silence after which a worker is lost and its sandboxes resume elsewhere.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(500..))]
     worker_lost_after_ms: u64,
@@ -101,6 +114,18 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             args.admin_token_file.display()
         );
     }
+    let advertise = match args.advertise {
+        Some(a) => a,
+        None if args.listen.ip().is_unspecified() => {
+            let ip = first_ipv4().unwrap_or(std::net::Ipv4Addr::LOCALHOST);
+            tracing::info!(%ip, "advertising this machine's first non-loopback address to other controllers (--advertise to choose)");
+            SocketAddr::new(ip.into(), args.listen.port())
+        }
+        None => args.listen,
+    };
+    if advertise.ip().is_unspecified() || advertise.port() == 0 {
+        bail!("--advertise {advertise}: other controllers must reach this one's API there; give a host and a port");
+    }
     let metrics = TlsMetrics::new();
     let tls = TlsSource::load(
         TlsFiles::in_dir(&args.tls_dir),
@@ -124,7 +149,12 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             ..FleetConfig::default()
         },
     );
-    tracing::info!(identity = %tls.identity(), cluster_listen = %args.cluster_listen, "controller");
+    tracing::info!(identity = %tls.identity(), cluster_listen = %args.cluster_listen, %advertise, "controller");
+    let identity = torpor_control::engine::ControllerIdentity {
+        name: tls.identity().name.to_string(),
+        api_addr: advertise.to_string(),
+        lost_after: Duration::from_millis(args.controller_lost_after_ms),
+    };
     daemon::up(daemon::UpConfig {
         listen: args.listen,
         data_dir: args.data_dir.unwrap_or_else(daemon::default_data_dir),
@@ -156,9 +186,42 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             listener,
             tls,
             tls_metrics: metrics,
+            identity,
         }),
     })
     .await
+}
+
+/// This machine's first non-loopback IPv4 address, if it has one.
+fn first_ipv4() -> Option<std::net::Ipv4Addr> {
+    let mut addrs: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `addrs` with a list freed below with freeifaddrs.
+    if unsafe { libc::getifaddrs(&mut addrs) } != 0 {
+        return None;
+    }
+    let mut found = None;
+    let mut cur = addrs;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned, not yet freed.
+        let ifa = unsafe { &*cur };
+        if !ifa.ifa_addr.is_null() {
+            // SAFETY: ifa_addr points at a sockaddr; its family says which one.
+            let family = i32::from(unsafe { (*ifa.ifa_addr).sa_family });
+            if family == libc::AF_INET {
+                // SAFETY: an AF_INET address is a sockaddr_in.
+                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+                if !ip.is_loopback() && !ip.is_unspecified() {
+                    found = Some(ip);
+                    break;
+                }
+            }
+        }
+        cur = ifa.ifa_next;
+    }
+    // SAFETY: frees the list getifaddrs allocated, once.
+    unsafe { libc::freeifaddrs(addrs) };
+    found
 }
 
 /// The fleet as the API's node directory.

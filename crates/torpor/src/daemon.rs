@@ -68,6 +68,8 @@ pub struct ClusterRole {
     pub listener: tokio::net::TcpListener,
     pub tls: Arc<torpor_cluster::TlsSource>,
     pub tls_metrics: torpor_cluster::TlsMetrics,
+    /// This controller among the controllers of one database.
+    pub identity: torpor_control::engine::ControllerIdentity,
 }
 
 /// Default memory budget: 70% of the machine's RAM.
@@ -255,6 +257,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         snapshots: cfg.snapshots,
         import_dir: cfg.import_dir.clone(),
         database: cfg.cluster.as_ref().map(|c| c.database.clone()),
+        controller: cfg.cluster.as_ref().map(|c| c.identity.clone()),
     };
     let engine = match &cfg.cluster {
         None => Engine::start(engine_cfg).await,

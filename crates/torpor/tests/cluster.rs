@@ -59,6 +59,7 @@ async fn an_engine_drives_a_real_worker_over_mtls_create_exec_park_wake_delete()
             snapshots: Default::default(),
             import_dir: None,
             database: None,
+            controller: None,
         },
         Arc::new(remote),
     )

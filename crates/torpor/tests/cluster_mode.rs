@@ -28,18 +28,29 @@ struct Controller {
 
 impl Controller {
     async fn start(tmp: &Path, database: &str) -> Controller {
+        Controller::start_as(tmp, database, "c1").await
+    }
+
+    /// Controller `name` (its identity in `tmp/<name>`, its data in `tmp/controller-<name>`).
+    /// Every controller of one database shares the env key: `c1`'s is copied to the others.
+    async fn start_as(tmp: &Path, database: &str, name: &str) -> Controller {
         let token = tmp.join("admin-token");
         std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
         let api = format!("127.0.0.1:{}", cluster::free_port());
         let cluster_addr = format!("127.0.0.1:{}", cluster::free_port());
-        let data = tmp.join("controller");
+        let data = tmp.join(format!("controller-{name}"));
         std::fs::create_dir_all(&data).unwrap();
-        let log = tmp.join("controller.log");
+        let first_key = tmp.join("controller-c1").join("env.key");
+        if name != "c1" && first_key.exists() {
+            std::fs::copy(&first_key, data.join("env.key")).unwrap();
+        }
+        let log = tmp.join(format!("controller-{name}.log"));
         let child = Command::new(cluster::BIN)
             .args(["controller", "--database", database])
             .args(["--store", tmp.join("store").to_str().unwrap()])
             .args(["--listen", &api, "--cluster-listen", &cluster_addr])
-            .args(["--tls-dir", tmp.join("c1").to_str().unwrap()])
+            .args(["--tls-dir", tmp.join(name).to_str().unwrap()])
+            .args(["--controller-lost-after-ms", "2000"])
             .args(["--admin-token-file", token.to_str().unwrap()])
             .args(["--data-dir", data.to_str().unwrap()])
             .args(["--heartbeat-ms", "200", "--worker-lost-after-ms", "2000"])
@@ -77,10 +88,20 @@ impl Controller {
     }
 
     async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        self.call_as(TOKEN, method, path, body).await
+    }
+
+    async fn call_as(
+        &self,
+        token: &str,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (u16, Value) {
         let client = reqwest::Client::new();
         let mut req = client
             .request(method, format!("http://{}{path}", self.api))
-            .bearer_auth(TOKEN)
+            .bearer_auth(token)
             .timeout(Duration::from_secs(120));
         if let Some(b) = body {
             req = req.json(&b);
@@ -148,6 +169,14 @@ impl Controller {
 
     /// `torpor_cluster_tls_refusals_total{side="controller",reason}` from /metrics.
     async fn refusals(&self, reason: &str) -> u64 {
+        self.metric(&format!(
+            "torpor_cluster_tls_refusals_total{{reason=\"{reason}\",side=\"controller\"}}"
+        ))
+        .await
+    }
+
+    /// One series' value from /metrics (0 when absent).
+    async fn metric(&self, series: &str) -> u64 {
         let text = reqwest::Client::new()
             .get(format!("http://{}/metrics", self.api))
             .bearer_auth(TOKEN)
@@ -157,10 +186,8 @@ impl Controller {
             .text()
             .await
             .unwrap();
-        let series =
-            format!("torpor_cluster_tls_refusals_total{{reason=\"{reason}\",side=\"controller\"}}");
         text.lines()
-            .find_map(|l| l.strip_prefix(&series))
+            .find_map(|l| l.strip_prefix(series))
             .map_or(0, |v| v.trim().parse().unwrap())
     }
 }
@@ -480,4 +507,234 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
             None,
         )
         .await;
+}
+
+/// `n` execs of `script` in `id` at once, alternating between the controllers given.
+async fn execs_at_once(through: &[&Controller], id: &str, script: &str, n: usize) -> Vec<String> {
+    let calls = (0..n).map(|i| {
+        let c = through[i % through.len()];
+        async move { c.exec(id, script).await }
+    });
+    futures::future::join_all(calls).await
+}
+
+/// Retries a call while the answer is retryable (the holder is gone and not yet taken over).
+async fn exec_retrying(c: &Controller, id: &str, script: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, v) = c
+            .call(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(json!({"cmd": ["sh", "-c", script]})),
+            )
+            .await;
+        if status == 200 {
+            assert_eq!(v["exit_code"], 0, "{script}: {v}");
+            return v["stdout"].as_str().unwrap().to_string();
+        }
+        let code = v["error"]["code"].as_str().unwrap_or_default().to_string();
+        assert!(
+            matches!(
+                code.as_str(),
+                "controller_unavailable" | "sandbox_elsewhere"
+            ),
+            "only a retryable refusal while the holder's lease runs out: {status} {v}\n{}",
+            c.log()
+        );
+        assert!(Instant::now() < deadline, "never taken over:\n{}", c.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
+    let database = tokio::task::spawn_blocking(|| {
+        pg_testing::server().map(|pg| pg.url(&pg_testing::new_database(pg)))
+    })
+    .await
+    .unwrap();
+    let Some(database) = database else {
+        return;
+    };
+    let tmp = tempfile::Builder::new()
+        .prefix("torpor-two-controllers-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
+    let ca = dir.join("ca");
+    cluster::ca_init(&ca, "e2e.cluster");
+    for c in ["c1", "c2"] {
+        cluster::ca_issue(&ca, "controller", c, &dir.join(c), "1h");
+    }
+    for w in ["w1", "w2"] {
+        cluster::ca_issue(&ca, "worker", w, &dir.join(w), "1h");
+    }
+    let c1 = Controller::start_as(dir, &database, "c1").await;
+    let c2 = Controller::start_as(dir, &database, "c2").await;
+    let both = format!("{},{}", c1.cluster, c2.cluster);
+    let _workers: Vec<Worker> = ["w1", "w2"]
+        .iter()
+        .map(|w| Worker::start(dir, w, w, &both))
+        .collect();
+    for c in [&c1, &c2] {
+        c.wait_nodes("both workers ready on each controller", |n| {
+            ["w1", "w2"].iter().all(|w| state_of(n, w) == Some("ready"))
+        })
+        .await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let (status, t) = c2
+            .call(reqwest::Method::GET, "/v1/templates/host", None)
+            .await;
+        if status == 200 && t["status"] == "ready" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "host template: {status} {t}\n{}\n{}",
+            c1.log(),
+            c2.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Created through c1, driven through c2: c2 forwards to the controller that holds it.
+    let sb = c1
+        .ok(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "host"})),
+        )
+        .await;
+    let id = sb["id"].as_str().unwrap().to_string();
+    assert_eq!(sb["controller"], "c1", "{sb}");
+    c2.exec(
+        &id,
+        "echo disk-1 > /tmp/state; mkdir -p /dev/shm && echo mem-1 > /dev/shm/state; \
+         (setsid sleep 100000 </dev/null >/dev/null 2>&1 &); sleep 0.2; pgrep -x sleep > /tmp/pid",
+    )
+    .await;
+    let check = "cat /tmp/state /dev/shm/state; kill -0 $(cat /tmp/pid) && echo process-alive";
+    let seen = c2.sandbox(&id).await;
+    assert_eq!(seen["controller"], "c1", "{seen}");
+    assert!(
+        seen["node"].is_string(),
+        "the holder's view, forwarded: {seen}"
+    );
+    c2.ok(
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{id}/suspend"),
+        Some(json!({"tier": "parked"})),
+    )
+    .await;
+    let parked = c1.sandbox(&id).await;
+    assert_eq!(parked["state"], "parked", "{parked}");
+    assert!(
+        parked.get("controller").is_none(),
+        "asleep: held by nobody: {parked}"
+    );
+
+    // Calls for the sleeping sandbox through both controllers at once: one wake, every call
+    // served with the sandbox's state.
+    let wakes = "torpor_wake_seconds_count{from_tier=\"parked\"}";
+    let before = c1.metric(wakes).await + c2.metric(wakes).await;
+    let outs = execs_at_once(&[&c1, &c2], &id, check, 8).await;
+    for out in &outs {
+        assert_eq!(out, "disk-1\nmem-1\nprocess-alive\n");
+    }
+    let after = c1.metric(wakes).await + c2.metric(wakes).await;
+    assert_eq!(
+        after - before,
+        1,
+        "exactly one wake across both controllers"
+    );
+
+    // A tenant's quota holds across controllers: 8 creates at a 3-sandbox quota, half
+    // through each controller, make exactly 3.
+    let tenant = c1
+        .ok(
+            reqwest::Method::POST,
+            "/v1/tenants",
+            Some(json!({"name": "racer", "quotas": {"max_sandboxes": 3}})),
+        )
+        .await;
+    let token = tenant["token"].as_str().unwrap().to_string();
+    let creates = (0..8).map(|i| {
+        let c = if i % 2 == 0 { &c1 } else { &c2 };
+        let token = token.clone();
+        async move {
+            c.call_as(
+                &token,
+                reqwest::Method::POST,
+                "/v1/sandboxes",
+                Some(json!({"template": "host"})),
+            )
+            .await
+        }
+    });
+    let results = futures::future::join_all(creates).await;
+    let made: Vec<&Value> = results
+        .iter()
+        .filter(|(s, _)| *s == 201 || *s == 200)
+        .map(|(_, v)| v)
+        .collect();
+    let refused = results
+        .iter()
+        .filter(|(s, v)| *s == 429 && v["error"]["code"] == "quota_exceeded")
+        .count();
+    assert_eq!(made.len(), 3, "{results:?}");
+    assert_eq!(refused, 5, "{results:?}");
+    for v in made {
+        let rid = v["id"].as_str().unwrap();
+        let (s, v) = c2
+            .call_as(
+                &token,
+                reqwest::Method::DELETE,
+                &format!("/v1/sandboxes/{rid}"),
+                None,
+            )
+            .await;
+        assert!(s == 204 || s == 200, "{s} {v}");
+    }
+
+    // A change after the last snapshot, then its controller dies: through the other one the
+    // sandbox answers again, from its last snapshot, and says what was lost.
+    let holder = c1.sandbox(&id).await["controller"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    c1.exec(&id, "echo disk-2 > /tmp/state").await;
+    let (mut dead, alive) = if holder == "c1" { (c1, c2) } else { (c2, c1) };
+    dead.child.kill().unwrap();
+    dead.child.wait().unwrap();
+    let out = exec_retrying(&alive, &id, check).await;
+    assert_eq!(
+        out, "disk-1\nmem-1\nprocess-alive\n",
+        "back to the last snapshot"
+    );
+    let back = alive.sandbox(&id).await;
+    let err = back["last_error"].as_str().unwrap_or_default();
+    assert!(
+        err.contains(&format!("controller {holder} was lost")) && err.contains("taken at"),
+        "last_error says what happened: {back}"
+    );
+    assert_ne!(back["controller"], holder.as_str(), "{back}");
+
+    // The survivor still creates and serves.
+    let fresh = alive
+        .ok(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "host"})),
+        )
+        .await;
+    let fid = fresh["id"].as_str().unwrap();
+    assert_eq!(alive.exec(fid, "echo ok").await, "ok\n");
+    for s in [fid, id.as_str()] {
+        alive
+            .ok(reqwest::Method::DELETE, &format!("/v1/sandboxes/{s}"), None)
+            .await;
+    }
 }

@@ -80,9 +80,11 @@ impl Engine {
             image: ImageRef::Golden,
             last_error: None,
             oom_killed: false,
+            controller: self.holder_in(SandboxState::Creating),
+            version: Default::default(),
         };
         {
-            let _quota = self.quota_lock.lock().await;
+            let _quota = self.quota_guard(tenant).await?;
             self.check_quota(tenant, Charge::sandbox(rec.limits))?;
             self.store.insert_sandbox(&rec)?;
             if let Some(policy) = &network {
@@ -155,6 +157,7 @@ impl Engine {
             let Some(mut rec) = self.store.sandbox(id)? else {
                 return Err(not_found(id));
             };
+            self.check_held_here(&rec)?;
             let live_state = guard.live.as_ref().map(|l| (l.frozen, !l.resident.alive()));
             match live_state {
                 Some((_, true)) => {
@@ -207,6 +210,7 @@ impl Engine {
                     ))
                 })?;
         let current = self.store.sandbox(id)?.ok_or_else(|| not_found(id))?;
+        self.check_held_here(&current)?;
         let refused = || ControlError::InvalidTransition {
             from: current.state,
             to: tier,
@@ -300,11 +304,13 @@ impl Engine {
                 image: ImageRef::Store(snap.to_string()),
                 last_error: None,
                 oom_killed: false,
+                controller: None,
+                version: Default::default(),
             };
             self.store
                 .set_snapshot_bytes(snap.as_str(), snapshot_bytes)?;
             let inserted = {
-                let _quota = self.quota_lock.lock().await;
+                let _quota = self.quota_guard(&rec.tenant).await?;
                 self.check_quota(
                     &rec.tenant,
                     Charge {
@@ -405,6 +411,7 @@ impl Engine {
         let Some(mut rec) = self.store.sandbox(id)? else {
             return Err(not_found(id));
         };
+        self.check_held_here(&rec)?;
         self.move_to(&mut rec, SandboxState::Deleting, "delete")?;
         if let Some(live) = guard.live.take() {
             live.resident.destroy().await;

@@ -32,8 +32,15 @@ impl Engine {
         let now = now_millis();
         let mut touched = Vec::new();
         let mut counts: HashMap<(SandboxState, Tier), i64> = HashMap::new();
-        for mut rec in self.store.sandboxes()? {
+        let records = self.store.sandboxes()?;
+        // Cluster mode: sandboxes whose controller is gone are taken over first.
+        self.sweep_lost_controllers(&records).await;
+        let me = self.controller_name();
+        for mut rec in records {
             *counts.entry((rec.state, rec.tier)).or_default() += 1;
+            if rec.controller.is_some() && rec.controller.as_deref() != me {
+                continue; // another controller's to move down the ladder
+            }
             let slot = self
                 .slots
                 .lock()

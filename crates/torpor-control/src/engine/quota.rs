@@ -147,6 +147,21 @@ impl TemplateSizes {
 }
 
 impl Engine {
+    /// Serialises a quota check with the state change that consumes the quota: the engine's
+    /// mutex and, in cluster mode, the tenant's lock in the store (two controllers at the
+    /// last unit take turns). Held across store reads and writes only.
+    pub(super) async fn quota_guard(
+        &self,
+        tenant: &TenantId,
+    ) -> Result<(tokio::sync::MutexGuard<'_, ()>, crate::store::StoreLock)> {
+        let local = self.quota_lock.lock().await;
+        let shared = match self.cfg.controller {
+            Some(_) => self.store.lock(&format!("quota:{tenant}"))?,
+            None => Default::default(),
+        };
+        Ok((local, shared))
+    }
+
     /// Refuses when `tenant` would exceed a quota by adding `charge`. Call under `quota_lock`,
     /// and consume the quota (write the state) before releasing it.
     pub(crate) fn check_quota(&self, tenant: &TenantId, charge: Charge) -> Result<()> {
@@ -254,7 +269,7 @@ impl Engine {
         let Some(t) = self.store.tenant(tenant)? else {
             return Ok(unlimited);
         };
-        let _quota = self.quota_lock.lock().await;
+        let _quota = self.quota_guard(tenant).await?;
         self.check_quota(
             tenant,
             Charge {

@@ -105,7 +105,7 @@ impl Engine {
         {
             // The build takes a worker with the template's limits: charged like a resident
             // sandbox until the record leaves `building`.
-            let _quota = self.quota_lock.lock().await;
+            let _quota = self.quota_guard(tenant).await?;
             self.check_quota(tenant, Charge::template(rec.spec.limits))?;
             if !self.store.insert_template(&rec)? {
                 return Err(ControlError::AlreadyExists {

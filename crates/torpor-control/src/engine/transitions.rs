@@ -53,9 +53,19 @@ impl Engine {
             SandboxState::Suspended => Tier::Suspended,
             _ => rec.tier,
         };
-        if let Err(e) = self.store.update_sandbox(rec) {
-            self.metrics.store_error("state");
-            return Err(e.into());
+        rec.controller = self.holder_in(to);
+        // A compare-and-set over the version this transition read: a write by another
+        // controller since (cluster mode) fails it rather than being overwritten.
+        match self.store.compare_and_set_sandbox(rec, rec.version) {
+            Ok(v) => rec.version = v,
+            Err(e) if e.kind() == crate::store::StoreErrorKind::Conflict => {
+                tracing::info!(sandbox = %rec.id, %from, %to, cause, "state moved under this transition");
+                return Err(self.lost_race(&rec.id));
+            }
+            Err(e) => {
+                self.metrics.store_error("state");
+                return Err(e.into());
+            }
         }
         if from != to {
             tracing::info!(sandbox = %rec.id, %from, %to, cause, "state");
@@ -220,7 +230,7 @@ impl Engine {
             })?;
         let previous = rec.state;
         {
-            let _quota = self.quota_lock.lock().await;
+            let _quota = self.quota_guard(&rec.tenant).await?;
             self.check_quota(&rec.tenant, Charge::wake(rec.limits))?;
             rec.generation += 1;
             self.move_to(&mut rec, SandboxState::Resuming, "call")?;
@@ -476,7 +486,7 @@ impl Engine {
 
 /// When a sandbox's last snapshot was taken, for the error that sends it back there: what
 /// it did since is what it lost.
-fn snapshot_age(image: &ImageRef) -> String {
+pub(super) fn snapshot_age(image: &ImageRef) -> String {
     let ImageRef::Local(dir) = image else {
         return String::new();
     };

@@ -165,6 +165,11 @@ impl Controller {
 
     /// One reading and one decision.
     async fn tick(&mut self) {
+        // Cluster mode: one controller runs the cluster's pools (the pools lease); the others
+        // keep their pool controllers idle until they take the lease over.
+        if !self.engine.runs_pools() {
+            return;
+        }
         let generic = self.pool.tenant_owned();
         let readings = futures::future::join_all(self.readers.iter_mut().map(|r| async move {
             let started = Instant::now();

@@ -29,6 +29,7 @@ use std::collections::BTreeMap;
 use std::ops::Deref;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use torpor_core::{NetworkPolicy, PoolName, SandboxId, TemplateName, TenantId, UnixMillis};
 use torpor_gpu::cuda_checkpoint::Toggled;
@@ -264,6 +265,43 @@ pub trait StateStore: Send + Sync {
     fn gpu_toggled(&self, id: &SandboxId) -> Result<Option<Toggled>, StoreError>;
     fn delete_gpu_toggled(&self, id: &SandboxId) -> Result<(), StoreError>;
 
+    // --- controllers and leases (cluster mode; a store one process uses keeps the defaults) ---
+
+    /// Records that controller `name` is alive and answers at `api_addr` until `ttl` from now
+    /// (the store's clock).
+    fn heartbeat_controller(
+        &self,
+        _name: &str,
+        _api_addr: &str,
+        _ttl: Duration,
+    ) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// The controllers whose heartbeat has not expired: `(name, api_addr)`.
+    fn live_controllers(&self) -> Result<Vec<(String, String)>, StoreError> {
+        Ok(Vec::new())
+    }
+    /// Removes a controller's row (a clean stop: its sandboxes are taken over at once).
+    fn forget_controller(&self, _name: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// Takes or renews lease `lease` for `holder` until `ttl` from now; false while another
+    /// holder's lease has not expired.
+    fn try_lease(&self, _lease: &str, _holder: &str, _ttl: Duration) -> Result<bool, StoreError> {
+        Ok(true)
+    }
+    /// Gives a lease up if `holder` has it.
+    fn release_lease(&self, _lease: &str, _holder: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// Holds `key` against every other process of this store until the guard drops (a
+    /// PostgreSQL advisory lock: two controllers checking one tenant's quota take turns). Hold
+    /// it only across store reads and writes, never across a call to a worker. A store one
+    /// process uses answers a guard that holds nothing (the engine's own mutex serialises).
+    fn lock(&self, _key: &str) -> Result<StoreLock, StoreError> {
+        Ok(StoreLock::default())
+    }
+
     // --- usage intervals ---
 
     /// Adds each row's value (those that are positive) to its interval's row of the same key
@@ -276,6 +314,26 @@ pub trait StateStore: Send + Sync {
         to_s: i64,
         tenant: Option<&TenantId>,
     ) -> Result<Vec<UsageInterval>, StoreError>;
+}
+
+/// A lock held in the store ([`StateStore::lock`]); released when dropped.
+#[derive(Default)]
+#[must_use = "the lock is released when the guard drops"]
+pub struct StoreLock(Option<Box<dyn FnOnce() + Send>>);
+
+impl StoreLock {
+    /// A guard that runs `release` when dropped.
+    pub fn new(release: impl FnOnce() + Send + 'static) -> StoreLock {
+        StoreLock(Some(Box::new(release)))
+    }
+}
+
+impl Drop for StoreLock {
+    fn drop(&mut self) {
+        if let Some(release) = self.0.take() {
+            release();
+        }
+    }
 }
 
 /// A shared handle on the state store: what the engine, the GPU ledger, pools and usage

@@ -12,6 +12,7 @@
 //! | version | file | change |
 //! |---|---|---|
 //! | 1 | `0001_initial.sql` | the tables of the SQLite store's schema 3 |
+//! | 2 | `0002_controllers.sql` | `sandboxes.controller`, `controllers` (liveness), `leases` |
 //!
 //! To change the schema, add the next file and its line to [`MIGRATIONS`]; never edit a file
 //! that has shipped.
@@ -19,7 +20,10 @@
 use tokio_postgres::Client;
 
 /// Every migration, in order: `MIGRATIONS[i]` moves a database from version `i` to `i + 1`.
-pub(super) const MIGRATIONS: &[&str] = &[include_str!("pg/0001_initial.sql")];
+pub(super) const MIGRATIONS: &[&str] = &[
+    include_str!("pg/0001_initial.sql"),
+    include_str!("pg/0002_controllers.sql"),
+];
 
 /// The schema version this build writes and reads.
 pub(super) const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;

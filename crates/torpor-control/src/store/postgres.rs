@@ -58,6 +58,8 @@ use super::{StateStore, StoreError};
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// The most opening one connection takes.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The most a store lock ([`StateStore::lock`]) is waited for.
+const LOCK_WAIT: Duration = Duration::from_secs(20);
 /// The server-side limit on one statement (set unless the URL sets `options`).
 const STATEMENT_TIMEOUT_MS: u64 = 20_000;
 /// Connections per controller.
@@ -376,7 +378,7 @@ macro_rules! template_columns {
 macro_rules! sandbox_columns {
     () => {
         "SELECT id, tenant, template, state, tier, limits, env, metadata, created_at,
-         last_active_at, generation, image, last_error, oom_killed, version FROM sandboxes"
+         last_active_at, generation, image, last_error, oom_killed, version, controller FROM sandboxes"
     };
 }
 
@@ -418,6 +420,7 @@ fn raw_sandbox(r: &Row) -> Result<RawSandbox, StoreError> {
         get(r, 12, w)?,
         get(r, 13, w)?,
         get(r, 14, w)?,
+        get(r, 15, w)?,
     ))
 }
 
@@ -431,6 +434,7 @@ fn sandbox_params(s: &SandboxRecord) -> Vec<Param> {
         p(json(&s.image)),
         p(s.last_error.clone()),
         p(s.oom_killed),
+        p(s.controller.clone()),
     ]
 }
 
@@ -516,8 +520,8 @@ impl StateStore for PostgresStore {
             "insert sandbox",
             "INSERT INTO sandboxes
              (id, tenant, template, state, tier, limits, env, metadata, created_at, last_active_at,
-              generation, image, last_error, oom_killed, version)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 0)",
+              generation, image, last_error, oom_killed, controller, version)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, 0)",
             vec![
                 p(s.id.to_string()),
                 p(s.tenant.to_string()),
@@ -533,6 +537,7 @@ impl StateStore for PostgresStore {
                 p(json(&s.image)),
                 p(s.last_error.clone()),
                 p(s.oom_killed),
+                p(s.controller.clone()),
             ],
         );
         match result {
@@ -550,7 +555,7 @@ impl StateStore for PostgresStore {
         self.execute(
             "update sandbox",
             "UPDATE sandboxes SET state=$2, tier=$3, last_active_at=$4, generation=$5, image=$6,
-             last_error=$7, oom_killed=$8, version=version+1 WHERE id=$1",
+             last_error=$7, oom_killed=$8, controller=$9, version=version+1 WHERE id=$1",
             sandbox_params(s),
         )
         .map(drop)
@@ -571,8 +576,8 @@ impl StateStore for PostgresStore {
                 "compare and set sandbox",
                 "WITH written AS (
                      UPDATE sandboxes SET state=$2, tier=$3, last_active_at=$4, generation=$5,
-                         image=$6, last_error=$7, oom_killed=$8, version=version+1
-                     WHERE id=$1 AND version=$9 RETURNING version)
+                         image=$6, last_error=$7, oom_killed=$8, controller=$9, version=version+1
+                     WHERE id=$1 AND version=$10 RETURNING version)
                  SELECT (SELECT version FROM written),
                         (SELECT version FROM sandboxes WHERE id=$1)",
                 params,
@@ -614,7 +619,7 @@ impl StateStore for PostgresStore {
     ) -> Result<(), StoreError> {
         self.execute(
             "set sandbox metadata",
-            "UPDATE sandboxes SET metadata=$2, version=version+1 WHERE id=$1",
+            "UPDATE sandboxes SET metadata=$2 WHERE id=$1",
             vec![p(id.to_string()), p(json(metadata))],
         )
         .map(drop)
@@ -975,6 +980,131 @@ impl StateStore for PostgresStore {
             "delete cuda-checkpoint record",
             "DELETE FROM gpu_toggled WHERE sandbox=$1",
             vec![p(id.to_string())],
+        )
+        .map(drop)
+    }
+
+    // --- controllers and leases ---
+
+    fn heartbeat_controller(
+        &self,
+        name: &str,
+        api_addr: &str,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.execute(
+            "controller heartbeat",
+            "INSERT INTO controllers (name, api_addr, expires_at)
+             VALUES ($1, $2, now() + $3 * interval '1 millisecond')
+             ON CONFLICT (name) DO UPDATE SET api_addr = excluded.api_addr,
+                 expires_at = excluded.expires_at",
+            vec![
+                p(name.to_string()),
+                p(api_addr.to_string()),
+                p(ttl.as_millis() as f64),
+            ],
+        )
+        .map(drop)
+    }
+
+    fn live_controllers(&self) -> Result<Vec<(String, String)>, StoreError> {
+        self.query(
+            "read controllers",
+            "SELECT name, api_addr FROM controllers WHERE expires_at > now() ORDER BY name",
+            Vec::new(),
+        )?
+        .iter()
+        .map(|r| Ok((get(r, 0, "controller")?, get(r, 1, "controller")?)))
+        .collect()
+    }
+
+    fn forget_controller(&self, name: &str) -> Result<(), StoreError> {
+        self.execute(
+            "forget controller",
+            "DELETE FROM controllers WHERE name=$1",
+            vec![p(name.to_string())],
+        )
+        .map(drop)
+    }
+
+    fn try_lease(&self, lease: &str, holder: &str, ttl: Duration) -> Result<bool, StoreError> {
+        // One statement: the row is taken when free, expired or already ours; otherwise the
+        // conflicting UPDATE writes nothing and no row comes back.
+        let row = self.query_opt(
+            "take lease",
+            "INSERT INTO leases (name, holder, expires_at)
+             VALUES ($1, $2, now() + $3 * interval '1 millisecond')
+             ON CONFLICT (name) DO UPDATE SET holder = excluded.holder,
+                 expires_at = excluded.expires_at
+             WHERE leases.holder = excluded.holder OR leases.expires_at <= now()
+             RETURNING holder",
+            vec![
+                p(lease.to_string()),
+                p(holder.to_string()),
+                p(ttl.as_millis() as f64),
+            ],
+        )?;
+        Ok(row.is_some())
+    }
+
+    fn lock(&self, key: &str) -> Result<super::StoreLock, StoreError> {
+        // A session-level advisory lock on one pooled connection, kept out of the pool until
+        // it is unlocked. `pg_try_advisory_lock` in a loop rather than `pg_advisory_lock`: a
+        // wait that passes the call deadline leaves no lock request queued on the server.
+        let key = key.to_string();
+        let pool = self.pool.clone();
+        let op = "take lock";
+        let client = self.spawn_wait(op, async move {
+            let client = pool.get().await.map_err(|e| StoreError::Unavailable {
+                op,
+                source: e.into(),
+            })?;
+            let deadline = tokio::time::Instant::now() + LOCK_WAIT;
+            loop {
+                let got: bool = client
+                    .query_one(
+                        "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
+                        &[&key],
+                    )
+                    .await
+                    .and_then(|r| r.try_get(0))
+                    .map_err(|e| StoreError::Unavailable {
+                        op,
+                        source: e.into(),
+                    })?;
+                if got {
+                    return Ok((client, key));
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(StoreError::Unavailable {
+                        op,
+                        source: format!("lock {key:?} still held after {LOCK_WAIT:?}").into(),
+                    });
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })?;
+        let handle = self.handle.clone();
+        Ok(super::StoreLock::new(move || {
+            let (client, key) = client;
+            handle.spawn(async move {
+                if let Err(e) = client
+                    .execute("SELECT pg_advisory_unlock(hashtextextended($1, 0))", &[&key])
+                    .await
+                {
+                    // The session keeps the lock: the connection must not go back to the pool.
+                    tracing::warn!(error = %e, key, "cannot release a store lock; dropping its connection");
+                    drop(Object::take(client));
+                }
+            });
+        }))
+    }
+
+    fn release_lease(&self, lease: &str, holder: &str) -> Result<(), StoreError> {
+        self.execute(
+            "release lease",
+            "DELETE FROM leases WHERE name=$1 AND holder=$2",
+            vec![p(lease.to_string()), p(holder.to_string())],
         )
         .map(drop)
     }

@@ -83,6 +83,13 @@ pub struct SandboxRecord {
     pub image: ImageRef,
     pub last_error: Option<String>,
     pub oom_killed: bool,
+    /// Cluster mode: the controller that holds the sandbox (runs its transitions and its
+    /// container's calls); `None` while it sleeps, and always in embedded mode (the SQLite
+    /// store does not keep it). Written with the state, by compare-and-set.
+    pub controller: Option<String>,
+    /// The row's version when this record was read (0 for a record not yet inserted); the
+    /// engine writes states by compare-and-set over it.
+    pub version: Version,
 }
 
 impl SandboxRecord {
@@ -93,8 +100,8 @@ impl SandboxRecord {
 
 /// The version of a stored sandbox row: bumped by every write of the row, so a
 /// compare-and-set ([`super::StateStore::compare_and_set_sandbox`]) sees any write made since
-/// its read. Not part of [`SandboxRecord`]: only a caller that does compare-and-set needs it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// its read. Metadata and activity writes do not bump it: they cannot undo a state change.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Version(pub u64);
 
 impl std::fmt::Display for Version {

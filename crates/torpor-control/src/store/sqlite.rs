@@ -355,7 +355,7 @@ impl StateStore for SqliteStore {
     ) -> Result<(), StoreError> {
         self.execute(
             "set sandbox metadata",
-            "UPDATE sandboxes SET metadata=?2, version=version+1 WHERE id=?1",
+            "UPDATE sandboxes SET metadata=?2 WHERE id=?1",
             params![id.as_str(), json(metadata)],
         )
         .map(drop)
@@ -867,6 +867,7 @@ pub(super) type RawSandbox = (
     Option<String>,
     bool,
     i64,
+    Option<String>,
 );
 
 fn raw_sandbox(r: &Row) -> rusqlite::Result<RawSandbox> {
@@ -886,6 +887,7 @@ fn raw_sandbox(r: &Row) -> rusqlite::Result<RawSandbox> {
         r.get(12)?,
         r.get(13)?,
         r.get(14)?,
+        None,
     ))
 }
 
@@ -906,6 +908,7 @@ pub(super) fn parse_sandbox(raw: RawSandbox) -> Result<(SandboxRecord, Version),
         last_error,
         oom_killed,
         version,
+        controller,
     ) = raw;
     let corrupt = || StoreError::Corrupt {
         what: "sandbox",
@@ -926,6 +929,9 @@ pub(super) fn parse_sandbox(raw: RawSandbox) -> Result<(SandboxRecord, Version),
         image: serde_json::from_str(&image).map_err(|_| corrupt())?,
         last_error,
         oom_killed,
+        controller,
+        version: Version(version.max(0) as u64),
     };
-    Ok((record, Version(version.max(0) as u64)))
+    let version = record.version;
+    Ok((record, version))
 }

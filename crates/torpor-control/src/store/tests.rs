@@ -164,6 +164,8 @@ fn sandbox() -> SandboxRecord {
         image: ImageRef::Golden,
         last_error: None,
         oom_killed: false,
+        controller: None,
+        version: Version(0),
     }
 }
 
@@ -267,6 +269,7 @@ fn sandboxes_survive_reopen_and_each_write_lands_where_it_should(b: &dyn Backend
         s.last_error = Some("restored to its last snapshot".into());
         s.oom_killed = true;
         store.update_sandbox(&s).unwrap();
+        s.version = Version(1); // the write moved it on
     }
     let store = b.open().unwrap();
     assert_eq!(store.sandbox(&s.id).unwrap(), Some(s.clone()));
@@ -620,13 +623,15 @@ fn compare_and_set_writes_only_over_the_version_it_read(b: &dyn Backend) {
         store.compare_and_set_sandbox(&s, v1).unwrap_err().kind(),
         StoreErrorKind::Conflict
     );
+    // Metadata and activity writes cannot undo a state change: they leave the version be, so
+    // a transition that read it before them still lands.
     let (_, v2) = store.sandbox_versioned(&s.id).unwrap().unwrap();
     store.set_sandbox_metadata(&s.id, &BTreeMap::new()).unwrap();
-    assert_eq!(
-        store.compare_and_set_sandbox(&s, v2).unwrap_err().kind(),
-        StoreErrorKind::Conflict
-    );
-    let (_, v3) = store.sandbox_versioned(&s.id).unwrap().unwrap();
+    store.touch_sandboxes(&[(s.id.clone(), 99)]).unwrap();
+    assert_eq!(store.sandbox_versioned(&s.id).unwrap().unwrap().1, v2);
+    s.state = SandboxState::Frozen;
+    let v3 = store.compare_and_set_sandbox(&s, v2).unwrap();
+    assert!(v3 > v2);
     s.state = SandboxState::Parked;
     assert!(store.compare_and_set_sandbox(&s, v3).unwrap() > v3);
 
@@ -1003,6 +1008,94 @@ fn controllers_starting_together_on_a_new_database_all_migrate() {
         pg.texts("SELECT count(*)::text FROM sandboxes", &[]),
         vec![CONTROLLERS.to_string()]
     );
+}
+
+#[test]
+fn the_holding_controller_is_written_with_the_state_and_read_back() {
+    let Some(pg) = Postgres::new() else { return };
+    let store = pg.connect();
+    let mut s = sandbox();
+    s.controller = Some("c1".into());
+    store.insert_sandbox(&s).unwrap();
+    let read = store.sandbox(&s.id).unwrap().unwrap();
+    assert_eq!(read.controller.as_deref(), Some("c1"));
+    assert_eq!(read.version, Version(0));
+    let mut next = read.clone();
+    next.state = SandboxState::Parked;
+    next.controller = None;
+    let v = store.compare_and_set_sandbox(&next, read.version).unwrap();
+    let again = store.sandbox(&s.id).unwrap().unwrap();
+    assert_eq!((again.controller, again.version), (None, v));
+}
+
+#[test]
+fn controllers_are_live_until_their_heartbeat_expires_and_leases_pass_on_expiry() {
+    let Some(pg) = Postgres::new() else { return };
+    let (a, b) = (pg.connect(), pg.connect());
+    let long = Duration::from_secs(60);
+    a.heartbeat_controller("c1", "10.0.0.1:7077", long).unwrap();
+    b.heartbeat_controller("c2", "10.0.0.2:7077", Duration::from_millis(200))
+        .unwrap();
+    let names = |s: &PostgresStore| -> Vec<String> {
+        s.live_controllers()
+            .unwrap()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect()
+    };
+    assert_eq!(
+        a.live_controllers().unwrap(),
+        vec![
+            ("c1".to_string(), "10.0.0.1:7077".to_string()),
+            ("c2".to_string(), "10.0.0.2:7077".to_string())
+        ]
+    );
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(names(&a), vec!["c1"], "c2 stopped renewing");
+    b.forget_controller("c1").unwrap();
+    assert!(names(&b).is_empty());
+
+    // One holder at a time; renewals keep it; expiry or release passes it on.
+    assert!(a
+        .try_lease("pools", "c1", Duration::from_millis(300))
+        .unwrap());
+    assert!(!b.try_lease("pools", "c2", long).unwrap());
+    assert!(a
+        .try_lease("pools", "c1", Duration::from_millis(300))
+        .unwrap());
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        b.try_lease("pools", "c2", long).unwrap(),
+        "expired: taken over"
+    );
+    assert!(!a.try_lease("pools", "c1", long).unwrap());
+    a.release_lease("pools", "c1").unwrap(); // not c1's: changes nothing
+    assert!(!a.try_lease("pools", "c1", long).unwrap());
+    b.release_lease("pools", "c2").unwrap();
+    assert!(a.try_lease("pools", "c1", long).unwrap());
+}
+
+#[test]
+fn a_store_lock_is_held_by_one_controller_at_a_time() {
+    let Some(pg) = Postgres::new() else { return };
+    let (a, b) = (Arc::new(pg.connect()), Arc::new(pg.connect()));
+    let held = a.lock("quota:t1").unwrap();
+    let inside = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (b2, inside2) = (b.clone(), inside.clone());
+    let waiter = std::thread::spawn(move || {
+        let _g = b2.lock("quota:t1").unwrap();
+        inside2.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
+    // Another key is free meanwhile.
+    drop(b.lock("quota:t2").unwrap());
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !inside.load(std::sync::atomic::Ordering::SeqCst),
+        "b waits while a holds the lock"
+    );
+    drop(held);
+    waiter.join().unwrap();
+    assert!(inside.load(std::sync::atomic::Ordering::SeqCst));
 }
 
 #[test]

@@ -42,6 +42,7 @@ pub fn config(data_dir: &Path) -> EngineConfig {
         snapshots: Default::default(),
         import_dir: None,
         database: None,
+        controller: None,
     }
 }
 

@@ -1,0 +1,289 @@
+//! Cluster mode: a call for a sandbox that another controller holds is forwarded to that
+//! controller, whole (method, path, headers, body streamed both ways), so every controller
+//! answers for every sandbox. Which controller holds a sandbox, and taking over those of a dead
+//! controller, is the engine's (`torpor_control::engine` cluster module, [`Engine::route`]).
+//!
+//! - The sandbox a request names is found the way the routes name it: `/v1/sandboxes/{id}…`,
+//!   E2B's `/sandboxes/{id}…` and `/v2/sandboxes/{id}…`, the `E2b-Sandbox-Id` header (envd
+//!   routes) and host names `{port}-{id}.<proxy domain>`.
+//! - One hop: a forwarded request carries [`FORWARDED_BY`], and a controller never forwards
+//!   such a request again (it serves it, and a wake that lost a race answers
+//!   `409 sandbox_elsewhere`, retryable). The caller's own credentials travel with it and are
+//!   checked by the holder as they would be here: forwarding adds no authority.
+//! - Two controllers may try to wake one sleeping sandbox at once; the engine lets one win
+//!   and the other hears `sandbox_elsewhere` naming the winner. A request whose body was small
+//!   enough to keep ([`REPLAY_LIMIT`]) is then forwarded to the winner; a larger one answers
+//!   `409 sandbox_elsewhere` with `Retry-After`, and its retry is forwarded up front.
+//! - Upgrades (WebSockets to a sandbox port) are not forwarded: they answer
+//!   `409 sandbox_elsewhere` unless they reach the holder (a load balancer with affinity, or
+//!   the holder's own address).
+//!
+//! [`Engine::route`]: torpor_control::Engine::route
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use futures::TryStreamExt;
+use torpor_control::engine::Route;
+use torpor_control::error::ErrorKind;
+use torpor_core::SandboxId;
+
+use crate::errors::ApiError;
+use crate::state::ApiState;
+
+/// Set on a forwarded request: the forwarding controller's name.
+pub const FORWARDED_BY: &str = "x-torpor-forwarded-by";
+/// Set (internally) on an answer whose sandbox another controller won: where it answers.
+pub(crate) const HELD_AT: &str = "x-torpor-held-at";
+/// Largest request body kept to be sent again to the controller that won a wake race.
+pub const REPLAY_LIMIT: usize = 1 << 20;
+/// How long a forwarded request may take to get its answer's head.
+const FORWARD_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Headers that belong to one connection, not to the request (RFC 9110 §7.6.1).
+const HOP_BY_HOP: [HeaderName; 7] = [
+    header::CONNECTION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHORIZATION,
+    HeaderName::from_static("keep-alive"),
+];
+
+fn client() -> &'static reqwest::Client {
+    static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
+    CLIENT.get_or_init(|| {
+        reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .connect_timeout(Duration::from_secs(5))
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build()
+            .expect("a plain HTTP client builds")
+    })
+}
+
+/// The forwarding layer (outermost of the API router in cluster mode).
+pub async fn forward(State(state): State<Arc<ApiState>>, req: Request, next: Next) -> Response {
+    let Some(me) = state.engine.controller_name().map(str::to_string) else {
+        return next.run(req).await;
+    };
+    let Some(id) = sandbox_in(&req) else {
+        return next.run(req).await;
+    };
+    if req.headers().contains_key(FORWARDED_BY) {
+        return next.run(req).await;
+    }
+    match state.engine.route(&id).await {
+        Ok(Route::Local) => {}
+        Ok(Route::Forward {
+            controller,
+            api_addr,
+        }) => {
+            tracing::debug!(sandbox = %id, %controller, "forwarding a call to the sandbox's controller");
+            return send(&me, &api_addr, req).await;
+        }
+        Err(e) => return ApiError::from(e).into_response(),
+    }
+    // Served here; keep a small body in case a concurrent wake on another controller wins.
+    let (parts, body) = req.into_parts();
+    let small = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(
+            matches!(parts.method, Method::GET | Method::HEAD | Method::DELETE),
+            |n| n <= REPLAY_LIMIT,
+        );
+    if !small || parts.headers.contains_key(header::UPGRADE) {
+        let resp = next.run(Request::from_parts(parts, body)).await;
+        return without_held_at(resp);
+    }
+    let bytes = match axum::body::to_bytes(body, REPLAY_LIMIT).await {
+        Ok(b) => b,
+        Err(_) => {
+            return ApiError::new(
+                ErrorKind::PayloadTooLarge,
+                "payload_too_large",
+                "the request body is larger than its Content-Length said",
+            )
+            .into_response()
+        }
+    };
+    let (method, uri, version, headers) = (
+        parts.method.clone(),
+        parts.uri.clone(),
+        parts.version,
+        parts.headers.clone(),
+    );
+    let resp = next
+        .run(Request::from_parts(parts, Body::from(bytes.clone())))
+        .await;
+    let Some(addr) = held_at(&resp) else {
+        return resp;
+    };
+    tracing::debug!(sandbox = %id, %addr, "another controller won the wake; forwarding");
+    let mut again = Request::new(Body::from(bytes));
+    *again.method_mut() = method;
+    *again.uri_mut() = uri;
+    *again.version_mut() = version;
+    *again.headers_mut() = headers;
+    send(&me, &addr, again).await
+}
+
+fn held_at(resp: &Response) -> Option<String> {
+    resp.headers()
+        .get(HELD_AT)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
+fn without_held_at(mut resp: Response) -> Response {
+    resp.headers_mut().remove(HELD_AT);
+    resp
+}
+
+/// The sandbox a request is about, if it names one.
+fn sandbox_in(req: &Request) -> Option<SandboxId> {
+    let path = req.uri().path();
+    let from_path = ["/v1/sandboxes/", "/v2/sandboxes/", "/sandboxes/"]
+        .iter()
+        .find_map(|prefix| path.strip_prefix(prefix))
+        .map(|rest| rest.split('/').next().unwrap_or_default())
+        .filter(|id| !id.is_empty() && *id != "metrics");
+    if let Some(id) = from_path {
+        return SandboxId::new(id).ok();
+    }
+    if let Some(id) = req
+        .headers()
+        .get("e2b-sandbox-id")
+        .and_then(|v| v.to_str().ok())
+    {
+        return SandboxId::new(id).ok();
+    }
+    let host = req.headers().get(header::HOST)?.to_str().ok()?;
+    let name = host.rsplit_once(':').map_or(host, |(n, _)| n);
+    let label = name
+        .to_ascii_lowercase()
+        .strip_suffix(crate::domain::proxy_domain())?
+        .strip_suffix('.')?
+        .to_string();
+    let (_port, id) = label.split_once('-')?;
+    SandboxId::new(id).ok()
+}
+
+/// Sends `req` to the controller at `addr` and streams its answer back.
+async fn send(me: &str, addr: &str, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    if parts.headers.contains_key(header::UPGRADE) {
+        return ApiError::new(
+            ErrorKind::Busy,
+            "sandbox_elsewhere",
+            "this sandbox is served by another controller; upgrades are not forwarded, retry \
+             through the controller that holds it",
+        )
+        .with_retry_after(1)
+        .into_response();
+    }
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_string();
+    let url = format!("http://{addr}{path}");
+    let mut headers = HeaderMap::new();
+    for (name, value) in &parts.headers {
+        if !HOP_BY_HOP.contains(name) && name != header::CONTENT_LENGTH {
+            headers.append(name.clone(), value.clone());
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(me) {
+        headers.insert(FORWARDED_BY, v);
+    }
+    let stream = body.into_data_stream();
+    let sent = client()
+        .request(parts.method, &url)
+        .headers(headers)
+        .timeout(FORWARD_TIMEOUT)
+        .body(reqwest::Body::wrap_stream(stream))
+        .send()
+        .await;
+    let upstream = match sent {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(%addr, error = %e, "cannot forward a call to the sandbox's controller");
+            return ApiError::new(
+                ErrorKind::Unavailable,
+                "controller_unavailable",
+                "the controller that holds this sandbox does not answer; retry (it is taken \
+                 over once its lease expires)",
+            )
+            .with_retry_after(1)
+            .into_response();
+        }
+    };
+    let mut resp = Response::builder().status(upstream.status());
+    for (name, value) in upstream.headers() {
+        if !HOP_BY_HOP.contains(name) && name.as_str() != HELD_AT {
+            resp = resp.header(name, value);
+        }
+    }
+    let body = Body::from_stream(upstream.bytes_stream().map_err(std::io::Error::other));
+    resp.body(body).unwrap_or_else(|_| {
+        ApiError::new(
+            ErrorKind::Internal,
+            "internal",
+            "the forwarded answer could not be relayed",
+        )
+        .into_response()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(path: &str, headers: &[(&str, &str)]) -> Request {
+        let mut b = Request::builder().uri(path);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(Body::empty()).unwrap()
+    }
+
+    #[test]
+    fn the_sandbox_is_found_where_each_route_names_it() {
+        let id = SandboxId::generate();
+        let s = id.as_str();
+        for path in [
+            format!("/v1/sandboxes/{s}"),
+            format!("/v1/sandboxes/{s}/exec"),
+            format!("/sandboxes/{s}/pause"),
+            format!("/v2/sandboxes/{s}/connect"),
+        ] {
+            assert_eq!(sandbox_in(&req(&path, &[])), Some(id.clone()), "{path}");
+        }
+        assert_eq!(
+            sandbox_in(&req("/process.Process/Start", &[("e2b-sandbox-id", s)])),
+            Some(id.clone())
+        );
+        let host = format!("8080-{s}.{}", crate::domain::proxy_domain());
+        assert_eq!(sandbox_in(&req("/x", &[("host", &host)])), Some(id.clone()));
+        for other in [
+            "/v1/sandboxes",
+            "/v1/sandboxes/",
+            "/sandboxes/metrics",
+            "/v1/templates/x",
+            "/healthz",
+        ] {
+            assert_eq!(sandbox_in(&req(other, &[])), None, "{other}");
+        }
+        assert_eq!(sandbox_in(&req("/v1/sandboxes/..%2f", &[])), None);
+    }
+}

@@ -1,0 +1,314 @@
+//! Several controllers on one database (cluster mode): which controller holds a sandbox, and
+//! what a controller does with a sandbox that another one holds.
+//!
+//! - A sandbox is **held** by at most one controller: the one that runs its transitions and
+//!   holds its container's connection (`SandboxRecord::controller`). Every state write is a
+//!   compare-and-set on the row's version ([`Engine::move_to`]) and names the holder: the
+//!   writer for a resident or transitional state, nobody for a sleeping one (Parked,
+//!   Suspended). So any controller may wake a sleeping sandbox, and when two try at once the
+//!   first compare-and-set wins; the other hears [`ControlError::HeldElsewhere`].
+//! - A call that reaches a controller for a sandbox another **live** controller holds is
+//!   forwarded there whole ([`Engine::route`], used by the API's forwarding layer); one that
+//!   finds it held by a **dead** controller (its heartbeat expired) takes it over first
+//!   ([`Engine::take_over`]): the sandbox goes back to its last snapshot, as after a restart,
+//!   its stale container is killed, and `last_error` says what was lost.
+//! - Liveness: each controller renews its row in the store every third of its lease
+//!   (`--controller-lost-after-ms`); the store's clock decides expiry, so controllers' clocks
+//!   need not agree. The idle policy sweeps sandboxes of dead controllers, so none stays in
+//!   a resident state that nobody can leave.
+//! - Work done once for the cluster (pools and their triggers) runs under a lease
+//!   ([`POOLS_LEASE`]) that one controller holds and another takes when it expires.
+//!
+//! In embedded mode (`EngineConfig::controller` is `None`) nothing here applies: the holder is
+//! always `None`, every sandbox is local, and the pools lease is always held.
+
+use super::*;
+
+/// The lease under which a controller runs pools and their triggers.
+pub const POOLS_LEASE: &str = "pools";
+/// How long the list of live controllers is reused before it is read again.
+const LIVE_CACHE: Duration = Duration::from_millis(250);
+
+/// Who this controller is, in cluster mode.
+#[derive(Debug, Clone)]
+pub struct ControllerIdentity {
+    /// Its name (its certificate's): what `SandboxRecord::controller` holds.
+    pub name: String,
+    /// Where other controllers reach its public API (`host:port`) to forward calls.
+    pub api_addr: String,
+    /// Silence after which the others count it dead and take its sandboxes over.
+    pub lost_after: Duration,
+}
+
+/// Where a call for a sandbox is served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// Here (or the sandbox does not exist: the handler answers that).
+    Local,
+    /// On the live controller that holds the sandbox.
+    Forward {
+        controller: String,
+        api_addr: String,
+    },
+}
+
+/// Live controllers `(name, api_addr)` and when they were read.
+type LiveList = Option<(Instant, Vec<(String, String)>)>;
+
+#[derive(Default)]
+pub(super) struct ClusterState {
+    live: Mutex<LiveList>,
+    /// Whether this controller holds the pools lease right now.
+    pools_lease: AtomicBool,
+}
+
+impl Engine {
+    /// This controller's name in cluster mode.
+    pub fn controller_name(&self) -> Option<&str> {
+        self.cfg.controller.as_ref().map(|c| c.name.as_str())
+    }
+
+    /// The holder a record in state `to` names: this controller while the sandbox is
+    /// resident or moving, nobody while it sleeps.
+    pub(super) fn holder_in(&self, to: SandboxState) -> Option<String> {
+        match to {
+            SandboxState::Parked | SandboxState::Suspended => None,
+            _ => self.controller_name().map(str::to_string),
+        }
+    }
+
+    /// Whether this controller runs pools now (always, in embedded mode).
+    pub fn runs_pools(&self) -> bool {
+        self.cfg.controller.is_none() || self.cluster.pools_lease.load(Ordering::SeqCst)
+    }
+
+    /// The live controllers, `(name, api_addr)`, read at most every [`LIVE_CACHE`].
+    fn live_controllers(&self) -> Result<Vec<(String, String)>> {
+        let mut cached = self.cluster.live.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((at, live)) = cached.as_ref() {
+            if at.elapsed() < LIVE_CACHE {
+                return Ok(live.clone());
+            }
+        }
+        let live = self.store.live_controllers()?;
+        *cached = Some((Instant::now(), live.clone()));
+        Ok(live)
+    }
+
+    /// Where `holder` answers, if it is alive.
+    fn live_addr(&self, holder: &str) -> Result<Option<String>> {
+        Ok(self
+            .live_controllers()?
+            .into_iter()
+            .find(|(name, _)| name == holder)
+            .map(|(_, addr)| addr))
+    }
+
+    /// Where a call for sandbox `id` is served. A sandbox held by a dead controller is taken
+    /// over first (it is then served here).
+    pub async fn route(&self, id: &SandboxId) -> Result<Route> {
+        let Some(me) = self.controller_name() else {
+            return Ok(Route::Local);
+        };
+        let Some(rec) = self.store.sandbox(id)? else {
+            return Ok(Route::Local);
+        };
+        match rec.controller.as_deref() {
+            None => Ok(Route::Local),
+            Some(holder) if holder == me => Ok(Route::Local),
+            Some(holder) => match self.live_addr(holder)? {
+                Some(api_addr) => Ok(Route::Forward {
+                    controller: holder.to_string(),
+                    api_addr,
+                }),
+                None => {
+                    let holder = holder.to_string();
+                    self.take_over(id, &holder).await?;
+                    Ok(Route::Local)
+                }
+            },
+        }
+    }
+
+    /// Refuses to act on a sandbox another controller holds (its calls are forwarded there;
+    /// one of a dead controller is taken over first, by the call's route or the policy).
+    pub(super) fn check_held_here(&self, rec: &SandboxRecord) -> Result<()> {
+        match rec.controller.as_deref() {
+            Some(holder) if Some(holder) != self.controller_name() => Err(self.lost_race(&rec.id)),
+            _ => Ok(()),
+        }
+    }
+
+    /// The error for a write that lost its compare-and-set on `id`: held elsewhere now, or
+    /// changed under the call.
+    pub(super) fn lost_race(&self, id: &SandboxId) -> ControlError {
+        let holder = self
+            .store
+            .sandbox(id)
+            .ok()
+            .flatten()
+            .and_then(|r| r.controller)
+            .filter(|h| Some(h.as_str()) != self.controller_name());
+        match holder {
+            Some(controller) => {
+                let api_addr = self.live_addr(&controller).ok().flatten();
+                ControlError::HeldElsewhere {
+                    controller,
+                    api_addr,
+                }
+            }
+            None => ControlError::Busy(format!(
+                "sandbox {id} changed while this call ran (another controller moved it); retry"
+            )),
+        }
+    }
+
+    /// Takes over a sandbox that `dead` held when it stopped renewing its lease: back to its
+    /// last snapshot, as the dead controller's own restart would have done; its container,
+    /// wherever it still runs, is killed. A no-op when someone else got there first.
+    pub(super) async fn take_over(&self, id: &SandboxId, dead: &str) -> Result<()> {
+        use torpor_core::Recovery;
+        let slot = self.slot(id);
+        let _guard = slot.state.clone().write_owned().await;
+        let Some(mut rec) = self.store.sandbox(id)? else {
+            return Ok(());
+        };
+        if rec.controller.as_deref() != Some(dead) {
+            return Ok(()); // taken over already, or moved on
+        }
+        tracing::warn!(sandbox = %id, controller = dead, state = %rec.state,
+            "taking over a sandbox of a lost controller");
+        self.metrics
+            .crashes
+            .with_label_values(&["controller_lost"])
+            .inc();
+        self.node.kill(&rec.container_id()).await;
+        let why = format!("controller {dead} was lost");
+        match rec.state.recovery() {
+            Recovery::Keep => {
+                // Sleeping but still naming its holder: only the holder is cleared.
+                rec.controller = None;
+                self.write_claimed(&mut rec)?;
+            }
+            Recovery::BackToSnapshot => {
+                rec.last_error = Some(format!(
+                    "{why}; restored to its last snapshot{}",
+                    transitions::snapshot_age(&rec.image)
+                ));
+                let to = rec.image.sleeping_state();
+                self.move_to(&mut rec, to, "controller_lost")?;
+            }
+            Recovery::DropCreation | Recovery::FinishDelete => {
+                self.remove_sandbox_files(id);
+                self.store.delete_sandbox(id)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `rec` as it is (holder included) by compare-and-set.
+    fn write_claimed(&self, rec: &mut SandboxRecord) -> Result<()> {
+        match self.store.compare_and_set_sandbox(rec, rec.version) {
+            Ok(v) => {
+                rec.version = v;
+                Ok(())
+            }
+            Err(e) if e.kind() == crate::store::StoreErrorKind::Conflict => {
+                Err(self.lost_race(&rec.id))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Sandboxes of controllers that are gone, taken over (from the idle policy).
+    pub(super) async fn sweep_lost_controllers(&self, records: &[SandboxRecord]) {
+        let Some(me) = self.controller_name() else {
+            return;
+        };
+        let held_elsewhere: Vec<&SandboxRecord> = records
+            .iter()
+            .filter(|r| r.controller.as_deref().is_some_and(|c| c != me))
+            .collect();
+        if held_elsewhere.is_empty() {
+            return;
+        }
+        let Ok(live) = self.live_controllers() else {
+            return;
+        };
+        for rec in held_elsewhere {
+            let holder = rec.controller.as_deref().unwrap_or_default();
+            if live.iter().any(|(name, _)| name == holder) {
+                continue;
+            }
+            if let Err(e) = self.take_over(&rec.id, holder).await {
+                tracing::debug!(sandbox = %rec.id, error = %e, "takeover left to another controller");
+            }
+        }
+    }
+
+    /// Renews this controller's liveness and its leases until shutdown; a controller that
+    /// cannot renew stops running pools (another takes the lease).
+    pub(super) async fn run_heartbeat(self: Arc<Self>) {
+        let Some(me) = self.cfg.controller.clone() else {
+            return;
+        };
+        let every = me.lost_after / 3;
+        let mut interval = tokio::time::interval(every);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            interval.tick().await;
+            if self.shutting_down.load(Ordering::SeqCst) {
+                return;
+            }
+            if let Err(e) = self.heartbeat_once(&me) {
+                tracing::warn!(error = %e, "cannot renew this controller's lease");
+                self.cluster.pools_lease.store(false, Ordering::SeqCst);
+            }
+        }
+    }
+
+    fn heartbeat_once(&self, me: &ControllerIdentity) -> Result<()> {
+        self.store
+            .heartbeat_controller(&me.name, &me.api_addr, me.lost_after)?;
+        let leads = self.store.try_lease(POOLS_LEASE, &me.name, me.lost_after)?;
+        let before = self.cluster.pools_lease.swap(leads, Ordering::SeqCst);
+        if before != leads {
+            tracing::info!(controller = %me.name, runs_pools = leads, "pools lease");
+        }
+        Ok(())
+    }
+
+    /// Registers this controller as alive before it touches any sandbox (cluster mode).
+    pub(super) fn announce(&self) -> Result<()> {
+        match &self.cfg.controller {
+            Some(me) => self.heartbeat_once(me),
+            None => Ok(()),
+        }
+    }
+
+    /// Gives up this controller's row and leases (a clean stop): the others take its
+    /// sandboxes and pools at once instead of after the lease.
+    pub(super) fn retire(&self) {
+        if let Some(me) = &self.cfg.controller {
+            let _ = self.store.release_lease(POOLS_LEASE, &me.name);
+            let _ = self.store.forget_controller(&me.name);
+        }
+    }
+
+    /// Whether this controller's restart reconcile may resolve `rec`: its own, nobody's, or a
+    /// dead controller's (cluster mode); every sandbox in embedded mode.
+    pub(super) fn reconciles(&self, rec: &SandboxRecord) -> Result<bool> {
+        let (Some(me), Some(holder)) = (self.controller_name(), rec.controller.as_deref()) else {
+            return Ok(true);
+        };
+        Ok(holder == me || self.live_addr(holder)?.is_none())
+    }
+
+    /// Whether another live controller exists (cluster mode).
+    pub(super) fn others_alive(&self) -> Result<bool> {
+        let Some(me) = self.controller_name() else {
+            return Ok(false);
+        };
+        Ok(self.live_controllers()?.iter().any(|(name, _)| name != me))
+    }
+}
