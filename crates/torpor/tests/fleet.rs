@@ -1,5 +1,6 @@
-//! Fleet behaviour: the parking lot (bounded, 503 lot_full / no_worker_available), eviction to
-//! free workers for parked calls, and the node memory budget.
+//! Fleet behaviour: the parking lot (bounded, 503 lot_full / no_worker_available, admission
+//! against the node's rate), eviction to free workers for parked calls, and the node memory
+//! budget.
 
 mod common;
 
@@ -246,4 +247,256 @@ async fn without_a_warm_pool_every_wake_prepares_its_worker() {
         m.contains("torpor_warm_pool_takes_total{kind=\"cold\"}"),
         "{m}"
     );
+}
+
+/// A create sent without the client library, to see the status and `Retry-After`.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    code: Option<String>,
+    message: String,
+    retry_after: Option<u64>,
+}
+
+impl Answer {
+    /// The wait the lot expected, from the refusal's message (`... the wait is about N ms`).
+    fn expected_ms(&self) -> Option<u64> {
+        let tail = self.message.split("the wait is about ").nth(1)?;
+        tail.split(' ').next()?.parse().ok()
+    }
+}
+
+async fn create_raw(d: &Daemon) -> Answer {
+    create_raw_at(&d.url(), &d.token()).await
+}
+
+/// The value of a counter or gauge line (`name{labels}`), 0 when the series is not there yet.
+fn metric(m: &str, series: &str) -> f64 {
+    m.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+const HANDOFFS: &str = "torpor_lot_wait_seconds_count{outcome=\"worker\"}";
+const TIMEOUTS: &str = "torpor_lot_wait_seconds_count{outcome=\"timeout\"}";
+const WOULD_WAIT: &str = "torpor_lot_rejections_total{reason=\"would_wait\"}";
+const EVICTED: &str = "torpor_evictions_total{reason=\"parked_calls\"}";
+const REFUSED_LATE: &str = "a parked call can no longer be served in its budget";
+
+async fn parked_calls(c: &torpor_api::Client) -> usize {
+    c.workers().await.unwrap().parked_calls
+}
+
+/// The admission rule (issue 17) with offered load over capacity. Phase 1 holds both workers
+/// with calls in flight, so no worker can change hands while calls arrive one by one: each
+/// parks while the lot expects to serve it within the budget, and the first that it cannot is
+/// refused without ever parking, while nothing was handed over, with a `Retry-After` that is
+/// the wait behind the calls ahead (which themselves fit the budget at the same rate). Phase 2
+/// sends a burst all at once against the rate the lot measured in phase 1: refusals carry the
+/// expected wait, and no call waits its budget out. How fast a refusal comes (the issue's
+/// 100 ms) is measured by the fleet bench, not asserted here.
+#[tokio::test(flavor = "multi_thread")]
+async fn over_capacity_calls_are_refused_before_any_hand_off_with_the_wait_ahead_and_none_times_out(
+) {
+    const BUDGET_MS: u64 = 4000;
+    let budget = BUDGET_MS.to_string();
+    let d = Daemon::start_with(&[
+        "--workers",
+        "2",
+        "--lot-size",
+        "500",
+        "--worker-wait-ms",
+        &budget,
+    ])
+    .await;
+    let c = d.client();
+    // The engine runs one checkpoint and one restore per core at once (at least 2).
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get().max(2)) as u64;
+    // The node learns what a wake costs: a checkpoint (park), then a restore (wake).
+    let x = create(&c, "host").await;
+    c.suspend(&x, Some(torpor_core::Tier::Parked))
+        .await
+        .unwrap();
+    let y = create(&c, "host").await;
+    c.exec(&x, &sh("true")).await.unwrap();
+    assert_eq!(c.workers().await.unwrap().busy, 2);
+
+    // Phase 1: both workers held by calls in flight, so no worker can change hands. Calls
+    // arrive one after the other: each parks while the lot expects to serve it within the
+    // budget, and from the first that it cannot, each is refused at once.
+    let mut pins = Vec::new();
+    for id in [&x, &y] {
+        let (c, id) = (c.clone(), id.clone());
+        pins.push(tokio::spawn(async move {
+            c.exec(
+                &id,
+                &sh("touch /tmp/started; while [ ! -e /tmp/go ]; do sleep 0.05; done; echo released"),
+            )
+            .await
+        }));
+    }
+    for id in [&x, &y] {
+        let mut started = false;
+        for _ in 0..500 {
+            if c.read_file(id, "/tmp/started").await.is_ok() {
+                started = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(started, "the pinning call never started in {id}");
+    }
+    let mut admitted = Vec::new();
+    let refusal = loop {
+        assert!(
+            admitted.len() < 200,
+            "200 calls admitted with a {BUDGET_MS} ms budget: the lot never refused"
+        );
+        let before = parked_calls(&c).await;
+        let call = {
+            let d_url = d.url();
+            let token = d.token();
+            tokio::spawn(async move { create_raw_at(&d_url, &token).await })
+        };
+        loop {
+            if call.is_finished() {
+                break;
+            }
+            if parked_calls(&c).await > before {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if call.is_finished() {
+            break call.await.unwrap();
+        }
+        admitted.push(call);
+    };
+    let parked = admitted.len() as u64;
+    assert!(parked >= 1, "not even one call admitted: {refusal:?}");
+    let m = c.metrics().await.unwrap();
+    // Refused before any worker changed hands: nothing was handed over, nothing evicted.
+    assert_eq!(metric(&m, HANDOFFS), 0.0, "{m}");
+    assert_eq!(metric(&m, EVICTED), 0.0, "{m}");
+    assert_eq!(metric(&m, WOULD_WAIT), 1.0, "{m}");
+    assert_eq!(
+        parked_calls(&c).await as u64,
+        parked,
+        "the refused call never parked"
+    );
+    assert_eq!(refusal.status, 503, "{refusal:?}");
+    assert_eq!(
+        refusal.code.as_deref(),
+        Some("no_worker_available"),
+        "{refusal:?}"
+    );
+    // Its Retry-After is the wait behind the calls ahead of it, past the budget; the calls
+    // ahead fit it at the same rate: hand-offs in rounds of one per core, the p-th place
+    // served within (p + cores - 1) intervals.
+    let expected = refusal
+        .expected_ms()
+        .expect("the expected wait in the message");
+    assert_eq!(
+        refusal.retry_after,
+        Some(expected.div_ceil(1000)),
+        "{refusal:?}"
+    );
+    assert!(expected > BUDGET_MS, "{refusal:?}");
+    let last_admitted = expected as f64 * (parked + cores - 1) as f64 / (parked + cores) as f64;
+    assert!(
+        last_admitted <= BUDGET_MS as f64 + 1.0,
+        "{parked} admitted, but the last one was expected at {last_admitted:.0} ms"
+    );
+    // Nothing changed: the next call is told the same.
+    let again = create_raw(&d).await;
+    assert_eq!(
+        (again.status, again.expected_ms(), again.retry_after),
+        (503, Some(expected), refusal.retry_after),
+        "{again:?}"
+    );
+    // Let the pinning calls end: the workers change hands, the admitted calls are served
+    // (or, if the node turned out slower than the lot knew, told so: never left to time out).
+    for id in [&x, &y] {
+        c.exec(id, &sh("touch /tmp/go")).await.unwrap();
+    }
+    for pin in pins {
+        assert_eq!(pin.await.unwrap().unwrap().stdout, "released\n");
+    }
+    let mut phase1 = (0, 0);
+    for call in admitted {
+        let a = call.await.unwrap();
+        match (a.status, a.code.as_deref()) {
+            (201 | 200, _) => phase1.0 += 1,
+            (503, Some("no_worker_available")) if a.expected_ms().is_some() => phase1.1 += 1,
+            _ => panic!("an admitted call ended {a:?}"),
+        }
+    }
+    eprintln!(
+        "phase 1: {parked} admitted: {} served, {} told late",
+        phase1.0, phase1.1
+    );
+    assert_eq!(metric(&c.metrics().await.unwrap(), TIMEOUTS), 0.0);
+
+    // Phase 2: a burst over capacity, all at once, against the rate the lot measured in
+    // phase 1 (kept across bursts). Every call is served, or refused with the wait the lot
+    // expects in its Retry-After; none waits its budget out. (A call admitted and then told
+    // late, because the node slowed down after it was admitted, is logged; on this shared
+    // machine that happens, so it is counted, not asserted: the fleet bench measures it.)
+    let late_before = d.log().matches(REFUSED_LATE).count();
+    let burst = 2 * (parked + cores) as usize + 4;
+    let answers: Vec<Answer> = {
+        let mut set = tokio::task::JoinSet::new();
+        for _ in 0..burst {
+            let (url, token) = (d.url(), d.token());
+            set.spawn(async move { create_raw_at(&url, &token).await });
+        }
+        let mut v = Vec::new();
+        while let Some(a) = set.join_next().await {
+            v.push(a.unwrap());
+        }
+        v
+    };
+    let served = answers.iter().filter(|a| a.status < 300).count();
+    let refused: Vec<&Answer> = answers.iter().filter(|a| a.status >= 300).collect();
+    let late = d.log().matches(REFUSED_LATE).count() - late_before;
+    eprintln!(
+        "phase 2: {burst} calls: {served} served, {} refused ({late} of them after parking)",
+        refused.len()
+    );
+    for a in &refused {
+        assert_eq!(a.code.as_deref(), Some("no_worker_available"), "{a:?}");
+        let expected = a.expected_ms().unwrap_or_else(|| panic!("{a:?}"));
+        assert_eq!(a.retry_after, Some(expected.div_ceil(1000).max(1)), "{a:?}");
+    }
+    let at_once = refused
+        .iter()
+        .filter(|a| a.expected_ms().unwrap() > BUDGET_MS)
+        .count();
+    assert!(at_once >= 1 && served >= 2, "{answers:?}");
+    assert_eq!(metric(&c.metrics().await.unwrap(), TIMEOUTS), 0.0);
+}
+
+async fn create_raw_at(url: &str, token: &str) -> Answer {
+    let resp = reqwest::Client::new()
+        .post(format!("{url}/v1/sandboxes"))
+        .bearer_auth(token)
+        .json(&serde_json::json!({"template": "host"}))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let retry_after = resp
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let v: serde_json::Value = resp.json().await.unwrap_or_default();
+    Answer {
+        status,
+        code: v["error"]["code"].as_str().map(str::to_string),
+        message: v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+        retry_after,
+    }
 }
