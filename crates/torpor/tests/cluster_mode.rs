@@ -623,6 +623,49 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
         seen["node"].is_string(),
         "the holder's view, forwarded: {seen}"
     );
+
+    // Attacks on forwarding. A caller claiming to be a forwarding controller is served where
+    // it asked, and that controller refuses to touch a sandbox another one holds (no second
+    // copy, no transition); another tenant's token forwarded to the holder is refused there.
+    let (status, v) = {
+        let resp = reqwest::Client::new()
+            .post(format!("http://{}/v1/sandboxes/{id}/exec", c2.api))
+            .bearer_auth(TOKEN)
+            .header("x-torpor-forwarded-by", "c1")
+            .json(&json!({"cmd": ["true"]}))
+            .send()
+            .await
+            .unwrap();
+        (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+    };
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (409, Some("sandbox_elsewhere")),
+        "{v}"
+    );
+    let stranger = c1
+        .ok(
+            reqwest::Method::POST,
+            "/v1/tenants",
+            Some(json!({"name": "stranger"})),
+        )
+        .await["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (status, v) = c2
+        .call_as(
+            &stranger,
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(json!({"cmd": ["cat", "/tmp/state"]})),
+        )
+        .await;
+    assert_eq!(
+        status, 404,
+        "another tenant's call, forwarded, is refused by the holder: {v}"
+    );
+    assert_eq!(c1.sandbox(&id).await["state"], "running");
     c2.ok(
         reqwest::Method::POST,
         &format!("/v1/sandboxes/{id}/suspend"),
