@@ -8,9 +8,13 @@
 //!   call's state verified), the idle policy parking them between rounds. Baseline: one
 //!   resident sandbox per agent, at the memory per resident agent measured in the same run.
 //!   Figure: agents served / resident sandboxes that fit in torpor's peak memory (goal ≥ 20x).
-//! - parking: 10 workers, 200 concurrent calls to 200 distinct Parked sandboxes with a 30 s
-//!   parking budget: failures, call latency, parked wait (from the daemon's histogram) and
-//!   wakes per second. Baseline: the same wake with free workers and nothing else running.
+//! - parking: 10 workers, 200 concurrent calls to 200 distinct Parked sandboxes (20x
+//!   oversubscription) with a 30 s parking budget: served, refused at once (how fast the 503
+//!   comes), refused after parking, timed out; call latency, parked wait (the daemon's
+//!   histogram) and wakes per second. Baselines: the same wake with free workers and nothing
+//!   else running; and the node's capacity measured with bare runsc in the same run
+//!   (checkpoint + restore pairs of copies of the same images, as many lanes in parallel as
+//!   cores). Figure: torpor's wakes/s over that capacity (goal ≥ 0.9).
 //! - fairness: 4 workers; tenant A floods with 10x capacity (40 concurrent callers on 40
 //!   Parked sandboxes) while tenant B wakes one of its Parked sandboxes every ~0.3 s.
 //!   Baseline: B's wakes with A idle. Figure: B's wake p95 loaded / unloaded (goal ≤ 2x).
@@ -26,6 +30,9 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 
 use serde_json::json;
 use support::{disk_usage, pct, Daemon};
@@ -95,24 +102,42 @@ const NO_IDLE: IdlePolicy = IdlePolicy {
 
 /// One verified call. Ok((tier before, ms)) or Err(why).
 async fn call(c: &Client, id: &str, before: Expect, tok: u64) -> Result<(String, f64), String> {
-    let tier = c.sandbox(id).await.map_err(|e| e.to_string())?.tier;
+    call_timed(c, id, before, tok).await.0
+}
+
+/// [`call`], and how long its exec request took to be answered, whatever the answer (ms).
+async fn call_timed(
+    c: &Client,
+    id: &str,
+    before: Expect,
+    tok: u64,
+) -> (Result<(String, f64), String>, f64) {
+    let tier = match c.sandbox(id).await {
+        Ok(s) => s.tier,
+        Err(e) => return (Err(e.to_string()), f64::NAN),
+    };
+    let body = ExecBody {
+        cmd: vec![
+            "sh".into(),
+            "-c".into(),
+            format!("echo {tok} > /tmp/in && cat /tmp/out && wc -l < /data/calls.log"),
+        ],
+        timeout_ms: Some(60_000),
+        ..Default::default()
+    };
     let t = Instant::now();
-    let r = c
-        .exec(
-            id,
-            &ExecBody {
-                cmd: vec![
-                    "sh".into(),
-                    "-c".into(),
-                    format!("echo {tok} > /tmp/in && cat /tmp/out && wc -l < /data/calls.log"),
-                ],
-                timeout_ms: Some(60_000),
-                ..Default::default()
-            },
-        )
-        .await
-        .map_err(|e| e.to_string())?;
+    let r = c.exec(id, &body).await;
     let ms = t.elapsed().as_secs_f64() * 1000.0;
+    (check(r.map(|r| (tier, r)), ms, before, tok), ms)
+}
+
+fn check(
+    r: Result<(String, torpor_api::types::ExecResult), torpor_api::ClientError>,
+    ms: f64,
+    before: Expect,
+    tok: u64,
+) -> Result<(String, f64), String> {
+    let (tier, r) = r.map_err(|e| e.to_string())?;
     let want = before.next(tok);
     let got: Vec<u64> = r
         .stdout
@@ -376,9 +401,208 @@ async fn density() -> serde_json::Value {
     })
 }
 
+// --- the bare-runsc capacity of this node, in the same run as the parking scenario
+
+/// runsc's global flags as torpor starts its containers (platform as torpor picks it).
+fn runsc_global(root: &Path, tmp: &Path) -> Vec<String> {
+    let runsc = torpor_runtime::Runsc::detect(None, None, root.to_path_buf(), tmp.join("logs"))
+        .expect("runsc");
+    let mut args = vec![
+        format!("--root={}", root.display()),
+        format!("--platform={}", runsc.platform),
+        "--network=none".into(),
+    ];
+    args.extend(runsc.overlay_flags.iter().cloned());
+    args
+}
+
+/// The config.json of a live torpor container of sandbox `id` (from `runsc state`), with
+/// its own cgroup for a bare container `cid`.
+fn bare_spec(data: &Path, id: &str, cid: &str) -> serde_json::Value {
+    let root = data.join("runsc");
+    let list = Command::new("runsc")
+        .arg(format!("--root={}", root.display()))
+        .args(["list", "-quiet"])
+        .output()
+        .expect("runsc list");
+    let live = String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .find(|l| l.starts_with(id))
+        .unwrap_or_else(|| panic!("no live container of {id}"))
+        .to_string();
+    let out = Command::new("runsc")
+        .arg(format!("--root={}", root.display()))
+        .args(["state", &live])
+        .output()
+        .expect("runsc state");
+    let state: serde_json::Value = serde_json::from_slice(&out.stdout).expect("state JSON");
+    let bundle = PathBuf::from(state["bundle"].as_str().expect("a bundle"));
+    let mut spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(bundle.join("config.json")).expect("config"))
+            .expect("config JSON");
+    spec["linux"]["cgroupsPath"] = json!(format!("/torpor-bench/{cid}"));
+    spec
+}
+
+/// The newest committed image of a sandbox.
+fn latest_image(data: &Path, id: &str) -> PathBuf {
+    std::fs::read_dir(data.join("sandboxes").join(id).join("images"))
+        .expect("images")
+        .flatten()
+        .filter_map(|e| Some((e.file_name().to_str()?.parse::<u64>().ok()?, e.path())))
+        .max()
+        .expect("a committed image")
+        .1
+}
+
+fn runsc_ok(global: &[String], args: &[String]) {
+    let out = Command::new("runsc")
+        .args(global)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("runsc runs");
+    assert!(
+        out.status.success(),
+        "runsc {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// One lane: `pairs` times, restore the image (as torpor does, the agent's stdin held open)
+/// and checkpoint it again to the next image, then delete the container. Returns each
+/// pair's (restore ms, checkpoint + delete ms).
+fn bare_lane(
+    global: &[String],
+    dir: &Path,
+    spec: &serde_json::Value,
+    pairs: usize,
+) -> Vec<(f64, f64)> {
+    let bundle = dir.join("bundle");
+    std::fs::create_dir_all(&bundle).unwrap();
+    std::fs::write(
+        bundle.join("config.json"),
+        serde_json::to_vec(spec).unwrap(),
+    )
+    .unwrap();
+    let cid = spec["linux"]["cgroupsPath"]
+        .as_str()
+        .unwrap()
+        .rsplit('/')
+        .next()
+        .unwrap()
+        .to_string();
+    let mut times = Vec::new();
+    for k in 0..pairs {
+        let (img, next) = (
+            dir.join(format!("img-{k}")),
+            dir.join(format!("img-{}", k + 1)),
+        );
+        let id = format!("{cid}-{k}");
+        let t = Instant::now();
+        let mut restore = Command::new("runsc")
+            .args(global)
+            .args([
+                "restore".into(),
+                "--detach".into(),
+                format!("--image-path={}", img.display()),
+                format!("--bundle={}", bundle.display()),
+                id.clone(),
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("runsc restore");
+        // The sandbox keeps this pipe as its agent's stdin: the agent lives while it is open.
+        let stdin = restore.stdin.take();
+        assert!(
+            restore.wait().expect("restore").success(),
+            "bare restore failed"
+        );
+        let r = t.elapsed().as_secs_f64() * 1000.0;
+        let t = Instant::now();
+        std::fs::create_dir_all(&next).unwrap();
+        runsc_ok(
+            global,
+            &[
+                "checkpoint".into(),
+                format!("--image-path={}", next.display()),
+                id.clone(),
+            ],
+        );
+        runsc_ok(global, &["delete".into(), "--force".into(), id]);
+        times.push((r, t.elapsed().as_secs_f64() * 1000.0));
+        drop(stdin);
+        let _ = std::fs::remove_dir_all(&img);
+    }
+    times
+}
+
+/// What this node sustains with bare runsc: `lanes` restore + checkpoint loops at once, each
+/// on a copy of one of `ids`' images. Returns (pairs per second, restore p50 ms,
+/// checkpoint p50 ms).
+fn bare_capacity(
+    data: &Path,
+    tmp: &Path,
+    specs: &[(String, serde_json::Value)],
+    lanes: usize,
+    pairs: usize,
+) -> (f64, f64, f64) {
+    let root = tmp.join("bare-runsc");
+    std::fs::create_dir_all(&root).unwrap();
+    let global = runsc_global(&root, tmp);
+    let mut dirs = Vec::new();
+    for l in 0..lanes {
+        let (id, spec) = &specs[l % specs.len()];
+        let dir = tmp.join(format!("lane-{l}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let st = Command::new("cp")
+            .arg("-a")
+            .arg(latest_image(data, id))
+            .arg(dir.join("img-0"))
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let mut spec = spec.clone();
+        spec["linux"]["cgroupsPath"] = json!(format!("/torpor-bench/bare-{l}"));
+        dirs.push((dir, spec));
+    }
+    let t = Instant::now();
+    let times: Vec<(f64, f64)> = std::thread::scope(|s| {
+        let handles: Vec<_> = dirs
+            .iter()
+            .map(|(dir, spec)| {
+                let global = &global;
+                s.spawn(move || bare_lane(global, dir, spec, pairs))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("lane"))
+            .collect()
+    });
+    let rate = times.len() as f64 / t.elapsed().as_secs_f64();
+    let mut r: Vec<f64> = times.iter().map(|t| t.0).collect();
+    let mut c: Vec<f64> = times.iter().map(|t| t.1).collect();
+    for (dir, _) in &dirs {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    (rate, pct(&mut r, 50.0), pct(&mut c, 50.0))
+}
+
+/// The lot's log line for a parked call it refused after admitting it.
+const REFUSED_LATE: &str = "a parked call can no longer be served in its budget";
+
 async fn parking() -> serde_json::Value {
     let n = env_usize("TORPOR_PARKING_CALLS", 200);
     let workers = env_usize("TORPOR_PARKING_WORKERS", 10);
+    let budget_ms = 30_000.0;
+    // As many bare lanes as the engine runs checkpoints (and restores) at once: the cores.
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get().max(2));
+    let pairs = env_usize("TORPOR_CAPACITY_PAIRS", 10);
     let d = Daemon::start(&[
         "--workers",
         &workers.to_string(),
@@ -396,14 +620,34 @@ async fn parking() -> serde_json::Value {
         "parking: {n} parked sandboxes made in {:.1} s",
         t.elapsed().as_secs_f64()
     );
-    // Baseline: one wake at a time, workers free.
+    // Baseline: one wake at a time, workers free; the bundles of the first few, for the bare
+    // runsc lanes.
     let mut alone = Vec::new();
-    for id in ids.iter().take(10) {
+    let mut specs = Vec::new();
+    for (i, id) in ids.iter().take(10).enumerate() {
         let (_, ms) = call(&c, id, Expect::default(), 7).await.expect("wake");
         alone.push(ms);
+        if i < cores {
+            specs.push((id.clone(), bare_spec(&d.data(), id, &format!("bare-{i}"))));
+        }
         c.suspend(id, Some(Tier::Parked)).await.expect("park");
     }
+    // The node's capacity with bare runsc, on copies of those images, before the burst.
+    let (bare_rate, bare_restore, bare_checkpoint) = {
+        let (data, tmp) = (d.data(), d.dir.path().to_path_buf());
+        tokio::task::spawn_blocking(move || bare_capacity(&data, &tmp, &specs, cores, pairs))
+            .await
+            .expect("bare lanes")
+    };
+    eprintln!(
+        "parking: bare runsc, {cores} lanes: {bare_rate:.2} checkpoint+restore pairs/s (restore p50 {bare_restore:.0} ms, checkpoint+delete p50 {bare_checkpoint:.0} ms)"
+    );
     let before = c.metrics().await.unwrap_or_default();
+    let log = d.dir.path().join("daemon.log");
+    let late_before = std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .matches(REFUSED_LATE)
+        .count();
     let t = Instant::now();
     let mut set = tokio::task::JoinSet::new();
     for (i, id) in ids.iter().enumerate() {
@@ -415,28 +659,43 @@ async fn parking() -> serde_json::Value {
         };
         set.spawn(async move {
             let t = Instant::now();
-            let r = call(&c, &id, prior, 11).await;
-            (r, t.elapsed().as_secs_f64() * 1000.0)
+            let (r, exec_ms) = call_timed(&c, &id, prior, 11).await;
+            (r, t.elapsed().as_secs_f64() * 1000.0, exec_ms)
         });
     }
     let mut lat = Vec::new();
-    // no_worker_available, told at once (the lot's expected wait passed the budget) or after
-    // waiting the budget out; how long each took to be told.
+    let mut last_served = 0.0f64;
+    // no_worker_available: told by the lot (its expected wait passed the budget, on arrival or
+    // later) or after waiting the budget out; how long the exec request took to be answered.
     let (mut refused_ms, mut timed_out_ms) = (Vec::new(), Vec::new());
     let mut failures = BTreeMap::<String, usize>::new();
     while let Some(r) = set.join_next().await {
         match r.expect("task") {
-            (Ok((_, ms)), _) => lat.push(ms),
-            (Err(e), ms) if e.contains("no worker would be free") => refused_ms.push(ms),
-            (Err(e), ms) if e.contains("no worker became free") => timed_out_ms.push(ms),
-            (Err(e), _) => {
+            (Ok((_, _)), ms, _) => {
+                lat.push(ms);
+                last_served = last_served.max(t.elapsed().as_secs_f64());
+            }
+            (Err(e), _, exec_ms) if e.contains("no worker would be free") => {
+                refused_ms.push(exec_ms)
+            }
+            (Err(e), _, exec_ms) if e.contains("no worker became free") => {
+                timed_out_ms.push(exec_ms)
+            }
+            (Err(e), _, _) => {
                 let key: String = e.chars().take(60).collect();
                 *failures.entry(key).or_default() += 1;
             }
         }
     }
+    let late = std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .matches(REFUSED_LATE)
+        .count()
+        - late_before;
     let (refused, timed_out) = (refused_ms.len(), timed_out_ms.len());
+    let under_100 = refused_ms.iter().filter(|ms| **ms < 100.0).count();
     let (r50, r99) = (pct(&mut refused_ms, 50.0), pct(&mut refused_ms, 99.0));
+    let r_max = refused_ms.last().copied().unwrap_or(f64::NAN);
     let elapsed = t.elapsed().as_secs_f64();
     let after = c.metrics().await.unwrap_or_default();
     let waited = |m: &str| {
@@ -451,41 +710,62 @@ async fn parking() -> serde_json::Value {
     };
     let (w50, w99) = (q(0.5), q(0.99));
     let failed: usize = failures.values().sum::<usize>() + refused + timed_out;
-    let wakes_per_s = lat.len() as f64 / elapsed;
+    // Wakes per second at 20x: the calls served over the time to the last one served.
+    let wakes_per_s = lat.len() as f64 / last_served;
+    let ratio = wakes_per_s / bare_rate;
+    // What the node could have served in the budget at the rate it sustained (the workers
+    // free at once, then one wake per hand-off).
+    let servable = ((workers as f64 + wakes_per_s * budget_ms / 1000.0) as usize).min(n);
     let (a50, l50, l99) = (
         pct(&mut alone, 50.0),
         pct(&mut lat, 50.0),
         pct(&mut lat, 99.0),
     );
     println!("\n## parking: {workers} workers, {n} concurrent calls to {n} parked sandboxes, 30 s budget");
-    println!("{:<44} {:>10} {:>10}", "", "p50 ms", "p99 ms");
+    println!("{:<52} {:>10} {:>10}", "", "p50 ms", "p99 ms");
     println!(
-        "{:<44} {:>10.0} {:>10.0}",
+        "{:<52} {:>10.0} {:>10.0}",
         "call (wake + exec), all at once", l50, l99
     );
     println!(
-        "{:<44} {:>10.0} {:>10}",
+        "{:<52} {:>10.0} {:>10}",
         "baseline: the same wake, workers free", a50, ""
     );
     println!(
-        "{:<44} {:>10.0} {:>10.0}",
+        "{:<52} {:>10.0} {:>10.0}",
         "parked wait for a worker (daemon histogram)", w50, w99
     );
     println!(
-        "{:<44} {:>10.0} {:>10.0}",
-        "refused at once (no_worker_available)", r50, r99
+        "{:<52} {:>10.0} {:>10.0}",
+        "refused (no_worker_available): exec request to 503", r50, r99
     );
     println!(
-        "served {} of {n}; refused at once {refused}; timed out after the budget {timed_out}; other failures {failures:?}; parked calls {parked_calls:.0}; {wakes_per_s:.1} wakes/s sustained over {elapsed:.1} s",
+        "served {} of {n} (the node's rate and the budget allow ~{servable}); refused {refused} ({under_100} in under 100 ms, slowest {r_max:.0} ms; {late} of them after parking); timed out after the budget {timed_out}; other failures {failures:?}; parked calls {parked_calls:.0}",
         lat.len()
     );
+    println!("{:<52} {:>10}", "", "wakes/s");
+    println!(
+        "{:<52} {:>10.2}",
+        format!("torpor at {}x oversubscription", n / workers.max(1)),
+        wakes_per_s
+    );
+    println!(
+        "{:<52} {:>10.2}",
+        format!("baseline: bare runsc checkpoint+restore, {cores} lanes"),
+        bare_rate
+    );
+    println!("capacity ratio: {ratio:.2} (goal >= 0.9); bare restore p50 {bare_restore:.0} ms, checkpoint+delete p50 {bare_checkpoint:.0} ms");
     json!({
         "workers": workers, "calls": n, "failures": failed, "elapsed_s": elapsed,
-        "served": lat.len(), "refused_at_once": refused, "timed_out": timed_out,
-        "refused_p50_ms": r50, "refused_p99_ms": r99,
+        "served": lat.len(), "servable_at_rate": servable, "refused": refused,
+        "refused_under_100ms": under_100, "refused_after_parking": late, "timed_out": timed_out,
+        "refused_p50_ms": r50, "refused_p99_ms": r99, "refused_max_ms": r_max,
         "call_p50_ms": l50, "call_p99_ms": l99, "baseline_wake_p50_ms": a50,
         "parked_wait_p50_ms": w50, "parked_wait_p99_ms": w99, "parked_calls": parked_calls,
-        "wakes_per_s": wakes_per_s,
+        "wakes_per_s": wakes_per_s, "last_served_s": last_served,
+        "bare_lanes": cores, "bare_pairs_per_lane": pairs, "bare_pairs_per_s": bare_rate,
+        "bare_restore_p50_ms": bare_restore, "bare_checkpoint_p50_ms": bare_checkpoint,
+        "capacity_ratio": ratio,
     })
 }
 
