@@ -40,6 +40,14 @@ pub const LOG_DIR: &str = "/var/log/torpor";
 /// for sandboxes restored from older snapshots. Nothing else changes.
 pub const TEST_WITHOUT_SPAWN: &str = "TORPOR_AGENT_TEST_WITHOUT_SPAWN";
 
+/// Test only: when the agent's own environment (a template's `env`) sets this to a protocol
+/// version older than [`proto::VERSION`], the agent says that version in its hello and answers
+/// the requests that came after it (`SetMetadata`, `ListWithMetadata` before 3) as an agent of
+/// that version does (one that cannot parse them: a `bad_request` under id 0, none under the
+/// request's id), so the tests can exercise the callers' version checks for sandboxes restored
+/// from older snapshots. Nothing else changes.
+pub const TEST_AGENT_VERSION: &str = "TORPOR_AGENT_TEST_VERSION";
+
 /// When the agent's environment (a template's `env`) sets this to `UID:GID`, files and the
 /// directories `WriteFile` creates belong to that user (E2B's `base`: files written through
 /// the SDK belong to `user`) instead of root.
@@ -66,6 +74,11 @@ pub fn run(main_cmd: Vec<String>) -> io::Result<()> {
         children: Arc::new(ChildTable::default()),
         main: Mutex::new(MainState::default()),
         without_spawn: std::env::var_os(TEST_WITHOUT_SPAWN).is_some_and(|v| v == "1"),
+        version: std::env::var(TEST_AGENT_VERSION)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|v| *v <= proto::VERSION)
+            .unwrap_or(proto::VERSION),
         file_owner: std::env::var(FILE_OWNER).ok().and_then(|v| parse_owner(&v)),
     });
     let _ = fs::create_dir_all(LOG_DIR);
@@ -110,6 +123,8 @@ struct Agent {
     main: Mutex<MainState>,
     /// [`TEST_WITHOUT_SPAWN`] is set.
     without_spawn: bool,
+    /// The protocol version it says ([`TEST_AGENT_VERSION`], else [`proto::VERSION`]).
+    version: u32,
     /// [`FILE_OWNER`]: who owns what `WriteFile` creates.
     file_owner: Option<proto::RunAs>,
 }
@@ -163,10 +178,23 @@ impl Agent {
             self.reply(0, &bad_request(m), &[]);
             return;
         }
+        if self.version < proto::METADATA_SINCE
+            && matches!(
+                req,
+                Request::SetMetadata { .. } | Request::ListWithMetadata { .. }
+            )
+        {
+            let m = format!(
+                "malformed request: unknown op ({TEST_AGENT_VERSION} is {})",
+                self.version
+            );
+            self.reply(0, &bad_request(m), &[]);
+            return;
+        }
         let result = match req {
             Request::Hello => Ok((
                 Reply::Hello {
-                    version: proto::VERSION,
+                    version: self.version,
                     pid: std::process::id(),
                 },
                 Vec::new(),

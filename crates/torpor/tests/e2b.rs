@@ -168,12 +168,26 @@ async fn the_python_sdk_sees_e2bs_filesystem_owners_signed_urls_and_watches() {
 }
 
 /// Issue 19: E2B's file metadata (user xattrs set on upload, surfaced by get_info and list,
-/// kept across rename, cleared on overwrite, refused as envd refuses it), as the SDK sees it.
+/// kept across rename, cleared on overwrite, refused as envd refuses it), as the SDK sees it;
+/// and a sandbox whose agent predates it (the template's env sets the agent's test switch, so
+/// it says protocol 2 and cannot parse the metadata requests), which is never sent them.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_python_sdk_keeps_file_metadata_as_envd_does() {
     let d = Daemon::start().await;
+    let mut spec = agent_template("agent-v2", no_idle());
+    spec.command = Vec::new();
+    spec.warmup_ms = 0;
+    spec.env = [(
+        torpor_runtime::agent::TEST_AGENT_VERSION.to_string(),
+        "2".to_string(),
+    )]
+    .into();
+    d.client().create_template(&spec).await.unwrap();
     let key = tenant(&d, "metadata-a").await;
-    run_sdk(&d, "python3", METADATA_SCRIPT, &key, &[]).await;
+    let extra = [("OLD_AGENT_TEMPLATE", "agent-v2".to_string())];
+    // Were the older agent sent a metadata request, it would never answer it: the script's
+    // call would time out and fail.
+    run_sdk(&d, "python3", METADATA_SCRIPT, &key, &extra).await;
 }
 
 /// Issue 19: E2B's named snapshots (create, list, create from, delete; another tenant's

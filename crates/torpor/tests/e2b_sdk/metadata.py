@@ -3,8 +3,14 @@
 `list` surface it as `metadata`, a rename keeps it, an overwrite clears or replaces it, what a
 process sets in the sandbox by hand shows too, and what envd would refuse is refused (400).
 
-Environment: E2B_API_KEY, E2B_API_URL, E2B_SANDBOX_URL (torpor's listener).
+With OLD_AGENT_TEMPLATE set (a template whose agent says an older protocol, as a sandbox
+restored from an older torpor's snapshot): such a sandbox is never sent the metadata requests
+(its agent could not parse them), lists no metadata, and refuses an upload with metadata.
+
+Environment: E2B_API_KEY, E2B_API_URL, E2B_SANDBOX_URL (torpor's listener), OLD_AGENT_TEMPLATE.
 """
+import os
+
 import httpx
 from e2b import Sandbox
 from e2b.sandbox.filesystem.filesystem import WriteEntry
@@ -126,4 +132,19 @@ sbx = Sandbox.connect(sbx.sandbox_id)
 expect(sbx.files.get_info(f"{home}/m1.txt").metadata == {"batch": "yes"}, "after resume")
 
 sbx.kill()
+
+step("an agent older than file metadata: never asked, nothing listed, uploads refused")
+old = Sandbox.create(template=os.environ["OLD_AGENT_TEMPLATE"], timeout=600)
+w = old.files.write("/tmp/plain.txt", "x")
+expect(w.metadata is None, f"a write without metadata works: {w}")
+try:
+    old.files.write("/tmp/meta.txt", "x", metadata={"k": "v"})
+    raise AssertionError("metadata was accepted by an agent that cannot keep it")
+except InvalidArgumentException as e:
+    expect("newer sandbox agent" in str(e), f"the refusal says why: {e}")
+expect(not old.files.exists("/tmp/meta.txt"), "nothing written")
+old.commands.run("python3 -c \"import os; os.setxattr('/tmp/plain.txt', 'user.e2b.k', b'v')\"")
+expect(old.files.get_info("/tmp/plain.txt").metadata is None, "stat asks for none")
+expect(all(e.metadata is None for e in old.files.list("/tmp")), "list asks for none")
+old.kill()
 print("ALL OK", flush=True)

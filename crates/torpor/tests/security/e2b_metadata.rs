@@ -42,7 +42,7 @@ async fn upload(
     d: &Daemon,
     (id, token): (&str, &str),
     path: &str,
-    headers: &[(String, Vec<u8>)],
+    headers: &[Header],
 ) -> (u16, Value) {
     let mut req = reqwest::Client::new()
         .post(format!("{}/files", d.url()))
@@ -109,7 +109,10 @@ async fn all_xattrs(d: &Daemon, key: &str, id: &str, path: &str) -> Value {
     serde_json::from_str(&out).unwrap()
 }
 
-fn h(k: &str, v: &str) -> (String, Vec<u8>) {
+/// A header as sent: name and raw value bytes.
+type Header = (String, Vec<u8>);
+
+fn h(k: &str, v: &str) -> Header {
     (k.to_string(), v.as_bytes().to_vec())
 }
 
@@ -186,7 +189,7 @@ async fn oversize_or_non_ascii_file_metadata_is_refused_before_anything_is_writt
     let many: Vec<_> = (0..60)
         .map(|i| h(&format!("X-Metadata-{i:02}{}", "k".repeat(58)), ""))
         .collect();
-    let cases: Vec<(&str, Vec<(String, Vec<u8>)>, &str)> = vec![
+    let cases: Vec<(&str, Vec<Header>, &str)> = vec![
         (
             "a value over the total",
             vec![h("X-Metadata-k", &"v".repeat(4090))],
