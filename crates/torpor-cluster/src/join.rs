@@ -2,6 +2,11 @@
 //! each, re-registering whenever a controller does not know it (the controller restarted, or
 //! marked it lost). Each controller is followed independently: one that is down does not
 //! delay the others.
+//!
+//! A `--controller` name that resolves to several addresses (a Kubernetes headless Service in
+//! front of the controller replicas) means every one of them: the worker joins each address,
+//! re-resolves the name every [`RESOLVE_EVERY`], joins new addresses and leaves ones that
+//! stayed out of the answers for [`FORGET_AFTER`] resolutions (a replica that went away).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -34,6 +39,11 @@ pub struct JoinConfig {
     pub deadline: Duration,
 }
 
+/// How often a controller name is resolved again.
+pub const RESOLVE_EVERY: Duration = Duration::from_secs(10);
+/// Resolutions an address may be missing from before the worker leaves it.
+pub const FORGET_AFTER: u32 = 3;
+
 /// Joins every controller until `stop` turns true.
 pub async fn join(
     cfg: JoinConfig,
@@ -48,11 +58,78 @@ pub async fn join(
         let node = node.clone();
         let stop = stop.clone();
         tasks.push(tokio::spawn(async move {
-            follow(controller, cfg, tls, node, stop).await
+            follow_name(controller, cfg, tls, node, stop).await
         }));
     }
     for t in tasks {
         let _ = t.await;
+    }
+}
+
+/// One follower per address `name` resolves to, kept in step with what it resolves to.
+async fn follow_name(
+    name: String,
+    cfg: JoinConfig,
+    tls: Arc<TlsSource>,
+    node: Arc<NodeService>,
+    mut stop: watch::Receiver<bool>,
+) {
+    // address -> (its follower's stop, its task, resolutions it was missing from)
+    let mut followers: BTreeMap<String, (watch::Sender<bool>, tokio::task::JoinHandle<()>, u32)> =
+        BTreeMap::new();
+    loop {
+        match tokio::net::lookup_host(name.as_str()).await {
+            Ok(addrs) => {
+                let now: Vec<String> = addrs.map(|a| a.to_string()).collect();
+                for (addr, f) in followers.iter_mut() {
+                    f.2 = if now.contains(addr) { 0 } else { f.2 + 1 };
+                }
+                followers.retain(|addr, (leave, _, missing)| {
+                    let keep = *missing < FORGET_AFTER;
+                    if !keep {
+                        tracing::info!(controller = %name, %addr, "leaving a controller address the name no longer resolves to");
+                        let _ = leave.send(true);
+                    }
+                    keep
+                });
+                for addr in now {
+                    if followers.contains_key(&addr) {
+                        continue;
+                    }
+                    if addr != name {
+                        tracing::info!(controller = %name, %addr, "joining a controller address");
+                    }
+                    let (leave, left) = watch::channel(false);
+                    let task = tokio::spawn(follow(
+                        addr.clone(),
+                        cfg.clone(),
+                        tls.clone(),
+                        node.clone(),
+                        left,
+                    ));
+                    followers.insert(addr, (leave, task, 0));
+                }
+            }
+            Err(e) if followers.is_empty() => {
+                tracing::warn!(controller = %name, error = %e, "cannot resolve the controller; retrying");
+            }
+            Err(e) => {
+                tracing::debug!(controller = %name, error = %e, "cannot resolve the controller; keeping its known addresses");
+            }
+        }
+        let again = if followers.is_empty() {
+            Duration::from_secs(1)
+        } else {
+            RESOLVE_EVERY
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(again) => {}
+            _ = stop.changed() => break,
+        }
+    }
+    for (_, (leave, task, _)) in followers {
+        let _ = leave.send(true);
+        let _ = task.await;
     }
 }
 
