@@ -372,6 +372,25 @@ impl WorkerPool {
             .expected_wait(position(&st, tenant), Instant::now())
     }
 
+    /// The refusal [`WorkerPool::acquire`] would give a call of `tenant` now for its expected
+    /// wait, without parking it: `Some(wait)` when it would have to park and the lot expects to
+    /// serve it only after `budget`. For callers with work to do before they acquire (store
+    /// writes under a lock) so that such a call is refused before any of it. Counted as a
+    /// refusal at once.
+    pub fn refuse_early(&self, tenant: &TenantId, budget: Duration) -> Option<Duration> {
+        let mut st = self.lock();
+        if st.free > 0 && st.parked == 0 {
+            return None;
+        }
+        let wait = st
+            .service
+            .expected_wait(position(&st, tenant), Instant::now())?;
+        (wait > budget).then(|| {
+            st.counts.refused_at_once += 1;
+            wait
+        })
+    }
+
     /// A worker now, without parking; None when all are taken or calls are already waiting.
     pub fn try_acquire(self: &Arc<Self>) -> Option<WorkerPermit> {
         let mut st = self.lock();
@@ -1294,6 +1313,30 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[tokio::test]
+    async fn an_early_refusal_says_what_acquire_would_and_parks_nothing() {
+        let pool = WorkerPool::new(1, 64);
+        pool.note_turnaround(every(10));
+        // A free worker: no refusal.
+        assert_eq!(pool.refuse_early(&t("a"), secs(5)), None);
+        let held = pool.try_acquire().unwrap();
+        // First in line: 10 s. Within 25 s: no refusal; within 5 s: the same refusal as acquire.
+        assert_eq!(pool.refuse_early(&t("a"), secs(25)), None);
+        assert_eq!(pool.refuse_early(&t("a"), secs(5)), Some(secs(10)));
+        assert_eq!(
+            pool.acquire(&t("a"), secs(5)).await.err(),
+            Some(LotError::WouldWait(secs(10)))
+        );
+        let a1 = arrive(&pool, "a", secs(25)).await;
+        assert_eq!(pool.refuse_early(&t("a"), secs(15)), Some(secs(20)));
+        // Another tenant's first call waits one round, not the whole line.
+        assert_eq!(pool.refuse_early(&t("b"), secs(25)), None);
+        assert_eq!(pool.parked(), 1);
+        assert_eq!(pool.counts().refused_at_once, 3);
+        drop(held);
+        drop(a1.await.unwrap().unwrap());
     }
 
     #[tokio::test]
