@@ -8,7 +8,7 @@
 //!   `process.Process/*` and `filesystem.Filesystem/*` request message, both framings.
 //! - [`e2b_bodies`]: the E2B control plane's JSON bodies (create, connect, timeout, network)
 //!   under each kind of template policy, list queries, and envd's `/files` upload (query,
-//!   Basic user, multipart body).
+//!   Basic user, multipart body, `X-Metadata-*` headers).
 //! - [`pool_spec`]: `POST /v1/pools`'s body and its validation (the trigger settings and the
 //!   broker allow-list are fuzzed in `torpor_triggers::fuzzing`).
 
@@ -21,7 +21,7 @@ pub use crate::e2b::connect::{Framing, RpcError};
 pub use crate::e2b::control::fuzzing::{create_body, list_query, network_body, timeout_body};
 pub use crate::e2b::envd::fuzzing::{process_message, PROCESS_METHODS};
 pub use crate::e2b::fs::fuzzing::{
-    files_upload, path_message, resolve_checked, FILESYSTEM_METHODS,
+    files_metadata, files_upload, path_message, resolve_checked, FILESYSTEM_METHODS,
 };
 
 /// The messages of a client stream whose body arrives in chunks of `chunks` bytes (cycled; an
@@ -119,6 +119,7 @@ pub fn e2b_bodies(data: &[u8]) {
     let content_type = String::from_utf8_lossy(fields.next().unwrap_or_default());
     let upload = fields.next().unwrap_or_default();
     let _ = files_upload(&query, authorization, &content_type, upload);
+    let _ = files_metadata(body);
     // The multipart reader alone, with a boundary the body cannot have chosen.
     let _ = crate::e2b::multipart::parse(body, "b");
     let _ = crate::e2b::multipart::boundary(&text);

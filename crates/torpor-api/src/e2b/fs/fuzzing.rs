@@ -115,3 +115,49 @@ pub fn files_upload(
     }
     Ok(targets.len())
 }
+
+/// The `/files` upload's `X-Metadata-*` headers: `data` as lines `key: value`, each sent as
+/// `X-Metadata-<key>` (lines HTTP cannot carry are dropped, as hyper would refuse them), read
+/// as the handler reads them. Answers how many keys were accepted.
+///
+/// Asserted: an accepted set passes envd's rules, and every attribute the agent would name
+/// from it is `user.e2b.` followed by the key, NUL-free and within Linux's 255 bytes; a refused
+/// one is a 400 that says `invalid metadata`.
+pub fn files_metadata(data: &[u8]) -> Result<usize, String> {
+    use torpor_runtime::proto::{self, METADATA_XATTR_PREFIX};
+    let mut headers = HeaderMap::new();
+    for line in data.split(|b| *b == b'\n') {
+        let mut kv = line.splitn(2, |b| *b == b':');
+        let key = kv.next().unwrap_or_default();
+        let value = kv.next().unwrap_or_default().trim_ascii_start();
+        let mut name = b"x-metadata-".to_vec();
+        name.extend_from_slice(key);
+        let (Ok(n), Ok(v)) = (
+            axum::http::HeaderName::from_bytes(&name),
+            axum::http::HeaderValue::from_bytes(value),
+        ) else {
+            continue;
+        };
+        headers.append(n, v);
+    }
+    match super::metadata::from_headers(&headers) {
+        Ok(m) => {
+            assert_eq!(proto::validate_metadata(&m), Ok(()), "{m:?}");
+            for k in m.keys() {
+                let attr = format!("{METADATA_XATTR_PREFIX}{k}");
+                assert!(
+                    attr.starts_with(METADATA_XATTR_PREFIX) && attr.len() <= 255,
+                    "{attr:?}"
+                );
+                assert!(!attr.contains('\0') && !k.is_empty(), "{attr:?}");
+                assert_eq!(k.to_ascii_lowercase(), *k, "keys are lowercased");
+            }
+            Ok(m.len())
+        }
+        Err(e) => {
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+            assert!(e.message.starts_with("invalid metadata: "), "{}", e.message);
+            Err(e.message)
+        }
+    }
+}
