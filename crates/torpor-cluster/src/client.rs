@@ -389,6 +389,41 @@ impl RemoteNode {
         &self.inner.name
     }
 
+    /// Takes over a container another controller started on this worker (that controller
+    /// was lost): it keeps running and becomes this controller's.
+    pub async fn adopt(&self, container_id: &str) -> Result<Box<dyn Resident>, RuntimeError> {
+        let inner = &self.inner;
+        let (exit, expected) = inner.track(container_id);
+        let reply = match inner
+            .client()
+            .adopt(call(
+                pb::ContainerRef {
+                    container_id: container_id.to_string(),
+                },
+                inner.cfg.deadlines.quick,
+            ))
+            .await
+        {
+            Ok(r) => r.into_inner(),
+            Err(st) => {
+                inner.untrack(container_id);
+                return Err(inner.err(&st, inner.cfg.deadlines.quick));
+            }
+        };
+        if let Some(t) = inner.lock().containers.get_mut(container_id) {
+            t.memory = reply.memory;
+        }
+        Ok(Box::new(RemoteResident {
+            node: inner.clone(),
+            id: container_id.to_string(),
+            worker: reply.worker,
+            was_warm: reply.was_warm,
+            agent_version: AtomicU32::new(reply.agent_version),
+            exit,
+            expected,
+        }))
+    }
+
     async fn start(
         &self,
         launch: Launch,

@@ -639,6 +639,45 @@ impl Node for Fleet {
         self.start(launch, Some(image)).await
     }
 
+    async fn adopt(&self, container_id: &str, memory: u64) -> Option<Box<dyn Resident>> {
+        let candidates: Vec<(String, Arc<RemoteNode>)> = self
+            .lock()
+            .workers
+            .iter()
+            .filter(|(_, w)| !w.lost)
+            .map(|(name, w)| (name.clone(), w.remote.clone()))
+            .collect();
+        for (worker, remote) in candidates {
+            let Ok(inner) = remote.adopt(container_id).await else {
+                continue; // not there
+            };
+            let mut m = self.lock();
+            // It holds its worker's slot already: counted here from now on.
+            let charged = if m.placement.reserve(&worker, memory) {
+                memory
+            } else {
+                0
+            };
+            m.containers
+                .insert(container_id.to_string(), (worker.clone(), charged));
+            if let Some(w) = m.workers.get_mut(&worker) {
+                w.held.insert(container_id.to_string());
+            }
+            if let Some(s) = sandbox_of(container_id) {
+                m.last_worker.insert(s.to_string(), worker.clone());
+            }
+            let slot = format!("{worker}/{}", inner.worker());
+            tracing::info!(container = %container_id, %worker, "adopted a lost controller's container");
+            return Some(Box::new(FleetResident {
+                inner,
+                fleet: self.me.clone(),
+                node: worker,
+                slot,
+            }));
+        }
+        None
+    }
+
     async fn kill(&self, container_id: &str) {
         match self.remote_of(container_id) {
             Some(r) => r.kill(container_id).await,

@@ -45,9 +45,15 @@ const MIN_USAGE_INTERVAL_MS: u64 = 100;
 
 /// One container the worker holds for a controller.
 struct Held {
-    /// The controller that started it (its certificate's name).
-    owner: String,
+    /// The controller that started it (its certificate's name), or adopted it.
+    owner: Mutex<String>,
     resident: RwLock<Option<Box<dyn Resident>>>,
+}
+
+impl Held {
+    fn owner(&self) -> String {
+        self.owner.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 /// Exits kept for an event stream that falls behind; past it, the stream skips ahead.
@@ -191,7 +197,7 @@ impl NodeService {
             me.table().insert(
                 container_id,
                 Arc::new(Held {
-                    owner,
+                    owner: Mutex::new(owner),
                     resident: RwLock::new(Some(resident)),
                 }),
             );
@@ -277,7 +283,7 @@ impl NodeRpc for Arc<NodeService> {
             let mut table = self.table();
             let mine: Vec<String> = table
                 .iter()
-                .filter(|(_, h)| h.owner == caller)
+                .filter(|(_, h)| h.owner() == caller)
                 .map(|(id, _)| id.clone())
                 .collect();
             mine.iter().filter_map(|id| table.remove(id)).collect()
@@ -337,7 +343,7 @@ impl NodeRpc for Arc<NodeService> {
         let orphan = {
             let mut table = self.table();
             match table.get(&id) {
-                Some(h) if h.owner != caller => table.remove(&id),
+                Some(h) if h.owner() != caller => table.remove(&id),
                 _ => None,
             }
         };
@@ -357,6 +363,29 @@ impl NodeRpc for Arc<NodeService> {
         .await
         .map_err(|e| Status::internal(format!("kill task failed: {e}")))?;
         Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn adopt(
+        &self,
+        req: Request<pb::ContainerRef>,
+    ) -> Result<Response<pb::ResidentReply>, Status> {
+        let caller = caller(&req);
+        let id = req.into_inner().container_id;
+        let held = self.held(&id)?;
+        let guard = held.resident.read().await;
+        let r = guard.as_ref().ok_or_else(|| gone(&id))?;
+        let before = std::mem::replace(
+            &mut *held.owner.lock().unwrap_or_else(|p| p.into_inner()),
+            caller.clone(),
+        );
+        tracing::info!(container = %id, from = %before, to = %caller, "a controller adopted a container");
+        Ok(Response::new(pb::ResidentReply {
+            container_id: r.id().to_string(),
+            worker: r.worker().to_string(),
+            was_warm: r.was_warm(),
+            agent_version: r.agent_version(),
+            memory: r.memory(),
+        }))
     }
 
     type SendStream = Stream<pb::AgentFrame>;

@@ -125,6 +125,14 @@ pub trait Node: Send + Sync + 'static {
         image: &Path,
     ) -> Result<Box<dyn Resident>, RuntimeError>;
 
+    /// Takes over a running container that another controller started and lost (cluster mode:
+    /// that controller died; the container kept running on its worker), charging it `memory`.
+    /// `None` where the node cannot (a single machine: no other controller) or no longer runs
+    /// it.
+    async fn adopt(&self, _container_id: &str, _memory: u64) -> Option<Box<dyn Resident>> {
+        None
+    }
+
     /// Kills a container by id, whoever holds its [`Resident`] (a delete cutting calls in
     /// flight): the calls end with [`ConnError::Closed`], the holder then destroys it.
     async fn kill(&self, container_id: &str);

@@ -163,18 +163,25 @@ impl Engine {
         }
     }
 
-    /// Takes over a sandbox that `dead` held when it stopped renewing its lease: back to its
-    /// last snapshot, as the dead controller's own restart would have done; its container,
-    /// wherever it still runs, is killed. A no-op when someone else got there first.
+    /// Takes over a sandbox that `dead` held when it stopped renewing its lease. A Running or
+    /// Frozen one whose container still runs on its worker is adopted as it is: nothing is
+    /// lost. Otherwise it goes back to its last snapshot, as the dead controller's own restart
+    /// would have done, and its container, wherever it still runs, is killed. A no-op when
+    /// someone else got there first.
     pub(super) async fn take_over(&self, id: &SandboxId, dead: &str) -> Result<()> {
         use torpor_core::Recovery;
         let slot = self.slot(id);
-        let _guard = slot.state.clone().write_owned().await;
+        let mut guard = slot.state.clone().write_owned().await;
         let Some(mut rec) = self.store.sandbox(id)? else {
             return Ok(());
         };
         if rec.controller.as_deref() != Some(dead) {
             return Ok(()); // taken over already, or moved on
+        }
+        if matches!(rec.state, SandboxState::Running | SandboxState::Frozen)
+            && self.adopt(&mut guard, &mut rec, dead).await?
+        {
+            return Ok(());
         }
         tracing::warn!(sandbox = %id, controller = dead, state = %rec.state,
             "taking over a sandbox of a lost controller");
@@ -204,6 +211,46 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// Adopts the container of a resident sandbox whose controller was lost, if its worker
+    /// still runs it and a worker permit is free here: the record names this controller, the
+    /// sandbox stays in its state with its memory, processes and calls' effects. False when it
+    /// could not (the caller sends the sandbox back to its snapshot instead).
+    async fn adopt(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        rec: &mut SandboxRecord,
+        dead: &str,
+    ) -> Result<bool> {
+        let Some(permit) = self.workers.try_acquire() else {
+            return Ok(false);
+        };
+        let Some(resident) = self
+            .node
+            .adopt(&rec.container_id(), rec.limits.memory_bytes())
+            .await
+        else {
+            return Ok(false);
+        };
+        let frozen = rec.state == SandboxState::Frozen;
+        let state = rec.state;
+        if let Err(e) = self.move_to(rec, state, "controller_lost") {
+            // Someone else took it meanwhile: the container stays theirs.
+            drop(resident);
+            return Err(e);
+        }
+        tracing::warn!(sandbox = %rec.id, controller = dead, container = resident.id(),
+            worker = resident.worker(), "adopted a lost controller's sandbox; nothing was lost");
+        self.install_live(guard, rec, resident, permit);
+        if let Some(live) = guard.live.as_mut() {
+            live.frozen = frozen;
+        }
+        self.metrics
+            .crashes
+            .with_label_values(&["controller_lost"])
+            .inc();
+        Ok(true)
     }
 
     /// Writes `rec` as it is (holder included) by compare-and-set.
