@@ -1,14 +1,17 @@
 //! Cluster benchmark: wake latency on the same worker, on another worker and after a worker
 //! loss, beside bare `runsc restore` of the same image; lifecycle operations per second through
-//! a controller beside the embedded `torpor up`. Everything in one run, on this machine.
+//! one controller, through two controllers of one database (calls alternating between them),
+//! and through the embedded `torpor up`; the cost of a forwarded call. Everything in one run,
+//! on this machine.
 //!
 //!   cargo bench -p torpor --bench cluster            (as root, runsc and PostgreSQL installed)
 //!   TORPOR_BENCH_N=20 TORPOR_BENCH_CONC=4 cargo bench -q --profile dev -p torpor --bench cluster
 //!
-//! Real processes: a PostgreSQL server (`store::pg_testing`), one `torpor controller`, three (and
-//! more, as workers are killed) `torpor worker`s with certificates from `torpor ca`, and a
-//! `torpor up` for the lifecycle baseline. Sandboxes come from the built-in `host` template and
-//! hold 64 MiB of random bytes in /dev/shm (memory, so in every checkpoint image).
+//! Real processes: a PostgreSQL server (`store::pg_testing`), two `torpor controller`s on it
+//! (`c1`, `c2`), three (and more, as workers are killed) `torpor worker`s joining both, with
+//! certificates from `torpor ca`, and a `torpor up` for the lifecycle baseline. Sandboxes come
+//! from the built-in `host` template and hold 64 MiB of random bytes in /dev/shm (memory, so in
+//! every checkpoint image). The wake rows go through `c1` alone (`c2` is up and idle).
 //!
 //! | row | what is timed |
 //! |---|---|
@@ -16,268 +19,32 @@
 //! | wake, another worker | the same with the worker it parked on draining |
 //! | wake after a worker loss | the first call after the worker it ran on was SIGKILLed and is `lost` |
 //! | bare `runsc restore` | `runsc restore --detach` of a copy of the same image, same bundle |
-//! | lifecycle | create, park, wake (exec `true`), delete of N sandboxes, C at a time: controller vs `torpor up` |
+//! | lifecycle | create, park, wake (exec `true`), delete of N sandboxes, C at a time: through `c1`; through `c1` and `c2` alternately (half the park and delete calls reach the controller that does not hold the sandbox, so are forwarded); through `torpor up` |
+//! | forwarding | exec `true` on a running sandbox through the controller that holds it vs through the other one (forwarded), `TORPOR_BENCH_FWD_N` (200) each, interleaved |
 //!
-//! Prints two tables and one JSON line (`{"bench":"cluster",...}`).
+//! Prints three tables and one JSON line (`{"bench":"cluster",...}`).
 
+#[path = "support/cluster.rs"]
+mod cluster;
 mod support;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cluster::{runsc_list, state_of, torpor, Controller, Worker};
 use serde_json::{json, Value};
-use support::{pct, Daemon, BIN};
-use torpor_api::types::{CreateSandboxBody, ExecBody};
+use support::{pct, Daemon};
+use torpor_api::types::{CreateSandboxBody, ExecBody, Sandbox};
 use torpor_api::Client;
 use torpor_control::store::pg_testing;
 use torpor_core::Tier;
 
-const TOKEN: &str = "tpr_admin_cluster_bench_0123456789";
 /// 64 MiB of incompressible bytes in the sandbox's memory (/dev is a tmpfs in gVisor).
 const FILL_64M: &str =
     "mkdir -p /dev/shm && dd if=/dev/urandom of=/dev/shm/blob bs=1M count=64 status=none";
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("free port")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
-
-/// Runs `torpor ARGS` to completion; panics with its output unless it succeeds.
-fn torpor(args: &[&str]) {
-    let out = Command::new(BIN).args(args).output().expect("torpor runs");
-    assert!(
-        out.status.success(),
-        "torpor {args:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn ca_issue(ca: &Path, role: &str, name: &str, out: &Path) {
-    torpor(&[
-        "ca",
-        "issue",
-        "--dir",
-        ca.to_str().unwrap(),
-        "--role",
-        role,
-        "--name",
-        name,
-        "--out",
-        out.to_str().unwrap(),
-        "--ttl",
-        "2h",
-    ]);
-}
-
-struct Controller {
-    client: Client,
-    http: reqwest::Client,
-    api: String,
-    cluster: String,
-    data: PathBuf,
-    log: PathBuf,
-    child: Child,
-}
-
-impl Controller {
-    async fn start(tmp: &Path, database: &str) -> Controller {
-        let token = tmp.join("admin-token");
-        std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
-        let api = format!("127.0.0.1:{}", free_port());
-        let cluster = format!("127.0.0.1:{}", free_port());
-        let data = tmp.join("controller");
-        std::fs::create_dir_all(&data).unwrap();
-        let log = tmp.join("controller.log");
-        let child = Command::new(BIN)
-            .args(["controller", "--database", database])
-            .args(["--store", tmp.join("store").to_str().unwrap()])
-            .args(["--listen", &api, "--cluster-listen", &cluster])
-            .args(["--tls-dir", tmp.join("c1").to_str().unwrap()])
-            .args(["--admin-token-file", token.to_str().unwrap()])
-            .args(["--data-dir", data.to_str().unwrap()])
-            .args(["--heartbeat-ms", "200", "--worker-lost-after-ms", "2000"])
-            .args(["--tick-ms", "100"])
-            .env("TORPOR_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("torpor controller starts");
-        let mut c = Controller {
-            client: Client::new(&format!("http://{api}"), TOKEN),
-            http: reqwest::Client::new(),
-            api,
-            cluster,
-            data,
-            log,
-            child,
-        };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !c.client.is_up().await {
-            if let Some(status) = c.child.try_wait().unwrap() {
-                panic!("controller exited with {status}:\n{}", c.log());
-            }
-            assert!(Instant::now() < deadline, "controller not up:\n{}", c.log());
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        c
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    async fn nodes(&self) -> Vec<Value> {
-        let r = self
-            .http
-            .get(format!("http://{}/v1/nodes", self.api))
-            .bearer_auth(TOKEN)
-            .send()
-            .await
-            .expect("GET /v1/nodes");
-        r.json::<Vec<Value>>().await.expect("nodes JSON")
-    }
-
-    /// Waits until every name in `names` is in `state`.
-    async fn wait_state(&self, names: &[&str], state: &str) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let nodes = self.nodes().await;
-            if names.iter().all(|n| state_of(&nodes, n) == Some(state)) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{names:?} not {state}: {nodes:?}\n{}",
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    async fn drain(&self, name: &str) {
-        let r = self
-            .http
-            .post(format!("http://{}/v1/nodes/{name}/drain", self.api))
-            .bearer_auth(TOKEN)
-            .send()
-            .await
-            .expect("drain");
-        assert!(r.status().is_success(), "drain {name}: {}", r.status());
-    }
-}
-
-impl Drop for Controller {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn state_of<'a>(nodes: &'a [Value], name: &str) -> Option<&'a str> {
-    nodes
-        .iter()
-        .find(|n| n["name"] == name)
-        .and_then(|n| n["state"].as_str())
-}
-
-struct Worker {
-    name: String,
-    data: PathBuf,
-    child: Option<Child>,
-}
-
-impl Worker {
-    fn start(tmp: &Path, ca: &Path, name: &str, controller: &str) -> Worker {
-        ca_issue(ca, "worker", name, &tmp.join(name));
-        let data = tmp.join(format!("data-{name}"));
-        std::fs::create_dir_all(&data).unwrap();
-        let child = Command::new(BIN)
-            .args(["worker", "--controller", controller])
-            .args(["--tls-dir", tmp.join(name).to_str().unwrap()])
-            .args(["--data-dir", data.to_str().unwrap()])
-            .args(["--listen", "127.0.0.1:0", "--workers", "12"])
-            .args(["--warm-pool", "1", "--memory-budget", "8G"])
-            .env("TORPOR_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(tmp.join(format!("{name}.log"))).unwrap())
-            .spawn()
-            .expect("torpor worker starts");
-        Worker {
-            name: name.to_string(),
-            data,
-            child: Some(child),
-        }
-    }
-
-    fn alive(&self) -> bool {
-        self.child.is_some()
-    }
-
-    fn sigkill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            c.kill().expect("SIGKILL");
-            c.wait().expect("reaped");
-        }
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            // SAFETY: kill(2) on our own child.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        // What a SIGKILLed worker left: its runsc containers, maybe frozen (a frozen process
-        // cannot die): thaw its groups (named like its bundle directories), then delete.
-        for group in std::fs::read_dir(self.data.join("workers"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let state = Path::new("/sys/fs/cgroup/freezer/torpor")
-                .join(group.file_name())
-                .join("freezer.state");
-            let _ = std::fs::write(state, "THAWED");
-        }
-        for id in runsc_list(&self.data.join("runsc")) {
-            let _ = Command::new("runsc")
-                .arg("--root")
-                .arg(self.data.join("runsc"))
-                .args(["delete", "-force", &id])
-                .output();
-        }
-    }
-}
-
-fn runsc_list(root: &Path) -> Vec<String> {
-    Command::new("runsc")
-        .arg("--root")
-        .arg(root)
-        .args(["list", "-quiet"])
-        .output()
-        .map(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .map(str::to_string)
-                .collect()
-        })
-        .unwrap_or_default()
-}
 
 // --- the bare-runsc baseline, as benches/runtime.rs does it
 
@@ -399,25 +166,31 @@ fn env_usize(name: &str, default: usize) -> usize {
 
 // --- lifecycle: the same sequence against any API
 
-/// Latencies (ms) per operation and the wall time (s) of each batch.
+/// Latencies (ms) per operation, the wall time (s) of each batch, and how many of each batch's
+/// calls reached a controller that did not hold the sandbox (so were forwarded to its holder).
 #[derive(Default)]
 struct Lifecycle {
     ms: BTreeMap<&'static str, Vec<f64>>,
     wall_s: BTreeMap<&'static str, f64>,
+    forwarded: BTreeMap<&'static str, usize>,
+    /// Woken sandboxes held afterwards by the controller that received the wake call.
+    woken_by_receiver: usize,
 }
 
-/// Runs `op` on every id, `conc` at a time; returns (latencies, wall seconds).
-async fn batch<F, Fut>(ids: &[String], conc: usize, op: F) -> (Vec<f64>, f64)
+/// Runs `op(k, item)` on every item (k: its place in `items`), `conc` at a time; returns
+/// (latencies, wall seconds).
+async fn batch<T, F, Fut>(items: &[T], conc: usize, op: F) -> (Vec<f64>, f64)
 where
-    F: Fn(String) -> Fut,
+    T: Clone,
+    F: Fn(usize, T) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     let sem = Arc::new(tokio::sync::Semaphore::new(conc));
     let mut set = tokio::task::JoinSet::new();
     let t = Instant::now();
-    for id in ids {
+    for (k, item) in items.iter().enumerate() {
         let permit = sem.clone().acquire_owned().await.unwrap();
-        let fut = op(id.clone());
+        let fut = op(k, item.clone());
         set.spawn(async move {
             let t = Instant::now();
             fut.await;
@@ -432,39 +205,92 @@ where
     (ms, t.elapsed().as_secs_f64())
 }
 
-async fn lifecycle(c: &Client, n: usize, conc: usize) -> Lifecycle {
+/// The API a sandbox's calls can go to: one or more controllers of one database (by name, as
+/// a sandbox's `controller` says), or the embedded daemon (no name).
+struct Apis {
+    clients: Vec<Client>,
+    names: Vec<Option<String>>,
+}
+
+impl Apis {
+    fn one(client: &Client, name: Option<&str>) -> Apis {
+        Apis {
+            clients: vec![client.clone()],
+            names: vec![name.map(str::to_string)],
+        }
+    }
+
+    /// The index of the controller holding a sandbox, as its `controller` field says.
+    fn holder(&self, s: &Sandbox) -> usize {
+        self.names
+            .iter()
+            .position(|n| *n == s.controller)
+            .unwrap_or_else(|| panic!("{} held by {:?}, not one of ours", s.id, s.controller))
+    }
+
+    /// Which API the k-th call of a batch for a sandbox held by `holder` goes to: its holder on
+    /// even k, the next controller on odd k (with two: half the calls forwarded).
+    fn route(&self, k: usize, holder: usize) -> usize {
+        (holder + k) % self.clients.len()
+    }
+}
+
+async fn lifecycle(apis: &Apis, n: usize, conc: usize) -> Lifecycle {
     let mut out = Lifecycle::default();
-    // Create: N slots' worth, C at a time (ids collected from the tasks).
-    let ids = Arc::new(tokio::sync::Mutex::new(Vec::new()));
-    let slots: Vec<String> = (0..n).map(|i| i.to_string()).collect();
-    let (ms, wall) = batch(&slots, conc, |_| {
-        let (c, ids) = (c.clone(), ids.clone());
+    let len = apis.clients.len();
+    // Create: N slots' worth, C at a time, the k-th through API k mod len; each sandbox is then
+    // held by the controller that created it (its `controller`).
+    let made = Arc::new(tokio::sync::Mutex::new(Vec::new()));
+    let slots: Vec<usize> = (0..n).collect();
+    let (ms, wall) = batch(&slots, conc, |k, _| {
+        let (c, made) = (apis.clients[k % len].clone(), made.clone());
         async move {
-            let id = create_host(&c).await;
-            ids.lock().await.push(id);
+            let sb = c
+                .create_sandbox(&CreateSandboxBody {
+                    template: "host".into(),
+                    ..Default::default()
+                })
+                .await
+                .expect("create");
+            made.lock().await.push(sb);
         }
     })
     .await;
     out.ms.insert("create", ms);
     out.wall_s.insert("create", wall);
-    let ids = ids.lock().await.clone();
+    out.forwarded.insert("create", 0);
+    let held: Vec<(String, usize)> = made
+        .lock()
+        .await
+        .iter()
+        .map(|s| (s.id.clone(), apis.holder(s)))
+        .collect();
     // Untimed: the 64 MiB each sandbox carries through park and wake.
-    batch(&ids, conc, |id| {
-        let c = c.clone();
+    batch(&held, conc, |_, (id, h)| {
+        let c = apis.clients[h].clone();
         async move { sh(&c, &id, FILL_64M).await }
     })
     .await;
-    let (ms, wall) = batch(&ids, conc, |id| {
-        let c = c.clone();
+    let (ms, wall) = batch(&held, conc, |k, (id, h)| {
+        let c = apis.clients[apis.route(k, h)].clone();
         async move {
             c.suspend(&id, Some(Tier::Parked)).await.expect("park");
         }
     })
     .await;
+    let forwarded = |held: &[(String, usize)]| {
+        held.iter()
+            .enumerate()
+            .filter(|(k, (_, h))| apis.route(*k, *h) != *h)
+            .count()
+    };
     out.ms.insert("park", ms);
     out.wall_s.insert("park", wall);
-    let (ms, wall) = batch(&ids, conc, |id| {
-        let c = c.clone();
+    out.forwarded.insert("park", forwarded(&held));
+    // Wake: a parked sandbox is held by nobody; the controller that receives the call wakes it
+    // and holds it from then on (checked after the batch, untimed).
+    let (ms, wall) = batch(&held, conc, |k, (id, _)| {
+        let c = apis.clients[k % len].clone();
         async move {
             timed_true(&c, &id).await;
         }
@@ -472,14 +298,87 @@ async fn lifecycle(c: &Client, n: usize, conc: usize) -> Lifecycle {
     .await;
     out.ms.insert("wake", ms);
     out.wall_s.insert("wake", wall);
-    let (ms, wall) = batch(&ids, conc, |id| {
-        let c = c.clone();
+    out.forwarded.insert("wake", 0);
+    let mut woken = Vec::new();
+    for (k, (id, _)) in held.iter().enumerate() {
+        let s = apis.clients[0].sandbox(id).await.expect("sandbox");
+        let h = apis.holder(&s);
+        if h == k % len {
+            out.woken_by_receiver += 1;
+        }
+        woken.push((id.clone(), h));
+    }
+    let (ms, wall) = batch(&woken, conc, |k, (id, h)| {
+        let c = apis.clients[apis.route(k, h)].clone();
         async move { c.delete_sandbox(&id).await.expect("delete") }
     })
     .await;
     out.ms.insert("delete", ms);
     out.wall_s.insert("delete", wall);
+    out.forwarded.insert("delete", forwarded(&woken));
     out
+}
+
+/// Exec `true` on running sandboxes through the controller that holds them and through the
+/// other one (forwarded to the holder): one sandbox held by each controller, `n` calls each way,
+/// interleaved (the sandbox and which way goes first alternate), after 10 untimed calls each
+/// way per sandbox. Returns the two rows (holder, forwarded).
+async fn forwarding(apis: &Apis, n: usize) -> (Row, Row) {
+    let mut held = Vec::new();
+    for h in 0..2 {
+        let id = create_host(&apis.clients[h]).await;
+        let s = apis.clients[1 - h].sandbox(&id).await.expect("sandbox");
+        assert_eq!(
+            apis.holder(&s),
+            h,
+            "created through {:?}, held by {:?}",
+            apis.names[h],
+            s.controller
+        );
+        held.push((id, h, s.node));
+    }
+    for (id, h, _) in &held {
+        for _ in 0..10 {
+            timed_true(&apis.clients[*h], id).await;
+            timed_true(&apis.clients[1 - *h], id).await;
+        }
+    }
+    let (mut direct, mut forwarded) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let (id, h, _) = &held[i % 2];
+        let (holder, other) = (&apis.clients[*h], &apis.clients[1 - *h]);
+        if (i / 2) % 2 == 0 {
+            direct.push(timed_true(holder, id).await);
+            forwarded.push(timed_true(other, id).await);
+        } else {
+            forwarded.push(timed_true(other, id).await);
+            direct.push(timed_true(holder, id).await);
+        }
+    }
+    // Every call stayed with the holder: same controller, same worker, still running.
+    let mut kept = 0;
+    for (id, h, node) in &held {
+        let s = apis.clients[1 - *h].sandbox(id).await.expect("sandbox");
+        if apis.holder(&s) == *h && s.node == *node && s.state == "running" {
+            kept += 1;
+        }
+        apis.clients[*h].delete_sandbox(id).await.expect("delete");
+    }
+    let note = format!(
+        "2 sandboxes (held by c1, by c2), alternating; {kept}/2 still running on their worker, same holder"
+    );
+    (
+        Row {
+            name: "exec true, through its holder",
+            ms: direct,
+            note: note.clone(),
+        },
+        Row {
+            name: "exec true, through the other (fwd)",
+            ms: forwarded,
+            note,
+        },
+    )
 }
 
 struct Row {
@@ -507,11 +406,11 @@ async fn main() {
     let embedded = {
         let d = Daemon::start(&["--workers", "24", "--memory-budget", "16G"]).await;
         wait_host_template(&d.client).await;
-        lifecycle(&d.client, n, conc).await
+        lifecycle(&Apis::one(&d.client, None), n, conc).await
     };
     eprintln!("embedded lifecycle done at {:.0?}", started.elapsed());
 
-    // --- the cluster: CA, controller, the first worker
+    // --- the cluster: CA, two controllers on the database, the first worker (joining both)
     let tmp = tempfile::Builder::new()
         .prefix("torpor-bench-cluster-")
         .tempdir()
@@ -526,11 +425,14 @@ async fn main() {
         "--trust-domain",
         "bench.cluster",
     ]);
-    ca_issue(&ca, "controller", "c1", &dir.join("c1"));
-    let ctl = Controller::start(dir, &database).await;
+    let ctl = Controller::start_as(dir, &ca, &database, "c1").await;
+    let ctl2 = Controller::start_as(dir, &ca, &database, "c2").await;
+    let both = format!("{},{}", ctl.cluster, ctl2.cluster);
     let c = ctl.client.clone();
-    let mut workers = vec![Worker::start(dir, &ca, "w1", &ctl.cluster)];
-    ctl.wait_state(&["w1"], "ready").await;
+    let mut workers = vec![Worker::start(dir, &ca, "w1", &both)];
+    for x in [&ctl, &ctl2] {
+        x.wait_state(&["w1"], "ready").await;
+    }
     wait_host_template(&c).await;
 
     // Sandboxes for the cross-worker and loss rows, parked while w1 is the only worker.
@@ -543,14 +445,30 @@ async fn main() {
         moving.push(id);
     }
     for w in ["w2", "w3"] {
-        workers.push(Worker::start(dir, &ca, w, &ctl.cluster));
+        workers.push(Worker::start(dir, &ca, w, &both));
     }
-    ctl.wait_state(&["w1", "w2", "w3"], "ready").await;
+    for x in [&ctl, &ctl2] {
+        x.wait_state(&["w1", "w2", "w3"], "ready").await;
+    }
     eprintln!("cluster up at {:.0?}", started.elapsed());
 
-    // --- lifecycle through the controller, three workers ready
-    let clustered = lifecycle(&c, n, conc).await;
-    eprintln!("cluster lifecycle done at {:.0?}", started.elapsed());
+    // --- lifecycle through c1 alone, then through c1 and c2 alternately; three workers ready
+    let clustered = lifecycle(&Apis::one(&c, Some("c1")), n, conc).await;
+    eprintln!("cluster lifecycle (c1) done at {:.0?}", started.elapsed());
+    let pair = Apis {
+        clients: vec![c.clone(), ctl2.client.clone()],
+        names: vec![Some("c1".into()), Some("c2".into())],
+    };
+    let two = lifecycle(&pair, n, conc).await;
+    eprintln!(
+        "cluster lifecycle (c1+c2) done at {:.0?}",
+        started.elapsed()
+    );
+
+    // --- forwarding: exec `true` on a running sandbox through its holder vs the other one
+    let fwd_n = env_usize("TORPOR_BENCH_FWD_N", 200);
+    let fwd = forwarding(&pair, fwd_n).await;
+    eprintln!("forwarding rows done at {:.0?}", started.elapsed());
 
     let mut rows = Vec::new();
 
@@ -648,7 +566,7 @@ async fn main() {
         if ready.len() < 2 {
             let name = format!("w{next}");
             next += 1;
-            workers.push(Worker::start(dir, &ca, &name, &ctl.cluster));
+            workers.push(Worker::start(dir, &ca, &name, &both));
             ctl.wait_state(&[&name], "ready").await;
             continue;
         }
@@ -700,12 +618,106 @@ async fn main() {
     }
 
     // --- report
+    let json_rows = print_rows("wake (64 MiB)", &mut rows);
+    let bare50 = json_rows[1]["p50_ms"].as_f64().unwrap();
+    println!(
+        "(p50 over bare runsc restore: same {:.2}, another {:.2}, after loss {:.2})",
+        json_rows[0]["p50_ms"].as_f64().unwrap() / bare50,
+        json_rows[2]["p50_ms"].as_f64().unwrap() / bare50,
+        json_rows[3]["p50_ms"].as_f64().unwrap() / bare50,
+    );
+    let json_fwd = print_rows("running sandbox, 2 controllers", &mut [fwd.0, fwd.1]);
+    let (h50, f50) = (
+        json_fwd[0]["p50_ms"].as_f64().unwrap(),
+        json_fwd[1]["p50_ms"].as_f64().unwrap(),
+    );
+    let (h99, f99) = (
+        json_fwd[0]["p99_ms"].as_f64().unwrap(),
+        json_fwd[1]["p99_ms"].as_f64().unwrap(),
+    );
+    println!(
+        "(forwarding adds {:.2} ms at p50, {:.2} ms at p99)",
+        f50 - h50,
+        f99 - h99
+    );
+    println!(
+        "\n{:<8} | {:>9} {:>8} {:>8} | {:>9} {:>8} {:>8} {:>5} | {:>9} {:>8} {:>8} | {:>6} {:>6}",
+        "op",
+        "c1 ops/s",
+        "p50 ms",
+        "p95 ms",
+        "c1+c2 o/s",
+        "p50 ms",
+        "p95 ms",
+        "fwd",
+        "up ops/s",
+        "p50 ms",
+        "p95 ms",
+        "c1/up",
+        "c12/up"
+    );
+    let mut json_life = Vec::new();
+    for op in ["create", "park", "wake", "delete"] {
+        let (cr, c50, c95, cmax) = rate(&clustered, op);
+        let (tr, t50, t95, tmax) = rate(&two, op);
+        let (er, e50, e95, emax) = rate(&embedded, op);
+        let fwd_calls = two.forwarded[op];
+        let calls = two.ms[op].len();
+        println!(
+            "{op:<8} | {cr:>9.2} {c50:>8.1} {c95:>8.1} | {tr:>9.2} {t50:>8.1} {t95:>8.1} {:>5} | {er:>9.2} {e50:>8.1} {e95:>8.1} | {:>6.2} {:>6.2}",
+            format!("{fwd_calls}/{calls}"),
+            cr / er,
+            tr / er
+        );
+        json_life.push(json!({
+            "op": op, "n": calls, "concurrency": conc,
+            "controller_ops_s": cr, "controller_p50_ms": c50, "controller_p95_ms": c95,
+            "controller_max_ms": cmax,
+            "two_controllers_ops_s": tr, "two_controllers_p50_ms": t50,
+            "two_controllers_p95_ms": t95, "two_controllers_max_ms": tmax,
+            "two_controllers_forwarded": fwd_calls,
+            "embedded_ops_s": er, "embedded_p50_ms": e50, "embedded_p95_ms": e95,
+            "embedded_max_ms": emax,
+            "ratio_ops_s": cr / er, "ratio_two_ops_s": tr / er,
+        }));
+    }
+    println!(
+        "(c1+c2: creates and wakes alternate between the controllers, {}/{} woken sandboxes held by the one that woke them; park and delete go to the holder or, every other call, to the other one)",
+        two.woken_by_receiver, n
+    );
+    println!(
+        "{}",
+        json!({
+            "bench": "cluster", "n": n, "workers": 3, "controllers": 2, "wake": json_rows,
+            "lifecycle": json_life, "forwarding": json_fwd,
+            "forwarding_overhead_ms": {"p50": f50 - h50, "p99": f99 - h99},
+        })
+    );
+    drop(workers);
+    drop(ctl2);
+    drop(ctl);
+}
+
+/// Ops/s of a lifecycle batch (calls / its wall time), p50, p95 and max latency in ms.
+fn rate(l: &Lifecycle, op: &str) -> (f64, f64, f64, f64) {
+    let mut ms = l.ms[op].clone();
+    let max = ms.iter().copied().fold(0.0, f64::max);
+    (
+        ms.len() as f64 / l.wall_s[op],
+        pct(&mut ms, 50.0),
+        pct(&mut ms, 95.0),
+        max,
+    )
+}
+
+/// Prints rows of latencies under `title`; returns them as JSON.
+fn print_rows(title: &str, rows: &mut [Row]) -> Vec<Value> {
     println!(
         "\n{:<34} {:>4} {:>9} {:>9} {:>9}  note",
-        "wake (64 MiB)", "n", "p50 ms", "p95 ms", "p99 ms"
+        title, "n", "p50 ms", "p95 ms", "p99 ms"
     );
-    let mut json_rows = Vec::new();
-    for r in &mut rows {
+    let mut out = Vec::new();
+    for r in rows {
         let (p50, p95, p99) = (
             pct(&mut r.ms, 50.0),
             pct(&mut r.ms, 95.0),
@@ -720,49 +732,10 @@ async fn main() {
             p99,
             r.note
         );
-        json_rows.push(json!({
+        out.push(json!({
             "name": r.name, "n": r.ms.len(), "p50_ms": p50, "p95_ms": p95, "p99_ms": p99,
             "note": r.note,
         }));
     }
-    let bare50 = json_rows[1]["p50_ms"].as_f64().unwrap();
-    println!(
-        "(p50 over bare runsc restore: same {:.2}, another {:.2}, after loss {:.2})",
-        json_rows[0]["p50_ms"].as_f64().unwrap() / bare50,
-        json_rows[2]["p50_ms"].as_f64().unwrap() / bare50,
-        json_rows[3]["p50_ms"].as_f64().unwrap() / bare50,
-    );
-    println!(
-        "\n{:<8} | {:>11} {:>9} {:>9} | {:>11} {:>9} {:>9} | {:>7}",
-        "op", "ctl ops/s", "p50 ms", "p95 ms", "up ops/s", "p50 ms", "p95 ms", "ratio"
-    );
-    let mut json_life = Vec::new();
-    for op in ["create", "park", "wake", "delete"] {
-        let mut cm = clustered.ms[op].clone();
-        let mut em = embedded.ms[op].clone();
-        let cr = cm.len() as f64 / clustered.wall_s[op];
-        let er = em.len() as f64 / embedded.wall_s[op];
-        let (c50, c95, e50, e95) = (
-            pct(&mut cm, 50.0),
-            pct(&mut cm, 95.0),
-            pct(&mut em, 50.0),
-            pct(&mut em, 95.0),
-        );
-        println!(
-            "{op:<8} | {cr:>11.2} {c50:>9.2} {c95:>9.2} | {er:>11.2} {e50:>9.2} {e95:>9.2} | {:>7.2}",
-            cr / er
-        );
-        json_life.push(json!({
-            "op": op, "n": cm.len(), "concurrency": conc,
-            "controller_ops_s": cr, "controller_p50_ms": c50, "controller_p95_ms": c95,
-            "embedded_ops_s": er, "embedded_p50_ms": e50, "embedded_p95_ms": e95,
-            "ratio_ops_s": cr / er,
-        }));
-    }
-    println!(
-        "{}",
-        json!({"bench": "cluster", "n": n, "workers": 3, "wake": json_rows, "lifecycle": json_life})
-    );
-    drop(workers);
-    drop(ctl);
+    out
 }

@@ -1,0 +1,271 @@
+//! The cluster bench's processes: certificates from the real `torpor ca`, `torpor controller`s
+//! on one PostgreSQL (each its own identity and data directory, one admin token, `c1`'s env key
+//! copied to the others, as crates/torpor/tests/cluster_mode.rs starts them) and `torpor
+//! worker`s that join every controller. Used by benches/cluster.rs only.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use torpor_api::Client;
+
+use crate::support::BIN;
+
+pub const TOKEN: &str = "tpr_admin_cluster_bench_0123456789";
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("free port")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// Runs `torpor ARGS` to completion; panics with its output unless it succeeds.
+pub fn torpor(args: &[&str]) {
+    let out = Command::new(BIN).args(args).output().expect("torpor runs");
+    assert!(
+        out.status.success(),
+        "torpor {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+pub fn ca_issue(ca: &Path, role: &str, name: &str, out: &Path) {
+    torpor(&[
+        "ca",
+        "issue",
+        "--dir",
+        ca.to_str().unwrap(),
+        "--role",
+        role,
+        "--name",
+        name,
+        "--out",
+        out.to_str().unwrap(),
+        "--ttl",
+        "2h",
+    ]);
+}
+
+pub struct Controller {
+    pub name: String,
+    pub client: Client,
+    http: reqwest::Client,
+    api: String,
+    pub cluster: String,
+    pub data: PathBuf,
+    log: PathBuf,
+    child: Child,
+}
+
+impl Controller {
+    /// Controller `name`: its identity from `torpor ca issue` in `tmp/<name>` (made here), its
+    /// data in `tmp/controller-<name>` (with `c1`'s env key copied in for the others), the
+    /// shared admin token, PostgreSQL `database`, snapshots in `tmp/store`.
+    pub async fn start_as(tmp: &Path, ca: &Path, database: &str, name: &str) -> Controller {
+        ca_issue(ca, "controller", name, &tmp.join(name));
+        let token = tmp.join("admin-token");
+        std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+        let api = format!("127.0.0.1:{}", free_port());
+        let cluster = format!("127.0.0.1:{}", free_port());
+        let data = tmp.join(format!("controller-{name}"));
+        std::fs::create_dir_all(&data).unwrap();
+        let first_key = tmp.join("controller-c1").join("env.key");
+        if name != "c1" && first_key.exists() {
+            std::fs::copy(&first_key, data.join("env.key")).unwrap();
+        }
+        let log = tmp.join(format!("controller-{name}.log"));
+        let child = Command::new(BIN)
+            .args(["controller", "--database", database])
+            .args(["--store", tmp.join("store").to_str().unwrap()])
+            .args(["--listen", &api, "--cluster-listen", &cluster])
+            .args(["--tls-dir", tmp.join(name).to_str().unwrap()])
+            .args(["--admin-token-file", token.to_str().unwrap()])
+            .args(["--data-dir", data.to_str().unwrap()])
+            .args(["--heartbeat-ms", "200", "--worker-lost-after-ms", "2000"])
+            .args(["--tick-ms", "100"])
+            .env("TORPOR_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("torpor controller starts");
+        let mut c = Controller {
+            name: name.to_string(),
+            client: Client::new(&format!("http://{api}"), TOKEN),
+            http: reqwest::Client::new(),
+            api,
+            cluster,
+            data,
+            log,
+            child,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !c.client.is_up().await {
+            if let Some(status) = c.child.try_wait().unwrap() {
+                panic!("controller {name} exited with {status}:\n{}", c.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "controller {name} not up:\n{}",
+                c.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        c
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub async fn nodes(&self) -> Vec<Value> {
+        let r = self
+            .http
+            .get(format!("http://{}/v1/nodes", self.api))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("GET /v1/nodes");
+        r.json::<Vec<Value>>().await.expect("nodes JSON")
+    }
+
+    /// Waits until every name in `names` is in `state`.
+    pub async fn wait_state(&self, names: &[&str], state: &str) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let nodes = self.nodes().await;
+            if names.iter().all(|n| state_of(&nodes, n) == Some(state)) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}: {names:?} not {state}: {nodes:?}\n{}",
+                self.name,
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub async fn drain(&self, name: &str) {
+        let r = self
+            .http
+            .post(format!("http://{}/v1/nodes/{name}/drain", self.api))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("drain");
+        assert!(r.status().is_success(), "drain {name}: {}", r.status());
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn state_of<'a>(nodes: &'a [Value], name: &str) -> Option<&'a str> {
+    nodes
+        .iter()
+        .find(|n| n["name"] == name)
+        .and_then(|n| n["state"].as_str())
+}
+
+pub struct Worker {
+    pub name: String,
+    pub data: PathBuf,
+    child: Option<Child>,
+}
+
+impl Worker {
+    /// Worker `name` (identity from `torpor ca issue`), joining every controller in
+    /// `controllers` (`ADDR[,ADDR…]`).
+    pub fn start(tmp: &Path, ca: &Path, name: &str, controllers: &str) -> Worker {
+        ca_issue(ca, "worker", name, &tmp.join(name));
+        let data = tmp.join(format!("data-{name}"));
+        std::fs::create_dir_all(&data).unwrap();
+        let child = Command::new(BIN)
+            .args(["worker", "--controller", controllers])
+            .args(["--tls-dir", tmp.join(name).to_str().unwrap()])
+            .args(["--data-dir", data.to_str().unwrap()])
+            .args(["--listen", "127.0.0.1:0", "--workers", "12"])
+            .args(["--warm-pool", "1", "--memory-budget", "8G"])
+            .env("TORPOR_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(tmp.join(format!("{name}.log"))).unwrap())
+            .spawn()
+            .expect("torpor worker starts");
+        Worker {
+            name: name.to_string(),
+            data,
+            child: Some(child),
+        }
+    }
+
+    pub fn alive(&self) -> bool {
+        self.child.is_some()
+    }
+
+    pub fn sigkill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().expect("SIGKILL");
+            c.wait().expect("reaped");
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // What a SIGKILLed worker left: its runsc containers, maybe frozen (a frozen process
+        // cannot die): thaw its groups (named like its bundle directories), then delete.
+        for group in std::fs::read_dir(self.data.join("workers"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let state = Path::new("/sys/fs/cgroup/freezer/torpor")
+                .join(group.file_name())
+                .join("freezer.state");
+            let _ = std::fs::write(state, "THAWED");
+        }
+        for id in runsc_list(&self.data.join("runsc")) {
+            let _ = Command::new("runsc")
+                .arg("--root")
+                .arg(self.data.join("runsc"))
+                .args(["delete", "-force", &id])
+                .output();
+        }
+    }
+}
+
+pub fn runsc_list(root: &Path) -> Vec<String> {
+    Command::new("runsc")
+        .arg("--root")
+        .arg(root)
+        .args(["list", "-quiet"])
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
