@@ -67,6 +67,9 @@ pub struct NodeService {
     residents: Mutex<HashMap<String, Arc<Held>>>,
     /// The node's events, for every controller's stream.
     events: tokio::sync::broadcast::Sender<NodeEvent>,
+    /// Starts hold it shared; a reconcile that finds the worker holding nothing takes it
+    /// alone to clear what no controller holds (no start can be under way then).
+    sweep_gate: tokio::sync::RwLock<()>,
 }
 
 impl NodeService {
@@ -91,6 +94,7 @@ impl NodeService {
             slots: std::sync::atomic::AtomicUsize::new(0),
             residents: Mutex::default(),
             events,
+            sweep_gate: tokio::sync::RwLock::new(()),
         })
     }
 
@@ -181,6 +185,7 @@ impl NodeService {
         let _guard = CancelOnDrop(cancelled.clone());
         let me = self.clone();
         let task = tokio::spawn(async move {
+            let _starting = me.sweep_gate.read().await;
             let resident = op.await.map_err(|e| status_of(&e))?;
             if cancelled.load(Ordering::SeqCst) {
                 tracing::warn!(container = %container_id, "the controller went away during the start; destroying the container");
@@ -288,8 +293,16 @@ impl NodeRpc for Arc<NodeService> {
                 .collect();
             mine.iter().filter_map(|id| table.remove(id)).collect()
         };
+        let me = self.clone();
         let removed = tokio::spawn(async move {
             let mut removed = 0;
+            // Holding nothing for anyone, with no start under way: whatever runs here is no
+            // controller's (left by a controller's earlier run on this worker), so clear it.
+            if let Ok(_alone) = me.sweep_gate.try_write() {
+                if me.table().is_empty() {
+                    removed += me.node.reconcile(&[]).await;
+                }
+            }
             for h in held {
                 if let Some(r) = h.resident.write().await.take() {
                     // A frozen process cannot die.

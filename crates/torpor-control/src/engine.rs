@@ -371,6 +371,8 @@ impl Engine {
                             }
                             match retry.build_host_template().await {
                                 Ok(()) => return,
+                                // Another controller of this database built it.
+                                Err(ControlError::AlreadyExists { .. }) => return,
                                 Err(e) if e.kind() == crate::error::ErrorKind::NoCapacity => {
                                     continue
                                 }

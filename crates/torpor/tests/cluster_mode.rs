@@ -6,6 +6,8 @@
 //! Run as root, like the other end-to-end tests (`RUST_TEST_THREADS=1`); PostgreSQL comes
 //! from Debian's package (scripts/deps.sh), started by the test (`store::pg_testing`).
 
+#[path = "common/brokers.rs"]
+mod brokers;
 #[path = "common/cluster.rs"]
 mod cluster;
 
@@ -518,6 +520,27 @@ async fn execs_at_once(through: &[&Controller], id: &str, script: &str, n: usize
     futures::future::join_all(calls).await
 }
 
+/// Waits until the pool `name` runs `running` agents, as `c` reports it.
+async fn wait_pool_running(c: &Controller, name: &str, running: u64) {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        // 404 until the controller has read the pool made through the other one.
+        let (status, p) = c
+            .call(reqwest::Method::GET, &format!("/v1/pools/{name}"), None)
+            .await;
+        assert!(status == 200 || status == 404, "{status} {p}");
+        if p["running"] == running && p["desired"] == running {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pool {name} never ran {running}: {p}\n{}",
+            c.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Retries a call while the answer is retryable (the holder is gone and not yet taken over).
 async fn exec_retrying(c: &Controller, id: &str, script: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -742,15 +765,45 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
         assert!(s == 204 || s == 200, "{s} {v}");
     }
 
-    // Changes after the last snapshot (a file, memory), then its controller is SIGKILLed:
-    // through the other one the sandbox answers again, adopted where it runs, nothing lost.
-    let before_kill = c1.sandbox(&id).await;
-    let holder = before_kill["controller"].as_str().unwrap().to_string();
+    // A pool made through c2 runs on c1, which holds the pools lease (it started first).
+    let redis = brokers::Redis::start();
+    let mut con = redis.conn().await;
+    c2.ok(
+        reqwest::Method::POST,
+        "/v1/pools",
+        Some(json!({
+            "name": "jobs", "template": "host", "min": 0, "max": 2, "target": 1,
+            "cooldown_s": 300, "poll_interval_ms": 200,
+            "triggers": [{"type": "redis-list", "url": redis.url(), "key": "jobs"}],
+        })),
+    )
+    .await;
+    let _: i64 = redis::cmd("LPUSH")
+        .arg("jobs")
+        .arg("m1")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    wait_pool_running(&c1, "jobs", 1).await;
+
+    // The sandbox held by c1 (parked, then woken through c1), changes after its last snapshot
+    // (a file, memory), then c1 is SIGKILLed.
+    c2.ok(
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{id}/suspend"),
+        Some(json!({"tier": "parked"})),
+    )
+    .await;
     c1.exec(&id, "echo disk-2 > /tmp/state; echo mem-2 > /dev/shm/state")
         .await;
-    let (mut dead, alive) = if holder == "c1" { (c1, c2) } else { (c2, c1) };
+    let before_kill = c1.sandbox(&id).await;
+    let holder = before_kill["controller"].as_str().unwrap().to_string();
+    assert_eq!(holder, "c1", "{before_kill}");
+    let (mut dead, alive) = (c1, c2);
     dead.child.kill().unwrap();
     dead.child.wait().unwrap();
+
+    // Through c2 the sandbox answers again, adopted where it runs: nothing lost.
     let out = exec_retrying(&alive, &id, check).await;
     assert_eq!(
         out, "disk-2\nmem-2\nprocess-alive\n",
@@ -764,6 +817,18 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
         "still on its worker: {back}"
     );
     assert_eq!(back["last_error"], Value::Null, "nothing to report: {back}");
+
+    // The pool keeps scaling: c2 takes the pools lease over and follows the queue.
+    let _: i64 = redis::cmd("LPUSH")
+        .arg("jobs")
+        .arg("m2")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    wait_pool_running(&alive, "jobs", 2).await;
+    alive
+        .ok(reqwest::Method::DELETE, "/v1/pools/jobs", None)
+        .await;
 
     // The survivor still creates and serves.
     let fresh = alive

@@ -83,6 +83,7 @@ impl Engine {
             controller: self.holder_in(SandboxState::Creating),
             version: Default::default(),
         };
+        self.refuse_early(tenant)?;
         {
             let _quota = self.quota_guard(tenant).await?;
             self.check_quota(tenant, Charge::sandbox(rec.limits))?;

@@ -5,6 +5,25 @@
 use super::*;
 
 impl Engine {
+    /// Refuses a call at once when the lot expects to serve it only after its budget, before
+    /// the caller does any work for it (quota lock, store writes): refusals stay cheap however
+    /// many arrive.
+    pub(super) fn refuse_early(&self, tenant: &TenantId) -> Result<()> {
+        match self.workers.refuse_early(tenant, self.cfg.worker_wait) {
+            None => Ok(()),
+            Some(wait) => {
+                self.metrics
+                    .lot_rejections
+                    .with_label_values(&["would_wait"])
+                    .inc();
+                Err(ControlError::NoWorker {
+                    budget_ms: self.cfg.worker_wait.as_millis() as u64,
+                    expected_ms: Some(wait.as_millis() as u64),
+                })
+            }
+        }
+    }
+
     /// A worker for `tenant`'s sandbox. When none is free, the least recently active idle
     /// sandbox is parked to free one, and the call waits in the lot (fair across tenants) up to
     /// the configured budget.

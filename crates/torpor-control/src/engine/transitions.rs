@@ -229,6 +229,7 @@ impl Engine {
                 id: rec.template.to_string(),
             })?;
         let previous = rec.state;
+        self.refuse_early(&rec.tenant)?;
         {
             let _quota = self.quota_guard(&rec.tenant).await?;
             self.check_quota(&rec.tenant, Charge::wake(rec.limits))?;

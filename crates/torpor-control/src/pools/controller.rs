@@ -165,11 +165,6 @@ impl Controller {
 
     /// One reading and one decision.
     async fn tick(&mut self) {
-        // Cluster mode: one controller runs the cluster's pools (the pools lease); the others
-        // keep their pool controllers idle until they take the lease over.
-        if !self.engine.runs_pools() {
-            return;
-        }
         let generic = self.pool.tenant_owned();
         let readings = futures::future::join_all(self.readers.iter_mut().map(|r| async move {
             let started = Instant::now();
@@ -222,7 +217,12 @@ impl Controller {
                 }
             }
         }
-        self.scale_to(d.desired).await;
+        // Cluster mode: one controller scales the cluster's pools (the pools lease); the
+        // others read the triggers too, so every controller answers the pool's status and
+        // KEDA's demand, and the next holder starts from a current reading.
+        if self.engine.runs_pools() {
+            self.scale_to(d.desired).await;
+        }
         self.publish(d, trig).await;
     }
 
@@ -231,14 +231,21 @@ impl Controller {
         d: torpor_triggers::Decision,
         trig: Vec<(&'static str, Option<u64>, Option<TriggerErrorStatus>)>,
     ) {
-        let sandboxes = pool_agents(&self.engine, &self.pool.tenant, self.spec().name.as_str())
-            .into_iter()
-            .map(|s| s.id)
-            .collect();
+        let agents = pool_agents(&self.engine, &self.pool.tenant, self.spec().name.as_str());
+        // A controller that does not scale the pool (cluster mode) counts what the store says.
+        let running = if self.engine.runs_pools() {
+            self.active.len()
+        } else {
+            agents
+                .iter()
+                .filter(|s| matches!(s.state, SandboxState::Running | SandboxState::Frozen))
+                .count()
+        };
+        let sandboxes = agents.into_iter().map(|s| s.id).collect();
         let c = &self.pool.counters;
         let mut s = self.pool.status.lock().unwrap_or_else(|p| p.into_inner());
         s.desired = d.desired;
-        s.running = self.active.len() as u32;
+        s.running = running as u32;
         s.starting = (self.starting + self.waking.len()) as u32;
         s.draining = self.draining.len() as u32;
         s.depth = d.depth;

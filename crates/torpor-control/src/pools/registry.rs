@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::sync::{watch, Notify};
 use torpor_core::{now_millis, PoolName, TenantId};
@@ -52,6 +53,9 @@ pub struct PoolsConfig {
     /// `--broker-allow` entries (`HOST[:PORT]`): the brokers tenants' pools may name.
     pub broker_allow: Vec<String>,
 }
+
+/// How often the pools are read back from the store (pools made through other controllers).
+const SYNC_EVERY: Duration = Duration::from_secs(2);
 
 /// A pool's key: names are per tenant.
 type PoolKey = (TenantId, PoolName);
@@ -102,7 +106,67 @@ impl Pools {
                 }
             }
         }
+        pools.spawn_sync();
         Ok(pools)
+    }
+
+    /// Keeps this controller's pools in step with the store's (cluster mode: pools created or
+    /// deleted through another controller), every [`SYNC_EVERY`].
+    fn spawn_sync(self: &Arc<Self>) {
+        let pools = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(SYNC_EVERY).await;
+                let Some(pools) = pools.upgrade() else { return };
+                if let Err(e) = pools.sync() {
+                    tracing::warn!(error = %e, "cannot read the stored pools");
+                }
+            }
+        });
+    }
+
+    fn sync(&self) -> Result<()> {
+        let rows = self.store.pools()?;
+        let stored: std::collections::BTreeSet<PoolKey> = rows
+            .iter()
+            .map(|r| (r.tenant.clone(), r.name.clone()))
+            .collect();
+        let gone: Vec<Arc<PoolHandle>> = {
+            let mut map = self.map();
+            let keys: Vec<PoolKey> = map
+                .keys()
+                .filter(|k| !stored.contains(*k))
+                .cloned()
+                .collect();
+            keys.iter().filter_map(|k| map.remove(k)).collect()
+        };
+        for h in gone {
+            tracing::info!(pool = %h.spec.name, tenant = %h.tenant, "pool deleted elsewhere; its controller stops here");
+            let _ = h.stop.send(true);
+        }
+        for row in rows {
+            if self
+                .map()
+                .contains_key(&(row.tenant.clone(), row.name.clone()))
+            {
+                continue;
+            }
+            match serde_json::from_str::<PoolSpec>(&row.spec_json) {
+                Ok(spec) if self.check_brokers(&row.tenant, &spec).is_ok() => {
+                    tracing::info!(pool = %row.name, tenant = %row.tenant, "pool created elsewhere; its controller starts here");
+                    self.launch(row.tenant, spec);
+                }
+                Ok(spec) => self.hold(
+                    row.tenant,
+                    spec,
+                    "its broker is not in --broker-allow".into(),
+                ),
+                Err(e) => {
+                    tracing::error!(pool = %row.name, tenant = %row.tenant, error = %e, "stored pool spec unreadable")
+                }
+            }
+        }
+        Ok(())
     }
 
     fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<PoolKey, Arc<PoolHandle>>> {
@@ -192,13 +256,19 @@ impl Pools {
         (handle, stop_rx)
     }
 
+    /// Starts the pool's controller, unless it runs already (a create and the store sync may
+    /// both find a new pool).
     fn launch(self: &Pools, tenant: TenantId, spec: PoolSpec) {
+        let mut map = self.map();
+        if map.contains_key(&(tenant.clone(), spec.name.clone())) {
+            return;
+        }
         let (handle, stop_rx) = Self::new_handle(tenant.clone(), &spec);
         let controller = Controller::new(self.engine.clone(), handle.clone(), stop_rx);
         let span = tracing::info_span!("pool", pool = %spec.name, tenant = %tenant);
         let task = tokio::spawn(tracing::Instrument::instrument(controller.run(), span));
         *handle.task.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
-        self.map().insert((tenant, spec.name.clone()), handle);
+        map.insert((tenant, spec.name.clone()), handle);
     }
 
     /// Keeps a pool that may not run (its status says why) so that it can be seen and deleted.
