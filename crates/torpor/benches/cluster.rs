@@ -400,6 +400,13 @@ async fn main() {
         println!("cluster bench: no PostgreSQL (scripts/deps.sh installs it); nothing measured");
         return;
     };
+    let tmp = tempfile::Builder::new()
+        .prefix("torpor-bench-cluster-")
+        .tempdir()
+        .expect("temp dir");
+    let dir = tmp.path();
+    cluster::pin_binary(dir);
+    cluster::logs_on_panic(dir);
     let started = Instant::now();
 
     // --- lifecycle through the embedded daemon (same sequence, same machine, this run)
@@ -411,11 +418,6 @@ async fn main() {
     eprintln!("embedded lifecycle done at {:.0?}", started.elapsed());
 
     // --- the cluster: CA, two controllers on the database, the first worker (joining both)
-    let tmp = tempfile::Builder::new()
-        .prefix("torpor-bench-cluster-")
-        .tempdir()
-        .expect("temp dir");
-    let dir = tmp.path();
     let ca = dir.join("ca");
     torpor(&[
         "ca",

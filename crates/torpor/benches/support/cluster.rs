@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -13,6 +14,50 @@ use torpor_api::Client;
 use crate::support::BIN;
 
 pub const TOKEN: &str = "tpr_admin_cluster_bench_0123456789";
+
+static PINNED: OnceLock<PathBuf> = OnceLock::new();
+
+/// Pins the `torpor` binary the cluster's processes run: a hard link to it (else a copy) in
+/// `dir`, taken at the start. Others build in the same target directory; without this a worker
+/// started later in the run (the loss row starts some) could be another build than the
+/// controllers.
+pub fn pin_binary(dir: &Path) {
+    let to = dir.join("torpor");
+    if std::fs::hard_link(BIN, &to).is_err() {
+        std::fs::copy(BIN, &to).expect("copy the torpor binary");
+    }
+    let _ = PINNED.set(to);
+}
+
+/// On a panic, prints the last lines of every process log in `dir` (the temporary directory,
+/// and the logs with it, is gone once the panic unwinds).
+pub fn logs_on_panic(dir: &Path) {
+    let dir = dir.to_path_buf();
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default(info);
+        let mut logs: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "log"))
+            .collect();
+        logs.sort();
+        for log in logs {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            eprintln!("--- {} (last 40 lines)", log.display());
+            for l in &lines[lines.len().saturating_sub(40)..] {
+                eprintln!("{l}");
+            }
+        }
+    }));
+}
+
+fn bin() -> &'static Path {
+    PINNED.get().map_or(Path::new(BIN), PathBuf::as_path)
+}
 
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -24,7 +69,10 @@ pub fn free_port() -> u16 {
 
 /// Runs `torpor ARGS` to completion; panics with its output unless it succeeds.
 pub fn torpor(args: &[&str]) {
-    let out = Command::new(BIN).args(args).output().expect("torpor runs");
+    let out = Command::new(bin())
+        .args(args)
+        .output()
+        .expect("torpor runs");
     assert!(
         out.status.success(),
         "torpor {args:?}: {}{}",
@@ -78,7 +126,7 @@ impl Controller {
             std::fs::copy(&first_key, data.join("env.key")).unwrap();
         }
         let log = tmp.join(format!("controller-{name}.log"));
-        let child = Command::new(BIN)
+        let child = Command::new(bin())
             .args(["controller", "--database", database])
             .args(["--store", tmp.join("store").to_str().unwrap()])
             .args(["--listen", &api, "--cluster-listen", &cluster])
@@ -190,7 +238,7 @@ impl Worker {
         ca_issue(ca, "worker", name, &tmp.join(name));
         let data = tmp.join(format!("data-{name}"));
         std::fs::create_dir_all(&data).unwrap();
-        let child = Command::new(BIN)
+        let child = Command::new(bin())
             .args(["worker", "--controller", controllers])
             .args(["--tls-dir", tmp.join(name).to_str().unwrap()])
             .args(["--data-dir", data.to_str().unwrap()])
