@@ -179,6 +179,8 @@ struct SlotState {
 struct Slot {
     state: Arc<RwLock<SlotState>>,
     last_active: AtomicI64,
+    /// The last activity the idle policy wrote to the store.
+    persisted: AtomicI64,
 }
 
 impl Slot {
@@ -512,6 +514,7 @@ impl Engine {
                 Arc::new(Slot {
                     state: Arc::new(RwLock::new(SlotState::default())),
                     last_active: AtomicI64::new(0),
+                    persisted: AtomicI64::new(0),
                 })
             })
             .clone()

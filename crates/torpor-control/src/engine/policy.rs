@@ -31,13 +31,21 @@ impl Engine {
             .collect();
         let now = now_millis();
         let mut touched = Vec::new();
-        let mut counts: HashMap<(SandboxState, Tier), i64> = HashMap::new();
-        let records = self.store.sandboxes()?;
+        // Parked sandboxes are read only once the soonest suspend of any template is due.
+        let soonest_suspend_s = templates
+            .values()
+            .filter_map(|t| t.spec.idle.suspend_after_s)
+            .fold(f64::INFINITY, f64::min);
+        let parked_before = if soonest_suspend_s.is_finite() {
+            now - (soonest_suspend_s * 1000.0) as i64
+        } else {
+            i64::MIN
+        };
+        let records = self.store.sandboxes_to_tend(parked_before)?;
         // Cluster mode: sandboxes whose controller is gone are taken over first.
         self.sweep_lost_controllers(&records).await;
         let me = self.controller_name();
         for mut rec in records {
-            *counts.entry((rec.state, rec.tier)).or_default() += 1;
             if rec.controller.is_some() && rec.controller.as_deref() != me {
                 continue; // another controller's to move down the ladder
             }
@@ -91,8 +99,23 @@ impl Engine {
                 Tier::Running => {}
             }
         }
+        // Activity of sandboxes not read above (parked since the last tick): written too, once.
+        {
+            let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            let seen: std::collections::HashSet<&SandboxId> =
+                touched.iter().map(|(id, _)| id).collect();
+            let mut more = Vec::new();
+            for (id, slot) in slots.iter() {
+                let active = slot.last_active.load(Ordering::Relaxed);
+                if active > slot.persisted.swap(active, Ordering::Relaxed) && !seen.contains(id) {
+                    more.push((id.clone(), active));
+                }
+            }
+            drop(seen);
+            touched.extend(more);
+        }
         self.store.touch_sandboxes(&touched)?;
-        self.set_sandbox_gauges(counts);
+        self.policy_tick_gauges()?;
         self.make_room(0).await;
         // Calls wait in the lot: a sandbox may have gone idle without a call ending (a freeze).
         self.evictor.poke();
@@ -123,10 +146,12 @@ impl Engine {
 
     /// Refreshes the fleet gauges (for a scrape between ticks).
     pub fn policy_tick_gauges(&self) -> Result<()> {
-        let mut counts: HashMap<(SandboxState, Tier), i64> = HashMap::new();
-        for rec in self.store.sandboxes()? {
-            *counts.entry((rec.state, rec.tier)).or_default() += 1;
-        }
+        let counts: HashMap<(SandboxState, Tier), i64> = self
+            .store
+            .sandbox_counts()?
+            .into_iter()
+            .map(|(s, t, n)| ((s, t), n as i64))
+            .collect();
         self.set_sandbox_gauges(counts);
         self.metrics
             .warm_ready

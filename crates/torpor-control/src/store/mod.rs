@@ -31,7 +31,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use torpor_core::{NetworkPolicy, PoolName, SandboxId, TemplateName, TenantId, UnixMillis};
+use torpor_core::{
+    NetworkPolicy, PoolName, SandboxId, SandboxState, TemplateName, TenantId, Tier, UnixMillis,
+};
 use torpor_gpu::cuda_checkpoint::Toggled;
 use torpor_gpu::request::GpuRequest;
 
@@ -210,6 +212,39 @@ pub trait StateStore: Send + Sync {
 
     fn sandbox(&self, id: &SandboxId) -> Result<Option<SandboxRecord>, StoreError> {
         Ok(self.sandbox_versioned(id)?.map(|(s, _)| s))
+    }
+
+    /// A tenant's sandboxes, oldest first (a store of many tenants answers from an index).
+    fn sandboxes_of(&self, tenant: &TenantId) -> Result<Vec<SandboxRecord>, StoreError> {
+        let mut all = self.sandboxes()?;
+        all.retain(|s| s.tenant == *tenant);
+        Ok(all)
+    }
+
+    /// What the idle policy tends on each tick: every sandbox that is not asleep (resident or
+    /// moving, whichever controller holds it), and Parked ones last active before
+    /// `parked_before` (due for the snapshot store); oldest first. Sleeping sandboxes, usually
+    /// nearly all of them, are not read.
+    fn sandboxes_to_tend(
+        &self,
+        parked_before: UnixMillis,
+    ) -> Result<Vec<SandboxRecord>, StoreError> {
+        let mut all = self.sandboxes()?;
+        all.retain(|s| match s.state {
+            SandboxState::Suspended => false,
+            SandboxState::Parked => s.last_active_at < parked_before,
+            _ => true,
+        });
+        Ok(all)
+    }
+
+    /// How many sandboxes are in each (state, tier).
+    fn sandbox_counts(&self) -> Result<Vec<(SandboxState, Tier, u64)>, StoreError> {
+        let mut counts: std::collections::HashMap<(SandboxState, Tier), u64> = Default::default();
+        for s in self.sandboxes()? {
+            *counts.entry((s.state, s.tier)).or_default() += 1;
+        }
+        Ok(counts.into_iter().map(|((s, t), n)| (s, t, n)).collect())
     }
 
     // --- network policies of networked sandboxes ---

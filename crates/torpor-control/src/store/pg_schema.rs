@@ -13,6 +13,7 @@
 //! |---|---|---|
 //! | 1 | `0001_initial.sql` | the tables of the SQLite store's schema 3 |
 //! | 2 | `0002_controllers.sql` | `sandboxes.controller`, `controllers` (liveness), `leases` |
+//! | 3 | `0003_scale_indexes.sql` | partial indexes for the idle policy, `(template, tenant)`, `(tenant, created_at, id)` |
 //!
 //! To change the schema, add the next file and its line to [`MIGRATIONS`]; never edit a file
 //! that has shipped.
@@ -23,6 +24,7 @@ use tokio_postgres::Client;
 pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("pg/0001_initial.sql"),
     include_str!("pg/0002_controllers.sql"),
+    include_str!("pg/0003_scale_indexes.sql"),
 ];
 
 /// The schema version this build writes and reads.

@@ -44,7 +44,8 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{NoTls, Row};
 use torpor_core::{
-    Limits, NetworkPolicy, PoolName, SandboxId, SandboxState, TemplateName, TenantId, UnixMillis,
+    Limits, NetworkPolicy, PoolName, SandboxId, SandboxState, TemplateName, TenantId, Tier,
+    UnixMillis,
 };
 use torpor_gpu::cuda_checkpoint::Toggled;
 use torpor_gpu::request::GpuRequest;
@@ -658,6 +659,62 @@ impl StateStore for PostgresStore {
             .iter()
             .map(|r| self.parse_sandbox(r).map(|(s, _)| s))
             .collect()
+    }
+
+    fn sandboxes_of(&self, tenant: &TenantId) -> Result<Vec<SandboxRecord>, StoreError> {
+        const SQL: &str = concat!(
+            sandbox_columns!(),
+            " WHERE tenant=$1 ORDER BY created_at, id"
+        );
+        self.query(
+            "read a tenant's sandboxes",
+            SQL,
+            vec![p(tenant.to_string())],
+        )?
+        .iter()
+        .map(|r| self.parse_sandbox(r).map(|(s, _)| s))
+        .collect()
+    }
+
+    fn sandboxes_to_tend(
+        &self,
+        parked_before: UnixMillis,
+    ) -> Result<Vec<SandboxRecord>, StoreError> {
+        // Both halves are partial indexes (schema 3): the awake few and the parked by age.
+        const SQL: &str = concat!(
+            sandbox_columns!(),
+            " WHERE state NOT IN ('parked', 'suspended')
+              OR (state = 'parked' AND last_active_at < $1)
+              ORDER BY created_at, id"
+        );
+        self.query("read the sandboxes to tend", SQL, vec![p(parked_before)])?
+            .iter()
+            .map(|r| self.parse_sandbox(r).map(|(s, _)| s))
+            .collect()
+    }
+
+    fn sandbox_counts(&self) -> Result<Vec<(SandboxState, Tier, u64)>, StoreError> {
+        self.query(
+            "count sandboxes",
+            "SELECT state, tier, count(*) FROM sandboxes GROUP BY state, tier",
+            Vec::new(),
+        )?
+        .iter()
+        .map(|r| {
+            let state: String = get(r, 0, "sandbox count")?;
+            let tier: String = get(r, 1, "sandbox count")?;
+            let n: i64 = get(r, 2, "sandbox count")?;
+            let corrupt = || StoreError::Corrupt {
+                what: "sandbox count",
+                key: format!("{state}/{tier}"),
+            };
+            Ok((
+                SandboxState::parse(&state).ok_or_else(corrupt)?,
+                Tier::parse(&tier).ok_or_else(corrupt)?,
+                n.max(0) as u64,
+            ))
+        })
+        .collect()
     }
 
     fn count_sandboxes_of_template(

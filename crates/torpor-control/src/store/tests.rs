@@ -145,6 +145,7 @@ on_both_backends!(
     gpu_shares_requests_and_toggles_are_kept_per_sandbox,
     usage_intervals_add_up_per_key_and_filter_by_tenant_and_range,
     compare_and_set_writes_only_over_the_version_it_read,
+    the_policy_reads_awake_and_due_sandboxes_and_counts_the_rest,
     a_newer_schema_is_refused_as_unavailable,
 );
 
@@ -588,6 +589,75 @@ fn usage_intervals_add_up_per_key_and_filter_by_tenant_and_range(b: &dyn Backend
     assert_eq!(
         store.usage_intervals(7200, 7201, None).unwrap()[0].value,
         4.0
+    );
+}
+
+fn the_policy_reads_awake_and_due_sandboxes_and_counts_the_rest(b: &dyn Backend) {
+    let store = b.open().unwrap();
+    let other = TenantId::new("team-b").unwrap();
+    let mut made = Vec::new();
+    for (i, (state, tier, active, tenant)) in [
+        (SandboxState::Running, Tier::Running, 10, TenantId::admin()),
+        (SandboxState::Frozen, Tier::Frozen, 10, other.clone()),
+        (
+            SandboxState::Checkpointing,
+            Tier::Running,
+            10,
+            other.clone(),
+        ),
+        (SandboxState::Parked, Tier::Parked, 100, TenantId::admin()), // idle long: due
+        (SandboxState::Parked, Tier::Parked, 900, other.clone()),     // recent: not due
+        (SandboxState::Suspended, Tier::Suspended, 1, other.clone()),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut s = sandbox();
+        s.created_at = i as i64;
+        s.state = state;
+        s.tier = tier;
+        s.last_active_at = active;
+        s.tenant = tenant;
+        store.insert_sandbox(&s).unwrap();
+        made.push(s.id);
+    }
+    let tend: Vec<SandboxId> = store
+        .sandboxes_to_tend(500)
+        .unwrap()
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    assert_eq!(
+        tend,
+        made[..4].to_vec(),
+        "awake ones and the due parked one, oldest first"
+    );
+    let mut counts = store.sandbox_counts().unwrap();
+    counts.sort_by_key(|(s, t, _)| (s.as_str(), t.as_str()));
+    assert_eq!(
+        counts,
+        vec![
+            (SandboxState::Checkpointing, Tier::Running, 1),
+            (SandboxState::Frozen, Tier::Frozen, 1),
+            (SandboxState::Parked, Tier::Parked, 2),
+            (SandboxState::Running, Tier::Running, 1),
+            (SandboxState::Suspended, Tier::Suspended, 1),
+        ]
+    );
+    let theirs: Vec<SandboxId> = store
+        .sandboxes_of(&other)
+        .unwrap()
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    assert_eq!(
+        theirs,
+        vec![
+            made[1].clone(),
+            made[2].clone(),
+            made[4].clone(),
+            made[5].clone()
+        ]
     );
 }
 
