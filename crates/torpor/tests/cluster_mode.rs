@@ -152,6 +152,25 @@ impl Controller {
         }
     }
 
+    /// Waits until the built-in `host` template is ready (built on a worker once one joined).
+    async fn wait_host_template(&self) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let (status, t) = self
+                .call(reqwest::Method::GET, "/v1/templates/host", None)
+                .await;
+            if status == 200 && t["status"] == "ready" {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "host template: {status} {t}\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     async fn exec(&self, id: &str, script: &str) -> String {
         let v = self
             .ok(
@@ -293,6 +312,31 @@ impl Drop for Worker {
     }
 }
 
+/// A fresh database on the test's PostgreSQL (`None`: no PostgreSQL binaries here) and a
+/// directory with a CA (`ca/`) and an identity for each controller and worker named.
+async fn setup(
+    prefix: &str,
+    controllers: &[&str],
+    workers: &[&str],
+) -> Option<(String, tempfile::TempDir)> {
+    // The PostgreSQL harness is synchronous (its own runtime): off this one's threads.
+    let database = tokio::task::spawn_blocking(|| {
+        pg_testing::server().map(|pg| pg.url(&pg_testing::new_database(pg)))
+    })
+    .await
+    .unwrap()?;
+    let tmp = tempfile::Builder::new().prefix(prefix).tempdir().unwrap();
+    let dir = tmp.path();
+    let ca = dir.join("ca");
+    cluster::ca_init(&ca, "e2e.cluster");
+    for (role, names) in [("controller", controllers), ("worker", workers)] {
+        for n in names {
+            cluster::ca_issue(&ca, role, n, &dir.join(n), "1h");
+        }
+    }
+    Some((database, tmp))
+}
+
 fn state_of<'a>(nodes: &'a [Value], name: &str) -> Option<&'a str> {
     nodes
         .iter()
@@ -302,26 +346,12 @@ fn state_of<'a>(nodes: &'a [Value], name: &str) -> Option<&'a str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_cannot_join() {
-    // The PostgreSQL harness is synchronous (its own runtime): off this one's threads.
-    let database = tokio::task::spawn_blocking(|| {
-        pg_testing::server().map(|pg| pg.url(&pg_testing::new_database(pg)))
-    })
-    .await
-    .unwrap();
-    let Some(database) = database else {
+    let Some((database, tmp)) = setup("torpor-cluster-mode-", &["c1"], &["w1", "w2", "w3"]).await
+    else {
         return;
     };
-    let tmp = tempfile::Builder::new()
-        .prefix("torpor-cluster-mode-")
-        .tempdir()
-        .unwrap();
     let dir = tmp.path();
     let ca = dir.join("ca");
-    cluster::ca_init(&ca, "e2e.cluster");
-    cluster::ca_issue(&ca, "controller", "c1", &dir.join("c1"), "1h");
-    for w in ["w1", "w2", "w3"] {
-        cluster::ca_issue(&ca, "worker", w, &dir.join(w), "1h");
-    }
     let controller = Controller::start(dir, &database).await;
     let mut workers: Vec<Worker> = ["w1", "w2", "w3"]
         .iter()
@@ -343,21 +373,7 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
     }
 
     // The built-in template is built on a worker once one joined.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let (status, t) = controller
-            .call(reqwest::Method::GET, "/v1/templates/host", None)
-            .await;
-        if status == 200 && t["status"] == "ready" {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "host template: {status} {t}\n{}",
-            controller.log()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    controller.wait_host_template().await;
 
     // A sandbox with state in files, memory (tmpfs) and a process.
     let sb = controller
@@ -572,27 +588,12 @@ async fn exec_retrying(c: &Controller, id: &str, script: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
-    let database = tokio::task::spawn_blocking(|| {
-        pg_testing::server().map(|pg| pg.url(&pg_testing::new_database(pg)))
-    })
-    .await
-    .unwrap();
-    let Some(database) = database else {
+    let Some((database, tmp)) =
+        setup("torpor-two-controllers-", &["c1", "c2"], &["w1", "w2"]).await
+    else {
         return;
     };
-    let tmp = tempfile::Builder::new()
-        .prefix("torpor-two-controllers-")
-        .tempdir()
-        .unwrap();
     let dir = tmp.path();
-    let ca = dir.join("ca");
-    cluster::ca_init(&ca, "e2e.cluster");
-    for c in ["c1", "c2"] {
-        cluster::ca_issue(&ca, "controller", c, &dir.join(c), "1h");
-    }
-    for w in ["w1", "w2"] {
-        cluster::ca_issue(&ca, "worker", w, &dir.join(w), "1h");
-    }
     let c1 = Controller::start_as(dir, &database, "c1").await;
     let c2 = Controller::start_as(dir, &database, "c2").await;
     let both = format!("{},{}", c1.cluster, c2.cluster);
@@ -606,22 +607,7 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
         })
         .await;
     }
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let (status, t) = c2
-            .call(reqwest::Method::GET, "/v1/templates/host", None)
-            .await;
-        if status == 200 && t["status"] == "ready" {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "host template: {status} {t}\n{}\n{}",
-            c1.log(),
-            c2.log()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    c2.wait_host_template().await;
 
     // Created through c1, driven through c2: c2 forwards to the controller that holds it.
     let sb = c1

@@ -158,7 +158,7 @@ impl Engine {
                 }
             }
             None => ControlError::Busy(format!(
-                "sandbox {id} changed while this call ran (another controller moved it); retry"
+                "sandbox {id} changed while this call ran; retry"
             )),
         }
     }
