@@ -55,14 +55,18 @@ def raw_start():
 
 for _ in range(3):  # warm every path
     sbx.commands.run("true")
+    sbx.commands.run("true", user="root")
     exec_native(sid, ["/bin/bash", "-l", "-c", "true"])
     raw_start()
 
 # Interleaved, in alternating order, so that load drift on a shared machine hits every path
 # alike; the overhead is also reported as the median of per-round differences.
-sdk_ms, raw_ms, nat_ms = [], [], []
+# `base` runs commands as `user` (a uid switch and that user's login shell) where the native
+# exec runs as root: the `user="root"` path is the same command as the native one.
+sdk_ms, root_ms, raw_ms, nat_ms = [], [], [], []
 paths = [
     (sdk_ms, lambda: sbx.commands.run("true")),
+    (root_ms, lambda: sbx.commands.run("true", user="root")),
     (raw_ms, raw_start),
     (nat_ms, lambda: exec_native(sid, ["/bin/bash", "-l", "-c", "true"])),
 ]
@@ -74,11 +78,16 @@ rows.append((
     "native exec of bash -l -c true (POST /v1/.../exec)", nat_ms,
 ))
 rows.append((
+    'commands.run("true", user="root") (SDK, as root like the native exec)', root_ms,
+    "native exec of bash -l -c true (POST /v1/.../exec)", nat_ms,
+))
+rows.append((
     "process.Process/Start, raw Connect (httpx, no SDK)", raw_ms,
     "native exec of bash -l -c true (POST /v1/.../exec)", nat_ms,
 ))
 paired = {
     "sdk_minus_native": statistics.median(a - b for a, b in zip(sdk_ms, nat_ms)),
+    "sdk_as_root_minus_native": statistics.median(a - b for a, b in zip(root_ms, nat_ms)),
     "raw_connect_minus_native": statistics.median(a - b for a, b in zip(raw_ms, nat_ms)),
     "sdk_minus_raw_connect": statistics.median(a - b for a, b in zip(sdk_ms, raw_ms)),
 }
@@ -94,32 +103,38 @@ for _ in range(max(3, N // 3)):
     exec_native(sid, ["true"])
 rows.append(("Sandbox.connect of a paused sandbox (SDK)", connect_ms, "native resume of a parked sandbox", resume_ms))
 
-create_ms, ncreate_ms, made = [], [], []
+# One create at a time (the rate the machine sustains serially), alternating the E2B create
+# (template `base`, with a network interface) with native creates of `host` and of `base`.
+create_ms, ncreate_ms, nbase_ms, made = [], [], [], []
 for _ in range(max(3, N // 3)):
     holder = {}
     create_ms.append(ms(lambda: holder.setdefault("s", Sandbox.create(timeout=600))))
     made.append(holder["s"].sandbox_id)
-    def nc():
-        r = native.post("/v1/sandboxes", json={"template": "host"})
+    def nc(template):
+        r = native.post("/v1/sandboxes", json={"template": template})
         r.raise_for_status()
         made.append(r.json()["id"])
-    ncreate_ms.append(ms(nc))
+    ncreate_ms.append(ms(lambda: nc("host")))
+    nbase_ms.append(ms(lambda: nc("base")))
 for m in made:
     native.delete(f"/v1/sandboxes/{m}")
 rows.append(("Sandbox.create (SDK)", create_ms, "native create (POST /v1/sandboxes)", ncreate_ms))
+rows.append(("Sandbox.create (SDK)", create_ms, "native create of base (POST /v1/sandboxes)", nbase_ms))
+paired["create_minus_native_create"] = statistics.median(a - b for a, b in zip(create_ms, ncreate_ms))
+paired["create_minus_native_base_create"] = statistics.median(a - b for a, b in zip(create_ms, nbase_ms))
 sbx.kill()
 
-print(f"{'row':58} {'p50 ms':>8} {'p95 ms':>8} | {'baseline':52} {'p50 ms':>8} {'p95 ms':>8}")
+print(f"{'row':70} {'p50 ms':>8} {'p95 ms':>8} | {'baseline':44} {'p50 ms':>8} {'p95 ms':>8}")
 out = []
 for name, t, bname, b in rows:
     t50, t95, b50, b95 = pct(t, 50), pct(t, 95), pct(b, 50), pct(b, 95)
-    print(f"{name:58} {t50:8.2f} {t95:8.2f} | {bname:52} {b50:8.2f} {b95:8.2f}")
+    print(f"{name:70} {t50:8.2f} {t95:8.2f} | {bname:44} {b50:8.2f} {b95:8.2f}")
     out.append({"row": name, "n": len(t), "p50_ms": round(t50, 3), "p95_ms": round(t95, 3),
                 "baseline": bname, "baseline_p50_ms": round(b50, 3), "baseline_p95_ms": round(b95, 3),
                 "overhead_p50_ms": round(t50 - b50, 3)})
 print()
 print("paired medians of per-round differences (same round, interleaved):")
 for k, v in paired.items():
-    print(f"  {k:28} {v:+8.2f} ms")
+    print(f"  {k:32} {v:+8.2f} ms")
 print(json.dumps({"bench": "e2b", "n": N, "rows": out,
                   "paired_median_ms": {k: round(v, 3) for k, v in paired.items()}}))
