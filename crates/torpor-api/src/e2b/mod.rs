@@ -36,7 +36,7 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
+use axum::routing::{any, get, post, put};
 use axum::{Json, Router};
 use serde::Serialize;
 use torpor_core::{SandboxId, TenantId, Tier};
@@ -279,6 +279,21 @@ pub fn router(api: Arc<ApiState>) -> Router<Arc<ApiState>> {
         .route("/v2/sandboxes/{id}/logs", get(unsupported))
         .route("/sandboxes/metrics", get(unsupported))
         .route("/sandboxes/{id}/refreshes", post(unsupported))
+        // Volumes, secrets and template builds: E2B's shape, so the SDK raises its own
+        // exception (not a parse error on torpor's own error body).
+        .route("/volumes", any(unsupported))
+        .route("/volumes/{id}", any(unsupported))
+        .route("/secrets", any(unsupported))
+        .route("/secrets/{id}", any(unsupported))
+        .route("/default-templates", any(unsupported))
+        .route("/templates", any(unsupported))
+        .route("/templates/tags", any(unsupported))
+        .route("/templates/aliases/{alias}", any(unsupported))
+        .route("/templates/{id}/{*rest}", any(unsupported))
+        .route("/v2/templates", any(unsupported))
+        .route("/v2/templates/{id}", any(unsupported))
+        .route("/v2/templates/{id}/{*rest}", any(unsupported))
+        .route("/v3/templates", any(unsupported))
         .route("/process.Process/{method}", post(envd::process_rpc))
         .route("/filesystem.Filesystem/{method}", post(fs::filesystem_rpc))
         .route("/files", get(files::download).post(files::upload))

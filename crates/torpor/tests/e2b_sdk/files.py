@@ -147,20 +147,27 @@ pos = [events.index(w) if w in events else -1 for w in want]
 expect(-1 not in pos, f"missing events {[w for w, p in zip(want, pos) if p < 0]}: {events}")
 expect(pos == sorted(pos), f"events out of order: {events}")
 
-step("watch events carry entry info")
+step("watch events carry entry info, as get_info gives it")
 h = sbx.files.watch_dir("/home/user/w", include_entry=True)
-sbx.files.write("/home/user/w/e.txt", "12345")
+sbx.files.write("/home/user/w/e.txt", "12345", metadata={"k": "v"})
+sbx.commands.run("ln -s e.txt /home/user/w/l")
 deadline = time.time() + 10
-entry = None
-while time.time() < deadline and entry is None:
+entries = {}
+while time.time() < deadline and not {"e.txt", "l"} <= entries.keys():
     for e in h.get_new_events():
-        if e.name == "e.txt" and e.entry is not None:
-            entry = e.entry
+        if e.entry is not None:
+            entries[e.name] = e.entry
     time.sleep(0.3)
 h.stop()
-expect(entry is not None, "no event with entry info")
+entry = entries.get("e.txt")
+expect(entry is not None, f"no event with entry info: {entries}")
 expect(entry.type == FileType.FILE and entry.path == "/home/user/w/e.txt", f"entry {entry}")
 expect(entry.owner == "user", f"entry owner {entry}")
+expect(entry.metadata == {"k": "v"}, f"entry metadata {entry}")
+link = entries.get("l")
+expect(link is not None, f"no entry for the link: {entries}")
+expect(link.type == FileType.FILE, f"a link's entry has its target's type: {link}")
+expect(link.symlink_target == "/home/user/w/e.txt", f"link target {link}")
 
 step("file metadata is kept (the rest of it: metadata.py)")
 w = sbx.files.write("/home/user/meta.txt", "x", metadata={"k": "v"})

@@ -8,7 +8,8 @@
 //! `GetWatcherEvents` gives its three events, in that order. Within one poll, events are
 //! ordered by modification time (a created folder before what it holds, a create before its
 //! write, removes last, deepest first). A change that is undone within one poll is not seen.
-//! With `includeEntry`, create and write events carry the entry's `EntryInfo`.
+//! With `includeEntry`, create and write events carry the entry's `EntryInfo`, as `get_info`
+//! gives it (a symlink's target type and `symlink_target`, the file's metadata).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Weak};
@@ -20,9 +21,8 @@ use torpor_runtime::proto::{DirEntry, FileKind, MetaEntry};
 
 use super::super::connect::{self, Code, Item, RpcError};
 use super::super::envd::Ctx;
-use super::super::owners::names_for;
 use super::super::{is_running, E2b};
-use super::{entry_info, join, stat, walk};
+use super::{describe, join, metadata, stat, walk};
 
 /// How often a watcher looks at its directory.
 pub const WATCH_POLL: Duration = Duration::from_millis(200);
@@ -174,21 +174,16 @@ impl WatchState {
         let now = self.snapshot(st, c).await?;
         let changes = diff(&self.seen, &now);
         if !changes.is_empty() {
-            let names = if self.include_entry {
-                let touched = changes
-                    .iter()
-                    .filter_map(|(name, _)| now.get(name))
-                    .map(|s| &s.entry);
-                Some(names_for(st, c, touched).await)
+            let entries = if self.include_entry {
+                event_entries(st, c, &now, &changes).await
             } else {
-                None
+                HashMap::new()
             };
             for (name, ty) in changes {
                 let mut ev = json!({"name": name, "type": ty.as_str()});
-                if let (Some(names), Some(s), false) =
-                    (&names, now.get(&name), ty == EventType::Remove)
-                {
-                    ev["entry"] = entry_info(&s.dir, &s.entry, None, names);
+                // (Removes have none: `event_entries` leaves them out.)
+                if let (Some(entry), false) = (entries.get(&name), ty == EventType::Remove) {
+                    ev["entry"] = entry.clone();
                 }
                 if self.pending.len() >= MAX_PENDING {
                     self.pending.pop_front();
@@ -204,6 +199,51 @@ impl WatchState {
     pub(super) fn drain(&mut self) -> Vec<serde_json::Value> {
         self.pending.drain(..).collect()
     }
+}
+
+/// Most entries of one poll whose metadata is looked up for their events (one agent call
+/// each); past that, events' entries carry no metadata.
+pub const MAX_ENTRY_METADATA_LOOKUPS: usize = 256;
+
+/// The `EntryInfo` of each created or written entry of one poll, by event name, as
+/// `get_info` describes it: a symlink's target type and `symlink_target`, owner and group by
+/// name, and its metadata (looked up for these entries only: the snapshots carry none).
+async fn event_entries(
+    st: &E2b,
+    c: &Ctx,
+    now: &BTreeMap<String, Seen>,
+    changes: &[(String, EventType)],
+) -> HashMap<String, serde_json::Value> {
+    let touched: Vec<(&String, &Seen)> = changes
+        .iter()
+        .filter(|(_, ty)| *ty != EventType::Remove)
+        .filter_map(|(name, _)| now.get_key_value(name))
+        .collect();
+    let keeps = matches!(metadata::agent_keeps_metadata(st, c).await, Ok(true));
+    let mut found = Vec::with_capacity(touched.len());
+    for (i, (_, s)) in touched.iter().enumerate() {
+        let mut metadata = BTreeMap::new();
+        if keeps && i < MAX_ENTRY_METADATA_LOOKUPS {
+            // Gone again since the snapshot, or unreadable: its entry goes without.
+            if let Ok(m) = metadata::list(st, c, &s.dir, Some(&s.entry.name)).await {
+                if let Some(m) = m.into_iter().find(|m| m.entry.name == s.entry.name) {
+                    metadata = m.metadata;
+                }
+            }
+        }
+        found.push((
+            s.dir.clone(),
+            MetaEntry {
+                entry: s.entry.clone(),
+                metadata,
+            },
+        ));
+    }
+    touched
+        .into_iter()
+        .map(|(name, _)| name.clone())
+        .zip(describe(st, c, &found).await)
+        .collect()
 }
 
 /// A `CreateWatcher` watch: its state, shared with the task that polls it in the background
