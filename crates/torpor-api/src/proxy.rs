@@ -385,7 +385,7 @@ async fn forward(
         .uri(path)
         .header(
             axum::http::header::HOST,
-            to.host.unwrap_or_else(|| target.addr.to_string()),
+            to.host.unwrap_or_else(|| target.host.clone()),
         );
     if let Some(h) = out_req.headers_mut() {
         copy_headers(&parts.headers, h);
@@ -411,18 +411,19 @@ async fn forward(
 
     // One connection per request. Whoever closes, the sandbox's stack keeps no endpoint that
     // would block its checkpoint (torpor_control::engine::sandbox_http).
+    let io = target.connect().await.map_err(|e| unreachable(&e))?;
     let in_use = target.in_use;
     if !upgrade {
         // The connection task holds the borrow of the sandbox: no checkpoint until the answer
         // has been streamed out (or the client went away) and the connection is closed.
-        let resp = torpor_control::engine::sandbox_http(target.addr, out_req, in_use)
+        let resp = torpor_control::engine::sandbox_http(io, out_req, in_use)
             .await
             .map_err(|e| unreachable(&e))?;
         return answer_head(&resp, target.woke)
             .body(Body::new(resp.into_body()))
             .map_err(|e| bad_gateway(&id, port, "upstream_invalid", e));
     }
-    let (mut sender, conn) = torpor_control::engine::sandbox_handshake::<Body>(target.addr)
+    let (mut sender, conn) = torpor_control::engine::sandbox_handshake::<Body>(io)
         .await
         .map_err(|e| unreachable(&e))?;
     tokio::spawn(conn.with_upgrades());

@@ -753,4 +753,26 @@ impl Resident for RemoteResident {
             tracing::warn!(worker = %self.node.name, container = %self.id, error = %st, "settling connections on the worker failed");
         }
     }
+
+    /// Through the worker (crate::tunnel): its router namespace reaches the sandbox's ports.
+    async fn connect_port(
+        &self,
+        port: u16,
+    ) -> Result<torpor_runtime::node::PortStream, RuntimeError> {
+        let (up, frames) = crate::tunnel::outbound(&self.id, port);
+        let mut req = Request::new(frames);
+        req.metadata_mut()
+            .insert(PROTOCOL_HEADER, MetadataValue::from(PROTOCOL_VERSION));
+        let down = tokio::time::timeout(self.quick(), self.node.client().tunnel(req))
+            .await
+            .map_err(|_| {
+                RuntimeError::Unsupported(format!(
+                    "worker {} did not open the connection to port {port} in time",
+                    self.node.name
+                ))
+            })?
+            .map_err(|st| self.node.err(&st, self.quick()))?
+            .into_inner();
+        Ok(crate::tunnel::controller_end(up, down))
+    }
 }

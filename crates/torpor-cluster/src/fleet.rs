@@ -808,6 +808,12 @@ impl Resident for FleetResident {
     async fn settle_connections(&self) {
         self.inner.settle_connections().await
     }
+    async fn connect_port(
+        &self,
+        port: u16,
+    ) -> Result<torpor_runtime::node::PortStream, RuntimeError> {
+        self.inner.connect_port(port).await
+    }
 }
 
 /// The controller's Cluster service: registrations and heartbeats of workers.

@@ -22,6 +22,7 @@ pub mod join;
 pub mod placement;
 pub mod server;
 pub mod tls;
+mod tunnel;
 
 /// The protocol's generated messages and services.
 #[allow(clippy::all, missing_docs)]

@@ -401,6 +401,35 @@ impl NodeRpc for Arc<NodeService> {
         }))
     }
 
+    type TunnelStream = Stream<pb::TunnelFrame>;
+
+    async fn tunnel(
+        &self,
+        req: Request<tonic::Streaming<pb::TunnelFrame>>,
+    ) -> Result<Response<Self::TunnelStream>, Status> {
+        let mut inbound = req.into_inner();
+        let first = inbound
+            .message()
+            .await?
+            .ok_or_else(|| bad("tunnel", "no first frame"))?;
+        let port = u16::try_from(first.port)
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| bad("tunnel", "port must be 1-65535"))?;
+        let held = self.held(&first.container_id)?;
+        // The connection is opened under the container's read lock (no checkpoint or destroy
+        // meanwhile), then lives on its own: the controller holds the sandbox borrowed while
+        // it uses it.
+        let io = {
+            let guard = held.resident.read().await;
+            let r = guard.as_ref().ok_or_else(|| gone(&first.container_id))?;
+            r.connect_port(port).await.map_err(|e| status_of(&e))?
+        };
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(crate::tunnel::worker_end(io, first.data, inbound, tx));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
     type SendStream = Stream<pb::AgentFrame>;
 
     async fn send(

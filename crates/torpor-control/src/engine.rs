@@ -228,7 +228,7 @@ impl InUse {
         self.guard.live.as_ref()?.resident.ingress_addr()
     }
 
-    fn resident(&self) -> &dyn Resident {
+    pub(crate) fn resident(&self) -> &dyn Resident {
         &*self
             .guard
             .live

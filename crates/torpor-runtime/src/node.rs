@@ -99,6 +99,26 @@ pub enum NodeEvent {
     },
 }
 
+/// A connection to a port inside a sandbox ([`Resident::connect_port`]).
+pub trait PortIo: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {
+    /// Whether the sandbox closed before we did (then answer with a reset, not a FIN, which
+    /// would leave the sandbox's socket in TIME_WAIT and block its checkpoint).
+    fn peer_closed_first(&self) -> bool;
+    /// Resets the connection when dropped, whoever closed.
+    fn reset_on_drop(&self);
+}
+
+pub type PortStream = Box<dyn PortIo>;
+
+impl PortIo for crate::relay::PeerCloseAware {
+    fn peer_closed_first(&self) -> bool {
+        crate::relay::PeerCloseAware::peer_closed_first(self)
+    }
+    fn reset_on_drop(&self) {
+        crate::relay::PeerCloseAware::reset_on_drop(self)
+    }
+}
+
 /// A machine that runs sandboxes.
 #[async_trait]
 pub trait Node: Send + Sync + 'static {
@@ -204,6 +224,21 @@ pub trait Resident: Send + Sync {
 
     /// Where the ingress proxy reaches the sandbox's ports (networked sandboxes only).
     fn ingress_addr(&self) -> Option<Ipv4Addr>;
+
+    /// Opens a connection to `port` inside the sandbox (networked sandboxes only), from where
+    /// its node reaches sandbox ports: this machine's router namespace, or through the worker
+    /// that runs it (cluster mode). Whoever closes, the sandbox keeps no endpoint that would
+    /// block its checkpoint (see [`PortIo`]).
+    async fn connect_port(&self, port: u16) -> Result<PortStream, RuntimeError> {
+        let addr = self.ingress_addr().ok_or_else(|| {
+            RuntimeError::Unsupported("the sandbox has no network".into())
+        })?;
+        let stream = crate::net::connect_ingress(addr, port)
+            .await
+            .map_err(|e| RuntimeError::Unsupported(format!("connect to port {port}: {e}")))?;
+        let _ = stream.set_nodelay(true);
+        Ok(Box::new(crate::relay::PeerCloseAware::new(stream)))
+    }
 
     /// Replaces the sandbox's egress rules (networked sandboxes only; others: no-op).
     async fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), RuntimeError>;

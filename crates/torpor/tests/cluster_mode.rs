@@ -751,6 +751,78 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
         assert!(s == 204 || s == 200, "{s} {v}");
     }
 
+    // Ports: a server in a sandbox on a worker, reached through the controllers' ingress
+    // proxy (the worker opens the connection from its router namespace and tunnels it), both
+    // from the controller that holds the sandbox and forwarded from the other one.
+    let web = c1
+        .ok(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "host", "network": {"allow": []}})),
+        )
+        .await;
+    let wid = web["id"].as_str().unwrap().to_string();
+    c1.ok(
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{wid}/exec"),
+        Some(json!({
+            "cmd": ["sh", "-c", "echo served-from-sandbox > /tmp/hello.txt && cd /tmp && exec python3 -m http.server -p HTTP/1.1 8080"],
+            "detach": true,
+        })),
+    )
+    .await;
+    for c in [&c1, &c2] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let resp = reqwest::Client::new()
+                .get(format!(
+                    "http://{}/v1/sandboxes/{wid}/ports/8080/hello.txt",
+                    c.api
+                ))
+                .bearer_auth(TOKEN)
+                .send()
+                .await
+                .unwrap();
+            let status = resp.status().as_u16();
+            let body = resp.text().await.unwrap();
+            if status == 200 {
+                assert_eq!(body.trim(), "served-from-sandbox");
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the server never answered through {}: {status} {body}\n{}",
+                c.api,
+                c1.log()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    // Parked, then woken by a proxied request: the connection goes to wherever it woke.
+    c2.ok(
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{wid}/suspend"),
+        Some(json!({"tier": "parked"})),
+    )
+    .await;
+    let resp = reqwest::Client::new()
+        .get(format!(
+            "http://{}/v1/sandboxes/{wid}/ports/8080/hello.txt",
+            c2.api
+        ))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(resp.text().await.unwrap().trim(), "served-from-sandbox");
+    c1.ok(
+        reqwest::Method::DELETE,
+        &format!("/v1/sandboxes/{wid}"),
+        None,
+    )
+    .await;
+
     // A pool made through c2 runs on c1, which holds the pools lease (it started first).
     let redis = brokers::Redis::start();
     let mut con = redis.conn().await;

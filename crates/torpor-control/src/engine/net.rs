@@ -14,7 +14,7 @@ use torpor_runtime::Resident;
 
 use prometheus::{Encoder, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
 
-use super::{not_found, Engine, InUse, Slot};
+use super::{Engine, InUse, Slot};
 use crate::error::{ControlError, Result};
 use crate::store::{SandboxRecord, TemplateRecord};
 
@@ -22,9 +22,25 @@ use crate::store::{SandboxRecord, TemplateRecord};
 /// the sandbox cannot be checkpointed: the sleep ladder waits for proxied requests to finish.
 pub struct ProxyTarget {
     pub in_use: InUse,
-    pub addr: SocketAddr,
+    pub port: u16,
+    /// What the sandbox's server is told it is called (`Host`) when the client names nothing.
+    pub host: String,
     /// Whether this request woke the sandbox (it was not running).
     pub woke: bool,
+}
+
+impl ProxyTarget {
+    /// A new connection to the port (from this machine's router namespace, or through the
+    /// worker that runs the sandbox).
+    pub async fn connect(&self) -> std::result::Result<torpor_runtime::node::PortStream, String> {
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            self.in_use.resident().connect_port(self.port),
+        )
+        .await
+        .map_err(|_| "connect timed out".to_string())?
+        .map_err(|e| e.to_string())
+    }
 }
 
 /// Proxied requests by outcome: `served` (the sandbox was running), `woke` (it slept and this
@@ -58,34 +74,24 @@ pub fn count_proxied(outcome: &str) {
 pub type SandboxConn<B> = (
     hyper::client::conn::http1::SendRequest<B>,
     hyper::client::conn::http1::Connection<
-        hyper_util::rt::TokioIo<torpor_runtime::relay::PeerCloseAware>,
+        hyper_util::rt::TokioIo<torpor_runtime::node::PortStream>,
         B,
     >,
 );
 
-/// Connects to `addr` (a sandbox port, named by its worker's router address) and does the
-/// HTTP/1 handshake, on a stream that answers the sandbox's close with a RST
-/// (torpor_runtime::relay). The connection is made from inside the worker's router namespace
-/// (torpor_runtime::net::connect_ingress): nothing on the host side reaches a sandbox's ports
-/// but this path, behind the proxy's checks.
-pub async fn sandbox_handshake<B>(addr: SocketAddr) -> std::result::Result<SandboxConn<B>, String>
+/// Does the HTTP/1 handshake on a connection to a sandbox port ([`ProxyTarget::connect`]: a
+/// stream that answers the sandbox's close with a RST, torpor_runtime::relay, made from inside
+/// the worker's router namespace, torpor_runtime::net::connect_ingress): nothing on the host
+/// side reaches a sandbox's ports but this path, behind the proxy's checks.
+pub async fn sandbox_handshake<B>(
+    io: torpor_runtime::node::PortStream,
+) -> std::result::Result<SandboxConn<B>, String>
 where
     B: hyper::body::Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let SocketAddr::V4(addr) = addr else {
-        return Err("not a sandbox address".into());
-    };
-    let stream = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        torpor_runtime::net::connect_ingress(*addr.ip(), addr.port()),
-    )
-    .await
-    .map_err(|_| "connect timed out".to_string())?
-    .map_err(|e| e.to_string())?;
-    let _ = stream.set_nodelay(true);
-    let io = hyper_util::rt::TokioIo::new(torpor_runtime::relay::PeerCloseAware::new(stream));
+    let io = hyper_util::rt::TokioIo::new(io);
     hyper::client::conn::http1::handshake(io)
         .await
         .map_err(|e| e.to_string())
@@ -98,7 +104,7 @@ where
 /// (HTTP/1.0, `Connection: close`) is waited for and answered with a RST; otherwise torpor
 /// closes first and waits (up to 1 s) for the server's close.
 pub async fn sandbox_http<B>(
-    addr: SocketAddr,
+    io: torpor_runtime::node::PortStream,
     req: hyper::Request<B>,
     hold: impl Send + 'static,
 ) -> std::result::Result<hyper::Response<hyper::body::Incoming>, String>
@@ -107,7 +113,7 @@ where
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let (mut sender, conn) = sandbox_handshake::<B>(addr).await?;
+    let (mut sender, conn) = sandbox_handshake::<B>(io).await?;
     let (closes_tx, closes_rx) = tokio::sync::oneshot::channel::<bool>();
     tokio::spawn(async move {
         let _hold = hold;
@@ -129,10 +135,10 @@ where
     Ok(resp)
 }
 
-async fn close_connection(mut s: torpor_runtime::relay::PeerCloseAware, server_closes: bool) {
+async fn close_connection(mut s: torpor_runtime::node::PortStream, server_closes: bool) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut buf = [0u8; 1024];
-    let mut drain = async |s: &mut torpor_runtime::relay::PeerCloseAware| {
+    let mut drain = async |s: &mut torpor_runtime::node::PortStream| {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(1), async {
             while matches!(s.read(&mut buf).await, Ok(n) if n > 0) {}
         })
@@ -390,10 +396,15 @@ impl Engine {
             .try_read()
             .is_ok_and(|g| g.live.as_ref().is_some_and(|l| !l.frozen));
         let in_use = self.use_sandbox(tenant, id).await?;
-        let addr = in_use.ingress_addr().ok_or_else(|| not_found(id))?;
+        let host = match in_use.ingress_addr() {
+            Some(addr) => SocketAddr::from((addr, port)).to_string(),
+            // On a worker of the cluster: reached through it.
+            None => format!("localhost:{port}"),
+        };
         Ok(ProxyTarget {
             in_use,
-            addr: SocketAddr::from((addr, port)),
+            port,
+            host,
             woke: !running,
         })
     }

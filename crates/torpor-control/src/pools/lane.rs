@@ -120,7 +120,7 @@ impl LaneWorker {
             .await
             .map_err(|e| e.to_string())?;
         let mut req = hyper::Request::post(h.path.as_str())
-            .header(hyper::header::HOST, target.addr.to_string())
+            .header(hyper::header::HOST, target.host.clone())
             .header("x-torpor-pool", self.pool_name.as_str())
             .header("x-torpor-attempt", attempt.to_string());
         if !h
@@ -138,11 +138,15 @@ impl LaneWorker {
                 body,
             )))
             .map_err(|e| format!("POST port {} {}: {e}", h.port, h.path))?;
-        let (addr, woke) = (target.addr, target.woke);
+        let woke = target.woke;
         let exchange = async {
+            let io = target.connect().await.map_err(|e| {
+                crate::engine::count_proxied("upstream_error");
+                format!("POST port {} {}: {e}", h.port, h.path)
+            })?;
             // The borrow lives until the connection is closed: the whole answer is read
             // before the agent can be checkpointed.
-            let resp = crate::engine::sandbox_http(addr, req, target.in_use)
+            let resp = crate::engine::sandbox_http(io, req, target.in_use)
                 .await
                 .map_err(|e| {
                     crate::engine::count_proxied("upstream_error");
