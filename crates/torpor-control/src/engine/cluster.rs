@@ -157,9 +157,7 @@ impl Engine {
                     api_addr,
                 }
             }
-            None => ControlError::Busy(format!(
-                "sandbox {id} changed while this call ran; retry"
-            )),
+            None => ControlError::Busy(format!("sandbox {id} changed while this call ran; retry")),
         }
     }
 

@@ -224,7 +224,10 @@ mod tests {
     #[test]
     fn the_fuzz_entry_point_holds_on_hostile_headers() {
         use super::super::fuzzing::files_metadata;
-        assert_eq!(files_metadata(b"Author: mish\ntrusted.x: y\n: empty"), Ok(2));
+        assert_eq!(
+            files_metadata(b"Author: mish\ntrusted.x: y\n: empty"),
+            Ok(2)
+        );
         assert!(files_metadata("k: caf\u{e9}".as_bytes()).is_err());
         assert!(files_metadata(b"k: a\tb").is_err());
         assert_eq!(files_metadata(b"k\0: v\nsecurity.selinux\r: v"), Ok(0));
