@@ -230,9 +230,9 @@ pub trait Resident: Send + Sync {
     /// that runs it (cluster mode). Whoever closes, the sandbox keeps no endpoint that would
     /// block its checkpoint (see [`PortIo`]).
     async fn connect_port(&self, port: u16) -> Result<PortStream, RuntimeError> {
-        let addr = self.ingress_addr().ok_or_else(|| {
-            RuntimeError::Unsupported("the sandbox has no network".into())
-        })?;
+        let addr = self
+            .ingress_addr()
+            .ok_or_else(|| RuntimeError::Unsupported("the sandbox has no network".into()))?;
         let stream = crate::net::connect_ingress(addr, port)
             .await
             .map_err(|e| RuntimeError::Unsupported(format!("connect to port {port}: {e}")))?;
