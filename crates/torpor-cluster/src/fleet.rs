@@ -118,6 +118,9 @@ struct Member {
     lost: bool,
     /// Containers started on it through the fleet and not yet ended.
     held: std::collections::HashSet<String>,
+    /// Containers it runs for other controllers of the database (its last heartbeat's count
+    /// less this controller's): slots this controller's lot does not count.
+    others: u32,
 }
 
 #[derive(Default)]
@@ -204,11 +207,15 @@ impl Fleet {
         self.capacity.subscribe()
     }
 
+    /// The lot's size: the ready workers' slots, less those other controllers of the database
+    /// use (as the workers' heartbeats report them), so that two controllers do not both count
+    /// one free slot.
     fn publish_capacity(&self, m: &Members) {
         let mut c = FleetCapacity::default();
-        for (_, cap, _, state) in m.placement.iter() {
+        for (name, cap, _, state) in m.placement.iter() {
             if state == WorkerState::Ready {
-                c.slots += cap.slots as usize;
+                let others = m.workers.get(name).map_or(0, |w| w.others);
+                c.slots += cap.slots.saturating_sub(others) as usize;
                 c.memory_budget += cap.memory_budget;
             }
         }
@@ -383,6 +390,7 @@ impl Fleet {
                         drain,
                         lost: false,
                         held: Default::default(),
+                        others: 0,
                     },
                 );
                 if let Some(p) = previous {
@@ -432,6 +440,8 @@ impl Fleet {
         w.last_seen = Instant::now();
         w.last_seen_at = SystemTime::now();
         let draining = w.drain;
+        let others = req.busy.saturating_sub(reserved);
+        let others_changed = std::mem::replace(&mut w.others, others) != others;
         // Starts in flight count before the worker reports them.
         m.placement.report(
             name,
@@ -440,6 +450,9 @@ impl Fleet {
                 reserved_memory: req.resident_memory,
             },
         );
+        if others_changed {
+            self.publish_capacity(&m);
+        }
         pb::HeartbeatReply {
             known: true,
             draining,
