@@ -203,10 +203,16 @@ pub async fn health(State(st): State<Arc<E2b>>, headers: HeaderMap) -> Response 
     }
 }
 
-/// Makes E2B's home directory; best effort (a template without a shell still works).
+/// Makes E2B's home directory; best effort (a template without a shell still works). Asks
+/// the agent first (one call): `base`'s broker has made it already, and a process spawn inside
+/// gVisor costs tens of milliseconds of every create. [`PROC_DIR`] is made by the first
+/// process start (the agent's `Spawn`, or the supervisor's config write).
 pub async fn ensure_home(st: &E2b, tenant: &TenantId, id: &SandboxId) {
+    if st.api.engine.list_files(tenant, id, HOME).await.is_ok() {
+        return;
+    }
     let req = ExecRequest {
-        cmd: vec!["mkdir".into(), "-p".into(), HOME.into(), PROC_DIR.into()],
+        cmd: vec!["mkdir".into(), "-p".into(), HOME.into()],
         env: BTreeMap::new(),
         cwd: None,
         timeout_ms: Some(10_000),
