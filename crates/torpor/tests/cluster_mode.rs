@@ -633,6 +633,21 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
         "the holder's view, forwarded: {seen}"
     );
 
+    // One lot per controller, one set of slots: c2 does not count the slot c1's sandbox takes
+    // (two workers of 2 slots; the workers' heartbeats say what c1 uses).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (t1, t2) = (
+            c1.ok(reqwest::Method::GET, "/v1/workers", None).await["total"].clone(),
+            c2.ok(reqwest::Method::GET, "/v1/workers", None).await["total"].clone(),
+        );
+        if t1 == 4 && t2 == 3 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "lot sizes c1 {t1}, c2 {t2}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
     // Attacks on forwarding. A caller claiming to be a forwarding controller is served where
     // it asked, and that controller refuses to touch a sandbox another one holds (no second
     // copy, no transition); another tenant's token forwarded to the holder is refused there.
