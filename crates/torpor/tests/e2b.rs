@@ -362,7 +362,7 @@ async fn wire_contract_statuses_shapes_and_bad_input() {
     ] {
         assert!(sbx[f].is_string(), "{f} missing: {sbx}");
     }
-    assert_eq!(sbx["envdVersion"], "0.6.3");
+    assert_eq!(sbx["envdVersion"], "0.6.4");
     assert_eq!(sbx["templateID"], "base");
     // The default proxy domain; public ports carry no traffic token.
     assert_eq!(sbx["domain"], "localhost");

@@ -169,6 +169,17 @@ expect(link is not None, f"no entry for the link: {entries}")
 expect(link.type == FileType.FILE, f"a link's entry has its target's type: {link}")
 expect(link.symlink_target == "/home/user/w/e.txt", f"link target {link}")
 
+step("a watch that allows network mounts (envd 0.6.4) works like any other")
+h = sbx.files.watch_dir("/home/user/w", allow_network_mounts=True)
+sbx.files.write("/home/user/w/n.txt", "n")
+deadline = time.time() + 10
+seen = set()
+while time.time() < deadline and "n.txt" not in seen:
+    seen |= {e.name for e in h.get_new_events()}
+    time.sleep(0.3)
+h.stop()
+expect("n.txt" in seen, f"no event for n.txt: {seen}")
+
 step("file metadata is kept (the rest of it: metadata.py)")
 w = sbx.files.write("/home/user/meta.txt", "x", metadata={"k": "v"})
 expect(w.metadata == {"k": "v"}, f"metadata kept: {w}")
