@@ -275,6 +275,8 @@ pub struct Engine {
     gpus: std::sync::OnceLock<crate::gpu::NodeGpus>,
     /// Live controllers and leases (cluster mode).
     cluster: cluster::ClusterState,
+    /// When the idle policy last refreshed the fleet gauges (a scrape refreshes them itself).
+    gauges_at: AtomicI64,
 }
 
 /// Paths under the data directory.
@@ -349,6 +351,7 @@ impl Engine {
             snapshots,
             gpus: std::sync::OnceLock::new(),
             cluster: Default::default(),
+            gauges_at: AtomicI64::new(0),
         });
         // Alive before touching any sandbox: the others must not take ours over meanwhile.
         engine.announce()?;
