@@ -20,6 +20,11 @@ use torpor_cluster::{Ca, MemberName, Role};
 use torpor_control::store::pg_testing;
 
 const TOKEN: &str = "tpr_admin_cluster_e2e_0123456789";
+/// State in a file, in memory (tmpfs) and a process, for a sandbox to carry across moves.
+const STATE: &str = "echo disk-1 > /tmp/state; mkdir -p /dev/shm && echo mem-1 > /dev/shm/state; \
+     (setsid sleep 100000 </dev/null >/dev/null 2>&1 &); sleep 0.2; pgrep -x sleep > /tmp/pid";
+/// What [`STATE`] reads back: `disk-1\nmem-1\nprocess-alive\n` while all of it is there.
+const CHECK: &str = "cat /tmp/state /dev/shm/state; kill -0 $(cat /tmp/pid) && echo process-alive";
 
 struct Controller {
     api: String,
@@ -384,14 +389,7 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
         )
         .await;
     let id = sb["id"].as_str().unwrap().to_string();
-    controller
-        .exec(
-            &id,
-            "echo disk-1 > /tmp/state; mkdir -p /dev/shm && echo mem-1 > /dev/shm/state; \
-             (setsid sleep 100000 </dev/null >/dev/null 2>&1 &); sleep 0.2; pgrep -x sleep > /tmp/pid",
-        )
-        .await;
-    let check = "cat /tmp/state /dev/shm/state; kill -0 $(cat /tmp/pid) && echo process-alive";
+    controller.exec(&id, STATE).await;
     let first = controller.sandbox(&id).await;
     let first_node = first["node"]
         .as_str()
@@ -424,7 +422,7 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
     let parked = controller.sandbox(&id).await;
     assert_eq!(parked["node"], Value::Null, "asleep: no node: {parked}");
     assert_eq!(
-        controller.exec(&id, check).await,
+        controller.exec(&id, CHECK).await,
         "disk-1\nmem-1\nprocess-alive\n"
     );
     let second = controller.sandbox(&id).await;
@@ -453,7 +451,7 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
             state_of(n, &holding) == Some("lost")
         })
         .await;
-    let after = controller.exec(&id, check).await;
+    let after = controller.exec(&id, CHECK).await;
     assert_eq!(
         after, "disk-1\nmem-1\nprocess-alive\n",
         "back to the last snapshot (disk-2 came after it)"
@@ -619,13 +617,7 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
         .await;
     let id = sb["id"].as_str().unwrap().to_string();
     assert_eq!(sb["controller"], "c1", "{sb}");
-    c2.exec(
-        &id,
-        "echo disk-1 > /tmp/state; mkdir -p /dev/shm && echo mem-1 > /dev/shm/state; \
-         (setsid sleep 100000 </dev/null >/dev/null 2>&1 &); sleep 0.2; pgrep -x sleep > /tmp/pid",
-    )
-    .await;
-    let check = "cat /tmp/state /dev/shm/state; kill -0 $(cat /tmp/pid) && echo process-alive";
+    c2.exec(&id, STATE).await;
     let seen = c2.sandbox(&id).await;
     assert_eq!(seen["controller"], "c1", "{seen}");
     assert!(
@@ -707,7 +699,7 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
     // served with the sandbox's state.
     let wakes = "torpor_wake_seconds_count{from_tier=\"parked\"}";
     let before = c1.metric(wakes).await + c2.metric(wakes).await;
-    let outs = execs_at_once(&[&c1, &c2], &id, check, 8).await;
+    let outs = execs_at_once(&[&c1, &c2], &id, CHECK, 8).await;
     for out in &outs {
         assert_eq!(out, "disk-1\nmem-1\nprocess-alive\n");
     }
@@ -877,7 +869,7 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
     dead.child.wait().unwrap();
 
     // Through c2 the sandbox answers again, adopted where it runs: nothing lost.
-    let out = exec_retrying(&alive, &id, check).await;
+    let out = exec_retrying(&alive, &id, CHECK).await;
     assert_eq!(
         out, "disk-2\nmem-2\nprocess-alive\n",
         "adopted: nothing since the last snapshot was lost"
