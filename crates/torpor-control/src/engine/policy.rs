@@ -33,7 +33,6 @@ impl Engine {
             .map(|t| (t.name.clone(), t))
             .collect();
         let now = now_millis();
-        let mut touched = Vec::new();
         // Parked sandboxes are read only once the soonest suspend of any template is due.
         let soonest_suspend_s = templates
             .values()
@@ -49,7 +48,7 @@ impl Engine {
         self.sweep_lost_controllers(&records).await;
         let me = self.controller_name();
         for mut rec in records {
-            if rec.controller.is_some() && rec.controller.as_deref() != me {
+            if rec.controller.as_deref().is_some_and(|c| Some(c) != me) {
                 continue; // another controller's to move down the ladder
             }
             let slot = self
@@ -60,10 +59,7 @@ impl Engine {
                 .cloned();
             if let Some(slot) = &slot {
                 let active = slot.last_active.load(Ordering::Relaxed);
-                if active > rec.last_active_at {
-                    rec.last_active_at = active;
-                    touched.push((rec.id.clone(), active));
-                }
+                rec.last_active_at = rec.last_active_at.max(active);
             }
             let Some(tpl) = templates.get(&rec.template) else {
                 continue;
@@ -102,21 +98,19 @@ impl Engine {
                 Tier::Running => {}
             }
         }
-        // Activity of sandboxes not read above (parked since the last tick): written too, once.
-        {
-            let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-            let seen: std::collections::HashSet<&SandboxId> =
-                touched.iter().map(|(id, _)| id).collect();
-            let mut more = Vec::new();
-            for (id, slot) in slots.iter() {
+        // Activity clocks that moved since the last tick, each written once (also of sandboxes
+        // not read above: parked since).
+        let touched: Vec<(SandboxId, i64)> = self
+            .slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter_map(|(id, slot)| {
                 let active = slot.last_active.load(Ordering::Relaxed);
-                if active > slot.persisted.swap(active, Ordering::Relaxed) && !seen.contains(id) {
-                    more.push((id.clone(), active));
-                }
-            }
-            drop(seen);
-            touched.extend(more);
-        }
+                (active > slot.persisted.swap(active, Ordering::Relaxed))
+                    .then(|| (id.clone(), active))
+            })
+            .collect();
         self.store.touch_sandboxes(&touched)?;
         // Counting every sandbox costs a scan of the table (190 ms at 10^6 rows, docs/
         // BENCHMARKS.md): between scrapes, which refresh the gauges themselves, every 10 s.
