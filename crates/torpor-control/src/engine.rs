@@ -473,33 +473,49 @@ impl Engine {
             }
         }
         for mut s in self.store.sandboxes()? {
-            use torpor_core::Recovery;
             if !self.reconciles(&s)? {
                 continue; // another live controller holds it
             }
-            match s.state.recovery() {
-                Recovery::Keep => {}
-                Recovery::BackToSnapshot => {
-                    tracing::warn!(sandbox = %s.id, state = %s.state, "back to its last snapshot after a restart");
-                    let to = s.image.sleeping_state();
-                    self.move_to(&mut s, to, "restart")?;
-                }
-                Recovery::DropCreation => {
-                    tracing::warn!(sandbox = %s.id, "dropping a creation that never finished");
-                    self.remove_sandbox_files(&s.id);
-                    self.store.delete_sandbox(&s.id)?;
-                }
-                Recovery::FinishDelete => {
-                    self.remove_sandbox_files(&s.id);
-                    self.store.delete_sandbox(&s.id)?;
-                }
-            }
+            self.resolve_interrupted(&mut s, "restart", None)?;
             // Checkpoints that never committed, and committed ones the record never came to
             // point at (a crash between the rename and the record's update).
             let images = self.sandbox_dir(&s.id).join("images");
             remove_tmp_entries(&images);
             if let Some(ImageRef::Local(current)) = self.store.sandbox(&s.id)?.map(|r| r.image) {
                 remove_other_entries(&images, &current);
+            }
+        }
+        Ok(())
+    }
+
+    /// Resolves the transition a holder that stopped (this engine's previous run, or a lost
+    /// controller: `lost`) left a sandbox in (`torpor_core::Recovery`): a resident or moving
+    /// sandbox goes back to its last snapshot, a creation that never finished is dropped, a
+    /// delete is finished. A sleeping one is left as it is.
+    pub(super) fn resolve_interrupted(
+        &self,
+        s: &mut SandboxRecord,
+        cause: &str,
+        lost: Option<&str>,
+    ) -> Result<()> {
+        use torpor_core::Recovery;
+        match s.state.recovery() {
+            Recovery::Keep => {}
+            Recovery::BackToSnapshot => {
+                tracing::warn!(sandbox = %s.id, state = %s.state, cause, "back to its last snapshot");
+                if let Some(lost) = lost {
+                    s.last_error = Some(format!(
+                        "{lost} was lost; restored to its last snapshot{}",
+                        transitions::snapshot_age(&s.image)
+                    ));
+                }
+                let to = s.image.sleeping_state();
+                self.move_to(s, to, cause)?;
+            }
+            Recovery::DropCreation | Recovery::FinishDelete => {
+                tracing::warn!(sandbox = %s.id, state = %s.state, cause, "finishing an interrupted create or delete");
+                self.remove_sandbox_files(&s.id);
+                self.store.delete_sandbox(&s.id)?;
             }
         }
         Ok(())

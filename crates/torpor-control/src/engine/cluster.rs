@@ -167,7 +167,6 @@ impl Engine {
     /// would have done, and its container, wherever it still runs, is killed. A no-op when
     /// someone else got there first.
     pub(super) async fn take_over(&self, id: &SandboxId, dead: &str) -> Result<()> {
-        use torpor_core::Recovery;
         let slot = self.slot(id);
         let mut guard = slot.state.clone().write_owned().await;
         let Some(mut rec) = self.store.sandbox(id)? else {
@@ -188,27 +187,13 @@ impl Engine {
             .with_label_values(&["controller_lost"])
             .inc();
         self.node.kill(&rec.container_id()).await;
-        let why = format!("controller {dead} was lost");
-        match rec.state.recovery() {
-            Recovery::Keep => {
-                // Sleeping but still naming its holder: only the holder is cleared.
-                rec.controller = None;
-                self.write_claimed(&mut rec)?;
-            }
-            Recovery::BackToSnapshot => {
-                rec.last_error = Some(format!(
-                    "{why}; restored to its last snapshot{}",
-                    transitions::snapshot_age(&rec.image)
-                ));
-                let to = rec.image.sleeping_state();
-                self.move_to(&mut rec, to, "controller_lost")?;
-            }
-            Recovery::DropCreation | Recovery::FinishDelete => {
-                self.remove_sandbox_files(id);
-                self.store.delete_sandbox(id)?;
-            }
+        if rec.state.recovery() == torpor_core::Recovery::Keep {
+            // Sleeping but still naming its holder: only the holder is cleared.
+            rec.controller = None;
+            return self.write_claimed(&mut rec);
         }
-        Ok(())
+        let lost = format!("controller {dead}");
+        self.resolve_interrupted(&mut rec, "controller_lost", Some(&lost))
     }
 
     /// Adopts the container of a resident sandbox whose controller was lost, if its worker
