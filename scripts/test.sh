@@ -11,6 +11,9 @@ export CARGO_TERM_COLOR=never
 # Two cores: two test threads keep end-to-end tests (each a daemon with sandboxes) from starving.
 export RUST_TEST_THREADS=${RUST_TEST_THREADS:-2}
 
+# A clean build of the workspace takes ~GiB of disk; a full disk shows up as a linker crash
+# (SIGBUS), so say how much there is before building.
+echo "== disk: $(df -h --output=avail . | tail -1 | tr -d ' ') available for $(pwd)/target"
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== deploy/k8s manifests" && bash deploy/k8s/validate.sh  # kubernetes-validate + the CRDs' schemas
