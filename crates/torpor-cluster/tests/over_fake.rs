@@ -89,6 +89,7 @@ fn engine_config(dir: &Path) -> EngineConfig {
         memory_budget: None,
         tick: Duration::from_secs(3600),
         warm_pool: 0,
+        live_restore: false,
         drain_timeout: Duration::from_secs(2),
         snapshots: Default::default(),
         import_dir: None,

@@ -78,6 +78,9 @@ pub struct EngineConfig {
     pub tick: Duration,
     /// Free workers kept prepared (cgroups, bundle directory) so a wake does only the restore.
     pub warm_pool: usize,
+    /// Running sandboxes outlive the engine's process under their shims and are taken back at
+    /// the next start (this machine's node only).
+    pub live_restore: bool,
     /// How long an explicit suspend waits for calls in flight (execs, proxied requests, open
     /// WebSockets) to finish before it answers 409 `sandbox_busy`; nothing in flight is cut.
     pub drain_timeout: Duration,
@@ -311,6 +314,7 @@ impl Engine {
             runsc_platform: cfg.runsc_platform.clone(),
             agent_binary: cfg.agent_binary.clone(),
             warm_pool: cfg.warm_pool,
+            live_restore: cfg.live_restore,
         })?;
         Engine::start_on(cfg, Arc::new(node)).await
     }
@@ -453,15 +457,31 @@ impl Engine {
 
     /// Resolves every transitional state a crashed daemon left and removes stray containers.
     async fn reconcile(&self) -> Result<()> {
-        // The agent channel of any container still running died with the previous daemon; such
-        // a container cannot be talked to again, so its sandbox goes back to its last snapshot.
-        // Containers the previous run froze cannot die until thawed.
-        let known: Vec<String> = self
-            .store
-            .sandboxes()?
-            .into_iter()
-            .map(|s| s.id.to_string())
-            .collect();
+        // Running and frozen sandboxes whose containers outlived the previous run under their
+        // shims (live restore) are taken back as they are. The node clears every other
+        // container it finds: those sandboxes go back to their last snapshot below.
+        // (A restarted controller does not take its workers' containers back yet: they are
+        // cleared by its reconcile, see docs/CLUSTER.md.)
+        let mut known = Vec::new();
+        let mut taken_back = 0;
+        for mut s in self.store.sandboxes()? {
+            known.push(s.id.to_string());
+            if !matches!(s.state, SandboxState::Running | SandboxState::Frozen)
+                || self.controller_name().is_some()
+            {
+                continue;
+            }
+            let mut guard = self.slot(&s.id).state.clone().write_owned().await;
+            if self.adopt(&mut guard, &mut s, "restart").await? {
+                taken_back += 1;
+            }
+        }
+        if taken_back > 0 {
+            tracing::info!(
+                sandboxes = taken_back,
+                "running sandboxes taken back after a restart"
+            );
+        }
         self.node.reconcile(&known).await;
         // Another live controller may be building a template right now.
         let others = self.others_alive()?;
@@ -475,6 +495,9 @@ impl Engine {
         for mut s in self.store.sandboxes()? {
             if !self.reconciles(&s)? {
                 continue; // another live controller holds it
+            }
+            if self.is_live(&s.id) {
+                continue; // taken back above
             }
             self.resolve_interrupted(&mut s, "restart", None)?;
             // Checkpoints that never committed, and committed ones the record never came to
@@ -523,6 +546,17 @@ impl Engine {
 
     fn remove_sandbox_files(&self, id: &SandboxId) {
         let _ = std::fs::remove_dir_all(self.sandbox_dir(id));
+    }
+
+    /// Whether a container is installed for `id` (false while its slot is busy).
+    fn is_live(&self, id: &SandboxId) -> bool {
+        let slot = self
+            .slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned();
+        slot.is_some_and(|s| s.state.try_read().is_ok_and(|g| g.live.is_some()))
     }
 
     fn slot(&self, id: &SandboxId) -> Arc<Slot> {

@@ -37,13 +37,23 @@ impl AgentConn {
         writer: impl AsyncWrite + Send + Unpin + 'static,
         reader: impl AsyncRead + Send + Unpin + 'static,
     ) -> Arc<Self> {
+        Self::with_first_id(writer, reader, 1)
+    }
+
+    /// A connection whose request ids start at `first_id` (through a shim, which drops replies
+    /// to lower ids: requests of an earlier daemon; see [`crate::shim`]).
+    pub fn with_first_id(
+        writer: impl AsyncWrite + Send + Unpin + 'static,
+        reader: impl AsyncRead + Send + Unpin + 'static,
+        first_id: u64,
+    ) -> Arc<Self> {
         let routes: Routes = Arc::default();
         let (closed_tx, closed) = watch::channel(false);
         tokio::spawn(read_replies(reader, routes.clone(), closed_tx));
         Arc::new(AgentConn {
             writer: tokio::sync::Mutex::new(Box::new(writer)),
             routes,
-            next_id: AtomicU64::new(1),
+            next_id: AtomicU64::new(first_id),
             closed,
             version: std::sync::atomic::AtomicU32::new(0),
         })

@@ -13,6 +13,7 @@ pub mod proto;
 pub mod relay;
 pub mod rootfs;
 pub mod runsc;
+pub mod shim;
 pub mod spec;
 pub mod warm;
 

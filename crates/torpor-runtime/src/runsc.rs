@@ -22,6 +22,7 @@ use tokio::sync::watch;
 use crate::cgroup;
 use crate::conn::{AgentConn, ConnError};
 use crate::proto::{Reply, Request};
+use crate::shim::{self, ShimMeta, Shims};
 use crate::spec::{self, ContainerSpec};
 use crate::warm::Worker;
 
@@ -83,6 +84,9 @@ pub struct Runsc {
     groups: Arc<Mutex<HashMap<String, String>>>,
     /// Containers running with a network (runsc `--network=sandbox`).
     networked: Arc<Mutex<HashSet<String>>>,
+    /// Where containers' supervisors live (live restore); `None`: runsc is this process's
+    /// child and its containers die with it.
+    shims: Option<Arc<Shims>>,
 }
 
 /// How a container ended.
@@ -101,6 +105,8 @@ pub struct Container {
     exit: watch::Receiver<Option<ExitInfo>>,
     /// Set before a checkpoint, so that the exit it causes is not taken for a crash.
     expected_exit: Arc<AtomicBool>,
+    /// The supervisor holding its stdio (live restore).
+    pub shim_pid: Option<u32>,
 }
 
 /// A cloneable view of how a container ends, for tasks that outlive a borrow of it.
@@ -222,6 +228,75 @@ impl Runsc {
             log_dir,
             groups: Arc::default(),
             networked: Arc::default(),
+            shims: None,
+        })
+    }
+
+    /// Runs every container under a shim from now on, so that it outlives this process
+    /// (see [`crate::shim`]).
+    pub fn with_shims(mut self, shims: Shims) -> Runsc {
+        self.shims = Some(Arc::new(shims));
+        self
+    }
+
+    pub fn shims(&self) -> Option<&Shims> {
+        self.shims.as_deref()
+    }
+
+    /// Records, for a later run of the daemon, what it needs to take `c` back (a no-op without
+    /// shims). Called once the container's agent answered.
+    pub fn record(&self, c: &Container, worker: Option<&str>, devices: bool) {
+        let (Some(shims), Some(shim_pid)) = (&self.shims, c.shim_pid) else {
+            return;
+        };
+        let meta = ShimMeta {
+            container_id: c.id.clone(),
+            cgroup: c.cgroup.clone(),
+            worker: worker.map(String::from),
+            networked: self.is_networked(&c.id),
+            devices,
+            agent_version: c.conn.agent_version(),
+            shim_pid,
+            socket: shims.socket_of(&c.id),
+        };
+        if let Err(e) = shims.write_meta(&meta) {
+            tracing::warn!(container = %c.id, error = %e,
+                "cannot record a container for live restore; a restart will restore it from its snapshot");
+        }
+    }
+
+    /// Connects again to a container a previous run of the daemon started ([`Runsc::record`]):
+    /// it kept running under its shim. `oom` is its group's OOM flag.
+    pub fn reattach(
+        &self,
+        meta: &ShimMeta,
+        oom: Arc<AtomicBool>,
+    ) -> Result<Container, RuntimeError> {
+        let shims = self
+            .shims
+            .clone()
+            .ok_or_else(|| RuntimeError::Unsupported("live restore is off".into()))?;
+        let first_id = shim::first_request_id();
+        let stream = shim::connect(&meta.socket, first_id).map_err(io_err(&shims.dir))?;
+        let (conn, exit) = attach_shim(&shims, &meta.container_id, stream, first_id, oom)
+            .map_err(io_err(&shims.dir))?;
+        conn.set_agent_version(meta.agent_version);
+        if meta.worker.is_some() {
+            self.groups
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(meta.container_id.clone(), meta.cgroup.clone());
+        }
+        if meta.networked {
+            self.lock_networked().insert(meta.container_id.clone());
+        }
+        Ok(Container {
+            id: meta.container_id.clone(),
+            cgroup: meta.cgroup.clone(),
+            conn,
+            exit,
+            expected_exit: Arc::new(AtomicBool::new(false)),
+            shim_pid: Some(meta.shim_pid),
         })
     }
 
@@ -372,6 +447,9 @@ impl Runsc {
             .append(true)
             .open(&log_path)
             .map_err(io_err(&log_path))?;
+        if let Some(shims) = self.shims.clone() {
+            return self.spawn_shimmed(&shims, container_id, cgroup, oom, &args, net, log);
+        }
         let mut cmd = Command::new(&self.binary);
         if net {
             private_proc_sys_net(&mut cmd);
@@ -395,6 +473,55 @@ impl Runsc {
             conn,
             exit,
             expected_exit: Arc::new(AtomicBool::new(false)),
+            shim_pid: None,
+        })
+    }
+
+    /// Starts runsc under a shim of its own (live restore), connected over a socket pair.
+    #[allow(clippy::too_many_arguments)]
+    fn spawn_shimmed(
+        &self,
+        shims: &Arc<Shims>,
+        container_id: &str,
+        cgroup: &str,
+        oom: Arc<AtomicBool>,
+        args: &[String],
+        net: bool,
+        log: std::fs::File,
+    ) -> Result<Container, RuntimeError> {
+        let dir = shims.dir_of(container_id);
+        let mut cmd = shims
+            .command(container_id, &self.binary, args)
+            .map_err(io_err(&dir))?;
+        if net {
+            private_proc_sys_net(&mut cmd);
+        }
+        let (mut ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(io_err(&dir))?;
+        shim::pass_connection(&mut cmd, &theirs);
+        let first_id = shim::first_request_id();
+        shim::announce(&mut ours, first_id).map_err(io_err(&dir))?;
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .kill_on_drop(false)
+            .spawn()
+            .map_err(io_err(&shims.binary))?;
+        drop(theirs);
+        let shim_pid = child.id();
+        // Reaped here while this daemon lives; by init after it.
+        tokio::spawn(async move {
+            let _ = child.wait().await;
+        });
+        let (conn, exit) =
+            attach_shim(shims, container_id, ours, first_id, oom).map_err(io_err(&dir))?;
+        Ok(Container {
+            id: container_id.to_string(),
+            cgroup: cgroup.to_string(),
+            conn,
+            exit,
+            expected_exit: Arc::new(AtomicBool::new(false)),
+            shim_pid,
         })
     }
 
@@ -453,9 +580,10 @@ impl Runsc {
         }
     }
 
-    /// Kills every runsc process working on this state directory (`--root`): what a daemon that
-    /// died left running (a restore, a checkpoint, a sandbox). Its channels died with it.
-    pub fn kill_strays(&self) -> usize {
+    /// Kills every runsc process working on this state directory (`--root`), shims included:
+    /// what a daemon that died left running (a restore, a checkpoint, a sandbox), except what
+    /// runs under the shims in `keep` (containers taken back by live restore).
+    pub fn kill_strays(&self, keep: &HashSet<u32>) -> usize {
         let needle = format!("--root={}", self.state_root.display());
         let me = std::process::id();
         let mut killed = 0;
@@ -466,7 +594,7 @@ impl Runsc {
             let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
                 continue;
             };
-            if pid == me {
+            if pid == me || under(pid, keep) {
                 continue;
             }
             let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) else {
@@ -528,6 +656,72 @@ impl Runsc {
     }
 }
 
+/// Whether `pid` is one of `roots` or runs under one of them.
+fn under(pid: u32, roots: &HashSet<u32>) -> bool {
+    let mut p = pid;
+    for _ in 0..64 {
+        if roots.contains(&p) {
+            return true;
+        }
+        match parent_of(p) {
+            Some(pp) if pp > 1 => p = pp,
+            _ => return false,
+        }
+    }
+    false
+}
+
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `pid (comm) state ppid ...`: comm may hold spaces and parentheses.
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// The agent channel through a shim's connection, and a watch that reports the container's
+/// exit once the shim closes it (with the status the shim recorded).
+fn attach_shim(
+    shims: &Arc<Shims>,
+    container_id: &str,
+    stream: std::os::unix::net::UnixStream,
+    first_id: u64,
+    oom: Arc<AtomicBool>,
+) -> std::io::Result<(Arc<AgentConn>, watch::Receiver<Option<ExitInfo>>)> {
+    stream.set_nonblocking(true)?;
+    let (r, w) = tokio::net::UnixStream::from_std(stream)?.into_split();
+    let conn = AgentConn::with_first_id(w, r, first_id);
+    let (tx, exit) = watch::channel(None);
+    let shims = shims.clone();
+    let closed = conn.clone();
+    let cid = container_id.to_string();
+    tokio::spawn(async move {
+        closed.closed().await;
+        // The shim records the status before it closes; a shim that was killed records none.
+        let mut info = None;
+        for _ in 0..50 {
+            info = shims.take_exit(&cid);
+            if info.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let info = info.unwrap_or_else(|| {
+            let _ = std::fs::remove_dir_all(shims.dir_of(&cid));
+            ExitInfo {
+                code: None,
+                signal: Some(libc::SIGKILL),
+                oom_killed: false,
+            }
+        });
+        report_exit(info, oom, tx).await;
+    });
+    Ok((conn, exit))
+}
+
 fn last_chars(s: &str, n: usize) -> String {
     let s = s.trim();
     let start = s.len().saturating_sub(n);
@@ -538,25 +732,33 @@ fn last_chars(s: &str, n: usize) -> String {
 }
 
 async fn watch_exit(mut child: Child, oom: Arc<AtomicBool>, tx: watch::Sender<Option<ExitInfo>>) {
-    let status = child.wait().await;
+    use std::os::unix::process::ExitStatusExt;
+    let info = match child.wait().await {
+        Ok(s) => ExitInfo {
+            code: s.code(),
+            signal: s.signal(),
+            oom_killed: false,
+        },
+        Err(_) => ExitInfo {
+            code: None,
+            signal: None,
+            oom_killed: false,
+        },
+    };
+    report_exit(info, oom, tx).await;
+}
+
+async fn report_exit(
+    mut info: ExitInfo,
+    oom: Arc<AtomicBool>,
+    tx: watch::Sender<Option<ExitInfo>>,
+) {
     // The OOM watcher reads the cgroup on the kernel's event; give it a moment to land.
     let t = Instant::now();
     while !oom.load(Ordering::SeqCst) && t.elapsed() < Duration::from_millis(50) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    use std::os::unix::process::ExitStatusExt;
-    let info = match status {
-        Ok(s) => ExitInfo {
-            code: s.code(),
-            signal: s.signal(),
-            oom_killed: oom.load(Ordering::SeqCst),
-        },
-        Err(_) => ExitInfo {
-            code: None,
-            signal: None,
-            oom_killed: oom.load(Ordering::SeqCst),
-        },
-    };
+    info.oom_killed = oom.load(Ordering::SeqCst);
     let _ = tx.send(Some(info));
 }
 

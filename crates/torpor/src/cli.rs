@@ -72,6 +72,12 @@ pub enum Command {
         /// restore (default: as many as --workers; 0 prepares every worker at wake time).
         #[arg(long)]
         warm_pool: Option<usize>,
+        /// Run each sandbox under a small supervisor (`torpor shim`) that holds its agent
+        /// channel, so that running sandboxes survive a crash, a SIGKILL or an upgrade of the
+        /// daemon and are taken back as they were at its next start. `false`: a restart sends
+        /// every running sandbox back to its last snapshot.
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        live_restore: bool,
         /// Declared GPU inventory (TOML); without it NVML is asked when a driver loads.
         #[arg(long)]
         gpu_inventory: Option<PathBuf>,
@@ -279,6 +285,16 @@ pub enum Command {
         #[arg(last = true)]
         main: Vec<String>,
     },
+    /// The supervisor of one container's runsc process (internal; see live restore).
+    #[command(hide = true)]
+    Shim {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long)]
+        socket: String,
+        #[arg(last = true, required = true)]
+        command: Vec<std::ffi::OsString>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -458,6 +474,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             memory_budget,
             tick_ms,
             warm_pool,
+            live_restore,
             gpu_inventory,
             gpu_quotas,
             cuda_checkpoint,
@@ -511,6 +528,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                 memory_budget,
                 tick: Duration::from_millis(tick_ms.max(50)),
                 warm_pool,
+                live_restore,
                 gpu_inventory,
                 gpu_quotas,
                 cuda_checkpoint,
@@ -782,7 +800,9 @@ async fn dispatch(cmd: Command) -> CliResult {
             Ok(crate::gpu::run(g).await)
         }
         Command::Demo(args) => crate::demo::run(args).await.map_err(CliError::from),
-        Command::SandboxAgent { .. } => unreachable!("handled before the runtime starts"),
+        Command::SandboxAgent { .. } | Command::Shim { .. } => {
+            unreachable!("handled before the runtime starts")
+        }
     }
 }
 

@@ -32,6 +32,8 @@ pub struct UpConfig {
     pub memory_budget: Option<u64>,
     pub tick: Duration,
     pub warm_pool: Option<usize>,
+    /// Sandboxes outlive the daemon under their shims (`--live-restore`).
+    pub live_restore: bool,
     pub gpu_inventory: Option<PathBuf>,
     pub gpu_quotas: Option<PathBuf>,
     pub cuda_checkpoint: Option<PathBuf>,
@@ -254,6 +256,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         },
         tick: cfg.tick,
         warm_pool: cfg.warm_pool.unwrap_or(workers),
+        live_restore: cfg.live_restore,
         snapshots: cfg.snapshots,
         import_dir: cfg.import_dir.clone(),
         database: cfg.cluster.as_ref().map(|c| c.database.clone()),

@@ -35,6 +35,21 @@ fn main() {
         }
         return;
     }
+    // A container's supervisor: plain threads too, and it must outlive any daemon.
+    if let cli::Command::Shim {
+        dir,
+        socket,
+        command,
+    } = args.command
+    {
+        match torpor_runtime::shim::run(dir, socket, command) {
+            Ok(code) => std::process::exit(code),
+            Err(e) => {
+                eprintln!("torpor shim: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

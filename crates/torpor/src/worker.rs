@@ -105,6 +105,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         runsc_platform: args.platform,
         agent_binary: std::env::current_exe().context("cannot find the torpor binary")?,
         warm_pool: args.warm_pool.unwrap_or(slots.min(4)),
+        // Containers run under shims; a restarted worker does not take them back yet (its
+        // controllers' reconcile clears them), see docs/CLUSTER.md.
+        live_restore: true,
     })?;
     let node: Arc<dyn Node> = Arc::new(node);
     // Every container here is a previous run's: none is kept. (Sandbox containers run in the

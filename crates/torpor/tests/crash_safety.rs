@@ -46,7 +46,10 @@ async fn sigkill_during_checkpoint_and_restore_loses_nothing_committed() {
                 let _ = bg.suspend(&bid, Some(Tier::Parked)).await;
             });
         } else {
-            // Parked: a call wakes it (a restore), killed somewhere along the way.
+            // Parked: a call wakes it (a restore), killed somewhere along the way. A wake that
+            // finished before the kill leaves the sandbox running with the call's effect, and
+            // live restore takes it back as it is.
+            allowed.push(committed + 1);
             let bg = c.clone();
             let bid = id.clone();
             tokio::spawn(async move {
@@ -98,10 +101,34 @@ async fn sigkill_during_checkpoint_and_restore_loses_nothing_committed() {
     );
 }
 
+/// A frozen sandbox outlives a SIGKILLed daemon under its shim and is taken back as it is.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crash_while_frozen_loses_nothing() {
+    let _serial = SERIAL.lock().await;
+    let mut d = Daemon::start().await;
+    let c = d.client();
+    c.create_template(&agent_template("frosty", no_idle()))
+        .await
+        .unwrap();
+    let id = create(&c, "frosty").await;
+    assert_eq!(call_agent(&c, &id, "a").await, (1, 1));
+    c.suspend(&id, Some(Tier::Parked)).await.unwrap();
+    assert_eq!(call_agent(&c, &id, "b").await, (2, 2));
+    c.suspend(&id, Some(Tier::Frozen)).await.unwrap();
+    d.kill();
+    d.spawn().await;
+    let c = d.client();
+    assert_eq!(c.sandbox(&id).await.unwrap().state, "frozen");
+    // The uncommitted call is still there, in memory and on disk.
+    assert_eq!(call_agent(&c, &id, "c").await, (3, 3));
+}
+
+/// Without live restore, a crash while frozen sends the sandbox back to its last snapshot and
+/// leaves no process of the frozen container behind.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_crash_while_frozen_leaves_nothing_stuck() {
     let _serial = SERIAL.lock().await;
-    let mut d = Daemon::start().await;
+    let mut d = Daemon::start_with(&["--live-restore=false"]).await;
     let c = d.client();
     c.create_template(&agent_template("frosty", no_idle()))
         .await

@@ -176,8 +176,13 @@ impl Engine {
             return Ok(()); // taken over already, or moved on
         }
         if matches!(rec.state, SandboxState::Running | SandboxState::Frozen)
-            && self.adopt(&mut guard, &mut rec, dead).await?
+            && self.adopt(&mut guard, &mut rec, "controller_lost").await?
         {
+            tracing::warn!(sandbox = %id, controller = dead, "adopted a lost controller's sandbox");
+            self.metrics
+                .crashes
+                .with_label_values(&["controller_lost"])
+                .inc();
             return Ok(());
         }
         tracing::warn!(sandbox = %id, controller = dead, state = %rec.state,
@@ -196,15 +201,16 @@ impl Engine {
         self.resolve_interrupted(&mut rec, "controller_lost", Some(&lost))
     }
 
-    /// Adopts the container of a resident sandbox whose controller was lost, if its worker
-    /// still runs it and a worker permit is free here: the record names this controller, the
-    /// sandbox stays in its state with its memory, processes and calls' effects. False when it
-    /// could not (the caller sends the sandbox back to its snapshot instead).
-    async fn adopt(
+    /// Adopts the container of a resident sandbox whose holder stopped (`cause`: a lost
+    /// controller, or this engine's previous run under live restore), if its node still runs
+    /// it and a worker permit is free here: the record names this controller, the sandbox
+    /// stays in its state with its memory, processes and calls' effects. False when it could
+    /// not (the caller sends the sandbox back to its snapshot instead).
+    pub(super) async fn adopt(
         &self,
         guard: &mut OwnedRwLockWriteGuard<SlotState>,
         rec: &mut SandboxRecord,
-        dead: &str,
+        cause: &str,
     ) -> Result<bool> {
         let Some(permit) = self.workers.try_acquire() else {
             return Ok(false);
@@ -218,21 +224,17 @@ impl Engine {
         };
         let frozen = rec.state == SandboxState::Frozen;
         let state = rec.state;
-        if let Err(e) = self.move_to(rec, state, "controller_lost") {
+        if let Err(e) = self.move_to(rec, state, cause) {
             // Someone else took it meanwhile: the container stays theirs.
             drop(resident);
             return Err(e);
         }
-        tracing::warn!(sandbox = %rec.id, controller = dead, container = resident.id(),
-            worker = resident.worker(), "adopted a lost controller's sandbox; nothing was lost");
+        tracing::info!(sandbox = %rec.id, cause, container = resident.id(),
+            worker = resident.worker(), state = %state, "took a running sandbox back; nothing was lost");
         self.install_live(guard, rec, resident, permit);
         if let Some(live) = guard.live.as_mut() {
             live.frozen = frozen;
         }
-        self.metrics
-            .crashes
-            .with_label_values(&["controller_lost"])
-            .inc();
         Ok(true)
     }
 

@@ -38,6 +38,7 @@ pub fn config(data_dir: &Path) -> EngineConfig {
         // The idle policy runs only when a test calls policy_tick.
         tick: Duration::from_secs(3600),
         warm_pool: 0,
+        live_restore: false,
         drain_timeout: Duration::from_secs(2),
         snapshots: Default::default(),
         import_dir: None,

@@ -1,5 +1,6 @@
 //! The node of this machine: gVisor's runsc on the warm pool's prepared workers.
 
+use std::collections::{HashMap, HashSet};
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -13,6 +14,7 @@ use crate::conn::ConnError;
 use crate::net::{NetError, NetStats};
 use crate::proto::{Reply, Request};
 use crate::runsc::{Container, ExitHandle, Runsc, RuntimeError};
+use crate::shim::{self, ShimMeta, Shims};
 use crate::warm::{WarmPool, WarmStats, Worker};
 use crate::{cgroup, rootfs};
 
@@ -26,6 +28,9 @@ pub struct RunscNodeConfig {
     pub agent_binary: PathBuf,
     /// Free workers kept prepared (cgroups, bundle directory) so a wake does only the restore.
     pub warm_pool: usize,
+    /// Runs each container under a shim (`agent_binary shim …`) so that it outlives this
+    /// process, and takes back at start what a previous run left running ([`Node::adopt`]).
+    pub live_restore: bool,
 }
 
 pub struct RunscNode {
@@ -35,6 +40,13 @@ pub struct RunscNode {
     agent_dir: PathBuf,
     events: mpsc::UnboundedSender<NodeEvent>,
     events_rx: Mutex<Option<mpsc::UnboundedReceiver<NodeEvent>>>,
+    /// Containers a previous run left running under their shims, by container id, until
+    /// adopted or cleared by [`Node::reconcile`].
+    survivors: Mutex<HashMap<String, ShimMeta>>,
+    /// Shims of that run whose containers never finished starting.
+    stray_shims: Mutex<Vec<u32>>,
+    /// Containers taken back (their shims' pids, their ids): reconcile leaves them running.
+    adopted: Mutex<(HashSet<u32>, HashSet<String>)>,
 }
 
 impl RunscNode {
@@ -50,7 +62,33 @@ impl RunscNode {
         tracing::info!(version = %runsc.version, platform = %runsc.platform, overlay = ?runsc.overlay_flags, "runsc detected");
         let agent_dir = rootfs::install_agent(&cfg.agent_binary, &cfg.data_dir.join("agent"))
             .map_err(|e| RuntimeError::Unsupported(e.to_string()))?;
-        let warm = WarmPool::start(&cfg.data_dir, cfg.warm_pool);
+        let mut scan = shim::Scan::default();
+        let runsc = if cfg.live_restore {
+            let shims_dir = cfg.data_dir.join("shims");
+            let shims =
+                Shims::new(cfg.agent_binary.clone(), shims_dir.clone()).map_err(|source| {
+                    RuntimeError::Io {
+                        path: shims_dir,
+                        source,
+                    }
+                })?;
+            scan = shims.scan();
+            if !scan.survivors.is_empty() {
+                tracing::info!(
+                    containers = scan.survivors.len(),
+                    "containers outlived the previous run under their shims"
+                );
+            }
+            runsc.with_shims(shims)
+        } else {
+            runsc
+        };
+        let keep: Vec<String> = scan
+            .survivors
+            .iter()
+            .filter_map(|m| m.worker.clone())
+            .collect();
+        let warm = WarmPool::start(&cfg.data_dir, cfg.warm_pool, &keep);
         let (events, rx) = mpsc::unbounded_channel();
         Ok(RunscNode {
             runsc,
@@ -59,6 +97,14 @@ impl RunscNode {
             agent_dir,
             events,
             events_rx: Mutex::new(Some(rx)),
+            survivors: Mutex::new(
+                scan.survivors
+                    .into_iter()
+                    .map(|m| (m.container_id.clone(), m))
+                    .collect(),
+            ),
+            stray_shims: Mutex::new(scan.strays),
+            adopted: Mutex::default(),
         })
     }
 
@@ -108,7 +154,16 @@ impl Node for RunscNode {
         cgroup::thaw_matching(|cid: &str| {
             super::sandbox_of(cid).is_some_and(|id| known_sandboxes.iter().any(|k| k == id))
         });
-        let strays = self.runsc.kill_strays();
+        // What the previous run left under shims and nobody took back is cleared like any
+        // other leftover; the adopted keep running.
+        let survivors: Vec<ShimMeta> = lock(&self.survivors).drain().map(|(_, m)| m).collect();
+        let mut stray_shims = std::mem::take(&mut *lock(&self.stray_shims));
+        stray_shims.extend(survivors.iter().map(|m| m.shim_pid));
+        for pid in &stray_shims {
+            shim::kill(*pid);
+        }
+        let (keep, adopted) = lock(&self.adopted).clone();
+        let strays = self.runsc.kill_strays(&keep) + stray_shims.len();
         if strays > 0 {
             tracing::warn!(
                 processes = strays,
@@ -116,15 +171,64 @@ impl Node for RunscNode {
             );
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
-        let left = self.runsc.list().await;
+        let left: Vec<String> = self
+            .runsc
+            .list()
+            .await
+            .into_iter()
+            .filter(|cid| !adopted.contains(cid))
+            .collect();
         for cid in &left {
             tracing::warn!(container = %cid, "removing a container left by a previous run");
             self.runsc.destroy(cid).await;
+        }
+        // Their workers go back to the pool (reset on the way).
+        for m in survivors {
+            if let Some(w) = m.worker {
+                drop(self.warm.adopt(&w));
+            }
         }
         let run = self.data_dir.join("run");
         let _ = std::fs::remove_dir_all(&run);
         let _ = std::fs::create_dir_all(&run);
         strays + left.len()
+    }
+
+    /// Takes back a container that a previous run of this daemon started and that kept
+    /// running under its shim (live restore). Not for networked or GPU containers yet: their
+    /// network and devices were this process's, so they go back to their snapshot.
+    async fn adopt(&self, container_id: &str, _memory: u64) -> Option<Box<dyn Resident>> {
+        let meta = lock(&self.survivors).remove(container_id)?;
+        let Some(worker_name) = meta
+            .worker
+            .clone()
+            .filter(|_| !meta.networked && !meta.devices)
+        else {
+            lock(&self.survivors).insert(meta.container_id.clone(), meta);
+            return None;
+        };
+        let worker = self.warm.adopt(&worker_name);
+        match self.runsc.reattach(&meta, worker.oom_flag()) {
+            Ok(container) => {
+                let mut adopted = lock(&self.adopted);
+                adopted.0.insert(meta.shim_pid);
+                adopted.1.insert(meta.container_id.clone());
+                drop(adopted);
+                tracing::info!(container = %container_id, worker = %worker_name,
+                    "took back a container that outlived the previous run");
+                Some(self.resident(container, Some(worker)))
+            }
+            Err(e) => {
+                tracing::warn!(container = %container_id, error = %e,
+                    "cannot reach the shim of a container that outlived the previous run");
+                // Reconcile kills it; the worker's group is reset as this handle goes.
+                let mut meta = meta;
+                meta.worker = None;
+                lock(&self.survivors).insert(meta.container_id.clone(), meta);
+                drop(worker);
+                None
+            }
+        }
     }
 
     async fn boot(&self, launch: Launch) -> Result<Box<dyn Resident>, RuntimeError> {
@@ -170,6 +274,8 @@ impl Node for RunscNode {
             self.runsc.destroy(&container.id).await;
             return Err(e);
         }
+        self.runsc
+            .record(&container, Some(worker.name()), !spec.devices.is_empty());
         Ok(self.resident(container, Some(worker)))
     }
 
@@ -189,6 +295,10 @@ impl Node for RunscNode {
         let warm = self.warm.clone();
         let _ = tokio::task::spawn_blocking(move || warm.shutdown()).await;
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Makes `worker`'s network ready for a sandbox under `policy`: namespaces (first use),
