@@ -1,5 +1,6 @@
 //! `torpor up`: the all-in-one daemon. Opens the data directory, starts the engine and serves
-//! the API until SIGTERM or SIGINT, then checkpoints every resident sandbox before exiting.
+//! the API until SIGTERM or SIGINT, then checkpoints every resident sandbox before exiting
+//! (SIGQUIT with live restore: exits at once and leaves them running for the next start).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -390,7 +391,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
             stopped(stop_rx.clone()),
         ))
     });
-    shutdown_signal().await;
+    let stop = shutdown_signal(cfg.live_restore).await;
     let _ = stop_tx.send(true);
     let servers = async {
         let api = server.await;
@@ -408,6 +409,16 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     if let Some(k) = keda {
         let _ = k.await;
     }
+    if stop == Stop::Leave {
+        // An upgrade or a restart: the sandboxes go on under their shims and the next start
+        // takes them back. Exit before anything is dropped: a dropped worker handle would
+        // reset its group under a running sandbox.
+        eprintln!("torpor: leaving resident sandboxes running under their shims (SIGQUIT); pools finish in-flight messages");
+        pools.shutdown().await;
+        audit.close().await;
+        eprintln!("torpor: stopped; the next start takes the running sandboxes back");
+        std::process::exit(0);
+    }
     eprintln!("torpor: shutting down; pools finish in-flight messages, then checkpointing resident sandboxes");
     pools.shutdown().await;
     engine.shutdown().await;
@@ -420,12 +431,25 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// How the daemon stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// SIGTERM, SIGINT: every resident sandbox is checkpointed first (nothing lost, whatever
+    /// happens to the machine next).
+    Park,
+    /// SIGQUIT with live restore: exit at once and leave resident sandboxes running under
+    /// their shims; the next start takes them back (an upgrade, a restart of the daemon alone).
+    Leave,
+}
+
+async fn shutdown_signal(live_restore: bool) -> Stop {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler installs");
     let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler installs");
+    let mut quit = signal(SignalKind::quit()).expect("SIGQUIT handler installs");
     tokio::select! {
-        _ = term.recv() => {},
-        _ = int.recv() => {},
+        _ = term.recv() => Stop::Park,
+        _ = int.recv() => Stop::Park,
+        _ = quit.recv() => if live_restore { Stop::Leave } else { Stop::Park },
     }
 }

@@ -139,6 +139,17 @@ impl Daemon {
         }
     }
 
+    /// SIGQUIT and wait: a stop that leaves resident sandboxes running under their shims for
+    /// the next start (live restore; an upgrade).
+    pub fn quit(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGQUIT) };
+            let status = c.wait().unwrap();
+            assert!(status.success(), "daemon exit {status}:\n{}", self.log());
+        }
+    }
+
     /// SIGKILL: a crash.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {

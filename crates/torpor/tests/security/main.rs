@@ -11,7 +11,8 @@
 //! - `audit`: the tamper-evident log;
 //! - `e2b_metadata`: E2B's file metadata (attribute namespaces, sizes, read bounds);
 //! - `e2b`: E2B's `base` template (its operator-set egress ceiling);
-//! - `tls_hosts`: host names over HTTPS (`--tls-listen`): another tenant's envd and ports.
+//! - `tls_hosts`: host names over HTTPS (`--tls-listen`): another tenant's envd and ports;
+//! - `shim`: the containers' supervisors (live restore): another local user, sandboxed code.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -25,5 +26,6 @@ mod edge;
 mod local;
 mod network;
 mod pools;
+mod shim;
 mod tenants;
 mod tls_hosts;
