@@ -105,9 +105,10 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         runsc_platform: args.platform,
         agent_binary: std::env::current_exe().context("cannot find the torpor binary")?,
         warm_pool: args.warm_pool.unwrap_or(slots.min(4)),
-        // Containers run under shims; a restarted worker does not take them back yet (its
-        // controllers' reconcile clears them), see docs/CLUSTER.md.
-        live_restore: true,
+        // Not yet for workers: a restarted worker does not take its containers back, and a
+        // worker that died must not leave them running under shims while their sandboxes
+        // resume elsewhere (with runsc as its child, a container ends with its agent channel).
+        live_restore: false,
     })?;
     let node: Arc<dyn Node> = Arc::new(node);
     // Every container here is a previous run's: none is kept. (Sandbox containers run in the
