@@ -13,8 +13,10 @@
 //!   comes), refused after parking, timed out; call latency, parked wait (the daemon's
 //!   histogram) and wakes per second. Baselines: the same wake with free workers and nothing
 //!   else running; and the node's capacity measured with bare runsc in the same run
-//!   (checkpoint + restore pairs of copies of the same images, as many lanes in parallel as
-//!   cores). Figure: torpor's wakes/s over that capacity (goal ≥ 0.9).
+//!   (checkpoint + restore pairs of copies of the same images, 1, 2 and 3 loops per core, or
+//!   until throughput stops rising: one loop per core leaves a core idle while its checkpoint
+//!   syncs to disk; the best is the capacity). Figure: torpor's wakes/s over that capacity
+//!   (goal ≥ 0.9).
 //! - fairness: 4 workers; tenant A floods with 10x capacity (40 concurrent callers on 40
 //!   Parked sandboxes) while tenant B wakes one of its Parked sandboxes every ~0.3 s.
 //!   Baseline: B's wakes with A idle. Figure: B's wake p95 loaded / unloaded (goal ≤ 2x).
@@ -541,15 +543,64 @@ fn bare_lane(
     times
 }
 
+/// One load of the bare-runsc capacity measurement.
+struct BareLevel {
+    loops_per_core: usize,
+    lanes: usize,
+    pairs_per_s: f64,
+    restore_p50_ms: f64,
+    checkpoint_p50_ms: f64,
+}
+
+/// Loops per core tried for the node's bare capacity, in order; the next is tried only while
+/// throughput still rises.
+const LOOPS_PER_CORE: [usize; 3] = [1, 2, 3];
+
+/// The node's bare-runsc capacity: [`bare_capacity`] at each of [`LOOPS_PER_CORE`] loops per
+/// core, stopping once a load does not beat the best before it. Returns every load measured
+/// and the index of the best (the capacity).
+fn bare_capacity_levels(
+    data: &Path,
+    tmp: &Path,
+    specs: &[(String, serde_json::Value)],
+    cores: usize,
+    pairs: usize,
+) -> (Vec<BareLevel>, usize) {
+    let mut levels: Vec<BareLevel> = Vec::new();
+    let mut best = 0;
+    for k in LOOPS_PER_CORE {
+        let lanes = cores * k;
+        let (rate, restore, checkpoint) =
+            bare_capacity(data, tmp, specs, lanes, pairs, &format!("bare{k}"));
+        eprintln!(
+            "parking: bare runsc, {k} loop(s) per core ({lanes} lanes): {rate:.2} checkpoint+restore pairs/s (restore p50 {restore:.0} ms, checkpoint+delete p50 {checkpoint:.0} ms)"
+        );
+        let rising = levels.get(best).is_none_or(|b| rate > b.pairs_per_s);
+        levels.push(BareLevel {
+            loops_per_core: k,
+            lanes,
+            pairs_per_s: rate,
+            restore_p50_ms: restore,
+            checkpoint_p50_ms: checkpoint,
+        });
+        if !rising {
+            break;
+        }
+        best = levels.len() - 1;
+    }
+    (levels, best)
+}
+
 /// What this node sustains with bare runsc: `lanes` restore + checkpoint loops at once, each
-/// on a copy of one of `ids`' images. Returns (pairs per second, restore p50 ms,
-/// checkpoint p50 ms).
+/// on a copy of one of `ids`' images, containers and cgroups named after `tag`. Returns
+/// (pairs per second, restore p50 ms, checkpoint p50 ms).
 fn bare_capacity(
     data: &Path,
     tmp: &Path,
     specs: &[(String, serde_json::Value)],
     lanes: usize,
     pairs: usize,
+    tag: &str,
 ) -> (f64, f64, f64) {
     let root = tmp.join("bare-runsc");
     std::fs::create_dir_all(&root).unwrap();
@@ -567,7 +618,7 @@ fn bare_capacity(
             .unwrap();
         assert!(st.success());
         let mut spec = spec.clone();
-        spec["linux"]["cgroupsPath"] = json!(format!("/torpor-bench/bare-{l}"));
+        spec["linux"]["cgroupsPath"] = json!(format!("/torpor-bench/{tag}-{l}"));
         dirs.push((dir, spec));
     }
     let t = Instant::now();
@@ -600,7 +651,8 @@ async fn parking() -> serde_json::Value {
     let n = env_usize("TORPOR_PARKING_CALLS", 200);
     let workers = env_usize("TORPOR_PARKING_WORKERS", 10);
     let budget_ms = 30_000.0;
-    // As many bare lanes as the engine runs checkpoints (and restores) at once: the cores.
+    // Bare lanes: 1, 2, 3 loops per core (the engine runs as many checkpoints and restores
+    // at once as cores, but a checkpoint's disk sync leaves its core idle).
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get().max(2));
     let pairs = env_usize("TORPOR_CAPACITY_PAIRS", 10);
     let d = Daemon::start(&[
@@ -633,14 +685,17 @@ async fn parking() -> serde_json::Value {
         c.suspend(id, Some(Tier::Parked)).await.expect("park");
     }
     // The node's capacity with bare runsc, on copies of those images, before the burst.
-    let (bare_rate, bare_restore, bare_checkpoint) = {
+    let (levels, best) = {
         let (data, tmp) = (d.data(), d.dir.path().to_path_buf());
-        tokio::task::spawn_blocking(move || bare_capacity(&data, &tmp, &specs, cores, pairs))
+        tokio::task::spawn_blocking(move || bare_capacity_levels(&data, &tmp, &specs, cores, pairs))
             .await
             .expect("bare lanes")
     };
-    eprintln!(
-        "parking: bare runsc, {cores} lanes: {bare_rate:.2} checkpoint+restore pairs/s (restore p50 {bare_restore:.0} ms, checkpoint+delete p50 {bare_checkpoint:.0} ms)"
+    let capacity = &levels[best];
+    let (bare_rate, bare_restore, bare_checkpoint) = (
+        capacity.pairs_per_s,
+        capacity.restore_p50_ms,
+        capacity.checkpoint_p50_ms,
     );
     let before = c.metrics().await.unwrap_or_default();
     let log = d.dir.path().join("daemon.log");
@@ -749,12 +804,32 @@ async fn parking() -> serde_json::Value {
         format!("torpor at {}x oversubscription", n / workers.max(1)),
         wakes_per_s
     );
+    for (i, l) in levels.iter().enumerate() {
+        println!(
+            "{:<52} {:>10.2}{}",
+            format!(
+                "bare runsc checkpoint+restore, {} loop{}/core ({} lanes)",
+                l.loops_per_core,
+                if l.loops_per_core == 1 { "" } else { "s" },
+                l.lanes
+            ),
+            l.pairs_per_s,
+            if i == best { "  <- capacity" } else { "" }
+        );
+    }
     println!(
         "{:<52} {:>10.2}",
-        format!("baseline: bare runsc checkpoint+restore, {cores} lanes"),
-        bare_rate
+        "baseline: the node's bare capacity (best of the above)", bare_rate
     );
-    println!("capacity ratio: {ratio:.2} (goal >= 0.9); bare restore p50 {bare_restore:.0} ms, checkpoint+delete p50 {bare_checkpoint:.0} ms");
+    println!("capacity ratio: {ratio:.2} (goal >= 0.9); at capacity, bare restore p50 {bare_restore:.0} ms, checkpoint+delete p50 {bare_checkpoint:.0} ms");
+    let bare_levels: Vec<_> = levels
+        .iter()
+        .map(|l| {
+            json!({"loops_per_core": l.loops_per_core, "lanes": l.lanes,
+                   "pairs_per_s": l.pairs_per_s, "restore_p50_ms": l.restore_p50_ms,
+                   "checkpoint_p50_ms": l.checkpoint_p50_ms})
+        })
+        .collect();
     json!({
         "workers": workers, "calls": n, "failures": failed, "elapsed_s": elapsed,
         "served": lat.len(), "servable_at_rate": servable, "refused": refused,
@@ -763,7 +838,9 @@ async fn parking() -> serde_json::Value {
         "call_p50_ms": l50, "call_p99_ms": l99, "baseline_wake_p50_ms": a50,
         "parked_wait_p50_ms": w50, "parked_wait_p99_ms": w99, "parked_calls": parked_calls,
         "wakes_per_s": wakes_per_s, "last_served_s": last_served,
-        "bare_lanes": cores, "bare_pairs_per_lane": pairs, "bare_pairs_per_s": bare_rate,
+        "bare_cores": cores, "bare_lanes": capacity.lanes,
+        "bare_loops_per_core": capacity.loops_per_core, "bare_levels": bare_levels,
+        "bare_pairs_per_lane": pairs, "bare_pairs_per_s": bare_rate,
         "bare_restore_p50_ms": bare_restore, "bare_checkpoint_p50_ms": bare_checkpoint,
         "capacity_ratio": ratio,
     })

@@ -7,6 +7,15 @@
 //! a checkpoint, the counter, the buffer's checksum or the file's line count would be wrong.
 //! Between bursts the fleet idles; the idle policy freezes and parks agents, and some are sent to
 //! the snapshot store explicitly, so wakes come from every tier.
+//!
+//! The defaults come from the machine, so that every latency the summary shows is the cost of
+//! its tier and not of a queue: two workers per core (as memory allows), a burst calls as many
+//! agents as there are workers (the other half of the fleet sleeps), one call in flight per core
+//! (a restore is CPU-bound: more at once only queue on the cores), and a burst starts once the
+//! idle policy has freed the workers of the last one. Each burst wakes its agents, calls them
+//! again while they run, and once more after a pause long enough for them to freeze. The summary
+//! ends with the machine's limits it measured: cores, memory per sandbox, sandboxes per worker
+//! and wakes per second.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -29,9 +38,9 @@ pub struct DemoArgs {
     url: Option<String>,
     #[arg(long, env = crate::daemon::ENV_TOKEN, hide_env_values = true)]
     token: Option<String>,
-    /// Number of agents.
-    #[arg(long, default_value_t = 8)]
-    agents: usize,
+    /// Number of agents (default: twice the agents a burst calls, so half the fleet sleeps).
+    #[arg(long)]
+    agents: Option<usize>,
     /// Bursts of calls, separated by idle gaps.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
@@ -44,6 +53,89 @@ pub struct DemoArgs {
     /// Also write the summary as an HTML page with charts.
     #[arg(long, value_name = "FILE.html")]
     report: Option<PathBuf>,
+    /// Workers of the daemon the demo starts: sandboxes resident at once (default: two per
+    /// core, as memory allows). With --url, the daemon's own.
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Agents called in each burst (default: the workers, at most two per core). More than the
+    /// workers makes calls wait for a worker (parked calls) and puts checkpoints on the path.
+    #[arg(long)]
+    burst: Option<usize>,
+    /// Calls in flight at once during a burst (default: one per core; more only queue restores
+    /// on the cores and the latencies show the queue).
+    #[arg(long)]
+    in_flight: Option<usize>,
+}
+
+/// Seconds without a call before an agent freezes (the template's idle policy).
+const FREEZE_AFTER_S: f64 = 1.0;
+/// The pause before a burst's last calls: past the freeze, with a tick or two to spare.
+const PAUSE_S: f64 = 2.0;
+/// The template's memory limit, and what the default workers are sized by.
+const AGENT_LIMIT_MIB: u64 = 256;
+
+/// What the demo knows of the machine it runs on.
+struct Machine {
+    cores: usize,
+    memory_bytes: Option<u64>,
+}
+
+impl Machine {
+    fn detect() -> Machine {
+        let memory_bytes = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+                .map(|kib| kib * 1024)
+        });
+        Machine {
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            memory_bytes,
+        }
+    }
+
+    /// Workers for the demo's own daemon: two per core (one sandbox waking while another
+    /// serves), no more than 70% of memory holds at the agent's limit; at least 2.
+    fn default_workers(&self) -> usize {
+        let by_memory = self.memory_bytes.map_or(usize::MAX, |m| {
+            (m / 10 * 7 / (AGENT_LIMIT_MIB << 20)) as usize
+        });
+        (2 * self.cores).min(by_memory).max(2)
+    }
+}
+
+/// The run's shape: what the defaults came to.
+#[derive(Clone, Copy)]
+struct Plan {
+    workers: usize,
+    agents: usize,
+    burst: usize,
+    in_flight: usize,
+}
+
+impl Plan {
+    fn new(args: &DemoArgs, m: &Machine, workers: usize) -> anyhow::Result<Plan> {
+        let burst = args.burst.unwrap_or(workers.min(2 * m.cores).max(1));
+        let agents = args.agents.unwrap_or(2 * burst);
+        let in_flight = args.in_flight.unwrap_or(m.cores);
+        if workers == 0 || agents == 0 || burst == 0 || in_flight == 0 {
+            bail!("the daemon has no workers");
+        }
+        Ok(Plan {
+            workers,
+            agents,
+            burst: burst.min(agents),
+            in_flight,
+        })
+    }
+
+    /// The agents burst `round` calls: `burst` of them, the next ones each round; the first
+    /// burst calls the last agents created (still resident).
+    fn burst_agents(&self, round: usize) -> Vec<usize> {
+        let start = (self.agents - self.burst) + round * self.burst;
+        (0..self.burst).map(|j| (start + j) % self.agents).collect()
+    }
 }
 
 const AGENT: &str = r#"
@@ -76,7 +168,7 @@ impl Drop for Daemon {
     }
 }
 
-async fn start_daemon() -> anyhow::Result<(Daemon, Client)> {
+async fn start_daemon(workers: usize) -> anyhow::Result<(Daemon, Client)> {
     let dir = tempfile::Builder::new().prefix("torpor-demo-").tempdir()?;
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0")?;
@@ -90,7 +182,7 @@ async fn start_daemon() -> anyhow::Result<(Daemon, Client)> {
             "--listen",
             &format!("127.0.0.1:{port}"),
             "--workers",
-            "4",
+            &workers.to_string(),
         ])
         .arg("--data-dir")
         .arg(dir.path())
@@ -207,8 +299,12 @@ async fn call_agent(c: &Client, id: &str, round: usize) -> anyhow::Result<(Strin
                 cmd: vec![
                     "sh".into(),
                     "-c".into(),
+                    // Shell builtins only: one spawn per call (each spawn costs a few ms of
+                    // syscalls through gVisor, and the call would measure them, not the tier).
                     format!(
-                        "echo round{round} > /tmp/in && cat /tmp/out && wc -l < /data/calls.log"
+                        "echo round{round} > /tmp/in && read -r out < /tmp/out && n=0 && \
+                         while read -r l; do n=$((n+1)); done < /data/calls.log && \
+                         echo \"$out\" && echo $n"
                     ),
                 ],
                 timeout_ms: Some(30_000),
@@ -233,8 +329,225 @@ async fn call_agent(c: &Client, id: &str, round: usize) -> anyhow::Result<(Strin
     Ok((tier, ms, counter, logged))
 }
 
+/// One call of a burst, as the burst saw it.
+struct Outcome {
+    agent: usize,
+    result: anyhow::Result<(String, f64, u64, u64)>,
+}
+
+/// Calls each of `agents`, at most `in_flight` at once. Returns the outcomes and the seconds
+/// the burst took.
+async fn burst(
+    c: &Client,
+    ids: &[String],
+    agents: &[usize],
+    in_flight: usize,
+    round: usize,
+) -> anyhow::Result<(Vec<Outcome>, f64)> {
+    let gate = Arc::new(tokio::sync::Semaphore::new(in_flight));
+    let t = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for &i in agents {
+        let (c, id, gate) = (c.clone(), ids[i].clone(), gate.clone());
+        set.spawn(async move {
+            let _permit = gate.acquire_owned().await;
+            Outcome {
+                agent: i,
+                result: call_agent(&c, &id, round).await,
+            }
+        });
+    }
+    let mut out = Vec::new();
+    while let Some(joined) = set.join_next().await {
+        out.push(joined.context("a demo call panicked")?);
+    }
+    Ok((out, t.elapsed().as_secs_f64()))
+}
+
+/// Waits (at most `limit`) until `want` workers are free: the idle policy parking the last
+/// burst's agents. Returns the seconds waited, and whether they came free.
+async fn wait_for_free_workers(c: &Client, want: usize, limit: Duration) -> (f64, bool) {
+    let t = Instant::now();
+    loop {
+        if let Ok(w) = c.workers().await {
+            if w.free >= want.min(w.total) {
+                return (t.elapsed().as_secs_f64(), true);
+            }
+        }
+        if t.elapsed() > limit {
+            return (t.elapsed().as_secs_f64(), false);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Memory of one resident agent: the median over samples of resident bytes per busy worker
+/// (as the report computes it).
+fn per_sandbox_bytes(samples: &[Sample]) -> u64 {
+    let mut per: Vec<u64> = samples
+        .iter()
+        .filter(|s| s.busy_workers > 0 && s.resident_bytes > 0)
+        .map(|s| s.resident_bytes / s.busy_workers as u64)
+        .collect();
+    per.sort_unstable();
+    per.get(per.len() / 2).copied().unwrap_or(0)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    percentile(&v, 50.0)
+}
+
+/// The machine's limits as this run measured or derived them.
+struct MachineLimits {
+    cores: usize,
+    memory_bytes: Option<u64>,
+    memory_budget_bytes: Option<u64>,
+    per_sandbox_bytes: u64,
+    plan: Plan,
+    /// Wakes from Parked/Suspended per second, with free workers, `in_flight` at once.
+    wakes_per_s: f64,
+    sleeping_wakes: usize,
+    /// Median wake (+ call) from Parked/Suspended, and median explicit park (a checkpoint).
+    wake_p50_ms: f64,
+    park_p50_ms: f64,
+    /// Seconds the bursts waited for the idle policy to free workers; bursts that started
+    /// without all the workers they needed.
+    waited_s: f64,
+    short_bursts: usize,
+}
+
+impl MachineLimits {
+    /// Resident sandboxes the daemon's memory budget holds at the measured size.
+    fn resident_fit(&self) -> Option<u64> {
+        (self.per_sandbox_bytes > 0)
+            .then_some(())
+            .and(self.memory_budget_bytes)
+            .map(|b| b / self.per_sandbox_bytes)
+    }
+
+    /// Wakes per second when each wake must first park another agent for its worker: the
+    /// cores spend a checkpoint and a restore on it (derived).
+    fn evicting_wakes_per_s(&self) -> f64 {
+        let pair_s = (self.wake_p50_ms + self.park_p50_ms) / 1000.0;
+        if pair_s.is_finite() && pair_s > 0.0 {
+            self.plan.in_flight.min(self.cores) as f64 / pair_s
+        } else {
+            f64::NAN
+        }
+    }
+
+    fn sandboxes_per_worker(&self) -> f64 {
+        self.plan.agents as f64 / self.plan.workers as f64
+    }
+
+    fn lines(&self) -> Vec<String> {
+        let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+        let mib = |b: u64| format!("{:.0} MiB", b as f64 / (1u64 << 20) as f64);
+        let p = &self.plan;
+        let mut out = vec![format!(
+            "cores: {} (calls in flight per burst: {}{})",
+            self.cores,
+            p.in_flight,
+            if p.in_flight == self.cores {
+                ", one per core"
+            } else {
+                ""
+            }
+        )];
+        let mut mem = format!(
+            "memory: {}; one resident sandbox {}",
+            self.memory_bytes.map_or("unknown".into(), gib),
+            mib(self.per_sandbox_bytes)
+        );
+        if let (Some(b), Some(n)) = (self.memory_budget_bytes, self.resident_fit()) {
+            mem.push_str(&format!(
+                "; the daemon's budget {} holds ~{n} resident",
+                gib(b)
+            ));
+        }
+        out.push(mem);
+        out.push(format!(
+            "sandboxes per worker: {:.1} ({} agents on {} workers; a burst calls {}, the rest sleep on disk)",
+            self.sandboxes_per_worker(),
+            p.agents,
+            p.workers,
+            p.burst
+        ));
+        out.push(format!(
+            "wakes/s: {:.1} measured ({} wakes from Parked/Suspended, free workers, wake + call p50 {:.0} ms); ~{:.1} derived when each wake must first park another agent (park p50 {:.0} ms)",
+            self.wakes_per_s,
+            self.sleeping_wakes,
+            self.wake_p50_ms,
+            self.evicting_wakes_per_s(),
+            self.park_p50_ms
+        ));
+        if p.burst > p.workers {
+            out.push(format!(
+                "note: a burst of {} on {} workers: calls wait for a worker, and the latencies include checkpoints",
+                p.burst, p.workers
+            ));
+        }
+        if self.short_bursts > 0 {
+            out.push(format!(
+                "note: {} burst(s) started before the idle policy had freed their workers (waited {:.0} s in all)",
+                self.short_bursts, self.waited_s
+            ));
+        }
+        out
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let finite = |v: f64| v.is_finite().then_some(v);
+        serde_json::json!({
+            "cores": self.cores,
+            "memory_bytes": self.memory_bytes,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "per_sandbox_bytes": self.per_sandbox_bytes,
+            "resident_sandboxes_fit": self.resident_fit(),
+            "workers": self.plan.workers,
+            "agents": self.plan.agents,
+            "burst": self.plan.burst,
+            "in_flight": self.plan.in_flight,
+            "sandboxes_per_worker": self.sandboxes_per_worker(),
+            "wakes_per_s": finite(self.wakes_per_s),
+            "sleeping_wakes": self.sleeping_wakes,
+            "wake_p50_ms": finite(self.wake_p50_ms),
+            "park_p50_ms": finite(self.park_p50_ms),
+            "wakes_per_s_evicting": finite(self.evicting_wakes_per_s()),
+            "waited_for_workers_s": self.waited_s,
+            "short_bursts": self.short_bursts,
+        })
+    }
+
+    fn html(&self) -> String {
+        let mut h = String::from("<h2>This machine's limits</h2><ul>");
+        for l in self.lines() {
+            h.push_str("<li>");
+            for ch in l.chars() {
+                match ch {
+                    '<' => h.push_str("&lt;"),
+                    '>' => h.push_str("&gt;"),
+                    '&' => h.push_str("&amp;"),
+                    c => h.push(c),
+                }
+            }
+            h.push_str("</li>");
+        }
+        h.push_str("</ul>");
+        h
+    }
+}
+
 pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
-    let (_daemon, c) = match &args.url {
+    if args.agents == Some(0) || args.rounds == 0 {
+        bail!("--agents and --rounds must be at least 1");
+    }
+    if [args.workers, args.burst, args.in_flight].contains(&Some(0)) {
+        bail!("--workers, --burst and --in-flight must be at least 1");
+    }
+    let machine = Machine::detect();
+    let (_daemon, c, workers) = match &args.url {
         Some(url) => {
             let token = match &args.token {
                 Some(t) => t.clone(),
@@ -245,17 +558,29 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
                 .trim()
                 .to_string(),
             };
-            (None, Client::new(url, &token))
+            let c = Client::new(url, &token);
+            let total = c.workers().await?.total;
+            if args.workers.is_some_and(|w| w != total) {
+                eprintln!(
+                    "demo: --workers applies to the daemon the demo starts; {url} has {total}"
+                );
+            }
+            (None, c, total)
         }
         None => {
-            eprintln!("demo: starting a daemon in a temporary directory ...");
-            let (d, c) = start_daemon().await?;
-            (Some(d), c)
+            let workers = args.workers.unwrap_or_else(|| machine.default_workers());
+            eprintln!(
+                "demo: starting a daemon with {workers} workers in a temporary directory ..."
+            );
+            let (d, c) = start_daemon(workers).await?;
+            (Some(d), c, workers)
         }
     };
-    if args.agents == 0 || args.rounds == 0 {
-        bail!("--agents and --rounds must be at least 1");
-    }
+    let plan = Plan::new(&args, &machine, workers)?;
+    eprintln!(
+        "demo: {} cores, {} workers: {} agents, bursts of {}, {} calls in flight",
+        machine.cores, plan.workers, plan.agents, plan.burst, plan.in_flight
+    );
     let metrics_before = c.metrics().await.unwrap_or_default();
     let tpl_name = format!("demo-agent-{:04x}", rand::random::<u16>());
     eprintln!("demo: building template {tpl_name} (boot + golden snapshot) ...");
@@ -267,13 +592,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         env: BTreeMap::new(),
         cwd: None,
         limits: Limits {
-            memory_mib: 256,
+            memory_mib: AGENT_LIMIT_MIB,
             cpus: 1.0,
             pids: 64,
         },
         idle: IdlePolicy {
-            freeze_after_s: Some(1.0),
-            park_after_s: Some(args.idle_s * 0.6),
+            freeze_after_s: Some(FREEZE_AFTER_S),
+            // Past the pause before a burst's last calls, so those find their agent frozen.
+            park_after_s: Some((args.idle_s * 0.6).max(PAUSE_S + 1.0)),
             suspend_after_s: None,
         },
         warmup_ms: 300,
@@ -285,9 +611,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     let t0 = Instant::now();
     let (samples, sampler) = start_sampler(c.clone(), tpl_name.clone(), t0);
 
+    // The fleet: the agents the first burst calls are created last and stay resident; the
+    // others are parked as soon as they are made, so no create waits for a worker.
+    let first = plan.burst_agents(0);
     let mut ids = Vec::new();
     let mut create_ms = Vec::new();
-    for _ in 0..args.agents {
+    let mut park_ms = Vec::new();
+    for i in 0..plan.agents {
         let t = Instant::now();
         let s = c
             .create_sandbox(&CreateSandboxBody {
@@ -296,50 +626,80 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
             })
             .await?;
         create_ms.push(t.elapsed().as_secs_f64() * 1000.0);
+        if !first.contains(&i) {
+            let t = Instant::now();
+            c.suspend(&s.id, Some(Tier::Parked)).await?;
+            park_ms.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
         ids.push(s.id);
     }
     eprintln!(
-        "demo: {} agents created; running {} bursts (every agent called at once)",
+        "demo: {} agents created; running {} bursts of {} agents (each woken, called again, and called once more after {PAUSE_S:.0} s)",
         ids.len(),
-        args.rounds
+        args.rounds,
+        plan.burst
     );
 
     let mut calls = vec![0u64; ids.len()];
     let mut wakes: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut failures = 0u64;
+    let (mut sleeping_wakes, mut sleeping_s) = (0usize, 0.0f64);
+    let (mut waited_s, mut short_bursts) = (0.0f64, 0usize);
     for round in 0..args.rounds {
+        let agents = plan.burst_agents(round);
         if round > 0 {
-            // Send every third agent to the snapshot store, so wakes come from each tier.
-            for (i, id) in ids.iter().enumerate() {
-                if i % 3 == 2 {
-                    c.suspend(id, Some(Tier::Suspended)).await?;
+            // Send every third agent of this burst to the snapshot store, so wakes come from
+            // each tier.
+            for (j, &i) in agents.iter().enumerate() {
+                if j % 3 == 2 {
+                    c.suspend(&ids[i], Some(Tier::Suspended)).await?;
                 }
             }
+            // Start once the idle policy has parked the last burst's agents: a wake that has
+            // to park another agent first pays for its checkpoint too.
+            let need = agents.len().min(plan.workers);
+            let (s, freed) = wait_for_free_workers(&c, need, Duration::from_secs(60)).await;
+            waited_s += s;
+            if !freed {
+                short_bursts += 1;
+            }
         }
-        // A burst: every agent at once, more than there are workers, so some calls park.
-        let mut burst = tokio::task::JoinSet::new();
-        for (i, id) in ids.iter().enumerate() {
-            let (c, id) = (c.clone(), id.clone());
-            burst.spawn(async move { (i, id.clone(), call_agent(&c, &id, round).await) });
-        }
-        while let Some(joined) = burst.join_next().await {
-            let (i, id, result) = joined.context("a demo call panicked")?;
-            calls[i] += 1;
-            match result {
-                Ok((tier, ms, counter, logged)) if counter == calls[i] && logged == calls[i] => {
-                    wakes.entry(tier).or_default().push(ms);
+        // The burst: wake each agent, call it again while it runs, and once more after a pause
+        // (frozen by then).
+        for step in 0..3 {
+            if step == 2 {
+                tokio::time::sleep(Duration::from_secs_f64(PAUSE_S)).await;
+            }
+            let (outcomes, secs) = burst(&c, &ids, &agents, plan.in_flight, round).await?;
+            let mut asleep = 0;
+            for Outcome { agent: i, result } in outcomes {
+                let id = &ids[i];
+                calls[i] += 1;
+                match result {
+                    Ok((tier, ms, counter, logged))
+                        if counter == calls[i] && logged == calls[i] =>
+                    {
+                        if tier == "parked" || tier == "suspended" {
+                            asleep += 1;
+                        }
+                        wakes.entry(tier).or_default().push(ms);
+                    }
+                    Ok((_, _, counter, logged)) => {
+                        failures += 1;
+                        eprintln!(
+                            "demo: agent {id} lost state: counter {counter}, log lines {logged}, expected {}",
+                            calls[i]
+                        );
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        eprintln!("demo: call to agent {id} failed: {e}");
+                    }
                 }
-                Ok((_, _, counter, logged)) => {
-                    failures += 1;
-                    eprintln!(
-                        "demo: agent {id} lost state: counter {counter}, log lines {logged}, expected {}",
-                        calls[i]
-                    );
-                }
-                Err(e) => {
-                    failures += 1;
-                    eprintln!("demo: call to agent {id} failed: {e}");
-                }
+            }
+            if asleep > 0 {
+                sleeping_wakes += asleep;
+                sleeping_s += secs;
             }
         }
         if round + 1 < args.rounds {
@@ -375,6 +735,31 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     let parked = delta("torpor_lot_wait_seconds_count", "outcome");
     let rejections = delta("torpor_lot_rejections_total", "reason");
     let evictions = delta("torpor_evictions_total", "reason");
+    let memory_budget_bytes = c.workers().await.ok().and_then(|w| w.memory_budget_bytes);
+
+    let asleep_ms: Vec<f64> = ["parked", "suspended"]
+        .iter()
+        .filter_map(|t| wakes.get(*t))
+        .flatten()
+        .copied()
+        .collect();
+    let limits = MachineLimits {
+        cores: machine.cores,
+        memory_bytes: machine.memory_bytes,
+        memory_budget_bytes,
+        per_sandbox_bytes: per_sandbox_bytes(&samples),
+        plan,
+        wakes_per_s: if sleeping_s > 0.0 {
+            sleeping_wakes as f64 / sleeping_s
+        } else {
+            f64::NAN
+        },
+        sleeping_wakes,
+        wake_p50_ms: median(asleep_ms),
+        park_p50_ms: median(park_ms),
+        waited_s,
+        short_bursts,
+    };
 
     let mut tiers = vec![tier_row("golden (create)", create_ms.clone())];
     tiers.extend(wakes.into_iter().map(|(t, v)| tier_row(&t, v)));
@@ -392,14 +777,26 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         evictions.into_iter().map(|(k, v)| (k, v as u64)).collect(),
     );
     report.print_table();
-    let summary = report.json();
+    println!("this machine's limits, as this run measured them:");
+    for l in limits.lines() {
+        println!("  {l}");
+    }
+    let mut summary = report.json();
+    if let Some(o) = summary.as_object_mut() {
+        o.insert("machine".into(), limits.json());
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
         println!("{summary}");
     }
     if let Some(path) = &args.report {
-        std::fs::write(path, report.html())
+        let html = report.html().replacen(
+            "<h2>Raw summary</h2>",
+            &format!("{}<h2>Raw summary</h2>", limits.html()),
+            1,
+        );
+        std::fs::write(path, html)
             .with_context(|| format!("cannot write the report to {}", path.display()))?;
         eprintln!("demo: report written to {}", path.display());
     }
