@@ -26,8 +26,10 @@ use crate::proto::{
     self, AgentErrorCode, DirEntry, ExecRequest, FileKind, FrameError, Reply, Request,
 };
 
+pub mod floor;
 mod metadata;
 mod procs;
+mod spawn;
 pub mod sudo;
 
 /// Where the main process's output and detached execs' output go inside the sandbox.
@@ -62,6 +64,7 @@ pub fn run(main_cmd: Vec<String>) -> io::Result<()> {
     match main_cmd.first().map(String::as_str) {
         Some(sudo::SERVER_FLAG) => return sudo::serve(&main_cmd[1..]),
         Some(sudo::CLIENT_FLAG) => std::process::exit(sudo::client(&main_cmd[1..])),
+        Some(floor::FLAG) => std::process::exit(floor::run(&main_cmd[1..])),
         _ => {}
     }
     // SAFETY: fds 0 and 1 are the container's stdio, open for the agent's whole life; nothing
@@ -267,17 +270,12 @@ impl Agent {
         if req.cmd.is_empty() {
             return Err(bad_request("cmd must not be empty".into()));
         }
-        let mut command = Command::new(&req.cmd[0]);
-        command.args(&req.cmd[1..]);
-        for (k, v) in self.env.read().unwrap_or_else(|p| p.into_inner()).iter() {
-            command.env(k, v);
-        }
-        command.envs(&req.env);
-        if let Some(cwd) = &req.cwd {
-            command.current_dir(cwd);
-        }
-        // Its own process group, so a timeout kills everything it started.
-        command.process_group(0);
+        let mut command = exec_command(
+            &req.cmd,
+            self.env.read().unwrap_or_else(|p| p.into_inner()).iter(),
+            &req.env,
+            req.cwd.as_deref(),
+        );
         let spawn_err = |e: io::Error| Reply::Error {
             code: match e.kind() {
                 io::ErrorKind::NotFound => AgentErrorCode::NotFound,
@@ -344,6 +342,27 @@ impl Agent {
             body,
         ))
     }
+}
+
+/// The command an `Exec` starts: `cmd` with the configured environment, then the request's,
+/// in `cwd`, in a process group of its own (so a timeout kills everything it started). Its
+/// stdio is the caller's to set. [`floor`] builds its commands here too, so that the floor
+/// it measures is this very spawn.
+fn exec_command<'a>(
+    cmd: &[String],
+    configured: impl Iterator<Item = (&'a String, &'a String)>,
+    env: &BTreeMap<String, String>,
+    cwd: Option<&str>,
+) -> Command {
+    let mut command = Command::new(&cmd[0]);
+    command.args(&cmd[1..]);
+    command.envs(configured);
+    command.envs(env);
+    if let Some(cwd) = cwd {
+        command.current_dir(cwd);
+    }
+    command.process_group(0);
+    command
 }
 
 fn clone_stdio(f: &File) -> Stdio {
@@ -592,9 +611,20 @@ impl ChildTable {
         command: &mut Command,
         wait: bool,
     ) -> io::Result<(std::process::Child, Option<Receiver<WaitStatus>>)> {
+        self.spawn_with(wait, || command.spawn(), std::process::Child::id)
+    }
+
+    /// Starts a process with `start` (`pid` names it); with `wait`, returns a receiver for its
+    /// exit status.
+    fn spawn_with<T>(
+        &self,
+        wait: bool,
+        start: impl FnOnce() -> io::Result<T>,
+        pid: impl Fn(&T) -> u32,
+    ) -> io::Result<(T, Option<Receiver<WaitStatus>>)> {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let child = command.spawn()?;
-        let pid = child.id() as i32;
+        let child = start()?;
+        let pid = pid(&child) as i32;
         inner.live += 1;
         let rx = if wait {
             let (tx, rx) = mpsc::channel();

@@ -8,12 +8,22 @@
 //! | torpor | baseline |
 //! |---|---|
 //! | exec `true` in a running sandbox, through the API | `runsc exec` of `true` |
+//! | exec `true` in a running sandbox, through the API | the floor: the same spawn inside the sandbox, torpor off the path |
+//! | the agent's own spawn → exit of that exec (its `duration_ms`) | the floor |
 //! | wake from Frozen: API call to first exec result | exec in a running sandbox |
 //! | wake from Frozen: the resume call | `runsc resume` of a paused container |
 //! | wake from Parked, 64 MiB resident: API call to first exec result | bare `runsc restore --detach` of the same image |
 //! | create from the golden snapshot + exec | `runsc run` of the same template until ready |
 //!
-//! Prints a table and one JSON line (`{"bench":"runtime",...}`).
+//! The floor is `torpor sandbox-agent -- --torpor-spawn-floor` (`torpor_runtime::agent::floor`)
+//! run inside the sandbox by one exec: it starts `/bin/true` as the agent starts an exec's
+//! command, back to back, and times each start to its reaped exit. Torpor's execs and floor
+//! batches alternate, so that load drift on a shared machine hits both alike.
+//!
+//! `TORPOR_BENCH_ROWS=exec` stops after the exec rows (for iterating on the exec path).
+//!
+//! Prints a table (with each row's p50 difference to its baseline) and one JSON line
+//! (`{"bench":"runtime",...}`, with `exec_overhead_over_floor_p50_ms`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -148,16 +158,72 @@ async fn main() {
         .await
         .unwrap()
         .id;
+    // The floor: the agent binary, mounted in every sandbox, in its spawn-floor mode.
+    let mount = torpor_runtime::spec::AGENT_MOUNT;
+    let floor_cmd = |k: usize| ExecBody {
+        cmd: vec![
+            format!("{mount}/ld.so"),
+            "--library-path".into(),
+            format!("{mount}/lib"),
+            format!("{mount}/torpor"),
+            "sandbox-agent".into(),
+            "--".into(),
+            torpor_runtime::agent::floor::FLAG.into(),
+            k.to_string(),
+            "/bin/true".into(),
+        ],
+        ..Default::default()
+    };
     for _ in 0..5 {
         c.exec(&id, &true_cmd).await.unwrap();
     }
+    c.exec(&id, &floor_cmd(5)).await.unwrap();
     let mut torpor_exec = Vec::new();
-    for _ in 0..n * 3 {
-        let t = Instant::now();
-        let r = c.exec(&id, &true_cmd).await.unwrap();
-        torpor_exec.push(t.elapsed().as_secs_f64() * 1000.0);
-        assert_eq!(r.exit_code, Some(0));
+    let mut agent_spawn = Vec::new();
+    let mut outside = Vec::new();
+    let mut floor = Vec::new();
+    const BATCH: usize = 10;
+    for _ in 0..(n * 3).div_ceil(BATCH) {
+        for _ in 0..BATCH {
+            let t = Instant::now();
+            let r = c.exec(&id, &true_cmd).await.unwrap();
+            torpor_exec.push(t.elapsed().as_secs_f64() * 1000.0);
+            assert_eq!(r.exit_code, Some(0));
+            agent_spawn.push(r.duration_ms);
+            outside.push(torpor_exec.last().unwrap() - r.duration_ms);
+        }
+        let r = c.exec(&id, &floor_cmd(BATCH)).await.unwrap();
+        assert_eq!(r.exit_code, Some(0), "spawn floor: {}", r.stderr);
+        let v: serde_json::Value =
+            serde_json::from_str(r.stdout.lines().next().unwrap_or_default()).expect("floor JSON");
+        floor.extend(
+            v["spawn_us"]
+                .as_array()
+                .expect("spawn_us")
+                .iter()
+                .map(|us| us.as_f64().unwrap() / 1000.0),
+        );
     }
+    rows.push(Row {
+        name: "exec `true` (running) over its floor",
+        torpor: torpor_exec.clone(),
+        baseline_name: "exec `true` floor (in-sandbox spawn)",
+        baseline: floor.clone(),
+    });
+    rows.push(Row {
+        name: "exec `true`: agent's spawn→exit",
+        torpor: agent_spawn,
+        baseline_name: "exec `true` floor (in-sandbox spawn)",
+        baseline: floor,
+    });
+    // What an exec costs besides the agent's spawn → exit: HTTP, the engine, the agent channel
+    // both ways, the agent's reading, dispatch and reply. Its baseline is nothing (0 ms).
+    rows.push(Row {
+        name: "exec `true`: all but the agent's spawn",
+        torpor: outside,
+        baseline_name: "(per exec: total − agent's spawn→exit)",
+        baseline: vec![0.0],
+    });
     let cid = format!("{id}-g1");
     let mut runsc_exec = Vec::new();
     for _ in 0..n {
@@ -165,12 +231,19 @@ async fn main() {
         args.extend(["exec".into(), cid.clone(), "/bin/true".into()]);
         runsc_exec.push(timed(Command::new("runsc").args(&args)));
     }
-    rows.push(Row {
-        name: "exec `true` (running)",
-        torpor: torpor_exec.clone(),
-        baseline_name: "runsc exec",
-        baseline: runsc_exec,
-    });
+    rows.insert(
+        0,
+        Row {
+            name: "exec `true` (running)",
+            torpor: torpor_exec.clone(),
+            baseline_name: "runsc exec",
+            baseline: runsc_exec,
+        },
+    );
+    if std::env::var("TORPOR_BENCH_ROWS").as_deref() == Ok("exec") {
+        report(rows, n);
+        return;
+    }
 
     // --- wake from Frozen
     let mut frozen = Vec::new();
@@ -362,12 +435,17 @@ async fn main() {
         let _ = c.delete_sandbox(&id).await;
     }
 
-    // --- report
+    report(rows, n);
+    drop(d);
+}
+
+fn report(mut rows: Vec<Row>, n: usize) {
     println!(
-        "\n{:<34} {:>9} {:>9} {:>9} | {:<22} {:>9} {:>9} | {:>7}",
-        "torpor", "p50 ms", "p95 ms", "p99 ms", "baseline", "p50 ms", "p95 ms", "p50 x"
+        "\n{:<36} {:>9} {:>9} {:>9} | {:<36} {:>9} {:>9} | {:>7} {:>8}",
+        "torpor", "p50 ms", "p95 ms", "p99 ms", "baseline", "p50 ms", "p95 ms", "p50 x", "Δp50 ms"
     );
     let mut json_rows = Vec::new();
+    let mut over_floor = None;
     for r in &mut rows {
         let (t50, t95, t99) = (
             pct(&mut r.torpor, 50.0),
@@ -376,7 +454,7 @@ async fn main() {
         );
         let (b50, b95) = (pct(&mut r.baseline, 50.0), pct(&mut r.baseline, 95.0));
         println!(
-            "{:<34} {:>9.2} {:>9.2} {:>9.2} | {:<22} {:>9.2} {:>9.2} | {:>7.2}",
+            "{:<36} {:>9.2} {:>9.2} {:>9.2} | {:<36} {:>9.2} {:>9.2} | {:>7.2} {:>+8.2}",
             r.name,
             t50,
             t95,
@@ -384,18 +462,23 @@ async fn main() {
             r.baseline_name,
             b50,
             b95,
-            t50 / b50
+            t50 / b50,
+            t50 - b50
         );
+        if r.name == "exec `true` (running) over its floor" {
+            over_floor = Some(t50 - b50);
+        }
         json_rows.push(serde_json::json!({
             "name": r.name, "n": r.torpor.len(), "p50_ms": t50, "p95_ms": t95, "p99_ms": t99,
             "baseline": r.baseline_name, "baseline_n": r.baseline.len(),
             "baseline_p50_ms": b50, "baseline_p95_ms": b95,
             "ratio_p50": t50 / b50, "ratio_p95": t95 / b95,
+            "overhead_p50_ms": t50 - b50,
         }));
     }
     println!(
         "{}",
-        serde_json::json!({"bench": "runtime", "n": n, "rows": json_rows})
+        serde_json::json!({"bench": "runtime", "n": n, "rows": json_rows,
+            "exec_overhead_over_floor_p50_ms": over_floor})
     );
-    drop(d);
 }

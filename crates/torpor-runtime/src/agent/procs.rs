@@ -13,7 +13,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -91,19 +91,6 @@ impl Agent {
         fs::write(at("config"), config).map_err(|e| io_error(&at("config"), e))?;
         let out = File::create(at("out")).map_err(|e| io_error(&at("out"), e))?;
         let err = File::create(at("err")).map_err(|e| io_error(&at("err"), e))?;
-        let mut command = Command::new(&req.cmd[0]);
-        command.args(&req.cmd[1..]);
-        for (k, v) in self.env.read().unwrap_or_else(|p| p.into_inner()).iter() {
-            command.env(k, v);
-        }
-        if req.pty.is_some() && !req.env.contains_key("TERM") {
-            command.env("TERM", "xterm-256color");
-        }
-        command.envs(&req.env);
-        if let Some(u) = req.user {
-            // std drops the supplementary groups too (setgroups before setuid).
-            command.uid(u.uid).gid(u.gid);
-        }
         if let Some(cwd) = &req.cwd {
             if !Path::new(cwd).is_dir() {
                 return Err(Reply::Error {
@@ -111,59 +98,110 @@ impl Agent {
                     message: format!("cwd {cwd:?} is not a directory"),
                 });
             }
-            command.current_dir(cwd);
         }
+        let spawn_err = |e: io::Error| Reply::Error {
+            code: match e.kind() {
+                io::ErrorKind::NotFound => AgentErrorCode::NotFound,
+                io::ErrorKind::PermissionDenied => AgentErrorCode::PermissionDenied,
+                _ => AgentErrorCode::SpawnFailed,
+            },
+            message: format!("cannot start {:?}: {e}", req.cmd[0]),
+        };
+        // As another user without a terminal: started without copying the agent (see
+        // [`super::spawn`]); anything else through `Command`.
+        let fast = match (req.user, &req.pty) {
+            (Some(user), None) => super::spawn::Prepared::new(
+                &req.cmd,
+                self.env.read().unwrap_or_else(|p| p.into_inner()).iter(),
+                &req.env,
+                req.cwd.as_deref(),
+                user,
+                true,
+            ),
+            _ => None,
+        };
         let mut master = None;
-        if let Some(size) = req.pty {
-            let (m, slave) = open_pty(size).map_err(|e| io_error(Path::new("/dev/ptmx"), e))?;
-            let dup = |f: &File| {
-                f.try_clone()
-                    .map_err(|e| io_error(Path::new("/dev/pts"), e))
+        let (pid, status_rx, stdin) = if let Some(prepared) = fast {
+            let (child_in, stdin) = if req.stdin {
+                let (r, w) = pipe().map_err(|e| io_error(Path::new("pipe"), e))?;
+                (r, Some(w))
+            } else {
+                let null =
+                    File::open("/dev/null").map_err(|e| io_error(Path::new("/dev/null"), e))?;
+                (null, None)
             };
-            command
-                .stdin(Stdio::from(dup(&slave)?))
-                .stdout(Stdio::from(dup(&slave)?))
-                .stderr(Stdio::from(slave));
-            // SAFETY: setsid and ioctl are async-signal-safe; the closure touches no memory
-            // of the parent. A session of its own with the terminal as its controlling one.
-            unsafe {
-                command.pre_exec(|| {
-                    if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
-            master = Some(m);
+            let stdio = super::spawn::Stdio3 {
+                stdin: child_in.as_raw_fd(),
+                stdout: out.as_raw_fd(),
+                stderr: err.as_raw_fd(),
+            };
+            let (pid, rx) = self
+                .children
+                .spawn_with(true, || prepared.spawn(stdio), |pid| *pid)
+                .map_err(spawn_err)?;
+            // The child's copies of its stdin and stderr are its own now.
+            drop((child_in, err));
+            (pid, rx, stdin)
         } else {
-            // Its own process group, so a signal reaches everything it started.
-            command
-                .process_group(0)
-                .stdin(if req.stdin {
-                    Stdio::piped()
-                } else {
-                    Stdio::null()
-                })
-                .stdout(Stdio::from(
-                    out.try_clone().map_err(|e| io_error(&at("out"), e))?,
-                ))
-                .stderr(Stdio::from(err));
-        }
-        let (mut child, status_rx) =
-            self.children
-                .spawn(&mut command, true)
-                .map_err(|e| Reply::Error {
-                    code: match e.kind() {
-                        io::ErrorKind::NotFound => AgentErrorCode::NotFound,
-                        io::ErrorKind::PermissionDenied => AgentErrorCode::PermissionDenied,
-                        _ => AgentErrorCode::SpawnFailed,
-                    },
-                    message: format!("cannot start {:?}: {e}", req.cmd[0]),
-                })?;
-        // The parent's copies of the terminal's slave side go with the command.
-        drop(command);
+            let mut command = Command::new(&req.cmd[0]);
+            command.args(&req.cmd[1..]);
+            for (k, v) in self.env.read().unwrap_or_else(|p| p.into_inner()).iter() {
+                command.env(k, v);
+            }
+            if req.pty.is_some() && !req.env.contains_key("TERM") {
+                command.env("TERM", "xterm-256color");
+            }
+            command.envs(&req.env);
+            if let Some(u) = req.user {
+                // std drops the supplementary groups too (setgroups before setuid).
+                command.uid(u.uid).gid(u.gid);
+            }
+            if let Some(cwd) = &req.cwd {
+                command.current_dir(cwd);
+            }
+            if let Some(size) = req.pty {
+                let (m, slave) = open_pty(size).map_err(|e| io_error(Path::new("/dev/ptmx"), e))?;
+                let dup = |f: &File| {
+                    f.try_clone()
+                        .map_err(|e| io_error(Path::new("/dev/pts"), e))
+                };
+                command
+                    .stdin(Stdio::from(dup(&slave)?))
+                    .stdout(Stdio::from(dup(&slave)?))
+                    .stderr(Stdio::from(slave));
+                // SAFETY: setsid and ioctl are async-signal-safe; the closure touches no memory
+                // of the parent. A session of its own with the terminal as its controlling one.
+                unsafe {
+                    command.pre_exec(|| {
+                        if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                            return Err(io::Error::last_os_error());
+                        }
+                        Ok(())
+                    });
+                }
+                master = Some(m);
+            } else {
+                // Its own process group, so a signal reaches everything it started.
+                command
+                    .process_group(0)
+                    .stdin(if req.stdin {
+                        Stdio::piped()
+                    } else {
+                        Stdio::null()
+                    })
+                    .stdout(Stdio::from(
+                        out.try_clone().map_err(|e| io_error(&at("out"), e))?,
+                    ))
+                    .stderr(Stdio::from(err));
+            }
+            let (mut child, status_rx) =
+                self.children.spawn(&mut command, true).map_err(spawn_err)?;
+            // The parent's copies of the terminal's slave side go with the command.
+            drop(command);
+            let stdin = child.stdin.take().map(|s| File::from(OwnedFd::from(s)));
+            (child.id(), status_rx, stdin)
+        };
         let status_rx = status_rx.expect("waited spawn has a receiver");
-        let pid = child.id();
         let mut io = ProcIo::default();
         let mut copier = None;
         if let Some(m) = master {
@@ -180,8 +218,8 @@ impl Agent {
                     let _ = done_tx.send(());
                 });
             copier = Some(done_rx);
-        } else if let Some(stdin) = child.stdin.take() {
-            io.input = Some(File::from(OwnedFd::from(stdin)));
+        } else {
+            io.input = stdin;
         }
         procs()
             .lock()
@@ -287,6 +325,18 @@ fn no_input(pid: u32) -> Reply {
     Reply::Error {
         code: AgentErrorCode::NotFound,
         message: format!("process {pid} is not running with an open stdin"),
+    }
+}
+
+/// A pipe, both ends close-on-exec: (read, write).
+fn pipe() -> io::Result<(File, File)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into the array it is given; they are ours after.
+    unsafe {
+        if libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok((File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])))
     }
 }
 
