@@ -6,9 +6,9 @@
 //!
 //! It is plain threads and blocking I/O on purpose: under gVisor's ptrace platform every syscall
 //! is expensive, and an async runtime's extra epoll and futex traffic would cost more than it
-//! saves. Requests are handed to a small pool of threads that grows when all are busy, so a long
-//! exec never blocks a short one. It must never write anything but frames to stdout, and no child
-//! may inherit stdin or stdout.
+//! saves. Requests are read and run by a small pool of threads that grows when all are busy, so
+//! a long exec never blocks a short one. It must never write anything but frames to stdout, and
+//! no child may inherit stdin or stdout.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
@@ -18,6 +18,7 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Component, Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -94,22 +95,12 @@ pub fn run(main_cmd: Vec<String>) -> io::Result<()> {
     if !main_cmd.is_empty() {
         agent.start_main(&main_cmd);
     }
-    let pool = Pool::new(agent.clone());
-    let mut input = BufReader::with_capacity(1 << 16, input);
-    loop {
-        match proto::read_frame::<Request>(&mut input) {
-            Ok((h, body)) => pool.submit(h.id, h.msg, body),
-            Err(FrameError::Closed) => return Ok(()),
-            Err(FrameError::Json(e)) => {
-                // The frame was read whole, so the stream is still in step: say so and go on.
-                agent.reply(0, &bad_request(format!("malformed request: {e}")), &[]);
-            }
-            Err(e) => {
-                eprintln!("torpor-agent: channel broken: {e}");
-                return Err(io::Error::other(e.to_string()));
-            }
-        }
-    }
+    let pool = Arc::new(Pool {
+        input: Mutex::new(BufReader::with_capacity(1 << 16, input)),
+        readers: AtomicUsize::new(1),
+        agent,
+    });
+    pool.serve()
 }
 
 fn bad_request(message: String) -> Reply {
@@ -380,9 +371,6 @@ fn open_log(name: &str) -> Option<File> {
 
 /// Where streamed output goes: (fd, bytes).
 type OutputSink<'a> = dyn Fn(u8, &[u8]) + 'a;
-
-/// A request handed to the pool: id, request, body.
-type Job = (u64, Request, Vec<u8>);
 
 enum Pumped {
     Exited(WaitStatus),
@@ -680,54 +668,64 @@ impl ChildTable {
     }
 }
 
-/// Threads that run requests; a new one starts when all are busy, idle ones wait for work.
+/// Threads that read and run requests, leader/follower style: the thread that holds `input`
+/// reads the next frame, lets go of `input` (the next idle thread takes it and waits for the
+/// frame after) and runs the request itself. So a request goes from the channel to its handler
+/// without a hand-off between threads (under gVisor's ptrace platform, a wake of another thread
+/// costs ~0.2 ms at p50 and milliseconds at p95 on a loaded machine). A new thread starts when
+/// the last idle one takes a request, so a long exec never blocks a short one.
 struct Pool {
-    tx: Sender<Job>,
-    rx: Arc<Mutex<Receiver<Job>>>,
-    idle: Arc<(Mutex<usize>, Condvar)>,
+    input: Mutex<BufReader<File>>,
+    /// Threads waiting for `input` or reading from it.
+    readers: AtomicUsize,
     agent: Arc<Agent>,
 }
 
 impl Pool {
-    fn new(agent: Arc<Agent>) -> Self {
-        let (tx, rx) = mpsc::channel();
-        Pool {
-            tx,
-            rx: Arc::new(Mutex::new(rx)),
-            idle: Arc::new((Mutex::new(0), Condvar::new())),
-            agent,
-        }
-    }
-
-    fn submit(&self, id: u64, req: Request, body: Vec<u8>) {
-        let need_thread = {
-            let mut idle = self.idle.0.lock().unwrap_or_else(|p| p.into_inner());
-            if *idle == 0 {
-                true
-            } else {
-                *idle -= 1;
-                false
+    /// Reads and runs requests until stdin closes (`Ok`) or the channel breaks.
+    fn serve(self: &Arc<Self>) -> io::Result<()> {
+        loop {
+            let frame = {
+                let mut input = self.input.lock().unwrap_or_else(|p| p.into_inner());
+                proto::read_frame::<Request>(&mut *input)
+            };
+            match frame {
+                Ok((h, body)) => {
+                    if self.readers.fetch_sub(1, Ordering::SeqCst) == 1 {
+                        self.spawn_thread();
+                    }
+                    self.agent.handle(h.id, h.msg, body);
+                    self.readers.fetch_add(1, Ordering::SeqCst);
+                }
+                Err(FrameError::Closed) => return Ok(()),
+                Err(FrameError::Json(e)) => {
+                    // The frame was read whole, so the stream is still in step: say so and go on.
+                    let m = format!("malformed request: {e}");
+                    self.agent.reply(0, &bad_request(m), &[]);
+                }
+                Err(e) => {
+                    eprintln!("torpor-agent: channel broken: {e}");
+                    return Err(io::Error::other(e.to_string()));
+                }
             }
-        };
-        if need_thread {
-            self.spawn_thread();
         }
-        let _ = self.tx.send((id, req, body));
     }
 
-    fn spawn_thread(&self) {
-        let rx = self.rx.clone();
-        let idle = self.idle.clone();
-        let agent = self.agent.clone();
+    fn spawn_thread(self: &Arc<Self>) {
+        self.readers.fetch_add(1, Ordering::SeqCst);
+        let pool = self.clone();
         let spawned = std::thread::Builder::new()
             .name("request".into())
-            .spawn(move || loop {
-                let next = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
-                let Ok((id, req, body)) = next else { return };
-                agent.handle(id, req, body);
-                *idle.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+            // The agent ends when its channel does, whichever thread sees it (as `run` would).
+            .spawn(move || match pool.serve() {
+                Ok(()) => std::process::exit(0),
+                Err(e) => {
+                    eprintln!("torpor-agent: {e}");
+                    std::process::exit(1)
+                }
             });
         if let Err(e) = spawned {
+            self.readers.fetch_sub(1, Ordering::SeqCst);
             eprintln!("torpor-agent: cannot start a request thread: {e}");
         }
     }

@@ -6,7 +6,10 @@
 //!
 //! Rows: `commands.run("true")` vs native exec of the same `bash -l -c true`;
 //! `Sandbox.connect` of a paused sandbox vs native resume of a parked one; `Sandbox.create` vs
-//! native create. Prints a table and one JSON line (`{"bench":"e2b",...}`).
+//! native create. Beside them, in the same sandbox, the spawn floors of `bash -l -c true` with
+//! torpor off the path (`torpor sandbox-agent -- --torpor-spawn-floor`): as root, as `user` the
+//! way the agent's `Spawn` starts it, and as `user` through the standard library's fork
+//! fallback. Prints a table and one JSON line (`{"bench":"e2b",...}`).
 
 use std::process::{Command, Stdio};
 use std::time::Duration;

@@ -329,7 +329,7 @@ fn no_input(pid: u32) -> Reply {
 }
 
 /// A pipe, both ends close-on-exec: (read, write).
-fn pipe() -> io::Result<(File, File)> {
+pub(super) fn pipe() -> io::Result<(File, File)> {
     let mut fds = [0; 2];
     // SAFETY: pipe2 writes two descriptors into the array it is given; they are ours after.
     unsafe {

@@ -92,6 +92,22 @@ paired = {
     "sdk_minus_raw_connect": statistics.median(a - b for a, b in zip(sdk_ms, raw_ms)),
 }
 
+# Spawn floors inside the same sandbox, torpor off the path: `bash -l -c true` started N times
+# by the agent binary's floor mode (`--torpor-spawn-floor`), as root (what the native exec
+# starts), as `user` the way the agent's `Spawn` now starts it (clone(CLONE_VM|CLONE_VFORK)),
+# and as `user` through the standard library's fork fallback (what it did before).
+AGENT = ["/.torpor/ld.so", "--library-path", "/.torpor/lib", "/.torpor/torpor", "sandbox-agent", "--",
+         "--torpor-spawn-floor"]
+BASH_TRUE = ["/bin/bash", "-l", "-c", "true"]
+floors = {"root": [], "user_vfork": [], "user_fork": []}
+for i in range(3):
+    for name, extra in (("root", []), ("user_vfork", ["--uid", "1000:1000"]),
+                        ("user_fork", ["--uid-std", "1000:1000"])):
+        r = native.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": AGENT + [str(max(5, N // 3))] + extra + BASH_TRUE})
+        r.raise_for_status()
+        assert r.json()["exit_code"] == 0, r.text
+        floors[name] += [us / 1000 for us in json.loads(r.json()["stdout"].splitlines()[0])["spawn_us"]]
+
 connect_ms, resume_ms = [], []
 for _ in range(max(3, N // 3)):
     sbx.pause()
@@ -136,5 +152,10 @@ print()
 print("paired medians of per-round differences (same round, interleaved):")
 for k, v in paired.items():
     print(f"  {k:32} {v:+8.2f} ms")
+print()
+print("in-sandbox spawn floors of bash -l -c true (no torpor on the path), p50 / p95 ms:")
+for k, v in floors.items():
+    print(f"  {k:32} {pct(v, 50):8.2f} {pct(v, 95):8.2f}  (n={len(v)})")
 print(json.dumps({"bench": "e2b", "n": N, "rows": out,
-                  "paired_median_ms": {k: round(v, 3) for k, v in paired.items()}}))
+                  "paired_median_ms": {k: round(v, 3) for k, v in paired.items()},
+                  "spawn_floor_p50_ms": {k: round(pct(v, 50), 3) for k, v in floors.items()}}))
