@@ -46,19 +46,34 @@ pub struct NetError {
 pub struct NetAlloc {
     block: u32,
     used: Mutex<BTreeSet<u32>>,
+    /// Uplink names are this prefix and the slot.
+    link_prefix: String,
 }
 
 impl NetAlloc {
     /// Picks a /22 block from `tag` (stable per data directory), skipping blocks that already
-    /// have an address on this host (another daemon's workers).
+    /// have an address on this host (another daemon's workers). Uplinks of this tag still on
+    /// the host are networks a previous run left to sandboxes that outlived it (live restore:
+    /// everything else was removed before): their slots stay taken, in their block.
     pub fn new(tag: &str) -> Arc<NetAlloc> {
         let mut h: u32 = 0x811c_9dc5;
         for b in tag.bytes() {
             h ^= u32::from(b);
             h = h.wrapping_mul(0x0100_0193);
         }
-        let taken = host_addresses();
-        let mut block = h % BLOCKS;
+        let link_prefix = format!("t{}", tag.trim_start_matches('p'));
+        let (ours, others): (Vec<_>, Vec<_>) = host_addresses()
+            .into_iter()
+            .partition(|(link, _)| link.starts_with(&link_prefix));
+        let taken: Vec<u32> = others.into_iter().map(|(_, a)| a).collect();
+        let used: BTreeSet<u32> = ours
+            .iter()
+            .filter_map(|(link, _)| link.strip_prefix(&link_prefix)?.parse().ok())
+            .collect();
+        let mut block = ours
+            .first()
+            .map(|(_, a)| (a - UPLINK_BASE) / (SLOTS_PER_BLOCK * 4))
+            .unwrap_or(h % BLOCKS);
         for _ in 0..BLOCKS {
             let start = UPLINK_BASE + block * SLOTS_PER_BLOCK * 4;
             let end = start + SLOTS_PER_BLOCK * 4;
@@ -69,8 +84,14 @@ impl NetAlloc {
         }
         Arc::new(NetAlloc {
             block,
-            used: Mutex::default(),
+            used: Mutex::new(used),
+            link_prefix,
         })
+    }
+
+    /// The slot of uplink `link`, if it is one of this allocator's names.
+    fn slot_of(&self, link: &str) -> Option<u32> {
+        link.strip_prefix(&self.link_prefix)?.parse().ok()
     }
 
     fn take(&self) -> Option<u32> {
@@ -93,8 +114,8 @@ impl NetAlloc {
     }
 }
 
-/// The IPv4 addresses of the root namespace.
-fn host_addresses() -> Vec<u32> {
+/// The IPv4 addresses of the root namespace, with their links' names.
+fn host_addresses() -> Vec<(String, u32)> {
     let out = Command::new("ip")
         .args(["-4", "-o", "addr", "show"])
         .output()
@@ -103,9 +124,10 @@ fn host_addresses() -> Vec<u32> {
     out.lines()
         .filter_map(|l| {
             let mut it = l.split_whitespace();
+            let link = it.nth(1)?.to_string();
             it.position(|w| w == "inet")?;
             let a = it.next()?.split('/').next()?;
-            a.parse::<Ipv4Addr>().ok().map(u32::from)
+            a.parse::<Ipv4Addr>().ok().map(|a| (link, u32::from(a)))
         })
         .collect()
 }
@@ -196,7 +218,7 @@ fn read_host_ranges() -> Vec<(u32, u32)> {
         .unwrap_or_default();
     let mut ranges: Vec<(u32, u32)> = ALWAYS_HOST.to_vec();
     // host_addresses() too: should `ip route` fail, the interface addresses still count.
-    ranges.extend(host_addresses().into_iter().map(|a| (a, a)));
+    ranges.extend(host_addresses().into_iter().map(|(_, a)| (a, a)));
     ranges.extend(parse_host_routes(&local, &main));
     merge_ranges(ranges)
 }
@@ -420,7 +442,9 @@ pub struct WorkerNet {
     pub host_link: String,
     pub host_addr: Ipv4Addr,
     pub router_addr: Ipv4Addr,
-    slot: u32,
+    /// Its uplink subnet in `alloc` (`None` only for an adopted network whose uplink name is
+    /// not the allocator's: never given back).
+    slot: Option<u32>,
     alloc: Arc<NetAlloc>,
     /// Every outbound TCP connection of the sandbox goes through it (crate::relay).
     relay: Option<EgressRelay>,
@@ -463,7 +487,6 @@ impl WorkerNet {
     /// The relay's tasks run on `rt`.
     pub fn prepare(
         name: &str,
-        tag: &str,
         alloc: &Arc<NetAlloc>,
         rt: &tokio::runtime::Handle,
     ) -> Result<WorkerNet, NetError> {
@@ -475,10 +498,10 @@ impl WorkerNet {
         let net = WorkerNet {
             sandbox_ns: format!("{name}-s"),
             router_ns: format!("{name}-r"),
-            host_link: format!("t{}{slot}", tag.trim_start_matches('p')),
+            host_link: format!("{}{slot}", alloc.link_prefix),
             host_addr,
             router_addr,
-            slot,
+            slot: Some(slot),
             alloc: alloc.clone(),
             relay: None,
         };
@@ -487,6 +510,60 @@ impl WorkerNet {
             net.remove();
             return Err(e);
         }
+        net.serve(rt)?;
+        Ok(net)
+    }
+
+    /// Takes back the network of worker `name` that a previous run of the daemon made and
+    /// left to a sandbox that outlived it (live restore): its namespaces, links and addresses
+    /// are as they were; its rules are made again (the DNS responder's port is this run's)
+    /// and its egress relay started again. The sandbox's policy is the caller's to apply.
+    pub fn adopt(
+        name: &str,
+        host_link: &str,
+        host_addr: Ipv4Addr,
+        router_addr: Ipv4Addr,
+        alloc: &Arc<NetAlloc>,
+        rt: &tokio::runtime::Handle,
+    ) -> Result<WorkerNet, NetError> {
+        let mut net = WorkerNet {
+            sandbox_ns: format!("{name}-s"),
+            router_ns: format!("{name}-r"),
+            host_link: host_link.to_string(),
+            host_addr,
+            router_addr,
+            slot: alloc.slot_of(host_link),
+            alloc: alloc.clone(),
+            relay: None,
+        };
+        if !PathBuf::from("/run/netns").join(&net.router_ns).exists() {
+            return Err(NetError {
+                command: "adopt".into(),
+                stderr: format!("namespace {} is gone", net.router_ns),
+            });
+        }
+        let rules = net.nft(&format!(
+            "delete table ip torpor\n{}",
+            base_table(
+                net.host_addr,
+                crate::dns::port(),
+                egress_limits(),
+                guard(),
+                &host_ranges(),
+            )
+        ));
+        if let Err(e) = rules {
+            net.remove();
+            return Err(e);
+        }
+        net.serve(rt)?;
+        Ok(net)
+    }
+
+    /// Starts the egress relay in the router namespace and lists the router for the ingress
+    /// proxy.
+    fn serve(&mut self, rt: &tokio::runtime::Handle) -> Result<(), NetError> {
+        let net = self;
         match EgressRelay::start(
             &PathBuf::from("/run/netns").join(&net.router_ns),
             GATEWAY_ADDR,
@@ -507,7 +584,7 @@ impl WorkerNet {
                 ns: net.router_ns.clone(),
             },
         );
-        Ok(net)
+        Ok(())
     }
 
     fn build(&self) -> Result<(), NetError> {
@@ -688,7 +765,9 @@ impl WorkerNet {
         self.relay.take();
         crate::dns::set_client(self.router_addr, None);
         self.remove();
-        self.alloc.give_back(self.slot);
+        if let Some(slot) = self.slot {
+            self.alloc.give_back(slot);
+        }
     }
 }
 
@@ -943,13 +1022,26 @@ fn push_rule(s: &mut String, rule: &AllowRule, verdict: &str) {
 }
 
 /// Removes the namespaces (and with them the links) whose names start with `prefix`.
-pub fn remove_leftovers(prefix: &str) {
+/// Removes worker `name`'s network (its namespaces and uplink) without a [`WorkerNet`]: one a
+/// previous run made for a container nobody took back.
+pub fn remove_worker_net(name: &str, host_link: &str) {
+    for ns in [format!("{name}-r"), format!("{name}-s")] {
+        let _ = run(&["ip", "netns", "delete", &ns], None);
+    }
+    let _ = run(&["ip", "link", "delete", host_link], None);
+}
+
+pub fn remove_leftovers(prefix: &str, keep: &[String]) {
     let Ok(rd) = std::fs::read_dir("/run/netns") else {
         return;
     };
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with(prefix) && (name.ends_with("-s") || name.ends_with("-r")) {
+        let worker = name
+            .strip_suffix("-s")
+            .or_else(|| name.strip_suffix("-r"))
+            .filter(|w| w.starts_with(prefix));
+        if worker.is_some_and(|w| !keep.iter().any(|k| k == w)) {
             let _ = run(&["ip", "netns", "delete", &name], None);
         }
     }
@@ -1020,6 +1112,7 @@ mod tests {
         let a = NetAlloc {
             block: 3,
             used: Mutex::default(),
+            link_prefix: "tx".into(),
         };
         let (h0, r0) = a.addrs(0);
         let (h1, _) = a.addrs(1);

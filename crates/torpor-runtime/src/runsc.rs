@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use crate::cgroup;
 use crate::conn::{AgentConn, ConnError};
 use crate::proto::{Reply, Request};
-use crate::shim::{self, ShimMeta, Shims};
+use crate::shim::{self, ShimMeta, ShimNet, Shims};
 use crate::spec::{self, ContainerSpec};
 use crate::warm::Worker;
 
@@ -245,15 +245,20 @@ impl Runsc {
 
     /// Records, for a later run of the daemon, what it needs to take `c` back (a no-op without
     /// shims). Called once the container's agent answered.
-    pub fn record(&self, c: &Container, worker: Option<&str>, devices: bool) {
+    pub fn record(&self, c: &Container, worker: Option<&Worker>, devices: bool) {
         let (Some(shims), Some(shim_pid)) = (&self.shims, c.shim_pid) else {
             return;
         };
         let meta = ShimMeta {
             container_id: c.id.clone(),
             cgroup: c.cgroup.clone(),
-            worker: worker.map(String::from),
+            worker: worker.map(|w| w.name().to_string()),
             networked: self.is_networked(&c.id),
+            net: worker.and_then(|w| w.net()).map(|n| ShimNet {
+                host_link: n.host_link.clone(),
+                host_addr: n.host_addr,
+                router_addr: n.router_addr,
+            }),
             devices,
             agent_version: c.conn.agent_version(),
             shim_pid,

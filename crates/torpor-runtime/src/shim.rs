@@ -61,6 +61,9 @@ pub struct ShimMeta {
     pub worker: Option<String>,
     /// Whether it runs with a network (`--network=sandbox`).
     pub networked: bool,
+    /// Its worker's network (namespaces named after the worker), when it has one.
+    #[serde(default)]
+    pub net: Option<ShimNet>,
     /// Whether it was given devices (GPUs).
     pub devices: bool,
     /// The protocol version its agent said hello with.
@@ -68,6 +71,14 @@ pub struct ShimMeta {
     pub shim_pid: u32,
     /// The shim's abstract socket name.
     pub socket: String,
+}
+
+/// A worker network's names and addresses, as [`crate::net::WorkerNet::adopt`] needs them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShimNet {
+    pub host_link: String,
+    pub host_addr: std::net::Ipv4Addr,
+    pub router_addr: std::net::Ipv4Addr,
 }
 
 #[derive(Serialize, Deserialize)]

@@ -268,6 +268,35 @@ impl Worker {
     pub fn net(&self) -> Option<&WorkerNet> {
         self.prepared.as_ref()?.net.as_ref()
     }
+
+    /// Takes back the network a previous run made for this (adopted) worker: see
+    /// [`WorkerNet::adopt`].
+    pub fn adopt_net(
+        &mut self,
+        host_link: &str,
+        host_addr: std::net::Ipv4Addr,
+        router_addr: std::net::Ipv4Addr,
+    ) -> Result<&WorkerNet, NetError> {
+        let rt = self
+            .inner
+            .rt
+            .clone()
+            .or_else(|| tokio::runtime::Handle::try_current().ok())
+            .ok_or_else(|| NetError {
+                command: "egress relay".into(),
+                stderr: "no tokio runtime to run the relay on".into(),
+            })?;
+        let p = self.prepared.as_mut().expect("present until drop");
+        let net = WorkerNet::adopt(
+            &p.name,
+            host_link,
+            host_addr,
+            router_addr,
+            &self.inner.net_alloc,
+            &rt,
+        )?;
+        Ok(p.net.insert(net))
+    }
 }
 
 impl Drop for Worker {
@@ -320,7 +349,7 @@ impl Inner {
                 command: "egress relay".into(),
                 stderr: "no tokio runtime to run the relay on".into(),
             })?;
-        WorkerNet::prepare(name, &self.tag, &self.net_alloc, &rt)
+        WorkerNet::prepare(name, &self.net_alloc, &rt)
     }
 
     /// The next unit of work the targets call for, claimed (counted as in progress).
@@ -752,7 +781,7 @@ fn remove_leftovers(tag: &str, bundles: &Path, keep: &[String]) {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
-    net::remove_leftovers(&prefix);
+    net::remove_leftovers(&prefix, keep);
 }
 
 #[cfg(test)]

@@ -237,3 +237,100 @@ async fn without_live_restore_a_restart_sends_running_sandboxes_back_to_their_sn
     let c = d.client();
     assert_eq!(probe(&c, &ids[0]).await.2, "|");
 }
+
+/// A GET through the daemon's ingress proxy to `port` of sandbox `id`: (status, body).
+async fn proxied(d: &Daemon, id: &str, rest: &str) -> (u16, String) {
+    let r = reqwest::Client::new()
+        .get(format!("{}/v1/sandboxes/{id}/ports/{rest}", d.url()))
+        .bearer_auth(d.token())
+        .timeout(Duration::from_secs(60))
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_networked_sandbox_is_taken_back_with_its_server_its_ingress_and_its_egress_policy() {
+    let host = host_addr();
+    let mut d = Daemon::start_with(&["--sandbox-reach-host", &host]).await;
+    let c = d.client();
+    let allowed = host_server("from-host").await;
+    let other = host_server("not-for-you").await;
+    let mut tpl = counter_template("netcounter");
+    tpl.network = Some(torpor_core::NetworkPolicy::full());
+    c.create_template(&tpl).await.unwrap();
+    let id = c
+        .create_sandbox(&torpor_api::types::CreateSandboxBody {
+            template: "netcounter".into(),
+            network: Some(
+                serde_json::from_value(
+                    serde_json::json!({"allow": [{"cidr": format!("{host}/32"), "ports": [allowed]}]}),
+                )
+                .unwrap(),
+            ),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .id;
+    // A server started after create, on a file written after create: process and file alike
+    // exist only in this run of the sandbox.
+    let r = c
+        .exec(
+            &id,
+            &torpor_api::types::ExecBody {
+                detach: true,
+                ..sh("echo served-$$ > /tmp/hello.txt && cd /tmp && exec python3 -m http.server 8080")
+            },
+        )
+        .await
+        .unwrap();
+    assert!(
+        r.stdout.parse::<u32>().is_ok(),
+        "detach returns a pid: {r:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let served = loop {
+        let (status, body) = proxied(&d, &id, "8080/hello.txt").await;
+        if status == 200 {
+            break body;
+        }
+        assert!(Instant::now() < deadline, "never served: {status} {body}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let allowed_url = format!("http://{host}:{allowed}/");
+    let other_url = format!("http://{host}:{other}/");
+    assert_eq!(
+        fetch(&c, &id, &allowed_url).await.as_deref(),
+        Some("from-host")
+    );
+    assert_eq!(fetch(&c, &id, &other_url).await, None);
+
+    d.kill();
+    d.spawn().await;
+    let c = d.client();
+    let s = c.sandbox(&id).await.unwrap();
+    assert_eq!(
+        (s.state.as_str(), s.last_error),
+        ("running", None),
+        "not taken back"
+    );
+    // The same server process answers through the proxy, and the policy holds both ways.
+    assert_eq!(proxied(&d, &id, "8080/hello.txt").await, (200, served));
+    assert_eq!(
+        fetch(&c, &id, &allowed_url).await.as_deref(),
+        Some("from-host")
+    );
+    assert_eq!(
+        fetch(&c, &id, &other_url).await,
+        None,
+        "the policy was lost"
+    );
+    // It still sleeps and wakes (a checkpoint needs the relay's connections settled).
+    c.suspend(&id, Some(Tier::Parked)).await.unwrap();
+    assert_eq!(
+        fetch(&c, &id, &allowed_url).await.as_deref(),
+        Some("from-host")
+    );
+}

@@ -12,25 +12,6 @@ use torpor_api::types::{CreateSandboxBody, CreateTenantBody, ExecBody};
 use torpor_api::ClientError;
 use torpor_core::{NetworkPolicy, Tier};
 
-/// A tiny HTTP server on the host: answers every request with `body`, closing first (the body
-/// is delimited by the close).
-async fn host_server(body: &'static str) -> u16 {
-    let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let mut buf = [0u8; 4096];
-                let _ = s.read(&mut buf).await;
-                let resp = format!("HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{body}");
-                let _ = s.write_all(resp.as_bytes()).await;
-                let _ = s.shutdown().await;
-            });
-        }
-    });
-    port
-}
-
 /// The template networked sandboxes are made from: its policy, `full`, is the widest their own
 /// may be (a template's policy is the operator's ceiling; `host` has none: ingress only).
 const NET: &str = "net";
@@ -51,27 +32,6 @@ async fn create_net(c: &torpor_api::Client, policy: serde_json::Value) -> String
     .await
     .unwrap()
     .id
-}
-
-/// Fetches `url` from inside the sandbox: Some(body) or None when it cannot connect.
-async fn fetch(c: &torpor_api::Client, id: &str, url: &str) -> Option<String> {
-    let r = c
-        .exec(
-            id,
-            &ExecBody {
-                cmd: vec![
-                    "python3".into(),
-                    "-c".into(),
-                    "import sys,urllib.request;print(urllib.request.urlopen(sys.argv[1],timeout=3).read().decode())".into(),
-                    url.into(),
-                ],
-                timeout_ms: Some(30_000),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
-    (r.exit_code == Some(0)).then(|| r.stdout.trim().to_string())
 }
 
 async fn metrics(d: &Daemon) -> String {

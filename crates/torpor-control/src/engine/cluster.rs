@@ -222,6 +222,14 @@ impl Engine {
         else {
             return Ok(false);
         };
+        // Its network's rules were made again; the sandbox's own policy goes back on.
+        if let Some(policy) = self.store.network(&rec.id)? {
+            if let Err(e) = resident.apply_policy(&policy).await {
+                tracing::warn!(sandbox = %rec.id, error = %e, "cannot apply the network policy of a sandbox taken back");
+                resident.destroy().await;
+                return Ok(false);
+            }
+        }
         let frozen = rec.state == SandboxState::Frozen;
         let state = rec.state;
         if let Err(e) = self.move_to(rec, state, cause) {

@@ -182,9 +182,12 @@ impl Node for RunscNode {
             tracing::warn!(container = %cid, "removing a container left by a previous run");
             self.runsc.destroy(cid).await;
         }
-        // Their workers go back to the pool (reset on the way).
+        // Their workers go back to the pool (reset on the way), their networks are removed.
         for m in survivors {
             if let Some(w) = m.worker {
+                if let Some(n) = &m.net {
+                    crate::net::remove_worker_net(&w, &n.host_link);
+                }
                 drop(self.warm.adopt(&w));
             }
         }
@@ -195,19 +198,26 @@ impl Node for RunscNode {
     }
 
     /// Takes back a container that a previous run of this daemon started and that kept
-    /// running under its shim (live restore). Not for networked or GPU containers yet: their
-    /// network and devices were this process's, so they go back to their snapshot.
+    /// running under its shim (live restore), with its worker's network (rules made again, the
+    /// egress relay started again; the caller applies the sandbox's policy). Not for GPU
+    /// containers yet: their devices were this process's, so they go back to their snapshot.
     async fn adopt(&self, container_id: &str, _memory: u64) -> Option<Box<dyn Resident>> {
         let meta = lock(&self.survivors).remove(container_id)?;
-        let Some(worker_name) = meta
-            .worker
-            .clone()
-            .filter(|_| !meta.networked && !meta.devices)
-        else {
+        let Some(worker_name) = meta.worker.clone().filter(|_| !meta.devices) else {
             lock(&self.survivors).insert(meta.container_id.clone(), meta);
             return None;
         };
-        let worker = self.warm.adopt(&worker_name);
+        let mut worker = self.warm.adopt(&worker_name);
+        if let Some(n) = &meta.net {
+            if let Err(e) = worker.adopt_net(&n.host_link, n.host_addr, n.router_addr) {
+                tracing::warn!(container = %container_id, error = %e,
+                    "cannot take back the network of a container that outlived the previous run");
+                let mut meta = meta;
+                meta.worker = None; // the handle resets the group as it goes
+                lock(&self.survivors).insert(meta.container_id.clone(), meta);
+                return None;
+            }
+        }
         match self.runsc.reattach(&meta, worker.oom_flag()) {
             Ok(container) => {
                 let mut adopted = lock(&self.adopted);
@@ -275,7 +285,7 @@ impl Node for RunscNode {
             return Err(e);
         }
         self.runsc
-            .record(&container, Some(worker.name()), !spec.devices.is_empty());
+            .record(&container, Some(&worker), !spec.devices.is_empty());
         Ok(self.resident(container, Some(worker)))
     }
 

@@ -25,39 +25,29 @@ impl Daemon {
             .prefix("torpor-bench-")
             .tempdir()
             .expect("temp dir");
-        let data = dir.path().join("data");
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .expect("free port")
             .local_addr()
             .expect("addr")
             .port();
-        let child = Command::new(BIN)
-            .args(["up", "--listen", &format!("127.0.0.1:{port}")])
-            .args(args)
-            .arg("--data-dir")
-            .arg(&data)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("daemon.log")).expect("log file"))
-            .spawn()
-            .expect("torpor starts");
         let url = format!("http://127.0.0.1:{port}");
-        let deadline = Instant::now() + Duration::from_secs(180);
-        let client = loop {
-            if let Ok(t) = std::fs::read_to_string(data.join("admin-token")) {
-                let c = Client::new(&url, t.trim());
-                if c.is_up().await {
-                    break c;
-                }
-            }
-            assert!(Instant::now() < deadline, "the daemon did not come up");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+        let child = spawn_up(dir.path(), &url, args);
+        let client = wait_up(&dir.path().join("data"), &url).await;
         Daemon {
             child,
             dir,
             client,
             url,
         }
+    }
+
+    /// SIGKILLs the daemon (a crash), then starts it again on the same data directory and
+    /// port with `args`; returns once it answers.
+    pub async fn crash_and_restart(&mut self, args: &[&str]) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = spawn_up(self.dir.path(), &self.url, args);
+        self.client = wait_up(&self.data(), &self.url).await;
     }
 
     pub fn data(&self) -> PathBuf {
@@ -70,6 +60,39 @@ impl Drop for Daemon {
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let _ = self.child.wait();
+    }
+}
+
+/// `torpor up` on `url`'s port with `dir/data` and `args`, logging to `dir/daemon.log`.
+fn spawn_up(dir: &Path, url: &str, args: &[&str]) -> Child {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("daemon.log"))
+        .expect("log file");
+    Command::new(BIN)
+        .args(["up", "--listen", url.trim_start_matches("http://")])
+        .args(args)
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("torpor starts")
+}
+
+/// A client once the daemon at `url` answers (its admin token read from `data`).
+async fn wait_up(data: &Path, url: &str) -> Client {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        if let Ok(t) = std::fs::read_to_string(data.join("admin-token")) {
+            let c = Client::new(url, t.trim());
+            if c.is_up().await {
+                return c;
+            }
+        }
+        assert!(Instant::now() < deadline, "the daemon did not come up");
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

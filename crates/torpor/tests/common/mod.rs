@@ -274,6 +274,48 @@ pub async fn create(c: &Client, template: &str) -> String {
     .id
 }
 
+/// A tiny HTTP server on every address of this host (a free port), for sandboxes to reach
+/// (with `--sandbox-reach-host`): answers every request with `body`, closing first (the body is
+/// delimited by the close). Returns its port.
+pub async fn host_server(body: &'static str) -> u16 {
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let resp = format!("HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{body}");
+                let _ = s.write_all(resp.as_bytes()).await;
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    port
+}
+
+/// Fetches `url` from inside the sandbox: Some(body) or None when it cannot connect.
+pub async fn fetch(c: &torpor_api::Client, id: &str, url: &str) -> Option<String> {
+    let r = c
+        .exec(
+            id,
+            &ExecBody {
+                cmd: vec![
+                    "python3".into(),
+                    "-c".into(),
+                    "import sys,urllib.request;print(urllib.request.urlopen(sys.argv[1],timeout=3).read().decode())".into(),
+                    url.into(),
+                ],
+                timeout_ms: Some(30_000),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    (r.exit_code == Some(0)).then(|| r.stdout.trim().to_string())
+}
+
 /// A non-loopback IPv4 address of this host (sandboxes reach it through their router).
 pub fn host_addr() -> String {
     let out = std::process::Command::new("ip")
