@@ -119,8 +119,10 @@ impl Plan {
         let burst = args.burst.unwrap_or(workers.min(2 * m.cores).max(1));
         let agents = args.agents.unwrap_or(2 * burst);
         let in_flight = args.in_flight.unwrap_or(m.cores);
+        // Zero sizes given as flags are refused before a daemon starts; a daemon without
+        // workers is what is left.
         if workers == 0 || agents == 0 || burst == 0 || in_flight == 0 {
-            bail!("the daemon has no workers");
+            bail!("the daemon has no workers (or a size is 0)");
         }
         Ok(Plan {
             workers,
@@ -808,4 +810,85 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     drop(c);
     drop(_daemon);
     Ok(if failures == 0 { 0 } else { 2 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        demo: DemoArgs,
+    }
+
+    fn args(flags: &[&str]) -> DemoArgs {
+        Cli::parse_from(std::iter::once("demo").chain(flags.iter().copied())).demo
+    }
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn default_workers_are_two_per_core_as_memory_allows() {
+        let m = |cores, gib| Machine {
+            cores,
+            memory_bytes: Some(gib * GIB),
+        };
+        assert_eq!(m(2, 23).default_workers(), 4);
+        assert_eq!(m(16, 64).default_workers(), 32);
+        // 70% of 2 GiB holds 5 agents at their 256 MiB limit.
+        assert_eq!(m(16, 2).default_workers(), 5);
+        assert_eq!(m(1, 1).default_workers(), 2, "never under 2");
+        let unknown = Machine {
+            cores: 3,
+            memory_bytes: None,
+        };
+        assert_eq!(unknown.default_workers(), 6);
+    }
+
+    #[test]
+    fn the_plan_on_a_two_core_machine() {
+        let m = Machine {
+            cores: 2,
+            memory_bytes: Some(23 * GIB),
+        };
+        let p = Plan::new(&args(&[]), &m, m.default_workers()).unwrap();
+        assert_eq!(
+            (p.workers, p.agents, p.burst, p.in_flight),
+            (4, 8, 4, 2),
+            "4 workers, 8 agents, bursts of 4, one call in flight per core"
+        );
+        // A daemon of 64 workers (--url): bursts stay at two per core.
+        let p = Plan::new(&args(&[]), &m, 64).unwrap();
+        assert_eq!((p.workers, p.agents, p.burst, p.in_flight), (64, 8, 4, 2));
+        // Flags win; a burst is never larger than the fleet.
+        let p = Plan::new(
+            &args(&["--agents", "3", "--burst", "5", "--in-flight", "7"]),
+            &m,
+            4,
+        )
+        .unwrap();
+        assert_eq!((p.workers, p.agents, p.burst, p.in_flight), (4, 3, 3, 7));
+        assert!(Plan::new(&args(&[]), &m, 0).is_err(), "no workers");
+    }
+
+    #[test]
+    fn bursts_start_with_the_last_agents_created_and_rotate() {
+        let p = |agents, burst| Plan {
+            workers: 4,
+            agents,
+            burst,
+            in_flight: 2,
+        };
+        let eight = p(8, 4);
+        assert_eq!(eight.burst_agents(0), [4, 5, 6, 7]);
+        assert_eq!(eight.burst_agents(1), [0, 1, 2, 3]);
+        assert_eq!(eight.burst_agents(2), [4, 5, 6, 7]);
+        let four = p(4, 3);
+        assert_eq!(four.burst_agents(0), [1, 2, 3]);
+        assert_eq!(four.burst_agents(1), [0, 1, 2]);
+        assert_eq!(four.burst_agents(2), [3, 0, 1]);
+        assert_eq!(p(2, 2).burst_agents(5), [0, 1]);
+    }
 }
