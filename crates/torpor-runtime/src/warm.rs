@@ -277,15 +277,7 @@ impl Worker {
         host_addr: std::net::Ipv4Addr,
         router_addr: std::net::Ipv4Addr,
     ) -> Result<&WorkerNet, NetError> {
-        let rt = self
-            .inner
-            .rt
-            .clone()
-            .or_else(|| tokio::runtime::Handle::try_current().ok())
-            .ok_or_else(|| NetError {
-                command: "egress relay".into(),
-                stderr: "no tokio runtime to run the relay on".into(),
-            })?;
+        let rt = self.inner.relay_runtime()?;
         let p = self.prepared.as_mut().expect("present until drop");
         let net = WorkerNet::adopt(
             &p.name,
@@ -340,16 +332,19 @@ impl Inner {
         })
     }
 
-    fn prepare_net(&self, name: &str) -> Result<WorkerNet, NetError> {
-        let rt = self
-            .rt
+    /// The runtime egress relays run on: the daemon's.
+    fn relay_runtime(&self) -> Result<tokio::runtime::Handle, NetError> {
+        self.rt
             .clone()
             .or_else(|| tokio::runtime::Handle::try_current().ok())
             .ok_or_else(|| NetError {
                 command: "egress relay".into(),
                 stderr: "no tokio runtime to run the relay on".into(),
-            })?;
-        WorkerNet::prepare(name, &self.net_alloc, &rt)
+            })
+    }
+
+    fn prepare_net(&self, name: &str) -> Result<WorkerNet, NetError> {
+        WorkerNet::prepare(name, &self.net_alloc, &self.relay_runtime()?)
     }
 
     /// The next unit of work the targets call for, claimed (counted as in progress).
