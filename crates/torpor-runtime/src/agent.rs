@@ -583,9 +583,15 @@ struct ChildTable {
     spawned: Condvar,
 }
 
+/// Who is told of a child's exit: a receiver, or a callback the reaper runs.
+enum Waiter {
+    Send(Sender<WaitStatus>),
+    Then(Box<dyn FnOnce(WaitStatus) + Send>),
+}
+
 #[derive(Default)]
 struct Children {
-    waiters: HashMap<i32, Sender<WaitStatus>>,
+    waiters: HashMap<i32, Waiter>,
     /// Exit statuses kept for children someone may ask about later (the main process).
     kept: HashMap<i32, WaitStatus>,
     watched: std::collections::HashSet<i32>,
@@ -616,7 +622,7 @@ impl ChildTable {
         inner.live += 1;
         let rx = if wait {
             let (tx, rx) = mpsc::channel();
-            inner.waiters.insert(pid, tx);
+            inner.waiters.insert(pid, Waiter::Send(tx));
             inner.watched.insert(pid);
             Some(rx)
         } else {
@@ -624,6 +630,26 @@ impl ChildTable {
         };
         self.spawned.notify_all();
         Ok((child, rx))
+    }
+
+    /// Runs `then` with the exit status of `pid` (spawned with a receiver, `rx`) when the
+    /// reaper reaps it, on the reaper's thread (at once when it already has): no thread waits.
+    fn on_exit(
+        &self,
+        pid: u32,
+        rx: Receiver<WaitStatus>,
+        then: impl FnOnce(WaitStatus) + Send + 'static,
+    ) {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        // Under the lock the reaper either has sent the status already or will find `then`.
+        if let Ok(status) = rx.try_recv() {
+            drop(inner);
+            then(status);
+            return;
+        }
+        inner
+            .waiters
+            .insert(pid as i32, Waiter::Then(Box::new(then)));
     }
 
     fn exited(&self, pid: u32) -> Option<WaitStatus> {
@@ -651,9 +677,14 @@ impl ChildTable {
             let status = WaitStatus::from_raw(raw);
             let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             inner.live = inner.live.saturating_sub(1);
-            if let Some(tx) = inner.waiters.remove(&pid) {
-                let _ = tx.send(status);
-            }
+            let then = match inner.waiters.remove(&pid) {
+                Some(Waiter::Send(tx)) => {
+                    let _ = tx.send(status);
+                    None
+                }
+                Some(Waiter::Then(f)) => Some(f),
+                None => None,
+            };
             if inner.watched.remove(&pid) {
                 inner.kept.insert(pid, status);
                 // Keep the table bounded: only recent statuses matter.
@@ -663,6 +694,10 @@ impl ChildTable {
                         inner.kept.remove(&k);
                     }
                 }
+            }
+            drop(inner);
+            if let Some(f) = then {
+                f(status);
             }
         }
     }

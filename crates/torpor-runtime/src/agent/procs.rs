@@ -20,7 +20,7 @@ use std::process::{Command, Stdio};
 use std::sync::{mpsc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::{bad_request, io_error, Agent, Answer};
+use super::{bad_request, io_error, Agent, Answer, WaitStatus};
 use crate::proto::{AgentErrorCode, PtySize, Reply, SpawnRequest};
 
 /// What the agent keeps of a running process: the writing end of its stdin (a pipe, or a
@@ -229,33 +229,22 @@ impl Agent {
         let index_file = index.join(pid.to_string());
         let _ = fs::write(&index_file, &req.key);
         let key = req.key.clone();
-        let _ = std::thread::Builder::new()
-            .name("proc-waiter".into())
-            .spawn(move || {
-                let status = status_rx.recv().ok();
-                if let Some(done) = copier {
-                    let _ = done.recv_timeout(PTY_DRAIN);
-                }
-                procs()
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .remove(&pid);
-                let rc = status.and_then(|s| s.code).unwrap_or(-1);
-                if status.is_some_and(|s| s.signal.is_some()) {
-                    let _ = File::create(dir.join("signaled"));
-                }
-                let _ = File::create(dir.join(format!("exit-{rc}")));
-                ended()
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push_back(Ended {
-                        at: Instant::now(),
-                        dir,
-                        index: index_file,
-                        key,
+        match copier {
+            // Recorded by the reaper as soon as it reaps it: no thread of its own.
+            None => self.children.on_exit(pid, status_rx, move |status| {
+                record_exit(pid, Some(status), dir, index_file, key)
+            }),
+            // A terminal's output may still be draining: wait for its copier first.
+            Some(done) => {
+                let _ = std::thread::Builder::new()
+                    .name("proc-waiter".into())
+                    .spawn(move || {
+                        let status = status_rx.recv().ok();
+                        let _ = done.recv_timeout(PTY_DRAIN);
+                        record_exit(pid, status, dir, index_file, key)
                     });
-                notify_exit();
-            });
+            }
+        }
         Ok((Reply::Started { pid }, Vec::new()))
     }
 
@@ -290,6 +279,31 @@ impl Agent {
         set_size(master, size).map_err(|e| io_error(Path::new("/dev/ptmx"), e))?;
         Ok((Reply::Ok, Vec::new()))
     }
+}
+
+/// What a `Spawn` process leaves when it ends: its exit marker (and `signaled`) in its
+/// directory, its place among the ended (pruned after [`KEEP_ENDED`]), and a wake for
+/// `ListChanged` waits.
+fn record_exit(pid: u32, status: Option<WaitStatus>, dir: PathBuf, index: PathBuf, key: String) {
+    procs()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&pid);
+    let rc = status.and_then(|s| s.code).unwrap_or(-1);
+    if status.is_some_and(|s| s.signal.is_some()) {
+        let _ = File::create(dir.join("signaled"));
+    }
+    let _ = File::create(dir.join(format!("exit-{rc}")));
+    ended()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push_back(Ended {
+            at: Instant::now(),
+            dir,
+            index,
+            key,
+        });
+    notify_exit();
 }
 
 /// Counts process exits, so that `ListChanged` waits notice one at once instead of at their
