@@ -499,7 +499,12 @@ impl Engine {
             if self.is_live(&s.id) {
                 continue; // taken back above
             }
-            self.resolve_interrupted(&mut s, "restart", None)?;
+            // Under live restore a resident sandbox should have outlived the restart: say why
+            // this one did not (its shim or container died meanwhile).
+            let lost = (self.cfg.live_restore
+                && matches!(s.state, SandboxState::Running | SandboxState::Frozen))
+            .then_some("its container");
+            self.resolve_interrupted(&mut s, "restart", lost)?;
             // Checkpoints that never committed, and committed ones the record never came to
             // point at (a crash between the rename and the record's update).
             let images = self.sandbox_dir(&s.id).join("images");

@@ -217,6 +217,13 @@ async fn a_killed_shim_sends_only_its_own_sandbox_back_to_its_snapshot() {
     let c = d.client();
     let (_, _, marks) = probe(&c, victim).await;
     assert_eq!(marks, "again|", "{victim} was not taken back");
+    let s = c.sandbox(bystander).await.unwrap();
+    assert!(
+        s.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("restored to its last snapshot")),
+        "{s:?}"
+    );
     let (_, _, marks) = probe(&c, bystander).await;
     assert_eq!(marks, "|", "{bystander} outlived its shim");
 }
