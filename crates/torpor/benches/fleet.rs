@@ -238,6 +238,39 @@ async fn make_parked(c: &Client, tpl: &str, n: usize) -> Vec<String> {
     ids
 }
 
+/// Memory of the daemon's shims (`<torpor> shim --dir <data>/shims/...`, one supervisor per
+/// resident sandbox): the sum of their `Private_Dirty` (smaps_rollup), which is what each shim
+/// costs beyond the binary's shared pages. Torpor's side of the density figure includes it.
+fn shims_private_dirty(data: &Path) -> u64 {
+    let mut needles = vec![data.join("shims")];
+    if let Ok(c) = std::fs::canonicalize(data) {
+        needles.push(c.join("shims"));
+    }
+    let mut bytes = 0;
+    for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let under = |a: &[u8]| {
+            needles
+                .iter()
+                .any(|n| a.starts_with(n.as_os_str().as_encoded_bytes()))
+        };
+        if args.get(1) != Some(&b"shim".as_slice()) || !args.iter().any(|a| under(a)) {
+            continue;
+        }
+        let rollup = std::fs::read_to_string(p.path().join("smaps_rollup")).unwrap_or_default();
+        bytes += rollup
+            .lines()
+            .find_map(|l| l.strip_prefix("Private_Dirty:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024;
+    }
+    bytes
+}
+
 async fn density() -> serde_json::Value {
     let agents = env_usize("TORPOR_DENSITY_AGENTS", 1000);
     let rounds = env_usize("TORPOR_DENSITY_ROUNDS", 6);
@@ -280,15 +313,22 @@ async fn density() -> serde_json::Value {
     let fork_s = t.elapsed().as_secs_f64();
     eprintln!("density: {agents} agents forked in {fork_s:.1} s");
 
-    // Resident memory, sampled all along.
+    // Resident memory, sampled all along: the sandboxes' groups plus their shims.
     let peak = Arc::new(AtomicU64::new(0));
+    let shim_peak = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let sampler = {
-        let (c, peak, stop) = (c.clone(), peak.clone(), stop.clone());
+        let (c, peak, shim_peak, stop) = (c.clone(), peak.clone(), shim_peak.clone(), stop.clone());
+        let data = d.data();
         tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
                 if let Ok(w) = c.workers().await {
-                    peak.fetch_max(w.resident_memory_bytes, Ordering::Relaxed);
+                    let data = data.clone();
+                    let shims = tokio::task::spawn_blocking(move || shims_private_dirty(&data))
+                        .await
+                        .unwrap_or(0);
+                    peak.fetch_max(w.resident_memory_bytes + shims, Ordering::Relaxed);
+                    shim_peak.fetch_max(shims, Ordering::Relaxed);
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -347,6 +387,7 @@ async fn density() -> serde_json::Value {
     let _ = sampler.await;
     let per_agent_bytes = pct(&mut per_agent, 50.0);
     let peak_bytes = peak.load(Ordering::Relaxed) as f64;
+    let shim_bytes_peak = shim_peak.load(Ordering::Relaxed);
     let resident_equivalent = peak_bytes / per_agent_bytes;
     let ratio = agents as f64 / resident_equivalent;
     let budget = c
@@ -376,9 +417,13 @@ async fn density() -> serde_json::Value {
         mib(per_agent_bytes)
     );
     println!(
-        "torpor peak resident memory: {:.0} MiB = {:.1} resident agents' worth (most busy workers seen: {max_busy})",
+        "torpor peak resident memory (sandboxes + shims): {:.0} MiB = {:.1} resident agents' worth (most busy workers seen: {max_busy})",
         mib(peak_bytes),
         resident_equivalent
+    );
+    println!(
+        "shims' memory (Private_Dirty), peak: {:.1} MiB (included above)",
+        mib(shim_bytes_peak as f64)
     );
     println!(
         "baseline, one resident sandbox per agent: {:.0} MiB for {agents} agents; in torpor's peak memory {:.1} fit",
@@ -399,7 +444,7 @@ async fn density() -> serde_json::Value {
         "failures": failures, "fork_s": fork_s, "wake_by_tier": tiers,
         "per_agent_bytes": per_agent_bytes, "peak_resident_bytes": peak_bytes,
         "density_x": ratio, "baseline_resident_bytes": per_agent_bytes * agents as f64,
-        "disk_bytes": disk,
+        "disk_bytes": disk, "shim_bytes_peak": shim_bytes_peak,
     })
 }
 
