@@ -10,6 +10,8 @@
 //! | exec `true` in a running sandbox, through the API | `runsc exec` of `true` |
 //! | exec `true` in a running sandbox, through the API | the floor: the same spawn inside the sandbox, torpor off the path |
 //! | the agent's own spawn → exit of that exec (its `duration_ms`) | the floor |
+//! | all of an exec but the agent's spawn → exit (per exec) | 0 |
+//! | floor of `true` as uid 1000 the way a `Spawn` starts it (clone-vfork) | the same through std's fork fallback |
 //! | wake from Frozen: API call to first exec result | exec in a running sandbox |
 //! | wake from Frozen: the resume call | `runsc resume` of a paused container |
 //! | wake from Parked, 64 MiB resident: API call to first exec result | bare `runsc restore --detach` of the same image |
@@ -160,8 +162,8 @@ async fn main() {
         .id;
     // The floor: the agent binary, mounted in every sandbox, in its spawn-floor mode.
     let mount = torpor_runtime::spec::AGENT_MOUNT;
-    let floor_cmd = |k: usize| ExecBody {
-        cmd: vec![
+    let floor_as = |k: usize, user: &[&str]| {
+        let mut cmd = vec![
             format!("{mount}/ld.so"),
             "--library-path".into(),
             format!("{mount}/lib"),
@@ -170,10 +172,29 @@ async fn main() {
             "--".into(),
             torpor_runtime::agent::floor::FLAG.into(),
             k.to_string(),
-            "/bin/true".into(),
-        ],
-        ..Default::default()
+        ];
+        cmd.extend(user.iter().map(|s| s.to_string()));
+        cmd.push("/bin/true".into());
+        ExecBody {
+            cmd,
+            ..Default::default()
+        }
     };
+    let floor_cmd = |k: usize| floor_as(k, &[]);
+    let floor_ms = |r: &torpor_control::ExecResult| -> Vec<f64> {
+        assert_eq!(r.exit_code, Some(0), "spawn floor: {}", r.stderr);
+        let v: serde_json::Value =
+            serde_json::from_str(r.stdout.lines().next().unwrap_or_default()).expect("floor JSON");
+        v["spawn_us"]
+            .as_array()
+            .expect("spawn_us")
+            .iter()
+            .map(|us| us.as_f64().unwrap() / 1000.0)
+            .collect()
+    };
+    // A Spawn as another user (E2B's `base`): the agent's clone(CLONE_VM|CLONE_VFORK) start
+    // against the standard library's fork fallback it used before, alternating.
+    let (mut as_user_vfork, mut as_user_fork) = (Vec::new(), Vec::new());
     for _ in 0..5 {
         c.exec(&id, &true_cmd).await.unwrap();
     }
@@ -192,17 +213,11 @@ async fn main() {
             agent_spawn.push(r.duration_ms);
             outside.push(torpor_exec.last().unwrap() - r.duration_ms);
         }
-        let r = c.exec(&id, &floor_cmd(BATCH)).await.unwrap();
-        assert_eq!(r.exit_code, Some(0), "spawn floor: {}", r.stderr);
-        let v: serde_json::Value =
-            serde_json::from_str(r.stdout.lines().next().unwrap_or_default()).expect("floor JSON");
-        floor.extend(
-            v["spawn_us"]
-                .as_array()
-                .expect("spawn_us")
-                .iter()
-                .map(|us| us.as_f64().unwrap() / 1000.0),
-        );
+        floor.extend(floor_ms(&c.exec(&id, &floor_cmd(BATCH)).await.unwrap()));
+        let vfork = floor_as(BATCH, &["--uid", "1000:1000"]);
+        as_user_vfork.extend(floor_ms(&c.exec(&id, &vfork).await.unwrap()));
+        let fork = floor_as(BATCH, &["--uid-std", "1000:1000"]);
+        as_user_fork.extend(floor_ms(&c.exec(&id, &fork).await.unwrap()));
     }
     rows.push(Row {
         name: "exec `true` (running) over its floor",
@@ -215,6 +230,12 @@ async fn main() {
         torpor: agent_spawn,
         baseline_name: "exec `true` floor (in-sandbox spawn)",
         baseline: floor,
+    });
+    rows.push(Row {
+        name: "spawn `true` as uid 1000: clone-vfork",
+        torpor: as_user_vfork,
+        baseline_name: "as uid 1000: std's fork (before)",
+        baseline: as_user_fork,
     });
     // What an exec costs besides the agent's spawn → exit: HTTP, the engine, the agent channel
     // both ways, the agent's reading, dispatch and reply. Its baseline is nothing (0 ms).
