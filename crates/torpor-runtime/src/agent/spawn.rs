@@ -319,7 +319,9 @@ mod tests {
         let user = someone();
         let script = "id -u; id -g; id -G; pwd; echo \"$FROM_CONFIG $FROM_REQUEST\"; \
                       read pid comm state ppid pgrp rest < /proc/$$/stat; echo $((pid == pgrp)); \
-                      read line; echo \"stdin: $line\"; echo oops >&2; exit 3";
+                      read line; echo \"stdin: $line\"; echo oops >&2; \
+                      while read k r e s f; do case $k in Uid:|Gid:) echo \"$k $r $e $s\";; esac; \
+                      done < /proc/$$/status; exit 3";
         let cmd = ["/bin/sh".to_string(), "-c".into(), script.into()];
         let configured: BTreeMap<String, String> = [
             ("FROM_CONFIG".to_string(), "configured".to_string()),
@@ -358,6 +360,10 @@ mod tests {
         assert_eq!(lines[5], "1", "a process group of its own: {text}");
         assert_eq!(lines[6], "stdin: hello");
         assert_eq!(lines[7], "oops");
+        // Real, effective and saved ids: nothing of root's left to go back to.
+        let ids = |id: u32| format!("{id} {id} {id}");
+        assert_eq!(lines[8], format!("Uid: {}", ids(user.uid)), "{text}");
+        assert_eq!(lines[9], format!("Gid: {}", ids(user.gid)), "{text}");
     }
 
     #[test]
