@@ -1198,7 +1198,7 @@ mod tests {
     #[test]
     fn the_relay_refuses_the_hosts_addresses() {
         let v4 = |a: Ipv4Addr, p| std::net::SocketAddrV4::new(a, p);
-        for a in host_addresses() {
+        for (_, a) in host_addresses() {
             assert!(
                 host_blocked(v4(Ipv4Addr::from(a), 22)),
                 "{}",

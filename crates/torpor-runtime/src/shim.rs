@@ -90,7 +90,8 @@ struct ExitRecord {
 /// Where a daemon keeps its shims' directories, and how it names their sockets.
 #[derive(Debug, Clone)]
 pub struct Shims {
-    /// The `torpor` binary (`torpor shim` is a hidden subcommand).
+    /// `torpor-shim`, or the `torpor` binary (`torpor shim` is a hidden subcommand): both
+    /// take the same arguments.
     pub binary: PathBuf,
     pub dir: PathBuf,
     /// Unique to the directory, so daemons on one host never share a socket name.
@@ -277,6 +278,10 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
 /// `torpor shim`: runs `command` (runsc) and relays its stdio until it exits. Returns the
 /// shim's exit code.
 pub fn run(dir: PathBuf, socket: String, command: Vec<OsString>) -> io::Result<i32> {
+    // One malloc arena for all threads: a shim's threads each move a frame at a time, and an
+    // arena per thread would be memory per resident sandbox for nothing.
+    // SAFETY: mallopt only sets an allocator parameter; called before any other thread exists.
+    unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
     // SAFETY: the daemon passed the first connection as descriptor 3 (pass_connection); nothing
     // else in this process owns it.
     let first = unsafe { UnixStream::from_raw_fd(INHERITED_FD) };

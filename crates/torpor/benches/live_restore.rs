@@ -75,13 +75,14 @@ impl Row {
     }
 }
 
-/// Resident memory of every `torpor shim` of the daemon whose data directory is `data`: (count,
-/// total bytes).
-fn shims_rss(data: &std::path::Path) -> (usize, u64) {
+/// Memory of every `torpor shim` of the daemon whose data directory is `data`: (count, resident
+/// bytes, private bytes). Resident counts the binary's pages all shims share; private is what
+/// each one adds.
+fn shims_memory(data: &std::path::Path) -> (usize, u64, u64) {
     let needle = data.join("shims");
     let needle = needle.as_os_str().as_encoded_bytes();
     let mut n = 0;
-    let mut bytes = 0;
+    let (mut rss, mut private) = (0, 0);
     for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) else {
             continue;
@@ -90,16 +91,19 @@ fn shims_rss(data: &std::path::Path) -> (usize, u64) {
         if args.get(1) != Some(&b"shim".as_slice()) || !args.iter().any(|a| a.starts_with(needle)) {
             continue;
         }
-        let status = std::fs::read_to_string(p.path().join("status")).unwrap_or_default();
-        let kb: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next()?.parse().ok())
-            .unwrap_or(0);
+        let rollup = std::fs::read_to_string(p.path().join("smaps_rollup")).unwrap_or_default();
+        let kib = |key: &str| -> u64 {
+            rollup
+                .lines()
+                .filter_map(|l| l.strip_prefix(key))
+                .filter_map(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+                .sum()
+        };
         n += 1;
-        bytes += kb * 1024;
+        rss += kib("Rss:") * 1024;
+        private += (kib("Private_Dirty:") + kib("Private_Clean:")) * 1024;
     }
-    (n, bytes)
+    (n, rss, private)
 }
 
 /// SIGKILLs `d` with `ids` running (each holding `mark-<i>` in /root/mark), restarts it, and
@@ -202,7 +206,7 @@ async fn main() {
         };
         exec_ms(c, id).await; // running, not frozen or parked
     }
-    let (shims, shim_bytes) = shims_rss(&on.data());
+    let (shims, shim_rss, shim_private) = shims_memory(&on.data());
     let (crash_on_ms, kept_on) = crash(&mut on, ON, &ids_on).await;
     let (crash_off_ms, kept_off) = crash(&mut off, OFF, &ids_off).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -225,24 +229,23 @@ async fn main() {
             r["delta_p50_ms"].as_f64().unwrap_or(f64::NAN),
         );
     }
-    let per_shim_kib = if shims > 0 {
-        shim_bytes / shims as u64 / 1024
-    } else {
-        0
-    };
+    let each_kib = |bytes: u64| bytes / (shims.max(1) as u64) / 1024;
+    let (rss_kib, private_kib) = (each_kib(shim_rss), each_kib(shim_private));
     println!();
     println!("| SIGKILL with {k} running sandboxes | every one answering again after | kept their unsaved mark |");
     println!("|---|---|---|");
     println!("| live restore | {crash_on_ms:.0} ms | {kept_on}/{k} |");
     println!("| without (back to their snapshots) | {crash_off_ms:.0} ms | {kept_off}/{k} |");
     println!();
-    println!("shims: {shims} running, {per_shim_kib} KiB resident each");
+    println!(
+        "shims: {shims} running; each {private_kib} KiB of its own ({rss_kib} KiB resident, the rest the binary's shared pages)"
+    );
     rows.push(json!({"name": "sigkill and restart", "sandboxes": k,
         "live_ms": crash_on_ms, "live_kept": kept_on,
         "baseline_ms": crash_off_ms, "baseline_kept": kept_off}));
     println!(
         "{}",
         json!({"bench": "live_restore", "n": n, "rows": rows, "shims": shims,
-               "shim_rss_kib_each": per_shim_kib})
+               "shim_rss_kib_each": rss_kib, "shim_private_kib_each": private_kib})
     );
 }

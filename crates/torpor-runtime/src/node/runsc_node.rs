@@ -65,12 +65,20 @@ impl RunscNode {
         let mut scan = shim::Scan::default();
         let runsc = if cfg.live_restore {
             let shims_dir = cfg.data_dir.join("shims");
+            // `torpor-shim` beside the binary when it is there (a few hundred KiB a copy),
+            // else the binary's own `shim` subcommand (the same code, several MiB a copy).
+            let small = cfg.agent_binary.with_file_name("torpor-shim");
+            let binary = if small.is_file() {
+                small
+            } else {
+                tracing::warn!(missing = %small.display(),
+                    "no torpor-shim beside the torpor binary: each resident sandbox's shim runs the whole binary");
+                cfg.agent_binary.clone()
+            };
             let shims =
-                Shims::new(cfg.agent_binary.clone(), shims_dir.clone()).map_err(|source| {
-                    RuntimeError::Io {
-                        path: shims_dir,
-                        source,
-                    }
+                Shims::new(binary, shims_dir.clone()).map_err(|source| RuntimeError::Io {
+                    path: shims_dir,
+                    source,
                 })?;
             scan = shims.scan();
             if !scan.survivors.is_empty() {
