@@ -466,8 +466,11 @@ impl Engine {
         let mut taken_back = 0;
         for mut s in self.store.sandboxes()? {
             known.push(s.id.to_string());
+            // GPU sandboxes go back to their snapshots: their devices and shares were the
+            // previous run's (the GPU ledger re-issues them at the next wake).
             if !matches!(s.state, SandboxState::Running | SandboxState::Frozen)
                 || self.controller_name().is_some()
+                || self.store.gpu_request(&s.id)?.is_some()
             {
                 continue;
             }

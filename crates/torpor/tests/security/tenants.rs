@@ -380,8 +380,8 @@ async fn a_never_ending_call_does_not_block_delete_or_shutdown() {
     assert!(ended.is_err() || ended.unwrap().exit_code != Some(0));
     assert_eq!(refusal(a.sandbox(&stuck).await.unwrap_err()).0, 404);
     eprintln!("delete under a never-ending call took {:?}", t.elapsed());
-    // Shutdown is not held either: the other sandbox with a never-ending call is left to the
-    // next start (its last snapshot), and the daemon exits.
+    // Shutdown is not held either: the other sandbox with a never-ending call is left running
+    // under its shim, and the daemon exits.
     let _call = forever(other.clone());
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     let pid = d.pid();
@@ -400,10 +400,24 @@ async fn a_never_ending_call_does_not_block_delete_or_shutdown() {
     }
     assert!(exited, "the daemon did not exit under a never-ending call");
     eprintln!("shutdown under a never-ending call took {:?}", t.elapsed());
+    // The next start takes it back as it was (live restore): nothing was lost.
     d.kill();
     d.spawn().await;
     let s = d.client().sandbox(&other).await.unwrap();
-    assert_ne!(s.state, "running");
+    // (Resident: running, or frozen by the idle policy since.)
+    assert!(
+        ["running", "frozen"].contains(&s.state.as_str()) && s.last_error.is_none(),
+        "{s:?}"
+    );
+    let r = d
+        .client()
+        .exec(
+            &other,
+            &sh("pgrep -x sleep >/dev/null && echo still-sleeping"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.stdout.trim(), "still-sleeping", "{r:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
