@@ -15,10 +15,12 @@ use torpor_core::{Limits, TemplateName, TemplateSource, Tier};
 /// The template's main process counts in memory (a shell variable) and shows the count in a
 /// file; a reset (a restore from the template's snapshot) starts it again from where the
 /// template build left it.
-const COUNTER: &str = "n=0; while :; do n=$((n+1)); echo $n > /tmp/count; sleep 0.1; done";
+/// (Written aside and renamed: a reader never sees the file truncated mid-write.)
+const COUNTER: &str =
+    "n=0; while :; do n=$((n+1)); echo $n > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done";
 /// A second counter started by an exec and detached from it.
 const DETACHED: &str =
-    "nohup sh -c 'n=0; while :; do n=$((n+1)); echo $n > /tmp/dcount; sleep 0.1; done' >/dev/null 2>&1 &";
+    "nohup sh -c 'n=0; while :; do n=$((n+1)); echo $n > /tmp/dcount.new; mv /tmp/dcount.new /tmp/dcount; sleep 0.1; done' >/dev/null 2>&1 &";
 
 fn counter_template(name: &str) -> TemplateSpec {
     TemplateSpec {

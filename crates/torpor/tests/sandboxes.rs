@@ -33,7 +33,15 @@ async fn agent_state_survives_every_tier_and_background_processes_keep_running()
         r.stdout.parse::<u32>().is_ok(),
         "detach returns a pid: {r:?}"
     );
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The detached loop has written its first tick (a hang guard, not a measure).
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while c.read_file(&id, "/tmp/ticks").await.is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the detached loop never ticked"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     let mut expected = 1;
     for tier in [Tier::Frozen, Tier::Parked, Tier::Suspended] {
