@@ -24,7 +24,7 @@ async fn agent_state_survives_every_tier_and_background_processes_keep_running()
             &id,
             &ExecBody {
                 detach: true,
-                ..sh("i=0; while true; do i=$((i+1)); echo $i > /tmp/ticks; sleep 0.1; done")
+                ..sh("i=0; while true; do i=$((i+1)); echo $i > /tmp/ticks.new; mv /tmp/ticks.new /tmp/ticks; sleep 0.1; done")
             },
         )
         .await
@@ -60,16 +60,23 @@ async fn agent_state_survives_every_tier_and_background_processes_keep_running()
             "state after waking from {tier}"
         );
         assert_eq!(c.sandbox(&id).await.unwrap().tier, "running");
-        tokio::time::sleep(Duration::from_millis(400)).await;
-        let ticks_after: u64 =
-            String::from_utf8_lossy(&c.read_file(&id, "/tmp/ticks").await.unwrap())
-                .trim()
-                .parse()
-                .unwrap();
-        assert!(
-            ticks_after > ticks_before,
-            "background process stopped after {tier}: {ticks_before} -> {ticks_after}"
-        );
+        // The loop ticks again (a hang guard: a loaded machine may take a while).
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let ticks_after: u64 =
+                String::from_utf8_lossy(&c.read_file(&id, "/tmp/ticks").await.unwrap())
+                    .trim()
+                    .parse()
+                    .unwrap();
+            if ticks_after > ticks_before {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "background process stopped after {tier}: {ticks_before} -> {ticks_after}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
     // Explicit resume of a parked sandbox.
     c.suspend(&id, Some(Tier::Parked)).await.unwrap();

@@ -20,6 +20,29 @@ use crate::engine::Engine;
 /// How long a lane waits on the broker before it looks at its drain flag again.
 const LANE_WAIT: Duration = Duration::from_millis(500);
 
+/// How long an HTTP dispatch keeps retrying a refused connection: an agent just started or
+/// woken (or restored from a golden snapshot taken before its server listened) may not listen
+/// yet, and a message must not fail an attempt, or go to the dead letter, for that.
+const LISTEN_WAIT: Duration = Duration::from_secs(10);
+
+/// A connection to the agent's port, retrying while nothing listens there yet (within
+/// [`LISTEN_WAIT`]; the attempt's `timeout_s` bounds it too).
+async fn connect_listening(
+    target: &crate::engine::ProxyTarget,
+) -> std::result::Result<torpor_runtime::node::PortStream, String> {
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(20);
+    loop {
+        match target.connect().await {
+            Err(e) if e.contains("refused") && started.elapsed() + pause < LISTEN_WAIT => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(250));
+            }
+            r => return r,
+        }
+    }
+}
+
 pub(super) struct LaneWorker {
     pub(super) engine: Arc<Engine>,
     pub(super) tenant: TenantId,
@@ -140,7 +163,7 @@ impl LaneWorker {
             .map_err(|e| format!("POST port {} {}: {e}", h.port, h.path))?;
         let woke = target.woke;
         let exchange = async {
-            let io = target.connect().await.map_err(|e| {
+            let io = connect_listening(&target).await.map_err(|e| {
                 crate::engine::count_proxied("upstream_error");
                 format!("POST port {} {}: {e}", h.port, h.path)
             })?;

@@ -161,6 +161,21 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // A failed test shows what the daemon complained about (CI keeps no data dirs).
+            let log = self.log();
+            let warned: Vec<&str> = log
+                .lines()
+                .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+                .collect();
+            let tail = &warned[warned.len().saturating_sub(40)..];
+            eprintln!(
+                "--- daemon warnings ({} of {}) ---\n{}",
+                tail.len(),
+                warned.len(),
+                tail.join("\n")
+            );
+        }
         if let Some(mut c) = self.child.take() {
             // SAFETY: kill(2) on our own child.
             unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
