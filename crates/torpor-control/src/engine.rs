@@ -38,6 +38,7 @@ mod lifecycle;
 mod net;
 mod policy;
 mod quota;
+mod reboot;
 mod residency;
 mod snapshot_admin;
 mod sources;

@@ -30,6 +30,7 @@ use crate::proto::{
 pub mod floor;
 mod metadata;
 mod procs;
+mod reboot;
 mod spawn;
 pub mod sudo;
 
@@ -45,7 +46,8 @@ pub const TEST_WITHOUT_SPAWN: &str = "TORPOR_AGENT_TEST_WITHOUT_SPAWN";
 
 /// Test only: when the agent's own environment (a template's `env`) sets this to a protocol
 /// version older than [`proto::VERSION`], the agent says that version in its hello and answers
-/// the requests that came after it (`SetMetadata`, `ListWithMetadata` before 3) as an agent of
+/// the requests that came after it (`SetMetadata`, `ListWithMetadata` before 3, `Reboot` before
+/// 4; nor does it keep a boot id before 4) as an agent of
 /// that version does (one that cannot parse them: a `bad_request` under id 0, none under the
 /// request's id), so the tests can exercise the callers' version checks for sandboxes restored
 /// from older snapshots. Nothing else changes.
@@ -84,8 +86,12 @@ pub fn run(main_cmd: Vec<String>) -> io::Result<()> {
             .filter(|v| *v <= proto::VERSION)
             .unwrap_or(proto::VERSION),
         file_owner: std::env::var(FILE_OWNER).ok().and_then(|v| parse_owner(&v)),
+        main_cmd: main_cmd.clone(),
     });
     let _ = fs::create_dir_all(LOG_DIR);
+    if agent.version >= proto::REBOOT_SINCE {
+        reboot::new_boot();
+    }
     {
         let children = agent.children.clone();
         std::thread::Builder::new()
@@ -121,6 +127,8 @@ struct Agent {
     version: u32,
     /// [`FILE_OWNER`]: who owns what `WriteFile` creates.
     file_owner: Option<proto::RunAs>,
+    /// The template's main process, started at boot and again by `Reboot` (may be empty).
+    main_cmd: Vec<String>,
 }
 
 /// `UID:GID` (both numbers).
@@ -185,6 +193,14 @@ impl Agent {
             self.reply(0, &bad_request(m), &[]);
             return;
         }
+        if self.version < proto::REBOOT_SINCE && matches!(req, Request::Reboot) {
+            let m = format!(
+                "malformed request: unknown op ({TEST_AGENT_VERSION} is {})",
+                self.version
+            );
+            self.reply(0, &bad_request(m), &[]);
+            return;
+        }
         let result = match req {
             Request::Hello => Ok((
                 Reply::Hello {
@@ -195,6 +211,9 @@ impl Agent {
             )),
             Request::Configure { env } => {
                 *self.env.write().unwrap_or_else(|p| p.into_inner()) = env;
+                if self.version >= proto::REBOOT_SINCE {
+                    reboot::new_boot();
+                }
                 Ok((Reply::Ok, Vec::new()))
             }
             Request::Exec(req) => self.exec(id, req, body),
@@ -221,6 +240,7 @@ impl Agent {
             Request::ProcResize { pid, cols, rows } => {
                 self.proc_resize(pid, proto::PtySize { cols, rows })
             }
+            Request::Reboot => self.reboot(),
         };
         match result {
             Ok((reply, body)) => self.reply(id, &reply, &body),

@@ -21,14 +21,23 @@ pub const MAX_BODY: usize = 256 << 20;
 /// The longest a `ListChanged` waits.
 pub const MAX_WAIT_MS: u64 = 5_000;
 /// Protocol version; the agent reports it in its hello.
-/// 2: `ReadRange`. 3: `SetMetadata`, `ListWithMetadata` (E2B's file metadata).
-pub const VERSION: u32 = 3;
+/// 2: `ReadRange`. 3: `SetMetadata`, `ListWithMetadata` (E2B's file metadata). 4: `Reboot`,
+/// and the agent keeps `/proc/sys/kernel/random/boot_id` ([`BOOT_ID_PATH`]).
+pub const VERSION: u32 = 4;
 /// The first version that answers `ReadRange`.
 pub const READ_RANGE_SINCE: u32 = 2;
 /// The first version that answers `SetMetadata` and `ListWithMetadata`. An older agent cannot
 /// parse them (it answers `bad_request` under id 0, never under the request's id), so a
 /// caller asks only an agent whose hello said at least this.
 pub const METADATA_SINCE: u32 = 3;
+/// The first version that answers `Reboot`. An older agent cannot parse it (as for
+/// [`METADATA_SINCE`]), so a caller asks only an agent whose hello said at least this.
+pub const REBOOT_SINCE: u32 = 4;
+/// Where the agent writes the sandbox's boot id (a UUID line, as Linux's): a fresh one when it
+/// starts, on `Configure` (a sandbox made from a template's snapshot is a new boot) and on
+/// `Reboot`. The directory is a small tmpfs in every sandbox's spec (gVisor's procfs has no
+/// `random/`), so the id is checkpointed with the sandbox and unchanged by a restore.
+pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -36,6 +45,8 @@ pub enum Request {
     /// Answered with `Reply::Hello` once the agent is ready.
     Hello,
     /// Sets environment applied to every later exec (per-sandbox env after a golden restore).
+    /// Agents of [`REBOOT_SINCE`] also start a new boot id: a sandbox made from a template's
+    /// snapshot is a boot of its own.
     Configure {
         env: BTreeMap<String, String>,
     },
@@ -114,6 +125,11 @@ pub enum Request {
         cols: u16,
         rows: u16,
     },
+    /// Reboots the sandbox's processes, keeping its files (E2B's filesystem-only pause): every
+    /// process but the agent is killed (SIGKILL) and reaped, the template's main process is
+    /// started again as at boot, and a new boot id is written. Answered with `Main` (the new
+    /// main process). Agents before [`REBOOT_SINCE`] cannot parse it.
+    Reboot,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

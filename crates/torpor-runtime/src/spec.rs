@@ -12,6 +12,9 @@ use crate::cgroup;
 /// Where the agent directory appears inside a sandbox.
 pub const AGENT_MOUNT: &str = "/.torpor";
 
+/// The directory of [`crate::proto::BOOT_ID_PATH`]: a tmpfs of its own in every sandbox.
+pub const BOOT_ID_DIR: &str = "/proc/sys/kernel/random";
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Mount {
     pub destination: String,
@@ -71,6 +74,10 @@ pub fn render(spec: &ContainerSpec, cgroup: &str) -> serde_json::Value {
 
     let mut mounts = vec![
         serde_json::json!({"destination": "/proc", "type": "proc", "source": "proc"}),
+        // gVisor's procfs has no `sys/kernel/random`: a small tmpfs there holds the boot id the
+        // agent writes (`proto::BOOT_ID_PATH`), checkpointed with the sandbox like /tmp.
+        serde_json::json!({"destination": BOOT_ID_DIR, "type": "tmpfs", "source": "tmpfs",
+            "options": ["nosuid", "noexec", "nodev", "mode=755", "size=16k"]}),
         serde_json::json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}),
         serde_json::json!({"destination": "/sys", "type": "sysfs", "source": "sysfs",
@@ -203,6 +210,14 @@ mod tests {
         assert_eq!(v["linux"]["cgroupsPath"], "/torpor/sb-x-g1");
         let mounts = v["mounts"].as_array().unwrap();
         assert!(mounts.iter().any(|m| m["destination"] == "/.torpor"));
+        // The boot id's tmpfs comes after /proc (so it lies over it) and holds the id's file.
+        let at = |d: &str| mounts.iter().position(|m| m["destination"] == d).unwrap();
+        assert!(at(BOOT_ID_DIR) > at("/proc"));
+        assert_eq!(mounts[at(BOOT_ID_DIR)]["type"], "tmpfs");
+        assert_eq!(
+            std::path::Path::new(crate::proto::BOOT_ID_PATH).parent(),
+            Some(std::path::Path::new(BOOT_ID_DIR))
+        );
         assert!(v["process"]["env"]
             .as_array()
             .unwrap()

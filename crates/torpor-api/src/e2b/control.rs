@@ -14,7 +14,7 @@ use torpor_core::{SandboxId, TemplateName, TenantId, Tier};
 use super::egress::{Egress, META_EGRESS};
 use super::{
     e2b_running, is_running, E2b, E2bError, DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, META_AUTO_RESUME,
-    META_END_AT, META_ON_TIMEOUT, META_PAUSED, META_PREFIX, META_TIMEOUT,
+    META_END_AT, META_ON_TIMEOUT, META_PAUSED, META_PAUSE_MEMORY, META_PREFIX, META_TIMEOUT,
 };
 use crate::auth::constant_time_eq;
 use crate::types::rfc3339;
@@ -80,6 +80,8 @@ pub struct NewSandbox {
     pub template_id: Option<String>,
     pub timeout: Option<i64>,
     pub auto_pause: Option<bool>,
+    /// `false`: the timeout's pause keeps no memory (a filesystem-only pause).
+    pub auto_pause_memory: Option<bool>,
     pub auto_resume: Option<serde_json::Value>,
     pub metadata: Option<BTreeMap<String, String>>,
     pub env_vars: Option<BTreeMap<String, String>>,
@@ -121,6 +123,17 @@ pub struct NetworkUpdate {
 #[derive(Debug, Default, Deserialize)]
 pub struct TimeoutBody {
     pub timeout: Option<i64>,
+    /// Connect's `memory: false` (`on_resume="reboot"`): a paused sandbox wakes rebooted.
+    pub memory: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/pause`'s body: `memory: false` is a filesystem-only pause.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PauseBody {
+    pub memory: Option<bool>,
+    /// Refuse the pause while the agent does not answer: torpor's pause always needs it.
+    pub require_healthy_guest: Option<bool>,
 }
 
 /// The create/connect answer (E2B's `Sandbox`).
@@ -170,6 +183,9 @@ pub struct SandboxDetailJson {
     pub disk_size_mb: u64,
     pub state: String,
     pub metadata: BTreeMap<String, String>,
+    /// What a paused sandbox's pause kept: `full` (memory and files) or `filesystem`.
+    #[serde(rename = "pauseMode", skip_serializing_if = "Option::is_none")]
+    pub pause_mode: Option<String>,
     #[serde(
         rename = "allowInternetAccess",
         skip_serializing_if = "Option::is_none"
@@ -251,6 +267,14 @@ pub fn detail_json(st: &E2b, rec: &SandboxRecord, with_token: bool) -> SandboxDe
         }
         .into(),
         metadata: user_metadata(rec),
+        pause_mode: (!e2b_running(rec)).then(|| {
+            let fs_only = st
+                .api
+                .engine
+                .reboots_on_next_wake(&rec.tenant, &rec.id)
+                .unwrap_or(false);
+            if fs_only { "filesystem" } else { "full" }.to_string()
+        }),
         allow_internet_access: egress.allow_internet_access,
         network: NetworkInfoJson {
             allow_public_traffic: rec
@@ -355,6 +379,38 @@ fn on_timeout(body: &NewSandbox) -> E2bResult<&'static str> {
     })
 }
 
+/// Whether the timeout's pause keeps memory: not for `autoPauseMemory: false`, nor for a
+/// lifecycle `onTimeout` object with `keepMemory` / `keep_memory: false` or
+/// `mode: "filesystem"` (those are filesystem-only pauses: the sandbox wakes rebooted).
+fn pause_keeps_memory(body: &NewSandbox) -> E2bResult<bool> {
+    if let Some(o) = body
+        .lifecycle
+        .as_ref()
+        .and_then(|l| l.get("onTimeout").or_else(|| l.get("on_timeout")))
+        .filter(|o| o.is_object())
+    {
+        if let Some(mode) = o.get("mode").filter(|m| !m.is_null()) {
+            return match mode.as_str() {
+                Some("full") => Ok(true),
+                Some("filesystem") => Ok(false),
+                _ => Err(E2bError::bad_request(format!(
+                    "lifecycle on_timeout mode must be full or filesystem, got {mode}"
+                ))),
+            };
+        }
+        if let Some(keep) = o.get("keepMemory").or_else(|| o.get("keep_memory")) {
+            return match keep {
+                serde_json::Value::Bool(b) => Ok(*b),
+                serde_json::Value::Null => Ok(true),
+                _ => Err(E2bError::bad_request(
+                    "lifecycle on_timeout keep_memory must be a boolean",
+                )),
+            };
+        }
+    }
+    Ok(body.auto_pause_memory != Some(false))
+}
+
 /// What `POST /sandboxes` asks of the engine, decided from its body alone: the template, the
 /// metadata that keeps E2B's lifecycle and egress, the env and the network policy. The fuzz
 /// entry point drives this same function.
@@ -385,6 +441,9 @@ pub(crate) fn plan_create(
     metadata.insert(META_END_AT.into(), deadline(timeout));
     metadata.insert(META_TIMEOUT.into(), timeout.to_string());
     metadata.insert(META_ON_TIMEOUT.into(), on_timeout(&body)?.into());
+    if !pause_keeps_memory(&body)? {
+        metadata.insert(META_PAUSE_MEMORY.into(), "0".into());
+    }
     if auto_resume(&body)? {
         metadata.insert(META_AUTO_RESUME.into(), "1".into());
     }
@@ -507,6 +566,11 @@ pub async fn connect(
     let timeout = timeout_seconds(body.timeout)?;
     let before = e2b_sandbox(&st, &tenant, &id)?;
     let was_running = is_running(before.tier) && !before.metadata.contains_key(META_PAUSED);
+    // `on_resume="reboot"`: a paused sandbox wakes without its memory, whatever its pause kept
+    // (a running one is left as it is).
+    if body.memory == Some(false) && !was_running {
+        st.api.engine.reboot_on_next_wake(&tenant, &id, true)?;
+    }
     // A running sandbox's deadline only moves later; a woken one gets a fresh one.
     let new_end = torpor_core::now_millis() + timeout as i64 * 1000;
     let old_end = before
@@ -556,9 +620,11 @@ pub async fn pause(
     State(st): State<Arc<E2b>>,
     headers: HeaderMap,
     Path(id): Path<String>,
+    body: Body,
 ) -> E2bResult<StatusCode> {
     let tenant = authenticate(&st, &headers)?;
     let sid = sandbox_id(&id)?;
+    let body: PauseBody = parse_body(&headers, body).await?;
     let rec = e2b_sandbox(&st, &tenant, &sid)?;
     if !e2b_running(&rec) {
         return Err(E2bError::new(
@@ -566,6 +632,10 @@ pub async fn pause(
             format!("sandbox {id} is already paused"),
         ));
     }
+    // `memory: false`: the image is still taken whole, and the next wake reboots it. A memory
+    // pause takes back any such mark (there is none unless a pause without memory failed).
+    let fs_only = body.memory == Some(false);
+    st.api.engine.reboot_on_next_wake(&tenant, &sid, fs_only)?;
     // Paused to E2B from now on (is_running answers false while it checkpoints). A sandbox
     // torpor's idle policy already put to sleep only changes its E2B state.
     st.api.engine.patch_sandbox_metadata(
@@ -586,8 +656,10 @@ pub async fn pause(
             Ok(StatusCode::NO_CONTENT)
         }
         Err(e) => {
-            // Not paused after all: E2B's view goes back to running, with its deadline.
+            // Not paused after all: E2B's view goes back to running, with its deadline, and
+            // its next wake (it did not sleep) reboots nothing.
             let _ = super::mark_resumed(&st.api.engine, &rec, None);
+            let _ = st.api.engine.reboot_on_next_wake(&tenant, &sid, false);
             Err(e.into())
         }
     }
@@ -706,6 +778,36 @@ mod tests {
         assert_eq!(on_timeout(&b).unwrap(), "kill");
         b.lifecycle = Some(serde_json::json!({"onTimeout": "nap"}));
         assert!(on_timeout(&b).is_err());
+        // What the timeout's pause keeps: memory, unless told otherwise in any of E2B's forms.
+        let mut b = NewSandbox::default();
+        assert!(pause_keeps_memory(&b).unwrap());
+        b.auto_pause_memory = Some(false);
+        assert!(!pause_keeps_memory(&b).unwrap());
+        b.auto_pause_memory = None;
+        for (lifecycle, keeps) in [
+            (serde_json::json!({"onTimeout": "pause"}), true),
+            (
+                serde_json::json!({"on_timeout": {"action": "pause", "keep_memory": false}}),
+                false,
+            ),
+            (
+                serde_json::json!({"onTimeout": {"action": "pause", "keepMemory": true}}),
+                true,
+            ),
+            (
+                serde_json::json!({"onTimeout": {"action": "pause", "mode": "filesystem"}}),
+                false,
+            ),
+            (
+                serde_json::json!({"onTimeout": {"action": "pause", "mode": "full"}}),
+                true,
+            ),
+        ] {
+            b.lifecycle = Some(lifecycle.clone());
+            assert_eq!(pause_keeps_memory(&b).unwrap(), keeps, "{lifecycle}");
+        }
+        b.lifecycle = Some(serde_json::json!({"onTimeout": {"action": "pause", "mode": "disk"}}));
+        assert!(pause_keeps_memory(&b).is_err());
         assert!(timeout_seconds(Some(-1)).is_err());
         assert_eq!(
             timeout_seconds(Some(10 * MAX_TIMEOUT_S as i64)).unwrap(),

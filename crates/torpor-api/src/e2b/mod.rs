@@ -61,6 +61,9 @@ const META_PAUSED: &str = "torpor.e2b.paused";
 const META_AUTO_RESUME: &str = "torpor.e2b.auto_resume";
 /// The timeout (s) given at create or the last connect: the deadline an auto-resume sets.
 const META_TIMEOUT: &str = "torpor.e2b.timeout";
+/// `0` when the sandbox's timeout pauses it without memory (`autoPauseMemory: false`,
+/// lifecycle `keep_memory: false` / `mode: "filesystem"`): its next wake reboots it.
+const META_PAUSE_MEMORY: &str = "torpor.e2b.pause_memory";
 /// Set on the sandbox that holds an E2B named snapshot ([`snapshots`]): the id of the sandbox
 /// it was taken from. Such a sandbox is never shown or woken as a sandbox through E2B.
 pub const META_SNAPSHOT_OF: &str = "torpor.e2b.snapshot_of";
@@ -373,10 +376,11 @@ pub async fn enforce_timeouts(st: &Arc<E2b>) -> Result<(), E2bError> {
             continue;
         }
         let kill = rec.metadata.get(META_ON_TIMEOUT).map(String::as_str) == Some("kill");
-        tracing::info!(sandbox = %rec.id, kill, "e2b timeout reached");
+        let reboot = timeout_reboots(&rec);
+        tracing::info!(sandbox = %rec.id, kill, reboot, "e2b timeout reached");
         let st = st.clone();
         tokio::spawn(async move {
-            let result = timeout_action(&st, &rec.id, kill).await;
+            let result = timeout_action(&st, &rec.id, kill, reboot).await;
             if let Err(e) = result {
                 tracing::warn!(sandbox = %rec.id, error = %e, "e2b timeout action failed");
             }
@@ -389,11 +393,24 @@ pub async fn enforce_timeouts(st: &Arc<E2b>) -> Result<(), E2bError> {
     Ok(())
 }
 
+/// Whether a sandbox's timeout pauses it without memory ([`META_PAUSE_MEMORY`]).
+fn timeout_reboots(rec: &torpor_control::SandboxRecord) -> bool {
+    rec.metadata.get(META_PAUSE_MEMORY).map(String::as_str) == Some("0")
+}
+
 /// The deadline of a sandbox already asleep passed: deleted (`kill`) or marked paused.
 async fn timeout_asleep(st: &E2b, rec: &torpor_control::SandboxRecord) {
     let admin = TenantId::admin();
     let result = if rec.metadata.get(META_ON_TIMEOUT).map(String::as_str) == Some("kill") {
         st.api.engine.delete_sandbox(&admin, &rec.id).await
+    } else if timeout_reboots(rec)
+        && st
+            .api
+            .engine
+            .reboot_on_next_wake(&admin, &rec.id, true)
+            .is_err()
+    {
+        Ok(()) // logged by the engine; E2B's view stays running, so the next sweep retries
     } else {
         st.api
             .engine
@@ -417,11 +434,14 @@ async fn timeout_action(
     st: &E2b,
     id: &SandboxId,
     kill: bool,
+    reboot: bool,
 ) -> Result<(), torpor_control::ControlError> {
     let admin = TenantId::admin();
     if kill {
         return st.api.engine.delete_sandbox(&admin, id).await;
     }
+    // A filesystem-only pause: the next wake reboots it.
+    st.api.engine.reboot_on_next_wake(&admin, id, reboot)?;
     // Paused to E2B from now on (is_running answers false while it checkpoints), and the
     // deadline cleared: a later wake must not be put back to sleep at once; `connect` (or
     // an auto-resume) sets a new one.
@@ -434,9 +454,13 @@ async fn timeout_action(
         ]
         .into(),
     )?;
-    st.api
-        .engine
-        .suspend(&admin, id, Tier::Parked)
-        .await
-        .map(|_| ())
+    let slept = st.api.engine.suspend(&admin, id, Tier::Parked).await;
+    if let Err(e) = &slept {
+        // Still resident: no wake is coming that the mark is for (a race lost to the idle
+        // policy leaves it asleep, and marked).
+        if reboot && !matches!(e, torpor_control::ControlError::InvalidTransition { .. }) {
+            let _ = st.api.engine.reboot_on_next_wake(&admin, id, false);
+        }
+    }
+    slept.map(|_| ())
 }

@@ -183,7 +183,10 @@ impl Engine {
                         .observe(t.elapsed().as_secs_f64());
                 }
                 Some((false, false)) => {}
-                None => self.wake_locked(&mut guard, rec).await?,
+                None => {
+                    self.wake_locked(&mut guard, rec).await?;
+                    self.reboot_if_marked(&guard, id).await?;
+                }
             }
             slot.touch();
             return Ok(InUse {

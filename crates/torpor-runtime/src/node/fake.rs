@@ -611,6 +611,7 @@ fn request_kind(req: &Request) -> &'static str {
         Request::ProcInput { .. } => "proc_input",
         Request::ProcCloseInput { .. } => "proc_close_input",
         Request::ProcResize { .. } => "proc_resize",
+        Request::Reboot => "reboot",
     }
 }
 

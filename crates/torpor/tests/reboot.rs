@@ -1,0 +1,164 @@
+//! Filesystem-only pauses (E2B's `keep_memory=False`) as torpor's own API sees them: the pause
+//! is asked for through E2B's route, and the next wake by any v1 call reboots the sandbox (its
+//! processes killed, the template's main process started again, a new boot id) while its files
+//! are kept; memory pauses (v1 suspend) keep processes and boot id. Real daemon, real runsc.
+
+mod common;
+
+use common::*;
+use torpor_api::ClientError;
+use torpor_core::Tier;
+
+const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
+
+async fn boot_id(c: &torpor_api::Client, id: &str) -> String {
+    let b = c.read_file(id, BOOT_ID).await.unwrap();
+    let b = String::from_utf8(b).unwrap();
+    assert!(b.ends_with('\n'), "{b:?}");
+    let b = b.trim().to_string();
+    assert_eq!(b.len(), 36, "{b:?}");
+    assert_eq!(b.matches('-').count(), 4, "{b:?}");
+    b
+}
+
+/// Whether `pid` is a process of the sandbox.
+async fn alive(c: &torpor_api::Client, id: &str, pid: &str) -> bool {
+    let r = c
+        .exec(
+            id,
+            &sh(&format!("kill -0 {pid} && echo alive || echo gone")),
+        )
+        .await
+        .unwrap();
+    r.stdout.trim() == "alive"
+}
+
+/// E2B's `POST /sandboxes/{id}/pause` with `{"memory": false}` (what `pause(keep_memory=False)`
+/// sends).
+async fn pause_without_memory(d: &Daemon, id: &str) {
+    let r = reqwest::Client::new()
+        .post(format!("{}/sandboxes/{id}/pause", d.url()))
+        .header("X-API-KEY", d.token())
+        .json(&serde_json::json!({"memory": false}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204, "{}", r.text().await.unwrap_or_default());
+}
+
+/// E2B's `POST /sandboxes/{id}/connect` with `{"memory": false}` (`on_resume="reboot"`):
+/// answers its status (200: it was running, 201: woken).
+async fn e2b_connect(d: &Daemon, id: &str) -> u16 {
+    let r = reqwest::Client::new()
+        .post(format!("{}/sandboxes/{id}/connect", d.url()))
+        .header("X-API-KEY", d.token())
+        .json(&serde_json::json!({"timeout": 600, "memory": false}))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    assert!(
+        status == 200 || status == 201,
+        "{status} {}",
+        r.text().await.unwrap_or_default()
+    );
+    status
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_filesystem_only_pause_reboots_the_sandbox_at_its_next_v1_call() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    c.create_template(&agent_template("rb", no_idle()))
+        .await
+        .unwrap();
+    let id = create(&c, "rb").await;
+    let other = create(&c, "rb").await;
+    assert_eq!(call_agent(&c, &id, "a").await, (1, 1));
+    assert_eq!(call_agent(&c, &id, "b").await, (2, 2));
+    let boot0 = boot_id(&c, &id).await;
+    assert_eq!(boot_id(&c, &id).await, boot0, "stable while it runs");
+    assert_ne!(
+        boot_id(&c, &other).await,
+        boot0,
+        "two sandboxes made from one template snapshot are two boots"
+    );
+    let r = c
+        .exec(
+            &id,
+            &sh("echo kept > /data/kept.txt && echo tmp > /tmp/kept.txt; \
+                 sleep 600 >/dev/null 2>&1 & echo $!"),
+        )
+        .await
+        .unwrap();
+    let bg = r.stdout.split_whitespace().next().unwrap().to_string();
+    assert!(alive(&c, &id, &bg).await);
+
+    // A memory pause (torpor's park) keeps everything.
+    c.suspend(&id, Some(Tier::Parked)).await.unwrap();
+    assert_eq!(call_agent(&c, &id, "c").await, (3, 3));
+    assert_eq!(boot_id(&c, &id).await, boot0);
+    assert!(alive(&c, &id, &bg).await, "a memory pause keeps processes");
+
+    // A filesystem-only pause: parked now, rebooted at the next call.
+    pause_without_memory(&d, &id).await;
+    let s = c.sandbox(&id).await.unwrap();
+    assert_eq!(s.tier, "parked", "{s:?}");
+    // The main process is a new one (its in-memory counter starts over) and finds its
+    // files (its log has every line).
+    assert_eq!(call_agent(&c, &id, "d").await, (1, 4));
+    assert!(!alive(&c, &id, &bg).await, "the reboot killed the process");
+    let boot1 = boot_id(&c, &id).await;
+    assert_ne!(boot1, boot0, "a reboot is a new boot");
+    assert_eq!(c.read_file(&id, "/data/kept.txt").await.unwrap(), b"kept\n");
+    assert_eq!(c.read_file(&id, "/tmp/kept.txt").await.unwrap(), b"tmp\n");
+
+    // The reboot was used up: a later memory pause keeps memory again.
+    c.suspend(&id, Some(Tier::Parked)).await.unwrap();
+    assert_eq!(call_agent(&c, &id, "e").await, (2, 5));
+    assert_eq!(boot_id(&c, &id).await, boot1);
+    // Through the store too (suspended: uploaded, fetched back at the wake). (E2B's view of
+    // it is still paused: v1 calls do not change it; its connect of a resident sandbox wakes
+    // nothing and reboots nothing.)
+    e2b_connect(&d, &id).await;
+    assert_eq!(call_agent(&c, &id, "f").await, (3, 6));
+    pause_without_memory(&d, &id).await;
+    c.suspend(&id, Some(Tier::Suspended)).await.unwrap();
+    assert_eq!(call_agent(&c, &id, "g").await, (1, 7));
+    assert_ne!(boot_id(&c, &id).await, boot1);
+    // The other sandbox was never touched.
+    assert_eq!(call_agent(&c, &other, "x").await, (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_that_predates_reboots_is_not_asked_and_the_caller_is_told() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let mut spec = agent_template("rb-v3", no_idle());
+    spec.env = [(
+        torpor_runtime::agent::TEST_AGENT_VERSION.to_string(),
+        "3".to_string(),
+    )]
+    .into();
+    c.create_template(&spec).await.unwrap();
+    let id = create(&c, "rb-v3").await;
+    assert_eq!(call_agent(&c, &id, "a").await, (1, 1));
+    pause_without_memory(&d, &id).await;
+    // Were the agent sent the request, it would never answer it and this call would hang.
+    let err = c.exec(&id, &sh("true")).await.unwrap_err();
+    match &err {
+        ClientError::Api {
+            status,
+            code,
+            message,
+            ..
+        } => {
+            assert_eq!((*status, code.as_str()), (400, "unsupported"), "{err}");
+            assert!(message.contains("predates reboots"), "{message}");
+            assert!(!message.contains(&d.dir.display().to_string()), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Woken with its memory: the same main process goes on.
+    assert_eq!(call_agent(&c, &id, "b").await, (2, 2));
+}
