@@ -1,7 +1,8 @@
 """E2B behaviours beyond the happy path (issue 19), through the official, unmodified e2b Python
 SDK: gzip transfers, list order and depth, symlink info, removing what is not there,
-is_running after pause and timeout, auto-resume, list order/paging/filters, fork, metrics, and
-E2B-shaped errors for routes torpor does not serve. (E2B's `base`: base.py; named snapshots:
+is_running after pause and timeout, auto-resume, list order/paging/filters, fork, metrics,
+E2B-shaped errors for routes torpor does not serve, and memory vs filesystem-only pauses
+(processes and boot_id kept, or rebooted with files kept). (E2B's `base`: base.py; named snapshots:
 snapshots.py.)
 
 Environment: E2B_API_KEY, E2B_API_URL, E2B_SANDBOX_URL (torpor's listener).
@@ -179,15 +180,77 @@ for method, path in [
                       headers={"X-API-KEY": os.environ["E2B_API_KEY"]})
     expect(r.status_code == 501 and r.json()["code"] == 501, f"{method} {path}: {r.status_code} {r.text}")
 
-step("filesystem-only pause is accepted; torpor keeps memory (docs/E2B.md)")
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+# The pids running the template's main process (base's: the agent's sudo broker; the agent,
+# pid 1, names it in its own command line).
+MAIN_PIDS = (
+    "for d in /proc/[0-9]*; do tr '\\0' ' ' < $d/cmdline 2>/dev/null | grep -q -- --torpor-sudo-serve[r]"
+    " && echo ${d#/proc/}; done; true"
+)
+
+
+def boot_id(s):
+    b = s.files.read(BOOT_ID).strip()
+    expect(len(b) == 36 and b.count("-") == 4, f"boot_id {b!r}")
+    return b
+
+
+def main_pids(s):
+    return sorted(int(p) for p in s.commands.run(MAIN_PIDS).stdout.split() if p != "1")
+
+
+step("memory pause: processes and boot_id kept")
+mem = Sandbox.create(timeout=600, metadata=META)
+b0 = boot_id(mem)
+expect(boot_id(mem) == b0, "boot_id is stable while running")
+bg = mem.commands.run("sleep 600", background=True)
+main0 = main_pids(mem)
+expect(len(main0) == 1, f"one main process: {main0}")
+mem.pause()
+mem = Sandbox.connect(mem.sandbox_id)
+expect(boot_id(mem) == b0, "a memory pause keeps the boot_id")
+expect(bg.pid in [p.pid for p in mem.commands.list()], "a memory pause keeps processes")
+expect(main_pids(mem) == main0, "the main process is the same")
+other = Sandbox.create(timeout=600, metadata=META)
+expect(boot_id(other) != b0, "each sandbox is its own boot")
+other.kill()
+
+step("filesystem-only pause: files kept, processes rebooted, new boot_id")
 fsp = Sandbox.create(
     timeout=600, metadata=META, lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}}
 )
+b0 = boot_id(fsp)
+fsp.files.write("/home/user/kept.txt", "kept")
+fsp.commands.run("echo tmp > /tmp/kept.txt && echo root > /root-kept.txt", user="root")
 bg = fsp.commands.run("sleep 600", background=True)
+main0 = main_pids(fsp)
 expect(fsp.pause(keep_memory=False) is True, "pause without memory")
+fsp = Sandbox.connect(fsp.sandbox_id)
+expect(fsp.files.read("/home/user/kept.txt") == "kept", "the home's file is kept")
+expect(fsp.files.read("/tmp/kept.txt") == "tmp\n", "/tmp is kept")
+expect(fsp.files.read("/root-kept.txt") == "root\n", "the rootfs overlay is kept")
+expect(bg.pid not in [p.pid for p in fsp.commands.list()], "the background process is gone")
+alive = fsp.commands.run(f"kill -0 {bg.pid} 2>/dev/null && echo alive || echo gone").stdout
+expect(alive.strip() == "gone", f"the background process's pid: {alive!r}")
+main1 = main_pids(fsp)
+expect(len(main1) == 1 and main1 != main0, f"the main process ran again: {main0} -> {main1}")
+expect(fsp.commands.run("sudo id -u").stdout.strip() == "0", "sudo works (its broker restarted)")
+b1 = boot_id(fsp)
+expect(b1 != b0, "a filesystem-only pause gives a new boot_id")
+
+step("a memory pause after it keeps memory again; on_resume='reboot' reboots")
+bg = fsp.commands.run("sleep 600", background=True)
+fsp.pause()
+fsp = Sandbox.connect(fsp.sandbox_id)
+expect(boot_id(fsp) == b1, "memory pause: same boot_id")
+expect(bg.pid in [p.pid for p in fsp.commands.list()], "memory pause: process kept")
+fsp.pause()
 fsp = Sandbox.connect(fsp.sandbox_id, on_resume="reboot")
-expect(bg.pid in [p.pid for p in fsp.commands.list()], "the process is kept (memory kept)")
+expect(boot_id(fsp) not in (b0, b1), "on_resume='reboot': new boot_id")
+expect(bg.pid not in [p.pid for p in fsp.commands.list()], "on_resume='reboot': process gone")
+expect(fsp.files.read("/home/user/kept.txt") == "kept", "on_resume='reboot': files kept")
 fsp.kill()
+mem.kill()
 
 sbx.kill()
 print("ALL OK", flush=True)
