@@ -162,3 +162,53 @@ async fn an_agent_that_predates_reboots_is_not_asked_and_the_caller_is_told() {
     // Woken with its memory: the same main process goes on.
     assert_eq!(call_agent(&c, &id, "b").await, (2, 2));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn another_tenant_cannot_make_a_sandbox_reboot() {
+    let d = Daemon::start().await;
+    let admin = d.client();
+    admin
+        .create_template(&agent_template("rb-shared", no_idle()))
+        .await
+        .unwrap();
+    let token = |name: &'static str| {
+        let admin = d.client();
+        async move {
+            admin
+                .create_tenant(&torpor_api::types::CreateTenantBody {
+                    name: name.into(),
+                    quotas: None,
+                })
+                .await
+                .unwrap()
+                .token
+        }
+    };
+    let (a, b) = (token("rb-a").await, token("rb-b").await);
+    let ca = torpor_api::Client::new(&d.url(), &a);
+    let id = create(&ca, "rb-shared").await;
+    assert_eq!(call_agent(&ca, &id, "a").await, (1, 1));
+    let boot = boot_id(&ca, &id).await;
+    // Tenant B names A's sandbox in a filesystem-only pause and a rebooting connect.
+    let http = reqwest::Client::new();
+    for route in ["pause", "connect"] {
+        let r = http
+            .post(format!("{}/sandboxes/{id}/{route}", d.url()))
+            .header("X-API-KEY", &b)
+            .json(&serde_json::json!({"memory": false}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 404, "{route}");
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(body["code"], 404, "{route}: {body}");
+    }
+    // A's sandbox was not paused nor marked: a memory park and a wake keep everything.
+    ca.suspend(&id, Some(Tier::Parked)).await.unwrap();
+    assert_eq!(call_agent(&ca, &id, "b").await, (2, 2));
+    assert_eq!(boot_id(&ca, &id).await, boot);
+    // B still works on its own.
+    let cb = torpor_api::Client::new(&d.url(), &b);
+    let own = create(&cb, "rb-shared").await;
+    assert_eq!(call_agent(&cb, &own, "x").await, (1, 1));
+}
