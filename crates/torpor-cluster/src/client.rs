@@ -42,7 +42,7 @@ use torpor_runtime::warm::WarmStats;
 use crate::convert;
 use crate::pb;
 use crate::pb::node_client::NodeClient;
-use crate::tls::{refusal_reason, TlsSource};
+use crate::tls::{refusal_reason, Direction, Revocable, TlsSource};
 use crate::{MAX_MESSAGE, PROTOCOL_HEADER, PROTOCOL_VERSION};
 
 /// Deadlines of the calls to a worker.
@@ -281,7 +281,7 @@ pub(crate) struct TlsConnector {
 }
 
 impl tower::Service<Uri> for TlsConnector {
-    type Response = TokioIo<tokio_rustls::client::TlsStream<TcpStream>>;
+    type Response = TokioIo<Revocable<tokio_rustls::client::TlsStream<TcpStream>>>;
     type Error = std::io::Error;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
 
@@ -299,7 +299,20 @@ impl tower::Service<Uri> for TlsConnector {
             let name = rustls::pki_types::ServerName::try_from("torpor-worker")
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
             match me.connector.connect(name, tcp).await {
-                Ok(io) => Ok(TokioIo::new(io)),
+                Ok(io) => {
+                    let chain = io
+                        .get_ref()
+                        .1
+                        .peer_certificates()
+                        .map(|c| c.iter().map(|c| c.clone().into_owned()).collect())
+                        .unwrap_or_default();
+                    Ok(TokioIo::new(me.tls.watch(
+                        io,
+                        Direction::Dialled,
+                        peer,
+                        chain,
+                    )))
+                }
                 Err(e) => {
                     me.tls.refused(peer, refusal_reason(&e), &e);
                     Err(e)

@@ -35,7 +35,7 @@ use crate::ca::Role;
 use crate::convert::{self, bad, status_of};
 use crate::pb;
 use crate::pb::node_server::{Node as NodeRpc, NodeServer};
-use crate::tls::{refusal_reason, PeerInfo, TlsSource};
+use crate::tls::{refusal_reason, Direction, PeerInfo, Revocable, TlsSource};
 use crate::{MAX_MESSAGE, PROTOCOL_HEADER, PROTOCOL_VERSION};
 
 /// How long a connection may take to finish its TLS handshake.
@@ -654,9 +654,10 @@ fn check_call(req: Request<()>) -> Result<Request<()>, Status> {
     }
 }
 
-/// A TLS connection whose peer has been verified.
+/// A TLS connection whose peer has been verified (and is verified again as the trust
+/// material changes or its certificate expires: see [`crate::tls`]).
 pub struct PeerConn {
-    io: tokio_rustls::server::TlsStream<TcpStream>,
+    io: Revocable<tokio_rustls::server::TlsStream<TcpStream>>,
     info: PeerInfo,
 }
 
@@ -739,8 +740,13 @@ pub(crate) fn accept_verified(
                 let _ = tcp.set_nodelay(true);
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(io)) => {
-                        let identity =
-                            crate::tls::peer_identity(io.get_ref().1.peer_certificates());
+                        let chain: Vec<_> = io
+                            .get_ref()
+                            .1
+                            .peer_certificates()
+                            .map(|c| c.iter().map(|c| c.clone().into_owned()).collect())
+                            .unwrap_or_default();
+                        let identity = crate::tls::peer_identity(Some(chain.as_slice()));
                         let Some(identity) = identity else {
                             tls.refused(
                                 Some(addr),
@@ -750,6 +756,7 @@ pub(crate) fn accept_verified(
                             return;
                         };
                         tracing::debug!(peer = %addr, %identity, "cluster peer connected");
+                        let io = tls.watch(io, Direction::Accepted, Some(addr), chain);
                         let _ = conns
                             .send(Ok(PeerConn {
                                 io,

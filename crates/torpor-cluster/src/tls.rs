@@ -18,7 +18,13 @@
 //! of them changes (checked at most once a second, on the next handshake), so a certificate
 //! renewed by `torpor ca issue` or cert-manager, or a new CRL, is used for new connections
 //! without a restart. Files that do not parse are not taken; the previous material stays in
-//! use and the error is logged. A connection already open is not re-checked.
+//! use and the error is logged.
+//!
+//! Open connections ([`open`]): every verified connection is watched. When the material
+//! changes (a new CRL, CA or own certificate), every open peer is verified again against it;
+//! every second, peers whose certificate has expired are. A peer that no longer passes has its
+//! connection closed (a revoked worker loses its heartbeat channel and the controller's
+//! channel to it, so the controller counts it lost after the usual silence).
 //!
 //! Refusals are logged (peer address, reason) and counted in
 //! `torpor_cluster_tls_refusals_total{side, reason}`.
@@ -47,6 +53,9 @@ use rustls::{
 use rustls_pki_types::pem::PemObject;
 
 use crate::ca::{Identity, Role, TrustDomain, CA_CERT, CERT, CRL, KEY};
+
+mod open;
+pub use open::{Direction, OpenRefusal, Revocable, SWEEP_EVERY};
 
 /// Why a peer was refused (the `reason` label).
 pub const REFUSAL_REASONS: [&str; 7] = [
@@ -174,6 +183,11 @@ pub fn refusal_reason(e: &std::io::Error) -> &'static str {
     else {
         return "handshake";
     };
+    rustls_reason(err)
+}
+
+/// What a verification error says about the peer.
+fn rustls_reason(err: &rustls::Error) -> &'static str {
     match err {
         rustls::Error::NoCertificatesPresented => "no_certificate",
         rustls::Error::InvalidCertificate(c) => match c {
@@ -223,6 +237,8 @@ struct Material {
 
 struct Loaded {
     material: Arc<Material>,
+    /// Counts the loads: open peers are verified again when it moves.
+    generation: u64,
     stamp: Stamp,
     checked: Instant,
 }
@@ -234,6 +250,8 @@ pub struct TlsSource {
     provider: Arc<CryptoProvider>,
     loaded: Mutex<Loaded>,
     metrics: TlsMetrics,
+    /// Verified connections open now, checked again as the material changes.
+    open: Mutex<open::OpenPeers>,
 }
 
 impl fmt::Debug for TlsSource {
@@ -262,6 +280,7 @@ impl TlsSource {
         Ok(Arc::new(TlsSource {
             loaded: Mutex::new(Loaded {
                 material: Arc::new(material),
+                generation: 0,
                 stamp: Stamp::of(&files),
                 checked: Instant::now(),
             }),
@@ -269,6 +288,7 @@ impl TlsSource {
             side,
             provider,
             metrics,
+            open: Mutex::default(),
         }))
     }
 
@@ -282,6 +302,11 @@ impl TlsSource {
     }
 
     fn current(&self) -> Arc<Material> {
+        self.current_generation().0
+    }
+
+    /// The material in use (re-read first if its files changed) and its generation.
+    fn current_generation(&self) -> (Arc<Material>, u64) {
         let mut l = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
         if l.checked.elapsed() >= RELOAD_CHECK {
             l.checked = Instant::now();
@@ -291,6 +316,7 @@ impl TlsSource {
                     Ok(m) => {
                         tracing::info!(identity = %m.identity, "cluster TLS material changed on disk; reloaded");
                         l.material = Arc::new(m);
+                        l.generation += 1;
                         l.stamp = stamp;
                     }
                     // Possibly caught between the writes of a rotation: kept for the next look.
@@ -300,7 +326,42 @@ impl TlsSource {
                 }
             }
         }
-        l.material.clone()
+        (l.material.clone(), l.generation)
+    }
+
+    /// A client certificate (the peer of a connection this side accepted) checked against `m`.
+    fn verify_client_with(
+        &self,
+        m: &Material,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<(), rustls::Error> {
+        m.client_verifier
+            .verify_client_cert(end_entity, intermediates, now)?;
+        self.check_identity(&m.identity.trust_domain, end_entity)?;
+        Ok(())
+    }
+
+    /// A server certificate (the peer of a connection this side dialled) checked against `m`.
+    fn verify_server_with(
+        &self,
+        m: &Material,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<(), rustls::Error> {
+        let cert = ParsedCertificate::try_from(end_entity)?;
+        rustls::client::verify_server_cert_signed_by_trust_anchor(
+            &cert,
+            &m.roots,
+            intermediates,
+            now,
+            self.provider.signature_verification_algorithms.all,
+        )?;
+        check_server_revocation(m, &self.provider, end_entity, intermediates, now)?;
+        self.check_identity(&m.identity.trust_domain, end_entity)?;
+        Ok(())
     }
 
     /// Counts and logs a refused peer.
@@ -344,6 +405,10 @@ impl TlsSource {
             .with_client_cert_verifier(Arc::new(PeerVerifier(self.clone())))
             .with_cert_resolver(Arc::new(OwnCert(self.clone())));
         cfg.alpn_protocols = vec![b"h2".to_vec()];
+        // No session resumption: a resumed TLS 1.3 session skips the peer's certificate, so a
+        // peer revoked (or expired) since its first connection would get back in unchecked.
+        cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+        cfg.send_tls13_tickets = 0;
         Ok(Arc::new(cfg))
     }
 
@@ -355,6 +420,8 @@ impl TlsSource {
             .with_custom_certificate_verifier(Arc::new(PeerVerifier(self.clone())))
             .with_client_cert_resolver(Arc::new(OwnCert(self.clone())));
         cfg.alpn_protocols = vec![b"h2".to_vec()];
+        // Every connection verifies the peer's certificate afresh (see `server_config`).
+        cfg.resumption = rustls::client::Resumption::disabled();
         Ok(Arc::new(cfg))
     }
 }
@@ -602,11 +669,8 @@ impl ClientCertVerifier for PeerVerifier {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        let m = self.0.current();
-        m.client_verifier
-            .verify_client_cert(end_entity, intermediates, now)?;
         self.0
-            .check_identity(&m.identity.trust_domain, end_entity)?;
+            .verify_client_with(&self.0.current(), end_entity, intermediates, now)?;
         Ok(ClientCertVerified::assertion())
     }
 
@@ -652,18 +716,8 @@ impl ServerCertVerifier for PeerVerifier {
         _ocsp: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        let m = self.0.current();
-        let cert = ParsedCertificate::try_from(end_entity)?;
-        rustls::client::verify_server_cert_signed_by_trust_anchor(
-            &cert,
-            &m.roots,
-            intermediates,
-            now,
-            self.0.provider.signature_verification_algorithms.all,
-        )?;
-        check_server_revocation(&m, &self.0.provider, end_entity, intermediates, now)?;
         self.0
-            .check_identity(&m.identity.trust_domain, end_entity)?;
+            .verify_server_with(&self.0.current(), end_entity, intermediates, now)?;
         Ok(ServerCertVerified::assertion())
     }
 
@@ -769,9 +823,22 @@ mod tests {
 
     /// A TLS handshake in memory between `client` dialling and `server` accepting.
     fn handshake(client: &Arc<TlsSource>, server: &Arc<TlsSource>) -> Result<(), Refused> {
+        handshake_with(
+            client.client_config().unwrap(),
+            server.server_config().unwrap(),
+        )
+        .map(drop)
+    }
+
+    /// A handshake with these configurations (kept across handshakes, as a long-lived
+    /// connector and acceptor keep theirs); answers whether the session was resumed.
+    fn handshake_with(
+        client: Arc<ClientConfig>,
+        server: Arc<ServerConfig>,
+    ) -> Result<bool, Refused> {
         let name = ServerName::try_from("torpor-peer").unwrap();
-        let mut c = rustls::ClientConnection::new(client.client_config().unwrap(), name).unwrap();
-        let mut s = rustls::ServerConnection::new(server.server_config().unwrap()).unwrap();
+        let mut c = rustls::ClientConnection::new(client, name).unwrap();
+        let mut s = rustls::ServerConnection::new(server).unwrap();
         for _ in 0..10 {
             let mut buf = Vec::new();
             while c.wants_write() {
@@ -792,7 +859,17 @@ mod tests {
             }
             c.process_new_packets().map_err(Refused::ByClient)?;
             if !c.is_handshaking() && !s.is_handshaking() {
-                return Ok(());
+                // Let the client read the server's last flight (session tickets, if any).
+                let mut buf = Vec::new();
+                while s.wants_write() {
+                    s.write_tls(&mut buf).unwrap();
+                }
+                let mut rd = &buf[..];
+                while !rd.is_empty() {
+                    c.read_tls(&mut rd).unwrap();
+                }
+                c.process_new_packets().map_err(Refused::ByClient)?;
+                return Ok(c.handshake_kind() == Some(rustls::HandshakeKind::Resumed));
             }
         }
         panic!("the handshake did not finish");
@@ -827,6 +904,39 @@ mod tests {
             Err(Refused::ByClient(e)) => assert_eq!(reason_of(e), "revoked"),
             other => panic!("a revoked worker's server was not refused: {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_peer_that_connected_before_its_revocation_cannot_resume_its_session() {
+        let pki = Pki::new();
+        let controller = pki.source("c1", Side::Controller);
+        let w1 = pki.source("w1", Side::Worker);
+        // One connector and one acceptor for every connection, as the processes keep them.
+        let (dial, accept) = (
+            w1.client_config().unwrap(),
+            controller.server_config().unwrap(),
+        );
+        let (back, serve) = (
+            controller.client_config().unwrap(),
+            w1.server_config().unwrap(),
+        );
+        assert!(!handshake_with(dial.clone(), accept.clone()).unwrap());
+        assert!(!handshake_with(back.clone(), serve.clone()).unwrap());
+        assert!(
+            !handshake_with(dial.clone(), accept.clone()).unwrap(),
+            "a reconnection is a full handshake (no resumption that skips the certificate)"
+        );
+        pki.revoke("w1");
+        pki.copy_crl_to("c1");
+        look_now(&controller);
+        assert!(matches!(
+            handshake_with(dial, accept),
+            Err(Refused::ByServer(_))
+        ));
+        assert!(matches!(
+            handshake_with(back, serve),
+            Err(Refused::ByClient(_))
+        ));
     }
 
     #[test]
@@ -902,6 +1012,111 @@ mod tests {
             TlsMetrics::new()
         )
         .is_err());
+    }
+
+    /// The chain `name` presents (its `cert.pem`).
+    fn chain_of(pki: &Pki, name: &str) -> Vec<CertificateDer<'static>> {
+        CertificateDer::pem_file_iter(pki.dir(name).join(CERT))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+    }
+
+    #[test]
+    fn open_connections_of_a_revoked_worker_are_cut_once_the_crl_is_there() {
+        let pki = Pki::new();
+        let controller = pki.source("c1", Side::Controller);
+        // The worker's heartbeat channel (accepted) and the controller's channel to its Node
+        // service (dialled), and another worker's.
+        let heartbeat = controller.watch((), Direction::Accepted, None, chain_of(&pki, "w1"));
+        let node = controller.watch((), Direction::Dialled, None, chain_of(&pki, "w1"));
+        let other = controller.watch((), Direction::Accepted, None, chain_of(&pki, "w2"));
+        assert_eq!(controller.open_connections(), 3);
+        assert!(controller.sweep(UnixTime::now()).is_empty());
+
+        pki.revoke("w1");
+        // Without the CRL in its directory, nothing changes.
+        look_now(&controller);
+        assert!(controller.sweep(UnixTime::now()).is_empty());
+        assert!(!heartbeat.is_cut());
+
+        pki.copy_crl_to("c1");
+        look_now(&controller);
+        let refused = controller.sweep(UnixTime::now());
+        assert_eq!(refused.len(), 2, "{refused:?}");
+        for r in &refused {
+            assert_eq!(r.reason, "revoked");
+            assert_eq!(r.identity, "spiffe://unit.test/worker/w1");
+        }
+        assert!(heartbeat.is_cut() && node.is_cut());
+        assert!(!other.is_cut(), "another worker keeps its connection");
+        assert_eq!(controller.metrics().refused(Side::Controller, "revoked"), 2);
+        // Refused once: a later sweep does not count it again.
+        look_now(&controller);
+        assert!(controller.sweep(UnixTime::now()).is_empty());
+        assert_eq!(controller.metrics().refused(Side::Controller, "revoked"), 2);
+        // A connection that ends leaves the table.
+        drop(heartbeat);
+        assert_eq!(controller.open_connections(), 2);
+    }
+
+    #[test]
+    fn a_worker_cuts_a_revoked_controllers_open_connections_both_ways() {
+        let pki = Pki::new();
+        let w1 = pki.source("w1", Side::Worker);
+        let calls = w1.watch((), Direction::Accepted, None, chain_of(&pki, "c1"));
+        let heartbeat = w1.watch((), Direction::Dialled, None, chain_of(&pki, "c1"));
+        pki.revoke("c1");
+        pki.copy_crl_to("w1");
+        look_now(&w1);
+        let refused = w1.sweep(UnixTime::now());
+        assert_eq!(refused.len(), 2, "{refused:?}");
+        assert!(calls.is_cut() && heartbeat.is_cut());
+        assert_eq!(w1.metrics().refused(Side::Worker, "revoked"), 2);
+    }
+
+    #[test]
+    fn a_peer_whose_certificate_expires_while_connected_is_cut() {
+        let pki = Pki::new();
+        let controller = pki.source("c1", Side::Controller);
+        let conn = controller.watch((), Direction::Accepted, None, chain_of(&pki, "w1"));
+        assert!(controller.sweep(UnixTime::now()).is_empty());
+        // No file changed; the clock passes the certificate's notAfter.
+        let later = UnixTime::since_unix_epoch(
+            Duration::from_secs(UnixTime::now().as_secs())
+                + DEFAULT_LEAF_TTL
+                + Duration::from_secs(60),
+        );
+        let refused = controller.sweep(later);
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert_eq!(refused[0].reason, "expired");
+        assert!(conn.is_cut());
+        assert_eq!(controller.metrics().refused(Side::Controller, "expired"), 1);
+    }
+
+    #[tokio::test]
+    async fn a_cut_connection_fails_the_read_waiting_on_it() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let pki = Pki::new();
+        let controller = pki.source("c1", Side::Controller);
+        let (ours, mut theirs) = tokio::io::duplex(64);
+        let mut conn = controller.watch(ours, Direction::Accepted, None, chain_of(&pki, "w1"));
+        theirs.write_all(b"x").await.unwrap();
+        let mut b = [0u8; 1];
+        conn.read_exact(&mut b).await.unwrap();
+        // A read waits for the peer; the revocation ends it.
+        let waiting = tokio::spawn(async move {
+            let mut b = [0u8; 1];
+            let r = conn.read(&mut b).await;
+            (r.map_err(|e| e.kind()), conn)
+        });
+        pki.revoke("w1");
+        pki.copy_crl_to("c1");
+        look_now(&controller);
+        assert_eq!(controller.sweep(UnixTime::now()).len(), 1);
+        let (read, mut conn) = waiting.await.unwrap();
+        assert_eq!(read, Err(std::io::ErrorKind::ConnectionAborted));
+        assert!(conn.write_all(b"y").await.is_err(), "writes fail too");
     }
 
     #[test]

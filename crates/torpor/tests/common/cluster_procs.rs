@@ -1,0 +1,357 @@
+//! The processes of a cluster under test, shared by the cluster end-to-end tests: a real
+//! `torpor controller` on a real PostgreSQL, real `torpor worker`s, identities from `torpor ca`.
+//! Include with `#[path = "common/cluster_procs.rs"] mod procs;` beside
+//! `#[path = "common/cluster.rs"] mod cluster;` (and `brokers`, which `setup` does not need).
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use torpor_control::store::pg_testing;
+
+use super::cluster;
+
+/// How long a wait for something that must happen may take before the test gives up: a hang
+/// guard, never a measure (two controllers, two or three workers and PostgreSQL share two
+/// cores, with other tests beside them).
+pub const PATIENCE: Duration = Duration::from_secs(180);
+
+pub const TOKEN: &str = "tpr_admin_cluster_e2e_0123456789";
+/// State in a file, in memory (tmpfs) and a process, for a sandbox to carry across moves.
+pub const STATE: &str =
+    "echo disk-1 > /tmp/state; mkdir -p /dev/shm && echo mem-1 > /dev/shm/state; \
+     (setsid sleep 100000 </dev/null >/dev/null 2>&1 &); sleep 0.2; pgrep -x sleep > /tmp/pid";
+/// What [`STATE`] reads back: `disk-1\nmem-1\nprocess-alive\n` while all of it is there.
+pub const CHECK: &str =
+    "cat /tmp/state /dev/shm/state; kill -0 $(cat /tmp/pid) && echo process-alive";
+
+pub struct Controller {
+    pub api: String,
+    pub cluster: String,
+    pub log: PathBuf,
+    pub child: Child,
+}
+
+impl Controller {
+    pub async fn start(tmp: &Path, database: &str) -> Controller {
+        Controller::start_as(tmp, database, "c1").await
+    }
+
+    /// Controller `name` (its identity in `tmp/<name>`, its data in `tmp/controller-<name>`).
+    /// Every controller of one database shares the env key: `c1`'s is copied to the others.
+    pub async fn start_as(tmp: &Path, database: &str, name: &str) -> Controller {
+        let token = tmp.join("admin-token");
+        std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+        let api = format!("127.0.0.1:{}", cluster::free_port());
+        let cluster_addr = format!("127.0.0.1:{}", cluster::free_port());
+        let data = tmp.join(format!("controller-{name}"));
+        std::fs::create_dir_all(&data).unwrap();
+        let first_key = tmp.join("controller-c1").join("env.key");
+        if name != "c1" && first_key.exists() {
+            std::fs::copy(&first_key, data.join("env.key")).unwrap();
+        }
+        let log = tmp.join(format!("controller-{name}.log"));
+        let child = Command::new(cluster::BIN)
+            .args(["controller", "--database", database])
+            .args(["--store", tmp.join("store").to_str().unwrap()])
+            .args(["--listen", &api, "--cluster-listen", &cluster_addr])
+            .args(["--tls-dir", tmp.join(name).to_str().unwrap()])
+            .args(["--controller-lost-after-ms", "2000"])
+            .args(["--admin-token-file", token.to_str().unwrap()])
+            .args(["--data-dir", data.to_str().unwrap()])
+            .args(["--heartbeat-ms", "200", "--worker-lost-after-ms", "2000"])
+            .args(["--tick-ms", "100"])
+            .env("TORPOR_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut c = Controller {
+            api,
+            cluster: cluster_addr,
+            log,
+            child,
+        };
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            if reqwest::get(format!("http://{}/healthz", c.api))
+                .await
+                .is_ok_and(|r| r.status().is_success())
+            {
+                return c;
+            }
+            if let Some(status) = c.child.try_wait().unwrap() {
+                panic!("controller exited with {status}:\n{}", c.log());
+            }
+            assert!(Instant::now() < deadline, "controller not up:\n{}", c.log());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        self.call_as(TOKEN, method, path, body).await
+    }
+
+    pub async fn call_as(
+        &self,
+        token: &str,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let client = reqwest::Client::new();
+        let mut req = client
+            .request(method, format!("http://{}{path}", self.api))
+            .bearer_auth(token)
+            .timeout(Duration::from_secs(120));
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    pub async fn ok(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
+        let (status, v) = self.call(method, path, body).await;
+        assert!(
+            (200..300).contains(&status),
+            "{path}: {status} {v}\n{}",
+            self.log()
+        );
+        v
+    }
+
+    pub async fn nodes(&self) -> Vec<Value> {
+        self.ok(reqwest::Method::GET, "/v1/nodes", None)
+            .await
+            .as_array()
+            .unwrap()
+            .clone()
+    }
+
+    /// Waits until `/v1/nodes` says `want(name -> state)`.
+    pub async fn wait_nodes(&self, what: &str, want: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let nodes = self.nodes().await;
+            if want(&nodes) {
+                return nodes;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: nodes {nodes:?}\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until the built-in `host` template is ready (built on a worker once one joined).
+    pub async fn wait_host_template(&self) {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let (status, t) = self
+                .call(reqwest::Method::GET, "/v1/templates/host", None)
+                .await;
+            if status == 200 && t["status"] == "ready" {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "host template: {status} {t}\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    pub async fn exec(&self, id: &str, script: &str) -> String {
+        let v = self
+            .ok(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(json!({"cmd": ["sh", "-c", script]})),
+            )
+            .await;
+        assert_eq!(v["exit_code"], 0, "{script}: {v}");
+        v["stdout"].as_str().unwrap().to_string()
+    }
+
+    pub async fn sandbox(&self, id: &str) -> Value {
+        self.ok(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
+            .await
+    }
+
+    /// `torpor_cluster_tls_refusals_total{side="controller",reason}` from /metrics.
+    pub async fn refusals(&self, reason: &str) -> u64 {
+        self.metric(&format!(
+            "torpor_cluster_tls_refusals_total{{reason=\"{reason}\",side=\"controller\"}}"
+        ))
+        .await
+    }
+
+    /// One series' value from /metrics (0 when absent).
+    pub async fn metric(&self, series: &str) -> u64 {
+        let text = reqwest::Client::new()
+            .get(format!("http://{}/metrics", self.api))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(series))
+            .map_or(0, |v| v.trim().parse().unwrap())
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub struct Worker {
+    pub name: String,
+    pub data: PathBuf,
+    pub log: PathBuf,
+    pub child: Option<Child>,
+}
+
+impl Worker {
+    pub fn start(tmp: &Path, tls: &str, name: &str, controller: &str) -> Worker {
+        let data = tmp.join(format!("data-{name}"));
+        std::fs::create_dir_all(&data).unwrap();
+        let log = tmp.join(format!("{name}.log"));
+        let child = Command::new(cluster::BIN)
+            .args(["worker", "--controller", controller])
+            .args(["--tls-dir", tmp.join(tls).to_str().unwrap()])
+            .args(["--data-dir", data.to_str().unwrap()])
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--workers",
+                "2",
+                "--warm-pool",
+                "1",
+            ])
+            .args(["--memory-budget", "2G"])
+            .env("TORPOR_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Worker {
+            name: name.to_string(),
+            data,
+            log,
+            child: Some(child),
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn sigkill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // What a SIGKILLed worker left: its runsc containers, maybe frozen (a frozen process
+        // cannot die): thaw its groups (named like its bundle directories), then delete.
+        for group in std::fs::read_dir(self.data.join("workers"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let state = Path::new("/sys/fs/cgroup/freezer/torpor")
+                .join(group.file_name())
+                .join("freezer.state");
+            let _ = std::fs::write(state, "THAWED");
+        }
+        let _ = Command::new("runsc")
+            .arg("--root")
+            .arg(self.data.join("runsc"))
+            .args(["list", "-quiet"])
+            .output()
+            .map(|out| {
+                for id in String::from_utf8_lossy(&out.stdout).lines() {
+                    let _ = Command::new("runsc")
+                        .arg("--root")
+                        .arg(self.data.join("runsc"))
+                        .args(["delete", "-force", id])
+                        .output();
+                }
+            });
+    }
+}
+
+/// A fresh database on the test's PostgreSQL (`None`: no PostgreSQL binaries here) and a
+/// directory with a CA (`ca/`) and an identity for each controller and worker named.
+pub async fn setup(
+    prefix: &str,
+    controllers: &[&str],
+    workers: &[&str],
+) -> Option<(String, tempfile::TempDir)> {
+    // The PostgreSQL harness is synchronous (its own runtime): off this one's threads.
+    let database = tokio::task::spawn_blocking(|| {
+        pg_testing::server().map(|pg| pg.url(&pg_testing::new_database(pg)))
+    })
+    .await
+    .unwrap()?;
+    let tmp = tempfile::Builder::new().prefix(prefix).tempdir().unwrap();
+    let dir = tmp.path();
+    let ca = dir.join("ca");
+    cluster::ca_init(&ca, "e2e.cluster");
+    for (role, names) in [("controller", controllers), ("worker", workers)] {
+        for n in names {
+            cluster::ca_issue(&ca, role, n, &dir.join(n), "1h");
+        }
+    }
+    Some((database, tmp))
+}
+
+pub fn state_of<'a>(nodes: &'a [Value], name: &str) -> Option<&'a str> {
+    nodes
+        .iter()
+        .find(|n| n["name"] == name)
+        .and_then(|n| n["state"].as_str())
+}
