@@ -274,12 +274,57 @@ impl Client {
         self.json_body(Method::POST, "/v1/sandboxes", body).await
     }
 
+    /// Every sandbox the caller sees (of state or tier `state` when given), following the
+    /// pages of `GET /v1/sandboxes` to the last.
     pub async fn sandboxes(&self, state: Option<&str>) -> Result<Vec<Sandbox>> {
-        let mut rb = self.request(Method::GET, "/v1/sandboxes");
-        if let Some(s) = state {
-            rb = rb.query(&[("state", s)]);
+        let mut all = Vec::new();
+        let mut cursor = None;
+        loop {
+            let (page, next) = self.sandboxes_page(state, None, cursor.as_deref()).await?;
+            all.extend(page);
+            match next {
+                Some(n) => cursor = Some(n),
+                None => return Ok(all),
+            }
         }
-        self.json(rb).await
+    }
+
+    /// One page of `GET /v1/sandboxes` (`limit`: the server's default when `None`; `cursor`:
+    /// the previous page's) and the next page's cursor (`None` on the last page).
+    pub async fn sandboxes_page(
+        &self,
+        state: Option<&str>,
+        limit: Option<usize>,
+        cursor: Option<&str>,
+    ) -> Result<(Vec<Sandbox>, Option<String>)> {
+        let mut query: Vec<(&str, String)> = Vec::new();
+        if let Some(s) = state {
+            query.push(("state", s.to_string()));
+        }
+        if let Some(l) = limit {
+            query.push(("limit", l.to_string()));
+        }
+        if let Some(c) = cursor {
+            query.push(("cursor", c.to_string()));
+        }
+        let resp = self
+            .send(self.request(Method::GET, "/v1/sandboxes").query(&query))
+            .await?;
+        let next = resp
+            .headers()
+            .get(crate::sandboxes::NEXT_CURSOR)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let status = resp.status().as_u16();
+        let bytes = resp.bytes().await.map_err(|e| ClientError::Connect {
+            url: self.base.clone(),
+            source: e,
+        })?;
+        let page = serde_json::from_slice(&bytes).map_err(|_| ClientError::Unexpected {
+            status,
+            body: String::from_utf8_lossy(&bytes).chars().take(500).collect(),
+        })?;
+        Ok((page, next))
     }
 
     pub async fn sandbox(&self, id: &str) -> Result<Sandbox> {

@@ -35,6 +35,7 @@ mod calls;
 mod cluster;
 mod gpu_glue;
 mod lifecycle;
+mod listing;
 mod net;
 mod policy;
 mod quota;

@@ -57,6 +57,24 @@ pub use records::{
 };
 pub use sqlite::SqliteStore;
 
+/// A sandbox's place in creation order: where a page of [`StateStore::sandboxes_page`]
+/// resumes (the last sandbox of the previous page).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SandboxCursor {
+    pub created_at: UnixMillis,
+    pub id: SandboxId,
+}
+
+impl SandboxCursor {
+    /// The cursor just past `s`.
+    pub fn of(s: &SandboxRecord) -> SandboxCursor {
+        SandboxCursor {
+            created_at: s.created_at,
+            id: s.id.clone(),
+        }
+    }
+}
+
 /// A backend's own failure (driver error, I/O), kept as the source of a [`StoreError`].
 pub type BackendError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -218,6 +236,31 @@ pub trait StateStore: Send + Sync {
     fn sandboxes_of(&self, tenant: &TenantId) -> Result<Vec<SandboxRecord>, StoreError> {
         let mut all = self.sandboxes()?;
         all.retain(|s| s.tenant == *tenant);
+        Ok(all)
+    }
+
+    /// One page of sandboxes in creation order (`created_at`, then `id`): those after `after`
+    /// (exclusive; from the first when `None`), at most `limit`, only `tenant`'s when given,
+    /// and only those whose state or tier is `state` when given. A keyset page: each backend
+    /// answers it from an index on `(created_at, id)` (or `(tenant, created_at, id)`), so a
+    /// page costs the same at the millionth row as at the first; never an `OFFSET`.
+    fn sandboxes_page(
+        &self,
+        tenant: Option<&TenantId>,
+        state: Option<&str>,
+        after: Option<&SandboxCursor>,
+        limit: usize,
+    ) -> Result<Vec<SandboxRecord>, StoreError> {
+        let mut all = match tenant {
+            Some(t) => self.sandboxes_of(t)?,
+            None => self.sandboxes()?,
+        };
+        all.retain(|s| {
+            after.is_none_or(|a| SandboxCursor::of(s) > *a)
+                && state.is_none_or(|w| s.state.as_str() == w || s.tier.as_str() == w)
+        });
+        all.sort_by_key(SandboxCursor::of);
+        all.truncate(limit);
         Ok(all)
     }
 

@@ -53,7 +53,7 @@ use torpor_gpu::request::GpuRequest;
 use super::pg_schema::{self, MigrateError};
 use super::records::*;
 use super::sqlite::{parse_sandbox, parse_template, parse_tenant, RawSandbox, RawTemplate};
-use super::{StateStore, StoreError};
+use super::{SandboxCursor, StateStore, StoreError};
 
 /// The most one call waits for a connection and its statement.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -674,6 +674,49 @@ impl StateStore for PostgresStore {
         .iter()
         .map(|r| self.parse_sandbox(r).map(|(s, _)| s))
         .collect()
+    }
+
+    fn sandboxes_page(
+        &self,
+        tenant: Option<&TenantId>,
+        state: Option<&str>,
+        after: Option<&SandboxCursor>,
+        limit: usize,
+    ) -> Result<Vec<SandboxRecord>, StoreError> {
+        // Range scans of `sandboxes_created` and `sandboxes_tenant_created` (schemas 1 and 3)
+        // from the cursor on; the first page starts below every key.
+        const PAGE: &str = concat!(
+            sandbox_columns!(),
+            " WHERE (created_at, id) > ($1, $2)
+              AND ($3::text IS NULL OR state = $3 OR tier = $3)
+              ORDER BY created_at, id LIMIT $4"
+        );
+        const PAGE_OF_TENANT: &str = concat!(
+            sandbox_columns!(),
+            " WHERE tenant = $5 AND (created_at, id) > ($1, $2)
+              AND ($3::text IS NULL OR state = $3 OR tier = $3)
+              ORDER BY created_at, id LIMIT $4"
+        );
+        let (at, id) = after.map_or((UnixMillis::MIN, String::new()), |a| {
+            (a.created_at, a.id.to_string())
+        });
+        let mut params = vec![
+            p(at),
+            p(id),
+            p(state.map(str::to_string)),
+            p(i64::try_from(limit).unwrap_or(i64::MAX)),
+        ];
+        let sql = match tenant {
+            Some(t) => {
+                params.push(p(t.to_string()));
+                PAGE_OF_TENANT
+            }
+            None => PAGE,
+        };
+        self.query("read a page of sandboxes", sql, params)?
+            .iter()
+            .map(|r| self.parse_sandbox(r).map(|(s, _)| s))
+            .collect()
     }
 
     fn sandboxes_to_tend(

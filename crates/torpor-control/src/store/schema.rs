@@ -7,6 +7,7 @@
 //! | 1 | templates keyed by name |
 //! | 2 | templates keyed by (tenant, name), so tenants' template names do not collide |
 //! | 3 | the store owns every table: `sandboxes.version` (compare-and-set), pools keyed by (tenant, name), `gpu_shares`, `gpu_requests`, `gpu_toggled`, `usage_intervals` |
+//! | 4 | indexes in creation order, `(created_at, id)` and `(tenant, created_at, id)` (replacing `(tenant)`), for paged lists |
 
 use std::path::Path;
 
@@ -14,7 +15,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 
 use super::StoreError;
 
-pub(super) const SCHEMA_VERSION: i64 = 3;
+pub(super) const SCHEMA_VERSION: i64 = 4;
 
 /// A new database, at [`SCHEMA_VERSION`].
 const SCHEMA: &str = r#"
@@ -102,6 +103,14 @@ CREATE TABLE IF NOT EXISTS usage_intervals (
 CREATE INDEX IF NOT EXISTS usage_by_tenant ON usage_intervals (tenant, start_s);
 "#;
 
+/// Version 4: the sandboxes in creation order, for keyset pages of every tenant's and of one
+/// tenant's (the `(tenant)` index is a prefix of the second).
+const V4_INDEXES: &str = r#"
+CREATE INDEX IF NOT EXISTS sandboxes_created ON sandboxes(created_at, id);
+CREATE INDEX IF NOT EXISTS sandboxes_tenant_created ON sandboxes(tenant, created_at, id);
+DROP INDEX IF EXISTS sandboxes_tenant;
+"#;
+
 /// Tables version 2 had beside `templates` that a version-1 database may lack.
 const V2_SIDE_TABLES: &str = r#"
 CREATE TABLE IF NOT EXISTS sandbox_network (id TEXT PRIMARY KEY, policy TEXT NOT NULL);
@@ -153,6 +162,7 @@ pub(super) fn migrate(conn: &mut Connection, path: &Path) -> Result<(), StoreErr
             let tx = conn.transaction().map_err(open_err)?;
             tx.execute_batch(SCHEMA).map_err(open_err)?;
             tx.execute_batch(V3_TABLES).map_err(open_err)?;
+            tx.execute_batch(V4_INDEXES).map_err(open_err)?;
             set_version(&tx, SCHEMA_VERSION).map_err(open_err)?;
             tx.commit().map_err(open_err)?;
         }
@@ -178,6 +188,13 @@ pub(super) fn migrate(conn: &mut Connection, path: &Path) -> Result<(), StoreErr
                 set_version(&tx, 3).map_err(open_err)?;
                 tx.commit().map_err(open_err)?;
                 tracing::info!(path = %path.display(), "state store migrated to schema 3");
+            }
+            if v < 4 {
+                let tx = conn.transaction().map_err(open_err)?;
+                tx.execute_batch(V4_INDEXES).map_err(open_err)?;
+                set_version(&tx, 4).map_err(open_err)?;
+                tx.commit().map_err(open_err)?;
+                tracing::info!(path = %path.display(), "state store migrated to schema 4");
             }
         }
     }

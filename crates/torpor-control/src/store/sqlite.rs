@@ -24,7 +24,7 @@ use torpor_gpu::cuda_checkpoint::Toggled;
 use torpor_gpu::request::GpuRequest;
 
 use super::records::*;
-use super::{schema, StateStore, StoreError};
+use super::{schema, SandboxCursor, StateStore, StoreError};
 
 pub struct SqliteStore {
     conn: Mutex<Connection>,
@@ -395,6 +395,34 @@ impl StateStore for SqliteStore {
         let rows = self.with("read sandboxes", |c| {
             let mut st = c.prepare(&format!("{SANDBOX_COLUMNS} ORDER BY created_at, id"))?;
             let rows = st.query_map([], raw_sandbox)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()
+        })?;
+        rows.into_iter()
+            .map(|r| self.parse_sandbox(r).map(|(s, _)| s))
+            .collect()
+    }
+
+    fn sandboxes_page(
+        &self,
+        tenant: Option<&TenantId>,
+        state: Option<&str>,
+        after: Option<&SandboxCursor>,
+        limit: usize,
+    ) -> Result<Vec<SandboxRecord>, StoreError> {
+        // A range scan of `sandboxes_created` or `sandboxes_tenant_created` (schema 4) from the
+        // cursor on; the first page starts below every key.
+        let (at, id) = after.map_or((UnixMillis::MIN, ""), |a| (a.created_at, a.id.as_str()));
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = self.with("read a page of sandboxes", |c| {
+            let mut st = c.prepare_cached(if tenant.is_some() {
+                PAGE_OF_TENANT
+            } else {
+                PAGE
+            })?;
+            let rows = match tenant {
+                Some(t) => st.query_map(params![at, id, state, limit, t.as_str()], raw_sandbox)?,
+                None => st.query_map(params![at, id, state, limit], raw_sandbox)?,
+            };
             rows.collect::<rusqlite::Result<Vec<_>>>()
         })?;
         rows.into_iter()
@@ -801,6 +829,19 @@ const TEMPLATE_COLUMNS: &str = "SELECT name, tenant, spec, status, rootfs, mount
 const SANDBOX_COLUMNS: &str =
     "SELECT id, tenant, template, state, tier, limits, env, metadata, created_at,
     last_active_at, generation, image, last_error, oom_killed, version FROM sandboxes";
+
+/// A page of every tenant's sandboxes.
+pub(super) const PAGE: &str =
+    "SELECT id, tenant, template, state, tier, limits, env, metadata, created_at,
+    last_active_at, generation, image, last_error, oom_killed, version FROM sandboxes
+    WHERE (created_at, id) > (?1, ?2) AND (?3 IS NULL OR state = ?3 OR tier = ?3)
+    ORDER BY created_at, id LIMIT ?4";
+/// A page of one tenant's sandboxes.
+pub(super) const PAGE_OF_TENANT: &str =
+    "SELECT id, tenant, template, state, tier, limits, env, metadata,
+    created_at, last_active_at, generation, image, last_error, oom_killed, version FROM sandboxes
+    WHERE tenant = ?5 AND (created_at, id) > (?1, ?2) AND (?3 IS NULL OR state = ?3 OR tier = ?3)
+    ORDER BY created_at, id LIMIT ?4";
 
 pub(super) type RawTemplate = (
     String,

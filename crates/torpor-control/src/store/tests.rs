@@ -147,6 +147,7 @@ on_both_backends!(
     compare_and_set_writes_only_over_the_version_it_read,
     the_policy_reads_awake_and_due_sandboxes_and_counts_the_rest,
     a_newer_schema_is_refused_as_unavailable,
+    sandboxes_are_read_in_keyset_pages,
 );
 
 fn sandbox() -> SandboxRecord {
@@ -801,7 +802,7 @@ fn insert_old_template(c: &Connection, tenant: &str, name: &str) {
 /// What a migrated old database must answer: its rows, the new keys, compare-and-set.
 fn check_migrated(path: &Path, id: &SandboxId) {
     let store = sqlite(path);
-    assert_eq!(schema_version(path), "3");
+    assert_eq!(schema_version(path), "4");
     let (s, v) = store.sandbox_versioned(id).unwrap().unwrap();
     assert_eq!(s.state, SandboxState::Parked);
     assert_eq!(s.generation, 3);
@@ -913,7 +914,137 @@ fn a_version_2_database_whose_pools_were_already_rekeyed_keeps_them() {
     }
     let store = sqlite(&path);
     assert_eq!(store.pools().unwrap().len(), 2);
-    assert_eq!(schema_version(&path), "3");
+    assert_eq!(schema_version(&path), "4");
+}
+
+/// Follows `sandboxes_page` from the start, `limit` at a time, until a short page.
+fn all_pages(
+    store: &dyn StateStore,
+    tenant: Option<&TenantId>,
+    state: Option<&str>,
+    limit: usize,
+) -> Vec<Vec<SandboxId>> {
+    let mut pages = Vec::new();
+    let mut after: Option<SandboxCursor> = None;
+    loop {
+        let page = store
+            .sandboxes_page(tenant, state, after.as_ref(), limit)
+            .unwrap();
+        assert!(page.len() <= limit, "a page holds at most its limit");
+        after = page.last().map(SandboxCursor::of);
+        let short = page.len() < limit;
+        pages.push(page.into_iter().map(|s| s.id).collect());
+        if short {
+            return pages;
+        }
+        assert!(pages.len() < 100, "paging does not end: {pages:?}");
+    }
+}
+
+fn sandboxes_are_read_in_keyset_pages(b: &dyn Backend) {
+    let store = b.open().unwrap();
+    let other = tenant("team-b");
+    // Seven sandboxes, two by two created in the same millisecond (the id breaks the tie),
+    // alternating tenants; the third and sixth parked.
+    let mut made = Vec::new();
+    for i in 0..7i64 {
+        let mut s = sandbox();
+        s.created_at = 1_000 + i / 2;
+        s.tenant = if i % 2 == 0 {
+            TenantId::admin()
+        } else {
+            other.clone()
+        };
+        if i % 3 == 2 {
+            s.state = SandboxState::Parked;
+            s.tier = Tier::Parked;
+        }
+        store.insert_sandbox(&s).unwrap();
+        made.push(s);
+    }
+    made.sort_by_key(SandboxCursor::of);
+    let ids = |f: &dyn Fn(&SandboxRecord) -> bool| -> Vec<SandboxId> {
+        made.iter().filter(|s| f(s)).map(|s| s.id.clone()).collect()
+    };
+
+    // Every sandbox once, in creation order, whatever the page size.
+    for limit in [1, 2, 3, 7, 50] {
+        let pages = all_pages(&*store, None, None, limit);
+        assert_eq!(pages.concat(), ids(&|_| true), "limit {limit}: {pages:?}");
+        assert!(pages[..pages.len() - 1].iter().all(|p| p.len() == limit));
+    }
+    assert_eq!(
+        store.sandboxes_page(None, None, None, 7).unwrap().len(),
+        7,
+        "a page of exactly what there is"
+    );
+    assert!(store
+        .sandboxes_page(None, None, None, 0)
+        .unwrap()
+        .is_empty());
+    // One tenant's pages hold its own only.
+    let pages = all_pages(&*store, Some(&other), None, 2);
+    assert_eq!(pages.concat(), ids(&|s| s.tenant == other));
+    assert_eq!(
+        all_pages(&*store, Some(&TenantId::admin()), None, 2).concat(),
+        ids(&|s| s.tenant == TenantId::admin())
+    );
+    assert!(store
+        .sandboxes_page(Some(&tenant("nobody")), None, None, 10)
+        .unwrap()
+        .is_empty());
+    // A state (or tier) narrows the pages, not their order.
+    let parked = ids(&|s| s.state == SandboxState::Parked);
+    assert_eq!(parked.len(), 2);
+    assert_eq!(all_pages(&*store, None, Some("parked"), 1).concat(), parked);
+    assert_eq!(
+        all_pages(&*store, Some(&other), Some("parked"), 1).concat(),
+        ids(&|s| s.state == SandboxState::Parked && s.tenant == other)
+    );
+    assert_eq!(
+        all_pages(&*store, None, Some("creating"), 2).concat(),
+        ids(&|s| s.state == SandboxState::Creating)
+    );
+    // A cursor past the end, or of a deleted sandbox, still pages on from where it points.
+    let last = SandboxCursor::of(made.last().unwrap());
+    assert!(store
+        .sandboxes_page(None, None, Some(&last), 10)
+        .unwrap()
+        .is_empty());
+    let third = SandboxCursor::of(&made[2]);
+    store.delete_sandbox(&made[2].id).unwrap();
+    let rest: Vec<SandboxId> = store
+        .sandboxes_page(None, None, Some(&third), 10)
+        .unwrap()
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    assert_eq!(rest, ids(&|_| true)[3..].to_vec());
+}
+
+#[test]
+fn sqlite_pages_are_range_scans_of_an_index() {
+    let b = Sqlite::new();
+    drop(b.open().unwrap());
+    let c = Connection::open(&b.path).unwrap();
+    let plan = |sql: &str, args: &[&dyn rusqlite::ToSql]| -> String {
+        let mut st = c.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+        let rows = st.query_map(args, |r| r.get::<_, String>(3)).unwrap();
+        rows.map(Result::unwrap).collect::<Vec<_>>().join("; ")
+    };
+    let all = plan(super::sqlite::PAGE, &[&0i64, &"", &None::<String>, &10i64]);
+    assert!(
+        all.contains("USING INDEX sandboxes_created") && !all.contains("TEMP B-TREE"),
+        "{all}"
+    );
+    let one = plan(
+        super::sqlite::PAGE_OF_TENANT,
+        &[&0i64, &"", &None::<String>, &10i64, &"team-b"],
+    );
+    assert!(
+        one.contains("USING INDEX sandboxes_tenant_created") && !one.contains("TEMP B-TREE"),
+        "{one}"
+    );
 }
 
 fn a_newer_schema_is_refused_as_unavailable(b: &dyn Backend) {
