@@ -104,6 +104,21 @@ async fn a_filesystem_only_pause_reboots_the_sandbox_at_its_next_v1_call() {
     pause_without_memory(&d, &id).await;
     let s = c.sandbox(&id).await.unwrap();
     assert_eq!(s.tier, "parked", "{s:?}");
+    // E2B's detail says what the pause kept.
+    let detail: serde_json::Value = reqwest::Client::new()
+        .get(format!("{}/sandboxes/{id}", d.url()))
+        .header("X-API-KEY", d.token())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (&detail["state"], &detail["pauseMode"]),
+        (&"paused".into(), &"filesystem".into()),
+        "{detail}"
+    );
     // The main process is a new one (its in-memory counter starts over) and finds its
     // files (its log has every line).
     assert_eq!(call_agent(&c, &id, "d").await, (1, 4));

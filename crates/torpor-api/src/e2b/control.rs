@@ -268,11 +268,7 @@ pub fn detail_json(st: &E2b, rec: &SandboxRecord, with_token: bool) -> SandboxDe
         .into(),
         metadata: user_metadata(rec),
         pause_mode: (!e2b_running(rec)).then(|| {
-            let fs_only = st
-                .api
-                .engine
-                .reboots_on_next_wake(&rec.tenant, &rec.id)
-                .unwrap_or(false);
+            let fs_only = st.api.engine.reboots_on_next_wake(rec);
             if fs_only { "filesystem" } else { "full" }.to_string()
         }),
         allow_internet_access: egress.allow_internet_access,

@@ -39,10 +39,10 @@ impl Engine {
         Ok(())
     }
 
-    /// Whether the next wake of a sandbox the tenant owns reboots it.
-    pub fn reboots_on_next_wake(&self, tenant: &TenantId, id: &SandboxId) -> Result<bool> {
-        self.sandbox(tenant, id)?;
-        Ok(self.reboot_marker(id).exists())
+    /// Whether the next wake of a sandbox reboots it (its record, as the caller was allowed
+    /// to read it: no store read here, so a listing pays one `stat` per paused sandbox).
+    pub fn reboots_on_next_wake(&self, rec: &SandboxRecord) -> bool {
+        self.reboot_marker(&rec.id).exists()
     }
 
     /// Called right after a wake, under the slot's lock (no call is in flight): reboots the
