@@ -252,5 +252,23 @@ expect(fsp.files.read("/home/user/kept.txt") == "kept", "on_resume='reboot': fil
 fsp.kill()
 mem.kill()
 
+step("a timeout under a filesystem-only lifecycle reboots at connect")
+tfs = Sandbox.create(
+    timeout=600, metadata=META, lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}}
+)
+b0 = boot_id(tfs)
+bg = tfs.commands.run("sleep 600", background=True)
+tfs.files.write("/home/user/t.txt", "t")
+tfs.set_timeout(3)
+deadline = time.monotonic() + 120
+while Sandbox.get_info(tfs.sandbox_id).state != SandboxState.PAUSED:
+    expect(time.monotonic() < deadline, "the timeout never paused it")
+    time.sleep(0.5)
+tfs = Sandbox.connect(tfs.sandbox_id, timeout=600)
+expect(bg.pid not in [p.pid for p in tfs.commands.list()], "timeout pause: process gone")
+expect(boot_id(tfs) != b0, "timeout pause: new boot_id")
+expect(tfs.files.read("/home/user/t.txt") == "t", "timeout pause: files kept")
+tfs.kill()
+
 sbx.kill()
 print("ALL OK", flush=True)
