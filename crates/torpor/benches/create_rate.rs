@@ -26,8 +26,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use support::{pct, Daemon};
-use torpor_api::types::{CreateSandboxBody, TemplateSpec};
-use torpor_core::{IdlePolicy, TemplateName};
+use torpor_api::types::CreateSandboxBody;
 
 const TEMPLATE: &str = "bench-rate";
 
@@ -123,26 +122,8 @@ async fn run_mode(mode: &str, rates: &[f64], n: usize, floor: &str) -> Vec<Phase
     let workers = (2 * n + 8).to_string();
     let d = Daemon::start(&["--workers", &workers, "--warm-pool", floor]).await;
     let c = &d.client;
-    let host = c.template("host").await.expect("host template");
-    c.create_template(&TemplateSpec {
-        name: TemplateName::new(TEMPLATE).expect("template name"),
-        source: host.source,
-        command: host.command,
-        env: Default::default(),
-        cwd: None,
-        limits: host.limits,
-        // No idle policy: a sandbox parked mid-phase would hand its worker back.
-        idle: IdlePolicy {
-            freeze_after_s: None,
-            park_after_s: None,
-            suspend_after_s: None,
-        },
-        warmup_ms: 0,
-        gpu: None,
-        network: None,
-    })
-    .await
-    .expect("template");
+    // No idle policy: a sandbox parked mid-phase would hand its worker back.
+    support::host_copy_without_idle(c, TEMPLATE).await;
     // One networked create and one plain before timing: the golden snapshot is made, and the
     // pool has seen that networked sandboxes are wanted (as on a daemon in service).
     for networked in [true, false] {

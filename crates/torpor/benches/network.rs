@@ -31,8 +31,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use support::{pct, Daemon};
-use torpor_api::types::{CreateSandboxBody, ExecBody, TemplateSpec};
-use torpor_core::{IdlePolicy, TemplateName, Tier};
+use torpor_api::types::{CreateSandboxBody, ExecBody};
+use torpor_core::Tier;
 use torpor_runtime::net::SANDBOX_ADDR;
 
 const PORT: u16 = 8080;
@@ -215,25 +215,7 @@ async fn main() {
     // The host template with its idle policy off: the baseline's requests do not go through
     // torpor, so to torpor the sandbox is idle while they run, and the default policy would
     // freeze it (5 s) in the middle of the keep-alive requests.
-    let host = c.template("host").await.expect("host template");
-    c.create_template(&TemplateSpec {
-        name: TemplateName::new(TEMPLATE).expect("template name"),
-        source: host.source,
-        command: host.command,
-        env: Default::default(),
-        cwd: None,
-        limits: host.limits,
-        idle: IdlePolicy {
-            freeze_after_s: None,
-            park_after_s: None,
-            suspend_after_s: None,
-        },
-        warmup_ms: 0,
-        gpu: None,
-        network: None,
-    })
-    .await
-    .expect("template");
+    support::host_copy_without_idle(c, TEMPLATE).await;
     let id = c
         .create_sandbox(&CreateSandboxBody {
             template: TEMPLATE.into(),

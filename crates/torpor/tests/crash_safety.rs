@@ -101,11 +101,9 @@ async fn sigkill_during_checkpoint_and_restore_loses_nothing_committed() {
     );
 }
 
-/// A frozen sandbox outlives a SIGKILLed daemon under its shim and is taken back as it is.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_crash_while_frozen_loses_nothing() {
-    let _serial = SERIAL.lock().await;
-    let mut d = Daemon::start().await;
+/// A sandbox whose last snapshot holds one call (it was parked after it) and which is frozen
+/// with a second, uncommitted call in its memory.
+async fn frozen_after_two_calls(d: &Daemon) -> String {
     let c = d.client();
     c.create_template(&agent_template("frosty", no_idle()))
         .await
@@ -115,6 +113,15 @@ async fn a_crash_while_frozen_loses_nothing() {
     c.suspend(&id, Some(Tier::Parked)).await.unwrap();
     assert_eq!(call_agent(&c, &id, "b").await, (2, 2));
     c.suspend(&id, Some(Tier::Frozen)).await.unwrap();
+    id
+}
+
+/// A frozen sandbox outlives a SIGKILLed daemon under its shim and is taken back as it is.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crash_while_frozen_loses_nothing() {
+    let _serial = SERIAL.lock().await;
+    let mut d = Daemon::start().await;
+    let id = frozen_after_two_calls(&d).await;
     d.kill();
     d.spawn().await;
     let c = d.client();
@@ -129,15 +136,7 @@ async fn a_crash_while_frozen_loses_nothing() {
 async fn a_crash_while_frozen_leaves_nothing_stuck() {
     let _serial = SERIAL.lock().await;
     let mut d = Daemon::start_with(&["--live-restore=false"]).await;
-    let c = d.client();
-    c.create_template(&agent_template("frosty", no_idle()))
-        .await
-        .unwrap();
-    let id = create(&c, "frosty").await;
-    assert_eq!(call_agent(&c, &id, "a").await, (1, 1));
-    c.suspend(&id, Some(Tier::Parked)).await.unwrap();
-    assert_eq!(call_agent(&c, &id, "b").await, (2, 2));
-    c.suspend(&id, Some(Tier::Frozen)).await.unwrap();
+    let id = frozen_after_two_calls(&d).await;
     let old_container = d.dir.join("runsc");
     d.kill();
     d.spawn().await;

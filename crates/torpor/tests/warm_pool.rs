@@ -12,31 +12,12 @@ use std::time::{Duration, Instant};
 
 use common::Daemon;
 use serde_json::json;
-use torpor_api::types::{CreateSandboxBody, TemplateSpec};
-use torpor_core::{IdlePolicy, TemplateName};
+use torpor_api::types::CreateSandboxBody;
 
 const TEMPLATE: &str = "rate";
 
 async fn template(c: &torpor_api::Client) {
-    let host = c.template("host").await.unwrap();
-    c.create_template(&TemplateSpec {
-        name: TemplateName::new(TEMPLATE).unwrap(),
-        source: host.source,
-        command: host.command,
-        env: Default::default(),
-        cwd: None,
-        limits: host.limits,
-        idle: IdlePolicy {
-            freeze_after_s: None,
-            park_after_s: None,
-            suspend_after_s: None,
-        },
-        warmup_ms: 0,
-        gpu: None,
-        network: None,
-    })
-    .await
-    .unwrap();
+    common::host_copy_without_idle(c, TEMPLATE).await;
 }
 
 async fn create_networked(c: &torpor_api::Client) -> String {

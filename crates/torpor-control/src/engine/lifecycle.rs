@@ -140,13 +140,13 @@ impl Engine {
 
     /// Borrows a running sandbox for one call, waking it first if it sleeps.
     pub async fn use_sandbox(&self, tenant: &TenantId, id: &SandboxId) -> Result<InUse> {
-        self.sandbox(tenant, id)?;
+        let owner = self.sandbox(tenant, id)?.tenant;
         let slot = self.slot(id);
         loop {
             {
                 let guard = slot.state.clone().read_owned().await;
-                if let Some(live) = &guard.live {
-                    if !live.frozen && live.resident.alive() {
+                match &guard.live {
+                    Some(live) if !live.frozen && live.resident.alive() => {
                         slot.touch();
                         return Ok(InUse {
                             guard,
@@ -155,6 +155,11 @@ impl Engine {
                             evictor: self.evictor.clone(),
                         });
                     }
+                    // Asleep: it needs a worker. A call the lot would not serve within its
+                    // budget is refused now, from memory, before the write lock and the store
+                    // reads of the wake (a burst of them queues on those).
+                    None => self.refuse_early(&owner)?,
+                    Some(_) => {}
                 }
             }
             self.check_running()?;

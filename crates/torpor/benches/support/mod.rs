@@ -8,6 +8,11 @@ use std::time::{Duration, Instant};
 
 use torpor_api::Client;
 
+#[path = "../../tests/common/host_copy.rs"]
+mod host_copy;
+#[allow(unused_imports)] // not every bench uses it
+pub use host_copy::host_copy_without_idle;
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_torpor");
 
 /// A daemon started for one benchmark; SIGTERM and wait on drop.

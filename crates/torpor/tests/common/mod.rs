@@ -12,6 +12,10 @@ use torpor_api::types::{CreateSandboxBody, ExecBody, ExecResult, TemplateSpec};
 use torpor_api::Client;
 use torpor_core::{IdlePolicy, Limits, TemplateName, TemplateSource};
 
+mod host_copy;
+#[allow(unused_imports)] // not every test uses it
+pub use host_copy::host_copy_without_idle;
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_torpor");
 
 pub struct Daemon {
