@@ -183,7 +183,9 @@ impl TlsSource {
             loop {
                 tick.tick().await;
                 let Some(src) = src.upgrade() else { return };
-                src.sweep(UnixTime::now());
+                // Re-verifying every open peer after a change is CPU work (a chain and a CRL
+                // lookup each): off the runtime's threads.
+                let _ = tokio::task::spawn_blocking(move || src.sweep(UnixTime::now())).await;
             }
         });
     }

@@ -127,7 +127,11 @@ impl Rig {
         loop {
             let n = self.ctl.metrics.refused(Side::Controller, reason);
             if n >= want {
-                assert_eq!(n, want, "{reason} counted once");
+                // A revoked peer's connections still open when the CRL arrives are cut and
+                // counted too (`tls/open.rs`): as many as the peer had open then.
+                if reason != "revoked" {
+                    assert_eq!(n, want, "{reason} counted once");
+                }
                 return;
             }
             assert!(Instant::now() < deadline, "{reason} refusal never counted");
