@@ -81,13 +81,18 @@ pub struct Client {
 
 type Result<T> = std::result::Result<T, ClientError>;
 
+/// How long an idle connection is kept for reuse: well under the server's idle close (10 s by
+/// default, `--header-read-timeout-ms`), so a request is never sent on a connection the server
+/// is closing at that moment (a "cannot reach torpor ... error sending request" under load).
+pub const POOL_IDLE: Duration = Duration::from_secs(4);
+
 impl Client {
     pub fn new(base_url: &str, token: &str) -> Self {
         Client {
             base: base_url.trim_end_matches('/').to_string(),
             token: token.to_string(),
             http: reqwest::Client::builder()
-                .pool_idle_timeout(Duration::from_secs(30))
+                .pool_idle_timeout(POOL_IDLE)
                 .build()
                 .expect("HTTP client builds"),
         }

@@ -62,7 +62,8 @@ fn client() -> &'static reqwest::Client {
         reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(5))
-            .pool_idle_timeout(Duration::from_secs(30))
+            // Below the other controller's idle close (crate::client::POOL_IDLE says why).
+            .pool_idle_timeout(crate::client::POOL_IDLE)
             .build()
             .expect("a plain HTTP client builds")
     })
