@@ -5,6 +5,15 @@
 use super::*;
 
 impl Engine {
+    /// Every sandbox whose metadata has `key` (the operator's view: background sweeps).
+    pub fn sandboxes_with_metadata(&self, key: &str) -> Result<Vec<SandboxRecord>> {
+        let mut all = self.store.sandboxes_with_metadata(key)?;
+        for s in &mut all {
+            self.fresh_activity(s);
+        }
+        Ok(all)
+    }
+
     pub fn sandboxes(&self, tenant: &TenantId) -> Result<Vec<SandboxRecord>> {
         // Only what the caller owns: the operator's sandboxes are not a tenant's to see; the
         // operator sees every tenant's.

@@ -7,6 +7,7 @@
 //! directory (`sandbox_dir`).
 
 use super::*;
+use std::collections::HashSet;
 
 /// One resident sandbox as the sampler sees it.
 #[derive(Debug, Clone)]
@@ -80,7 +81,12 @@ impl Engine {
                 .map(|t| t.id)
                 .filter(|t| *t != TenantId::admin()),
         );
-        let mut chunks: HashMap<torpor_snapshot::ChunkId, (u64, Vec<SandboxId>)> = HashMap::new();
+        // Pass 1: how many sandboxes reference each chunk (once per image that has it). The
+        // images' holders are disjoint (a sandbox has one current image), so counts add up
+        // without comparing holders: this stays linear at 10,000 forks of one image, where a
+        // holder list per chunk was quadratic and held a runtime thread for minutes.
+        let mut chunks: HashMap<torpor_snapshot::ChunkId, (u64, u64)> = HashMap::new();
+        let mut images = Vec::new();
         for (_, store) in self.snapshots.stores_of(&tenants)? {
             let ids = store
                 .list_snapshots()
@@ -90,28 +96,49 @@ impl Engine {
                 let Some(holders) = users.get(id.as_str()) else {
                     continue;
                 };
-                let m = match store.load_manifest(&id).await {
-                    Ok(m) => m,
-                    // Deleted between the listing and the read.
-                    Err(torpor_snapshot::StoreError::SnapshotNotFound { .. }) => continue,
-                    Err(e) => return Err(crate::snapshots::store_error(e)),
+                let Some(m) = manifest_if_there(&store, &id).await? else {
+                    continue;
                 };
+                let mut seen = HashSet::new();
                 for (chunk, len) in m.chunk_refs() {
-                    let entry = chunks.entry(*chunk).or_insert((len, Vec::new()));
-                    for h in holders {
-                        if !entry.1.contains(h) {
-                            entry.1.push(h.clone());
-                        }
+                    if seen.insert(*chunk) {
+                        chunks.entry(*chunk).or_insert((len, 0)).1 += holders.len() as u64;
                     }
                 }
+                images.push((store.clone(), id, holders));
+                tokio::task::yield_now().await;
             }
         }
-        for (len, holders) in chunks.into_values() {
-            let share = len as f64 / holders.len().max(1) as f64;
+        // Pass 2: an image's share is the sum of its chunks' lengths, each split among the
+        // sandboxes that reference it; every holder of the image has that share.
+        for (store, id, holders) in images {
+            let Some(m) = manifest_if_there(&store, &id).await? else {
+                continue;
+            };
+            let mut seen = HashSet::new();
+            let share: f64 = m
+                .chunk_refs()
+                .filter(|(chunk, _)| seen.insert(*chunk))
+                .filter_map(|(chunk, _)| chunks.get(chunk))
+                .map(|&(len, n)| len as f64 / n.max(1) as f64)
+                .sum();
             for h in holders {
-                *out.entry(h).or_insert(0.0) += share;
+                out.insert(h.clone(), share);
             }
+            tokio::task::yield_now().await;
         }
         Ok(out)
+    }
+}
+
+/// The manifest of `id`, or `None` when it was deleted since the listing.
+async fn manifest_if_there(
+    store: &torpor_snapshot::Store,
+    id: &torpor_snapshot::SnapshotId,
+) -> Result<Option<torpor_snapshot::Manifest>> {
+    match store.load_manifest(id).await {
+        Ok(m) => Ok(Some(m)),
+        Err(torpor_snapshot::StoreError::SnapshotNotFound { .. }) => Ok(None),
+        Err(e) => Err(crate::snapshots::store_error(e)),
     }
 }

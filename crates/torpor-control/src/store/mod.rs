@@ -232,6 +232,14 @@ pub trait StateStore: Send + Sync {
         Ok(self.sandbox_versioned(id)?.map(|(s, _)| s))
     }
 
+    /// Every sandbox whose metadata has `key`, oldest first (E2B's deadline sweep, every
+    /// second, reads only those). The stores match the key's JSON text before parsing a row.
+    fn sandboxes_with_metadata(&self, key: &str) -> Result<Vec<SandboxRecord>, StoreError> {
+        let mut all = self.sandboxes()?;
+        all.retain(|s| s.metadata.contains_key(key));
+        Ok(all)
+    }
+
     /// A tenant's sandboxes, oldest first (a store of many tenants answers from an index).
     fn sandboxes_of(&self, tenant: &TenantId) -> Result<Vec<SandboxRecord>, StoreError> {
         let mut all = self.sandboxes()?;
@@ -472,4 +480,11 @@ fn canonical(path: &Path) -> PathBuf {
         (Ok(dir), Some(name)) => dir.join(name),
         _ => path.to_path_buf(),
     }
+}
+
+/// How `key` appears in a sandbox's stored metadata (compact JSON: `"key":`), for a text match
+/// that skips every row without it before any row is parsed. A match inside a value is not
+/// possible (quotes there are escaped), and callers check the parsed map anyway.
+pub(crate) fn metadata_key_text(key: &str) -> String {
+    format!("{}:", serde_json::Value::String(key.to_string()))
 }

@@ -719,6 +719,24 @@ impl StateStore for PostgresStore {
             .collect()
     }
 
+    fn sandboxes_with_metadata(&self, key: &str) -> Result<Vec<SandboxRecord>, StoreError> {
+        const SQL: &str = concat!(
+            sandbox_columns!(),
+            " WHERE strpos(metadata, $1) > 0 ORDER BY created_at, id"
+        );
+        let mut out = self
+            .query(
+                "read sandboxes by metadata key",
+                SQL,
+                vec![p(super::metadata_key_text(key))],
+            )?
+            .iter()
+            .map(|r| self.parse_sandbox(r).map(|(s, _)| s))
+            .collect::<Result<Vec<_>, _>>()?;
+        out.retain(|s| s.metadata.contains_key(key));
+        Ok(out)
+    }
+
     fn sandboxes_to_tend(
         &self,
         parked_before: UnixMillis,

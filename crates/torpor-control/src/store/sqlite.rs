@@ -402,6 +402,72 @@ impl StateStore for SqliteStore {
             .collect()
     }
 
+    fn sandboxes_with_metadata(&self, key: &str) -> Result<Vec<SandboxRecord>, StoreError> {
+        let needle = super::metadata_key_text(key);
+        let rows = self.with("read sandboxes by metadata key", |c| {
+            let mut st = c.prepare_cached(&format!(
+                "{SANDBOX_COLUMNS} WHERE instr(metadata, ?1) > 0 ORDER BY created_at, id"
+            ))?;
+            let rows = st.query_map(params![needle], raw_sandbox)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()
+        })?;
+        let mut out = rows
+            .into_iter()
+            .map(|r| self.parse_sandbox(r).map(|(s, _)| s))
+            .collect::<Result<Vec<_>, _>>()?;
+        out.retain(|s| s.metadata.contains_key(key));
+        Ok(out)
+    }
+
+    fn sandboxes_to_tend(
+        &self,
+        parked_before: UnixMillis,
+    ) -> Result<Vec<SandboxRecord>, StoreError> {
+        // Two partial indexes (schema 4): the awake few, and the parked by age.
+        let rows = self.with("read the sandboxes to tend", |c| {
+            let mut st = c.prepare_cached(&format!(
+                "{SANDBOX_COLUMNS} WHERE state NOT IN ('parked', 'suspended') \
+                 UNION ALL {SANDBOX_COLUMNS} WHERE state = 'parked' AND last_active_at < ?1 \
+                 ORDER BY created_at, id"
+            ))?;
+            let rows = st.query_map(params![parked_before], raw_sandbox)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()
+        })?;
+        rows.into_iter()
+            .map(|r| self.parse_sandbox(r).map(|(s, _)| s))
+            .collect()
+    }
+
+    fn sandbox_counts(&self) -> Result<Vec<(SandboxState, Tier, u64)>, StoreError> {
+        // A count over the `(state, tier)` index; no record is read or decrypted.
+        let rows = self.with("count sandboxes", |c| {
+            let mut st = c.prepare_cached(
+                "SELECT state, tier, COUNT(*) FROM sandboxes GROUP BY state, tier",
+            )?;
+            let rows = st.query_map([], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, i64>(2)?,
+                ))
+            })?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()
+        })?;
+        rows.into_iter()
+            .map(|(state, tier, n)| {
+                let corrupt = || StoreError::Corrupt {
+                    what: "sandbox count",
+                    key: format!("{state}/{tier}"),
+                };
+                Ok((
+                    SandboxState::parse(&state).ok_or_else(corrupt)?,
+                    Tier::parse(&tier).ok_or_else(corrupt)?,
+                    n.max(0) as u64,
+                ))
+            })
+            .collect()
+    }
+
     fn sandboxes_page(
         &self,
         tenant: Option<&TenantId>,

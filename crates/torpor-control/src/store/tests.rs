@@ -148,6 +148,7 @@ on_both_backends!(
     the_policy_reads_awake_and_due_sandboxes_and_counts_the_rest,
     a_newer_schema_is_refused_as_unavailable,
     sandboxes_are_read_in_keyset_pages,
+    sandboxes_are_found_by_metadata_key,
 );
 
 fn sandbox() -> SandboxRecord {
@@ -1552,4 +1553,39 @@ fn controllers_adding_usage_to_the_same_intervals_at_once_lose_nothing() {
     for r in rows {
         assert_eq!(r.value, (CONTROLLERS * BATCHES) as f64, "{r:?}");
     }
+}
+
+/// Only the sandboxes whose metadata has the key, whatever the values hold (a value that
+/// contains the key's text, quotes and colon included, does not count).
+fn sandboxes_are_found_by_metadata_key(b: &dyn Backend) {
+    let store = b.open().unwrap();
+    let key = "torpor.e2b.end_at";
+    let mut made = Vec::new();
+    for (i, metadata) in [
+        vec![(key, "100")],
+        vec![("other", "x")],
+        vec![("other", "\"torpor.e2b.end_at\":1")],
+        vec![("a", "b"), (key, "200")],
+        vec![],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut s = sandbox();
+        s.created_at = i as i64;
+        s.metadata = metadata
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        store.insert_sandbox(&s).unwrap();
+        made.push(s.id);
+    }
+    let found: Vec<SandboxId> = store
+        .sandboxes_with_metadata(key)
+        .unwrap()
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    assert_eq!(found, vec![made[0].clone(), made[3].clone()]);
+    assert!(store.sandboxes_with_metadata("absent").unwrap().is_empty());
 }
