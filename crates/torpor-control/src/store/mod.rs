@@ -488,3 +488,20 @@ fn canonical(path: &Path) -> PathBuf {
 pub(crate) fn metadata_key_text(key: &str) -> String {
     format!("{}:", serde_json::Value::String(key.to_string()))
 }
+
+/// One row of a `GROUP BY state, tier` count, parsed.
+pub(crate) fn state_count(
+    state: &str,
+    tier: &str,
+    n: i64,
+) -> Result<(SandboxState, Tier, u64), StoreError> {
+    let corrupt = || StoreError::Corrupt {
+        what: "sandbox count",
+        key: format!("{state}/{tier}"),
+    };
+    Ok((
+        SandboxState::parse(state).ok_or_else(corrupt)?,
+        Tier::parse(tier).ok_or_else(corrupt)?,
+        n.max(0) as u64,
+    ))
+}

@@ -765,15 +765,7 @@ impl StateStore for PostgresStore {
             let state: String = get(r, 0, "sandbox count")?;
             let tier: String = get(r, 1, "sandbox count")?;
             let n: i64 = get(r, 2, "sandbox count")?;
-            let corrupt = || StoreError::Corrupt {
-                what: "sandbox count",
-                key: format!("{state}/{tier}"),
-            };
-            Ok((
-                SandboxState::parse(&state).ok_or_else(corrupt)?,
-                Tier::parse(&tier).ok_or_else(corrupt)?,
-                n.max(0) as u64,
-            ))
+            super::state_count(&state, &tier, n)
         })
         .collect()
     }

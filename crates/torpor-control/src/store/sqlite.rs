@@ -454,17 +454,7 @@ impl StateStore for SqliteStore {
             rows.collect::<rusqlite::Result<Vec<_>>>()
         })?;
         rows.into_iter()
-            .map(|(state, tier, n)| {
-                let corrupt = || StoreError::Corrupt {
-                    what: "sandbox count",
-                    key: format!("{state}/{tier}"),
-                };
-                Ok((
-                    SandboxState::parse(&state).ok_or_else(corrupt)?,
-                    Tier::parse(&tier).ok_or_else(corrupt)?,
-                    n.max(0) as u64,
-                ))
-            })
+            .map(|(state, tier, n)| super::state_count(&state, &tier, n))
             .collect()
     }
 
