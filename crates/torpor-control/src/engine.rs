@@ -282,6 +282,8 @@ pub struct Engine {
     cluster: cluster::ClusterState,
     /// When the idle policy last refreshed the fleet gauges (a scrape refreshes them itself).
     gauges_at: AtomicI64,
+    /// CPU readings taken as sandboxes left their workers, for the usage sampler.
+    cpu_at_release: Mutex<Vec<usage_probe::CpuAtRelease>>,
 }
 
 /// Paths under the data directory.
@@ -358,6 +360,7 @@ impl Engine {
             gpus: std::sync::OnceLock::new(),
             cluster: Default::default(),
             gauges_at: AtomicI64::new(0),
+            cpu_at_release: Mutex::new(Vec::new()),
         });
         // Alive before touching any sandbox: the others must not take ours over meanwhile.
         engine.announce()?;

@@ -11,7 +11,7 @@
 //! |---|---|---|---|
 //! | `memory_gib_hours` | GiB-hours | tier (`running`, `frozen`) | resident memory (RSS + shmem) × time |
 //! | `tier_hours` | hours | tier (`running`, `frozen`, `parked`, `suspended`) | time in that tier (their sum: the agent-hours) |
-//! | `cpu_seconds` | seconds | | the worker cgroup's `cpuacct.usage` delta |
+//! | `cpu_seconds` | seconds | | the worker cgroup's `cpuacct.usage` delta (read again as a sandbox leaves its worker, so nothing since the last sample is lost) |
 //! | `gpu_hours` | GPU-hours | share and model (`mig:3g.71gb@NVIDIA H200`; shares `whole`, `mig:<profile>`, `mps:<pct>`, `timeslice`) | fraction of one GPU × time |
 //! | `snapshot_gib_hours` | GiB-hours | | a sleeping sandbox's checkpoint × time: its local image (Parked), or its deduplication-fair share of the snapshot store (Suspended: each chunk split among the sandboxes whose images hold it) |
 //! | `wakes` | count | tier woken from (`golden`, `frozen`, `parked`, `suspended`) | generation bumps and thaws seen between samples |
@@ -468,6 +468,23 @@ impl Sampler {
                 });
             }
         };
+        // CPU used since the last sample by sandboxes that left their worker in between (a
+        // park or a delete), read as they left; the group's next holder counts from there.
+        for r in self.engine.take_cpu_at_release() {
+            let used = match seen.cpu_ns.get(&r.cgroup).copied() {
+                Some(b) => r.cpu_ns.saturating_sub(b),
+                None if !first => r.cpu_ns,
+                None => 0,
+            };
+            push(
+                &r.tenant,
+                &r.sandbox,
+                Measure::CpuSeconds,
+                "",
+                used as f64 / 1e9,
+            );
+            seen.cpu_ns.insert(r.cgroup, r.cpu_ns);
+        }
         let mut live = std::collections::HashSet::new();
         for rec in &records {
             let (id, tenant) = (&rec.id, &rec.tenant);
@@ -844,6 +861,16 @@ fn mig_fraction(profile: &str) -> f64 {
         .and_then(|(g, _)| g.parse::<u32>().ok())
         .map(|g| f64::from(g.min(7)) / 7.0)
         .unwrap_or(1.0)
+}
+
+/// `cpuacct.usage` (ns) of one group under torpor's cgroup parent.
+pub(crate) fn cpuacct_of(group: &str) -> Option<u64> {
+    let path = Path::new(torpor_runtime::cgroup::CGROUP_ROOT)
+        .join("cpuacct")
+        .join(torpor_runtime::cgroup::PARENT)
+        .join(group)
+        .join("cpuacct.usage");
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
 /// `cpuacct.usage` (ns) of every group under torpor's cgroup parent.

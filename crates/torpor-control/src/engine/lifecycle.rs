@@ -436,6 +436,7 @@ impl Engine {
         self.check_held_here(&rec)?;
         self.move_to(&mut rec, SandboxState::Deleting, "delete")?;
         if let Some(live) = guard.live.take() {
+            self.note_cpu_at_release(&rec.tenant, id, &*live.resident);
             live.resident.destroy().await;
         }
         self.forget_gpu(id);

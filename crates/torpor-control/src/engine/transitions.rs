@@ -351,6 +351,7 @@ impl Engine {
             resident, _permit, ..
         } = live;
         resident.settle_connections().await;
+        self.note_cpu_at_release(&rec.tenant, id, &*resident);
         let result = resident.checkpoint(&tmp).await;
         self.gpu_after_checkpoint(id, cuda_toggled, result.is_ok());
         drop(_permit);

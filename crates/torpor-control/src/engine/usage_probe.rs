@@ -57,7 +57,57 @@ impl Engine {
     }
 }
 
+/// A sandbox's worker group's CPU time (`cpuacct.usage`, ns) read just before the sandbox left
+/// it (park, delete): the sampler counts what it used since its last sample, which would
+/// otherwise go with the group or to the group's next holder.
+#[derive(Debug, Clone)]
+pub struct CpuAtRelease {
+    pub tenant: TenantId,
+    pub sandbox: SandboxId,
+    pub cgroup: String,
+    pub cpu_ns: u64,
+}
+
+/// Readings kept for the sampler at most (a daemon without one drops the oldest).
+const CPU_AT_RELEASE_MAX: usize = 4096;
+
 impl Engine {
+    /// Notes `resident`'s CPU time as it leaves its worker (see [`CpuAtRelease`]).
+    pub(super) fn note_cpu_at_release(
+        &self,
+        tenant: &TenantId,
+        sandbox: &SandboxId,
+        resident: &dyn Resident,
+    ) {
+        let cgroup = resident.worker().to_string();
+        let Some(cpu_ns) = crate::usage::cpuacct_of(&cgroup) else {
+            return;
+        };
+        let mut v = self
+            .cpu_at_release
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if v.len() >= CPU_AT_RELEASE_MAX {
+            v.remove(0);
+        }
+        v.push(CpuAtRelease {
+            tenant: tenant.clone(),
+            sandbox: sandbox.clone(),
+            cgroup,
+            cpu_ns,
+        });
+    }
+
+    /// The readings noted since the last call, oldest first.
+    pub fn take_cpu_at_release(&self) -> Vec<CpuAtRelease> {
+        std::mem::take(
+            &mut *self
+                .cpu_at_release
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        )
+    }
+
     /// Bytes of the snapshot store held for each sandbox whose current image is there
     /// (Suspended), deduplication-fair: every chunk its image references is counted once and
     /// split evenly among the sandboxes whose current images reference it (logical chunk
