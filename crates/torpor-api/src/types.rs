@@ -169,7 +169,7 @@ impl From<&torpor_control::SandboxRecord> for Sandbox {
             created_at: rfc3339(s.created_at),
             last_active_at: rfc3339(s.last_active_at),
             limits: s.limits,
-            metadata: s.metadata.clone(),
+            metadata: torpor_control::Engine::public_metadata(&s.metadata),
             last_error: s.last_error.clone(),
             oom_killed: s.oom_killed,
             worker: None,

@@ -46,6 +46,18 @@ async fn pause_without_memory(d: &Daemon, id: &str) {
     assert_eq!(r.status(), 204, "{}", r.text().await.unwrap_or_default());
 }
 
+/// E2B's `GET /sandboxes/{id}` (what `get_info` reads).
+async fn e2b_detail(d: &Daemon, id: &str) -> serde_json::Value {
+    let r = reqwest::Client::new()
+        .get(format!("{}/sandboxes/{id}", d.url()))
+        .header("X-API-KEY", d.token())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
 /// E2B's `POST /sandboxes/{id}/connect` with `{"memory": false}` (`on_resume="reboot"`):
 /// answers its status (200: it was running, 201: woken).
 async fn e2b_connect(d: &Daemon, id: &str) -> u16 {
@@ -104,20 +116,16 @@ async fn a_filesystem_only_pause_reboots_the_sandbox_at_its_next_v1_call() {
     pause_without_memory(&d, &id).await;
     let s = c.sandbox(&id).await.unwrap();
     assert_eq!(s.tier, "parked", "{s:?}");
-    // E2B's detail says what the pause kept.
-    let detail: serde_json::Value = reqwest::Client::new()
-        .get(format!("{}/sandboxes/{id}", d.url()))
-        .header("X-API-KEY", d.token())
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    // E2B's detail says what the pause kept; torpor's own does not show the mark.
+    let detail = e2b_detail(&d, &id).await;
     assert_eq!(
         (&detail["state"], &detail["pauseMode"]),
         (&"paused".into(), &"filesystem".into()),
         "{detail}"
+    );
+    assert!(
+        !s.metadata.keys().any(|k| k.starts_with("torpor.wake.")),
+        "{s:?}"
     );
     // The main process is a new one (its in-memory counter starts over) and finds its
     // files (its log has every line).
@@ -127,15 +135,25 @@ async fn a_filesystem_only_pause_reboots_the_sandbox_at_its_next_v1_call() {
     assert_ne!(boot1, boot0, "a reboot is a new boot");
     assert_eq!(c.read_file(&id, "/data/kept.txt").await.unwrap(), b"kept\n");
     assert_eq!(c.read_file(&id, "/tmp/kept.txt").await.unwrap(), b"tmp\n");
+    // Woken by a v1 call, it is running again to E2B (as after a connect, with a new deadline
+    // of its timeout: 300 s by default), so E2B's next pause is a pause (204), not 409.
+    let detail = e2b_detail(&d, &id).await;
+    assert_eq!(detail["state"], "running", "{detail}");
+    assert!(detail["pauseMode"].is_null(), "{detail}");
+    let end_at = humantime::parse_rfc3339_weak(detail["endAt"].as_str().unwrap()).unwrap();
+    let left = end_at
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or_default()
+        .as_millis();
+    assert!((200_000..=300_000).contains(&left), "{detail}");
 
     // The reboot was used up: a later memory pause keeps memory again.
     c.suspend(&id, Some(Tier::Parked)).await.unwrap();
     assert_eq!(call_agent(&c, &id, "e").await, (2, 5));
     assert_eq!(boot_id(&c, &id).await, boot1);
-    // Through the store too (suspended: uploaded, fetched back at the wake). (E2B's view of
-    // it is still paused: v1 calls do not change it; its connect of a resident sandbox wakes
-    // nothing and reboots nothing.)
-    e2b_connect(&d, &id).await;
+    // Through the store too (suspended: uploaded, fetched back at the wake). E2B's connect of
+    // a resident sandbox wakes nothing and reboots nothing.
+    assert_eq!(e2b_connect(&d, &id).await, 200);
     assert_eq!(call_agent(&c, &id, "f").await, (3, 6));
     pause_without_memory(&d, &id).await;
     c.suspend(&id, Some(Tier::Suspended)).await.unwrap();
@@ -226,4 +244,101 @@ async fn another_tenant_cannot_make_a_sandbox_reboot() {
     let cb = torpor_api::Client::new(&d.url(), &b);
     let own = create(&cb, "rb-shared").await;
     assert_eq!(call_agent(&cb, &own, "x").await, (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenant_cannot_forge_or_read_the_marks_of_a_wake() {
+    let d = Daemon::start().await;
+    let admin = d.client();
+    admin
+        .create_template(&agent_template("rb-forge", no_idle()))
+        .await
+        .unwrap();
+    let a = admin
+        .create_tenant(&torpor_api::types::CreateTenantBody {
+            name: "rb-forger".into(),
+            quotas: None,
+        })
+        .await
+        .unwrap()
+        .token;
+    let ca = torpor_api::Client::new(&d.url(), &a);
+    let http = reqwest::Client::new();
+    // The marks a wake obeys, set by the tenant at create (torpor's API and E2B's) or looked
+    // for in a list: all refused, nothing made.
+    let forged = [
+        "torpor.wake.reboot",
+        "torpor.wake.unset.app",
+        "torpor.wake.in_ms.app",
+    ];
+    for key in forged {
+        let r = http
+            .post(format!("{}/v1/sandboxes", d.url()))
+            .bearer_auth(&a)
+            .json(&serde_json::json!({"template": "rb-forge", "metadata": {key: "1"}}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{key}");
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "invalid_request", "{key}: {body}");
+        let r = http
+            .post(format!("{}/sandboxes", d.url()))
+            .header("X-API-KEY", &a)
+            .json(&serde_json::json!({"templateID": "rb-forge", "metadata": {key: "1"}}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{key}");
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(body["code"], 400, "{key}: {body}");
+        let r = http
+            .get(format!("{}/v2/sandboxes", d.url()))
+            .query(&[("metadata", format!("{key}=1"))])
+            .header("X-API-KEY", &a)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{key}");
+    }
+    assert!(ca.sandboxes(None).await.unwrap().is_empty());
+    // A filesystem-only pause of its own sandbox marks it, unseen by the tenant in both APIs.
+    let id = create(&ca, "rb-forge").await;
+    assert_eq!(call_agent(&ca, &id, "a").await, (1, 1));
+    let r = http
+        .post(format!("{}/sandboxes/{id}/pause", d.url()))
+        .header("X-API-KEY", &a)
+        .json(&serde_json::json!({"memory": false}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    let own = ca.sandbox(&id).await.unwrap();
+    assert!(
+        !own.metadata.keys().any(|k| k.starts_with("torpor.wake.")),
+        "{own:?}"
+    );
+    let listed = ca.sandboxes(None).await.unwrap();
+    assert!(
+        listed
+            .iter()
+            .all(|s| !s.metadata.keys().any(|k| k.starts_with("torpor.wake."))),
+        "{listed:?}"
+    );
+    let detail: serde_json::Value = http
+        .get(format!("{}/sandboxes/{id}", d.url()))
+        .header("X-API-KEY", &a)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(detail["pauseMode"], "filesystem", "{detail}");
+    assert_eq!(detail["metadata"], serde_json::json!({}), "{detail}");
+    // The mark does what the engine set it for: the next call reboots.
+    assert_eq!(call_agent(&ca, &id, "b").await, (1, 2));
+    // Another tenant is untouched.
+    let other = create(&admin, "rb-forge").await;
+    assert_eq!(call_agent(&admin, &other, "x").await, (1, 1));
 }

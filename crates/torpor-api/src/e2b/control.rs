@@ -216,7 +216,7 @@ fn client_id() -> String {
 fn user_metadata(rec: &SandboxRecord) -> BTreeMap<String, String> {
     rec.metadata
         .iter()
-        .filter(|(k, _)| !k.starts_with(META_PREFIX))
+        .filter(|(k, _)| !super::is_reserved_key(k))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect()
 }
@@ -429,9 +429,10 @@ pub(crate) fn plan_create(
         .map_err(|_| E2bError::not_found(format_args!("template {tpl:?}")))?;
     let timeout = timeout_seconds(body.timeout)?;
     let mut metadata = body.metadata.clone().unwrap_or_default();
-    if metadata.keys().any(|k| k.starts_with(META_PREFIX)) {
+    if metadata.keys().any(|k| super::is_reserved_key(k)) {
         return Err(E2bError::bad_request(format!(
-            "metadata keys starting with {META_PREFIX:?} are reserved"
+            "metadata keys starting with {META_PREFIX:?} or {:?} are reserved",
+            torpor_control::Engine::WAKE_PREFIX
         )));
     }
     metadata.insert(META_END_AT.into(), deadline(timeout));
@@ -574,15 +575,9 @@ pub async fn connect(
         .get(META_END_AT)
         .and_then(|v| v.parse::<i64>().ok());
     if !was_running || old_end.is_none_or(|old| old < new_end) {
-        st.api.engine.patch_sandbox_metadata(
-            &tenant,
-            &id,
-            &[
-                (META_END_AT.to_string(), Some(new_end.to_string())),
-                (META_PAUSED.to_string(), None),
-            ]
-            .into(),
-        )?;
+        st.api
+            .engine
+            .patch_sandbox_metadata(&tenant, &id, &super::resumed_patch(new_end))?;
     }
     let rec = st.api.engine.resume(&tenant, &id).await?;
     let status = if was_running {
@@ -634,15 +629,9 @@ pub async fn pause(
     st.api.engine.reboot_on_next_wake(&tenant, &sid, fs_only)?;
     // Paused to E2B from now on (is_running answers false while it checkpoints). A sandbox
     // torpor's idle policy already put to sleep only changes its E2B state.
-    st.api.engine.patch_sandbox_metadata(
-        &tenant,
-        &sid,
-        &[
-            (META_PAUSED.to_string(), Some("pause".to_string())),
-            (META_END_AT.to_string(), None),
-        ]
-        .into(),
-    )?;
+    st.api
+        .engine
+        .patch_sandbox_metadata(&tenant, &sid, &super::paused_patch(&rec, "pause"))?;
     if !is_running(rec.tier) {
         return Ok(StatusCode::NO_CONTENT);
     }

@@ -212,7 +212,9 @@ fn list(
     v2: bool,
 ) -> E2bResult<Response> {
     let tenant = authenticate(st, headers)?;
-    if q.get("metadata").is_some_and(|m| m.contains(META_PREFIX)) {
+    if q.get("metadata")
+        .is_some_and(|m| m.contains(META_PREFIX) || m.contains(torpor_control::Engine::WAKE_PREFIX))
+    {
         return Err(E2bError::bad_request(format!(
             "metadata keys starting with {META_PREFIX:?} are reserved"
         )));

@@ -216,6 +216,61 @@ pub fn e2b_running(rec: &torpor_control::SandboxRecord) -> bool {
     is_running(rec.tier) || rec.metadata.contains_key(META_END_AT)
 }
 
+/// Whether a metadata key is reserved: E2B's own ([`META_PREFIX`]) and the engine's marks for
+/// a sandbox's next wake. A tenant neither sets nor sees them.
+pub fn is_reserved_key(key: &str) -> bool {
+    key.starts_with(META_PREFIX) || torpor_control::Engine::is_reserved_metadata(key)
+}
+
+/// The metadata patch that pauses a sandbox to E2B (`kind`: `pause` or `timeout`): the mark,
+/// no deadline while it sleeps, and what its next wake does, by whatever call it comes (a
+/// connect, an auto-resume, traffic to its ports, or torpor's own API): it is no longer
+/// paused, and gets a new deadline of its timeout (unless the waking call set one, as
+/// `connect` does).
+pub fn paused_patch(
+    rec: &torpor_control::SandboxRecord,
+    kind: &str,
+) -> std::collections::BTreeMap<String, Option<String>> {
+    let timeout_ms = timeout_of(rec).saturating_mul(1000);
+    [
+        (META_PAUSED.to_string(), Some(kind.to_string())),
+        (META_END_AT.to_string(), None),
+        (
+            torpor_control::Engine::wake_unset_key(META_PAUSED),
+            Some(String::new()),
+        ),
+        (
+            torpor_control::Engine::wake_deadline_key(META_END_AT),
+            Some(timeout_ms.to_string()),
+        ),
+    ]
+    .into()
+}
+
+/// The patch entries that take back what [`paused_patch`] told the next wake.
+fn resumed_entries() -> [(String, Option<String>); 2] {
+    [
+        (torpor_control::Engine::wake_unset_key(META_PAUSED), None),
+        (torpor_control::Engine::wake_deadline_key(META_END_AT), None),
+    ]
+}
+
+/// The patch that makes a sandbox running to E2B with the deadline `end` (Unix ms).
+pub fn resumed_patch(end: i64) -> std::collections::BTreeMap<String, Option<String>> {
+    let mut patch: std::collections::BTreeMap<_, _> = resumed_entries().into();
+    patch.insert(META_PAUSED.to_string(), None);
+    patch.insert(META_END_AT.to_string(), Some(end.to_string()));
+    patch
+}
+
+/// The timeout (s) a sandbox was given at create or its last connect.
+fn timeout_of(rec: &torpor_control::SandboxRecord) -> u64 {
+    rec.metadata
+        .get(META_TIMEOUT)
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(DEFAULT_TIMEOUT_S)
+}
+
 /// Whether a sandbox is the holder of an E2B named snapshot rather than a sandbox.
 pub fn is_snapshot(rec: &torpor_control::SandboxRecord) -> bool {
     rec.metadata.contains_key(META_SNAPSHOT_OF)
@@ -234,22 +289,9 @@ pub fn mark_resumed(
     rec: &torpor_control::SandboxRecord,
     timeout_s: Option<u64>,
 ) -> Result<(), torpor_control::ControlError> {
-    let timeout = timeout_s.unwrap_or_else(|| {
-        rec.metadata
-            .get(META_TIMEOUT)
-            .and_then(|t| t.parse().ok())
-            .unwrap_or(DEFAULT_TIMEOUT_S)
-    });
+    let timeout = timeout_s.unwrap_or_else(|| timeout_of(rec));
     let end = torpor_core::now_millis() + timeout as i64 * 1000;
-    engine.patch_sandbox_metadata(
-        &TenantId::admin(),
-        &rec.id,
-        &[
-            (META_PAUSED.to_string(), None),
-            (META_END_AT.to_string(), Some(end.to_string())),
-        ]
-        .into(),
-    )?;
+    engine.patch_sandbox_metadata(&TenantId::admin(), &rec.id, &resumed_patch(end))?;
     Ok(())
 }
 
@@ -414,15 +456,7 @@ async fn timeout_asleep(st: &E2b, rec: &torpor_control::SandboxRecord) {
     } else {
         st.api
             .engine
-            .patch_sandbox_metadata(
-                &admin,
-                &rec.id,
-                &[
-                    (META_END_AT.to_string(), None),
-                    (META_PAUSED.to_string(), Some("timeout".to_string())),
-                ]
-                .into(),
-            )
+            .patch_sandbox_metadata(&admin, &rec.id, &paused_patch(rec, "timeout"))
             .map(|_| ())
     };
     if let Err(e) = result {
@@ -440,20 +474,15 @@ async fn timeout_action(
     if kill {
         return st.api.engine.delete_sandbox(&admin, id).await;
     }
+    let rec = st.api.engine.sandbox(&admin, id)?;
     // A filesystem-only pause: the next wake reboots it.
     st.api.engine.reboot_on_next_wake(&admin, id, reboot)?;
     // Paused to E2B from now on (is_running answers false while it checkpoints), and the
     // deadline cleared: a later wake must not be put back to sleep at once; `connect` (or
     // an auto-resume) sets a new one.
-    st.api.engine.patch_sandbox_metadata(
-        &admin,
-        id,
-        &[
-            (META_END_AT.to_string(), None),
-            (META_PAUSED.to_string(), Some("timeout".to_string())),
-        ]
-        .into(),
-    )?;
+    st.api
+        .engine
+        .patch_sandbox_metadata(&admin, id, &paused_patch(&rec, "timeout"))?;
     let slept = st.api.engine.suspend(&admin, id, Tier::Parked).await;
     if let Err(e) = &slept {
         // Still resident: no wake is coming that the mark is for (a race lost to the idle

@@ -456,6 +456,7 @@ impl Engine {
 }
 
 pub(super) fn check_metadata(m: &BTreeMap<String, String>) -> Result<()> {
+    super::reboot::check_reserved(m)?;
     if m.len() > MAX_METADATA_ENTRIES {
         return Err(ControlError::Invalid(format!(
             "metadata may hold at most {MAX_METADATA_ENTRIES} entries"
