@@ -1018,3 +1018,67 @@ async fn e2bs_base_survives_restarts_and_takes_a_new_ceiling_once_free() {
         d.log()
     );
 }
+
+/// E2B's metrics are sampled every 5 s in the background, by a call that is not activity: a
+/// sandbox whose template freezes it after 8 idle seconds still freezes (a sampler that
+/// counted as activity would keep it running forever), its background samples are kept, and
+/// a frozen or sleeping sandbox is not sampled.
+#[tokio::test(flavor = "multi_thread")]
+async fn background_metrics_samples_do_not_keep_a_sandbox_awake() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let idle = torpor_core::IdlePolicy {
+        freeze_after_s: Some(8.0),
+        park_after_s: None,
+        suspend_after_s: None,
+    };
+    c.create_template(&agent_template("mx", idle))
+        .await
+        .unwrap();
+    let api = E2b {
+        http: reqwest::Client::new(),
+        url: d.url(),
+        key: d.token(),
+    };
+    use reqwest::Method as M;
+    let (s, sbx) = api
+        .call(
+            M::POST,
+            "/v2/sandboxes",
+            Some(json!({"templateID": "mx", "timeout": 600})),
+        )
+        .await;
+    assert_eq!(s, 201, "{sbx}");
+    let id = sbx["sandboxID"].as_str().unwrap().to_string();
+    // Nothing calls it from now on: only the sampler looks at it.
+    let start = Instant::now();
+    loop {
+        let tier = c.sandbox(&id).await.unwrap().tier;
+        if tier == "frozen" {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(90),
+            "still {tier} after 90 s: the sampler keeps it awake"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // Asked while it is frozen (no sample is taken then): the series holds what the sampler
+    // took while it ran, and nothing since it froze.
+    let (s, m) = api
+        .call(M::GET, &format!("/sandboxes/{id}/metrics"), None)
+        .await;
+    assert_eq!(s, 200, "{m}");
+    let n = m.as_array().unwrap().len();
+    assert!(n >= 1, "background samples before the freeze: {m}");
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let (_, again) = api
+        .call(M::GET, &format!("/sandboxes/{id}/metrics"), None)
+        .await;
+    assert_eq!(
+        again.as_array().unwrap().len(),
+        n,
+        "a frozen sandbox is not sampled: {again}"
+    );
+    assert_eq!(c.sandbox(&id).await.unwrap().tier, "frozen");
+}

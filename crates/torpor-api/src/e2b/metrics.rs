@@ -2,9 +2,15 @@
 //! samples of a sandbox, read inside it as envd reads them (`/proc/stat`, `/proc/meminfo`,
 //! `df /`), which under gVisor are the sandbox's own figures.
 //!
-//! A sample is taken when metrics are asked for and the sandbox is running (a sleeping one is
-//! never woken for it), and kept (at most [`MAX_SAMPLES`] per sandbox, for the daemon's life);
-//! the answer is the kept samples within `start..=end` (Unix seconds), oldest first.
+//! As E2B does, a sandbox is sampled every [`SAMPLE_EVERY`] while it runs ([`sampler_task`]):
+//! the engine's resident sandboxes are looked at in memory (a sleeping sandbox costs the
+//! sampler nothing: no store read, no call, nothing woken), and each running E2B sandbox runs
+//! [`SAMPLE_SCRIPT`] through a call that is not activity (the idle policy still freezes and
+//! parks it as if unsampled). A sample is also taken when metrics are asked for and the sandbox
+//! is running. Samples are kept per sandbox (at most [`MAX_SAMPLES`], an hour at 5 s; at most
+//! [`MAX_TOTAL_SAMPLES`] in all, the series sampled least recently going first past that, and
+//! a deleted sandbox's series with it); the answer is the kept samples within `start..=end`
+//! (Unix seconds), oldest first.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -21,6 +27,12 @@ use super::{E2b, E2bError};
 
 /// Samples kept per sandbox.
 pub const MAX_SAMPLES: usize = 720;
+/// Samples kept for all sandboxes together (about 30 MB).
+pub const MAX_TOTAL_SAMPLES: usize = 200_000;
+/// How often a running sandbox is sampled (E2B's cadence).
+pub const SAMPLE_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+/// Sandboxes sampled at once.
+const SAMPLE_CONCURRENCY: usize = 4;
 
 /// One E2B `SandboxMetric`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -37,23 +49,59 @@ pub struct Sample {
     pub disk_total: u64,
 }
 
-/// Kept samples, by sandbox.
+/// Kept samples, by sandbox, and how many in all.
 #[derive(Default)]
-pub struct Samples(Mutex<HashMap<SandboxId, VecDeque<Sample>>>);
+pub struct Samples(Mutex<(HashMap<SandboxId, VecDeque<Sample>>, usize)>);
 
 impl Samples {
     fn push(&self, id: &SandboxId, s: Sample) {
-        let mut all = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        self.push_within(id, s, MAX_TOTAL_SAMPLES)
+    }
+
+    fn push_within(&self, id: &SandboxId, s: Sample, max_total: usize) {
+        let mut guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let (all, total) = &mut *guard;
         let q = all.entry(id.clone()).or_default();
         if q.len() >= MAX_SAMPLES {
             q.pop_front();
+            *total -= 1;
         }
         q.push_back(s);
+        *total += 1;
+        // Past the overall bound, the series sampled least recently goes whole (one scan of
+        // the series, only then).
+        while *total > max_total {
+            let Some(stalest) = all
+                .iter()
+                .filter(|(k, _)| *k != id)
+                .min_by_key(|(_, q)| q.back().map(|s| s.timestamp_unix))
+                .map(|(k, _)| k.clone())
+            else {
+                break;
+            };
+            *total -= all.remove(&stalest).map_or(0, |q| q.len());
+        }
+    }
+
+    /// Drops the series of sandboxes not in `keep`.
+    fn retain(&self, keep: impl Fn(&SandboxId) -> bool) {
+        let mut guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let (all, total) = &mut *guard;
+        all.retain(|k, _| keep(k));
+        *total = all.values().map(VecDeque::len).sum();
+    }
+
+    /// The sandboxes that have a series.
+    fn sandboxes(&self) -> Vec<SandboxId> {
+        let guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        guard.0.keys().cloned().collect()
     }
 
     fn within(&self, id: &SandboxId, start: Option<i64>, end: Option<i64>) -> Vec<Sample> {
-        let all = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        all.get(id)
+        let guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        guard
+            .0
+            .get(id)
             .map(|q| {
                 q.iter()
                     .filter(|s| start.is_none_or(|t| s.timestamp_unix >= t))
@@ -106,6 +154,87 @@ pub fn parse_sample(line: &str, now_ms: i64) -> Option<Sample> {
         disk_used: disk_used * 1024,
         disk_total: disk_total * 1024,
     })
+}
+
+/// Samples every running E2B sandbox each [`SAMPLE_EVERY`] (see the module's doc); every
+/// minute, drops the series of sandboxes that are gone. Stops when the adapter is dropped.
+pub async fn sampler_task(st: std::sync::Weak<E2b>) {
+    use futures::StreamExt;
+    let mut tick = tokio::time::interval(SAMPLE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut ticks: u64 = 0;
+    loop {
+        tick.tick().await;
+        let Some(st) = st.upgrade() else { return };
+        ticks += 1;
+        if ticks.is_multiple_of(12) {
+            prune(&st);
+        }
+        let running: Vec<SandboxId> = st
+            .api
+            .engine
+            .usage_probe()
+            .into_iter()
+            .filter(|p| !p.frozen)
+            .map(|p| p.sandbox)
+            .collect();
+        futures::stream::iter(running)
+            .for_each_concurrent(SAMPLE_CONCURRENCY, |id| {
+                let st = st.clone();
+                async move { sample_quietly(&st, &id).await }
+            })
+            .await;
+    }
+}
+
+/// Drops the series of sandboxes that no longer exist (one store read per series).
+fn prune(st: &E2b) {
+    let admin = torpor_core::TenantId::admin();
+    let gone: std::collections::HashSet<SandboxId> = st
+        .metrics
+        .sandboxes()
+        .into_iter()
+        .filter(|id| {
+            matches!(
+                st.api.engine.sandbox(&admin, id),
+                Err(torpor_control::ControlError::NotFound { .. })
+            )
+        })
+        .collect();
+    if !gone.is_empty() {
+        st.metrics.retain(|id| !gone.contains(id));
+    }
+}
+
+/// One background sample of a resident sandbox, if it is an E2B sandbox (not a snapshot's
+/// holder) and still running: not activity, nothing woken.
+async fn sample_quietly(st: &E2b, id: &SandboxId) {
+    let admin = torpor_core::TenantId::admin();
+    match st.api.engine.sandbox(&admin, id) {
+        Ok(rec) if rec.metadata.contains_key(super::META_TIMEOUT) && !super::is_snapshot(&rec) => {}
+        _ => return,
+    }
+    let req = torpor_runtime::proto::ExecRequest {
+        cmd: vec!["sh".into(), "-c".into(), SAMPLE_SCRIPT.into()],
+        env: Default::default(),
+        cwd: None,
+        timeout_ms: Some(10_000),
+        detach: false,
+        stream: false,
+    };
+    match st.api.engine.quiet_exec_if_running(id, req).await {
+        Ok(Some(r)) if r.exit_code == Some(0) => {
+            match parse_sample(r.stdout.trim(), torpor_core::now_millis()) {
+                Some(s) => st.metrics.push(id, s),
+                None => tracing::debug!(sandbox = %id, out = r.stdout, "unreadable metrics sample"),
+            }
+        }
+        Ok(Some(r)) => {
+            tracing::debug!(sandbox = %id, code = ?r.exit_code, err = r.stderr, "metrics sample failed")
+        }
+        Ok(None) => {}
+        Err(e) => tracing::debug!(sandbox = %id, error = %e, "metrics sample failed"),
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -185,5 +314,32 @@ mod tests {
             some.iter().map(|s| s.timestamp_unix).collect::<Vec<_>>(),
             [10, 11, 12]
         );
+    }
+
+    #[test]
+    fn the_series_sampled_least_recently_goes_past_the_overall_bound() {
+        let s = parse_sample("25 100 2 1000 400 100 2000 500", 0).unwrap();
+        let at = |t: i64| Sample {
+            timestamp_unix: t,
+            ..s.clone()
+        };
+        let (a, b, c) = (
+            SandboxId::new("sb-aaaaaaaaaaaaaaaa").unwrap(),
+            SandboxId::new("sb-bbbbbbbbbbbbbbbb").unwrap(),
+            SandboxId::new("sb-cccccccccccccccc").unwrap(),
+        );
+        let kept = Samples::default();
+        kept.push_within(&a, at(1), 4);
+        kept.push_within(&b, at(2), 4);
+        kept.push_within(&a, at(3), 4);
+        kept.push_within(&b, at(4), 4);
+        // Five samples: `a` (last sampled at 3) goes whole, `c`'s new one stays.
+        kept.push_within(&c, at(5), 4);
+        assert!(kept.within(&a, None, None).is_empty());
+        assert_eq!(kept.within(&b, None, None).len(), 2);
+        assert_eq!(kept.within(&c, None, None).len(), 1);
+        kept.retain(|id| *id != b);
+        assert!(kept.within(&b, None, None).is_empty());
+        assert_eq!(kept.0.lock().unwrap().1, 1);
     }
 }

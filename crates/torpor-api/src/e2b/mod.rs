@@ -60,7 +60,7 @@ const META_PAUSED: &str = "torpor.e2b.paused";
 /// call to a paused sandbox wakes it, with a new deadline of [`META_TIMEOUT`] seconds.
 const META_AUTO_RESUME: &str = "torpor.e2b.auto_resume";
 /// The timeout (s) given at create or the last connect: the deadline an auto-resume sets.
-const META_TIMEOUT: &str = "torpor.e2b.timeout";
+pub(crate) const META_TIMEOUT: &str = "torpor.e2b.timeout";
 /// `0` when the sandbox's timeout pauses it without memory (`autoPauseMemory: false`,
 /// lifecycle `keep_memory: false` / `mode: "filesystem"`): its next wake reboots it.
 const META_PAUSE_MEMORY: &str = "torpor.e2b.pause_memory";
@@ -300,6 +300,7 @@ pub fn router(api: Arc<ApiState>) -> Router<Arc<ApiState>> {
     let st = Arc::new(E2b::new(api));
     if let Ok(rt) = tokio::runtime::Handle::try_current() {
         rt.spawn(timeout_task(Arc::downgrade(&st)));
+        rt.spawn(metrics::sampler_task(Arc::downgrade(&st)));
     }
     Router::new()
         .route("/sandboxes", post(control::create).get(listing::list_v1))

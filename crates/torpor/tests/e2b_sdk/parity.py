@@ -1,6 +1,6 @@
 """E2B behaviours beyond the happy path (issue 19), through the official, unmodified e2b Python
 SDK: gzip transfers, list order and depth, symlink info, removing what is not there,
-is_running after pause and timeout, auto-resume, list order/paging/filters, fork, metrics,
+is_running after pause and timeout, auto-resume, list order/paging/filters, fork, metrics (every 5 s),
 E2B-shaped errors for routes torpor does not serve, and memory vs filesystem-only pauses
 (processes and boot_id kept, or rebooted with files kept). (E2B's `base`: base.py; named snapshots:
 snapshots.py.)
@@ -79,6 +79,15 @@ expect(m[-1].mem_total > 0 and m[-1].cpu_count >= 1, f"sample {m[-1]}")
 expect(0 <= m[-1].cpu_used_pct <= 100, f"cpu {m[-1]}")
 future = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)
 expect(sbx.get_metrics(start=future) == [], "nothing after the end of time")
+
+step("metrics sampled every 5 s while it runs, not only when asked")
+t0 = datetime.datetime.now(datetime.timezone.utc)
+time.sleep(12)
+t1 = datetime.datetime.now(datetime.timezone.utc)
+m = sbx.get_metrics(start=t0, end=t1)
+stamps = [s.timestamp for s in m]
+expect(len(m) >= 2, f"background samples in 12 s: {stamps}")
+expect(stamps == sorted(stamps) and len(set(stamps)) == len(stamps), f"in order {stamps}")
 
 step("fork")
 sbx.files.write("/home/user/forked.txt", "from the source")
