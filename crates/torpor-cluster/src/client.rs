@@ -34,7 +34,7 @@ use tonic::{Request, Status};
 use torpor_core::NetworkPolicy;
 use torpor_runtime::conn::ConnError;
 use torpor_runtime::net::NetStats;
-use torpor_runtime::node::{Launch, Node, NodeEvent, NodeInfo, Resident};
+use torpor_runtime::node::{Launch, Node, NodeEvent, NodeInfo, PutImage, Resident, Uploaded};
 use torpor_runtime::proto::{Reply, Request as AgentRequest};
 use torpor_runtime::runsc::{ExitHandle, ExitInfo, RuntimeError};
 use torpor_runtime::warm::WarmStats;
@@ -435,6 +435,45 @@ impl RemoteNode {
             exit,
             expected,
         }))
+    }
+
+    /// Puts image `dir` of the worker's own image area into the store.
+    pub async fn upload(&self, dir: &str, put: &PutImage) -> Result<Uploaded, RuntimeError> {
+        let inner = &self.inner;
+        let req = pb::UploadRequest {
+            image_dir: dir.to_string(),
+            access: Some(convert::access_to_pb(&put.access)),
+            labels: put.labels.iter().cloned().collect(),
+            id: put.id.clone().unwrap_or_default(),
+            pin: put.pin,
+        };
+        let reply = inner
+            .client()
+            .upload(call(req, inner.cfg.deadlines.checkpoint))
+            .await
+            .map_err(|st| inner.err(&st, Duration::ZERO))?
+            .into_inner();
+        Ok(Uploaded {
+            snapshot: reply.snapshot,
+            input_bytes: reply.input_bytes,
+            bytes_written: reply.bytes_written,
+        })
+    }
+
+    /// Removes image `dir` from the worker's own image area.
+    pub async fn remove_image(&self, dir: &str) -> Result<(), RuntimeError> {
+        let inner = &self.inner;
+        inner
+            .client()
+            .remove_image(call(
+                pb::RemoveImageRequest {
+                    image_dir: dir.to_string(),
+                },
+                inner.cfg.deadlines.quick,
+            ))
+            .await
+            .map(|_| ())
+            .map_err(|st| inner.err(&st, Duration::ZERO))
     }
 
     async fn start(

@@ -10,7 +10,7 @@ use tonic::{Code, Status};
 use torpor_runtime::conn::ConnError;
 use torpor_runtime::gpu::DeviceNode;
 use torpor_runtime::net::NetStats;
-use torpor_runtime::node::Launch;
+use torpor_runtime::node::{Launch, StoreAccess, StoredFiles};
 use torpor_runtime::runsc::{ExitInfo, RuntimeError};
 use torpor_runtime::spec::{ContainerSpec, Mount};
 use torpor_runtime::warm::WarmStats;
@@ -66,7 +66,34 @@ pub fn launch_to_pb(l: &Launch) -> pb::LaunchRequest {
             .map(|n| serde_json::to_string(n).unwrap_or_default())
             .unwrap_or_default(),
         ready_timeout_ms: l.ready_timeout.as_millis() as u64,
+        stored: Some(pb::StoredFiles {
+            rootfs: l.stored.rootfs.clone(),
+            image: l.stored.image.clone(),
+            keep_image: l.stored.keep_image,
+            access: Some(access_to_pb(&l.stored.access)),
+        }),
     }
+}
+
+pub fn access_to_pb(a: &StoreAccess) -> pb::StoreAccess {
+    pb::StoreAccess {
+        namespace: a.namespace.clone(),
+        key: a.key.map(|k| k.to_vec()),
+    }
+}
+
+pub fn access_from_pb(a: Option<pb::StoreAccess>) -> Result<StoreAccess, Status> {
+    let a = a.unwrap_or_default();
+    let key = match a.key {
+        None => None,
+        Some(k) => {
+            Some(<[u8; 32]>::try_from(k.as_slice()).map_err(|_| bad("store key", "not 32 bytes"))?)
+        }
+    };
+    Ok(StoreAccess {
+        namespace: a.namespace,
+        key,
+    })
 }
 
 pub fn launch_from_pb(l: pb::LaunchRequest) -> Result<Launch, Status> {
@@ -113,6 +140,16 @@ pub fn launch_from_pb(l: pb::LaunchRequest) -> Result<Launch, Status> {
         },
         network,
         ready_timeout: Duration::from_millis(l.ready_timeout_ms),
+        stored: match l.stored {
+            None => StoredFiles::default(),
+            Some(st) => StoredFiles {
+                rootfs: st.rootfs,
+                image: st.image,
+                keep_image: st.keep_image,
+                image_on: None,
+                access: access_from_pb(st.access)?,
+            },
+        },
     })
 }
 
@@ -198,6 +235,7 @@ pub fn status_of(e: &RuntimeError) -> Status {
         RuntimeError::ExitedEarly(_) => (Code::Aborted, "exited_early"),
         RuntimeError::RunscMissing { .. } => (Code::FailedPrecondition, "runsc_missing"),
         RuntimeError::NoCapacity(_) => (Code::ResourceExhausted, "no_capacity"),
+        RuntimeError::ImageLost(_) => (Code::NotFound, "image_lost"),
         _ => (Code::Internal, "runtime"),
     };
     let mut st = Status::new(code, e.to_string());
@@ -226,6 +264,10 @@ pub fn runtime_error_of(st: &Status, worker: &str, ready_timeout: Duration) -> R
             msg.trim_start_matches("no worker can take it: ")
                 .to_string(),
         ),
+        "image_lost" => RuntimeError::ImageLost(format!(
+            "worker {worker}: {}",
+            msg.trim_start_matches("the image is lost: ")
+        )),
         "runtime" => RuntimeError::Unsupported(format!("worker {worker}: {msg}")),
         _ => RuntimeError::Unsupported(format!(
             "worker {worker} did not answer: {:?} {msg}",
@@ -260,8 +302,20 @@ mod tests {
             },
             network: Some(NetworkPolicy::full()),
             ready_timeout: Duration::from_millis(1500),
+            stored: StoredFiles {
+                rootfs: Some("rootfs-host-1".into()),
+                image: Some("s1".into()),
+                keep_image: true,
+                // The pin is the controller's placement: it does not travel.
+                image_on: None,
+                access: StoreAccess {
+                    namespace: Some("acme".into()),
+                    key: Some([7; 32]),
+                },
+            },
         };
         let back = launch_from_pb(launch_to_pb(&l)).unwrap();
+        assert_eq!(back.stored, l.stored);
         assert_eq!(back.container_id, l.container_id);
         assert_eq!(back.spec.rootfs, l.spec.rootfs);
         assert_eq!(back.spec.mounts, l.spec.mounts);
@@ -283,6 +337,17 @@ mod tests {
             runtime_error_of(&st, "w", Duration::ZERO),
             RuntimeError::ExitedEarly(m) if m.contains("log")
         ));
+        let st = status_of(&RuntimeError::ImageLost("image x is not here".into()));
+        assert!(matches!(
+            runtime_error_of(&st, "w", Duration::ZERO),
+            RuntimeError::ImageLost(m) if m == "worker w: image x is not here"
+        ));
+        // A bad key length is refused, not truncated.
+        let short = pb::StoreAccess {
+            namespace: None,
+            key: Some(vec![1; 31]),
+        };
+        assert!(access_from_pb(Some(short)).is_err());
         // A transport failure is no node error.
         let st = Status::unavailable("connection refused");
         assert!(matches!(

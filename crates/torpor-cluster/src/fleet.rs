@@ -37,7 +37,9 @@ use tonic::{Request, Response, Status};
 use torpor_core::NetworkPolicy;
 use torpor_runtime::conn::ConnError;
 use torpor_runtime::net::NetStats;
-use torpor_runtime::node::{sandbox_of, Launch, Node, NodeEvent, NodeInfo, Resident};
+use torpor_runtime::node::{
+    sandbox_of, ImageHost, Launch, Node, NodeEvent, NodeInfo, PutImage, Resident, Uploaded,
+};
 use torpor_runtime::proto::{Reply, Request as AgentRequest};
 use torpor_runtime::runsc::{ExitHandle, RuntimeError};
 use torpor_runtime::warm::WarmStats;
@@ -63,6 +65,9 @@ pub struct FleetConfig {
     pub lost_after: Duration,
     /// Deadlines of the calls to workers.
     pub deadlines: Deadlines,
+    /// The snapshot store announced to workers at registration (`s3://…` or a directory
+    /// every machine mounts at that path); `None`: images stay where controllers name them.
+    pub store: Option<String>,
 }
 
 impl Default for FleetConfig {
@@ -71,6 +76,7 @@ impl Default for FleetConfig {
             heartbeat: Duration::from_secs(1),
             lost_after: Duration::from_secs(10),
             deadlines: Deadlines::default(),
+            store: None,
         }
     }
 }
@@ -424,6 +430,7 @@ impl Fleet {
         Ok(pb::RegisterReply {
             controller: self.tls.identity().name.to_string(),
             heartbeat_ms: self.cfg.heartbeat.as_millis() as u64,
+            store: self.cfg.store.clone().unwrap_or_default(),
         })
     }
 
@@ -471,52 +478,78 @@ impl Fleet {
             ..Need::default()
         };
         let sandbox = sandbox_of(&launch.container_id).map(str::to_string);
+        // An image not yet in the store is on one worker's disk: there or nowhere.
+        let pinned = launch.stored.image_on.clone();
         let mut refused: Option<String> = None;
         for _attempt in 0..2 {
             let (worker, remote) = {
                 let mut m = self.lock();
-                let prefer = sandbox
-                    .as_ref()
-                    .and_then(|s| m.last_worker.get(s))
-                    .filter(|w| Some(*w) != refused.as_ref())
-                    .cloned();
-                // The refusing worker sits out this start.
-                let skipped = refused.as_ref().and_then(|r| {
-                    let (_, _, state) = m.placement.get(r)?;
-                    (state == WorkerState::Ready).then(|| {
-                        m.placement.set_state(r, WorkerState::Draining);
-                        r.clone()
-                    })
-                });
-                let choice = m.placement.place(&need, prefer.as_deref());
-                if let Some(r) = skipped {
-                    m.placement.set_state(&r, WorkerState::Ready);
+                if let Some(pin) = &pinned {
+                    let remote = match m.workers.get(pin) {
+                        Some(w) if !w.lost => w.remote.clone(),
+                        _ => {
+                            return Err(RuntimeError::ImageLost(format!(
+                                "its checkpoint is on worker {pin}, which is gone"
+                            )))
+                        }
+                    };
+                    if !m.placement.reserve(pin, need.memory) {
+                        return Err(RuntimeError::NoCapacity(format!(
+                            "worker {pin}, which holds its checkpoint, is full or draining (its upload to the store will free it)"
+                        )));
+                    }
+                    if let Some(w) = m.workers.get_mut(pin) {
+                        w.held.insert(launch.container_id.clone());
+                    }
+                    m.containers
+                        .insert(launch.container_id.clone(), (pin.clone(), need.memory));
+                    (pin.clone(), remote)
+                } else {
+                    let prefer = sandbox
+                        .as_ref()
+                        .and_then(|s| m.last_worker.get(s))
+                        .filter(|w| Some(*w) != refused.as_ref())
+                        .cloned();
+                    // The refusing worker sits out this start.
+                    let skipped = refused.as_ref().and_then(|r| {
+                        let (_, _, state) = m.placement.get(r)?;
+                        (state == WorkerState::Ready).then(|| {
+                            m.placement.set_state(r, WorkerState::Draining);
+                            r.clone()
+                        })
+                    });
+                    let choice = m.placement.place(&need, prefer.as_deref());
+                    if let Some(r) = skipped {
+                        m.placement.set_state(&r, WorkerState::Ready);
+                    }
+                    let Some(choice) = choice else {
+                        let ready = m
+                            .placement
+                            .iter()
+                            .filter(|(_, _, _, s)| *s == WorkerState::Ready)
+                            .count();
+                        return Err(RuntimeError::NoCapacity(if ready == 0 {
+                            "no worker is ready in the cluster".to_string()
+                        } else {
+                            format!(
+                                "none of the {ready} ready workers has a free slot and the memory"
+                            )
+                        }));
+                    };
+                    let Some(w) = m.workers.get_mut(&choice.worker) else {
+                        m.placement.release(&choice.worker, need.memory);
+                        return Err(RuntimeError::NoCapacity(
+                            "placement chose a gone worker".into(),
+                        ));
+                    };
+                    w.held.insert(launch.container_id.clone());
+                    let remote = w.remote.clone();
+                    m.containers.insert(
+                        launch.container_id.clone(),
+                        (choice.worker.clone(), need.memory),
+                    );
+                    (choice.worker, remote)
                 }
-                let Some(choice) = choice else {
-                    let ready = m
-                        .placement
-                        .iter()
-                        .filter(|(_, _, _, s)| *s == WorkerState::Ready)
-                        .count();
-                    return Err(RuntimeError::NoCapacity(if ready == 0 {
-                        "no worker is ready in the cluster".to_string()
-                    } else {
-                        format!("none of the {ready} ready workers has a free slot and the memory")
-                    }));
-                };
-                let Some(w) = m.workers.get_mut(&choice.worker) else {
-                    m.placement.release(&choice.worker, need.memory);
-                    return Err(RuntimeError::NoCapacity(
-                        "placement chose a gone worker".into(),
-                    ));
-                };
-                w.held.insert(launch.container_id.clone());
-                let remote = w.remote.clone();
-                m.containers.insert(
-                    launch.container_id.clone(),
-                    (choice.worker.clone(), need.memory),
-                );
-                (choice.worker, remote)
             };
             let started = match image {
                 Some(image) => remote.restore(launch.clone(), image).await,
@@ -541,7 +574,7 @@ impl Fleet {
                     self.forget(&launch.container_id);
                     let retry = matches!(e, RuntimeError::NoCapacity(_) | RuntimeError::Conn(_))
                         || matches!(&e, RuntimeError::Unsupported(m) if m.contains("did not answer"));
-                    if !retry || refused.is_some() {
+                    if !retry || refused.is_some() || pinned.is_some() {
                         return Err(e);
                     }
                     tracing::warn!(%worker, error = %e, "worker refused a start; trying another");
@@ -569,6 +602,15 @@ impl Fleet {
         Some(m.workers.get(worker)?.remote.clone())
     }
 
+    /// The connection to worker `name` while it is not lost.
+    fn remote_named(&self, name: &str) -> Option<Arc<RemoteNode>> {
+        let m = self.lock();
+        m.workers
+            .get(name)
+            .filter(|w| !w.lost)
+            .map(|w| w.remote.clone())
+    }
+
     fn remotes(&self) -> Vec<Arc<RemoteNode>> {
         self.lock()
             .workers
@@ -576,6 +618,34 @@ impl Fleet {
             .filter(|w| !w.lost)
             .map(|w| w.remote.clone())
             .collect()
+    }
+}
+
+#[async_trait]
+impl ImageHost for Fleet {
+    async fn upload(
+        &self,
+        node: &str,
+        dir: &str,
+        put: &PutImage,
+    ) -> Result<Uploaded, RuntimeError> {
+        let remote = self.remote_named(node).ok_or_else(|| {
+            RuntimeError::ImageLost(format!("its checkpoint is on worker {node}, which is gone"))
+        })?;
+        remote.upload(dir, put).await
+    }
+
+    async fn remove(&self, node: &str, dir: &str) {
+        let Some(remote) = self.remote_named(node) else {
+            return; // gone: its disk is its operator's (a restarted worker keeps its images)
+        };
+        if let Err(e) = remote.remove_image(dir).await {
+            tracing::warn!(worker = %node, image = dir, error = %e, "cannot remove an image on a worker");
+        }
+    }
+
+    fn reachable(&self, node: &str) -> bool {
+        self.remote_named(node).is_some()
     }
 }
 
@@ -650,6 +720,10 @@ impl Node for Fleet {
         image: &Path,
     ) -> Result<Box<dyn Resident>, RuntimeError> {
         self.start(launch, Some(image)).await
+    }
+
+    fn image_host(&self) -> Option<&dyn ImageHost> {
+        Some(self)
     }
 
     async fn adopt(&self, container_id: &str, memory: u64) -> Option<Box<dyn Resident>> {

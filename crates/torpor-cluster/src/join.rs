@@ -165,6 +165,9 @@ async fn follow(
             Ok(r) => {
                 let r = r.into_inner();
                 tracing::info!(%controller, name = %r.controller, "registered with controller");
+                if let Ok(images) = node.images() {
+                    images.set_store(&r.store);
+                }
                 backoff = Duration::from_millis(200);
                 Duration::from_millis(r.heartbeat_ms.clamp(100, 60_000))
             }

@@ -18,6 +18,7 @@ pub mod ca;
 pub mod client;
 mod convert;
 pub mod fleet;
+pub mod images;
 pub mod join;
 pub mod placement;
 pub mod server;
@@ -33,13 +34,14 @@ pub mod pb {
 pub use ca::{Ca, CaError, Identity, MemberName, Role, TrustDomain};
 pub use client::{Deadlines, RemoteConfig, RemoteError, RemoteNode};
 pub use fleet::{serve_cluster, Fleet, FleetCapacity, FleetConfig, FleetError, NodeStatus};
+pub use images::{OpenBackend, WorkerImages};
 pub use join::{join, JoinConfig};
 pub use server::{serve, NodeService, ServeError};
 pub use tls::{Side, TlsFiles, TlsMetrics, TlsSource};
 
 /// The protocol version this build speaks (the `torpor-node-protocol` header; the package
 /// `torpor.node.v1` carries its major version).
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// The metadata entry every call carries its protocol version in.
 pub const PROTOCOL_HEADER: &str = "torpor-node-protocol";
 /// The largest message either side accepts: an agent frame's header and body limits.

@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,6 +33,7 @@ use torpor_runtime::proto::Request as AgentRequest;
 
 use crate::ca::Role;
 use crate::convert::{self, bad, status_of};
+use crate::images::WorkerImages;
 use crate::pb;
 use crate::pb::node_server::{Node as NodeRpc, NodeServer};
 use crate::tls::{refusal_reason, Direction, PeerInfo, Revocable, TlsSource};
@@ -70,6 +71,9 @@ pub struct NodeService {
     /// Starts hold it shared; a reconcile that finds the worker holding nothing takes it
     /// alone to clear what no controller holds (no start can be under way then).
     sweep_gate: tokio::sync::RwLock<()>,
+    /// The worker's images and the shared store (`None`: images only where the controller
+    /// names them, as absolute paths).
+    images: std::sync::OnceLock<Arc<WorkerImages>>,
 }
 
 impl NodeService {
@@ -95,7 +99,30 @@ impl NodeService {
             residents: Mutex::default(),
             events,
             sweep_gate: tokio::sync::RwLock::new(()),
+            images: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Gives the worker its image area and store (see [`crate::images`]).
+    pub fn set_images(&self, images: Arc<WorkerImages>) {
+        let _ = self.images.set(images);
+    }
+
+    /// The worker's images, for calls that need them.
+    pub fn images(&self) -> Result<&Arc<WorkerImages>, Status> {
+        self.images
+            .get()
+            .ok_or_else(|| Status::failed_precondition("this worker keeps no images of its own"))
+    }
+
+    /// A launch's root filesystem from the store when it names one (this worker's copy).
+    async fn stored_rootfs(&self, launch: &mut Launch) -> Result<(), Status> {
+        if launch.stored.rootfs.is_some() {
+            if let Some(dir) = self.images()?.rootfs(&launch.stored).await? {
+                launch.spec.rootfs = dir;
+            }
+        }
+        Ok(())
     }
 
     /// Refuses starts beyond `slots` containers at once (a controller's placement keeps under
@@ -325,7 +352,8 @@ impl NodeRpc for Arc<NodeService> {
         req: Request<pb::LaunchRequest>,
     ) -> Result<Response<pb::ResidentReply>, Status> {
         let owner = caller(&req);
-        let launch = self.local_launch(convert::launch_from_pb(req.into_inner())?)?;
+        let mut launch = self.local_launch(convert::launch_from_pb(req.into_inner())?)?;
+        self.stored_rootfs(&mut launch).await?;
         let node = self.node.clone();
         let id = launch.container_id.clone();
         self.start(owner, id, async move { node.boot(launch).await })
@@ -338,14 +366,36 @@ impl NodeRpc for Arc<NodeService> {
     ) -> Result<Response<pb::ResidentReply>, Status> {
         let owner = caller(&req);
         let req = req.into_inner();
-        let launch = self.local_launch(convert::launch_from_pb(
+        let mut launch = self.local_launch(convert::launch_from_pb(
             req.launch.ok_or_else(|| bad("restore", "no launch"))?,
         )?)?;
-        let image = PathBuf::from(req.image);
-        let node = self.node.clone();
+        self.stored_rootfs(&mut launch).await?;
         let id = launch.container_id.clone();
-        self.start(owner, id, async move { node.restore(launch, &image).await })
-            .await
+        // A relative image or a snapshot: this worker's own copy, or a fetch from the store.
+        let uses_images = launch.stored.image.is_some() || Path::new(&req.image).is_relative();
+        let (image, fetched, images) = if uses_images {
+            let images = self.images()?.clone();
+            let (image, fetched) = images.image(&id, &req.image, &launch.stored).await?;
+            (image, fetched, Some(images))
+        } else {
+            (PathBuf::from(req.image), false, None)
+        };
+        let keep = launch.stored.keep_image;
+        let node = self.node.clone();
+        let restored = self
+            .start(owner, id, {
+                let image = image.clone();
+                async move { node.restore(launch, &image).await }
+            })
+            .await;
+        if let Some(images) = images {
+            // Restored or not, a fetched image is not kept; a local copy goes only once it
+            // served (it is in the store).
+            if restored.is_ok() || fetched {
+                images.after_restore(&image, fetched, keep);
+            }
+        }
+        restored
     }
 
     async fn kill(&self, req: Request<pb::ContainerRef>) -> Result<Response<pb::Empty>, Status> {
@@ -497,11 +547,71 @@ impl NodeRpc for Arc<NodeService> {
         req: Request<pb::CheckpointRequest>,
     ) -> Result<Response<pb::Empty>, Status> {
         let req = req.into_inner();
-        let dir = PathBuf::from(req.image_dir);
+        // A relative directory is the worker's own: written aside, made durable, renamed.
+        let staged = match Path::new(&req.image_dir).is_relative() {
+            true => {
+                let images = self.images()?.clone();
+                let (tmp, dest) = images
+                    .staging(&req.image_dir)?
+                    .expect("a relative directory is staged");
+                Some((images, tmp, dest))
+            }
+            false => None,
+        };
+        let dir = match &staged {
+            Some((_, tmp, _)) => tmp.clone(),
+            None => PathBuf::from(&req.image_dir),
+        };
+        if let Some((_, tmp, _)) = &staged {
+            let _ = std::fs::remove_dir_all(tmp);
+        }
         self.finish(req.container_id, move |r| {
-            Box::pin(async move { r.checkpoint(&dir).await.map_err(|e| status_of(&e)) })
+            Box::pin(async move {
+                let written = r.checkpoint(&dir).await.map_err(|e| status_of(&e));
+                match (written, staged) {
+                    (Ok(()), Some((images, tmp, dest))) => images.commit(tmp, dest).await,
+                    (Err(e), Some((_, tmp, _))) => {
+                        let _ = std::fs::remove_dir_all(&tmp);
+                        Err(e)
+                    }
+                    (written, None) => written,
+                }
+            })
         })
         .await
+    }
+
+    async fn upload(
+        &self,
+        req: Request<pb::UploadRequest>,
+    ) -> Result<Response<pb::UploadReply>, Status> {
+        let req = req.into_inner();
+        let images = self.images()?.clone();
+        let access = convert::access_from_pb(req.access)?;
+        let id = (!req.id.is_empty()).then_some(req.id);
+        let labels = req.labels.into_iter().collect();
+        // In its own task: a controller whose deadline passes does not cut an upload half-way
+        // (the manifest, written last, is the commit marker either way).
+        let up = tokio::spawn(async move {
+            images
+                .upload(&req.image_dir, &access, labels, id, req.pin)
+                .await
+        })
+        .await
+        .map_err(|e| Status::internal(format!("upload task failed: {e}")))??;
+        Ok(Response::new(pb::UploadReply {
+            snapshot: up.snapshot,
+            input_bytes: up.input_bytes,
+            bytes_written: up.bytes_written,
+        }))
+    }
+
+    async fn remove_image(
+        &self,
+        req: Request<pb::RemoveImageRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        self.images()?.remove(&req.into_inner().image_dir)?;
+        Ok(Response::new(pb::Empty {}))
     }
 
     async fn destroy(&self, req: Request<pb::ContainerRef>) -> Result<Response<pb::Empty>, Status> {

@@ -86,6 +86,7 @@ fn launch(id: &str) -> Launch {
         },
         network: None,
         ready_timeout: Duration::from_secs(10),
+        stored: Default::default(),
     }
 }
 
@@ -213,5 +214,52 @@ async fn workers_join_starts_spread_drains_hold_and_a_silent_worker_is_lost() {
     for r in held.drain(..) {
         r.destroy().await;
     }
+    assert!(workers["w3"].node.running().is_empty());
+
+    // An image not yet in the store is pinned to the worker whose disk holds it: it restores
+    // there; on a lost worker it is lost (said so, for the caller's fallback); on a draining
+    // one it waits (retryable) for its upload.
+    let r = fleet.boot(launch("sb-7-g1")).await.unwrap();
+    assert_eq!(r.node(), Some("w3"));
+    let image = dir.path().join("img-7");
+    r.checkpoint(&image).await.unwrap();
+    let pinned = |id: &str, on: &str| {
+        let mut l = launch(id);
+        l.stored.image_on = Some(on.to_string());
+        l
+    };
+    let back = fleet
+        .restore(pinned("sb-7-g2", "w3"), &image)
+        .await
+        .unwrap();
+    assert_eq!(back.node(), Some("w3"));
+    back.destroy().await;
+    let lost = fleet
+        .restore(pinned("sb-7-g3", "w2"), &image)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&lost, torpor_runtime::RuntimeError::ImageLost(m) if m.contains("w2")),
+        "{lost}"
+    );
+    let waits = fleet
+        .restore(pinned("sb-7-g4", "w1"), &image)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(waits, torpor_runtime::RuntimeError::NoCapacity(_)),
+        "{waits}"
+    );
+    let unknown = fleet
+        .restore(pinned("sb-7-g5", "w7"), &image)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(unknown, torpor_runtime::RuntimeError::ImageLost(_)),
+        "{unknown}"
+    );
     assert!(workers["w3"].node.running().is_empty());
 }

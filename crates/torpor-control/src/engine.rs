@@ -23,7 +23,7 @@ use torpor_core::{
     now_millis, validate_env, Limits, LimitsPatch, SandboxId, SandboxState, TemplateName,
     TemplateSource, TemplateSpec, TenantId, Tier,
 };
-use torpor_runtime::node::sandbox_of;
+use torpor_runtime::node::{sandbox_of, StoredFiles};
 use torpor_runtime::proto::{self, AgentErrorCode, DirEntry, ExecRequest, Reply, Request};
 use torpor_runtime::{
     rootfs, ContainerSpec, Launch, Node, NodeEvent, NodeInfo, Resident, RunscNode, RunscNodeConfig,
@@ -47,6 +47,7 @@ mod templates;
 mod tenancy;
 mod transitions;
 pub mod usage_probe;
+mod worker_images;
 
 use crate::lot::{LotError, Parked, WorkerPermit, WorkerPool};
 use crate::metrics::Metrics;

@@ -92,6 +92,45 @@ impl FromStr for StoreLocation {
     }
 }
 
+impl std::fmt::Display for StoreLocation {
+    /// As `--store` takes it (what a controller announces to its workers).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreLocation::Local(dir) => write!(f, "{}", dir.display()),
+            StoreLocation::S3 { bucket, prefix } => match prefix {
+                Some(p) => write!(f, "s3://{bucket}/{p}"),
+                None => write!(f, "s3://{bucket}"),
+            },
+        }
+    }
+}
+
+/// Opens the store at `location` (credentials of an `s3://` store from the `AWS_*`
+/// variables): the backend and a description for logs.
+pub fn open_backend(
+    location: &StoreLocation,
+    s3_retry_timeout: Option<Duration>,
+) -> Result<(Arc<dyn Backend>, String)> {
+    Ok(match location {
+        StoreLocation::Local(dir) => (
+            Arc::new(LocalBackend::open(dir).map_err(|e| store_error(e.into()))?),
+            dir.display().to_string(),
+        ),
+        StoreLocation::S3 { bucket, prefix } => {
+            let s3 = s3_config(bucket, prefix.clone(), s3_retry_timeout)?;
+            let desc = format!(
+                "s3://{bucket}/{} (endpoint {})",
+                prefix.as_deref().unwrap_or(""),
+                s3.endpoint.as_deref().unwrap_or("AWS")
+            );
+            (
+                Arc::new(S3Backend::new(&s3).map_err(|e| store_error(e.into()))?),
+                desc,
+            )
+        }
+    })
+}
+
 /// The daemon's snapshot settings (`torpor up --store ... --chunk-cache ... --keep-snapshots ...
 /// --gc-interval ... --snapshot-keys ...`).
 #[derive(Debug, Clone, Default)]
@@ -136,26 +175,8 @@ impl Snapshots {
             .location
             .clone()
             .unwrap_or_else(|| StoreLocation::Local(data_dir.join("store")));
-        let (backend, description, remote): (Arc<dyn Backend>, String, bool) = match &location {
-            StoreLocation::Local(dir) => (
-                Arc::new(LocalBackend::open(dir).map_err(|e| store_error(e.into()))?),
-                dir.display().to_string(),
-                false,
-            ),
-            StoreLocation::S3 { bucket, prefix } => {
-                let s3 = s3_config(bucket, prefix.clone(), cfg.s3_retry_timeout)?;
-                let desc = format!(
-                    "s3://{bucket}/{} (endpoint {})",
-                    prefix.as_deref().unwrap_or(""),
-                    s3.endpoint.as_deref().unwrap_or("AWS")
-                );
-                (
-                    Arc::new(S3Backend::new(&s3).map_err(|e| store_error(e.into()))?),
-                    desc,
-                    true,
-                )
-            }
-        };
+        let (backend, description) = open_backend(&location, cfg.s3_retry_timeout)?;
+        let remote = matches!(location, StoreLocation::S3 { .. });
         let cache_bytes =
             cfg.chunk_cache_bytes
                 .unwrap_or(if remote { DEFAULT_REMOTE_CACHE } else { 0 });
@@ -268,6 +289,27 @@ impl Snapshots {
         Ok(store)
     }
 
+    /// How a worker reads and writes `tenant`'s snapshots (cluster mode): the tenant's
+    /// namespace and key for an encrypted store, nothing for a shared one.
+    pub fn access_for(&self, tenant: &TenantId) -> Result<torpor_runtime::node::StoreAccess> {
+        let Some(dir) = &self.key_dir else {
+            return Ok(torpor_runtime::node::StoreAccess::default());
+        };
+        Ok(torpor_runtime::node::StoreAccess {
+            namespace: Some(tenant.as_str().to_string()),
+            key: Some(load_or_create_key(dir, tenant)?.to_bytes()),
+        })
+    }
+
+    /// Labels every snapshot of `tenant` carries besides `labels`.
+    pub fn labels_for(
+        tenant: &TenantId,
+        mut labels: Vec<(String, String)>,
+    ) -> Vec<(String, String)> {
+        labels.push((LABEL_TENANT.into(), tenant.to_string()));
+        labels
+    }
+
     /// Stores a sandbox's checkpoint directory, labelled with its sandbox and tenant.
     pub async fn put(
         &self,
@@ -311,6 +353,17 @@ impl Snapshots {
         Ok(())
     }
 
+    /// When `snapshot` was taken (its manifest's time); `None` when it cannot be read.
+    pub async fn taken_at(&self, tenant: &TenantId, snapshot: &str) -> Option<u64> {
+        let id = SnapshotId::new(snapshot).ok()?;
+        let store = self.for_tenant(tenant).ok()?;
+        tokio::spawn(async move { store.load_manifest(&id).await })
+            .await
+            .ok()?
+            .ok()
+            .map(|m| m.created_unix_ms)
+    }
+
     /// `count` snapshots sharing `snapshot`'s chunks.
     pub async fn fork(
         &self,
@@ -323,6 +376,47 @@ impl Snapshots {
             .await
             .map_err(|e| ControlError::Snapshot(format!("fork task failed: {e}")))?
             .map_err(store_error)
+    }
+
+    /// Puts `dir` into the store as snapshot `id`, pinned (a template's root filesystem in
+    /// cluster mode); a snapshot already stored under `id` is kept as it is.
+    pub async fn put_pinned(
+        &self,
+        tenant: &TenantId,
+        id: &str,
+        labels: Vec<(String, String)>,
+        dir: PathBuf,
+    ) -> Result<SnapshotId> {
+        let id = snapshot_id(id)?;
+        let store = self.for_tenant(tenant)?;
+        let labels = Snapshots::labels_for(tenant, labels);
+        let want = id.clone();
+        tokio::spawn(async move {
+            match store.load_manifest(&want).await {
+                Ok(_) => return Ok(()),
+                Err(StoreError::SnapshotNotFound { .. }) => {}
+                Err(e) => return Err(e),
+            }
+            let put = store
+                .put_dir_with(
+                    &dir,
+                    PutOptions {
+                        id: Some(want.clone()),
+                        labels,
+                        ..Default::default()
+                    },
+                )
+                .await;
+            match put {
+                Ok(_) | Err(StoreError::SnapshotExists { .. }) => {}
+                Err(e) => return Err(e),
+            }
+            store.pin(&want).await
+        })
+        .await
+        .map_err(|e| ControlError::Snapshot(format!("upload task failed: {e}")))?
+        .map_err(store_error)?;
+        Ok(id)
     }
 
     /// A template's golden checkpoint in the store, pinned so retention never removes it; put

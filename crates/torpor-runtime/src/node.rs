@@ -75,6 +75,78 @@ pub struct Launch {
     pub network: Option<NetworkPolicy>,
     /// How long to wait for the agent's hello.
     pub ready_timeout: Duration,
+    /// Cluster mode: the files of this start as snapshots in the shared store, for a node that
+    /// does not hold the paths named above (empty on a single machine).
+    pub stored: StoredFiles,
+}
+
+/// How a node reads one tenant's snapshots in the shared store: its namespace and, for an
+/// encrypted store, its key (sent to the worker that must read or write them, over mutual
+/// TLS, for that call only; a worker already sees the sandbox's memory in clear).
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct StoreAccess {
+    pub namespace: Option<String>,
+    pub key: Option<[u8; 32]>,
+}
+
+impl std::fmt::Debug for StoreAccess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreAccess")
+            .field("namespace", &self.namespace)
+            .field("key", &self.key.map(|_| ".."))
+            .finish()
+    }
+}
+
+/// A start's files in the snapshot store (cluster mode). A worker's disk is a cache of the
+/// store: it uses what it holds and fetches (every chunk verified) what it lacks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoredFiles {
+    /// The template's root filesystem (fetched once per worker and kept).
+    pub rootfs: Option<String>,
+    /// The checkpoint to restore, when the image path is not on the chosen worker.
+    pub image: Option<String>,
+    /// Keep a fetched `image` for later starts (a golden snapshot: every create restores it).
+    pub keep_image: bool,
+    /// The worker whose own disk holds the image (a checkpoint not yet in the store): the
+    /// restore runs there or nowhere ([`RuntimeError::ImageLost`] when that worker is gone).
+    pub image_on: Option<String>,
+    pub access: StoreAccess,
+}
+
+/// A checkpoint to put into the snapshot store from the disk of the worker that wrote it.
+#[derive(Debug, Clone, Default)]
+pub struct PutImage {
+    pub access: StoreAccess,
+    pub labels: Vec<(String, String)>,
+    /// A fixed snapshot id (a golden snapshot or a root filesystem); `None`: from the content.
+    pub id: Option<String>,
+    /// Pin it: retention never removes it.
+    pub pin: bool,
+}
+
+/// What an upload stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Uploaded {
+    pub snapshot: String,
+    /// The image's size, and the bytes the store did not hold yet (deduplication).
+    pub input_bytes: u64,
+    pub bytes_written: u64,
+}
+
+/// Cluster mode: checkpoints stay on the disk of the worker that wrote them (a checkpoint to a
+/// *relative* image directory lands in that worker's own image area, durably) until they are
+/// put into the shared store from there. A single machine has no such host: its images are
+/// the engine's own paths.
+#[async_trait]
+pub trait ImageHost: Send + Sync {
+    /// Puts image `dir` (relative, in `node`'s image area) into the store.
+    async fn upload(&self, node: &str, dir: &str, put: &PutImage)
+        -> Result<Uploaded, RuntimeError>;
+    /// Removes image `dir` from `node`'s disk (best effort: a gone worker has nothing to free).
+    async fn remove(&self, node: &str, dir: &str);
+    /// Whether `node` is a worker that can still be asked (ready or draining, not lost).
+    fn reachable(&self, node: &str) -> bool;
 }
 
 /// Something the node reports on its own.
@@ -162,6 +234,11 @@ pub trait Node: Send + Sync + 'static {
 
     /// Prepared workers: target, ready, warm and cold takes.
     fn warm_stats(&self) -> WarmStats;
+
+    /// Cluster mode's image host ([`ImageHost`]); `None` on a single machine.
+    fn image_host(&self) -> Option<&dyn ImageHost> {
+        None
+    }
 
     /// Tears down prepared workers; resident containers are the caller's to checkpoint first.
     /// (A remote node stops talking to its worker; the worker's own operator stops it.)

@@ -58,6 +58,10 @@ pub enum RuntimeError {
     /// full, draining or lost); retryable.
     #[error("no worker can take it: {0}")]
     NoCapacity(String),
+    /// The image to restore is only on a machine that is gone (cluster mode: a checkpoint whose
+    /// upload to the snapshot store had not finished when its worker was lost).
+    #[error("the image is lost: {0}")]
+    ImageLost(String),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {

@@ -73,6 +73,11 @@ impl TenantKey {
     pub fn from_bytes(bytes: [u8; 32]) -> Self {
         TenantKey(bytes)
     }
+
+    /// The key's bytes (to hand to a worker that reads or writes this tenant's snapshots).
+    pub fn to_bytes(&self) -> [u8; 32] {
+        self.0
+    }
 }
 
 impl std::fmt::Debug for TenantKey {

@@ -19,6 +19,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use torpor_cluster::{Fleet, FleetConfig, Side, TlsFiles, TlsMetrics, TlsSource};
+use torpor_control::snapshots::StoreLocation;
 
 use crate::common::ENV_DATA_DIR;
 use crate::daemon::{self, ClusterRole};
@@ -141,11 +142,27 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
                 args.cluster_listen
             )
         })?;
+    let data_dir = args.data_dir.unwrap_or_else(daemon::default_data_dir);
+    // Workers read and write images in the same store (a default DATA/store is a directory of
+    // this machine: only workers that mount it at that path can use it).
+    let store = args
+        .store
+        .store
+        .clone()
+        .unwrap_or_else(|| StoreLocation::Local(data_dir.join("store")));
+    let store = match store {
+        StoreLocation::Local(dir) => StoreLocation::Local(
+            std::path::absolute(&dir)
+                .with_context(|| format!("cannot resolve the store {}", dir.display()))?,
+        ),
+        s3 => s3,
+    };
     let fleet = Fleet::new(
         tls.clone(),
         FleetConfig {
             heartbeat: Duration::from_millis(args.heartbeat_ms),
             lost_after: Duration::from_millis(args.worker_lost_after_ms),
+            store: Some(store.to_string()),
             ..FleetConfig::default()
         },
     );
@@ -157,7 +174,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     };
     daemon::up(daemon::UpConfig {
         listen: args.listen,
-        data_dir: args.data_dir.unwrap_or_else(daemon::default_data_dir),
+        data_dir,
         workers: None,
         runsc: None,
         platform: None,

@@ -76,7 +76,7 @@ pub struct StoreArgs {
     pub store_retry_timeout: u64,
 }
 
-fn parse_cache_size(s: &str) -> Result<u64, String> {
+pub fn parse_cache_size(s: &str) -> Result<u64, String> {
     if s.trim() == "0" {
         return Ok(0);
     }

@@ -8,7 +8,10 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use torpor_cluster::{NodeService, Side, TlsFiles, TlsMetrics, TlsSource};
+use torpor_cluster::{
+    NodeService, OpenBackend, Side, TlsFiles, TlsMetrics, TlsSource, WorkerImages,
+};
+use torpor_control::snapshots::{StoreLocation, DEFAULT_REMOTE_CACHE};
 use torpor_runtime::node::{Node, RunscNode, RunscNodeConfig};
 
 use crate::common::ENV_DATA_DIR;
@@ -57,6 +60,10 @@ pub struct WorkerArgs {
     /// as --workers, at most 4).
     #[arg(long)]
     warm_pool: Option<usize>,
+    /// Bytes of chunks kept for wakes from the snapshot store (DATA/chunk-cache), e.g. 2G; 0
+    /// turns it off (default 1G).
+    #[arg(long, value_parser = crate::snapshot::parse_cache_size)]
+    chunk_cache: Option<u64>,
     /// Serve GET /metrics (TLS refusals) without a token on this address.
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
@@ -159,6 +166,21 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     eprintln!("torpor worker {} on {bound}", identity.name);
     let service = NodeService::new(node.clone(), identity.name.to_string());
     service.limit_slots(slots);
+    // Images: this worker's own checkpoints and its copies of the store the controllers
+    // announce (opened with this process's own AWS_* credentials).
+    let open: OpenBackend = Arc::new(|location: &str| {
+        let location: StoreLocation = location.parse()?;
+        torpor_control::snapshots::open_backend(&location, None)
+            .map(|(backend, _)| backend)
+            .map_err(|e| e.to_string())
+    });
+    let images = WorkerImages::open(
+        &args.data_dir,
+        open,
+        args.chunk_cache.unwrap_or(DEFAULT_REMOTE_CACHE),
+    )
+    .context("cannot prepare the worker's image directories")?;
+    service.set_images(Arc::new(images));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let joining = (!args.controller.is_empty()).then(|| {
         let cfg = torpor_cluster::JoinConfig {

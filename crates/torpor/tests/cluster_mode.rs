@@ -22,7 +22,8 @@ use procs::{setup, state_of, Controller, Worker, CHECK, PATIENCE, STATE, TOKEN};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_cannot_join() {
-    let Some((database, tmp)) = setup("torpor-cluster-mode-", &["c1"], &["w1", "w2", "w3"]).await
+    let Some((database, tmp)) =
+        setup("torpor-cluster-mode-", &["c1"], &["w1", "w2", "w3", "w4"]).await
     else {
         return;
     };
@@ -139,6 +140,53 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
         "last_error says what happened: {back}"
     );
 
+    // Parked again and uploaded: the snapshot store holds it, so its worker's death loses
+    // nothing. (Workers see no controller's disk: the wake on a fresh worker fetched it.)
+    controller
+        .exec(&id, "echo disk-3 > /tmp/state; echo mem-3 > /dev/shm/state")
+        .await;
+    let wrote_it = controller.sandbox(&id).await["node"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    controller
+        .ok(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{id}/suspend"),
+            Some(json!({"tier": "parked"})),
+        )
+        .await;
+    let stored = wait_uploaded(&controller, &id).await;
+    let error_before = stored["last_error"].clone();
+    let w4 = Worker::start(dir, "w4", "w4", &controller.cluster);
+    workers
+        .iter_mut()
+        .find(|w| w.name == wrote_it)
+        .unwrap()
+        .sigkill();
+    controller
+        .wait_nodes("the writer is lost, w4 is ready", |n| {
+            state_of(n, &wrote_it) == Some("lost") && state_of(n, "w4") == Some("ready")
+        })
+        .await;
+    assert_eq!(
+        controller.exec(&id, CHECK).await,
+        "disk-3\nmem-3\nprocess-alive\n",
+        "an uploaded checkpoint loses nothing with its worker"
+    );
+    let fourth = controller.sandbox(&id).await;
+    assert_eq!(fourth["node"], "w4", "{fourth}");
+    assert_eq!(
+        fourth["last_error"], error_before,
+        "no loss reported: {fourth}"
+    );
+    assert!(
+        w4.log().contains("snapshot fetched"),
+        "w4 fetched it from the store:\n{}",
+        w4.log()
+    );
+    workers.push(w4);
+
     // Strangers: a worker certificate from another CA, and an expired one, cannot join.
     let other = dir.join("other-ca");
     cluster::ca_init(&other, "e2e.cluster");
@@ -186,7 +234,7 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
     );
     assert!(controller.log().contains("cluster peer refused"));
     // The cluster still serves.
-    assert_eq!(controller.exec(&id, "cat /tmp/state").await, "disk-1\n");
+    assert_eq!(controller.exec(&id, "cat /tmp/state").await, "disk-3\n");
     controller
         .ok(
             reqwest::Method::DELETE,
@@ -194,6 +242,28 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
             None,
         )
         .await;
+}
+
+/// Waits until a parked sandbox's checkpoint reached the store (Suspended): cluster mode
+/// uploads it from its worker right after the park.
+async fn wait_uploaded(c: &Controller, id: &str) -> Value {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let s = c.sandbox(id).await;
+        if s["state"] == "suspended" {
+            return s;
+        }
+        assert!(
+            ["parked", "uploading"].contains(&s["state"].as_str().unwrap_or_default()),
+            "between a park and its upload: {s}"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "never uploaded: {s}\n{}",
+            c.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// `n` execs of `script` in `id` at once, alternating between the controllers given.
@@ -359,8 +429,8 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
         Some(json!({"tier": "parked"})),
     )
     .await;
-    let parked = c1.sandbox(&id).await;
-    assert_eq!(parked["state"], "parked", "{parked}");
+    // Parked on its worker, then uploaded to the store in the background (Suspended).
+    let parked = wait_uploaded(&c1, &id).await;
     assert!(
         parked.get("controller").is_none(),
         "asleep: held by nobody: {parked}"
@@ -368,7 +438,7 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
 
     // Calls for the sleeping sandbox through both controllers at once: one wake, every call
     // served with the sandbox's state.
-    let wakes = "torpor_wake_seconds_count{from_tier=\"parked\"}";
+    let wakes = "torpor_wake_seconds_count{from_tier=\"suspended\"}";
     let before = c1.metric(wakes).await + c2.metric(wakes).await;
     let outs = execs_at_once(&[&c1, &c2], &id, CHECK, 8).await;
     for out in &outs {
@@ -530,6 +600,8 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
         Some(json!({"tier": "parked"})),
     )
     .await;
+    // Asleep in the store, held by nobody: the next call through c1 makes it c1's.
+    wait_uploaded(&c1, &id).await;
     c1.exec(&id, "echo disk-2 > /tmp/state; echo mem-2 > /dev/shm/state")
         .await;
     let before_kill = c1.sandbox(&id).await;

@@ -120,8 +120,12 @@ impl Engine {
         let slot = self.slot(&rec.id);
         let mut guard = slot.state.clone().write_owned().await;
         let t = Instant::now();
+        let (image, stored) = match self.image_host() {
+            Some(_) => self.worker_start(&rec.tenant, &tpl, &ImageRef::Golden)?,
+            None => (tpl.golden_dir.clone(), StoredFiles::default()),
+        };
         match self
-            .restore_container(&rec, &tpl, &tpl.golden_dir, true)
+            .restore_container(&rec, &tpl, &image, stored, true)
             .await
         {
             Ok(container) => {
@@ -274,8 +278,31 @@ impl Engine {
         if guard.live.is_some() {
             self.park_locked(&mut guard, id, "fork").await?;
         }
-        let source = self.store.sandbox(id)?.ok_or_else(|| not_found(id))?;
+        let mut source = self.store.sandbox(id)?.ok_or_else(|| not_found(id))?;
+        if matches!(source.image, ImageRef::Worker { .. }) {
+            // Cluster mode: forks share chunks in the store, so the image goes there first.
+            self.upload_locked(id, "fork").await?;
+            source = self.store.sandbox(id)?.ok_or_else(|| not_found(id))?;
+        }
         let snapshot = match &source.image {
+            ImageRef::Worker { node, .. } => {
+                return Err(ControlError::Snapshot(format!(
+                    "the checkpoint is still only on worker {node}; retry"
+                )))
+            }
+            ImageRef::Golden if self.image_host().is_some() => {
+                let tpl = self
+                    .store
+                    .template_for(&source.tenant, &source.template)?
+                    .ok_or_else(|| ControlError::NotFound {
+                        kind: "template",
+                        id: source.template.to_string(),
+                    })?;
+                self.store
+                    .set_snapshot_bytes(&worker_images::golden_snapshot(&tpl), tpl.golden_bytes)?;
+                torpor_snapshot::SnapshotId::new(worker_images::golden_snapshot(&tpl))
+                    .map_err(|e| ControlError::Snapshot(format!("golden snapshot id: {e}")))?
+            }
             ImageRef::Store(s) => torpor_snapshot::SnapshotId::new(s.as_str())
                 .map_err(|e| ControlError::Snapshot(format!("snapshot id {s:?}: {e}")))?,
             ImageRef::Local(dir) => self.put_snapshot(&source.tenant, id, dir.clone()).await?,

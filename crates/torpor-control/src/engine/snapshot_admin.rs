@@ -25,7 +25,13 @@ impl Engine {
     fn snapshot_users(&self) -> Result<HashMap<String, Vec<String>>> {
         let mut users: HashMap<String, Vec<String>> = HashMap::new();
         for s in self.store.sandboxes()? {
-            if let ImageRef::Store(snap) = &s.image {
+            // A worker-held image's fallback is in use until the upload supersedes it.
+            let stored = match &s.image {
+                ImageRef::Store(snap) => Some(snap),
+                ImageRef::Worker { fallback, .. } => fallback.as_ref(),
+                _ => None,
+            };
+            if let Some(snap) = stored {
                 users
                     .entry(snap.clone())
                     .or_default()

@@ -202,6 +202,19 @@ impl Engine {
                     .map_err(ControlError::io("cannot create", &agent_mount))?;
             }
         }
+        // Cluster mode: workers read the root filesystem from the store.
+        let stored = match self.image_host() {
+            Some(_) => {
+                progress("publishing the root filesystem to the snapshot store");
+                self.publish_rootfs(rec).await?;
+                StoredFiles {
+                    rootfs: Some(worker_images::rootfs_snapshot(rec)),
+                    access: self.snapshots.access_for(&rec.tenant)?,
+                    ..StoredFiles::default()
+                }
+            }
+            None => StoredFiles::default(),
+        };
         progress("booting the template");
         let permit = self
             .acquire_worker(&rec.tenant, rec.spec.limits.memory_bytes())
@@ -211,6 +224,7 @@ impl Engine {
             spec: container_spec(rec, &rec.spec.limits, &rec.spec.env),
             network: None,
             ready_timeout: READY_TIMEOUT,
+            stored,
         };
         let container = self.node.boot(launch).await?;
         if rec.spec.warmup_ms > 0 {
@@ -234,13 +248,26 @@ impl Engine {
             }
         }
         progress("checkpointing the golden snapshot");
-        let tmp = dir.join(".golden.tmp");
         let t = Instant::now();
-        let result = container.checkpoint(&tmp).await;
-        drop(permit);
-        result?;
-        commit_image(&tmp, &rec.golden_dir).await?;
-        rec.golden_bytes = dir_size(&rec.golden_dir);
+        match (self.image_host(), container.node().map(str::to_string)) {
+            (Some(host), Some(node)) => {
+                // On the worker's disk, then into the store (pinned) for every worker.
+                let name = worker_images::golden_snapshot(rec);
+                let result = container.checkpoint(Path::new(&name)).await;
+                drop(permit);
+                result?;
+                progress("publishing the golden snapshot to the snapshot store");
+                rec.golden_bytes = self.publish_golden(rec, host, &node, &name).await?;
+            }
+            _ => {
+                let tmp = dir.join(".golden.tmp");
+                let result = container.checkpoint(&tmp).await;
+                drop(permit);
+                result?;
+                commit_image(&tmp, &rec.golden_dir).await?;
+                rec.golden_bytes = dir_size(&rec.golden_dir);
+            }
+        }
         self.metrics
             .checkpoint_seconds
             .with_label_values(&["golden"])

@@ -80,6 +80,7 @@ impl Engine {
         rec: &SandboxRecord,
         tpl: &TemplateRecord,
         image: &Path,
+        stored: StoredFiles,
         configure: bool,
     ) -> Result<Box<dyn Resident>> {
         let gpu = self.gpu_runtime(&rec.id)?;
@@ -92,6 +93,7 @@ impl Engine {
             spec,
             network: networked.clone(),
             ready_timeout: READY_TIMEOUT,
+            stored,
         };
         let container = {
             let _turn = self.restores.acquire().await;
@@ -195,10 +197,16 @@ impl Engine {
             .inc();
         self.metrics.workers_busy.set(self.workers.busy() as i64);
         if let Ok(Some(mut rec)) = self.store.sandbox(id) {
-            rec.last_error = Some(format!(
-                "{reason}; restored to its last snapshot{}",
-                snapshot_age(&rec.image)
-            ));
+            let age = match &rec.image {
+                ImageRef::Store(snapshot) => self
+                    .snapshots
+                    .taken_at(&rec.tenant, snapshot)
+                    .await
+                    .map(|at| stored_age(at as i64))
+                    .unwrap_or_default(),
+                image => snapshot_age(image),
+            };
+            rec.last_error = Some(format!("{reason}; restored to its last snapshot{age}"));
             rec.oom_killed = oom;
             let to = rec.image.sleeping_state();
             if let Err(e) = self.move_to(&mut rec, to, "crash") {
@@ -251,6 +259,27 @@ impl Engine {
             self.move_to(&mut rec, previous, "gpu_unavailable")?;
             return Err(e);
         }
+        let golden = rec.image == ImageRef::Golden;
+        if self.image_host().is_some() {
+            // Cluster mode: the worker fetches what it lacks.
+            let (image, stored) = self.worker_start(&rec.tenant, &tpl, &rec.image)?;
+            let mut restored = self
+                .restore_container(&rec, &tpl, &image, stored, golden)
+                .await;
+            if let Err(e) = &restored {
+                if worker_images::image_lost(e) {
+                    // Its checkpoint was only on a worker that is gone: back to the last
+                    // snapshot in the store (or the template's golden image).
+                    self.fall_back_from_lost(&mut rec, e);
+                    let golden = rec.image == ImageRef::Golden;
+                    let (image, stored) = self.worker_start(&rec.tenant, &tpl, &rec.image)?;
+                    restored = self
+                        .restore_container(&rec, &tpl, &image, stored, golden)
+                        .await;
+                }
+            }
+            return self.finish_wake(guard, rec, restored, permit, previous, from, t);
+        }
         // A Suspended checkpoint is fetched (every chunk verified) next to the parked ones.
         let fetched = self
             .sandbox_dir(&rec.id)
@@ -259,6 +288,14 @@ impl Engine {
         let image = match &rec.image {
             ImageRef::Golden => tpl.golden_dir.clone(),
             ImageRef::Local(p) => p.clone(),
+            ImageRef::Worker { .. } => {
+                self.release_gpu(&rec.id);
+                self.move_to(&mut rec, previous, "restore_failed")?;
+                return Err(ControlError::Invalid(
+                    "the sandbox's checkpoint is on a cluster worker; wake it through a controller"
+                        .into(),
+                ));
+            }
             ImageRef::Store(snapshot) => {
                 let _ = std::fs::remove_dir_all(&fetched);
                 if let Err(e) = self.snapshots.fetch(&rec.tenant, snapshot, &fetched).await {
@@ -270,10 +307,26 @@ impl Engine {
                 fetched.clone()
             }
         };
-        let golden = rec.image == ImageRef::Golden;
-        let restored = self.restore_container(&rec, &tpl, &image, golden).await;
+        let restored = self
+            .restore_container(&rec, &tpl, &image, StoredFiles::default(), golden)
+            .await;
         // The restore has read the image; the store keeps the committed copy.
         let _ = std::fs::remove_dir_all(&fetched);
+        self.finish_wake(guard, rec, restored, permit, previous, from, t)
+    }
+
+    /// Records how a wake's restore went: Running with its container, or back where it was.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_wake(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        mut rec: SandboxRecord,
+        restored: Result<Box<dyn Resident>>,
+        permit: WorkerPermit,
+        previous: SandboxState,
+        from: Tier,
+        t: Instant,
+    ) -> Result<()> {
         match restored {
             Ok(container) => {
                 self.move_to(&mut rec, SandboxState::Running, "call")?;
@@ -352,12 +405,59 @@ impl Engine {
         } = live;
         resident.settle_connections().await;
         self.note_cpu_at_release(&rec.tenant, id, &*resident);
-        let result = resident.checkpoint(&tmp).await;
+        // Cluster mode: into the worker's own image area (relative), durable there.
+        let on_worker = match (self.image_host(), resident.node()) {
+            (Some(_), Some(node)) => Some((node.to_string(), rec.container_id())),
+            _ => None,
+        };
+        let target = match &on_worker {
+            Some((_, dir)) => PathBuf::from(dir),
+            None => tmp.clone(),
+        };
+        let result = resident.checkpoint(&target).await;
         self.gpu_after_checkpoint(id, cuda_toggled, result.is_ok());
         drop(_permit);
         self.release_gpu(id);
         self.metrics.workers_busy.set(self.workers.busy() as i64);
         match result {
+            Ok(()) if on_worker.is_some() => {
+                let (node, dir) = on_worker.expect("checked");
+                let fallback = match &rec.image {
+                    ImageRef::Store(s) => Some(s.clone()),
+                    ImageRef::Worker { fallback, .. } => fallback.clone(),
+                    ImageRef::Golden | ImageRef::Local(_) => None,
+                };
+                let old = std::mem::replace(
+                    &mut rec.image,
+                    ImageRef::Worker {
+                        node,
+                        dir,
+                        taken_at: now_millis(),
+                        fallback,
+                    },
+                );
+                self.move_to(&mut rec, SandboxState::Parked, cause)?;
+                // The snapshot it supersedes stays (as the fallback) until the upload.
+                match old {
+                    ImageRef::Worker { node, dir, .. } => {
+                        if let Some(host) = self.image_host() {
+                            host.remove(&node, &dir).await;
+                        }
+                    }
+                    ImageRef::Local(_) => self.remove_image(&rec.tenant, &old).await,
+                    ImageRef::Store(_) | ImageRef::Golden => {}
+                }
+                self.metrics
+                    .checkpoint_seconds
+                    .with_label_values(&["ok"])
+                    .observe(t.elapsed().as_secs_f64());
+                self.metrics
+                    .transitions
+                    .with_label_values(&["parked", cause])
+                    .inc();
+                self.upload_soon(id);
+                Ok(())
+            }
             Ok(()) => {
                 // Durable before the record points at it; the old image goes only after.
                 if let Err(e) = commit_image(&tmp, &dest).await {
@@ -416,8 +516,18 @@ impl Engine {
                 to: Tier::Suspended,
             })?;
         self.move_to(&mut rec, SandboxState::Uploading, cause)?;
+        if let (ImageRef::Worker { .. }, Some(host)) = (&rec.image, self.image_host()) {
+            return self.upload_from_worker(&mut rec, host, cause).await;
+        }
         let source = match &rec.image {
             ImageRef::Local(p) => p.clone(),
+            ImageRef::Worker { .. } => {
+                self.move_to(&mut rec, SandboxState::Parked, "upload_failed")?;
+                return Err(ControlError::Invalid(
+                    "the sandbox's checkpoint is on a cluster worker; only a controller can upload it"
+                        .into(),
+                ));
+            }
             ImageRef::Golden => {
                 self.store
                     .template_for(&rec.tenant, &rec.template)?
@@ -476,6 +586,19 @@ impl Engine {
             ImageRef::Local(p) => {
                 let _ = std::fs::remove_dir_all(p);
             }
+            ImageRef::Worker {
+                node,
+                dir,
+                fallback,
+                ..
+            } => {
+                if let Some(host) = self.image_host() {
+                    host.remove(node, dir).await;
+                }
+                if let Some(f) = fallback {
+                    Box::pin(self.remove_image(tenant, &ImageRef::Store(f.clone()))).await;
+                }
+            }
             ImageRef::Store(snapshot) => {
                 if let Err(e) = self.store.forget_snapshot_bytes(snapshot) {
                     tracing::warn!(snapshot, error = %e, "cannot forget a snapshot's size");
@@ -489,6 +612,9 @@ impl Engine {
 /// When a sandbox's last snapshot was taken, for the error that sends it back there: what
 /// it did since is what it lost.
 pub(super) fn snapshot_age(image: &ImageRef) -> String {
+    if let ImageRef::Worker { taken_at, .. } = image {
+        return stored_age(*taken_at);
+    }
     let ImageRef::Local(dir) = image else {
         return String::new();
     };
@@ -499,6 +625,15 @@ pub(super) fn snapshot_age(image: &ImageRef) -> String {
     format!(
         " (taken at {}; the last {lost} s of work are lost)",
         humantime::format_rfc3339_seconds(taken)
+    )
+}
+
+/// [`snapshot_age`] of a snapshot taken at `taken_at`.
+pub(super) fn stored_age(taken_at: i64) -> String {
+    let lost = (now_millis() - taken_at).max(0) / 1000;
+    format!(
+        " (taken at {}; the last {lost} s of work are lost)",
+        super::worker_images::format_millis(taken_at)
     )
 }
 

@@ -26,14 +26,34 @@ pub enum ImageRef {
     Local(PathBuf),
     /// A checkpoint in the snapshot store (Suspended), by snapshot id.
     Store(String),
+    /// Cluster mode: a checkpoint on the disk of the worker that wrote it (Parked), on its way
+    /// to the store. Until it gets there, `fallback` (the snapshot it supersedes; `None`: the
+    /// template's golden image) is kept: where the sandbox goes back to if that worker is lost.
+    Worker {
+        node: String,
+        /// A name in the worker's own image area.
+        dir: String,
+        taken_at: UnixMillis,
+        fallback: Option<String>,
+    },
 }
 
 impl ImageRef {
     /// The tier a sandbox asleep on this image is in.
     pub fn sleeping_tier(&self) -> Tier {
         match self {
-            ImageRef::Golden | ImageRef::Local(_) => Tier::Parked,
+            ImageRef::Golden | ImageRef::Local(_) | ImageRef::Worker { .. } => Tier::Parked,
             ImageRef::Store(_) => Tier::Suspended,
+        }
+    }
+
+    /// Where a sandbox goes back to when this image's worker is lost before its upload.
+    pub fn fallback(&self) -> ImageRef {
+        match self {
+            ImageRef::Worker { fallback, .. } => {
+                fallback.clone().map_or(ImageRef::Golden, ImageRef::Store)
+            }
+            other => other.clone(),
         }
     }
 

@@ -156,6 +156,9 @@ impl Rig {
                         p.display()
                     ),
                     ImageRef::Golden | ImageRef::Store(_) => {}
+                    ImageRef::Worker { node, .. } => {
+                        panic!("{id} points at an image on worker {node} on a single machine")
+                    }
                 },
             }
         }

@@ -25,6 +25,11 @@ pub const STATE: &str =
     "echo disk-1 > /tmp/state; mkdir -p /dev/shm && echo mem-1 > /dev/shm/state; \
      (setsid sleep 100000 </dev/null >/dev/null 2>&1 &); sleep 0.2; pgrep -x sleep > /tmp/pid";
 /// What [`STATE`] reads back: `disk-1\nmem-1\nprocess-alive\n` while all of it is there.
+/// `sh -c` script: mounts an empty tmpfs (mode 000) over each of the first `$1` paths, then
+/// runs the rest of its arguments in its place.
+const HIDE_THEN_EXEC: &str = "n=$1; shift; while [ \"$n\" -gt 0 ]; do \
+     mount -t tmpfs -o size=64k,mode=000 torpor-hidden \"$1\" || exit 97; shift; n=$((n-1)); \
+     done; exec \"$@\"";
 pub const CHECK: &str =
     "cat /tmp/state /dev/shm/state; kill -0 $(cat /tmp/pid) && echo process-alive";
 
@@ -240,11 +245,34 @@ pub struct Worker {
 }
 
 impl Worker {
+    /// Worker `name` in a mount namespace of its own in which every controller's data
+    /// directory that exists now is an empty, closed tmpfs: as on separate machines, what it
+    /// runs reaches it only through the protocol and the snapshot store (`tmp/store`).
     pub fn start(tmp: &Path, tls: &str, name: &str, controller: &str) -> Worker {
         let data = tmp.join(format!("data-{name}"));
         std::fs::create_dir_all(&data).unwrap();
         let log = tmp.join(format!("{name}.log"));
-        let child = Command::new(cluster::BIN)
+        let hidden: Vec<PathBuf> = std::fs::read_dir(tmp)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("controller-"))
+            .map(|e| e.path())
+            .filter(|p| p.is_dir())
+            .collect();
+        let child = Command::new("unshare")
+            .args([
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                "sh",
+                "-c",
+                HIDE_THEN_EXEC,
+            ])
+            .arg("sh")
+            .arg(hidden.len().to_string())
+            .args(&hidden)
+            .arg(cluster::BIN)
             .args(["worker", "--controller", controller])
             .args(["--tls-dir", tmp.join(tls).to_str().unwrap()])
             .args(["--data-dir", data.to_str().unwrap()])

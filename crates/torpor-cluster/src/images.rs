@@ -1,0 +1,555 @@
+//! A worker's disk as a cache of the cluster's snapshot store: what makes "wake on any
+//! worker" true.
+//!
+//! ```text
+//!   DATA/images/<name>           checkpoints this worker wrote (a relative image directory in
+//!                                the protocol), durable before the call answers
+//!   DATA/images/<name>.snapshot  the snapshot id it was uploaded as (a local copy of it)
+//!   DATA/cache/<snapshot>        snapshots kept once fetched: root filesystems, golden images
+//!   DATA/fetch/<container>       an image fetched for one restore, removed after it
+//! ```
+//!
+//! - **Park.** A checkpoint to a relative directory lands in `images/` (written to a temporary
+//!   name, fsynced, renamed): the controller records the image as on this worker and frees the
+//!   slot at once. It then asks this worker to upload it (`Upload`): the store receives only
+//!   the chunks it lacks, and the directory stays here as a local copy of the snapshot.
+//! - **Wake.** A restore names the image (a relative directory on the worker that holds it)
+//!   and/or its snapshot. The worker restores from its own copy when it has one, else fetches
+//!   the snapshot (every chunk verified, through the chunk cache) into `fetch/` and removes it
+//!   after the restore. Root filesystems and golden images are kept in `cache/` once fetched.
+//! - **Which store.** The controllers announce it at registration; the worker opens it with its
+//!   own credentials (the `AWS_*` variables for S3). Each call names the tenant's namespace and
+//!   key (for encrypted stores), which the worker keeps only for that call.
+//! - **Disk.** Non-uploaded images are never evicted (they may be the only copy). Local copies
+//!   of uploaded images are removed after a restore from them, when the controller removes
+//!   them, and beyond [`MAX_LOCAL_COPIES`] (oldest first).
+
+use std::collections::HashMap;
+use std::path::{Component, Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use tonic::Status;
+use torpor_runtime::node::{StoreAccess, StoredFiles, Uploaded};
+use torpor_snapshot::{
+    Backend, ChunkCache, PutOptions, SnapshotId, Store, StoreConfig, StoreError, TenantKey,
+};
+
+use crate::convert::bad;
+
+/// Local copies of uploaded images a worker keeps at most.
+pub const MAX_LOCAL_COPIES: usize = 64;
+
+/// Opens the store a controller announced (`s3://bucket/prefix` or a directory).
+pub type OpenBackend = Arc<dyn Fn(&str) -> Result<Arc<dyn Backend>, String> + Send + Sync>;
+
+/// The worker's images and its view of the snapshot store.
+pub struct WorkerImages {
+    images: PathBuf,
+    cache_dir: PathBuf,
+    fetch_dir: PathBuf,
+    open: OpenBackend,
+    chunk_cache: Option<Arc<ChunkCache>>,
+    backend: Mutex<Option<(String, Arc<dyn Backend>)>>,
+    /// Snapshot id -> the local copy in `images/`.
+    copies: Mutex<HashMap<String, PathBuf>>,
+    /// One fetch at a time per kept snapshot.
+    fetching: tokio::sync::Mutex<()>,
+}
+
+fn internal(what: &str, e: impl std::fmt::Display) -> Status {
+    Status::internal(format!("{what}: {e}"))
+}
+
+fn store_status(e: StoreError) -> Status {
+    match e {
+        StoreError::SnapshotNotFound { .. } => Status::not_found(format!("snapshot store: {e}")),
+        e => Status::unavailable(format!("snapshot store: {e}")),
+    }
+}
+
+impl WorkerImages {
+    /// Lays out `data_dir`'s image directories, clears what an interrupted run left (temporary
+    /// checkpoints and fetches) and indexes the local copies.
+    pub fn open(
+        data_dir: &Path,
+        open: OpenBackend,
+        chunk_cache_bytes: u64,
+    ) -> std::io::Result<WorkerImages> {
+        let images = data_dir.join("images");
+        let cache_dir = data_dir.join("cache");
+        let fetch_dir = data_dir.join("fetch");
+        let _ = std::fs::remove_dir_all(&fetch_dir);
+        for d in [&images, &cache_dir, &fetch_dir] {
+            std::fs::create_dir_all(d)?;
+        }
+        for dir in [&images, &cache_dir] {
+            for e in std::fs::read_dir(dir)?.flatten() {
+                if e.file_name().to_string_lossy().starts_with(".tmp-") {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        let mut copies = HashMap::new();
+        for e in std::fs::read_dir(&images)?.flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "snapshot") {
+                let dir = p.with_extension("");
+                match std::fs::read_to_string(&p) {
+                    Ok(id) if dir.is_dir() => {
+                        copies.insert(id.trim().to_string(), dir);
+                    }
+                    _ => {
+                        let _ = std::fs::remove_file(&p);
+                    }
+                }
+            }
+        }
+        let chunk_cache = if chunk_cache_bytes > 0 {
+            Some(Arc::new(
+                ChunkCache::open(data_dir.join("chunk-cache"), chunk_cache_bytes)
+                    .map_err(std::io::Error::other)?,
+            ))
+        } else {
+            None
+        };
+        Ok(WorkerImages {
+            images,
+            cache_dir,
+            fetch_dir,
+            open,
+            chunk_cache,
+            backend: Mutex::new(None),
+            copies: Mutex::new(copies),
+            fetching: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    /// The store a controller announced. The first one opens; another controller announcing
+    /// a different one is logged and ignored (one cluster, one store).
+    pub fn set_store(&self, location: &str) {
+        if location.is_empty() {
+            return;
+        }
+        let mut b = self.backend.lock().unwrap_or_else(|p| p.into_inner());
+        match &*b {
+            Some((at, _)) if at == location => {}
+            Some((at, _)) => {
+                tracing::warn!(announced = location, using = %at,
+                    "a controller announced another snapshot store; keeping the first");
+            }
+            None => match (self.open)(location) {
+                Ok(backend) => {
+                    tracing::info!(store = location, "snapshot store opened");
+                    *b = Some((location.to_string(), backend));
+                }
+                Err(e) => {
+                    tracing::error!(store = location, error = %e, "cannot open the snapshot store");
+                }
+            },
+        }
+    }
+
+    fn store(&self, access: &StoreAccess) -> Result<Arc<Store>, Status> {
+        let backend = self
+            .backend
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|(_, b)| b.clone())
+            .ok_or_else(|| {
+                Status::failed_precondition(
+                    "this worker has no snapshot store (no controller announced one, or it \
+                     could not be opened: see the worker's log)",
+                )
+            })?;
+        let cfg = StoreConfig {
+            key: access.key.map(TenantKey::from_bytes),
+            namespace: access.namespace.clone(),
+            ..StoreConfig::default()
+        };
+        let mut store = Store::new(backend, cfg).map_err(store_status)?;
+        if let Some(c) = &self.chunk_cache {
+            store = store.with_cache(c.clone());
+        }
+        Ok(Arc::new(store))
+    }
+
+    /// An image directory the controller names: a relative name is in this worker's own image
+    /// area (one plain component); an absolute path is taken as it is (a directory every
+    /// machine shares, or a single machine).
+    pub fn resolve(&self, dir: &str) -> Result<PathBuf, Status> {
+        let p = Path::new(dir);
+        if p.is_absolute() {
+            return Ok(p.to_path_buf());
+        }
+        Ok(self.images.join(own_name(dir)?))
+    }
+
+    /// Where a checkpoint to `dir` is written first, when it is one of this worker's own
+    /// (`None`: an absolute path, written in place).
+    pub fn staging(&self, dir: &str) -> Result<Option<(PathBuf, PathBuf)>, Status> {
+        if Path::new(dir).is_absolute() {
+            return Ok(None);
+        }
+        let name = own_name(dir)?;
+        Ok(Some((
+            self.images.join(format!(".tmp-{name}")),
+            self.images.join(name),
+        )))
+    }
+
+    /// Makes a checkpoint written to `tmp` durable as `dest`.
+    pub async fn commit(&self, tmp: PathBuf, dest: PathBuf) -> Result<(), Status> {
+        tokio::task::spawn_blocking(move || {
+            torpor_snapshot::durable::fsync_tree(&tmp)?;
+            let _ = std::fs::remove_dir_all(&dest);
+            torpor_snapshot::durable::rename_durably(&tmp, &dest)
+        })
+        .await
+        .map_err(|e| internal("commit task", e))?
+        .map_err(|e| internal("cannot store the checkpoint durably", e))
+    }
+
+    /// Points `launch`'s root filesystem at this worker's copy of its snapshot (fetched once).
+    pub async fn rootfs(&self, stored: &StoredFiles) -> Result<Option<PathBuf>, Status> {
+        let Some(snapshot) = &stored.rootfs else {
+            return Ok(None);
+        };
+        self.kept(snapshot, &stored.access).await.map(Some)
+    }
+
+    /// The image to restore `container` from: `(path, remove after the restore)`.
+    pub async fn image(
+        &self,
+        container: &str,
+        named: &str,
+        stored: &StoredFiles,
+    ) -> Result<(PathBuf, bool), Status> {
+        if !named.is_empty() {
+            let p = self.resolve(named)?;
+            if p.is_dir() {
+                return Ok((p, false));
+            }
+            if stored.image.is_none() {
+                return Err(image_lost(&format!(
+                    "image {named} is not on this worker and not in the store"
+                )));
+            }
+        }
+        let Some(snapshot) = &stored.image else {
+            return Err(bad("restore", "no image and no snapshot"));
+        };
+        if let Some(copy) = self.copy_of(snapshot) {
+            tracing::debug!(%container, %snapshot, "restoring from this worker's copy");
+            return Ok((copy, false));
+        }
+        if stored.keep_image {
+            return Ok((self.kept(snapshot, &stored.access).await?, false));
+        }
+        let dest = self.fetch_dir.join(own_name(container)?);
+        let _ = std::fs::remove_dir_all(&dest);
+        self.fetch(snapshot, &stored.access, &dest).await?;
+        Ok((dest, true))
+    }
+
+    /// After a restore from `image`: a fetched image goes; so does a local copy of an uploaded
+    /// one (the store holds it; the sandbox's next checkpoint supersedes it).
+    /// A kept image (`keep`: a golden one) stays.
+    pub fn after_restore(&self, image: &Path, fetched: bool, keep: bool) {
+        if fetched {
+            let _ = std::fs::remove_dir_all(image);
+            return;
+        }
+        if keep {
+            return;
+        }
+        let mut copies = self.copies.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(snapshot) = copies
+            .iter()
+            .find(|(_, p)| p.as_path() == image)
+            .map(|(s, _)| s.clone())
+        {
+            copies.remove(&snapshot);
+            drop(copies);
+            remove_copy(image);
+        }
+    }
+
+    fn copy_of(&self, snapshot: &str) -> Option<PathBuf> {
+        let mut copies = self.copies.lock().unwrap_or_else(|p| p.into_inner());
+        match copies.get(snapshot) {
+            Some(p) if p.is_dir() => Some(p.clone()),
+            Some(_) => {
+                copies.remove(snapshot);
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// A snapshot kept in `cache/` (fetched on first use).
+    async fn kept(&self, snapshot: &str, access: &StoreAccess) -> Result<PathBuf, Status> {
+        let name = own_name(snapshot)?;
+        let dest = self.cache_dir.join(name);
+        if dest.is_dir() {
+            return Ok(dest);
+        }
+        let _one = self.fetching.lock().await;
+        if dest.is_dir() {
+            return Ok(dest);
+        }
+        let tmp = self.cache_dir.join(format!(".tmp-{name}"));
+        let _ = std::fs::remove_dir_all(&tmp);
+        self.fetch(snapshot, access, &tmp).await?;
+        std::fs::rename(&tmp, &dest).map_err(|e| internal("cannot keep a fetched snapshot", e))?;
+        Ok(dest)
+    }
+
+    async fn fetch(&self, snapshot: &str, access: &StoreAccess, dest: &Path) -> Result<(), Status> {
+        let id = SnapshotId::new(snapshot).map_err(|e| bad("snapshot id", e))?;
+        let store = self.store(access)?;
+        let dest = dest.to_path_buf();
+        let t = std::time::Instant::now();
+        // The store's futures run in their own task (they are not all Send-for-any-lifetime).
+        let stats = tokio::spawn(async move { store.get_dir(&id, &dest).await })
+            .await
+            .map_err(|e| internal("fetch task", e))?
+            .map_err(|e| match e {
+                StoreError::SnapshotNotFound { .. } => {
+                    image_lost(&format!("snapshot {snapshot} is not in the snapshot store"))
+                }
+                e => store_status(e),
+            })?;
+        tracing::info!(%snapshot, ms = t.elapsed().as_millis() as u64,
+            chunks = stats.chunks_fetched, cache_hits = stats.cache_hits, "snapshot fetched");
+        Ok(())
+    }
+
+    /// Puts one of this worker's own images into the store and keeps it as a local copy.
+    pub async fn upload(
+        &self,
+        dir: &str,
+        access: &StoreAccess,
+        labels: Vec<(String, String)>,
+        id: Option<String>,
+        pin: bool,
+    ) -> Result<Uploaded, Status> {
+        if Path::new(dir).is_absolute() {
+            return Err(bad("upload", "only images of the worker's own image area"));
+        }
+        let src = self.resolve(dir)?;
+        if !src.is_dir() {
+            return Err(image_lost(&format!("image {dir} is not on this worker")));
+        }
+        let store = self.store(access)?;
+        let id = id
+            .map(|i| SnapshotId::new(&i).map_err(|e| bad("snapshot id", e)))
+            .transpose()?;
+        let source = src.clone();
+        let put = tokio::spawn(async move {
+            if let Some(want) = &id {
+                // A fixed id already stored (a golden snapshot uploaded by another worker).
+                if let Ok(m) = store.load_manifest(want).await {
+                    return Ok((want.clone(), m.logical_bytes(), 0));
+                }
+            }
+            let report = store
+                .put_dir_with(
+                    &source,
+                    PutOptions {
+                        id: id.clone(),
+                        labels,
+                        ..Default::default()
+                    },
+                )
+                .await?;
+            if pin {
+                store.pin(&report.id).await?;
+            }
+            Ok::<_, StoreError>((
+                report.id,
+                report.stats.input_bytes,
+                report.stats.bytes_written,
+            ))
+        })
+        .await
+        .map_err(|e| internal("upload task", e))?
+        .map_err(store_status)?;
+        let (snapshot, input_bytes, bytes_written) = put;
+        let marker = src.with_extension("snapshot");
+        std::fs::write(&marker, snapshot.as_str())
+            .map_err(|e| internal("cannot record the upload", e))?;
+        let evict = {
+            let mut copies = self.copies.lock().unwrap_or_else(|p| p.into_inner());
+            copies.insert(snapshot.to_string(), src);
+            oldest_beyond(&mut copies, MAX_LOCAL_COPIES)
+        };
+        for p in evict {
+            remove_copy(&p);
+        }
+        Ok(Uploaded {
+            snapshot: snapshot.to_string(),
+            input_bytes,
+            bytes_written,
+        })
+    }
+
+    /// Removes one of this worker's own images (and its upload record).
+    pub fn remove(&self, dir: &str) -> Result<(), Status> {
+        if Path::new(dir).is_absolute() {
+            return Err(bad("remove", "only images of the worker's own image area"));
+        }
+        let p = self.resolve(dir)?;
+        self.copies
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, c| *c != p);
+        remove_copy(&p);
+        Ok(())
+    }
+}
+
+/// One plain path component (no `/`, `.`, `..`, nothing hidden).
+fn own_name(name: &str) -> Result<&str, Status> {
+    let mut parts = Path::new(name).components();
+    match (parts.next(), parts.next()) {
+        (Some(Component::Normal(_)), None) if !name.starts_with('.') && !name.contains('/') => {
+            Ok(name)
+        }
+        _ => Err(bad("image name", format!("{name:?} is not a plain name"))),
+    }
+}
+
+fn image_lost(msg: &str) -> Status {
+    crate::convert::status_of(&torpor_runtime::RuntimeError::ImageLost(msg.to_string()))
+}
+
+fn remove_copy(dir: &Path) {
+    let _ = std::fs::remove_file(dir.with_extension("snapshot"));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Takes the oldest local copies out of `copies` until at most `max` remain.
+fn oldest_beyond(copies: &mut HashMap<String, PathBuf>, max: usize) -> Vec<PathBuf> {
+    if copies.len() <= max {
+        return Vec::new();
+    }
+    let mut by_age: Vec<(std::time::SystemTime, String)> = copies
+        .iter()
+        .map(|(s, p)| {
+            let at = std::fs::metadata(p.with_extension("snapshot"))
+                .and_then(|m| m.modified())
+                .unwrap_or(std::time::UNIX_EPOCH);
+            (at, s.clone())
+        })
+        .collect();
+    by_age.sort();
+    let excess = copies.len() - max;
+    by_age
+        .into_iter()
+        .take(excess)
+        .filter_map(|(_, s)| copies.remove(&s))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker with data directory `dir` whose store is the directory `store`.
+    fn images(dir: &Path, store: &Path) -> WorkerImages {
+        let store = store.to_path_buf();
+        let open: OpenBackend = Arc::new(move |_loc: &str| {
+            torpor_snapshot::LocalBackend::open(&store)
+                .map(|b| Arc::new(b) as Arc<dyn Backend>)
+                .map_err(|e| e.to_string())
+        });
+        let w = WorkerImages::open(dir, open, 0).unwrap();
+        w.set_store("shared");
+        w
+    }
+
+    #[test]
+    fn own_names_are_one_plain_component() {
+        for ok in ["sb-1-g3", "golden-host-17"] {
+            assert!(own_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", ".", "..", "../x", "a/b", ".tmp-x", "/abs"] {
+            assert!(own_name(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[tokio::test]
+    async fn an_upload_is_a_local_copy_then_a_fetch_elsewhere() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = tmp.path().join("store");
+        let a = images(&tmp.path().join("a"), &store);
+        let b = images(&tmp.path().join("b"), &store);
+
+        // A checkpoint on a: staged, committed, uploaded.
+        let (tmp_dir, dest) = a.staging("sb-1-g1").unwrap().unwrap();
+        std::fs::create_dir_all(&tmp_dir).unwrap();
+        std::fs::write(tmp_dir.join("checkpoint.img"), b"memory").unwrap();
+        a.commit(tmp_dir, dest.clone()).await.unwrap();
+        let access = StoreAccess::default();
+        let up = a
+            .upload("sb-1-g1", &access, vec![], None, false)
+            .await
+            .unwrap();
+        assert_eq!(up.input_bytes, 6);
+        let stored = StoredFiles {
+            image: Some(up.snapshot.clone()),
+            access: access.clone(),
+            ..StoredFiles::default()
+        };
+        // a restores from its own copy (and drops it after); b fetches.
+        let (p, fetched) = a.image("sb-1-g2", "", &stored).await.unwrap();
+        assert_eq!((p.clone(), fetched), (dest.clone(), false));
+        a.after_restore(&p, fetched, false);
+        assert!(
+            !dest.exists(),
+            "the copy of an uploaded image goes after a restore"
+        );
+        let (p, fetched) = b.image("sb-1-g2", "", &stored).await.unwrap();
+        assert!(fetched);
+        assert_eq!(std::fs::read(p.join("checkpoint.img")).unwrap(), b"memory");
+        b.after_restore(&p, fetched, false);
+        assert!(!p.exists());
+
+        // An image only on a worker that is asked elsewhere: lost, said so.
+        let none = StoredFiles::default();
+        let err = b.image("sb-1-g3", "sb-1-g1", &none).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+        // Outside the image area: refused.
+        assert!(a
+            .upload("/etc", &access, vec![], None, false)
+            .await
+            .is_err());
+        assert!(a.resolve("../x").is_err());
+    }
+
+    #[test]
+    fn local_copies_beyond_the_limit_go_oldest_first() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut copies = HashMap::new();
+        for i in 0..4 {
+            let p = tmp.path().join(format!("c{i}"));
+            std::fs::create_dir_all(&p).unwrap();
+            std::fs::write(p.with_extension("snapshot"), format!("s{i}")).unwrap();
+            let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1000 + i);
+            let f = std::fs::File::options()
+                .write(true)
+                .open(p.with_extension("snapshot"))
+                .unwrap();
+            f.set_modified(t).unwrap();
+            copies.insert(format!("s{i}"), p);
+        }
+        let gone = oldest_beyond(&mut copies, 2);
+        assert_eq!(
+            gone,
+            vec![tmp.path().join("c0"), tmp.path().join("c1")],
+            "oldest first"
+        );
+        assert_eq!(copies.len(), 2);
+    }
+}
