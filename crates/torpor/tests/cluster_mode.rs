@@ -244,6 +244,94 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
         .await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_checkpoint_its_worker_could_not_upload_is_lost_with_that_worker_and_said_so() {
+    let Some((database, tmp)) = setup("torpor-cluster-upload-", &["c1"], &["w1", "w2", "w3"]).await
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    let controller = Controller::start(dir, &database).await;
+    let mut w1 = Worker::start(dir, "w1", "w1", &controller.cluster);
+    controller
+        .wait_nodes("w1 ready", |n| state_of(n, "w1") == Some("ready"))
+        .await;
+    controller.wait_host_template().await;
+
+    // A first snapshot in the store, made on w1.
+    let sb = controller
+        .ok(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "host"})),
+        )
+        .await;
+    let id = sb["id"].as_str().unwrap().to_string();
+    controller.exec(&id, STATE).await;
+    let park = json!({"tier": "parked"});
+    let suspend = format!("/v1/sandboxes/{id}/suspend");
+    controller
+        .ok(reqwest::Method::POST, &suspend, Some(park.clone()))
+        .await;
+    wait_uploaded(&controller, &id).await;
+
+    // w2 can read the store but not write it: it wakes the sandbox (w1 drains), but cannot
+    // upload what it parks, which stays on its disk only.
+    controller
+        .ok(reqwest::Method::POST, "/v1/nodes/w1/drain", None)
+        .await;
+    let mut w2 = Worker::start_with(dir, "w2", "w2", &controller.cluster, &[dir.join("store")]);
+    controller
+        .wait_nodes("w2 ready", |n| state_of(n, "w2") == Some("ready"))
+        .await;
+    assert_eq!(
+        controller
+            .exec(&id, &format!("{CHECK}; echo disk-2 > /tmp/state"))
+            .await,
+        "disk-1\nmem-1\nprocess-alive\n"
+    );
+    assert_eq!(controller.sandbox(&id).await["node"], "w2");
+    controller
+        .ok(reqwest::Method::POST, &suspend, Some(park))
+        .await;
+    let deadline = Instant::now() + PATIENCE;
+    let parked = loop {
+        let s = controller.sandbox(&id).await;
+        let err = s["last_error"].as_str().unwrap_or_default();
+        if s["state"] == "parked" && err.contains("upload failed, still parked on worker w2") {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "{s}\n{}", controller.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(parked["node"], Value::Null, "{parked}");
+
+    // w2 dies with the only copy of that checkpoint: the sandbox goes back to the snapshot
+    // in the store (disk-2 came after it) on another worker, and says what it lost.
+    w2.sigkill();
+    let w3 = Worker::start(dir, "w3", "w3", &controller.cluster);
+    controller
+        .wait_nodes("w2 lost, w3 ready", |n| {
+            state_of(n, "w2") == Some("lost") && state_of(n, "w3") == Some("ready")
+        })
+        .await;
+    assert_eq!(
+        controller.exec(&id, CHECK).await,
+        "disk-1\nmem-1\nprocess-alive\n",
+        "back to the stored snapshot"
+    );
+    let back = controller.sandbox(&id).await;
+    assert_eq!(back["node"], "w3", "{back}");
+    let err = back["last_error"].as_str().unwrap_or_default();
+    assert!(
+        err.contains("worker w2 was lost before the checkpoint taken at")
+            && err.contains("restored to its last snapshot in the store"),
+        "last_error says what happened: {back}"
+    );
+    drop(w3);
+    w1.sigkill();
+}
+
 /// Waits until a parked sandbox's checkpoint reached the store (Suspended): cluster mode
 /// uploads it from its worker right after the park.
 async fn wait_uploaded(c: &Controller, id: &str) -> Value {

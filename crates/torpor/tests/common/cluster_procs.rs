@@ -26,10 +26,14 @@ pub const STATE: &str =
      (setsid sleep 100000 </dev/null >/dev/null 2>&1 &); sleep 0.2; pgrep -x sleep > /tmp/pid";
 /// What [`STATE`] reads back: `disk-1\nmem-1\nprocess-alive\n` while all of it is there.
 /// `sh -c` script: mounts an empty tmpfs (mode 000) over each of the first `$1` paths, then
-/// runs the rest of its arguments in its place.
+/// each of the next `$n` paths read-only over itself, then runs the rest of its arguments in
+/// its place.
 const HIDE_THEN_EXEC: &str = "n=$1; shift; while [ \"$n\" -gt 0 ]; do \
      mount -t tmpfs -o size=64k,mode=000 torpor-hidden \"$1\" || exit 97; shift; n=$((n-1)); \
-     done; exec \"$@\"";
+     done; \
+     n=$1; shift; while [ \"$n\" -gt 0 ]; do \
+     mount --bind \"$1\" \"$1\" && mount -o remount,bind,ro \"$1\" || exit 98; \
+     shift; n=$((n-1)); done; exec \"$@\"";
 pub const CHECK: &str =
     "cat /tmp/state /dev/shm/state; kill -0 $(cat /tmp/pid) && echo process-alive";
 
@@ -249,6 +253,18 @@ impl Worker {
     /// directory that exists now is an empty, closed tmpfs: as on separate machines, what it
     /// runs reaches it only through the protocol and the snapshot store (`tmp/store`).
     pub fn start(tmp: &Path, tls: &str, name: &str, controller: &str) -> Worker {
+        Worker::start_with(tmp, tls, name, controller, &[])
+    }
+
+    /// [`Worker::start`], with `read_only` paths mounted read-only in its namespace (the
+    /// snapshot store, to make its uploads fail).
+    pub fn start_with(
+        tmp: &Path,
+        tls: &str,
+        name: &str,
+        controller: &str,
+        read_only: &[PathBuf],
+    ) -> Worker {
         let data = tmp.join(format!("data-{name}"));
         std::fs::create_dir_all(&data).unwrap();
         let log = tmp.join(format!("{name}.log"));
@@ -272,6 +288,8 @@ impl Worker {
             .arg("sh")
             .arg(hidden.len().to_string())
             .args(&hidden)
+            .arg(read_only.len().to_string())
+            .args(read_only)
             .arg(cluster::BIN)
             .args(["worker", "--controller", controller])
             .args(["--tls-dir", tmp.join(tls).to_str().unwrap()])
