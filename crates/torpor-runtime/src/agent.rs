@@ -32,6 +32,7 @@ mod metadata;
 mod procs;
 mod reboot;
 mod spawn;
+mod watch;
 pub mod sudo;
 
 /// Where the main process's output and detached execs' output go inside the sandbox.
@@ -193,6 +194,19 @@ impl Agent {
             self.reply(0, &bad_request(m), &[]);
             return;
         }
+        if self.version < proto::WATCH_SINCE
+            && matches!(
+                req,
+                Request::WatchStart { .. } | Request::WatchEvents { .. } | Request::WatchStop { .. }
+            )
+        {
+            let m = format!(
+                "malformed request: unknown op ({TEST_AGENT_VERSION} is {})",
+                self.version
+            );
+            self.reply(0, &bad_request(m), &[]);
+            return;
+        }
         if self.version < proto::REBOOT_SINCE && matches!(req, Request::Reboot) {
             let m = format!(
                 "malformed request: unknown op ({TEST_AGENT_VERSION} is {})",
@@ -241,6 +255,9 @@ impl Agent {
                 self.proc_resize(pid, proto::PtySize { cols, rows })
             }
             Request::Reboot => self.reboot(),
+            Request::WatchStart { path, recursive } => watch::start(&path, recursive),
+            Request::WatchEvents { watch } => watch::events(watch),
+            Request::WatchStop { watch } => watch::stop(watch),
         };
         match result {
             Ok((reply, body)) => self.reply(id, &reply, &body),

@@ -22,8 +22,9 @@ pub const MAX_BODY: usize = 256 << 20;
 pub const MAX_WAIT_MS: u64 = 5_000;
 /// Protocol version; the agent reports it in its hello.
 /// 2: `ReadRange`. 3: `SetMetadata`, `ListWithMetadata` (E2B's file metadata). 4: `Reboot`,
-/// and the agent keeps `/proc/sys/kernel/random/boot_id` ([`BOOT_ID_PATH`]).
-pub const VERSION: u32 = 4;
+/// and the agent keeps `/proc/sys/kernel/random/boot_id` ([`BOOT_ID_PATH`]). 5: `WatchStart`,
+/// `WatchEvents`, `WatchStop` (inotify watches, E2B's `watch_dir`).
+pub const VERSION: u32 = 5;
 /// The first version that answers `ReadRange`.
 pub const READ_RANGE_SINCE: u32 = 2;
 /// The first version that answers `SetMetadata` and `ListWithMetadata`. An older agent cannot
@@ -33,6 +34,16 @@ pub const METADATA_SINCE: u32 = 3;
 /// The first version that answers `Reboot`. An older agent cannot parse it (as for
 /// [`METADATA_SINCE`]), so a caller asks only an agent whose hello said at least this.
 pub const REBOOT_SINCE: u32 = 4;
+/// The first version that answers `WatchStart`, `WatchEvents` and `WatchStop`. An older agent
+/// cannot parse them (as for [`METADATA_SINCE`]), so a caller asks only an agent whose hello
+/// said at least this (and polls otherwise).
+pub const WATCH_SINCE: u32 = 5;
+/// Events one agent watch queues until they are asked for; past that the oldest go and the
+/// next `WatchEvents` says so (`overflowed`).
+pub const MAX_WATCH_EVENTS: usize = 10_000;
+/// Watches one agent keeps; a new one past that ends the oldest (a watch whose host side went
+/// away without `WatchStop`, e.g. while the sandbox slept).
+pub const MAX_WATCHES: usize = 128;
 /// Where the agent writes the sandbox's boot id (a UUID line, as Linux's): a fresh one when it
 /// starts, on `Configure` (a sandbox made from a template's snapshot is a new boot) and on
 /// `Reboot`. The directory is a small tmpfs in every sandbox's spec (gVisor's procfs has no
@@ -130,6 +141,42 @@ pub enum Request {
     /// started again as at boot, and a new boot id is written. Answered with `Main` (the new
     /// main process). Agents before [`REBOOT_SINCE`] cannot parse it.
     Reboot,
+    /// Watches the directory `path` (and, `recursive`, every directory under it, including
+    /// ones made later) with inotify; answered with `Watch`. Agents before [`WATCH_SINCE`]
+    /// cannot parse it.
+    WatchStart {
+        path: String,
+        recursive: bool,
+    },
+    /// The events a watch queued since the last ask (never waits); answered with
+    /// `WatchEvents`, or `not_found` for a watch that is gone.
+    WatchEvents {
+        watch: u64,
+    },
+    /// Ends a watch (`Ok`, also for one that is gone).
+    WatchStop {
+        watch: u64,
+    },
+}
+
+/// What happened to a watched entry, as envd (fsnotify) names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WatchOp {
+    Create,
+    Write,
+    Remove,
+    /// The entry's old name, as it was renamed (the new name gets a `Create`).
+    Rename,
+    Chmod,
+}
+
+/// One event of a watch: the entry's path relative to the watched directory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WatchEvent {
+    pub name: String,
+    pub op: WatchOp,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -239,6 +286,16 @@ pub enum Reply {
     Error {
         code: AgentErrorCode,
         message: String,
+    },
+    /// A watch started (`WatchStart`).
+    Watch {
+        watch: u64,
+    },
+    /// A watch's queued events, oldest first; `overflowed` when some were lost since the last
+    /// ask (the agent's queue or the kernel's was full).
+    WatchEvents {
+        events: Vec<WatchEvent>,
+        overflowed: bool,
     },
 }
 

@@ -1082,3 +1082,79 @@ async fn background_metrics_samples_do_not_keep_a_sandbox_awake() {
     );
     assert_eq!(c.sandbox(&id).await.unwrap().tier, "frozen");
 }
+
+/// A sandbox whose agent predates inotify watches (protocol 4: restored from an older torpor's
+/// snapshot) is never sent a watch request it could not parse: its watches are polled
+/// snapshots as before (a rename is a create of the new name, no chmod events).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_that_predates_inotify_watches_is_polled_as_before() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let mut spec = agent_template("wv4", no_idle());
+    spec.env = [(
+        torpor_runtime::agent::TEST_AGENT_VERSION.to_string(),
+        "4".to_string(),
+    )]
+    .into();
+    c.create_template(&spec).await.unwrap();
+    let api = E2b {
+        http: reqwest::Client::new(),
+        url: d.url(),
+        key: d.token(),
+    };
+    let (s, sbx) = api
+        .call(
+            reqwest::Method::POST,
+            "/v2/sandboxes",
+            Some(json!({"templateID": "wv4", "timeout": 600})),
+        )
+        .await;
+    assert_eq!(s, 201, "{sbx}");
+    let id = sbx["sandboxID"].as_str().unwrap().to_string();
+    let token = sbx["envdAccessToken"].as_str().unwrap().to_string();
+    c.exec(&id, &sh("mkdir -p /tmp/wv")).await.unwrap();
+    let unary = |method: &str, body: Value| {
+        let req = api
+            .envd(&format!("/filesystem.Filesystem/{method}"), &id, &token)
+            .header("Content-Type", "application/json")
+            .body(body.to_string());
+        async move {
+            let resp = req.send().await.unwrap();
+            assert_eq!(resp.status().as_u16(), 200);
+            resp.json::<Value>().await.unwrap()
+        }
+    };
+    let w = unary("CreateWatcher", json!({"path": "/tmp/wv"})).await;
+    let watcher = w["watcherId"].as_str().unwrap().to_string();
+    c.exec(
+        &id,
+        &sh("touch /tmp/wv/a && sleep 0.5 && chmod 600 /tmp/wv/a && mv /tmp/wv/a /tmp/wv/b"),
+    )
+    .await
+    .unwrap();
+    let mut events: Vec<(String, String)> = Vec::new();
+    let start = Instant::now();
+    while !events.iter().any(|(_, n)| n == "b") && start.elapsed() < Duration::from_secs(20) {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let got = unary("GetWatcherEvents", json!({"watcherId": watcher})).await;
+        for e in got["events"].as_array().unwrap() {
+            events.push((
+                e["type"].as_str().unwrap().to_string(),
+                e["name"].as_str().unwrap().to_string(),
+            ));
+        }
+    }
+    let has = |t: &str, n: &str| events.iter().any(|e| e.0 == t && e.1 == n);
+    assert!(has("EVENT_TYPE_CREATE", "a"), "{events:?}");
+    assert!(has("EVENT_TYPE_CREATE", "b"), "{events:?}");
+    assert!(
+        has("EVENT_TYPE_REMOVE", "a"),
+        "polled: a rename is a remove and a create {events:?}"
+    );
+    assert!(
+        !events
+            .iter()
+            .any(|e| e.0 == "EVENT_TYPE_RENAME" || e.0 == "EVENT_TYPE_CHMOD"),
+        "{events:?}"
+    );
+}

@@ -484,7 +484,7 @@ pub async fn filesystem_rpc(
             "GetWatcherEvents" => {
                 let state = watch_state(&st, &c, &req.watcher_id)?;
                 let mut state = state.lock().await;
-                state.poll(&st, &c).await?;
+                state.poll(&st, &c, false).await?;
                 Ok(connect::unary_ok(&json!({"events": state.drain()})))
             }
             "RemoveWatcher" => {

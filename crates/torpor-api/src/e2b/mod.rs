@@ -46,8 +46,7 @@ use crate::state::ApiState;
 /// The envd version advertised: envd 0.6.4's features are what this adapter implements
 /// (octet-stream uploads, CloseStdin, default user, file metadata as `user.e2b.*` xattrs
 /// (0.6.2, [`fs::metadata`]), entry info on watch events (0.6.3), and the network-mounts watch
-/// option (0.6.4): accepted, and moot, since watches poll and a sandbox has no network
-/// mounts).
+/// option (0.6.4): accepted, and moot, since a sandbox has no network mounts).
 pub const ENVD_VERSION: &str = "0.6.4";
 /// Metadata keys the adapter keeps for itself; hidden from E2B responses and filters.
 pub const META_PREFIX: &str = "torpor.e2b.";

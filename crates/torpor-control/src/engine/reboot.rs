@@ -151,6 +151,28 @@ impl Engine {
         id: &SandboxId,
         req: ExecRequest,
     ) -> Result<Option<ExecResult>> {
+        let (timeout_ms, detach) = (req.timeout_ms, req.detach);
+        let req = Request::Exec(ExecRequest {
+            stream: false,
+            ..req
+        });
+        match self.quiet_call_if_running(id, &req, &[]).await? {
+            Some((reply, body)) => {
+                super::calls::exec_reply(reply, body, timeout_ms, detach).map(Some)
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// [`Engine::quiet_exec_if_running`] for any one-reply request (a watch's events): the
+    /// agent's reply, `Ok(None)` when the sandbox is not resident and running right now or its
+    /// agent went away (the crash watch records that).
+    pub async fn quiet_call_if_running(
+        &self,
+        id: &SandboxId,
+        req: &Request,
+        body: &[u8],
+    ) -> Result<Option<(Reply, Vec<u8>)>> {
         let slot = {
             let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
             match slots.get(id) {
@@ -168,18 +190,7 @@ impl Engine {
         else {
             return Ok(None);
         };
-        let (timeout_ms, detach) = (req.timeout_ms, req.detach);
-        let req = Request::Exec(ExecRequest {
-            stream: false,
-            ..req
-        });
-        match live.resident.call(&req, &[]).await {
-            Ok((reply, body)) => {
-                super::calls::exec_reply(reply, body, timeout_ms, detach).map(Some)
-            }
-            // Its agent went away: the crash watch records it; a sampler just skips it.
-            Err(_) => Ok(None),
-        }
+        Ok(live.resident.call(req, body).await.ok())
     }
 }
 

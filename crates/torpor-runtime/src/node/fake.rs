@@ -612,6 +612,7 @@ fn request_kind(req: &Request) -> &'static str {
         Request::ProcCloseInput { .. } => "proc_close_input",
         Request::ProcResize { .. } => "proc_resize",
         Request::Reboot => "reboot",
+        Request::WatchStart { .. } | Request::WatchEvents { .. } | Request::WatchStop { .. } => "watch",
     }
 }
 

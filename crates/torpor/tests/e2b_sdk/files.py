@@ -1,7 +1,7 @@
 """E2B's filesystem surface beyond the happy path (issue 19), through the official, unmodified
 e2b Python SDK: entries' owner and group, files written through the SDK as envd writes them,
 signed download and upload URLs (expiry, tampering), and directory watches (recursive,
-folders made after the watch started, event order).
+folders made after the watch started, event order, renames, chmod, changes undone at once).
 
 Environment: E2B_API_KEY, E2B_API_URL, E2B_SANDBOX_URL (torpor's listener).
 """
@@ -142,6 +142,29 @@ want = [
     (FilesystemEventType.CREATE, "later/inner.txt"),
     (FilesystemEventType.WRITE, "later/inner.txt"),
     (FilesystemEventType.REMOVE, "later/inner.txt"),
+]
+pos = [events.index(w) if w in events else -1 for w in want]
+expect(-1 not in pos, f"missing events {[w for w, p in zip(want, pos) if p < 0]}: {events}")
+expect(pos == sorted(pos), f"events out of order: {events}")
+
+step("watches see every change as inotify reports it: renames, chmod, what is undone at once")
+sbx.files.make_dir("/home/user/w2")
+h = sbx.files.watch_dir("/home/user/w2")
+sbx.commands.run("cd /home/user/w2 && touch a && chmod 600 a && mv a b && touch gone && rm gone")
+deadline = time.time() + 10
+events = []
+while time.time() < deadline and (FilesystemEventType.REMOVE, "gone") not in events:
+    events += [(e.type, e.name) for e in h.get_new_events()]
+    time.sleep(0.3)
+h.stop()
+print("events:", events, flush=True)
+want = [
+    (FilesystemEventType.CREATE, "a"),
+    (FilesystemEventType.CHMOD, "a"),
+    (FilesystemEventType.RENAME, "a"),
+    (FilesystemEventType.CREATE, "b"),
+    (FilesystemEventType.CREATE, "gone"),
+    (FilesystemEventType.REMOVE, "gone"),
 ]
 pos = [events.index(w) if w in events else -1 for w in want]
 expect(-1 not in pos, f"missing events {[w for w, p in zip(want, pos) if p < 0]}: {events}")

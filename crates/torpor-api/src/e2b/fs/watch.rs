@@ -1,8 +1,19 @@
 //! Directory watches (`CreateWatcher`/`GetWatcherEvents`/`RemoveWatcher`, and the `WatchDir`
-//! stream): snapshots of the directory (recursive: every level, so folders made after the
-//! watch started are watched too), diffed into envd's events.
+//! stream).
 //!
-//! A watcher made by `CreateWatcher` is polled in the background every [`WATCH_POLL`] while its
+//! With an agent of protocol [`proto::WATCH_SINCE`] or later (every sandbox this torpor made
+//! or rebooted), a watch is an inotify watch inside the sandbox, as envd's: the agent queues
+//! every change (create, write, remove, rename of the old name, chmod) in order, also those
+//! undone at once, and a recursive watch follows folders made later (see the agent's
+//! `watch`). `GetWatcherEvents` and the `WatchDir` stream take the queued events (the stream
+//! every [`WATCH_POLL`], by a call that neither wakes the sandbox nor counts as its
+//! activity); a `CreateWatcher` watch needs no background poll, since its events wait in the
+//! agent (at most [`proto::MAX_WATCH_EVENTS`]). With `includeEntry`, each event of an entry
+//! that still exists carries its `EntryInfo`, read when the event is handed out.
+//!
+//! An older agent (a sandbox restored from an older torpor's snapshot) is watched as before:
+//! snapshots of the directory (recursive: every level, so folders made after the watch
+//! started are watched too), diffed into envd's events. A watcher made by `CreateWatcher` is polled in the background every [`WATCH_POLL`] while its
 //! sandbox runs (never waking it), and its events queue up until the client asks for them, as
 //! envd's inotify queue does: a file made, written and removed between two
 //! `GetWatcherEvents` gives its three events, in that order. Within one poll, events are
@@ -17,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use torpor_core::{SandboxId, TenantId, Tier};
-use torpor_runtime::proto::{DirEntry, FileKind, MetaEntry};
+use torpor_runtime::proto::{self, DirEntry, FileKind, MetaEntry, Reply, Request, WatchOp};
 
 use super::super::connect::{self, Code, Item, RpcError};
 use super::super::envd::Ctx;
@@ -111,11 +122,13 @@ pub(super) struct Seen {
     entry: DirEntry,
 }
 
-/// A watch's last snapshot and the events not yet handed out.
+/// A watch's agent watch (or last snapshot) and the events not yet handed out.
 pub struct WatchState {
     root: String,
     recursive: bool,
     include_entry: bool,
+    /// The agent's inotify watch; `None`: polled snapshots (`seen`).
+    agent_watch: Option<u64>,
     seen: BTreeMap<String, Seen>,
     pending: VecDeque<serde_json::Value>,
 }
@@ -140,11 +153,106 @@ impl WatchState {
             root,
             recursive,
             include_entry,
+            agent_watch: None,
             seen: BTreeMap::new(),
             pending: VecDeque::new(),
         };
+        if agent_watches(st, c).await {
+            let req = Request::WatchStart {
+                path: w.root.clone(),
+                recursive,
+            };
+            match st.api.engine.agent_call(&c.tenant, &c.id, req, &[]).await {
+                Ok((Reply::Watch { watch }, _)) => {
+                    w.agent_watch = Some(watch);
+                    return Ok(w);
+                }
+                Ok((other, _)) => {
+                    tracing::warn!(sandbox = %c.id, reply = ?other, "unexpected reply to a watch; polling")
+                }
+                Err(e) => {
+                    tracing::info!(sandbox = %c.id, error = %e, "agent watch refused; polling")
+                }
+            }
+        }
         w.seen = w.snapshot(st, c).await?;
         Ok(w)
+    }
+
+    /// Takes the agent's queued events (`quiet`: by a call that neither wakes the sandbox nor
+    /// counts as activity, and takes nothing from one that is not running) and queues them as
+    /// envd's. A watch the agent no longer has (ended as its oldest past its bound) goes on
+    /// as a polled one from now.
+    async fn take_agent_events(
+        &mut self,
+        st: &E2b,
+        c: &Ctx,
+        watch: u64,
+        quiet: bool,
+    ) -> Result<(), RpcError> {
+        let req = Request::WatchEvents { watch };
+        let reply = if quiet {
+            match st
+                .api
+                .engine
+                .quiet_call_if_running(&c.id, &req, &[])
+                .await?
+            {
+                Some((r, _)) => r,
+                None => return Ok(()),
+            }
+        } else {
+            match st.api.engine.agent_call(&c.tenant, &c.id, req, &[]).await {
+                Ok((r, _)) => r,
+                Err(torpor_control::ControlError::Agent { code, message }) => {
+                    Reply::Error { code, message }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let (events, overflowed) = match reply {
+            Reply::WatchEvents { events, overflowed } => (events, overflowed),
+            other => {
+                tracing::info!(sandbox = %c.id, watch, reply = ?other, "agent watch gone; polling");
+                self.agent_watch = None;
+                self.seen = self.snapshot(st, c).await?;
+                return Ok(());
+            }
+        };
+        if overflowed {
+            tracing::debug!(sandbox = %c.id, "e2b watch: the agent's queue overflowed; events lost");
+        }
+        let mut lookups = 0usize;
+        for e in events {
+            let ty = match e.op {
+                WatchOp::Create => EventType::Create,
+                WatchOp::Write => EventType::Write,
+                WatchOp::Remove => EventType::Remove,
+                WatchOp::Rename => EventType::Rename,
+                WatchOp::Chmod => EventType::Chmod,
+            };
+            let mut ev = json!({"name": e.name, "type": ty.as_str()});
+            if self.include_entry
+                && matches!(ty, EventType::Create | EventType::Write | EventType::Chmod)
+                && lookups < MAX_ENTRY_METADATA_LOOKUPS
+            {
+                lookups += 1;
+                // Gone again since, or unreadable: the event goes without.
+                if let Ok(entry) = super::stat(st, c, &join(&self.root, &e.name)).await {
+                    ev["entry"] = entry;
+                }
+            }
+            self.queue(c, ev);
+        }
+        Ok(())
+    }
+
+    fn queue(&mut self, c: &Ctx, ev: serde_json::Value) {
+        if self.pending.len() >= MAX_PENDING {
+            self.pending.pop_front();
+            tracing::debug!(sandbox = %c.id, "e2b watcher queue full: oldest event dropped");
+        }
+        self.pending.push_back(ev);
     }
 
     async fn snapshot(&self, st: &E2b, c: &Ctx) -> Result<BTreeMap<String, Seen>, RpcError> {
@@ -169,8 +277,13 @@ impl WatchState {
             .collect())
     }
 
-    /// Looks at the directory now and queues what changed since the last look.
-    pub(super) async fn poll(&mut self, st: &E2b, c: &Ctx) -> Result<(), RpcError> {
+    /// Queues what changed since the last look: the agent's events, or a new snapshot's
+    /// difference. `quiet` (background looks): an agent watch is read without waking the
+    /// sandbox or counting as its activity.
+    pub(super) async fn poll(&mut self, st: &E2b, c: &Ctx, quiet: bool) -> Result<(), RpcError> {
+        if let Some(watch) = self.agent_watch {
+            return self.take_agent_events(st, c, watch, quiet).await;
+        }
         let now = self.snapshot(st, c).await?;
         let changes = diff(&self.seen, &now);
         if !changes.is_empty() {
@@ -185,11 +298,7 @@ impl WatchState {
                 if let (Some(entry), false) = (entries.get(&name), ty == EventType::Remove) {
                     ev["entry"] = entry.clone();
                 }
-                if self.pending.len() >= MAX_PENDING {
-                    self.pending.pop_front();
-                    tracing::debug!(sandbox = %c.id, "e2b watcher queue full: oldest event dropped");
-                }
-                self.pending.push_back(ev);
+                self.queue(c, ev);
             }
         }
         self.seen = now;
@@ -255,6 +364,8 @@ pub struct Watcher {
     pub(super) polled: Instant,
     pub(super) state: Arc<tokio::sync::Mutex<WatchState>>,
     poller: Option<tokio::task::AbortHandle>,
+    /// The adapter and the agent watch to stop when this goes.
+    agent: Option<(Weak<E2b>, u64)>,
 }
 
 impl Drop for Watcher {
@@ -262,12 +373,61 @@ impl Drop for Watcher {
         if let Some(p) = &self.poller {
             p.abort();
         }
+        if let Some((st, watch)) = self.agent.take() {
+            stop_agent_watch(st, self.sandbox.clone(), watch);
+        }
     }
+}
+
+/// Ends an agent watch in the background, if its sandbox runs (a sleeping one keeps it until
+/// the agent's bound ends it: nothing is woken for it).
+pub(super) fn stop_agent_watch(st: Weak<E2b>, sandbox: SandboxId, watch: u64) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    rt.spawn(async move {
+        if let Some(st) = st.upgrade() {
+            let req = Request::WatchStop { watch };
+            let _ = st
+                .api
+                .engine
+                .quiet_call_if_running(&sandbox, &req, &[])
+                .await;
+        }
+    });
+}
+
+/// Stops an agent watch when dropped (the end of a `WatchDir` stream, however it ends).
+struct StopOnDrop(Weak<E2b>, SandboxId, u64);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        stop_agent_watch(self.0.clone(), self.1.clone(), self.2);
+    }
+}
+
+/// Whether the sandbox's agent has inotify watches (its hello says [`proto::WATCH_SINCE`]).
+async fn agent_watches(st: &E2b, c: &Ctx) -> bool {
+    matches!(
+        st.api.engine.agent_call(&c.tenant, &c.id, Request::Hello, &[]).await,
+        Ok((Reply::Hello { version, .. }, _)) if version >= proto::WATCH_SINCE
+    )
 }
 
 impl Watcher {
     /// A watcher of `state`, polled in the background while the sandbox runs.
     pub(super) fn start(st: &Arc<E2b>, c: &Ctx, state: WatchState) -> Watcher {
+        // An agent watch queues its events in the sandbox: nothing to poll meanwhile.
+        if let Some(watch) = state.agent_watch {
+            return Watcher {
+                sandbox: c.id.clone(),
+                tenant: c.tenant.clone(),
+                polled: Instant::now(),
+                state: Arc::new(tokio::sync::Mutex::new(state)),
+                poller: None,
+                agent: Some((Arc::downgrade(st), watch)),
+            };
+        }
         let state = Arc::new(tokio::sync::Mutex::new(state));
         let poller = tokio::spawn(poll_forever(
             Arc::downgrade(st),
@@ -285,6 +445,7 @@ impl Watcher {
             polled: Instant::now(),
             state,
             poller: Some(poller),
+            agent: None,
         }
     }
 
@@ -298,10 +459,12 @@ impl Watcher {
                 root: "/".into(),
                 recursive: false,
                 include_entry: false,
+                agent_watch: None,
                 seen: BTreeMap::new(),
                 pending: VecDeque::new(),
             })),
             poller: None,
+            agent: None,
         }
     }
 }
@@ -318,7 +481,7 @@ async fn poll_forever(st: Weak<E2b>, c: Ctx, state: Arc<tokio::sync::Mutex<Watch
             Ok(_) => continue,
             Err(_) => return,
         }
-        if let Err(e) = state.lock().await.poll(&st, &c).await {
+        if let Err(e) = state.lock().await.poll(&st, &c, false).await {
             tracing::debug!(sandbox = %c.id, error = %e.message, "e2b watcher poll failed");
         }
     }
@@ -329,6 +492,8 @@ pub enum EventType {
     Create,
     Write,
     Remove,
+    Rename,
+    Chmod,
 }
 
 impl EventType {
@@ -337,6 +502,8 @@ impl EventType {
             EventType::Create => "EVENT_TYPE_CREATE",
             EventType::Write => "EVENT_TYPE_WRITE",
             EventType::Remove => "EVENT_TYPE_REMOVE",
+            EventType::Rename => "EVENT_TYPE_RENAME",
+            EventType::Chmod => "EVENT_TYPE_CHMOD",
         }
     }
 }
@@ -404,6 +571,9 @@ pub(super) async fn watch_stream(
     mut w: WatchState,
     tx: tokio::sync::mpsc::Sender<Item>,
 ) {
+    let _stop = w
+        .agent_watch
+        .map(|watch| StopOnDrop(Arc::downgrade(&st), c.id.clone(), watch));
     if tx
         .send(Item::Message(connect::message_frame(&json!({"start": {}}))))
         .await
@@ -433,7 +603,7 @@ pub(super) async fn watch_stream(
                 return;
             }
         }
-        if let Err(e) = w.poll(&st, &c).await {
+        if let Err(e) = w.poll(&st, &c, true).await {
             let _ = tx.send(Item::End(Some(e))).await;
             return;
         }
