@@ -32,8 +32,8 @@ mod metadata;
 mod procs;
 mod reboot;
 mod spawn;
-mod watch;
 pub mod sudo;
+mod watch;
 
 /// Where the main process's output and detached execs' output go inside the sandbox.
 pub const LOG_DIR: &str = "/var/log/torpor";
@@ -197,7 +197,9 @@ impl Agent {
         if self.version < proto::WATCH_SINCE
             && matches!(
                 req,
-                Request::WatchStart { .. } | Request::WatchEvents { .. } | Request::WatchStop { .. }
+                Request::WatchStart { .. }
+                    | Request::WatchEvents { .. }
+                    | Request::WatchStop { .. }
             )
         {
             let m = format!(

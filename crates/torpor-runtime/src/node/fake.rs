@@ -612,7 +612,9 @@ fn request_kind(req: &Request) -> &'static str {
         Request::ProcCloseInput { .. } => "proc_close_input",
         Request::ProcResize { .. } => "proc_resize",
         Request::Reboot => "reboot",
-        Request::WatchStart { .. } | Request::WatchEvents { .. } | Request::WatchStop { .. } => "watch",
+        Request::WatchStart { .. } | Request::WatchEvents { .. } | Request::WatchStop { .. } => {
+            "watch"
+        }
     }
 }
 
