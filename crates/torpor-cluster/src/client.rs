@@ -128,7 +128,9 @@ struct Shared {
 }
 
 struct Inner {
-    client: NodeClient<Channel>,
+    /// Swapped when the worker restarts elsewhere with containers this side still holds
+    /// ([`RemoteNode::retarget`]).
+    client: Mutex<NodeClient<Channel>>,
     cfg: RemoteConfig,
     name: String,
     shared: Mutex<Shared>,
@@ -158,7 +160,10 @@ impl Inner {
     }
 
     fn client(&self) -> NodeClient<Channel> {
-        self.client.clone()
+        self.client
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn err(&self, st: &Status, ready_timeout: Duration) -> RuntimeError {
@@ -376,7 +381,7 @@ impl RemoteNode {
         }
         let (events, rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
-            client,
+            client: Mutex::new(client),
             name: info.worker_name.clone(),
             cfg,
             shared: Mutex::default(),
@@ -435,6 +440,40 @@ impl RemoteNode {
             exit,
             expected,
         }))
+    }
+
+    /// Removes this controller's containers on the worker except `keep` (ones it still holds,
+    /// which outlived a restart of the worker). Returns how many went.
+    pub async fn reconcile_keeping(&self, known_sandboxes: &[String], keep: &[String]) -> usize {
+        let inner = &self.inner;
+        match inner
+            .client()
+            .reconcile(call(
+                pb::ReconcileRequest {
+                    known_sandboxes: known_sandboxes.to_vec(),
+                    keep: keep.to_vec(),
+                },
+                inner.cfg.deadlines.teardown,
+            ))
+            .await
+        {
+            Ok(r) => r.into_inner().removed as usize,
+            Err(st) => {
+                tracing::warn!(worker = %inner.name, error = %st, "reconciling the worker failed");
+                0
+            }
+        }
+    }
+
+    /// The same worker, restarted (live restore) and reached anew as `fresh`: this node's
+    /// calls and event stream go to it from now on, so the residents held through this node
+    /// keep working. `fresh` must name the same worker; its own event stream stops.
+    pub fn retarget(&self, fresh: &RemoteNode) {
+        debug_assert_eq!(fresh.worker_name(), self.worker_name());
+        *self.inner.client.lock().unwrap_or_else(|p| p.into_inner()) = fresh.inner.client();
+        let _ = fresh.inner.stop.send(true);
+        tracing::info!(worker = %self.inner.name, addr = %fresh.inner.cfg.addr,
+            "worker restarted with containers still running; following it there");
     }
 
     /// Puts image `dir` of the worker's own image area into the store.
@@ -542,23 +581,7 @@ impl Node for RemoteNode {
     /// A worker belongs to its cluster: every container on it is treated as this controller's
     /// (`_ours` is not consulted), thawed, killed and removed.
     async fn reconcile(&self, known_sandboxes: &[String]) -> usize {
-        let inner = &self.inner;
-        match inner
-            .client()
-            .reconcile(call(
-                pb::ReconcileRequest {
-                    known_sandboxes: known_sandboxes.to_vec(),
-                },
-                inner.cfg.deadlines.teardown,
-            ))
-            .await
-        {
-            Ok(r) => r.into_inner().removed as usize,
-            Err(st) => {
-                tracing::warn!(worker = %inner.name, error = %st, "reconciling the worker failed");
-                0
-            }
-        }
+        self.reconcile_keeping(known_sandboxes, &[]).await
     }
 
     async fn boot(&self, launch: Launch) -> Result<Box<dyn Resident>, RuntimeError> {

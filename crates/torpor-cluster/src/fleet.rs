@@ -372,34 +372,69 @@ impl Fleet {
                     "the worker at that address is not the caller",
                 ));
             }
-            // Anything it still runs was started for a run this controller no longer tracks
-            // (a restart, or containers already reported lost): remove it.
-            let removed = remote.reconcile(&[]).await;
-            if let Some(events) = remote.take_events() {
-                let fleet = self.me.clone();
-                tokio::spawn(forward_events(fleet, events));
-            }
-            let remote = Arc::new(remote);
+            // Live restore: containers this controller still holds that outlived the worker's
+            // restart stay, reached through the node that already serves their residents.
+            let kept: (Option<Arc<RemoteNode>>, Vec<String>) = {
+                let m = self.lock();
+                match m.workers.get(&name) {
+                    Some(w) if !w.lost && !req.containers.is_empty() => (
+                        Some(w.remote.clone()),
+                        req.containers
+                            .iter()
+                            .filter(|c| w.held.contains(*c))
+                            .cloned()
+                            .collect(),
+                    ),
+                    _ => (None, Vec::new()),
+                }
+            };
+            let (remote, kept) = match kept {
+                (Some(previous), kept) if !kept.is_empty() => {
+                    previous.retarget(&remote);
+                    (previous, kept)
+                }
+                _ => {
+                    if let Some(events) = remote.take_events() {
+                        let fleet = self.me.clone();
+                        tokio::spawn(forward_events(fleet, events));
+                    }
+                    (Arc::new(remote), Vec::new())
+                }
+            };
+            // Anything else it still runs was started for a run this controller no longer
+            // tracks (a restart, or containers already reported lost): remove it.
+            let removed = remote.reconcile_keeping(&[], &kept).await;
             let gone: Vec<String>;
             {
                 let mut m = self.lock();
-                gone = m.take_held(&name);
+                let held: Vec<String> = m
+                    .workers
+                    .get_mut(&name)
+                    .map(|w| std::mem::take(&mut w.held))
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|c| !kept.contains(c))
+                    .collect();
+                for c in &held {
+                    m.containers.remove(c);
+                }
+                gone = held;
                 let drain = m.drains.contains(&name);
                 let previous = m.workers.insert(
                     name.clone(),
                     Member {
                         addr: addr.clone(),
                         run_id: req.run_id.clone(),
-                        remote,
+                        remote: remote.clone(),
                         last_seen: Instant::now(),
                         last_seen_at: SystemTime::now(),
                         drain,
                         lost: false,
-                        held: Default::default(),
+                        held: kept.iter().cloned().collect(),
                         others: 0,
                     },
                 );
-                if let Some(p) = previous {
+                if let Some(p) = previous.filter(|p| !Arc::ptr_eq(&p.remote, &remote)) {
                     let old = p.remote.clone();
                     tokio::spawn(async move { old.shutdown().await });
                 }
@@ -421,11 +456,17 @@ impl Fleet {
                         WorkerState::Ready
                     },
                 );
+                // The kept containers hold their slots again.
+                for c in &kept {
+                    if let Some(&(_, memory)) = m.containers.get(c) {
+                        m.placement.reserve(&name, memory);
+                    }
+                }
                 self.publish_capacity(&m);
             }
             self.report_lost(&name, Duration::ZERO, gone);
             tracing::info!(worker = %name, %addr, slots = req.slots, memory_budget = req.memory_budget,
-                removed, "worker registered");
+                removed, kept = kept.len(), "worker registered");
         }
         Ok(pb::RegisterReply {
             controller: self.tls.identity().name.to_string(),

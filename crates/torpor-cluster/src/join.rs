@@ -160,6 +160,7 @@ async fn follow(
             gpu_models: cfg.gpu_models.clone(),
             labels: cfg.labels.clone().into_iter().collect(),
             run_id: cfg.run_id.clone(),
+            containers: node.holding(),
         };
         let every = match client.clone().register(call(register, cfg.deadline)).await {
             Ok(r) => {

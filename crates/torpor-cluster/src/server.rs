@@ -74,6 +74,9 @@ pub struct NodeService {
     /// The worker's images and the shared store (`None`: images only where the controller
     /// names them, as absolute paths).
     images: std::sync::OnceLock<Arc<WorkerImages>>,
+    /// Live restore: one file per container held (`<dir>/<container>` holding its owner), so
+    /// that a restarted worker takes its containers back for the controllers that hold them.
+    held_dir: std::sync::OnceLock<PathBuf>,
 }
 
 impl NodeService {
@@ -100,7 +103,60 @@ impl NodeService {
             events,
             sweep_gate: tokio::sync::RwLock::new(()),
             images: std::sync::OnceLock::new(),
+            held_dir: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Live restore: records who holds each container in `dir` and, at start, takes back the
+    /// containers a previous run left running under their shims ([`Node::adopt`]) for the
+    /// controllers that held them. Returns how many came back; the caller then reconciles
+    /// the node (what was not taken back is removed).
+    pub async fn take_back(&self, dir: PathBuf) -> std::io::Result<usize> {
+        std::fs::create_dir_all(&dir)?;
+        let mut back = 0;
+        for e in std::fs::read_dir(&dir)?.flatten() {
+            let id = e.file_name().to_string_lossy().into_owned();
+            let owner = std::fs::read_to_string(e.path()).unwrap_or_default();
+            let resident = match owner.trim() {
+                "" => None,
+                _ => self.node.adopt(&id, 0).await,
+            };
+            match resident {
+                Some(r) => {
+                    tracing::info!(container = %id, owner = owner.trim(), "took back a container that outlived the worker's previous run");
+                    self.table().insert(
+                        id,
+                        Arc::new(Held {
+                            owner: Mutex::new(owner.trim().to_string()),
+                            resident: RwLock::new(Some(r)),
+                        }),
+                    );
+                    back += 1;
+                }
+                None => {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        let _ = self.held_dir.set(dir);
+        Ok(back)
+    }
+
+    /// The containers this worker holds now (announced at registration).
+    pub fn holding(&self) -> Vec<String> {
+        self.table().keys().cloned().collect()
+    }
+
+    /// Records (`Some(owner)`) or forgets (`None`) who holds `container`.
+    fn note_held(&self, container: &str, owner: Option<&str>) {
+        let Some(dir) = self.held_dir.get() else {
+            return;
+        };
+        let path = dir.join(container);
+        let _ = match owner {
+            Some(o) => std::fs::write(&path, o),
+            None => std::fs::remove_file(&path),
+        };
     }
 
     /// Gives the worker its image area and store (see [`crate::images`]).
@@ -143,6 +199,7 @@ impl NodeService {
     pub async fn destroy_all(&self) {
         let held: Vec<(String, Arc<Held>)> = self.table().drain().collect();
         for (id, h) in held {
+            self.note_held(&id, None);
             if let Some(r) = h.resident.write().await.take() {
                 tracing::info!(container = %id, "destroying a container of a stopping worker");
                 // A frozen process cannot die.
@@ -226,6 +283,7 @@ impl NodeService {
                 agent_version: resident.agent_version(),
                 memory: resident.memory(),
             };
+            me.note_held(&container_id, Some(&owner));
             me.table().insert(
                 container_id,
                 Arc::new(Held {
@@ -257,6 +315,7 @@ impl NodeService {
         let task = tokio::spawn(async move {
             let resident = held.resident.write().await.take();
             me.table().remove(&id);
+            me.note_held(&id, None);
             match resident {
                 Some(r) => op(r).await,
                 None => Err(gone(&id)),
@@ -311,13 +370,17 @@ impl NodeRpc for Arc<NodeService> {
         // removed; other controllers' are theirs. Leftovers of an earlier run of the worker
         // itself were removed when it started.
         let caller = caller(&req);
+        let keep = req.into_inner().keep;
         let held: Vec<Arc<Held>> = {
             let mut table = self.table();
             let mine: Vec<String> = table
                 .iter()
-                .filter(|(_, h)| h.owner() == caller)
+                .filter(|(id, h)| h.owner() == caller && !keep.contains(id))
                 .map(|(id, _)| id.clone())
                 .collect();
+            for id in &mine {
+                self.note_held(id, None);
+            }
             mine.iter().filter_map(|id| table.remove(id)).collect()
         };
         let me = self.clone();
@@ -406,7 +469,10 @@ impl NodeRpc for Arc<NodeService> {
         let orphan = {
             let mut table = self.table();
             match table.get(&id) {
-                Some(h) if h.owner() != caller => table.remove(&id),
+                Some(h) if h.owner() != caller => {
+                    self.note_held(&id, None);
+                    table.remove(&id)
+                }
                 _ => None,
             }
         };
@@ -441,6 +507,7 @@ impl NodeRpc for Arc<NodeService> {
             &mut *held.owner.lock().unwrap_or_else(|p| p.into_inner()),
             caller.clone(),
         );
+        self.note_held(&id, Some(&caller));
         tracing::info!(container = %id, from = %before, to = %caller, "a controller adopted a container");
         Ok(Response::new(pb::ResidentReply {
             container_id: r.id().to_string(),

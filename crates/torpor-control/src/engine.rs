@@ -320,6 +320,7 @@ impl Engine {
             agent_binary: cfg.agent_binary.clone(),
             warm_pool: cfg.warm_pool,
             live_restore: cfg.live_restore,
+            live_restore_window: None,
         })?;
         Engine::start_on(cfg, Arc::new(node)).await
     }

@@ -50,6 +50,8 @@ const META: &str = "meta.json";
 const EXIT: &str = "exit.json";
 /// The descriptor of the daemon's first connection in a freshly started shim.
 const INHERITED_FD: i32 = 3;
+/// Milliseconds a shim lets its container run with no daemon attached ([`Shims::fence`]).
+pub const ENV_FENCE_MS: &str = "TORPOR_SHIM_FENCE_MS";
 
 /// What a daemon needs to take a running container back from its shim.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -96,6 +98,10 @@ pub struct Shims {
     pub dir: PathBuf,
     /// Unique to the directory, so daemons on one host never share a socket name.
     tag: String,
+    /// How long a container may run with no daemon attached before its shim ends it
+    /// (`None`: for ever). A cluster worker sets it below the controllers' loss limit, so a
+    /// container whose worker is gone ends before its sandbox resumes elsewhere.
+    pub fence: Option<Duration>,
 }
 
 impl Shims {
@@ -111,6 +117,7 @@ impl Shims {
             binary,
             dir,
             tag: format!("{h:016x}"),
+            fence: None,
         })
     }
 
@@ -144,6 +151,9 @@ impl Shims {
             .arg("--")
             .arg(runsc)
             .args(runsc_args);
+        if let Some(f) = self.fence {
+            cmd.env(ENV_FENCE_MS, f.as_millis().to_string());
+        }
         Ok(cmd)
     }
 
@@ -305,6 +315,14 @@ pub fn run(dir: PathBuf, socket: String, command: Vec<OsString>) -> io::Result<i
         current: Mutex::new(None),
     });
     relay.attach(first);
+    if let Some(fence) = std::env::var(ENV_FENCE_MS)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(Duration::from_millis)
+    {
+        let watched = relay.clone();
+        std::thread::spawn(move || watched.fence(fence));
+    }
     let accepting = relay.clone();
     std::thread::spawn(move || {
         for conn in listener.incoming().flatten() {
@@ -404,6 +422,29 @@ impl Relay {
                 && attached.out.write_all(&frame.bytes).is_err()
             {
                 *current = None;
+            }
+        }
+    }
+
+    /// Ends the shim, and with it the container (the agent's stdin closes, so the agent and
+    /// the container exit), once no daemon has been attached for `fence`: a container whose
+    /// daemon is gone for good must not keep running while its sandbox resumes elsewhere.
+    fn fence(&self, fence: Duration) -> ! {
+        let tick = (fence / 10).clamp(Duration::from_millis(20), Duration::from_millis(250));
+        let mut alone_since: Option<std::time::Instant> = None;
+        loop {
+            std::thread::sleep(tick);
+            if self.lock_current().is_some() {
+                alone_since = None;
+                continue;
+            }
+            let since = *alone_since.get_or_insert_with(std::time::Instant::now);
+            if since.elapsed() >= fence {
+                eprintln!(
+                    "torpor shim: no daemon attached for {} ms; ending the container",
+                    fence.as_millis()
+                );
+                std::process::exit(3);
             }
         }
     }

@@ -15,8 +15,9 @@
 //!
 //! | row | what is timed |
 //! |---|---|
-//! | wake, same worker | exec `true` on a Parked sandbox, all workers ready (it goes back to its own) |
-//! | wake, another worker | the same with the worker it parked on draining |
+//! | wake, same worker | exec `true` on a sandbox parked and uploaded (Suspended), all workers ready (it goes back to its own, which kept a copy) |
+//! | upload after a park | from the park call's answer until the checkpoint is in the store (the worker uploads it) |
+//! | wake, another worker | the same with the worker it parked on draining (the other worker fetches it from the store) |
 //! | wake after a worker loss | the first call after the worker it ran on was SIGKILLed and is `lost` |
 //! | bare `runsc restore` | `runsc restore --detach` of a copy of the same image, same bundle |
 //! | lifecycle | create, park, wake (exec `true`), delete of N sandboxes, C at a time: through `c1`; through `c1` and `c2` alternately (half the park and delete calls reach the controller that does not hold the sandbox, so are forwarded); through `torpor up` |
@@ -83,19 +84,42 @@ fn copy_bundle(root: &Path, live: &str, dest: &Path, cid: &str) {
     std::fs::write(dest.join("config.json"), serde_json::to_vec(&spec).unwrap()).unwrap();
 }
 
-/// The newest committed image of a sandbox (the controller names the path; one machine here).
-fn latest_image(controller_data: &Path, id: &str) -> PathBuf {
-    let dir = controller_data.join("sandboxes").join(id).join("images");
+/// The newest checkpoint of a sandbox on the worker that wrote it (`DATA/images/<id>-g<N>`,
+/// kept there as a copy of its snapshot until a restore from it).
+fn latest_image(worker_data: &Path, id: &str) -> PathBuf {
+    let dir = worker_data.join("images");
+    let prefix = format!("{id}-g");
     std::fs::read_dir(&dir)
         .expect("images directory")
         .flatten()
+        .filter(|e| e.path().is_dir())
         .filter_map(|e| {
-            let g: u64 = e.file_name().to_str()?.parse().ok()?;
+            let g: u64 = e
+                .file_name()
+                .to_str()?
+                .strip_prefix(&prefix)?
+                .parse()
+                .ok()?;
             Some((g, e.path()))
         })
         .max()
         .expect("a committed image")
         .1
+}
+
+/// Waits until a parked sandbox's checkpoint is in the store (cluster mode uploads it from
+/// its worker right after the park); returns how long that took from now.
+async fn wait_uploaded(c: &Client, id: &str) -> f64 {
+    let t = Instant::now();
+    let deadline = t + Duration::from_secs(300);
+    loop {
+        let s = c.sandbox(id).await.expect("sandbox");
+        if s.state == "suspended" {
+            return t.elapsed().as_secs_f64() * 1000.0;
+        }
+        assert!(Instant::now() < deadline, "never uploaded: {s:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 // --- helpers on the public API
@@ -480,6 +504,7 @@ async fn main() {
     let id = create_host(&c).await;
     sh(&c, &id, FILL_64M).await;
     let (mut same, mut bare, mut same_node) = (Vec::new(), Vec::new(), 0);
+    let mut uploads = Vec::new();
     for i in 0..n {
         let node = node_of(&c, &id).await.expect("resident");
         let w = workers.iter().find(|w| w.name == node).expect("our worker");
@@ -492,11 +517,13 @@ async fn main() {
         let bbundle = dir.join(&bcid);
         copy_bundle(&root, &live, &bbundle, &bcid);
         c.suspend(&id, Some(Tier::Parked)).await.expect("park");
-        // Baseline first, on a copy of the very image the controller restores next.
+        uploads.push(wait_uploaded(&c, &id).await);
+        // Baseline first, on a copy of the very image the controller restores next (the
+        // worker's copy of what it uploaded).
         let image = dir.join(format!("img-{i}"));
         let st = Command::new("cp")
             .arg("-a")
-            .arg(latest_image(&ctl.data, &id))
+            .arg(latest_image(&w.data, &id))
             .arg(&image)
             .status()
             .unwrap();
@@ -528,6 +555,11 @@ async fn main() {
         name: "wake, same worker + exec",
         ms: same,
         note: format!("{same_node}/{n} woke on the worker they parked on"),
+    });
+    rows.push(Row {
+        name: "upload after a park (until Suspended)",
+        ms: uploads,
+        note: "from the park call's answer to the record in the store".into(),
     });
     rows.push(Row {
         name: "bare runsc restore (same image)",
@@ -621,12 +653,19 @@ async fn main() {
 
     // --- report
     let json_rows = print_rows("wake (64 MiB)", &mut rows);
-    let bare50 = json_rows[1]["p50_ms"].as_f64().unwrap();
+    let p50 = |name: &str| {
+        json_rows
+            .iter()
+            .find(|r| r["name"] == name)
+            .and_then(|r| r["p50_ms"].as_f64())
+            .unwrap_or(f64::NAN)
+    };
+    let bare50 = p50("bare runsc restore (same image)");
     println!(
         "(p50 over bare runsc restore: same {:.2}, another {:.2}, after loss {:.2})",
-        json_rows[0]["p50_ms"].as_f64().unwrap() / bare50,
-        json_rows[2]["p50_ms"].as_f64().unwrap() / bare50,
-        json_rows[3]["p50_ms"].as_f64().unwrap() / bare50,
+        p50("wake, same worker + exec") / bare50,
+        p50("wake, another worker + exec") / bare50,
+        p50("wake after a worker loss + exec") / bare50,
     );
     let json_fwd = print_rows("running sandbox, 2 controllers", &mut [fwd.0, fwd.1]);
     let (h50, f50) = (

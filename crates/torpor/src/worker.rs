@@ -60,6 +60,17 @@ pub struct WorkerArgs {
     /// as --workers, at most 4).
     #[arg(long)]
     warm_pool: Option<usize>,
+    /// Run each sandbox under a shim, so that sandboxes survive a crash, a SIGKILL or an
+    /// upgrade (SIGQUIT) of the worker process and are taken back, as they were, for the
+    /// controllers that hold them when it registers again. `false`: they end with it.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    live_restore: bool,
+    /// Under live restore, how long sandboxes run on with no worker process (milliseconds):
+    /// a worker that is not back by then has its sandboxes ended by their shims. Keep it
+    /// below the controllers' --worker-lost-after-ms, after which they resume the sandboxes
+    /// elsewhere: no sandbox then ever runs twice.
+    #[arg(long, default_value_t = 5000)]
+    live_restore_window_ms: u64,
     /// Bytes of chunks kept for wakes from the snapshot store (DATA/chunk-cache), e.g. 2G; 0
     /// turns it off (default 1G).
     #[arg(long, value_parser = crate::snapshot::parse_cache_size)]
@@ -112,21 +123,14 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         runsc_platform: args.platform,
         agent_binary: std::env::current_exe().context("cannot find the torpor binary")?,
         warm_pool: args.warm_pool.unwrap_or(slots.min(4)),
-        // Not yet for workers: a restarted worker does not take its containers back, and a
-        // worker that died must not leave them running under shims while their sandboxes
-        // resume elsewhere (with runsc as its child, a container ends with its agent channel).
-        live_restore: false,
+        // Containers outlive this process under shims, for at most the window: one whose
+        // worker does not come back ends before the controllers resume it elsewhere.
+        live_restore: args.live_restore,
+        live_restore_window: Some(std::time::Duration::from_millis(
+            args.live_restore_window_ms.max(1),
+        )),
     })?;
     let node: Arc<dyn Node> = Arc::new(node);
-    // Every container here is a previous run's: none is kept. (Sandbox containers run in the
-    // warm pool's groups, which the pool thawed and emptied at start.)
-    let removed = node.reconcile(&[]).await;
-    if removed > 0 {
-        tracing::warn!(
-            removed,
-            "removed containers a previous run of this worker left"
-        );
-    }
 
     if let Some(addr) = args.metrics_listen {
         let registry = prometheus::Registry::new();
@@ -166,6 +170,24 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     eprintln!("torpor worker {} on {bound}", identity.name);
     let service = NodeService::new(node.clone(), identity.name.to_string());
     service.limit_slots(slots);
+    // Live restore: the containers a previous run left under their shims come back for the
+    // controllers that held them (they say so when this worker registers); the rest goes.
+    let back = if args.live_restore {
+        service
+            .take_back(args.data_dir.join("held"))
+            .await
+            .context("cannot read the worker's held containers")?
+    } else {
+        0
+    };
+    let removed = node.reconcile(&[]).await;
+    if removed > 0 || back > 0 {
+        tracing::warn!(
+            removed,
+            taken_back = back,
+            "containers a previous run of this worker left: taken back or removed"
+        );
+    }
     // Images: this worker's own checkpoints and its copies of the store the controllers
     // announce (opened with this process's own AWS_* credentials).
     let open: OpenBackend = Arc::new(|location: &str| {
@@ -200,9 +222,24 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             stop_rx,
         ))
     });
-    torpor_cluster::serve(service.clone(), listener, tls, shutdown_signal()).await?;
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let live_restore = args.live_restore;
+    let signal = async move {
+        let leave = shutdown_signal(live_restore).await;
+        let _ = stop.send(leave);
+    };
+    torpor_cluster::serve(service.clone(), listener, tls, signal).await?;
     let _ = stop_tx.send(true);
-    service.destroy_all().await;
+    if stopped.await.unwrap_or(false) {
+        // SIGQUIT under live restore (an upgrade): the sandboxes run on, under their shims,
+        // for the next run to take back within the window.
+        tracing::info!(
+            containers = service.holding().len(),
+            "leaving the sandboxes running"
+        );
+    } else {
+        service.destroy_all().await;
+    }
     if let Some(j) = joining {
         let _ = j.await;
     }
@@ -217,16 +254,19 @@ fn run_id() -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-async fn shutdown_signal() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        }
+/// Waits for SIGTERM or SIGINT (stop: sandboxes end) or SIGQUIT (with live restore: leave
+/// them running for the next run; answers `true`).
+async fn shutdown_signal(live_restore: bool) -> bool {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut quit)) =
+        (signal(SignalKind::terminate()), signal(SignalKind::quit()))
+    else {
+        let _ = tokio::signal::ctrl_c().await;
+        return false;
     };
     tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => false,
+        _ = tokio::signal::ctrl_c() => false,
+        _ = quit.recv() => live_restore,
     }
 }

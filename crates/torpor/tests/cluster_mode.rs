@@ -332,6 +332,115 @@ async fn a_checkpoint_its_worker_could_not_upload_is_lost_with_that_worker_and_s
     w1.sigkill();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_killed_and_restarted_keeps_its_sandboxes_running_and_one_not_back_in_time_ends_them(
+) {
+    let Some((database, tmp)) = setup("torpor-cluster-live-", &["c1"], &["w1", "w2"]).await else {
+        return;
+    };
+    let dir = tmp.path();
+    // Workers are lost after 10 s; their sandboxes outlive them for 5 s (the default window).
+    let controller = Controller::start_with(dir, &database, "c1", 10_000).await;
+    let mut w1 = Worker::start(dir, "w1", "w1", &controller.cluster);
+    controller
+        .wait_nodes("w1 ready", |n| state_of(n, "w1") == Some("ready"))
+        .await;
+    controller.wait_host_template().await;
+    let sb = controller
+        .ok(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "host"})),
+        )
+        .await;
+    let id = sb["id"].as_str().unwrap().to_string();
+    // Unsaved state: files, memory and a process counting; never checkpointed.
+    controller.exec(&id, STATE).await;
+    controller
+        .exec(
+            &id,
+            "(setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done' \
+             </dev/null >/dev/null 2>&1 &); sleep 0.5",
+        )
+        .await;
+    let before: u64 = controller
+        .exec(&id, "cat /tmp/count")
+        .await
+        .trim()
+        .parse()
+        .unwrap();
+    let container = controller.sandbox(&id).await["worker"].clone();
+
+    // The worker process dies and comes back (a crash, an upgrade): its sandbox kept running.
+    w1.sigkill();
+    let mut w1 = Worker::start(dir, "w1", "w1", &controller.cluster);
+    let deadline = Instant::now() + PATIENCE;
+    while !w1.log().contains("registered with controller") {
+        assert!(
+            Instant::now() < deadline,
+            "{}\n{}",
+            w1.log(),
+            controller.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let now = controller
+        .exec(&id, &format!("{CHECK}; cat /tmp/count"))
+        .await;
+    let (state, count) = now.rsplit_once("process-alive\n").expect("all state kept");
+    assert_eq!(state, "disk-1\nmem-1\n", "{now}");
+    let count: u64 = count.trim().parse().unwrap();
+    assert!(
+        count > before,
+        "the counter went on without a reset: {before} -> {count}"
+    );
+    let back = controller.sandbox(&id).await;
+    assert_eq!(back["worker"], container, "the same container: {back}");
+    assert_eq!(back["last_error"], Value::Null, "nothing lost: {back}");
+    assert!(
+        controller
+            .log()
+            .contains("worker restarted with containers still running"),
+        "the controller kept it:\n{}",
+        controller.log()
+    );
+
+    // Killed again and not back within the window: its shims end the sandbox (before the
+    // controller resumes it elsewhere), so it never runs twice.
+    w1.sigkill();
+    let deadline = Instant::now() + PATIENCE;
+    while w1.containers().iter().any(|c| c.starts_with(&id)) {
+        assert!(
+            Instant::now() < deadline,
+            "still running past the window: {:?}",
+            w1.containers()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _w2 = Worker::start(dir, "w2", "w2", &controller.cluster);
+    controller
+        .wait_nodes("w1 lost, w2 ready", |n| {
+            state_of(n, "w1") == Some("lost") && state_of(n, "w2") == Some("ready")
+        })
+        .await;
+    // Back to its last snapshot (its template's fresh state: it was never parked).
+    assert_eq!(
+        controller
+            .exec(&id, "cat /tmp/state 2>/dev/null || echo fresh")
+            .await,
+        "fresh\n"
+    );
+    let resumed = controller.sandbox(&id).await;
+    assert_eq!(resumed["node"], "w2", "{resumed}");
+    assert!(
+        resumed["last_error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("worker w1 was lost"),
+        "{resumed}"
+    );
+}
+
 /// Waits until a parked sandbox's checkpoint reached the store (Suspended): cluster mode
 /// uploads it from its worker right after the park.
 async fn wait_uploaded(c: &Controller, id: &str) -> Value {

@@ -31,6 +31,9 @@ pub struct RunscNodeConfig {
     /// Runs each container under a shim (`agent_binary shim …`) so that it outlives this
     /// process, and takes back at start what a previous run left running ([`Node::adopt`]).
     pub live_restore: bool,
+    /// Under live restore: how long a container may run with no process of this node attached
+    /// before its shim ends it ([`crate::shim::Shims::fence`]); `None`: for ever.
+    pub live_restore_window: Option<std::time::Duration>,
 }
 
 pub struct RunscNode {
@@ -75,11 +78,12 @@ impl RunscNode {
                     "no torpor-shim beside the torpor binary: each resident sandbox's shim runs the whole binary");
                 cfg.agent_binary.clone()
             };
-            let shims =
+            let mut shims =
                 Shims::new(binary, shims_dir.clone()).map_err(|source| RuntimeError::Io {
                     path: shims_dir,
                     source,
                 })?;
+            shims.fence = cfg.live_restore_window;
             scan = shims.scan();
             if !scan.survivors.is_empty() {
                 tracing::info!(

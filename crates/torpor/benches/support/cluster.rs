@@ -104,7 +104,6 @@ pub struct Controller {
     http: reqwest::Client,
     api: String,
     pub cluster: String,
-    pub data: PathBuf,
     log: PathBuf,
     child: Child,
 }
@@ -147,7 +146,6 @@ impl Controller {
             http: reqwest::Client::new(),
             api,
             cluster,
-            data,
             log,
             child,
         };

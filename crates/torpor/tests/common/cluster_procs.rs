@@ -52,6 +52,16 @@ impl Controller {
     /// Controller `name` (its identity in `tmp/<name>`, its data in `tmp/controller-<name>`).
     /// Every controller of one database shares the env key: `c1`'s is copied to the others.
     pub async fn start_as(tmp: &Path, database: &str, name: &str) -> Controller {
+        Controller::start_with(tmp, database, name, 2000).await
+    }
+
+    /// [`Controller::start_as`] counting a worker lost after `worker_lost_after_ms` of silence.
+    pub async fn start_with(
+        tmp: &Path,
+        database: &str,
+        name: &str,
+        worker_lost_after_ms: u64,
+    ) -> Controller {
         let token = tmp.join("admin-token");
         std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
         let api = format!("127.0.0.1:{}", cluster::free_port());
@@ -71,7 +81,8 @@ impl Controller {
             .args(["--controller-lost-after-ms", "2000"])
             .args(["--admin-token-file", token.to_str().unwrap()])
             .args(["--data-dir", data.to_str().unwrap()])
-            .args(["--heartbeat-ms", "200", "--worker-lost-after-ms", "2000"])
+            .args(["--heartbeat-ms", "200", "--worker-lost-after-ms"])
+            .arg(worker_lost_after_ms.to_string())
             .args(["--tick-ms", "100"])
             .env("TORPOR_LOG", "info")
             .stdin(Stdio::null())
@@ -319,6 +330,20 @@ impl Worker {
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The containers runsc runs for this worker now (whoever started them).
+    pub fn containers(&self) -> Vec<String> {
+        let out = Command::new("runsc")
+            .arg("--root")
+            .arg(self.data.join("runsc"))
+            .args(["list", "-quiet"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect()
     }
 
     pub fn sigkill(&mut self) {

@@ -208,6 +208,7 @@ fn announce(node_addr: &str, run_id: &str) -> RegisterRequest {
         gpu_models: Vec::new(),
         labels: Default::default(),
         run_id: run_id.to_string(),
+        containers: Vec::new(),
     }
 }
 
@@ -539,6 +540,28 @@ async fn a_lost_worker_coming_back_is_cleaned_before_it_is_ready_again() {
         .log()
         .contains("removing a container left by a previous run"));
     assert!(heartbeat(&mut as_w1, "run-1").await.unwrap().known);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_worker_cannot_keep_containers_its_controller_does_not_hold() {
+    let rig = Rig::start(Duration::from_secs(30)).await;
+    let w1 = rig.worker("w1").await;
+    let mut as_w1 = rig.as_worker("w1");
+    register(&mut as_w1, &w1.addr, "run-1").await.unwrap();
+    // A container the controller never started there (a leftover, or one the worker made
+    // up), claimed as "still running" by a registration of a new run (live restore).
+    plant_leftover(&w1, rig.tmp.path(), "claimed-g1");
+    assert_eq!(w1.containers(), vec!["claimed-g1".to_string()]);
+    let mut claim = announce(&w1.addr, "run-2");
+    claim.containers = vec!["claimed-g1".into(), "sb-other-g1".into()];
+    as_w1.register(call(claim)).await.unwrap();
+    // Only containers the controller holds on that very worker are kept: this one is removed
+    // like any leftover, and nothing was taken over.
+    assert_eq!(state_of(&rig.ctl.fleet, "w1").as_deref(), Some("ready"));
+    assert_eq!(w1.containers(), Vec::<String>::new());
+    assert!(w1
+        .log()
+        .contains("removing a container left by a previous run"));
 }
 
 /// Status and error code of a raw call.
