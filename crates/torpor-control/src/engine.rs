@@ -38,6 +38,7 @@ mod lifecycle;
 mod listing;
 mod net;
 mod policy;
+mod quiet;
 mod quota;
 mod reboot;
 mod residency;

@@ -37,6 +37,8 @@ pub const ENV_S3_ALLOW_HTTP: &str = "AWS_ALLOW_HTTP";
 /// Label on a snapshot naming its tenant, and one naming the template of a golden snapshot.
 pub const LABEL_TENANT: &str = "tenant";
 pub const LABEL_GOLDEN: &str = "golden";
+/// Label on a template's root filesystem as a snapshot (cluster mode), naming the template.
+pub const LABEL_ROOTFS: &str = "rootfs";
 
 /// Where snapshots live.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -378,8 +380,8 @@ impl Snapshots {
             .map_err(store_error)
     }
 
-    /// Puts `dir` into the store as snapshot `id`, pinned (a template's root filesystem in
-    /// cluster mode); a snapshot already stored under `id` is kept as it is.
+    /// Puts `dir` into the store as snapshot `id`, pinned (a golden image; a template's root
+    /// filesystem in cluster mode); a snapshot already stored under `id` is kept as it is.
     pub async fn put_pinned(
         &self,
         tenant: &TenantId,
@@ -428,41 +430,9 @@ impl Snapshots {
         build: i64,
         dir: PathBuf,
     ) -> Result<SnapshotId> {
-        let id = snapshot_id(&format!("golden-{template}-{build}"))?;
-        let store = self.for_tenant(tenant)?;
-        let tenant = tenant.to_string();
-        let template = template.to_string();
-        let want = id.clone();
-        tokio::spawn(async move {
-            match store.load_manifest(&want).await {
-                Ok(_) => return Ok(want),
-                Err(StoreError::SnapshotNotFound { .. }) => {}
-                Err(e) => return Err(e),
-            }
-            let put = store
-                .put_dir_with(
-                    &dir,
-                    PutOptions {
-                        id: Some(want.clone()),
-                        labels: vec![
-                            (LABEL_GOLDEN.into(), template),
-                            (LABEL_TENANT.into(), tenant),
-                        ],
-                        ..Default::default()
-                    },
-                )
-                .await;
-            match put {
-                Ok(_) | Err(StoreError::SnapshotExists { .. }) => {}
-                Err(e) => return Err(e),
-            }
-            store.pin(&want).await?;
-            Ok(want)
-        })
-        .await
-        .map_err(|e| ControlError::Snapshot(format!("upload task failed: {e}")))?
-        .map_err(store_error)?;
-        Ok(id)
+        let labels = vec![(LABEL_GOLDEN.to_string(), template.to_string())];
+        self.put_pinned(tenant, &format!("golden-{template}-{build}"), labels, dir)
+            .await
     }
 
     /// A sandbox moved off `snapshot`. Without retention it is deleted now; with retention

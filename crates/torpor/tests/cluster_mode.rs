@@ -53,15 +53,7 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
     controller.wait_host_template().await;
 
     // A sandbox with state in files, memory (tmpfs) and a process.
-    let sb = controller
-        .ok(
-            reqwest::Method::POST,
-            "/v1/sandboxes",
-            Some(json!({"template": "host"})),
-        )
-        .await;
-    let id = sb["id"].as_str().unwrap().to_string();
-    controller.exec(&id, STATE).await;
+    let id = controller.create_with_state().await;
     let first = controller.sandbox(&id).await;
     let first_node = first["node"]
         .as_str()
@@ -259,15 +251,7 @@ async fn a_checkpoint_its_worker_could_not_upload_is_lost_with_that_worker_and_s
     controller.wait_host_template().await;
 
     // A first snapshot in the store, made on w1.
-    let sb = controller
-        .ok(
-            reqwest::Method::POST,
-            "/v1/sandboxes",
-            Some(json!({"template": "host"})),
-        )
-        .await;
-    let id = sb["id"].as_str().unwrap().to_string();
-    controller.exec(&id, STATE).await;
+    let id = controller.create_with_state().await;
     let park = json!({"tier": "parked"});
     let suspend = format!("/v1/sandboxes/{id}/suspend");
     controller
@@ -346,16 +330,8 @@ async fn a_worker_killed_and_restarted_keeps_its_sandboxes_running_and_one_not_b
         .wait_nodes("w1 ready", |n| state_of(n, "w1") == Some("ready"))
         .await;
     controller.wait_host_template().await;
-    let sb = controller
-        .ok(
-            reqwest::Method::POST,
-            "/v1/sandboxes",
-            Some(json!({"template": "host"})),
-        )
-        .await;
-    let id = sb["id"].as_str().unwrap().to_string();
     // Unsaved state: files, memory and a process counting; never checkpointed.
-    controller.exec(&id, STATE).await;
+    let id = controller.create_with_state().await;
     controller
         .exec(
             &id,

@@ -290,19 +290,6 @@ impl Engine {
                     "the checkpoint is still only on worker {node}; retry"
                 )))
             }
-            ImageRef::Golden if self.image_host().is_some() => {
-                let tpl = self
-                    .store
-                    .template_for(&source.tenant, &source.template)?
-                    .ok_or_else(|| ControlError::NotFound {
-                        kind: "template",
-                        id: source.template.to_string(),
-                    })?;
-                self.store
-                    .set_snapshot_bytes(&worker_images::golden_snapshot(&tpl), tpl.golden_bytes)?;
-                torpor_snapshot::SnapshotId::new(worker_images::golden_snapshot(&tpl))
-                    .map_err(|e| ControlError::Snapshot(format!("golden snapshot id: {e}")))?
-            }
             ImageRef::Store(s) => torpor_snapshot::SnapshotId::new(s.as_str())
                 .map_err(|e| ControlError::Snapshot(format!("snapshot id {s:?}: {e}")))?,
             ImageRef::Local(dir) => self.put_snapshot(&source.tenant, id, dir.clone()).await?,
@@ -314,15 +301,25 @@ impl Engine {
                         kind: "template",
                         id: source.template.to_string(),
                     })?;
-                let golden = self
-                    .snapshots
-                    .golden(
-                        &source.tenant,
-                        tpl.name.as_str(),
-                        tpl.created_at,
-                        tpl.golden_dir,
-                    )
-                    .await?;
+                let golden = match self.image_host() {
+                    // Cluster mode: published when the template was built.
+                    Some(_) => {
+                        torpor_snapshot::SnapshotId::new(worker_images::golden_snapshot(&tpl))
+                            .map_err(|e| {
+                                ControlError::Snapshot(format!("golden snapshot id: {e}"))
+                            })?
+                    }
+                    None => {
+                        self.snapshots
+                            .golden(
+                                &source.tenant,
+                                tpl.name.as_str(),
+                                tpl.created_at,
+                                tpl.golden_dir,
+                            )
+                            .await?
+                    }
+                };
                 self.store
                     .set_snapshot_bytes(golden.as_str(), tpl.golden_bytes)?;
                 golden

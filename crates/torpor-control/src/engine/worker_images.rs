@@ -188,7 +188,7 @@ impl Engine {
     /// puts it into the store (pinned, fixed id) for the workers.
     pub(super) async fn publish_rootfs(&self, tpl: &TemplateRecord) -> Result<()> {
         let labels = vec![(
-            crate::snapshots::LABEL_GOLDEN.to_string(),
+            crate::snapshots::LABEL_ROOTFS.to_string(),
             tpl.name.to_string(),
         )];
         self.snapshots

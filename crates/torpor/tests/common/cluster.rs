@@ -157,17 +157,7 @@ impl WorkerProc {
 
     /// Container ids runsc knows on this worker.
     pub fn containers(&self) -> Vec<String> {
-        let out = Command::new("runsc")
-            .arg("--root")
-            .arg(self.data_dir.join("runsc"))
-            .args(["list", "-quiet"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(str::to_string)
-            .filter(|l| !l.is_empty())
-            .collect()
+        runsc_containers(&self.data_dir)
     }
 
     /// SIGTERM and wait.
@@ -277,4 +267,19 @@ impl rustls::client::danger::ServerCertVerifier for AnyServer {
             .signature_verification_algorithms
             .supported_schemes()
     }
+}
+
+/// Container ids runsc knows under a worker's data directory (whoever started them).
+pub fn runsc_containers(data_dir: &Path) -> Vec<String> {
+    let out = Command::new("runsc")
+        .arg("--root")
+        .arg(data_dir.join("runsc"))
+        .args(["list", "-quiet"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .filter(|l| !l.is_empty())
+        .collect()
 }

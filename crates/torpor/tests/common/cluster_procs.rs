@@ -203,6 +203,20 @@ impl Controller {
         }
     }
 
+    /// A sandbox of the built-in template carrying [`STATE`]; its id.
+    pub async fn create_with_state(&self) -> String {
+        let sb = self
+            .ok(
+                reqwest::Method::POST,
+                "/v1/sandboxes",
+                Some(json!({"template": "host"})),
+            )
+            .await;
+        let id = sb["id"].as_str().unwrap().to_string();
+        self.exec(&id, STATE).await;
+        id
+    }
+
     pub async fn exec(&self, id: &str, script: &str) -> String {
         let v = self
             .ok(
@@ -334,16 +348,7 @@ impl Worker {
 
     /// The containers runsc runs for this worker now (whoever started them).
     pub fn containers(&self) -> Vec<String> {
-        let out = Command::new("runsc")
-            .arg("--root")
-            .arg(self.data.join("runsc"))
-            .args(["list", "-quiet"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(str::to_string)
-            .collect()
+        cluster::runsc_containers(&self.data)
     }
 
     pub fn sigkill(&mut self) {
