@@ -688,6 +688,14 @@ impl ImageHost for Fleet {
     fn reachable(&self, node: &str) -> bool {
         self.remote_named(node).is_some()
     }
+
+    fn ready(&self, node: &str) -> bool {
+        let m = self.lock();
+        m.workers.get(node).is_some_and(|w| !w.lost)
+            && m.placement
+                .get(node)
+                .is_some_and(|(_, _, state)| state == WorkerState::Ready)
+    }
 }
 
 /// Passes a worker's events on (exits: the container is forgotten first).

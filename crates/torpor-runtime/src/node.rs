@@ -147,6 +147,8 @@ pub trait ImageHost: Send + Sync {
     async fn remove(&self, node: &str, dir: &str);
     /// Whether `node` is a worker that can still be asked (ready or draining, not lost).
     fn reachable(&self, node: &str) -> bool;
+    /// Whether `node` takes sandboxes now (ready: not draining, not lost).
+    fn ready(&self, node: &str) -> bool;
 }
 
 /// Something the node reports on its own.

@@ -455,7 +455,9 @@ impl Engine {
                     .transitions
                     .with_label_values(&["parked", cause])
                     .inc();
-                self.upload_soon(id);
+                if let ImageRef::Worker { node, .. } = &rec.image {
+                    self.upload_soon(id, node);
+                }
                 Ok(())
             }
             Ok(()) => {

@@ -20,7 +20,7 @@
 
 use super::*;
 
-use torpor_runtime::node::{ImageHost, PutImage, StoredFiles};
+use torpor_runtime::node::{ImageHost, PutImage, StoredFiles, Uploaded};
 
 /// The fixed snapshot ids of a template's build.
 pub(super) fn rootfs_snapshot(tpl: &TemplateRecord) -> String {
@@ -99,20 +99,9 @@ impl Engine {
         rec.image = back;
     }
 
-    /// Puts a sandbox's worker-held image into the store from its worker. The record moves to
-    /// Suspended on the new snapshot; the one it superseded is retired; the worker keeps its
-    /// copy (a wake there reads it without a fetch).
-    pub(super) async fn upload_from_worker(
-        &self,
-        rec: &mut SandboxRecord,
-        host: &dyn ImageHost,
-        cause: &str,
-    ) -> Result<()> {
-        let ImageRef::Worker { node, dir, .. } = rec.image.clone() else {
-            return Ok(());
-        };
-        let t = Instant::now();
-        let put = PutImage {
+    /// What an upload of `rec`'s image puts: the tenant's store access and the sandbox's labels.
+    fn put_of(&self, rec: &SandboxRecord) -> Result<PutImage> {
+        Ok(PutImage {
             access: self.snapshots.access_for(&rec.tenant)?,
             labels: crate::snapshots::Snapshots::labels_for(
                 &rec.tenant,
@@ -123,32 +112,24 @@ impl Engine {
             ),
             id: None,
             pin: false,
+        })
+    }
+
+    /// Puts a sandbox's worker-held image into the store from its worker, under the sandbox's
+    /// lock (the API's suspend, a fork, the idle policy): `rec` is Uploading and moves to
+    /// Suspended on the new snapshot, or back to Parked.
+    pub(super) async fn upload_from_worker(
+        &self,
+        rec: &mut SandboxRecord,
+        host: &dyn ImageHost,
+        cause: &str,
+    ) -> Result<()> {
+        let ImageRef::Worker { node, dir, .. } = rec.image.clone() else {
+            return Ok(());
         };
-        match host.upload(&node, &dir, &put).await {
-            Ok(up) => {
-                self.store
-                    .set_snapshot_bytes(&up.snapshot, up.input_bytes)?;
-                let old = std::mem::replace(&mut rec.image, ImageRef::Store(up.snapshot.clone()));
-                self.move_to(rec, SandboxState::Suspended, cause)?;
-                if let ImageRef::Worker {
-                    fallback: Some(f), ..
-                } = old
-                {
-                    self.remove_image(&rec.tenant, &ImageRef::Store(f)).await;
-                }
-                self.metrics
-                    .checkpoint_bytes
-                    .with_label_values(&["store_new"])
-                    .inc_by(up.bytes_written);
-                self.metrics
-                    .transitions
-                    .with_label_values(&["suspended", cause])
-                    .inc();
-                tracing::info!(sandbox = %rec.id, worker = %node, snapshot = %up.snapshot,
-                    ms = t.elapsed().as_millis() as u64, written = up.bytes_written,
-                    "checkpoint uploaded from its worker");
-                Ok(())
-            }
+        let t = Instant::now();
+        match host.upload(&node, &dir, &self.put_of(rec)?).await {
+            Ok(up) => self.record_upload(rec, up, cause, t).await,
             Err(e) => {
                 rec.last_error = Some(format!("upload failed, still parked on worker {node}: {e}"));
                 self.move_to(rec, SandboxState::Parked, "upload_failed")?;
@@ -157,9 +138,74 @@ impl Engine {
         }
     }
 
-    /// Uploads a sandbox parked on a worker as soon as its lock is free (right after the park
-    /// that released it), so that it can wake on any worker and survive its worker's loss.
-    pub(super) fn upload_soon(&self, id: &SandboxId) {
+    /// Moves `rec` (read under its lock, still on the uploaded worker image) onto the snapshot:
+    /// Suspended if it was asleep (Uploading); a sandbox woken from that image meanwhile keeps
+    /// its state and has the snapshot as its fallback. The snapshot it superseded is retired;
+    /// the worker keeps its copy (a wake there reads it without a fetch).
+    async fn record_upload(
+        &self,
+        rec: &mut SandboxRecord,
+        up: Uploaded,
+        cause: &str,
+        t: Instant,
+    ) -> Result<()> {
+        self.store
+            .set_snapshot_bytes(&up.snapshot, up.input_bytes)?;
+        let old = std::mem::replace(&mut rec.image, ImageRef::Store(up.snapshot.clone()));
+        let to = match rec.state {
+            SandboxState::Uploading => SandboxState::Suspended,
+            other => other,
+        };
+        self.move_to(rec, to, cause)?;
+        if let ImageRef::Worker {
+            fallback: Some(f), ..
+        } = &old
+        {
+            self.remove_image(&rec.tenant, &ImageRef::Store(f.clone()))
+                .await;
+        }
+        self.metrics
+            .checkpoint_bytes
+            .with_label_values(&["store_new"])
+            .inc_by(up.bytes_written);
+        if to == SandboxState::Suspended {
+            self.metrics
+                .transitions
+                .with_label_values(&["suspended", cause])
+                .inc();
+        }
+        if let ImageRef::Worker { node, .. } = &old {
+            tracing::info!(sandbox = %rec.id, worker = %node, snapshot = %up.snapshot, state = %rec.state,
+                ms = t.elapsed().as_millis() as u64, written = up.bytes_written,
+                "checkpoint uploaded from its worker");
+        }
+        Ok(())
+    }
+
+    /// Right after a park: uploads the sandbox's image from its worker **without holding the
+    /// sandbox** (a call meanwhile wakes it from the worker's copy, as if no upload ran), then
+    /// records the snapshot under the sandbox's lock if the record still stands on that image
+    /// (asleep: Suspended; woken from it: the snapshot becomes its fallback). A snapshot
+    /// nothing stands on any more (re-parked, deleted, held by another controller) is retired.
+    pub(super) fn upload_soon(&self, id: &SandboxId, node: &str) {
+        if !self.image_host().is_some_and(|h| h.ready(node)) {
+            return self.upload_holding(id);
+        }
+        let Some(engine) = self.me.upgrade() else {
+            return;
+        };
+        let id = id.clone();
+        tokio::spawn(async move {
+            if let Err(e) = engine.upload_unlocked(&id).await {
+                tracing::warn!(sandbox = %id, error = %e, "background upload failed");
+            }
+        });
+    }
+
+    /// [`Engine::upload_soon`] for a worker that takes no new sandboxes (draining): the upload
+    /// holds the sandbox, so a call waits for it and then wakes the sandbox elsewhere from the
+    /// store rather than on the draining worker.
+    fn upload_holding(&self, id: &SandboxId) {
         let Some(engine) = self.me.upgrade() else {
             return;
         };
@@ -173,15 +219,49 @@ impl Engine {
             if rec.state != SandboxState::Parked || !matches!(rec.image, ImageRef::Worker { .. }) {
                 return; // woken, deleted or uploaded meanwhile
             }
-            if engine.holder_in(SandboxState::Uploading) != rec.controller
-                && rec.controller.is_some()
-            {
-                return;
-            }
             if let Err(e) = engine.upload_locked(&id, "stored").await {
                 tracing::warn!(sandbox = %id, error = %e, "background upload failed");
             }
         });
+    }
+
+    async fn upload_unlocked(&self, id: &SandboxId) -> Result<()> {
+        let Some(rec) = self.store.sandbox(id)? else {
+            return Ok(());
+        };
+        let (ImageRef::Worker { node, dir, .. }, SandboxState::Parked, Some(host)) =
+            (rec.image.clone(), rec.state, self.image_host())
+        else {
+            return Ok(()); // woken, deleted or uploaded meanwhile
+        };
+        let t = Instant::now();
+        let uploaded = host.upload(&node, &dir, &self.put_of(&rec)?).await;
+        let slot = self.slot(id);
+        let _guard = slot.state.clone().write_owned().await;
+        let current = self.store.sandbox(id)?.filter(|r| {
+            matches!(&r.image, ImageRef::Worker { node: n, dir: d, .. } if *n == node && *d == dir)
+        });
+        match (uploaded, current) {
+            (Ok(up), Some(mut rec))
+                if rec.controller.is_none()
+                    || rec.controller.as_deref() == self.controller_name() =>
+            {
+                if rec.state == SandboxState::Parked {
+                    self.move_to(&mut rec, SandboxState::Uploading, "stored")?;
+                }
+                self.record_upload(&mut rec, up, "stored", t).await
+            }
+            (Ok(up), _) => {
+                self.snapshots.retire(&rec.tenant, &up.snapshot).await;
+                Ok(())
+            }
+            (Err(e), Some(mut rec)) if rec.state == SandboxState::Parked => {
+                rec.last_error = Some(format!("upload failed, still parked on worker {node}: {e}"));
+                self.move_to(&mut rec, SandboxState::Parked, "upload_failed")?;
+                Err(e.into())
+            }
+            (Err(e), _) => Err(e.into()),
+        }
     }
 
     /// Cluster mode, after a template's root filesystem is ready on this controller's disk:
