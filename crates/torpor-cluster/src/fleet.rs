@@ -525,26 +525,19 @@ impl Fleet {
         for _attempt in 0..2 {
             let (worker, remote) = {
                 let mut m = self.lock();
-                if let Some(pin) = &pinned {
-                    let remote = match m.workers.get(pin) {
-                        Some(w) if !w.lost => w.remote.clone(),
-                        _ => {
-                            return Err(RuntimeError::ImageLost(format!(
-                                "its checkpoint is on worker {pin}, which is gone"
-                            )))
-                        }
-                    };
+                // The worker to start on, with its slot and memory reserved.
+                let chosen = if let Some(pin) = &pinned {
+                    if m.workers.get(pin).is_none_or(|w| w.lost) {
+                        return Err(RuntimeError::ImageLost(format!(
+                            "its checkpoint is on worker {pin}, which is gone"
+                        )));
+                    }
                     if !m.placement.reserve(pin, need.memory) {
                         return Err(RuntimeError::NoCapacity(format!(
                             "worker {pin}, which holds its checkpoint, is full or draining (its upload to the store will free it)"
                         )));
                     }
-                    if let Some(w) = m.workers.get_mut(pin) {
-                        w.held.insert(launch.container_id.clone());
-                    }
-                    m.containers
-                        .insert(launch.container_id.clone(), (pin.clone(), need.memory));
-                    (pin.clone(), remote)
+                    pin.clone()
                 } else {
                     let prefer = sandbox
                         .as_ref()
@@ -577,20 +570,19 @@ impl Fleet {
                             )
                         }));
                     };
-                    let Some(w) = m.workers.get_mut(&choice.worker) else {
-                        m.placement.release(&choice.worker, need.memory);
-                        return Err(RuntimeError::NoCapacity(
-                            "placement chose a gone worker".into(),
-                        ));
-                    };
-                    w.held.insert(launch.container_id.clone());
-                    let remote = w.remote.clone();
-                    m.containers.insert(
-                        launch.container_id.clone(),
-                        (choice.worker.clone(), need.memory),
-                    );
-                    (choice.worker, remote)
-                }
+                    choice.worker
+                };
+                let Some(w) = m.workers.get_mut(&chosen) else {
+                    m.placement.release(&chosen, need.memory);
+                    return Err(RuntimeError::NoCapacity(
+                        "placement chose a gone worker".into(),
+                    ));
+                };
+                w.held.insert(launch.container_id.clone());
+                let remote = w.remote.clone();
+                m.containers
+                    .insert(launch.container_id.clone(), (chosen.clone(), need.memory));
+                (chosen, remote)
             };
             let started = match image {
                 Some(image) => remote.restore(launch.clone(), image).await,
