@@ -1158,3 +1158,96 @@ async fn an_agent_that_predates_inotify_watches_is_polled_as_before() {
         "{events:?}"
     );
 }
+
+/// Polling a watcher (`GetWatcherEvents`) never wakes a sleeping sandbox: nothing changes in
+/// its files while it sleeps, so the poll answers what is buffered (nothing here) and the
+/// sandbox stays asleep, whether torpor put it to sleep or E2B paused it with auto-resume
+/// (which any other call still resumes). What the agent queued before the sleep comes at the
+/// first poll once it runs again.
+#[tokio::test(flavor = "multi_thread")]
+async fn polling_a_watcher_leaves_a_sleeping_sandbox_asleep() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    c.create_template(&agent_template("wp", no_idle()))
+        .await
+        .unwrap();
+    let api = E2b {
+        http: reqwest::Client::new(),
+        url: d.url(),
+        key: d.token(),
+    };
+    let (s, sbx) = api
+        .call(
+            reqwest::Method::POST,
+            "/v2/sandboxes",
+            Some(json!({"templateID": "wp", "timeout": 600, "autoResume": {"enabled": true}})),
+        )
+        .await;
+    assert_eq!(s, 201, "{sbx}");
+    let id = sbx["sandboxID"].as_str().unwrap().to_string();
+    let token = sbx["envdAccessToken"].as_str().unwrap().to_string();
+    c.exec(&id, &sh("mkdir -p /tmp/wp")).await.unwrap();
+    let unary = |method: &str, body: Value| {
+        let req = api
+            .envd(&format!("/filesystem.Filesystem/{method}"), &id, &token)
+            .header("Content-Type", "application/json")
+            .body(body.to_string());
+        async move {
+            let resp = req.send().await.unwrap();
+            assert_eq!(resp.status().as_u16(), 200);
+            resp.json::<Value>().await.unwrap()
+        }
+    };
+    let w = unary("CreateWatcher", json!({"path": "/tmp/wp"})).await;
+    let watcher = json!({"watcherId": w["watcherId"]});
+    // A change the client has not asked for yet when the sandbox goes to sleep.
+    c.exec(&id, &sh("touch /tmp/wp/before")).await.unwrap();
+    let names = |v: &Value| -> Vec<String> {
+        v["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+
+    // Put to sleep by torpor (parked): polled, still parked, nothing to hand out.
+    c.suspend(&id, Some(torpor_core::Tier::Parked))
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let got = unary("GetWatcherEvents", watcher.clone()).await;
+        assert_eq!(got["events"], json!([]), "{got}");
+        assert_eq!(c.sandbox(&id).await.unwrap().tier, "parked");
+    }
+    // Woken by another call: the change made before the sleep comes now.
+    c.resume(&id).await.unwrap();
+    let got = unary("GetWatcherEvents", watcher.clone()).await;
+    let n = names(&got);
+    assert!(!n.is_empty() && n.iter().all(|n| n == "before"), "{got}");
+
+    // Paused through E2B, with auto-resume: the poll does not resume it.
+    let (s, v) = api
+        .call(
+            reqwest::Method::POST,
+            &format!("/sandboxes/{id}/pause"),
+            None,
+        )
+        .await;
+    assert_eq!(s, 204, "{v}");
+    for _ in 0..3 {
+        let got = unary("GetWatcherEvents", watcher.clone()).await;
+        assert_eq!(got["events"], json!([]), "{got}");
+        assert_eq!(c.sandbox(&id).await.unwrap().tier, "parked");
+        let (_, info) = api
+            .call(reqwest::Method::GET, &format!("/sandboxes/{id}"), None)
+            .await;
+        assert_eq!(info["state"], "paused", "{info}");
+    }
+    // Any other envd call resumes it, as on E2B; the watch goes on.
+    unary("Stat", json!({"path": "/tmp/wp"})).await;
+    assert_eq!(c.sandbox(&id).await.unwrap().tier, "running");
+    c.exec(&id, &sh("touch /tmp/wp/after")).await.unwrap();
+    let got = unary("GetWatcherEvents", watcher.clone()).await;
+    assert!(names(&got).contains(&"after".to_string()), "{got}");
+}

@@ -114,12 +114,31 @@ impl CtxError {
     }
 }
 
+/// Whether a call wakes a sandbox paused through E2B with auto-resume, as every call to it
+/// does on E2B's edge, or leaves it asleep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AutoResume {
+    Wake,
+    /// A watcher's poll (`GetWatcherEvents`): nothing changes in a sleeping sandbox's files,
+    /// so it is answered from what is buffered, and the sandbox stays paused to E2B.
+    Leave,
+}
+
 /// The sandbox a call acts on, its access token checked, and a token of its owner's rate for
 /// `class` taken.
 pub fn ctx(
     st: &E2b,
     headers: &HeaderMap,
     class: crate::ratelimit::RouteClass,
+) -> Result<Ctx, CtxError> {
+    ctx_with(st, headers, class, AutoResume::Wake)
+}
+
+fn ctx_with(
+    st: &E2b,
+    headers: &HeaderMap,
+    class: crate::ratelimit::RouteClass,
+    resume: AutoResume,
 ) -> Result<Ctx, CtxError> {
     let raw = headers
         .get("e2b-sandbox-id")
@@ -144,7 +163,7 @@ pub fn ctx(
     if !constant_time_eq(token.as_bytes(), st.access_token(&id).as_bytes()) {
         return Err(CtxError::Unauthenticated);
     }
-    ctx_for(st, rec, raw, class)
+    ctx_for_with(st, rec, raw, class, resume)
 }
 
 /// The rest of [`ctx`] once the caller is authorised for sandbox `rec` (by its token, or a
@@ -155,20 +174,33 @@ pub fn ctx_for(
     raw: &str,
     class: crate::ratelimit::RouteClass,
 ) -> Result<Ctx, CtxError> {
+    ctx_for_with(st, rec, raw, class, AutoResume::Wake)
+}
+
+fn ctx_for_with(
+    st: &E2b,
+    rec: torpor_control::SandboxRecord,
+    raw: &str,
+    class: crate::ratelimit::RouteClass,
+    resume: AutoResume,
+) -> Result<Ctx, CtxError> {
     let id = rec.id.clone();
     let tenant = rec.tenant.clone();
     crate::request_id::set_caller(&tenant);
     crate::ratelimit::check(&st.api, &tenant, class)
         .map_err(|e| CtxError::RateLimited(e.message().to_string()))?;
     // Paused through E2B: refused as E2B refuses it, or (auto-resume) woken by this call,
-    // which the engine does; E2B's view changes first so is_running answers true again.
+    // which the engine does; E2B's view changes first so is_running answers true again. A
+    // call that leaves it asleep changes nothing.
     if rec.metadata.contains_key(super::META_PAUSED) {
         if !super::auto_resumes(&rec) {
             return Err(CtxError::Paused(raw.to_string()));
         }
-        super::mark_resumed(&st.api.engine, &rec, None)
-            .map_err(|e| CtxError::Internal(E2bError::from(e).message))?;
-        tracing::info!(sandbox = %id, "e2b auto-resume");
+        if resume == AutoResume::Wake {
+            super::mark_resumed(&st.api.engine, &rec, None)
+                .map_err(|e| CtxError::Internal(E2bError::from(e).message))?;
+            tracing::info!(sandbox = %id, "e2b auto-resume");
+        }
     }
     Ok(Ctx {
         tenant,
@@ -183,9 +215,10 @@ pub fn rpc_call(
     st: &E2b,
     headers: &HeaderMap,
     class: crate::ratelimit::RouteClass,
+    resume: AutoResume,
 ) -> Result<(connect::Framing, Ctx), Box<Response>> {
     let framing = connect::framing(headers).map_err(|e| Box::new(connect::unary_err(&e)))?;
-    let c = ctx(st, headers, class)
+    let c = ctx_with(st, headers, class, resume)
         .map_err(|e| Box::new(connect::error_response(framing, &e.rpc())))?;
     Ok((framing, c))
 }
@@ -254,7 +287,12 @@ pub async fn process_rpc(
     req: HttpRequest,
 ) -> Response {
     let headers = req.headers().clone();
-    let (framing, c) = match rpc_call(&st, &headers, crate::ratelimit::RouteClass::Exec) {
+    let (framing, c) = match rpc_call(
+        &st,
+        &headers,
+        crate::ratelimit::RouteClass::Exec,
+        AutoResume::Wake,
+    ) {
         Ok(fc) => fc,
         Err(resp) => return *resp,
     };

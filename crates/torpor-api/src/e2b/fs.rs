@@ -19,7 +19,7 @@ use serde_json::json;
 use torpor_runtime::proto::{DirEntry, FileKind, MetaEntry};
 
 use super::connect::{self, Code, RpcError};
-use super::envd::{rpc_call, run, Ctx};
+use super::envd::{rpc_call, run, AutoResume, Ctx};
 use super::owners::{names_for, Names};
 pub(crate) use super::paths::basic_user;
 pub use super::paths::resolve;
@@ -367,7 +367,13 @@ pub async fn filesystem_rpc(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let (framing, c) = match rpc_call(&st, &headers, crate::ratelimit::RouteClass::Files) {
+    // A watcher's poll leaves a sandbox asleep, even one that auto-resumes (see `watch`).
+    let resume = if method == "GetWatcherEvents" {
+        AutoResume::Leave
+    } else {
+        AutoResume::Wake
+    };
+    let (framing, c) = match rpc_call(&st, &headers, crate::ratelimit::RouteClass::Files, resume) {
         Ok(fc) => fc,
         Err(resp) => return *resp,
     };
@@ -484,7 +490,7 @@ pub async fn filesystem_rpc(
             "GetWatcherEvents" => {
                 let state = watch_state(&st, &c, &req.watcher_id)?;
                 let mut state = state.lock().await;
-                state.poll(&st, &c, false).await?;
+                state.poll(&st, &c, watch::Look::Client).await?;
                 Ok(connect::unary_ok(&json!({"events": state.drain()})))
             }
             "RemoveWatcher" => {

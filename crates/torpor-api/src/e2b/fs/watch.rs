@@ -11,6 +11,13 @@
 //! agent (at most [`proto::MAX_WATCH_EVENTS`]). With `includeEntry`, each event of an entry
 //! that still exists carries its `EntryInfo`, read when the event is handed out.
 //!
+//! No look at a watch wakes its sandbox ([`Look`]): nothing changes in a sleeping sandbox's
+//! files, so `GetWatcherEvents` of a sandbox that sleeps (frozen, parked, suspended, paused
+//! through E2B with auto-resume) answers what is buffered here, usually nothing, and leaves it
+//! asleep; what the agent queued before it slept comes at the first poll once it runs again.
+//! Of a running sandbox the poll is its activity, as any call, so a polled sandbox stays
+//! awake.
+//!
 //! An older agent (a sandbox restored from an older torpor's snapshot) is watched as before:
 //! snapshots of the directory (recursive: every level, so folders made after the watch
 //! started are watched too), diffed into envd's events. A watcher made by `CreateWatcher` is polled in the background every [`WATCH_POLL`] while its
@@ -34,6 +41,16 @@ use super::super::connect::{self, Code, Item, RpcError};
 use super::super::envd::Ctx;
 use super::super::{is_running, E2b};
 use super::{describe, join, metadata, stat, walk};
+
+/// Who looks at a watch. Neither look wakes a sleeping sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Look {
+    /// A background look (a `WatchDir` stream's, a polled watcher's poller): not the
+    /// sandbox's activity.
+    Background,
+    /// The client's `GetWatcherEvents`: the sandbox's activity while it runs, as any call.
+    Client,
+}
 
 /// How often a watcher looks at its directory.
 pub const WATCH_POLL: Duration = Duration::from_millis(200);
@@ -179,36 +196,24 @@ impl WatchState {
         Ok(w)
     }
 
-    /// Takes the agent's queued events (`quiet`: by a call that neither wakes the sandbox nor
-    /// counts as activity, and takes nothing from one that is not running) and queues them as
-    /// envd's. A watch the agent no longer has (ended as its oldest past its bound) goes on
-    /// as a polled one from now.
+    /// Takes the agent's queued events, if the sandbox runs (one that sleeps is not woken:
+    /// nothing is taken), and queues them as envd's. A watch the agent no longer has (ended as
+    /// its oldest past its bound) goes on as a polled one from now.
     async fn take_agent_events(
         &mut self,
         st: &E2b,
         c: &Ctx,
         watch: u64,
-        quiet: bool,
+        look: Look,
     ) -> Result<(), RpcError> {
         let req = Request::WatchEvents { watch };
-        let reply = if quiet {
-            match st
-                .api
-                .engine
-                .quiet_call_if_running(&c.id, &req, &[])
-                .await?
-            {
-                Some((r, _)) => r,
-                None => return Ok(()),
-            }
-        } else {
-            match st.api.engine.agent_call(&c.tenant, &c.id, req, &[]).await {
-                Ok((r, _)) => r,
-                Err(torpor_control::ControlError::Agent { code, message }) => {
-                    Reply::Error { code, message }
-                }
-                Err(e) => return Err(e.into()),
-            }
+        let engine = &st.api.engine;
+        let reply = match look {
+            Look::Background => engine.quiet_call_if_running(&c.id, &req, &[]).await?,
+            Look::Client => engine.call_if_running(&c.id, &req, &[]).await?,
+        };
+        let Some((reply, _)) = reply else {
+            return Ok(());
         };
         let (events, overflowed) = match reply {
             Reply::WatchEvents { events, overflowed } => (events, overflowed),
@@ -277,12 +282,14 @@ impl WatchState {
             .collect())
     }
 
-    /// Queues what changed since the last look: the agent's events, or a new snapshot's
-    /// difference. `quiet` (background looks): an agent watch is read without waking the
-    /// sandbox or counting as its activity.
-    pub(super) async fn poll(&mut self, st: &E2b, c: &Ctx, quiet: bool) -> Result<(), RpcError> {
+    /// Queues what changed since the last look, if the sandbox runs: the agent's events, or
+    /// a new snapshot's difference. A sleeping sandbox is not woken: nothing changed in it.
+    pub(super) async fn poll(&mut self, st: &E2b, c: &Ctx, look: Look) -> Result<(), RpcError> {
         if let Some(watch) = self.agent_watch {
-            return self.take_agent_events(st, c, watch, quiet).await;
+            return self.take_agent_events(st, c, watch, look).await;
+        }
+        if !st.api.engine.is_running_now(&c.id) {
+            return Ok(());
         }
         let now = self.snapshot(st, c).await?;
         let changes = diff(&self.seen, &now);
@@ -481,7 +488,7 @@ async fn poll_forever(st: Weak<E2b>, c: Ctx, state: Arc<tokio::sync::Mutex<Watch
             Ok(_) => continue,
             Err(_) => return,
         }
-        if let Err(e) = state.lock().await.poll(&st, &c, false).await {
+        if let Err(e) = state.lock().await.poll(&st, &c, Look::Background).await {
             tracing::debug!(sandbox = %c.id, error = %e.message, "e2b watcher poll failed");
         }
     }
@@ -603,7 +610,7 @@ pub(super) async fn watch_stream(
                 return;
             }
         }
-        if let Err(e) = w.poll(&st, &c, true).await {
+        if let Err(e) = w.poll(&st, &c, Look::Background).await {
             let _ = tx.send(Item::End(Some(e))).await;
             return;
         }
