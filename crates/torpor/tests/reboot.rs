@@ -270,6 +270,9 @@ async fn a_tenant_cannot_forge_or_read_the_marks_of_a_wake() {
         "torpor.wake.reboot",
         "torpor.wake.unset.app",
         "torpor.wake.in_ms.app",
+        // E2B's own state (its pause mark, its deadline): reserved as well.
+        "torpor.e2b.paused",
+        "torpor.e2b.end_at",
     ];
     for key in forged {
         let r = http
@@ -341,4 +344,35 @@ async fn a_tenant_cannot_forge_or_read_the_marks_of_a_wake() {
     // Another tenant is untouched.
     let other = create(&admin, "rb-forge").await;
     assert_eq!(call_agent(&admin, &other, "x").await, (1, 1));
+}
+
+/// A fork (torpor's own API) of a sandbox whose next wake reboots it starts from that
+/// sandbox's memory: the pending reboot is its source's, not the fork's. Nor is the fork
+/// paused to E2B (it never was): it is running to E2B, with a deadline of its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fork_does_not_inherit_its_sources_pending_reboot() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    c.create_template(&agent_template("rb-fork", no_idle()))
+        .await
+        .unwrap();
+    let id = create(&c, "rb-fork").await;
+    assert_eq!(call_agent(&c, &id, "a").await, (1, 1));
+    pause_without_memory(&d, &id).await;
+    let fork = c.fork(&id, 1).await.unwrap().remove(0).id;
+    // The fork wakes with its source's memory: the same main process goes on.
+    assert_eq!(call_agent(&c, &fork, "b").await, (2, 2));
+    let detail = e2b_detail(&d, &fork).await;
+    assert_eq!(detail["state"], "running", "{detail}");
+    assert!(detail["pauseMode"].is_null(), "{detail}");
+    assert!(detail["endAt"].as_str().is_some(), "{detail}");
+    let s = c.sandbox(&fork).await.unwrap();
+    assert!(
+        !s.metadata.keys().any(|k| k.starts_with("torpor.")),
+        "{s:?}"
+    );
+    // The source's own mark stands: its next call reboots it, and only it.
+    assert_eq!(e2b_detail(&d, &id).await["pauseMode"], "filesystem");
+    assert_eq!(call_agent(&c, &id, "c").await, (1, 2));
+    assert_eq!(call_agent(&c, &fork, "d").await, (3, 3));
 }

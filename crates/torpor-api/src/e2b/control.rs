@@ -522,6 +522,13 @@ pub async fn create(
     if let Some(h) = holder {
         return super::snapshots::create_from(&st, &tenant, &h, plan).await;
     }
+    // The engine refuses E2B's keys in a create (they are reserved, so that no tenant forges
+    // them through torpor's API): it gets the caller's metadata, and E2B's lifecycle is
+    // written right after, before the caller knows the sandbox's id.
+    let (lifecycle, metadata): (BTreeMap<_, _>, BTreeMap<_, _>) = plan
+        .metadata
+        .into_iter()
+        .partition(|(k, _)| k.starts_with(META_PREFIX));
     let rec = st
         .api
         .engine
@@ -530,7 +537,7 @@ pub async fn create(
             CreateSandbox {
                 template: plan.template,
                 env: plan.env,
-                metadata: plan.metadata,
+                metadata,
                 limits: Default::default(),
                 gpu: None,
                 network: Some(plan.network),
@@ -544,6 +551,22 @@ pub async fn create(
             } => E2bError::not_found(format_args!("template {id:?}")),
             e => e.into(),
         })?;
+    let patch: BTreeMap<String, Option<String>> =
+        lifecycle.into_iter().map(|(k, v)| (k, Some(v))).collect();
+    let rec = match st
+        .api
+        .engine
+        .patch_sandbox_metadata(&tenant, &rec.id, &patch)
+    {
+        Ok(rec) => rec,
+        Err(e) => {
+            // Without its deadline it would never time out: it goes.
+            if let Err(e) = st.api.engine.delete_sandbox(&tenant, &rec.id).await {
+                tracing::warn!(sandbox = %rec.id, error = %e, "an e2b sandbox without its lifecycle stays");
+            }
+            return Err(e.into());
+        }
+    };
     // E2B's commands start in the user's home.
     super::envd::ensure_home(&st, &tenant, &rec.id).await;
     Ok((StatusCode::CREATED, Json(sandbox_json(&st, &rec))))

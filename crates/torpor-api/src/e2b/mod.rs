@@ -49,7 +49,9 @@ use crate::state::ApiState;
 /// option (0.6.4): accepted, and moot, since a sandbox has no network mounts).
 pub const ENVD_VERSION: &str = "0.6.4";
 /// Metadata keys the adapter keeps for itself; hidden from E2B responses and filters.
-pub const META_PREFIX: &str = "torpor.e2b.";
+/// Reserved by the engine too: no tenant sets them at create (torpor's API or E2B's) or reads
+/// them, so only this adapter writes them ([`torpor_control::Engine::patch_sandbox_metadata`]).
+pub const META_PREFIX: &str = torpor_control::Engine::E2B_PREFIX;
 const META_END_AT: &str = "torpor.e2b.end_at";
 const META_ON_TIMEOUT: &str = "torpor.e2b.on_timeout";
 /// Set while a sandbox is paused the E2B way (`pause`, or its timeout): it is not running to
@@ -218,7 +220,7 @@ pub fn e2b_running(rec: &torpor_control::SandboxRecord) -> bool {
 /// Whether a metadata key is reserved: E2B's own ([`META_PREFIX`]) and the engine's marks for
 /// a sandbox's next wake. A tenant neither sets nor sees them.
 pub fn is_reserved_key(key: &str) -> bool {
-    key.starts_with(META_PREFIX) || torpor_control::Engine::is_reserved_metadata(key)
+    torpor_control::Engine::is_reserved_metadata(key)
 }
 
 /// The metadata patch that pauses a sandbox to E2B (`kind`: `pause` or `timeout`): the mark,

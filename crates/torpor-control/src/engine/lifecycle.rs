@@ -333,7 +333,8 @@ impl Engine {
         let mut forks = Vec::with_capacity(count);
         for snap in ids {
             let now = now_millis();
-            let mut metadata = source.metadata.clone();
+            // Not the marks of the source's next wake: the fork starts from its memory.
+            let mut metadata = super::reboot::forked_metadata(&source.metadata, now);
             metadata.insert("forked_from".into(), source.id.to_string());
             let rec = SandboxRecord {
                 id: SandboxId::generate(),

@@ -12,7 +12,15 @@
 //!   again must look like, whichever call woke it.
 //!
 //! The prefix is reserved: a tenant can neither set such a key (create refuses it) nor read it
-//! (the API answers [`Engine::public_metadata`]).
+//! (the API answers [`Engine::public_metadata`]). So is the E2B adapter's ([`Engine::E2B_PREFIX`]:
+//! its deadline, its pause mark, its snapshots' names), which the adapter alone writes, through
+//! [`Engine::patch_sandbox_metadata`], a call no tenant route reaches: a tenant that could set
+//! them at create would forge E2B's state (a paused mark, a deadline, a snapshot holder).
+//!
+//! A fork ([`Engine::fork`]) inherits no mark (`forked_metadata`): it starts from its
+//! source's memory, so the source's pending reboot is not its own, and the rest of the wake's
+//! patch (E2B's "no longer paused", a deadline from now) is applied at once, as for a sandbox
+//! woken from that image: a fork was never paused through E2B.
 
 use super::*;
 
@@ -27,10 +35,13 @@ const DEADLINE_PREFIX: &str = "torpor.wake.in_ms.";
 impl Engine {
     /// The metadata keys the engine keeps for a sandbox's next wake; reserved.
     pub const WAKE_PREFIX: &'static str = "torpor.wake.";
+    /// The metadata keys the E2B adapter keeps for a sandbox's E2B lifecycle; reserved.
+    pub const E2B_PREFIX: &'static str = "torpor.e2b.";
 
-    /// Whether a metadata key is reserved to the engine (no tenant sets or reads it).
+    /// Whether a metadata key is reserved to the engine or the E2B adapter (no tenant sets or
+    /// reads it).
     pub fn is_reserved_metadata(key: &str) -> bool {
-        key.starts_with(Self::WAKE_PREFIX)
+        key.starts_with(Self::WAKE_PREFIX) || key.starts_with(Self::E2B_PREFIX)
     }
 
     /// A sandbox's metadata as its tenant sees it: without the reserved keys.
@@ -137,15 +148,31 @@ impl Engine {
     }
 }
 
-/// Create refuses the reserved keys (wired into the engine's metadata check).
+/// Create refuses the reserved keys (wired into the engine's metadata check): 400
+/// `invalid_request`, as any invalid metadata.
 pub(super) fn check_reserved(m: &BTreeMap<String, String>) -> Result<()> {
-    if m.keys().any(|k| Engine::is_reserved_metadata(k)) {
+    if let Some(key) = m.keys().find(|k| Engine::is_reserved_metadata(k)) {
         return Err(ControlError::Invalid(format!(
-            "metadata keys starting with {:?} are reserved",
-            Engine::WAKE_PREFIX
+            "metadata key {key:?} is reserved: keys starting with {:?} or {:?} are torpor's own",
+            Engine::WAKE_PREFIX,
+            Engine::E2B_PREFIX
         )));
     }
     Ok(())
+}
+
+/// A fork's metadata, made at `now` from its source's: no mark of the source's next wake. The
+/// reboot is dropped (the fork runs on from the source's memory); the rest of the wake's patch
+/// is applied now, so a fork of a sandbox paused through E2B is not paused to E2B and has a
+/// deadline of its timeout from now, as if woken.
+pub(super) fn forked_metadata(
+    metadata: &BTreeMap<String, String>,
+    now: i64,
+) -> BTreeMap<String, String> {
+    match woken_metadata(metadata, now) {
+        Some((metadata, _reboot)) => metadata,
+        None => metadata.clone(),
+    }
 }
 
 /// The metadata after a wake at `now` (ms) and whether the wake reboots; `None` when the
@@ -225,5 +252,50 @@ mod tests {
         assert!(check_reserved(&m).is_err());
         assert!(check_reserved(&meta(&[("torpor.wakeful", "1")])).is_ok());
         assert_eq!(Engine::public_metadata(&m), meta(&[("a", "1")]));
+    }
+
+    #[test]
+    fn tenants_cannot_set_or_see_e2bs_keys() {
+        for key in [
+            "torpor.e2b.paused",
+            "torpor.e2b.end_at",
+            "torpor.e2b.snapshot_of",
+        ] {
+            let m = meta(&[("a", "1"), (key, "1")]);
+            let err = check_reserved(&m).unwrap_err();
+            assert!(
+                matches!(&err, ControlError::Invalid(msg) if msg.contains(key)),
+                "{err:?}"
+            );
+            assert_eq!(Engine::public_metadata(&m), meta(&[("a", "1")]));
+        }
+        assert!(check_reserved(&meta(&[("torpor.e2bx", "1"), ("e2b.paused", "1")])).is_ok());
+    }
+
+    #[test]
+    fn a_fork_inherits_no_mark_of_its_sources_wake() {
+        let paused = "torpor.e2b.paused";
+        let end = "torpor.e2b.end_at";
+        // A source paused through E2B without memory: the fork does not reboot, is not
+        // paused, and has a deadline from its making.
+        let source = meta(&[
+            ("app", "x"),
+            (paused, "pause"),
+            (REBOOT_KEY, "1"),
+            (&Engine::wake_unset_key(paused), ""),
+            (&Engine::wake_deadline_key(end), "300000"),
+        ]);
+        assert_eq!(
+            forked_metadata(&source, 1_000),
+            meta(&[("app", "x"), (end, "301000")])
+        );
+        // Only a reboot pending: dropped.
+        assert_eq!(
+            forked_metadata(&meta(&[("app", "x"), (REBOOT_KEY, "1")]), 1),
+            meta(&[("app", "x")])
+        );
+        // No mark: copied as it is.
+        let plain = meta(&[("app", "x"), (end, "5")]);
+        assert_eq!(forked_metadata(&plain, 1), plain);
     }
 }

@@ -11,6 +11,7 @@
 //! - `audit`: the tamper-evident log;
 //! - `e2b_metadata`: E2B's file metadata (attribute namespaces, sizes, read bounds);
 //! - `e2b`: E2B's `base` template (its operator-set egress ceiling);
+//! - `e2b_reserved`: E2B's own metadata (`torpor.e2b.*`), which no tenant sets through torpor's API;
 //! - `tls_hosts`: host names over HTTPS (`--tls-listen`): another tenant's envd and ports;
 //! - `shim`: the containers' supervisors (live restore): another local user, sandboxed code.
 
@@ -22,6 +23,7 @@ mod cluster;
 mod cluster_join;
 mod e2b;
 mod e2b_metadata;
+mod e2b_reserved;
 mod edge;
 mod local;
 mod network;
