@@ -40,6 +40,7 @@ pub(crate) async fn create_sandbox(
                 metadata: body.metadata,
                 limits: body.limits.unwrap_or_default(),
                 gpu: body.gpu,
+                layer_metadata: Default::default(),
                 network: body.network,
             },
         )
@@ -143,7 +144,7 @@ pub(crate) async fn get_sandbox(
     let id = sandbox_id(&id)?;
     let s = state.engine.sandbox(&tenant, &id)?;
     let mut out = Sandbox::from(&s);
-    if let Some((worker, node)) = state.engine.resident_worker(&id) {
+    if let Some((worker, node)) = state.engine.resident_worker(&id).await {
         out.worker = Some(worker);
         out.node = node;
     }

@@ -507,6 +507,24 @@ impl RemoteNode {
             .remove_image(call(
                 pb::RemoveImageRequest {
                     image_dir: dir.to_string(),
+                    snapshot: String::new(),
+                },
+                inner.cfg.deadlines.quick,
+            ))
+            .await
+            .map(|_| ())
+            .map_err(|st| inner.err(&st, Duration::ZERO))
+    }
+
+    /// Drops the worker's copies of `snapshot` (deleted from the store).
+    pub async fn forget_snapshot(&self, snapshot: &str) -> Result<(), RuntimeError> {
+        let inner = &self.inner;
+        inner
+            .client()
+            .remove_image(call(
+                pb::RemoveImageRequest {
+                    image_dir: String::new(),
+                    snapshot: snapshot.to_string(),
                 },
                 inner.cfg.deadlines.quick,
             ))

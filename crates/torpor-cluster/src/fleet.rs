@@ -140,6 +140,14 @@ struct Members {
     last_worker: HashMap<String, String>,
     /// Drains asked for workers that have not registered (yet).
     drains: std::collections::HashSet<String>,
+    /// Snapshots uploaded through this controller and the worker that keeps a local copy of
+    /// each (at most [`crate::images::MAX_LOCAL_COPIES`] per worker, as the worker keeps).
+    copies: HashMap<String, String>,
+    copies_by_worker: HashMap<String, std::collections::VecDeque<String>>,
+    /// After this controller's restart: containers its records say were resident, with the
+    /// worker the records put each on and whether that worker announced it since; kept when
+    /// that worker comes back, until the engine adopts or kills them ([`Node::expect_back`]).
+    expected: HashMap<String, (String, bool)>,
 }
 
 pub struct Fleet {
@@ -373,10 +381,22 @@ impl Fleet {
                 ));
             }
             // Live restore: containers this controller still holds that outlived the worker's
-            // restart stay, reached through the node that already serves their residents.
-            let kept: (Option<Arc<RemoteNode>>, Vec<String>) = {
-                let m = self.lock();
-                match m.workers.get(&name) {
+            // restart stay, reached through the node that already serves their residents; so
+            // do those its engine expects back after the controller's own restart (for the
+            // engine to adopt).
+            let (kept, claimed) = {
+                let mut m = self.lock();
+                let mut claimed = Vec::new();
+                for c in &req.containers {
+                    // Only where the records put it: no worker claims another's container.
+                    if let Some((on, announced)) = m.expected.get_mut(c) {
+                        if *on == name {
+                            *announced = true;
+                            claimed.push(c.clone());
+                        }
+                    }
+                }
+                let kept: (Option<Arc<RemoteNode>>, Vec<String>) = match m.workers.get(&name) {
                     Some(w) if !w.lost && !req.containers.is_empty() => (
                         Some(w.remote.clone()),
                         req.containers
@@ -386,7 +406,8 @@ impl Fleet {
                             .collect(),
                     ),
                     _ => (None, Vec::new()),
-                }
+                };
+                (kept, claimed)
             };
             let (remote, kept) = match kept {
                 (Some(previous), kept) if !kept.is_empty() => {
@@ -403,7 +424,8 @@ impl Fleet {
             };
             // Anything else it still runs was started for a run this controller no longer
             // tracks (a restart, or containers already reported lost): remove it.
-            let removed = remote.reconcile_keeping(&[], &kept).await;
+            let keep: Vec<String> = kept.iter().chain(&claimed).cloned().collect();
+            let removed = remote.reconcile_keeping(&[], &keep).await;
             let gone: Vec<String>;
             {
                 let mut m = self.lock();
@@ -466,7 +488,7 @@ impl Fleet {
             }
             self.report_lost(&name, Duration::ZERO, gone);
             tracing::info!(worker = %name, %addr, slots = req.slots, memory_budget = req.memory_budget,
-                removed, kept = kept.len(), "worker registered");
+                removed, kept = kept.len(), expected_back = claimed.len(), "worker registered");
         }
         Ok(pb::RegisterReply {
             controller: self.tls.identity().name.to_string(),
@@ -665,7 +687,20 @@ impl ImageHost for Fleet {
         let remote = self.remote_named(node).ok_or_else(|| {
             RuntimeError::ImageLost(format!("its checkpoint is on worker {node}, which is gone"))
         })?;
-        remote.upload(dir, put).await
+        let up = remote.upload(dir, put).await?;
+        let mut m = self.lock();
+        let order = m.copies_by_worker.entry(node.to_string()).or_default();
+        order.push_back(up.snapshot.clone());
+        let aged = if order.len() > crate::images::MAX_LOCAL_COPIES {
+            order.pop_front()
+        } else {
+            None
+        };
+        if let Some(old) = aged {
+            m.copies.remove(&old);
+        }
+        m.copies.insert(up.snapshot.clone(), node.to_string());
+        Ok(up)
     }
 
     async fn remove(&self, node: &str, dir: &str) {
@@ -674,6 +709,34 @@ impl ImageHost for Fleet {
         };
         if let Err(e) = remote.remove_image(dir).await {
             tracing::warn!(worker = %node, image = dir, error = %e, "cannot remove an image on a worker");
+        }
+    }
+
+    async fn forget(&self, snapshot: &str, everywhere: bool) {
+        let remotes: Vec<(String, Arc<RemoteNode>)> = {
+            let mut m = self.lock();
+            let copy = m.copies.remove(snapshot);
+            if let Some(w) = &copy {
+                if let Some(order) = m.copies_by_worker.get_mut(w) {
+                    order.retain(|s| s != snapshot);
+                }
+            }
+            let live =
+                |(name, w): (&String, &Member)| (!w.lost).then(|| (name.clone(), w.remote.clone()));
+            if everywhere {
+                m.workers.iter().filter_map(live).collect()
+            } else {
+                // Only the worker that uploaded it keeps a copy. One this controller did not
+                // upload (another did, or it restarted since) ages out on its worker.
+                copy.and_then(|w| m.workers.get_key_value(&w).and_then(live))
+                    .into_iter()
+                    .collect()
+            }
+        };
+        for (name, remote) in remotes {
+            if let Err(e) = remote.forget_snapshot(snapshot).await {
+                tracing::warn!(worker = %name, snapshot, error = %e, "cannot drop a worker's copy of a snapshot");
+            }
         }
     }
 
@@ -768,18 +831,28 @@ impl Node for Fleet {
     }
 
     async fn adopt(&self, container_id: &str, memory: u64) -> Option<Box<dyn Resident>> {
-        let candidates: Vec<(String, Arc<RemoteNode>)> = self
-            .lock()
-            .workers
-            .iter()
-            .filter(|(_, w)| !w.lost)
-            .map(|(name, w)| (name.clone(), w.remote.clone()))
-            .collect();
+        let candidates: Vec<(String, Arc<RemoteNode>)> = {
+            let m = self.lock();
+            let live =
+                |(name, w): (&String, &Member)| (!w.lost).then(|| (name.clone(), w.remote.clone()));
+            match m.expected.get(container_id) {
+                // Expected back after this controller's restart: only from its worker.
+                Some((worker, true)) => m
+                    .workers
+                    .get_key_value(worker)
+                    .and_then(live)
+                    .into_iter()
+                    .collect(),
+                Some((_, false)) => return None, // its worker has not come back (yet)
+                None => m.workers.iter().filter_map(live).collect(),
+            }
+        };
         for (worker, remote) in candidates {
             let Ok(inner) = remote.adopt(container_id).await else {
                 continue; // not there
             };
             let mut m = self.lock();
+            m.expected.remove(container_id);
             // It holds its worker's slot already: counted here from now on.
             let charged = if m.placement.reserve(&worker, memory) {
                 memory
@@ -795,7 +868,7 @@ impl Node for Fleet {
                 m.last_worker.insert(s.to_string(), worker.clone());
             }
             let slot = format!("{worker}/{}", inner.worker());
-            tracing::info!(container = %container_id, %worker, "adopted a lost controller's container");
+            tracing::info!(container = %container_id, %worker, "adopted a container");
             return Some(Box::new(FleetResident {
                 inner,
                 fleet: self.me.clone(),
@@ -806,7 +879,27 @@ impl Node for Fleet {
         None
     }
 
+    fn expect_back(&self, expected: &[(String, String)]) {
+        let mut m = self.lock();
+        for (container, worker) in expected {
+            m.expected
+                .insert(container.clone(), (worker.clone(), false));
+        }
+    }
+
     async fn kill(&self, container_id: &str) {
+        // Expected back and not taken: the engine gave up on it. Nothing here holds it, so
+        // it is taken over from its worker to be destroyed there.
+        let expected = self.lock().expected.remove(container_id);
+        if let Some((worker, true)) = expected {
+            let remote = self.lock().workers.get(&worker).map(|w| w.remote.clone());
+            if let Some(r) = remote {
+                if let Ok(resident) = r.adopt(container_id).await {
+                    resident.destroy().await;
+                }
+            }
+            return;
+        }
         match self.remote_of(container_id) {
             Some(r) => r.kill(container_id).await,
             // Not one this controller started (a lost controller's, taken over): whichever

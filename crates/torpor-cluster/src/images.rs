@@ -394,6 +394,32 @@ impl WorkerImages {
         })
     }
 
+    /// Drops every copy of `snapshot` this worker keeps (the store no longer has it): the
+    /// local copy of an upload, and a kept fetch (a deleted template's root filesystem or
+    /// golden image). Waits for a fetch in progress. Returns whether there was one.
+    pub async fn forget(&self, snapshot: &str) -> Result<bool, Status> {
+        let snapshot = own_name(snapshot)?;
+        let _one = self.fetching.lock().await;
+        let copy = self
+            .copies
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(snapshot);
+        let had_copy = copy.is_some();
+        if let Some(c) = copy {
+            remove_copy(&c);
+        }
+        let kept = self.cache_dir.join(snapshot);
+        let had_kept = kept.exists();
+        if had_kept {
+            std::fs::remove_dir_all(&kept).map_err(|e| internal("remove a kept snapshot", e))?;
+        }
+        if had_copy || had_kept {
+            tracing::info!(%snapshot, "dropped a copy of a snapshot the store no longer has");
+        }
+        Ok(had_copy || had_kept)
+    }
+
     /// Removes one of this worker's own images (and its upload record).
     pub fn remove(&self, dir: &str) -> Result<(), Status> {
         if Path::new(dir).is_absolute() {
@@ -469,6 +495,23 @@ mod tests {
         w
     }
 
+    /// A checkpoint `name` holding `bytes` on `w`: staged, committed, uploaded.
+    async fn checkpoint_uploaded(
+        w: &WorkerImages,
+        name: &str,
+        bytes: &[u8],
+    ) -> (PathBuf, Uploaded) {
+        let (tmp_dir, dest) = w.staging(name).unwrap().unwrap();
+        std::fs::create_dir_all(&tmp_dir).unwrap();
+        std::fs::write(tmp_dir.join("checkpoint.img"), bytes).unwrap();
+        w.commit(tmp_dir, dest.clone()).await.unwrap();
+        let up = w
+            .upload(name, &StoreAccess::default(), vec![], None, false)
+            .await
+            .unwrap();
+        (dest, up)
+    }
+
     #[test]
     fn own_names_are_one_plain_component() {
         for ok in ["sb-1-g3", "golden-host-17"] {
@@ -487,15 +530,8 @@ mod tests {
         let b = images(&tmp.path().join("b"), &store);
 
         // A checkpoint on a: staged, committed, uploaded.
-        let (tmp_dir, dest) = a.staging("sb-1-g1").unwrap().unwrap();
-        std::fs::create_dir_all(&tmp_dir).unwrap();
-        std::fs::write(tmp_dir.join("checkpoint.img"), b"memory").unwrap();
-        a.commit(tmp_dir, dest.clone()).await.unwrap();
+        let (dest, up) = checkpoint_uploaded(&a, "sb-1-g1", b"memory").await;
         let access = StoreAccess::default();
-        let up = a
-            .upload("sb-1-g1", &access, vec![], None, false)
-            .await
-            .unwrap();
         assert_eq!(up.input_bytes, 6);
         let stored = StoredFiles {
             image: Some(up.snapshot.clone()),
@@ -526,6 +562,35 @@ mod tests {
             .await
             .is_err());
         assert!(a.resolve("../x").is_err());
+    }
+
+    #[tokio::test]
+    async fn a_snapshot_gone_from_the_store_leaves_no_copy_on_any_worker() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = tmp.path().join("store");
+        let a = images(&tmp.path().join("a"), &store);
+        let b = images(&tmp.path().join("b"), &store);
+        let (dest, up) = checkpoint_uploaded(&a, "sb-1-g1", b"files").await;
+        let access = StoreAccess::default();
+        // b fetches it as a kept snapshot (a template's root filesystem).
+        let stored = StoredFiles {
+            rootfs: Some(up.snapshot.clone()),
+            access,
+            ..StoredFiles::default()
+        };
+        let kept = b.rootfs(&stored).await.unwrap().unwrap();
+        assert!(kept.exists() && dest.exists());
+
+        assert!(a.forget(&up.snapshot).await.unwrap());
+        assert!(!dest.exists() && !dest.with_extension("snapshot").exists());
+        assert!(a.copy_of(&up.snapshot).is_none());
+        assert!(b.forget(&up.snapshot).await.unwrap());
+        assert!(!kept.exists());
+        // Again: nothing left; names outside the worker's areas are refused.
+        assert!(!b.forget(&up.snapshot).await.unwrap());
+        for bad in ["../images", "", "a/b"] {
+            assert!(b.forget(bad).await.is_err(), "{bad}");
+        }
     }
 
     #[test]

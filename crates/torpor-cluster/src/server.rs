@@ -677,7 +677,12 @@ impl NodeRpc for Arc<NodeService> {
         &self,
         req: Request<pb::RemoveImageRequest>,
     ) -> Result<Response<pb::Empty>, Status> {
-        self.images()?.remove(&req.into_inner().image_dir)?;
+        let req = req.into_inner();
+        if req.snapshot.is_empty() {
+            self.images()?.remove(&req.image_dir)?;
+        } else {
+            self.images()?.forget(&req.snapshot).await?;
+        }
         Ok(Response::new(pb::Empty {}))
     }
 

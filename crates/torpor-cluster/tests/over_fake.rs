@@ -139,6 +139,7 @@ async fn the_engine_drives_a_remote_worker_through_the_whole_ladder() {
                 metadata: BTreeMap::new(),
                 limits: Default::default(),
                 gpu: None,
+                layer_metadata: Default::default(),
                 network: None,
             },
         )

@@ -130,6 +130,11 @@ pub struct CreateSandbox {
     /// Egress policy; absent or `none`: no network interface.
     #[serde(default)]
     pub network: Option<torpor_core::NetworkPolicy>,
+    /// Metadata a layer of torpor keeps under its reserved prefix (E2B's lifecycle:
+    /// `torpor.e2b.*`), written with the sandbox in the same insert. Never read from a
+    /// request body (a tenant cannot set reserved keys): the layer's code fills it.
+    #[serde(skip)]
+    pub layer_metadata: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -467,19 +472,28 @@ impl Engine {
     async fn reconcile(&self) -> Result<()> {
         // Running and frozen sandboxes whose containers outlived the previous run under their
         // shims (live restore) are taken back as they are. The node clears every other
-        // container it finds: those sandboxes go back to their last snapshot below.
-        // (A restarted controller does not take its workers' containers back yet: they are
-        // cleared by its reconcile, see docs/CLUSTER.md.)
+        // container it finds: those sandboxes go back to their last snapshot below. A
+        // controller's workers come back after it started: their containers are awaited
+        // (`take_back_after_restart`), their slots locked until then.
         let mut known = Vec::new();
         let mut taken_back = 0;
+        let mut awaited = Vec::new();
         for mut s in self.store.sandboxes()? {
             known.push(s.id.to_string());
             // GPU sandboxes go back to their snapshots: their devices and shares were the
             // previous run's (the GPU ledger re-issues them at the next wake).
             if !matches!(s.state, SandboxState::Running | SandboxState::Frozen)
-                || self.controller_name().is_some()
                 || self.store.gpu_request(&s.id)?.is_some()
             {
+                continue;
+            }
+            if self.controller_name().is_some() {
+                // Where the records put it: a container announced elsewhere is not taken.
+                if let (true, Some(node)) = (self.reconciles(&s)?, self.store.sandbox_node(&s.id)?)
+                {
+                    let guard = self.slot(&s.id).state.clone().write_owned().await;
+                    awaited.push((guard, s.id.clone(), (s.container_id(), node)));
+                }
                 continue;
             }
             let mut guard = self.slot(&s.id).state.clone().write_owned().await;
@@ -494,6 +508,19 @@ impl Engine {
             );
         }
         self.node.reconcile(&known).await;
+        let awaited_ids: std::collections::HashSet<SandboxId> =
+            awaited.iter().map(|(_, id, _)| id.clone()).collect();
+        if let (Some(me), Some(identity)) = (self.me.upgrade(), &self.cfg.controller) {
+            if !awaited.is_empty() {
+                let expected: Vec<(String, String)> =
+                    awaited.iter().map(|(_, _, c)| c.clone()).collect();
+                self.node.expect_back(&expected);
+                tracing::info!(sandboxes = awaited.len(), within_ms = identity.take_back_within.as_millis() as u64,
+                    "waiting for the workers to bring back the sandboxes resident before the restart");
+                let awaited = awaited.into_iter().map(|(g, id, _)| (g, id)).collect();
+                tokio::spawn(me.take_back_after_restart(awaited, identity.take_back_within));
+            }
+        }
         // Another live controller may be building a template right now.
         let others = self.others_alive()?;
         for t in self.store.templates()? {
@@ -507,8 +534,8 @@ impl Engine {
             if !self.reconciles(&s)? {
                 continue; // another live controller holds it
             }
-            if self.is_live(&s.id) {
-                continue; // taken back above
+            if self.is_live(&s.id) || awaited_ids.contains(&s.id) {
+                continue; // taken back above, or awaited from its worker
             }
             // Under live restore a resident sandbox should have outlived the restart: say why
             // this one did not (its shim or container died meanwhile).

@@ -463,6 +463,33 @@ impl Snapshots {
         }
     }
 
+    /// A deleted template's pinned snapshot (its golden image, its root filesystem in cluster
+    /// mode) goes: unpinned, then deleted (its chunks at the next collection, unless forks
+    /// share them). Missing: nothing to do.
+    pub async fn drop_pinned(&self, tenant: &TenantId, snapshot: &str) {
+        let Ok(id) = SnapshotId::new(snapshot) else {
+            return;
+        };
+        let Ok(store) = self.for_tenant(tenant) else {
+            return;
+        };
+        let done = tokio::spawn(async move {
+            store.unpin(&id).await?;
+            match store.delete_snapshot(&id).await {
+                Ok(()) | Err(StoreError::SnapshotNotFound { .. }) => Ok(()),
+                Err(e) => Err(e),
+            }
+        })
+        .await;
+        match done {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(%snapshot, error = %e, "cannot delete a template's snapshot")
+            }
+            Err(e) => tracing::warn!(%snapshot, error = %e, "cannot delete a template's snapshot"),
+        }
+    }
+
     /// A deleted sandbox's snapshots (kept by retention) go with it; pinned ones stay.
     pub async fn forget_sandbox(&self, tenant: &TenantId, sandbox: &str) {
         if self.keep.is_none() {

@@ -145,6 +145,10 @@ pub trait ImageHost: Send + Sync {
         -> Result<Uploaded, RuntimeError>;
     /// Removes image `dir` from `node`'s disk (best effort: a gone worker has nothing to free).
     async fn remove(&self, node: &str, dir: &str);
+    /// `snapshot` left the store: the workers drop their copies of it (best effort): the
+    /// worker that uploaded it, or, `everywhere` (a template's, fetched and kept by any),
+    /// every reachable worker.
+    async fn forget(&self, snapshot: &str, everywhere: bool);
     /// Whether `node` is a worker that can still be asked (ready or draining, not lost).
     fn reachable(&self, node: &str) -> bool;
     /// Whether `node` takes sandboxes now (ready: not draining, not lost).
@@ -226,6 +230,13 @@ pub trait Node: Send + Sync + 'static {
     async fn adopt(&self, _container_id: &str, _memory: u64) -> Option<Box<dyn Resident>> {
         None
     }
+
+    /// Containers a restarted controller's records say were resident before its restart, each
+    /// with the worker the records put it on (cluster mode). A node that clears a returning
+    /// worker's leftovers keeps these, when that very worker announces them, for
+    /// [`Node::adopt`] to take back; [`Node::kill`] ends one nobody took. A single machine's
+    /// node has nothing to keep: its engine adopts at start.
+    fn expect_back(&self, _expected: &[(String, String)]) {}
 
     /// Kills a container by id, whoever holds its [`Resident`] (a delete cutting calls in
     /// flight): the calls end with [`ConnError::Closed`], the holder then destroys it.

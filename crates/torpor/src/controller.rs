@@ -171,6 +171,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         name: tls.identity().name.to_string(),
         api_addr: advertise.to_string(),
         lost_after: Duration::from_millis(args.controller_lost_after_ms),
+        take_back_within: Duration::from_millis(args.worker_lost_after_ms),
     };
     daemon::up(daemon::UpConfig {
         listen: args.listen,

@@ -79,6 +79,7 @@ async fn an_engine_drives_a_real_worker_over_mtls_create_exec_park_wake_delete()
                 metadata: BTreeMap::new(),
                 limits: Default::default(),
                 gpu: None,
+                layer_metadata: Default::default(),
                 network: None,
             },
         )

@@ -227,6 +227,29 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
     assert!(controller.log().contains("cluster peer refused"));
     // The cluster still serves.
     assert_eq!(controller.exec(&id, "cat /tmp/state").await, "disk-3\n");
+
+    // Parked and uploaded once more, then deleted: the worker's copy of its snapshot goes too.
+    controller
+        .ok(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{id}/suspend"),
+            Some(json!({"tier": "parked"})),
+        )
+        .await;
+    wait_uploaded(&controller, &id).await;
+    let w4_images = workers.last().unwrap().data.join("images");
+    let copies_of = |dir: &std::path::Path| -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(&id))
+            .collect()
+    };
+    assert!(
+        !copies_of(&w4_images).is_empty(),
+        "w4 keeps a copy of the upload"
+    );
     controller
         .ok(
             reqwest::Method::DELETE,
@@ -234,6 +257,11 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
             None,
         )
         .await;
+    assert_eq!(
+        copies_of(&w4_images),
+        Vec::<String>::new(),
+        "a deleted sandbox leaves no image on its worker"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -317,14 +345,14 @@ async fn a_checkpoint_its_worker_could_not_upload_is_lost_with_that_worker_and_s
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_worker_killed_and_restarted_keeps_its_sandboxes_running_and_one_not_back_in_time_ends_them(
+async fn a_worker_or_controller_killed_and_restarted_keeps_the_sandboxes_running_and_a_worker_not_back_in_time_ends_them(
 ) {
     let Some((database, tmp)) = setup("torpor-cluster-live-", &["c1"], &["w1", "w2"]).await else {
         return;
     };
     let dir = tmp.path();
     // Workers are lost after 10 s; their sandboxes outlive them for 5 s (the default window).
-    let controller = Controller::start_with(dir, &database, "c1", 10_000).await;
+    let mut controller = Controller::start_with(dir, &database, "c1", 10_000).await;
     let mut w1 = Worker::start(dir, "w1", "w1", &controller.cluster);
     controller
         .wait_nodes("w1 ready", |n| state_of(n, "w1") == Some("ready"))
@@ -360,24 +388,31 @@ async fn a_worker_killed_and_restarted_keeps_its_sandboxes_running_and_one_not_b
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let now = controller
-        .exec(&id, &format!("{CHECK}; cat /tmp/count"))
-        .await;
-    let (state, count) = now.rsplit_once("process-alive\n").expect("all state kept");
-    assert_eq!(state, "disk-1\nmem-1\n", "{now}");
-    let count: u64 = count.trim().parse().unwrap();
-    assert!(
-        count > before,
-        "the counter went on without a reset: {before} -> {count}"
-    );
-    let back = controller.sandbox(&id).await;
-    assert_eq!(back["worker"], container, "the same container: {back}");
-    assert_eq!(back["last_error"], Value::Null, "nothing lost: {back}");
+    let count = kept_all(&controller, &id, &container, before, "the worker's restart").await;
     assert!(
         controller
             .log()
             .contains("worker restarted with containers still running"),
         "the controller kept it:\n{}",
+        controller.log()
+    );
+
+    // The controller dies and comes back (its only one): it takes the sandbox back as the
+    // worker registers again, with everything kept, instead of clearing the container.
+    controller.kill_and_restart().await;
+    kept_all(
+        &controller,
+        &id,
+        &container,
+        count,
+        "the controller's restart",
+    )
+    .await;
+    assert!(
+        controller
+            .log()
+            .contains("running sandboxes taken back from their workers after a restart"),
+        "the restarted controller took it back:\n{}",
         controller.log()
     );
 
@@ -415,6 +450,23 @@ async fn a_worker_killed_and_restarted_keeps_its_sandboxes_running_and_one_not_b
             .contains("worker w1 was lost"),
         "{resumed}"
     );
+}
+
+/// Checks that sandbox `id` kept everything across `what`: its state, the same container,
+/// no error, and its counter went on from `before` without a reset. Returns the count.
+async fn kept_all(c: &Controller, id: &str, container: &Value, before: u64, what: &str) -> u64 {
+    let now = c.exec(id, &format!("{CHECK}; cat /tmp/count")).await;
+    let (state, count) = now.rsplit_once("process-alive\n").expect("all state kept");
+    assert_eq!(state, "disk-1\nmem-1\n", "{now}");
+    let count: u64 = count.trim().parse().unwrap();
+    assert!(
+        count > before,
+        "the counter went on across {what} without a reset: {before} -> {count}"
+    );
+    let back = c.sandbox(id).await;
+    assert_eq!(back["worker"], *container, "the same container: {back}");
+    assert_eq!(back["last_error"], Value::Null, "nothing lost: {back}");
+    count
 }
 
 /// Waits until a parked sandbox's checkpoint reached the store (Suspended): cluster mode

@@ -522,10 +522,9 @@ pub async fn create(
     if let Some(h) = holder {
         return super::snapshots::create_from(&st, &tenant, &h, plan).await;
     }
-    // The engine refuses E2B's keys in a create (they are reserved, so that no tenant forges
-    // them through torpor's API): it gets the caller's metadata, and E2B's lifecycle is
-    // written right after, before the caller knows the sandbox's id.
-    let (lifecycle, metadata): (BTreeMap<_, _>, BTreeMap<_, _>) = plan
+    // E2B's lifecycle keys are reserved (no tenant sets them through torpor's API): they go
+    // to the engine as this layer's metadata, written in the same insert as the sandbox.
+    let (layer_metadata, metadata): (BTreeMap<_, _>, BTreeMap<_, _>) = plan
         .metadata
         .into_iter()
         .partition(|(k, _)| k.starts_with(META_PREFIX));
@@ -541,6 +540,7 @@ pub async fn create(
                 limits: Default::default(),
                 gpu: None,
                 network: Some(plan.network),
+                layer_metadata,
             },
         )
         .await
@@ -551,22 +551,6 @@ pub async fn create(
             } => E2bError::not_found(format_args!("template {id:?}")),
             e => e.into(),
         })?;
-    let patch: BTreeMap<String, Option<String>> =
-        lifecycle.into_iter().map(|(k, v)| (k, Some(v))).collect();
-    let rec = match st
-        .api
-        .engine
-        .patch_sandbox_metadata(&tenant, &rec.id, &patch)
-    {
-        Ok(rec) => rec,
-        Err(e) => {
-            // Without its deadline it would never time out: it goes.
-            if let Err(e) = st.api.engine.delete_sandbox(&tenant, &rec.id).await {
-                tracing::warn!(sandbox = %rec.id, error = %e, "an e2b sandbox without its lifecycle stays");
-            }
-            return Err(e.into());
-        }
-    };
     // E2B's commands start in the user's home.
     super::envd::ensure_home(&st, &tenant, &rec.id).await;
     Ok((StatusCode::CREATED, Json(sandbox_json(&st, &rec))))

@@ -38,6 +38,10 @@ pub struct ControllerIdentity {
     pub api_addr: String,
     /// Silence after which the others count it dead and take its sandboxes over.
     pub lost_after: Duration,
+    /// After a restart, how long it waits for its workers to come back with the containers
+    /// its records say are resident before it sends those sandboxes back to their snapshots
+    /// (the worker-lost silence: a worker away longer is lost anyway).
+    pub take_back_within: Duration,
 }
 
 /// Where a call for a sandbox is served.
@@ -201,6 +205,74 @@ impl Engine {
         self.resolve_interrupted(&mut rec, "controller_lost", Some(&lost))
     }
 
+    /// Cluster mode, after this controller's restart: takes back the resident sandboxes its
+    /// records name (or name a controller that is gone) as their workers register again,
+    /// which keeps them running with nothing lost. The slots stay locked meanwhile (calls for
+    /// them wait); those not back `within` go back to their last snapshots and their
+    /// containers, should they turn up, are ended.
+    pub(super) async fn take_back_after_restart(
+        self: Arc<Self>,
+        mut awaited: Vec<(OwnedRwLockWriteGuard<SlotState>, SandboxId)>,
+        within: Duration,
+    ) {
+        let deadline = tokio::time::Instant::now() + within;
+        let mut taken = 0;
+        loop {
+            let mut left = Vec::new();
+            for (mut guard, id) in awaited {
+                let rec = match self.store.sandbox(&id) {
+                    Ok(Some(rec)) => rec,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        tracing::warn!(sandbox = %id, error = %e, "cannot read a sandbox to take back");
+                        left.push((guard, id));
+                        continue;
+                    }
+                };
+                let mut rec = rec;
+                if !matches!(rec.state, SandboxState::Running | SandboxState::Frozen)
+                    || !self.reconciles(&rec).unwrap_or(false)
+                {
+                    continue; // moved on, or another controller took it
+                }
+                let cause = restart_cause(&rec, self.controller_name());
+                match self.adopt(&mut guard, &mut rec, cause).await {
+                    Ok(true) => taken += 1,
+                    Ok(false) => left.push((guard, id)),
+                    Err(e) => {
+                        tracing::warn!(sandbox = %id, error = %e, "cannot take a sandbox back")
+                    }
+                }
+            }
+            awaited = left;
+            if awaited.is_empty() || tokio::time::Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(TAKE_BACK_POLL).await;
+        }
+        if taken > 0 {
+            tracing::info!(
+                sandboxes = taken,
+                "running sandboxes taken back from their workers after a restart"
+            );
+        }
+        for (_guard, id) in awaited {
+            let Ok(Some(mut rec)) = self.store.sandbox(&id) else {
+                continue;
+            };
+            if !self.reconciles(&rec).unwrap_or(false) {
+                continue;
+            }
+            tracing::warn!(sandbox = %id, waited_ms = within.as_millis() as u64,
+                "its container did not come back with a worker; back to its last snapshot");
+            self.node.kill(&rec.container_id()).await;
+            let cause = restart_cause(&rec, self.controller_name());
+            if let Err(e) = self.resolve_interrupted(&mut rec, cause, Some("its container")) {
+                tracing::warn!(sandbox = %id, error = %e, "cannot send a sandbox back to its snapshot");
+            }
+        }
+    }
+
     /// Adopts the container of a resident sandbox whose holder stopped (`cause`: a lost
     /// controller, or this engine's previous run under live restore), if its node still runs
     /// it and a worker permit is free here: the record names this controller, the sandbox
@@ -350,5 +422,18 @@ impl Engine {
             return Ok(false);
         };
         Ok(self.live_controllers()?.iter().any(|(name, _)| name != me))
+    }
+}
+
+/// How often a restarted controller looks for its workers' containers again.
+const TAKE_BACK_POLL: Duration = Duration::from_millis(200);
+
+/// Why a restarted controller resolves `rec`: its own restart, or the loss of the controller
+/// that held it.
+fn restart_cause(rec: &SandboxRecord, me: Option<&str>) -> &'static str {
+    if rec.controller.is_none() || rec.controller.as_deref() == me {
+        "restart"
+    } else {
+        "controller_lost"
     }
 }

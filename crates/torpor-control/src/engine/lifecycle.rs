@@ -86,7 +86,7 @@ impl Engine {
             tier: Tier::Running,
             limits,
             env: req.env,
-            metadata: req.metadata,
+            metadata: req.metadata.into_iter().chain(req.layer_metadata).collect(),
             created_at: now,
             last_active_at: now,
             generation: 1,

@@ -225,10 +225,12 @@ impl Engine {
     }
 
     /// The worker a sandbox is resident on, and in cluster mode the worker process (node)
-    /// holding it, if it is resident (not while a wake or checkpoint holds it).
-    pub fn resident_worker(&self, id: &SandboxId) -> Option<(String, Option<String>)> {
+    /// holding it, if it is resident. Waits a moment for a short hold of the sandbox (the
+    /// bookkeeping of an upload, a policy write); not for a wake or checkpoint (`None`).
+    pub async fn resident_worker(&self, id: &SandboxId) -> Option<(String, Option<String>)> {
+        const WAIT: std::time::Duration = std::time::Duration::from_millis(250);
         let slot = self.slot(id);
-        let guard = slot.state.try_read().ok()?;
+        let guard = tokio::time::timeout(WAIT, slot.state.read()).await.ok()?;
         guard.live.as_ref().map(|l| {
             (
                 l.resident.worker().to_string(),

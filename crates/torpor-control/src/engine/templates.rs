@@ -297,6 +297,18 @@ impl Engine {
         self.store.delete_template(&t.tenant, name)?;
         self.template_sizes.forget(&t.tenant, name);
         let _ = std::fs::remove_dir_all(t.rootfs.parent().unwrap_or(&t.rootfs));
+        // Its pinned snapshots (the golden image a fork of a fresh sandbox published; in
+        // cluster mode also its root filesystem), and every worker's kept copy of them.
+        let mut pinned = vec![worker_images::golden_snapshot(&t)];
+        if self.image_host().is_some() {
+            pinned.push(worker_images::rootfs_snapshot(&t));
+        }
+        for snapshot in &pinned {
+            self.snapshots.drop_pinned(&t.tenant, snapshot).await;
+            if let Some(host) = self.image_host() {
+                host.forget(snapshot, true).await;
+            }
+        }
         Ok(())
     }
 }

@@ -136,6 +136,12 @@ impl Engine {
         permit: WorkerPermit,
     ) {
         tracing::debug!(sandbox = %rec.id, container = resident.id(), worker = resident.worker(), "resident");
+        // Cluster mode: where it runs, for this controller's next run to take it back there.
+        if let Some(node) = resident.node() {
+            if let Err(e) = self.store.set_sandbox_node(&rec.id, Some(node)) {
+                tracing::warn!(sandbox = %rec.id, error = %e, "cannot record the worker a sandbox runs on");
+            }
+        }
         guard.live = Some(Live {
             resident,
             _permit: permit,
@@ -605,7 +611,11 @@ impl Engine {
                 if let Err(e) = self.store.forget_snapshot_bytes(snapshot) {
                     tracing::warn!(snapshot, error = %e, "cannot forget a snapshot's size");
                 }
-                self.snapshots.retire(tenant, snapshot).await
+                self.snapshots.retire(tenant, snapshot).await;
+                // The worker that uploaded it keeps a copy: a cache of what is gone.
+                if let Some(host) = self.image_host() {
+                    host.forget(snapshot, false).await;
+                }
             }
         }
     }

@@ -157,12 +157,19 @@ impl Engine {
             other => other,
         };
         self.move_to(rec, to, cause)?;
-        if let ImageRef::Worker {
-            fallback: Some(f), ..
-        } = &old
+        // The superseded snapshot goes in the background: the caller holds the sandbox, and
+        // a retire (and the worker's copy) is network work nothing waits for.
+        if let (
+            ImageRef::Worker {
+                fallback: Some(f), ..
+            },
+            Some(engine),
+        ) = (&old, self.me.upgrade())
         {
-            self.remove_image(&rec.tenant, &ImageRef::Store(f.clone()))
-                .await;
+            let (tenant, f) = (rec.tenant.clone(), f.clone());
+            tokio::spawn(async move {
+                engine.remove_image(&tenant, &ImageRef::Store(f)).await;
+            });
         }
         self.metrics
             .checkpoint_bytes

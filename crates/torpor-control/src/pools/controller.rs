@@ -334,6 +334,7 @@ impl Controller {
                     )]),
                     limits: Default::default(),
                     gpu: None,
+                    layer_metadata: Default::default(),
                     network: None,
                 };
                 tokio::spawn(async move {

@@ -216,6 +216,15 @@ pub trait StateStore: Send + Sync {
     ) -> Result<(), StoreError>;
     /// Moves `last_active_at` forward (never back), all in one write.
     fn touch_sandboxes(&self, touched: &[(SandboxId, UnixMillis)]) -> Result<(), StoreError>;
+    /// Cluster mode: the worker process a resident sandbox's container runs on, written when
+    /// it is installed (no version bump: it does not change a state). A store that does not
+    /// keep it (SQLite: one machine) answers `None`.
+    fn set_sandbox_node(&self, _id: &SandboxId, _node: Option<&str>) -> Result<(), StoreError> {
+        Ok(())
+    }
+    fn sandbox_node(&self, _id: &SandboxId) -> Result<Option<String>, StoreError> {
+        Ok(None)
+    }
     /// Deletes a sandbox and its network policy.
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), StoreError>;
     /// Every sandbox, oldest first.

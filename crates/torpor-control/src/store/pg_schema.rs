@@ -14,6 +14,7 @@
 //! | 1 | `0001_initial.sql` | the tables of the SQLite store's schema 3 |
 //! | 2 | `0002_controllers.sql` | `sandboxes.controller`, `controllers` (liveness), `leases` |
 //! | 3 | `0003_scale_indexes.sql` | partial indexes for the idle policy, `(template, tenant)`, `(tenant, created_at, id)` |
+//! | 4 | `0004_sandbox_node.sql` | `sandboxes.node`: the worker a resident sandbox runs on |
 //!
 //! To change the schema, add the next file and its line to [`MIGRATIONS`]; never edit a file
 //! that has shipped.
@@ -25,6 +26,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("pg/0001_initial.sql"),
     include_str!("pg/0002_controllers.sql"),
     include_str!("pg/0003_scale_indexes.sql"),
+    include_str!("pg/0004_sandbox_node.sql"),
 ];
 
 /// The schema version this build writes and reads.

@@ -626,6 +626,31 @@ impl StateStore for PostgresStore {
         .map(drop)
     }
 
+    fn set_sandbox_node(&self, id: &SandboxId, node: Option<&str>) -> Result<(), StoreError> {
+        self.execute(
+            "set sandbox node",
+            "UPDATE sandboxes SET node=$2 WHERE id=$1",
+            vec![p(id.to_string()), p(node.map(str::to_string))],
+        )
+        .map(drop)
+    }
+
+    fn sandbox_node(&self, id: &SandboxId) -> Result<Option<String>, StoreError> {
+        let Some(row) = self.query_opt(
+            "sandbox node",
+            "SELECT node FROM sandboxes WHERE id=$1",
+            vec![p(id.to_string())],
+        )?
+        else {
+            return Ok(None);
+        };
+        row.try_get::<_, Option<String>>(0)
+            .map_err(|_| StoreError::Corrupt {
+                what: "sandbox node",
+                key: id.to_string(),
+            })
+    }
+
     fn touch_sandboxes(&self, touched: &[(SandboxId, UnixMillis)]) -> Result<(), StoreError> {
         if touched.is_empty() {
             return Ok(());

@@ -90,6 +90,7 @@ pub async fn create_on(engine: &Engine, tenant: &TenantId) -> Result<SandboxReco
                 metadata: BTreeMap::new(),
                 limits: Default::default(),
                 gpu: None,
+                layer_metadata: Default::default(),
                 network: None,
             },
         )

@@ -226,6 +226,7 @@ async fn the_memory_budget_is_never_exceeded() {
                         ..Default::default()
                     },
                     gpu: None,
+                    layer_metadata: Default::default(),
                     network: None,
                 },
             )

@@ -42,6 +42,7 @@ pub struct Controller {
     pub cluster: String,
     pub log: PathBuf,
     pub child: Child,
+    args: Vec<std::ffi::OsString>,
 }
 
 impl Controller {
@@ -73,43 +74,89 @@ impl Controller {
             std::fs::copy(&first_key, data.join("env.key")).unwrap();
         }
         let log = tmp.join(format!("controller-{name}.log"));
-        let child = Command::new(cluster::BIN)
-            .args(["controller", "--database", database])
-            .args(["--store", tmp.join("store").to_str().unwrap()])
-            .args(["--listen", &api, "--cluster-listen", &cluster_addr])
-            .args(["--tls-dir", tmp.join(name).to_str().unwrap()])
-            .args(["--controller-lost-after-ms", "2000"])
-            .args(["--admin-token-file", token.to_str().unwrap()])
-            .args(["--data-dir", data.to_str().unwrap()])
-            .args(["--heartbeat-ms", "200", "--worker-lost-after-ms"])
-            .arg(worker_lost_after_ms.to_string())
-            .args(["--tick-ms", "100"])
-            .env("TORPOR_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
+        let args: Vec<std::ffi::OsString> = [
+            "controller",
+            "--database",
+            database,
+            "--store",
+            tmp.join("store").to_str().unwrap(),
+            "--listen",
+            &api,
+            "--cluster-listen",
+            &cluster_addr,
+            "--tls-dir",
+            tmp.join(name).to_str().unwrap(),
+            "--controller-lost-after-ms",
+            "2000",
+            "--admin-token-file",
+            token.to_str().unwrap(),
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--heartbeat-ms",
+            "200",
+            "--worker-lost-after-ms",
+            &worker_lost_after_ms.to_string(),
+            "--tick-ms",
+            "100",
+        ]
+        .into_iter()
+        .map(Into::into)
+        .collect();
+        let child = Controller::spawn(&args, std::fs::File::create(&log).unwrap());
         let mut c = Controller {
             api,
             cluster: cluster_addr,
             log,
             child,
+            args,
         };
+        c.wait_up().await;
+        c
+    }
+
+    fn spawn(args: &[std::ffi::OsString], log: std::fs::File) -> Child {
+        Command::new(cluster::BIN)
+            .args(args)
+            .env("TORPOR_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    }
+
+    async fn wait_up(&mut self) {
         let deadline = Instant::now() + PATIENCE;
         loop {
-            if reqwest::get(format!("http://{}/healthz", c.api))
+            if reqwest::get(format!("http://{}/healthz", self.api))
                 .await
                 .is_ok_and(|r| r.status().is_success())
             {
-                return c;
+                return;
             }
-            if let Some(status) = c.child.try_wait().unwrap() {
-                panic!("controller exited with {status}:\n{}", c.log());
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("controller exited with {status}:\n{}", self.log());
             }
-            assert!(Instant::now() < deadline, "controller not up:\n{}", c.log());
+            assert!(
+                Instant::now() < deadline,
+                "controller not up:\n{}",
+                self.log()
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// SIGKILLs the controller and starts it again as it was (same addresses, data and
+    /// identity; its log goes on in the same file).
+    pub async fn kill_and_restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        self.child = Controller::spawn(&self.args, log);
+        self.wait_up().await;
     }
 
     pub fn log(&self) -> String {

@@ -37,6 +37,7 @@ use torpor_cluster::{
     serve_cluster, Ca, Fleet, FleetConfig, MemberName, NodeStatus, Role, Side, TlsFiles,
     TlsMetrics, TlsSource, PROTOCOL_HEADER, PROTOCOL_VERSION,
 };
+use torpor_runtime::node::Node as _;
 
 use crate::common::Daemon;
 
@@ -552,10 +553,15 @@ async fn a_restarted_worker_cannot_keep_containers_its_controller_does_not_hold(
     // up), claimed as "still running" by a registration of a new run (live restore).
     plant_leftover(&w1, rig.tmp.path(), "claimed-g1");
     assert_eq!(w1.containers(), vec!["claimed-g1".to_string()]);
+    // Nor does a controller that restarted take it: its records put that container on w2.
+    rig.ctl
+        .fleet
+        .expect_back(&[("claimed-g1".into(), "w2".into())]);
     let mut claim = announce(&w1.addr, "run-2");
     claim.containers = vec!["claimed-g1".into(), "sb-other-g1".into()];
     as_w1.register(call(claim)).await.unwrap();
-    // Only containers the controller holds on that very worker are kept: this one is removed
+    // Only containers the controller holds (or, restarted, expects back) on that very worker
+    // are kept: this one is removed
     // like any leftover, and nothing was taken over.
     assert_eq!(state_of(&rig.ctl.fleet, "w1").as_deref(), Some("ready"));
     assert_eq!(w1.containers(), Vec::<String>::new());
