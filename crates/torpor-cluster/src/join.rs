@@ -37,6 +37,10 @@ pub struct JoinConfig {
     pub run_id: String,
     /// Deadline of each call to a controller.
     pub deadline: Duration,
+    /// Fencing: how long this worker runs sandboxes without word from any controller before
+    /// it ends them (the controllers may have counted it lost and resumed them elsewhere).
+    /// Keep it below the controllers' `--worker-lost-after-ms`. `None`: never.
+    pub fence_after: Option<Duration>,
 }
 
 /// How often a controller name is resolved again.
@@ -51,14 +55,19 @@ pub async fn join(
     node: Arc<NodeService>,
     stop: watch::Receiver<bool>,
 ) {
+    let contact = Arc::new(Contact::default());
+    let _fence = cfg
+        .fence_after
+        .map(|after| AbortOnDrop(tokio::spawn(fence(after, contact.clone(), node.clone()))));
     let mut tasks = Vec::new();
     for controller in cfg.controllers.clone() {
         let cfg = cfg.clone();
         let tls = tls.clone();
         let node = node.clone();
         let stop = stop.clone();
+        let contact = contact.clone();
         tasks.push(tokio::spawn(async move {
-            follow_name(controller, cfg, tls, node, stop).await
+            follow_name(controller, cfg, tls, node, contact, stop).await
         }));
     }
     for t in tasks {
@@ -72,6 +81,7 @@ async fn follow_name(
     cfg: JoinConfig,
     tls: Arc<TlsSource>,
     node: Arc<NodeService>,
+    contact: Arc<Contact>,
     mut stop: watch::Receiver<bool>,
 ) {
     // address -> (its follower's stop, its task, resolutions it was missing from)
@@ -105,6 +115,7 @@ async fn follow_name(
                         cfg.clone(),
                         tls.clone(),
                         node.clone(),
+                        contact.clone(),
                         left,
                     ));
                     followers.insert(addr, (leave, task, 0));
@@ -138,6 +149,7 @@ async fn follow(
     cfg: JoinConfig,
     tls: Arc<TlsSource>,
     node: Arc<NodeService>,
+    contact: Arc<Contact>,
     mut stop: watch::Receiver<bool>,
 ) {
     let channel = match TlsConnector::channel(&controller, tls, cfg.deadline) {
@@ -152,20 +164,23 @@ async fn follow(
         .max_encoding_message_size(MAX_MESSAGE);
     let mut backoff = Duration::from_millis(200);
     loop {
-        // Register (again).
+        // Register (again); after a fence under a new run id, so that the controller counts
+        // the fenced containers gone.
+        let run_id = contact.run_id(&cfg.run_id);
         let register = pb::RegisterRequest {
             node_addr: cfg.node_addr.clone(),
             slots: cfg.slots,
             memory_budget: cfg.memory_budget,
             gpu_models: cfg.gpu_models.clone(),
             labels: cfg.labels.clone().into_iter().collect(),
-            run_id: cfg.run_id.clone(),
+            run_id: run_id.clone(),
             containers: node.holding(),
         };
         let every = match client.clone().register(call(register, cfg.deadline)).await {
             Ok(r) => {
                 let r = r.into_inner();
                 tracing::info!(%controller, name = %r.controller, "registered with controller");
+                contact.heard();
                 if let Ok(images) = node.images() {
                     images.set_store(&r.store);
                 }
@@ -192,8 +207,11 @@ async fn follow(
                 _ = stop.changed() => return,
             }
             let (busy, resident_memory) = node.load();
+            if contact.run_id(&cfg.run_id) != run_id {
+                break; // fenced meanwhile: register again under the new run id
+            }
             let beat = pb::HeartbeatRequest {
-                run_id: cfg.run_id.clone(),
+                run_id: run_id.clone(),
                 busy,
                 resident_memory,
             };
@@ -204,6 +222,7 @@ async fn follow(
                         tracing::warn!(%controller, "the controller does not know this worker; registering again");
                         break;
                     }
+                    contact.heard();
                     if r.draining != draining {
                         draining = r.draining;
                         tracing::info!(%controller, draining, "drain state changed");
@@ -213,6 +232,68 @@ async fn follow(
                     tracing::warn!(%controller, error = %st, "heartbeat failed");
                 }
             }
+        }
+    }
+}
+
+/// When the worker last heard from any controller, and how many times it fenced its
+/// containers since it started (each fence gives it a new run id with every controller, so
+/// that they count the fenced containers gone when it registers again).
+#[derive(Default)]
+struct Contact {
+    inner: std::sync::Mutex<(Option<std::time::Instant>, u32)>,
+}
+
+impl Contact {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (Option<std::time::Instant>, u32)> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn heard(&self) {
+        self.lock().0 = Some(std::time::Instant::now());
+    }
+
+    fn run_id(&self, base: &str) -> String {
+        match self.lock().1 {
+            0 => base.to_string(),
+            n => format!("{base}-fenced-{n}"),
+        }
+    }
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Ends every container here once no controller was heard from for `after` (the worker's
+/// machine is cut off, or every controller hangs): they may count this worker lost and resume
+/// its sandboxes elsewhere, and a sandbox must never run twice. Once per silence. While any
+/// controller still hears the worker, nothing is fenced: a controller that died has its
+/// containers adopted by another one.
+async fn fence(after: Duration, contact: Arc<Contact>, node: Arc<NodeService>) {
+    let poll = (after / 4).max(Duration::from_millis(50));
+    let mut fenced_at = None;
+    loop {
+        tokio::time::sleep(poll).await;
+        let Some(last) = contact.lock().0 else {
+            continue; // never registered: nothing of a controller's runs here
+        };
+        if last.elapsed() < after || fenced_at == Some(last) {
+            continue;
+        }
+        fenced_at = Some(last);
+        let ended = node.fence().await;
+        if ended > 0 {
+            contact.lock().1 += 1;
+            tracing::warn!(
+                silent_ms = last.elapsed().as_millis() as u64,
+                containers = ended,
+                "no word from any controller: every container here is ended (fenced)"
+            );
         }
     }
 }

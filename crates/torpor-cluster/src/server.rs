@@ -217,6 +217,69 @@ impl NodeService {
         self.table().get(id).cloned().ok_or_else(|| gone(id))
     }
 
+    /// Ends every container `owner` holds here but those in `keep` (a reconcile, a fence);
+    /// returns how many were removed. `sweep`: when the worker then holds nothing for anyone,
+    /// also clear whatever else runs (a reconcile).
+    async fn end_owned(
+        self: &Arc<Self>,
+        owner: &str,
+        keep: &[String],
+        sweep: bool,
+    ) -> Result<usize, Status> {
+        let held: Vec<Arc<Held>> = {
+            let mut table = self.table();
+            let mine: Vec<String> = table
+                .iter()
+                .filter(|(id, h)| h.owner() == owner && !keep.contains(id))
+                .map(|(id, _)| id.clone())
+                .collect();
+            for id in &mine {
+                self.note_held(id, None);
+            }
+            mine.iter().filter_map(|id| table.remove(id)).collect()
+        };
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut removed = 0;
+            // Holding nothing for anyone, with no start under way: whatever runs here is no
+            // controller's (left by a controller's earlier run on this worker), so clear it.
+            if let (true, Ok(_alone)) = (sweep, me.sweep_gate.try_write()) {
+                if me.table().is_empty() {
+                    removed += me.node.reconcile(&[]).await;
+                }
+            }
+            for h in held {
+                if let Some(r) = h.resident.write().await.take() {
+                    // A frozen process cannot die.
+                    let _ = r.set_frozen(false).await;
+                    r.destroy().await;
+                    removed += 1;
+                }
+            }
+            removed
+        })
+        .await
+        .map_err(|e| Status::internal(format!("reconcile task failed: {e}")))
+    }
+
+    /// Fencing: no controller was heard from for longer than the worker may run sandboxes
+    /// unseen (they may count it lost and resume them elsewhere), so every container it holds
+    /// ends. Returns how many.
+    pub async fn fence(self: &Arc<Self>) -> usize {
+        let owners: std::collections::BTreeSet<String> =
+            self.table().values().map(|h| h.owner()).collect();
+        let mut ended = 0;
+        for owner in owners {
+            match self.end_owned(&owner, &[], false).await {
+                Ok(n) => ended += n,
+                Err(e) => {
+                    tracing::warn!(controller = %owner, error = %e, "cannot fence a controller's containers")
+                }
+            }
+        }
+        ended
+    }
+
     fn usage(&self) -> pb::Usage {
         let held: Vec<(String, Arc<Held>)> = self
             .table()
@@ -371,40 +434,7 @@ impl NodeRpc for Arc<NodeService> {
         // itself were removed when it started.
         let caller = caller(&req);
         let keep = req.into_inner().keep;
-        let held: Vec<Arc<Held>> = {
-            let mut table = self.table();
-            let mine: Vec<String> = table
-                .iter()
-                .filter(|(id, h)| h.owner() == caller && !keep.contains(id))
-                .map(|(id, _)| id.clone())
-                .collect();
-            for id in &mine {
-                self.note_held(id, None);
-            }
-            mine.iter().filter_map(|id| table.remove(id)).collect()
-        };
-        let me = self.clone();
-        let removed = tokio::spawn(async move {
-            let mut removed = 0;
-            // Holding nothing for anyone, with no start under way: whatever runs here is no
-            // controller's (left by a controller's earlier run on this worker), so clear it.
-            if let Ok(_alone) = me.sweep_gate.try_write() {
-                if me.table().is_empty() {
-                    removed += me.node.reconcile(&[]).await;
-                }
-            }
-            for h in held {
-                if let Some(r) = h.resident.write().await.take() {
-                    // A frozen process cannot die.
-                    let _ = r.set_frozen(false).await;
-                    r.destroy().await;
-                    removed += 1;
-                }
-            }
-            removed
-        })
-        .await
-        .map_err(|e| Status::internal(format!("reconcile task failed: {e}")))?;
+        let removed = self.end_owned(&caller, &keep, true).await?;
         Ok(Response::new(pb::ReconcileReply {
             removed: removed as u64,
         }))

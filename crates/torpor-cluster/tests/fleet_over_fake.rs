@@ -60,6 +60,7 @@ async fn start_worker(files: TlsFiles, controller: &str, slots: u32) -> FakeWork
             gpu_models: Vec::new(),
             labels: BTreeMap::new(),
             run_id: format!("run-{}", addr.port()),
+            fence_after: None,
             deadline: Duration::from_secs(5),
         },
         tls,

@@ -71,6 +71,12 @@ pub struct WorkerArgs {
     /// elsewhere: no sandbox then ever runs twice.
     #[arg(long, default_value_t = 5000)]
     live_restore_window_ms: u64,
+    /// Fencing: how long the worker runs a controller's sandboxes without word from that
+    /// controller (a partition, a hung controller) before it ends them (milliseconds; 0:
+    /// never). Keep it below the controllers' --worker-lost-after-ms, after which they resume
+    /// the sandboxes elsewhere: no sandbox then ever runs twice.
+    #[arg(long, default_value_t = 5000)]
+    fence_after_ms: u64,
     /// Bytes of chunks kept for wakes from the snapshot store (DATA/chunk-cache), e.g. 2G; 0
     /// turns it off (default 1G).
     #[arg(long, value_parser = crate::snapshot::parse_cache_size)]
@@ -214,6 +220,8 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             labels: args.labels.iter().cloned().collect(),
             run_id: run_id(),
             deadline: std::time::Duration::from_secs(5),
+            fence_after: (args.fence_after_ms > 0)
+                .then(|| std::time::Duration::from_millis(args.fence_after_ms)),
         };
         tokio::spawn(torpor_cluster::join(
             cfg,

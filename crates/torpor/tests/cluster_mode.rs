@@ -345,7 +345,7 @@ async fn a_checkpoint_its_worker_could_not_upload_is_lost_with_that_worker_and_s
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_worker_or_controller_killed_and_restarted_keeps_the_sandboxes_running_and_a_worker_not_back_in_time_ends_them(
+async fn a_worker_or_controller_killed_and_restarted_keeps_the_sandboxes_running_and_a_worker_gone_or_cut_off_ends_them(
 ) {
     let Some((database, tmp)) = setup("torpor-cluster-live-", &["c1"], &["w1", "w2"]).await else {
         return;
@@ -428,7 +428,7 @@ async fn a_worker_or_controller_killed_and_restarted_keeps_the_sandboxes_running
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let _w2 = Worker::start(dir, "w2", "w2", &controller.cluster);
+    let w2 = Worker::start(dir, "w2", "w2", &controller.cluster);
     controller
         .wait_nodes("w1 lost, w2 ready", |n| {
             state_of(n, "w1") == Some("lost") && state_of(n, "w2") == Some("ready")
@@ -449,6 +449,39 @@ async fn a_worker_or_controller_killed_and_restarted_keeps_the_sandboxes_running
             .unwrap_or_default()
             .contains("worker w1 was lost"),
         "{resumed}"
+    );
+
+    // Cut off: no controller answers w2 (its only one hangs) for longer than its fence
+    // (5 s): it ends its containers itself, before any controller could count it lost and
+    // resume them elsewhere. When the controller answers again, w2 registers under a new run
+    // and the sandbox goes back to its snapshot, saying so.
+    controller.exec(&id, "echo cut-off > /tmp/state").await;
+    controller.signal(libc::SIGSTOP);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !w2.log().contains("(fenced)") {
+        assert!(Instant::now() < deadline, "not fenced:\n{}", w2.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        !w2.containers().iter().any(|c| c.starts_with(&id)),
+        "{:?}",
+        w2.containers()
+    );
+    controller.signal(libc::SIGCONT);
+    assert_eq!(
+        controller
+            .exec(&id, "cat /tmp/state 2>/dev/null || echo fresh")
+            .await,
+        "fresh\n",
+        "back to its snapshot"
+    );
+    // (Said as the worker being lost, or, when the call reached w2 before it registered
+    // again, as its container killed: either way back to its snapshot.)
+    let fenced = controller.sandbox(&id).await;
+    let said = fenced["last_error"].as_str().unwrap_or_default();
+    assert!(
+        said.contains("worker w2 was lost") || said.contains("restored to its last snapshot"),
+        "{fenced}"
     );
 }
 

@@ -146,6 +146,12 @@ impl Controller {
         }
     }
 
+    /// Sends the controller `signal` (SIGSTOP: it hangs, answering nothing; SIGCONT).
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
     /// SIGKILLs the controller and starts it again as it was (same addresses, data and
     /// identity; its log goes on in the same file).
     pub async fn kill_and_restart(&mut self) {
