@@ -478,8 +478,16 @@ impl Engine {
         let mut known = Vec::new();
         let mut taken_back = 0;
         let mut awaited = Vec::new();
+        let mut not_uploaded = Vec::new();
         for mut s in self.store.sandboxes()? {
             known.push(s.id.to_string());
+            // Parked on a worker, the upload unfinished (its controller stopped): sent again
+            // once that worker is back (`upload_after_restart`).
+            if let (SandboxState::Parked | SandboxState::Uploading, ImageRef::Worker { node, .. }) =
+                (s.state, &s.image)
+            {
+                not_uploaded.push((s.id.clone(), node.clone()));
+            }
             // GPU sandboxes go back to their snapshots: their devices and shares were the
             // previous run's (the GPU ledger re-issues them at the next wake).
             if !matches!(s.state, SandboxState::Running | SandboxState::Frozen)
@@ -518,7 +526,16 @@ impl Engine {
                 tracing::info!(sandboxes = awaited.len(), within_ms = identity.take_back_within.as_millis() as u64,
                     "waiting for the workers to bring back the sandboxes resident before the restart");
                 let awaited = awaited.into_iter().map(|(g, id, _)| (g, id)).collect();
-                tokio::spawn(me.take_back_after_restart(awaited, identity.take_back_within));
+                tokio::spawn(
+                    me.clone()
+                        .take_back_after_restart(awaited, identity.take_back_within),
+                );
+            }
+            if !not_uploaded.is_empty() {
+                tokio::spawn(
+                    me.clone()
+                        .upload_after_restart(not_uploaded, identity.take_back_within),
+                );
             }
         }
         // Another live controller may be building a template right now.

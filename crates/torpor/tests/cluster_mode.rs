@@ -271,7 +271,7 @@ async fn a_checkpoint_its_worker_could_not_upload_is_lost_with_that_worker_and_s
         return;
     };
     let dir = tmp.path();
-    let controller = Controller::start(dir, &database).await;
+    let mut controller = Controller::start(dir, &database).await;
     let mut w1 = Worker::start(dir, "w1", "w1", &controller.cluster);
     controller
         .wait_nodes("w1 ready", |n| state_of(n, "w1") == Some("ready"))
@@ -339,6 +339,30 @@ async fn a_checkpoint_its_worker_could_not_upload_is_lost_with_that_worker_and_s
         err.contains("worker w2 was lost before the checkpoint taken at")
             && err.contains("restored to its last snapshot in the store"),
         "last_error says what happened: {back}"
+    );
+
+    // Parked again and its controller killed at once, before it recorded the upload: started
+    // again, it uploads the checkpoint as soon as w3 is back (not at the idle policy's
+    // Suspended step, an hour later).
+    controller
+        .ok(
+            reqwest::Method::POST,
+            &suspend,
+            Some(json!({"tier": "parked"})),
+        )
+        .await;
+    controller.kill_and_restart().await;
+    wait_uploaded(&controller, &id).await;
+    assert!(
+        controller
+            .log()
+            .contains("uploading a checkpoint whose upload a restart interrupted"),
+        "the restarted controller sent it:\n{}",
+        controller.log()
+    );
+    assert_eq!(
+        controller.exec(&id, CHECK).await,
+        "disk-1\nmem-1\nprocess-alive\n"
     );
     drop(w3);
     w1.sigkill();

@@ -209,6 +209,39 @@ impl Engine {
         });
     }
 
+    /// Cluster mode, after a restart: the sandboxes parked on workers whose upload never
+    /// finished (a controller stopped during it) are uploaded as their workers come back,
+    /// instead of waiting for the idle policy's Suspended step. Those whose worker does not
+    /// return within `within` (at least a minute: nothing is held meanwhile) are left as they
+    /// are (a wake falls back if the worker is lost).
+    pub(super) async fn upload_after_restart(
+        self: Arc<Self>,
+        mut parked: Vec<(SandboxId, String)>,
+        within: Duration,
+    ) {
+        let deadline = tokio::time::Instant::now() + within.max(Duration::from_secs(60));
+        while !parked.is_empty() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            let Some(host) = self.image_host() else {
+                return;
+            };
+            parked.retain(|(id, node)| {
+                if !host.ready(node) {
+                    return true;
+                }
+                let still = self.store.sandbox(id).ok().flatten().is_some_and(|r| {
+                    r.state == SandboxState::Parked
+                        && matches!(&r.image, ImageRef::Worker { node: n, .. } if n == node)
+                });
+                if still {
+                    tracing::info!(sandbox = %id, worker = %node, "uploading a checkpoint whose upload a restart interrupted");
+                    self.upload_soon(id, node);
+                }
+                false
+            });
+        }
+    }
+
     /// [`Engine::upload_soon`] for a worker that takes no new sandboxes (draining): the upload
     /// holds the sandbox, so a call waits for it and then wakes the sandbox elsewhere from the
     /// store rather than on the draining worker.
