@@ -500,7 +500,8 @@ impl Engine {
                 if let (true, Some(node)) = (self.reconciles(&s)?, self.store.sandbox_node(&s.id)?)
                 {
                     let guard = self.slot(&s.id).state.clone().write_owned().await;
-                    awaited.push((guard, s.id.clone(), (s.container_id(), node)));
+                    let expected = (s.container_id(), node);
+                    awaited.push((guard, s, expected));
                 }
                 continue;
             }
@@ -517,7 +518,7 @@ impl Engine {
         }
         self.node.reconcile(&known).await;
         let awaited_ids: std::collections::HashSet<SandboxId> =
-            awaited.iter().map(|(_, id, _)| id.clone()).collect();
+            awaited.iter().map(|(_, s, _)| s.id.clone()).collect();
         if let (Some(me), Some(identity)) = (self.me.upgrade(), &self.cfg.controller) {
             if !awaited.is_empty() {
                 let expected: Vec<(String, String)> =
@@ -525,7 +526,7 @@ impl Engine {
                 self.node.expect_back(&expected);
                 tracing::info!(sandboxes = awaited.len(), within_ms = identity.take_back_within.as_millis() as u64,
                     "waiting for the workers to bring back the sandboxes resident before the restart");
-                let awaited = awaited.into_iter().map(|(g, id, _)| (g, id)).collect();
+                let awaited = awaited.into_iter().map(|(g, s, _)| (g, s)).collect();
                 tokio::spawn(
                     me.clone()
                         .take_back_after_restart(awaited, identity.take_back_within),

@@ -210,37 +210,26 @@ impl Engine {
     /// which keeps them running with nothing lost. The slots stay locked meanwhile (calls for
     /// them wait); those not back `within` go back to their last snapshots and their
     /// containers, should they turn up, are ended.
+    ///
+    /// The records were read at start, before any call is served, and their slots stay
+    /// locked: nothing else here changes them meanwhile, and another controller's write (it
+    /// took one over) fails the adoption's compare-and-set.
     pub(super) async fn take_back_after_restart(
         self: Arc<Self>,
-        mut awaited: Vec<(OwnedRwLockWriteGuard<SlotState>, SandboxId)>,
+        mut awaited: Vec<(OwnedRwLockWriteGuard<SlotState>, SandboxRecord)>,
         within: Duration,
     ) {
         let deadline = tokio::time::Instant::now() + within;
         let mut taken = 0;
         loop {
             let mut left = Vec::new();
-            for (mut guard, id) in awaited {
-                let rec = match self.store.sandbox(&id) {
-                    Ok(Some(rec)) => rec,
-                    Ok(None) => continue,
-                    Err(e) => {
-                        tracing::warn!(sandbox = %id, error = %e, "cannot read a sandbox to take back");
-                        left.push((guard, id));
-                        continue;
-                    }
-                };
-                let mut rec = rec;
-                if !matches!(rec.state, SandboxState::Running | SandboxState::Frozen)
-                    || !self.reconciles(&rec).unwrap_or(false)
-                {
-                    continue; // moved on, or another controller took it
-                }
+            for (mut guard, mut rec) in awaited {
                 let cause = restart_cause(&rec, self.controller_name());
                 match self.adopt(&mut guard, &mut rec, cause).await {
                     Ok(true) => taken += 1,
-                    Ok(false) => left.push((guard, id)),
+                    Ok(false) => left.push((guard, rec)),
                     Err(e) => {
-                        tracing::warn!(sandbox = %id, error = %e, "cannot take a sandbox back")
+                        tracing::warn!(sandbox = %rec.id, error = %e, "cannot take a sandbox back")
                     }
                 }
             }
@@ -256,11 +245,15 @@ impl Engine {
                 "running sandboxes taken back from their workers after a restart"
             );
         }
-        for (_guard, id) in awaited {
+        for (_guard, rec) in awaited {
+            let id = rec.id;
+            // Read again: gone, moved on, or taken over by another controller meanwhile.
             let Ok(Some(mut rec)) = self.store.sandbox(&id) else {
                 continue;
             };
-            if !self.reconciles(&rec).unwrap_or(false) {
+            if !matches!(rec.state, SandboxState::Running | SandboxState::Frozen)
+                || !self.reconciles(&rec).unwrap_or(false)
+            {
                 continue;
             }
             tracing::warn!(sandbox = %id, waited_ms = within.as_millis() as u64,
