@@ -55,7 +55,10 @@ pub async fn join(
     node: Arc<NodeService>,
     stop: watch::Receiver<bool>,
 ) {
+    // Counted from the start: containers taken back from a previous run (live restore) are
+    // fenced too if no controller answers.
     let contact = Arc::new(Contact::default());
+    contact.heard();
     let _fence = cfg
         .fence_after
         .map(|after| AbortOnDrop(tokio::spawn(fence(after, contact.clone(), node.clone()))));
@@ -280,7 +283,7 @@ async fn fence(after: Duration, contact: Arc<Contact>, node: Arc<NodeService>) {
     loop {
         tokio::time::sleep(poll).await;
         let Some(last) = contact.lock().0 else {
-            continue; // never registered: nothing of a controller's runs here
+            continue;
         };
         if last.elapsed() < after || fenced_at == Some(last) {
             continue;
