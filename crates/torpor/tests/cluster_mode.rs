@@ -76,13 +76,7 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
         )
         .await;
     assert_eq!(drained["state"], "draining");
-    controller
-        .ok(
-            reqwest::Method::POST,
-            &format!("/v1/sandboxes/{id}/suspend"),
-            Some(json!({"tier": "parked"})),
-        )
-        .await;
+    controller.park(&id).await;
     let parked = controller.sandbox(&id).await;
     assert_eq!(parked["node"], Value::Null, "asleep: no node: {parked}");
     assert_eq!(
@@ -96,13 +90,7 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
 
     // Committed (parked) again, then changed, then its worker dies: it comes back from the
     // last snapshot on a third worker, and says what it lost.
-    controller
-        .ok(
-            reqwest::Method::POST,
-            &format!("/v1/sandboxes/{id}/suspend"),
-            Some(json!({"tier": "parked"})),
-        )
-        .await;
+    controller.park(&id).await;
     controller.exec(&id, "echo disk-2 > /tmp/state").await;
     let holding = controller.sandbox(&id).await["node"]
         .as_str()
@@ -141,13 +129,7 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
         .as_str()
         .unwrap()
         .to_string();
-    controller
-        .ok(
-            reqwest::Method::POST,
-            &format!("/v1/sandboxes/{id}/suspend"),
-            Some(json!({"tier": "parked"})),
-        )
-        .await;
+    controller.park(&id).await;
     let stored = wait_uploaded(&controller, &id).await;
     let error_before = stored["last_error"].clone();
     let w4 = Worker::start(dir, "w4", "w4", &controller.cluster);
@@ -229,13 +211,7 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
     assert_eq!(controller.exec(&id, "cat /tmp/state").await, "disk-3\n");
 
     // Parked and uploaded once more, then deleted: the worker's copy of its snapshot goes too.
-    controller
-        .ok(
-            reqwest::Method::POST,
-            &format!("/v1/sandboxes/{id}/suspend"),
-            Some(json!({"tier": "parked"})),
-        )
-        .await;
+    controller.park(&id).await;
     wait_uploaded(&controller, &id).await;
     let w4_images = workers.last().unwrap().data.join("images");
     let copies_of = |dir: &std::path::Path| -> Vec<String> {

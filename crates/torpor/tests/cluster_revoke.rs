@@ -47,13 +47,7 @@ async fn a_worker_revoked_while_connected_is_cut_off_and_its_sandbox_resumes_els
         .await;
     let id = sb["id"].as_str().unwrap().to_string();
     controller.exec(&id, "echo disk-1 > /tmp/state").await;
-    controller
-        .ok(
-            reqwest::Method::POST,
-            &format!("/v1/sandboxes/{id}/suspend"),
-            Some(json!({"tier": "parked"})),
-        )
-        .await;
+    controller.park(&id).await;
     assert_eq!(controller.exec(&id, "cat /tmp/state").await, "disk-1\n");
     controller.exec(&id, "echo disk-2 > /tmp/state").await;
     let holder = controller.sandbox(&id).await["node"]

@@ -212,6 +212,16 @@ impl Controller {
         v
     }
 
+    /// Parks sandbox `id` (`POST /v1/sandboxes/{id}/suspend`, tier parked).
+    pub async fn park(&self, id: &str) -> Value {
+        self.ok(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{id}/suspend"),
+            Some(serde_json::json!({"tier": "parked"})),
+        )
+        .await
+    }
+
     pub async fn nodes(&self) -> Vec<Value> {
         self.ok(reqwest::Method::GET, "/v1/nodes", None)
             .await
