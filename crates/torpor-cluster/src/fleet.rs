@@ -721,14 +721,12 @@ impl ImageHost for Fleet {
                     order.retain(|s| s != snapshot);
                 }
             }
-            let live =
-                |(name, w): (&String, &Member)| (!w.lost).then(|| (name.clone(), w.remote.clone()));
             if everywhere {
-                m.workers.iter().filter_map(live).collect()
+                m.workers.iter().filter_map(live_member).collect()
             } else {
                 // Only the worker that uploaded it keeps a copy. One this controller did not
                 // upload (another did, or it restarted since) ages out on its worker.
-                copy.and_then(|w| m.workers.get_key_value(&w).and_then(live))
+                copy.and_then(|w| m.workers.get_key_value(&w).and_then(live_member))
                     .into_iter()
                     .collect()
             }
@@ -751,6 +749,11 @@ impl ImageHost for Fleet {
                 .get(node)
                 .is_some_and(|(_, _, state)| state == WorkerState::Ready)
     }
+}
+
+/// A worker's name and node if it is not lost (for `filter_map` over `Members.workers`).
+fn live_member((name, w): (&String, &Member)) -> Option<(String, Arc<RemoteNode>)> {
+    (!w.lost).then(|| (name.clone(), w.remote.clone()))
 }
 
 /// Passes a worker's events on (exits: the container is forgotten first).
@@ -833,18 +836,16 @@ impl Node for Fleet {
     async fn adopt(&self, container_id: &str, memory: u64) -> Option<Box<dyn Resident>> {
         let candidates: Vec<(String, Arc<RemoteNode>)> = {
             let m = self.lock();
-            let live =
-                |(name, w): (&String, &Member)| (!w.lost).then(|| (name.clone(), w.remote.clone()));
             match m.expected.get(container_id) {
                 // Expected back after this controller's restart: only from its worker.
                 Some((worker, true)) => m
                     .workers
                     .get_key_value(worker)
-                    .and_then(live)
+                    .and_then(live_member)
                     .into_iter()
                     .collect(),
                 Some((_, false)) => return None, // its worker has not come back (yet)
-                None => m.workers.iter().filter_map(live).collect(),
+                None => m.workers.iter().filter_map(live_member).collect(),
             }
         };
         for (worker, remote) in candidates {

@@ -271,6 +271,31 @@ impl E2b {
             .header("E2b-Sandbox-Id", id)
             .header("X-Access-Token", token)
     }
+
+    /// `POST /v2/sandboxes` with `body`, which must succeed: (sandbox id, envd token).
+    async fn create(&self, body: Value) -> (String, String) {
+        let (s, sbx) = self
+            .call(reqwest::Method::POST, "/v2/sandboxes", Some(body))
+            .await;
+        assert_eq!(s, 201, "{sbx}");
+        (
+            sbx["sandboxID"].as_str().unwrap().to_string(),
+            sbx["envdAccessToken"].as_str().unwrap().to_string(),
+        )
+    }
+
+    /// A unary envd `filesystem.Filesystem/<method>` call in JSON, which must answer 200.
+    async fn filesystem(&self, id: &str, token: &str, method: &str, body: Value) -> Value {
+        let resp = self
+            .envd(&format!("/filesystem.Filesystem/{method}"), id, token)
+            .header("Content-Type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200, "{method}");
+        resp.json::<Value>().await.unwrap()
+    }
 }
 
 fn assert_error(status: u16, v: &Value, want: u16) {
@@ -1102,28 +1127,11 @@ async fn an_agent_that_predates_inotify_watches_is_polled_as_before() {
         url: d.url(),
         key: d.token(),
     };
-    let (s, sbx) = api
-        .call(
-            reqwest::Method::POST,
-            "/v2/sandboxes",
-            Some(json!({"templateID": "wv4", "timeout": 600})),
-        )
+    let (id, token) = api
+        .create(json!({"templateID": "wv4", "timeout": 600}))
         .await;
-    assert_eq!(s, 201, "{sbx}");
-    let id = sbx["sandboxID"].as_str().unwrap().to_string();
-    let token = sbx["envdAccessToken"].as_str().unwrap().to_string();
     c.exec(&id, &sh("mkdir -p /tmp/wv")).await.unwrap();
-    let unary = |method: &str, body: Value| {
-        let req = api
-            .envd(&format!("/filesystem.Filesystem/{method}"), &id, &token)
-            .header("Content-Type", "application/json")
-            .body(body.to_string());
-        async move {
-            let resp = req.send().await.unwrap();
-            assert_eq!(resp.status().as_u16(), 200);
-            resp.json::<Value>().await.unwrap()
-        }
-    };
+    let unary = |method: &'static str, body: Value| api.filesystem(&id, &token, method, body);
     let w = unary("CreateWatcher", json!({"path": "/tmp/wv"})).await;
     let watcher = w["watcherId"].as_str().unwrap().to_string();
     c.exec(
@@ -1176,28 +1184,11 @@ async fn polling_a_watcher_leaves_a_sleeping_sandbox_asleep() {
         url: d.url(),
         key: d.token(),
     };
-    let (s, sbx) = api
-        .call(
-            reqwest::Method::POST,
-            "/v2/sandboxes",
-            Some(json!({"templateID": "wp", "timeout": 600, "autoResume": {"enabled": true}})),
-        )
+    let (id, token) = api
+        .create(json!({"templateID": "wp", "timeout": 600, "autoResume": {"enabled": true}}))
         .await;
-    assert_eq!(s, 201, "{sbx}");
-    let id = sbx["sandboxID"].as_str().unwrap().to_string();
-    let token = sbx["envdAccessToken"].as_str().unwrap().to_string();
     c.exec(&id, &sh("mkdir -p /tmp/wp")).await.unwrap();
-    let unary = |method: &str, body: Value| {
-        let req = api
-            .envd(&format!("/filesystem.Filesystem/{method}"), &id, &token)
-            .header("Content-Type", "application/json")
-            .body(body.to_string());
-        async move {
-            let resp = req.send().await.unwrap();
-            assert_eq!(resp.status().as_u16(), 200);
-            resp.json::<Value>().await.unwrap()
-        }
-    };
+    let unary = |method: &'static str, body: Value| api.filesystem(&id, &token, method, body);
     let w = unary("CreateWatcher", json!({"path": "/tmp/wp"})).await;
     let watcher = json!({"watcherId": w["watcherId"]});
     // A change the client has not asked for yet when the sandbox goes to sleep.

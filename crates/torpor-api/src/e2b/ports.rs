@@ -19,7 +19,7 @@ use crate::errors::ApiError;
 use crate::state::ApiState;
 
 /// Metadata key: `public`, or the traffic access token a request must carry.
-pub const META_TRAFFIC: &str = "torpor.e2b.traffic";
+pub const META_TRAFFIC: &str = torpor_control::Engine::E2B_TRAFFIC_KEY;
 /// The header E2B's SDKs and docs use for private sandbox traffic.
 pub const TRAFFIC_HEADER: &str = "e2b-traffic-access-token";
 

@@ -37,6 +37,9 @@ impl Engine {
     pub const WAKE_PREFIX: &'static str = "torpor.wake.";
     /// The metadata keys the E2B adapter keeps for a sandbox's E2B lifecycle; reserved.
     pub const E2B_PREFIX: &'static str = "torpor.e2b.";
+    /// E2B's traffic access: `public`, or the token a host-routed request must carry. A
+    /// credential of one sandbox: a fork never inherits a token (see [`forked_metadata`]).
+    pub const E2B_TRAFFIC_KEY: &'static str = "torpor.e2b.traffic";
 
     /// Whether a metadata key is reserved to the engine or the E2B adapter (no tenant sets or
     /// reads it).
@@ -164,15 +167,24 @@ pub(super) fn check_reserved(m: &BTreeMap<String, String>) -> Result<()> {
 /// A fork's metadata, made at `now` from its source's: no mark of the source's next wake. The
 /// reboot is dropped (the fork runs on from the source's memory); the rest of the wake's patch
 /// is applied now, so a fork of a sandbox paused through E2B is not paused to E2B and has a
-/// deadline of its timeout from now, as if woken.
+/// deadline of its timeout from now, as if woken. A private E2B traffic token is the source's
+/// credential and is not copied: without one, host-routed traffic to the fork needs its
+/// tenant's token (E2B's own fork gives the fork a token of its own).
 pub(super) fn forked_metadata(
     metadata: &BTreeMap<String, String>,
     now: i64,
 ) -> BTreeMap<String, String> {
-    match woken_metadata(metadata, now) {
+    let mut out = match woken_metadata(metadata, now) {
         Some((metadata, _reboot)) => metadata,
         None => metadata.clone(),
+    };
+    if out
+        .get(Engine::E2B_TRAFFIC_KEY)
+        .is_some_and(|t| t != "public")
+    {
+        out.remove(Engine::E2B_TRAFFIC_KEY);
     }
+    out
 }
 
 /// The metadata after a wake at `now` (ms) and whether the wake reboots; `None` when the
@@ -297,5 +309,12 @@ mod tests {
         // No mark: copied as it is.
         let plain = meta(&[("app", "x"), (end, "5")]);
         assert_eq!(forked_metadata(&plain, 1), plain);
+        // Public traffic stays public; a private token is the source's alone.
+        let public = meta(&[("app", "x"), (Engine::E2B_TRAFFIC_KEY, "public")]);
+        assert_eq!(forked_metadata(&public, 1), public);
+        assert_eq!(
+            forked_metadata(&meta(&[("app", "x"), (Engine::E2B_TRAFFIC_KEY, "f00d")]), 1),
+            meta(&[("app", "x")])
+        );
     }
 }

@@ -140,6 +140,15 @@ impl Controller {
                 if !self.waking.remove(&id) {
                     self.starting = self.starting.saturating_sub(1);
                 }
+                // One lane per agent. An agent whose creation is not reported yet is listed
+                // like a sleeping one, so a tick in between can also wake it: it is then
+                // reported twice. A second lane would read the same consumer's pending
+                // messages and hand each to the agent twice (and, replaced in `active`, never
+                // be drained).
+                if self.active.contains_key(&id) || self.draining.contains(&id) {
+                    tracing::debug!(pool = %self.spec().name, sandbox = %id, "agent reported started twice");
+                    return;
+                }
                 let lane = self.start_lane(&id);
                 self.active.insert(id, lane);
             }
@@ -269,7 +278,8 @@ impl Controller {
         s.last_error = self.last_error.clone();
     }
 
-    /// Pool agents that are asleep and not being handled, oldest first.
+    /// Pool agents no lane serves, oldest first: asleep, or running without a lane (after a
+    /// restart; or just created, its start not reported yet: see `on_event`).
     fn sleeping_agents(&self) -> Vec<SandboxId> {
         let mut v: Vec<_> = pool_agents(&self.engine, &self.pool.tenant, self.spec().name.as_str())
             .into_iter()

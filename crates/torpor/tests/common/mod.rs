@@ -296,6 +296,30 @@ pub async fn create(c: &Client, template: &str) -> String {
 /// A tiny HTTP server on every address of this host (a free port), for sandboxes to reach
 /// (with `--sandbox-reach-host`): answers every request with `body`, closing first (the body is
 /// delimited by the close). Returns its port.
+/// Starts `cmd args` in E2B sandbox `id` through envd's `process.Process/Start` (one Connect
+/// JSON frame, as the SDKs send it); the process keeps running after the answer's headers.
+pub async fn e2b_start_process(d: &Daemon, id: &str, envd_token: &str, cmd: &str, args: &[&str]) {
+    let m =
+        serde_json::to_vec(&serde_json::json!({"process": {"cmd": cmd, "args": args}})).unwrap();
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&(m.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&m);
+    let r = reqwest::Client::new()
+        .post(format!("{}/process.Process/Start", d.url()))
+        .header("content-type", "application/connect+json")
+        .header("e2b-sandbox-id", id)
+        .header("x-access-token", envd_token)
+        .body(frame)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        reqwest::StatusCode::OK,
+        "starting {cmd} in {id}"
+    );
+}
+
 pub async fn host_server(body: &'static str) -> u16 {
     let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();

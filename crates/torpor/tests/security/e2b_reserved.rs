@@ -111,3 +111,75 @@ async fn a_tenant_cannot_forge_e2bs_state_through_torpors_api() {
         "{own:?}"
     );
 }
+
+/// A private E2B sandbox's traffic token opens its ports to whoever holds it. A fork made
+/// through torpor's own API is another sandbox: the source's token must not open the fork's
+/// ports (the fork's traffic then needs its tenant's token).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sources_traffic_token_does_not_open_a_v1_forks_ports() {
+    let d = Daemon::start().await;
+    let admin = d.token();
+    let http = reqwest::Client::new();
+    let r = http
+        .post(format!("{}/v2/sandboxes", d.url()))
+        .header("X-API-KEY", &admin)
+        .json(&json!({"templateID": "base", "network": {"allowPublicTraffic": false}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let sbx: Value = r.json().await.unwrap();
+    let id = sbx["sandboxID"].as_str().unwrap().to_string();
+    let envd = sbx["envdAccessToken"].as_str().unwrap().to_string();
+    let traffic = sbx["trafficAccessToken"].as_str().unwrap().to_string();
+    e2b_start_process(
+        &d,
+        &id,
+        &envd,
+        "python3",
+        &["-m", "http.server", "8000", "--directory", "/etc"],
+    )
+    .await;
+    // (status, body) of GET /passwd on port 8000 of `sandbox` by host routing, as `auth`.
+    let get = |sandbox: String, auth: (&'static str, String)| {
+        let (http, url) = (http.clone(), d.url());
+        async move {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            loop {
+                let r = http
+                    .get(format!("{url}/passwd"))
+                    .header("host", format!("8000-{sandbox}.localhost"))
+                    .header(auth.0, &auth.1)
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status().as_u16();
+                let text = r.text().await.unwrap();
+                // The server may still be starting (the proxy answers 502 until it listens).
+                if status != 502 || std::time::Instant::now() > deadline {
+                    return (status, text);
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
+    };
+    let token = |t: &str| ("e2b-traffic-access-token", t.to_string());
+    let (status, text) = get(id.clone(), token(&traffic)).await;
+    assert_eq!(status, 200, "the source's own token opens it: {text}");
+    assert!(text.contains("root:"), "{text}");
+
+    let fork = d.client().fork(&id, 1).await.unwrap().remove(0).id;
+    let (status, text) = get(fork.to_string(), token(&traffic)).await;
+    assert_eq!(status, 401, "the source's token opened the fork: {text}");
+    assert!(!text.contains("root:"), "{text}");
+    // The fork's server runs (forked from memory): its tenant's token reaches it.
+    let (status, text) = get(
+        fork.to_string(),
+        ("authorization", format!("Bearer {admin}")),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains("root:"), "{text}");
+    // And the source keeps its token.
+    assert_eq!(get(id.clone(), token(&traffic)).await.0, 200);
+}

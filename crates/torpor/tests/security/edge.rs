@@ -520,25 +520,14 @@ async fn a_tenant_neither_lists_nor_reaches_the_operators_sandboxes() {
     let private = sbx["sandboxID"].as_str().unwrap().to_string();
     let token = sbx["envdAccessToken"].as_str().unwrap().to_string();
     // A server on a port of the operator's private sandbox.
-    let r = reqwest::Client::new()
-        .post(format!("{}/process.Process/Start", d.url()))
-        .header("content-type", "application/connect+json")
-        .header("e2b-sandbox-id", &private)
-        .header("x-access-token", &token)
-        .body({
-            let m = serde_json::to_vec(&json!({"process": {"cmd": "python3",
-                "args": ["-m", "http.server", "8000", "--directory", "/etc"]}}))
-            .unwrap();
-            let mut f = vec![0u8];
-            f.extend_from_slice(&(m.len() as u32).to_be_bytes());
-            f.extend_from_slice(&m);
-            f
-        })
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::OK);
-    drop(r);
+    common::e2b_start_process(
+        &d,
+        &private,
+        &token,
+        "python3",
+        &["-m", "http.server", "8000", "--directory", "/etc"],
+    )
+    .await;
     // The operator sees both; the tenant neither, on every list.
     let (_, all) = e2b(
         &d,
