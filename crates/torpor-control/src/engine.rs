@@ -479,6 +479,10 @@ impl Engine {
         let mut taken_back = 0;
         let mut awaited = Vec::new();
         let mut not_uploaded = Vec::new();
+        let mut nodes = match self.controller_name() {
+            Some(_) => self.store.sandbox_nodes()?,
+            None => Default::default(),
+        };
         for mut s in self.store.sandboxes()? {
             known.push(s.id.to_string());
             // Parked on a worker, the upload unfinished (its controller stopped): sent again
@@ -497,8 +501,7 @@ impl Engine {
             }
             if self.controller_name().is_some() {
                 // Where the records put it: a container announced elsewhere is not taken.
-                if let (true, Some(node)) = (self.reconciles(&s)?, self.store.sandbox_node(&s.id)?)
-                {
+                if let (true, Some(node)) = (self.reconciles(&s)?, nodes.remove(&s.id)) {
                     let guard = self.slot(&s.id).state.clone().write_owned().await;
                     let expected = (s.container_id(), node);
                     awaited.push((guard, s, expected));

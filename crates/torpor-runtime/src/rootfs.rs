@@ -128,8 +128,7 @@ pub fn write_etc(etc: &Path) -> Result<(), RootfsError> {
 /// named after the binary's content, and returns that directory. An existing one is reused, so
 /// sandboxes checkpointed by an older torpor keep restoring with the agent they were made with.
 pub fn install_agent(binary: &Path, agents_dir: &Path) -> Result<PathBuf, RootfsError> {
-    let bytes = fs::read(binary).map_err(io_err(binary))?;
-    let key = content_key(&bytes);
+    let key = content_key(binary).map_err(io_err(binary))?;
     let dir = agents_dir.join(&key);
     if dir.join("torpor").exists() && dir.join("ld.so").exists() {
         open_agent_dir(&dir)?;
@@ -139,7 +138,7 @@ pub fn install_agent(binary: &Path, agents_dir: &Path) -> Result<PathBuf, Rootfs
     let _ = fs::remove_dir_all(&tmp);
     let lib = tmp.join("lib");
     fs::create_dir_all(&lib).map_err(io_err(&lib))?;
-    fs::write(tmp.join("torpor"), &bytes).map_err(io_err(&tmp))?;
+    fs::copy(binary, tmp.join("torpor")).map_err(io_err(&tmp))?;
     set_mode(&tmp.join("torpor"), 0o755)?;
     let (libs, loader) = shared_libraries(binary)?;
     for l in libs {
@@ -193,15 +192,15 @@ fn set_mode(p: &Path, mode: u32) -> Result<(), RootfsError> {
     fs::set_permissions(p, fs::Permissions::from_mode(mode)).map_err(io_err(p))
 }
 
-/// A short, stable name for some bytes (FNV-1a, 64-bit). Not a security boundary: it only
-/// keeps agent builds apart.
-fn content_key(bytes: &[u8]) -> String {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in bytes {
-        h ^= *b as u64;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    format!("{h:016x}-{}", bytes.len())
+/// A short, stable name for a file's bytes (64 bits of blake3, and the length). Not a security
+/// boundary: it only keeps agent builds apart.
+fn content_key(path: &Path) -> io::Result<String> {
+    // Read at every daemon start, before a restarted daemon takes back the containers its
+    // shims kept running (they end after the live-restore window): a debug build's binary is
+    // ~170 MB, so the hash is blake3 (optimised even in a debug build), streamed.
+    let mut h = blake3::Hasher::new();
+    let len = io::copy(&mut fs::File::open(path)?, &mut h)?;
+    Ok(format!("{}-{len}", &h.finalize().to_hex()[..16]))
 }
 
 /// The shared libraries and the dynamic loader of an ELF binary, as `ldd` reports them.

@@ -198,8 +198,16 @@ impl Shims {
                 .and_then(|b| serde_json::from_slice::<ShimMeta>(&b).ok());
             match (pid, meta) {
                 (Some(pid), Some(meta)) if meta.shim_pid == pid => scan.survivors.push(meta),
-                (Some(pid), _) => scan.strays.push(pid),
-                (None, _) => {
+                (Some(pid), meta) => {
+                    tracing::info!(shim = %dir.display(), pid, recorded = meta.is_some(),
+                        "a shim of the previous run holds no recorded container (it was starting); it is ended");
+                    scan.strays.push(pid)
+                }
+                (None, meta) => {
+                    if meta.is_some() {
+                        tracing::warn!(shim = %dir.display(),
+                            "a shim of the previous run is gone, and its container with it");
+                    }
                     let _ = std::fs::remove_dir_all(&dir);
                 }
             }

@@ -376,10 +376,12 @@ async fn a_worker_or_controller_killed_and_restarted_keeps_the_sandboxes_running
     let container = controller.sandbox(&id).await["worker"].clone();
 
     // The worker process dies and comes back (a crash, an upgrade): its sandbox kept running.
+    let registered = |w: &Worker| w.log().matches("registered with controller").count();
+    let before_restart = registered(&w1);
     w1.sigkill();
     let mut w1 = Worker::start(dir, "w1", "w1", &controller.cluster);
     let deadline = Instant::now() + PATIENCE;
-    while !w1.log().contains("registered with controller") {
+    while registered(&w1) == before_restart {
         assert!(
             Instant::now() < deadline,
             "{}\n{}",

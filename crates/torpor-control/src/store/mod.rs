@@ -25,7 +25,7 @@
 //! microseconds on SQLite, a round trip on PostgreSQL, which runs its calls on a runtime of its
 //! own), made from the engine without an `.await` between read and write.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Deref;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
@@ -218,12 +218,13 @@ pub trait StateStore: Send + Sync {
     fn touch_sandboxes(&self, touched: &[(SandboxId, UnixMillis)]) -> Result<(), StoreError>;
     /// Cluster mode: the worker process a resident sandbox's container runs on, written when
     /// it is installed (no version bump: it does not change a state). A store that does not
-    /// keep it (SQLite: one machine) answers `None`.
+    /// keep it (SQLite: one machine) keeps nothing.
     fn set_sandbox_node(&self, _id: &SandboxId, _node: Option<&str>) -> Result<(), StoreError> {
         Ok(())
     }
-    fn sandbox_node(&self, _id: &SandboxId) -> Result<Option<String>, StoreError> {
-        Ok(None)
+    /// Every sandbox with a recorded worker, in one read (a restarted controller's start).
+    fn sandbox_nodes(&self) -> Result<HashMap<SandboxId, String>, StoreError> {
+        Ok(HashMap::new())
     }
     /// Deletes a sandbox and its network policy.
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), StoreError>;

@@ -31,7 +31,7 @@
 //!
 //! Schema and migrations: [`super::pg_schema`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::path::Path;
 use std::time::Duration;
@@ -635,20 +635,23 @@ impl StateStore for PostgresStore {
         .map(drop)
     }
 
-    fn sandbox_node(&self, id: &SandboxId) -> Result<Option<String>, StoreError> {
-        let Some(row) = self.query_opt(
-            "sandbox node",
-            "SELECT node FROM sandboxes WHERE id=$1",
-            vec![p(id.to_string())],
+    fn sandbox_nodes(&self) -> Result<HashMap<SandboxId, String>, StoreError> {
+        self.query(
+            "sandbox nodes",
+            "SELECT id, node FROM sandboxes WHERE node IS NOT NULL",
+            Vec::new(),
         )?
-        else {
-            return Ok(None);
-        };
-        row.try_get::<_, Option<String>>(0)
-            .map_err(|_| StoreError::Corrupt {
+        .iter()
+        .map(|row| {
+            let id: String = get(row, 0, "sandbox node")?;
+            let node: String = get(row, 1, "sandbox node")?;
+            let id = SandboxId::new(&id).map_err(|_| StoreError::Corrupt {
                 what: "sandbox node",
-                key: id.to_string(),
-            })
+                key: id.clone(),
+            })?;
+            Ok((id, node))
+        })
+        .collect()
     }
 
     fn touch_sandboxes(&self, touched: &[(SandboxId, UnixMillis)]) -> Result<(), StoreError> {

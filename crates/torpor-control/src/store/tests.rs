@@ -1234,23 +1234,30 @@ fn the_holding_controller_is_written_with_the_state_and_read_back() {
 fn the_worker_a_sandbox_runs_on_is_kept_without_a_version_bump() {
     let Some(pg) = Postgres::new() else { return };
     let store = pg.connect();
-    let s = sandbox();
+    let (s, other) = (sandbox(), sandbox());
     store.insert_sandbox(&s).unwrap();
-    assert_eq!(store.sandbox_node(&s.id).unwrap(), None);
+    store.insert_sandbox(&other).unwrap();
+    assert!(store.sandbox_nodes().unwrap().is_empty());
     store.set_sandbox_node(&s.id, Some("w2")).unwrap();
-    assert_eq!(store.sandbox_node(&s.id).unwrap().as_deref(), Some("w2"));
+    assert_eq!(
+        store.sandbox_nodes().unwrap(),
+        [(s.id.clone(), "w2".to_string())].into()
+    );
     // Not a state change: a compare-and-set over the version read before still lands.
     let read = store.sandbox(&s.id).unwrap().unwrap();
     assert_eq!(read.version, Version(0));
+    store.set_sandbox_node(&other.id, Some("w1")).unwrap();
     store.set_sandbox_node(&s.id, None).unwrap();
-    assert_eq!(store.sandbox_node(&s.id).unwrap(), None);
-    assert_eq!(store.sandbox_node(&SandboxId::generate()).unwrap(), None);
+    assert_eq!(
+        store.sandbox_nodes().unwrap(),
+        [(other.id.clone(), "w1".to_string())].into()
+    );
     // SQLite (one machine) keeps none.
     let tmp = tempfile::tempdir().unwrap();
     let lite = sqlite(&tmp.path().join("t.db"));
     lite.insert_sandbox(&s).unwrap();
     lite.set_sandbox_node(&s.id, Some("w2")).unwrap();
-    assert_eq!(lite.sandbox_node(&s.id).unwrap(), None);
+    assert!(lite.sandbox_nodes().unwrap().is_empty());
 }
 
 #[test]

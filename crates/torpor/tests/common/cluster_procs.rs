@@ -394,7 +394,14 @@ impl Worker {
             .env("TORPOR_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
+            // Appended to: a restarted worker's log follows its previous run's.
+            .stderr(
+                std::fs::File::options()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .unwrap(),
+            )
             .spawn()
             .unwrap();
         Worker {
