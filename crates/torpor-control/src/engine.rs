@@ -50,7 +50,7 @@ mod transitions;
 pub mod usage_probe;
 mod worker_images;
 
-use crate::lot::{LotError, Parked, WorkerPermit, WorkerPool};
+use crate::lot::{Arrival, LotError, Parked, WorkerPermit, WorkerPool};
 use crate::metrics::Metrics;
 use crate::store::{
     ImageRef, Quotas, SandboxRecord, Store, TemplateRecord, TemplateStatus, TenantRecord,

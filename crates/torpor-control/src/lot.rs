@@ -33,6 +33,14 @@
 //! so the p-th lands at the end of round ⌈p / cores⌉, which is at most that far away; a burst
 //! that finds no checkpoint under way pays the whole first round.
 //!
+//! Arrivals. A call has work to do before it asks for a worker (store reads and writes under
+//! the quota lock), and in a burst that work queues. A call admitted by [`WorkerPool::arrive`]
+//! holds an [`Arrival`] until it parks, takes a worker or gives up, and counts in the queue
+//! ahead of every later call meanwhile; so the burst's later calls are refused at once against
+//! the whole burst, not only against the calls that reached the lot first (which, while the
+//! burst's writes queue, are few: before this, refusals waited for the burst ahead of them to
+//! park).
+//!
 //! Whenever the rate changes (a seed, a hand-off) the calls already parked are checked again in
 //! the order they would be served: one that can no longer be served before its deadline leaves
 //! the lot at once with [`LotError::WouldWait`] (logged: admission was wrong for it), the
@@ -215,6 +223,9 @@ struct PoolState {
     /// Tenants with parked calls, in the order they are served next.
     order: VecDeque<TenantId>,
     parked: usize,
+    /// Admitted calls on their way to the lot ([`Arrival`]s), in all and per tenant.
+    arriving: usize,
+    arrivals: HashMap<TenantId, usize>,
     next_ticket: u64,
     service: Service,
     counts: LotCounts,
@@ -258,6 +269,48 @@ impl Drop for WorkerPermit {
         if let Some(pool) = self.pool.take() {
             WorkerPool::release(&pool);
         }
+    }
+}
+
+/// A call admitted by [`WorkerPool::arrive`] that has not reached the lot yet: it counts in the
+/// queue ahead of later calls until it is given to [`WorkerPool::acquire_arrived`] (which parks
+/// it or hands it a worker) or dropped (the call gave up on its way).
+pub struct Arrival {
+    pool: Option<Arc<WorkerPool>>,
+    tenant: TenantId,
+}
+
+impl Arrival {
+    /// No longer on its way: the caller holds the lot's lock.
+    fn settle(mut self, st: &mut PoolState) {
+        self.pool = None;
+        st.unarrive(&self.tenant);
+    }
+}
+
+impl Drop for Arrival {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            pool.lock().unarrive(&self.tenant);
+        }
+    }
+}
+
+impl PoolState {
+    fn unarrive(&mut self, tenant: &TenantId) {
+        self.arriving -= 1;
+        if let Some(n) = self.arrivals.get_mut(tenant) {
+            *n -= 1;
+            if *n == 0 {
+                self.arrivals.remove(tenant);
+            }
+        }
+    }
+
+    /// A new call would take a free worker: none is parked, and the calls on their way leave
+    /// one.
+    fn would_find_free(&self) -> bool {
+        self.parked == 0 && self.arriving < self.free
     }
 }
 
@@ -364,12 +417,13 @@ impl WorkerPool {
     }
 
     /// How long a new call of `tenant` would wait now, if it had to park (`None`: not measured
-    /// yet). Its place: behind every parked call, or behind one round of the tenants' queues
-    /// per call of its own already waiting, whichever comes first.
+    /// yet). Its place: behind every parked call and every call on its way to the lot, or
+    /// behind one round of the tenants' queues per call of its own already waiting or on its
+    /// way, whichever comes first.
     pub fn expected_wait(&self, tenant: &TenantId) -> Option<Duration> {
         let st = self.lock();
         st.service
-            .expected_wait(position(&st, tenant), Instant::now())
+            .expected_wait(position_on_arrival(&st, tenant), Instant::now())
     }
 
     /// The refusal [`WorkerPool::acquire`] would give a call of `tenant` now for its expected
@@ -379,16 +433,32 @@ impl WorkerPool {
     /// refusal at once.
     pub fn refuse_early(&self, tenant: &TenantId, budget: Duration) -> Option<Duration> {
         let mut st = self.lock();
-        if st.free > 0 && st.parked == 0 {
-            return None;
+        refusal(&mut st, tenant, budget)
+    }
+
+    /// Admits a call of `tenant` on its way to the lot, or refuses it as
+    /// [`WorkerPool::refuse_early`] would (`Err(wait)`). The [`Arrival`] counts in the queue
+    /// ahead of later calls until it is given to [`WorkerPool::acquire_arrived`] or dropped.
+    pub fn arrive(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+        budget: Duration,
+    ) -> Result<Arrival, Duration> {
+        let mut st = self.lock();
+        if let Some(wait) = refusal(&mut st, tenant, budget) {
+            return Err(wait);
         }
-        let wait = st
-            .service
-            .expected_wait(position(&st, tenant), Instant::now())?;
-        (wait > budget).then(|| {
-            st.counts.refused_at_once += 1;
-            wait
+        st.arriving += 1;
+        *st.arrivals.entry(tenant.clone()).or_default() += 1;
+        Ok(Arrival {
+            pool: Some(self.clone()),
+            tenant: tenant.clone(),
         })
+    }
+
+    /// Admitted calls on their way to the lot.
+    pub fn arriving(&self) -> usize {
+        self.lock().arriving
     }
 
     /// A worker now, without parking; None when all are taken or calls are already waiting.
@@ -409,8 +479,22 @@ impl WorkerPool {
         tenant: &TenantId,
         budget: Duration,
     ) -> Result<(WorkerPermit, Parked), LotError> {
+        self.acquire_arrived(tenant, budget, None).await
+    }
+
+    /// [`WorkerPool::acquire`] for a call admitted by [`WorkerPool::arrive`]: its arrival ends
+    /// here, in the same step that parks it or hands it a worker, so it is never counted twice.
+    pub async fn acquire_arrived(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+        budget: Duration,
+        arrival: Option<Arrival>,
+    ) -> Result<(WorkerPermit, Parked), LotError> {
         let (ticket, rx) = {
             let mut st = self.lock();
+            if let Some(arrival) = arrival {
+                arrival.settle(&mut st);
+            }
             if st.free > 0 && st.parked == 0 {
                 st.free -= 1;
                 return Ok((
@@ -529,12 +613,43 @@ impl WorkerPool {
     }
 }
 
-/// Hand-offs before a new call of `tenant` is served: every parked call at most; with the
-/// tenants served in turn, one round per call of its own already queued.
+/// The refusal of a new call of `tenant` that may wait `budget`: `Some(wait)` when it would
+/// have to park and be served only after its budget (counted as a refusal at once).
+fn refusal(st: &mut PoolState, tenant: &TenantId, budget: Duration) -> Option<Duration> {
+    if st.would_find_free() {
+        return None;
+    }
+    let wait = st
+        .service
+        .expected_wait(position_on_arrival(st, tenant), Instant::now())?;
+    (wait > budget).then(|| {
+        st.counts.refused_at_once += 1;
+        wait
+    })
+}
+
+/// Hand-offs before a call of `tenant` is served: every parked call at most; with the tenants
+/// served in turn, one round per call of its own already queued.
 fn position(st: &PoolState, tenant: &TenantId) -> usize {
     let own = st.queues.get(tenant).map_or(0, VecDeque::len);
     let tenants = st.order.len() + usize::from(own == 0);
     (st.parked + 1).min((own + 1) * tenants.max(1))
+}
+
+/// [`position`] of a call that has not set out yet: the calls on their way (those the free
+/// workers will not take) are ahead of it too, as parked calls of their tenants. A call that
+/// reaches the lot is placed by [`position`]: the calls still on their way park behind it.
+fn position_on_arrival(st: &PoolState, tenant: &TenantId) -> usize {
+    let arriving = |t: &TenantId| st.arrivals.get(t).copied().unwrap_or(0);
+    let own = st.queues.get(tenant).map_or(0, VecDeque::len) + arriving(tenant);
+    let only_arriving = st
+        .arrivals
+        .keys()
+        .filter(|t| !st.queues.contains_key(*t))
+        .count();
+    let tenants = st.order.len() + only_arriving + usize::from(own == 0);
+    let ahead = (st.parked + st.arriving).saturating_sub(st.free);
+    (ahead + 1).min((own + 1) * tenants.max(1))
 }
 
 /// Checks the parked calls again at the current rate, in the order [`WorkerPool::release`]
@@ -1337,6 +1452,52 @@ mod tests {
         assert_eq!(pool.counts().refused_at_once, 3);
         drop(held);
         drop(a1.await.unwrap().unwrap());
+    }
+
+    #[tokio::test]
+    async fn calls_on_their_way_count_ahead_of_later_calls_until_they_reach_the_lot() {
+        let pool = WorkerPool::new(1, 64);
+        pool.note_turnaround(every(10));
+        let budget = secs(25);
+        // The first will take the free worker; the next two would be served in 10 and 20 s.
+        let a1 = pool.arrive(&t("a"), budget).unwrap();
+        let a2 = pool.arrive(&t("a"), budget).unwrap();
+        let a3 = pool.arrive(&t("a"), budget).unwrap();
+        assert_eq!((pool.arriving(), pool.parked()), (3, 0));
+        // None has reached the lot, and still the fourth is refused: it would be served in 30 s.
+        assert_eq!(pool.arrive(&t("a"), budget).err(), Some(secs(30)));
+        assert_eq!(pool.refuse_early(&t("a"), budget), Some(secs(30)));
+        // Another tenant's first call waits one round (behind a's next call), not the line.
+        let b1 = pool.arrive(&t("b"), budget).unwrap();
+        // A call that gives up on its way leaves its place; here b's call had taken it.
+        drop(a3);
+        assert_eq!(pool.arrive(&t("a"), budget).err(), Some(secs(30)));
+        drop(b1);
+        let a3 = pool.arrive(&t("a"), budget).unwrap();
+        assert_eq!(pool.arriving(), 3);
+        // Reaching the lot ends an arrival in the same step: the first takes the free worker,
+        // the second parks, and neither is counted twice.
+        let (held, parked) = pool
+            .acquire_arrived(&t("a"), budget, Some(a1))
+            .await
+            .unwrap();
+        assert_eq!((parked, pool.arriving()), (Parked::NotParked, 2));
+        let p = pool.clone();
+        let second =
+            tokio::spawn(async move { p.acquire_arrived(&t("a"), budget, Some(a2)).await });
+        while pool.parked() == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(pool.arriving(), 1);
+        // Ahead of a new call: the parked one and a3 on its way (counted twice it would be 40 s).
+        assert_eq!(pool.refuse_early(&t("a"), budget), Some(secs(30)));
+        drop(a3);
+        assert_eq!(pool.arriving(), 0);
+        assert_eq!(pool.refuse_early(&t("a"), budget), None);
+        drop(held);
+        assert!(matches!(second.await.unwrap(), Ok((_, Parked::Waited(_)))));
+        assert_eq!((pool.free(), pool.parked(), pool.arriving()), (1, 0, 0));
+        assert_eq!(pool.counts().refused_at_once, 4);
     }
 
     #[tokio::test]

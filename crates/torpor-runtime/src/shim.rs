@@ -200,7 +200,7 @@ impl Shims {
                 (Some(pid), Some(meta)) if meta.shim_pid == pid => scan.survivors.push(meta),
                 (Some(pid), meta) => {
                     tracing::info!(shim = %dir.display(), pid, recorded = meta.is_some(),
-                        "a shim of the previous run holds no recorded container (it was starting); it is ended");
+                        "a shim of the previous run has no matching record (its container was still starting, or its record is unreadable); it is ended");
                     scan.strays.push(pid)
                 }
                 (None, meta) => {

@@ -96,7 +96,7 @@ impl Engine {
             controller: self.holder_in(SandboxState::Creating),
             version: Default::default(),
         };
-        self.refuse_early(tenant)?;
+        let arrival = self.arrive(tenant)?;
         {
             let _quota = self.quota_guard(tenant).await?;
             self.check_quota(tenant, Charge::sandbox(rec.limits))?;
@@ -105,7 +105,10 @@ impl Engine {
                 self.store.set_network(&rec.id, policy)?;
             }
         }
-        let permit = match self.acquire_worker(tenant, rec.limits.memory_bytes()).await {
+        let permit = match self
+            .acquire_worker(tenant, rec.limits.memory_bytes(), Some(arrival))
+            .await
+        {
             Ok(p) => p,
             Err(e) => {
                 self.store.delete_sandbox(&rec.id)?;

@@ -11,16 +11,28 @@ impl Engine {
     pub(super) fn refuse_early(&self, tenant: &TenantId) -> Result<()> {
         match self.workers.refuse_early(tenant, self.cfg.worker_wait) {
             None => Ok(()),
-            Some(wait) => {
-                self.metrics
-                    .lot_rejections
-                    .with_label_values(&["would_wait"])
-                    .inc();
-                Err(ControlError::NoWorker {
-                    budget_ms: self.cfg.worker_wait.as_millis() as u64,
-                    expected_ms: Some(wait.as_millis() as u64),
-                })
-            }
+            Some(wait) => Err(self.refused_on_arrival(wait)),
+        }
+    }
+
+    /// [`Engine::refuse_early`] for a call that sets out for a worker now: admitted, it counts
+    /// in the lot's queue ahead of later calls from here until it reaches the lot (given to
+    /// [`Engine::acquire_worker`]) or gives up, so a burst's later calls are refused at once
+    /// against the whole burst, while its earlier ones still do their store work.
+    pub(super) fn arrive(&self, tenant: &TenantId) -> Result<Arrival> {
+        self.workers
+            .arrive(tenant, self.cfg.worker_wait)
+            .map_err(|wait| self.refused_on_arrival(wait))
+    }
+
+    fn refused_on_arrival(&self, wait: Duration) -> ControlError {
+        self.metrics
+            .lot_rejections
+            .with_label_values(&["would_wait"])
+            .inc();
+        ControlError::NoWorker {
+            budget_ms: self.cfg.worker_wait.as_millis() as u64,
+            expected_ms: Some(wait.as_millis() as u64),
         }
     }
 
@@ -31,6 +43,7 @@ impl Engine {
         &self,
         tenant: &TenantId,
         memory: u64,
+        arrival: Option<Arrival>,
     ) -> Result<WorkerPermit> {
         self.make_room(memory).await;
         if let Some(p) = self.workers.try_acquire() {
@@ -39,7 +52,10 @@ impl Engine {
         self.metrics.lot_parked.inc();
         self.evictor.wanting.fetch_add(1, Ordering::SeqCst);
         self.evictor.poke();
-        let result = self.workers.acquire(tenant, self.cfg.worker_wait).await;
+        let result = self
+            .workers
+            .acquire_arrived(tenant, self.cfg.worker_wait, arrival)
+            .await;
         self.evictor.wanting.fetch_sub(1, Ordering::SeqCst);
         self.metrics.lot_parked.dec();
         match result {

@@ -217,7 +217,7 @@ impl Engine {
         };
         progress("booting the template");
         let permit = self
-            .acquire_worker(&rec.tenant, rec.spec.limits.memory_bytes())
+            .acquire_worker(&rec.tenant, rec.spec.limits.memory_bytes(), None)
             .await?;
         let launch = Launch {
             container_id: format!("tpl-{}-{:04x}", rec.name, rand::random::<u16>()),

@@ -235,6 +235,7 @@ impl Engine {
                 to: Tier::Running,
             })?;
         let t = Instant::now();
+        let arrival = self.arrive(&rec.tenant)?;
         let tpl = self
             .store
             .template_for(&rec.tenant, &rec.template)?
@@ -243,7 +244,6 @@ impl Engine {
                 id: rec.template.to_string(),
             })?;
         let previous = rec.state;
-        self.refuse_early(&rec.tenant)?;
         {
             let _quota = self.quota_guard(&rec.tenant).await?;
             self.check_quota(&rec.tenant, Charge::wake(rec.limits))?;
@@ -251,7 +251,7 @@ impl Engine {
             self.move_to(&mut rec, SandboxState::Resuming, "call")?;
         }
         let permit = match self
-            .acquire_worker(&rec.tenant, rec.limits.memory_bytes())
+            .acquire_worker(&rec.tenant, rec.limits.memory_bytes(), Some(arrival))
             .await
         {
             Ok(p) => p,

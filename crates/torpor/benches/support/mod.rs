@@ -65,6 +65,11 @@ impl Drop for Daemon {
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let _ = self.child.wait();
+        // `TORPOR_BENCH_KEEP_LOG=FILE` keeps the daemon's log (run with `TORPOR_LOG=info` for
+        // one line per request, with its status and duration) past the temporary directory.
+        if let Some(keep) = std::env::var_os("TORPOR_BENCH_KEEP_LOG") {
+            let _ = std::fs::copy(self.dir.path().join("daemon.log"), keep);
+        }
     }
 }
 

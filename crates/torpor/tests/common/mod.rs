@@ -293,9 +293,32 @@ pub async fn create(c: &Client, template: &str) -> String {
     .id
 }
 
-/// A tiny HTTP server on every address of this host (a free port), for sandboxes to reach
-/// (with `--sandbox-reach-host`): answers every request with `body`, closing first (the body is
-/// delimited by the close). Returns its port.
+/// `POST {path}` (E2B's `/sandboxes` or `/v2/sandboxes`) with `key` as `X-API-KEY` and `body`:
+/// (status, JSON body, `Null` when there is none).
+pub async fn e2b_post_sandbox(
+    d: &Daemon,
+    key: &str,
+    path: &str,
+    body: serde_json::Value,
+) -> (u16, serde_json::Value) {
+    let r = reqwest::Client::new()
+        .post(format!("{}{path}", d.url()))
+        .header("X-API-KEY", key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(serde_json::Value::Null))
+}
+
+/// An E2B sandbox made through `POST /sandboxes` with `body`, which must answer 201: its JSON.
+pub async fn e2b_created(d: &Daemon, key: &str, body: serde_json::Value) -> serde_json::Value {
+    let (status, v) = e2b_post_sandbox(d, key, "/sandboxes", body).await;
+    assert_eq!(status, 201, "E2B create: {v}");
+    v
+}
+
 /// Starts `cmd args` in E2B sandbox `id` through envd's `process.Process/Start` (one Connect
 /// JSON frame, as the SDKs send it); the process keeps running after the answer's headers.
 pub async fn e2b_start_process(d: &Daemon, id: &str, envd_token: &str, cmd: &str, args: &[&str]) {
@@ -320,6 +343,9 @@ pub async fn e2b_start_process(d: &Daemon, id: &str, envd_token: &str, cmd: &str
     );
 }
 
+/// A tiny HTTP server on every address of this host (a free port), for sandboxes to reach
+/// (with `--sandbox-reach-host`): answers every request with `body`, closing first (the body is
+/// delimited by the close). Returns its port.
 pub async fn host_server(body: &'static str) -> u16 {
     let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();

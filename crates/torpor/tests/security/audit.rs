@@ -164,16 +164,7 @@ async fn a_tenants_calls_and_refusals_are_audited_without_its_token_or_env_value
     assert_eq!(e2b.status(), 401);
     assert_eq!(ca.tenants().await.unwrap_err().code(), Some("forbidden"));
     // E2B: a sandbox made with the tenant's key, its envd called with and without its token.
-    let sbx: Value = http
-        .post(format!("{}/sandboxes", d.url()))
-        .header("x-api-key", &a.token)
-        .json(&serde_json::json!({"templateID": "base"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let sbx = common::e2b_created(&d, &a.token, serde_json::json!({"templateID": "base"})).await;
     let e2b_id = sbx["sandboxID"].as_str().expect("created").to_string();
     let envd_token = sbx["envdAccessToken"].as_str().unwrap().to_string();
     for (token, want) in [(envd_token.as_str(), 200), ("wrong", 401)] {

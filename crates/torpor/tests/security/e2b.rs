@@ -26,15 +26,13 @@ async fn tenant(d: &Daemon, name: &str) -> String {
 
 /// `POST /sandboxes` through E2B's API with `network`: (status, body).
 async fn e2b_create(d: &Daemon, key: &str, network: Value) -> (u16, Value) {
-    let r = reqwest::Client::new()
-        .post(format!("{}/sandboxes", d.url()))
-        .header("X-API-KEY", key)
-        .json(&json!({"templateID": "base", "network": network}))
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
+    e2b_post_sandbox(
+        d,
+        key,
+        "/sandboxes",
+        json!({"templateID": "base", "network": network}),
+    )
+    .await
 }
 
 /// `PUT /sandboxes/{id}/network`: its status.

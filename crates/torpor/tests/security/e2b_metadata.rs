@@ -22,15 +22,7 @@ async fn tenant(d: &Daemon, name: &str) -> String {
 
 /// An E2B `base` sandbox of `key`'s: (id, envd access token).
 async fn e2b_sandbox(d: &Daemon, key: &str) -> (String, String) {
-    let r = reqwest::Client::new()
-        .post(format!("{}/sandboxes", d.url()))
-        .header("X-API-KEY", key)
-        .json(&json!({"templateID": "base"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 201);
-    let body: Value = r.json().await.unwrap();
+    let body = e2b_created(d, key, json!({"templateID": "base"})).await;
     (
         body["sandboxID"].as_str().unwrap().to_string(),
         body["envdAccessToken"].as_str().unwrap().to_string(),

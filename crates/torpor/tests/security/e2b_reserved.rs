@@ -57,15 +57,12 @@ async fn a_tenant_cannot_forge_e2bs_state_through_torpors_api() {
     assert!(c.sandboxes(None).await.unwrap().is_empty(), "nothing made");
 
     // E2B's own create still gives its sandboxes their lifecycle, unseen through torpor's API.
-    let r = http
-        .post(format!("{}/sandboxes", d.url()))
-        .header("X-API-KEY", &key)
-        .json(&json!({"templateID": "e2r", "timeout": 600, "metadata": {"app": "x"}}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 201);
-    let sbx: Value = r.json().await.unwrap();
+    let sbx = e2b_created(
+        &d,
+        &key,
+        json!({"templateID": "e2r", "timeout": 600, "metadata": {"app": "x"}}),
+    )
+    .await;
     let id = sbx["sandboxID"].as_str().unwrap().to_string();
     let own = c.sandbox(&id).await.unwrap();
     assert_eq!(
@@ -120,15 +117,14 @@ async fn a_sources_traffic_token_does_not_open_a_v1_forks_ports() {
     let d = Daemon::start().await;
     let admin = d.token();
     let http = reqwest::Client::new();
-    let r = http
-        .post(format!("{}/v2/sandboxes", d.url()))
-        .header("X-API-KEY", &admin)
-        .json(&json!({"templateID": "base", "network": {"allowPublicTraffic": false}}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 201);
-    let sbx: Value = r.json().await.unwrap();
+    let (status, sbx) = e2b_post_sandbox(
+        &d,
+        &admin,
+        "/v2/sandboxes",
+        json!({"templateID": "base", "network": {"allowPublicTraffic": false}}),
+    )
+    .await;
+    assert_eq!(status, 201, "{sbx}");
     let id = sbx["sandboxID"].as_str().unwrap().to_string();
     let envd = sbx["envdAccessToken"].as_str().unwrap().to_string();
     let traffic = sbx["trafficAccessToken"].as_str().unwrap().to_string();

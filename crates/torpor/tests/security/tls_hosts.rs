@@ -45,16 +45,12 @@ async fn tls_daemon(extra: &[&str]) -> (Daemon, Https, TestCerts) {
 /// An E2B sandbox of `key`'s tenant (E2B's `base`), created on the plain listener:
 /// (sandbox id, envd access token, traffic access token when private).
 async fn e2b_sandbox(d: &Daemon, key: &str, public: bool) -> (String, String, Option<String>) {
-    let r = reqwest::Client::new()
-        .post(format!("{}/sandboxes", d.url()))
-        .header("X-API-KEY", key)
-        .json(&json!({"templateID": "base", "timeout": 600,
-                      "network": {"allowPublicTraffic": public}}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 201);
-    let v: Value = r.json().await.unwrap();
+    let v = e2b_created(
+        d,
+        key,
+        json!({"templateID": "base", "timeout": 600, "network": {"allowPublicTraffic": public}}),
+    )
+    .await;
     (
         v["sandboxID"].as_str().unwrap().to_string(),
         v["envdAccessToken"].as_str().unwrap().to_string(),
