@@ -188,6 +188,40 @@ impl Inner {
         self.lock().containers.remove(id);
     }
 
+    /// The worker answered that it holds no container `id`: it ended it while no controller
+    /// reached it (a fence, or a restart that outlasted the live-restore window) and the exit
+    /// was never heard here. Reports that exit, once, so the sandbox goes back to its
+    /// snapshot instead of answering every call with a dead agent.
+    fn vanished(&self, id: &str) {
+        let info = ExitInfo {
+            code: None,
+            signal: None,
+            oom_killed: false,
+        };
+        let expected = {
+            let mut s = self.lock();
+            let Some(t) = s.containers.get(id) else {
+                return;
+            };
+            if t.exit.borrow().is_some() {
+                return;
+            }
+            t.exit.send_replace(Some(info));
+            let expected = t.expected.load(Ordering::SeqCst);
+            s.tails.insert(
+                id.to_string(),
+                format!("worker {} no longer holds this container", self.name),
+            );
+            expected
+        };
+        tracing::warn!(worker = %self.name, container = %id, "the worker no longer holds a container this controller runs; it ended while out of reach");
+        let _ = self.events.send(NodeEvent::Exited {
+            container_id: id.to_string(),
+            info,
+            expected,
+        });
+    }
+
     fn on_event(&self, ev: pb::Event) {
         match ev.kind {
             Some(pb::event::Kind::Exited(e)) => {
@@ -717,6 +751,9 @@ impl Resident for RemoteResident {
             Ok(s) => s.into_inner(),
             Err(st) => {
                 tracing::debug!(worker = %self.node.name, container = %self.id, error = %st, "agent call refused by the worker");
+                if st.code() == tonic::Code::NotFound {
+                    self.node.vanished(&self.id);
+                }
                 return Err(ConnError::Closed);
             }
         };

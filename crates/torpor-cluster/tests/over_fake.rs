@@ -41,6 +41,7 @@ fn issue(ca: &Ca, role: Role, name: &str, out: &Path) -> TlsFiles {
 struct Worker {
     addr: String,
     node: Arc<FakeNode>,
+    service: Arc<NodeService>,
     metrics: TlsMetrics,
     _stop: tokio::sync::oneshot::Sender<()>,
 }
@@ -50,11 +51,12 @@ async fn start_worker(files: TlsFiles) -> Worker {
     let tls = TlsSource::load(files, Side::Worker, metrics.clone()).unwrap();
     let node = Arc::new(FakeNode::new());
     let service = NodeService::new(Arc::new(node.clone()), tls.identity().name.to_string());
+    let served = service.clone();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
-        torpor_cluster::serve(service, listener, tls, async {
+        torpor_cluster::serve(served, listener, tls, async {
             let _ = stopped.await;
         })
         .await
@@ -63,6 +65,7 @@ async fn start_worker(files: TlsFiles) -> Worker {
     Worker {
         addr,
         node,
+        service,
         metrics,
         _stop: stop,
     }
@@ -109,40 +112,46 @@ fn exec(cmd: &[&str]) -> ExecRequest {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_engine_drives_a_remote_worker_through_the_whole_ladder() {
-    let tmp = tempfile::tempdir().unwrap();
-    let ca = new_ca(&tmp.path().join("ca"), "test.cluster");
-    let worker = start_worker(issue(&ca, Role::Worker, "w1", &tmp.path().join("w1"))).await;
+/// A worker `w1` on the fake node (its CA and certificates under `dir`), and an engine of
+/// controller `c1` driving it, with tenant `t1`.
+async fn engine_on_a_worker(dir: &Path) -> (Worker, Arc<Engine>, TenantId) {
+    let ca = new_ca(&dir.join("ca"), "test.cluster");
+    let worker = start_worker(issue(&ca, Role::Worker, "w1", &dir.join("w1"))).await;
     let (remote, _) = connect(
         &worker.addr,
-        issue(&ca, Role::Controller, "c1", &tmp.path().join("c1")),
+        issue(&ca, Role::Controller, "c1", &dir.join("c1")),
     )
     .await;
     let remote = remote.expect("controller connects");
     assert_eq!(remote.worker_name(), "w1");
-
-    let data = tmp.path().join("controller");
-    let engine = Engine::start_on(engine_config(&data), Arc::new(remote))
+    let engine = Engine::start_on(engine_config(&dir.join("controller")), Arc::new(remote))
         .await
         .expect("engine starts on the remote node");
     let tenant = TenantId::new("t1").unwrap();
     engine
         .create_tenant(tenant.clone(), Quotas::default())
         .unwrap();
+    (worker, engine, tenant)
+}
+
+fn host_sandbox() -> CreateSandbox {
+    CreateSandbox {
+        template: TemplateName::host(),
+        env: BTreeMap::new(),
+        metadata: BTreeMap::new(),
+        limits: Default::default(),
+        gpu: None,
+        layer_metadata: Default::default(),
+        network: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_drives_a_remote_worker_through_the_whole_ladder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (worker, engine, tenant) = engine_on_a_worker(tmp.path()).await;
     let rec = engine
-        .create_sandbox(
-            &tenant,
-            CreateSandbox {
-                template: TemplateName::host(),
-                env: BTreeMap::new(),
-                metadata: BTreeMap::new(),
-                limits: Default::default(),
-                gpu: None,
-                layer_metadata: Default::default(),
-                network: None,
-            },
-        )
+        .create_sandbox(&tenant, host_sandbox())
         .await
         .unwrap();
     let id = rec.id;
@@ -196,6 +205,55 @@ async fn the_engine_drives_a_remote_worker_through_the_whole_ladder() {
     );
     // Nothing was refused on the way.
     assert_eq!(worker.metrics.refused(Side::Worker, "unknown_ca"), 0);
+}
+
+/// A worker that ended a sandbox's container on its own (a fence: it heard no controller for
+/// too long) holds it no more. The next call, whether or not the controller heard that exit,
+/// finds out, records it, and is served by the sandbox restored from its last snapshot; it
+/// neither fails on the dead agent nor waits forever for a crash report that never comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_after_the_worker_ended_the_container_on_its_own_is_served_from_the_snapshot() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (worker, engine, tenant) = engine_on_a_worker(tmp.path()).await;
+    for round in 0..4 {
+        let id = engine
+            .create_sandbox(&tenant, host_sandbox())
+            .await
+            .unwrap()
+            .id;
+        let count = || async {
+            let r = tokio::time::timeout(
+                Duration::from_secs(10),
+                engine.exec(&tenant, &id, exec(&["count"]), Vec::new()),
+            )
+            .await
+            .expect("the call is answered")
+            .expect("the call is served");
+            r.stdout.trim().parse::<u64>().unwrap()
+        };
+        assert_eq!(count().await, 1);
+        assert_eq!(count().await, 2);
+        assert_eq!(worker.service.fence().await, 1, "round {round}");
+        // Odd rounds let the worker's report of the exit arrive first; even ones call at once.
+        if round % 2 == 1 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        assert_eq!(count().await, 1, "round {round}: back to its snapshot");
+        let rec = engine.sandbox(&tenant, &id).unwrap();
+        assert!(
+            rec.last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("restored to its last snapshot")),
+            "round {round}: {rec:?}"
+        );
+        assert_eq!(rec.state, SandboxState::Running);
+        engine.delete_sandbox(&tenant, &id).await.unwrap();
+    }
+    assert!(
+        worker.node.violations().is_empty(),
+        "{:?}",
+        worker.node.violations()
+    );
 }
 
 /// Asserts that the controller with `files` is refused by `worker` for `reason`, and that the

@@ -4,6 +4,18 @@
 
 use super::*;
 
+/// How long a call that finds its sandbox's agent gone (or cannot send to it) waits for the
+/// container's exit to be reported (a container that died exits at once; a worker that is
+/// only unreachable does not).
+pub(super) const GONE_EXIT_WAIT: Duration = Duration::from_secs(1);
+
+/// A request on its way: the sandbox held for it, its replies, and when it was sent.
+struct Sent {
+    in_use: InUse,
+    replies: mpsc::Receiver<(Reply, Vec<u8>)>,
+    at: Instant,
+}
+
 impl Engine {
     pub async fn exec(
         &self,
@@ -13,22 +25,18 @@ impl Engine {
         stdin: Vec<u8>,
     ) -> Result<ExecResult> {
         check_exec(&req)?;
-        let in_use = self.use_sandbox(tenant, id).await?;
-        let t = Instant::now();
         let timeout_ms = req.timeout_ms;
         let detach = req.detach;
-        let mut rx = in_use
-            .resident()
-            .send(
-                &Request::Exec(ExecRequest {
-                    stream: false,
-                    env: self.gpu_env(id, req.env.clone()),
-                    ..req
-                }),
-                &stdin,
-            )
-            .await
-            .map_err(torpor_runtime::RuntimeError::from)?;
+        let request = Request::Exec(ExecRequest {
+            stream: false,
+            env: self.gpu_env(id, req.env.clone()),
+            ..req
+        });
+        let Sent {
+            in_use,
+            replies: mut rx,
+            at: t,
+        } = self.send_to_agent(tenant, id, &request, &stdin).await?;
         let reply = rx.recv().await;
         let result = match reply {
             Some((reply, body)) => exec_reply(reply, body, timeout_ms, detach),
@@ -83,20 +91,17 @@ impl Engine {
                 "detach and stream do not go together".into(),
             ));
         }
-        let in_use = self.use_sandbox(tenant, id).await?;
         let timeout_ms = req.timeout_ms;
-        let mut rx = in_use
-            .resident()
-            .send(
-                &Request::Exec(ExecRequest {
-                    stream: true,
-                    env: self.gpu_env(id, req.env.clone()),
-                    ..req
-                }),
-                &stdin,
-            )
-            .await
-            .map_err(torpor_runtime::RuntimeError::from)?;
+        let request = Request::Exec(ExecRequest {
+            stream: true,
+            env: self.gpu_env(id, req.env.clone()),
+            ..req
+        });
+        let Sent {
+            in_use,
+            replies: mut rx,
+            ..
+        } = self.send_to_agent(tenant, id, &request, &stdin).await?;
         let (tx, out) = mpsc::channel(64);
         let engine = self.clone();
         // Each chunk is handed on as it comes and not kept: a slow reader holds the channel
@@ -154,27 +159,80 @@ impl Engine {
         Ok(out)
     }
 
+    /// Borrows the sandbox (waking it if it sleeps) and sends `req` to its agent. A request
+    /// that cannot be sent was never delivered: when its container is found gone (it died, or
+    /// its worker ended it while out of reach), the crash is recorded and the request goes
+    /// once more, to the sandbox woken from its last snapshot, instead of failing a call
+    /// that nothing had started. Any other failure to send answers as it is.
+    async fn send_to_agent(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        req: &Request,
+        body: &[u8],
+    ) -> Result<Sent> {
+        let mut resent = false;
+        loop {
+            let in_use = self.use_sandbox(tenant, id).await?;
+            let at = Instant::now();
+            let e = match in_use.resident().send(req, body).await {
+                Ok(replies) => {
+                    return Ok(Sent {
+                        in_use,
+                        replies,
+                        at,
+                    })
+                }
+                Err(e) => e,
+            };
+            match self.crashed_under(in_use, GONE_EXIT_WAIT).await {
+                Some(crash) if !resent => {
+                    tracing::info!(sandbox = %id, %crash, "a call found its sandbox's container gone; sent to the sandbox restored from its last snapshot");
+                    resent = true;
+                }
+                Some(crash) => return Err(crash),
+                None => return Err(torpor_runtime::RuntimeError::from(e).into()),
+            }
+        }
+    }
+
     /// The agent channel closed under a call: wait for the container's exit and record the
     /// crash (so the sandbox's status says so before the caller hears back), then name the cause.
     pub(super) async fn died_during_call(&self, in_use: InUse) -> ControlError {
+        self.crashed_under(in_use, Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|| ControlError::SandboxCrashed {
+                reason: "agent channel closed".into(),
+            })
+    }
+
+    /// Waits up to `within` for the container of `in_use` to exit and records the crash;
+    /// `None` if it did not exit in that time.
+    async fn crashed_under(&self, in_use: InUse, within: Duration) -> Option<ControlError> {
         let exit = in_use.resident().exit_handle();
         let cid = in_use.resident().id().to_string();
         let id = in_use.id.clone();
         // The crash is recorded under the write lock: release our read lock first.
         drop(in_use);
-        match tokio::time::timeout(Duration::from_secs(5), exit.exited()).await {
-            Ok(info) => {
-                let reason = crash_reason(&info);
-                // No transition can run while a call holds the sandbox, so this exit is a crash.
-                // The crash watch may be recording it already; on_crash waits for it, and
-                // records it itself otherwise.
-                self.on_crash(&id, &cid, &reason, info.oom_killed).await;
-                ControlError::SandboxCrashed { reason }
-            }
-            Err(_) => ControlError::SandboxCrashed {
-                reason: "agent channel closed".into(),
-            },
-        }
+        self.record_exit(&id, &cid, exit, within).await
+    }
+
+    /// Waits up to `within` for container `cid` of sandbox `id` to exit and records the crash;
+    /// `None` if it did not exit in that time.
+    pub(super) async fn record_exit(
+        &self,
+        id: &SandboxId,
+        cid: &str,
+        exit: torpor_runtime::ExitHandle,
+        within: Duration,
+    ) -> Option<ControlError> {
+        let info = tokio::time::timeout(within, exit.exited()).await.ok()?;
+        let reason = crash_reason(&info);
+        // No transition can run while a call holds the sandbox, so this exit is a crash.
+        // The crash watch may be recording it already; on_crash waits for it, and records it
+        // itself otherwise.
+        self.on_crash(id, cid, &reason, info.oom_killed).await;
+        Some(ControlError::SandboxCrashed { reason })
     }
 
     pub async fn agent_call(
@@ -184,12 +242,11 @@ impl Engine {
         req: Request,
         body: &[u8],
     ) -> Result<(Reply, Vec<u8>)> {
-        let in_use = self.use_sandbox(tenant, id).await?;
-        let reply = in_use.resident().call(&req, body).await;
-        match reply {
-            Ok((Reply::Error { code, message }, _)) => Err(ControlError::Agent { code, message }),
-            Ok(r) => Ok(r),
-            Err(_) => Err(self.died_during_call(in_use).await),
+        let mut sent = self.send_to_agent(tenant, id, &req, body).await?;
+        match sent.replies.recv().await {
+            Some((Reply::Error { code, message }, _)) => Err(ControlError::Agent { code, message }),
+            Some(r) => Ok(r),
+            None => Err(self.died_during_call(sent.in_use).await),
         }
     }
 

@@ -187,9 +187,19 @@ impl Engine {
             let live_state = guard.live.as_ref().map(|l| (l.frozen, !l.resident.alive()));
             match live_state {
                 Some((_, true)) => {
-                    // Its container died; the crash watch is about to record it. Let it.
+                    // Its container died outside any transition (the crash watch may be
+                    // recording it already; on_crash does it once). An exit that says it was
+                    // asked for is a crash too here: its worker ended it on its own (a fence).
+                    let live = guard.live.as_ref().expect("checked");
+                    let (exit, cid) = (live.resident.exit_handle(), live.resident.id().to_string());
                     drop(guard);
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    let recorded = self
+                        .record_exit(id, &cid, exit, super::calls::GONE_EXIT_WAIT)
+                        .await;
+                    if recorded.is_none() {
+                        self.on_crash(id, &cid, "its agent channel closed", false)
+                            .await;
+                    }
                     continue;
                 }
                 Some((true, false)) => {
