@@ -71,6 +71,9 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
     }
 }
 
+/// A destroy slower than this says where its time went.
+const SLOW_DESTROY: Duration = Duration::from_secs(1);
+
 /// What runsc can do, learned at start.
 #[derive(Debug, Clone)]
 pub struct Runsc {
@@ -560,6 +563,7 @@ impl Runsc {
     /// The sandbox process is thawed and SIGKILLed first: `runsc delete --force` on a running container
     /// of this build waits 5 s for a stop that never comes; on a dead one it takes milliseconds.
     pub async fn destroy(&self, container_id: &str) {
+        let t = Instant::now();
         let group = self
             .groups
             .lock()
@@ -570,6 +574,7 @@ impl Runsc {
         let net = self.lock_networked().remove(container_id);
         let mut state = self.global_args_net(net);
         state.extend(["state".into(), container_id.into()]);
+        let thawed = t.elapsed();
         if let Ok(out) = self.run(&state, "state").await {
             let pid = serde_json::from_str::<serde_json::Value>(&out)
                 .ok()
@@ -580,12 +585,22 @@ impl Runsc {
                 unsafe { libc::kill(pid as i32, libc::SIGKILL) };
             }
         }
+        let killed = t.elapsed();
         let mut args = self.global_args_net(net);
         args.extend(["delete".into(), "--force".into(), container_id.into()]);
         let _ = self.run(&args, "delete").await;
         // A warm worker's group stays: the worker is reset and reused.
         if group.is_none() {
             cgroup::remove_all(container_id);
+        }
+        if t.elapsed() > SLOW_DESTROY {
+            tracing::warn!(
+                container = container_id,
+                thaw_ms = thawed.as_millis() as u64,
+                state_and_kill_ms = (killed - thawed).as_millis() as u64,
+                delete_ms = (t.elapsed() - killed).as_millis() as u64,
+                "destroying a container was slow"
+            );
         }
     }
 
