@@ -73,6 +73,9 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
 
 /// A destroy slower than this says where its time went.
 const SLOW_DESTROY: Duration = Duration::from_secs(1);
+/// How long a destroy waits for a killed container's foreground runsc process to end before
+/// it deletes the container anyway.
+const FOREGROUND_EXIT_WAIT: Duration = Duration::from_secs(2);
 
 /// What runsc can do, learned at start.
 #[derive(Debug, Clone)]
@@ -563,6 +566,21 @@ impl Runsc {
     /// The sandbox process is thawed and SIGKILLed first: `runsc delete --force` on a running container
     /// of this build waits 5 s for a stop that never comes; on a dead one it takes milliseconds.
     pub async fn destroy(&self, container_id: &str) {
+        self.destroy_waiting(container_id, None).await
+    }
+
+    /// Kills and deletes container `c`, one this process runs (or took back), as
+    /// [`Runsc::destroy`] does, but waits for its foreground runsc process to end between the
+    /// kill and `runsc delete`. That process reaps the container's gofer only after it has
+    /// recorded the exit under the container's state lock; a `runsc delete` that takes the lock
+    /// first waits out its 5 s for the gofer, a zombie no one reaps meanwhile (measured: up to
+    /// 6 deletes in 20, each 5.1–5.3 s, after a wake of a sandbox holding 64 MiB).
+    pub async fn destroy_container(&self, c: &Container) {
+        c.expect_exit();
+        self.destroy_waiting(&c.id, Some(c.exit_handle())).await
+    }
+
+    async fn destroy_waiting(&self, container_id: &str, foreground: Option<ExitHandle>) {
         let t = Instant::now();
         let group = self
             .groups
@@ -585,6 +603,9 @@ impl Runsc {
                 unsafe { libc::kill(pid as i32, libc::SIGKILL) };
             }
         }
+        if let Some(exit) = foreground {
+            let _ = tokio::time::timeout(FOREGROUND_EXIT_WAIT, exit.exited()).await;
+        }
         let killed = t.elapsed();
         let mut args = self.global_args_net(net);
         args.extend(["delete".into(), "--force".into(), container_id.into()]);
@@ -597,7 +618,7 @@ impl Runsc {
             tracing::warn!(
                 container = container_id,
                 thaw_ms = thawed.as_millis() as u64,
-                state_and_kill_ms = (killed - thawed).as_millis() as u64,
+                kill_and_exit_ms = (killed - thawed).as_millis() as u64,
                 delete_ms = (t.elapsed() - killed).as_millis() as u64,
                 "destroying a container was slow"
             );

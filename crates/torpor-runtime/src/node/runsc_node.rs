@@ -292,8 +292,7 @@ impl Node for RunscNode {
             .wait_ready(&container, launch.ready_timeout)
             .await
         {
-            container.expect_exit();
-            self.runsc.destroy(&container.id).await;
+            self.runsc.destroy_container(&container).await;
             return Err(e);
         }
         self.runsc
@@ -404,8 +403,7 @@ impl Resident for RunscResident {
     }
 
     async fn destroy(self: Box<Self>) {
-        self.container.expect_exit();
-        self.runsc.destroy(&self.container.id).await;
+        self.runsc.destroy_container(&self.container).await;
     }
 
     fn ingress_addr(&self) -> Option<Ipv4Addr> {
