@@ -27,11 +27,14 @@ impl Engine {
         check_exec(&req)?;
         let timeout_ms = req.timeout_ms;
         let detach = req.detach;
-        let request = Request::Exec(ExecRequest {
-            stream: false,
-            env: self.gpu_env(id, req.env.clone()),
-            ..req
-        });
+        // The GPU environment is read once the sandbox is awake (its wake places its share).
+        let request = || {
+            Request::Exec(ExecRequest {
+                stream: false,
+                env: self.gpu_env(id, req.env.clone()),
+                ..req.clone()
+            })
+        };
         let Sent {
             in_use,
             replies: mut rx,
@@ -92,11 +95,13 @@ impl Engine {
             ));
         }
         let timeout_ms = req.timeout_ms;
-        let request = Request::Exec(ExecRequest {
-            stream: true,
-            env: self.gpu_env(id, req.env.clone()),
-            ..req
-        });
+        let request = || {
+            Request::Exec(ExecRequest {
+                stream: true,
+                env: self.gpu_env(id, req.env.clone()),
+                ..req.clone()
+            })
+        };
         let Sent {
             in_use,
             replies: mut rx,
@@ -159,7 +164,8 @@ impl Engine {
         Ok(out)
     }
 
-    /// Borrows the sandbox (waking it if it sleeps) and sends `req` to its agent. A request
+    /// Borrows the sandbox (waking it if it sleeps) and sends the request `req` makes once it
+    /// is awake (a GPU environment exists only then) to its agent. A request
     /// that cannot be sent was never delivered: when its container is found gone (it died, or
     /// its worker ended it while out of reach), the crash is recorded and the request goes
     /// once more, to the sandbox woken from its last snapshot, instead of failing a call
@@ -168,14 +174,14 @@ impl Engine {
         &self,
         tenant: &TenantId,
         id: &SandboxId,
-        req: &Request,
+        req: &(dyn Fn() -> Request + Sync),
         body: &[u8],
     ) -> Result<Sent> {
         let mut resent = false;
         loop {
             let in_use = self.use_sandbox(tenant, id).await?;
             let at = Instant::now();
-            let e = match in_use.resident().send(req, body).await {
+            let e = match in_use.resident().send(&req(), body).await {
                 Ok(replies) => {
                     return Ok(Sent {
                         in_use,
@@ -242,7 +248,9 @@ impl Engine {
         req: Request,
         body: &[u8],
     ) -> Result<(Reply, Vec<u8>)> {
-        let mut sent = self.send_to_agent(tenant, id, &req, body).await?;
+        let mut sent = self
+            .send_to_agent(tenant, id, &|| req.clone(), body)
+            .await?;
         match sent.replies.recv().await {
             Some((Reply::Error { code, message }, _)) => Err(ControlError::Agent { code, message }),
             Some(r) => Ok(r),
