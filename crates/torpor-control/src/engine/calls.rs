@@ -21,25 +21,20 @@ impl Engine {
         &self,
         tenant: &TenantId,
         id: &SandboxId,
-        req: ExecRequest,
+        mut req: ExecRequest,
         stdin: Vec<u8>,
     ) -> Result<ExecResult> {
         check_exec(&req)?;
+        req.stream = false;
         let timeout_ms = req.timeout_ms;
         let detach = req.detach;
-        // The GPU environment is read once the sandbox is awake (its wake places its share).
-        let request = || {
-            Request::Exec(ExecRequest {
-                stream: false,
-                env: self.gpu_env(id, req.env.clone()),
-                ..req.clone()
-            })
-        };
         let Sent {
             in_use,
             replies: mut rx,
             at: t,
-        } = self.send_to_agent(tenant, id, &request, &stdin).await?;
+        } = self
+            .send_to_agent(tenant, id, &|| self.exec_request(id, &req), &stdin)
+            .await?;
         let reply = rx.recv().await;
         let result = match reply {
             Some((reply, body)) => exec_reply(reply, body, timeout_ms, detach),
@@ -85,7 +80,7 @@ impl Engine {
         self: &Arc<Self>,
         tenant: &TenantId,
         id: &SandboxId,
-        req: ExecRequest,
+        mut req: ExecRequest,
         stdin: Vec<u8>,
     ) -> Result<mpsc::Receiver<ExecEvent>> {
         check_exec(&req)?;
@@ -94,19 +89,15 @@ impl Engine {
                 "detach and stream do not go together".into(),
             ));
         }
+        req.stream = true;
         let timeout_ms = req.timeout_ms;
-        let request = || {
-            Request::Exec(ExecRequest {
-                stream: true,
-                env: self.gpu_env(id, req.env.clone()),
-                ..req.clone()
-            })
-        };
         let Sent {
             in_use,
             replies: mut rx,
             ..
-        } = self.send_to_agent(tenant, id, &request, &stdin).await?;
+        } = self
+            .send_to_agent(tenant, id, &|| self.exec_request(id, &req), &stdin)
+            .await?;
         let (tx, out) = mpsc::channel(64);
         let engine = self.clone();
         // Each chunk is handed on as it comes and not kept: a slow reader holds the channel
@@ -162,6 +153,15 @@ impl Engine {
             }
         });
         Ok(out)
+    }
+
+    /// The agent's exec request for `req`, with the sandbox's GPU environment: made once the
+    /// sandbox is awake (its wake places its GPU share).
+    fn exec_request(&self, id: &SandboxId, req: &ExecRequest) -> Request {
+        Request::Exec(ExecRequest {
+            env: self.gpu_env(id, req.env.clone()),
+            ..req.clone()
+        })
     }
 
     /// Borrows the sandbox (waking it if it sleeps) and sends the request `req` makes once it
