@@ -38,6 +38,16 @@ pub struct NodeView {
     pub gpu_models: Vec<String>,
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub labels: std::collections::BTreeMap<String, String>,
+    /// What each tenant holds of its GPUs (cluster mode: as its last heartbeat said).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub gpu_usage: std::collections::BTreeMap<String, GpuHeld>,
+}
+
+/// GPU memory and compute held (700 compute units a whole GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GpuHeld {
+    pub memory_mib: u64,
+    pub compute: u64,
 }
 
 /// The cluster's workers, as a controller knows them.
@@ -67,6 +77,7 @@ pub(crate) async fn list(
         addr: None,
         gpu_models: Vec::new(),
         labels: Default::default(),
+        gpu_usage: Default::default(),
     }]))
 }
 

@@ -125,6 +125,8 @@ struct Shared {
     /// Log tails of containers that exited on their own (reported with the exit).
     tails: HashMap<String, String>,
     warm: WarmStats,
+    /// What each tenant holds of the worker's GPUs, as of its last heartbeat or start reply.
+    gpu_usage: crate::server::GpuUsage,
 }
 
 struct Inner {
@@ -388,6 +390,16 @@ impl TlsConnector {
 }
 
 impl RemoteNode {
+    /// What each tenant holds of the worker's GPUs, as of its last heartbeat or GPU start.
+    pub fn gpu_usage(&self) -> crate::server::GpuUsage {
+        self.inner.lock().gpu_usage.clone()
+    }
+
+    /// Records the usage a heartbeat reported.
+    pub fn set_gpu_usage(&self, usage: crate::server::GpuUsage) {
+        self.inner.lock().gpu_usage = usage;
+    }
+
     /// Connects to the worker at `cfg.addr` as the controller `tls` names, checks its protocol
     /// version and starts following its events.
     pub async fn connect(
@@ -601,8 +613,14 @@ impl RemoteNode {
                 return Err(inner.err(&st, ready));
             }
         };
-        if let Some(t) = inner.lock().containers.get_mut(&id) {
-            t.memory = reply.memory;
+        {
+            let mut shared = inner.lock();
+            if let Some(t) = shared.containers.get_mut(&id) {
+                t.memory = reply.memory;
+            }
+            if launch.gpu.is_some() {
+                shared.gpu_usage = crate::server::gpu_usage_from_pb(reply.gpu_usage);
+            }
         }
         Ok(Box::new(RemoteResident {
             node: inner.clone(),

@@ -10,7 +10,7 @@ use tonic::{Code, Status};
 use torpor_runtime::conn::ConnError;
 use torpor_runtime::gpu::DeviceNode;
 use torpor_runtime::net::NetStats;
-use torpor_runtime::node::{Launch, StoreAccess, StoredFiles};
+use torpor_runtime::node::{Launch, LaunchGpu, StoreAccess, StoredFiles};
 use torpor_runtime::runsc::{ExitInfo, RuntimeError};
 use torpor_runtime::spec::{ContainerSpec, Mount};
 use torpor_runtime::warm::WarmStats;
@@ -72,6 +72,8 @@ pub fn launch_to_pb(l: &Launch) -> pb::LaunchRequest {
             keep_image: l.stored.keep_image,
             access: Some(access_to_pb(&l.stored.access)),
         }),
+        gpu_request_json: l.gpu.as_ref().map(|g| g.request.clone()),
+        gpu_quota_json: l.gpu.as_ref().and_then(|g| g.quota.clone()),
     }
 }
 
@@ -149,6 +151,11 @@ pub fn launch_from_pb(l: pb::LaunchRequest) -> Result<Launch, Status> {
                 image_on: None,
                 access: access_from_pb(st.access)?,
             },
+        },
+        gpu: match (l.gpu_request_json, l.gpu_quota_json) {
+            (Some(request), quota) => Some(LaunchGpu { request, quota }),
+            (None, Some(_)) => return Err(bad("launch", "a GPU quota without a GPU request")),
+            (None, None) => None,
         },
     })
 }
@@ -236,6 +243,14 @@ pub fn status_of(e: &RuntimeError) -> Status {
         RuntimeError::RunscMissing { .. } => (Code::FailedPrecondition, "runsc_missing"),
         RuntimeError::NoCapacity(_) => (Code::ResourceExhausted, "no_capacity"),
         RuntimeError::ImageLost(_) => (Code::NotFound, "image_lost"),
+        RuntimeError::Gpu { code, message } => {
+            // The GPU layer's code travels as the kind's suffix, its message as the message.
+            let mut st = Status::new(Code::ResourceExhausted, message.clone());
+            if let Ok(v) = MetadataValue::try_from(format!("gpu:{code}")) {
+                st.metadata_mut().insert(ERROR_KIND, v);
+            }
+            return st;
+        }
         _ => (Code::Internal, "runtime"),
     };
     let mut st = Status::new(code, e.to_string());
@@ -269,6 +284,10 @@ pub fn runtime_error_of(st: &Status, worker: &str, ready_timeout: Duration) -> R
             msg.trim_start_matches("the image is lost: ")
         )),
         "runtime" => RuntimeError::Unsupported(format!("worker {worker}: {msg}")),
+        gpu if gpu.starts_with("gpu:") => RuntimeError::Gpu {
+            code: gpu["gpu:".len()..].to_string(),
+            message: format!("worker {worker}: {msg}"),
+        },
         _ => RuntimeError::Unsupported(format!(
             "worker {worker} did not answer: {:?} {msg}",
             st.code()
@@ -313,9 +332,14 @@ mod tests {
                     key: Some([7; 32]),
                 },
             },
+            gpu: Some(LaunchGpu {
+                request: r#"{"mode":"whole"}"#.into(),
+                quota: Some("{}".into()),
+            }),
         };
         let back = launch_from_pb(launch_to_pb(&l)).unwrap();
         assert_eq!(back.stored, l.stored);
+        assert_eq!(back.gpu, l.gpu);
         assert_eq!(back.container_id, l.container_id);
         assert_eq!(back.spec.rootfs, l.spec.rootfs);
         assert_eq!(back.spec.mounts, l.spec.mounts);
@@ -336,6 +360,14 @@ mod tests {
         assert!(matches!(
             runtime_error_of(&st, "w", Duration::ZERO),
             RuntimeError::ExitedEarly(m) if m.contains("log")
+        ));
+        let st = status_of(&RuntimeError::Gpu {
+            code: "gpu_unavailable".into(),
+            message: "no free GPU".into(),
+        });
+        assert!(matches!(
+            runtime_error_of(&st, "w", Duration::from_secs(1)),
+            RuntimeError::Gpu { code, message } if code == "gpu_unavailable" && message == "worker w: no free GPU"
         ));
         let st = status_of(&RuntimeError::ImageLost("image x is not here".into()));
         assert!(matches!(

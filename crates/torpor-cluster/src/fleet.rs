@@ -35,6 +35,8 @@ use async_trait::async_trait;
 use tokio::sync::{mpsc, watch};
 use tonic::{Request, Response, Status};
 use torpor_core::NetworkPolicy;
+use torpor_gpu::quota::{Amount, QuotaBook, TenantQuota};
+use torpor_gpu::request::GpuRequest;
 use torpor_runtime::conn::ConnError;
 use torpor_runtime::net::NetStats;
 use torpor_runtime::node::{
@@ -48,7 +50,7 @@ use crate::ca::Role;
 use crate::client::{Deadlines, RemoteConfig, RemoteNode};
 use crate::pb;
 use crate::pb::cluster_server::{Cluster as ClusterRpc, ClusterServer};
-use crate::placement::{Capacity, Load, Need, Placement, WorkerState};
+use crate::placement::{Capacity, Load, Need, Placement, WorkerState, ANY_GPU};
 use crate::server::{accept_verified, check_version, ServeError};
 use crate::tls::{PeerInfo, TlsSource};
 use crate::MAX_MESSAGE;
@@ -68,6 +70,8 @@ pub struct FleetConfig {
     /// The snapshot store announced to workers at registration (`s3://…` or a directory
     /// every machine mounts at that path); `None`: images stay where controllers name them.
     pub store: Option<String>,
+    /// Tenant GPU quotas, cluster-wide (`--gpu-quotas`); empty: none enforced.
+    pub gpu_quotas: QuotaBook,
 }
 
 impl Default for FleetConfig {
@@ -77,6 +81,7 @@ impl Default for FleetConfig {
             lost_after: Duration::from_secs(10),
             deadlines: Deadlines::default(),
             store: None,
+            gpu_quotas: QuotaBook::unlimited(),
         }
     }
 }
@@ -96,6 +101,8 @@ pub struct NodeStatus {
     pub resident_memory_bytes: u64,
     pub gpu_models: Vec<String>,
     pub labels: std::collections::BTreeMap<String, String>,
+    /// What each tenant holds of its GPUs, as it last said.
+    pub gpu_usage: crate::server::GpuUsage,
     /// Unix milliseconds of its last heartbeat.
     pub last_seen_at: u64,
 }
@@ -162,6 +169,9 @@ pub struct Fleet {
     /// two registrations never interleave while workers join side by side: one announcing
     /// an address that never answers holds up only itself.
     joining: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// One GPU start at a time per tenant under quotas, so that each sees the one before it
+    /// in the usage its worker answered with.
+    gpu_turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -185,7 +195,80 @@ impl Members {
     }
 }
 
+/// A start's GPU request, as the engine stored it.
+fn gpu_request(g: &torpor_runtime::node::LaunchGpu) -> Result<GpuRequest, RuntimeError> {
+    serde_json::from_str(&g.request).map_err(|e| RuntimeError::Gpu {
+        code: "gpu_request_invalid".into(),
+        message: format!("gpu: {e}"),
+    })
+}
+
+fn quota_refusal(message: String) -> RuntimeError {
+    RuntimeError::Gpu {
+        code: "gpu_quota_exceeded".into(),
+        message,
+    }
+}
+
 impl Fleet {
+    /// The GPU models of every ready worker that has GPUs (one entry per GPU), by name.
+    pub fn gpu_workers(&self) -> Vec<(String, Vec<String>)> {
+        let m = self.lock();
+        let mut out: Vec<(String, Vec<String>)> = m
+            .placement
+            .iter()
+            .filter(|(_, cap, _, state)| *state == WorkerState::Ready && !cap.gpu_models.is_empty())
+            .map(|(name, cap, _, _)| (name.to_string(), cap.gpu_models.clone()))
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// What `tenant` holds of the GPUs of every worker but `except`, as the workers last said
+    /// (a lost worker's sandboxes are gone with it).
+    fn gpu_held_elsewhere(&self, tenant: &str, except: &str) -> Amount {
+        let m = self.lock();
+        m.workers
+            .iter()
+            .filter(|(name, w)| name.as_str() != except && !w.lost)
+            .filter_map(|(_, w)| w.remote.gpu_usage().get(tenant).copied())
+            .fold(Amount::default(), Amount::plus)
+    }
+
+    /// The quota book a GPU start on `worker` carries: the tenant's quota less what it holds on
+    /// the other workers (returned beside it), so that the worker's own ledger enforces the
+    /// cluster-wide limit. `None` when no quota is enforced; a refusal when the tenant may hold
+    /// no GPU at all.
+    fn gpu_quota_on(
+        &self,
+        request: &GpuRequest,
+        worker: &str,
+    ) -> Result<Option<(String, Amount)>, RuntimeError> {
+        let book = &self.cfg.gpu_quotas;
+        if !book.enforced() {
+            return Ok(None);
+        }
+        let Some(tenant) = &request.tenant else {
+            return Err(quota_refusal(
+                "quotas are configured, so the request must name a tenant".into(),
+            ));
+        };
+        let Some(quota) = book.tenants.get(tenant) else {
+            return Err(quota_refusal(format!("tenant {tenant} has no GPU quota")));
+        };
+        let elsewhere = self.gpu_held_elsewhere(tenant.as_str(), worker);
+        let guaranteed = quota.guaranteed.saturating_sub(elsewhere);
+        let ceiling = quota.ceiling().saturating_sub(elsewhere);
+        let left = TenantQuota {
+            guaranteed,
+            borrow_limit: Some(ceiling.saturating_sub(guaranteed)),
+        };
+        let book = QuotaBook::unlimited().with(tenant.clone(), left);
+        serde_json::to_string(&book)
+            .map(|b| Some((b, elsewhere)))
+            .map_err(|e| quota_refusal(format!("the quota does not encode: {e}")))
+    }
+
     /// An empty fleet dialling workers as `tls`'s controller identity; starts the loss watch.
     pub fn new(tls: Arc<TlsSource>, cfg: FleetConfig) -> Arc<Fleet> {
         let (events, rx) = mpsc::unbounded_channel();
@@ -198,6 +281,7 @@ impl Fleet {
             events_rx: Mutex::new(Some(rx)),
             capacity: watch::channel(FleetCapacity::default()).0,
             joining: Mutex::default(),
+            gpu_turns: Mutex::default(),
         });
         let watch = Arc::downgrade(&fleet);
         let period = (fleet.cfg.heartbeat / 2).max(Duration::from_millis(50));
@@ -258,6 +342,7 @@ impl Fleet {
                     resident_memory_bytes: load.reserved_memory,
                     gpu_models: cap.gpu_models,
                     labels: cap.labels,
+                    gpu_usage: w.remote.gpu_usage(),
                     last_seen_at: unix_ms(w.last_seen_at),
                 })
             })
@@ -509,6 +594,8 @@ impl Fleet {
         }
         w.last_seen = Instant::now();
         w.last_seen_at = SystemTime::now();
+        w.remote
+            .set_gpu_usage(crate::server::gpu_usage_from_pb(req.gpu_usage));
         let draining = w.drain;
         let others = req.busy.saturating_sub(reserved);
         let others_changed = std::mem::replace(&mut w.others, others) != others;
@@ -536,9 +623,27 @@ impl Fleet {
         launch: Launch,
         image: Option<&Path>,
     ) -> Result<Box<dyn Resident>, RuntimeError> {
+        let gpu = launch.gpu.as_ref().map(gpu_request).transpose()?;
         let need = Need {
             memory: launch.spec.limits.memory_bytes(),
+            gpu_model: gpu
+                .as_ref()
+                .map(|r| r.model.clone().unwrap_or_else(|| ANY_GPU.to_owned())),
             ..Need::default()
+        };
+        // Under quotas a tenant's GPU starts go one at a time (see `gpu_turns`).
+        let _gpu_turn = match gpu.as_ref().and_then(|r| r.tenant.as_ref()) {
+            Some(tenant) if self.cfg.gpu_quotas.enforced() => {
+                let turn = self
+                    .gpu_turns
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(tenant.to_string())
+                    .or_default()
+                    .clone();
+                Some(turn.lock_owned().await)
+            }
+            _ => None,
         };
         let sandbox = sandbox_of(&launch.container_id).map(str::to_string);
         // An image not yet in the store is on one worker's disk: there or nowhere.
@@ -606,9 +711,38 @@ impl Fleet {
                     .insert(launch.container_id.clone(), (chosen.clone(), need.memory));
                 (chosen, remote)
             };
+            let mut this = launch.clone();
+            let mut elsewhere = None;
+            if let (Some(request), Some(g)) = (&gpu, this.gpu.as_mut()) {
+                match self.gpu_quota_on(request, &worker) {
+                    Ok(quota) => {
+                        g.quota = quota.as_ref().map(|(book, _)| book.clone());
+                        elsewhere = quota.map(|(_, held)| held);
+                    }
+                    Err(e) => {
+                        self.forget(&launch.container_id);
+                        return Err(e);
+                    }
+                }
+            }
             let started = match image {
-                Some(image) => remote.restore(launch.clone(), image).await,
-                None => remote.boot(launch.clone()).await,
+                Some(image) => remote.restore(this, image).await,
+                None => remote.boot(this).await,
+            };
+            // The worker saw the tenant's quota less what it holds elsewhere: say so.
+            let started = match (started, elsewhere) {
+                (Err(RuntimeError::Gpu { code, message }), Some(held))
+                    if code == "gpu_quota_exceeded" && held != Amount::default() =>
+                {
+                    Err(RuntimeError::Gpu {
+                        message: format!(
+                            "{message} (the limit is what its cluster-wide quota leaves: it holds {} MiB and {} compute units on other workers)",
+                            held.memory_mib, held.compute
+                        ),
+                        code,
+                    })
+                }
+                (started, _) => started,
             };
             match started {
                 Ok(inner) => {
@@ -627,8 +761,10 @@ impl Fleet {
                 }
                 Err(e) => {
                     self.forget(&launch.container_id);
+                    // A worker whose GPUs are taken may not be the only one with that model.
                     let retry = matches!(e, RuntimeError::NoCapacity(_) | RuntimeError::Conn(_))
-                        || matches!(&e, RuntimeError::Unsupported(m) if m.contains("did not answer"));
+                        || matches!(&e, RuntimeError::Unsupported(m) if m.contains("did not answer"))
+                        || matches!(&e, RuntimeError::Gpu { code, .. } if code == "gpu_unavailable");
                     if !retry || refused.is_some() || pinned.is_some() {
                         return Err(e);
                     }

@@ -217,6 +217,7 @@ async fn follow(
                 run_id: run_id.clone(),
                 busy,
                 resident_memory,
+                gpu_usage: crate::server::gpu_usage_to_pb(&node.gpu_usage()),
             };
             match client.clone().heartbeat(call(beat, cfg.deadline)).await {
                 Ok(r) => {

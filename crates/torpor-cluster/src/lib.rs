@@ -36,7 +36,7 @@ pub use client::{Deadlines, RemoteConfig, RemoteError, RemoteNode};
 pub use fleet::{serve_cluster, Fleet, FleetCapacity, FleetConfig, FleetError, NodeStatus};
 pub use images::{OpenBackend, WorkerImages};
 pub use join::{join, JoinConfig};
-pub use server::{serve, NodeService, ServeError};
+pub use server::{serve, GpuUsage, GpuUsageFn, NodeService, ServeError};
 pub use tls::{Side, TlsFiles, TlsMetrics, TlsSource};
 
 /// The protocol version this build speaks (the `torpor-node-protocol` header; the package

@@ -114,12 +114,24 @@ pub struct Load {
     pub reserved_memory: u64,
 }
 
+/// A [`Need::gpu_model`] that any worker with at least one GPU meets.
+pub const ANY_GPU: &str = "*";
+
+/// The GPU index keys of a worker: each of its models, and [`ANY_GPU`] when it has any.
+fn gpu_keys(cap: &Capacity) -> impl Iterator<Item = &str> {
+    cap.gpu_models
+        .iter()
+        .map(String::as_str)
+        .chain((!cap.gpu_models.is_empty()).then_some(ANY_GPU))
+}
+
 /// What a sandbox needs from a worker.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Need {
     /// Bytes of memory (its memory limit); 0 for none.
     pub memory: u64,
-    /// A GPU model the worker must have; `None` for any worker, with or without GPUs.
+    /// A GPU model the worker must have ([`ANY_GPU`]: any model, but some GPU); `None` for
+    /// any worker, with or without GPUs.
     pub gpu_model: Option<String>,
     /// Labels the worker must carry, every one with the same value.
     pub labels: BTreeMap<String, String>,
@@ -178,7 +190,7 @@ impl Worker {
     fn has_gpu(&self, need: &Need) -> bool {
         need.gpu_model
             .as_ref()
-            .is_none_or(|m| self.cap.gpu_models.contains(m))
+            .is_none_or(|m| gpu_keys(&self.cap).any(|k| k == m))
     }
 
     fn fits(&self, need: &Need) -> bool {
@@ -206,14 +218,14 @@ impl Index {
         let Some(key) = w.key() else {
             return;
         };
-        for model in &w.cap.gpu_models {
+        for model in gpu_keys(&w.cap) {
             match self.by_gpu.get_mut(model) {
                 Some(set) => {
                     set.insert(key.clone());
                 }
                 None => {
                     self.by_gpu
-                        .insert(model.clone(), BTreeSet::from([key.clone()]));
+                        .insert(model.to_owned(), BTreeSet::from([key.clone()]));
                 }
             }
         }
@@ -238,7 +250,7 @@ impl Index {
         let Some(key) = w.key() else {
             return;
         };
-        for model in &w.cap.gpu_models {
+        for model in gpu_keys(&w.cap) {
             if let Some(set) = self.by_gpu.get_mut(model) {
                 set.remove(&key);
                 if set.is_empty() {
@@ -539,6 +551,16 @@ mod tests {
             ..need(1)
         };
         assert_eq!(chosen(&p, &gpu, Some("small")).as_deref(), Some("big"));
+        let any_gpu = Need {
+            gpu_model: Some(ANY_GPU.into()),
+            ..need(1)
+        };
+        assert_eq!(chosen(&p, &any_gpu, Some("small")).as_deref(), Some("big"));
+        let other_model = Need {
+            gpu_model: Some("a100".into()),
+            ..need(1)
+        };
+        assert_eq!(chosen(&p, &other_model, None), None);
         let zone_b = Need {
             labels: BTreeMap::from([("zone".into(), "b".into())]),
             ..need(0)

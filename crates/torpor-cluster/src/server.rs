@@ -77,6 +77,57 @@ pub struct NodeService {
     /// Live restore: one file per container held (`<dir>/<container>` holding its owner), so
     /// that a restarted worker takes its containers back for the controllers that hold them.
     held_dir: std::sync::OnceLock<PathBuf>,
+    /// What each tenant holds of this worker's GPUs (none without GPUs).
+    gpu_usage: std::sync::OnceLock<GpuUsageFn>,
+}
+
+/// What each tenant's sandboxes hold of a worker's GPUs, tenant → amount.
+pub type GpuUsage = std::collections::BTreeMap<String, torpor_gpu::quota::Amount>;
+/// Reads [`GpuUsage`] now (the worker's GPU layer).
+pub type GpuUsageFn = Arc<dyn Fn() -> GpuUsage + Send + Sync>;
+
+/// [`GpuUsage`] on the wire.
+pub fn gpu_usage_to_pb(usage: &GpuUsage) -> HashMap<String, pb::GpuAmount> {
+    usage
+        .iter()
+        .map(|(t, a)| {
+            (
+                t.clone(),
+                pb::GpuAmount {
+                    memory_mib: a.memory_mib,
+                    compute: a.compute,
+                },
+            )
+        })
+        .collect()
+}
+
+/// Most tenants one worker's GPU usage report may name; the rest of a larger one is dropped
+/// (a worker has at most one tenant per GPU share, far fewer than this).
+pub const MAX_GPU_USAGE_TENANTS: usize = 4096;
+
+/// [`GpuUsage`] off the wire, at most [`MAX_GPU_USAGE_TENANTS`] of it.
+pub fn gpu_usage_from_pb(usage: HashMap<String, pb::GpuAmount>) -> GpuUsage {
+    if usage.len() > MAX_GPU_USAGE_TENANTS {
+        tracing::warn!(
+            tenants = usage.len(),
+            kept = MAX_GPU_USAGE_TENANTS,
+            "a worker's GPU usage report names too many tenants; the rest is dropped"
+        );
+    }
+    usage
+        .into_iter()
+        .take(MAX_GPU_USAGE_TENANTS)
+        .map(|(t, a)| {
+            (
+                t,
+                torpor_gpu::quota::Amount {
+                    memory_mib: a.memory_mib,
+                    compute: a.compute,
+                },
+            )
+        })
+        .collect()
 }
 
 impl NodeService {
@@ -104,6 +155,7 @@ impl NodeService {
             sweep_gate: tokio::sync::RwLock::new(()),
             images: std::sync::OnceLock::new(),
             held_dir: std::sync::OnceLock::new(),
+            gpu_usage: std::sync::OnceLock::new(),
         })
     }
 
@@ -183,6 +235,16 @@ impl NodeService {
 
     /// Refuses starts beyond `slots` containers at once (a controller's placement keeps under
     /// it; this holds when two controllers' views race).
+    /// Gives the service its GPU layer's usage (heartbeats and start replies carry it).
+    pub fn set_gpu_usage(&self, usage: GpuUsageFn) {
+        let _ = self.gpu_usage.set(usage);
+    }
+
+    /// What each tenant holds of this worker's GPUs now.
+    pub fn gpu_usage(&self) -> GpuUsage {
+        self.gpu_usage.get().map(|f| f()).unwrap_or_default()
+    }
+
     pub fn limit_slots(&self, slots: usize) {
         self.slots.store(slots, Ordering::SeqCst);
     }
@@ -345,6 +407,7 @@ impl NodeService {
                 was_warm: resident.was_warm(),
                 agent_version: resident.agent_version(),
                 memory: resident.memory(),
+                gpu_usage: gpu_usage_to_pb(&me.gpu_usage()),
             };
             me.note_held(&container_id, Some(&owner));
             me.table().insert(
@@ -545,6 +608,7 @@ impl NodeRpc for Arc<NodeService> {
             was_warm: r.was_warm(),
             agent_version: r.agent_version(),
             memory: r.memory(),
+            gpu_usage: gpu_usage_to_pb(&self.gpu_usage()),
         }))
     }
 
@@ -1011,4 +1075,34 @@ pub async fn serve(
 /// The address a listener is bound to (for logs).
 pub fn local_addr(l: &TcpListener) -> Option<SocketAddr> {
     l.local_addr().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_workers_gpu_usage_report_is_bounded() {
+        // Attack: a worker (compromised, or buggy) floods its heartbeat with tenants.
+        let flood: HashMap<String, pb::GpuAmount> = (0..MAX_GPU_USAGE_TENANTS + 100)
+            .map(|i| {
+                (
+                    format!("t{i}"),
+                    pb::GpuAmount {
+                        memory_mib: 1,
+                        compute: 7,
+                    },
+                )
+            })
+            .collect();
+        assert_eq!(gpu_usage_from_pb(flood).len(), MAX_GPU_USAGE_TENANTS);
+        let one = GpuUsage::from([(
+            "acme".to_string(),
+            torpor_gpu::quota::Amount {
+                memory_mib: 23034,
+                compute: 700,
+            },
+        )]);
+        assert_eq!(gpu_usage_from_pb(gpu_usage_to_pb(&one)), one);
+    }
 }

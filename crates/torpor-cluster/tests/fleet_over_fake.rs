@@ -88,6 +88,7 @@ fn launch(id: &str) -> Launch {
         network: None,
         ready_timeout: Duration::from_secs(10),
         stored: Default::default(),
+        gpu: None,
     }
 }
 

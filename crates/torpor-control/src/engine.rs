@@ -285,6 +285,8 @@ pub struct Engine {
     template_sizes: quota::TemplateSizes,
     /// The node's GPU shares, when it has GPUs (attached by the daemon after start).
     gpus: std::sync::OnceLock<crate::gpu::NodeGpus>,
+    /// Cluster mode: the workers' GPUs (each worker places shares from its own).
+    fleet_gpus: std::sync::OnceLock<Arc<dyn crate::gpu::FleetGpus>>,
     /// Live controllers and leases (cluster mode).
     cluster: cluster::ClusterState,
     /// When the idle policy last refreshed the fleet gauges (a scrape refreshes them itself).
@@ -366,6 +368,7 @@ impl Engine {
             template_sizes: Default::default(),
             snapshots,
             gpus: std::sync::OnceLock::new(),
+            fleet_gpus: std::sync::OnceLock::new(),
             cluster: Default::default(),
             gauges_at: AtomicI64::new(0),
             cpu_at_release: Mutex::new(Vec::new()),

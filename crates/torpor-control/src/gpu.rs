@@ -47,12 +47,14 @@ use torpor_gpu::sleep::{
 };
 
 mod errors;
+pub mod fleet;
 mod mig_drivers;
 mod report;
 mod requests;
 mod shares;
 
 pub use errors::{GpuError, GpuSetupError};
+pub use fleet::FleetGpus;
 pub use report::{label_samples, GpuStatus, SandboxShare};
 
 use errors::chain;
@@ -278,6 +280,17 @@ impl NodeGpus {
     /// are free, else any GPU of the same model, else a refusal. Returns the sandboxes whose
     /// borrowed shares were reclaimed for it (the engine must park them).
     pub fn acquire(&self, id: &SandboxId) -> Result<Vec<SandboxId>, GpuError> {
+        self.acquire_under(id, &self.quotas)
+    }
+
+    /// [`NodeGpus::acquire`] under `quotas` instead of the node's own book: a cluster worker
+    /// places each start under the quota its controller sends with it (the tenant's quota
+    /// less what it holds on other workers).
+    pub fn acquire_under(
+        &self,
+        id: &SandboxId,
+        quotas: &QuotaBook,
+    ) -> Result<Vec<SandboxId>, GpuError> {
         let Some(request) = self.request_of(id) else {
             return Ok(Vec::new());
         };
@@ -291,7 +304,7 @@ impl NodeGpus {
                 &inner.ledger,
                 ticket,
                 &self.policy,
-                &self.quotas,
+                quotas,
                 true,
             ),
             None => torpor_gpu::planner::plan(
@@ -299,7 +312,7 @@ impl NodeGpus {
                 &inner.ledger,
                 &request,
                 &self.policy,
-                &self.quotas,
+                quotas,
             ),
         };
         let planned = planned.map_err(|r| GpuError::from_refusal(&r))?;
@@ -413,6 +426,24 @@ impl NodeGpus {
             }
         }
         self.clear_toggled(id);
+    }
+
+    /// What each tenant holds of this node's GPUs now (quota units), by tenant name.
+    pub fn tenant_usage(&self) -> BTreeMap<String, torpor_gpu::quota::Amount> {
+        let inner = self.lock();
+        QuotaBook::usage(&self.inventory, &inner.ledger)
+            .into_iter()
+            .map(|(t, a)| (t.as_str().to_owned(), a))
+            .collect()
+    }
+
+    /// The model of each GPU (one entry per GPU), as a cluster worker announces them.
+    pub fn gpu_models(&self) -> Vec<String> {
+        self.inventory
+            .gpus()
+            .iter()
+            .map(|g| g.model.clone())
+            .collect()
     }
 
     /// The environment every exec in `id` gets (empty when it holds no share).

@@ -17,7 +17,9 @@ pub mod shim;
 pub mod spec;
 pub mod warm;
 
-pub use node::{Launch, Node, NodeEvent, NodeInfo, Resident, RunscNode, RunscNodeConfig};
+pub use node::{
+    Launch, LaunchGpu, Node, NodeEvent, NodeInfo, Resident, RunscNode, RunscNodeConfig,
+};
 pub use runsc::{Container, ExitHandle, ExitInfo, Runsc, RuntimeError};
 pub use spec::{ContainerSpec, Mount};
 pub use warm::{WarmPool, WarmStats, Worker};

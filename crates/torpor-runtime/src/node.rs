@@ -78,6 +78,21 @@ pub struct Launch {
     /// Cluster mode: the files of this start as snapshots in the shared store, for a node that
     /// does not hold the paths named above (empty on a single machine).
     pub stored: StoredFiles,
+    /// Cluster mode: the GPU share the worker must give this container from its own GPUs
+    /// (`None`: no GPU, or a single machine, where the engine places shares itself).
+    pub gpu: Option<LaunchGpu>,
+}
+
+/// A GPU share a worker places from its own GPUs at start (cluster mode). Both fields are
+/// `torpor-gpu` JSON, so this crate stays free of the GPU planner: the worker's GPU layer
+/// parses them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchGpu {
+    /// The sandbox's `GpuRequest`, its tenant set.
+    pub request: String,
+    /// A `QuotaBook` holding the tenant's quota less what it holds on other workers (the
+    /// controller's cluster-wide view); `None`: no quota is enforced.
+    pub quota: Option<String>,
 }
 
 /// How a node reads one tenant's snapshots in the shared store: its namespace and, for an

@@ -62,6 +62,10 @@ pub enum RuntimeError {
     /// upload to the snapshot store had not finished when its worker was lost).
     #[error("the image is lost: {0}")]
     ImageLost(String),
+    /// The worker's GPUs cannot give the container its share (cluster mode); `code` is the
+    /// GPU layer's stable code (`gpu_unavailable`, `gpu_quota_exceeded`, …).
+    #[error("GPU ({code}): {message}")]
+    Gpu { code: String, message: String },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {

@@ -89,6 +89,11 @@ pub struct ControllerArgs {
     /// Serve GET /metrics without a token on this separate address.
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
+    /// Tenant GPU quotas (TOML, as `torpor up --gpu-quotas`), enforced across the cluster:
+    /// each GPU start carries the tenant's quota less what it holds on other workers, and the
+    /// worker's ledger enforces the rest. Without it no GPU quota is enforced.
+    #[arg(long)]
+    gpu_quotas: Option<PathBuf>,
     /// API requests per second for tenants created without `requests_per_s`.
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
     default_requests_per_s: u64,
@@ -157,12 +162,18 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         ),
         s3 => s3,
     };
+    let gpu_quotas = match &args.gpu_quotas {
+        None => torpor_gpu::quota::QuotaBook::unlimited(),
+        Some(p) => torpor_gpu::quota::QuotaBook::load(p)
+            .map_err(|e| anyhow::anyhow!("--gpu-quotas: {e} ({})", e.code()))?,
+    };
     let fleet = Fleet::new(
         tls.clone(),
         FleetConfig {
             heartbeat: Duration::from_millis(args.heartbeat_ms),
             lost_after: Duration::from_millis(args.worker_lost_after_ms),
             store: Some(store.to_string()),
+            gpu_quotas,
             ..FleetConfig::default()
         },
     );
@@ -243,6 +254,15 @@ fn first_ipv4() -> Option<std::net::Ipv4Addr> {
     found
 }
 
+/// The fleet's GPUs as the engine sees them (each worker places shares from its own).
+pub struct FleetGpus(pub Arc<Fleet>);
+
+impl torpor_control::gpu::FleetGpus for FleetGpus {
+    fn gpu_workers(&self) -> Vec<(String, Vec<String>)> {
+        self.0.gpu_workers()
+    }
+}
+
 /// The fleet as the API's node directory.
 pub struct FleetNodes(pub Arc<Fleet>);
 
@@ -268,5 +288,18 @@ fn view(n: torpor_cluster::NodeStatus) -> torpor_api::nodes::NodeView {
         addr: Some(n.addr),
         gpu_models: n.gpu_models,
         labels: n.labels,
+        gpu_usage: n
+            .gpu_usage
+            .into_iter()
+            .map(|(t, a)| {
+                (
+                    t,
+                    torpor_api::nodes::GpuHeld {
+                        memory_mib: a.memory_mib,
+                        compute: a.compute,
+                    },
+                )
+            })
+            .collect(),
     }
 }

@@ -232,12 +232,16 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         max_connections,
         header_read_timeout: cfg.header_read_timeout,
     };
-    let gpus = crate::gpu::daemon_gpus(
-        cfg.gpu_inventory,
-        cfg.gpu_quotas,
-        cfg.cuda_checkpoint,
-        &cfg.data_dir,
-    )?;
+    let gpus = match &cfg.cluster {
+        // A controller's GPUs are its workers' (attached below), never this machine's.
+        Some(_) => None,
+        None => crate::gpu::daemon_gpus(
+            cfg.gpu_inventory,
+            cfg.gpu_quotas,
+            cfg.cuda_checkpoint,
+            &cfg.data_dir,
+        )?,
+    };
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
@@ -270,6 +274,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     .map_err(|e| anyhow::anyhow!("{e} ({})", e.code()))?;
     let mut cluster_server = None;
     if let Some(c) = cfg.cluster {
+        engine.attach_fleet_gpus(Arc::new(crate::controller::FleetGpus(c.fleet.clone())));
         // The lot follows the ready workers' slots.
         let mut capacity = c.fleet.capacity();
         let sized = engine.clone();

@@ -22,6 +22,7 @@ mod telemetry;
 mod tls_listen;
 mod usage;
 mod worker;
+mod worker_gpu;
 
 use clap::Parser;
 

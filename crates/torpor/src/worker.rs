@@ -84,6 +84,14 @@ pub struct WorkerArgs {
     /// Serve GET /metrics (TLS refusals) without a token on this address.
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
+    /// Declared GPU inventory (TOML); without it NVML is asked when a driver loads. The
+    /// worker announces its GPUs and places each GPU sandbox's share from them.
+    #[arg(long)]
+    gpu_inventory: Option<PathBuf>,
+    /// cuda-checkpoint to run inside GPU sandboxes (else searched in the sandbox's rootfs,
+    /// then on PATH).
+    #[arg(long, env = "TORPOR_CUDA_CHECKPOINT")]
+    cuda_checkpoint: Option<PathBuf>,
 }
 
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
@@ -137,6 +145,20 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         )),
     })?;
     let node: Arc<dyn Node> = Arc::new(node);
+    // GPUs: quotas come with each start from the controllers (cluster-wide), none here.
+    let gpus = crate::gpu::daemon_gpus(
+        args.gpu_inventory.clone(),
+        None,
+        args.cuda_checkpoint.clone(),
+        &args.data_dir,
+    )?;
+    let (node, gpu_node): (Arc<dyn Node>, _) = match gpus {
+        Some(gpus) => {
+            let g = crate::worker_gpu::GpuNode::new(node, gpus);
+            (g.clone(), Some(g))
+        }
+        None => (node, None),
+    };
 
     if let Some(addr) = args.metrics_listen {
         let registry = prometheus::Registry::new();
@@ -176,6 +198,10 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     eprintln!("torpor worker {} on {bound}", identity.name);
     let service = NodeService::new(node.clone(), identity.name.to_string());
     service.limit_slots(slots);
+    if let Some(g) = &gpu_node {
+        let g = g.clone();
+        service.set_gpu_usage(Arc::new(move || g.usage()));
+    }
     // Live restore: the containers a previous run left under their shims come back for the
     // controllers that held them (they say so when this worker registers); the rest goes.
     let back = if args.live_restore {
@@ -186,6 +212,10 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     } else {
         0
     };
+    if let Some(g) = &gpu_node {
+        // The shares of containers taken back stay; the rest go back.
+        g.reconcile(&service.holding());
+    }
     let removed = node.reconcile(&[]).await;
     if removed > 0 || back > 0 {
         tracing::warn!(
@@ -216,7 +246,10 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             node_addr: args.advertise.unwrap_or(bound).to_string(),
             slots: slots as u32,
             memory_budget,
-            gpu_models: Vec::new(),
+            gpu_models: gpu_node
+                .as_ref()
+                .map(|g| g.gpu_models())
+                .unwrap_or_default(),
             labels: args.labels.iter().cloned().collect(),
             run_id: run_id(),
             deadline: std::time::Duration::from_secs(5),

@@ -914,3 +914,204 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
             .await;
     }
 }
+
+/// `echo $NVIDIA_VISIBLE_DEVICES` in `id`.
+async fn visible_gpu(c: &Controller, id: &str) -> String {
+    c.exec(id, "echo $NVIDIA_VISIBLE_DEVICES")
+        .await
+        .trim()
+        .to_string()
+}
+
+/// What `worker` says the admin tenant holds of its GPUs (compute units; 0 when nothing).
+fn admin_gpu_compute(nodes: &[Value], worker: &str) -> u64 {
+    nodes
+        .iter()
+        .find(|n| n["name"] == worker)
+        .and_then(|n| n["gpu_usage"]["admin"]["compute"].as_u64())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_across_workers() {
+    let Some((database, tmp)) = setup("torpor-cluster-gpu-", &["c1"], &["ga", "gb", "w3"]).await
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    let fixture = |name: &str| {
+        format!(
+            "{}/tests/gpu/{name}",
+            env!("CARGO_MANIFEST_DIR").trim_end_matches('/')
+        )
+    };
+    // The admin tenant may hold one L4 across the whole cluster.
+    let quotas = fixture("quotas-admin-one-l4.toml");
+    let controller =
+        Controller::start_args(dir, &database, "c1", 2000, &["--gpu-quotas", &quotas]).await;
+    let (inv_a, inv_b) = (fixture("worker-l4-a.toml"), fixture("worker-l4-b.toml"));
+    let _workers = [
+        Worker::start_args(
+            dir,
+            "ga",
+            "ga",
+            &controller.cluster,
+            &[],
+            &["--gpu-inventory", &inv_a],
+        ),
+        Worker::start_args(
+            dir,
+            "gb",
+            "gb",
+            &controller.cluster,
+            &[],
+            &["--gpu-inventory", &inv_b],
+        ),
+        Worker::start(dir, "w3", "w3", &controller.cluster),
+    ];
+    let nodes = controller
+        .wait_nodes("three ready workers", |n| {
+            ["ga", "gb", "w3"]
+                .iter()
+                .all(|w| state_of(n, w) == Some("ready"))
+        })
+        .await;
+    let models = |w: &str| {
+        nodes
+            .iter()
+            .find(|n| n["name"] == w)
+            .map(|n| n["gpu_models"].clone())
+            .unwrap()
+    };
+    assert_eq!(models("ga"), json!(["NVIDIA L4"]), "{nodes:?}");
+    assert_eq!(models("gb"), json!(["NVIDIA L4"]), "{nodes:?}");
+    assert_eq!(models("w3"), Value::Null, "no GPUs, none shown: {nodes:?}");
+    controller.wait_host_template().await;
+    let uuid_of = |worker: &str| match worker {
+        "ga" => "GPU-14000000-0000-4000-8000-0000000000a1",
+        "gb" => "GPU-14000000-0000-4000-8000-0000000000b2",
+        other => panic!("a GPU sandbox on {other}, which has no GPU"),
+    };
+    let create_gpu = |gpu: Value| {
+        let c = &controller;
+        async move {
+            c.call(
+                reqwest::Method::POST,
+                "/v1/sandboxes",
+                Some(json!({"template": "host", "gpu": gpu})),
+            )
+            .await
+        }
+    };
+
+    // A whole GPU lands on a GPU worker, whose ledger gives the exec its device.
+    let (status, a) = create_gpu(json!({"mode": "whole"})).await;
+    assert_eq!(status, 201, "{a}");
+    let a = a["id"].as_str().unwrap().to_string();
+    let a_node = controller.sandbox(&a).await["node"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(visible_gpu(&controller, &a).await, uuid_of(&a_node));
+    let other = if a_node == "ga" { "gb" } else { "ga" };
+
+    // The quota is the tenant's across the cluster: the other worker's free L4 is refused.
+    let (status, refused) = create_gpu(json!({"mode": "whole"})).await;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (429, Some("gpu_quota_exceeded")),
+        "{refused}"
+    );
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("holds 23034 MiB and 700 compute units on other workers"),
+        "{refused}"
+    );
+    // More GPUs than any one worker has: refused at once, with what the workers have.
+    let (status, too_big) = create_gpu(json!({"mode": "whole", "count": 2})).await;
+    assert_eq!(
+        (status, too_big["error"]["code"].as_str()),
+        (400, Some("gpu_request_invalid")),
+        "{too_big}"
+    );
+    assert!(
+        too_big["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("NVIDIA L4"),
+        "{too_big}"
+    );
+    // A sandbox without a GPU is not held to it.
+    let plain = controller
+        .ok(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "host"})),
+        )
+        .await;
+    let plain = plain["id"].as_str().unwrap().to_string();
+    assert_eq!(visible_gpu(&controller, &plain).await, "");
+
+    // Parked, A gives its share back (as its worker's next heartbeat says); B takes the quota.
+    controller.park(&a).await;
+    controller
+        .wait_nodes("A's share given back", |n| {
+            admin_gpu_compute(n, "ga") + admin_gpu_compute(n, "gb") == 0
+        })
+        .await;
+    let (status, b) = create_gpu(json!({"mode": "whole"})).await;
+    assert_eq!(status, 201, "{b}");
+    let b = b["id"].as_str().unwrap().to_string();
+    let b_node = controller.sandbox(&b).await["node"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(visible_gpu(&controller, &b).await, uuid_of(&b_node));
+    controller
+        .wait_nodes("B's share counted", |n| {
+            admin_gpu_compute(n, &b_node) == 700
+        })
+        .await;
+
+    // A's wake is held to the same quota: refused while B holds it, and A stays asleep.
+    let (status, woke) = controller
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{a}/exec"),
+            Some(json!({"cmd": ["true"]})),
+        )
+        .await;
+    assert_eq!(
+        (status, woke["error"]["code"].as_str()),
+        (429, Some("gpu_quota_exceeded")),
+        "{woke}"
+    );
+    assert_eq!(controller.sandbox(&a).await["node"], Value::Null);
+
+    // B deleted: A wakes with its memory and a GPU of a worker that has one.
+    controller
+        .ok(reqwest::Method::DELETE, &format!("/v1/sandboxes/{b}"), None)
+        .await;
+    controller
+        .wait_nodes("B's share given back", |n| {
+            admin_gpu_compute(n, "ga") + admin_gpu_compute(n, "gb") == 0
+        })
+        .await;
+    let woken = visible_gpu(&controller, &a).await;
+    let now_on = controller.sandbox(&a).await["node"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        woken,
+        uuid_of(&now_on),
+        "woke on {now_on} (slept on {a_node}, other {other})"
+    );
+    for s in [a.as_str(), plain.as_str()] {
+        controller
+            .ok(reqwest::Method::DELETE, &format!("/v1/sandboxes/{s}"), None)
+            .await;
+    }
+}

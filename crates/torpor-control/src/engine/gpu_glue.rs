@@ -25,6 +25,31 @@ impl Engine {
         self.gpus.get()
     }
 
+    /// Cluster mode: gives the engine the workers' GPUs; once, right after start. GPU requests
+    /// are then kept in the state store and sent with each start, for the worker to place.
+    pub fn attach_fleet_gpus(&self, fleet: Arc<dyn crate::gpu::FleetGpus>) {
+        if self.fleet_gpus.set(fleet).is_err() {
+            tracing::warn!("fleet GPUs attached twice; the first stays");
+        }
+    }
+
+    /// Cluster mode without node GPUs: the workers place shares.
+    fn gpus_on_workers(&self) -> bool {
+        self.gpus.get().is_none() && self.fleet_gpus.get().is_some()
+    }
+
+    /// What a start of `id` asks its worker for (cluster mode; `None` on a single machine,
+    /// where [`Engine::acquire_gpu`] placed the share already, and for sandboxes without one).
+    pub(super) fn launch_gpu(&self, id: &SandboxId) -> Result<Option<torpor_runtime::LaunchGpu>> {
+        if !self.gpus_on_workers() {
+            return Ok(None);
+        }
+        match self.store.gpu_request(id)? {
+            Some(request) => Ok(Some(crate::gpu::fleet::launch_gpu(&request)?)),
+            None => Ok(None),
+        }
+    }
+
     /// Gets a sandbox its GPU share before a restore (`request` is saved first on create).
     /// Borrowed shares reclaimed for it are parked in the background.
     pub(super) async fn acquire_gpu(
@@ -33,6 +58,9 @@ impl Engine {
         request: Option<&torpor_gpu::request::GpuRequest>,
     ) -> Result<()> {
         let Some(gpus) = self.gpus.get() else {
+            if let (true, Some(request)) = (self.gpus_on_workers(), request) {
+                self.store.put_gpu_request(id, request)?;
+            }
             return Ok(());
         };
         if let Some(request) = request {
@@ -68,10 +96,23 @@ impl Engine {
     pub(super) fn forget_gpu(&self, id: &SandboxId) {
         if let Some(gpus) = self.gpus.get() {
             gpus.forget(id);
+        } else if self.gpus_on_workers() {
+            if let Err(e) = self.store.delete_gpu_request(id) {
+                tracing::error!(sandbox = %id, error = %e, "cannot forget the GPU request");
+            }
         }
     }
 
     pub(super) fn copy_gpu_request(&self, from: &SandboxId, to: &SandboxId) {
+        if self.gpus_on_workers() {
+            let copied = self
+                .store
+                .gpu_request(from)
+                .and_then(|r| r.map_or(Ok(()), |r| self.store.put_gpu_request(to, &r)));
+            if let Err(e) = copied {
+                tracing::warn!(sandbox = %to, error = %e, "cannot copy the GPU request to a fork");
+            }
+        }
         if let Some(gpus) = self.gpus.get() {
             if let Some(request) = gpus.request_of(from) {
                 if let Err(e) = gpus.save_request(to, &request) {

@@ -68,11 +68,12 @@ impl Engine {
         validate_env(&req.env).map_err(|e| ControlError::Invalid(e.to_string()))?;
         check_metadata(&req.metadata)?;
         let gpu_request = match req.gpu.as_ref().or(tpl.spec.gpu.as_ref()) {
-            Some(gpu) => Some(crate::gpu::NodeGpus::parse_request(
-                self.gpus.get(),
-                gpu,
-                tenant,
-            )?),
+            Some(gpu) => Some(match (self.gpus.get(), self.fleet_gpus.get()) {
+                (None, Some(fleet)) => {
+                    crate::gpu::fleet::parse_fleet_request(fleet.as_ref(), gpu, tenant)?
+                }
+                (node, _) => crate::gpu::NodeGpus::parse_request(node, gpu, tenant)?,
+            }),
             None => None,
         };
         // The sandbox's own policy, else its template's.

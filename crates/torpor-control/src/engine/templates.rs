@@ -225,6 +225,7 @@ impl Engine {
             network: None,
             ready_timeout: READY_TIMEOUT,
             stored,
+            gpu: None,
         };
         let container = self.node.boot(launch).await?;
         if rec.spec.warmup_ms > 0 {

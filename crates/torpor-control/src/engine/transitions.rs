@@ -94,10 +94,19 @@ impl Engine {
             network: networked.clone(),
             ready_timeout: READY_TIMEOUT,
             stored,
+            gpu: self.launch_gpu(&rec.id)?,
         };
         let container = {
             let _turn = self.restores.acquire().await;
-            self.timed_restore(launch, image).await?
+            self.timed_restore(launch, image)
+                .await
+                .map_err(|e| match e {
+                    // A worker's GPUs refused it: answered as the GPU error it is.
+                    ControlError::Runtime(torpor_runtime::RuntimeError::Gpu { code, message }) => {
+                        crate::gpu::fleet::from_worker(&code, message).into()
+                    }
+                    e => e,
+                })?
         };
         self.metrics
             .warm_takes

@@ -9,7 +9,7 @@ use torpor_gpu::sleep::CheckpointError;
 /// Why a GPU operation failed. Each variant has a stable code; the API maps them to statuses.
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
-    #[error("this node has no GPU inventory: start `torpor up` with --gpu-inventory FILE, or on a machine with an NVIDIA driver")]
+    #[error("no GPU inventory: start `torpor up` (in a cluster: a `torpor worker`) with --gpu-inventory FILE, or on a machine with an NVIDIA driver")]
     NotConfigured,
     #[error("invalid GPU request ({code}): {message}")]
     BadRequest { code: &'static str, message: String },

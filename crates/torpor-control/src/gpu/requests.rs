@@ -8,6 +8,25 @@ use torpor_gpu::request::GpuRequest;
 
 use super::{GpuError, NodeGpus};
 
+/// A request's JSON, charged to `tenant` (the sandbox's owner) whatever `tenant` it names.
+pub(super) fn owned_request(
+    value: &serde_json::Value,
+    tenant: &TenantId,
+) -> Result<GpuRequest, GpuError> {
+    let mut request: GpuRequest =
+        serde_json::from_value(value.clone()).map_err(|e| GpuError::BadRequest {
+            code: "request_malformed",
+            message: format!("gpu: {e}"),
+        })?;
+    request.tenant = Some(
+        torpor_gpu::ids::TenantId::new(tenant.as_str()).map_err(|e| GpuError::BadRequest {
+            code: e.code(),
+            message: format!("tenant {tenant}: {e}"),
+        })?,
+    );
+    Ok(request)
+}
+
 impl NodeGpus {
     /// Parses and checks a GPU request for `tenant`'s sandbox: its shape, and that this node
     /// could ever satisfy it. The tenant charged is always the sandbox's owner.
@@ -19,17 +38,7 @@ impl NodeGpus {
         let Some(node) = node else {
             return Err(GpuError::NotConfigured);
         };
-        let mut request: GpuRequest =
-            serde_json::from_value(value.clone()).map_err(|e| GpuError::BadRequest {
-                code: "request_malformed",
-                message: format!("gpu: {e}"),
-            })?;
-        request.tenant = Some(
-            torpor_gpu::ids::TenantId::new(tenant.as_str()).map_err(|e| GpuError::BadRequest {
-                code: e.code(),
-                message: format!("tenant {tenant}: {e}"),
-            })?,
-        );
+        let request = owned_request(value, tenant)?;
         // What no GPU of this node could ever satisfy is refused now, not at every wake.
         let empty = Ledger::new(&node.inventory);
         if let Err(refusal) = torpor_gpu::planner::plan(

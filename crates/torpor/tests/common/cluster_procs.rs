@@ -63,6 +63,18 @@ impl Controller {
         name: &str,
         worker_lost_after_ms: u64,
     ) -> Controller {
+        Controller::start_args(tmp, database, name, worker_lost_after_ms, &[]).await
+    }
+
+    /// [`Controller::start_with`] with `extra` arguments.
+    #[allow(dead_code)]
+    pub async fn start_args(
+        tmp: &Path,
+        database: &str,
+        name: &str,
+        worker_lost_after_ms: u64,
+        extra: &[&str],
+    ) -> Controller {
         let token = tmp.join("admin-token");
         std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
         let api = format!("127.0.0.1:{}", cluster::free_port());
@@ -100,6 +112,7 @@ impl Controller {
             "100",
         ]
         .into_iter()
+        .chain(extra.iter().copied())
         .map(Into::into)
         .collect();
         let child = Controller::spawn(&args, std::fs::File::create(&log).unwrap());
@@ -353,6 +366,18 @@ impl Worker {
         controller: &str,
         read_only: &[PathBuf],
     ) -> Worker {
+        Worker::start_args(tmp, tls, name, controller, read_only, &[])
+    }
+
+    /// [`Worker::start_with`] with `extra` arguments.
+    pub fn start_args(
+        tmp: &Path,
+        tls: &str,
+        name: &str,
+        controller: &str,
+        read_only: &[PathBuf],
+        extra: &[&str],
+    ) -> Worker {
         let data = tmp.join(format!("data-{name}"));
         std::fs::create_dir_all(&data).unwrap();
         let log = tmp.join(format!("{name}.log"));
@@ -391,6 +416,7 @@ impl Worker {
                 "1",
             ])
             .args(["--memory-budget", "2G"])
+            .args(extra)
             .env("TORPOR_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -231,6 +231,7 @@ async fn heartbeat(
         run_id: run_id.to_string(),
         busy: 0,
         resident_memory: 0,
+        gpu_usage: Default::default(),
     }))
     .await
     .map(|r| r.into_inner())
