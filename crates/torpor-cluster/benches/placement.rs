@@ -90,6 +90,7 @@ fn fleet(n: usize, scenario: Scenario, rng: &mut Rng) -> Vec<Worker> {
                 cap: Capacity {
                     slots,
                     memory_budget,
+                    cores: 4,
                     gpu_models: if rng.below(8) == 0 {
                         vec!["NVIDIA H200".into()]
                     } else {

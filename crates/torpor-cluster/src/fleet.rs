@@ -112,6 +112,8 @@ pub struct NodeStatus {
 pub struct FleetCapacity {
     pub slots: usize,
     pub memory_budget: u64,
+    /// Starts and checkpoints the ready workers run at once together (their cores).
+    pub cores: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -194,6 +196,10 @@ impl Members {
         held.into_iter().collect()
     }
 }
+
+/// The most cores a worker counts for (a registration saying more is taken as this many):
+/// what it adds to the controllers' concurrent checkpoints and restores stays bounded.
+pub const MAX_WORKER_CORES: u32 = 1024;
 
 /// A start's GPU request, as the engine stored it.
 fn gpu_request(g: &torpor_runtime::node::LaunchGpu) -> Result<GpuRequest, RuntimeError> {
@@ -315,6 +321,7 @@ impl Fleet {
                 let others = m.workers.get(name).map_or(0, |w| w.others);
                 c.slots += cap.slots.saturating_sub(others) as usize;
                 c.memory_budget += cap.memory_budget;
+                c.cores += cap.cores.max(1) as usize;
             }
         }
         self.capacity.send_if_modified(|old| {
@@ -550,6 +557,7 @@ impl Fleet {
                     Capacity {
                         slots: req.slots,
                         memory_budget: req.memory_budget,
+                        cores: req.cores.min(MAX_WORKER_CORES),
                         gpu_models: req.gpu_models.clone(),
                         labels: req.labels.clone().into_iter().collect(),
                     },

@@ -31,6 +31,8 @@ pub struct JoinConfig {
     pub node_addr: String,
     pub slots: u32,
     pub memory_budget: u64,
+    /// Starts and checkpoints it runs at once (its cores).
+    pub cores: u32,
     pub gpu_models: Vec<String>,
     pub labels: BTreeMap<String, String>,
     /// Fresh for this process.
@@ -174,6 +176,7 @@ async fn follow(
             node_addr: cfg.node_addr.clone(),
             slots: cfg.slots,
             memory_budget: cfg.memory_budget,
+            cores: cfg.cores,
             gpu_models: cfg.gpu_models.clone(),
             labels: cfg.labels.clone().into_iter().collect(),
             run_id: run_id.clone(),

@@ -99,6 +99,9 @@ pub struct Capacity {
     pub slots: u32,
     /// Bytes of memory its sandboxes may hold (`--memory-budget`).
     pub memory_budget: u64,
+    /// Starts and checkpoints it runs at once: its cores (0: not said, counted as 1).
+    #[serde(default)]
+    pub cores: u32,
     /// The GPU models it has (e.g. `NVIDIA H200`), one entry per model.
     pub gpu_models: Vec<String>,
     /// Operator labels (`zone=eu-1`); a need's labels must all be among them.
@@ -918,6 +921,7 @@ mod tests {
             .prop_map(|(slots, memory_budget, models, zone, rack)| Capacity {
                 slots,
                 memory_budget,
+                cores: 2,
                 gpu_models: models.into_iter().map(String::from).collect(),
                 labels: labels(zone, rack),
             })

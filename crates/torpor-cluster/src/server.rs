@@ -79,6 +79,10 @@ pub struct NodeService {
     held_dir: std::sync::OnceLock<PathBuf>,
     /// What each tenant holds of this worker's GPUs (none without GPUs).
     gpu_usage: std::sync::OnceLock<GpuUsageFn>,
+    /// Starts (boot, restore) and checkpoints running at once, whichever controller asks: one
+    /// of each per core ([`NodeService::limit_heavy`]); more only slow each other down.
+    starts: Arc<tokio::sync::Semaphore>,
+    checkpoints: Arc<tokio::sync::Semaphore>,
 }
 
 /// What each tenant's sandboxes hold of a worker's GPUs, tenant → amount.
@@ -156,6 +160,12 @@ impl NodeService {
             images: std::sync::OnceLock::new(),
             held_dir: std::sync::OnceLock::new(),
             gpu_usage: std::sync::OnceLock::new(),
+            starts: Arc::new(tokio::sync::Semaphore::new(
+                tokio::sync::Semaphore::MAX_PERMITS,
+            )),
+            checkpoints: Arc::new(tokio::sync::Semaphore::new(
+                tokio::sync::Semaphore::MAX_PERMITS,
+            )),
         })
     }
 
@@ -243,6 +253,16 @@ impl NodeService {
     /// What each tenant holds of this worker's GPUs now.
     pub fn gpu_usage(&self) -> GpuUsage {
         self.gpu_usage.get().map(|f| f()).unwrap_or_default()
+    }
+
+    /// Runs at most `n` starts and `n` checkpoints at once (the worker's cores); call once,
+    /// before serving.
+    pub fn limit_heavy(&self, n: usize) {
+        let n = n.max(1);
+        for sem in [&self.starts, &self.checkpoints] {
+            let extra = sem.available_permits().saturating_sub(n);
+            sem.forget_permits(extra);
+        }
     }
 
     pub fn limit_slots(&self, slots: usize) {
@@ -395,6 +415,7 @@ impl NodeService {
         let me = self.clone();
         let task = tokio::spawn(async move {
             let _starting = me.sweep_gate.read().await;
+            let _turn = me.starts.clone().acquire_owned().await;
             let resident = op.await.map_err(|e| status_of(&e))?;
             if cancelled.load(Ordering::SeqCst) {
                 tracing::warn!(container = %container_id, "the controller went away during the start; destroying the container");
@@ -726,8 +747,10 @@ impl NodeRpc for Arc<NodeService> {
         if let Some((_, tmp, _)) = &staged {
             let _ = std::fs::remove_dir_all(tmp);
         }
+        let turns = self.checkpoints.clone();
         self.finish(req.container_id, move |r| {
             Box::pin(async move {
+                let _turn = turns.acquire_owned().await;
                 let written = r.checkpoint(&dir).await.map_err(|e| status_of(&e));
                 match (written, staged) {
                     (Ok(()), Some((images, tmp, dest))) => images.commit(tmp, dest).await,

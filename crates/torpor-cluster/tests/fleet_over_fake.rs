@@ -57,6 +57,7 @@ async fn start_worker(files: TlsFiles, controller: &str, slots: u32) -> FakeWork
             node_addr: format!("0.0.0.0:{}", addr.port()),
             slots,
             memory_budget: 1 << 30,
+            cores: 2,
             gpu_models: Vec::new(),
             labels: BTreeMap::new(),
             run_id: format!("run-{}", addr.port()),
@@ -140,7 +141,12 @@ async fn workers_join_starts_spread_drains_hold_and_a_silent_worker_is_lost() {
         nodes.len() == 3 && nodes.iter().all(|n| n.state == WorkerState::Ready)
     })
     .await;
-    assert_eq!(capacity.borrow_and_update().slots, 6, "the lot follows");
+    let now = *capacity.borrow_and_update();
+    assert_eq!(now.slots, 6, "the lot follows");
+    assert_eq!(
+        now.cores, 6,
+        "checkpoints and restores: one per core of each worker"
+    );
     for n in fleet.nodes() {
         assert_eq!((n.workers, n.memory_budget_bytes), (2, 1 << 30));
         assert!(n.addr.starts_with("127.0.0.1:"), "{}", n.addr);
@@ -162,7 +168,8 @@ async fn workers_join_starts_spread_drains_hold_and_a_silent_worker_is_lost() {
     // A drained worker keeps what it runs and takes nothing new.
     let drained = fleet.drain("w1").unwrap();
     assert_eq!(drained.state, WorkerState::Draining);
-    assert_eq!(capacity.borrow_and_update().slots, 4);
+    let now = *capacity.borrow_and_update();
+    assert_eq!((now.slots, now.cores), (4, 4));
     assert!(fleet.drain("nobody").is_err());
     for i in 3..5 {
         let r = fleet.boot(launch(&format!("sb-{i}-g1"))).await.unwrap();

@@ -14,7 +14,7 @@ use torpor_cluster::{
 };
 use torpor_control::{CreateSandbox, Engine, EngineConfig, Quotas};
 use torpor_core::{SandboxState, TemplateName, TenantId, Tier};
-use torpor_runtime::node::fake::{Call, FakeNode};
+use torpor_runtime::node::fake::{Call, FakeNode, Fault, Op};
 use torpor_runtime::proto::ExecRequest;
 
 fn new_ca(dir: &Path, domain: &str) -> Ca {
@@ -205,6 +205,48 @@ async fn the_engine_drives_a_remote_worker_through_the_whole_ladder() {
     );
     // Nothing was refused on the way.
     assert_eq!(worker.metrics.refused(Side::Worker, "unknown_ca"), 0);
+}
+
+/// A worker runs one start and one checkpoint per core (`limit_heavy`), whatever its
+/// controllers ask: two parks and two wakes asked at once reach its node one at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_runs_no_more_starts_or_checkpoints_at_once_than_its_cores() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (worker, engine, tenant) = engine_on_a_worker(tmp.path()).await;
+    worker.service.limit_heavy(1);
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        ids.push(
+            engine
+                .create_sandbox(&tenant, host_sandbox())
+                .await
+                .unwrap()
+                .id,
+        );
+    }
+    // The controller's own turns allow two of each at once (one per core, two at least).
+    for op in [Op::Checkpoint, Op::Checkpoint, Op::Restore, Op::Restore] {
+        worker
+            .node
+            .inject(op, Fault::Delay(Duration::from_millis(1500)));
+    }
+    let park = |id| engine.suspend(&tenant, id, Tier::Parked);
+    let (a, b) = tokio::join!(park(&ids[0]), park(&ids[1]));
+    a.unwrap();
+    b.unwrap();
+    let wake = |id| engine.exec(&tenant, id, exec(&["count"]), Vec::new());
+    let (a, b) = tokio::join!(wake(&ids[0]), wake(&ids[1]));
+    assert_eq!(a.unwrap().exit_code, Some(0));
+    assert_eq!(b.unwrap().exit_code, Some(0));
+    assert_eq!(worker.node.pending_faults(), 0, "every delay was used");
+    assert_eq!(
+        worker.node.max_delayed_at_once(),
+        1,
+        "one checkpoint or restore at a time on a one-core worker"
+    );
+    for id in &ids {
+        engine.delete_sandbox(&tenant, id).await.unwrap();
+    }
 }
 
 /// A worker that ended a sandbox's container on its own (a fence: it heard no controller for

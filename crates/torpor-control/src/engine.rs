@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock, Semaphore};
+use tokio::sync::{mpsc, OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
 use torpor_core::{
     now_millis, validate_env, Limits, LimitsPatch, SandboxId, SandboxState, TemplateName,
     TemplateSource, TemplateSpec, TenantId, Tier,
@@ -47,6 +47,7 @@ mod sources;
 mod templates;
 mod tenancy;
 mod transitions;
+mod turns;
 pub mod usage_probe;
 mod worker_images;
 
@@ -269,11 +270,12 @@ pub struct Engine {
     slots: Mutex<HashMap<SandboxId, Arc<Slot>>>,
     workers: Arc<WorkerPool>,
     evictor: Arc<Evictor>,
-    /// At most this many checkpoints run at once (each is CPU- and disk-heavy): one per core.
-    checkpoints: Arc<Semaphore>,
+    /// At most this many checkpoints run at once (each is CPU- and disk-heavy): one per core
+    /// (cluster mode: per core of the ready workers, [`Engine::set_parallel`]).
+    checkpoints: turns::Turns,
     /// At most this many restores run at once, one per core: more only slow each other down
     /// (50 parallel restores on 2 cores take each 10x longer) and the first wake waits for all.
-    restores: Arc<Semaphore>,
+    restores: turns::Turns,
     pub metrics: Metrics,
     shutting_down: AtomicBool,
     /// The snapshot store: Suspended sandboxes' checkpoints, chunked, deduplicated, verified.
@@ -355,8 +357,8 @@ impl Engine {
             me: me.clone(),
             evictor: Arc::default(),
             workers: WorkerPool::new(cfg.workers, cfg.lot_capacity),
-            checkpoints: Arc::new(Semaphore::new(cores())),
-            restores: Arc::new(Semaphore::new(cores())),
+            checkpoints: turns::Turns::new(cores()),
+            restores: turns::Turns::new(cores()),
             cfg,
             store,
             node,
@@ -459,6 +461,18 @@ impl Engine {
 
     /// Resizes the lot's workers (cluster mode: the slots of the ready workers, as they join,
     /// drain and are lost). Parked calls take new slots first.
+    /// Resizes how many checkpoints and restores run at once (cluster mode: one of each per
+    /// core of the ready workers, as they join, drain and are lost; at least one).
+    pub fn set_parallel(&self, cores: usize) {
+        self.checkpoints.resize(cores);
+        self.restores.resize(cores);
+    }
+
+    /// Checkpoints and restores that may run at once (the lot's model of the node).
+    fn parallel(&self) -> usize {
+        self.restores.size()
+    }
+
     pub fn set_workers(&self, total: usize) {
         self.workers.set_total(total);
         self.metrics.workers_total.set(total as i64);

@@ -98,6 +98,9 @@ pub struct Runsc {
     groups: Arc<Mutex<HashMap<String, String>>>,
     /// Containers running with a network (runsc `--network=sandbox`).
     networked: Arc<Mutex<HashSet<String>>>,
+    /// How each container this process started or took back ends (its foreground runsc
+    /// process), so a destroy by id waits for it too ([`Runsc::destroy`]).
+    foreground: Arc<Mutex<HashMap<String, watch::Receiver<Option<ExitInfo>>>>>,
     /// Where containers' supervisors live (live restore); `None`: runsc is this process's
     /// child and its containers die with it.
     shims: Option<Arc<Shims>>,
@@ -242,6 +245,7 @@ impl Runsc {
             log_dir,
             groups: Arc::default(),
             networked: Arc::default(),
+            foreground: Arc::default(),
             shims: None,
         })
     }
@@ -309,6 +313,7 @@ impl Runsc {
         if meta.networked {
             self.lock_networked().insert(meta.container_id.clone());
         }
+        self.track_foreground(&meta.container_id, &exit);
         Ok(Container {
             id: meta.container_id.clone(),
             cgroup: meta.cgroup.clone(),
@@ -486,6 +491,7 @@ impl Runsc {
         let conn = AgentConn::new(stdin, stdout);
         let (tx, exit) = watch::channel(None);
         tokio::spawn(watch_exit(child, oom, tx));
+        self.track_foreground(container_id, &exit);
         Ok(Container {
             id: container_id.to_string(),
             cgroup: cgroup.to_string(),
@@ -534,6 +540,7 @@ impl Runsc {
         });
         let (conn, exit) =
             attach_shim(shims, container_id, ours, first_id, oom).map_err(io_err(&dir))?;
+        self.track_foreground(container_id, &exit);
         Ok(Container {
             id: container_id.to_string(),
             cgroup: cgroup.to_string(),
@@ -569,8 +576,23 @@ impl Runsc {
     ///
     /// The sandbox process is thawed and SIGKILLed first: `runsc delete --force` on a running container
     /// of this build waits 5 s for a stop that never comes; on a dead one it takes milliseconds.
+    /// A container this process started or took back is waited for as
+    /// [`Runsc::destroy_container`] does (a kill by id: a delete cutting calls in flight).
     pub async fn destroy(&self, container_id: &str) {
-        self.destroy_waiting(container_id, None).await
+        let foreground = self
+            .foreground
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(container_id)
+            .map(|exit| ExitHandle::from_parts(exit.clone(), Arc::new(AtomicBool::new(true))));
+        self.destroy_waiting(container_id, foreground).await
+    }
+
+    /// Remembers how `container_id` ends, and forgets the containers that ended.
+    fn track_foreground(&self, container_id: &str, exit: &watch::Receiver<Option<ExitInfo>>) {
+        let mut all = self.foreground.lock().unwrap_or_else(|p| p.into_inner());
+        all.retain(|_, e| e.borrow().is_none());
+        all.insert(container_id.to_string(), exit.clone());
     }
 
     /// Kills and deletes container `c`, one this process runs (or took back), as
@@ -586,6 +608,10 @@ impl Runsc {
 
     async fn destroy_waiting(&self, container_id: &str, foreground: Option<ExitHandle>) {
         let t = Instant::now();
+        self.foreground
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(container_id);
         let group = self
             .groups
             .lock()

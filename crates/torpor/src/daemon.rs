@@ -280,8 +280,10 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         let sized = engine.clone();
         tokio::spawn(async move {
             loop {
-                let slots = capacity.borrow_and_update().slots;
-                sized.set_workers(slots);
+                let now = *capacity.borrow_and_update();
+                sized.set_workers(now.slots);
+                // One checkpoint and one restore per core of the ready workers.
+                sized.set_parallel(now.cores);
                 if capacity.changed().await.is_err() {
                     return;
                 }

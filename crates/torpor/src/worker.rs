@@ -198,6 +198,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     eprintln!("torpor worker {} on {bound}", identity.name);
     let service = NodeService::new(node.clone(), identity.name.to_string());
     service.limit_slots(slots);
+    // One start and one checkpoint per core, whichever controllers ask.
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get().max(2));
+    service.limit_heavy(cores);
     if let Some(g) = &gpu_node {
         let g = g.clone();
         service.set_gpu_usage(Arc::new(move || g.usage()));
@@ -246,6 +249,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             node_addr: args.advertise.unwrap_or(bound).to_string(),
             slots: slots as u32,
             memory_budget,
+            cores: cores as u32,
             gpu_models: gpu_node
                 .as_ref()
                 .map(|g| g.gpu_models())

@@ -115,12 +115,12 @@ impl Engine {
         launch: Launch,
         image: &Path,
     ) -> Result<Box<dyn Resident>> {
-        let cores = cores();
-        let before = self.heavy_in_flight(cores);
+        let cores = self.parallel();
+        let before = self.heavy_in_flight();
         let t = Instant::now();
         let container = self.node.restore(launch, image).await?;
         let restore = t.elapsed();
-        let sharing = ((before + self.heavy_in_flight(cores)) as f64 / 2.0 / cores as f64).max(1.0);
+        let sharing = ((before + self.heavy_in_flight()) as f64 / 2.0 / cores as f64).max(1.0);
         let checkpoints = self.metrics.checkpoint_seconds.with_label_values(&["ok"]);
         self.workers.note_turnaround(crate::lot::Turnaround {
             checkpoints: (checkpoints.get_sample_count(), checkpoints.get_sample_sum()),
@@ -132,9 +132,8 @@ impl Engine {
     }
 
     /// Checkpoints and restores running now (each holds a turn of its semaphore).
-    fn heavy_in_flight(&self, cores: usize) -> usize {
-        let busy = |s: &Semaphore| cores.saturating_sub(s.available_permits());
-        busy(&self.checkpoints) + busy(&self.restores)
+    fn heavy_in_flight(&self) -> usize {
+        self.checkpoints.busy() + self.restores.busy()
     }
 
     /// Bytes charged to the memory cgroups of every resident sandbox.

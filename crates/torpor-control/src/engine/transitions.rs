@@ -97,7 +97,7 @@ impl Engine {
             gpu: self.launch_gpu(&rec.id)?,
         };
         let container = {
-            let _turn = self.restores.acquire().await;
+            let _turn = self.restores.take().await;
             self.timed_restore(launch, image)
                 .await
                 .map_err(|e| match e {
@@ -408,7 +408,7 @@ impl Engine {
         let Some(mut rec) = self.store.sandbox(id)? else {
             return Err(not_found(id));
         };
-        let _slot = self.checkpoints.clone().acquire_owned().await;
+        let _slot = self.checkpoints.take().await;
         self.move_to(&mut rec, SandboxState::Checkpointing, cause)?;
         let images = self.sandbox_dir(id).join("images");
         let tmp = images.join(format!(".tmp-{}", rec.generation));

@@ -127,6 +127,8 @@ struct State {
 pub struct FakeNode {
     state: Arc<Mutex<State>>,
     memory: AtomicU64,
+    /// Node operations delayed by a [`Fault::Delay`] now, and the most at once so far.
+    delayed: (AtomicU64, AtomicU64),
     events: mpsc::UnboundedSender<NodeEvent>,
     events_rx: Mutex<Option<mpsc::UnboundedReceiver<NodeEvent>>>,
     agent_dir: PathBuf,
@@ -144,6 +146,7 @@ impl FakeNode {
         FakeNode {
             state: Arc::default(),
             memory: AtomicU64::new(64 << 20),
+            delayed: (AtomicU64::new(0), AtomicU64::new(0)),
             events,
             events_rx: Mutex::new(Some(rx)),
             agent_dir: PathBuf::from("/nonexistent/fake-agent"),
@@ -152,6 +155,12 @@ impl FakeNode {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The most node operations (boot, restore, checkpoint, ...) that a [`Fault::Delay`] held
+    /// at once so far: how many the node was asked to run side by side.
+    pub fn max_delayed_at_once(&self) -> u64 {
+        self.delayed.1.load(Ordering::SeqCst)
     }
 
     /// Makes the next `op` (on any container) go wrong with `fault`. Faults are used once, in
@@ -278,7 +287,10 @@ impl FakeNode {
     async fn apply(&self, op: Op, container: &str) -> Result<Option<Fault>, RuntimeError> {
         match self.fault(op, container) {
             Some(Fault::Delay(d)) => {
+                let now = self.delayed.0.fetch_add(1, Ordering::SeqCst) + 1;
+                self.delayed.1.fetch_max(now, Ordering::SeqCst);
                 tokio::time::sleep(d).await;
+                self.delayed.0.fetch_sub(1, Ordering::SeqCst);
                 Ok(None)
             }
             Some(Fault::Fail) => Err(injected(op)),

@@ -206,6 +206,7 @@ fn announce(node_addr: &str, run_id: &str) -> RegisterRequest {
         node_addr: node_addr.to_string(),
         slots: 2,
         memory_budget: 1 << 30,
+        cores: 2,
         gpu_models: Vec::new(),
         labels: Default::default(),
         run_id: run_id.to_string(),
@@ -542,6 +543,23 @@ async fn a_lost_worker_coming_back_is_cleaned_before_it_is_ready_again() {
         .log()
         .contains("removing a container left by a previous run"));
     assert!(heartbeat(&mut as_w1, "run-1").await.unwrap().known);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_claiming_a_huge_machine_counts_for_a_bounded_one() {
+    let rig = Rig::start(Duration::from_secs(30)).await;
+    let w1 = rig.worker("w1").await;
+    let mut as_w1 = rig.as_worker("w1");
+    // A worker announcing four billion cores (to make the controllers run that many
+    // checkpoints and restores at once, and admit calls for them) counts for 1024.
+    let mut claim = announce(&w1.addr, "run-1");
+    claim.cores = u32::MAX;
+    as_w1.register(call(claim)).await.unwrap();
+    assert_eq!(state_of(&rig.ctl.fleet, "w1").as_deref(), Some("ready"));
+    assert_eq!(
+        rig.ctl.fleet.capacity().borrow().cores,
+        torpor_cluster::fleet::MAX_WORKER_CORES as usize
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
