@@ -1108,6 +1108,64 @@ async fn background_metrics_samples_do_not_keep_a_sandbox_awake() {
     assert_eq!(c.sandbox(&id).await.unwrap().tier, "frozen");
 }
 
+/// Metrics samples are kept in the state store: a restart of the daemon keeps the series, and
+/// `start`/`end` select within it.
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_samples_survive_a_daemon_restart() {
+    let mut d = Daemon::start().await;
+    let c = d.client();
+    c.create_template(&agent_template("ms", no_idle()))
+        .await
+        .unwrap();
+    let api = |d: &Daemon| E2b {
+        http: reqwest::Client::new(),
+        url: d.url(),
+        key: d.token(),
+    };
+    use reqwest::Method as M;
+    let (s, sbx) = api(&d)
+        .call(
+            M::POST,
+            "/v2/sandboxes",
+            Some(json!({"templateID": "ms", "timeout": 600})),
+        )
+        .await;
+    assert_eq!(s, 201, "{sbx}");
+    let id = sbx["sandboxID"].as_str().unwrap().to_string();
+    // Asked while it runs: a sample is taken then.
+    let (s, m) = api(&d)
+        .call(M::GET, &format!("/sandboxes/{id}/metrics"), None)
+        .await;
+    assert_eq!(s, 200, "{m}");
+    let first = m.as_array().unwrap().last().cloned().expect("a sample");
+    let t = first["timestampUnix"].as_i64().unwrap();
+    assert!(first["memTotal"].as_u64().unwrap() > 0, "{first}");
+    d.stop();
+    d.spawn().await;
+    let (s, m) = api(&d)
+        .call(
+            M::GET,
+            &format!("/sandboxes/{id}/metrics?start={t}&end={t}"),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200, "{m}");
+    let kept = m.as_array().unwrap();
+    assert!(
+        kept.contains(&first),
+        "the sample from before the restart: {m}"
+    );
+    assert!(kept.iter().all(|x| x["timestampUnix"] == t), "{m}");
+    let (s, m) = api(&d)
+        .call(
+            M::GET,
+            &format!("/sandboxes/{id}/metrics?end={}", t - 1),
+            None,
+        )
+        .await;
+    assert_eq!((s, m.as_array().map(Vec::len)), (200, Some(0)), "{m}");
+}
+
 /// A sandbox whose agent predates inotify watches (protocol 4: restored from an older torpor's
 /// snapshot) is never sent a watch request it could not parse: its watches are polled
 /// snapshots as before (a rename is a create of the new name, no chmod events).

@@ -7,12 +7,12 @@
 //! sampler nothing: no store read, no call, nothing woken), and each running E2B sandbox runs
 //! [`SAMPLE_SCRIPT`] through a call that is not activity (the idle policy still freezes and
 //! parks it as if unsampled). A sample is also taken when metrics are asked for and the sandbox
-//! is running. Samples are kept per sandbox (at most [`MAX_SAMPLES`], an hour at 5 s; at most
-//! [`MAX_TOTAL_SAMPLES`] in all, the series sampled least recently going first past that, and
-//! a deleted sandbox's series with it); the answer is the kept samples within `start..=end`
-//! (Unix seconds), oldest first.
+//! is running. Samples are kept in the state store (SQLite, or PostgreSQL in cluster mode, so
+//! any controller answers and a restart keeps them; one write per sampler tick) for
+//! [`KEEP_FOR`]; every minute older ones and those of deleted sandboxes go. The answer is the
+//! kept samples within `start..=end` (Unix seconds), oldest first: the newest [`MAX_SAMPLES`]
+//! of them.
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use axum::extract::{Path, Query, State};
@@ -25,17 +25,17 @@ use super::control::authenticate;
 use super::envd::{run, Ctx};
 use super::{E2b, E2bError};
 
-/// Samples kept per sandbox.
+/// Samples one answer gives at most: the newest within the range (an hour at 5 s).
 pub const MAX_SAMPLES: usize = 720;
-/// Samples kept for all sandboxes together (about 30 MB).
-pub const MAX_TOTAL_SAMPLES: usize = 200_000;
+/// How long samples are kept.
+pub const KEEP_FOR: std::time::Duration = std::time::Duration::from_secs(3600);
 /// How often a running sandbox is sampled (E2B's cadence).
 pub const SAMPLE_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 /// Sandboxes sampled at once.
 const SAMPLE_CONCURRENCY: usize = 4;
 
 /// One E2B `SandboxMetric`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Sample {
     pub timestamp: String,
@@ -49,68 +49,53 @@ pub struct Sample {
     pub disk_total: u64,
 }
 
-/// Kept samples, by sandbox, and how many in all.
-#[derive(Default)]
-pub struct Samples(Mutex<(HashMap<SandboxId, VecDeque<Sample>>, usize)>);
+/// Samples as the state store keeps them: (sandbox, Unix ms, JSON).
+fn stored(samples: Vec<(SandboxId, i64, Sample)>) -> Vec<(SandboxId, i64, String)> {
+    samples
+        .into_iter()
+        .filter_map(|(id, ms, s)| serde_json::to_string(&s).ok().map(|j| (id, ms, j)))
+        .collect()
+}
 
-impl Samples {
-    fn push(&self, id: &SandboxId, s: Sample) {
-        self.push_within(id, s, MAX_TOTAL_SAMPLES)
+/// Keeps samples in the state store (every controller of a cluster reads them there).
+fn keep(st: &E2b, samples: Vec<(SandboxId, i64, Sample)>) {
+    if let Err(e) = st
+        .api
+        .engine
+        .state_store()
+        .put_metric_samples(&stored(samples))
+    {
+        tracing::warn!(error = %e, "cannot keep metrics samples");
     }
+}
 
-    fn push_within(&self, id: &SandboxId, s: Sample, max_total: usize) {
-        let mut guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let (all, total) = &mut *guard;
-        let q = all.entry(id.clone()).or_default();
-        if q.len() >= MAX_SAMPLES {
-            q.pop_front();
-            *total -= 1;
-        }
-        q.push_back(s);
-        *total += 1;
-        // Past the overall bound, the series sampled least recently goes whole (one scan of
-        // the series, only then).
-        while *total > max_total {
-            let Some(stalest) = all
-                .iter()
-                .filter(|(k, _)| *k != id)
-                .min_by_key(|(_, q)| q.back().map(|s| s.timestamp_unix))
-                .map(|(k, _)| k.clone())
-            else {
-                break;
-            };
-            *total -= all.remove(&stalest).map_or(0, |q| q.len());
-        }
-    }
-
-    /// Drops the series of sandboxes not in `keep`.
-    fn retain(&self, keep: impl Fn(&SandboxId) -> bool) {
-        let mut guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let (all, total) = &mut *guard;
-        all.retain(|k, _| keep(k));
-        *total = all.values().map(VecDeque::len).sum();
-    }
-
-    /// The sandboxes that have a series.
-    fn sandboxes(&self) -> Vec<SandboxId> {
-        let guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        guard.0.keys().cloned().collect()
-    }
-
-    fn within(&self, id: &SandboxId, start: Option<i64>, end: Option<i64>) -> Vec<Sample> {
-        let guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        guard
-            .0
-            .get(id)
-            .map(|q| {
-                q.iter()
-                    .filter(|s| start.is_none_or(|t| s.timestamp_unix >= t))
-                    .filter(|s| end.is_none_or(|t| s.timestamp_unix <= t))
-                    .cloned()
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
+/// `id`'s kept samples within `start..=end` (Unix seconds), oldest first: the newest
+/// [`MAX_SAMPLES`] of them.
+fn within(
+    st: &E2b,
+    id: &SandboxId,
+    start: Option<i64>,
+    end: Option<i64>,
+) -> Result<Vec<Sample>, E2bError> {
+    let from_ms = start.map_or(0, |s| s.saturating_mul(1000));
+    // The whole last second of `end`.
+    let to_ms = end.map_or(i64::MAX, |e| e.saturating_mul(1000).saturating_add(999));
+    let rows = st
+        .api
+        .engine
+        .state_store()
+        .metric_samples(id, from_ms, to_ms, MAX_SAMPLES)
+        .map_err(|e| {
+            tracing::error!(sandbox = %id, error = %e, "cannot read metrics samples");
+            E2bError::new(
+                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                "the metrics samples cannot be read now",
+            )
+        })?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|(_, json)| serde_json::from_str(&json).ok())
+        .collect())
 }
 
 /// Two `/proc/stat` readings 0.2 s apart, the CPU count, `/proc/meminfo` and `df` of `/`:
@@ -170,6 +155,7 @@ pub async fn sampler_task(st: std::sync::Weak<E2b>) {
         if ticks.is_multiple_of(12) {
             prune(&st);
         }
+        let taken: Mutex<Vec<(SandboxId, i64, Sample)>> = Mutex::default();
         let running: Vec<SandboxId> = st
             .api
             .engine
@@ -181,38 +167,36 @@ pub async fn sampler_task(st: std::sync::Weak<E2b>) {
         futures::stream::iter(running)
             .for_each_concurrent(SAMPLE_CONCURRENCY, |id| {
                 let st = st.clone();
-                async move { sample_quietly(&st, &id).await }
+                let taken = &taken;
+                async move {
+                    if let Some(s) = sample_quietly(&st, &id).await {
+                        taken.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+                    }
+                }
             })
             .await;
+        // One write for the tick's samples.
+        keep(&st, taken.into_inner().unwrap_or_else(|p| p.into_inner()));
     }
 }
 
-/// Drops the series of sandboxes that no longer exist (one store read per series).
+/// Drops the samples older than [`KEEP_FOR`] and those of sandboxes that are gone.
 fn prune(st: &E2b) {
-    let admin = torpor_core::TenantId::admin();
-    let gone: std::collections::HashSet<SandboxId> = st
-        .metrics
-        .sandboxes()
-        .into_iter()
-        .filter(|id| {
-            matches!(
-                st.api.engine.sandbox(&admin, id),
-                Err(torpor_control::ControlError::NotFound { .. })
-            )
-        })
-        .collect();
-    if !gone.is_empty() {
-        st.metrics.retain(|id| !gone.contains(id));
+    let before = torpor_core::now_millis() - KEEP_FOR.as_millis() as i64;
+    match st.api.engine.state_store().prune_metric_samples(before) {
+        Ok(n) if n > 0 => tracing::debug!(samples = n, "old metrics samples dropped"),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot drop old metrics samples"),
     }
 }
 
 /// One background sample of a resident sandbox, if it is an E2B sandbox (not a snapshot's
 /// holder) and still running: not activity, nothing woken.
-async fn sample_quietly(st: &E2b, id: &SandboxId) {
+async fn sample_quietly(st: &E2b, id: &SandboxId) -> Option<(SandboxId, i64, Sample)> {
     let admin = torpor_core::TenantId::admin();
     match st.api.engine.sandbox(&admin, id) {
         Ok(rec) if rec.metadata.contains_key(super::META_TIMEOUT) && !super::is_snapshot(&rec) => {}
-        _ => return,
+        _ => return None,
     }
     let req = torpor_runtime::proto::ExecRequest {
         cmd: vec!["sh".into(), "-c".into(), SAMPLE_SCRIPT.into()],
@@ -224,8 +208,9 @@ async fn sample_quietly(st: &E2b, id: &SandboxId) {
     };
     match st.api.engine.quiet_exec_if_running(id, req).await {
         Ok(Some(r)) if r.exit_code == Some(0) => {
-            match parse_sample(r.stdout.trim(), torpor_core::now_millis()) {
-                Some(s) => st.metrics.push(id, s),
+            let now = torpor_core::now_millis();
+            match parse_sample(r.stdout.trim(), now) {
+                Some(s) => return Some((id.clone(), now, s)),
                 None => tracing::debug!(sandbox = %id, out = r.stdout, "unreadable metrics sample"),
             }
         }
@@ -235,6 +220,7 @@ async fn sample_quietly(st: &E2b, id: &SandboxId) {
         Ok(None) => {}
         Err(e) => tracing::debug!(sandbox = %id, error = %e, "metrics sample failed"),
     }
+    None
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -267,17 +253,20 @@ pub async fn get_metrics(
             base: false,
         };
         match run(&st, &c, &["sh", "-c", SAMPLE_SCRIPT], Vec::new()).await {
-            Ok((0, out, _)) => match parse_sample(out.trim(), torpor_core::now_millis()) {
-                Some(s) => st.metrics.push(&sid, s),
-                None => tracing::debug!(sandbox = %sid, out, "unreadable metrics sample"),
-            },
+            Ok((0, out, _)) => {
+                let now = torpor_core::now_millis();
+                match parse_sample(out.trim(), now) {
+                    Some(s) => keep(&st, vec![(sid.clone(), now, s)]),
+                    None => tracing::debug!(sandbox = %sid, out, "unreadable metrics sample"),
+                }
+            }
             Ok((code, _, err)) => {
                 tracing::debug!(sandbox = %sid, code, err, "metrics sample failed")
             }
             Err(e) => tracing::debug!(sandbox = %sid, error = %e.message, "metrics sample failed"),
         }
     }
-    Ok(Json(st.metrics.within(&sid, q.start, q.end)))
+    Ok(Json(within(&st, &sid, q.start, q.end)?))
 }
 
 #[cfg(test)]
@@ -285,7 +274,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn samples_parse_and_filter_by_time() {
+    fn samples_parse_and_survive_the_store_round_trip() {
         let s = parse_sample("25 100 2 1000 400 100 2000 500", 1_700_000_000_500).unwrap();
         assert_eq!(s.cpu_used_pct, 25.0);
         assert_eq!(s.cpu_count, 2);
@@ -300,46 +289,10 @@ mod tests {
             0.0
         );
         let id = SandboxId::new("sb-aaaaaaaaaaaaaaaa").unwrap();
-        let kept = Samples::default();
-        for t in 0..(MAX_SAMPLES as i64 + 5) {
-            let mut s = s.clone();
-            s.timestamp_unix = t;
-            kept.push(&id, s);
-        }
-        let all = kept.within(&id, None, None);
-        assert_eq!(all.len(), MAX_SAMPLES);
-        assert_eq!(all[0].timestamp_unix, 5);
-        let some = kept.within(&id, Some(10), Some(12));
-        assert_eq!(
-            some.iter().map(|s| s.timestamp_unix).collect::<Vec<_>>(),
-            [10, 11, 12]
-        );
-    }
-
-    #[test]
-    fn the_series_sampled_least_recently_goes_past_the_overall_bound() {
-        let s = parse_sample("25 100 2 1000 400 100 2000 500", 0).unwrap();
-        let at = |t: i64| Sample {
-            timestamp_unix: t,
-            ..s.clone()
-        };
-        let (a, b, c) = (
-            SandboxId::new("sb-aaaaaaaaaaaaaaaa").unwrap(),
-            SandboxId::new("sb-bbbbbbbbbbbbbbbb").unwrap(),
-            SandboxId::new("sb-cccccccccccccccc").unwrap(),
-        );
-        let kept = Samples::default();
-        kept.push_within(&a, at(1), 4);
-        kept.push_within(&b, at(2), 4);
-        kept.push_within(&a, at(3), 4);
-        kept.push_within(&b, at(4), 4);
-        // Five samples: `a` (last sampled at 3) goes whole, `c`'s new one stays.
-        kept.push_within(&c, at(5), 4);
-        assert!(kept.within(&a, None, None).is_empty());
-        assert_eq!(kept.within(&b, None, None).len(), 2);
-        assert_eq!(kept.within(&c, None, None).len(), 1);
-        kept.retain(|id| *id != b);
-        assert!(kept.within(&b, None, None).is_empty());
-        assert_eq!(kept.0.lock().unwrap().1, 1);
+        let rows = stored(vec![(id.clone(), 1_700_000_000_500, s.clone())]);
+        assert_eq!(rows.len(), 1);
+        assert_eq!((&rows[0].0, rows[0].1), (&id, 1_700_000_000_500));
+        let back: Sample = serde_json::from_str(&rows[0].2).unwrap();
+        assert_eq!(back, s);
     }
 }

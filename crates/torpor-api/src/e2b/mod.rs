@@ -91,8 +91,6 @@ pub struct E2b {
     pub metadata_agents: fs::metadata::MetadataAgents,
     /// Sandboxes whose E2B timeout action is running (see [`enforce_timeouts`]).
     timeouts_in_flight: Mutex<std::collections::HashSet<SandboxId>>,
-    /// Metrics samples kept for `get_metrics`.
-    pub metrics: metrics::Samples,
     /// Where E2B's `base` template stands ([`base::ensure`]); held while it is built.
     base_state: tokio::sync::Mutex<base::BaseState>,
 }
@@ -112,7 +110,6 @@ impl E2b {
             legacy_agents: Mutex::new(Default::default()),
             metadata_agents: Default::default(),
             timeouts_in_flight: Mutex::new(Default::default()),
-            metrics: Default::default(),
             base_state: Default::default(),
         }
     }

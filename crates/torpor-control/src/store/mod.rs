@@ -398,6 +398,23 @@ pub trait StateStore: Send + Sync {
         Ok(StoreLock::default())
     }
 
+    // --- metric samples (E2B `get_metrics`) ---
+
+    /// Keeps samples: (sandbox, Unix milliseconds, the sample as JSON), in one write; a sample
+    /// already kept for that sandbox at that millisecond stays.
+    fn put_metric_samples(&self, rows: &[(SandboxId, i64, String)]) -> Result<(), StoreError>;
+    /// `id`'s samples taken in `[from_ms, to_ms]`, oldest first: the newest `limit` of them.
+    fn metric_samples(
+        &self,
+        id: &SandboxId,
+        from_ms: i64,
+        to_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(i64, String)>, StoreError>;
+    /// Drops the samples taken before `before_ms` and those of sandboxes that no longer
+    /// exist; how many went.
+    fn prune_metric_samples(&self, before_ms: i64) -> Result<u64, StoreError>;
+
     // --- usage intervals ---
 
     /// Adds each row's value (those that are positive) to its interval's row of the same key

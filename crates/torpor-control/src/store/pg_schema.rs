@@ -15,6 +15,7 @@
 //! | 2 | `0002_controllers.sql` | `sandboxes.controller`, `controllers` (liveness), `leases` |
 //! | 3 | `0003_scale_indexes.sql` | partial indexes for the idle policy, `(template, tenant)`, `(tenant, created_at, id)` |
 //! | 4 | `0004_sandbox_node.sql` | `sandboxes.node`: the worker a resident sandbox runs on |
+//! | 5 | `0005_metric_samples.sql` | `metric_samples`: E2B metric samples, kept an hour |
 //!
 //! To change the schema, add the next file and its line to [`MIGRATIONS`]; never edit a file
 //! that has shipped.
@@ -27,6 +28,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("pg/0002_controllers.sql"),
     include_str!("pg/0003_scale_indexes.sql"),
     include_str!("pg/0004_sandbox_node.sql"),
+    include_str!("pg/0005_metric_samples.sql"),
 ];
 
 /// The schema version this build writes and reads.

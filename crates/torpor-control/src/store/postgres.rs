@@ -1249,6 +1249,65 @@ impl StateStore for PostgresStore {
 
     // --- usage intervals ---
 
+    fn put_metric_samples(&self, rows: &[(SandboxId, i64, String)]) -> Result<(), StoreError> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        self.execute(
+            "keep metric samples",
+            "INSERT INTO metric_samples (sandbox, ts_ms, sample)
+             SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[])
+             ON CONFLICT (sandbox, ts_ms) DO NOTHING",
+            vec![
+                p(rows.iter().map(|r| r.0.to_string()).collect::<Vec<_>>()),
+                p(rows.iter().map(|r| r.1).collect::<Vec<_>>()),
+                p(rows.iter().map(|r| r.2.clone()).collect::<Vec<_>>()),
+            ],
+        )
+        .map(drop)
+    }
+
+    fn metric_samples(
+        &self,
+        id: &SandboxId,
+        from_ms: i64,
+        to_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(i64, String)>, StoreError> {
+        let rows = self.query(
+            "read metric samples",
+            "SELECT ts_ms, sample FROM (
+                 SELECT ts_ms, sample FROM metric_samples
+                 WHERE sandbox = $1 AND ts_ms >= $2 AND ts_ms <= $3
+                 ORDER BY ts_ms DESC LIMIT $4) AS newest
+             ORDER BY ts_ms",
+            vec![
+                p(id.to_string()),
+                p(from_ms),
+                p(to_ms),
+                p(limit.min(i64::MAX as usize) as i64),
+            ],
+        )?;
+        rows.iter()
+            .map(|row| Ok((get(row, 0, "metric sample")?, get(row, 1, "metric sample")?)))
+            .collect()
+    }
+
+    fn prune_metric_samples(&self, before_ms: i64) -> Result<u64, StoreError> {
+        let old = self.execute(
+            "prune metric samples",
+            "DELETE FROM metric_samples WHERE ts_ms < $1",
+            vec![p(before_ms)],
+        )?;
+        let gone = self.execute(
+            "prune metric samples",
+            "DELETE FROM metric_samples m
+             WHERE NOT EXISTS (SELECT 1 FROM sandboxes s WHERE s.id = m.sandbox)",
+            Vec::new(),
+        )?;
+        Ok(old + gone)
+    }
+
     fn add_usage(&self, rows: &[UsageInterval]) -> Result<(), StoreError> {
         let rows: Vec<&UsageInterval> = rows.iter().filter(|r| r.value > 0.0).collect();
         if rows.is_empty() {

@@ -8,6 +8,7 @@
 //! | 2 | templates keyed by (tenant, name), so tenants' template names do not collide |
 //! | 3 | the store owns every table: `sandboxes.version` (compare-and-set), pools keyed by (tenant, name), `gpu_shares`, `gpu_requests`, `gpu_toggled`, `usage_intervals` |
 //! | 4 | indexes in creation order, `(created_at, id)` and `(tenant, created_at, id)` (replacing `(tenant)`), for paged lists |
+//! | 5 | `metric_samples`: E2B metric samples of each sandbox, kept an hour |
 
 use std::path::Path;
 
@@ -15,7 +16,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 
 use super::StoreError;
 
-pub(super) const SCHEMA_VERSION: i64 = 4;
+pub(super) const SCHEMA_VERSION: i64 = 5;
 
 /// A new database, at [`SCHEMA_VERSION`].
 const SCHEMA: &str = r#"
@@ -118,6 +119,17 @@ CREATE INDEX IF NOT EXISTS sandboxes_parked_by_age ON sandboxes(last_active_at)
 CREATE INDEX IF NOT EXISTS sandboxes_state_tier ON sandboxes(state, tier);
 "#;
 
+/// Version 5: E2B metric samples, by sandbox and time (and by time alone, for pruning).
+const V5_METRIC_SAMPLES: &str = r#"
+CREATE TABLE IF NOT EXISTS metric_samples (
+    sandbox TEXT NOT NULL,
+    ts_ms INTEGER NOT NULL,
+    sample TEXT NOT NULL,
+    PRIMARY KEY (sandbox, ts_ms)
+);
+CREATE INDEX IF NOT EXISTS metric_samples_ts ON metric_samples(ts_ms);
+"#;
+
 /// Tables version 2 had beside `templates` that a version-1 database may lack.
 const V2_SIDE_TABLES: &str = r#"
 CREATE TABLE IF NOT EXISTS sandbox_network (id TEXT PRIMARY KEY, policy TEXT NOT NULL);
@@ -170,6 +182,7 @@ pub(super) fn migrate(conn: &mut Connection, path: &Path) -> Result<(), StoreErr
             tx.execute_batch(SCHEMA).map_err(open_err)?;
             tx.execute_batch(V3_TABLES).map_err(open_err)?;
             tx.execute_batch(V4_INDEXES).map_err(open_err)?;
+            tx.execute_batch(V5_METRIC_SAMPLES).map_err(open_err)?;
             set_version(&tx, SCHEMA_VERSION).map_err(open_err)?;
             tx.commit().map_err(open_err)?;
         }
@@ -202,6 +215,13 @@ pub(super) fn migrate(conn: &mut Connection, path: &Path) -> Result<(), StoreErr
                 set_version(&tx, 4).map_err(open_err)?;
                 tx.commit().map_err(open_err)?;
                 tracing::info!(path = %path.display(), "state store migrated to schema 4");
+            }
+            if v < 5 {
+                let tx = conn.transaction().map_err(open_err)?;
+                tx.execute_batch(V5_METRIC_SAMPLES).map_err(open_err)?;
+                set_version(&tx, 5).map_err(open_err)?;
+                tx.commit().map_err(open_err)?;
+                tracing::info!(path = %path.display(), "state store migrated to schema 5");
             }
         }
     }

@@ -795,6 +795,69 @@ impl StateStore for SqliteStore {
         .map(drop)
     }
 
+    // --- metric samples ---
+
+    fn put_metric_samples(&self, rows: &[(SandboxId, i64, String)]) -> Result<(), StoreError> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        self.with("keep metric samples", |c| {
+            let tx = c.transaction()?;
+            {
+                let mut st = tx.prepare_cached(
+                    "INSERT INTO metric_samples (sandbox, ts_ms, sample) VALUES (?1, ?2, ?3)
+                     ON CONFLICT (sandbox, ts_ms) DO NOTHING",
+                )?;
+                for (id, ts, sample) in rows {
+                    st.execute(params![id.as_str(), ts, sample])?;
+                }
+            }
+            tx.commit()
+        })
+    }
+
+    fn metric_samples(
+        &self,
+        id: &SandboxId,
+        from_ms: i64,
+        to_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(i64, String)>, StoreError> {
+        self.with("read metric samples", |c| {
+            let mut st = c.prepare_cached(
+                "SELECT ts_ms, sample FROM (
+                     SELECT ts_ms, sample FROM metric_samples
+                     WHERE sandbox = ?1 AND ts_ms >= ?2 AND ts_ms <= ?3
+                     ORDER BY ts_ms DESC LIMIT ?4)
+                 ORDER BY ts_ms",
+            )?;
+            let rows = st.query_map(
+                params![
+                    id.as_str(),
+                    from_ms,
+                    to_ms,
+                    limit.min(i64::MAX as usize) as i64
+                ],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )?;
+            rows.collect()
+        })
+    }
+
+    fn prune_metric_samples(&self, before_ms: i64) -> Result<u64, StoreError> {
+        self.with("prune metric samples", |c| {
+            let old = c.execute(
+                "DELETE FROM metric_samples WHERE ts_ms < ?1",
+                params![before_ms],
+            )?;
+            let gone = c.execute(
+                "DELETE FROM metric_samples WHERE sandbox NOT IN (SELECT id FROM sandboxes)",
+                [],
+            )?;
+            Ok((old + gone) as u64)
+        })
+    }
+
     // --- usage intervals ---
 
     fn add_usage(&self, rows: &[UsageInterval]) -> Result<(), StoreError> {

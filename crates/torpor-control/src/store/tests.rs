@@ -144,6 +144,7 @@ on_both_backends!(
     pools_are_keyed_by_tenant_and_name,
     gpu_shares_requests_and_toggles_are_kept_per_sandbox,
     usage_intervals_add_up_per_key_and_filter_by_tenant_and_range,
+    metric_samples_are_kept_read_by_time_and_pruned,
     compare_and_set_writes_only_over_the_version_it_read,
     the_policy_reads_awake_and_due_sandboxes_and_counts_the_rest,
     a_newer_schema_is_refused_as_unavailable,
@@ -547,6 +548,48 @@ fn gpu_shares_requests_and_toggles_are_kept_per_sandbox(b: &dyn Backend) {
     assert_eq!(store.gpu_toggled(&a).unwrap(), None);
 }
 
+fn metric_samples_are_kept_read_by_time_and_pruned(b: &dyn Backend) {
+    let store = b.open().unwrap();
+    let kept = sandbox();
+    store.insert_sandbox(&kept).unwrap();
+    let gone = SandboxId::generate();
+    let s = |v: i64| format!("{{\"v\":{v}}}");
+    store
+        .put_metric_samples(&[
+            (kept.id.clone(), 1_000, s(1)),
+            (kept.id.clone(), 2_000, s(2)),
+            (kept.id.clone(), 3_000, s(3)),
+            (gone.clone(), 2_000, s(9)),
+        ])
+        .unwrap();
+    // The same millisecond again keeps the first sample; an empty batch writes nothing.
+    store
+        .put_metric_samples(&[(kept.id.clone(), 2_000, s(7))])
+        .unwrap();
+    store.put_metric_samples(&[]).unwrap();
+    let all = store.metric_samples(&kept.id, 0, i64::MAX, 100).unwrap();
+    assert_eq!(all, vec![(1_000, s(1)), (2_000, s(2)), (3_000, s(3))]);
+    // A range, inclusive, oldest first; a limit keeps the newest.
+    assert_eq!(
+        store.metric_samples(&kept.id, 2_000, 3_000, 100).unwrap(),
+        vec![(2_000, s(2)), (3_000, s(3))]
+    );
+    assert_eq!(
+        store.metric_samples(&kept.id, 0, i64::MAX, 2).unwrap(),
+        vec![(2_000, s(2)), (3_000, s(3))]
+    );
+    // Pruning drops what is too old and what belongs to no sandbox.
+    assert_eq!(store.prune_metric_samples(1_500).unwrap(), 2);
+    assert_eq!(
+        store.metric_samples(&kept.id, 0, i64::MAX, 100).unwrap(),
+        vec![(2_000, s(2)), (3_000, s(3))]
+    );
+    assert!(store
+        .metric_samples(&gone, 0, i64::MAX, 100)
+        .unwrap()
+        .is_empty());
+}
+
 fn usage_intervals_add_up_per_key_and_filter_by_tenant_and_range(b: &dyn Backend) {
     let store = b.open().unwrap();
     let s = SandboxId::generate();
@@ -803,7 +846,12 @@ fn insert_old_template(c: &Connection, tenant: &str, name: &str) {
 /// What a migrated old database must answer: its rows, the new keys, compare-and-set.
 fn check_migrated(path: &Path, id: &SandboxId) {
     let store = sqlite(path);
-    assert_eq!(schema_version(path), "4");
+    assert_eq!(schema_version(path), "5");
+    // Version 5's table is there too.
+    store
+        .put_metric_samples(&[(id.clone(), 1, "{}".into())])
+        .unwrap();
+    assert_eq!(store.metric_samples(id, 0, 2, 10).unwrap().len(), 1);
     let (s, v) = store.sandbox_versioned(id).unwrap().unwrap();
     assert_eq!(s.state, SandboxState::Parked);
     assert_eq!(s.generation, 3);
@@ -915,7 +963,7 @@ fn a_version_2_database_whose_pools_were_already_rekeyed_keeps_them() {
     }
     let store = sqlite(&path);
     assert_eq!(store.pools().unwrap().len(), 2);
-    assert_eq!(schema_version(&path), "4");
+    assert_eq!(schema_version(&path), "5");
 }
 
 /// Follows `sandboxes_page` from the start, `limit` at a time, until a short page.
