@@ -125,8 +125,21 @@ struct Shared {
     /// Log tails of containers that exited on their own (reported with the exit).
     tails: HashMap<String, String>,
     warm: WarmStats,
-    /// What each tenant holds of the worker's GPUs, as of its last heartbeat or start reply.
-    gpu_usage: crate::server::GpuUsage,
+    /// What each tenant holds of the worker's GPUs, as of its newest heartbeat or start reply
+    /// (by the worker's numbering of its reports).
+    gpu_usage: (u64, crate::server::GpuUsage),
+}
+
+/// Keeps the report numbered `seq` unless `slot` holds a newer one (reports can arrive out of
+/// order: a heartbeat sent before a start's reply may be read after it).
+fn keep_newest(
+    slot: &mut (u64, crate::server::GpuUsage),
+    seq: u64,
+    usage: crate::server::GpuUsage,
+) {
+    if seq >= slot.0 {
+        *slot = (seq, usage);
+    }
 }
 
 struct Inner {
@@ -392,12 +405,13 @@ impl TlsConnector {
 impl RemoteNode {
     /// What each tenant holds of the worker's GPUs, as of its last heartbeat or GPU start.
     pub fn gpu_usage(&self) -> crate::server::GpuUsage {
-        self.inner.lock().gpu_usage.clone()
+        self.inner.lock().gpu_usage.1.clone()
     }
 
-    /// Records the usage a heartbeat reported.
-    pub fn set_gpu_usage(&self, usage: crate::server::GpuUsage) {
-        self.inner.lock().gpu_usage = usage;
+    /// Records the usage a heartbeat reported (numbered `seq` by the worker), unless a newer
+    /// report came first.
+    pub fn set_gpu_usage(&self, seq: u64, usage: crate::server::GpuUsage) {
+        keep_newest(&mut self.inner.lock().gpu_usage, seq, usage);
     }
 
     /// Connects to the worker at `cfg.addr` as the controller `tls` names, checks its protocol
@@ -562,6 +576,28 @@ impl RemoteNode {
             .map_err(|st| inner.err(&st, Duration::ZERO))
     }
 
+    /// The checkpoints in the worker's own image area.
+    pub async fn list_images(
+        &self,
+    ) -> Result<Vec<torpor_runtime::node::WorkerImage>, RuntimeError> {
+        let inner = &self.inner;
+        let reply = inner
+            .client()
+            .list_images(call(pb::Empty {}, inner.cfg.deadlines.quick))
+            .await
+            .map_err(|st| inner.err(&st, Duration::ZERO))?
+            .into_inner();
+        Ok(reply
+            .images
+            .into_iter()
+            .map(|i| torpor_runtime::node::WorkerImage {
+                dir: i.dir,
+                age: Duration::from_millis(i.age_ms),
+                uploaded: i.uploaded,
+            })
+            .collect())
+    }
+
     /// Drops the worker's copies of `snapshot` (deleted from the store).
     pub async fn forget_snapshot(&self, snapshot: &str) -> Result<(), RuntimeError> {
         let inner = &self.inner;
@@ -619,7 +655,8 @@ impl RemoteNode {
                 t.memory = reply.memory;
             }
             if launch.gpu.is_some() {
-                shared.gpu_usage = crate::server::gpu_usage_from_pb(reply.gpu_usage);
+                let usage = crate::server::gpu_usage_from_pb(reply.gpu_usage);
+                keep_newest(&mut shared.gpu_usage, reply.gpu_usage_seq, usage);
             }
         }
         Ok(Box::new(RemoteResident {
@@ -922,5 +959,31 @@ impl Resident for RemoteResident {
             .map_err(|st| self.node.err(&st, self.quick()))?
             .into_inner();
         Ok(crate::tunnel::controller_end(up, down))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gpu_usage_report_older_than_the_one_kept_is_ignored() {
+        let held = |compute: u64| {
+            crate::server::GpuUsage::from([(
+                "acme".to_string(),
+                torpor_gpu::quota::Amount {
+                    memory_mib: 1,
+                    compute,
+                },
+            )])
+        };
+        let mut slot = (0, crate::server::GpuUsage::new());
+        // A start's reply (report 7) says the tenant holds a GPU...
+        keep_newest(&mut slot, 7, held(700));
+        // ...and a heartbeat read before that start (report 6) arrives after it.
+        keep_newest(&mut slot, 6, crate::server::GpuUsage::new());
+        assert_eq!(slot, (7, held(700)));
+        keep_newest(&mut slot, 8, held(0));
+        assert_eq!(slot, (8, held(0)));
     }
 }

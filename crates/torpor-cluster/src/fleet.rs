@@ -602,8 +602,10 @@ impl Fleet {
         }
         w.last_seen = Instant::now();
         w.last_seen_at = SystemTime::now();
-        w.remote
-            .set_gpu_usage(crate::server::gpu_usage_from_pb(req.gpu_usage));
+        w.remote.set_gpu_usage(
+            req.gpu_usage_seq,
+            crate::server::gpu_usage_from_pb(req.gpu_usage),
+        );
         let draining = w.drain;
         let others = req.busy.saturating_sub(reserved);
         let others_changed = std::mem::replace(&mut w.others, others) != others;
@@ -657,6 +659,8 @@ impl Fleet {
         // An image not yet in the store is on one worker's disk: there or nowhere.
         let pinned = launch.stored.image_on.clone();
         let mut refused: Option<String> = None;
+        // A GPU refusal from the first worker is the answer when no other worker can try.
+        let mut gpu_refusal: Option<RuntimeError> = None;
         for _attempt in 0..2 {
             let (worker, remote) = {
                 let mut m = self.lock();
@@ -692,6 +696,9 @@ impl Fleet {
                         m.placement.set_state(&r, WorkerState::Ready);
                     }
                     let Some(choice) = choice else {
+                        if let Some(e) = gpu_refusal {
+                            return Err(e);
+                        }
                         let ready = m
                             .placement
                             .iter()
@@ -777,6 +784,9 @@ impl Fleet {
                         return Err(e);
                     }
                     tracing::warn!(%worker, error = %e, "worker refused a start; trying another");
+                    if matches!(e, RuntimeError::Gpu { .. }) {
+                        gpu_refusal = Some(e);
+                    }
                     refused = Some(worker);
                 }
             }
@@ -845,6 +855,21 @@ impl ImageHost for Fleet {
         }
         m.copies.insert(up.snapshot.clone(), node.to_string());
         Ok(up)
+    }
+
+    async fn images(&self) -> Vec<(String, Vec<torpor_runtime::node::WorkerImage>)> {
+        let remotes: Vec<(String, Arc<RemoteNode>)> =
+            self.lock().workers.iter().filter_map(live_member).collect();
+        let mut out = Vec::with_capacity(remotes.len());
+        for (name, remote) in remotes {
+            match remote.list_images().await {
+                Ok(images) => out.push((name, images)),
+                Err(e) => {
+                    tracing::debug!(worker = %name, error = %e, "cannot list a worker's images")
+                }
+            }
+        }
+        out
     }
 
     async fn remove(&self, node: &str, dir: &str) {

@@ -420,6 +420,37 @@ impl WorkerImages {
         Ok(had_copy || had_kept)
     }
 
+    /// The checkpoints in this worker's image area (not those being written), oldest first.
+    pub fn list(&self) -> Vec<torpor_runtime::node::WorkerImage> {
+        let Ok(entries) = std::fs::read_dir(&self.images) else {
+            return Vec::new();
+        };
+        let now = std::time::SystemTime::now();
+        let mut out: Vec<torpor_runtime::node::WorkerImage> = entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_str()?.to_string();
+                let meta = e.metadata().ok()?;
+                if name.starts_with('.') || !meta.is_dir() {
+                    return None; // being written, or an upload record
+                }
+                let age = meta
+                    .modified()
+                    .ok()
+                    .and_then(|m| now.duration_since(m).ok())
+                    .unwrap_or_default();
+                let uploaded = self.images.join(format!("{name}.snapshot")).exists();
+                Some(torpor_runtime::node::WorkerImage {
+                    dir: name,
+                    age,
+                    uploaded,
+                })
+            })
+            .collect();
+        out.sort_by_key(|i| std::cmp::Reverse(i.age));
+        out
+    }
+
     /// Removes one of this worker's own images (and its upload record).
     pub fn remove(&self, dir: &str) -> Result<(), Status> {
         if Path::new(dir).is_absolute() {

@@ -216,11 +216,13 @@ async fn follow(
             if contact.run_id(&cfg.run_id) != run_id {
                 break; // fenced meanwhile: register again under the new run id
             }
+            let (gpu_usage_seq, usage) = node.gpu_usage();
             let beat = pb::HeartbeatRequest {
                 run_id: run_id.clone(),
                 busy,
                 resident_memory,
-                gpu_usage: crate::server::gpu_usage_to_pb(&node.gpu_usage()),
+                gpu_usage: crate::server::gpu_usage_to_pb(&usage),
+                gpu_usage_seq,
             };
             match client.clone().heartbeat(call(beat, cfg.deadline)).await {
                 Ok(r) => {

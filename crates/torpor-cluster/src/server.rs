@@ -79,6 +79,8 @@ pub struct NodeService {
     held_dir: std::sync::OnceLock<PathBuf>,
     /// What each tenant holds of this worker's GPUs (none without GPUs).
     gpu_usage: std::sync::OnceLock<GpuUsageFn>,
+    /// Numbers each read of `gpu_usage`, so that controllers keep the newest report.
+    gpu_usage_seq: std::sync::atomic::AtomicU64,
     /// Starts (boot, restore) and checkpoints running at once, whichever controller asks: one
     /// of each per core ([`NodeService::limit_heavy`]); more only slow each other down.
     starts: Arc<tokio::sync::Semaphore>,
@@ -160,6 +162,7 @@ impl NodeService {
             images: std::sync::OnceLock::new(),
             held_dir: std::sync::OnceLock::new(),
             gpu_usage: std::sync::OnceLock::new(),
+            gpu_usage_seq: std::sync::atomic::AtomicU64::new(0),
             starts: Arc::new(tokio::sync::Semaphore::new(
                 tokio::sync::Semaphore::MAX_PERMITS,
             )),
@@ -250,9 +253,10 @@ impl NodeService {
         let _ = self.gpu_usage.set(usage);
     }
 
-    /// What each tenant holds of this worker's GPUs now.
-    pub fn gpu_usage(&self) -> GpuUsage {
-        self.gpu_usage.get().map(|f| f()).unwrap_or_default()
+    /// What each tenant holds of this worker's GPUs now, numbered after every earlier read.
+    pub fn gpu_usage(&self) -> (u64, GpuUsage) {
+        let seq = self.gpu_usage_seq.fetch_add(1, Ordering::SeqCst) + 1;
+        (seq, self.gpu_usage.get().map(|f| f()).unwrap_or_default())
     }
 
     /// Runs at most `n` starts and `n` checkpoints at once (the worker's cores); call once,
@@ -422,13 +426,15 @@ impl NodeService {
                 resident.destroy().await;
                 return Err(Status::cancelled("the caller went away"));
             }
+            let (gpu_usage_seq, usage) = me.gpu_usage();
             let reply = pb::ResidentReply {
                 container_id: resident.id().to_string(),
                 worker: resident.worker().to_string(),
                 was_warm: resident.was_warm(),
                 agent_version: resident.agent_version(),
                 memory: resident.memory(),
-                gpu_usage: gpu_usage_to_pb(&me.gpu_usage()),
+                gpu_usage: gpu_usage_to_pb(&usage),
+                gpu_usage_seq,
             };
             me.note_held(&container_id, Some(&owner));
             me.table().insert(
@@ -623,13 +629,15 @@ impl NodeRpc for Arc<NodeService> {
         );
         self.note_held(&id, Some(&caller));
         tracing::info!(container = %id, from = %before, to = %caller, "a controller adopted a container");
+        let (gpu_usage_seq, usage) = self.gpu_usage();
         Ok(Response::new(pb::ResidentReply {
             container_id: r.id().to_string(),
             worker: r.worker().to_string(),
             was_warm: r.was_warm(),
             agent_version: r.agent_version(),
             memory: r.memory(),
-            gpu_usage: gpu_usage_to_pb(&self.gpu_usage()),
+            gpu_usage: gpu_usage_to_pb(&usage),
+            gpu_usage_seq,
         }))
     }
 
@@ -801,6 +809,23 @@ impl NodeRpc for Arc<NodeService> {
             self.images()?.forget(&req.snapshot).await?;
         }
         Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn list_images(
+        &self,
+        _req: Request<pb::Empty>,
+    ) -> Result<Response<pb::ImagesReply>, Status> {
+        let images = self
+            .images()?
+            .list()
+            .into_iter()
+            .map(|i| pb::WorkerImage {
+                dir: i.dir,
+                age_ms: i.age.as_millis() as u64,
+                uploaded: i.uploaded,
+            })
+            .collect();
+        Ok(Response::new(pb::ImagesReply { images }))
     }
 
     async fn destroy(&self, req: Request<pb::ContainerRef>) -> Result<Response<pb::Empty>, Status> {

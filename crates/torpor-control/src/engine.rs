@@ -418,6 +418,8 @@ impl Engine {
         tokio::spawn(async move { ticker.run_policy().await });
         let heart = engine.clone();
         tokio::spawn(async move { heart.run_heartbeat().await });
+        let sweeper = engine.clone();
+        tokio::spawn(async move { sweeper.run_image_sweep().await });
         let evictor = engine.clone();
         tokio::spawn(async move { evictor.run_evictor().await });
         if let Some(events) = events {

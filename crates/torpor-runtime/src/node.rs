@@ -168,6 +168,23 @@ pub trait ImageHost: Send + Sync {
     fn reachable(&self, node: &str) -> bool;
     /// Whether `node` takes sandboxes now (ready: not draining, not lost).
     fn ready(&self, node: &str) -> bool;
+    /// The checkpoints in each reachable worker's own image area (best effort: a worker that
+    /// does not answer is left out).
+    async fn images(&self) -> Vec<(String, Vec<WorkerImage>)> {
+        Vec::new()
+    }
+}
+
+/// A checkpoint in a worker's own image area ([`ImageHost::images`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerImage {
+    /// Its relative image directory (`<container id>` for a sandbox's checkpoint).
+    pub dir: String,
+    /// Since it was written.
+    pub age: Duration,
+    /// Put into the store (the worker keeps a bounded number of such copies); otherwise it may
+    /// be the only copy there is.
+    pub uploaded: bool,
 }
 
 /// Something the node reports on its own.

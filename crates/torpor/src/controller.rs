@@ -65,6 +65,11 @@ pub struct ControllerArgs {
     /// Silence after which a worker is lost and its sandboxes resume elsewhere.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(500..))]
     worker_lost_after_ms: u64,
+    /// A checkpoint on a worker that was never uploaded and that no sandbox refers to any more
+    /// (its worker was lost with it and came back; a delete could not reach it) is removed
+    /// once this old; the workers' images are looked at this often.
+    #[arg(long, default_value_t = 600_000, value_parser = clap::value_parser!(u64).range(1000..))]
+    orphan_image_grace_ms: u64,
     /// How long a call waits (parked) for a free worker before 503 no_worker_available.
     #[arg(long, default_value_t = 5000)]
     worker_wait_ms: u64,
@@ -183,6 +188,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         api_addr: advertise.to_string(),
         lost_after: Duration::from_millis(args.controller_lost_after_ms),
         take_back_within: Duration::from_millis(args.worker_lost_after_ms),
+        orphan_image_grace: Duration::from_millis(args.orphan_image_grace_ms),
     };
     daemon::up(daemon::UpConfig {
         listen: args.listen,

@@ -247,7 +247,15 @@ async fn a_checkpoint_its_worker_could_not_upload_is_lost_with_that_worker_and_s
         return;
     };
     let dir = tmp.path();
-    let mut controller = Controller::start(dir, &database).await;
+    // Checkpoints no sandbox refers to are removed from workers once a second old.
+    let mut controller = Controller::start_args(
+        dir,
+        &database,
+        "c1",
+        2000,
+        &["--orphan-image-grace-ms", "1000"],
+    )
+    .await;
     let mut w1 = Worker::start(dir, "w1", "w1", &controller.cluster);
     controller
         .wait_nodes("w1 ready", |n| state_of(n, "w1") == Some("ready"))
@@ -317,6 +325,44 @@ async fn a_checkpoint_its_worker_could_not_upload_is_lost_with_that_worker_and_s
         "last_error says what happened: {back}"
     );
 
+    // w2 comes back (drained: it takes nothing new) with that checkpoint on its disk. No
+    // sandbox refers to it any more, so it is removed.
+    let leftovers = || -> Vec<String> {
+        std::fs::read_dir(dir.join("data-w2").join("images"))
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .filter(|n| n.starts_with(id.as_str()) && !n.ends_with(".snapshot"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    assert_eq!(
+        leftovers().len(),
+        1,
+        "w2 kept the checkpoint it could not upload"
+    );
+    controller
+        .ok(reqwest::Method::POST, "/v1/nodes/w2/drain", None)
+        .await;
+    let w2 = Worker::start_with(dir, "w2", "w2", &controller.cluster, &[dir.join("store")]);
+    controller
+        .wait_nodes("w2 back", |n| state_of(n, "w2") == Some("draining"))
+        .await;
+    let deadline = Instant::now() + PATIENCE;
+    while !leftovers().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "{:?} still on w2\n{}",
+            leftovers(),
+            controller.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(controller
+        .log()
+        .contains("removing a checkpoint no sandbox refers to"));
+
     // Parked again and its controller killed at once, before it recorded the upload: started
     // again, it uploads the checkpoint as soon as w3 is back (not at the idle policy's
     // Suspended step, an hour later).
@@ -340,7 +386,7 @@ async fn a_checkpoint_its_worker_could_not_upload_is_lost_with_that_worker_and_s
         controller.exec(&id, CHECK).await,
         "disk-1\nmem-1\nprocess-alive\n"
     );
-    drop(w3);
+    drop((w2, w3));
     w1.sigkill();
 }
 
@@ -1109,6 +1155,57 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
         uuid_of(&now_on),
         "woke on {now_on} (slept on {a_node}, other {other})"
     );
+
+    // Another tenant (two L4s of quota): its GPU sandbox gets the L4 A does not hold, and one
+    // more finds both held: each worker's ledger refuses it, the controller tries the other
+    // worker too, then answers 503 gpu_unavailable.
+    let team = controller
+        .ok(
+            reqwest::Method::POST,
+            "/v1/tenants",
+            Some(json!({"name": "team"})),
+        )
+        .await["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let team_gpu = || {
+        controller.call_as(
+            &team,
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "host", "gpu": {"mode": "whole"}})),
+        )
+    };
+    let (status, t1) = team_gpu().await;
+    assert_eq!(status, 201, "{t1}");
+    let t1 = t1["id"].as_str().unwrap().to_string();
+    let (status, t1_rec) = controller
+        .call_as(
+            &team,
+            reqwest::Method::GET,
+            &format!("/v1/sandboxes/{t1}"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{t1_rec}");
+    let t1_node = t1_rec["node"].as_str().unwrap().to_string();
+    assert_ne!(t1_node, now_on, "A holds {now_on}'s only GPU: {t1_rec}");
+    let (status, t2) = team_gpu().await;
+    assert_eq!(
+        (status, t2["error"]["code"].as_str()),
+        (503, Some("gpu_unavailable")),
+        "{t2}"
+    );
+    let (status, _) = controller
+        .call_as(
+            &team,
+            reqwest::Method::DELETE,
+            &format!("/v1/sandboxes/{t1}"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 204);
     for s in [a.as_str(), plain.as_str()] {
         controller
             .ok(reqwest::Method::DELETE, &format!("/v1/sandboxes/{s}"), None)

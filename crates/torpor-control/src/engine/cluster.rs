@@ -42,6 +42,10 @@ pub struct ControllerIdentity {
     /// its records say are resident before it sends those sandboxes back to their snapshots
     /// (the worker-lost silence: a worker away longer is lost anyway).
     pub take_back_within: Duration,
+    /// How old a checkpoint on a worker must be, not uploaded and referred to by no sandbox,
+    /// before it is removed (a worker lost with it came back; a delete could not reach it).
+    /// Also how often the workers' images are looked at.
+    pub orphan_image_grace: Duration,
 }
 
 /// Where a call for a sandbox is served.

@@ -354,6 +354,70 @@ pub(super) fn format_millis(ms: i64) -> String {
     humantime::format_rfc3339_seconds(at).to_string()
 }
 
+impl Engine {
+    /// Looks at the workers' images every `orphan_image_grace` and removes the leftovers
+    /// ([`Engine::sweep_worker_images`]) until shutdown (cluster mode).
+    pub(super) async fn run_image_sweep(self: Arc<Self>) {
+        let Some(grace) = self.cfg.controller.as_ref().map(|c| c.orphan_image_grace) else {
+            return;
+        };
+        let mut interval = tokio::time::interval(grace.max(Duration::from_secs(1)));
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        interval.tick().await;
+        loop {
+            interval.tick().await;
+            if self.shutting_down.load(Ordering::SeqCst) {
+                return;
+            }
+            self.sweep_worker_images(grace).await;
+        }
+    }
+
+    /// Removes the checkpoints on workers that were never uploaded, are older than `grace`
+    /// and that no sandbox refers to: a sandbox's checkpoint whose worker was lost (the sandbox
+    /// went back to its last snapshot) and came back, or whose sandbox was deleted while its
+    /// worker was away. Uploaded copies are the workers' bounded cache, left to them; what is
+    /// not a sandbox's checkpoint (a template build's) and what cannot be checked now (a store
+    /// error) stays. Answers how many went.
+    pub(super) async fn sweep_worker_images(&self, grace: Duration) -> usize {
+        let Some(host) = self.image_host() else {
+            return 0;
+        };
+        let mut removed = 0;
+        for (node, images) in host.images().await {
+            for image in images {
+                if image.uploaded || image.age < grace {
+                    continue;
+                }
+                let Some(id) = torpor_runtime::node::sandbox_of(&image.dir)
+                    .and_then(|s| s.parse::<SandboxId>().ok())
+                else {
+                    continue;
+                };
+                let referred = match self.store.sandbox(&id) {
+                    Ok(Some(rec)) => matches!(
+                        &rec.image,
+                        ImageRef::Worker { node: n, dir, .. } if *n == node && *dir == image.dir
+                    ),
+                    Ok(None) => false,
+                    Err(e) => {
+                        tracing::warn!(sandbox = %id, error = %e, "cannot check a worker's image; kept");
+                        continue;
+                    }
+                };
+                if referred {
+                    continue;
+                }
+                tracing::info!(worker = %node, image = %image.dir, age_s = image.age.as_secs(),
+                    "removing a checkpoint no sandbox refers to (never uploaded)");
+                host.remove(&node, &image.dir).await;
+                removed += 1;
+            }
+        }
+        removed
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

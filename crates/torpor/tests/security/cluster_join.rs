@@ -233,6 +233,7 @@ async fn heartbeat(
         busy: 0,
         resident_memory: 0,
         gpu_usage: Default::default(),
+        gpu_usage_seq: 0,
     }))
     .await
     .map(|r| r.into_inner())
