@@ -258,12 +258,9 @@ async fn scheduled_gc_keeps_the_current_snapshot_and_wakes_hit_the_chunk_cache()
         metric(&m, "torpor_snapshot_gc_runs_total{result=\"ok\"}") >= 1.0,
         "{m}"
     );
-    // Two older snapshots went; the collector took at least one of them (a wake's own
-    // retention may have taken the other first, depending on when the collector ran).
-    assert!(
-        metric(&m, "torpor_snapshot_gc_removed_total{what=\"snapshots\"}") >= 1.0,
-        "{m}"
-    );
+    // Two older snapshots went: the collector's runs or a wake's own retention took them,
+    // depending on when the collector ran (both were seen taking all of them), so which one
+    // removed them is not asserted; that the current one stays is (the wake below).
     // The wake reads the chunks the suspend on this node wrote through the cache.
     let hits_before = metric(&m, "torpor_snapshot_cache_hits_total");
     assert_eq!(call_agent(&c, &id, "y").await, (4, 4));
