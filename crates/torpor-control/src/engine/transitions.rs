@@ -663,9 +663,9 @@ pub(super) fn crash_reason(info: &torpor_runtime::ExitInfo) -> String {
         return "oom_killed".to_string();
     }
     match (info.code, info.signal) {
-        // Its runtime process left no status: it vanished with its worker, or its worker
-        // ended it while out of reach (a fence).
-        (None, None) => "ended without an exit status (its worker no longer holds it)".into(),
+        // Its runtime process left no status: it vanished (in cluster mode: with its worker,
+        // or its worker ended it while out of reach, a fence).
+        (None, None) => "ended without an exit status".into(),
         (Some(code), None) => format!("exited with code {code}"),
         (None, Some(signal)) => format!("killed by signal {signal}"),
         (Some(code), Some(signal)) => format!("exited (code {code}, signal {signal})"),
