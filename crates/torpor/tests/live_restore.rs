@@ -17,10 +17,12 @@ use torpor_core::{Limits, TemplateName, TemplateSource, Tier};
 /// template build left it.
 /// (Written aside and renamed: a reader never sees the file truncated mid-write.)
 const COUNTER: &str =
-    "n=0; while :; do n=$((n+1)); echo $n > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done";
+    "n=0; while :; do n=$((n+1)); echo $n > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.5; done";
 /// A second counter started by an exec and detached from it.
+/// (Both tick twice a second: ten sandboxes ticking ten times a second, each tick two
+/// fork+execs under ptrace, kept both cores busy and made this test take minutes.)
 const DETACHED: &str =
-    "nohup sh -c 'n=0; while :; do n=$((n+1)); echo $n > /tmp/dcount.new; mv /tmp/dcount.new /tmp/dcount; sleep 0.1; done' >/dev/null 2>&1 &";
+    "nohup sh -c 'n=0; while :; do n=$((n+1)); echo $n > /tmp/dcount.new; mv /tmp/dcount.new /tmp/dcount; sleep 0.5; done' >/dev/null 2>&1 &";
 
 fn counter_template(name: &str) -> TemplateSpec {
     TemplateSpec {
@@ -123,7 +125,7 @@ async fn sigkilled_daemon_takes_back_running_and_frozen_sandboxes_with_nothing_l
     let mut before = Vec::new();
     for (i, id) in ids.iter().enumerate() {
         let first = probe(&c, id).await;
-        let p = counting_past(&c, id, first.0.max(first.1) + 20).await;
+        let p = counting_past(&c, id, first.0.max(first.1) + 4).await;
         assert_eq!(p.2, format!("note-{i}|mem-{i}"));
         before.push(p);
     }
@@ -177,7 +179,7 @@ async fn a_killed_shim_sends_only_its_own_sandbox_back_to_its_snapshot() {
     let ids = start_counters(&c, 2).await;
     let (victim, bystander) = (&ids[0], &ids[1]);
     let first = probe(&c, bystander).await;
-    counting_past(&c, bystander, first.0.max(first.1) + 5).await;
+    counting_past(&c, bystander, first.0.max(first.1) + 2).await;
     let shim = shim_of(&d.dir, victim);
     // SAFETY: kill(2) on the victim's shim, a process this test's daemon started.
     assert_eq!(unsafe { libc::kill(shim, libc::SIGKILL) }, 0);
