@@ -48,6 +48,7 @@ use torpor_runtime::warm::WarmStats;
 
 use crate::ca::Role;
 use crate::client::{Deadlines, RemoteConfig, RemoteNode};
+use crate::fence::{FenceBook, Fenced, Fencer};
 use crate::pb;
 use crate::pb::cluster_server::{Cluster as ClusterRpc, ClusterServer};
 use crate::placement::{Capacity, Load, Need, Placement, WorkerState, ANY_GPU};
@@ -174,6 +175,9 @@ pub struct Fleet {
     /// One GPU start at a time per tenant under quotas, so that each sees the one before it
     /// in the usage its worker answered with.
     gpu_turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Fencing through the other controllers of the database ([`Fleet::attach_fencer`]);
+    /// unset, a lost worker's containers are reported lost at once.
+    fencer: std::sync::OnceLock<Arc<Fencer>>,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -288,6 +292,7 @@ impl Fleet {
             capacity: watch::channel(FleetCapacity::default()).0,
             joining: Mutex::default(),
             gpu_turns: Mutex::default(),
+            fencer: std::sync::OnceLock::new(),
         });
         let watch = Arc::downgrade(&fleet);
         let period = (fleet.cfg.heartbeat / 2).max(Duration::from_millis(50));
@@ -304,6 +309,16 @@ impl Fleet {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Members> {
         self.members.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Fences workers this controller loses through the other controllers of `book` (the
+    /// database they share), as controller `me`, and relays their orders to the workers this
+    /// one hears ([`crate::fence`]). Once; later calls change nothing.
+    pub fn attach_fencer(&self, book: Arc<dyn FenceBook>, me: String) {
+        let fencer = Fencer::new(book, me, self.cfg.heartbeat);
+        if self.fencer.set(fencer.clone()).is_ok() {
+            fencer.spawn_sync();
+        }
     }
 
     /// What the ready workers offer, as it changes.
@@ -408,7 +423,28 @@ impl Fleet {
         for (worker, silent_for, held) in lost {
             tracing::warn!(%worker, silent_ms = silent_for.as_millis() as u64, containers = held.len(),
                 "worker lost: its sandboxes go back to their last snapshots");
-            self.report_lost(&worker, silent_for, held);
+            let Some(fencer) = self.fencer.get().cloned() else {
+                self.report_lost(&worker, silent_for, held);
+                continue;
+            };
+            // Another controller may still hear it: the containers end through that one
+            // before their sandboxes resume elsewhere.
+            let me = self.me.clone();
+            tokio::spawn(async move {
+                let outcome = fencer.fence(&worker, &held).await;
+                match &outcome {
+                    Fenced::Confirmed => tracing::info!(%worker, containers = held.len(),
+                        "the lost worker's containers were ended through another controller"),
+                    Fenced::Nothing | Fenced::NoOneHearsIt => {}
+                    Fenced::Unconfirmed => tracing::warn!(%worker, containers = held.len(),
+                        "another controller handed the lost worker its fence orders, and it did not confirm them in time"),
+                    Fenced::Failed(e) => tracing::warn!(%worker, error = %e,
+                        "cannot order the lost worker's containers fenced"),
+                }
+                if let Some(fleet) = me.upgrade() {
+                    fleet.report_lost(&worker, silent_for, held);
+                }
+            });
         }
     }
 
@@ -620,9 +656,15 @@ impl Fleet {
         if others_changed {
             self.publish_capacity(&m);
         }
+        drop(m);
+        let fence = match self.fencer.get() {
+            Some(f) => f.on_heartbeat(name, req.fenced),
+            None => Vec::new(),
+        };
         pb::HeartbeatReply {
             known: true,
             draining,
+            fence,
         }
     }
 

@@ -207,6 +207,8 @@ async fn follow(
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut draining = false;
+        // Fence orders carried out, said in the heartbeats until one reaches the controller.
+        let mut fenced: Vec<String> = Vec::new();
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -223,6 +225,7 @@ async fn follow(
                 resident_memory,
                 gpu_usage: crate::server::gpu_usage_to_pb(&usage),
                 gpu_usage_seq,
+                fenced: fenced.clone(),
             };
             match client.clone().heartbeat(call(beat, cfg.deadline)).await {
                 Ok(r) => {
@@ -232,6 +235,16 @@ async fn follow(
                         break;
                     }
                     contact.heard();
+                    fenced.clear();
+                    if !r.fence.is_empty() {
+                        let orders: Vec<(String, String)> = r
+                            .fence
+                            .into_iter()
+                            .map(|o| (o.container, o.owner))
+                            .collect();
+                        tracing::info!(%controller, orders = orders.len(), "fence orders relayed by this controller");
+                        fenced = node.end_ordered(&orders).await;
+                    }
                     if r.draining != draining {
                         draining = r.draining;
                         tracing::info!(%controller, draining, "drain state changed");

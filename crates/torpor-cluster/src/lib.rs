@@ -17,6 +17,7 @@
 pub mod ca;
 pub mod client;
 mod convert;
+pub mod fence;
 pub mod fleet;
 pub mod images;
 pub mod join;
@@ -33,6 +34,7 @@ pub mod pb {
 
 pub use ca::{Ca, CaError, Identity, MemberName, Role, TrustDomain};
 pub use client::{Deadlines, RemoteConfig, RemoteError, RemoteNode};
+pub use fence::{FenceBook, FenceOrder, Fenced, Fencer};
 pub use fleet::{serve_cluster, Fleet, FleetCapacity, FleetConfig, FleetError, NodeStatus};
 pub use images::{OpenBackend, WorkerImages};
 pub use join::{join, JoinConfig};

@@ -312,18 +312,28 @@ impl NodeService {
         keep: &[String],
         sweep: bool,
     ) -> Result<usize, Status> {
-        let held: Vec<Arc<Held>> = {
-            let mut table = self.table();
-            let mine: Vec<String> = table
-                .iter()
-                .filter(|(id, h)| h.owner() == owner && !keep.contains(id))
-                .map(|(id, _)| id.clone())
-                .collect();
-            for id in &mine {
-                self.note_held(id, None);
-            }
-            mine.iter().filter_map(|id| table.remove(id)).collect()
-        };
+        let held = self.take_where(|id, h| h.owner() == owner && !keep.iter().any(|k| k == id));
+        self.end(held, sweep).await
+    }
+
+    /// Takes the containers `pick` chooses out of the table (no call reaches them after).
+    fn take_where(&self, pick: impl Fn(&str, &Held) -> bool) -> Vec<Arc<Held>> {
+        let mut table = self.table();
+        let picked: Vec<String> = table
+            .iter()
+            .filter(|(id, h)| pick(id, h))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &picked {
+            self.note_held(id, None);
+        }
+        picked.iter().filter_map(|id| table.remove(id)).collect()
+    }
+
+    /// Ends `held` (taken out of the table) in a task of its own, so that a caller that goes
+    /// away does not cut it half-way; returns how many ended. `sweep`: see
+    /// [`NodeService::end_owned`].
+    async fn end(self: &Arc<Self>, held: Vec<Arc<Held>>, sweep: bool) -> Result<usize, Status> {
         let me = self.clone();
         tokio::spawn(async move {
             let mut removed = 0;
@@ -346,6 +356,28 @@ impl NodeService {
         })
         .await
         .map_err(|e| Status::internal(format!("reconcile task failed: {e}")))
+    }
+
+    /// Fence orders a controller relayed (another controller counted this worker lost and
+    /// cannot hear it): each `(container, owner)` ends while `owner` still holds it here; one
+    /// adopted since by another controller stays. Returns every order's container: each is
+    /// carried out, or there was nothing to end.
+    pub async fn end_ordered(self: &Arc<Self>, orders: &[(String, String)]) -> Vec<String> {
+        let held = self.take_where(|id, h| {
+            orders
+                .iter()
+                .any(|(container, owner)| container == id && *owner == h.owner())
+        });
+        let ending = held.len();
+        match self.end(held, false).await {
+            Ok(ended) if ending > 0 => tracing::warn!(
+                containers = ended,
+                "fence orders: containers a controller that cannot hear this worker held are ended (their sandboxes resume elsewhere)"
+            ),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot carry out fence orders"),
+        }
+        orders.iter().map(|(c, _)| c.clone()).collect()
     }
 
     /// Fencing: no controller was heard from for longer than the worker may run sandboxes
@@ -1128,6 +1160,55 @@ pub fn local_addr(l: &TcpListener) -> Option<SocketAddr> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use torpor_runtime::node::fake::FakeNode;
+    use torpor_runtime::node::StoredFiles;
+    use torpor_runtime::spec::ContainerSpec;
+
+    fn launch(container_id: &str) -> Launch {
+        Launch {
+            container_id: container_id.into(),
+            spec: ContainerSpec {
+                rootfs: "/nonexistent".into(),
+                mounts: vec![],
+                agent_dir: "/nonexistent".into(),
+                argv: vec!["sleep".into(), "1".into()],
+                env: Default::default(),
+                cwd: "/".into(),
+                limits: Default::default(),
+                hostname: "h".into(),
+                netns: None,
+                devices: vec![],
+            },
+            network: None,
+            ready_timeout: Duration::from_secs(1),
+            stored: StoredFiles::default(),
+            gpu: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn fence_orders_end_only_what_the_ordering_controller_still_holds() {
+        let node: Arc<dyn Node> = Arc::new(Arc::new(FakeNode::new()));
+        let svc = NodeService::new(node.clone(), "w1".into());
+        for (id, owner) in [("a-g1", "c1"), ("b-g1", "c1"), ("c-g1", "c2")] {
+            let l = launch(id);
+            let n = node.clone();
+            svc.start(owner.into(), id.into(), async move { n.boot(l).await })
+                .await
+                .unwrap();
+        }
+        // Attack: c1 orders c2's container (adopted by c2 since c1 lost the worker) and one
+        // the worker never held; only c1's own a-g1 ends, and every order is confirmed.
+        let orders: Vec<(String, String)> = [("a-g1", "c1"), ("c-g1", "c1"), ("z-g1", "c1")]
+            .iter()
+            .map(|(c, o)| (c.to_string(), o.to_string()))
+            .collect();
+        let done = svc.end_ordered(&orders).await;
+        assert_eq!(done, ["a-g1", "c-g1", "z-g1"]);
+        let mut left: Vec<String> = svc.table().keys().cloned().collect();
+        left.sort();
+        assert_eq!(left, ["b-g1", "c-g1"]);
+    }
 
     #[test]
     fn a_workers_gpu_usage_report_is_bounded() {

@@ -260,6 +260,53 @@ fn first_ipv4() -> Option<std::net::Ipv4Addr> {
     found
 }
 
+/// Fence orders kept in the controllers' database (`torpor_cluster::fence`).
+pub struct StoreFences(pub torpor_control::store::Store);
+
+impl torpor_cluster::FenceBook for StoreFences {
+    fn order(&self, worker: &str, owner: &str, containers: &[String]) -> Result<(), String> {
+        self.0
+            .put_fence_orders(worker, owner, containers)
+            .map_err(|e| e.to_string())
+    }
+
+    fn open(&self) -> Result<Vec<torpor_cluster::FenceOrder>, String> {
+        Ok(self
+            .0
+            .fence_orders()
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|o| torpor_cluster::FenceOrder {
+                worker: o.worker,
+                container: o.container,
+                owner: o.owner,
+                relayed: o.relayed,
+            })
+            .collect())
+    }
+
+    fn relayed(&self, worker: &str, containers: &[String]) -> Result<(), String> {
+        self.0
+            .fence_orders_relayed(worker, containers)
+            .map_err(|e| e.to_string())
+    }
+
+    fn done(&self, worker: &str, containers: &[String]) -> Result<(), String> {
+        self.0
+            .fence_orders_done(worker, containers)
+            .map_err(|e| e.to_string())
+    }
+
+    fn others_alive(&self, me: &str) -> Result<bool, String> {
+        Ok(self
+            .0
+            .live_controllers()
+            .map_err(|e| e.to_string())?
+            .iter()
+            .any(|(name, _)| name != me))
+    }
+}
+
 /// The fleet's GPUs as the engine sees them (each worker places shares from its own).
 pub struct FleetGpus(pub Arc<Fleet>);
 

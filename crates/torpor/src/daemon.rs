@@ -275,6 +275,12 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     let mut cluster_server = None;
     if let Some(c) = cfg.cluster {
         engine.attach_fleet_gpus(Arc::new(crate::controller::FleetGpus(c.fleet.clone())));
+        // A worker this controller loses is fenced through the others before its sandboxes
+        // resume elsewhere.
+        c.fleet.attach_fencer(
+            Arc::new(crate::controller::StoreFences(engine.state_store())),
+            c.identity.name.clone(),
+        );
         // The lot follows the ready workers' slots.
         let mut capacity = c.fleet.capacity();
         let sized = engine.clone();

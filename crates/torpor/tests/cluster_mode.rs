@@ -18,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime};
 use serde_json::{json, Value};
 use torpor_cluster::{Ca, MemberName, Role};
 
-use procs::{setup, state_of, Controller, Worker, CHECK, PATIENCE, STATE, TOKEN};
+use procs::{setup, state_of, Controller, Partition, Worker, CHECK, PATIENCE, STATE, TOKEN};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_cannot_join() {
@@ -1211,4 +1211,107 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
             .ok(reqwest::Method::DELETE, &format!("/v1/sandboxes/{s}"), None)
             .await;
     }
+}
+
+/// A worker one controller cannot hear while another still can (a partial partition): the
+/// one that counts it lost ends its containers there through the other before their
+/// sandboxes resume elsewhere, so no sandbox runs twice. (A worker cut off from every
+/// controller fences itself: the test above.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_one_controller_cannot_hear_has_its_containers_ended_through_another_before_they_resume(
+) {
+    let Some((database, tmp)) =
+        setup("torpor-cluster-partial-", &["c1", "c2"], &["w1", "w2"]).await
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    // Declared first, dropped last: after the processes in its groups are gone.
+    let mut cut = Partition::new("torpor_partial");
+    let (c1_group, w1_group) = (cut.group("c1"), cut.group("w1"));
+    let c1 = Controller::start_in(dir, &database, "c1", 3000, &[], Some(&c1_group)).await;
+    let c2 = Controller::start_with(dir, &database, "c2", 3000).await;
+    let both = format!("{},{}", c1.cluster, c2.cluster);
+    let w1 = Worker::start_in(dir, "w1", "w1", &both, &[], &[], Some(&w1_group));
+    for c in [&c1, &c2] {
+        c.wait_nodes("w1 ready", |n| state_of(n, "w1") == Some("ready"))
+            .await;
+    }
+    c1.wait_host_template().await;
+    // c1 holds a sandbox on w1 (the only worker yet), with state never checkpointed.
+    let id = c1.create_with_state().await;
+    let before = c1.sandbox(&id).await;
+    assert_eq!(
+        (&before["node"], &before["controller"]),
+        (&json!("w1"), &json!("c1")),
+        "{before}"
+    );
+    let _w2 = Worker::start(dir, "w2", "w2", &both);
+    for c in [&c1, &c2] {
+        c.wait_nodes("w2 ready", |n| state_of(n, "w2") == Some("ready"))
+            .await;
+    }
+
+    // c1 and w1 no longer reach each other; c2 hears both.
+    let port = |addr: &str| addr.rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    let w1_addr = c1
+        .nodes()
+        .await
+        .into_iter()
+        .find(|n| n["name"] == "w1")
+        .unwrap()["addr"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    cut.cut(&w1_group, port(&c1.cluster));
+    cut.cut(&c1_group, port(&w1_addr));
+    c1.wait_nodes("w1 lost to c1", |n| state_of(n, "w1") == Some("lost"))
+        .await;
+    assert_eq!(state_of(&c2.nodes().await, "w1"), Some("ready"));
+
+    // The moment c1 sends the sandbox back to its snapshot, its container on w1 is gone
+    // already (without the fence it ran on while the sandbox resumed on w2).
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let s = c1.sandbox(&id).await;
+        if s["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("worker w1 was lost"))
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never reported lost: {s}\n{}",
+            c1.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !w1.containers().iter().any(|c| c.starts_with(&id)),
+        "the stale copy still runs on w1: {:?}\n{}\n{}",
+        w1.containers(),
+        w1.log(),
+        c1.log()
+    );
+    assert!(w1.log().contains("fence orders"), "{}", w1.log());
+    assert!(
+        c1.log()
+            .contains("the lost worker's containers were ended through another controller"),
+        "{}",
+        c1.log()
+    );
+    // The sandbox resumes from its snapshot (its template's fresh state: never parked); through
+    // c1, on w2 (w1 is lost to c1).
+    assert_eq!(
+        c1.exec(&id, "cat /tmp/state 2>/dev/null || echo fresh")
+            .await,
+        "fresh\n"
+    );
+    assert_eq!(c2.sandbox(&id).await["node"], "w2");
+    // Healed: w1 joins c1 again, running nothing of c1's.
+    cut.heal();
+    c1.wait_nodes("w1 back on c1", |n| state_of(n, "w1") == Some("ready"))
+        .await;
+    assert!(!w1.containers().iter().any(|c| c.starts_with(&id)));
 }

@@ -398,6 +398,35 @@ pub trait StateStore: Send + Sync {
         Ok(StoreLock::default())
     }
 
+    // --- fence orders (cluster mode: a worker one controller cannot hear, another can) ---
+
+    /// Orders `containers`, held by controller `owner` on `worker`, ended (replacing earlier
+    /// orders for them); orders older than [`FENCE_ORDER_TTL`] are dropped meanwhile.
+    fn put_fence_orders(
+        &self,
+        _worker: &str,
+        _owner: &str,
+        _containers: &[String],
+    ) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// Every open order younger than [`FENCE_ORDER_TTL`], by worker and container.
+    fn fence_orders(&self) -> Result<Vec<FenceOrderRecord>, StoreError> {
+        Ok(Vec::new())
+    }
+    /// Marks `worker`'s orders for `containers` as handed to it.
+    fn fence_orders_relayed(
+        &self,
+        _worker: &str,
+        _containers: &[String],
+    ) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// Removes `worker`'s orders for `containers`: it says they no longer run there.
+    fn fence_orders_done(&self, _worker: &str, _containers: &[String]) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     // --- metric samples (E2B `get_metrics`) ---
 
     /// Keeps samples: (sandbox, Unix milliseconds, the sample as JSON), in one write; a sample
@@ -427,6 +456,21 @@ pub trait StateStore: Send + Sync {
         to_s: i64,
         tenant: Option<&TenantId>,
     ) -> Result<Vec<UsageInterval>, StoreError>;
+}
+
+/// How long a fence order stays open: past it, its worker was either reached by no controller
+/// (it fenced itself) or registered again (its leftovers were removed then).
+pub const FENCE_ORDER_TTL: Duration = Duration::from_secs(3600);
+
+/// One open fence order ([`StateStore::fence_orders`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FenceOrderRecord {
+    pub worker: String,
+    pub container: String,
+    /// The controller that held the container when it ordered it ended.
+    pub owner: String,
+    /// Whether a controller that hears the worker has handed it over.
+    pub relayed: bool,
 }
 
 /// A lock held in the store ([`StateStore::lock`]); released when dropped.

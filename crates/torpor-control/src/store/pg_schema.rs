@@ -16,6 +16,7 @@
 //! | 3 | `0003_scale_indexes.sql` | partial indexes for the idle policy, `(template, tenant)`, `(tenant, created_at, id)` |
 //! | 4 | `0004_sandbox_node.sql` | `sandboxes.node`: the worker a resident sandbox runs on |
 //! | 5 | `0005_metric_samples.sql` | `metric_samples`: E2B metric samples, kept an hour |
+//! | 6 | `0006_fence_orders.sql` | `fence_orders`: containers of a worker one controller lost, to end through another |
 //!
 //! To change the schema, add the next file and its line to [`MIGRATIONS`]; never edit a file
 //! that has shipped.
@@ -29,6 +30,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("pg/0003_scale_indexes.sql"),
     include_str!("pg/0004_sandbox_node.sql"),
     include_str!("pg/0005_metric_samples.sql"),
+    include_str!("pg/0006_fence_orders.sql"),
 ];
 
 /// The schema version this build writes and reads.

@@ -53,7 +53,7 @@ use torpor_gpu::request::GpuRequest;
 use super::pg_schema::{self, MigrateError};
 use super::records::*;
 use super::sqlite::{parse_sandbox, parse_template, parse_tenant, RawSandbox, RawTemplate};
-use super::{SandboxCursor, StateStore, StoreError};
+use super::{FenceOrderRecord, SandboxCursor, StateStore, StoreError, FENCE_ORDER_TTL};
 
 /// The most one call waits for a connection and its statement.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -1248,6 +1248,79 @@ impl StateStore for PostgresStore {
     }
 
     // --- usage intervals ---
+
+    fn put_fence_orders(
+        &self,
+        worker: &str,
+        owner: &str,
+        containers: &[String],
+    ) -> Result<(), StoreError> {
+        self.execute(
+            "drop old fence orders",
+            "DELETE FROM fence_orders WHERE ordered_at < now() - $1 * interval '1 millisecond'",
+            vec![p(FENCE_ORDER_TTL.as_millis() as f64)],
+        )?;
+        if containers.is_empty() {
+            return Ok(());
+        }
+        self.execute(
+            "order containers fenced",
+            "INSERT INTO fence_orders (worker, container, owner)
+             SELECT $1, c, $2 FROM unnest($3::text[]) AS c
+             ON CONFLICT (worker, container) DO UPDATE SET owner = excluded.owner,
+                 ordered_at = now(), relayed = false",
+            vec![
+                p(worker.to_string()),
+                p(owner.to_string()),
+                p(containers.to_vec()),
+            ],
+        )
+        .map(drop)
+    }
+
+    fn fence_orders(&self) -> Result<Vec<FenceOrderRecord>, StoreError> {
+        self.query(
+            "read fence orders",
+            "SELECT worker, container, owner, relayed FROM fence_orders
+             WHERE ordered_at >= now() - $1 * interval '1 millisecond'
+             ORDER BY worker, container",
+            vec![p(FENCE_ORDER_TTL.as_millis() as f64)],
+        )?
+        .iter()
+        .map(|r| {
+            Ok(FenceOrderRecord {
+                worker: get(r, 0, "fence order")?,
+                container: get(r, 1, "fence order")?,
+                owner: get(r, 2, "fence order")?,
+                relayed: get(r, 3, "fence order")?,
+            })
+        })
+        .collect()
+    }
+
+    fn fence_orders_relayed(&self, worker: &str, containers: &[String]) -> Result<(), StoreError> {
+        if containers.is_empty() {
+            return Ok(());
+        }
+        self.execute(
+            "mark fence orders relayed",
+            "UPDATE fence_orders SET relayed = true WHERE worker = $1 AND container = ANY($2)",
+            vec![p(worker.to_string()), p(containers.to_vec())],
+        )
+        .map(drop)
+    }
+
+    fn fence_orders_done(&self, worker: &str, containers: &[String]) -> Result<(), StoreError> {
+        if containers.is_empty() {
+            return Ok(());
+        }
+        self.execute(
+            "remove fence orders",
+            "DELETE FROM fence_orders WHERE worker = $1 AND container = ANY($2)",
+            vec![p(worker.to_string()), p(containers.to_vec())],
+        )
+        .map(drop)
+    }
 
     fn put_metric_samples(&self, rows: &[(SandboxId, i64, String)]) -> Result<(), StoreError> {
         if rows.is_empty() {

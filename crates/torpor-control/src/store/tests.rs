@@ -1356,6 +1356,52 @@ fn controllers_are_live_until_their_heartbeat_expires_and_leases_pass_on_expiry(
 }
 
 #[test]
+fn fence_orders_are_shared_relayed_and_removed_once_done() {
+    let Some(pg) = Postgres::new() else { return };
+    // c2 orders; c1 (another connection, as another controller) relays and confirms.
+    let (c1, c2) = (pg.connect(), pg.connect());
+    let ids = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    c2.put_fence_orders("w1", "c2", &ids(&["sb1-g1", "sb2-g1"]))
+        .unwrap();
+    c2.put_fence_orders("w2", "c2", &ids(&["sb3-g2"])).unwrap();
+    let order = |w: &str, c: &str, relayed| FenceOrderRecord {
+        worker: w.into(),
+        container: c.into(),
+        owner: "c2".into(),
+        relayed,
+    };
+    assert_eq!(
+        c1.fence_orders().unwrap(),
+        vec![
+            order("w1", "sb1-g1", false),
+            order("w1", "sb2-g1", false),
+            order("w2", "sb3-g2", false)
+        ]
+    );
+    // Marks touch only the worker named.
+    c1.fence_orders_relayed("w1", &ids(&["sb1-g1", "sb3-g2"]))
+        .unwrap();
+    c1.fence_orders_done("w1", &ids(&["sb2-g1", "sb3-g2"]))
+        .unwrap();
+    assert_eq!(
+        c2.fence_orders().unwrap(),
+        vec![order("w1", "sb1-g1", true), order("w2", "sb3-g2", false)]
+    );
+    // Ordered again (the worker was lost again): open and not relayed.
+    c2.put_fence_orders("w1", "c2", &ids(&["sb1-g1"])).unwrap();
+    assert_eq!(c1.fence_orders().unwrap()[0], order("w1", "sb1-g1", false));
+    c1.fence_orders_done("w1", &ids(&["sb1-g1"])).unwrap();
+    c1.fence_orders_done("w2", &ids(&["sb3-g2"])).unwrap();
+    assert!(c2.fence_orders().unwrap().is_empty());
+    // A store one process uses has no other controller to relay through.
+    let tmp = tempfile::tempdir().unwrap();
+    let lite = sqlite(&tmp.path().join("t.db"));
+    lite.put_fence_orders("w1", "c2", &ids(&["sb1-g1"]))
+        .unwrap();
+    assert!(lite.fence_orders().unwrap().is_empty());
+}
+
+#[test]
 fn a_store_lock_is_held_by_one_controller_at_a_time() {
     let Some(pg) = Postgres::new() else { return };
     let (a, b) = (Arc::new(pg.connect()), Arc::new(pg.connect()));

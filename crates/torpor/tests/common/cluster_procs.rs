@@ -43,6 +43,8 @@ pub struct Controller {
     pub log: PathBuf,
     pub child: Child,
     args: Vec<std::ffi::OsString>,
+    /// The cgroup v2 group it runs in ([`Partition::group`]), kept across restarts.
+    group: Option<PathBuf>,
 }
 
 impl Controller {
@@ -74,6 +76,19 @@ impl Controller {
         name: &str,
         worker_lost_after_ms: u64,
         extra: &[&str],
+    ) -> Controller {
+        Controller::start_in(tmp, database, name, worker_lost_after_ms, extra, None).await
+    }
+
+    /// [`Controller::start_args`], the process in cgroup v2 group `group` (a [`Partition`]
+    /// can cut its traffic).
+    pub async fn start_in(
+        tmp: &Path,
+        database: &str,
+        name: &str,
+        worker_lost_after_ms: u64,
+        extra: &[&str],
+        group: Option<&Path>,
     ) -> Controller {
         let token = tmp.join("admin-token");
         std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
@@ -115,27 +130,31 @@ impl Controller {
         .chain(extra.iter().copied())
         .map(Into::into)
         .collect();
-        let child = Controller::spawn(&args, std::fs::File::create(&log).unwrap());
+        let group = group.map(Path::to_path_buf);
+        let child = Controller::spawn(&args, std::fs::File::create(&log).unwrap(), &group);
         let mut c = Controller {
             api,
             cluster: cluster_addr,
             log,
             child,
             args,
+            group,
         };
         c.wait_up().await;
         c
     }
 
-    fn spawn(args: &[std::ffi::OsString], log: std::fs::File) -> Child {
-        Command::new(cluster::BIN)
-            .args(args)
+    fn spawn(args: &[std::ffi::OsString], log: std::fs::File, group: &Option<PathBuf>) -> Child {
+        let mut cmd = Command::new(cluster::BIN);
+        cmd.args(args)
             .env("TORPOR_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap()
+            .stderr(log);
+        if let Some(g) = group {
+            join_group(&mut cmd, g);
+        }
+        cmd.spawn().unwrap()
     }
 
     async fn wait_up(&mut self) {
@@ -174,7 +193,7 @@ impl Controller {
             .append(true)
             .open(&self.log)
             .unwrap();
-        self.child = Controller::spawn(&self.args, log);
+        self.child = Controller::spawn(&self.args, log, &self.group);
         self.wait_up().await;
     }
 
@@ -378,6 +397,20 @@ impl Worker {
         read_only: &[PathBuf],
         extra: &[&str],
     ) -> Worker {
+        Worker::start_in(tmp, tls, name, controller, read_only, extra, None)
+    }
+
+    /// [`Worker::start_args`], the process (and what it starts) in cgroup v2 group `group`
+    /// (a [`Partition`] can cut its traffic).
+    pub fn start_in(
+        tmp: &Path,
+        tls: &str,
+        name: &str,
+        controller: &str,
+        read_only: &[PathBuf],
+        extra: &[&str],
+        group: Option<&Path>,
+    ) -> Worker {
         let data = tmp.join(format!("data-{name}"));
         std::fs::create_dir_all(&data).unwrap();
         let log = tmp.join(format!("{name}.log"));
@@ -388,7 +421,11 @@ impl Worker {
             .map(|e| e.path())
             .filter(|p| p.is_dir())
             .collect();
-        let child = Command::new("unshare")
+        let mut cmd = Command::new("unshare");
+        if let Some(g) = group {
+            join_group(&mut cmd, g);
+        }
+        let child = cmd
             .args([
                 "--mount",
                 "--propagation",
@@ -493,6 +530,124 @@ impl Drop for Worker {
                         .output();
                 }
             });
+    }
+}
+
+/// Makes `cmd`'s process join cgroup v2 group `group` before it runs (what it starts
+/// follows it).
+fn join_group(cmd: &mut Command, group: &Path) {
+    use std::os::unix::process::CommandExt;
+    let procs = std::ffi::CString::new(
+        group
+            .join("cgroup.procs")
+            .into_os_string()
+            .into_encoded_bytes(),
+    )
+    .unwrap();
+    // SAFETY: between fork and exec only async-signal-safe calls (open, write, close) on
+    // memory prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // "0": the writing process itself.
+            let ok = libc::write(fd, b"0".as_ptr().cast(), 1) == 1;
+            let err = std::io::Error::last_os_error();
+            libc::close(fd);
+            if ok {
+                Ok(())
+            } else {
+                Err(err)
+            }
+        });
+    }
+}
+
+/// A network partition between processes of one machine, as between machines: TCP packets
+/// that processes of a cgroup v2 group send to a port are dropped (nftables matching the
+/// sending socket's group). Everything it made is removed on drop.
+pub struct Partition {
+    table: String,
+    groups: Vec<PathBuf>,
+}
+
+/// Where the cgroup v2 hierarchy is mounted on these machines (v1 holds /sys/fs/cgroup).
+const CGROUP2: &str = "/sys/fs/cgroup/unified";
+
+impl Partition {
+    /// A partition named `name` (unique to the test), cutting nothing yet.
+    pub fn new(name: &str) -> Partition {
+        let table = format!("{name}_{}", std::process::id());
+        nft(&[
+            &format!("add table inet {table}"),
+            &format!("add chain inet {table} out {{ type filter hook output priority 0; }}"),
+        ]);
+        Partition {
+            table,
+            groups: Vec::new(),
+        }
+    }
+
+    /// A new cgroup v2 group to start processes in (`Controller::start_in`, `Worker::start_in`).
+    pub fn group(&mut self, name: &str) -> PathBuf {
+        let dir = Path::new(CGROUP2).join(format!("{}-{name}", self.table));
+        std::fs::create_dir_all(&dir).unwrap();
+        self.groups.push(dir.clone());
+        dir
+    }
+
+    /// Drops the TCP packets processes of `group` send to `port` (connections they open
+    /// there fail; ones open stall).
+    pub fn cut(&self, group: &Path, port: u16) {
+        let name = group.file_name().unwrap().to_str().unwrap();
+        // nft resolves the group's path under /sys/fs/cgroup, where v1 is mounted here: in
+        // a mount namespace of its own, the v2 hierarchy is bound there.
+        let rule = format!(
+            "add rule inet {} out socket cgroupv2 level 1 \\\"{name}\\\" tcp dport {port} drop",
+            self.table
+        );
+        let out = Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(format!(
+                "mount --bind {CGROUP2} /sys/fs/cgroup && nft \"{rule}\""
+            ))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "nft {rule}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Removes every cut (the groups stay until the partition is dropped).
+    pub fn heal(&self) {
+        nft(&[&format!("flush chain inet {} out", self.table)]);
+    }
+}
+
+impl Drop for Partition {
+    fn drop(&mut self) {
+        let _ = Command::new("nft")
+            .args(["delete", "table", "inet", &self.table])
+            .output();
+        for g in &self.groups {
+            // Only empty groups go: the processes in it are gone by now (dropped before).
+            let _ = std::fs::remove_dir(g);
+        }
+    }
+}
+
+fn nft(commands: &[&str]) {
+    for c in commands {
+        let out = Command::new("nft").args(c.split(' ')).output().unwrap();
+        assert!(
+            out.status.success(),
+            "nft {c}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 

@@ -234,6 +234,7 @@ async fn heartbeat(
         resident_memory: 0,
         gpu_usage: Default::default(),
         gpu_usage_seq: 0,
+        fenced: Vec::new(),
     }))
     .await
     .map(|r| r.into_inner())
@@ -383,7 +384,8 @@ async fn a_replayed_heartbeat_with_another_run_id_does_not_keep_a_worker_alive()
         r,
         HeartbeatReply {
             known: false,
-            draining: false
+            draining: false,
+            fence: Vec::new(),
         }
     );
     assert_eq!(seen(&rig), t1, "a foreign heartbeat refreshed the worker");
