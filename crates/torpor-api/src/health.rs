@@ -64,15 +64,94 @@ pub(crate) async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
-/// The node's GPUs, their free capacity and the shares of the caller's sandboxes.
+/// The node's GPUs, their free capacity and the shares of the caller's sandboxes; in cluster
+/// mode, every GPU worker's, merged ([`cluster_gpus`]).
 pub(crate) async fn gpus(
     State(state): State<Arc<ApiState>>,
     Extension(tenant): Extension<TenantId>,
-) -> ApiResult<Json<torpor_control::gpu::GpuStatus>> {
-    match state.engine.gpus() {
-        Some(gpus) => Ok(Json(gpus.status(&tenant))),
-        None => Err(ControlError::from(torpor_control::gpu::GpuError::NotConfigured).into()),
+) -> ApiResult<Json<serde_json::Value>> {
+    if let Some(gpus) = state.engine.gpus() {
+        return Ok(Json(
+            serde_json::to_value(gpus.status(&tenant)).unwrap_or_default(),
+        ));
     }
+    let not_configured = || ControlError::from(torpor_control::gpu::GpuError::NotConfigured);
+    let Some(dir) = &state.nodes else {
+        return Err(not_configured().into());
+    };
+    let answers = dir.gpus(tenant.as_str()).await;
+    if answers.is_empty() {
+        return Err(not_configured().into());
+    }
+    Ok(Json(cluster_gpus(&state, answers)))
+}
+
+/// The workers' `GET /v1/gpus` as one: the single machine's fields, each GPU row and share with
+/// the `node` it is on; `sleeping` holds the sandboxes asleep now (a worker keeps a ticket
+/// after its sandbox woke elsewhere or went); `workers` says what each worker answered.
+fn cluster_gpus(state: &ApiState, answers: Vec<crate::nodes::WorkerGpus>) -> serde_json::Value {
+    use serde_json::{json, Value};
+    let (mut gpus, mut allocations, mut workers) = (Vec::new(), Vec::new(), Vec::new());
+    let mut sleeping = std::collections::BTreeSet::new();
+    let mut cuda_checkpoint = false;
+    let tagged = |list: &Value, node: &str| -> Vec<Value> {
+        list.as_array()
+            .into_iter()
+            .flatten()
+            .map(|v| {
+                let mut v = v.clone();
+                if let Some(o) = v.as_object_mut() {
+                    o.insert("node".into(), json!(node));
+                }
+                v
+            })
+            .collect()
+    };
+    for (node, answer) in answers {
+        match answer {
+            Ok(status) => {
+                gpus.extend(tagged(&status["gpus"], &node));
+                allocations.extend(tagged(&status["allocations"], &node));
+                sleeping.extend(
+                    status["sleeping"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|s| s.as_str().map(str::to_string)),
+                );
+                let has = status["cuda_checkpoint"].as_bool().unwrap_or(false);
+                cuda_checkpoint |= has;
+                workers.push(
+                    json!({"node": node, "source": status["source"], "cuda_checkpoint": has}),
+                );
+            }
+            Err(error) => workers.push(json!({"node": node, "error": error})),
+        }
+    }
+    let store = state.engine.state_store();
+    let asleep: Vec<String> = sleeping
+        .into_iter()
+        .filter(|id| {
+            torpor_core::SandboxId::new(id)
+                .ok()
+                .and_then(|id| store.sandbox(&id).ok().flatten())
+                .is_some_and(|r| {
+                    matches!(
+                        r.state,
+                        torpor_core::SandboxState::Parked | torpor_core::SandboxState::Suspended
+                    )
+                })
+        })
+        .collect();
+    json!({
+        "node": state.engine.controller_name().unwrap_or("cluster"),
+        "source": "cluster",
+        "gpus": gpus,
+        "allocations": allocations,
+        "sleeping": asleep,
+        "cuda_checkpoint": cuda_checkpoint,
+        "workers": workers,
+    })
 }
 
 pub(crate) async fn openapi() -> Response {

@@ -50,11 +50,16 @@ pub struct GpuHeld {
     pub compute: u64,
 }
 
+/// One worker's answer to `GET /v1/gpus` (its JSON), or why it gave none.
+pub type WorkerGpus = (String, Result<serde_json::Value, String>);
+
 /// The cluster's workers, as a controller knows them.
 pub trait NodeDirectory: Send + Sync {
     fn nodes(&self) -> Vec<NodeView>;
     /// Drains a known worker; `None` when there is none by that name.
     fn drain(&self, name: &str) -> Option<NodeView>;
+    /// `GET /v1/gpus` of every worker with GPUs that is not lost, as `viewer` may see it.
+    fn gpus<'a>(&'a self, viewer: &'a str) -> futures::future::BoxFuture<'a, Vec<WorkerGpus>>;
 }
 
 pub(crate) async fn list(

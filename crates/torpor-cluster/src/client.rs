@@ -598,6 +598,29 @@ impl RemoteNode {
             .collect())
     }
 
+    /// The worker's GPUs as `viewer` may see them (`GET /v1/gpus`'s JSON); `None` when it has
+    /// none.
+    pub async fn gpu_status(&self, viewer: &str) -> Result<Option<serde_json::Value>, String> {
+        let inner = &self.inner;
+        let reply = inner
+            .client()
+            .gpu_status(call(
+                pb::GpuStatusRequest {
+                    viewer: viewer.to_string(),
+                },
+                inner.cfg.deadlines.quick,
+            ))
+            .await
+            .map_err(|st| inner.err(&st, Duration::ZERO).to_string())?
+            .into_inner();
+        if reply.json.is_empty() {
+            return Ok(None);
+        }
+        serde_json::from_str(&reply.json)
+            .map(Some)
+            .map_err(|e| format!("the worker's GPU status does not parse: {e}"))
+    }
+
     /// Drops the worker's copies of `snapshot` (deleted from the store).
     pub async fn forget_snapshot(&self, snapshot: &str) -> Result<(), RuntimeError> {
         let inner = &self.inner;

@@ -221,6 +221,39 @@ fn quota_refusal(message: String) -> RuntimeError {
 }
 
 impl Fleet {
+    /// `GET /v1/gpus` of every worker with GPUs that is not lost (ready or draining), asked
+    /// side by side, by name: its JSON as `viewer` may see it, or why it did not answer.
+    pub async fn gpu_status(
+        &self,
+        viewer: &str,
+    ) -> Vec<(String, Result<serde_json::Value, String>)> {
+        let asked: Vec<(String, Arc<RemoteNode>)> = {
+            let m = self.lock();
+            m.placement
+                .iter()
+                .filter(|(_, cap, _, state)| {
+                    *state != WorkerState::Lost && !cap.gpu_models.is_empty()
+                })
+                .filter_map(|(name, _, _, _)| {
+                    let w = m.workers.get(name).filter(|w| !w.lost)?;
+                    Some((name.to_string(), w.remote.clone()))
+                })
+                .collect()
+        };
+        let mut out: Vec<(String, Result<serde_json::Value, String>)> =
+            futures::future::join_all(asked.into_iter().map(|(name, remote)| async move {
+                let status = match remote.gpu_status(viewer).await {
+                    Ok(Some(v)) => Ok(v),
+                    Ok(None) => Err("the worker reports no GPUs".to_string()),
+                    Err(e) => Err(e),
+                };
+                (name, status)
+            }))
+            .await;
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
     /// The GPU models of every ready worker that has GPUs (one entry per GPU), by name.
     pub fn gpu_workers(&self) -> Vec<(String, Vec<String>)> {
         let m = self.lock();
@@ -234,8 +267,8 @@ impl Fleet {
         out
     }
 
-    /// What `tenant` holds of the GPUs of every worker but `except`, as the workers last said
-    /// (a lost worker's sandboxes are gone with it).
+    /// What `tenant` holds of the GPUs of every worker but `except` (`""`: of every worker), as
+    /// the workers last said (a lost worker's sandboxes are gone with it).
     fn gpu_held_elsewhere(&self, tenant: &str, except: &str) -> Amount {
         let m = self.lock();
         m.workers
@@ -243,6 +276,33 @@ impl Fleet {
             .filter(|(name, w)| name.as_str() != except && !w.lost)
             .filter_map(|(_, w)| w.remote.gpu_usage().get(tenant).copied())
             .fold(Amount::default(), Amount::plus)
+    }
+
+    /// A worker's "no free GPU share" answered as the quota refusal it also is when the
+    /// tenant already holds all its cluster-wide quota allows (every share costs compute):
+    /// freeing a GPU would not let the start through. Holdings are the workers' last reports.
+    fn quota_first(&self, e: RuntimeError, request: Option<&GpuRequest>) -> RuntimeError {
+        let unavailable = matches!(&e, RuntimeError::Gpu { code, .. } if code == "gpu_unavailable");
+        let Some(tenant) = request.and_then(|r| r.tenant.as_ref()) else {
+            return e;
+        };
+        let Some(quota) = self.cfg.gpu_quotas.tenants.get(tenant) else {
+            return e;
+        };
+        if !unavailable || !self.cfg.gpu_quotas.enforced() {
+            return e;
+        }
+        let (held, ceiling) = (
+            self.gpu_held_elsewhere(tenant.as_str(), ""),
+            quota.ceiling(),
+        );
+        if held.compute < ceiling.compute {
+            return e;
+        }
+        quota_refusal(format!(
+            "tenant {tenant} holds {} MiB and {} compute units of GPUs across the cluster, all its quota allows ({} MiB, {} compute units)",
+            held.memory_mib, held.compute, ceiling.memory_mib, ceiling.compute
+        ))
     }
 
     /// The quota book a GPU start on `worker` carries: the tenant's quota less what it holds on
@@ -739,7 +799,8 @@ impl Fleet {
                     }
                     let Some(choice) = choice else {
                         if let Some(e) = gpu_refusal {
-                            return Err(e);
+                            drop(m); // quota_first reads the members
+                            return Err(self.quota_first(e, gpu.as_ref()));
                         }
                         let ready = m
                             .placement
@@ -823,7 +884,7 @@ impl Fleet {
                         || matches!(&e, RuntimeError::Unsupported(m) if m.contains("did not answer"))
                         || matches!(&e, RuntimeError::Gpu { code, .. } if code == "gpu_unavailable");
                     if !retry || refused.is_some() || pinned.is_some() {
-                        return Err(e);
+                        return Err(self.quota_first(e, gpu.as_ref()));
                     }
                     tracing::warn!(%worker, error = %e, "worker refused a start; trying another");
                     if matches!(e, RuntimeError::Gpu { .. }) {

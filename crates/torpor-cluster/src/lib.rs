@@ -38,7 +38,7 @@ pub use fence::{FenceBook, FenceOrder, Fenced, Fencer};
 pub use fleet::{serve_cluster, Fleet, FleetCapacity, FleetConfig, FleetError, NodeStatus};
 pub use images::{OpenBackend, WorkerImages};
 pub use join::{join, JoinConfig};
-pub use server::{serve, GpuUsage, GpuUsageFn, NodeService, ServeError};
+pub use server::{serve, GpuStatusFn, GpuUsage, GpuUsageFn, NodeService, ServeError};
 pub use tls::{Side, TlsFiles, TlsMetrics, TlsSource};
 
 /// The protocol version this build speaks (the `torpor-node-protocol` header; the package

@@ -81,11 +81,16 @@ pub struct NodeService {
     gpu_usage: std::sync::OnceLock<GpuUsageFn>,
     /// Numbers each read of `gpu_usage`, so that controllers keep the newest report.
     gpu_usage_seq: std::sync::atomic::AtomicU64,
+    /// `GET /v1/gpus`'s JSON of this worker's GPUs for a viewer (none without GPUs).
+    gpu_status: std::sync::OnceLock<GpuStatusFn>,
     /// Starts (boot, restore) and checkpoints running at once, whichever controller asks: one
     /// of each per core ([`NodeService::limit_heavy`]); more only slow each other down.
     starts: Arc<tokio::sync::Semaphore>,
     checkpoints: Arc<tokio::sync::Semaphore>,
 }
+
+/// This worker's GPUs as `GET /v1/gpus` shows them to a viewer (a tenant name), as JSON.
+pub type GpuStatusFn = Arc<dyn Fn(&str) -> String + Send + Sync>;
 
 /// What each tenant's sandboxes hold of a worker's GPUs, tenant → amount.
 pub type GpuUsage = std::collections::BTreeMap<String, torpor_gpu::quota::Amount>;
@@ -163,6 +168,7 @@ impl NodeService {
             held_dir: std::sync::OnceLock::new(),
             gpu_usage: std::sync::OnceLock::new(),
             gpu_usage_seq: std::sync::atomic::AtomicU64::new(0),
+            gpu_status: std::sync::OnceLock::new(),
             starts: Arc::new(tokio::sync::Semaphore::new(
                 tokio::sync::Semaphore::MAX_PERMITS,
             )),
@@ -251,6 +257,11 @@ impl NodeService {
     /// Gives the service its GPU layer's usage (heartbeats and start replies carry it).
     pub fn set_gpu_usage(&self, usage: GpuUsageFn) {
         let _ = self.gpu_usage.set(usage);
+    }
+
+    /// How this worker shows its GPUs to `GET /v1/gpus` (its GPU layer; once).
+    pub fn set_gpu_status(&self, status: GpuStatusFn) {
+        let _ = self.gpu_status.set(status);
     }
 
     /// What each tenant holds of this worker's GPUs now, numbered after every earlier read.
@@ -858,6 +869,19 @@ impl NodeRpc for Arc<NodeService> {
             })
             .collect();
         Ok(Response::new(pb::ImagesReply { images }))
+    }
+
+    async fn gpu_status(
+        &self,
+        req: Request<pb::GpuStatusRequest>,
+    ) -> Result<Response<pb::GpuStatusReply>, Status> {
+        let viewer = req.into_inner().viewer;
+        let json = self
+            .gpu_status
+            .get()
+            .map(|f| f(&viewer))
+            .unwrap_or_default();
+        Ok(Response::new(pb::GpuStatusReply { json }))
     }
 
     async fn destroy(&self, req: Request<pb::ContainerRef>) -> Result<Response<pb::Empty>, Status> {

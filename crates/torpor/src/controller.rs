@@ -327,6 +327,15 @@ impl torpor_api::nodes::NodeDirectory for FleetNodes {
     fn drain(&self, name: &str) -> Option<torpor_api::nodes::NodeView> {
         self.0.drain(name).ok().map(view)
     }
+
+    fn gpus<'a>(
+        &'a self,
+        viewer: &'a str,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = Vec<torpor_api::nodes::WorkerGpus>> + Send + 'a>,
+    > {
+        Box::pin(self.0.gpu_status(viewer))
+    }
 }
 
 fn view(n: torpor_cluster::NodeStatus) -> torpor_api::nodes::NodeView {

@@ -81,7 +81,8 @@ pub struct WorkerArgs {
     /// turns it off (default 1G).
     #[arg(long, value_parser = crate::snapshot::parse_cache_size)]
     chunk_cache: Option<u64>,
-    /// Serve GET /metrics (TLS refusals) without a token on this address.
+    /// Serve GET /metrics (TLS refusals; with GPUs, the GPU families with their holders'
+    /// tenants and sandboxes) without a token on this address: keep it private.
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
     /// Declared GPU inventory (TOML); without it NVML is asked when a driver loads. The
@@ -163,6 +164,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     if let Some(addr) = args.metrics_listen {
         let registry = prometheus::Registry::new();
         metrics.register(&registry)?;
+        let gpu_metrics = gpu_node.clone();
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
@@ -170,6 +172,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             "/metrics",
             axum::routing::get(move || {
                 let registry = registry.clone();
+                let gpus = gpu_metrics.clone();
                 async move {
                     let mut out = Vec::new();
                     let _ = prometheus::Encoder::encode(
@@ -177,7 +180,12 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
                         &registry.gather(),
                         &mut out,
                     );
-                    String::from_utf8_lossy(&out).into_owned()
+                    let mut text = String::from_utf8_lossy(&out).into_owned();
+                    // This worker's GPUs, as `torpor up` serves them.
+                    if let Some(g) = gpus {
+                        text.push_str(&g.metrics());
+                    }
+                    text
                 }
             }),
         );
@@ -204,6 +212,8 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     if let Some(g) = &gpu_node {
         let g = g.clone();
         service.set_gpu_usage(Arc::new(move || g.usage()));
+        let g = gpu_node.clone().unwrap();
+        service.set_gpu_status(Arc::new(move |viewer| g.status_json(viewer)));
     }
     // Live restore: the containers a previous run left under their shims come back for the
     // controllers that held them (they say so when this worker registers); the rest goes.

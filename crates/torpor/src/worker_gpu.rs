@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use tokio::sync::mpsc;
 use torpor_control::gpu::{GpuError, NodeGpus};
-use torpor_core::{NetworkPolicy, SandboxId};
+use torpor_core::{NetworkPolicy, SandboxId, TenantId};
 use torpor_gpu::quota::QuotaBook;
 use torpor_gpu::request::GpuRequest;
 use torpor_runtime::conn::ConnError;
@@ -169,6 +169,20 @@ impl GpuNode {
     /// What each tenant holds of the worker's GPUs (heartbeats carry it).
     pub fn usage(&self) -> torpor_cluster::GpuUsage {
         self.shares.gpus.tenant_usage()
+    }
+
+    /// `GET /v1/gpus` of this worker as `viewer` (a tenant name) may see it, as JSON; empty
+    /// for a name that cannot be a tenant's (controllers send their caller's).
+    pub fn status_json(&self, viewer: &str) -> String {
+        let Ok(viewer) = TenantId::new(viewer) else {
+            return String::new();
+        };
+        serde_json::to_string(&self.shares.gpus.status(&viewer)).unwrap_or_default()
+    }
+
+    /// The GPU metric families of `/metrics` (shares, free capacity; DCGM's with NVML).
+    pub fn metrics(&self) -> String {
+        self.shares.gpus.metrics()
     }
 
     /// GPU models, one entry per GPU (the worker registers with them).

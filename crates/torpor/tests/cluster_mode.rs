@@ -978,6 +978,23 @@ fn admin_gpu_compute(nodes: &[Value], worker: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// `(node, field)` of each entry of a merged `GET /v1/gpus` list, sorted.
+fn pairs(list: &Value, field: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = list
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            (
+                e["node"].as_str().unwrap_or_default().to_string(),
+                e[field].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_across_workers() {
     let Some((database, tmp)) = setup("torpor-cluster-gpu-", &["c1"], &["ga", "gb", "w3"]).await
@@ -996,6 +1013,14 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
     let controller =
         Controller::start_args(dir, &database, "c1", 2000, &["--gpu-quotas", &quotas]).await;
     let (inv_a, inv_b) = (fixture("worker-l4-a.toml"), fixture("worker-l4-b.toml"));
+    // Each GPU worker serves its GPU metrics on its own listener.
+    let (metrics_a, metrics_b) = (cluster::free_port(), cluster::free_port());
+    let metrics_of = |w: &str| {
+        format!(
+            "127.0.0.1:{}",
+            if w == "ga" { metrics_a } else { metrics_b }
+        )
+    };
     let _workers = [
         Worker::start_args(
             dir,
@@ -1003,7 +1028,12 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
             "ga",
             &controller.cluster,
             &[],
-            &["--gpu-inventory", &inv_a],
+            &[
+                "--gpu-inventory",
+                &inv_a,
+                "--metrics-listen",
+                &metrics_of("ga"),
+            ],
         ),
         Worker::start_args(
             dir,
@@ -1011,7 +1041,12 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
             "gb",
             &controller.cluster,
             &[],
-            &["--gpu-inventory", &inv_b],
+            &[
+                "--gpu-inventory",
+                &inv_b,
+                "--metrics-listen",
+                &metrics_of("gb"),
+            ],
         ),
         Worker::start(dir, "w3", "w3", &controller.cluster),
     ];
@@ -1060,6 +1095,24 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
         .to_string();
     assert_eq!(visible_gpu(&controller, &a).await, uuid_of(&a_node));
     let other = if a_node == "ga" { "gb" } else { "ga" };
+    let shares_line = |text: &str, worker: &str| {
+        text.lines()
+            .find(|l| {
+                l.starts_with("torpor_gpu_shares{")
+                    && l.contains(&format!("UUID=\"{}\"", uuid_of(worker)))
+            })
+            .map(str::to_string)
+    };
+    let metrics = reqwest::get(format!("http://{}/metrics", metrics_of(&a_node)))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        shares_line(&metrics, &a_node).is_some_and(|l| l.ends_with(" 1")),
+        "{a_node}'s /metrics does not show A's share:\n{metrics}"
+    );
 
     // The quota is the tenant's across the cluster: the other worker's free L4 is refused.
     let (status, refused) = create_gpu(json!({"mode": "whole"})).await;
@@ -1120,6 +1173,14 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
             admin_gpu_compute(n, &b_node) == 700
         })
         .await;
+    // GET /v1/gpus answers for the cluster: A sleeps with its ticket on the worker it left.
+    let all = controller.ok(reqwest::Method::GET, "/v1/gpus", None).await;
+    assert_eq!(all["sleeping"], json!([a.clone()]), "{all}");
+    assert_eq!(
+        pairs(&all["allocations"], "sandbox"),
+        [(b_node.clone(), b.clone())],
+        "{all}"
+    );
 
     // A's wake is held to the same quota: refused while B holds it, and A stays asleep.
     let (status, woke) = controller
@@ -1191,6 +1252,41 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
     assert_eq!(status, 200, "{t1_rec}");
     let t1_node = t1_rec["node"].as_str().unwrap().to_string();
     assert_ne!(t1_node, now_on, "A holds {now_on}'s only GPU: {t1_rec}");
+    // GET /v1/gpus: every GPU worker's GPUs and shares, each with the node it is on; nothing
+    // asleep (A's ticket on the worker it left is not shown once A runs); a tenant sees its
+    // own shares only.
+    let all = controller.ok(reqwest::Method::GET, "/v1/gpus", None).await;
+    assert_eq!(all["source"], "cluster", "{all}");
+    assert_eq!(
+        pairs(&all["gpus"], "uuid"),
+        [
+            ("ga".to_string(), uuid_of("ga").to_string()),
+            ("gb".to_string(), uuid_of("gb").to_string())
+        ],
+        "{all}"
+    );
+    let mut want = vec![(now_on.clone(), a.clone()), (t1_node.clone(), t1.clone())];
+    want.sort();
+    assert_eq!(pairs(&all["allocations"], "sandbox"), want, "{all}");
+    assert_eq!(all["sleeping"], json!([]), "{all}");
+    assert_eq!(
+        all["workers"],
+        json!([
+            {"node": "ga", "source": inv_a, "cuda_checkpoint": false},
+            {"node": "gb", "source": inv_b, "cuda_checkpoint": false}
+        ]),
+        "{all}"
+    );
+    let (status, mine) = controller
+        .call_as(&team, reqwest::Method::GET, "/v1/gpus", None)
+        .await;
+    assert_eq!(status, 200, "{mine}");
+    assert_eq!(
+        pairs(&mine["allocations"], "sandbox"),
+        [(t1_node.clone(), t1.clone())],
+        "another tenant's share shown: {mine}"
+    );
+    assert_eq!(mine["allocations"][0]["tenant"], "team", "{mine}");
     let (status, t2) = team_gpu().await;
     assert_eq!(
         (status, t2["error"]["code"].as_str()),
