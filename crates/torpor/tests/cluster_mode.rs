@@ -210,6 +210,34 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
     // The cluster still serves.
     assert_eq!(controller.exec(&id, "cat /tmp/state").await, "disk-3\n");
 
+    // A filesystem-only pause (E2B's `pause(keep_memory=False)`) through the controller: its
+    // mark is kept in PostgreSQL beside the record, and the next call, through the API, reboots
+    // the sandbox on the worker it wakes on: a new boot id, its files kept, its processes gone.
+    const PROBE: &str = "cat /proc/sys/kernel/random/boot_id /tmp/state; \
+                         kill -0 $(cat /tmp/pid) 2>/dev/null && echo alive || echo gone";
+    let before = controller.exec(&id, PROBE).await;
+    let boot0 = before.lines().next().unwrap().to_string();
+    assert!(before.ends_with("disk-3\nalive\n"), "{before}");
+    let paused = reqwest::Client::new()
+        .post(format!("http://{}/sandboxes/{id}/pause", controller.api))
+        .header("X-API-KEY", TOKEN)
+        .json(&json!({"memory": false}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(paused.status(), 204, "{}", paused.text().await.unwrap());
+    let after = controller.exec(&id, PROBE).await;
+    let mut lines = after.lines();
+    assert_ne!(lines.next(), Some(boot0.as_str()), "not rebooted: {after}");
+    assert_eq!(lines.collect::<Vec<_>>(), ["disk-3", "gone"], "{after}");
+    assert!(
+        controller
+            .log()
+            .contains("rebooted after a filesystem-only pause"),
+        "{}",
+        controller.log()
+    );
+
     // Parked and uploaded once more, then deleted: the worker's copy of its snapshot goes too.
     controller.park(&id).await;
     wait_uploaded(&controller, &id).await;
@@ -237,6 +265,64 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
         copies_of(&w4_images),
         Vec::<String>::new(),
         "a deleted sandbox leaves no image on its worker"
+    );
+
+    // A template of its own: built on a worker, its golden snapshot and root filesystem go to
+    // the store (and a worker's copies); deleted, every one of them goes.
+    controller
+        .ok(
+            reqwest::Method::POST,
+            "/v1/templates",
+            Some(json!({"name": "gone-soon", "source": {"kind": "host"}})),
+        )
+        .await;
+    let sb = controller
+        .ok(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "gone-soon"})),
+        )
+        .await;
+    let sb = sb["id"].as_str().unwrap().to_string();
+    assert_eq!(controller.exec(&sb, "echo up").await, "up\n");
+    let of_template = |root: &std::path::Path| -> Vec<String> {
+        let mut found = Vec::new();
+        let mut dirs = vec![root.to_path_buf()];
+        while let Some(d) = dirs.pop() {
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with("golden-gone-soon-") || name.starts_with("rootfs-gone-soon-") {
+                    found.push(e.path().display().to_string());
+                } else if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    dirs.push(e.path());
+                }
+            }
+        }
+        found
+    };
+    let store = dir.join("store");
+    assert!(
+        !of_template(&store).is_empty(),
+        "the template's snapshots are in the store"
+    );
+    controller
+        .ok(
+            reqwest::Method::DELETE,
+            &format!("/v1/sandboxes/{sb}"),
+            None,
+        )
+        .await;
+    controller
+        .ok(reqwest::Method::DELETE, "/v1/templates/gone-soon", None)
+        .await;
+    let mut left = of_template(&store);
+    for w in &workers {
+        left.extend(of_template(&w.data.join("images")));
+    }
+    assert_eq!(
+        left,
+        Vec::<String>::new(),
+        "the template's snapshots outlived it"
     );
 }
 
