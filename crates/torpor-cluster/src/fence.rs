@@ -24,7 +24,7 @@
 //!   dropped (its worker was reached by no controller, or registered again: its leftovers were
 //!   removed then).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -63,18 +63,11 @@ pub struct Fencer {
     /// This controller's name (the owner its orders name).
     me: String,
     heartbeat: Duration,
-    state: Mutex<Relay>,
+    open: Mutex<OpenOrders>,
 }
 
-#[derive(Default)]
-struct Relay {
-    /// Open orders by worker: `(container, owner)`.
-    open: HashMap<String, Vec<(String, String)>>,
-    /// Handed over since the last flush, by worker.
-    relayed: HashMap<String, BTreeSet<String>>,
-    /// Confirmed by their worker since the last flush, by worker.
-    done: HashMap<String, BTreeSet<String>>,
-}
+/// Open orders by worker, as last read: `(container, owner, relayed)`.
+type OpenOrders = HashMap<String, Vec<(String, String, bool)>>;
 
 impl Fencer {
     pub fn new(book: Arc<dyn FenceBook>, me: String, heartbeat: Duration) -> Arc<Fencer> {
@@ -82,17 +75,18 @@ impl Fencer {
             book,
             me,
             heartbeat,
-            state: Mutex::default(),
+            open: Mutex::default(),
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Relay> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, OpenOrders> {
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// How long an order may wait for a controller that hears its worker to hand it over.
+    /// How long an order may wait for a controller that hears its worker to hand it over
+    /// (that one reads orders once a heartbeat period and the worker heartbeats as often).
     pub fn relay_window(&self) -> Duration {
-        self.heartbeat * 3 + Duration::from_millis(500)
+        self.heartbeat * 3 + Duration::from_secs(1)
     }
 
     /// How long a handed-over order may wait for its worker's confirmation.
@@ -102,60 +96,60 @@ impl Fencer {
 
     /// A heartbeat from `worker` (its certificate's name): records which of its open orders
     /// it carried out (only its own: a worker cannot close another's), and answers the
-    /// orders still open for it.
+    /// orders still open for it. What changed is written at once, off this thread.
     pub fn on_heartbeat(&self, worker: &str, fenced: Vec<String>) -> Vec<pb::FenceOrder> {
-        let mut r = self.lock();
-        let Some(open) = r.open.get_mut(worker) else {
-            return Vec::new();
+        let (orders, carried_out, handed) = {
+            let mut all = self.lock();
+            let Some(open) = all.get_mut(worker) else {
+                return Vec::new();
+            };
+            let (carried_out, mut still): (Vec<_>, Vec<_>) = std::mem::take(open)
+                .into_iter()
+                .partition(|(c, _, _)| fenced.contains(c));
+            let mut handed = Vec::new();
+            for (container, _, relayed) in still.iter_mut() {
+                if !*relayed {
+                    *relayed = true;
+                    handed.push(container.clone());
+                }
+            }
+            let orders: Vec<pb::FenceOrder> = still
+                .iter()
+                .map(|(container, owner, _)| pb::FenceOrder {
+                    container: container.clone(),
+                    owner: owner.clone(),
+                })
+                .collect();
+            *open = still;
+            let carried_out: Vec<String> = carried_out.into_iter().map(|(c, _, _)| c).collect();
+            (orders, carried_out, handed)
         };
-        let (carried_out, still): (Vec<_>, Vec<_>) = std::mem::take(open)
-            .into_iter()
-            .partition(|(c, _)| fenced.contains(c));
-        *open = still;
-        let orders: Vec<pb::FenceOrder> = open
-            .iter()
-            .map(|(container, owner)| pb::FenceOrder {
-                container: container.clone(),
-                owner: owner.clone(),
-            })
-            .collect();
-        if !carried_out.is_empty() {
-            r.done
-                .entry(worker.to_string())
-                .or_default()
-                .extend(carried_out.into_iter().map(|(c, _)| c));
-        }
-        if !orders.is_empty() {
-            r.relayed
-                .entry(worker.to_string())
-                .or_default()
-                .extend(orders.iter().map(|o| o.container.clone()));
+        if !carried_out.is_empty() || !handed.is_empty() {
+            let (book, worker) = (self.book.clone(), worker.to_string());
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = book
+                    .done(&worker, &carried_out)
+                    .and_then(|()| book.relayed(&worker, &handed))
+                {
+                    // The rows stay open: handed over (and confirmed) again next time.
+                    tracing::warn!(%worker, error = %e, "cannot record fence orders");
+                } else if !carried_out.is_empty() {
+                    tracing::info!(%worker, containers = ?carried_out, "fence orders carried out");
+                }
+            });
         }
         orders
     }
 
-    /// Writes what was relayed and confirmed, then reads the open orders again (blocking).
+    /// Reads the open orders again (blocking).
     fn sync(&self) -> Result<(), String> {
-        let (relayed, done) = {
-            let mut r = self.lock();
-            (std::mem::take(&mut r.relayed), std::mem::take(&mut r.done))
-        };
-        for (worker, containers) in done {
-            let containers: Vec<String> = containers.into_iter().collect();
-            self.book.done(&worker, &containers)?;
-            tracing::info!(%worker, containers = ?containers, "fence orders carried out");
-        }
-        for (worker, containers) in relayed {
-            let containers: Vec<String> = containers.into_iter().collect();
-            self.book.relayed(&worker, &containers)?;
-        }
-        let mut open: HashMap<String, Vec<(String, String)>> = HashMap::new();
+        let mut open = OpenOrders::new();
         for o in self.book.open()? {
             open.entry(o.worker)
                 .or_default()
-                .push((o.container, o.owner));
+                .push((o.container, o.owner, o.relayed));
         }
-        self.lock().open = open;
+        *self.lock() = open;
         Ok(())
     }
 
@@ -346,8 +340,12 @@ mod tests {
             got,
             [("x-g1".into(), "c2".into()), ("y-g1".into(), "c2".into())]
         );
-        a.sync().unwrap();
-        assert!(book.open().unwrap().iter().all(|o| o.relayed));
+        // Marked as handed over (written off the heartbeat's thread).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !book.open().unwrap().iter().all(|o| o.relayed) {
+            assert!(Instant::now() < deadline, "never marked relayed");
+            tokio::time::sleep(BEAT).await;
+        }
         assert!(!wait.is_finished(), "c2 waits for the worker's word");
         // The worker confirms one; it is no longer handed over, and c2 still waits.
         assert_eq!(a.on_heartbeat("w1", ids(&["x-g1"])).len(), 1);
