@@ -169,7 +169,14 @@ pub struct Snapshots {
     cache_misses: IntCounter,
     pub(crate) gc_runs: IntCounterVec,
     pub(crate) gc_removed: IntCounterVec,
+    /// The sandbox label of each snapshot manifest read so far, by tenant: a manifest never
+    /// changes, so a deleted sandbox's snapshots are found by listing names and reading only
+    /// the manifests not seen before ([`Snapshots::forget_sandbox`]).
+    sandbox_of: Arc<Mutex<SandboxLabels>>,
 }
+
+/// Tenant → snapshot id → the sandbox its manifest names (`None`: none).
+type SandboxLabels = HashMap<TenantId, HashMap<String, Option<String>>>;
 
 impl Snapshots {
     pub fn open(data_dir: &Path, cfg: &SnapshotConfig, metrics: &Metrics) -> Result<Snapshots> {
@@ -255,6 +262,7 @@ impl Snapshots {
             cache_misses,
             gc_runs,
             gc_removed,
+            sandbox_of: Arc::default(),
         })
     }
 
@@ -498,20 +506,49 @@ impl Snapshots {
         let Ok(store) = self.for_tenant(tenant) else {
             return;
         };
-        let sandbox = sandbox.to_string();
+        let (sandbox, labels, tenant) =
+            (sandbox.to_string(), self.sandbox_of.clone(), tenant.clone());
         let done = tokio::spawn(async move {
-            for id in store.list_snapshots().await? {
-                let m = match store.load_manifest(&id).await {
-                    Ok(m) => m,
-                    Err(StoreError::SnapshotNotFound { .. }) => continue,
-                    Err(e) => return Err(e),
-                };
-                if m.label(torpor_snapshot::store::LABEL_SANDBOX) == Some(sandbox.as_str()) {
-                    match store.delete_snapshot(&id).await {
-                        Ok(()) | Err(StoreError::SnapshotPinned { .. }) => {}
-                        Err(StoreError::SnapshotNotFound { .. }) => {}
+            let ids = store.list_snapshots().await?;
+            // The labels known already; the other manifests are read once, here.
+            let known: HashMap<String, Option<String>> = {
+                let mut all = labels.lock().unwrap_or_else(|p| p.into_inner());
+                let mine = all.entry(tenant.clone()).or_default();
+                mine.retain(|id, _| ids.iter().any(|i| i.as_str() == id));
+                mine.clone()
+            };
+            let mut learned = Vec::new();
+            let mut ours = Vec::new();
+            for id in ids {
+                let label = match known.get(id.as_str()) {
+                    Some(label) => label.clone(),
+                    None => match store.load_manifest(&id).await {
+                        Ok(m) => {
+                            let label = m
+                                .label(torpor_snapshot::store::LABEL_SANDBOX)
+                                .map(str::to_string);
+                            learned.push((id.to_string(), label.clone()));
+                            label
+                        }
+                        Err(StoreError::SnapshotNotFound { .. }) => continue,
                         Err(e) => return Err(e),
-                    }
+                    },
+                };
+                if label.as_deref() == Some(sandbox.as_str()) {
+                    ours.push(id);
+                }
+            }
+            labels
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(tenant)
+                .or_default()
+                .extend(learned);
+            for id in ours {
+                match store.delete_snapshot(&id).await {
+                    Ok(()) | Err(StoreError::SnapshotPinned { .. }) => {}
+                    Err(StoreError::SnapshotNotFound { .. }) => {}
+                    Err(e) => return Err(e),
                 }
             }
             Ok(())

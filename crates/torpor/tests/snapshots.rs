@@ -214,7 +214,33 @@ async fn snapshot_cli_lists_verifies_collects_and_a_corrupt_chunk_fails_the_wake
         tc.gc_snapshots(false).await.unwrap_err().code(),
         Some("forbidden")
     );
+
+    // A deleted sandbox's kept snapshots go with it, and only its own: the first delete reads
+    // each manifest once (they never change), the second still finds a snapshot taken after.
+    let of = |sb: &str| -> usize {
+        json(&d, &["snapshot", "ls", "--json"])
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| s["sandbox"] == sb)
+            .count()
+    };
+    let id2 = create(&c, "snappy").await;
+    call_agent(&c, &id2, "x").await;
+    c.suspend(&id2, Some(Tier::Suspended)).await.unwrap();
+    assert_eq!(of(&id2), 1);
+    let kept = of(&id);
+    c.delete_sandbox(&id2).await.unwrap();
+    assert_eq!(of(&id2), 0, "a deleted sandbox's snapshot outlived it");
+    assert_eq!(of(&id), kept, "another sandbox's snapshots went with it");
+    c.suspend(&id, Some(Tier::Suspended)).await.unwrap();
+    assert_eq!(of(&id), kept + 1);
     c.delete_sandbox(&id).await.unwrap();
+    assert_eq!(
+        of(&id),
+        0,
+        "a snapshot taken after the first delete outlived its sandbox"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
