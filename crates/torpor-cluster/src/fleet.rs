@@ -283,15 +283,15 @@ impl Fleet {
     /// freeing a GPU would not let the start through. Holdings are the workers' last reports.
     fn quota_first(&self, e: RuntimeError, request: Option<&GpuRequest>) -> RuntimeError {
         let unavailable = matches!(&e, RuntimeError::Gpu { code, .. } if code == "gpu_unavailable");
-        let Some(tenant) = request.and_then(|r| r.tenant.as_ref()) else {
-            return e;
-        };
-        let Some(quota) = self.cfg.gpu_quotas.tenants.get(tenant) else {
-            return e;
-        };
         if !unavailable || !self.cfg.gpu_quotas.enforced() {
             return e;
         }
+        let Some((tenant, quota)) = request
+            .and_then(|r| r.tenant.as_ref())
+            .and_then(|t| Some((t, self.cfg.gpu_quotas.tenants.get(t)?)))
+        else {
+            return e;
+        };
         let (held, ceiling) = (
             self.gpu_held_elsewhere(tenant.as_str(), ""),
             quota.ceiling(),
