@@ -510,11 +510,13 @@ impl Snapshots {
             (sandbox.to_string(), self.sandbox_of.clone(), tenant.clone());
         let done = tokio::spawn(async move {
             let ids = store.list_snapshots().await?;
-            // The labels known already; the other manifests are read once, here.
+            let listed: std::collections::HashSet<&str> = ids.iter().map(|i| i.as_str()).collect();
+            // The labels known already (of snapshots still there); the other manifests are
+            // read once, here.
             let known: HashMap<String, Option<String>> = {
                 let mut all = labels.lock().unwrap_or_else(|p| p.into_inner());
                 let mine = all.entry(tenant.clone()).or_default();
-                mine.retain(|id, _| ids.iter().any(|i| i.as_str() == id));
+                mine.retain(|id, _| listed.contains(id.as_str()));
                 mine.clone()
             };
             let mut learned = Vec::new();
