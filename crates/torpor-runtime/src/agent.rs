@@ -349,7 +349,12 @@ impl Agent {
         };
         let pid = child.id() as i32;
         let stream = |fd: u8, chunk: &[u8]| self.reply(id, &Reply::Output { fd }, chunk);
-        let outcome = io.pump(&status_rx, deadline, req.stream.then_some(&stream));
+        let outcome = io.pump(
+            &status_rx,
+            deadline,
+            DRAIN_AFTER_EXIT,
+            req.stream.then_some(&stream),
+        );
         let (status, timed_out) = match outcome {
             Pumped::Exited(s) => (Some(s), false),
             Pumped::TimedOut => {
@@ -433,11 +438,13 @@ const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(50);
 
 impl ChildIo {
     /// Moves bytes between the pipes and the buffers until the process exits and its pipes
-    /// close, or the deadline passes. With `stream`, output is sent as it arrives instead.
+    /// close (or `linger` after its exit), or the deadline passes. With `stream`, output is
+    /// sent as it arrives instead.
     fn pump(
         &mut self,
         status_rx: &Receiver<WaitStatus>,
         deadline: Option<Instant>,
+        linger: Duration,
         stream: Option<&OutputSink<'_>>,
     ) -> Pumped {
         for fd in [
@@ -462,7 +469,12 @@ impl ChildIo {
             }
             let open = self.stdout.is_some() || self.stderr.is_some();
             if let Some(s) = status {
-                if !open || exited_at.is_some_and(|t| t.elapsed() >= DRAIN_AFTER_EXIT) {
+                if !open || exited_at.is_some_and(|t| t.elapsed() >= linger) {
+                    // Everything the process wrote before it exited is in the pipes now: read
+                    // it whatever the clock says. (The first exec after a restore saw the
+                    // clock step past the window before its first read, and answered with
+                    // no output at all.)
+                    self.drain_pipes(&mut buf, stream);
                     return Pumped::Exited(s);
                 }
             } else if !open && self.stdin.is_none() {
@@ -511,15 +523,20 @@ impl ChildIo {
                 std::thread::sleep(Duration::from_millis(slice_ms as u64));
             }
             self.feed_stdin();
-            if let Some(p) = &mut self.stdout {
-                if drain(p, &mut buf, &mut self.out, stream.map(|s| (s, 1u8))) {
-                    self.stdout = None;
-                }
+            self.drain_pipes(&mut buf, stream);
+        }
+    }
+
+    /// Reads what the pipes hold now, without waiting; a pipe at its end is closed.
+    fn drain_pipes(&mut self, buf: &mut [u8], stream: Option<&OutputSink<'_>>) {
+        if let Some(p) = &mut self.stdout {
+            if drain(p, buf, &mut self.out, stream.map(|s| (s, 1u8))) {
+                self.stdout = None;
             }
-            if let Some(p) = &mut self.stderr {
-                if drain(p, &mut buf, &mut self.err, stream.map(|s| (s, 2u8))) {
-                    self.stderr = None;
-                }
+        }
+        if let Some(p) = &mut self.stderr {
+            if drain(p, buf, &mut self.err, stream.map(|s| (s, 2u8))) {
+                self.stderr = None;
             }
         }
     }
@@ -1174,6 +1191,35 @@ mod output_cap_tests {
         let mut small = Vec::new();
         keep_capped(&mut small, b"hello");
         assert_eq!(small, b"hello");
+    }
+
+    #[test]
+    fn output_written_before_the_exit_is_kept_however_short_the_window_after_it() {
+        use std::os::unix::process::ExitStatusExt;
+        // The exit is already known when the pump starts and the window after it is over at
+        // once (as when the clock steps past it): what the process wrote is still read.
+        let mut child = Command::new("sh")
+            .args(["-c", "echo out; echo err >&2"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut io = ChildIo {
+            stdin: None,
+            stdin_data: Vec::new(),
+            stdin_pos: 0,
+            stdout: child.stdout.take(),
+            stderr: child.stderr.take(),
+            out: Vec::new(),
+            err: Vec::new(),
+        };
+        let status = child.wait().unwrap();
+        let (tx, rx) = mpsc::channel();
+        tx.send(WaitStatus::from_raw(status.into_raw())).unwrap();
+        let outcome = io.pump(&rx, None, Duration::ZERO, None);
+        assert!(matches!(outcome, Pumped::Exited(s) if s.code == Some(0)));
+        assert_eq!(io.out, b"out\n");
+        assert_eq!(io.err, b"err\n");
     }
 
     #[test]

@@ -57,6 +57,8 @@ async fn probe(c: &torpor_api::Client, id: &str) -> (u64, u64, String) {
         .await
         .unwrap();
     assert_eq!(r.exit_code, Some(0), "probe of {id}: {r:?}");
+    // Three lines, always (each `cat` has a fallback and the last `echo` always prints).
+    assert_eq!(r.stdout.lines().count(), 3, "probe of {id}: {r:?}");
     let mut lines = r.stdout.lines();
     let mut num = || -> u64 { lines.next().unwrap_or("0").trim().parse().unwrap_or(0) };
     let (count, dcount) = (num(), num());
