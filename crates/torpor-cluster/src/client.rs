@@ -408,6 +408,11 @@ impl RemoteNode {
         self.inner.lock().gpu_usage.1.clone()
     }
 
+    /// [`RemoteNode::gpu_usage`] with the number the worker gave that report.
+    pub fn gpu_usage_report(&self) -> (u64, crate::server::GpuUsage) {
+        self.inner.lock().gpu_usage.clone()
+    }
+
     /// Records the usage a heartbeat reported (numbered `seq` by the worker), unless a newer
     /// report came first.
     pub fn set_gpu_usage(&self, seq: u64, usage: crate::server::GpuUsage) {

@@ -49,6 +49,7 @@ use torpor_runtime::warm::WarmStats;
 use crate::ca::Role;
 use crate::client::{Deadlines, RemoteConfig, RemoteNode};
 use crate::fence::{FenceBook, Fenced, Fencer};
+use crate::gpu_turn::{GpuTurnBook, Turn};
 use crate::pb;
 use crate::pb::cluster_server::{Cluster as ClusterRpc, ClusterServer};
 use crate::placement::{Capacity, Load, Need, Placement, WorkerState, ANY_GPU};
@@ -178,6 +179,10 @@ pub struct Fleet {
     /// Fencing through the other controllers of the database ([`Fleet::attach_fencer`]);
     /// unset, a lost worker's containers are reported lost at once.
     fencer: std::sync::OnceLock<Arc<Fencer>>,
+    /// A tenant's GPU starts take turns across the controllers of the database, with the
+    /// holdings their starts reported ([`Fleet::attach_gpu_book`], [`crate::gpu_turn`]); unset,
+    /// only this controller's own starts take turns.
+    gpu_book: std::sync::OnceLock<(Arc<dyn GpuTurnBook>, String)>,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -268,20 +273,42 @@ impl Fleet {
     }
 
     /// What `tenant` holds of the GPUs of every worker but `except` (`""`: of every worker), as
-    /// the workers last said (a lost worker's sandboxes are gone with it).
-    fn gpu_held_elsewhere(&self, tenant: &str, except: &str) -> Amount {
-        let m = self.lock();
-        m.workers
-            .iter()
-            .filter(|(name, w)| name.as_str() != except && !w.lost)
-            .filter_map(|(_, w)| w.remote.gpu_usage().get(tenant).copied())
-            .fold(Amount::default(), Amount::plus)
+    /// the workers last said (a lost worker's sandboxes are gone with it), or as `stored` says
+    /// where it holds a newer report (another controller's start; [`crate::gpu_turn`]).
+    fn gpu_held_elsewhere(
+        &self,
+        tenant: &str,
+        except: &str,
+        stored: &[(String, u64, Amount)],
+    ) -> Amount {
+        let reports: Vec<(String, u64, crate::server::GpuUsage)> = {
+            let m = self.lock();
+            m.workers
+                .iter()
+                .filter(|(_, w)| !w.lost)
+                .map(|(name, w)| {
+                    let (seq, usage) = w.remote.gpu_usage_report();
+                    (name.clone(), seq, usage)
+                })
+                .collect()
+        };
+        crate::gpu_turn::held_elsewhere(
+            tenant,
+            except,
+            reports.iter().map(|(n, s, u)| (n.as_str(), *s, u)),
+            stored,
+        )
     }
 
     /// A worker's "no free GPU share" answered as the quota refusal it also is when the
     /// tenant already holds all its cluster-wide quota allows (every share costs compute):
     /// freeing a GPU would not let the start through. Holdings are the workers' last reports.
-    fn quota_first(&self, e: RuntimeError, request: Option<&GpuRequest>) -> RuntimeError {
+    fn quota_first(
+        &self,
+        e: RuntimeError,
+        request: Option<&GpuRequest>,
+        stored: &[(String, u64, Amount)],
+    ) -> RuntimeError {
         let unavailable = matches!(&e, RuntimeError::Gpu { code, .. } if code == "gpu_unavailable");
         if !unavailable || !self.cfg.gpu_quotas.enforced() {
             return e;
@@ -293,7 +320,7 @@ impl Fleet {
             return e;
         };
         let (held, ceiling) = (
-            self.gpu_held_elsewhere(tenant.as_str(), ""),
+            self.gpu_held_elsewhere(tenant.as_str(), "", stored),
             quota.ceiling(),
         );
         if held.compute < ceiling.compute {
@@ -313,6 +340,7 @@ impl Fleet {
         &self,
         request: &GpuRequest,
         worker: &str,
+        stored: &[(String, u64, Amount)],
     ) -> Result<Option<(String, Amount)>, RuntimeError> {
         let book = &self.cfg.gpu_quotas;
         if !book.enforced() {
@@ -326,7 +354,7 @@ impl Fleet {
         let Some(quota) = book.tenants.get(tenant) else {
             return Err(quota_refusal(format!("tenant {tenant} has no GPU quota")));
         };
-        let elsewhere = self.gpu_held_elsewhere(tenant.as_str(), worker);
+        let elsewhere = self.gpu_held_elsewhere(tenant.as_str(), worker, stored);
         let guaranteed = quota.guaranteed.saturating_sub(elsewhere);
         let ceiling = quota.ceiling().saturating_sub(elsewhere);
         let left = TenantQuota {
@@ -353,6 +381,7 @@ impl Fleet {
             joining: Mutex::default(),
             gpu_turns: Mutex::default(),
             fencer: std::sync::OnceLock::new(),
+            gpu_book: std::sync::OnceLock::new(),
         });
         let watch = Arc::downgrade(&fleet);
         let period = (fleet.cfg.heartbeat / 2).max(Duration::from_millis(50));
@@ -379,6 +408,13 @@ impl Fleet {
         if self.fencer.set(fencer.clone()).is_ok() {
             fencer.spawn_sync();
         }
+    }
+
+    /// Makes a tenant's GPU starts under quotas take turns with the other controllers of
+    /// `book` (this one named `me`), so that its quota holds across them (see
+    /// [`crate::gpu_turn`]). Once.
+    pub fn attach_gpu_book(&self, book: Arc<dyn GpuTurnBook>, me: String) {
+        let _ = self.gpu_book.set((book, me));
     }
 
     /// What the ready workers offer, as it changes.
@@ -743,9 +779,14 @@ impl Fleet {
                 .map(|r| r.model.clone().unwrap_or_else(|| ANY_GPU.to_owned())),
             ..Need::default()
         };
-        // Under quotas a tenant's GPU starts go one at a time (see `gpu_turns`).
-        let _gpu_turn = match gpu.as_ref().and_then(|r| r.tenant.as_ref()) {
-            Some(tenant) if self.cfg.gpu_quotas.enforced() => {
+        // Under quotas a tenant's GPU starts go one at a time (see `gpu_turns`), and one
+        // controller at a time (see `gpu_book`).
+        let quota_tenant = gpu
+            .as_ref()
+            .and_then(|r| r.tenant.as_ref())
+            .filter(|_| self.cfg.gpu_quotas.enforced());
+        let _gpu_turn = match quota_tenant {
+            Some(tenant) => {
                 let turn = self
                     .gpu_turns
                     .lock()
@@ -755,8 +796,20 @@ impl Fleet {
                     .clone();
                 Some(turn.lock_owned().await)
             }
+            None => None,
+        };
+        let cluster_turn = match (quota_tenant, self.gpu_book.get()) {
+            (Some(tenant), Some((book, me))) => {
+                Some(Turn::take(book.clone(), tenant.as_str(), me).await.map_err(|e| {
+                    RuntimeError::NoCapacity(format!(
+                        "the GPU quota of tenant {tenant} cannot be checked across the controllers: {e}"
+                    ))
+                })?)
+            }
             _ => None,
         };
+        let stored: &[(String, u64, Amount)] =
+            cluster_turn.as_ref().map_or(&[], |t| t.stored.as_slice());
         let sandbox = sandbox_of(&launch.container_id).map(str::to_string);
         // An image not yet in the store is on one worker's disk: there or nowhere.
         let pinned = launch.stored.image_on.clone();
@@ -800,7 +853,7 @@ impl Fleet {
                     let Some(choice) = choice else {
                         if let Some(e) = gpu_refusal {
                             drop(m); // quota_first reads the members
-                            return Err(self.quota_first(e, gpu.as_ref()));
+                            return Err(self.quota_first(e, gpu.as_ref(), stored));
                         }
                         let ready = m
                             .placement
@@ -832,7 +885,7 @@ impl Fleet {
             let mut this = launch.clone();
             let mut elsewhere = None;
             if let (Some(request), Some(g)) = (&gpu, this.gpu.as_mut()) {
-                match self.gpu_quota_on(request, &worker) {
+                match self.gpu_quota_on(request, &worker, stored) {
                     Ok(quota) => {
                         g.quota = quota.as_ref().map(|(book, _)| book.clone());
                         elsewhere = quota.map(|(_, held)| held);
@@ -864,6 +917,12 @@ impl Fleet {
             };
             match started {
                 Ok(inner) => {
+                    // The next turn, on any controller, counts what this start holds.
+                    if let (Some(turn), Some(tenant)) = (&cluster_turn, quota_tenant) {
+                        let (seq, usage) = remote.gpu_usage_report();
+                        let held = usage.get(tenant.as_str()).copied().unwrap_or_default();
+                        turn.record(&worker, seq, held).await;
+                    }
                     let mut m = self.lock();
                     if let Some(s) = &sandbox {
                         m.last_worker.insert(s.clone(), worker.clone());
@@ -884,7 +943,7 @@ impl Fleet {
                         || matches!(&e, RuntimeError::Unsupported(m) if m.contains("did not answer"))
                         || matches!(&e, RuntimeError::Gpu { code, .. } if code == "gpu_unavailable");
                     if !retry || refused.is_some() || pinned.is_some() {
-                        return Err(self.quota_first(e, gpu.as_ref()));
+                        return Err(self.quota_first(e, gpu.as_ref(), stored));
                     }
                     tracing::warn!(%worker, error = %e, "worker refused a start; trying another");
                     if matches!(e, RuntimeError::Gpu { .. }) {

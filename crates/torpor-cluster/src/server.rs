@@ -167,7 +167,13 @@ impl NodeService {
             images: std::sync::OnceLock::new(),
             held_dir: std::sync::OnceLock::new(),
             gpu_usage: std::sync::OnceLock::new(),
-            gpu_usage_seq: std::sync::atomic::AtomicU64::new(0),
+            // From the boot time, so that a restarted worker's reports number after its
+            // earlier ones (controllers keep the newest; see `crate::gpu_turn`).
+            gpu_usage_seq: std::sync::atomic::AtomicU64::new(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_micros() as u64),
+            ),
             gpu_status: std::sync::OnceLock::new(),
             starts: Arc::new(tokio::sync::Semaphore::new(
                 tokio::sync::Semaphore::MAX_PERMITS,

@@ -307,6 +307,64 @@ impl torpor_cluster::FenceBook for StoreFences {
     }
 }
 
+/// A tenant's GPU turns and the holdings its starts reported, in the state store (a lease per
+/// tenant and the `gpu_holdings` table; see `torpor_cluster::gpu_turn`).
+pub struct StoreGpuTurns(pub torpor_control::store::Store);
+
+/// The lease that holds `tenant`'s GPU turn.
+fn gpu_turn_lease(tenant: &str) -> String {
+    format!("gpu-start:{tenant}")
+}
+
+impl torpor_cluster::GpuTurnBook for StoreGpuTurns {
+    fn take(&self, tenant: &str, holder: &str, ttl: Duration) -> Result<bool, String> {
+        self.0
+            .try_lease(&gpu_turn_lease(tenant), holder, ttl)
+            .map_err(|e| e.to_string())
+    }
+
+    fn give(&self, tenant: &str, holder: &str) -> Result<(), String> {
+        self.0
+            .release_lease(&gpu_turn_lease(tenant), holder)
+            .map_err(|e| e.to_string())
+    }
+
+    fn holdings(
+        &self,
+        tenant: &str,
+    ) -> Result<Vec<(String, u64, torpor_gpu::quota::Amount)>, String> {
+        Ok(self
+            .0
+            .gpu_holdings(tenant)
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|(worker, seq, h)| {
+                let held = torpor_gpu::quota::Amount {
+                    memory_mib: h.memory_mib,
+                    compute: h.compute,
+                };
+                (worker, seq, held)
+            })
+            .collect())
+    }
+
+    fn record(
+        &self,
+        tenant: &str,
+        worker: &str,
+        seq: u64,
+        held: torpor_gpu::quota::Amount,
+    ) -> Result<(), String> {
+        let held = torpor_control::store::GpuHolding {
+            memory_mib: held.memory_mib,
+            compute: held.compute,
+        };
+        self.0
+            .put_gpu_holding(tenant, worker, seq, held)
+            .map_err(|e| e.to_string())
+    }
+}
+
 /// The fleet's GPUs as the engine sees them (each worker places shares from its own).
 pub struct FleetGpus(pub Arc<Fleet>);
 

@@ -281,6 +281,11 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
             Arc::new(crate::controller::StoreFences(engine.state_store())),
             c.identity.name.clone(),
         );
+        // A tenant's GPU quota holds across the controllers: its GPU starts take turns.
+        c.fleet.attach_gpu_book(
+            Arc::new(crate::controller::StoreGpuTurns(engine.state_store())),
+            c.identity.name.clone(),
+        );
         // The lot follows the ready workers' slots.
         let mut capacity = c.fleet.capacity();
         let sized = engine.clone();

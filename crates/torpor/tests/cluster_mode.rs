@@ -1081,6 +1081,14 @@ fn pairs(list: &Value, field: &str) -> Vec<(String, String)> {
     out
 }
 
+/// A file of `tests/gpu/` (GPU inventories and quotas), by path.
+fn fixture(name: &str) -> String {
+    format!(
+        "{}/tests/gpu/{name}",
+        env!("CARGO_MANIFEST_DIR").trim_end_matches('/')
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_across_workers() {
     let Some((database, tmp)) = setup("torpor-cluster-gpu-", &["c1"], &["ga", "gb", "w3"]).await
@@ -1088,12 +1096,6 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
         return;
     };
     let dir = tmp.path();
-    let fixture = |name: &str| {
-        format!(
-            "{}/tests/gpu/{name}",
-            env!("CARGO_MANIFEST_DIR").trim_end_matches('/')
-        )
-    };
     // The admin tenant may hold one L4 across the whole cluster.
     let quotas = fixture("quotas-admin-one-l4.toml");
     let controller =
@@ -1392,6 +1394,75 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
         controller
             .ok(reqwest::Method::DELETE, &format!("/v1/sandboxes/{s}"), None)
             .await;
+    }
+}
+
+/// Two controllers, one tenant allowed one L4 across the cluster, two GPU workers with one L4
+/// each: GPU creates through both controllers at the same moment pass one, whatever the
+/// workers' heartbeats have said yet (the tenant's GPU starts take turns across controllers
+/// and the second counts what the first started).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment() {
+    let Some((database, tmp)) =
+        setup("torpor-cluster-gpu-race-", &["c1", "c2"], &["ga", "gb"]).await
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    let quotas = fixture("quotas-admin-one-l4.toml");
+    let c1 = Controller::start_args(dir, &database, "c1", 2000, &["--gpu-quotas", &quotas]).await;
+    let c2 = Controller::start_args(dir, &database, "c2", 2000, &["--gpu-quotas", &quotas]).await;
+    let both = format!("{},{}", c1.cluster, c2.cluster);
+    let _workers = [("ga", "worker-l4-a.toml"), ("gb", "worker-l4-b.toml")].map(|(w, inv)| {
+        Worker::start_args(dir, w, w, &both, &[], &["--gpu-inventory", &fixture(inv)])
+    });
+    for c in [&c1, &c2] {
+        c.wait_nodes("both GPU workers ready on each controller", |n| {
+            ["ga", "gb"].iter().all(|w| state_of(n, w) == Some("ready"))
+        })
+        .await;
+    }
+    c1.wait_host_template().await;
+    c2.wait_host_template().await;
+    async fn create(c: &Controller) -> (u16, Value) {
+        c.call(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "host", "gpu": {"mode": "whole"}})),
+        )
+        .await
+    }
+    for round in 0..2 {
+        let (a, b) = tokio::join!(create(&c1), create(&c2));
+        let outcomes = [(&c1, a), (&c2, b)];
+        let passed: Vec<_> = outcomes.iter().filter(|(_, (s, _))| *s == 201).collect();
+        let refused: Vec<_> = outcomes
+            .iter()
+            .filter(|(_, (s, v))| *s == 429 && v["error"]["code"] == "gpu_quota_exceeded")
+            .collect();
+        assert_eq!(
+            (passed.len(), refused.len()),
+            (1, 1),
+            "round {round}: one GPU create passes, the other is refused: {:?}",
+            outcomes.iter().map(|(_, o)| o).collect::<Vec<_>>()
+        );
+        // The one that passed holds the tenant's whole quota; once it is gone, both
+        // controllers see the share given back.
+        let (holder, (_, sb)) = passed[0];
+        let id = sb["id"].as_str().unwrap();
+        holder
+            .ok(
+                reqwest::Method::DELETE,
+                &format!("/v1/sandboxes/{id}"),
+                None,
+            )
+            .await;
+        for c in [&c1, &c2] {
+            c.wait_nodes("the share given back", |n| {
+                admin_gpu_compute(n, "ga") + admin_gpu_compute(n, "gb") == 0
+            })
+            .await;
+        }
     }
 }
 

@@ -427,6 +427,25 @@ pub trait StateStore: Send + Sync {
         Ok(())
     }
 
+    // --- GPU holdings (cluster mode: a tenant's GPU quota across controllers) ---
+
+    /// Keeps what `tenant` holds of `worker`'s GPUs as report `seq` of that worker said,
+    /// unless a report at least as new is kept.
+    fn put_gpu_holding(
+        &self,
+        _tenant: &str,
+        _worker: &str,
+        _seq: u64,
+        _held: GpuHolding,
+    ) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// What `tenant` holds per worker, as the newest reports kept said: `(worker, seq, held)`,
+    /// by worker. A store one process uses keeps none (its controller saw every start).
+    fn gpu_holdings(&self, _tenant: &str) -> Result<Vec<(String, u64, GpuHolding)>, StoreError> {
+        Ok(Vec::new())
+    }
+
     // --- metric samples (E2B `get_metrics`) ---
 
     /// Keeps samples: (sandbox, Unix milliseconds, the sample as JSON), in one write; a sample
@@ -471,6 +490,14 @@ pub struct FenceOrderRecord {
     pub owner: String,
     /// Whether a controller that hears the worker has handed it over.
     pub relayed: bool,
+}
+
+/// What a tenant holds of one worker's GPUs ([`StateStore::gpu_holdings`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GpuHolding {
+    pub memory_mib: u64,
+    /// Compute units (700 per GPU).
+    pub compute: u64,
 }
 
 /// A lock held in the store ([`StateStore::lock`]); released when dropped.

@@ -1322,6 +1322,58 @@ impl StateStore for PostgresStore {
         .map(drop)
     }
 
+    fn put_gpu_holding(
+        &self,
+        tenant: &str,
+        worker: &str,
+        seq: u64,
+        held: super::GpuHolding,
+    ) -> Result<(), StoreError> {
+        let n = |v: u64| p(i64::try_from(v).unwrap_or(i64::MAX));
+        self.execute(
+            "keep a GPU holding",
+            "INSERT INTO gpu_holdings (tenant, worker, seq, memory_mib, compute)
+             VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (tenant, worker) DO UPDATE SET seq = excluded.seq,
+                 memory_mib = excluded.memory_mib, compute = excluded.compute,
+                 reported_at = now()
+             WHERE gpu_holdings.seq < excluded.seq",
+            vec![
+                p(tenant.to_string()),
+                p(worker.to_string()),
+                n(seq),
+                n(held.memory_mib),
+                n(held.compute),
+            ],
+        )
+        .map(drop)
+    }
+
+    fn gpu_holdings(
+        &self,
+        tenant: &str,
+    ) -> Result<Vec<(String, u64, super::GpuHolding)>, StoreError> {
+        let n = |v: i64| u64::try_from(v).unwrap_or(0);
+        self.query(
+            "read GPU holdings",
+            "SELECT worker, seq, memory_mib, compute FROM gpu_holdings
+             WHERE tenant = $1 ORDER BY worker",
+            vec![p(tenant.to_string())],
+        )?
+        .iter()
+        .map(|r| {
+            Ok((
+                get(r, 0, "GPU holding")?,
+                n(get(r, 1, "GPU holding")?),
+                super::GpuHolding {
+                    memory_mib: n(get(r, 2, "GPU holding")?),
+                    compute: n(get(r, 3, "GPU holding")?),
+                },
+            ))
+        })
+        .collect()
+    }
+
     fn put_metric_samples(&self, rows: &[(SandboxId, i64, String)]) -> Result<(), StoreError> {
         if rows.is_empty() {
             return Ok(());

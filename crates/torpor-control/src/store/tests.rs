@@ -1402,6 +1402,45 @@ fn fence_orders_are_shared_relayed_and_removed_once_done() {
 }
 
 #[test]
+fn gpu_holdings_keep_each_workers_newest_report_per_tenant() {
+    let Some(pg) = Postgres::new() else { return };
+    let (c1, c2) = (pg.connect(), pg.connect());
+    let held = |memory_mib, compute| GpuHolding {
+        memory_mib,
+        compute,
+    };
+    c1.put_gpu_holding("t1", "ga", 10, held(23034, 700))
+        .unwrap();
+    c1.put_gpu_holding("t1", "gb", 4, held(0, 0)).unwrap();
+    c1.put_gpu_holding("t2", "ga", 10, held(100, 50)).unwrap();
+    // Another controller reads them; an older report of a worker replaces nothing.
+    c2.put_gpu_holding("t1", "ga", 9, held(0, 0)).unwrap();
+    assert_eq!(
+        c2.gpu_holdings("t1").unwrap(),
+        vec![
+            ("ga".to_string(), 10, held(23034, 700)),
+            ("gb".to_string(), 4, held(0, 0))
+        ]
+    );
+    // A newer one does.
+    c2.put_gpu_holding("t1", "ga", 11, held(0, 0)).unwrap();
+    assert_eq!(
+        c1.gpu_holdings("t1").unwrap()[0],
+        ("ga".to_string(), 11, held(0, 0))
+    );
+    assert_eq!(
+        c1.gpu_holdings("t2").unwrap(),
+        vec![("ga".to_string(), 10, held(100, 50))]
+    );
+    assert!(c1.gpu_holdings("t3").unwrap().is_empty());
+    // A store one process uses keeps none: its one controller saw every start.
+    let tmp = tempfile::tempdir().unwrap();
+    let lite = sqlite(&tmp.path().join("t.db"));
+    lite.put_gpu_holding("t1", "ga", 1, held(1, 1)).unwrap();
+    assert!(lite.gpu_holdings("t1").unwrap().is_empty());
+}
+
+#[test]
 fn a_store_lock_is_held_by_one_controller_at_a_time() {
     let Some(pg) = Postgres::new() else { return };
     let (a, b) = (Arc::new(pg.connect()), Arc::new(pg.connect()));
