@@ -128,20 +128,28 @@ fn cluster_gpus(state: &ApiState, answers: Vec<crate::nodes::WorkerGpus>) -> ser
             Err(error) => workers.push(json!({"node": node, "error": error})),
         }
     }
-    let store = state.engine.state_store();
-    let asleep: Vec<String> = sleeping
-        .into_iter()
-        .filter(|id| {
-            torpor_core::SandboxId::new(id)
-                .ok()
-                .and_then(|id| store.sandbox(&id).ok().flatten())
-                .is_some_and(|r| {
-                    matches!(
-                        r.state,
-                        torpor_core::SandboxState::Parked | torpor_core::SandboxState::Suspended
-                    )
-                })
+    // One read for every ticket the workers keep (a worker keeps a sandbox's ticket after it
+    // woke elsewhere or was deleted): only sandboxes asleep now are shown.
+    let ids: Vec<torpor_core::SandboxId> = sleeping
+        .iter()
+        .filter_map(|id| torpor_core::SandboxId::new(id).ok())
+        .collect();
+    let asleep: std::collections::BTreeSet<String> = state
+        .engine
+        .state_store()
+        .sandboxes_by_id(&ids)
+        .unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "GET /v1/gpus: cannot read which sandboxes sleep");
+            Vec::new()
         })
+        .into_iter()
+        .filter(|r| {
+            matches!(
+                r.state,
+                torpor_core::SandboxState::Parked | torpor_core::SandboxState::Suspended
+            )
+        })
+        .map(|r| r.id.to_string())
         .collect();
     json!({
         "node": state.engine.controller_name().unwrap_or("cluster"),

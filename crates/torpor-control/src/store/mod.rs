@@ -241,6 +241,14 @@ pub trait StateStore: Send + Sync {
     fn sandbox(&self, id: &SandboxId) -> Result<Option<SandboxRecord>, StoreError> {
         Ok(self.sandbox_versioned(id)?.map(|(s, _)| s))
     }
+    /// The records of those of `ids` that exist, in one read where the store can.
+    fn sandboxes_by_id(&self, ids: &[SandboxId]) -> Result<Vec<SandboxRecord>, StoreError> {
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            out.extend(self.sandbox(id)?);
+        }
+        Ok(out)
+    }
 
     /// Every sandbox whose metadata has `key`, oldest first (E2B's deadline sweep, every
     /// second, reads only those). The stores match the key's JSON text before parsing a row.

@@ -613,6 +613,18 @@ impl StateStore for PostgresStore {
             .transpose()
     }
 
+    fn sandboxes_by_id(&self, ids: &[SandboxId]) -> Result<Vec<SandboxRecord>, StoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        const SQL: &str = concat!(sandbox_columns!(), " WHERE id = ANY($1)");
+        let ids: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
+        self.query("read sandboxes by id", SQL, vec![p(ids)])?
+            .iter()
+            .map(|r| self.parse_sandbox(r).map(|(s, _)| s))
+            .collect()
+    }
+
     fn set_sandbox_metadata(
         &self,
         id: &SandboxId,

@@ -150,6 +150,7 @@ on_both_backends!(
     a_newer_schema_is_refused_as_unavailable,
     sandboxes_are_read_in_keyset_pages,
     sandboxes_are_found_by_metadata_key,
+    sandboxes_are_read_by_id_in_one_call,
 );
 
 fn sandbox() -> SandboxRecord {
@@ -1720,6 +1721,29 @@ fn controllers_adding_usage_to_the_same_intervals_at_once_lose_nothing() {
 
 /// Only the sandboxes whose metadata has the key, whatever the values hold (a value that
 /// contains the key's text, quotes and colon included, does not count).
+fn sandboxes_are_read_by_id_in_one_call(b: &dyn Backend) {
+    let store = b.open().unwrap();
+    let (mut parked, running) = (sandbox(), sandbox());
+    parked.state = SandboxState::Parked;
+    store.insert_sandbox(&parked).unwrap();
+    store.insert_sandbox(&running).unwrap();
+    let gone = SandboxId::generate();
+    let mut found: Vec<(SandboxId, SandboxState)> = store
+        .sandboxes_by_id(&[gone, parked.id.clone(), running.id.clone()])
+        .unwrap()
+        .into_iter()
+        .map(|s| (s.id, s.state))
+        .collect();
+    found.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut want = vec![
+        (parked.id.clone(), SandboxState::Parked),
+        (running.id.clone(), SandboxState::Creating),
+    ];
+    want.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(found, want);
+    assert!(store.sandboxes_by_id(&[]).unwrap().is_empty());
+}
+
 fn sandboxes_are_found_by_metadata_key(b: &dyn Backend) {
     let store = b.open().unwrap();
     let key = "torpor.e2b.end_at";
