@@ -626,6 +626,25 @@ impl RemoteNode {
             .map_err(|e| format!("the worker's GPU status does not parse: {e}"))
     }
 
+    /// Asks the worker to drop its wake tickets of `sandboxes` (in calls of at most
+    /// [`crate::server::MAX_FORGOTTEN_TICKETS`]).
+    pub async fn forget_gpu_tickets(&self, sandboxes: &[String]) -> Result<(), String> {
+        let inner = &self.inner;
+        for chunk in sandboxes.chunks(crate::server::MAX_FORGOTTEN_TICKETS) {
+            inner
+                .client()
+                .forget_gpu_tickets(call(
+                    pb::ForgetGpuTicketsRequest {
+                        sandboxes: chunk.to_vec(),
+                    },
+                    inner.cfg.deadlines.quick,
+                ))
+                .await
+                .map_err(|st| inner.err(&st, Duration::ZERO).to_string())?;
+        }
+        Ok(())
+    }
+
     /// Drops the worker's copies of `snapshot` (deleted from the store).
     pub async fn forget_snapshot(&self, snapshot: &str) -> Result<(), RuntimeError> {
         let inner = &self.inner;

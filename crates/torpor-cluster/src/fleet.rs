@@ -218,6 +218,15 @@ fn gpu_request(g: &torpor_runtime::node::LaunchGpu) -> Result<GpuRequest, Runtim
     })
 }
 
+/// Asks `worker` to drop its wake tickets of `sandboxes`, in the background.
+fn spawn_forget_tickets(worker: String, remote: Arc<RemoteNode>, sandboxes: Vec<String>) {
+    tokio::spawn(async move {
+        if let Err(error) = remote.forget_gpu_tickets(&sandboxes).await {
+            tracing::debug!(%worker, %error, "a worker kept wake tickets it was asked to drop");
+        }
+    });
+}
+
 fn quota_refusal(message: String) -> RuntimeError {
     RuntimeError::Gpu {
         code: "gpu_quota_exceeded".into(),
@@ -415,6 +424,34 @@ impl Fleet {
     /// [`crate::gpu_turn`]). Once.
     pub fn attach_gpu_book(&self, book: Arc<dyn GpuTurnBook>, me: String) {
         let _ = self.gpu_book.set((book, me));
+    }
+
+    /// Sandbox `sandbox` is gone: the worker it last ran on (as this controller saw; else
+    /// every GPU worker that is not lost) drops its wake ticket, in the background.
+    pub fn forget_gpu_tickets(&self, sandbox: &str) {
+        let asked: Vec<(String, Arc<RemoteNode>)> = {
+            let mut m = self.lock();
+            let last = m.last_worker.remove(sandbox);
+            let gpu_worker = |name: &str| {
+                m.placement
+                    .get(name)
+                    .is_some_and(|(cap, _, _)| !cap.gpu_models.is_empty())
+            };
+            m.workers
+                .iter()
+                .filter(|(name, w)| {
+                    !w.lost
+                        && match &last {
+                            Some(l) => *name == l,
+                            None => gpu_worker(name),
+                        }
+                })
+                .map(|(name, w)| (name.clone(), w.remote.clone()))
+                .collect()
+        };
+        for (name, remote) in asked {
+            spawn_forget_tickets(name, remote, vec![sandbox.to_string()]);
+        }
     }
 
     /// What the ready workers offer, as it changes.
@@ -925,7 +962,14 @@ impl Fleet {
                     }
                     let mut m = self.lock();
                     if let Some(s) = &sandbox {
-                        m.last_worker.insert(s.clone(), worker.clone());
+                        let left = m.last_worker.insert(s.clone(), worker.clone());
+                        // Woken on another worker: the one it left drops its wake ticket.
+                        if let (Some(left), Some(_)) = (left.filter(|l| *l != worker), &gpu) {
+                            let remote = m.workers.get(&left).filter(|w| !w.lost);
+                            if let Some(remote) = remote.map(|w| w.remote.clone()) {
+                                spawn_forget_tickets(left, remote, vec![s.clone()]);
+                            }
+                        }
                     }
                     let slot = format!("{worker}/{}", inner.worker());
                     tracing::debug!(container = %launch.container_id, %worker, "started on worker");

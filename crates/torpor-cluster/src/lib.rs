@@ -40,7 +40,7 @@ pub use fleet::{serve_cluster, Fleet, FleetCapacity, FleetConfig, FleetError, No
 pub use gpu_turn::GpuTurnBook;
 pub use images::{OpenBackend, WorkerImages};
 pub use join::{join, JoinConfig};
-pub use server::{serve, GpuStatusFn, GpuUsage, GpuUsageFn, NodeService, ServeError};
+pub use server::{serve, GpuUsage, NodeService, ServeError, WorkerGpus};
 pub use tls::{Side, TlsFiles, TlsMetrics, TlsSource};
 
 /// The protocol version this build speaks (the `torpor-node-protocol` header; the package

@@ -77,25 +77,32 @@ pub struct NodeService {
     /// Live restore: one file per container held (`<dir>/<container>` holding its owner), so
     /// that a restarted worker takes its containers back for the controllers that hold them.
     held_dir: std::sync::OnceLock<PathBuf>,
-    /// What each tenant holds of this worker's GPUs (none without GPUs).
-    gpu_usage: std::sync::OnceLock<GpuUsageFn>,
-    /// Numbers each read of `gpu_usage`, so that controllers keep the newest report.
+    /// This worker's GPU layer (none without GPUs).
+    gpus: std::sync::OnceLock<Arc<dyn WorkerGpus>>,
+    /// Numbers each read of the GPU usage, so that controllers keep the newest report.
     gpu_usage_seq: std::sync::atomic::AtomicU64,
-    /// `GET /v1/gpus`'s JSON of this worker's GPUs for a viewer (none without GPUs).
-    gpu_status: std::sync::OnceLock<GpuStatusFn>,
     /// Starts (boot, restore) and checkpoints running at once, whichever controller asks: one
     /// of each per core ([`NodeService::limit_heavy`]); more only slow each other down.
     starts: Arc<tokio::sync::Semaphore>,
     checkpoints: Arc<tokio::sync::Semaphore>,
 }
 
-/// This worker's GPUs as `GET /v1/gpus` shows them to a viewer (a tenant name), as JSON.
-pub type GpuStatusFn = Arc<dyn Fn(&str) -> String + Send + Sync>;
+/// The most sandboxes one `ForgetGpuTickets` call names.
+pub const MAX_FORGOTTEN_TICKETS: usize = 1024;
 
 /// What each tenant's sandboxes hold of a worker's GPUs, tenant → amount.
 pub type GpuUsage = std::collections::BTreeMap<String, torpor_gpu::quota::Amount>;
-/// Reads [`GpuUsage`] now (the worker's GPU layer).
-pub type GpuUsageFn = Arc<dyn Fn() -> GpuUsage + Send + Sync>;
+
+/// A worker's GPU layer, as the service needs it.
+pub trait WorkerGpus: Send + Sync {
+    /// What each tenant holds of this worker's GPUs now.
+    fn usage(&self) -> GpuUsage;
+    /// `GET /v1/gpus`'s JSON of this worker's GPUs, as `viewer` (a tenant name) may see it.
+    fn status_json(&self, viewer: &str) -> String;
+    /// Drops the wake tickets of `sandboxes` (deleted, or woken on another worker), except
+    /// that of a sandbox whose share this worker holds now.
+    fn forget_tickets(&self, sandboxes: &[String]);
+}
 
 /// [`GpuUsage`] on the wire.
 pub fn gpu_usage_to_pb(usage: &GpuUsage) -> HashMap<String, pb::GpuAmount> {
@@ -166,7 +173,7 @@ impl NodeService {
             sweep_gate: tokio::sync::RwLock::new(()),
             images: std::sync::OnceLock::new(),
             held_dir: std::sync::OnceLock::new(),
-            gpu_usage: std::sync::OnceLock::new(),
+            gpus: std::sync::OnceLock::new(),
             // From the boot time, so that a restarted worker's reports number after its
             // earlier ones (controllers keep the newest; see `crate::gpu_turn`).
             gpu_usage_seq: std::sync::atomic::AtomicU64::new(
@@ -174,7 +181,6 @@ impl NodeService {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_micros() as u64),
             ),
-            gpu_status: std::sync::OnceLock::new(),
             starts: Arc::new(tokio::sync::Semaphore::new(
                 tokio::sync::Semaphore::MAX_PERMITS,
             )),
@@ -260,20 +266,16 @@ impl NodeService {
 
     /// Refuses starts beyond `slots` containers at once (a controller's placement keeps under
     /// it; this holds when two controllers' views race).
-    /// Gives the service its GPU layer's usage (heartbeats and start replies carry it).
-    pub fn set_gpu_usage(&self, usage: GpuUsageFn) {
-        let _ = self.gpu_usage.set(usage);
-    }
-
-    /// How this worker shows its GPUs to `GET /v1/gpus` (its GPU layer; once).
-    pub fn set_gpu_status(&self, status: GpuStatusFn) {
-        let _ = self.gpu_status.set(status);
+    /// Gives the service its GPU layer (once): heartbeats and start replies carry its usage,
+    /// `GpuStatus` answers with its status, `ForgetGpuTickets` reaches it.
+    pub fn set_gpus(&self, gpus: Arc<dyn WorkerGpus>) {
+        let _ = self.gpus.set(gpus);
     }
 
     /// What each tenant holds of this worker's GPUs now, numbered after every earlier read.
     pub fn gpu_usage(&self) -> (u64, GpuUsage) {
         let seq = self.gpu_usage_seq.fetch_add(1, Ordering::SeqCst) + 1;
-        (seq, self.gpu_usage.get().map(|f| f()).unwrap_or_default())
+        (seq, self.gpus.get().map(|g| g.usage()).unwrap_or_default())
     }
 
     /// Runs at most `n` starts and `n` checkpoints at once (the worker's cores); call once,
@@ -883,11 +885,27 @@ impl NodeRpc for Arc<NodeService> {
     ) -> Result<Response<pb::GpuStatusReply>, Status> {
         let viewer = req.into_inner().viewer;
         let json = self
-            .gpu_status
+            .gpus
             .get()
-            .map(|f| f(&viewer))
+            .map(|g| g.status_json(&viewer))
             .unwrap_or_default();
         Ok(Response::new(pb::GpuStatusReply { json }))
+    }
+
+    async fn forget_gpu_tickets(
+        &self,
+        req: Request<pb::ForgetGpuTicketsRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let sandboxes = req.into_inner().sandboxes;
+        if sandboxes.len() > MAX_FORGOTTEN_TICKETS {
+            return Err(Status::invalid_argument(format!(
+                "at most {MAX_FORGOTTEN_TICKETS} sandboxes per call"
+            )));
+        }
+        if let Some(g) = self.gpus.get() {
+            g.forget_tickets(&sandboxes);
+        }
+        Ok(Response::new(pb::Empty {}))
     }
 
     async fn destroy(&self, req: Request<pb::ContainerRef>) -> Result<Response<pb::Empty>, Status> {
@@ -1238,6 +1256,44 @@ mod tests {
         let mut left: Vec<String> = svc.table().keys().cloned().collect();
         left.sort();
         assert_eq!(left, ["b-g1", "c-g1"]);
+    }
+
+    #[tokio::test]
+    async fn forget_gpu_tickets_reaches_the_gpu_layer_within_its_bound() {
+        use crate::pb::node_server::Node as _;
+        #[derive(Default)]
+        struct Gpus(std::sync::Mutex<Vec<String>>);
+        impl WorkerGpus for Gpus {
+            fn usage(&self) -> GpuUsage {
+                GpuUsage::new()
+            }
+            fn status_json(&self, _: &str) -> String {
+                String::new()
+            }
+            fn forget_tickets(&self, sandboxes: &[String]) {
+                self.0.lock().unwrap().extend_from_slice(sandboxes);
+            }
+        }
+        let node: Arc<dyn Node> = Arc::new(Arc::new(FakeNode::new()));
+        let svc = NodeService::new(node, "w1".into());
+        let ask = |n: usize| {
+            Request::new(pb::ForgetGpuTicketsRequest {
+                sandboxes: (0..n).map(|i| format!("sb-{i}")).collect(),
+            })
+        };
+        // A worker without GPUs has no tickets: nothing to do, no error.
+        svc.forget_gpu_tickets(ask(2)).await.unwrap();
+        let gpus = Arc::new(Gpus::default());
+        svc.set_gpus(gpus.clone());
+        svc.forget_gpu_tickets(ask(2)).await.unwrap();
+        assert_eq!(*gpus.0.lock().unwrap(), ["sb-0", "sb-1"]);
+        // Attack: a flood in one call is refused whole.
+        let err = svc
+            .forget_gpu_tickets(ask(MAX_FORGOTTEN_TICKETS + 1))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert_eq!(gpus.0.lock().unwrap().len(), 2);
     }
 
     #[test]

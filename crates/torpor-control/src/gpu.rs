@@ -428,6 +428,18 @@ impl NodeGpus {
         self.clear_toggled(id);
     }
 
+    /// Drops the wake ticket of `id` (a cluster worker's sandbox that was deleted or woke on
+    /// another worker), unless it holds a share here now; true when one was dropped. The
+    /// ticket holds no capacity, only where the next wake here would go first.
+    pub fn forget_ticket(&self, id: &SandboxId) -> bool {
+        let mut inner = self.lock();
+        if inner.held.contains_key(id) || inner.tickets.remove(id).is_none() {
+            return false;
+        }
+        self.persist(&inner, id);
+        true
+    }
+
     /// What each tenant holds of this node's GPUs now (quota units), by tenant name.
     pub fn tenant_usage(&self) -> BTreeMap<String, torpor_gpu::quota::Amount> {
         let inner = self.lock();
@@ -735,6 +747,19 @@ mod tests {
         gpus.acquire(&a).unwrap();
         assert_eq!(gpus.status(&tenant).allocations.len(), 1);
         assert!(gpus.metrics().contains("torpor_gpu_shares{"));
+        // A ticket is dropped on request (its sandbox went or woke on another worker), but
+        // not while the sandbox holds its share here.
+        assert!(
+            !gpus.forget_ticket(&a),
+            "a held share's sandbox lost its ticket"
+        );
+        gpus.release(&a);
+        assert_eq!(gpus.status(&tenant).sleeping, vec![a.to_string()]);
+        assert!(gpus.forget_ticket(&a));
+        assert!(gpus.status(&tenant).sleeping.is_empty());
+        assert!(!gpus.forget_ticket(&a), "dropped twice");
+        // The request stays: a later start of it here is planned afresh.
+        gpus.acquire(&a).unwrap();
     }
 
     /// A node whose (declared) inventory stands in for NVML's, with its state directory.

@@ -372,6 +372,10 @@ impl torpor_control::gpu::FleetGpus for FleetGpus {
     fn gpu_workers(&self) -> Vec<(String, Vec<String>)> {
         self.0.gpu_workers()
     }
+
+    fn forget_tickets(&self, id: &torpor_core::SandboxId) {
+        self.0.forget_gpu_tickets(id.as_str());
+    }
 }
 
 /// The fleet as the API's node directory.

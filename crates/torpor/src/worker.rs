@@ -210,10 +210,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get().max(2));
     service.limit_heavy(cores);
     if let Some(g) = &gpu_node {
-        let usage = g.clone();
-        service.set_gpu_usage(Arc::new(move || usage.usage()));
-        let status = g.clone();
-        service.set_gpu_status(Arc::new(move |viewer| status.status_json(viewer)));
+        service.set_gpus(g.clone());
     }
     // Live restore: the containers a previous run left under their shims come back for the
     // controllers that held them (they say so when this worker registers); the rest goes.

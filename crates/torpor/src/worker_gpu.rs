@@ -166,20 +166,6 @@ impl GpuNode {
         })
     }
 
-    /// What each tenant holds of the worker's GPUs (heartbeats carry it).
-    pub fn usage(&self) -> torpor_cluster::GpuUsage {
-        self.shares.gpus.tenant_usage()
-    }
-
-    /// `GET /v1/gpus` of this worker as `viewer` (a tenant name) may see it, as JSON; empty
-    /// for a name that cannot be a tenant's (controllers send their caller's).
-    pub fn status_json(&self, viewer: &str) -> String {
-        let Ok(viewer) = TenantId::new(viewer) else {
-            return String::new();
-        };
-        serde_json::to_string(&self.shares.gpus.status(&viewer)).unwrap_or_default()
-    }
-
     /// The GPU metric families of `/metrics` (shares, free capacity; DCGM's with NVML).
     pub fn metrics(&self) -> String {
         self.shares.gpus.metrics()
@@ -408,5 +394,34 @@ impl Resident for GpuResident {
 
     async fn settle_connections(&self) {
         self.inner.settle_connections().await
+    }
+}
+
+impl torpor_cluster::WorkerGpus for GpuNode {
+    /// What each tenant holds of the worker's GPUs (heartbeats carry it).
+    fn usage(&self) -> torpor_cluster::GpuUsage {
+        self.shares.gpus.tenant_usage()
+    }
+
+    /// `GET /v1/gpus` of this worker as `viewer` (a tenant name) may see it, as JSON; empty
+    /// for a name that cannot be a tenant's (controllers send their caller's).
+    fn status_json(&self, viewer: &str) -> String {
+        let Ok(viewer) = TenantId::new(viewer) else {
+            return String::new();
+        };
+        serde_json::to_string(&self.shares.gpus.status(&viewer)).unwrap_or_default()
+    }
+
+    /// Drops the tickets of sandboxes deleted or woken elsewhere; a sandbox whose share a
+    /// container here holds now (it came back meanwhile) keeps its own.
+    fn forget_tickets(&self, sandboxes: &[String]) {
+        let ids = sandboxes.iter().filter_map(|s| SandboxId::new(s).ok());
+        let dropped = ids.filter(|id| self.shares.gpus.forget_ticket(id)).count();
+        if dropped > 0 {
+            tracing::debug!(
+                dropped,
+                "wake tickets of sandboxes gone or woken elsewhere dropped"
+            );
+        }
     }
 }

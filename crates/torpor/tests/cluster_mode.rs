@@ -1395,6 +1395,35 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
             .ok(reqwest::Method::DELETE, &format!("/v1/sandboxes/{s}"), None)
             .await;
     }
+    // Every GPU sandbox is gone: neither worker keeps a share or a wake ticket of one (A's on
+    // the worker it left, when it woke on the other; each deleted one's where it last ran).
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let kept: Vec<(String, String)> = ["ga", "gb"]
+            .iter()
+            .flat_map(|w| {
+                let db =
+                    rusqlite::Connection::open(dir.join(format!("data-{w}/torpor.db"))).unwrap();
+                let mut st = db.prepare("SELECT sandbox FROM gpu_shares").unwrap();
+                let rows: Vec<String> = st
+                    .query_map([], |r| r.get(0))
+                    .unwrap()
+                    .map(Result::unwrap)
+                    .collect();
+                rows.into_iter()
+                    .map(|s| (w.to_string(), s))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        if kept.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "workers keep GPU tickets of deleted sandboxes: {kept:?} (A slept on {a_node}, woke on {now_on})"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// Two controllers, one tenant allowed one L4 across the cluster, two GPU workers with one L4

@@ -96,7 +96,8 @@ impl Engine {
     pub(super) fn forget_gpu(&self, id: &SandboxId) {
         if let Some(gpus) = self.gpus.get() {
             gpus.forget(id);
-        } else if self.gpus_on_workers() {
+        } else if let (true, Some(fleet)) = (self.gpus_on_workers(), self.fleet_gpus.get()) {
+            fleet.forget_tickets(id);
             if let Err(e) = self.store.delete_gpu_request(id) {
                 tracing::error!(sandbox = %id, error = %e, "cannot forget the GPU request");
             }

@@ -14,6 +14,9 @@ use super::GpuError;
 pub trait FleetGpus: Send + Sync {
     /// Every ready worker with GPUs, by name, with its GPU models (one entry per GPU).
     fn gpu_workers(&self) -> Vec<(String, Vec<String>)>;
+    /// Sandbox `id` is gone: the workers drop the wake ticket they keep for it (in the
+    /// background; a worker that misses it keeps a ticket that holds no capacity).
+    fn forget_tickets(&self, id: &torpor_core::SandboxId);
 }
 
 /// Parses and checks a GPU request for `tenant`'s sandbox in cluster mode: its shape, and that
@@ -106,6 +109,7 @@ mod tests {
         fn gpu_workers(&self) -> Vec<(String, Vec<String>)> {
             self.0.clone()
         }
+        fn forget_tickets(&self, _: &torpor_core::SandboxId) {}
     }
 
     fn two_l4s_and_an_h200() -> Workers {
