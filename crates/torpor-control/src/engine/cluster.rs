@@ -301,7 +301,7 @@ impl Engine {
         }
         let frozen = rec.state == SandboxState::Frozen;
         let state = rec.state;
-        if let Err(e) = self.move_to(rec, state, cause) {
+        if let Err(e) = self.move_to_on(rec, state, cause, resident.node()) {
             // Someone else took it meanwhile: the container stays theirs.
             drop(resident);
             return Err(e);

@@ -133,7 +133,7 @@ impl Engine {
             .await
         {
             Ok(container) => {
-                self.move_to(&mut rec, SandboxState::Running, "create")?;
+                self.move_to_on(&mut rec, SandboxState::Running, "create", container.node())?;
                 self.install_live(&mut guard, &rec, container, permit);
                 slot.touch();
                 self.metrics

@@ -39,6 +39,18 @@ impl Engine {
         to: SandboxState,
         cause: &str,
     ) -> Result<()> {
+        self.move_to_on(rec, to, cause, None)
+    }
+
+    /// [`Engine::move_to`] for a sandbox whose new container runs on worker `node` (cluster
+    /// mode), recorded in the same compare-and-set.
+    pub(super) fn move_to_on(
+        &self,
+        rec: &mut SandboxRecord,
+        to: SandboxState,
+        cause: &str,
+        node: Option<&str>,
+    ) -> Result<()> {
         let from = rec.state;
         if from != to && !from.can_transition_to(to) {
             tracing::error!(sandbox = %rec.id, %from, %to, cause, "refused a transition the state machine does not allow");
@@ -55,8 +67,15 @@ impl Engine {
         };
         rec.controller = self.holder_in(to);
         // A compare-and-set over the version this transition read: a write by another
-        // controller since (cluster mode) fails it rather than being overwritten.
-        match self.store.compare_and_set_sandbox(rec, rec.version) {
+        // controller since (cluster mode) fails it rather than being overwritten. The worker
+        // its new container runs on goes in the same write.
+        let written = match node {
+            Some(node) => self
+                .store
+                .compare_and_set_sandbox_on(rec, rec.version, node),
+            None => self.store.compare_and_set_sandbox(rec, rec.version),
+        };
+        match written {
             Ok(v) => rec.version = v,
             Err(e) if e.kind() == crate::store::StoreErrorKind::Conflict => {
                 tracing::info!(sandbox = %rec.id, %from, %to, cause, "state moved under this transition");
@@ -145,12 +164,6 @@ impl Engine {
         permit: WorkerPermit,
     ) {
         tracing::debug!(sandbox = %rec.id, container = resident.id(), worker = resident.worker(), "resident");
-        // Cluster mode: where it runs, for this controller's next run to take it back there.
-        if let Some(node) = resident.node() {
-            if let Err(e) = self.store.set_sandbox_node(&rec.id, Some(node)) {
-                tracing::warn!(sandbox = %rec.id, error = %e, "cannot record the worker a sandbox runs on");
-            }
-        }
         guard.live = Some(Live {
             resident,
             _permit: permit,
@@ -344,7 +357,7 @@ impl Engine {
     ) -> Result<()> {
         match restored {
             Ok(container) => {
-                self.move_to(&mut rec, SandboxState::Running, "call")?;
+                self.move_to_on(&mut rec, SandboxState::Running, "call", container.node())?;
                 self.install_live(guard, &rec, container, permit);
                 self.metrics
                     .wake_seconds

@@ -216,9 +216,24 @@ pub trait StateStore: Send + Sync {
     ) -> Result<(), StoreError>;
     /// Moves `last_active_at` forward (never back), all in one write.
     fn touch_sandboxes(&self, touched: &[(SandboxId, UnixMillis)]) -> Result<(), StoreError>;
-    /// Cluster mode: the worker process a resident sandbox's container runs on, written when
-    /// it is installed (no version bump: it does not change a state). A store that does not
-    /// keep it (SQLite: one machine) keeps nothing.
+    /// [`StateStore::compare_and_set_sandbox`] that also records the worker process the
+    /// sandbox's container now runs on (cluster mode), in the same write: no other writer sees
+    /// the state without the node, and a write that lost the race records neither. A store
+    /// that does not keep nodes (SQLite: one machine) writes the record alone.
+    fn compare_and_set_sandbox_on(
+        &self,
+        s: &SandboxRecord,
+        expected: Version,
+        node: &str,
+    ) -> Result<Version, StoreError> {
+        let v = self.compare_and_set_sandbox(s, expected)?;
+        self.set_sandbox_node(&s.id, Some(node))?;
+        Ok(v)
+    }
+    /// Cluster mode: the worker process a resident sandbox's container runs on, without a
+    /// version bump (tests and repairs; a transition writes it with its state,
+    /// [`StateStore::compare_and_set_sandbox_on`]). A store that does not keep it (SQLite: one
+    /// machine) keeps nothing.
     fn set_sandbox_node(&self, _id: &SandboxId, _node: Option<&str>) -> Result<(), StoreError> {
         Ok(())
     }

@@ -207,6 +207,53 @@ impl PostgresStore {
 
     /// Runs `fut` on the store's runtime and waits for its answer (the caller's thread blocks,
     /// as on SQLite's mutex; it may be a thread of another runtime).
+    /// A compare-and-set of sandbox `s` over `expected`, with the worker its container now runs
+    /// on when `node` is given (the same statement: both or neither).
+    fn cas_sandbox(
+        &self,
+        s: &SandboxRecord,
+        expected: Version,
+        node: Option<&str>,
+    ) -> Result<Version, StoreError> {
+        let mut params = sandbox_params(s);
+        params.push(p(expected.0 as i64));
+        params.push(p(node.is_some()));
+        params.push(p(node.map(str::to_string)));
+        // One statement: the UPDATE writes only over `expected` (a concurrent writer's UPDATE
+        // waits for the row lock, then finds the version moved and writes nothing); the second
+        // column, read from the statement's snapshot, tells a moved row from a missing one.
+        let row = self
+            .query_opt(
+                "compare and set sandbox",
+                "WITH written AS (
+                     UPDATE sandboxes SET state=$2, tier=$3, last_active_at=$4, generation=$5,
+                         image=$6, last_error=$7, oom_killed=$8, controller=$9, version=version+1,
+                         node = CASE WHEN $11 THEN $12 ELSE node END
+                     WHERE id=$1 AND version=$10 RETURNING version)
+                 SELECT (SELECT version FROM written),
+                        (SELECT version FROM sandboxes WHERE id=$1)",
+                params,
+            )?
+            .ok_or_else(|| StoreError::Unavailable {
+                op: "compare and set sandbox",
+                source: "no result row".into(),
+            })?;
+        let written: Option<i64> = get(&row, 0, "sandbox version")?;
+        let found: Option<i64> = get(&row, 1, "sandbox version")?;
+        match (written, found) {
+            (Some(v), _) => Ok(Version(v.max(0) as u64)),
+            (None, None) => Err(StoreError::NotFound {
+                what: "sandbox",
+                key: s.id.to_string(),
+            }),
+            (None, Some(_)) => Err(StoreError::Conflict {
+                what: "sandbox",
+                key: s.id.to_string(),
+                expected,
+            }),
+        }
+    }
+
     fn spawn_wait<T: Send + 'static>(
         &self,
         op: &'static str,
@@ -567,40 +614,16 @@ impl StateStore for PostgresStore {
         s: &SandboxRecord,
         expected: Version,
     ) -> Result<Version, StoreError> {
-        let mut params = sandbox_params(s);
-        params.push(p(expected.0 as i64));
-        // One statement: the UPDATE writes only over `expected` (a concurrent writer's UPDATE
-        // waits for the row lock, then finds the version moved and writes nothing); the second
-        // column, read from the statement's snapshot, tells a moved row from a missing one.
-        let row = self
-            .query_opt(
-                "compare and set sandbox",
-                "WITH written AS (
-                     UPDATE sandboxes SET state=$2, tier=$3, last_active_at=$4, generation=$5,
-                         image=$6, last_error=$7, oom_killed=$8, controller=$9, version=version+1
-                     WHERE id=$1 AND version=$10 RETURNING version)
-                 SELECT (SELECT version FROM written),
-                        (SELECT version FROM sandboxes WHERE id=$1)",
-                params,
-            )?
-            .ok_or_else(|| StoreError::Unavailable {
-                op: "compare and set sandbox",
-                source: "no result row".into(),
-            })?;
-        let written: Option<i64> = get(&row, 0, "sandbox version")?;
-        let found: Option<i64> = get(&row, 1, "sandbox version")?;
-        match (written, found) {
-            (Some(v), _) => Ok(Version(v.max(0) as u64)),
-            (None, None) => Err(StoreError::NotFound {
-                what: "sandbox",
-                key: s.id.to_string(),
-            }),
-            (None, Some(_)) => Err(StoreError::Conflict {
-                what: "sandbox",
-                key: s.id.to_string(),
-                expected,
-            }),
-        }
+        self.cas_sandbox(s, expected, None)
+    }
+
+    fn compare_and_set_sandbox_on(
+        &self,
+        s: &SandboxRecord,
+        expected: Version,
+        node: &str,
+    ) -> Result<Version, StoreError> {
+        self.cas_sandbox(s, expected, Some(node))
     }
 
     fn sandbox_versioned(

@@ -1307,6 +1307,51 @@ fn the_worker_a_sandbox_runs_on_is_kept_without_a_version_bump() {
     lite.insert_sandbox(&s).unwrap();
     lite.set_sandbox_node(&s.id, Some("w2")).unwrap();
     assert!(lite.sandbox_nodes().unwrap().is_empty());
+    let read = lite.sandbox(&s.id).unwrap().unwrap();
+    lite.compare_and_set_sandbox_on(&read, read.version, "w2")
+        .unwrap();
+    assert!(lite.sandbox_nodes().unwrap().is_empty());
+}
+
+#[test]
+fn a_transition_records_the_worker_in_its_own_compare_and_set() {
+    let Some(pg) = Postgres::new() else { return };
+    let (c1, c2) = (pg.connect(), pg.connect());
+    let s = sandbox();
+    c1.insert_sandbox(&s).unwrap();
+    let read = c1.sandbox(&s.id).unwrap().unwrap();
+    // c2 moves it first; c1's wake over the version it read records neither state nor node.
+    let mut theirs = read.clone();
+    theirs.state = SandboxState::Running;
+    theirs.controller = Some("c2".into());
+    let v = c2
+        .compare_and_set_sandbox_on(&theirs, read.version, "w2")
+        .unwrap();
+    let mut mine = read.clone();
+    mine.state = SandboxState::Running;
+    mine.controller = Some("c1".into());
+    let err = c1
+        .compare_and_set_sandbox_on(&mine, read.version, "w1")
+        .unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Conflict);
+    assert_eq!(
+        c1.sandbox_nodes().unwrap(),
+        [(s.id.clone(), "w2".to_string())].into()
+    );
+    // A plain compare-and-set keeps the node; one with a node replaces it.
+    let mut parked = theirs.clone();
+    parked.state = SandboxState::Parked;
+    let v = c2.compare_and_set_sandbox(&parked, v).unwrap();
+    assert_eq!(c1.sandbox_nodes().unwrap()[&s.id], "w2");
+    let mut woken = parked.clone();
+    woken.state = SandboxState::Running;
+    c1.compare_and_set_sandbox_on(&woken, v, "w1").unwrap();
+    let back = c2.sandbox(&s.id).unwrap().unwrap();
+    assert_eq!(
+        (back.state, back.version),
+        (SandboxState::Running, Version(v.0 + 1))
+    );
+    assert_eq!(c2.sandbox_nodes().unwrap()[&s.id], "w1");
 }
 
 #[test]
