@@ -13,6 +13,7 @@ mod cluster;
 #[path = "common/cluster_procs.rs"]
 mod procs;
 
+use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::{json, Value};
@@ -1397,31 +1398,34 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
     }
     // Every GPU sandbox is gone: neither worker keeps a share or a wake ticket of one (A's on
     // the worker it left, when it woke on the other; each deleted one's where it last ran).
+    for w in ["ga", "gb"] {
+        wait_gpu_rows(
+            dir,
+            w,
+            |rows| rows.is_empty(),
+            "no share or ticket of a deleted sandbox",
+        )
+        .await;
+    }
+}
+
+/// The sandboxes worker `w` keeps a GPU share or wake ticket of (its own `DATA/torpor.db`).
+fn gpu_rows(dir: &Path, w: &str) -> Vec<String> {
+    let db = rusqlite::Connection::open(dir.join(format!("data-{w}/torpor.db"))).unwrap();
+    let mut st = db.prepare("SELECT sandbox FROM gpu_shares").unwrap();
+    let rows = st.query_map([], |r| r.get(0)).unwrap();
+    rows.map(Result::unwrap).collect()
+}
+
+/// Waits until worker `w`'s GPU rows pass `ok` (drops go in the background).
+async fn wait_gpu_rows(dir: &Path, w: &str, ok: impl Fn(&[String]) -> bool, what: &str) {
     let deadline = Instant::now() + PATIENCE;
     loop {
-        let kept: Vec<(String, String)> = ["ga", "gb"]
-            .iter()
-            .flat_map(|w| {
-                let db =
-                    rusqlite::Connection::open(dir.join(format!("data-{w}/torpor.db"))).unwrap();
-                let mut st = db.prepare("SELECT sandbox FROM gpu_shares").unwrap();
-                let rows: Vec<String> = st
-                    .query_map([], |r| r.get(0))
-                    .unwrap()
-                    .map(Result::unwrap)
-                    .collect();
-                rows.into_iter()
-                    .map(|s| (w.to_string(), s))
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        if kept.is_empty() {
-            break;
+        let rows = gpu_rows(dir, w);
+        if ok(&rows) {
+            return;
         }
-        assert!(
-            Instant::now() < deadline,
-            "workers keep GPU tickets of deleted sandboxes: {kept:?} (A slept on {a_node}, woke on {now_on})"
-        );
+        assert!(Instant::now() < deadline, "{w}: {what}: it keeps {rows:?}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
@@ -1493,6 +1497,44 @@ async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment
             .await;
         }
     }
+
+    // A GPU sandbox that wakes on another worker leaves no wake ticket on the one it left
+    // (that worker drained), and keeps its share where it runs.
+    let (status, a) = create(&c1).await;
+    assert_eq!(status, 201, "{a}");
+    let a = a["id"].as_str().unwrap().to_string();
+    let left = c1.sandbox(&a).await["node"].as_str().unwrap().to_string();
+    // Drained first, its worker uploads the checkpoint before the park answers (a wake can
+    // then go anywhere).
+    c1.ok(
+        reqwest::Method::POST,
+        &format!("/v1/nodes/{left}/drain"),
+        None,
+    )
+    .await;
+    c1.park(&a).await;
+    wait_gpu_rows(
+        dir,
+        &left,
+        |r| r == [a.clone()],
+        "the ticket of the parked sandbox",
+    )
+    .await;
+    c1.exec(&a, "true").await;
+    let now_on = c1.sandbox(&a).await["node"].as_str().unwrap().to_string();
+    assert_ne!(now_on, left, "woke on the worker that is not drained");
+    wait_gpu_rows(
+        dir,
+        &left,
+        |r| r.is_empty(),
+        "no ticket of a sandbox that woke elsewhere",
+    )
+    .await;
+    assert_eq!(
+        gpu_rows(dir, &now_on),
+        std::slice::from_ref(&a),
+        "its share where it runs"
+    );
 }
 
 /// A worker one controller cannot hear while another still can (a partial partition): the
