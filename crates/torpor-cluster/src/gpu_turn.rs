@@ -78,6 +78,13 @@ impl Turn {
         tenant: &str,
         holder: &str,
     ) -> Result<Turn, String> {
+        // Each turn holds the lease under a name of its own: the give of this controller's
+        // previous turn, sent in the background, never removes the next one's lease.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let holder = format!("{holder}@{nanos}");
+        let holder = holder.as_str();
         let started = Instant::now();
         loop {
             let (b, t, h) = (book.clone(), tenant.to_string(), holder.to_string());
@@ -283,6 +290,22 @@ mod tests {
             second.stored,
             vec![("ga".to_string(), 7, amount(23034, 700))]
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_late_give_of_a_turn_never_frees_the_next_turn_of_the_same_controller() {
+        let book: Arc<dyn GpuTurnBook> = Arc::new(Book::default());
+        for _ in 0..20 {
+            drop(Turn::take(book.clone(), "t1", "c1").await.unwrap());
+            let next = Turn::take(book.clone(), "t1", "c1").await.unwrap();
+            // The first turn's give runs in the background meanwhile.
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            let (b, t, h) = (book.clone(), "t1".to_string(), "c2@1".to_string());
+            let other = blocking(move || b.take(&t, &h, TURN_TTL)).await.unwrap();
+            assert!(!other, "c2 got the turn c1's next start holds");
+            drop(next);
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
     }
 
     /// A book that cannot be reached.

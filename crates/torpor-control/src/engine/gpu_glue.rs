@@ -97,9 +97,14 @@ impl Engine {
         if let Some(gpus) = self.gpus.get() {
             gpus.forget(id);
         } else if let (true, Some(fleet)) = (self.gpus_on_workers(), self.fleet_gpus.get()) {
-            fleet.forget_tickets(id);
-            if let Err(e) = self.store.delete_gpu_request(id) {
-                tracing::error!(sandbox = %id, error = %e, "cannot forget the GPU request");
+            match self.store.delete_gpu_request(id) {
+                // Only a sandbox that had a GPU has tickets on workers.
+                Ok(true) => fleet.forget_tickets(id),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!(sandbox = %id, error = %e, "cannot forget the GPU request");
+                    fleet.forget_tickets(id);
+                }
             }
         }
     }

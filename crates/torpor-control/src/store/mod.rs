@@ -378,7 +378,8 @@ pub trait StateStore: Send + Sync {
     /// Records a sandbox's GPU request (replacing an earlier one).
     fn put_gpu_request(&self, id: &SandboxId, request: &GpuRequest) -> Result<(), StoreError>;
     fn gpu_request(&self, id: &SandboxId) -> Result<Option<GpuRequest>, StoreError>;
-    fn delete_gpu_request(&self, id: &SandboxId) -> Result<(), StoreError>;
+    /// Removes a sandbox's GPU request; true when it had one.
+    fn delete_gpu_request(&self, id: &SandboxId) -> Result<bool, StoreError>;
     /// Records that `id`'s checkpoint holds GPU state moved to host memory by `cuda-checkpoint`.
     fn put_gpu_toggled(&self, id: &SandboxId, toggled: &Toggled) -> Result<(), StoreError>;
     fn gpu_toggled(&self, id: &SandboxId) -> Result<Option<Toggled>, StoreError>;

@@ -759,13 +759,13 @@ impl StateStore for SqliteStore {
         )
     }
 
-    fn delete_gpu_request(&self, id: &SandboxId) -> Result<(), StoreError> {
+    fn delete_gpu_request(&self, id: &SandboxId) -> Result<bool, StoreError> {
         self.execute(
             "delete GPU request",
             "DELETE FROM gpu_requests WHERE sandbox=?1",
             params![id.as_str()],
         )
-        .map(drop)
+        .map(|n| n > 0)
     }
 
     fn put_gpu_toggled(&self, id: &SandboxId, toggled: &Toggled) -> Result<(), StoreError> {

@@ -541,8 +541,9 @@ fn gpu_shares_requests_and_toggles_are_kept_per_sandbox(b: &dyn Backend) {
     whole.mode = PartitionMode::Whole;
     store.put_gpu_request(&a, &whole).unwrap();
     assert_eq!(store.gpu_request(&a).unwrap(), Some(whole));
-    store.delete_gpu_request(&a).unwrap();
+    assert!(store.delete_gpu_request(&a).unwrap(), "it had one");
     assert_eq!(store.gpu_request(&a).unwrap(), None);
+    assert!(!store.delete_gpu_request(&a).unwrap(), "none left");
 
     assert_eq!(store.gpu_toggled(&a).unwrap(), Some(toggled()));
     store.delete_gpu_toggled(&a).unwrap();
