@@ -626,23 +626,18 @@ impl RemoteNode {
             .map_err(|e| format!("the worker's GPU status does not parse: {e}"))
     }
 
-    /// Asks the worker to drop its wake tickets of `sandboxes` (in calls of at most
-    /// [`crate::server::MAX_FORGOTTEN_TICKETS`]).
-    pub async fn forget_gpu_tickets(&self, sandboxes: &[String]) -> Result<(), String> {
+    /// Asks the worker to drop its wake ticket of `sandbox`.
+    pub async fn forget_gpu_ticket(&self, sandbox: &str) -> Result<(), String> {
         let inner = &self.inner;
-        for chunk in sandboxes.chunks(crate::server::MAX_FORGOTTEN_TICKETS) {
-            inner
-                .client()
-                .forget_gpu_tickets(call(
-                    pb::ForgetGpuTicketsRequest {
-                        sandboxes: chunk.to_vec(),
-                    },
-                    inner.cfg.deadlines.quick,
-                ))
-                .await
-                .map_err(|st| inner.err(&st, Duration::ZERO).to_string())?;
-        }
-        Ok(())
+        let msg = pb::ForgetGpuTicketsRequest {
+            sandboxes: vec![sandbox.to_string()],
+        };
+        inner
+            .client()
+            .forget_gpu_tickets(call(msg, inner.cfg.deadlines.quick))
+            .await
+            .map(drop)
+            .map_err(|st| inner.err(&st, Duration::ZERO).to_string())
     }
 
     /// Drops the worker's copies of `snapshot` (deleted from the store).

@@ -218,10 +218,10 @@ fn gpu_request(g: &torpor_runtime::node::LaunchGpu) -> Result<GpuRequest, Runtim
     })
 }
 
-/// Asks `worker` to drop its wake tickets of `sandboxes`, in the background.
-fn spawn_forget_tickets(worker: String, remote: Arc<RemoteNode>, sandboxes: Vec<String>) {
+/// Asks `worker` to drop its wake ticket of `sandbox`, in the background.
+fn spawn_forget_ticket(worker: String, remote: Arc<RemoteNode>, sandbox: String) {
     tokio::spawn(async move {
-        if let Err(error) = remote.forget_gpu_tickets(&sandboxes).await {
+        if let Err(error) = remote.forget_gpu_ticket(&sandbox).await {
             tracing::debug!(%worker, %error, "a worker kept wake tickets it was asked to drop");
         }
     });
@@ -450,7 +450,7 @@ impl Fleet {
                 .collect()
         };
         for (name, remote) in asked {
-            spawn_forget_tickets(name, remote, vec![sandbox.to_string()]);
+            spawn_forget_ticket(name, remote, sandbox.to_string());
         }
     }
 
@@ -967,7 +967,7 @@ impl Fleet {
                         if let (Some(left), Some(_)) = (left.filter(|l| *l != worker), &gpu) {
                             let remote = m.workers.get(&left).filter(|w| !w.lost);
                             if let Some(remote) = remote.map(|w| w.remote.clone()) {
-                                spawn_forget_tickets(left, remote, vec![s.clone()]);
+                                spawn_forget_ticket(left, remote, s.clone());
                             }
                         }
                     }

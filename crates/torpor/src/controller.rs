@@ -333,19 +333,7 @@ impl torpor_cluster::GpuTurnBook for StoreGpuTurns {
         &self,
         tenant: &str,
     ) -> Result<Vec<(String, u64, torpor_gpu::quota::Amount)>, String> {
-        Ok(self
-            .0
-            .gpu_holdings(tenant)
-            .map_err(|e| e.to_string())?
-            .into_iter()
-            .map(|(worker, seq, h)| {
-                let held = torpor_gpu::quota::Amount {
-                    memory_mib: h.memory_mib,
-                    compute: h.compute,
-                };
-                (worker, seq, held)
-            })
-            .collect())
+        self.0.gpu_holdings(tenant).map_err(|e| e.to_string())
     }
 
     fn record(
@@ -355,10 +343,6 @@ impl torpor_cluster::GpuTurnBook for StoreGpuTurns {
         seq: u64,
         held: torpor_gpu::quota::Amount,
     ) -> Result<(), String> {
-        let held = torpor_control::store::GpuHolding {
-            memory_mib: held.memory_mib,
-            compute: held.compute,
-        };
         self.0
             .put_gpu_holding(tenant, worker, seq, held)
             .map_err(|e| e.to_string())

@@ -460,13 +460,16 @@ pub trait StateStore: Send + Sync {
         _tenant: &str,
         _worker: &str,
         _seq: u64,
-        _held: GpuHolding,
+        _held: torpor_gpu::quota::Amount,
     ) -> Result<(), StoreError> {
         Ok(())
     }
     /// What `tenant` holds per worker, as the newest reports kept said: `(worker, seq, held)`,
     /// by worker. A store one process uses keeps none (its controller saw every start).
-    fn gpu_holdings(&self, _tenant: &str) -> Result<Vec<(String, u64, GpuHolding)>, StoreError> {
+    fn gpu_holdings(
+        &self,
+        _tenant: &str,
+    ) -> Result<Vec<(String, u64, torpor_gpu::quota::Amount)>, StoreError> {
         Ok(Vec::new())
     }
 
@@ -514,14 +517,6 @@ pub struct FenceOrderRecord {
     pub owner: String,
     /// Whether a controller that hears the worker has handed it over.
     pub relayed: bool,
-}
-
-/// What a tenant holds of one worker's GPUs ([`StateStore::gpu_holdings`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct GpuHolding {
-    pub memory_mib: u64,
-    /// Compute units (700 per GPU).
-    pub compute: u64,
 }
 
 /// A lock held in the store ([`StateStore::lock`]); released when dropped.

@@ -1362,7 +1362,7 @@ impl StateStore for PostgresStore {
         tenant: &str,
         worker: &str,
         seq: u64,
-        held: super::GpuHolding,
+        held: torpor_gpu::quota::Amount,
     ) -> Result<(), StoreError> {
         let n = |v: u64| p(i64::try_from(v).unwrap_or(i64::MAX));
         self.execute(
@@ -1387,7 +1387,7 @@ impl StateStore for PostgresStore {
     fn gpu_holdings(
         &self,
         tenant: &str,
-    ) -> Result<Vec<(String, u64, super::GpuHolding)>, StoreError> {
+    ) -> Result<Vec<(String, u64, torpor_gpu::quota::Amount)>, StoreError> {
         let n = |v: i64| u64::try_from(v).unwrap_or(0);
         self.query(
             "read GPU holdings",
@@ -1400,7 +1400,7 @@ impl StateStore for PostgresStore {
             Ok((
                 get(r, 0, "GPU holding")?,
                 n(get(r, 1, "GPU holding")?),
-                super::GpuHolding {
+                torpor_gpu::quota::Amount {
                     memory_mib: n(get(r, 2, "GPU holding")?),
                     compute: n(get(r, 3, "GPU holding")?),
                 },

@@ -1452,7 +1452,7 @@ fn fence_orders_are_shared_relayed_and_removed_once_done() {
 fn gpu_holdings_keep_each_workers_newest_report_per_tenant() {
     let Some(pg) = Postgres::new() else { return };
     let (c1, c2) = (pg.connect(), pg.connect());
-    let held = |memory_mib, compute| GpuHolding {
+    let held = |memory_mib, compute| torpor_gpu::quota::Amount {
         memory_mib,
         compute,
     };
