@@ -300,12 +300,6 @@ impl Agent {
         if req.cmd.is_empty() {
             return Err(bad_request("cmd must not be empty".into()));
         }
-        let mut command = exec_command(
-            &req.cmd,
-            self.env.read().unwrap_or_else(|p| p.into_inner()).iter(),
-            &req.env,
-            req.cwd.as_deref(),
-        );
         let spawn_err = |e: io::Error| Reply::Error {
             code: match e.kind() {
                 io::ErrorKind::NotFound => AgentErrorCode::NotFound,
@@ -315,6 +309,12 @@ impl Agent {
             message: format!("cannot start {:?}: {e}", req.cmd[0]),
         };
         if req.detach {
+            let mut command = exec_command(
+                &req.cmd,
+                self.env.read().unwrap_or_else(|p| p.into_inner()).iter(),
+                &req.env,
+                req.cwd.as_deref(),
+            );
             let log = open_log("detached.log");
             command
                 .stdin(Stdio::null())
@@ -326,28 +326,24 @@ impl Agent {
                 .map_err(spawn_err)?;
             return Ok((Reply::Started { pid: child.id() }, Vec::new()));
         }
-        command
-            .stdin(if stdin.is_empty() {
-                Stdio::null()
-            } else {
-                Stdio::piped()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
         let started = Instant::now();
-        let (mut child, status_rx) = self.children.spawn(&mut command, true).map_err(spawn_err)?;
+        let prepared = spawn::Prepared::new(
+            &req.cmd,
+            self.env.read().unwrap_or_else(|p| p.into_inner()).iter(),
+            &req.env,
+            req.cwd.as_deref(),
+            None,
+            true,
+        )
+        .ok_or_else(|| unstartable(&req.cmd[0]))?;
+        let ((pid, status_rx), mut io) = start_exec(stdin, |stdio| {
+            self.children
+                .spawn_with(true, || prepared.spawn(stdio), |pid| *pid)
+        })
+        .map_err(spawn_err)?;
         let status_rx = status_rx.expect("waited spawn has a receiver");
+        io.stdin_nonblocking();
         let deadline = req.timeout_ms.map(|ms| started + Duration::from_millis(ms));
-        let mut io = ChildIo {
-            stdin: child.stdin.take(),
-            stdin_data: stdin,
-            stdin_pos: 0,
-            stdout: child.stdout.take(),
-            stderr: child.stderr.take(),
-            out: Vec::new(),
-            err: Vec::new(),
-        };
-        let pid = child.id() as i32;
         let stream = |fd: u8, chunk: &[u8]| self.reply(id, &Reply::Output { fd }, chunk);
         let outcome = io.pump(
             &status_rx,
@@ -359,7 +355,7 @@ impl Agent {
             Pumped::Exited(s) => (Some(s), false),
             Pumped::TimedOut => {
                 // SAFETY: kill(2) on a process group we created; no memory is touched.
-                unsafe { libc::kill(-pid, libc::SIGKILL) };
+                unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
                 (status_rx.recv_timeout(Duration::from_secs(5)).ok(), true)
             }
         };
@@ -379,10 +375,72 @@ impl Agent {
     }
 }
 
-/// The command an `Exec` starts: `cmd` with the configured environment, then the request's,
-/// in `cwd`, in a process group of its own (so a timeout kills everything it started). Its
-/// stdio is the caller's to set. [`floor`] builds its commands here too, so that the floor
-/// it measures is this very spawn.
+/// Why a command that [`spawn::Prepared::new`] refused cannot start (as `Command` would say).
+fn unstartable(program: &str) -> Reply {
+    if program.is_empty() {
+        return Reply::Error {
+            code: AgentErrorCode::NotFound,
+            message: "cannot start \"\": no program named".into(),
+        };
+    }
+    Reply::Error {
+        code: AgentErrorCode::SpawnFailed,
+        message: format!(
+            "cannot start {program:?}: a NUL byte in its arguments, environment or directory"
+        ),
+    }
+}
+
+/// The pipes of an `Exec`'s command, started by `spawn` (a [`spawn::Prepared`] built as for
+/// an `Exec`: its own process group, the agent's environment under the request's): stdin from
+/// `stdin` when there is some (else `/dev/null`), stdout and stderr piped (this side's ends
+/// blocking: [`ChildIo::pump`] wants only stdin's non-blocking). [`floor`] starts its commands
+/// here too, so that the floor it measures is this very spawn.
+fn start_exec<T>(
+    stdin: Vec<u8>,
+    spawn: impl FnOnce(spawn::Stdio3) -> io::Result<T>,
+) -> io::Result<(T, ChildIo)> {
+    let (out_r, out_w) = procs::pipe()?;
+    let (err_r, err_w) = procs::pipe()?;
+    let (child_in, stdin_w) = if stdin.is_empty() {
+        (None, None)
+    } else {
+        let (r, w) = procs::pipe()?;
+        (Some(r), Some(w))
+    };
+    let started = spawn(spawn::Stdio3 {
+        stdin: child_in.as_ref().map_or(dev_null()?, |f| f.as_raw_fd()),
+        stdout: out_w.as_raw_fd(),
+        stderr: err_w.as_raw_fd(),
+    })?;
+    drop((child_in, out_w, err_w));
+    Ok((
+        started,
+        ChildIo {
+            stdin: stdin_w,
+            stdin_data: stdin,
+            stdin_pos: 0,
+            stdout: Some(out_r),
+            stderr: Some(err_r),
+            out: Vec::new(),
+            err: Vec::new(),
+        },
+    ))
+}
+
+/// `/dev/null`, opened once (close-on-exec) for every exec's stdin: two system calls fewer per
+/// exec than opening it each time.
+fn dev_null() -> io::Result<i32> {
+    static NULL: std::sync::OnceLock<File> = std::sync::OnceLock::new();
+    if let Some(f) = NULL.get() {
+        return Ok(f.as_raw_fd());
+    }
+    let f = File::open("/dev/null")?;
+    Ok(NULL.get_or_init(|| f).as_raw_fd())
+}
+
+/// The command a detached `Exec` starts: `cmd` with the configured environment, then the
+/// request's, in `cwd`, in a process group of its own. Its stdio is the caller's to set.
 fn exec_command<'a>(
     cmd: &[String],
     configured: impl Iterator<Item = (&'a String, &'a String)>,
@@ -423,11 +481,11 @@ enum Pumped {
 
 /// The pipes of one running exec.
 struct ChildIo {
-    stdin: Option<std::process::ChildStdin>,
+    stdin: Option<File>,
     stdin_data: Vec<u8>,
     stdin_pos: usize,
-    stdout: Option<std::process::ChildStdout>,
-    stderr: Option<std::process::ChildStderr>,
+    stdout: Option<File>,
+    stderr: Option<File>,
     out: Vec<u8>,
     err: Vec<u8>,
 }
@@ -440,6 +498,11 @@ impl ChildIo {
     /// Moves bytes between the pipes and the buffers until the process exits and its pipes
     /// close (or `linger` after its exit), or the deadline passes. With `stream`, output is
     /// sent as it arrives instead.
+    ///
+    /// Output pipes are read only when a poll says they hold something (or are at their end),
+    /// one read each, so they may stay blocking: no `fcntl` per exec (every system call is a
+    /// round trip through gVisor's kernel). The stdin pipe must be non-blocking
+    /// ([`ChildIo::stdin_nonblocking`]): a write larger than its room would block.
     fn pump(
         &mut self,
         status_rx: &Receiver<WaitStatus>,
@@ -447,16 +510,6 @@ impl ChildIo {
         linger: Duration,
         stream: Option<&OutputSink<'_>>,
     ) -> Pumped {
-        for fd in [
-            self.stdin.as_ref().map(|p| p.as_raw_fd()),
-            self.stdout.as_ref().map(|p| p.as_raw_fd()),
-            self.stderr.as_ref().map(|p| p.as_raw_fd()),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            set_nonblocking(fd);
-        }
         let mut status: Option<WaitStatus> = None;
         let mut exited_at: Option<Instant> = None;
         let mut buf = vec![0u8; 64 * 1024];
@@ -474,70 +527,89 @@ impl ChildIo {
                     // it whatever the clock says. (The first exec after a restore saw the
                     // clock step past the window before its first read, and answered with
                     // no output at all.)
-                    self.drain_pipes(&mut buf, stream);
+                    // (Bounded: something it left running may write for ever.)
+                    for _ in 0..64 {
+                        if !self.poll_once(0, &mut buf, stream) {
+                            break;
+                        }
+                    }
                     return Pumped::Exited(s);
                 }
             } else if !open && self.stdin.is_none() {
-                // Pipes closed; the exit status is on its way.
-                return match deadline {
-                    Some(d) => {
-                        match status_rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
-                            Ok(s) => Pumped::Exited(s),
-                            Err(_) => Pumped::TimedOut,
-                        }
-                    }
-                    None => status_rx.recv().map_or(Pumped::TimedOut, Pumped::Exited),
+                // Pipes closed: the exit status is on its way.
+                let status = match deadline {
+                    Some(d) => status_rx
+                        .recv_timeout(d.saturating_duration_since(Instant::now()))
+                        .ok(),
+                    None => status_rx.recv().ok(),
                 };
+                return status.map_or(Pumped::TimedOut, Pumped::Exited);
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Pumped::TimedOut;
             }
-            let mut fds = Vec::with_capacity(3);
-            if let Some(p) = &self.stdin {
-                fds.push(libc::pollfd {
-                    fd: p.as_raw_fd(),
-                    events: libc::POLLOUT,
-                    revents: 0,
-                });
-            }
-            if let Some(p) = &self.stdout {
-                fds.push(libc::pollfd {
-                    fd: p.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                });
-            }
-            if let Some(p) = &self.stderr {
-                fds.push(libc::pollfd {
-                    fd: p.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                });
-            }
-            // Short slices: the exit status arrives on a channel, not on an fd.
+            // Short slices: the exit is not on an fd.
             let slice_ms = if status.is_some() { 10 } else { 20 };
-            if !fds.is_empty() {
-                // SAFETY: fds is a valid, initialised array of pollfd of the given length.
-                unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, slice_ms) };
-            } else {
-                std::thread::sleep(Duration::from_millis(slice_ms as u64));
-            }
-            self.feed_stdin();
-            self.drain_pipes(&mut buf, stream);
+            self.poll_once(slice_ms, &mut buf, stream);
         }
     }
 
-    /// Reads what the pipes hold now, without waiting; a pipe at its end is closed.
-    fn drain_pipes(&mut self, buf: &mut [u8], stream: Option<&OutputSink<'_>>) {
-        if let Some(p) = &mut self.stdout {
-            if drain(p, buf, &mut self.out, stream.map(|s| (s, 1u8))) {
-                self.stdout = None;
+    /// Waits up to `timeout_ms` for a pipe to be ready, then feeds stdin and reads each output
+    /// pipe that is (once: a pipe said ready does not block one read). A pipe at its end, or
+    /// broken, is closed. Whether any was ready.
+    fn poll_once(
+        &mut self,
+        timeout_ms: i32,
+        buf: &mut [u8],
+        stream: Option<&OutputSink<'_>>,
+    ) -> bool {
+        let pollfd = |p: &Option<File>, events| libc::pollfd {
+            // A negative fd is skipped by poll.
+            fd: p.as_ref().map_or(-1, |p| p.as_raw_fd()),
+            events,
+            revents: 0,
+        };
+        let mut fds = [
+            pollfd(&self.stdin, libc::POLLOUT),
+            pollfd(&self.stdout, libc::POLLIN),
+            pollfd(&self.stderr, libc::POLLIN),
+        ];
+        if fds.iter().all(|f| f.fd < 0) {
+            if timeout_ms > 0 {
+                std::thread::sleep(Duration::from_millis(timeout_ms as u64));
+            }
+            return false;
+        }
+        // SAFETY: fds is a valid, initialised array of pollfd of the given length.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+        if ready <= 0 {
+            return false;
+        }
+        if fds[0].revents != 0 {
+            self.feed_stdin();
+        }
+        for (i, fd) in [(1, 1u8), (2, 2u8)] {
+            if fds[i].revents == 0 {
+                continue;
+            }
+            let (pipe, into) = if fd == 1 {
+                (&mut self.stdout, &mut self.out)
+            } else {
+                (&mut self.stderr, &mut self.err)
+            };
+            if let Some(p) = pipe {
+                if read_once(p, buf, into, stream.map(|s| (s, fd))) {
+                    *pipe = None;
+                }
             }
         }
-        if let Some(p) = &mut self.stderr {
-            if drain(p, buf, &mut self.err, stream.map(|s| (s, 2u8))) {
-                self.stderr = None;
-            }
+        true
+    }
+
+    /// Makes the stdin pipe, if any, non-blocking (see [`ChildIo::pump`]).
+    fn stdin_nonblocking(&self) {
+        if let Some(p) = &self.stdin {
+            set_nonblocking(p.as_raw_fd());
         }
     }
 
@@ -573,33 +645,39 @@ fn keep_capped(into: &mut Vec<u8>, chunk: &[u8]) {
     }
 }
 
-/// Reads what is available; true when the pipe reached EOF (or broke).
-fn drain(
+/// One read of a pipe a poll said ready; true when it is at its end (or broke).
+fn read_once(
     p: &mut impl Read,
     buf: &mut [u8],
     into: &mut Vec<u8>,
     stream: Option<(&OutputSink<'_>, u8)>,
 ) -> bool {
-    loop {
-        match p.read(buf) {
-            Ok(0) => return true,
-            Ok(n) => match stream {
+    match p.read(buf) {
+        Ok(0) => true,
+        Ok(n) => {
+            match stream {
                 Some((send, fd)) => send(fd, &buf[..n]),
                 None => keep_capped(into, &buf[..n]),
-            },
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(_) => return true,
+            }
+            false
         }
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+            ) =>
+        {
+            false
+        }
+        Err(_) => true,
     }
 }
 
+/// Makes a pipe end this agent made non-blocking. One system call: a new pipe's end has no
+/// status flag but its access mode, which `F_SETFL` leaves as it is.
 fn set_nonblocking(fd: i32) {
     // SAFETY: fcntl on an fd this process owns; no memory is passed.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
-    }
+    unsafe { libc::fcntl(fd, libc::F_SETFL, libc::O_NONBLOCK) };
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -652,6 +730,11 @@ struct Children {
     kept: HashMap<i32, WaitStatus>,
     watched: std::collections::HashSet<i32>,
     live: usize,
+    /// Children started so far (the reaper sleeps only if none started since it last found
+    /// it had none).
+    spawns: u64,
+    /// The reaper sleeps on `spawned`: a spawn wakes it. (Only then: a wake is a system call.)
+    reaper_idle: bool,
 }
 
 impl ChildTable {
@@ -676,6 +759,7 @@ impl ChildTable {
         let child = start()?;
         let pid = pid(&child) as i32;
         inner.live += 1;
+        inner.spawns += 1;
         let rx = if wait {
             let (tx, rx) = mpsc::channel();
             inner.waiters.insert(pid, Waiter::Send(tx));
@@ -684,7 +768,9 @@ impl ChildTable {
         } else {
             None
         };
-        self.spawned.notify_all();
+        if inner.reaper_idle {
+            self.spawned.notify_all();
+        }
         Ok((child, rx))
     }
 
@@ -715,6 +801,7 @@ impl ChildTable {
 
     fn reap_forever(&self) {
         loop {
+            let spawns = self.inner.lock().unwrap_or_else(|p| p.into_inner()).spawns;
             let mut raw = 0;
             // SAFETY: waitpid with a valid pointer to an i32.
             let pid = unsafe { libc::waitpid(-1, &mut raw, 0) };
@@ -722,12 +809,18 @@ impl ChildTable {
                 if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
                     continue;
                 }
-                // No children at all: sleep until one is spawned.
-                let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-                let _ = self
+                // No children at all: sleep until one is spawned (or an orphan may have come).
+                let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+                if inner.spawns != spawns {
+                    // One started since the wait found none: wait for it.
+                    continue;
+                }
+                inner.reaper_idle = true;
+                let (mut inner, _) = self
                     .spawned
                     .wait_timeout(inner, Duration::from_millis(500))
                     .unwrap_or_else(|p| p.into_inner());
+                inner.reaper_idle = false;
                 continue;
             }
             let status = WaitStatus::from_raw(raw);
@@ -1195,6 +1288,7 @@ mod output_cap_tests {
 
     #[test]
     fn output_written_before_the_exit_is_kept_however_short_the_window_after_it() {
+        use std::os::fd::OwnedFd;
         use std::os::unix::process::ExitStatusExt;
         // The exit is already known when the pump starts and the window after it is over at
         // once (as when the clock steps past it): what the process wrote is still read.
@@ -1208,8 +1302,8 @@ mod output_cap_tests {
             stdin: None,
             stdin_data: Vec::new(),
             stdin_pos: 0,
-            stdout: child.stdout.take(),
-            stderr: child.stderr.take(),
+            stdout: child.stdout.take().map(|p| File::from(OwnedFd::from(p))),
+            stderr: child.stderr.take().map(|p| File::from(OwnedFd::from(p))),
             out: Vec::new(),
             err: Vec::new(),
         };

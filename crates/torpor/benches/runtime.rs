@@ -9,9 +9,12 @@
 //! |---|---|
 //! | exec `true` in a running sandbox, through the API | `runsc exec` of `true` |
 //! | exec `true` in a running sandbox, through the API | the floor: the same spawn inside the sandbox, torpor off the path |
+//! | the same exec through a bare HTTP/1.1 client (no library) | the floor |
 //! | the agent's own spawn → exit of that exec (its `duration_ms`) | the floor |
-//! | all of an exec but the agent's spawn → exit (per exec) | 0 |
+//! | the floor (the agent's clone-vfork spawn) | the same through std's `posix_spawn` (before) |
 //! | floor of `true` as uid 1000 the way a `Spawn` starts it (clone-vfork) | the same through std's fork fallback |
+//! | all of an exec but the agent's spawn → exit (per exec) | 0 |
+//! | `GET` of the sandbox through the bare client (the daemon without the agent) | 0 |
 //! | wake from Frozen: API call to first exec result | exec in a running sandbox |
 //! | wake from Frozen: the resume call | `runsc resume` of a paused container |
 //! | wake from Parked, 64 MiB resident: API call to first exec result | bare `runsc restore --detach` of the same image |
@@ -25,7 +28,10 @@
 //! `TORPOR_BENCH_ROWS=exec` stops after the exec rows (for iterating on the exec path).
 //!
 //! Prints a table (with each row's p50 difference to its baseline) and one JSON line
-//! (`{"bench":"runtime",...}`, with `exec_overhead_over_floor_p50_ms`).
+//! (`{"bench":"runtime",...}`, with `exec_overhead_over_floor_p50_ms` and
+//! `exec_overhead_over_floor_bare_client_p50_ms`).
+//!
+//! The client runs on a current-thread runtime: nothing else runs in the bench while it waits.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -110,7 +116,7 @@ fn latest_image(data: &Path, id: &str) -> PathBuf {
         .expect("a committed image")
 }
 
-#[tokio::main]
+#[tokio::main(flavor = "current_thread")]
 async fn main() {
     let n: usize = std::env::var("TORPOR_BENCH_N")
         .ok()
@@ -203,6 +209,14 @@ async fn main() {
     let mut agent_spawn = Vec::new();
     let mut outside = Vec::new();
     let mut floor = Vec::new();
+    let mut floor_std = Vec::new();
+    // The same exec and a call that does not reach the agent, through a bare HTTP/1.1 client:
+    // how much of the figure above is the client's.
+    let token = std::fs::read_to_string(data.join("admin-token")).unwrap();
+    let mut raw = support::RawHttp::connect(&d.url, token.trim());
+    let exec_path = format!("/v1/sandboxes/{id}/exec");
+    let true_json = serde_json::to_vec(&true_cmd).unwrap();
+    let (mut raw_exec, mut raw_get) = (Vec::new(), Vec::new());
     const BATCH: usize = 10;
     for _ in 0..(n * 3).div_ceil(BATCH) {
         for _ in 0..BATCH {
@@ -212,8 +226,19 @@ async fn main() {
             assert_eq!(r.exit_code, Some(0));
             agent_spawn.push(r.duration_ms);
             outside.push(torpor_exec.last().unwrap() - r.duration_ms);
+            let t = Instant::now();
+            let (status, body) = raw.request("POST", &exec_path, Some(&true_json));
+            raw_exec.push(t.elapsed().as_secs_f64() * 1000.0);
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+            let t = Instant::now();
+            let (status, _) = raw.request("GET", &format!("/v1/sandboxes/{id}"), None);
+            raw_get.push(t.elapsed().as_secs_f64() * 1000.0);
+            assert_eq!(status, 200);
         }
         floor.extend(floor_ms(&c.exec(&id, &floor_cmd(BATCH)).await.unwrap()));
+        floor_std.extend(floor_ms(
+            &c.exec(&id, &floor_as(BATCH, &["--std"])).await.unwrap(),
+        ));
         let vfork = floor_as(BATCH, &["--uid", "1000:1000"]);
         as_user_vfork.extend(floor_ms(&c.exec(&id, &vfork).await.unwrap()));
         let fork = floor_as(BATCH, &["--uid-std", "1000:1000"]);
@@ -226,10 +251,22 @@ async fn main() {
         baseline: floor.clone(),
     });
     rows.push(Row {
+        name: "exec `true` over floor, bare client",
+        torpor: raw_exec,
+        baseline_name: "exec `true` floor (in-sandbox spawn)",
+        baseline: floor.clone(),
+    });
+    rows.push(Row {
         name: "exec `true`: agent's spawn→exit",
         torpor: agent_spawn,
         baseline_name: "exec `true` floor (in-sandbox spawn)",
-        baseline: floor,
+        baseline: floor.clone(),
+    });
+    rows.push(Row {
+        name: "spawn `true`: clone-vfork (now)",
+        torpor: floor,
+        baseline_name: "std's posix_spawn (before)",
+        baseline: floor_std,
     });
     rows.push(Row {
         name: "spawn `true` as uid 1000: clone-vfork",
@@ -243,6 +280,13 @@ async fn main() {
         name: "exec `true`: all but the agent's spawn",
         torpor: outside,
         baseline_name: "(per exec: total − agent's spawn→exit)",
+        baseline: vec![0.0],
+    });
+    // The daemon's share without the agent: HTTP, auth, a store read, JSON.
+    rows.push(Row {
+        name: "GET sandbox, bare client (no agent)",
+        torpor: raw_get,
+        baseline_name: "(nothing)",
         baseline: vec![0.0],
     });
     let cid = format!("{id}-g1");
@@ -466,7 +510,7 @@ fn report(mut rows: Vec<Row>, n: usize) {
         "torpor", "p50 ms", "p95 ms", "p99 ms", "baseline", "p50 ms", "p95 ms", "p50 x", "Δp50 ms"
     );
     let mut json_rows = Vec::new();
-    let mut over_floor = None;
+    let (mut over_floor, mut over_floor_bare) = (None, None);
     for r in &mut rows {
         let (t50, t95, t99) = (
             pct(&mut r.torpor, 50.0),
@@ -489,6 +533,9 @@ fn report(mut rows: Vec<Row>, n: usize) {
         if r.name == "exec `true` (running) over its floor" {
             over_floor = Some(t50 - b50);
         }
+        if r.name == "exec `true` over floor, bare client" {
+            over_floor_bare = Some(t50 - b50);
+        }
         json_rows.push(serde_json::json!({
             "name": r.name, "n": r.torpor.len(), "p50_ms": t50, "p95_ms": t95, "p99_ms": t99,
             "baseline": r.baseline_name, "baseline_n": r.baseline.len(),
@@ -500,6 +547,7 @@ fn report(mut rows: Vec<Row>, n: usize) {
     println!(
         "{}",
         serde_json::json!({"bench": "runtime", "n": n, "rows": json_rows,
-            "exec_overhead_over_floor_p50_ms": over_floor})
+            "exec_overhead_over_floor_p50_ms": over_floor,
+            "exec_overhead_over_floor_bare_client_p50_ms": over_floor_bare})
     );
 }

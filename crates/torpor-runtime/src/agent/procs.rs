@@ -107,18 +107,18 @@ impl Agent {
             },
             message: format!("cannot start {:?}: {e}", req.cmd[0]),
         };
-        // As another user without a terminal: started without copying the agent (see
-        // [`super::spawn`]); anything else through `Command`.
-        let fast = match (req.user, &req.pty) {
-            (Some(user), None) => super::spawn::Prepared::new(
+        // Without a terminal: started without copying the agent and in a few system calls
+        // (see [`super::spawn`]); with one, through `Command`.
+        let fast = match &req.pty {
+            None => super::spawn::Prepared::new(
                 &req.cmd,
                 self.env.read().unwrap_or_else(|p| p.into_inner()).iter(),
                 &req.env,
                 req.cwd.as_deref(),
-                user,
+                req.user,
                 true,
             ),
-            _ => None,
+            Some(_) => None,
         };
         let mut master = None;
         let (pid, status_rx, stdin) = if let Some(prepared) = fast {

@@ -1,25 +1,26 @@
-//! Starting a command as another user without copying the agent: `clone(CLONE_VM |
-//! CLONE_VFORK)`, the child drops to the user with raw syscalls, then `execve`.
+//! Starting a command without copying the agent: `clone(CLONE_VM | CLONE_VFORK)`, the child
+//! sets itself up with raw syscalls (dropping to another user when asked), then `execve`.
 //!
-//! Why: the standard library starts a command with `posix_spawn` (a vfork-style clone that
-//! shares the agent's memory until `execve`) unless it must change the user, and then falls back
-//! to `fork`: a copy of the agent's address space. Under gVisor's ptrace platform that copy is a
-//! new host stub process and every page table entry rebuilt on fault, on top of the `execve`'s
-//! own: measurably the most expensive part of an E2B `commands.run` as `user` (uid 1000). glibc's
-//! `posix_spawn` has no "as this user" attribute, so this is the same technique, with the
-//! credentials step added.
+//! Why: under gVisor's ptrace platform every system call is a round trip to gVisor's kernel
+//! (~60 µs on the machines measured), so a spawn costs what its system calls number. The
+//! standard library starts a command with glibc's `posix_spawn`, whose child walks every signal
+//! (64 `rt_sigaction` reads, and a write for each handled one) and whose parent checks each
+//! file action against `RLIMIT_NOFILE` and maps a stack per call: ~80 system calls before the
+//! `execve`, where this child makes 7. For a command with a user it falls back to `fork`: a copy
+//! of the agent's address space that gVisor makes expensive. glibc's `posix_spawn` has no "as
+//! this user" attribute, so this is the same technique, with the credentials step added.
 //!
-//! What the child does is what `std::process::Command` does for a command with `uid`, `gid` and
-//! `process_group(0)`, in its order: signal mask emptied and `SIGPIPE` back to its default (at the
-//! end, so nothing is delivered before the `execve`), its own process group, the supplementary
-//! groups dropped (the agent is root), the group then the user set, the working directory, the
-//! three standard descriptors, `execve`. Every step in the child is a raw syscall: it runs on the
-//! agent's memory (parent suspended), so it must not take a lock, allocate, or call glibc's
-//! `setuid`, which in a threaded process signals every thread of the agent to change theirs.
+//! What the child does is what `std::process::Command` does for a command with `process_group(0)`
+//! (and `uid`, `gid` when a user is given), in its order: signal mask emptied and `SIGPIPE` back
+//! to its default (at the end, so nothing is delivered before the `execve`; handlers the agent
+//! set are reset by the `execve` itself, and `SIGPIPE` is the only signal the agent ignores), its
+//! own process group, the supplementary groups dropped (the agent is root), the group then the
+//! user set, the working directory, the three standard descriptors, `execve` (with `execvp`'s
+//! search of `PATH` for a program named without a `/`, and `/bin/sh` for a script without `#!`).
+//! Every step in the child is a raw syscall: it runs on the agent's memory (parent suspended), so
+//! it must not take a lock, allocate, or call glibc's `setuid`, which in a threaded process
+//! signals every thread of the agent to change theirs.
 //!
-//! Only for a program given as a path (no `PATH` search) and no terminal; anything else goes
-//! through `std::process::Command` as before.
-
 use std::collections::BTreeMap;
 use std::ffi::{CString, OsString};
 use std::io;
@@ -42,20 +43,33 @@ struct KernelSigaction {
 
 /// A command ready to start: everything the child needs is built here, before the clone.
 pub(super) struct Prepared {
-    program: CString,
     /// NUL-terminated arrays of pointers into `_argv` / `_envp`.
     argv: Vec<*const libc::c_char>,
     envp: Vec<*const libc::c_char>,
-    /// `/bin/sh PROGRAM ARGS...`: what `execvp` runs when the program is not an executable
-    /// format (a script without `#!`), as the standard library's spawn does through it.
-    sh_argv: Vec<*const libc::c_char>,
+    /// Per candidate, `/bin/sh CANDIDATE ARGS...`: what `execvp` runs when the program is not
+    /// an executable format (a script without `#!`), as the standard library's spawn does
+    /// through it. Built here: the child must not allocate.
+    sh_argv: Vec<Vec<*const libc::c_char>>,
     _argv: Vec<CString>,
     _envp: Vec<CString>,
+    /// Where `execve` is tried, in order: the program itself when it holds a `/`, else each
+    /// directory of the command's `PATH` joined with it.
+    candidates: Vec<CString>,
     cwd: Option<CString>,
-    user: RunAs,
+    user: Option<RunAs>,
     drop_groups: bool,
     process_group: bool,
 }
+
+/// Whether the agent runs as root (asked once: it never changes).
+fn agent_is_root() -> bool {
+    static ROOT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    // SAFETY: geteuid has no preconditions.
+    *ROOT.get_or_init(|| unsafe { libc::geteuid() } == 0)
+}
+
+/// glibc's `execvp` default when the command has no `PATH`.
+const DEFAULT_PATH: &str = "/bin:/usr/bin";
 
 /// The descriptors the child gets as 0, 1 and 2.
 #[derive(Clone, Copy)]
@@ -74,21 +88,19 @@ struct ChildArgs<'a> {
 }
 
 impl Prepared {
-    /// `cmd` (its first element a path: it holds a `/`) with the agent's own environment,
-    /// then `configured`, then `env` over it (later wins, as `Command::env` does), as `user`.
-    /// `None` when the fast path does not apply (a program without a `/`, or a NUL byte).
+    /// `cmd` with the agent's own environment, then `configured`, then `env` over it (later
+    /// wins, as `Command::env` does), as `user` (the agent's own when `None`). A program named
+    /// without a `/` is searched in that environment's `PATH`, as `Command` does. `None` when it
+    /// cannot be started this way (an empty program, or a NUL byte in what it is given).
     pub(super) fn new<'a>(
         cmd: &[String],
         configured: impl Iterator<Item = (&'a String, &'a String)>,
         env: &'a BTreeMap<String, String>,
         cwd: Option<&str>,
-        user: RunAs,
+        user: Option<RunAs>,
         process_group: bool,
     ) -> Option<Prepared> {
-        let program = cmd.first()?;
-        if !program.contains('/') {
-            return None;
-        }
+        let program = cmd.first().filter(|p| !p.is_empty())?;
         let mut vars: BTreeMap<OsString, OsString> = std::env::vars_os().collect();
         for (k, v) in configured.chain(env.iter()) {
             vars.insert(k.into(), v.into());
@@ -110,6 +122,23 @@ impl Prepared {
             Some(d) => Some(CString::new(d).ok()?),
             None => None,
         };
+        let candidates = if program.contains('/') {
+            vec![CString::new(program.as_bytes()).ok()?]
+        } else {
+            let path = vars.get(std::ffi::OsStr::new("PATH"));
+            let path = path.map_or(DEFAULT_PATH.as_bytes(), |p| p.as_bytes());
+            path.split(|b| *b == b':')
+                .map(|dir| {
+                    // An empty entry is the working directory, as for execvp.
+                    let mut full = dir.to_vec();
+                    if !full.is_empty() {
+                        full.push(b'/');
+                    }
+                    full.extend_from_slice(program.as_bytes());
+                    CString::new(full).ok()
+                })
+                .collect::<Option<Vec<_>>>()?
+        };
         let ptrs = |v: &[CString]| {
             v.iter()
                 .map(|c| c.as_ptr())
@@ -117,19 +146,24 @@ impl Prepared {
                 .collect::<Vec<_>>()
         };
         let argv = ptrs(&argv_c);
-        let mut sh_argv = vec![SH.as_ptr()];
-        sh_argv.extend_from_slice(&argv);
+        let sh_argv = candidates
+            .iter()
+            .map(|c| {
+                let mut v = vec![SH.as_ptr(), c.as_ptr()];
+                v.extend_from_slice(&argv[1..]);
+                v
+            })
+            .collect();
         Some(Prepared {
-            program: CString::new(program.as_bytes()).ok()?,
             argv,
             sh_argv,
             envp: ptrs(&envp_c),
             _argv: argv_c,
             _envp: envp_c,
+            candidates,
             cwd,
             user,
-            // SAFETY: geteuid has no preconditions.
-            drop_groups: unsafe { libc::geteuid() } == 0,
+            drop_groups: user.is_some() && agent_is_root(),
             process_group,
         })
     }
@@ -143,17 +177,12 @@ impl Prepared {
             stdio,
             error: AtomicI32::new(0),
         };
-        // Block every signal in this thread across the clone, so that no handler of the agent
-        // runs in the child on the agent's memory; the child empties its mask just before its
-        // `execve`, this thread restores its own right after.
-        // SAFETY: sigset_t is plain data; sigfillset / pthread_sigmask write only into it.
-        let old = unsafe {
-            let mut all: libc::sigset_t = std::mem::zeroed();
-            let mut old: libc::sigset_t = std::mem::zeroed();
-            libc::sigfillset(&mut all);
-            libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
-            old
-        };
+        // No signal is blocked across the clone: the agent installs no handler that could run in
+        // the child on the agent's memory (the standard library's guard for a stack overflow
+        // only answers a fault, and the child makes none), and an asynchronous signal meets the
+        // child's own dispositions, the defaults and the agent's ignored `SIGPIPE`. Blocking
+        // them, as `posix_spawn` does, would cost this thread two system calls per spawn. An
+        // agent that installs a handler must block signals here again.
         // SAFETY: the stack is ours and outlives the child's use of it: with CLONE_VFORK this
         // thread is suspended until the child has called execve or exited, and `args` lives
         // on this frame until then. The top is 16-byte aligned as the ABI wants.
@@ -167,8 +196,6 @@ impl Prepared {
             )
         };
         let clone_err = io::Error::last_os_error();
-        // SAFETY: restores the mask saved above.
-        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
         drop(stack);
         if pid < 0 {
             return Err(clone_err);
@@ -204,16 +231,18 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         if p.process_group && libc::syscall(libc::SYS_setpgid, 0, 0) < 0 {
             return fail(errno());
         }
-        if p.drop_groups
-            && libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) < 0
-        {
-            return fail(errno());
-        }
-        if libc::syscall(libc::SYS_setgid, p.user.gid) < 0 {
-            return fail(errno());
-        }
-        if libc::syscall(libc::SYS_setuid, p.user.uid) < 0 {
-            return fail(errno());
+        if let Some(user) = p.user {
+            if p.drop_groups
+                && libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) < 0
+            {
+                return fail(errno());
+            }
+            if libc::syscall(libc::SYS_setgid, user.gid) < 0 {
+                return fail(errno());
+            }
+            if libc::syscall(libc::SYS_setuid, user.uid) < 0 {
+                return fail(errno());
+            }
         }
         if let Some(cwd) = &p.cwd {
             if libc::syscall(libc::SYS_chdir, cwd.as_ptr()) < 0 {
@@ -253,23 +282,37 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
             std::ptr::null_mut::<u64>(),
             8usize,
         );
-        libc::syscall(
-            libc::SYS_execve,
-            p.program.as_ptr(),
-            p.argv.as_ptr(),
-            p.envp.as_ptr(),
-        );
-        let e = errno();
-        if e == libc::ENOEXEC {
+        // As execvp: the first candidate that runs wins; a missing or unusable one lets the
+        // search go on (EACCES is remembered and wins over "not found"), any other error ends it.
+        let mut denied = false;
+        let mut last = libc::ENOENT;
+        for (i, program) in p.candidates.iter().enumerate() {
             libc::syscall(
                 libc::SYS_execve,
-                SH.as_ptr(),
-                p.sh_argv.as_ptr(),
+                program.as_ptr(),
+                p.argv.as_ptr(),
                 p.envp.as_ptr(),
             );
-            // As execvp: the error is the program's, not the shell's.
+            let e = errno();
+            match e {
+                libc::ENOEXEC => {
+                    // A script without `#!`: the shell runs it. The error, if that fails too, is
+                    // the program's, not the shell's.
+                    libc::syscall(
+                        libc::SYS_execve,
+                        SH.as_ptr(),
+                        p.sh_argv[i].as_ptr(),
+                        p.envp.as_ptr(),
+                    );
+                    return fail(e);
+                }
+                libc::EACCES => denied = true,
+                libc::ENOENT | libc::ESTALE | libc::ENOTDIR | libc::ENODEV | libc::ETIMEDOUT => {}
+                _ => return fail(e),
+            }
+            last = e;
         }
-        fail(e)
+        fail(if denied { libc::EACCES } else { last })
     }
 }
 
@@ -287,6 +330,18 @@ mod tests {
         let rc = unsafe { libc::waitpid(pid as i32, &mut status, 0) };
         assert_eq!(rc, pid as i32);
         libc::WEXITSTATUS(status)
+    }
+
+    /// `/dev/null` as all three descriptors (keep the file while the child starts).
+    fn null_stdio() -> (File, Stdio3) {
+        let null = File::open("/dev/null").unwrap();
+        let fd = null.as_raw_fd();
+        let stdio = Stdio3 {
+            stdin: fd,
+            stdout: fd,
+            stderr: fd,
+        };
+        (null, stdio)
     }
 
     /// Another user when the tests run as root (the agent's case), else our own.
@@ -329,7 +384,15 @@ mod tests {
         ]
         .into();
         let env: BTreeMap<String, String> = [("FROM_REQUEST".into(), "request".into())].into();
-        let p = Prepared::new(&cmd, configured.iter(), &env, Some("/usr"), user, true).unwrap();
+        let p = Prepared::new(
+            &cmd,
+            configured.iter(),
+            &env,
+            Some("/usr"),
+            Some(user),
+            true,
+        )
+        .unwrap();
         let pid = p
             .spawn(Stdio3 {
                 stdin: stdin_r.as_raw_fd(),
@@ -369,16 +432,10 @@ mod tests {
     #[test]
     fn a_missing_program_is_not_found_and_a_script_without_shebang_runs_under_sh() {
         let user = someone();
-        let null = File::open("/dev/null").unwrap();
-        let fd = null.as_raw_fd();
-        let stdio = Stdio3 {
-            stdin: fd,
-            stdout: fd,
-            stderr: fd,
-        };
+        let (_null, stdio) = null_stdio();
         let none = BTreeMap::new();
         let missing = ["/nonexistent/torpor-test".to_string()];
-        let err = Prepared::new(&missing, none.iter(), &none, None, user, true)
+        let err = Prepared::new(&missing, none.iter(), &none, None, Some(user), true)
             .unwrap()
             .spawn(stdio)
             .unwrap_err();
@@ -389,17 +446,17 @@ mod tests {
             none.iter(),
             &none,
             Some("/nonexistent/dir"),
-            user,
+            Some(user),
             true,
         )
         .unwrap()
         .spawn(stdio)
         .unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::NotFound);
-        // No `/` in the program: not this path (the caller searches PATH with `Command`).
-        assert!(
-            Prepared::new(&["true".to_string()], none.iter(), &none, None, user, true).is_none()
-        );
+        // Nothing to start, or a NUL byte: not startable this way.
+        assert!(Prepared::new(&[String::new()], none.iter(), &none, None, None, true).is_none());
+        let nul = ["/bin/echo".to_string(), "a\0b".into()];
+        assert!(Prepared::new(&nul, none.iter(), &none, None, None, true).is_none());
 
         let dir = tempfile::Builder::new().tempdir_in("/tmp").unwrap();
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -407,10 +464,54 @@ mod tests {
         std::fs::write(&script, "exit 7\n").unwrap();
         std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
         let cmd = [script.to_str().unwrap().to_string()];
-        let pid = Prepared::new(&cmd, none.iter(), &none, None, user, true)
+        let pid = Prepared::new(&cmd, none.iter(), &none, None, Some(user), true)
             .unwrap()
             .spawn(stdio)
             .unwrap();
         assert_eq!(wait(pid), 7);
+    }
+
+    #[test]
+    fn a_program_without_a_slash_is_searched_in_the_commands_path_as_execvp_does() {
+        let (_null, stdio) = null_stdio();
+        let dir = tempfile::Builder::new().tempdir_in("/tmp").unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let (denied, found, script) = (
+            dir.path().join("denied"),
+            dir.path().join("found"),
+            dir.path().join("found/torpor-noshebang"),
+        );
+        std::fs::create_dir_all(&denied).unwrap();
+        std::fs::create_dir_all(&found).unwrap();
+        // Not executable in `denied`, a script without `#!` in `found`.
+        std::fs::write(denied.join("torpor-noshebang"), "exit 1\n").unwrap();
+        std::fs::write(&script, "exit 9\n").unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let run = |cmd: &[&str], path: &str| {
+            let cmd: Vec<String> = cmd.iter().map(|s| s.to_string()).collect();
+            let env: BTreeMap<String, String> = [("PATH".to_string(), path.to_string())].into();
+            let none = BTreeMap::new();
+            Prepared::new(&cmd, none.iter(), &env, None, None, true)
+                .unwrap()
+                .spawn(stdio)
+                .map(wait)
+        };
+        // The request's PATH is searched, in order, past directories that do not exist.
+        assert_eq!(
+            run(&["sh", "-c", "exit 5"], "/nonexistent:/bin:/usr/bin").unwrap(),
+            5
+        );
+        // An entry that holds the name but cannot run it does not end the search...
+        let both = format!("{}:{}", denied.display(), found.display());
+        assert_eq!(
+            run(&["torpor-noshebang"], &both).unwrap(),
+            9,
+            "found after denied"
+        );
+        // ...but says why when nothing else runs it.
+        let err = run(&["torpor-noshebang"], denied.to_str().unwrap()).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied);
+        let err = run(&["torpor-no-such-program"], "/bin:/usr/bin").unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::NotFound);
     }
 }
