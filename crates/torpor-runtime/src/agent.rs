@@ -336,17 +336,15 @@ impl Agent {
             true,
         )
         .ok_or_else(|| unstartable(&req.cmd[0]))?;
-        let ((pid, status_rx), mut io) = start_exec(stdin, |stdio| {
-            self.children
-                .spawn_with(true, || prepared.spawn(stdio), |pid| *pid)
+        let (mut child, mut io) = start_exec(stdin, |stdio| {
+            self.children.spawn_owned(|| prepared.spawn(stdio))
         })
         .map_err(spawn_err)?;
-        let status_rx = status_rx.expect("waited spawn has a receiver");
         io.stdin_nonblocking();
         let deadline = req.timeout_ms.map(|ms| started + Duration::from_millis(ms));
         let stream = |fd: u8, chunk: &[u8]| self.reply(id, &Reply::Output { fd }, chunk);
         let outcome = io.pump(
-            &status_rx,
+            &mut child,
             deadline,
             DRAIN_AFTER_EXIT,
             req.stream.then_some(&stream),
@@ -355,8 +353,11 @@ impl Agent {
             Pumped::Exited(s) => (Some(s), false),
             Pumped::TimedOut => {
                 // SAFETY: kill(2) on a process group we created; no memory is touched.
-                unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
-                (status_rx.recv_timeout(Duration::from_secs(5)).ok(), true)
+                unsafe { libc::kill(-(child.pid as i32), libc::SIGKILL) };
+                (
+                    child.wait(Some(Instant::now() + Duration::from_secs(5))),
+                    true,
+                )
             }
         };
         let stdout_len = io.out.len() as u64;
@@ -494,6 +495,10 @@ struct ChildIo {
 /// running in the background.
 const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(50);
 
+/// How often [`ChildIo::pump`] looks for the exit while output flows (a process whose pipes
+/// something it left running keeps busy).
+const EXIT_LOOK: Duration = Duration::from_millis(20);
+
 impl ChildIo {
     /// Moves bytes between the pipes and the buffers until the process exits and its pipes
     /// close (or `linger` after its exit), or the deadline passes. With `stream`, output is
@@ -503,23 +508,22 @@ impl ChildIo {
     /// one read each, so they may stay blocking: no `fcntl` per exec (every system call is a
     /// round trip through gVisor's kernel). The stdin pipe must be non-blocking
     /// ([`ChildIo::stdin_nonblocking`]): a write larger than its room would block.
+    ///
+    /// The exit is looked for when a poll slice passed with nothing on the pipes, at least every
+    /// [`EXIT_LOOK`] while output flows (looking at an [`OwnedChild`] is a system call), and
+    /// waited for once the pipes have closed.
     fn pump(
         &mut self,
-        status_rx: &Receiver<WaitStatus>,
+        exit: &mut dyn ExitWatch,
         deadline: Option<Instant>,
         linger: Duration,
         stream: Option<&OutputSink<'_>>,
     ) -> Pumped {
         let mut status: Option<WaitStatus> = None;
         let mut exited_at: Option<Instant> = None;
+        let mut next_look = Instant::now() + EXIT_LOOK;
         let mut buf = vec![0u8; 64 * 1024];
         loop {
-            if status.is_none() {
-                status = status_rx.try_recv().ok();
-                if status.is_some() {
-                    exited_at = Some(Instant::now());
-                }
-            }
             let open = self.stdout.is_some() || self.stderr.is_some();
             if let Some(s) = status {
                 if !open || exited_at.is_some_and(|t| t.elapsed() >= linger) {
@@ -537,20 +541,21 @@ impl ChildIo {
                 }
             } else if !open && self.stdin.is_none() {
                 // Pipes closed: the exit status is on its way.
-                let status = match deadline {
-                    Some(d) => status_rx
-                        .recv_timeout(d.saturating_duration_since(Instant::now()))
-                        .ok(),
-                    None => status_rx.recv().ok(),
-                };
-                return status.map_or(Pumped::TimedOut, Pumped::Exited);
+                return exit.wait(deadline).map_or(Pumped::TimedOut, Pumped::Exited);
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Pumped::TimedOut;
             }
             // Short slices: the exit is not on an fd.
             let slice_ms = if status.is_some() { 10 } else { 20 };
-            self.poll_once(slice_ms, &mut buf, stream);
+            let ready = self.poll_once(slice_ms, &mut buf, stream);
+            if status.is_none() && (!ready || Instant::now() >= next_look) {
+                status = exit.exited();
+                if status.is_some() {
+                    exited_at = Some(Instant::now());
+                }
+                next_look = Instant::now() + EXIT_LOOK;
+            }
         }
     }
 
@@ -708,6 +713,104 @@ impl WaitStatus {
     }
 }
 
+/// How [`ChildIo::pump`] learns that the process exited.
+trait ExitWatch {
+    /// Its status once it has exited; never waits.
+    fn exited(&mut self) -> Option<WaitStatus>;
+    /// Waits for its exit until `deadline` (for ever without one); `None` if the deadline came
+    /// first.
+    fn wait(&mut self, deadline: Option<Instant>) -> Option<WaitStatus>;
+}
+
+/// A child the reaper reaps, its status sent on a channel.
+impl ExitWatch for Receiver<WaitStatus> {
+    fn exited(&mut self) -> Option<WaitStatus> {
+        self.try_recv().ok()
+    }
+
+    fn wait(&mut self, deadline: Option<Instant>) -> Option<WaitStatus> {
+        match deadline {
+            Some(d) => self
+                .recv_timeout(d.saturating_duration_since(Instant::now()))
+                .ok(),
+            None => self.recv().ok(),
+        }
+    }
+}
+
+/// A child reaped by the thread that started it ([`ChildTable::spawn_owned`]). Dropped before
+/// its exit was seen, it is given back to the reaper.
+struct OwnedChild {
+    pid: u32,
+    table: Arc<ChildTable>,
+    status: Option<WaitStatus>,
+}
+
+impl OwnedChild {
+    fn reap(&mut self, flags: i32) -> Option<WaitStatus> {
+        if self.status.is_some() {
+            return self.status;
+        }
+        let mut raw = 0;
+        let got = loop {
+            // SAFETY: waitpid on our own child with a valid pointer to an i32.
+            let got = unsafe { libc::waitpid(self.pid as i32, &mut raw, flags) };
+            if got >= 0 || io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+                break got;
+            }
+        };
+        if got == 0 {
+            return None;
+        }
+        // Reaped (or, impossibly, not ours any more: then its status is unknown).
+        self.status = Some(if got > 0 {
+            WaitStatus::from_raw(raw)
+        } else {
+            WaitStatus {
+                code: None,
+                signal: None,
+            }
+        });
+        self.table.release(self.pid);
+        self.status
+    }
+}
+
+impl ExitWatch for OwnedChild {
+    fn exited(&mut self) -> Option<WaitStatus> {
+        self.reap(libc::WNOHANG)
+    }
+
+    fn wait(&mut self, deadline: Option<Instant>) -> Option<WaitStatus> {
+        let Some(deadline) = deadline else {
+            return self.reap(0);
+        };
+        // Called once its pipes have closed, which it does as it exits: the first look almost
+        // always finds it gone. One that closed them and lives on is looked at again, less and
+        // less often, until the deadline.
+        let mut nap = Duration::from_micros(100);
+        loop {
+            if let Some(s) = self.exited() {
+                return Some(s);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            std::thread::sleep(nap.min(left));
+            nap = (nap * 2).min(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for OwnedChild {
+    fn drop(&mut self) {
+        if self.status.is_none() {
+            self.table.release(self.pid);
+        }
+    }
+}
+
 /// Every child of PID 1 is reaped here, so exit statuses go to whoever waits for them and
 /// orphans never pile up as zombies. Spawning happens under the table's lock, so a child that
 /// exits at once is registered before the reaper can report it.
@@ -735,6 +838,10 @@ struct Children {
     spawns: u64,
     /// The reaper sleeps on `spawned`: a spawn wakes it. (Only then: a wake is a system call.)
     reaper_idle: bool,
+    /// Children the thread that started them reaps ([`OwnedChild`]): the reaper leaves them.
+    owned: std::collections::HashSet<i32>,
+    /// The owned child whose exit the reaper saw and waits for its owner to reap.
+    reaper_waits_for: Option<i32>,
 }
 
 impl ChildTable {
@@ -774,6 +881,34 @@ impl ChildTable {
         Ok((child, rx))
     }
 
+    /// Starts a process with `start` that the calling thread reaps itself ([`OwnedChild`]):
+    /// no hand-off from the reaper's thread to learn its exit, and no wake of a sleeping reaper
+    /// to start it (each a round trip through gVisor's kernel, a thread wake-up ~0.2 ms).
+    fn spawn_owned(
+        self: &Arc<Self>,
+        start: impl FnOnce() -> io::Result<u32>,
+    ) -> io::Result<OwnedChild> {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let pid = start()?;
+        inner.spawns += 1;
+        inner.owned.insert(pid as i32);
+        Ok(OwnedChild {
+            pid,
+            table: self.clone(),
+            status: None,
+        })
+    }
+
+    /// `pid`, owned by its starter, is reaped or given to the reaper: the reaper may take it
+    /// (or look past it) from now on.
+    fn release(&self, pid: u32) {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.owned.remove(&(pid as i32));
+        if inner.reaper_waits_for == Some(pid as i32) {
+            self.spawned.notify_all();
+        }
+    }
+
     /// Runs `then` with the exit status of `pid` (spawned with a receiver, `rx`) when the
     /// reaper reaps it, on the reaper's thread (at once when it already has): no thread waits.
     fn on_exit(
@@ -802,10 +937,13 @@ impl ChildTable {
     fn reap_forever(&self) {
         loop {
             let spawns = self.inner.lock().unwrap_or_else(|p| p.into_inner()).spawns;
-            let mut raw = 0;
-            // SAFETY: waitpid with a valid pointer to an i32.
-            let pid = unsafe { libc::waitpid(-1, &mut raw, 0) };
-            if pid < 0 {
+            // Which child has exited, without reaping it: one its starter reaps is left to it.
+            // SAFETY: siginfo_t is plain data that waitid fills.
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: waitid with a valid pointer to a siginfo_t.
+            let rc =
+                unsafe { libc::waitid(libc::P_ALL, 0, &mut info, libc::WEXITED | libc::WNOWAIT) };
+            if rc < 0 {
                 if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
                     continue;
                 }
@@ -821,6 +959,25 @@ impl ChildTable {
                     .wait_timeout(inner, Duration::from_millis(500))
                     .unwrap_or_else(|p| p.into_inner());
                 inner.reaper_idle = false;
+                continue;
+            }
+            // SAFETY: waitid filled `info` for an exited child.
+            let pid = unsafe { info.si_pid() };
+            {
+                let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+                if inner.owned.contains(&pid) {
+                    // Its starter reaps it (at once: it waits for this exit); look again after.
+                    inner.reaper_waits_for = Some(pid);
+                    while inner.owned.contains(&pid) {
+                        inner = self.spawned.wait(inner).unwrap_or_else(|p| p.into_inner());
+                    }
+                    inner.reaper_waits_for = None;
+                    continue;
+                }
+            }
+            let mut raw = 0;
+            // SAFETY: waitpid on the child waitid named, with a valid pointer to an i32.
+            if unsafe { libc::waitpid(pid, &mut raw, libc::WNOHANG) } != pid {
                 continue;
             }
             let status = WaitStatus::from_raw(raw);
@@ -1308,9 +1465,9 @@ mod output_cap_tests {
             err: Vec::new(),
         };
         let status = child.wait().unwrap();
-        let (tx, rx) = mpsc::channel();
+        let (tx, mut rx) = mpsc::channel();
         tx.send(WaitStatus::from_raw(status.into_raw())).unwrap();
-        let outcome = io.pump(&rx, None, Duration::ZERO, None);
+        let outcome = io.pump(&mut rx, None, Duration::ZERO, None);
         assert!(matches!(outcome, Pumped::Exited(s) if s.code == Some(0)));
         assert_eq!(io.out, b"out\n");
         assert_eq!(io.err, b"err\n");
@@ -1332,6 +1489,85 @@ mod output_cap_tests {
         assert_eq!(
             read_range(p, 20, 3).unwrap(),
             (Reply::Data { truncated: false }, Vec::new())
+        );
+    }
+}
+
+#[cfg(test)]
+mod reaper_tests {
+    use super::*;
+
+    /// Set in the copy of the test binary that runs the body (see below).
+    const ISOLATED: &str = "TORPOR_TEST_REAPER_ISOLATED";
+
+    /// The reaper waits for any child of its process: it must run where no other test's
+    /// children are. The test runs itself again as a process of its own with only this test.
+    fn isolated(name: &str, body: impl FnOnce()) {
+        if std::env::var_os(ISOLATED).is_some() {
+            body();
+            return;
+        }
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args([name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(ISOLATED, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && text.contains("1 passed"),
+            "isolated run failed:\n{text}"
+        );
+    }
+
+    fn sh(script: &str) -> spawn::Prepared {
+        let cmd = ["/bin/sh".to_string(), "-c".into(), script.into()];
+        let none = BTreeMap::new();
+        spawn::Prepared::new(&cmd, none.iter(), &none, None, None, true).unwrap()
+    }
+
+    #[test]
+    fn an_owned_child_is_reaped_by_its_starter_and_the_reaper_takes_every_other() {
+        isolated(
+            "agent::reaper_tests::an_owned_child_is_reaped_by_its_starter_and_the_reaper_takes_every_other",
+            || {
+                let table = Arc::new(ChildTable::default());
+                let reaper = table.clone();
+                std::thread::spawn(move || reaper.reap_forever());
+                let (_null, stdio) = spawn::null_stdio();
+                for round in 0..20 {
+                    // A child the reaper reaps, running while the owned one exits (the reaper
+                    // is then in its wait and sees the owned child's exit first).
+                    let slow = sh("sleep 0.05; exit 4");
+                    let (_, rx) = table
+                        .spawn_with(true, || slow.spawn(stdio), |pid| *pid)
+                        .unwrap();
+                    let code = 10 + round;
+                    let fast = sh(&format!("exit {code}"));
+                    let mut owned = table.spawn_owned(|| fast.spawn(stdio)).unwrap();
+                    let status = owned.wait(Some(Instant::now() + Duration::from_secs(10)));
+                    assert_eq!(status.and_then(|s| s.code), Some(code), "round {round}");
+                    let other = rx.unwrap().recv_timeout(Duration::from_secs(10));
+                    assert_eq!(other.ok().and_then(|s| s.code), Some(4), "round {round}");
+                }
+                // An owned child given back without being waited for: the reaper takes it.
+                let left = sh("exit 0");
+                let owned = table.spawn_owned(|| left.spawn(stdio)).unwrap();
+                let pid = owned.pid as i32;
+                drop(owned);
+                let deadline = Instant::now() + Duration::from_secs(10);
+                loop {
+                    // SAFETY: kill with signal 0 only checks that the process exists.
+                    let gone = unsafe { libc::kill(pid, 0) } != 0;
+                    if gone {
+                        break;
+                    }
+                    assert!(Instant::now() < deadline, "the reaper never took {pid}");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                // Nothing left behind: no zombie, no owned entry.
+                assert!(table.inner.lock().unwrap().owned.is_empty());
+            },
         );
     }
 }

@@ -316,6 +316,20 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     }
 }
 
+/// `/dev/null` as all three descriptors (keep the file while the child starts).
+#[cfg(test)]
+pub(super) fn null_stdio() -> (std::fs::File, Stdio3) {
+    use std::os::fd::AsRawFd;
+    let null = std::fs::File::open("/dev/null").unwrap();
+    let fd = null.as_raw_fd();
+    let stdio = Stdio3 {
+        stdin: fd,
+        stdout: fd,
+        stderr: fd,
+    };
+    (null, stdio)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -330,18 +344,6 @@ mod tests {
         let rc = unsafe { libc::waitpid(pid as i32, &mut status, 0) };
         assert_eq!(rc, pid as i32);
         libc::WEXITSTATUS(status)
-    }
-
-    /// `/dev/null` as all three descriptors (keep the file while the child starts).
-    fn null_stdio() -> (File, Stdio3) {
-        let null = File::open("/dev/null").unwrap();
-        let fd = null.as_raw_fd();
-        let stdio = Stdio3 {
-            stdin: fd,
-            stdout: fd,
-            stderr: fd,
-        };
-        (null, stdio)
     }
 
     /// Another user when the tests run as root (the agent's case), else our own.
