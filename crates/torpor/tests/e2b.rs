@@ -1232,11 +1232,29 @@ async fn an_agent_that_predates_inotify_watches_is_polled_as_before() {
 /// first poll once it runs again.
 #[tokio::test(flavor = "multi_thread")]
 async fn polling_a_watcher_leaves_a_sleeping_sandbox_asleep() {
+    polled_watcher_leaves_the_sandbox_asleep(None).await;
+}
+
+/// The same with an agent that predates inotify watches (protocol 4): its watcher is polled
+/// snapshots, by a background poller that runs only while the sandbox does, and the client's
+/// polls of a sleeping sandbox neither wake it nor reach its agent.
+#[tokio::test(flavor = "multi_thread")]
+async fn polling_an_older_agents_watcher_leaves_its_sleeping_sandbox_asleep() {
+    polled_watcher_leaves_the_sandbox_asleep(Some("4")).await;
+}
+
+async fn polled_watcher_leaves_the_sandbox_asleep(agent_version: Option<&str>) {
     let d = Daemon::start().await;
     let c = d.client();
-    c.create_template(&agent_template("wp", no_idle()))
-        .await
-        .unwrap();
+    let mut spec = agent_template("wp", no_idle());
+    if let Some(v) = agent_version {
+        spec.env = [(
+            torpor_runtime::agent::TEST_AGENT_VERSION.to_string(),
+            v.to_string(),
+        )]
+        .into();
+    }
+    c.create_template(&spec).await.unwrap();
     let api = E2b {
         http: reqwest::Client::new(),
         url: d.url(),
@@ -1260,20 +1278,36 @@ async fn polling_a_watcher_leaves_a_sleeping_sandbox_asleep() {
             .collect()
     };
 
-    // Put to sleep by torpor (parked): polled, still parked, nothing to hand out.
+    // A polled watcher (older agent) buffers what its poller saw here, in the daemon: that
+    // may be handed out while the sandbox sleeps. An inotify watch's events wait in the agent.
+    let polled = agent_version.is_some();
+    if polled {
+        // Its poller's next look (every WATCH_POLL while the sandbox runs) sees the change.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+    }
+    let mut before = Vec::new();
+
+    // Put to sleep by torpor (parked): polled, still parked, nothing new to hand out.
     c.suspend(&id, Some(torpor_core::Tier::Parked))
         .await
         .unwrap();
     for _ in 0..3 {
         let got = unary("GetWatcherEvents", watcher.clone()).await;
-        assert_eq!(got["events"], json!([]), "{got}");
+        if polled {
+            before.extend(names(&got));
+        } else {
+            assert_eq!(got["events"], json!([]), "{got}");
+        }
         assert_eq!(c.sandbox(&id).await.unwrap().tier, "parked");
     }
-    // Woken by another call: the change made before the sleep comes now.
+    // Woken by another call: the change made before the sleep comes now (if not already).
     c.resume(&id).await.unwrap();
     let got = unary("GetWatcherEvents", watcher.clone()).await;
-    let n = names(&got);
-    assert!(!n.is_empty() && n.iter().all(|n| n == "before"), "{got}");
+    before.extend(names(&got));
+    assert!(
+        !before.is_empty() && before.iter().all(|n| n == "before"),
+        "{before:?}"
+    );
 
     // Paused through E2B, with auto-resume: the poll does not resume it.
     let (s, v) = api
@@ -1297,6 +1331,13 @@ async fn polling_a_watcher_leaves_a_sleeping_sandbox_asleep() {
     unary("Stat", json!({"path": "/tmp/wp"})).await;
     assert_eq!(c.sandbox(&id).await.unwrap().tier, "running");
     c.exec(&id, &sh("touch /tmp/wp/after")).await.unwrap();
-    let got = unary("GetWatcherEvents", watcher.clone()).await;
-    assert!(names(&got).contains(&"after".to_string()), "{got}");
+    // (A polled watcher sees it at its next look, within a poll interval.)
+    let mut seen = Vec::new();
+    let start = Instant::now();
+    while !seen.contains(&"after".to_string()) && start.elapsed() < Duration::from_secs(10) {
+        let got = unary("GetWatcherEvents", watcher.clone()).await;
+        seen.extend(names(&got));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(seen.contains(&"after".to_string()), "{seen:?}");
 }
