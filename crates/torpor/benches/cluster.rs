@@ -6,6 +6,7 @@
 //!
 //!   cargo bench -p torpor --bench cluster            (as root, runsc and PostgreSQL installed)
 //!   TORPOR_BENCH_N=20 TORPOR_BENCH_CONC=4 cargo bench -q --profile dev -p torpor --bench cluster
+//!   TORPOR_BENCH_SETTLE=1 ...   (uploads waited for between batches: see `settle`)
 //!
 //! Real processes: a PostgreSQL server (`store::pg_testing`), two `torpor controller`s on it
 //! (`c1`, `c2`), three (and more, as workers are killed) `torpor worker`s joining both, with
@@ -120,6 +121,12 @@ async fn wait_uploaded(c: &Client, id: &str) -> f64 {
         assert!(Instant::now() < deadline, "never uploaded: {s:?}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// `TORPOR_BENCH_SETTLE=1`: every park's upload is waited for (untimed) before the next batch
+/// and before the cluster's lifecycle rows, so that no batch shares the machine with uploads.
+fn settle() -> bool {
+    std::env::var("TORPOR_BENCH_SETTLE").as_deref() == Ok("1")
 }
 
 // --- helpers on the public API
@@ -311,6 +318,13 @@ async fn lifecycle(apis: &Apis, n: usize, conc: usize) -> Lifecycle {
     out.ms.insert("park", ms);
     out.wall_s.insert("park", wall);
     out.forwarded.insert("park", forwarded(&held));
+    if settle() && apis.names[0].is_some() {
+        // Untimed: every park's upload done before the next batch, so that the wakes and the
+        // deletes do not share the machine with them.
+        for (id, h) in &held {
+            wait_uploaded(&apis.clients[*h], id).await;
+        }
+    }
     // Wake: a parked sandbox is held by nobody; the controller that receives the call wakes it
     // and holds it from then on (checked after the batch, untimed).
     let (ms, wall) = batch(&held, conc, |k, (id, _)| {
@@ -470,6 +484,11 @@ async fn main() {
         c.suspend(&id, Some(Tier::Parked)).await.expect("park");
         moving.push(id);
     }
+    if settle() {
+        for id in &moving {
+            wait_uploaded(&c, id).await;
+        }
+    }
     for w in ["w2", "w3"] {
         workers.push(Worker::start(dir, &ca, w, &both));
     }
@@ -481,6 +500,16 @@ async fn main() {
     // --- lifecycle through c1 alone, then through c1 and c2 alternately; three workers ready
     let clustered = lifecycle(&Apis::one(&c, Some("c1")), n, conc).await;
     eprintln!("cluster lifecycle (c1) done at {:.0?}", started.elapsed());
+    for (name, l) in [("torpor up", &embedded), ("c1", &clustered)] {
+        for op in ["create", "park", "wake", "delete"] {
+            let mut ms = l.ms[op].clone();
+            eprintln!(
+                "  {name} {op}: {:.2} ops/s, p50 {:.0} ms",
+                ms.len() as f64 / l.wall_s[op],
+                pct(&mut ms, 50.0)
+            );
+        }
+    }
     let pair = Apis {
         clients: vec![c.clone(), ctl2.client.clone()],
         names: vec![Some("c1".into()), Some("c2".into())],
