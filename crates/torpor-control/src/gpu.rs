@@ -428,16 +428,45 @@ impl NodeGpus {
         self.clear_toggled(id);
     }
 
-    /// Drops the wake ticket of `id` (a cluster worker's sandbox that was deleted or woke on
-    /// another worker), unless it holds a share here now; true when one was dropped. The
-    /// ticket holds no capacity, only where the next wake here would go first.
-    pub fn forget_ticket(&self, id: &SandboxId) -> bool {
+    /// Drops what this node keeps of `id`, a cluster worker's sandbox that was deleted or woke
+    /// on another worker: its wake ticket and its saved GPU request, unless it holds a share
+    /// here now (it came back meanwhile). True when something was dropped. Neither holds
+    /// capacity: the ticket says where the next wake here would go first, and the controller
+    /// sends the request again with every start (the worker saves it then).
+    pub fn forget_elsewhere(&self, id: &SandboxId) -> bool {
         let mut inner = self.lock();
-        if inner.held.contains_key(id) || inner.tickets.remove(id).is_none() {
+        if inner.held.contains_key(id) {
             return false;
         }
-        self.persist(&inner, id);
-        true
+        let ticket = inner.tickets.remove(id).is_some();
+        if ticket {
+            self.persist(&inner, id);
+        }
+        drop(inner);
+        let request = match &self.store {
+            Some(store) => store.delete_gpu_request(id).unwrap_or_else(|e| {
+                tracing::error!(sandbox = %id, error = %e, "cannot forget the GPU request");
+                false
+            }),
+            None => false,
+        };
+        ticket || request
+    }
+
+    /// After a refused start of `id` here (a cluster worker's): drops the GPU request the start
+    /// saved, unless the sandbox holds a share or a wake ticket here (then it is this node's
+    /// sandbox and keeps it). The controller tries another worker; nothing here would drop it.
+    pub fn forget_refused(&self, id: &SandboxId) {
+        let inner = self.lock();
+        if inner.held.contains_key(id) || inner.tickets.contains_key(id) {
+            return;
+        }
+        drop(inner);
+        if let Some(store) = &self.store {
+            if let Err(e) = store.delete_gpu_request(id) {
+                tracing::error!(sandbox = %id, error = %e, "cannot forget the GPU request");
+            }
+        }
     }
 
     /// What each tenant holds of this node's GPUs now (quota units), by tenant name.
@@ -747,19 +776,34 @@ mod tests {
         gpus.acquire(&a).unwrap();
         assert_eq!(gpus.status(&tenant).allocations.len(), 1);
         assert!(gpus.metrics().contains("torpor_gpu_shares{"));
-        // A ticket is dropped on request (its sandbox went or woke on another worker), but
-        // not while the sandbox holds its share here.
+        // A ticket and the saved request are dropped on request (the sandbox went or woke on
+        // another worker), but not while the sandbox holds its share here.
         assert!(
-            !gpus.forget_ticket(&a),
+            !gpus.forget_elsewhere(&a),
             "a held share's sandbox lost its ticket"
         );
+        assert!(gpus.request_of(&a).is_some());
         gpus.release(&a);
         assert_eq!(gpus.status(&tenant).sleeping, vec![a.to_string()]);
-        assert!(gpus.forget_ticket(&a));
+        assert!(gpus.forget_elsewhere(&a));
         assert!(gpus.status(&tenant).sleeping.is_empty());
-        assert!(!gpus.forget_ticket(&a), "dropped twice");
-        // The request stays: a later start of it here is planned afresh.
+        assert!(gpus.request_of(&a).is_none(), "its request kept");
+        assert!(!gpus.forget_elsewhere(&a), "dropped twice");
+        // A later start of it here brings its request again (a worker saves it at each start)
+        // and is planned afresh.
+        gpus.save_request(&a, &request).unwrap();
         gpus.acquire(&a).unwrap();
+        // A refused start leaves nothing of a sandbox that is not this node's, and keeps the
+        // request of one that holds a share here.
+        gpus.save_request(&b, &request).unwrap();
+        assert_eq!(gpus.acquire(&b).unwrap_err().code(), "gpu_unavailable");
+        gpus.forget_refused(&b);
+        assert!(
+            gpus.request_of(&b).is_none(),
+            "a refused start's request kept"
+        );
+        gpus.forget_refused(&a);
+        assert!(gpus.request_of(&a).is_some(), "a holder's request dropped");
     }
 
     /// A node whose (declared) inventory stands in for NVML's, with its state directory.

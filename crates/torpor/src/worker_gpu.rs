@@ -90,7 +90,12 @@ impl Shares {
         })?;
         // Under the controller's book only the requester has a quota, so nothing is reclaimed
         // from another tenant here (that would need its controller to park the victim).
-        let victims = self.gpus.acquire_under(&id, &quotas).map_err(refusal)?;
+        let victims = self.gpus.acquire_under(&id, &quotas).map_err(|e| {
+            // Refused here: the controller tries another worker, and would not tell this one
+            // to drop what the start saved.
+            self.gpus.forget_refused(&id);
+            refusal(e)
+        })?;
         if !victims.is_empty() {
             tracing::warn!(sandbox = %id, ?victims, "a GPU start reclaimed shares on a worker");
         }
@@ -412,15 +417,17 @@ impl torpor_cluster::WorkerGpus for GpuNode {
         serde_json::to_string(&self.shares.gpus.status(&viewer)).unwrap_or_default()
     }
 
-    /// Drops the tickets of sandboxes deleted or woken elsewhere; a sandbox whose share a
-    /// container here holds now (it came back meanwhile) keeps its own.
+    /// Drops the tickets and saved GPU requests of sandboxes deleted or woken elsewhere; a
+    /// sandbox whose share a container here holds now (it came back meanwhile) keeps its own.
     fn forget_tickets(&self, sandboxes: &[String]) {
         let ids = sandboxes.iter().filter_map(|s| SandboxId::new(s).ok());
-        let dropped = ids.filter(|id| self.shares.gpus.forget_ticket(id)).count();
+        let dropped = ids
+            .filter(|id| self.shares.gpus.forget_elsewhere(id))
+            .count();
         if dropped > 0 {
             tracing::debug!(
                 dropped,
-                "wake tickets of sandboxes gone or woken elsewhere dropped"
+                "GPU tickets and requests of sandboxes gone or woken elsewhere dropped"
             );
         }
     }

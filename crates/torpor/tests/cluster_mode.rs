@@ -1396,8 +1396,9 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
             .ok(reqwest::Method::DELETE, &format!("/v1/sandboxes/{s}"), None)
             .await;
     }
-    // Every GPU sandbox is gone: neither worker keeps a share or a wake ticket of one (A's on
-    // the worker it left, when it woke on the other; each deleted one's where it last ran).
+    // Every GPU sandbox is gone: neither worker keeps a share, a wake ticket or a saved GPU
+    // request of one (A's on the worker it left, when it woke on the other; each deleted
+    // one's where it last ran).
     for w in ["ga", "gb"] {
         wait_gpu_rows(
             dir,
@@ -1406,15 +1407,30 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
             "no share or ticket of a deleted sandbox",
         )
         .await;
+        assert_eq!(
+            gpu_request_rows(dir, w),
+            Vec::<String>::new(),
+            "{w}: no GPU request of a deleted sandbox"
+        );
     }
+}
+
+/// The sandboxes worker `w` keeps a saved GPU request of (its own `DATA/torpor.db`).
+fn gpu_request_rows(dir: &Path, w: &str) -> Vec<String> {
+    sandboxes_in(dir, w, "gpu_requests")
+}
+
+/// The `sandbox` column of `table` in worker `w`'s `DATA/torpor.db`.
+fn sandboxes_in(dir: &Path, w: &str, table: &str) -> Vec<String> {
+    let db = rusqlite::Connection::open(dir.join(format!("data-{w}/torpor.db"))).unwrap();
+    let mut st = db.prepare(&format!("SELECT sandbox FROM {table}")).unwrap();
+    let rows = st.query_map([], |r| r.get(0)).unwrap();
+    rows.map(Result::unwrap).collect()
 }
 
 /// The sandboxes worker `w` keeps a GPU share or wake ticket of (its own `DATA/torpor.db`).
 fn gpu_rows(dir: &Path, w: &str) -> Vec<String> {
-    let db = rusqlite::Connection::open(dir.join(format!("data-{w}/torpor.db"))).unwrap();
-    let mut st = db.prepare("SELECT sandbox FROM gpu_shares").unwrap();
-    let rows = st.query_map([], |r| r.get(0)).unwrap();
-    rows.map(Result::unwrap).collect()
+    sandboxes_in(dir, w, "gpu_shares")
 }
 
 /// Waits until worker `w`'s GPU rows pass `ok` (drops go in the background).
@@ -1530,10 +1546,18 @@ async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment
         "no ticket of a sandbox that woke elsewhere",
     )
     .await;
+    assert!(
+        !gpu_request_rows(dir, &left).contains(&a),
+        "{left}: no GPU request of a sandbox that woke elsewhere"
+    );
     assert_eq!(
         gpu_rows(dir, &now_on),
         std::slice::from_ref(&a),
         "its share where it runs"
+    );
+    assert!(
+        gpu_request_rows(dir, &now_on).contains(&a),
+        "its request where it runs"
     );
 }
 
