@@ -420,11 +420,7 @@ impl NodeGpus {
         inner.tickets.remove(id);
         self.persist(&inner, id);
         drop(inner);
-        if let Some(store) = &self.store {
-            if let Err(e) = store.delete_gpu_request(id) {
-                tracing::error!(sandbox = %id, error = %e, "cannot forget the GPU request");
-            }
-        }
+        self.drop_request(id);
         self.clear_toggled(id);
     }
 
@@ -443,13 +439,7 @@ impl NodeGpus {
             self.persist(&inner, id);
         }
         drop(inner);
-        let request = match &self.store {
-            Some(store) => store.delete_gpu_request(id).unwrap_or_else(|e| {
-                tracing::error!(sandbox = %id, error = %e, "cannot forget the GPU request");
-                false
-            }),
-            None => false,
-        };
+        let request = self.drop_request(id);
         ticket || request
     }
 
@@ -462,11 +452,18 @@ impl NodeGpus {
             return;
         }
         drop(inner);
-        if let Some(store) = &self.store {
-            if let Err(e) = store.delete_gpu_request(id) {
-                tracing::error!(sandbox = %id, error = %e, "cannot forget the GPU request");
-            }
-        }
+        self.drop_request(id);
+    }
+
+    /// Deletes `id`'s saved GPU request; whether there was one (a store error is logged).
+    fn drop_request(&self, id: &SandboxId) -> bool {
+        let Some(store) = &self.store else {
+            return false;
+        };
+        store.delete_gpu_request(id).unwrap_or_else(|e| {
+            tracing::error!(sandbox = %id, error = %e, "cannot forget the GPU request");
+            false
+        })
     }
 
     /// What each tenant holds of this node's GPUs now (quota units), by tenant name.

@@ -713,29 +713,13 @@ impl WaitStatus {
     }
 }
 
-/// How [`ChildIo::pump`] learns that the process exited.
+/// How [`ChildIo::pump`] learns that the process exited ([`OwnedChild`]; a test's stand-in).
 trait ExitWatch {
     /// Its status once it has exited; never waits.
     fn exited(&mut self) -> Option<WaitStatus>;
     /// Waits for its exit until `deadline` (for ever without one); `None` if the deadline came
     /// first.
     fn wait(&mut self, deadline: Option<Instant>) -> Option<WaitStatus>;
-}
-
-/// A child the reaper reaps, its status sent on a channel.
-impl ExitWatch for Receiver<WaitStatus> {
-    fn exited(&mut self) -> Option<WaitStatus> {
-        self.try_recv().ok()
-    }
-
-    fn wait(&mut self, deadline: Option<Instant>) -> Option<WaitStatus> {
-        match deadline {
-            Some(d) => self
-                .recv_timeout(d.saturating_duration_since(Instant::now()))
-                .ok(),
-            None => self.recv().ok(),
-        }
-    }
 }
 
 /// A child reaped by the thread that started it ([`ChildTable::spawn_owned`]). Dropped before
@@ -1441,6 +1425,17 @@ mod output_cap_tests {
         let mut small = Vec::new();
         keep_capped(&mut small, b"hello");
         assert_eq!(small, b"hello");
+    }
+
+    /// An exit already known (the tests' stand-in for a child's).
+    impl ExitWatch for Receiver<WaitStatus> {
+        fn exited(&mut self) -> Option<WaitStatus> {
+            self.try_recv().ok()
+        }
+
+        fn wait(&mut self, _deadline: Option<Instant>) -> Option<WaitStatus> {
+            self.recv().ok()
+        }
     }
 
     #[test]

@@ -500,16 +500,6 @@ async fn main() {
     // --- lifecycle through c1 alone, then through c1 and c2 alternately; three workers ready
     let clustered = lifecycle(&Apis::one(&c, Some("c1")), n, conc).await;
     eprintln!("cluster lifecycle (c1) done at {:.0?}", started.elapsed());
-    for (name, l) in [("torpor up", &embedded), ("c1", &clustered)] {
-        for op in ["create", "park", "wake", "delete"] {
-            let mut ms = l.ms[op].clone();
-            eprintln!(
-                "  {name} {op}: {:.2} ops/s, p50 {:.0} ms",
-                ms.len() as f64 / l.wall_s[op],
-                pct(&mut ms, 50.0)
-            );
-        }
-    }
     let pair = Apis {
         clients: vec![c.clone(), ctl2.client.clone()],
         names: vec![Some("c1".into()), Some("c2".into())],
@@ -758,7 +748,8 @@ async fn main() {
     println!(
         "{}",
         json!({
-            "bench": "cluster", "n": n, "workers": 3, "controllers": 2, "wake": json_rows,
+            "bench": "cluster", "n": n, "workers": 3, "controllers": 2, "settled": settle(),
+            "wake": json_rows,
             "lifecycle": json_life, "forwarding": json_fwd,
             "forwarding_overhead_ms": {"p50": f50 - h50, "p99": f99 - h99},
         })

@@ -124,14 +124,13 @@ impl Agent {
         let (pid, status_rx, stdin) = if let Some(prepared) = fast {
             let (child_in, stdin) = if req.stdin {
                 let (r, w) = pipe().map_err(|e| io_error(Path::new("pipe"), e))?;
-                (r, Some(w))
+                (Some(r), Some(w))
             } else {
-                let null =
-                    File::open("/dev/null").map_err(|e| io_error(Path::new("/dev/null"), e))?;
-                (null, None)
+                (None, None)
             };
+            let null = super::dev_null().map_err(|e| io_error(Path::new("/dev/null"), e))?;
             let stdio = super::spawn::Stdio3 {
-                stdin: child_in.as_raw_fd(),
+                stdin: child_in.as_ref().map_or(null, |f| f.as_raw_fd()),
                 stdout: out.as_raw_fd(),
                 stderr: err.as_raw_fd(),
             };
