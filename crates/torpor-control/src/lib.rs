@@ -14,8 +14,8 @@ pub mod store;
 pub mod usage;
 
 pub use engine::{
-    CreateSandbox, Engine, EngineConfig, ExecEvent, ExecResult, FileEntry, InUse, UploadAllowance,
-    UploadKind, WorkerStats, TENANT_MAX_PIDS, UPLOADED,
+    CreateSandbox, Engine, EngineConfig, ExecEvent, ExecResult, FileEntry, InUse, Progress,
+    SpawnProgress, UploadAllowance, UploadKind, WorkerStats, TENANT_MAX_PIDS, UPLOADED,
 };
 pub use error::{ControlError, Result};
 pub use snapshots::{SnapshotConfig, StoreLocation};

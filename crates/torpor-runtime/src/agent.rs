@@ -209,6 +209,16 @@ impl Agent {
             self.reply(0, &bad_request(m), &[]);
             return;
         }
+        if self.version < proto::SPAWN_FOLLOW_SINCE
+            && matches!(&req, Request::Spawn(s) if s.follow_ms > 0)
+        {
+            let m = format!(
+                "malformed request: unknown field `follow_ms` ({TEST_AGENT_VERSION} is {})",
+                self.version
+            );
+            self.reply(0, &bad_request(m), &[]);
+            return;
+        }
         if self.version < proto::REBOOT_SINCE && matches!(req, Request::Reboot) {
             let m = format!(
                 "malformed request: unknown op ({TEST_AGENT_VERSION} is {})",
@@ -250,7 +260,7 @@ impl Agent {
             Request::SetMetadata { path, metadata } => metadata::set(&path, &metadata),
             Request::ListWithMetadata { path, name } => metadata::list(&path, name.as_deref()),
             Request::MainStatus => Ok((self.main_status(), Vec::new())),
-            Request::Spawn(req) => self.spawn_proc(req, &body),
+            Request::Spawn(req) => self.spawn_proc(id, req, &body),
             Request::ProcInput { pid } => self.proc_input(pid, &body),
             Request::ProcCloseInput { pid } => self.proc_close_input(pid),
             Request::ProcResize { pid, cols, rows } => {
@@ -1562,6 +1572,152 @@ mod reaper_tests {
                 }
                 // Nothing left behind: no zombie, no owned entry.
                 assert!(table.inner.lock().unwrap().owned.is_empty());
+            },
+        );
+    }
+
+    /// An agent whose replies go to a file, with its reaper running, for one isolated test.
+    fn agent_writing_to(out: File) -> Arc<Agent> {
+        let agent = Arc::new(Agent {
+            out: Mutex::new(out),
+            env: RwLock::new(BTreeMap::new()),
+            children: Arc::new(ChildTable::default()),
+            main: Mutex::new(MainState::default()),
+            without_spawn: false,
+            version: proto::VERSION,
+            file_owner: None,
+            main_cmd: Vec::new(),
+        });
+        let reaper = agent.children.clone();
+        std::thread::spawn(move || reaper.reap_forever());
+        agent
+    }
+
+    #[test]
+    fn a_followed_spawn_answers_started_then_its_output_and_exit_on_the_same_request() {
+        isolated(
+            "agent::reaper_tests::a_followed_spawn_answers_started_then_its_output_and_exit_on_the_same_request",
+            || {
+                let tmp = tempfile::tempdir().unwrap();
+                let replies = tmp.path().join("replies");
+                let agent = agent_writing_to(File::create(&replies).unwrap());
+                let mut reader = File::open(&replies).unwrap();
+                let spawn = |id: u64, script: &str, follow_ms: u64| {
+                    let dir = tmp.path().join(format!("k{id}"));
+                    let req = proto::SpawnRequest {
+                        cmd: vec!["/bin/sh".into(), "-c".into(), script.into()],
+                        env: BTreeMap::new(),
+                        cwd: None,
+                        dir: dir.to_str().unwrap().into(),
+                        index_dir: tmp.path().join("index").to_str().unwrap().into(),
+                        key: format!("key{id}"),
+                        stdin: false,
+                        pty: None,
+                        user: None,
+                        follow_ms,
+                    };
+                    agent.handle(id, Request::Spawn(req), b"{}".to_vec());
+                    dir
+                };
+                let mut next = |id: u64| {
+                    let (h, body) = proto::read_frame::<Reply>(&mut reader).unwrap();
+                    assert_eq!(h.id, id);
+                    (h.msg, body)
+                };
+
+                // A short command: its output and exit come with the request's second reply,
+                // as its files say.
+                let dir = spawn(1, "echo hi; echo oops >&2; exit 3", 5_000);
+                let (first, _) = next(1);
+                let Reply::Spawned { pid } = first else {
+                    panic!("first reply {first:?}")
+                };
+                assert_eq!(fs::read_to_string(dir.join("pid")).unwrap(), pid.to_string());
+                let (second, body) = next(1);
+                assert_eq!(
+                    second,
+                    Reply::Progress {
+                        exit: Some(3),
+                        signaled: false,
+                        out_len: 3,
+                        err_len: 5,
+                        out_sent: 3
+                    }
+                );
+                assert_eq!(body, b"hi\noops\n");
+                assert!(dir.join("exit-3").exists());
+
+                // Killed by a signal: the marker's status and `signaled`.
+                spawn(2, "kill -9 $$", 5_000);
+                assert!(matches!(next(2).0, Reply::Spawned { .. }));
+                let (second, body) = next(2);
+                assert!(
+                    matches!(
+                        second,
+                        Reply::Progress {
+                            exit: Some(137),
+                            signaled: true,
+                            ..
+                        }
+                    ),
+                    "{second:?}"
+                );
+                assert!(body.is_empty());
+
+                // Output, then a long run: answered at the output, before the exit (which a
+                // follower then waits for in the files).
+                let dir = spawn(3, "echo first; sleep 3; echo late", 5_000);
+                assert!(matches!(next(3).0, Reply::Spawned { .. }));
+                let (second, body) = next(3);
+                assert!(
+                    matches!(
+                        second,
+                        Reply::Progress {
+                            exit: None,
+                            out_len: 6,
+                            out_sent: 6,
+                            ..
+                        }
+                    ),
+                    "{second:?}"
+                );
+                assert_eq!(body, b"first\n");
+                assert!(!dir.join("exit-0").exists());
+
+                // Nothing within the follow's time: answered when it is up, with nothing.
+                spawn(4, "sleep 3", 100);
+                assert!(matches!(next(4).0, Reply::Spawned { .. }));
+                let (second, body) = next(4);
+                assert_eq!(
+                    second,
+                    Reply::Progress {
+                        exit: None,
+                        signaled: false,
+                        out_len: 0,
+                        err_len: 0,
+                        out_sent: 0
+                    }
+                );
+                assert!(body.is_empty());
+
+                // Without `follow_ms`: one reply, as before.
+                spawn(5, "true", 0);
+                assert!(matches!(next(5).0, Reply::Started { .. }));
+
+                // More output than a reply carries: its head, and the full sizes.
+                let big = proto::SPAWN_FOLLOW_OUTPUT + 10;
+                spawn(6, &format!("head -c {big} /dev/zero"), 5_000);
+                assert!(matches!(next(6).0, Reply::Spawned { .. }));
+                let (second, body) = next(6);
+                let Reply::Progress {
+                    out_len, out_sent, ..
+                } = second
+                else {
+                    panic!("{second:?}")
+                };
+                assert_eq!(out_sent, proto::SPAWN_FOLLOW_OUTPUT);
+                assert_eq!(body.len() as u64, out_sent);
+                assert!(out_len >= out_sent);
             },
         );
     }

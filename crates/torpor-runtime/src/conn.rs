@@ -146,7 +146,7 @@ async fn read_replies(
             };
             let tx = {
                 let mut routes = routes.lock().unwrap_or_else(|p| p.into_inner());
-                let last = !matches!(header.msg, Reply::Output { .. });
+                let last = !matches!(header.msg, Reply::Output { .. } | Reply::Spawned { .. });
                 if last {
                     routes.remove(&header.id)
                 } else {

@@ -23,8 +23,9 @@ pub const MAX_WAIT_MS: u64 = 5_000;
 /// Protocol version; the agent reports it in its hello.
 /// 2: `ReadRange`. 3: `SetMetadata`, `ListWithMetadata` (E2B's file metadata). 4: `Reboot`,
 /// and the agent keeps `/proc/sys/kernel/random/boot_id` ([`BOOT_ID_PATH`]). 5: `WatchStart`,
-/// `WatchEvents`, `WatchStop` (inotify watches, E2B's `watch_dir`).
-pub const VERSION: u32 = 5;
+/// `WatchEvents`, `WatchStop` (inotify watches, E2B's `watch_dir`). 6: a followed `Spawn`
+/// ([`SpawnRequest::follow_ms`]).
+pub const VERSION: u32 = 6;
 /// The first version that answers `ReadRange`.
 pub const READ_RANGE_SINCE: u32 = 2;
 /// The first version that answers `SetMetadata` and `ListWithMetadata`. An older agent cannot
@@ -38,6 +39,16 @@ pub const REBOOT_SINCE: u32 = 4;
 /// cannot parse them (as for [`METADATA_SINCE`]), so a caller asks only an agent whose hello
 /// said at least this (and polls otherwise).
 pub const WATCH_SINCE: u32 = 5;
+/// The first version that follows a `Spawn` ([`SpawnRequest::follow_ms`]). An older agent
+/// cannot parse the field (as for [`METADATA_SINCE`]), so a caller sets it only for an agent
+/// whose hello said at least this.
+pub const SPAWN_FOLLOW_SINCE: u32 = 6;
+/// The most of each of a followed `Spawn`'s output files (`out`, `err`) its `Progress` reply
+/// carries; a follower reads the rest.
+pub const SPAWN_FOLLOW_OUTPUT: u64 = 1 << 20;
+/// How long a followed `Spawn` that saw output waits on for the process's exit before it
+/// answers, so that a short command's output and exit come back in one reply.
+pub const SPAWN_FOLLOW_LINGER_MS: u64 = 3;
 /// Events one agent watch queues until they are asked for; past that the oldest go and the
 /// next `WatchEvents` says so (`overflowed`).
 pub const MAX_WATCH_EVENTS: usize = 10_000;
@@ -121,6 +132,8 @@ pub enum Request {
     /// ended the agent writes `dir/signaled` (killed by a signal) and then an empty
     /// `dir/exit-<status>` (128 + the signal for a signal). Answered with `Started`. Its stdin
     /// (with `stdin` or `pty`) stays open in the agent for `ProcInput` until `ProcCloseInput`.
+    /// With `follow_ms` ([`SPAWN_FOLLOW_SINCE`]) answered twice: `Spawned` at once, then
+    /// `Progress` (see [`SpawnRequest::follow_ms`]).
     Spawn(SpawnRequest),
     /// Writes the body to the stdin (or terminal) of a process started by `Spawn`.
     ProcInput {
@@ -201,6 +214,20 @@ pub struct SpawnRequest {
     /// that do not need it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<RunAs>,
+    /// Follow the process for up to this long (at most [`MAX_WAIT_MS`]) after it starts: the
+    /// agent answers `Spawned` as soon as it runs, then `Progress` once it has ended, or once
+    /// it has written output (after [`SPAWN_FOLLOW_LINGER_MS`] more for its exit), or when the
+    /// time is up, whichever is first. Its state lives in its files as without it: this only
+    /// saves the follower its first `ListChanged` and reads (a short command's whole run
+    /// comes back on the request that started it), and watches with inotify instead of
+    /// re-listing. 0 (absent from the frame, so older agents parse the request): `Started`,
+    /// once. Agents before [`SPAWN_FOLLOW_SINCE`] cannot parse it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub follow_ms: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// A numeric user and group a process runs as.
@@ -260,6 +287,22 @@ pub enum Reply {
     /// A detached exec started.
     Started {
         pid: u32,
+    },
+    /// A followed `Spawn`'s process started; `Progress` follows under the same id.
+    Spawned {
+        pid: u32,
+    },
+    /// A followed `Spawn`'s process after its wait (the request's last reply). `exit` is the
+    /// status its exit marker records (`exit-<status>`; 128 + the signal, with `signaled`) once
+    /// it has ended; `out_len` and `err_len` are the sizes of `dir/out` and `dir/err` as the
+    /// reply was made (final once it has ended). The body holds the first `out_sent` bytes of
+    /// `dir/out`, then the first bytes of `dir/err` (each at most [`SPAWN_FOLLOW_OUTPUT`]).
+    Progress {
+        exit: Option<i32>,
+        signaled: bool,
+        out_len: u64,
+        err_len: u64,
+        out_sent: u64,
     },
     /// A file's bytes are in the body.
     Data {

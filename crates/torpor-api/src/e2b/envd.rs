@@ -28,12 +28,13 @@ use serde_json::json;
 use tokio::sync::mpsc;
 use torpor_core::{SandboxId, TenantId};
 use torpor_runtime::proto::{
-    AgentErrorCode, DirEntry, ExecRequest, FileKind, PtySize, Reply, Request, SpawnRequest,
+    AgentErrorCode, DirEntry, ExecRequest, FileKind, PtySize, Request, SpawnRequest,
 };
 
 use super::connect::{self, Code, Framing, Item, RpcError};
 use super::{E2b, E2bError};
 use crate::auth::constant_time_eq;
+use torpor_control::{Progress, SpawnProgress};
 
 /// Where process state lives inside the sandbox.
 pub const PROC_DIR: &str = "/run/e2b/proc";
@@ -394,6 +395,43 @@ mod tests {
         // A shell's own `exit 137` is not a signal.
         let s = proc_state(&[e("pid", 3), e("exit-137", 0)]);
         assert_eq!(s.exit, Some(ExitStatus::Code(137)));
+    }
+
+    #[test]
+    fn a_followed_spawns_progress_ends_the_stream_only_when_all_its_output_came() {
+        let p = |exit, signaled, out_len, err_len| Progress {
+            exit,
+            signaled,
+            out_len,
+            err_len,
+            out: Vec::new(),
+            err: Vec::new(),
+        };
+        let started: BTreeMap<String, u64> = [("config", 9), ("out", 0), ("err", 0), ("pid", 3)]
+            .map(|(k, v)| (k.to_string(), v))
+            .into();
+        // Ended, and all of it came.
+        let mut known = started.clone();
+        let end = after_progress(&p(Some(3), false, 4, 2), (4, 2), &mut known);
+        assert_eq!(end, Some(ExitStatus::Code(3)));
+        let end = after_progress(&p(Some(137), true, 0, 0), (0, 0), &mut known);
+        assert_eq!(end, Some(ExitStatus::Signal("killed".into())));
+        // Ended with more output than the reply carried: follow on, looking at once.
+        let mut known = started.clone();
+        let end = after_progress(&p(Some(0), false, 3 << 20, 0), (1 << 20, 0), &mut known);
+        assert_eq!(end, None);
+        assert!(known.is_empty(), "{known:?}");
+        let mut known = started.clone();
+        let end = after_progress(&p(Some(0), false, 0, 5 << 20), (0, 1 << 20), &mut known);
+        assert_eq!(end, None);
+        assert!(known.is_empty(), "{known:?}");
+        // Running: follow on from the listing with what came.
+        let mut known = started.clone();
+        let end = after_progress(&p(None, false, 6, 0), (6, 0), &mut known);
+        assert_eq!(end, None);
+        assert_eq!(known["out"], 6);
+        assert_eq!(known["err"], 0);
+        assert_eq!(known["pid"], 3, "the rest of the listing stays");
     }
 
     #[test]

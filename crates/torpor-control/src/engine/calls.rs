@@ -16,6 +16,58 @@ struct Sent {
     at: Instant,
 }
 
+/// The rest of a followed `Spawn` ([`Engine::spawn_process`]): its `Progress`. Holds the
+/// sandbox (no transition) until it is taken or dropped, at most the follow's time.
+pub struct SpawnProgress {
+    sent: Sent,
+}
+
+/// What a followed process had done when its `Progress` came.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Progress {
+    /// The status its exit marker records, once it has ended (see [`Reply::Progress`]).
+    pub exit: Option<i32>,
+    pub signaled: bool,
+    pub out_len: u64,
+    pub err_len: u64,
+    /// The first bytes of its `out` and of its `err`.
+    pub out: Vec<u8>,
+    pub err: Vec<u8>,
+}
+
+impl SpawnProgress {
+    /// The `Progress`; `None` when the agent answered otherwise or its channel ended (a
+    /// follower then looks at the process's files itself, which tell it the same).
+    pub async fn progress(mut self) -> Option<Progress> {
+        match self.sent.replies.recv().await? {
+            (
+                Reply::Progress {
+                    exit,
+                    signaled,
+                    out_len,
+                    err_len,
+                    out_sent,
+                },
+                mut body,
+            ) => {
+                let err = body.split_off((out_sent as usize).min(body.len()));
+                Some(Progress {
+                    exit,
+                    signaled,
+                    out_len,
+                    err_len,
+                    out: body,
+                    err,
+                })
+            }
+            (other, _) => {
+                tracing::warn!(reply = ?other, "unexpected reply to a followed spawn");
+                None
+            }
+        }
+    }
+}
+
 impl Engine {
     pub async fn exec(
         &self,
@@ -33,7 +85,7 @@ impl Engine {
             replies: mut rx,
             at: t,
         } = self
-            .send_to_agent(tenant, id, &|| self.exec_request(id, &req), &stdin)
+            .send_to_agent(tenant, id, &|_| self.exec_request(id, &req), &stdin)
             .await?;
         let reply = rx.recv().await;
         let result = match reply {
@@ -96,7 +148,7 @@ impl Engine {
             replies: mut rx,
             ..
         } = self
-            .send_to_agent(tenant, id, &|| self.exec_request(id, &req), &stdin)
+            .send_to_agent(tenant, id, &|_| self.exec_request(id, &req), &stdin)
             .await?;
         let (tx, out) = mpsc::channel(64);
         let engine = self.clone();
@@ -165,7 +217,8 @@ impl Engine {
     }
 
     /// Borrows the sandbox (waking it if it sleeps) and sends the request `req` makes once it
-    /// is awake (a GPU environment exists only then) to its agent. A request
+    /// is awake (a GPU environment exists only then; it is given the agent's protocol version)
+    /// to its agent. A request
     /// that cannot be sent was never delivered: when its container is found gone (it died, or
     /// its worker ended it while out of reach), the crash is recorded and the request goes
     /// once more, to the sandbox woken from its last snapshot, instead of failing a call
@@ -174,14 +227,15 @@ impl Engine {
         &self,
         tenant: &TenantId,
         id: &SandboxId,
-        req: &(dyn Fn() -> Request + Sync),
+        req: &(dyn Fn(u32) -> Request + Sync),
         body: &[u8],
     ) -> Result<Sent> {
         let mut resent = false;
         loop {
             let in_use = self.use_sandbox(tenant, id).await?;
             let at = Instant::now();
-            let e = match in_use.resident().send(&req(), body).await {
+            let version = in_use.resident().agent_version();
+            let e = match in_use.resident().send(&req(version), body).await {
                 Ok(replies) => {
                     return Ok(Sent {
                         in_use,
@@ -249,11 +303,44 @@ impl Engine {
         body: &[u8],
     ) -> Result<(Reply, Vec<u8>)> {
         let mut sent = self
-            .send_to_agent(tenant, id, &|| req.clone(), body)
+            .send_to_agent(tenant, id, &|_| req.clone(), body)
             .await?;
         match sent.replies.recv().await {
             Some((Reply::Error { code, message }, _)) => Err(ControlError::Agent { code, message }),
             Some(r) => Ok(r),
+            None => Err(self.died_during_call(sent.in_use).await),
+        }
+    }
+
+    /// Starts a `Spawn` process (E2B's), followed for up to `follow_ms` where the agent can
+    /// ([`proto::SPAWN_FOLLOW_SINCE`]; see [`proto::SpawnRequest::follow_ms`]): answers the
+    /// agent's first reply (`Spawned` when followed, `Started` when not) and, when followed, the
+    /// `Progress` still to come, with the sandbox held until it comes.
+    pub async fn spawn_process(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        spawn: proto::SpawnRequest,
+        config: &[u8],
+        follow_ms: u64,
+    ) -> Result<(u32, Option<SpawnProgress>)> {
+        let make = |version: u32| {
+            let mut spawn = spawn.clone();
+            spawn.follow_ms = if version >= proto::SPAWN_FOLLOW_SINCE {
+                follow_ms.min(proto::MAX_WAIT_MS)
+            } else {
+                0
+            };
+            Request::Spawn(spawn)
+        };
+        let mut sent = self.send_to_agent(tenant, id, &make, config).await?;
+        match sent.replies.recv().await {
+            Some((Reply::Started { pid }, _)) => Ok((pid, None)),
+            Some((Reply::Spawned { pid }, _)) => Ok((pid, Some(SpawnProgress { sent }))),
+            Some((Reply::Error { code, message }, _)) => Err(ControlError::Agent { code, message }),
+            Some((other, _)) => Err(ControlError::Invalid(format!(
+                "unexpected agent reply {other:?}"
+            ))),
             None => Err(self.died_during_call(sent.in_use).await),
         }
     }

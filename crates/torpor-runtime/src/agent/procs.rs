@@ -21,7 +21,9 @@ use std::sync::{mpsc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::{bad_request, io_error, Agent, Answer, WaitStatus};
-use crate::proto::{AgentErrorCode, PtySize, Reply, SpawnRequest};
+use crate::proto::{
+    AgentErrorCode, PtySize, Reply, SpawnRequest, SPAWN_FOLLOW_LINGER_MS, SPAWN_FOLLOW_OUTPUT,
+};
 
 /// What the agent keeps of a running process: the writing end of its stdin (a pipe, or a
 /// duplicate of its terminal's master) and its terminal's master (for resizes).
@@ -77,7 +79,9 @@ fn procs() -> &'static Mutex<HashMap<u32, ProcIo>> {
 const PTY_DRAIN: Duration = Duration::from_millis(500);
 
 impl Agent {
-    pub(super) fn spawn_proc(&self, req: SpawnRequest, config: &[u8]) -> Answer {
+    /// `Spawn`; with `follow_ms`, answers `Spawned` under `id` itself and then follows (see
+    /// [`Follow`]).
+    pub(super) fn spawn_proc(&self, id: u64, req: SpawnRequest, config: &[u8]) -> Answer {
         if req.cmd.is_empty() {
             return Err(bad_request("cmd must not be empty".into()));
         }
@@ -89,8 +93,17 @@ impl Agent {
         }
         let at = |name: &str| dir.join(name);
         fs::write(at("config"), config).map_err(|e| io_error(&at("config"), e))?;
-        let out = File::create(at("out")).map_err(|e| io_error(&at("out"), e))?;
-        let err = File::create(at("err")).map_err(|e| io_error(&at("err"), e))?;
+        // Readable too: a followed spawn answers their heads ([`Follow`]).
+        let create = |name: &str| {
+            fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(at(name))
+                .map_err(|e| io_error(&at(name), e))
+        };
+        let (out, err) = (create("out")?, create("err")?);
         if let Some(cwd) = &req.cwd {
             if !Path::new(cwd).is_dir() {
                 return Err(Reply::Error {
@@ -99,6 +112,16 @@ impl Agent {
                 });
             }
         }
+        // Watched from before the process starts, so that none of its writes and not its exit
+        // is missed. Without inotify the spawn is answered once, as an unfollowed one.
+        let follow = match req.follow_ms {
+            0 => None,
+            ms => Follow::new(
+                &dir,
+                Duration::from_millis(ms.min(crate::proto::MAX_WAIT_MS)),
+            )
+            .ok(),
+        };
         let spawn_err = |e: io::Error| Reply::Error {
             code: match e.kind() {
                 io::ErrorKind::NotFound => AgentErrorCode::NotFound,
@@ -138,8 +161,8 @@ impl Agent {
                 .children
                 .spawn_with(true, || prepared.spawn(stdio), |pid| *pid)
                 .map_err(spawn_err)?;
-            // The child's copies of its stdin and stderr are its own now.
-            drop((child_in, err));
+            // The child's copy of its stdin is its own now.
+            drop(child_in);
             (pid, rx, stdin)
         } else {
             let mut command = Command::new(&req.cmd[0]);
@@ -191,7 +214,9 @@ impl Agent {
                     .stdout(Stdio::from(
                         out.try_clone().map_err(|e| io_error(&at("out"), e))?,
                     ))
-                    .stderr(Stdio::from(err));
+                    .stderr(Stdio::from(
+                        err.try_clone().map_err(|e| io_error(&at("err"), e))?,
+                    ));
             }
             let (mut child, status_rx) =
                 self.children.spawn(&mut command, true).map_err(spawn_err)?;
@@ -210,10 +235,11 @@ impl Agent {
                 .map_err(|e| io_error(Path::new("/dev/ptmx"), e))?;
             io.master = Some(m);
             let (done_tx, done_rx) = mpsc::channel::<()>();
+            let into = out.try_clone().map_err(|e| io_error(&at("out"), e))?;
             let _ = std::thread::Builder::new()
                 .name("pty-copier".into())
                 .spawn(move || {
-                    copy_terminal(reader, out);
+                    copy_terminal(reader, into);
                     let _ = done_tx.send(());
                 });
             copier = Some(done_rx);
@@ -228,10 +254,11 @@ impl Agent {
         let index_file = index.join(pid.to_string());
         let _ = fs::write(&index_file, &req.key);
         let key = req.key.clone();
+        let exit_dir = dir.clone();
         match copier {
             // Recorded by the reaper as soon as it reaps it: no thread of its own.
             None => self.children.on_exit(pid, status_rx, move |status| {
-                record_exit(pid, Some(status), dir, index_file, key)
+                record_exit(pid, Some(status), exit_dir, index_file, key)
             }),
             // A terminal's output may still be draining: wait for its copier first.
             Some(done) => {
@@ -240,11 +267,17 @@ impl Agent {
                     .spawn(move || {
                         let status = status_rx.recv().ok();
                         let _ = done.recv_timeout(PTY_DRAIN);
-                        record_exit(pid, status, dir, index_file, key)
+                        record_exit(pid, status, exit_dir, index_file, key)
                     });
             }
         }
-        Ok((Reply::Started { pid }, Vec::new()))
+        match follow {
+            Some(f) => {
+                self.reply(id, &Reply::Spawned { pid }, &[]);
+                Ok(f.wait(&out, &err))
+            }
+            None => Ok((Reply::Started { pid }, Vec::new())),
+        }
     }
 
     pub(super) fn proc_input(&self, pid: u32, data: &[u8]) -> Answer {
@@ -303,6 +336,110 @@ fn record_exit(pid: u32, status: Option<WaitStatus>, dir: PathBuf, index: PathBu
             key,
         });
     notify_exit();
+}
+
+/// A followed `Spawn` ([`crate::proto::SpawnRequest::follow_ms`]): an inotify watch of the
+/// process's directory for writes to its output files and the creation of its exit marker,
+/// so that the wait costs no system call until something happens (re-listing the directory,
+/// as `ListChanged` does, costs a dozen per look under gVisor's ptrace platform and slows the
+/// process it waits for).
+pub(super) struct Follow {
+    inotify: OwnedFd,
+    until: Instant,
+}
+
+impl Follow {
+    fn new(dir: &Path, wait: Duration) -> io::Result<Follow> {
+        use std::os::unix::ffi::OsStrExt as _;
+        let inotify = super::watch::inotify()?;
+        let path = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+        // SAFETY: a valid inotify descriptor and a NUL-terminated path.
+        let wd = unsafe {
+            libc::inotify_add_watch(
+                inotify.as_raw_fd(),
+                path.as_ptr(),
+                libc::IN_MODIFY | libc::IN_CREATE | libc::IN_ONLYDIR,
+            )
+        };
+        if wd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Follow {
+            inotify,
+            until: Instant::now() + wait,
+        })
+    }
+
+    /// Waits until the process's exit marker appears, or until it has written output (and
+    /// then [`SPAWN_FOLLOW_LINGER_MS`] more for its exit), or until the follow's time is up;
+    /// answers `Progress` with what its files hold then.
+    fn wait(self, out: &File, err: &File) -> (Reply, Vec<u8>) {
+        let mut buf = [0u8; 4096];
+        let mut exit: Option<i32> = None;
+        let mut signaled = false;
+        let mut until = self.until;
+        let mut wrote = false;
+        while exit.is_none() {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            // Rounded up: a poll of 0 ms would spin until the deadline.
+            let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+            super::watch::read_events(
+                self.inotify.as_raw_fd(),
+                &mut buf,
+                ms,
+                |_, mask, _, name| {
+                    if mask & libc::IN_CREATE != 0 {
+                        if let Some(rc) = name.strip_prefix("exit-") {
+                            exit = Some(rc.parse().unwrap_or(-1));
+                        } else if name == "signaled" {
+                            signaled = true;
+                        }
+                    } else if mask & libc::IN_MODIFY != 0 && matches!(name, "out" | "err") {
+                        wrote = true;
+                    }
+                },
+            );
+            if wrote {
+                let linger = Instant::now() + Duration::from_millis(SPAWN_FOLLOW_LINGER_MS);
+                until = until.min(linger);
+            }
+        }
+        let len = |f: &File| f.metadata().map_or(0, |m| m.len());
+        let (out_len, err_len) = (len(out), len(err));
+        let mut body = head(out, out_len);
+        let out_sent = body.len() as u64;
+        body.extend(head(err, err_len));
+        (
+            Reply::Progress {
+                exit,
+                signaled,
+                out_len,
+                err_len,
+                out_sent,
+            },
+            body,
+        )
+    }
+}
+
+/// The first `len` bytes of `f` (at most [`SPAWN_FOLLOW_OUTPUT`]); fewer if it is shorter.
+fn head(f: &File, len: u64) -> Vec<u8> {
+    use std::os::unix::fs::FileExt as _;
+    let mut buf = vec![0u8; len.min(SPAWN_FOLLOW_OUTPUT) as usize];
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read_at(&mut buf[n..], n as u64) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => break,
+        }
+    }
+    buf.truncate(n);
+    buf
 }
 
 /// Counts process exits, so that `ListChanged` waits notice one at once instead of at their

@@ -66,14 +66,7 @@ pub(super) fn start(path: &str, recursive: bool) -> Answer {
             format!("{path} is not a directory"),
         ));
     }
-    // SAFETY: inotify_init1 takes flags only; the fd it answers is owned here.
-    let raw = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
-    if raw < 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(err(AgentErrorCode::Io, format!("inotify: {e}")));
-    }
-    // SAFETY: `raw` is a new descriptor nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let fd = inotify().map_err(|e| err(AgentErrorCode::Io, format!("inotify: {e}")))?;
     let mut reader = Reader {
         fd,
         root: path.trim_end_matches('/').to_string(),
@@ -237,45 +230,12 @@ impl Reader {
 
     fn run(mut self, stop: &AtomicBool) {
         let mut buf = vec![0u8; 64 * 1024];
+        // The descriptor stays open as long as `self` (the events need `self` mutably).
+        let fd = self.fd.as_raw_fd();
         while !stop.load(Ordering::Relaxed) {
-            let mut pfd = libc::pollfd {
-                fd: self.fd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd.
-            let n = unsafe { libc::poll(&mut pfd, 1, 250) };
-            if n <= 0 {
-                continue;
-            }
-            // SAFETY: reads into `buf`, at most its length.
-            let len = unsafe {
-                libc::read(
-                    self.fd.as_raw_fd(),
-                    buf.as_mut_ptr() as *mut libc::c_void,
-                    buf.len(),
-                )
-            };
-            if len <= 0 {
-                continue;
-            }
-            let mut i = 0usize;
-            let len = len as usize;
-            const HDR: usize = std::mem::size_of::<libc::inotify_event>();
-            while i + HDR <= len {
-                // SAFETY: the kernel wrote a whole event header at `i` (checked above);
-                // read unaligned.
-                let ev: libc::inotify_event = unsafe {
-                    std::ptr::read_unaligned(buf[i..].as_ptr() as *const libc::inotify_event)
-                };
-                let name_len = ev.len as usize;
-                let end = (i + HDR + name_len).min(len);
-                let raw = &buf[i + HDR..end];
-                let name = String::from_utf8_lossy(raw.split(|b| *b == 0).next().unwrap_or(&[]))
-                    .into_owned();
-                self.event(ev.wd, ev.mask, ev.cookie, &name);
-                i += HDR + name_len;
-            }
+            read_events(fd, &mut buf, 250, |wd, mask, cookie, name| {
+                self.event(wd, mask, cookie, name)
+            });
         }
     }
 
@@ -335,6 +295,56 @@ impl Reader {
             self.push(rel, WatchOp::Remove);
         }
     }
+}
+
+/// A new inotify instance (non-blocking, close-on-exec).
+pub(super) fn inotify() -> std::io::Result<OwnedFd> {
+    // SAFETY: inotify_init1 takes flags only; the fd it answers is owned here.
+    let raw = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a new descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// Waits up to `timeout_ms` for events on the inotify instance `fd` and hands each one read to
+/// `each` (watch descriptor, mask, cookie, name); false when none came.
+pub(super) fn read_events(
+    fd: std::os::fd::RawFd,
+    buf: &mut [u8],
+    timeout_ms: i32,
+    mut each: impl FnMut(i32, u32, u32, &str),
+) -> bool {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    if unsafe { libc::poll(&mut pfd, 1, timeout_ms) } <= 0 {
+        return false;
+    }
+    // SAFETY: reads into `buf`, at most its length.
+    let len = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+    if len <= 0 {
+        return false;
+    }
+    let len = len as usize;
+    let mut i = 0usize;
+    const HDR: usize = std::mem::size_of::<libc::inotify_event>();
+    while i + HDR <= len {
+        // SAFETY: the kernel wrote a whole event header at `i` (checked above); read unaligned.
+        let ev: libc::inotify_event =
+            unsafe { std::ptr::read_unaligned(buf[i..].as_ptr() as *const libc::inotify_event) };
+        let name_len = ev.len as usize;
+        let end = (i + HDR + name_len).min(len);
+        let raw = &buf[i + HDR..end];
+        let name = String::from_utf8_lossy(raw.split(|b| *b == 0).next().unwrap_or(&[]));
+        each(ev.wd, ev.mask, ev.cookie, &name);
+        i += HDR + name_len;
+    }
+    true
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ first failure.
 """
 import os
 import sys
+import threading
 import time
 
 import e2b
@@ -55,6 +56,36 @@ r = sbx.commands.run(
 )
 expect("".join(chunks) == "line1\nline2\nline3\n", f"chunks {chunks!r}")
 expect(len(chunks) >= 2, f"output arrived in one piece: {chunks!r}")
+
+step("output arrives while the command runs, not at its end")
+# The command waits for a file the client writes only once it has seen the first line: the
+# first line must come while the command still runs.
+seen = threading.Event()
+got = []
+result = {}
+def first_line(s):
+    got.append(s)
+    seen.set()
+h = sbx.commands.run(
+    "echo first; while [ ! -f /tmp/go ]; do sleep 0.05; done; echo second",
+    background=True,
+)
+reader = threading.Thread(
+    target=lambda: result.setdefault("r", h.wait(on_stdout=first_line)), daemon=True
+)
+reader.start()
+expect(seen.wait(20), f"no output while the command ran: {got!r}")
+sbx.files.write("/tmp/go", "")
+reader.join(20)
+expect(result.get("r") is not None, "the command did not end")
+expect(result["r"].stdout == "first\nsecond\n", f"stdout {result['r'].stdout!r}")
+
+step("more output than one reply carries, on both streams")
+r = sbx.commands.run(
+    "head -c 3000000 /dev/zero | tr '\\0' o; head -c 2500000 /dev/zero | tr '\\0' e >&2"
+)
+expect(r.stdout == "o" * 3000000, f"stdout of {len(r.stdout)} bytes")
+expect(r.stderr == "e" * 2500000, f"stderr of {len(r.stderr)} bytes")
 
 step("env and cwd")
 r = sbx.commands.run("echo $GREETING; pwd", envs={"GREETING": "hi there"}, cwd="/tmp")

@@ -90,6 +90,7 @@ pub(super) async fn attach(
         keepalive,
         deadline,
         known: BTreeMap::new(),
+        progress: None,
     };
     Ok(f.stream(st, c, (out, err)))
 }
@@ -112,6 +113,8 @@ pub(super) struct Follow {
     pub(super) deadline: Option<Instant>,
     /// The listing of `dir` taken to be current (empty: the first wait answers at once).
     pub(super) known: BTreeMap<String, u64>,
+    /// The agent's follow of a process it just started: taken before the first wait.
+    pub(super) progress: Option<SpawnProgress>,
 }
 
 impl Follow {
@@ -156,14 +159,37 @@ pub fn proc_state(entries: &[DirEntry]) -> ProcState {
         started: code.is_some() || entries.iter().any(|e| e.name == "pid"),
         out_len: size("out"),
         err_len: size("err"),
-        exit: code.map(|code| {
-            if signaled && code > 128 {
-                ExitStatus::Signal(signal_name(code - 128).into())
-            } else {
-                ExitStatus::Code(code)
-            }
-        }),
+        exit: code.map(|code| exit_status(code, signaled)),
     }
+}
+
+/// What an exit marker's status says (`signaled`: the process was killed by a signal, whose
+/// number is the status less 128).
+fn exit_status(code: i32, signaled: bool) -> ExitStatus {
+    if signaled && code > 128 {
+        ExitStatus::Signal(signal_name(code - 128).into())
+    } else {
+        ExitStatus::Code(code)
+    }
+}
+
+/// Sends `data` as output events of `fd`, 64 KiB per event; false once the client has gone.
+async fn send_data(tx: &mpsc::Sender<Item>, fd: u8, data: &[u8]) -> bool {
+    for part in data.chunks(64 << 10) {
+        let msg = connect::message_frame(&event_data(fd, part));
+        if tx.send(Item::Message(msg)).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
+/// Sends a process's end event and ends the stream.
+async fn send_end(tx: &mpsc::Sender<Item>, exit: &ExitStatus) {
+    let _ = tx
+        .send(Item::Message(connect::message_frame(&event_end(exit))))
+        .await;
+    let _ = tx.send(Item::End(None)).await;
 }
 
 pub(super) fn no_such_process(pid: u32) -> impl Fn(RpcError) -> RpcError {
@@ -207,6 +233,28 @@ pub(super) fn signal_name(n: i32) -> &'static str {
 /// How much of a process's output file one read takes while following it.
 pub(super) const FOLLOW_WINDOW: u64 = 1 << 20;
 
+/// After a followed spawn's `Progress`, whose output a follower has sent (its offsets now
+/// `out_off`, `err_off`, from the start of each file): the process's end when that was all of
+/// it, else `None` with `known` (the listing taken to be current) brought up to date, emptied
+/// when the files hold more than came (the next wait then answers at once).
+pub(super) fn after_progress(
+    p: &Progress,
+    (out_off, err_off): (u64, u64),
+    known: &mut BTreeMap<String, u64>,
+) -> Option<ExitStatus> {
+    let all_came = out_off == p.out_len && err_off == p.err_len;
+    match p.exit {
+        Some(code) if all_came => return Some(exit_status(code, p.signaled)),
+        // The rest is in the files (and the exit marker in the listing).
+        Some(_) => known.clear(),
+        None => {
+            known.insert("out".into(), out_off);
+            known.insert("err".into(), err_off);
+        }
+    }
+    None
+}
+
 /// Streams a process's output from the given offsets until it ends, the client goes, the
 /// deadline passes or the sandbox goes to sleep.
 pub(super) async fn follow(
@@ -223,8 +271,31 @@ pub(super) async fn follow(
         keepalive,
         deadline,
         mut known,
+        progress,
     } = f;
     let mut last_sent = Instant::now();
+    if let Some(p) = progress {
+        match p.progress().await {
+            Some(p) => {
+                for (fd, data, off) in [(fd_out, &p.out, &mut out_off), (2u8, &p.err, &mut err_off)]
+                {
+                    if !send_data(&tx, fd, data).await {
+                        return;
+                    }
+                    *off += data.len() as u64;
+                }
+                if !(p.out.is_empty() && p.err.is_empty()) {
+                    last_sent = Instant::now();
+                }
+                if let Some(exit) = after_progress(&p, (out_off, err_off), &mut known) {
+                    send_end(&tx, &exit).await;
+                    return;
+                }
+            }
+            // Whatever happened is in the files: look at once.
+            None => known.clear(),
+        }
+    }
     loop {
         let now = Instant::now();
         if deadline.is_some_and(|d| now >= d) {
@@ -274,21 +345,15 @@ pub(super) async fn follow(
                 if data.is_empty() {
                     break;
                 }
-                for part in data.chunks(64 << 10) {
-                    let msg = connect::message_frame(&event_data(fd, part));
-                    if tx.send(Item::Message(msg)).await.is_err() {
-                        return;
-                    }
+                if !send_data(&tx, fd, &data).await {
+                    return;
                 }
                 *off += data.len() as u64;
                 last_sent = Instant::now();
             }
         }
         if let Some(exit) = state.exit {
-            let _ = tx
-                .send(Item::Message(connect::message_frame(&event_end(&exit))))
-                .await;
-            let _ = tx.send(Item::End(None)).await;
+            send_end(&tx, &exit).await;
             return;
         }
         if last_sent.elapsed() >= keepalive {

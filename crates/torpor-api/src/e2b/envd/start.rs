@@ -100,12 +100,21 @@ pub(super) async fn start(
         stdin,
         pty,
         user: who.run_as,
+        follow_ms: 0,
     };
-    let pid = match spawn_in_agent(&st, &c, spawn.clone(), &recorded, who.home).await? {
-        Some(pid) => pid,
-        None if pty.is_some() => return Err(RpcError::new(Code::Unimplemented, NO_TERMINALS)),
-        None => spawn_supervised(&st, &c, spawn, &recorded).await?,
-    };
+    // The agent follows the process as its first wait would (see `follow`), so that a short
+    // command's output and exit come back on the request that started it.
+    let mut first_wait = WAIT.min(keepalive);
+    if let Some(d) = deadline {
+        first_wait = first_wait.min(d.saturating_duration_since(Instant::now()));
+    }
+    let follow_ms = first_wait.as_millis() as u64;
+    let (pid, progress) =
+        match spawn_in_agent(&st, &c, spawn.clone(), &recorded, who.home, follow_ms).await? {
+            Some(started) => started,
+            None if pty.is_some() => return Err(RpcError::new(Code::Unimplemented, NO_TERMINALS)),
+            None => (spawn_supervised(&st, &c, spawn, &recorded).await?, None),
+        };
     // What the agent's `Spawn` leaves: the first wait then answers only on a change (output or
     // the exit), not at once. (Anything else, such as a supervisor's files, answers at once.)
     // (Sending that wait beside the `Spawn` instead of after it was tried: under gVisor's
@@ -127,6 +136,7 @@ pub(super) async fn start(
         keepalive,
         deadline,
         known,
+        progress,
     };
     Ok(f.stream(st, c, (0, 0)))
 }
@@ -135,7 +145,8 @@ pub(super) const NO_TERMINALS: &str =
     "this sandbox's agent predates terminals: PTY processes need a \
                             sandbox made by this torpor";
 
-/// Starts a process through the agent's `Spawn` (one spawn, its state in its directory):
+/// Starts a process through the agent's `Spawn` (one spawn, its state in its directory),
+/// followed for `follow_ms` where the agent can: its pid and the follow's progress to come.
 /// `Ok(None)` when the sandbox's agent predates `Spawn` (restored from an older snapshot).
 pub(super) async fn spawn_in_agent(
     st: &E2b,
@@ -143,7 +154,8 @@ pub(super) async fn spawn_in_agent(
     mut spawn: SpawnRequest,
     recorded: &[u8],
     home: &str,
-) -> Result<Option<u32>, RpcError> {
+    follow_ms: u64,
+) -> Result<Option<(u32, Option<SpawnProgress>)>, RpcError> {
     if is_legacy(st, c) {
         return Ok(None);
     }
@@ -155,15 +167,9 @@ pub(super) async fn spawn_in_agent(
         let call =
             st.api
                 .engine
-                .agent_call(&c.tenant, &c.id, Request::Spawn(spawn.clone()), recorded);
+                .spawn_process(&c.tenant, &c.id, spawn.clone(), recorded, follow_ms);
         match tokio::time::timeout(LEGACY_GRACE, call).await {
-            Ok(Ok((Reply::Started { pid }, _))) => return Ok(Some(pid)),
-            Ok(Ok((other, _))) => {
-                return Err(RpcError::new(
-                    Code::Internal,
-                    format!("unexpected agent reply {other:?}"),
-                ))
-            }
+            Ok(Ok(started)) => return Ok(Some(started)),
             Ok(Err(torpor_control::ControlError::Agent {
                 code: AgentErrorCode::NoSuchCwd,
                 ..
