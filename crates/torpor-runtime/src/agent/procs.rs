@@ -85,11 +85,12 @@ impl Agent {
         if req.cmd.is_empty() {
             return Err(bad_request("cmd must not be empty".into()));
         }
-        prune_ended(Instant::now());
         let dir = PathBuf::from(&req.dir);
         let index = Path::new(&req.index_dir);
-        for d in [dir.as_path(), index] {
-            fs::create_dir_all(d).map_err(|e| io_error(d, e))?;
+        fs::create_dir_all(&dir).map_err(|e| io_error(&dir, e))?;
+        // E2B's index is the directory's parent, there now (a system call saved per spawn).
+        if dir.parent() != Some(index) {
+            fs::create_dir_all(index).map_err(|e| io_error(index, e))?;
         }
         let at = |name: &str| dir.join(name);
         fs::write(at("config"), config).map_err(|e| io_error(&at("config"), e))?;
@@ -274,9 +275,14 @@ impl Agent {
         match follow {
             Some(f) => {
                 self.reply(id, &Reply::Spawned { pid }, &[]);
+                // While the process runs, not before it starts.
+                prune_ended(Instant::now());
                 Ok(f.wait(&out, &err))
             }
-            None => Ok((Reply::Started { pid }, Vec::new())),
+            None => {
+                prune_ended(Instant::now());
+                Ok((Reply::Started { pid }, Vec::new()))
+            }
         }
     }
 
