@@ -246,6 +246,15 @@ struct E2b {
 }
 
 impl E2b {
+    /// The E2B API of daemon `d` with API key `key`.
+    fn of(d: &Daemon, key: String) -> E2b {
+        E2b {
+            http: reqwest::Client::new(),
+            url: d.url(),
+            key,
+        }
+    }
+
     async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
         let mut req = self
             .http
@@ -884,11 +893,7 @@ async fn wire_contract_statuses_shapes_and_bad_input() {
 async fn a_timed_out_sandbox_sleeps_and_wakes_with_its_state() {
     let d = Daemon::start().await;
     let key = tenant(&d, "ttl").await;
-    let api = E2b {
-        http: reqwest::Client::new(),
-        url: d.url(),
-        key,
-    };
+    let api = E2b::of(&d, key);
     use reqwest::Method as M;
     // The sleeper's deadline is set to 1 s only once its file is written: a call after its
     // timeout would wake it again.
@@ -996,11 +1001,7 @@ async fn as_user(d: &Daemon, key: &str, id: &str, cmd: &[&str]) -> String {
 async fn e2bs_base_survives_restarts_and_takes_a_new_ceiling_once_free() {
     let mut d = Daemon::start().await;
     let key = tenant(&d, "restart-a").await;
-    let e = E2b {
-        http: reqwest::Client::new(),
-        url: d.url(),
-        key: key.clone(),
-    };
+    let e = E2b::of(&d, key.clone());
     let (status, v) = e
         .call(reqwest::Method::POST, "/sandboxes", Some(json!({})))
         .await;
@@ -1060,11 +1061,7 @@ async fn background_metrics_samples_do_not_keep_a_sandbox_awake() {
     c.create_template(&agent_template("mx", idle))
         .await
         .unwrap();
-    let api = E2b {
-        http: reqwest::Client::new(),
-        url: d.url(),
-        key: d.token(),
-    };
+    let api = E2b::of(&d, d.token());
     use reqwest::Method as M;
     let (s, sbx) = api
         .call(
@@ -1117,11 +1114,7 @@ async fn metrics_samples_survive_a_daemon_restart() {
     c.create_template(&agent_template("ms", no_idle()))
         .await
         .unwrap();
-    let api = |d: &Daemon| E2b {
-        http: reqwest::Client::new(),
-        url: d.url(),
-        key: d.token(),
-    };
+    let api = |d: &Daemon| E2b::of(d, d.token());
     use reqwest::Method as M;
     let (s, sbx) = api(&d)
         .call(
@@ -1173,18 +1166,10 @@ async fn metrics_samples_survive_a_daemon_restart() {
 async fn an_agent_that_predates_inotify_watches_is_polled_as_before() {
     let d = Daemon::start().await;
     let c = d.client();
-    let mut spec = agent_template("wv4", no_idle());
-    spec.env = [(
-        torpor_runtime::agent::TEST_AGENT_VERSION.to_string(),
-        "4".to_string(),
-    )]
-    .into();
-    c.create_template(&spec).await.unwrap();
-    let api = E2b {
-        http: reqwest::Client::new(),
-        url: d.url(),
-        key: d.token(),
-    };
+    c.create_template(&older_agent_template("wv4", no_idle(), 4))
+        .await
+        .unwrap();
+    let api = E2b::of(&d, d.token());
     let (id, token) = api
         .create(json!({"templateID": "wv4", "timeout": 600}))
         .await;
@@ -1225,6 +1210,96 @@ async fn an_agent_that_predates_inotify_watches_is_polled_as_before() {
     );
 }
 
+/// Protocol 6: an E2B process's first wait rides on its `Spawn` where the agent can follow it,
+/// and an agent that predates that (protocol 5: a sandbox restored from an older snapshot) is
+/// never sent a `Spawn` it could not parse (it would not answer, and the adapter would fall back
+/// to the supervisor shell after 3 s): both run a process with its output, exit and stream
+/// framing the same.
+#[tokio::test(flavor = "multi_thread")]
+async fn e2b_processes_run_alike_on_agents_with_and_without_followed_spawns() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    c.create_template(&older_agent_template("sv5", no_idle(), 5))
+        .await
+        .unwrap();
+    c.create_template(&agent_template("sv6", no_idle()))
+        .await
+        .unwrap();
+    let api = E2b::of(&d, d.token());
+    use base64::Engine as _;
+    let b64 = |v: &Value| {
+        base64::engine::general_purpose::STANDARD
+            .decode(v.as_str().unwrap())
+            .unwrap()
+    };
+    for template in ["sv5", "sv6"] {
+        let (id, token) = api
+            .create(json!({"templateID": template, "timeout": 600}))
+            .await;
+        // Short, with output on both streams; then more output than a `Progress` carries.
+        let big = torpor_runtime::proto::SPAWN_FOLLOW_OUTPUT as usize * 2 + 7;
+        let runs = [
+            (
+                "echo out; echo err >&2; exit 7".to_string(),
+                7,
+                b"out\n".to_vec(),
+            ),
+            (
+                format!("head -c {big} /dev/zero; exit 0"),
+                0,
+                vec![0u8; big],
+            ),
+        ];
+        for (script, code, want_out) in runs {
+            let req = json!({"process": {"cmd": "/bin/sh", "args": ["-c", script]}});
+            let t = Instant::now();
+            let resp = api
+                .envd("/process.Process/Start", &id, &token)
+                .header("Content-Type", "application/connect+json")
+                .body(envelope(0, req.to_string().as_bytes()))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status().as_u16(), 200, "{template}");
+            let f = frames(&resp.bytes().await.unwrap());
+            assert!(
+                f[0].1["event"]["start"]["pid"].as_u64().unwrap() > 0,
+                "{template}"
+            );
+            let (mut out, mut err) = (Vec::new(), Vec::new());
+            for (_, m) in &f[1..f.len() - 2] {
+                let data = &m["event"]["data"];
+                if !data["stdout"].is_null() {
+                    out.extend(b64(&data["stdout"]));
+                }
+                if !data["stderr"].is_null() {
+                    err.extend(b64(&data["stderr"]));
+                }
+            }
+            assert!(out == want_out, "{template}: {} bytes of stdout", out.len());
+            if code == 7 {
+                assert_eq!(err, b"err\n", "{template}");
+            }
+            assert_eq!(
+                f[f.len() - 2].1["event"]["end"]["exitCode"],
+                code,
+                "{template}"
+            );
+            assert_eq!(
+                f[f.len() - 1],
+                (2, json!({})),
+                "{template}: end-of-stream frame"
+            );
+            eprintln!("{template}: {} ms", t.elapsed().as_millis());
+        }
+    }
+    let log = d.log();
+    assert!(
+        !log.contains("agent without Spawn"),
+        "an agent was sent a request it could not parse and the adapter fell back:\n{log}"
+    );
+}
+
 /// Polling a watcher (`GetWatcherEvents`) never wakes a sleeping sandbox: nothing changes in
 /// its files while it sleeps, so the poll answers what is buffered (nothing here) and the
 /// sandbox stays asleep, whether torpor put it to sleep or E2B paused it with auto-resume
@@ -1255,11 +1330,7 @@ async fn polled_watcher_leaves_the_sandbox_asleep(agent_version: Option<&str>) {
         .into();
     }
     c.create_template(&spec).await.unwrap();
-    let api = E2b {
-        http: reqwest::Client::new(),
-        url: d.url(),
-        key: d.token(),
-    };
+    let api = E2b::of(&d, d.token());
     let (id, token) = api
         .create(json!({"templateID": "wp", "timeout": 600, "autoResume": {"enabled": true}}))
         .await;

@@ -167,13 +167,9 @@ async fn a_filesystem_only_pause_reboots_the_sandbox_at_its_next_v1_call() {
 async fn an_agent_that_predates_reboots_is_not_asked_and_the_caller_is_told() {
     let d = Daemon::start().await;
     let c = d.client();
-    let mut spec = agent_template("rb-v3", no_idle());
-    spec.env = [(
-        torpor_runtime::agent::TEST_AGENT_VERSION.to_string(),
-        "3".to_string(),
-    )]
-    .into();
-    c.create_template(&spec).await.unwrap();
+    c.create_template(&older_agent_template("rb-v3", no_idle(), 3))
+        .await
+        .unwrap();
     let id = create(&c, "rb-v3").await;
     assert_eq!(call_agent(&c, &id, "a").await, (1, 1));
     pause_without_memory(&d, &id).await;

@@ -249,6 +249,18 @@ pub fn agent_template(name: &str, idle: IdlePolicy) -> TemplateSpec {
     }
 }
 
+/// [`agent_template`] whose agent says protocol `version` and acts as an agent of that version
+/// (as one restored from an older torpor's snapshot).
+pub fn older_agent_template(name: &str, idle: IdlePolicy, version: u32) -> TemplateSpec {
+    let mut spec = agent_template(name, idle);
+    spec.env = [(
+        torpor_runtime::agent::TEST_AGENT_VERSION.to_string(),
+        version.to_string(),
+    )]
+    .into();
+    spec
+}
+
 pub fn no_idle() -> IdlePolicy {
     IdlePolicy {
         freeze_after_s: None,
