@@ -260,7 +260,7 @@ impl Agent {
             Request::SetMetadata { path, metadata } => metadata::set(&path, &metadata),
             Request::ListWithMetadata { path, name } => metadata::list(&path, name.as_deref()),
             Request::MainStatus => Ok((self.main_status(), Vec::new())),
-            Request::Spawn(req) => self.spawn_proc(id, req, &body),
+            Request::Spawn(req) => return self.spawn_and_reply(id, req, &body),
             Request::ProcInput { pid } => self.proc_input(pid, &body),
             Request::ProcCloseInput { pid } => self.proc_close_input(pid),
             Request::ProcResize { pid, cols, rows } => {
@@ -1718,6 +1718,32 @@ mod reaper_tests {
                 assert_eq!(out_sent, proto::SPAWN_FOLLOW_OUTPUT);
                 assert_eq!(body.len() as u64, out_sent);
                 assert!(out_len >= out_sent);
+
+                // A start that fails says why: a missing working directory, or program.
+                for (n, cmd, cwd, want) in [
+                    (7, "/bin/true", Some("/nonexistent-dir"), AgentErrorCode::NoSuchCwd),
+                    (8, "/nonexistent-program", None, AgentErrorCode::NotFound),
+                    (9, "/nonexistent-program", Some("/"), AgentErrorCode::NotFound),
+                ] {
+                    let req = proto::SpawnRequest {
+                        cmd: vec![cmd.into()],
+                        env: BTreeMap::new(),
+                        cwd: cwd.map(String::from),
+                        dir: tmp.path().join(format!("k{n}")).to_str().unwrap().into(),
+                        index_dir: tmp.path().join("index").to_str().unwrap().into(),
+                        key: format!("key{n}"),
+                        stdin: false,
+                        pty: None,
+                        user: None,
+                        follow_ms: 5_000,
+                    };
+                    agent.handle(n, Request::Spawn(req), b"{}".to_vec());
+                    let (reply, _) = next(n);
+                    assert!(
+                        matches!(reply, Reply::Error { code, .. } if code == want),
+                        "{cmd} in {cwd:?}: {reply:?}"
+                    );
+                }
             },
         );
     }

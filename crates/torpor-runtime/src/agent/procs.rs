@@ -79,9 +79,25 @@ fn procs() -> &'static Mutex<HashMap<u32, ProcIo>> {
 const PTY_DRAIN: Duration = Duration::from_millis(500);
 
 impl Agent {
-    /// `Spawn`; with `follow_ms`, answers `Spawned` under `id` itself and then follows (see
-    /// [`Follow`]).
-    pub(super) fn spawn_proc(&self, id: u64, req: SpawnRequest, config: &[u8]) -> Answer {
+    /// `Spawn`, answered under `id`: once (`Started`), or with `follow_ms` twice (`Spawned`,
+    /// then `Progress`: see [`Follow`]). The files it opened are closed after its last reply,
+    /// which need not wait for those system calls.
+    pub(super) fn spawn_and_reply(&self, id: u64, req: SpawnRequest, config: &[u8]) {
+        let mut opened = Vec::new();
+        match self.spawn_proc(id, req, config, &mut opened) {
+            Ok((reply, body)) => self.reply(id, &reply, &body),
+            Err(e) => self.reply(id, &e, &[]),
+        }
+        drop(opened);
+    }
+
+    fn spawn_proc(
+        &self,
+        id: u64,
+        req: SpawnRequest,
+        config: &[u8],
+        opened: &mut Vec<File>,
+    ) -> Answer {
         if req.cmd.is_empty() {
             return Err(bad_request("cmd must not be empty".into()));
         }
@@ -93,7 +109,6 @@ impl Agent {
             fs::create_dir_all(index).map_err(|e| io_error(index, e))?;
         }
         let at = |name: &str| dir.join(name);
-        fs::write(at("config"), config).map_err(|e| io_error(&at("config"), e))?;
         // Readable too: a followed spawn answers their heads ([`Follow`]).
         let create = |name: &str| {
             fs::OpenOptions::new()
@@ -105,14 +120,6 @@ impl Agent {
                 .map_err(|e| io_error(&at(name), e))
         };
         let (out, err) = (create("out")?, create("err")?);
-        if let Some(cwd) = &req.cwd {
-            if !Path::new(cwd).is_dir() {
-                return Err(Reply::Error {
-                    code: AgentErrorCode::NoSuchCwd,
-                    message: format!("cwd {cwd:?} is not a directory"),
-                });
-            }
-        }
         // Watched from before the process starts, so that none of its writes and not its exit
         // is missed. Without inotify the spawn is answered once, as an unfollowed one.
         let follow = match req.follow_ms {
@@ -123,13 +130,21 @@ impl Agent {
             )
             .ok(),
         };
-        let spawn_err = |e: io::Error| Reply::Error {
-            code: match e.kind() {
-                io::ErrorKind::NotFound => AgentErrorCode::NotFound,
-                io::ErrorKind::PermissionDenied => AgentErrorCode::PermissionDenied,
-                _ => AgentErrorCode::SpawnFailed,
+        let spawn_err = |e: io::Error| match &req.cwd {
+            // A missing working directory is told from a missing program only once a start
+            // failed (a system call saved on every start that does not).
+            Some(cwd) if !Path::new(cwd).is_dir() => Reply::Error {
+                code: AgentErrorCode::NoSuchCwd,
+                message: format!("cwd {cwd:?} is not a directory"),
             },
-            message: format!("cannot start {:?}: {e}", req.cmd[0]),
+            _ => Reply::Error {
+                code: match e.kind() {
+                    io::ErrorKind::NotFound => AgentErrorCode::NotFound,
+                    io::ErrorKind::PermissionDenied => AgentErrorCode::PermissionDenied,
+                    _ => AgentErrorCode::SpawnFailed,
+                },
+                message: format!("cannot start {:?}: {e}", req.cmd[0]),
+            },
         };
         // Without a terminal: started without copying the agent and in a few system calls
         // (see [`super::spawn`]); with one, through `Command`.
@@ -251,9 +266,14 @@ impl Agent {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(pid, io);
-        let _ = fs::write(at("pid"), pid.to_string());
+        // Written while the process starts, not before: all of it is there before anyone
+        // hears of the pid. (The process runs now: a file that cannot be written is not a
+        // failed start. Its directory and output files were just made, so only a full disk
+        // fails them.)
+        let _ = write_open(&at("config"), config, opened);
+        let _ = write_open(&at("pid"), pid.to_string().as_bytes(), opened);
         let index_file = index.join(pid.to_string());
-        let _ = fs::write(&index_file, &req.key);
+        let _ = write_open(&index_file, req.key.as_bytes(), opened);
         let key = req.key.clone();
         let exit_dir = dir.clone();
         match copier {
@@ -272,18 +292,22 @@ impl Agent {
                     });
             }
         }
-        match follow {
+        let answer = match follow {
             Some(f) => {
                 self.reply(id, &Reply::Spawned { pid }, &[]);
                 // While the process runs, not before it starts.
                 prune_ended(Instant::now());
-                Ok(f.wait(&out, &err))
+                let progress = f.wait(&out, &err);
+                opened.push(File::from(f.inotify));
+                progress
             }
             None => {
                 prune_ended(Instant::now());
-                Ok((Reply::Started { pid }, Vec::new()))
+                (Reply::Started { pid }, Vec::new())
             }
-        }
+        };
+        opened.extend([out, err]);
+        Ok(answer)
     }
 
     pub(super) fn proc_input(&self, pid: u32, data: &[u8]) -> Answer {
@@ -379,7 +403,7 @@ impl Follow {
     /// Waits until the process's exit marker appears, or until it has written output (and
     /// then [`SPAWN_FOLLOW_LINGER_MS`] more for its exit), or until the follow's time is up;
     /// answers `Progress` with what its files hold then.
-    fn wait(self, out: &File, err: &File) -> (Reply, Vec<u8>) {
+    fn wait(&self, out: &File, err: &File) -> (Reply, Vec<u8>) {
         let mut buf = [0u8; 4096];
         let mut exit: Option<i32> = None;
         let mut signaled = false;
@@ -482,6 +506,14 @@ fn no_input(pid: u32) -> Reply {
         code: AgentErrorCode::NotFound,
         message: format!("process {pid} is not running with an open stdin"),
     }
+}
+
+/// Writes `data` to a new (or truncated) file at `path`, leaving it open in `opened`.
+fn write_open(path: &Path, data: &[u8], opened: &mut Vec<File>) -> io::Result<()> {
+    let mut f = File::create(path)?;
+    f.write_all(data)?;
+    opened.push(f);
+    Ok(())
 }
 
 /// A pipe, both ends close-on-exec: (read, write).
