@@ -41,6 +41,7 @@ mod policy;
 mod quiet;
 mod quota;
 mod reboot;
+mod reencode;
 mod residency;
 mod snapshot_admin;
 mod sources;
@@ -87,6 +88,9 @@ pub struct EngineConfig {
     /// Running sandboxes outlive the engine's process under their shims and are taken back at
     /// the next start (this machine's node only).
     pub live_restore: bool,
+    /// A parked image on this machine is rewritten in the background with stored frames,
+    /// which a wake restores without inflating (see `engine/reencode.rs`).
+    pub reencode_parked: bool,
     /// How long an explicit suspend waits for calls in flight (execs, proxied requests, open
     /// WebSockets) to finish before it answers 409 `sandbox_busy`; nothing in flight is cut.
     pub drain_timeout: Duration,

@@ -33,6 +33,15 @@ pub const EVICTION_REASONS: [&str; 2] = ["memory_pressure", "parked_calls"];
 /// The stores whose failures `torpor_store_errors_total` counts.
 pub const STORES: [&str; 3] = ["state", "usage", "snapshots"];
 
+/// The results of a parked image's re-encoding (`torpor_parked_reencodes_total`).
+pub const REENCODE_RESULTS: [&str; 5] = [
+    "done",
+    "nothing_to_gain",
+    "superseded",
+    "low_disk",
+    "failed",
+];
+
 pub struct Metrics {
     registry: Registry,
     pub sandboxes: IntGaugeVec,
@@ -43,6 +52,7 @@ pub struct Metrics {
     pub wake_seconds: HistogramVec,
     pub checkpoint_seconds: HistogramVec,
     pub checkpoint_bytes: IntCounterVec,
+    pub reencodes: IntCounterVec,
     pub exec_seconds: HistogramVec,
     pub crashes: IntCounterVec,
     pub transitions: IntCounterVec,
@@ -150,6 +160,11 @@ impl Metrics {
             "torpor_checkpoint_bytes_total",
             "Bytes of checkpoint images written (store_new: new to the snapshot store after deduplication).",
             &["kind"],
+        );
+        let reencodes = counter(
+            "torpor_parked_reencodes_total",
+            "Parked images rewritten with stored frames for faster wakes, by result (done, nothing_to_gain, superseded, low_disk, failed).",
+            &["result"],
         );
         let exec_seconds = histogram(
             "torpor_exec_seconds",
@@ -277,6 +292,7 @@ impl Metrics {
         for (vec, values) in [
             (&warm_takes, &["warm", "cold"][..]),
             (&checkpoint_bytes, &["golden", "sandbox", "store_new"][..]),
+            (&reencodes, &REENCODE_RESULTS[..]),
             (&crashes, &["exited", "oom_killed", "controller_lost"][..]),
             (&lot_rejections, &["lot_full", "no_worker_available"][..]),
             (&evictions, &EVICTION_REASONS[..]),
@@ -317,6 +333,7 @@ impl Metrics {
             Box::new(wake_seconds.clone()),
             Box::new(checkpoint_seconds.clone()),
             Box::new(checkpoint_bytes.clone()),
+            Box::new(reencodes.clone()),
             Box::new(exec_seconds.clone()),
             Box::new(crashes.clone()),
             Box::new(transitions.clone()),
@@ -350,6 +367,7 @@ impl Metrics {
             wake_seconds,
             checkpoint_seconds,
             checkpoint_bytes,
+            reencodes,
             exec_seconds,
             crashes,
             transitions,

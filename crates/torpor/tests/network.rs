@@ -46,14 +46,6 @@ async fn metrics(d: &Daemon) -> String {
         .unwrap()
 }
 
-/// The value of one sample line (`name{labels} value`), 0 when absent.
-fn metric(text: &str, series: &str) -> u64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok())
-        .map(|v| v as u64)
-        .unwrap_or(0)
-}
-
 async fn patch_network(d: &Daemon, id: &str, policy: serde_json::Value) -> reqwest::Response {
     reqwest::Client::new()
         .patch(format!("{}/v1/sandboxes/{id}", d.url()))

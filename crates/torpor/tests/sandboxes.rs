@@ -337,3 +337,80 @@ async fn forks_continue_independently_from_the_same_state() {
         c.delete_sandbox(&f.id).await.unwrap();
     }
 }
+
+/// Issue 17's cheaper wakes: once parked, a sandbox's image is rewritten in the background with
+/// stored frames (counted in `torpor_parked_reencodes_total`), and the next wake restores that
+/// image with the sandbox's memory and files intact. With `--reencode-parked false` the image
+/// stays as runsc wrote it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_parked_image_is_reencoded_with_stored_frames_and_wakes_intact() {
+    use torpor_snapshot::gvisor;
+    for reencode in [true, false] {
+        let flag = if reencode { "true" } else { "false" };
+        let d = Daemon::start_with(&["--reencode-parked", flag]).await;
+        let c = d.client();
+        c.create_template(&agent_template("agent", no_idle()))
+            .await
+            .unwrap();
+        let id = create(&c, "agent").await;
+        assert_eq!(call_agent(&c, &id, "one").await, (1, 1));
+        c.write_file(&id, "/tmp/kept", b"written before the park".to_vec(), None)
+            .await
+            .unwrap();
+        c.suspend(&id, Some(Tier::Parked)).await.unwrap();
+        let done = "torpor_parked_reencodes_total{result=\"done\"}";
+        if reencode {
+            // A hang guard, not a measure.
+            let deadline = std::time::Instant::now() + Duration::from_secs(120);
+            loop {
+                let m = c.metrics().await.unwrap();
+                if metric(&m, done) >= 1 {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the parked image was never re-encoded:\n{}",
+                    m.lines()
+                        .filter(|l| l.contains("reencode"))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        // The image on disk: every frame stored once re-encoded, compressed otherwise.
+        let images = d.dir.join("sandboxes").join(&id).join("images");
+        let dir = std::fs::read_dir(&images)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| !p.file_name().unwrap().to_string_lossy().starts_with('.'))
+            .expect("a committed image");
+        let img = std::fs::read(dir.join("checkpoint.img")).unwrap();
+        let layout = gvisor::probe(std::io::Cursor::new(&img)).unwrap().unwrap();
+        let first = &img[layout.header.len()..][..4];
+        let first = u32::from_be_bytes(first.try_into().unwrap()) as usize;
+        let stored = gvisor::stored_deflate_len(layout.frame_size as usize);
+        assert_eq!(first == stored, reencode, "first frame {first} bytes");
+        // No temporary file left beside it.
+        let left: Vec<_> = std::fs::read_dir(&images)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".reencode"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+        // The wake restores it: the same process (its counter) and files.
+        assert_eq!(
+            call_agent(&c, &id, "two").await,
+            (2, 2),
+            "--reencode-parked {flag}"
+        );
+        assert_eq!(
+            c.read_file(&id, "/tmp/kept").await.unwrap(),
+            b"written before the park"
+        );
+        let m = c.metrics().await.unwrap();
+        assert_eq!(metric(&m, done), u64::from(reencode), "{flag}");
+    }
+}

@@ -501,6 +501,7 @@ impl Engine {
                 let old = std::mem::replace(&mut rec.image, ImageRef::Local(dest.clone()));
                 self.move_to(&mut rec, SandboxState::Parked, cause)?;
                 self.remove_image(&rec.tenant, &old).await;
+                self.reencode_soon(id, &dest);
                 let bytes = dir_size(&dest);
                 self.metrics
                     .checkpoint_seconds

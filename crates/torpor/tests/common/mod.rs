@@ -487,3 +487,11 @@ impl Drop for ExtenderProcess {
         let _ = self.child.wait();
     }
 }
+
+/// The value of one sample line (`name{labels} value`), 0 when absent.
+pub fn metric(text: &str, series: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+        .unwrap_or(0)
+}
