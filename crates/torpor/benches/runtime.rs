@@ -25,7 +25,9 @@
 //! command, back to back, and times each start to its reaped exit. Torpor's execs and floor
 //! batches alternate, so that load drift on a shared machine hits both alike.
 //!
-//! `TORPOR_BENCH_ROWS=exec` stops after the exec rows (for iterating on the exec path).
+//! `TORPOR_BENCH_ROWS=exec` stops after the exec rows (for iterating on the exec path);
+//! `TORPOR_BENCH_ROWS=parked` runs only the compressible agent's wake from Parked;
+//! `TORPOR_BENCH_REENCODE=false` runs the daemon with `--reencode-parked false`.
 //!
 //! Prints a table (with each row's p50 difference to its baseline) and one JSON line
 //! (`{"bench":"runtime",...}`, with `exec_overhead_over_floor_p50_ms` and
@@ -84,16 +86,6 @@ fn copy_bundle(src: &Path, dest: &Path, cid: &str) {
     std::fs::write(dest.join("config.json"), serde_json::to_vec(&spec).unwrap()).unwrap();
 }
 
-fn copy_dir(src: &Path, dest: &Path) {
-    let st = Command::new("cp")
-        .arg("-a")
-        .arg(src)
-        .arg(dest)
-        .status()
-        .unwrap();
-    assert!(st.success());
-}
-
 /// The bundle directory of a live container (a warm-pool worker's), from `runsc state`.
 fn bundle_of(data: &Path, cid: &str) -> PathBuf {
     let mut args = runsc_global(&data.join("runsc"));
@@ -116,13 +108,154 @@ fn latest_image(data: &Path, id: &str) -> PathBuf {
         .expect("a committed image")
 }
 
+/// A Python agent whose state compresses as an agent's usually does (interpreter, modules,
+/// ~150,000 small objects: tens of MB), ready once built.
+const AGENT_OBJECTS: &str = "import json, time, email.parser, http.client, decimal, collections\ndata = [{'id': i, 'name': 'item %d' % i, 'tags': ['a', 'b']} for i in range(150000)]\nopen('/tmp/ready', 'w').write('1')\nwhile True: time.sleep(3600)\n";
+
+/// `--reencode-parked` for the bench's daemon: `TORPOR_BENCH_REENCODE=false` turns it off (to
+/// compare), else on (the default).
+fn reencode_flag() -> &'static str {
+    match std::env::var("TORPOR_BENCH_REENCODE").as_deref() {
+        Ok("false") => "false",
+        _ => "true",
+    }
+}
+
+/// The daemon's count of finished re-encodes of parked images, whatever their result.
+async fn reencodes(c: &torpor_api::client::Client) -> f64 {
+    let m = c.metrics().await.unwrap();
+    m.lines()
+        .filter(|l| l.starts_with("torpor_parked_reencodes_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Whether the gVisor image at `path` has stored (uncompressed) frames.
+fn stored_frames(path: &Path) -> bool {
+    let img = std::fs::read(path).unwrap();
+    let layout = torpor_snapshot::gvisor::probe(std::io::Cursor::new(&img))
+        .unwrap()
+        .expect("a gVisor image");
+    let first = u32::from_be_bytes(img[layout.header.len()..][..4].try_into().unwrap());
+    first as usize == torpor_snapshot::gvisor::stored_deflate_len(layout.frame_size as usize)
+}
+
+/// `n` wakes from Parked (+ exec) of sandbox `id`, each against a bare `runsc restore` of
+/// runsc's own image of the same checkpoint: the image's files are hard-linked the moment the
+/// park returns, so a later re-encoding (which renames a new file over them) leaves the
+/// baseline's copy as runsc wrote it. With `reencoded > 0`, each wake first waits (up to
+/// 60 s) for the daemon to finish re-encoding the new image (the count of finished
+/// re-encodes passes `reencoded` more). Answers (torpor ms, bare restore ms).
+async fn parked_wakes(
+    c: &torpor_api::client::Client,
+    data: &Path,
+    tmp: &Path,
+    baseline_root: &Path,
+    id: &str,
+    n: usize,
+    reencoded: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let true_cmd = ExecBody {
+        cmd: vec!["/bin/true".into()],
+        ..Default::default()
+    };
+    let mut parked = Vec::new();
+    let mut bare_restore = Vec::new();
+    let mut stored_woken = 0;
+    for i in 0..n {
+        let gen = 1 + i as u32; // the generation now running
+        let bundle = bundle_of(data, &format!("{id}-g{gen}"));
+        let bcid = format!("bench-restore-{id}-{i}");
+        let bbundle = tmp.join(&bcid);
+        copy_bundle(&bundle, &bbundle, &bcid);
+        let before = reencodes(c).await;
+        c.suspend(id, Some(Tier::Parked)).await.unwrap();
+        let committed = latest_image(data, id);
+        let image = tmp.join(format!("img-{id}-{i}"));
+        std::fs::create_dir_all(&image).unwrap();
+        for e in std::fs::read_dir(&committed).unwrap().flatten() {
+            std::fs::hard_link(e.path(), image.join(e.file_name())).unwrap();
+        }
+        assert!(
+            reencoded == 0 || !stored_frames(&image.join("checkpoint.img")),
+            "the baseline's image was re-encoded before it was linked"
+        );
+        if reencoded > 0 {
+            let deadline = Instant::now() + std::time::Duration::from_secs(60);
+            while reencodes(c).await < before + reencoded as f64 && Instant::now() < deadline {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            stored_woken += usize::from(stored_frames(&committed.join("checkpoint.img")));
+        }
+        // Baseline first, on runsc's own image of the checkpoint torpor restores next.
+        let mut args = runsc_global(baseline_root);
+        args.extend([
+            "restore".into(),
+            "--detach".into(),
+            format!("--image-path={}", image.display()),
+            format!("--bundle={}", bbundle.display()),
+            bcid.clone(),
+        ]);
+        bare_restore.push(timed(
+            Command::new("runsc").args(&args).stdout(Stdio::null()),
+        ));
+        let mut del = runsc_global(baseline_root);
+        del.extend(["delete".into(), "--force".into(), bcid.clone()]);
+        let _ = Command::new("runsc").args(&del).output();
+        let _ = std::fs::remove_dir_all(&image);
+
+        let t = Instant::now();
+        let r = c.exec(id, &true_cmd).await.unwrap();
+        parked.push(t.elapsed().as_secs_f64() * 1000.0);
+        assert_eq!(r.exit_code, Some(0));
+    }
+    if reencoded > 0 {
+        println!("{stored_woken} of {n} wakes restored a re-encoded (stored-frame) image");
+    }
+    (parked, bare_restore)
+}
+
+/// Wake from Parked of an agent with compressible state: torpor re-encodes its parked image
+/// (`--reencode-parked`, the default); the baseline restores runsc's own image.
+async fn compressible_parked_row(
+    c: &torpor_api::client::Client,
+    data: &Path,
+    tmp: &Path,
+    baseline_root: &Path,
+    spec: &dyn Fn(&str, Vec<String>) -> TemplateSpec,
+    n: usize,
+) -> Row {
+    c.create_template(&spec(
+        "bench-objects",
+        vec!["python3".into(), "-c".into(), AGENT_OBJECTS.into()],
+    ))
+    .await
+    .unwrap();
+    let id = c
+        .create_sandbox(&CreateSandboxBody {
+            template: "bench-objects".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .id;
+    let wait = usize::from(reencode_flag() == "true");
+    let (torpor, baseline) = parked_wakes(c, data, tmp, baseline_root, &id, n, wait).await;
+    Row {
+        name: "wake from Parked (Python agent, compressible state) + exec",
+        torpor,
+        baseline_name: "bare runsc restore of runsc's image",
+        baseline,
+    }
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let n: usize = std::env::var("TORPOR_BENCH_N")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(30);
-    let d = support::Daemon::start(&["--workers", "8"]).await;
+    let d = support::Daemon::start(&["--workers", "8", "--reencode-parked", reencode_flag()]).await;
     let (c, data) = (d.client.clone(), d.data());
     let tmp = &d.dir;
     let baseline_root = tmp.path().join("baseline-runsc");
@@ -153,6 +286,11 @@ async fn main() {
         ..Default::default()
     };
     let mut rows = Vec::new();
+    if std::env::var("TORPOR_BENCH_ROWS").as_deref() == Ok("parked") {
+        rows.push(compressible_parked_row(&c, &data, tmp.path(), &baseline_root, &spec, n).await);
+        report(rows, n);
+        return;
+    }
 
     // --- exec round trip
     c.create_template(&spec("bench-plain", vec![]))
@@ -363,45 +501,15 @@ async fn main() {
         .await
         .unwrap()
         .id;
-    let mut parked = Vec::new();
-    let mut bare_restore = Vec::new();
-    for i in 0..n {
-        let gen = 1 + i as u32; // the generation now running
-        let bundle = bundle_of(&data, &format!("{id}-g{gen}"));
-        let bcid = format!("bench-restore-{i}");
-        let bbundle = tmp.path().join(&bcid);
-        copy_bundle(&bundle, &bbundle, &bcid);
-        c.suspend(&id, Some(Tier::Parked)).await.unwrap();
-        // Baseline first, on a copy of the very image torpor restores next.
-        let image = tmp.path().join(format!("img-{i}"));
-        copy_dir(&latest_image(&data, &id), &image);
-        let mut args = runsc_global(&baseline_root);
-        args.extend([
-            "restore".into(),
-            "--detach".into(),
-            format!("--image-path={}", image.display()),
-            format!("--bundle={}", bbundle.display()),
-            bcid.clone(),
-        ]);
-        bare_restore.push(timed(
-            Command::new("runsc").args(&args).stdout(Stdio::null()),
-        ));
-        let mut del = runsc_global(&baseline_root);
-        del.extend(["delete".into(), "--force".into(), bcid.clone()]);
-        let _ = Command::new("runsc").args(&del).output();
-        let _ = std::fs::remove_dir_all(&image);
-
-        let t = Instant::now();
-        let r = c.exec(&id, &true_cmd).await.unwrap();
-        parked.push(t.elapsed().as_secs_f64() * 1000.0);
-        assert_eq!(r.exit_code, Some(0));
-    }
+    let (parked, bare_restore) =
+        parked_wakes(&c, &data, tmp.path(), &baseline_root, &id, n, 0).await;
     rows.push(Row {
         name: "wake from Parked (64 MiB) + exec",
         torpor: parked,
         baseline_name: "bare runsc restore",
         baseline: bare_restore,
     });
+    rows.push(compressible_parked_row(&c, &data, tmp.path(), &baseline_root, &spec, n).await);
 
     // --- create from golden vs cold boot of the same template
     let mut create = Vec::new();
