@@ -397,7 +397,7 @@ async fn a_parked_image_is_reencoded_with_stored_frames_and_wakes_intact() {
             .unwrap()
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with(".reencode"))
+            .filter(|n| n.starts_with(".tmp-reencode"))
             .collect();
         assert!(left.is_empty(), "{left:?}");
         // The wake restores it: the same process (its counter) and files.

@@ -7,7 +7,8 @@
 //! inflating. Nothing of it is on a call's path:
 //! - one job at a time, on a thread of its own at a lower CPU priority (nice 10), so that on a
 //!   busy machine restores and checkpoints go first;
-//! - written beside the image directory (`images/.reencode-<generation>`), synced, and renamed
+//! - written beside the image directory (`images/.tmp-reencode-<generation>`, which a start
+//!   after a crash removes with the other `.tmp-*` leftovers), synced, and renamed
 //!   over the image's file only while the sandbox is still Parked on that very image, under
 //!   its slot's read lock taken without waiting (a wake or any transition under way wins: the
 //!   job is dropped, `superseded`);
@@ -16,7 +17,7 @@
 //!   than [`MIN_FREE_FRACTION`] or [`MIN_FREE_BYTES`] free (`low_disk`: a stored image is as
 //!   large as the memory it holds);
 //! - a crash in the middle loses nothing: the rename is atomic and either file restores the
-//!   same sandbox; a leftover temporary file goes with the sandbox's directory.
+//!   same sandbox.
 //!
 //! Cluster workers' images are not re-encoded yet (their images are uploaded as they are).
 
@@ -120,6 +121,10 @@ impl Engine {
         tmp: &Path,
         was: &FileStamp,
     ) -> bool {
+        // Looked at first without the slot: a sandbox deleted meanwhile gets no slot back.
+        if !self.parked_on(id, dir) {
+            return false;
+        }
         let slot = self.slot(id);
         let Ok(guard) = slot.state.clone().try_read_owned() else {
             return false;
@@ -150,7 +155,7 @@ fn reencode_tmp(dir: &Path) -> PathBuf {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    dir.with_file_name(format!(".reencode-{name}"))
+    dir.with_file_name(format!(".tmp-reencode-{name}"))
 }
 
 /// What a file looked like when it was read: rewritten only if it still does.

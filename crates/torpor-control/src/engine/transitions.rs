@@ -725,7 +725,7 @@ pub(super) fn remove_other_entries(dir: &Path, keep: &Path) {
     for e in entries.flatten() {
         if e.file_name() != name {
             tracing::info!(path = %e.path().display(), "removing a checkpoint no record points at");
-            let _ = std::fs::remove_dir_all(e.path());
+            remove_entry(&e.path());
         }
     }
 }
@@ -736,7 +736,16 @@ pub(super) fn remove_tmp_entries(dir: &Path) {
     };
     for e in entries.flatten() {
         if e.file_name().to_string_lossy().starts_with(".tmp-") {
-            let _ = std::fs::remove_dir_all(e.path());
+            remove_entry(&e.path());
         }
+    }
+}
+
+/// Removes a directory with its contents, or a file (a re-encoding left by a crash).
+fn remove_entry(path: &Path) {
+    if path.is_dir() {
+        let _ = std::fs::remove_dir_all(path);
+    } else {
+        let _ = std::fs::remove_file(path);
     }
 }
