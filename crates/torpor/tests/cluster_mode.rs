@@ -1536,6 +1536,13 @@ async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment
         "the ticket of the parked sandbox",
     )
     .await;
+    // The controller counts the tenant's holdings on other workers from their reports: until
+    // the drained worker's next one says the parked sandbox's share went back, a wake
+    // elsewhere counts it still held (the tenant's quota is one L4) and is refused (429).
+    c1.wait_nodes("the parked sandbox's share given back", |n| {
+        admin_gpu_compute(n, &left) == 0
+    })
+    .await;
     c1.exec(&a, "true").await;
     let now_on = c1.sandbox(&a).await["node"].as_str().unwrap().to_string();
     assert_ne!(now_on, left, "woke on the worker that is not drained");
