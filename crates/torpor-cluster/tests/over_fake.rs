@@ -93,7 +93,7 @@ fn engine_config(dir: &Path) -> EngineConfig {
         tick: Duration::from_secs(3600),
         warm_pool: 0,
         live_restore: false,
-        reencode_parked: true,
+        reencode_images: true,
         drain_timeout: Duration::from_secs(2),
         snapshots: Default::default(),
         import_dir: None,

@@ -89,8 +89,9 @@ pub struct EngineConfig {
     /// the next start (this machine's node only).
     pub live_restore: bool,
     /// A parked image on this machine is rewritten in the background with stored frames,
-    /// which a wake restores without inflating (see `engine/reencode.rs`).
-    pub reencode_parked: bool,
+    /// which a wake restores without inflating, and a template's golden snapshot before its
+    /// commit (see `engine/reencode.rs`).
+    pub reencode_images: bool,
     /// How long an explicit suspend waits for calls in flight (execs, proxied requests, open
     /// WebSockets) to finish before it answers 409 `sandbox_busy`; nothing in flight is cut.
     pub drain_timeout: Duration,

@@ -27,7 +27,7 @@
 //!
 //! `TORPOR_BENCH_ROWS=exec` stops after the exec rows (for iterating on the exec path);
 //! `TORPOR_BENCH_ROWS=parked` runs only the compressible agent's wake from Parked;
-//! `TORPOR_BENCH_REENCODE=false` runs the daemon with `--reencode-parked false`.
+//! `TORPOR_BENCH_REENCODE=false` runs the daemon with `--reencode-images false`.
 //!
 //! Prints a table (with each row's p50 difference to its baseline) and one JSON line
 //! (`{"bench":"runtime",...}`, with `exec_overhead_over_floor_p50_ms` and
@@ -112,7 +112,7 @@ fn latest_image(data: &Path, id: &str) -> PathBuf {
 /// ~150,000 small objects: tens of MB), ready once built.
 const AGENT_OBJECTS: &str = "import json, time, email.parser, http.client, decimal, collections\ndata = [{'id': i, 'name': 'item %d' % i, 'tags': ['a', 'b']} for i in range(150000)]\nopen('/tmp/ready', 'w').write('1')\nwhile True: time.sleep(3600)\n";
 
-/// `--reencode-parked` for the bench's daemon: `TORPOR_BENCH_REENCODE=false` turns it off (to
+/// `--reencode-images` for the bench's daemon: `TORPOR_BENCH_REENCODE=false` turns it off (to
 /// compare), else on (the default).
 fn reencode_flag() -> &'static str {
     match std::env::var("TORPOR_BENCH_REENCODE").as_deref() {
@@ -216,7 +216,7 @@ async fn parked_wakes(
 }
 
 /// Wake from Parked of an agent with compressible state: torpor re-encodes its parked image
-/// (`--reencode-parked`, the default); the baseline restores runsc's own image.
+/// (`--reencode-images`, the default); the baseline restores runsc's own image.
 async fn compressible_parked_row(
     c: &torpor_api::client::Client,
     data: &Path,
@@ -255,7 +255,7 @@ async fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(30);
-    let d = support::Daemon::start(&["--workers", "8", "--reencode-parked", reencode_flag()]).await;
+    let d = support::Daemon::start(&["--workers", "8", "--reencode-images", reencode_flag()]).await;
     let (c, data) = (d.client.clone(), d.data());
     let tmp = &d.dir;
     let baseline_root = tmp.path().join("baseline-runsc");

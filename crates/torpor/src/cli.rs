@@ -78,13 +78,13 @@ pub enum Command {
         /// every running sandbox back to its last snapshot.
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
         live_restore: bool,
-        /// Rewrite each parked sandbox's checkpoint in the background with uncompressed
-        /// (stored) frames, which a wake restores without inflating: faster wakes for
-        /// compressible state, at the cost of disk (an image as large as the memory it holds;
-        /// skipped while less than 10% or 1 GiB of the data directory's disk would be left).
-        /// `false`: images stay as runsc writes them.
+        /// Rewrite each parked sandbox's checkpoint in the background, and each template's
+        /// golden snapshot once, with uncompressed (stored) frames, which a wake or create
+        /// restores without inflating: faster for compressible state, at the cost of disk (an
+        /// image as large as the memory it holds; skipped while less than 10% or 1 GiB of the
+        /// data directory's disk would be left). `false`: images stay as runsc writes them.
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-        reencode_parked: bool,
+        reencode_images: bool,
         /// Declared GPU inventory (TOML); without it NVML is asked when a driver loads.
         #[arg(long)]
         gpu_inventory: Option<PathBuf>,
@@ -482,7 +482,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             tick_ms,
             warm_pool,
             live_restore,
-            reencode_parked,
+            reencode_images,
             gpu_inventory,
             gpu_quotas,
             cuda_checkpoint,
@@ -537,7 +537,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                 tick: Duration::from_millis(tick_ms.max(50)),
                 warm_pool,
                 live_restore,
-                reencode_parked,
+                reencode_images,
                 gpu_inventory,
                 gpu_quotas,
                 cuda_checkpoint,

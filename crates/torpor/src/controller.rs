@@ -203,7 +203,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         tick: Duration::from_millis(args.tick_ms.max(50)),
         warm_pool: Some(0),
         live_restore: false, // no sandbox runs here
-        reencode_parked: false,
+        reencode_images: false,
         gpu_inventory: None,
         gpu_quotas: None,
         cuda_checkpoint: None,

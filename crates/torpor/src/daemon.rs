@@ -35,8 +35,8 @@ pub struct UpConfig {
     pub warm_pool: Option<usize>,
     /// Sandboxes outlive the daemon under their shims (`--live-restore`).
     pub live_restore: bool,
-    /// Parked images rewritten with stored frames (`--reencode-parked`).
-    pub reencode_parked: bool,
+    /// Parked images rewritten with stored frames (`--reencode-images`).
+    pub reencode_images: bool,
     pub gpu_inventory: Option<PathBuf>,
     pub gpu_quotas: Option<PathBuf>,
     pub cuda_checkpoint: Option<PathBuf>,
@@ -264,7 +264,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         tick: cfg.tick,
         warm_pool: cfg.warm_pool.unwrap_or(workers),
         live_restore: cfg.live_restore,
-        reencode_parked: cfg.reencode_parked,
+        reencode_images: cfg.reencode_images,
         snapshots: cfg.snapshots,
         import_dir: cfg.import_dir.clone(),
         database: cfg.cluster.as_ref().map(|c| c.database.clone()),

@@ -56,7 +56,7 @@ async fn an_engine_drives_a_real_worker_over_mtls_create_exec_park_wake_delete()
             tick: Duration::from_secs(3600),
             warm_pool: 1,
             live_restore: false,
-            reencode_parked: true,
+            reencode_images: true,
             drain_timeout: Duration::from_secs(10),
             snapshots: Default::default(),
             import_dir: None,

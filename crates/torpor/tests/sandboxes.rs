@@ -340,18 +340,24 @@ async fn forks_continue_independently_from_the_same_state() {
 
 /// Issue 17's cheaper wakes: once parked, a sandbox's image is rewritten in the background with
 /// stored frames (counted in `torpor_parked_reencodes_total`), and the next wake restores that
-/// image with the sandbox's memory and files intact. With `--reencode-parked false` the image
-/// stays as runsc wrote it.
+/// image with the sandbox's memory and files intact; a template's golden snapshot is stored
+/// that way from its build, and sandboxes are created from it. With `--reencode-images false`
+/// both stay as runsc wrote them.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_parked_image_is_reencoded_with_stored_frames_and_wakes_intact() {
-    use torpor_snapshot::gvisor;
     for reencode in [true, false] {
         let flag = if reencode { "true" } else { "false" };
-        let d = Daemon::start_with(&["--reencode-parked", flag]).await;
+        let d = Daemon::start_with(&["--reencode-images", flag]).await;
         let c = d.client();
         c.create_template(&agent_template("agent", no_idle()))
             .await
             .unwrap();
+        let golden = d.dir.join("templates/agent/golden/checkpoint.img");
+        assert_eq!(
+            stored_frames(&golden),
+            reencode,
+            "golden, --reencode-images {flag}"
+        );
         let id = create(&c, "agent").await;
         assert_eq!(call_agent(&c, &id, "one").await, (1, 1));
         c.write_file(&id, "/tmp/kept", b"written before the park".to_vec(), None)
@@ -386,12 +392,11 @@ async fn a_parked_image_is_reencoded_with_stored_frames_and_wakes_intact() {
             .map(|e| e.path())
             .find(|p| !p.file_name().unwrap().to_string_lossy().starts_with('.'))
             .expect("a committed image");
-        let img = std::fs::read(dir.join("checkpoint.img")).unwrap();
-        let layout = gvisor::probe(std::io::Cursor::new(&img)).unwrap().unwrap();
-        let first = &img[layout.header.len()..][..4];
-        let first = u32::from_be_bytes(first.try_into().unwrap()) as usize;
-        let stored = gvisor::stored_deflate_len(layout.frame_size as usize);
-        assert_eq!(first == stored, reencode, "first frame {first} bytes");
+        assert_eq!(
+            stored_frames(&dir.join("checkpoint.img")),
+            reencode,
+            "parked, {flag}"
+        );
         // No temporary file left beside it.
         let left: Vec<_> = std::fs::read_dir(&images)
             .unwrap()
@@ -404,7 +409,7 @@ async fn a_parked_image_is_reencoded_with_stored_frames_and_wakes_intact() {
         assert_eq!(
             call_agent(&c, &id, "two").await,
             (2, 2),
-            "--reencode-parked {flag}"
+            "--reencode-images {flag}"
         );
         assert_eq!(
             c.read_file(&id, "/tmp/kept").await.unwrap(),
@@ -413,4 +418,14 @@ async fn a_parked_image_is_reencoded_with_stored_frames_and_wakes_intact() {
         let m = c.metrics().await.unwrap();
         assert_eq!(metric(&m, done), u64::from(reencode), "{flag}");
     }
+}
+
+/// Whether the gVisor image at `path` has stored (uncompressed) frames: its first frame takes
+/// exactly the stored length of a whole frame.
+fn stored_frames(path: &std::path::Path) -> bool {
+    use torpor_snapshot::gvisor;
+    let img = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let layout = gvisor::probe(std::io::Cursor::new(&img)).unwrap().unwrap();
+    let first = u32::from_be_bytes(img[layout.header.len()..][..4].try_into().unwrap());
+    first as usize == gvisor::stored_deflate_len(layout.frame_size as usize)
 }

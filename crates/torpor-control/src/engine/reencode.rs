@@ -19,6 +19,11 @@
 //! - a crash in the middle loses nothing: the rename is atomic and either file restores the
 //!   same sandbox.
 //!
+//! A template's golden snapshot is re-encoded the same way before it is committed (no sandbox
+//! restores it yet, so in place, [`Engine::reencode_uncommitted`]): every create from it
+//! restores without inflating. Its recorded size stays what runsc wrote (quotas and sizes
+//! count that).
+//!
 //! Cluster workers' images are not re-encoded yet (their images are uploaded as they are).
 
 use tokio::sync::Semaphore;
@@ -42,7 +47,7 @@ fn one_at_a_time() -> &'static Semaphore {
 impl Engine {
     /// Queues the re-encoding of the image a park just committed at `dir` for sandbox `id`.
     pub(super) fn reencode_soon(&self, id: &SandboxId, dir: &Path) {
-        if !self.cfg.reencode_parked {
+        if !self.cfg.reencode_images {
             return;
         }
         let Some(engine) = self.me.upgrade() else {
@@ -53,6 +58,47 @@ impl Engine {
             let result = engine.reencode(&id, &dir).await;
             engine.metrics.reencodes.with_label_values(&[result]).inc();
         });
+    }
+
+    /// Re-encodes, in place, the image files of `dir`: a checkpoint that nothing restores yet
+    /// (a golden snapshot before its commit). Nothing to gain, too little disk or a failure
+    /// leave a file as runsc wrote it.
+    pub(super) async fn reencode_uncommitted(&self, dir: &Path) {
+        if !self.cfg.reencode_images {
+            return;
+        }
+        let _turn = one_at_a_time().acquire().await;
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        let files: Vec<PathBuf> = entries
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+            .map(|e| e.path())
+            .collect();
+        for src in files {
+            let name = src.file_name().unwrap_or_default().to_string_lossy();
+            let tmp = dir.join(format!(".{name}.stored"));
+            let t = Instant::now();
+            match rewrite_off_thread(src.clone(), tmp.clone()).await {
+                Ok(Job::Done {
+                    original, written, ..
+                }) if std::fs::rename(&tmp, &src).is_ok() => {
+                    tracing::info!(image = %src.display(), original, written,
+                        ms = t.elapsed().as_millis() as u64, "golden image re-encoded with stored frames");
+                }
+                Ok(Job::LowDisk { needed, free }) => {
+                    tracing::info!(image = %src.display(), needed, free, "golden image not re-encoded: the disk would be left too full");
+                }
+                Ok(_) => {
+                    let _ = std::fs::remove_file(&tmp);
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_file(&tmp);
+                    tracing::warn!(image = %src.display(), error = %e, "golden image not re-encoded");
+                }
+            }
+        }
     }
 
     /// Whether sandbox `id` is Parked on the image at `dir`.

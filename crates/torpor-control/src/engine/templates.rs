@@ -265,8 +265,10 @@ impl Engine {
                 let result = container.checkpoint(&tmp).await;
                 drop(permit);
                 result?;
+                // Counted as runsc wrote it; kept re-encoded for faster creates.
+                rec.golden_bytes = dir_size(&tmp);
+                self.reencode_uncommitted(&tmp).await;
                 commit_image(&tmp, &rec.golden_dir).await?;
-                rec.golden_bytes = dir_size(&rec.golden_dir);
             }
         }
         self.metrics

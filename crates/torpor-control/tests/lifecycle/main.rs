@@ -39,7 +39,7 @@ pub fn config(data_dir: &Path) -> EngineConfig {
         tick: Duration::from_secs(3600),
         warm_pool: 0,
         live_restore: false,
-        reencode_parked: true,
+        reencode_images: true,
         drain_timeout: Duration::from_secs(2),
         snapshots: Default::default(),
         import_dir: None,
