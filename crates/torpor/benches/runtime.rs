@@ -140,6 +140,24 @@ fn stored_frames(path: &Path) -> bool {
     first as usize == torpor_snapshot::gvisor::stored_deflate_len(layout.frame_size as usize)
 }
 
+/// A bare `runsc restore --detach` of `image` into container `cid` (bundle `bundle`), timed
+/// in ms; the container is deleted after.
+fn bare_restore_of(root: &Path, image: &Path, bundle: &Path, cid: &str) -> f64 {
+    let mut args = runsc_global(root);
+    args.extend([
+        "restore".into(),
+        "--detach".into(),
+        format!("--image-path={}", image.display()),
+        format!("--bundle={}", bundle.display()),
+        cid.to_string(),
+    ]);
+    let ms = timed(Command::new("runsc").args(&args).stdout(Stdio::null()));
+    let mut del = runsc_global(root);
+    del.extend(["delete".into(), "--force".into(), cid.to_string()]);
+    let _ = Command::new("runsc").args(&del).output();
+    ms
+}
+
 /// `n` wakes from Parked (+ exec) of sandbox `id`, each against a bare `runsc restore` of
 /// runsc's own image of the same checkpoint: the image's files are hard-linked the moment the
 /// park returns, so a later re-encoding (which renames a new file over them) leaves the
@@ -188,20 +206,7 @@ async fn parked_wakes(
             stored_woken += usize::from(stored_frames(&committed.join("checkpoint.img")));
         }
         // Baseline first, on runsc's own image of the checkpoint torpor restores next.
-        let mut args = runsc_global(baseline_root);
-        args.extend([
-            "restore".into(),
-            "--detach".into(),
-            format!("--image-path={}", image.display()),
-            format!("--bundle={}", bbundle.display()),
-            bcid.clone(),
-        ]);
-        bare_restore.push(timed(
-            Command::new("runsc").args(&args).stdout(Stdio::null()),
-        ));
-        let mut del = runsc_global(baseline_root);
-        del.extend(["delete".into(), "--force".into(), bcid.clone()]);
-        let _ = Command::new("runsc").args(&del).output();
+        bare_restore.push(bare_restore_of(baseline_root, &image, &bbundle, &bcid));
         let _ = std::fs::remove_dir_all(&image);
 
         let t = Instant::now();
@@ -253,20 +258,7 @@ async fn compressible_rows(
         let bcid = format!("bench-golden-{i}");
         let bbundle = tmp.join(&bcid);
         copy_bundle(&bundle, &bbundle, &bcid);
-        let mut args = runsc_global(baseline_root);
-        args.extend([
-            "restore".into(),
-            "--detach".into(),
-            format!("--image-path={}", golden.display()),
-            format!("--bundle={}", bbundle.display()),
-            bcid.clone(),
-        ]);
-        golden_restores.push(timed(
-            Command::new("runsc").args(&args).stdout(Stdio::null()),
-        ));
-        let mut del = runsc_global(baseline_root);
-        del.extend(["delete".into(), "--force".into(), bcid.clone()]);
-        let _ = Command::new("runsc").args(&del).output();
+        golden_restores.push(bare_restore_of(baseline_root, &golden, &bbundle, &bcid));
 
         let t = Instant::now();
         let s = c
