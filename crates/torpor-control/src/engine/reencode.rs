@@ -5,8 +5,9 @@
 //! frames ([`torpor_snapshot::gvisor::reencode_stored`]: the same inflated stream, the header
 //! verbatim) and puts it in place of runsc's, so that the next wake restores it without
 //! inflating. Nothing of it is on a call's path:
-//! - one job at a time, on a thread of its own at a lower CPU priority (nice 10), so that on a
-//!   busy machine restores and checkpoints go first;
+//! - started [`REENCODE_AFTER`] after the park (a sandbox woken sooner costs nothing), one job
+//!   at a time, on a thread of its own at a lower CPU priority (nice 10), so that on a busy
+//!   machine restores and checkpoints go first;
 //! - written beside the image directory (`images/.tmp-reencode-<generation>`, which a start
 //!   after a crash removes with the other `.tmp-*` leftovers), synced, and renamed
 //!   over the image's file only while the sandbox is still Parked on that very image, under
@@ -37,6 +38,9 @@ pub const MIN_FREE_FRACTION: f64 = 0.10;
 pub const MIN_FREE_BYTES: u64 = 1 << 30;
 /// The nice value of the re-encoding thread.
 const NICE: i32 = 10;
+/// How long an image stays parked before its re-encoding starts: a sandbox woken sooner (a
+/// parking storm's churn) costs no re-encoding at all.
+pub const REENCODE_AFTER: Duration = Duration::from_secs(2);
 
 /// One re-encode at a time on this machine.
 fn one_at_a_time() -> &'static Semaphore {
@@ -55,6 +59,7 @@ impl Engine {
         };
         let (id, dir) = (id.clone(), dir.to_path_buf());
         tokio::spawn(async move {
+            tokio::time::sleep(REENCODE_AFTER).await;
             let result = engine.reencode(&id, &dir).await;
             engine.metrics.reencodes.with_label_values(&[result]).inc();
         });
