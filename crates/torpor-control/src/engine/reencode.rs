@@ -73,14 +73,9 @@ impl Engine {
             return;
         }
         let _turn = one_at_a_time().acquire().await;
-        let Ok(entries) = std::fs::read_dir(dir) else {
+        let Some(files) = image_files(dir) else {
             return;
         };
-        let files: Vec<PathBuf> = entries
-            .flatten()
-            .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
-            .map(|e| e.path())
-            .collect();
         for src in files {
             let name = src.file_name().unwrap_or_default().to_string_lossy();
             let tmp = dir.join(format!(".{name}.stored"));
@@ -120,14 +115,9 @@ impl Engine {
         if !self.parked_on(id, dir) {
             return "superseded";
         }
-        let Ok(entries) = std::fs::read_dir(dir) else {
+        let Some(files) = image_files(dir) else {
             return "superseded";
         };
-        let files: Vec<PathBuf> = entries
-            .flatten()
-            .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
-            .map(|e| e.path())
-            .collect();
         let mut result = "nothing_to_gain";
         for src in files {
             let tmp = reencode_tmp(dir);
@@ -196,6 +186,19 @@ impl Engine {
         drop(guard);
         renamed
     }
+}
+
+/// The files of the image directory `dir` (runsc's `checkpoint.img`, and whatever else it
+/// wrote); `None` when it cannot be read.
+fn image_files(dir: &Path) -> Option<Vec<PathBuf>> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    Some(
+        entries
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+            .map(|e| e.path())
+            .collect(),
+    )
 }
 
 /// Where the re-encoding of the image directory `dir` is written: beside it, in the same
