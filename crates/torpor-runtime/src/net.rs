@@ -19,6 +19,7 @@ use std::io::Write;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use torpor_core::network::{parse_cidr, AllowRule, NetworkMode};
@@ -448,6 +449,12 @@ pub struct WorkerNet {
     alloc: Arc<NetAlloc>,
     /// Every outbound TCP connection of the sandbox goes through it (crate::relay).
     relay: Option<EgressRelay>,
+    /// Whether the sandbox's link has its address now (given while the worker was prepared or
+    /// reset, off any create's path); a take uses it up ([`WorkerNet::ready_sandbox_addr`]).
+    addr_ready: AtomicBool,
+    /// The egress script in force in the router (`None`: not known, e.g. after a failure), so
+    /// that a policy already in place (most often the reset's `none`) costs no `nft` run.
+    applied: Mutex<Option<String>>,
 }
 
 fn run(args: &[&str], stdin: Option<&str>) -> Result<String, NetError> {
@@ -504,6 +511,8 @@ impl WorkerNet {
             slot: Some(slot),
             alloc: alloc.clone(),
             relay: None,
+            addr_ready: AtomicBool::new(false),
+            applied: Mutex::new(None),
         };
         let mut net = net;
         if let Err(e) = net.build() {
@@ -511,6 +520,9 @@ impl WorkerNet {
             return Err(e);
         }
         net.serve(rt)?;
+        // The base table's egress chain and hosts set are empty: policy `none`.
+        *net.lock_applied() = Some(policy_script(&NetworkPolicy::none()));
+        net.set_sandbox_addr()?;
         Ok(net)
     }
 
@@ -535,6 +547,8 @@ impl WorkerNet {
             slot: alloc.slot_of(host_link),
             alloc: alloc.clone(),
             relay: None,
+            addr_ready: AtomicBool::new(false),
+            applied: Mutex::new(None),
         };
         if !PathBuf::from("/run/netns").join(&net.router_ns).exists() {
             return Err(NetError {
@@ -668,20 +682,48 @@ impl WorkerNet {
         self.router_addr
     }
 
-    /// Gives the sandbox's link its address and route (runsc moved them into the previous
-    /// sandbox): before every run and restore.
-    pub fn set_sandbox_addr(&self) -> Result<(), NetError> {
+    /// Gives the sandbox's link its address and route (runsc moves them into the sandbox it
+    /// starts, so a link that served one has none): when the worker's network is made and each
+    /// time the worker is reset, so that a take finds them in place.
+    fn set_sandbox_addr(&self) -> Result<(), NetError> {
+        self.addr_ready.store(false, Ordering::SeqCst);
         let batch = format!(
             "addr flush dev eth0\naddr add {SANDBOX_ADDR}/30 dev eth0\nlink set eth0 up\n\
              route replace default via {GATEWAY_ADDR}\n"
         );
-        run(&["ip", "-n", &self.sandbox_ns, "-batch", "-"], Some(&batch)).map(|_| ())
+        run(&["ip", "-n", &self.sandbox_ns, "-batch", "-"], Some(&batch))?;
+        self.addr_ready.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Makes sure the sandbox's link has its address before a run or restore: given already
+    /// when the worker was made or reset (then nothing runs here), else given now. Each call
+    /// uses the address up: the next sandbox on this worker gets it from the reset.
+    pub fn ready_sandbox_addr(&self) -> Result<(), NetError> {
+        if self.addr_ready.swap(false, Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.set_sandbox_addr()?;
+        self.addr_ready.store(false, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn lock_applied(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+        self.applied.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Replaces the egress policy (one nftables transaction; live connections already
-    /// established stay, new ones follow the new policy).
+    /// established stay, new ones follow the new policy). A policy already in force (the same
+    /// script) runs no `nft`.
     pub fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), NetError> {
-        self.nft(&policy_script(policy))?;
+        let script = policy_script(policy);
+        let mut applied = self.lock_applied();
+        if applied.as_deref() != Some(script.as_str()) {
+            *applied = None;
+            self.nft(&script)?;
+            *applied = Some(script);
+        }
+        drop(applied);
         // The DNS responder answers the names this policy lets through: every name under
         // `full` or a default-allow list, else only those on `hosts`. Addresses of a listed
         // name join the allowed set before the answer is sent.
@@ -745,8 +787,8 @@ impl WorkerNet {
             r.reset_stats();
         }
         self.apply_policy(&NetworkPolicy::none())?;
-        self.nft("reset counters table ip torpor\nflush set ip torpor denied_dst\n")
-            .map(|_| ())
+        self.nft("reset counters table ip torpor\nflush set ip torpor denied_dst\n")?;
+        self.set_sandbox_addr()
     }
 
     fn remove(&self) {
@@ -1062,6 +1104,91 @@ pub fn available() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn output(args: &[&str]) -> String {
+        run(args, None).unwrap()
+    }
+
+    /// A worker's network between two sandboxes, on the host's real namespaces and nftables
+    /// (as root, as the daemon): made with the link's address; a sandbox's start takes the
+    /// address (runsc moves it into the sandbox); the reset gives it back and closes egress;
+    /// a take after a reset runs nothing, one without a reset sets the address itself.
+    #[test]
+    fn a_reset_network_has_its_address_and_no_egress_for_the_next_sandbox() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let tag = format!("pnt{:x}", std::process::id());
+        let alloc = NetAlloc::new(&tag);
+        let name = format!("{tag}-w0");
+        let net = WorkerNet::prepare(&name, &alloc, rt.handle()).unwrap();
+        let addr = || {
+            output(&[
+                "ip",
+                "-n",
+                &net.sandbox_ns,
+                "-4",
+                "-o",
+                "addr",
+                "show",
+                "eth0",
+            ])
+        };
+        let egress = || {
+            output(&[
+                "ip",
+                "netns",
+                "exec",
+                &net.router_ns,
+                "nft",
+                "list",
+                "chain",
+                "ip",
+                "torpor",
+                "tp_egress",
+            ])
+        };
+        let has_addr = |s: String| s.contains(&format!("{SANDBOX_ADDR}/30"));
+
+        assert!(
+            has_addr(addr()),
+            "made without the sandbox's address: {}",
+            addr()
+        );
+        net.ready_sandbox_addr().unwrap();
+        assert!(
+            !net.addr_ready.load(Ordering::SeqCst),
+            "a take uses the address up"
+        );
+        // The sandbox starts: runsc takes the address; its policy opens egress.
+        output(&["ip", "-n", &net.sandbox_ns, "addr", "flush", "dev", "eth0"]);
+        net.apply_policy(&NetworkPolicy::full()).unwrap();
+        assert!(egress().contains("accept"), "{}", egress());
+        // A policy already in force runs nothing and changes nothing.
+        net.apply_policy(&NetworkPolicy::full()).unwrap();
+        assert!(egress().contains("accept"), "{}", egress());
+
+        // The sandbox is gone: the reset gives the address back and closes egress.
+        net.reset().unwrap();
+        assert!(has_addr(addr()), "no address after the reset: {}", addr());
+        assert!(
+            !egress().contains("accept"),
+            "egress left open: {}",
+            egress()
+        );
+        // The next sandbox's `none` is the reset's: its take runs nothing and finds both.
+        net.ready_sandbox_addr().unwrap();
+        net.apply_policy(&NetworkPolicy::none()).unwrap();
+        assert!(has_addr(addr()));
+        assert!(!egress().contains("accept"), "{}", egress());
+
+        // A take that finds no address given back (no reset since the last take) sets it.
+        output(&["ip", "-n", &net.sandbox_ns, "addr", "flush", "dev", "eth0"]);
+        net.ready_sandbox_addr().unwrap();
+        assert!(has_addr(addr()), "a take without a reset: {}", addr());
+        // And a policy that differs from the one in force is applied.
+        net.apply_policy(&NetworkPolicy::full()).unwrap();
+        assert!(egress().contains("accept"), "{}", egress());
+        net.teardown();
+    }
 
     #[test]
     fn policy_scripts() {

@@ -148,7 +148,7 @@ struct State {
 /// One unit of a preparer's work.
 enum Work {
     Make,
-    Network(Prepared),
+    Network(Box<Prepared>),
 }
 
 struct Inner {
@@ -355,7 +355,7 @@ impl Inner {
             // The oldest ready worker without a network (takes prefer the newest).
             if let Some(i) = st.ready.iter().position(|p| p.net.is_none()) {
                 st.networking += 1;
-                return Some(Work::Network(st.ready.remove(i)));
+                return Some(Work::Network(Box::new(st.ready.remove(i))));
             }
         }
         if st.ready.len() + st.making + st.networking < t.ready {
@@ -397,7 +397,8 @@ impl Inner {
                     self.lock().making -= 1;
                     ok
                 }
-                Work::Network(mut p) => {
+                Work::Network(p) => {
+                    let mut p = *p;
                     let t = Instant::now();
                     let made = self.prepare_net(&p.name);
                     let took = t.elapsed();

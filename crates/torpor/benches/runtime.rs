@@ -27,7 +27,8 @@
 //!
 //! `TORPOR_BENCH_ROWS=exec` stops after the exec rows (for iterating on the exec path);
 //! `TORPOR_BENCH_ROWS=parked` runs only the compressible agent's wake from Parked;
-//! `TORPOR_BENCH_REENCODE=false` runs the daemon with `--reencode-images false`.
+//! `TORPOR_BENCH_REENCODE=false` runs the daemon with `--reencode-images false`;
+//! `TORPOR_BENCH_LIVE_RESTORE=false` with `--live-restore false` (no shims).
 //!
 //! Prints a table (with each row's p50 difference to its baseline) and one JSON line
 //! (`{"bench":"runtime",...}`, with `exec_overhead_over_floor_p50_ms` and
@@ -116,6 +117,15 @@ const AGENT_OBJECTS: &str = "import json, time, email.parser, http.client, decim
 /// compare), else on (the default).
 fn reencode_flag() -> &'static str {
     match std::env::var("TORPOR_BENCH_REENCODE").as_deref() {
+        Ok("false") => "false",
+        _ => "true",
+    }
+}
+
+/// `--live-restore` for the bench's daemon: `TORPOR_BENCH_LIVE_RESTORE=false` runs runsc as the
+/// daemon's own child (no shim), to see what the shims cost on each row.
+fn live_restore_flag() -> &'static str {
+    match std::env::var("TORPOR_BENCH_LIVE_RESTORE").as_deref() {
         Ok("false") => "false",
         _ => "true",
     }
@@ -296,7 +306,15 @@ async fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(30);
-    let d = support::Daemon::start(&["--workers", "8", "--reencode-images", reencode_flag()]).await;
+    let d = support::Daemon::start(&[
+        "--workers",
+        "8",
+        "--reencode-images",
+        reencode_flag(),
+        "--live-restore",
+        live_restore_flag(),
+    ])
+    .await;
     let (c, data) = (d.client.clone(), d.data());
     let tmp = &d.dir;
     let baseline_root = tmp.path().join("baseline-runsc");

@@ -233,6 +233,100 @@ async fn egress_follows_the_policy_and_changes_apply_live() {
     }
 }
 
+/// A worker's network is made once and reused: the address its link needs and the `none`
+/// policy are put back when a sandbox leaves it, so the next create runs neither `ip` nor `nft`
+/// when its policy is `none`. Whether a sandbox lands on a fresh worker or on one an earlier
+/// sandbox used (the pool decides; `torpor_runtime::net`'s tests reset one deterministically),
+/// what an earlier sandbox was allowed must never carry over, and every sandbox's link must
+/// have its address (a create and a wake).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reused_workers_network_carries_nothing_over_to_its_next_sandbox() {
+    let host = host_addr();
+    let d = Daemon::start_with(&[
+        "--sandbox-reach-host",
+        &host,
+        "--workers",
+        "1",
+        "--warm-pool",
+        "1",
+    ])
+    .await;
+    let c = d.client();
+    let port = host_server("hello-from-host").await;
+    let url = format!("http://{host}:{port}/");
+    let worker = |s: torpor_api::types::Sandbox| s.worker.expect("a running sandbox has a worker");
+
+    // Sandboxes alternate between `full` and the reset's policy until each kind has landed on
+    // a worker an earlier sandbox used (the pool may hand out another prepared worker first).
+    let mut used = std::collections::HashSet::new();
+    let (mut reused_open, mut reused_closed) = (false, false);
+    let mut reopened = String::new();
+    for _ in 0..6 {
+        let open = create_net(&c, json!("full")).await;
+        let w = worker(c.sandbox(&open).await.unwrap());
+        reused_open |= used.contains(&w);
+        assert_eq!(
+            fetch(&c, &open, &url).await.as_deref(),
+            Some("hello-from-host"),
+            "a `full` sandbox on {w} (used before: {})",
+            used.contains(&w)
+        );
+        used.insert(w);
+        if reused_open && reused_closed {
+            reopened = open;
+            break;
+        }
+        c.delete_sandbox(&open).await.unwrap();
+
+        let closed = create_net(&c, json!({"allow": []})).await;
+        let w = worker(c.sandbox(&closed).await.unwrap());
+        reused_closed |= used.contains(&w);
+        assert_eq!(
+            fetch(&c, &closed, &url).await,
+            None,
+            "an earlier sandbox's `full` carried over to the next on {w}"
+        );
+        // Its link has its address: a server in it is reached through the ingress proxy.
+        let r = c
+            .exec(
+                &closed,
+                &ExecBody {
+                    detach: true,
+                    ..sh("echo on-its-link > /tmp/hello.txt && cd /tmp && exec python3 -m http.server -p HTTP/1.1 8080")
+                },
+            )
+            .await
+            .unwrap();
+        assert!(!r.stdout.is_empty(), "detach returns a pid: {r:?}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let (status, body) = proxied(&d, &d.token(), &closed, "8080/hello.txt").await;
+            if status == 200 {
+                assert_eq!(body.trim(), "on-its-link");
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the server on {w} never answered through its link: {status} {body}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        used.insert(w);
+        c.delete_sandbox(&closed).await.unwrap();
+    }
+    if reopened.is_empty() {
+        eprintln!("note: reused workers: full {reused_open}, none {reused_closed} ({used:?})");
+        reopened = create_net(&c, json!("full")).await;
+    }
+    // A wake onto the worker its own park gave back (or another): its address is there.
+    c.suspend(&reopened, Some(Tier::Parked)).await.unwrap();
+    assert_eq!(
+        fetch(&c, &reopened, &url).await.as_deref(),
+        Some("hello-from-host")
+    );
+    c.delete_sandbox(&reopened).await.unwrap();
+}
+
 async fn proxied(d: &Daemon, token: &str, id: &str, rest: &str) -> (u16, String) {
     let r = reqwest::Client::new()
         .get(format!("{}/v1/sandboxes/{id}/ports/{rest}", d.url()))

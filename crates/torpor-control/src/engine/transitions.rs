@@ -134,16 +134,18 @@ impl Engine {
         let ready = async {
             self.gpu_cuda_resume(&rec.id, &*container).await?;
             if configure {
-                container
-                    .call(
-                        &Request::Configure {
-                            env: rec.env.clone(),
-                        },
-                        &[],
-                    )
-                    .await?;
+                // Both at once: the agent serves requests in parallel.
+                let env = Request::Configure {
+                    env: rec.env.clone(),
+                };
+                let configured = async {
+                    container.call(&env, &[]).await?;
+                    Ok::<_, ControlError>(())
+                };
                 if networked.is_some() {
-                    net::write_resolv_conf(&*container).await?;
+                    tokio::try_join!(configured, net::write_resolv_conf(&*container))?;
+                } else {
+                    configured.await?;
                 }
             }
             Ok::<_, ControlError>(())

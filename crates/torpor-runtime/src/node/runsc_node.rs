@@ -279,14 +279,17 @@ impl Node for RunscNode {
         launch: Launch,
         image: &Path,
     ) -> Result<Box<dyn Resident>, RuntimeError> {
+        let t = std::time::Instant::now();
         let mut worker = self.warm.take()?;
         let mut spec = launch.spec;
         if let Some(policy) = &launch.network {
             spec.netns = Some(prepare_worker_net(&mut worker, policy)?);
         }
+        let prepared = t.elapsed();
         let container = self
             .runsc
             .restore(&launch.container_id, &worker, &spec, image)?;
+        let started = t.elapsed();
         if let Err(e) = self
             .runsc
             .wait_ready(&container, launch.ready_timeout)
@@ -295,6 +298,9 @@ impl Node for RunscNode {
             self.runsc.destroy_container(&container).await;
             return Err(e);
         }
+        tracing::debug!(container = %launch.container_id, networked = launch.network.is_some(),
+            worker_ms = prepared.as_secs_f64() * 1e3, start_ms = (started - prepared).as_secs_f64() * 1e3,
+            ready_ms = (t.elapsed() - started).as_secs_f64() * 1e3, "restored");
         self.runsc
             .record(&container, Some(&worker), !spec.devices.is_empty());
         Ok(self.resident(container, Some(worker)))
@@ -323,11 +329,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Makes `worker`'s network ready for a sandbox under `policy`: namespaces (first use),
-/// the sandbox's address (runsc took it from the previous one), the egress rules. Returns the
-/// namespace path for the spec.
+/// the sandbox's address (runsc took it from the previous one; normally given back when the
+/// worker was reset), the egress rules (none to run when the policy is the reset's). Returns
+/// the namespace path for the spec.
 fn prepare_worker_net(worker: &mut Worker, policy: &NetworkPolicy) -> Result<PathBuf, NetError> {
     let net = worker.ensure_net()?;
-    net.set_sandbox_addr()?;
+    net.ready_sandbox_addr()?;
     net.apply_policy(policy)?;
     Ok(net.sandbox_ns_path())
 }
