@@ -174,6 +174,14 @@ impl Inner {
         self.shared.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// A checkpoint's or destroy's answer: the worker's GPU usage once the container's share
+    /// went back, kept unless a newer report came first (a worker built before the reply had
+    /// fields answers seq 0: nothing changes).
+    fn released(&self, reply: pb::ReleasedReply) {
+        let usage = crate::server::gpu_usage_from_pb(reply.gpu_usage);
+        keep_newest(&mut self.lock().gpu_usage, reply.gpu_usage_seq, usage);
+    }
+
     fn client(&self) -> NodeClient<Channel> {
         self.client
             .lock()
@@ -928,19 +936,22 @@ impl Resident for RemoteResident {
                 self.node.cfg.deadlines.checkpoint,
             ))
             .await
-            .map(|_| ())
+            .map(|reply| self.node.released(reply.into_inner()))
             .map_err(|st| self.node.err(&st, Duration::ZERO))
     }
 
     async fn destroy(self: Box<Self>) {
         self.expected.store(true, Ordering::SeqCst);
-        if let Err(st) = self
+        match self
             .node
             .client()
             .destroy(call(self.cref(), self.node.cfg.deadlines.teardown))
             .await
         {
-            tracing::warn!(worker = %self.node.name, container = %self.id, error = %st, "destroy on the worker failed");
+            Ok(reply) => self.node.released(reply.into_inner()),
+            Err(st) => {
+                tracing::warn!(worker = %self.node.name, container = %self.id, error = %st, "destroy on the worker failed")
+            }
         }
     }
 

@@ -426,6 +426,22 @@ impl Fleet {
         let _ = self.gpu_book.set((book, me));
     }
 
+    /// A GPU sandbox of `tenant` gave its share on `worker` back (a checkpoint or destroy,
+    /// whose answer carried the worker's usage after it): that report goes in the book, so
+    /// that the next GPU start of `tenant`, on any controller, counts the share as gone.
+    async fn note_release(&self, worker: &str, tenant: &str) {
+        let Some((book, _)) = self.gpu_book.get() else {
+            return;
+        };
+        let remote = self.lock().workers.get(worker).map(|w| w.remote.clone());
+        let Some(remote) = remote else {
+            return;
+        };
+        let (seq, usage) = remote.gpu_usage_report();
+        let held = usage.get(tenant).copied().unwrap_or_default();
+        crate::gpu_turn::record(book.clone(), tenant, worker, seq, held).await;
+    }
+
     /// Sandbox `sandbox` is gone: the worker it last ran on (as this controller saw; else
     /// every GPU worker that is not lost) drops its wake ticket, in the background.
     pub fn forget_gpu_tickets(&self, sandbox: &str) {
@@ -978,6 +994,7 @@ impl Fleet {
                         fleet: self.me.clone(),
                         node: worker,
                         slot,
+                        quota_tenant: quota_tenant.map(|t| t.to_string()),
                     }));
                 }
                 Err(e) => {
@@ -1250,6 +1267,9 @@ impl Node for Fleet {
                 fleet: self.me.clone(),
                 node: worker,
                 slot,
+                // Not known here: its share, when it goes back, reaches the other
+                // controllers with the worker's next heartbeat (this one's at once).
+                quota_tenant: None,
             }));
         }
         None
@@ -1322,6 +1342,9 @@ struct FleetResident {
     node: String,
     /// `<worker>/<its slot>`.
     slot: String,
+    /// The tenant whose cluster-wide GPU quota its share counts against (a GPU sandbox under
+    /// quotas), told when the share goes back ([`Fleet::note_release`]).
+    quota_tenant: Option<String>,
 }
 
 impl FleetResident {
@@ -1374,13 +1397,20 @@ impl Resident for FleetResident {
     }
     async fn checkpoint(self: Box<Self>, image_dir: &Path) -> Result<(), RuntimeError> {
         let FleetResident {
-            inner, fleet, node, ..
+            inner,
+            fleet,
+            node,
+            quota_tenant,
+            ..
         } = *self;
         let id = inner.id().to_string();
         let result = inner.checkpoint(image_dir).await;
         if let Some(f) = fleet.upgrade() {
             f.forget(&id);
             tracing::debug!(container = %id, worker = %node, ok = result.is_ok(), "checkpointed on worker");
+            if let Some(tenant) = quota_tenant {
+                f.note_release(&node, &tenant).await;
+            }
         }
         result
     }
@@ -1391,7 +1421,17 @@ impl Resident for FleetResident {
             return;
         }
         self.forget();
-        self.inner.destroy().await
+        let FleetResident {
+            inner,
+            fleet,
+            node,
+            quota_tenant,
+            ..
+        } = *self;
+        inner.destroy().await;
+        if let (Some(f), Some(tenant)) = (fleet.upgrade(), quota_tenant) {
+            f.note_release(&node, &tenant).await;
+        }
     }
     fn ingress_addr(&self) -> Option<std::net::Ipv4Addr> {
         self.inner.ingress_addr()

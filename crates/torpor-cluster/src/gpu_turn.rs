@@ -14,7 +14,9 @@
 //! - the start that holds the turn reads the holdings the book keeps (the newest report of each
 //!   worker that a start reply brought to any controller) and counts, per worker, whichever of
 //!   that and its own last report is newer ([`held_elsewhere`]);
-//! - once started, it writes the report its worker answered with for the next turn.
+//! - once started, it writes the report its worker answered with for the next turn; a
+//!   checkpoint or destroy of a GPU sandbox writes the report its answer carried (the share
+//!   went back), so no controller counts that share until its next heartbeat of the worker.
 //!
 //! A worker numbers its reports from its boot time in microseconds, so that its numbers grow
 //! across its restarts and "newer" means the same to every controller.
@@ -133,11 +135,25 @@ impl Turn {
 
     /// Keeps the report `seq` of `worker` for the next turn, whoever takes it.
     pub async fn record(&self, worker: &str, seq: u64, held: Amount) {
-        let (b, t, w) = (self.book.clone(), self.tenant.clone(), worker.to_string());
-        if let Err(e) = blocking(move || b.record(&t, &w, seq, held)).await {
-            // The next turn counts the worker's heartbeat report instead, a heartbeat later.
-            tracing::warn!(tenant = %self.tenant, %worker, error = %e, "cannot keep a GPU start's report");
-        }
+        record(self.book.clone(), &self.tenant, worker, seq, held).await
+    }
+}
+
+/// Keeps the report `seq` of `worker` (`tenant` holds `held` there) for the next turn: a
+/// start's answer, or a checkpoint's or destroy's that gave a share back (written without the
+/// turn: the book keeps the newest report whoever writes it, and a share given back only lets
+/// later starts count less). On failure the next turn counts the worker's heartbeat report
+/// instead, a heartbeat later.
+pub async fn record(
+    book: Arc<dyn GpuTurnBook>,
+    tenant: &str,
+    worker: &str,
+    seq: u64,
+    held: Amount,
+) {
+    let (t, w) = (tenant.to_string(), worker.to_string());
+    if let Err(e) = blocking(move || book.record(&t, &w, seq, held)).await {
+        tracing::warn!(%tenant, %worker, error = %e, "cannot keep a worker's GPU report");
     }
 }
 

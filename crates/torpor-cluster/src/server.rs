@@ -513,7 +513,7 @@ impl NodeService {
                 -> Pin<Box<dyn std::future::Future<Output = Result<(), Status>> + Send>>
             + Send
             + 'static,
-    ) -> Result<Response<pb::Empty>, Status> {
+    ) -> Result<Response<pb::ReleasedReply>, Status> {
         let held = self.held(&id)?;
         let me = self.clone();
         let task = tokio::spawn(async move {
@@ -526,7 +526,14 @@ impl NodeService {
             }
         });
         match task.await {
-            Ok(r) => r.map(|()| Response::new(pb::Empty {})),
+            // Read after the op: its GPU share (if any) went back with the container.
+            Ok(r) => r.map(|()| {
+                let (gpu_usage_seq, usage) = self.gpu_usage();
+                Response::new(pb::ReleasedReply {
+                    gpu_usage: gpu_usage_to_pb(&usage),
+                    gpu_usage_seq,
+                })
+            }),
             Err(e) => Err(Status::internal(format!("task failed: {e}"))),
         }
     }
@@ -786,7 +793,7 @@ impl NodeRpc for Arc<NodeService> {
     async fn checkpoint(
         &self,
         req: Request<pb::CheckpointRequest>,
-    ) -> Result<Response<pb::Empty>, Status> {
+    ) -> Result<Response<pb::ReleasedReply>, Status> {
         let req = req.into_inner();
         // A relative directory is the worker's own: written aside, made durable, renamed.
         let staged = match Path::new(&req.image_dir).is_relative() {
@@ -908,7 +915,10 @@ impl NodeRpc for Arc<NodeService> {
         Ok(Response::new(pb::Empty {}))
     }
 
-    async fn destroy(&self, req: Request<pb::ContainerRef>) -> Result<Response<pb::Empty>, Status> {
+    async fn destroy(
+        &self,
+        req: Request<pb::ContainerRef>,
+    ) -> Result<Response<pb::ReleasedReply>, Status> {
         let id = req.into_inner().container_id;
         self.finish(id, |r| {
             Box::pin(async move {
@@ -1294,6 +1304,73 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument);
         assert_eq!(gpus.0.lock().unwrap().len(), 2);
+    }
+
+    /// A checkpoint's and a destroy's answers carry the worker's GPU usage read after the
+    /// container's share went back, numbered after every earlier report: the controller's
+    /// quota stops counting the share at once, not at the worker's next heartbeat.
+    #[tokio::test]
+    async fn a_checkpoint_or_destroy_answers_the_gpu_usage_after_the_share_went_back() {
+        use crate::pb::node_server::Node as _;
+        /// One share of `acme` per container the node runs.
+        struct Gpus(Arc<FakeNode>);
+        impl WorkerGpus for Gpus {
+            fn usage(&self) -> GpuUsage {
+                let n = self.0.running().len() as u64;
+                if n == 0 {
+                    return GpuUsage::new();
+                }
+                GpuUsage::from([(
+                    "acme".to_string(),
+                    torpor_gpu::quota::Amount {
+                        memory_mib: 1024 * n,
+                        compute: 100 * n,
+                    },
+                )])
+            }
+            fn status_json(&self, _: &str) -> String {
+                String::new()
+            }
+            fn forget_tickets(&self, _: &[String]) {}
+        }
+        let fake = Arc::new(FakeNode::new());
+        let node: Arc<dyn Node> = Arc::new(fake.clone());
+        let svc = NodeService::new(node.clone(), "w1".into());
+        svc.set_gpus(Arc::new(Gpus(fake.clone())));
+        for id in ["a-g1", "b-g1"] {
+            let (l, n) = (launch(id), node.clone());
+            svc.start("c1".into(), id.into(), async move { n.boot(l).await })
+                .await
+                .unwrap();
+        }
+        let (before, held) = svc.gpu_usage();
+        assert_eq!(held["acme"].compute, 200);
+
+        let cref = |id: &str| {
+            Request::new(pb::ContainerRef {
+                container_id: id.into(),
+            })
+        };
+        let destroyed = svc.destroy(cref("a-g1")).await.unwrap().into_inner();
+        assert!(destroyed.gpu_usage_seq > before);
+        assert_eq!(destroyed.gpu_usage["acme"].compute, 100, "{destroyed:?}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let checkpointed = svc
+            .checkpoint(Request::new(pb::CheckpointRequest {
+                container_id: "b-g1".into(),
+                image_dir: dir.path().join("img").to_string_lossy().into_owned(),
+            }))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(checkpointed.gpu_usage_seq > destroyed.gpu_usage_seq);
+        assert!(checkpointed.gpu_usage.is_empty(), "{checkpointed:?}");
+        // A container the worker does not hold: refused, no report.
+        assert_eq!(
+            svc.destroy(cref("a-g1")).await.unwrap_err().code(),
+            tonic::Code::NotFound
+        );
     }
 
     #[test]

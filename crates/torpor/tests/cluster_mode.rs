@@ -1459,8 +1459,11 @@ async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment
     };
     let dir = tmp.path();
     let quotas = fixture("quotas-admin-one-l4.toml");
-    let c1 = Controller::start_args(dir, &database, "c1", 2000, &["--gpu-quotas", &quotas]).await;
-    let c2 = Controller::start_args(dir, &database, "c2", 2000, &["--gpu-quotas", &quotas]).await;
+    // Heartbeats 3 s apart: a share given back must reach the quota checks of both
+    // controllers without one (the checkpoint's and destroy's answers, the shared book).
+    let args = ["--gpu-quotas", &quotas, "--heartbeat-ms", "3000"];
+    let c1 = Controller::start_args(dir, &database, "c1", 10_000, &args).await;
+    let c2 = Controller::start_args(dir, &database, "c2", 10_000, &args).await;
     let both = format!("{},{}", c1.cluster, c2.cluster);
     let _workers = [("ga", "worker-l4-a.toml"), ("gb", "worker-l4-b.toml")].map(|(w, inv)| {
         Worker::start_args(dir, w, w, &both, &[], &["--gpu-inventory", &fixture(inv)])
@@ -1536,14 +1539,12 @@ async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment
         "the ticket of the parked sandbox",
     )
     .await;
-    // The controller counts the tenant's holdings on other workers from their reports: until
-    // the drained worker's next one says the parked sandbox's share went back, a wake
-    // elsewhere counts it still held (the tenant's quota is one L4) and is refused (429).
-    c1.wait_nodes("the parked sandbox's share given back", |n| {
-        admin_gpu_compute(n, &left) == 0
-    })
-    .await;
-    c1.exec(&a, "true").await;
+    // A controller counts the tenant's holdings on other workers from their reports. The
+    // checkpoint's answer is one, and c1 keeps it in the shared book: the wake at once, through
+    // the other controller and onto the other worker, does not count the parked sandbox's
+    // share as still held (the tenant's quota is one L4: it would be refused 429 until the
+    // drained worker's next heartbeat).
+    c2.exec(&a, "true").await;
     let now_on = c1.sandbox(&a).await["node"].as_str().unwrap().to_string();
     assert_ne!(now_on, left, "woke on the worker that is not drained");
     wait_gpu_rows(

@@ -119,14 +119,18 @@ impl Controller {
             token.to_str().unwrap(),
             "--data-dir",
             data.to_str().unwrap(),
-            "--heartbeat-ms",
-            "200",
             "--worker-lost-after-ms",
             &worker_lost_after_ms.to_string(),
             "--tick-ms",
             "100",
         ]
         .into_iter()
+        // 200 ms heartbeats unless the test says otherwise.
+        .chain(
+            ["--heartbeat-ms", "200"]
+                .into_iter()
+                .filter(|_| !extra.contains(&"--heartbeat-ms")),
+        )
         .chain(extra.iter().copied())
         .map(Into::into)
         .collect();
