@@ -19,6 +19,14 @@
 //! overhead at p50, and the inline preparations (`cold_takes` of `GET /v1/workers`: takes
 //! that prepared the worker or its network in the create's path). Prints a table and one JSON
 //! line (`{"bench":"create_rate",...}`).
+//!
+//! The floor, in the same run (first pool mode's daemon, `TORPOR_RATE_BARE=0` skips it): bare
+//! `runsc restore --detach` of the template's golden image as the daemon holds it, `n` times
+//! with `--network=sandbox` (in a namespace of the bench's own with a veth, the address set
+//! before each, runsc in a private mount namespace as the daemon runs it) alternating with `n`
+//! times `--network=none` (the same `unshare` wrapper, without the mounts): what gVisor's
+//! network stack costs a restore, whoever starts it. torpor's own share of a networked
+//! create's overhead is the overhead above less this difference.
 
 mod support;
 
@@ -113,7 +121,146 @@ async fn phase(c: &torpor_api::Client, rate: f64, n: usize) -> Phase {
     }
 }
 
-async fn run_mode(mode: &str, rates: &[f64], n: usize, floor: &str) -> Vec<Phase> {
+fn sh(args: &[&str]) -> std::process::Output {
+    let out = std::process::Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .expect("runs");
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// `n` bare restores of the golden image with a network alternating with `n` without: (ms with,
+/// ms without). The bundle is a live networked sandbox's (`id`), its network namespace
+/// replaced by the bench's own, its cgroup by one per container.
+fn bare_restores(data: &std::path::Path, id: &str, n: usize) -> (Vec<f64>, Vec<f64>) {
+    let root = data.join("runsc");
+    let state = sh(&[
+        "runsc",
+        &format!("--root={}", root.display()),
+        "state",
+        &format!("{id}-g1"),
+    ]);
+    let state: serde_json::Value = serde_json::from_slice(&state.stdout).expect("runsc state");
+    let bundle = std::path::PathBuf::from(state["bundle"].as_str().expect("bundle"));
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(bundle.join("config.json")).unwrap()).unwrap();
+    let golden = data.join(format!("templates/{TEMPLATE}/golden"));
+    let tmp = tempfile::tempdir().unwrap();
+    let broot = tmp.path().join("root");
+    let ns = format!("tpbench{}-s", std::process::id());
+    let peer = format!("tpb{}p", std::process::id());
+    sh(&["ip", "netns", "add", &ns]);
+    sh(&[
+        "ip", "link", "add", "eth0", "netns", &ns, "type", "veth", "peer", "name", &peer,
+    ]);
+    sh(&["ip", "link", "set", &peer, "up"]);
+    let (mut with, mut without) = (Vec::new(), Vec::new());
+    for i in 0..2 * n {
+        let networked = i % 2 == 0;
+        let cid = format!("bench-bare-{}-{i}", if networked { "net" } else { "plain" });
+        let dir = tmp.path().join(&cid);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut spec = spec.clone();
+        spec["linux"]["cgroupsPath"] = json!(format!("/torpor-bench/{cid}"));
+        let namespaces: Vec<serde_json::Value> = spec["linux"]["namespaces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|n| n["type"] != "network")
+            .cloned()
+            .chain(
+                networked.then(|| json!({"type": "network", "path": format!("/run/netns/{ns}")})),
+            )
+            .collect();
+        spec["linux"]["namespaces"] = json!(namespaces);
+        std::fs::write(dir.join("config.json"), serde_json::to_vec(&spec).unwrap()).unwrap();
+        if networked {
+            let mut ip = std::process::Command::new("ip")
+                .args(["-n", &ns, "-batch", "-"])
+                .stdin(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            use std::io::Write;
+            ip.stdin
+                .take()
+                .unwrap()
+                .write_all(b"addr flush dev eth0\naddr add 169.254.0.2/30 dev eth0\nlink set eth0 up\nroute replace default via 169.254.0.1\n")
+                .unwrap();
+            assert!(ip.wait().unwrap().success());
+        }
+        // As the daemon runs runsc for a networked sandbox: a private mount namespace with a
+        // tmpfs over /proc/sys/net (docs/NETWORKING.md); the same wrapper without the mounts
+        // for the other, so both pay the same process starts.
+        let prelude = if networked {
+            "mount --make-rprivate / && mount -t tmpfs none /proc/sys/net && exec \"$@\""
+        } else {
+            "exec \"$@\""
+        };
+        let global = |sub: &str| -> Vec<String> {
+            vec![
+                format!("--root={}", broot.display()),
+                "--platform=ptrace".into(),
+                format!("--network={}", if networked { "sandbox" } else { "none" }),
+                "--overlay2=root:memory".into(),
+                sub.into(),
+            ]
+        };
+        let mut restore = global("restore");
+        restore.extend([
+            "--detach".into(),
+            format!("--image-path={}", golden.display()),
+            format!("--bundle={}", dir.display()),
+            cid.clone(),
+        ]);
+        let t = Instant::now();
+        let out = std::process::Command::new("unshare")
+            .args(["-m", "sh", "-c", prelude, "sh", "runsc"])
+            .args(&restore)
+            .output()
+            .expect("unshare runs");
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        assert!(
+            out.status.success(),
+            "bare restore: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if networked {
+            with.push(ms);
+        } else {
+            without.push(ms);
+        }
+        let mut kill = global("kill");
+        kill.extend(["--all".into(), cid.clone(), "KILL".into()]);
+        let mut delete = global("delete");
+        delete.extend(["--force".into(), cid.clone()]);
+        for args in [kill, delete] {
+            let _ = std::process::Command::new("unshare")
+                .args(["-m", "sh", "-c", prelude, "sh", "runsc"])
+                .args(&args)
+                .output();
+        }
+    }
+    let _ = std::process::Command::new("ip")
+        .args(["netns", "delete", &ns])
+        .status();
+    (with, without)
+}
+
+/// Bare restores with and without a network (ms), when asked for.
+type Bare = Option<(Vec<f64>, Vec<f64>)>;
+
+async fn run_mode(
+    mode: &str,
+    rates: &[f64],
+    n: usize,
+    floor: &str,
+    bare: bool,
+) -> (Vec<Phase>, Bare) {
     if mode == "fixed" {
         std::env::set_var("TORPOR_WARM_POOL_FIXED", "1");
     } else {
@@ -135,7 +282,20 @@ async fn run_mode(mode: &str, rates: &[f64], n: usize, floor: &str) -> Vec<Phase
     for &r in rates {
         out.push(phase(c, r, n).await);
     }
-    out
+    let floor = if bare {
+        // The bundle of a live networked sandbox, as the daemon wrote it.
+        let (_, id) = create(c.clone(), true).await;
+        let data = d.data();
+        let sid = id.clone();
+        let got = tokio::task::spawn_blocking(move || bare_restores(&data, &sid, n))
+            .await
+            .expect("bare restores");
+        c.delete_sandbox(&id).await.expect("delete");
+        Some(got)
+    } else {
+        None
+    };
+    (out, floor)
 }
 
 #[tokio::main]
@@ -169,8 +329,14 @@ async fn main() {
         "target"
     );
     let mut json_rows = Vec::new();
-    for mode in modes.split(',').map(str::trim) {
-        for mut p in run_mode(mode, &rates, n, &floor).await {
+    let mut floor_row = None;
+    let want_bare = env_or("TORPOR_RATE_BARE", "1") != "0";
+    for (i, mode) in modes.split(',').map(str::trim).enumerate() {
+        let (phases, bare) = run_mode(mode, &rates, n, &floor, want_bare && i == 0).await;
+        if let Some(b) = bare {
+            floor_row = Some(b);
+        }
+        for mut p in phases {
             let (n50, n95) = (pct(&mut p.net_ms, 50.0), pct(&mut p.net_ms, 95.0));
             let (b50, b95) = (pct(&mut p.plain_ms, 50.0), pct(&mut p.plain_ms, 95.0));
             let offered = if p.rate <= 0.0 {
@@ -195,8 +361,23 @@ async fn main() {
             }));
         }
     }
+    let floor_json = floor_row.map(|(mut with, mut without)| {
+        let (w50, w95) = (pct(&mut with, 50.0), pct(&mut with, 95.0));
+        let (o50, o95) = (pct(&mut without, 50.0), pct(&mut without, 95.0));
+        println!(
+            "\n## the floor: bare runsc restore of the same golden image, n = {} each, alternating",
+            with.len()
+        );
+        println!(
+            "{:<38} {:>9} {:>9}\n{:<38} {w50:>9.1} {w95:>9.1}\n{:<38} {o50:>9.1} {o95:>9.1}\n{:<38} {:>+9.1}",
+            "", "p50 ms", "p95 ms", "--network=sandbox (a veth)", "--network=none",
+            "gVisor's network, at p50", w50 - o50
+        );
+        json!({"net_p50_ms": w50, "net_p95_ms": w95, "plain_p50_ms": o50, "plain_p95_ms": o95,
+               "overhead_p50_ms": w50 - o50, "n": with.len()})
+    });
     println!(
         "{}",
-        json!({"bench": "create_rate", "n": n, "warm_pool": floor, "rows": json_rows})
+        json!({"bench": "create_rate", "n": n, "warm_pool": floor, "rows": json_rows, "bare_runsc_restore": floor_json})
     );
 }
