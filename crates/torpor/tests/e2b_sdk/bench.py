@@ -1,12 +1,15 @@
 """E2B SDK against torpor vs torpor's own API, in the same run, from the same Python process.
 
 Environment: E2B_API_KEY / E2B_API_URL / E2B_SANDBOX_URL (the SDK), TORPOR_URL and
-TORPOR_TOKEN (the native API, same tenant), BENCH_N. Prints a table and one JSON line.
+TORPOR_TOKEN (the native API, same tenant), BENCH_N, BENCH_CREATE_RATES (creates per second for
+the create-rate rows, comma-separated, `inf` = all at once; default 1,2,4,inf). Prints a table
+and one JSON line.
 """
 import json
 import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from e2b import Sandbox
@@ -120,24 +123,68 @@ for _ in range(max(3, N // 3)):
 rows.append(("Sandbox.connect of a paused sandbox (SDK)", connect_ms, "native resume of a parked sandbox", resume_ms))
 
 # One create at a time (the rate the machine sustains serially), alternating the E2B create
-# (template `base`, with a network interface) with native creates of `host` and of `base`.
+# (template `base`, with a network interface) with native creates of `host` and of `base`; the
+# native `base` is given a network as E2B's is (ingress only: `{"allow": []}`), so that the
+# difference is the adapter's and not gVisor's network stack (~25-45 ms of a restore here:
+# `--bench create_rate`'s floor).
+NET = {"allow": []}
 create_ms, ncreate_ms, nbase_ms, made = [], [], [], []
 for _ in range(max(3, N // 3)):
     holder = {}
     create_ms.append(ms(lambda: holder.setdefault("s", Sandbox.create(timeout=600))))
     made.append(holder["s"].sandbox_id)
-    def nc(template):
-        r = native.post("/v1/sandboxes", json={"template": template})
+    def nc(template, network=None):
+        body = {"template": template} if network is None else {"template": template, "network": network}
+        r = native.post("/v1/sandboxes", json=body)
         r.raise_for_status()
         made.append(r.json()["id"])
     ncreate_ms.append(ms(lambda: nc("host")))
-    nbase_ms.append(ms(lambda: nc("base")))
+    nbase_ms.append(ms(lambda: nc("base", NET)))
 for m in made:
     native.delete(f"/v1/sandboxes/{m}")
 rows.append(("Sandbox.create (SDK)", create_ms, "native create (POST /v1/sandboxes)", ncreate_ms))
-rows.append(("Sandbox.create (SDK)", create_ms, "native create of base (POST /v1/sandboxes)", nbase_ms))
+rows.append(("Sandbox.create (SDK)", create_ms, "native create of base, networked", nbase_ms))
 paired["create_minus_native_create"] = statistics.median(a - b for a, b in zip(create_ms, ncreate_ms))
 paired["create_minus_native_base_create"] = statistics.median(a - b for a, b in zip(create_ms, nbase_ms))
+
+# Creates at offered rates (open loop): E2B creates and native networked creates of `base` alternate,
+# one every 1/(2r) s, so each kind is offered r per second and neither always starts just
+# before the other (the engine admits restores one at a time: side by side, the request that
+# leaves the client first would win every time). Each sandbox is deleted as soon as its create
+# answered, so the node's workers are not what runs out. `inf`: all at once.
+RATES = [float(r) for r in os.environ.get("BENCH_CREATE_RATES", "1,2,4,inf").split(",") if r]
+K = max(4, N // 4)
+
+
+def timed_create(kind):
+    t = time.perf_counter()
+    if kind == "e2b":
+        made_id = Sandbox.create(timeout=600).sandbox_id
+    else:
+        r = native.post("/v1/sandboxes", json={"template": "base", "network": NET})
+        r.raise_for_status()
+        made_id = r.json()["id"]
+    took = (time.perf_counter() - t) * 1000
+    native.delete(f"/v1/sandboxes/{made_id}").raise_for_status()
+    return kind, took
+
+
+rate_rows = []
+for rate in RATES:
+    with ThreadPoolExecutor(max_workers=2 * K) as pool:
+        t0, jobs = time.perf_counter(), []
+        for i in range(2 * K):
+            if rate != float("inf"):
+                time.sleep(max(0.0, t0 + i / (2 * rate) - time.perf_counter()))
+            jobs.append(pool.submit(timed_create, "e2b" if (i + i // 2) % 2 == 0 else "native"))
+        results = [j.result() for j in jobs]
+    e2b_t = [t for k, t in results if k == "e2b"]
+    nat_t = [t for k, t in results if k == "native"]
+    rate_rows.append({"offered_per_s": "all at once" if rate == float("inf") else rate, "n": K,
+                      "e2b_p50_ms": round(pct(e2b_t, 50), 3), "e2b_p95_ms": round(pct(e2b_t, 95), 3),
+                      "native_base_p50_ms": round(pct(nat_t, 50), 3),
+                      "native_base_p95_ms": round(pct(nat_t, 95), 3),
+                      "overhead_p50_ms": round(pct(e2b_t, 50) - pct(nat_t, 50), 3)})
 sbx.kill()
 
 print(f"{'row':70} {'p50 ms':>8} {'p95 ms':>8} | {'baseline':44} {'p50 ms':>8} {'p95 ms':>8}")
@@ -156,6 +203,13 @@ print()
 print("in-sandbox spawn floors of bash -l -c true (no torpor on the path), p50 / p95 ms:")
 for k, v in floors.items():
     print(f"  {k:32} {pct(v, 50):8.2f} {pct(v, 95):8.2f}  (n={len(v)})")
-print(json.dumps({"bench": "e2b", "n": N, "rows": out,
+print()
+print(f"Sandbox.create (SDK) vs native networked create of base at offered rates, n = {K} each, deleted at once:")
+print(f"  {'offered':14} {'SDK p50':>9} {'SDK p95':>9} {'base p50':>9} {'base p95':>9} {'overhead p50':>13}")
+for r in rate_rows:
+    off = r["offered_per_s"] if isinstance(r["offered_per_s"], str) else f"{r['offered_per_s']:g}/s"
+    print(f"  {off:14} {r['e2b_p50_ms']:9.1f} {r['e2b_p95_ms']:9.1f} {r['native_base_p50_ms']:9.1f} "
+          f"{r['native_base_p95_ms']:9.1f} {r['overhead_p50_ms']:+13.1f}")
+print(json.dumps({"bench": "e2b", "n": N, "rows": out, "create_rates": rate_rows,
                   "paired_median_ms": {k: round(v, 3) for k, v in paired.items()},
                   "spawn_floor_p50_ms": {k: round(pct(v, 50), 3) for k, v in floors.items()}}))
