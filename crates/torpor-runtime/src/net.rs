@@ -522,7 +522,10 @@ impl WorkerNet {
         net.serve(rt)?;
         // The base table's egress chain and hosts set are empty: policy `none`.
         *net.lock_applied() = Some(policy_script(&NetworkPolicy::none()));
-        net.set_sandbox_addr()?;
+        if let Err(e) = net.set_sandbox_addr() {
+            net.teardown();
+            return Err(e);
+        }
         Ok(net)
     }
 
