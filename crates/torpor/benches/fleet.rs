@@ -2,6 +2,7 @@
 //!
 //!   cargo bench -p torpor --bench fleet                       (as root, runsc installed)
 //!   TORPOR_FLEET=parking cargo bench -p torpor --bench fleet  (one scenario)
+//!   TORPOR_BENCH_REENCODE=false ...                            (density: `--reencode-images false`)
 //!   TORPOR_DENSITY_AGENTS=200 TORPOR_DENSITY_ROUNDS=3 ...      (smaller)
 //!   TORPOR_DENSITY_AGENTS=10000 TORPOR_DENSITY_INFLIGHT=64 ... (larger: each round's 5% is
 //!                                                             offered 64 calls at a time)
@@ -283,7 +284,20 @@ async fn density() -> serde_json::Value {
     let inflight = env_usize("TORPOR_DENSITY_INFLIGHT", active).max(1);
     let gate = Arc::new(tokio::sync::Semaphore::new(inflight));
     let refusals = Arc::new(AtomicU64::new(0));
-    let d = Daemon::start(&["--workers", "64", "--tick-ms", "200"]).await;
+    // `TORPOR_BENCH_REENCODE=false`: parked images as runsc writes them (to compare).
+    let reencode = match std::env::var("TORPOR_BENCH_REENCODE").as_deref() {
+        Ok("false") => "false",
+        _ => "true",
+    };
+    let d = Daemon::start(&[
+        "--workers",
+        "64",
+        "--tick-ms",
+        "200",
+        "--reencode-images",
+        reencode,
+    ])
+    .await;
     let c = d.client.clone();
     c.create_template(&template(
         "density",
@@ -466,7 +480,7 @@ async fn density() -> serde_json::Value {
     );
     json!({
         "agents": agents, "active": active, "inflight": inflight, "refusals_retried": refusals.load(Ordering::Relaxed), "rounds": rounds, "calls": calls,
-        "failures": failures, "fork_s": fork_s, "wake_by_tier": tiers,
+        "failures": failures, "fork_s": fork_s, "wake_by_tier": tiers, "reencode_images": reencode,
         "per_agent_bytes": per_agent_bytes, "peak_resident_bytes": peak_bytes,
         "density_x": ratio, "baseline_resident_bytes": per_agent_bytes * agents as f64,
         "disk_bytes": disk, "shim_bytes_peak": shim_bytes_peak,
