@@ -161,6 +161,24 @@ struct Members {
     expected: HashMap<String, (String, bool)>,
 }
 
+impl Members {
+    /// The workers with GPUs that are not lost, but `except`.
+    fn gpu_workers_but(&self, except: &str) -> Vec<(String, Arc<RemoteNode>)> {
+        self.workers
+            .iter()
+            .filter(|(name, w)| {
+                !w.lost
+                    && name.as_str() != except
+                    && self
+                        .placement
+                        .get(name)
+                        .is_some_and(|(cap, _, _)| !cap.gpu_models.is_empty())
+            })
+            .map(|(name, w)| (name.clone(), w.remote.clone()))
+            .collect()
+    }
+}
+
 pub struct Fleet {
     me: Weak<Fleet>,
     tls: Arc<TlsSource>,
@@ -447,23 +465,16 @@ impl Fleet {
     pub fn forget_gpu_tickets(&self, sandbox: &str) {
         let asked: Vec<(String, Arc<RemoteNode>)> = {
             let mut m = self.lock();
-            let last = m.last_worker.remove(sandbox);
-            let gpu_worker = |name: &str| {
-                m.placement
-                    .get(name)
-                    .is_some_and(|(cap, _, _)| !cap.gpu_models.is_empty())
-            };
-            m.workers
-                .iter()
-                .filter(|(name, w)| {
-                    !w.lost
-                        && match &last {
-                            Some(l) => *name == l,
-                            None => gpu_worker(name),
-                        }
-                })
-                .map(|(name, w)| (name.clone(), w.remote.clone()))
-                .collect()
+            match m.last_worker.remove(sandbox) {
+                Some(last) => m
+                    .workers
+                    .get(&last)
+                    .filter(|w| !w.lost)
+                    .map(|w| (last.clone(), w.remote.clone()))
+                    .into_iter()
+                    .collect(),
+                None => m.gpu_workers_but(""),
+            }
         };
         for (name, remote) in asked {
             spawn_forget_ticket(name, remote, sandbox.to_string());
@@ -866,6 +877,8 @@ impl Fleet {
         let sandbox = sandbox_of(&launch.container_id).map(str::to_string);
         // An image not yet in the store is on one worker's disk: there or nowhere.
         let pinned = launch.stored.image_on.clone();
+        // A sandbox's own checkpoint, not a template's golden snapshot (a create).
+        let waking = image.is_some() && !launch.stored.keep_image;
         let mut refused: Option<String> = None;
         // A GPU refusal from the first worker is the answer when no other worker can try.
         let mut gpu_refusal: Option<RuntimeError> = None;
@@ -980,11 +993,24 @@ impl Fleet {
                     if let Some(s) = &sandbox {
                         let left = m.last_worker.insert(s.clone(), worker.clone());
                         // Woken on another worker: the one it left drops its wake ticket.
-                        if let (Some(left), Some(_)) = (left.filter(|l| *l != worker), &gpu) {
-                            let remote = m.workers.get(&left).filter(|w| !w.lost);
-                            if let Some(remote) = remote.map(|w| w.remote.clone()) {
-                                spawn_forget_ticket(left, remote, s.clone());
-                            }
+                        // Where it last ran is not known here when this controller did not
+                        // start it last (it restarted since, or another one did): a wake
+                        // then asks every other GPU worker (a create has no ticket anywhere).
+                        let asked = match left {
+                            _ if gpu.is_none() => Vec::new(),
+                            Some(left) if left == worker => Vec::new(),
+                            Some(left) => m
+                                .workers
+                                .get(&left)
+                                .filter(|w| !w.lost)
+                                .map(|w| (left.clone(), w.remote.clone()))
+                                .into_iter()
+                                .collect(),
+                            None if waking => m.gpu_workers_but(&worker),
+                            None => Vec::new(),
+                        };
+                        for (name, remote) in asked {
+                            spawn_forget_ticket(name, remote, s.clone());
                         }
                     }
                     let slot = format!("{worker}/{}", inner.worker());

@@ -1671,3 +1671,77 @@ async fn a_worker_one_controller_cannot_hear_has_its_containers_ended_through_an
         .await;
     assert!(!w1.containers().iter().any(|c| c.starts_with(&id)));
 }
+
+/// A GPU sandbox's wake ticket stays only where it can be used: after its controller
+/// restarted (it no longer knows where the sandbox last ran), a wake on another worker still
+/// has the worker it left drop the ticket (the controller asks every other GPU worker).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gpu_sandbox_woken_elsewhere_after_a_controller_restart_leaves_no_ticket_behind() {
+    let Some((database, tmp)) = setup("torpor-cluster-gpu-ticket-", &["c1"], &["ga", "gb"]).await
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    let mut c1 = Controller::start_with(dir, &database, "c1", 10_000).await;
+    let _workers = [("ga", "worker-l4-a.toml"), ("gb", "worker-l4-b.toml")].map(|(w, inv)| {
+        Worker::start_args(
+            dir,
+            w,
+            w,
+            &c1.cluster,
+            &[],
+            &["--gpu-inventory", &fixture(inv)],
+        )
+    });
+    let known = |n: &[Value]| {
+        ["ga", "gb"]
+            .iter()
+            .all(|w| state_of(n, w).is_some_and(|s| s != "lost"))
+    };
+    c1.wait_nodes("both GPU workers ready", |n| {
+        ["ga", "gb"].iter().all(|w| state_of(n, w) == Some("ready"))
+    })
+    .await;
+    c1.wait_host_template().await;
+    let (status, s) = c1
+        .call(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "host", "gpu": {"mode": "whole"}})),
+        )
+        .await;
+    assert_eq!(status, 201, "{s}");
+    let id = s["id"].as_str().unwrap().to_string();
+    let first = c1.sandbox(&id).await["node"].as_str().unwrap().to_string();
+    let drain = format!("/v1/nodes/{first}/drain");
+    // Drained first, its worker uploads the checkpoint before the park answers (a wake can
+    // then go anywhere).
+    c1.ok(reqwest::Method::POST, &drain, None).await;
+    c1.park(&id).await;
+    wait_gpu_rows(
+        dir,
+        &first,
+        |r| r == [id.clone()],
+        "the parked sandbox's ticket",
+    )
+    .await;
+
+    c1.kill_and_restart().await;
+    c1.wait_nodes("both GPU workers back", known).await;
+    c1.ok(reqwest::Method::POST, &drain, None).await;
+    c1.exec(&id, "true").await;
+    let now_on = c1.sandbox(&id).await["node"].as_str().unwrap().to_string();
+    assert_ne!(now_on, first, "woke on the worker that is not drained");
+    wait_gpu_rows(
+        dir,
+        &first,
+        |r| r.is_empty(),
+        "no ticket of a sandbox that woke elsewhere after its controller restarted",
+    )
+    .await;
+    assert_eq!(
+        gpu_rows(dir, &now_on),
+        [id.clone()],
+        "its share where it runs"
+    );
+}
