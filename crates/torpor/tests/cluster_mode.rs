@@ -1714,10 +1714,10 @@ async fn a_gpu_sandbox_woken_elsewhere_after_a_controller_restart_leaves_no_tick
     let id = s["id"].as_str().unwrap().to_string();
     let first = c1.sandbox(&id).await["node"].as_str().unwrap().to_string();
     let drain = format!("/v1/nodes/{first}/drain");
-    // Drained first, its worker uploads the checkpoint before the park answers (a wake can
-    // then go anywhere).
     c1.ok(reqwest::Method::POST, &drain, None).await;
     c1.park(&id).await;
+    // In the store, its wake can go anywhere.
+    wait_uploaded(&c1, &id).await;
     wait_gpu_rows(
         dir,
         &first,
