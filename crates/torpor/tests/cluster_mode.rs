@@ -1741,7 +1741,7 @@ async fn a_gpu_sandbox_woken_elsewhere_after_a_controller_restart_leaves_no_tick
     .await;
     assert_eq!(
         gpu_rows(dir, &now_on),
-        [id.clone()],
+        std::slice::from_ref(&id),
         "its share where it runs"
     );
 }
