@@ -162,6 +162,16 @@ struct Members {
 }
 
 impl Members {
+    /// Worker `name` and its connection, unless it is lost (or unknown): as a list to ask.
+    fn live_worker(&self, name: &str) -> Vec<(String, Arc<RemoteNode>)> {
+        self.workers
+            .get(name)
+            .filter(|w| !w.lost)
+            .map(|w| (name.to_string(), w.remote.clone()))
+            .into_iter()
+            .collect()
+    }
+
     /// The workers with GPUs that are not lost, but `except`.
     fn gpu_workers_but(&self, except: &str) -> Vec<(String, Arc<RemoteNode>)> {
         self.workers
@@ -466,13 +476,7 @@ impl Fleet {
         let asked: Vec<(String, Arc<RemoteNode>)> = {
             let mut m = self.lock();
             match m.last_worker.remove(sandbox) {
-                Some(last) => m
-                    .workers
-                    .get(&last)
-                    .filter(|w| !w.lost)
-                    .map(|w| (last.clone(), w.remote.clone()))
-                    .into_iter()
-                    .collect(),
+                Some(last) => m.live_worker(&last),
                 None => m.gpu_workers_but(""),
             }
         };
@@ -999,13 +1003,7 @@ impl Fleet {
                         let asked = match left {
                             _ if gpu.is_none() => Vec::new(),
                             Some(left) if left == worker => Vec::new(),
-                            Some(left) => m
-                                .workers
-                                .get(&left)
-                                .filter(|w| !w.lost)
-                                .map(|w| (left.clone(), w.remote.clone()))
-                                .into_iter()
-                                .collect(),
+                            Some(left) => m.live_worker(&left),
                             None if waking => m.gpu_workers_but(&worker),
                             None => Vec::new(),
                         };
