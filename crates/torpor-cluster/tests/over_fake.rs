@@ -89,6 +89,7 @@ fn engine_config(dir: &Path) -> EngineConfig {
         agent_binary: "/nonexistent/torpor".into(),
         worker_wait: Duration::from_millis(400),
         lot_capacity: 16,
+        reserved_workers: torpor_control::Reserve::Auto,
         memory_budget: None,
         tick: Duration::from_secs(3600),
         warm_pool: 0,

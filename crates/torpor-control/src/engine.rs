@@ -52,6 +52,7 @@ mod turns;
 pub mod usage_probe;
 mod worker_images;
 
+pub use crate::lot::Reserve;
 use crate::lot::{Arrival, LotError, Parked, WorkerPermit, WorkerPool};
 use crate::metrics::Metrics;
 use crate::store::{
@@ -79,6 +80,8 @@ pub struct EngineConfig {
     pub worker_wait: Duration,
     /// How many calls may wait for a worker at once.
     pub lot_capacity: usize,
+    /// Free workers kept for tenants that hold none (`lot.rs`, [`Reserve`]).
+    pub reserved_workers: Reserve,
     /// Resident sandboxes are parked, least recently active first, to stay under this.
     pub memory_budget: Option<u64>,
     /// How often the idle policy runs.
@@ -153,6 +156,9 @@ pub struct WorkerStats {
     pub free: usize,
     pub parked_calls: usize,
     pub lot_capacity: usize,
+    /// Free workers kept now for tenants that hold none (0: none kept).
+    #[serde(default)]
+    pub reserved_workers: usize,
     pub park_budget_ms: u64,
     /// Prepared workers the warm pool keeps.
     pub warm_pool_size: usize,
@@ -362,7 +368,7 @@ impl Engine {
         let engine = Arc::new_cyclic(|me| Engine {
             me: me.clone(),
             evictor: Arc::default(),
-            workers: WorkerPool::new(cfg.workers, cfg.lot_capacity),
+            workers: WorkerPool::new(cfg.workers, cfg.lot_capacity, cfg.reserved_workers),
             checkpoints: turns::Turns::new(cores()),
             restores: turns::Turns::new(cores()),
             cfg,

@@ -15,7 +15,7 @@ pub mod usage;
 
 pub use engine::{
     CreateSandbox, Engine, EngineConfig, ExecEvent, ExecResult, FileEntry, InUse, Progress,
-    SpawnProgress, UploadAllowance, UploadKind, WorkerStats, TENANT_MAX_PIDS, UPLOADED,
+    Reserve, SpawnProgress, UploadAllowance, UploadKind, WorkerStats, TENANT_MAX_PIDS, UPLOADED,
 };
 pub use error::{ControlError, Result};
 pub use snapshots::{SnapshotConfig, StoreLocation};

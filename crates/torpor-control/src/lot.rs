@@ -12,6 +12,18 @@
 //! it that tenant's calls are refused `lot_full` while the other half stays open to everyone
 //! else, so one tenant's burst cannot give every other tenant `lot_full`.
 //!
+//! Workers kept for tenants that hold none ([`Reserve`]). Round-robin decides who gets a worker
+//! once one comes back; on a full node that is a victim's checkpoint away, and while one
+//! tenant floods, a worker comes back only when its checkpoint ends (~0.35 s here) and every
+//! other tenant's call waits for that on top of its own restore. So the last `reserve` free
+//! workers are handed only to tenants that hold no worker now, while such a tenant has asked
+//! for one within [`RESERVE_WINDOW`]: a tenant that calls now and then finds a worker free and
+//! pays only its restore, however hard another floods. A tenant that holds workers takes the
+//! kept ones too when no such tenant has asked lately (one tenant alone, or every tenant
+//! holding some), so a node with one tenant keeps nothing back. The cost: while a flooding
+//! tenant's calls park, up to `reserve` workers stay free; on a node bound by the CPU of its
+//! checkpoints and restores (the usual case) that costs the flood little throughput.
+//!
 //! Admission: a call that would be served, at the lot's service rate and at its place in the
 //! tenants' round-robin, only after its budget is refused at once ([`LotError::WouldWait`], with
 //! the expected wait for `Retry-After`) instead of waiting the budget out and failing anyway;
@@ -52,6 +64,54 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 use torpor_core::TenantId;
+
+/// How long after its last call a tenant that holds no worker still has workers kept for it.
+pub const RESERVE_WINDOW: Duration = Duration::from_secs(60);
+/// Pools of this many workers or more keep one back by default ([`Reserve::Auto`]).
+pub const AUTO_RESERVE_FROM: usize = 4;
+
+/// Free workers kept for tenants that hold none (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reserve {
+    /// One worker in pools of [`AUTO_RESERVE_FROM`] workers or more (cluster mode: the ready
+    /// workers' slots, as they change), none in smaller ones.
+    #[default]
+    Auto,
+    /// This many, whatever the pool's size.
+    Workers(usize),
+}
+
+impl Reserve {
+    /// Workers kept back in a pool of `total`.
+    pub fn of(self, total: usize) -> usize {
+        match self {
+            Reserve::Auto => usize::from(total >= AUTO_RESERVE_FROM),
+            Reserve::Workers(n) => n,
+        }
+    }
+}
+
+impl std::str::FromStr for Reserve {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "auto" {
+            return Ok(Reserve::Auto);
+        }
+        s.parse()
+            .map(Reserve::Workers)
+            .map_err(|_| format!("{s:?} is neither `auto` nor a number of workers"))
+    }
+}
+
+impl std::fmt::Display for Reserve {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Reserve::Auto => f.write_str("auto"),
+            Reserve::Workers(n) => write!(f, "{n}"),
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LotError {
@@ -211,6 +271,7 @@ pub struct WorkerPool {
     /// Changes in cluster mode as workers join and leave ([`WorkerPool::set_total`]).
     total: std::sync::atomic::AtomicUsize,
     capacity: usize,
+    reserve: Reserve,
     state: Mutex<PoolState>,
 }
 
@@ -229,6 +290,14 @@ struct PoolState {
     next_ticket: u64,
     service: Service,
     counts: LotCounts,
+    /// Workers held per tenant (permits handed out for a tenant's call).
+    held: HashMap<TenantId, usize>,
+    /// When each tenant last asked for a worker; entries older than `window` are dropped.
+    seen: HashMap<TenantId, Instant>,
+    /// Free workers kept for tenants that hold none ([`Reserve::of`] the pool's size).
+    reserved: usize,
+    /// [`RESERVE_WINDOW`] (shorter in tests).
+    window: Duration,
 }
 
 /// What the lot has done since it started.
@@ -262,12 +331,14 @@ pub struct Turnaround {
 /// A worker held by a resident sandbox; dropping it frees the worker for the next parked call.
 pub struct WorkerPermit {
     pool: Option<Arc<WorkerPool>>,
+    /// Whose call it was handed to (`None`: a new slot of a pool that grew).
+    tenant: Option<TenantId>,
 }
 
 impl Drop for WorkerPermit {
     fn drop(&mut self) {
         if let Some(pool) = self.pool.take() {
-            WorkerPool::release(&pool);
+            WorkerPool::release(&pool, self.tenant.take());
         }
     }
 }
@@ -307,10 +378,81 @@ impl PoolState {
         }
     }
 
-    /// A new call would take a free worker: none is parked, and the calls on their way leave
-    /// one.
-    fn would_find_free(&self) -> bool {
-        self.parked == 0 && self.arriving < self.free
+    /// A new call of `tenant` would take a free worker: it may take one now, and the calls on
+    /// their way leave one.
+    fn would_find_free(&self, tenant: &TenantId, now: Instant) -> bool {
+        self.arriving < self.free && self.may_take_free(tenant, now)
+    }
+
+    fn holds(&self, tenant: &TenantId) -> usize {
+        self.held.get(tenant).copied().unwrap_or(0)
+    }
+
+    fn hold(&mut self, tenant: &TenantId) {
+        *self.held.entry(tenant.clone()).or_default() += 1;
+    }
+
+    fn unhold(&mut self, tenant: &TenantId) {
+        if let Some(n) = self.held.get_mut(tenant) {
+            *n -= 1;
+            if *n == 0 {
+                self.held.remove(tenant);
+            }
+        }
+    }
+
+    /// `tenant` asks for a worker now.
+    fn note_seen(&mut self, tenant: &TenantId, now: Instant) {
+        self.seen.insert(tenant.clone(), now);
+        if self.seen.len() > 64 {
+            let window = self.window;
+            self.seen
+                .retain(|_, at| now.saturating_duration_since(*at) < window);
+        }
+    }
+
+    /// Whether `tenant` may take a worker that leaves `free_after` free: yes while that keeps
+    /// the reserve, or when it holds none itself, or when no other tenant that holds none has
+    /// asked for one within the window (nobody to keep it for).
+    fn may_take(&self, tenant: &TenantId, free_after: usize, now: Instant) -> bool {
+        free_after >= self.reserved
+            || self.holds(tenant) == 0
+            || !self.seen.iter().any(|(t, at)| {
+                t != tenant
+                    && self.holds(t) == 0
+                    && now.saturating_duration_since(*at) < self.window
+            })
+    }
+
+    /// Whether a new call of `tenant` takes a free worker at once. Free workers while calls
+    /// are parked are the ones kept back from those calls: only a tenant that holds none (and
+    /// has none parked) goes past them.
+    fn may_take_free(&self, tenant: &TenantId, now: Instant) -> bool {
+        if self.free == 0 || self.queues.contains_key(tenant) {
+            return false;
+        }
+        if self.parked > 0 && self.holds(tenant) > 0 {
+            return false;
+        }
+        self.may_take(tenant, self.free - 1, now)
+    }
+
+    /// Hands a free worker to `tenant` if it may take one now.
+    fn take_free(
+        &mut self,
+        pool: &Arc<WorkerPool>,
+        tenant: &TenantId,
+        now: Instant,
+    ) -> Option<WorkerPermit> {
+        if !self.may_take_free(tenant, now) {
+            return None;
+        }
+        self.free -= 1;
+        self.hold(tenant);
+        Some(WorkerPermit {
+            pool: Some(pool.clone()),
+            tenant: Some(tenant.clone()),
+        })
     }
 }
 
@@ -324,15 +466,27 @@ pub enum Parked {
 }
 
 impl WorkerPool {
-    pub fn new(total: usize, capacity: usize) -> Arc<Self> {
+    pub fn new(total: usize, capacity: usize, reserve: Reserve) -> Arc<Self> {
+        Self::with_window(total, capacity, reserve, RESERVE_WINDOW)
+    }
+
+    fn with_window(total: usize, capacity: usize, reserve: Reserve, window: Duration) -> Arc<Self> {
         Arc::new(WorkerPool {
             total: std::sync::atomic::AtomicUsize::new(total),
             capacity,
+            reserve,
             state: Mutex::new(PoolState {
                 free: total,
+                reserved: reserve.of(total),
+                window,
                 ..Default::default()
             }),
         })
+    }
+
+    /// Free workers kept for tenants that hold none, at the pool's size now.
+    pub fn reserved(&self) -> usize {
+        self.lock().reserved
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
@@ -348,6 +502,7 @@ impl WorkerPool {
     /// as they come back, so no more than `total` are ever out afterwards.
     pub fn set_total(self: &Arc<Self>, total: usize) {
         let old = self.total.swap(total, std::sync::atomic::Ordering::SeqCst);
+        self.lock().reserved = self.reserve.of(total);
         if total > old {
             let mut grow = total - old;
             {
@@ -360,6 +515,7 @@ impl WorkerPool {
                 // A new permit, released at once: a parked call takes it, else it is free.
                 drop(WorkerPermit {
                     pool: Some(self.clone()),
+                    tenant: None,
                 });
             }
         } else if total < old {
@@ -445,6 +601,7 @@ impl WorkerPool {
         budget: Duration,
     ) -> Result<Arrival, Duration> {
         let mut st = self.lock();
+        st.note_seen(tenant, Instant::now());
         if let Some(wait) = refusal(&mut st, tenant, budget) {
             return Err(wait);
         }
@@ -461,16 +618,13 @@ impl WorkerPool {
         self.lock().arriving
     }
 
-    /// A worker now, without parking; None when all are taken or calls are already waiting.
-    pub fn try_acquire(self: &Arc<Self>) -> Option<WorkerPermit> {
+    /// A worker for `tenant` now, without parking; None when all are taken, calls are
+    /// already waiting, or the free ones are kept for tenants that hold none.
+    pub fn try_acquire(self: &Arc<Self>, tenant: &TenantId) -> Option<WorkerPermit> {
         let mut st = self.lock();
-        if st.free > 0 && st.parked == 0 {
-            st.free -= 1;
-            return Some(WorkerPermit {
-                pool: Some(self.clone()),
-            });
-        }
-        None
+        let now = Instant::now();
+        st.note_seen(tenant, now);
+        st.take_free(self, tenant, now)
     }
 
     /// A worker, parking up to `budget` when none is free.
@@ -495,23 +649,18 @@ impl WorkerPool {
             if let Some(arrival) = arrival {
                 arrival.settle(&mut st);
             }
-            if st.free > 0 && st.parked == 0 {
-                st.free -= 1;
-                return Ok((
-                    WorkerPermit {
-                        pool: Some(self.clone()),
-                    },
-                    Parked::NotParked,
-                ));
+            let now = Instant::now();
+            st.note_seen(tenant, now);
+            if let Some(permit) = st.take_free(self, tenant, now) {
+                return Ok((permit, Parked::NotParked));
             }
             if st.parked >= self.capacity {
                 return Err(LotError::Full);
             }
-            let held = st.queues.get(tenant).map_or(0, VecDeque::len);
-            if held >= self.tenant_share() {
+            let queued = st.queues.get(tenant).map_or(0, VecDeque::len);
+            if queued >= self.tenant_share() {
                 return Err(LotError::Full);
             }
-            let now = Instant::now();
             if let Some(wait) = st.service.expected_wait(position(&st, tenant), now) {
                 if wait > budget {
                     st.counts.refused_at_once += 1;
@@ -565,14 +714,28 @@ impl WorkerPool {
         }
     }
 
-    /// A permit came back: hand it to the next parked call, tenants in turn.
-    fn release(self: &Arc<Self>) {
+    /// A permit of `from` came back: hand it to the next parked call that may take it, tenants
+    /// in turn (one that may not keeps its turn), else keep it free.
+    fn release(self: &Arc<Self>, from: Option<TenantId>) {
         let mut st = self.lock();
+        if let Some(tenant) = &from {
+            st.unhold(tenant);
+        }
         if st.owed > 0 {
             st.owed -= 1;
             return;
         }
-        while let Some(tenant) = st.order.pop_front() {
+        let now = Instant::now();
+        loop {
+            let free_after = st.free;
+            let Some(i) = st
+                .order
+                .iter()
+                .position(|t| st.may_take(t, free_after, now))
+            else {
+                break;
+            };
+            let tenant = st.order.remove(i).expect("found above");
             let Some(queue) = st.queues.get_mut(&tenant) else {
                 continue;
             };
@@ -589,10 +752,11 @@ impl WorkerPool {
             st.parked -= 1;
             let permit = WorkerPermit {
                 pool: Some(self.clone()),
+                tenant: Some(tenant.clone()),
             };
             match tx.send(Handoff::Worker(permit)) {
                 Ok(()) => {
-                    let now = Instant::now();
+                    st.hold(&tenant);
                     let waiting = st.parked > 0;
                     st.counts.handoffs += 1;
                     st.service.record(now, waiting);
@@ -609,19 +773,23 @@ impl WorkerPool {
             }
         }
         st.free += 1;
-        st.service.since = None;
+        // Kept back while calls wait, the lot is still serving them: the gaps go on counting.
+        if st.parked == 0 {
+            st.service.since = None;
+        }
     }
 }
 
 /// The refusal of a new call of `tenant` that may wait `budget`: `Some(wait)` when it would
 /// have to park and be served only after its budget (counted as a refusal at once).
 fn refusal(st: &mut PoolState, tenant: &TenantId, budget: Duration) -> Option<Duration> {
-    if st.would_find_free() {
+    let now = Instant::now();
+    if st.would_find_free(tenant, now) {
         return None;
     }
     let wait = st
         .service
-        .expected_wait(position_on_arrival(st, tenant), Instant::now())?;
+        .expected_wait(position_on_arrival(st, tenant), now)?;
     (wait > budget).then(|| {
         st.counts.refused_at_once += 1;
         wait
@@ -771,11 +939,11 @@ mod tests {
 
     #[tokio::test]
     async fn free_workers_are_taken_at_once_and_come_back() {
-        let pool = WorkerPool::new(2, 10);
+        let pool = WorkerPool::new(2, 10, Reserve::Workers(0));
         let a = pool.acquire(&t("a"), Duration::ZERO).await.unwrap();
-        let b = pool.try_acquire().unwrap();
+        let b = pool.try_acquire(&t("x")).unwrap();
         assert_eq!(a.1, Parked::NotParked);
-        assert!(pool.try_acquire().is_none());
+        assert!(pool.try_acquire(&t("x")).is_none());
         drop(a);
         drop(b);
         assert_eq!(pool.free(), 2);
@@ -783,7 +951,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_pool_grown_serves_parked_calls_and_a_pool_shrunk_never_has_more_out() {
-        let pool = WorkerPool::new(0, 10);
+        let pool = WorkerPool::new(0, 10, Reserve::Workers(0));
         let waiting = {
             let pool = pool.clone();
             tokio::spawn(async move { pool.acquire(&t("a"), Duration::from_secs(30)).await })
@@ -796,17 +964,17 @@ mod tests {
         let (first, parked) = waiting.await.unwrap().unwrap();
         assert!(matches!(parked, Parked::Waited(_)));
         assert_eq!((pool.total(), pool.free(), pool.busy()), (2, 1, 1));
-        let second = pool.try_acquire().unwrap();
+        let second = pool.try_acquire(&t("x")).unwrap();
         // Shrunk to one while two are held: the first one back is swallowed.
         pool.set_total(1);
         assert_eq!(pool.busy(), 2);
         drop(first);
         assert_eq!((pool.free(), pool.busy()), (0, 1));
-        assert!(pool.try_acquire().is_none());
+        assert!(pool.try_acquire(&t("x")).is_none());
         drop(second);
         assert_eq!((pool.free(), pool.busy()), (1, 0));
         // Growing pays what is owed first.
-        let held = pool.try_acquire().unwrap();
+        let held = pool.try_acquire(&t("x")).unwrap();
         pool.set_total(0);
         pool.set_total(3);
         assert_eq!((pool.free(), pool.busy()), (2, 1));
@@ -816,8 +984,8 @@ mod tests {
 
     #[tokio::test]
     async fn full_lot_and_spent_budget_are_refused() {
-        let pool = WorkerPool::new(1, 1);
-        let _held = pool.try_acquire().unwrap();
+        let pool = WorkerPool::new(1, 1, Reserve::Workers(0));
+        let _held = pool.try_acquire(&t("x")).unwrap();
         let waiting = {
             let pool = pool.clone();
             tokio::spawn(async move {
@@ -838,8 +1006,8 @@ mod tests {
 
     #[tokio::test]
     async fn one_tenant_cannot_take_every_place_in_the_lot() {
-        let pool = WorkerPool::new(1, 4);
-        let _held = pool.try_acquire().unwrap();
+        let pool = WorkerPool::new(1, 4, Reserve::Workers(0));
+        let _held = pool.try_acquire(&t("x")).unwrap();
         let park = |tenant: &'static str| {
             let pool = pool.clone();
             tokio::spawn(async move {
@@ -867,8 +1035,8 @@ mod tests {
 
     #[tokio::test]
     async fn released_workers_go_round_robin_across_tenants() {
-        let pool = WorkerPool::new(1, 100);
-        let held = pool.try_acquire().unwrap();
+        let pool = WorkerPool::new(1, 100, Reserve::Workers(0));
+        let held = pool.try_acquire(&t("x")).unwrap();
         let served = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         // Tenant a floods with 6 calls, then b sends 2.
@@ -905,8 +1073,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_call_that_goes_away_frees_its_place_and_loses_no_worker() {
-        let pool = WorkerPool::new(1, 10);
-        let held = pool.try_acquire().unwrap();
+        let pool = WorkerPool::new(1, 10, Reserve::Workers(0));
+        let held = pool.try_acquire(&t("x")).unwrap();
         let gone = {
             let pool = pool.clone();
             tokio::spawn(async move {
@@ -926,7 +1094,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_call_that_cannot_be_served_in_its_budget_is_refused_at_once() {
-        let pool = WorkerPool::new(1, 64);
+        let pool = WorkerPool::new(1, 64, Reserve::Workers(0));
         let a = t("a");
         let mut current = pool.acquire(&a, Duration::from_secs(1)).await.unwrap().0;
         // Serve parked calls one every 50 ms: the lot measures that rate.
@@ -1011,8 +1179,8 @@ mod tests {
     async fn a_cold_burst_is_refused_at_once_once_the_rate_is_seeded() {
         // Seeded before the burst: a wake costs 10 s of CPU on a one-core node, a hand-off
         // every 10 s. With a 25 s budget the first two calls in line can be served, the rest not.
-        let pool = WorkerPool::new(1, 64);
-        let held = pool.try_acquire().unwrap();
+        let pool = WorkerPool::new(1, 64, Reserve::Workers(0));
+        let held = pool.try_acquire(&t("x")).unwrap();
         pool.note_turnaround(every(10));
         assert_eq!(pool.service_interval(), Some(secs(10)));
         let mut burst = Vec::new();
@@ -1037,8 +1205,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_burst_parked_before_the_rate_is_known_is_checked_again_when_it_is() {
-        let pool = WorkerPool::new(1, 64);
-        let held = pool.try_acquire().unwrap();
+        let pool = WorkerPool::new(1, 64, Reserve::Workers(0));
+        let held = pool.try_acquire(&t("x")).unwrap();
         let t0 = Instant::now();
         let mut burst = Vec::new();
         for _ in 0..6 {
@@ -1071,8 +1239,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_recheck_refuses_exactly_the_calls_that_cannot_make_it_and_keeps_the_rest_in_order() {
-        let pool = WorkerPool::new(1, 64);
-        let held = pool.try_acquire().unwrap();
+        let pool = WorkerPool::new(1, 64, Reserve::Workers(0));
+        let held = pool.try_acquire(&t("x")).unwrap();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let t0 = Instant::now();
         let mut calls = HashMap::new();
@@ -1127,8 +1295,11 @@ mod tests {
 
     #[tokio::test]
     async fn rechecks_racing_releases_resizes_and_departures_lose_no_worker() {
-        let pool = WorkerPool::new(2, 64);
-        let held = [pool.try_acquire().unwrap(), pool.try_acquire().unwrap()];
+        let pool = WorkerPool::new(2, 64, Reserve::Workers(0));
+        let held = [
+            pool.try_acquire(&t("x")).unwrap(),
+            pool.try_acquire(&t("x")).unwrap(),
+        ];
         let t0 = Instant::now();
         let mut calls = Vec::new();
         for i in 0..12u64 {
@@ -1170,9 +1341,131 @@ mod tests {
         assert_eq!((pool.total(), pool.free()), (2, 2));
     }
 
+    /// A pool of 4 keeping 1, where `b` asked for a worker and holds none.
+    fn flooded_by_a() -> (Arc<WorkerPool>, Vec<WorkerPermit>) {
+        let pool = WorkerPool::new(4, 64, Reserve::Workers(1));
+        drop(pool.try_acquire(&t("b")).expect("b finds a worker"));
+        let a: Vec<_> = (0..3)
+            .map(|_| pool.try_acquire(&t("a")).expect("within the reserve"))
+            .collect();
+        (pool, a)
+    }
+
+    #[tokio::test]
+    async fn the_last_free_worker_is_kept_for_a_tenant_that_holds_none() {
+        let (pool, mut a) = flooded_by_a();
+        assert_eq!(pool.reserved(), 1);
+        // a holds 3 of 4: the last one is kept for b, so a's next call parks.
+        assert!(pool.try_acquire(&t("a")).is_none());
+        let a4 = arrive(&pool, "a", secs(30)).await;
+        assert_eq!((pool.free(), pool.parked()), (1, 1));
+        // b, holding none, goes past a's parked call and takes it at once.
+        let b = pool.try_acquire(&t("b")).expect("kept for b");
+        // A worker a gives back goes to a's parked call: nobody else holds none now.
+        drop(a.pop());
+        let a4 = a4.await.unwrap().unwrap();
+        assert_eq!((pool.free(), pool.busy()), (0, 4));
+        // b leaves: its worker is kept again, not handed to a's next parked call...
+        drop(b);
+        let a5 = arrive(&pool, "a", secs(30)).await;
+        assert_eq!((pool.free(), pool.parked()), (1, 1));
+        // ...which takes the next worker a gives back.
+        drop(a.pop());
+        let a5 = a5.await.unwrap().unwrap();
+        assert_eq!((pool.free(), pool.parked(), pool.busy()), (1, 0, 3));
+        // A third tenant holding none takes it too, through the lot's own path.
+        let (c, parked) = pool.acquire(&t("c"), secs(1)).await.unwrap();
+        assert_eq!(parked, Parked::NotParked);
+        drop((a, a4, a5, c));
+        assert_eq!(pool.free(), 4);
+        assert!(pool.lock().held.is_empty());
+    }
+
+    #[tokio::test]
+    async fn nothing_is_kept_when_nobody_holding_none_asked_lately() {
+        // One tenant alone takes every worker.
+        let pool = WorkerPool::new(4, 64, Reserve::Workers(1));
+        let all: Vec<_> = (0..4).filter_map(|_| pool.try_acquire(&t("a"))).collect();
+        assert_eq!(all.len(), 4);
+        drop(all);
+        // Every tenant that asked holds a worker: nothing to keep.
+        let b = pool.try_acquire(&t("b")).unwrap();
+        let a: Vec<_> = (0..3).filter_map(|_| pool.try_acquire(&t("a"))).collect();
+        assert_eq!((a.len(), pool.free()), (3, 0));
+        drop((a, b));
+        // b asked, holds none, but too long ago.
+        let pool = WorkerPool::with_window(4, 64, Reserve::Workers(1), Duration::from_millis(30));
+        drop(pool.try_acquire(&t("b")).unwrap());
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        let a: Vec<_> = (0..4).filter_map(|_| pool.try_acquire(&t("a"))).collect();
+        assert_eq!(a.len(), 4);
+        // Auto keeps none below 4 workers.
+        let pool = WorkerPool::new(3, 64, Reserve::Auto);
+        drop(pool.try_acquire(&t("b")).unwrap());
+        let a: Vec<_> = (0..3).filter_map(|_| pool.try_acquire(&t("a"))).collect();
+        assert_eq!((a.len(), pool.reserved()), (3, 0));
+    }
+
+    #[tokio::test]
+    async fn a_reserve_loses_no_worker_under_churn() {
+        let pool = WorkerPool::new(4, 256, Reserve::Workers(2));
+        let mut calls = Vec::new();
+        let mut x = 7u64;
+        for i in 0..200u64 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let tenant = ["a", "a", "a", "b", "c"][(x >> 33) as usize % 5];
+            let hold = Duration::from_micros((x >> 40) % 3000);
+            let budget = Duration::from_millis(if i % 7 == 0 { 1 } else { 2000 });
+            let (p, tn) = (pool.clone(), t(tenant));
+            calls.push(tokio::spawn(async move {
+                let permit = match p.try_acquire(&tn) {
+                    Some(permit) => permit,
+                    None => p.acquire(&tn, budget).await?.0,
+                };
+                tokio::time::sleep(hold).await;
+                drop(permit);
+                Ok::<(), LotError>(())
+            }));
+            if i % 3 == 0 {
+                tokio::task::yield_now().await;
+            }
+            if i == 100 {
+                calls.remove(50).abort();
+            }
+        }
+        let mut served = 0;
+        for call in calls {
+            // Refusals (a 1 ms budget, a full lot, a rate measured meanwhile) are fine: only
+            // the workers' count matters here.
+            served += usize::from(matches!(call.await, Ok(Ok(()))));
+        }
+        assert!(served > 100, "{served}");
+        assert_eq!((pool.free(), pool.busy(), pool.parked()), (4, 0, 0));
+        assert!(pool.lock().held.is_empty());
+    }
+
+    #[test]
+    fn reserve_parses_and_scales_with_the_pool() {
+        assert_eq!("auto".parse::<Reserve>(), Ok(Reserve::Auto));
+        assert_eq!("2".parse::<Reserve>(), Ok(Reserve::Workers(2)));
+        assert!("two".parse::<Reserve>().is_err());
+        assert_eq!(
+            (
+                Reserve::Auto.of(3),
+                Reserve::Auto.of(4),
+                Reserve::Auto.of(64)
+            ),
+            (0, 1, 1)
+        );
+        assert_eq!(Reserve::Workers(3).of(2), 3);
+        assert_eq!(Reserve::Auto.to_string(), "auto");
+    }
+
     #[test]
     fn a_new_tenant_waits_one_round_not_the_whole_line() {
-        let pool = WorkerPool::new(1, 64);
+        let pool = WorkerPool::new(1, 64, Reserve::Workers(0));
         let mut st = pool.lock();
         for i in 0..10 {
             let (tx, _rx) = oneshot::channel();
@@ -1432,11 +1725,11 @@ mod tests {
 
     #[tokio::test]
     async fn an_early_refusal_says_what_acquire_would_and_parks_nothing() {
-        let pool = WorkerPool::new(1, 64);
+        let pool = WorkerPool::new(1, 64, Reserve::Workers(0));
         pool.note_turnaround(every(10));
         // A free worker: no refusal.
         assert_eq!(pool.refuse_early(&t("a"), secs(5)), None);
-        let held = pool.try_acquire().unwrap();
+        let held = pool.try_acquire(&t("x")).unwrap();
         // First in line: 10 s. Within 25 s: no refusal; within 5 s: the same refusal as acquire.
         assert_eq!(pool.refuse_early(&t("a"), secs(25)), None);
         assert_eq!(pool.refuse_early(&t("a"), secs(5)), Some(secs(10)));
@@ -1456,7 +1749,7 @@ mod tests {
 
     #[tokio::test]
     async fn calls_on_their_way_count_ahead_of_later_calls_until_they_reach_the_lot() {
-        let pool = WorkerPool::new(1, 64);
+        let pool = WorkerPool::new(1, 64, Reserve::Workers(0));
         pool.note_turnaround(every(10));
         let budget = secs(25);
         // The first will take the free worker; the next two would be served in 10 and 20 s.
@@ -1502,8 +1795,8 @@ mod tests {
 
     #[tokio::test]
     async fn the_lot_counts_hand_offs_and_each_kind_of_refusal() {
-        let pool = WorkerPool::new(1, 64);
-        let held = pool.try_acquire().unwrap();
+        let pool = WorkerPool::new(1, 64, Reserve::Workers(0));
+        let held = pool.try_acquire(&t("x")).unwrap();
         pool.note_turnaround(every(10));
         // A hand-off every 10 s, one at a time: a's first two calls fit 25 s, its third not.
         let a1 = arrive(&pool, "a", secs(25)).await;

@@ -61,6 +61,11 @@ pub enum Command {
         /// How many calls may wait for a worker at once; beyond it, 503 lot_full.
         #[arg(long, default_value_t = 1024)]
         lot_size: usize,
+        /// Free workers kept for tenants that hold none while another tenant's calls wait, so
+        /// that a tenant calling now and then is not queued behind another's flood: `auto` (one
+        /// on nodes of 4 workers or more, none below) or a number (0: keep none).
+        #[arg(long, default_value = "auto")]
+        reserved_workers: torpor_control::Reserve,
         /// Node memory budget for resident sandboxes, e.g. 12G (default: 70% of RAM); over
         /// it, the least recently active sandboxes are parked.
         #[arg(long, value_parser = daemon::parse_size)]
@@ -478,6 +483,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             worker_wait_ms,
             drain_timeout_ms,
             lot_size,
+            reserved_workers,
             memory_budget,
             tick_ms,
             warm_pool,
@@ -533,6 +539,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                 worker_wait: Duration::from_millis(worker_wait_ms),
                 drain_timeout: Duration::from_millis(drain_timeout_ms),
                 lot_capacity: lot_size.max(1),
+                reserved_workers,
                 memory_budget,
                 tick: Duration::from_millis(tick_ms.max(50)),
                 warm_pool,

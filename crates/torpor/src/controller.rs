@@ -79,6 +79,11 @@ pub struct ControllerArgs {
     /// How many calls may wait for a worker at once; beyond it, 503 lot_full.
     #[arg(long, default_value_t = 1024)]
     lot_size: usize,
+    /// Free workers kept for tenants that hold none while another tenant's calls wait, so
+    /// that a tenant calling now and then is not queued behind another's flood: `auto` (one
+    /// when the ready workers have 4 slots or more, none below) or a number (0: keep none).
+    #[arg(long, default_value = "auto")]
+    reserved_workers: torpor_control::Reserve,
     /// How often the idle policy runs.
     #[arg(long, default_value_t = 500)]
     tick_ms: u64,
@@ -199,6 +204,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         worker_wait: Duration::from_millis(args.worker_wait_ms),
         drain_timeout: Duration::from_millis(args.drain_timeout_ms),
         lot_capacity: args.lot_size.max(1),
+        reserved_workers: args.reserved_workers,
         memory_budget: None,
         tick: Duration::from_millis(args.tick_ms.max(50)),
         warm_pool: Some(0),

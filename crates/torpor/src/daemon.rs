@@ -30,6 +30,7 @@ pub struct UpConfig {
     pub worker_wait: Duration,
     pub drain_timeout: Duration,
     pub lot_capacity: usize,
+    pub reserved_workers: torpor_control::Reserve,
     pub memory_budget: Option<u64>,
     pub tick: Duration,
     pub warm_pool: Option<usize>,
@@ -225,6 +226,11 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     if workers == 0 && cfg.cluster.is_none() {
         bail!("--workers must be at least 1");
     }
+    if let torpor_control::Reserve::Workers(n) = cfg.reserved_workers {
+        if n > 0 && n >= workers && cfg.cluster.is_none() {
+            bail!("--reserved-workers {n} must be less than --workers {workers}: a tenant that holds a worker could never take another");
+        }
+    }
     let max_connections = descriptor_headroom(
         cfg.max_connections,
         workers.max(1),
@@ -256,6 +262,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         worker_wait: cfg.worker_wait,
         drain_timeout: cfg.drain_timeout,
         lot_capacity: cfg.lot_capacity,
+        reserved_workers: cfg.reserved_workers,
         memory_budget: match &cfg.cluster {
             // Each worker keeps its own budget; placement never overcommits one.
             Some(_) => None,

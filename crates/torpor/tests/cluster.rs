@@ -52,6 +52,7 @@ async fn an_engine_drives_a_real_worker_over_mtls_create_exec_park_wake_delete()
             agent_binary: cluster::BIN.into(),
             worker_wait: Duration::from_secs(5),
             lot_capacity: 16,
+            reserved_workers: torpor_control::Reserve::Auto,
             memory_budget: None,
             tick: Duration::from_secs(3600),
             warm_pool: 1,

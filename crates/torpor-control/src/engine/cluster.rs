@@ -281,7 +281,7 @@ impl Engine {
         rec: &mut SandboxRecord,
         cause: &str,
     ) -> Result<bool> {
-        let Some(permit) = self.workers.try_acquire() else {
+        let Some(permit) = self.workers.try_acquire(&rec.tenant) else {
             return Ok(false);
         };
         let Some(resident) = self

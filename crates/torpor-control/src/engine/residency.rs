@@ -46,7 +46,7 @@ impl Engine {
         arrival: Option<Arrival>,
     ) -> Result<WorkerPermit> {
         self.make_room(memory).await;
-        if let Some(p) = self.workers.try_acquire() {
+        if let Some(p) = self.workers.try_acquire(tenant) {
             return Ok(p);
         }
         self.metrics.lot_parked.inc();
@@ -179,6 +179,7 @@ impl Engine {
             free: self.workers.free(),
             parked_calls: self.workers.parked(),
             lot_capacity: self.workers.capacity(),
+            reserved_workers: self.workers.reserved(),
             park_budget_ms: self.cfg.worker_wait.as_millis() as u64,
             warm_pool_size: warm.target,
             warm_ready: warm.ready,

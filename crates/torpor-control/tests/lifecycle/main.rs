@@ -34,6 +34,7 @@ pub fn config(data_dir: &Path) -> EngineConfig {
         agent_binary: "/nonexistent/torpor".into(),
         worker_wait: Duration::from_millis(400),
         lot_capacity: 16,
+        reserved_workers: torpor_control::Reserve::Auto,
         memory_budget: None,
         // The idle policy runs only when a test calls policy_tick.
         tick: Duration::from_secs(3600),
