@@ -390,4 +390,26 @@ async fn startup_errors_are_clear() {
     assert!(!out.status.success());
     assert!(err.contains("data directory"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
+
+    // Keeping every worker back would let a tenant that holds one never take another.
+    for (workers, reserved, says) in [
+        (
+            "2",
+            "2",
+            "--reserved-workers 2 must be less than --workers 2",
+        ),
+        ("2", "some", "neither `auto` nor a number"),
+    ] {
+        let out = std::process::Command::new(BIN)
+            .args(["up", "--listen", "127.0.0.1:0", "--workers", workers])
+            .args(["--reserved-workers", reserved])
+            .arg("--data-dir")
+            .arg(tempfile::tempdir().unwrap().path())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(err.contains(says), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
 }

@@ -7,7 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use torpor_api::types::{CreateSandboxBody, ExecBody};
+use torpor_api::types::{CreateSandboxBody, CreateTenantBody, ExecBody};
+use torpor_core::Tier;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_lot_refuses_with_lot_full_and_parked_calls_get_a_worker() {
@@ -79,6 +80,66 @@ async fn a_full_lot_refuses_with_lot_full_and_parked_calls_get_a_worker() {
         m.contains("torpor_evictions_total{reason=\"parked_calls\"}"),
         "{m}"
     );
+}
+
+/// A tenant that holds no worker finds one kept for it (`--reserved-workers`): another tenant's
+/// calls park one of their own idle sandboxes rather than take the last free worker, and the
+/// first tenant's wake takes it at once, parking nobody.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_worker_is_kept_for_a_tenant_that_holds_none_while_another_takes_the_rest() {
+    let d = Daemon::start_with(&[
+        "--workers",
+        "2",
+        "--reserved-workers",
+        "1",
+        "--worker-wait-ms",
+        "30000",
+    ])
+    .await;
+    let admin = d.client();
+    let url = d.url();
+    let tenant = |name: &'static str| {
+        let (admin, url) = (admin.clone(), url.clone());
+        async move {
+            let t = admin
+                .create_tenant(&CreateTenantBody {
+                    name: name.into(),
+                    quotas: None,
+                })
+                .await
+                .unwrap();
+            torpor_api::Client::new(&url, &t.token)
+        }
+    };
+    let (a, b) = (tenant("flood").await, tenant("trickle").await);
+    // b has asked for a worker and holds none.
+    let b1 = create(&b, "host").await;
+    b.suspend(&b1, Some(Tier::Parked)).await.unwrap();
+    let tier = |c: &torpor_api::Client, id: &str| {
+        let (c, id) = (c.clone(), id.to_string());
+        async move { c.sandbox(&id).await.unwrap().tier }
+    };
+    // a's second sandbox does not take the kept worker: a's first is parked for it.
+    let a1 = create(&a, "host").await;
+    let a2 = create(&a, "host").await;
+    assert_eq!(tier(&a, &a1).await, "parked");
+    assert_eq!(tier(&a, &a2).await, "running");
+    let w = admin.workers().await.unwrap();
+    assert_eq!((w.busy, w.free, w.reserved_workers), (1, 1, 1), "{w:?}");
+    // b's call takes it at once: nothing of a's is parked for it.
+    let evictions = |m: String| metric(&m, EVICTED);
+    let before = evictions(admin.metrics().await.unwrap());
+    let r = b.exec(&b1, &sh("echo woke")).await.unwrap();
+    assert_eq!(r.stdout, "woke\n", "{r:?}");
+    assert_eq!(tier(&a, &a2).await, "running");
+    assert_eq!(evictions(admin.metrics().await.unwrap()), before);
+    let w = admin.workers().await.unwrap();
+    assert_eq!((w.busy, w.free), (2, 0), "{w:?}");
+    // While b holds it, a holds one and b none is waiting: a's first wakes on a's own worker.
+    let r = a.exec(&a1, &sh("echo back")).await.unwrap();
+    assert_eq!(r.stdout, "back\n", "{r:?}");
+    assert_eq!(tier(&b, &b1).await, "running");
+    assert_eq!(tier(&a, &a2).await, "parked");
 }
 
 #[tokio::test(flavor = "multi_thread")]
