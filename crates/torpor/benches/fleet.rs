@@ -22,7 +22,9 @@
 //!   (goal ≥ 0.9).
 //! - fairness: 4 workers; tenant A floods with 10x capacity (40 concurrent callers on 40
 //!   Parked sandboxes) while tenant B wakes one of its Parked sandboxes every ~0.3 s.
-//!   Baseline: B's wakes with A idle. Figure: B's wake p95 loaded / unloaded (goal ≤ 2x).
+//!   Baseline: B's wakes with A idle. Figure: B's wake p95 loaded / unloaded (goal ≤ 2x). Run
+//!   on a daemon without a kept worker (`--reserved-workers 0`) and on one with the default,
+//!   one after the other (`TORPOR_FAIRNESS_RESERVE=0,auto`).
 //!
 //! - warm: wake from Parked + exec on a prepared worker (`--warm-pool 4`) vs a worker prepared
 //!   at wake time (`--warm-pool 0`), the two daemons' runs interleaved.
@@ -930,7 +932,41 @@ async fn parking() -> serde_json::Value {
     })
 }
 
+/// Fairness on daemons with each `--reserved-workers` of `TORPOR_FAIRNESS_RESERVE` (default
+/// `0,auto`: the lot without a kept worker as the baseline, then the default), one after the
+/// other.
 async fn fairness() -> serde_json::Value {
+    let reserves =
+        std::env::var("TORPOR_FAIRNESS_RESERVE").unwrap_or_else(|_| "0,auto".to_string());
+    let mut runs = serde_json::Map::new();
+    let mut rows = Vec::new();
+    for reserve in reserves.split(',').filter(|r| !r.is_empty()) {
+        let v = fairness_with(reserve).await;
+        rows.push((reserve.to_string(), v.clone()));
+        runs.insert(format!("reserved_{reserve}"), v);
+    }
+    println!("\n## fairness, side by side (--reserved-workers)");
+    println!(
+        "{:<10} {:>12} {:>12} {:>12} {:>12} {:>9} {:>10}",
+        "reserved", "alone p50", "alone p95", "flood p50", "flood p95", "p95 x", "A calls/s"
+    );
+    for (reserve, v) in &rows {
+        let f = |k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "{:<10} {:>12.0} {:>12.0} {:>12.0} {:>12.0} {:>8.2}x {:>10.1}",
+            reserve,
+            f("b_unloaded_p50_ms"),
+            f("b_unloaded_p95_ms"),
+            f("b_loaded_p50_ms"),
+            f("b_loaded_p95_ms"),
+            f("b_p95_ratio"),
+            f("a_calls_per_s")
+        );
+    }
+    serde_json::Value::Object(runs)
+}
+
+async fn fairness_with(reserve: &str) -> serde_json::Value {
     let workers = 4;
     let flood = workers * 10;
     let trickle = env_usize("TORPOR_FAIRNESS_CALLS", 20);
@@ -939,6 +975,8 @@ async fn fairness() -> serde_json::Value {
         &workers.to_string(),
         "--worker-wait-ms",
         "60000",
+        "--reserved-workers",
+        reserve,
     ])
     .await;
     let admin = d.client.clone();
@@ -1034,7 +1072,7 @@ async fn fairness() -> serde_json::Value {
     let (l50, l95) = (pct(&mut loaded, 50.0), pct(&mut loaded, 95.0));
     let ratio = l95 / u95;
     let a_rate = a_calls.load(Ordering::Relaxed) as f64 / flood_s;
-    println!("\n## fairness: {workers} workers; tenant A floods with {flood} concurrent callers, tenant B trickles");
+    println!("\n## fairness: {workers} workers (--reserved-workers {reserve}); tenant A floods with {flood} concurrent callers, tenant B trickles");
     println!(
         "{:<36} {:>10} {:>10}",
         "B's wake + exec", "p50 ms", "p95 ms"
@@ -1048,7 +1086,7 @@ async fn fairness() -> serde_json::Value {
         a_failures.load(Ordering::Relaxed)
     );
     json!({
-        "workers": workers, "flood_callers": flood, "b_calls": trickle,
+        "workers": workers, "reserved_workers": reserve, "flood_callers": flood, "b_calls": trickle,
         "b_unloaded_p50_ms": u50, "b_unloaded_p95_ms": u95,
         "b_loaded_p50_ms": l50, "b_loaded_p95_ms": l95, "b_p95_ratio": ratio,
         "b_failures": f1 + f2, "a_calls_per_s": a_rate,

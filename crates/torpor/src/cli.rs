@@ -641,8 +641,8 @@ async fn dispatch(cmd: Command) -> CliResult {
                 print_json(&w);
             } else {
                 println!(
-                    "workers: {} total, {} busy, {} free; parked calls: {} (lot {}, budget {} ms)",
-                    w.total, w.busy, w.free, w.parked_calls, w.lot_capacity, w.park_budget_ms
+                    "workers: {} total, {} busy, {} free ({} kept for tenants holding none); parked calls: {} (lot {}, budget {} ms)",
+                    w.total, w.busy, w.free, w.reserved_workers, w.parked_calls, w.lot_capacity, w.park_budget_ms
                 );
                 println!(
                     "resident memory: {} of {}",
