@@ -20,6 +20,14 @@
 //! - **Which store.** The controllers announce it at registration; the worker opens it with its
 //!   own credentials (the `AWS_*` variables for S3). Each call names the tenant's namespace and
 //!   key (for encrypted stores), which the worker keeps only for that call.
+//! - **Re-encoded copies.** runsc writes a checkpoint's frames deflate-compressed, and a restore
+//!   inflates them all; an image fetched from the store is written with stored frames, which
+//!   restore faster. So [`REENCODE_AFTER`] after an upload, the local copy is rewritten with
+//!   stored frames in the background (`torpor_snapshot::reencode`: one at a time per process,
+//!   nice 10, a disk floor), and put in place only while it is still the copy of that snapshot
+//!   and no restore reads it; a wake on this worker then restores it without inflating. Only
+//!   uploaded copies are touched (the store holds the image either way). `--reencode-images
+//!   false` turns it off; `torpor_parked_reencodes_total{result}` counts the outcomes.
 //! - **Disk.** Non-uploaded images are never evicted (they may be the only copy). Local copies
 //!   of uploaded images are removed after a restore from them, when the controller removes
 //!   them, and beyond [`MAX_LOCAL_COPIES`] (oldest first).
@@ -27,7 +35,9 @@
 use std::collections::HashMap;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+use prometheus::{IntCounterVec, Opts, Registry};
 use tonic::Status;
 use torpor_runtime::node::{StoreAccess, StoredFiles, Uploaded};
 use torpor_snapshot::{
@@ -38,6 +48,9 @@ use crate::convert::bad;
 
 /// Local copies of uploaded images a worker keeps at most.
 pub const MAX_LOCAL_COPIES: usize = 64;
+/// How long after its upload a local copy's re-encoding starts: a wake sooner removes the copy
+/// (the sandbox's next park makes another), and costs no re-encoding.
+pub const REENCODE_AFTER: Duration = Duration::from_secs(2);
 
 /// Opens the store a controller announced (`s3://bucket/prefix` or a directory).
 pub type OpenBackend = Arc<dyn Fn(&str) -> Result<Arc<dyn Backend>, String> + Send + Sync>;
@@ -51,9 +64,32 @@ pub struct WorkerImages {
     chunk_cache: Option<Arc<ChunkCache>>,
     backend: Mutex<Option<(String, Arc<dyn Backend>)>>,
     /// Snapshot id -> the local copy in `images/`.
-    copies: Mutex<HashMap<String, PathBuf>>,
+    copies: Arc<Mutex<HashMap<String, PathBuf>>>,
+    /// Images restores read now (a count per directory): never re-encoded under them.
+    restoring: Arc<Mutex<HashMap<PathBuf, usize>>>,
+    /// Local copies re-encoded after their upload (see the module doc).
+    reencode: bool,
+    reencodes: IntCounterVec,
     /// One fetch at a time per kept snapshot.
     fetching: tokio::sync::Mutex<()>,
+}
+
+/// A restore reading an image: while it lives, the image is not re-encoded.
+pub struct Reading {
+    restoring: Arc<Mutex<HashMap<PathBuf, usize>>>,
+    dir: PathBuf,
+}
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        let mut r = self.restoring.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = r.get_mut(&self.dir) {
+            *n -= 1;
+            if *n == 0 {
+                r.remove(&self.dir);
+            }
+        }
+    }
 }
 
 fn internal(what: &str, e: impl std::fmt::Display) -> Status {
@@ -85,7 +121,11 @@ impl WorkerImages {
         for dir in [&images, &cache_dir] {
             for e in std::fs::read_dir(dir)?.flatten() {
                 if e.file_name().to_string_lossy().starts_with(".tmp-") {
-                    let _ = std::fs::remove_dir_all(e.path());
+                    // Checkpoints and fetches being written (directories), re-encodings (files).
+                    let _ = match e.file_type() {
+                        Ok(t) if t.is_dir() => std::fs::remove_dir_all(e.path()),
+                        _ => std::fs::remove_file(e.path()),
+                    };
                 }
             }
         }
@@ -119,9 +159,70 @@ impl WorkerImages {
             open,
             chunk_cache,
             backend: Mutex::new(None),
-            copies: Mutex::new(copies),
+            copies: Arc::new(Mutex::new(copies)),
+            restoring: Arc::default(),
+            reencode: true,
+            reencodes: IntCounterVec::new(
+                Opts::new(
+                    "torpor_parked_reencodes_total",
+                    "Local copies of uploaded images rewritten with stored frames, by result",
+                ),
+                &["result"],
+            )
+            .expect("a valid metric"),
             fetching: tokio::sync::Mutex::new(()),
         })
+    }
+
+    /// Whether local copies are re-encoded after their upload (default: yes).
+    pub fn with_reencoding(mut self, on: bool) -> Self {
+        self.reencode = on;
+        self
+    }
+
+    /// Registers the re-encoding counter on the worker's metrics.
+    pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
+        registry.register(Box::new(self.reencodes.clone()))
+    }
+
+    /// Re-encodings so far that ended with `result` (`done`, `nothing_to_gain`, `superseded`,
+    /// `low_disk`, `failed`).
+    pub fn reencoded(&self, result: &str) -> u64 {
+        self.reencodes.with_label_values(&[result]).get()
+    }
+
+    /// Marks `image` as read by a restore until the guard drops.
+    pub fn reading(&self, image: &Path) -> Reading {
+        *self
+            .restoring
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(image.to_path_buf())
+            .or_default() += 1;
+        Reading {
+            restoring: self.restoring.clone(),
+            dir: image.to_path_buf(),
+        }
+    }
+
+    /// Re-encodes the local copy `dir` of `snapshot` after [`REENCODE_AFTER`], in the
+    /// background.
+    fn reencode_soon(&self, snapshot: String, dir: PathBuf) {
+        if !self.reencode {
+            return;
+        }
+        let copy = CopyOf {
+            copies: self.copies.clone(),
+            restoring: self.restoring.clone(),
+            snapshot,
+            dir,
+        };
+        let counter = self.reencodes.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(REENCODE_AFTER).await;
+            let result = copy.reencode().await;
+            counter.with_label_values(&[result]).inc();
+        });
     }
 
     /// The store a controller announced. The first one opens; another controller announcing
@@ -381,12 +482,13 @@ impl WorkerImages {
             .map_err(|e| internal("cannot record the upload", e))?;
         let evict = {
             let mut copies = self.copies.lock().unwrap_or_else(|p| p.into_inner());
-            copies.insert(snapshot.to_string(), src);
+            copies.insert(snapshot.to_string(), src.clone());
             oldest_beyond(&mut copies, MAX_LOCAL_COPIES)
         };
         for p in evict {
             remove_copy(&p);
         }
+        self.reencode_soon(snapshot.to_string(), src);
         Ok(Uploaded {
             snapshot: snapshot.to_string(),
             input_bytes,
@@ -466,6 +568,102 @@ impl WorkerImages {
     }
 }
 
+/// A local copy of an uploaded snapshot, to re-encode.
+struct CopyOf {
+    copies: Arc<Mutex<HashMap<String, PathBuf>>>,
+    restoring: Arc<Mutex<HashMap<PathBuf, usize>>>,
+    snapshot: String,
+    dir: PathBuf,
+}
+
+impl CopyOf {
+    /// Still this worker's copy of the snapshot (not removed, restored or superseded).
+    fn current(&self) -> bool {
+        self.copies
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&self.snapshot)
+            .is_some_and(|p| *p == self.dir)
+            && self.dir.is_dir()
+    }
+
+    /// Rewrites every image file of the copy; answers the outcome's label.
+    async fn reencode(&self) -> &'static str {
+        use torpor_snapshot::reencode::{
+            image_files, one_at_a_time, reencode_tmp, rewrite_off_thread, Job,
+        };
+        let _turn = one_at_a_time().acquire().await;
+        if !self.current() {
+            return "superseded";
+        }
+        let Some(files) = image_files(&self.dir) else {
+            return "superseded";
+        };
+        let mut result = "nothing_to_gain";
+        for src in files {
+            let tmp = reencode_tmp(&self.dir);
+            let t = Instant::now();
+            match rewrite_off_thread(src.clone(), tmp.clone()).await {
+                Ok(Job::Done {
+                    original,
+                    written,
+                    was,
+                }) => {
+                    if !self.put_in_place(&src, &tmp, &was) {
+                        let _ = std::fs::remove_file(&tmp);
+                        return "superseded";
+                    }
+                    tracing::info!(snapshot = %self.snapshot, image = %src.display(), original, written,
+                        ms = t.elapsed().as_millis() as u64, "local copy re-encoded with stored frames");
+                    result = "done";
+                }
+                Ok(Job::Left) => {}
+                Ok(Job::LowDisk { needed, free }) => {
+                    tracing::info!(snapshot = %self.snapshot, needed, free,
+                        "local copy not re-encoded: the disk would be left too full");
+                    return "low_disk";
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_file(&tmp);
+                    tracing::warn!(snapshot = %self.snapshot, image = %src.display(), error = %e,
+                        "local copy not re-encoded");
+                    return "failed";
+                }
+            }
+        }
+        result
+    }
+
+    /// Renames the rewritten `tmp` over `src` while no restore reads the copy, it is still the
+    /// snapshot's copy, and `src` is the file that was read (`was`); false (nothing renamed)
+    /// otherwise. A restore that starts afterwards reads the new file: the same image.
+    fn put_in_place(
+        &self,
+        src: &Path,
+        tmp: &Path,
+        was: &torpor_snapshot::reencode::FileStamp,
+    ) -> bool {
+        // Both held across the rename: a restore cannot start reading, nor a removal take the
+        // copy out (removals take it out of `copies` before they delete its directory).
+        let restoring = self.restoring.lock().unwrap_or_else(|p| p.into_inner());
+        let copies = self.copies.lock().unwrap_or_else(|p| p.into_inner());
+        if restoring.contains_key(&self.dir)
+            || copies.get(&self.snapshot) != Some(&self.dir)
+            || torpor_snapshot::reencode::FileStamp::of(src).as_ref() != Some(was)
+        {
+            return false;
+        }
+        let renamed = std::fs::rename(tmp, src).is_ok();
+        drop((copies, restoring));
+        if renamed {
+            if let Ok(d) = std::fs::File::open(&self.dir) {
+                let _ = d.sync_all();
+            }
+        }
+        renamed
+    }
+}
+
 /// One plain path component (no `/`, `.`, `..`, nothing hidden).
 fn own_name(name: &str) -> Result<&str, Status> {
     let mut parts = Path::new(name).components();
@@ -541,6 +739,103 @@ mod tests {
             .await
             .unwrap();
         (dest, up)
+    }
+
+    /// A compressible image as runsc writes it (deflate frames).
+    fn compressible_image(seed: u8) -> Vec<u8> {
+        let stream: Vec<u8> = (0..600_000u32).map(|i| (i / 4096) as u8 ^ seed).collect();
+        torpor_snapshot::gvisor::encode_compressed_image(b"{\"k\":1}", &stream, 65_536)
+    }
+
+    /// Waits until `w` has finished `n` re-encodings (any outcome).
+    async fn reencodings(w: &WorkerImages, n: u64) {
+        let total = || {
+            [
+                "done",
+                "nothing_to_gain",
+                "superseded",
+                "low_disk",
+                "failed",
+            ]
+            .iter()
+            .map(|r| w.reencoded(r))
+            .sum::<u64>()
+        };
+        for _ in 0..200 {
+            if total() >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("{n} re-encodings did not end");
+    }
+
+    #[tokio::test]
+    async fn an_uploaded_copy_is_reencoded_as_a_fetch_would_write_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = tmp.path().join("store");
+        let a = images(&tmp.path().join("a"), &store);
+        let b = images(&tmp.path().join("b"), &store);
+        let runsc_wrote = compressible_image(1);
+        let (dest, up) = checkpoint_uploaded(&a, "sb-1-g1", &runsc_wrote).await;
+        let img = dest.join("checkpoint.img");
+        assert_eq!(
+            std::fs::read(&img).unwrap(),
+            runsc_wrote,
+            "not before its time"
+        );
+        reencodings(&a, 1).await;
+        assert_eq!(a.reencoded("done"), 1);
+        let reencoded = std::fs::read(&img).unwrap();
+        assert!(reencoded.len() > runsc_wrote.len(), "stored frames");
+        assert!(!a.images.join(".tmp-reencode-sb-1-g1").exists());
+        // What another worker fetches from the store is the same file, byte for byte.
+        let stored = StoredFiles {
+            image: Some(up.snapshot.clone()),
+            ..StoredFiles::default()
+        };
+        let (p, fetched) = b.image("sb-1-g2", "", &stored).await.unwrap();
+        assert!(fetched);
+        assert_eq!(std::fs::read(p.join("checkpoint.img")).unwrap(), reencoded);
+        // And a restores from its copy as before.
+        let (p, fetched) = a.image("sb-1-g2", "sb-1-g1", &stored).await.unwrap();
+        assert_eq!((p, fetched), (dest, false));
+    }
+
+    #[tokio::test]
+    async fn a_copy_being_restored_or_gone_is_not_replaced_and_off_means_off() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = tmp.path().join("store");
+        let a = images(&tmp.path().join("a"), &store);
+        // Read by a restore for the whole time: left as it is.
+        let (dest, _) = checkpoint_uploaded(&a, "sb-1-g1", &compressible_image(1)).await;
+        let reading = a.reading(&dest);
+        // Restored (and so removed) before its time.
+        let (gone, up) = checkpoint_uploaded(&a, "sb-2-g1", &compressible_image(2)).await;
+        let stored = StoredFiles {
+            image: Some(up.snapshot.clone()),
+            ..StoredFiles::default()
+        };
+        let (p, fetched) = a.image("sb-2-g2", "sb-2-g1", &stored).await.unwrap();
+        a.after_restore(&p, fetched, false);
+        assert!(!gone.exists());
+        reencodings(&a, 2).await;
+        assert_eq!((a.reencoded("superseded"), a.reencoded("done")), (2, 0));
+        assert_eq!(
+            std::fs::read(dest.join("checkpoint.img")).unwrap(),
+            compressible_image(1)
+        );
+        assert!(!gone.exists(), "nothing written back into a removed copy");
+        drop(reading);
+        // Turned off: nothing is queued at all.
+        let c = images(&tmp.path().join("c"), &store).with_reencoding(false);
+        let (dest, _) = checkpoint_uploaded(&c, "sb-3-g1", &compressible_image(3)).await;
+        tokio::time::sleep(REENCODE_AFTER + Duration::from_millis(500)).await;
+        assert_eq!(c.reencoded("done") + c.reencoded("superseded"), 0);
+        assert_eq!(
+            std::fs::read(dest.join("checkpoint.img")).unwrap(),
+            compressible_image(3)
+        );
     }
 
     #[test]

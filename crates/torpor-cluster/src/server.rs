@@ -621,6 +621,8 @@ impl NodeRpc for Arc<NodeService> {
         } else {
             (PathBuf::from(req.image), false, None)
         };
+        // No re-encoding of the image replaces it while runsc reads it.
+        let _reading = images.as_ref().map(|i| i.reading(&image));
         let keep = launch.stored.keep_image;
         let node = self.node.clone();
         let restored = self

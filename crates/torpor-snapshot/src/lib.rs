@@ -26,6 +26,7 @@ pub mod gvisor;
 pub mod id;
 pub mod lock;
 pub mod manifest;
+pub mod reencode;
 pub mod store;
 
 #[cfg(test)]

@@ -65,6 +65,13 @@ pub struct WorkerArgs {
     /// controllers that hold them when it registers again. `false`: they end with it.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     live_restore: bool,
+    /// Rewrite this worker's local copy of each uploaded image with stored frames in the
+    /// background, which a wake here restores without inflating: faster for compressible
+    /// state, at the cost of disk (a copy as large as the memory it holds; skipped while less
+    /// than 10% or 1 GiB of the data directory's disk would be left). `false`: copies stay as
+    /// runsc writes them. Images fetched from the store are written with stored frames anyway.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    reencode_images: bool,
     /// Under live restore, how long sandboxes run on with no worker process (milliseconds):
     /// a worker that is not back by then has its sandboxes ended by their shims. Keep it
     /// below the controllers' --worker-lost-after-ms, after which they resume the sandboxes
@@ -161,9 +168,25 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         None => (node, None),
     };
 
+    // Images: this worker's own checkpoints and its copies of the store the controllers
+    // announce (opened with this process's own AWS_* credentials).
+    let open: OpenBackend = Arc::new(|location: &str| {
+        let location: StoreLocation = location.parse()?;
+        torpor_control::snapshots::open_backend(&location, None)
+            .map(|(backend, _)| backend)
+            .map_err(|e| e.to_string())
+    });
+    let images = WorkerImages::open(
+        &args.data_dir,
+        open,
+        args.chunk_cache.unwrap_or(DEFAULT_REMOTE_CACHE),
+    )
+    .context("cannot prepare the worker's image directories")?
+    .with_reencoding(args.reencode_images);
     if let Some(addr) = args.metrics_listen {
         let registry = prometheus::Registry::new();
         metrics.register(&registry)?;
+        images.register(&registry)?;
         let gpu_metrics = gpu_node.clone();
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -234,20 +257,6 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             "containers a previous run of this worker left: taken back or removed"
         );
     }
-    // Images: this worker's own checkpoints and its copies of the store the controllers
-    // announce (opened with this process's own AWS_* credentials).
-    let open: OpenBackend = Arc::new(|location: &str| {
-        let location: StoreLocation = location.parse()?;
-        torpor_control::snapshots::open_backend(&location, None)
-            .map(|(backend, _)| backend)
-            .map_err(|e| e.to_string())
-    });
-    let images = WorkerImages::open(
-        &args.data_dir,
-        open,
-        args.chunk_cache.unwrap_or(DEFAULT_REMOTE_CACHE),
-    )
-    .context("cannot prepare the worker's image directories")?;
     service.set_images(Arc::new(images));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let joining = (!args.controller.is_empty()).then(|| {

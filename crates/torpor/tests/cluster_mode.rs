@@ -358,6 +358,26 @@ async fn a_checkpoint_its_worker_could_not_upload_is_lost_with_that_worker_and_s
         .await;
     wait_uploaded(&controller, &id).await;
 
+    // Uploaded, w1's local copy is rewritten with stored frames; a wake there restores it,
+    // everything intact, and parks again.
+    let deadline = Instant::now() + PATIENCE;
+    while !w1
+        .log()
+        .contains("local copy re-encoded with stored frames")
+    {
+        assert!(Instant::now() < deadline, "not re-encoded:\n{}", w1.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        controller.exec(&id, CHECK).await,
+        "disk-1\nmem-1\nprocess-alive\n"
+    );
+    assert_eq!(controller.sandbox(&id).await["node"], "w1");
+    controller
+        .ok(reqwest::Method::POST, &suspend, Some(park.clone()))
+        .await;
+    wait_uploaded(&controller, &id).await;
+
     // w2 can read the store but not write it: it wakes the sandbox (w1 drains), but cannot
     // upload what it parks, which stays on its disk only.
     controller

@@ -15,7 +15,7 @@
 //!   job is dropped, `superseded`);
 //! - skipped when the frames barely compress (incompressible memory: a restore has nothing to
 //!   inflate, `nothing_to_gain`), and when the data directory's disk would be left with less
-//!   than [`MIN_FREE_FRACTION`] or [`MIN_FREE_BYTES`] free (`low_disk`: a stored image is as
+//!   than `torpor_snapshot::reencode`'s `MIN_FREE_FRACTION` or `MIN_FREE_BYTES` free (`low_disk`: a stored image is as
 //!   large as the memory it holds);
 //! - a crash in the middle loses nothing: the rename is atomic and either file restores the
 //!   same sandbox.
@@ -25,28 +25,18 @@
 //! restores without inflating. Its recorded size stays what runsc wrote (quotas and sizes
 //! count that).
 //!
-//! Cluster workers' images are not re-encoded yet (their images are uploaded as they are).
+//! Cluster workers re-encode their local copies of uploaded images the same way
+//! (`torpor-cluster`'s `images.rs`); the machinery is `torpor_snapshot::reencode`.
 
-use tokio::sync::Semaphore;
-use torpor_snapshot::gvisor::{self, Reencoded};
+use torpor_snapshot::reencode::{
+    image_files, one_at_a_time, reencode_tmp, rewrite_off_thread, FileStamp, Job,
+};
 
 use super::*;
 
-/// Free space a re-encode leaves at least on the data directory's disk, as a fraction of it.
-pub const MIN_FREE_FRACTION: f64 = 0.10;
-/// Free space a re-encode leaves at least, in bytes.
-pub const MIN_FREE_BYTES: u64 = 1 << 30;
-/// The nice value of the re-encoding thread.
-const NICE: i32 = 10;
 /// How long an image stays parked before its re-encoding starts: a sandbox woken sooner (a
 /// parking storm's churn) costs no re-encoding at all.
 pub const REENCODE_AFTER: Duration = Duration::from_secs(2);
-
-/// One re-encode at a time on this machine.
-fn one_at_a_time() -> &'static Semaphore {
-    static ONE: Semaphore = Semaphore::const_new(1);
-    &ONE
-}
 
 impl Engine {
     /// Queues the re-encoding of the image a park just committed at `dir` for sandbox `id`.
@@ -186,120 +176,4 @@ impl Engine {
         drop(guard);
         renamed
     }
-}
-
-/// The files of the image directory `dir` (runsc's `checkpoint.img`, and whatever else it
-/// wrote); `None` when it cannot be read.
-fn image_files(dir: &Path) -> Option<Vec<PathBuf>> {
-    let entries = std::fs::read_dir(dir).ok()?;
-    Some(
-        entries
-            .flatten()
-            .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
-            .map(|e| e.path())
-            .collect(),
-    )
-}
-
-/// Where the re-encoding of the image directory `dir` is written: beside it, in the same
-/// directory of images (the same filesystem, for the rename), never inside it (an upload of
-/// the image directory must not take it).
-fn reencode_tmp(dir: &Path) -> PathBuf {
-    let name = dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    dir.with_file_name(format!(".tmp-reencode-{name}"))
-}
-
-/// What a file looked like when it was read: rewritten only if it still does.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct FileStamp {
-    len: u64,
-    modified: Option<std::time::SystemTime>,
-    ino: u64,
-}
-
-impl FileStamp {
-    fn of(path: &Path) -> Option<FileStamp> {
-        use std::os::unix::fs::MetadataExt as _;
-        let m = std::fs::metadata(path).ok()?;
-        Some(FileStamp {
-            len: m.len(),
-            modified: m.modified().ok(),
-            ino: m.ino(),
-        })
-    }
-}
-
-enum Job {
-    Done {
-        original: u64,
-        written: u64,
-        was: FileStamp,
-    },
-    /// Not an image, or nothing to gain.
-    Left,
-    LowDisk {
-        needed: u64,
-        free: u64,
-    },
-}
-
-/// Re-encodes `src` into `tmp` on a thread of its own at [`NICE`].
-async fn rewrite_off_thread(src: PathBuf, tmp: PathBuf) -> std::io::Result<Job> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("reencode".into())
-        .spawn(move || {
-            // SAFETY: setpriority on this thread only (a thread id is a process id to it).
-            unsafe {
-                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-                libc::setpriority(libc::PRIO_PROCESS, tid, NICE);
-            }
-            let _ = tx.send(rewrite(&src, &tmp));
-        })?;
-    rx.await
-        .unwrap_or_else(|_| Err(std::io::Error::other("the re-encoding thread ended")))
-}
-
-fn rewrite(src: &Path, tmp: &Path) -> std::io::Result<Job> {
-    let Some(was) = FileStamp::of(src) else {
-        return Ok(Job::Left);
-    };
-    let mut free_now = 0;
-    let room = |needed: u64| match disk_space(tmp.parent().unwrap_or(Path::new("/"))) {
-        Some((free, total)) => {
-            free_now = free;
-            let floor = ((total as f64 * MIN_FREE_FRACTION) as u64).max(MIN_FREE_BYTES);
-            free >= needed.saturating_add(floor)
-        }
-        None => false,
-    };
-    let _ = std::fs::remove_file(tmp);
-    match gvisor::reencode_stored(src, tmp, room)? {
-        Reencoded::Done { original, written } => Ok(Job::Done {
-            original,
-            written,
-            was,
-        }),
-        Reencoded::NoRoom { needed } => Ok(Job::LowDisk {
-            needed,
-            free: free_now,
-        }),
-        Reencoded::NotAnImage | Reencoded::NothingToGain { .. } => Ok(Job::Left),
-    }
-}
-
-/// (free, total) bytes of the filesystem holding `path`.
-fn disk_space(path: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::ffi::OsStrExt as _;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: statvfs writes into `st`, a statvfs on our stack; `c` is NUL-terminated.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
-    let frsize = st.f_frsize as u64;
-    Some((st.f_bavail as u64 * frsize, st.f_blocks as u64 * frsize))
 }
