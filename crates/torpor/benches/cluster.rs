@@ -7,6 +7,7 @@
 //!   cargo bench -p torpor --bench cluster            (as root, runsc and PostgreSQL installed)
 //!   TORPOR_BENCH_N=20 TORPOR_BENCH_CONC=4 cargo bench -q --profile dev -p torpor --bench cluster
 //!   TORPOR_BENCH_SETTLE=1 ...   (uploads waited for between batches: see `settle`)
+//!   TORPOR_CLUSTER_ROWS=reencode ... (only the re-encoded copy's rows, below; one worker)
 //!
 //! Real processes: a PostgreSQL server (`store::pg_testing`), two `torpor controller`s on it
 //! (`c1`, `c2`), three (and more, as workers are killed) `torpor worker`s joining both, with
@@ -23,6 +24,7 @@
 //! | bare `runsc restore` | `runsc restore --detach` of a copy of the same image, same bundle |
 //! | lifecycle | create, park, wake (exec `true`), delete of N sandboxes, C at a time: through `c1`; through `c1` and `c2` alternately (half the park and delete calls reach the controller that does not hold the sandbox, so are forwarded); through `torpor up` |
 //! | forwarding | exec `true` on a running sandbox through the controller that holds it vs through the other one (forwarded), `TORPOR_BENCH_FWD_N` (200) each, interleaved |
+//! | re-encoded copy (`TORPOR_CLUSTER_ROWS=reencode`) | a sandbox holding 64 MiB of compressible text: parked, uploaded, its worker's copy re-encoded (waited for), then exec `true` (wakes from that copy); baselines in the same round: bare `runsc restore` of the image as runsc wrote it (copied before its upload) and of the re-encoded copy |
 //!
 //! Prints three tables and one JSON line (`{"bench":"cluster",...}`).
 
@@ -425,8 +427,166 @@ struct Row {
     note: String,
 }
 
+/// 64 MiB of compressible text in the sandbox's memory: runsc's frames shrink it, so the
+/// worker re-encodes its copy.
+const FILL_64M_TEXT: &str = "mkdir -p /dev/shm && yes 'agent state: a line of text that repeats' | head -c 67108864 > /dev/shm/blob";
+
+/// `runsc restore --detach` of `image` in a copy `bundle` as container `cid`, timed, then
+/// deleted.
+fn bare_restore(root: &Path, image: &Path, bundle: &Path, cid: &str) -> f64 {
+    let mut args = runsc_global(root);
+    args.extend([
+        "restore".into(),
+        "--detach".into(),
+        format!("--image-path={}", image.display()),
+        format!("--bundle={}", bundle.display()),
+        cid.to_string(),
+    ]);
+    let ms = timed(Command::new("runsc").args(&args).stdout(Stdio::null()));
+    let mut del = runsc_global(root);
+    del.extend(["delete".into(), "--force".into(), cid.to_string()]);
+    let _ = Command::new("runsc").args(&del).output();
+    ms
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    let st = Command::new("cp")
+        .arg("-a")
+        .arg(from)
+        .arg(to)
+        .status()
+        .unwrap();
+    assert!(st.success(), "cp -a {from:?} {to:?}");
+}
+
+/// The re-encoded copy's rows: one controller, one worker (re-encoding on, the default).
+async fn reencode_rows(n: usize) {
+    let database = tokio::task::spawn_blocking(|| {
+        pg_testing::server().map(|pg| pg.url(&pg_testing::new_database(pg)))
+    })
+    .await
+    .expect("pg harness");
+    let Some(database) = database else {
+        println!("cluster bench: no PostgreSQL (scripts/deps.sh installs it); nothing measured");
+        return;
+    };
+    let tmp = tempfile::Builder::new()
+        .prefix("torpor-bench-cluster-")
+        .tempdir()
+        .expect("temp dir");
+    let dir = tmp.path();
+    cluster::pin_binary(dir);
+    cluster::logs_on_panic(dir);
+    let ca = dir.join("ca");
+    torpor(&[
+        "ca",
+        "init",
+        "--dir",
+        ca.to_str().unwrap(),
+        "--trust-domain",
+        "bench.cluster",
+    ]);
+    let ctl = Controller::start_as(dir, &ca, &database, "c1").await;
+    let w = Worker::start(dir, &ca, "w1", &ctl.cluster);
+    ctl.wait_state(&["w1"], "ready").await;
+    let c = ctl.client.clone();
+    wait_host_template(&c).await;
+    let log = dir.join("w1.log");
+    let reencoded = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .matches("local copy re-encoded with stored frames")
+            .count()
+    };
+    let root = w.data.join("runsc");
+    let baseline_root = dir.join("baseline-runsc");
+    std::fs::create_dir_all(&baseline_root).unwrap();
+    let id = create_host(&c).await;
+    sh(&c, &id, FILL_64M_TEXT).await;
+    let (mut wake, mut bare_runsc, mut bare_stored) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut sizes, mut same_node) = ((0u64, 0u64), 0);
+    for i in 0..n {
+        let live = runsc_list(&root)
+            .into_iter()
+            .find(|cid| cid.starts_with(&format!("{id}-g")))
+            .expect("its container on its worker");
+        let (ba, bb) = (dir.join(format!("ba-{i}")), dir.join(format!("bb-{i}")));
+        copy_bundle(&root, &live, &ba, &format!("bench-a-{i}"));
+        copy_bundle(&root, &live, &bb, &format!("bench-b-{i}"));
+        let before = reencoded();
+        c.suspend(&id, Some(Tier::Parked)).await.expect("park");
+        // The image as runsc wrote it: committed before the park answered, re-encoded only
+        // after its upload.
+        let img = latest_image(&w.data, &id);
+        let (orig, stored) = (
+            dir.join(format!("orig-{i}")),
+            dir.join(format!("stored-{i}")),
+        );
+        copy_dir(&img, &orig);
+        wait_uploaded(&c, &id).await;
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while reencoded() == before {
+            assert!(Instant::now() < deadline, "the copy was not re-encoded");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        copy_dir(&img, &stored);
+        let size = |d: &Path| std::fs::metadata(d.join("checkpoint.img")).map_or(0, |m| m.len());
+        sizes = (size(&orig), size(&stored));
+        // Baselines in alternating order, then the wake.
+        let a = || bare_restore(&baseline_root, &orig, &ba, &format!("bench-a-{i}"));
+        let b = || bare_restore(&baseline_root, &stored, &bb, &format!("bench-b-{i}"));
+        if i % 2 == 0 {
+            bare_runsc.push(a());
+            bare_stored.push(b());
+        } else {
+            bare_stored.push(b());
+            bare_runsc.push(a());
+        }
+        for d in [&orig, &stored, &ba, &bb] {
+            let _ = std::fs::remove_dir_all(d);
+        }
+        wake.push(timed_true(&c, &id).await);
+        if node_of(&c, &id).await.as_deref() == Some("w1") {
+            same_node += 1;
+        }
+    }
+    let _ = c.delete_sandbox(&id).await;
+    let mut rows = vec![
+        Row {
+            name: "wake from the re-encoded copy + exec",
+            ms: wake,
+            note: format!("{same_node}/{n} on w1, each after its copy was re-encoded"),
+        },
+        Row {
+            name: "bare runsc restore, image as runsc wrote it",
+            ms: bare_runsc,
+            note: format!("{} bytes", sizes.0),
+        },
+        Row {
+            name: "bare runsc restore, re-encoded copy",
+            ms: bare_stored,
+            note: format!("{} bytes", sizes.1),
+        },
+    ];
+    let json_rows = print_rows("wake (64 MiB of text)", &mut rows);
+    let p50 = |k: usize| json_rows[k]["p50_ms"].as_f64().unwrap_or(f64::NAN);
+    let ratio = p50(0) / p50(1);
+    println!(
+        "(p50: wake / bare restore of runsc's image {ratio:.2}; re-encoded / runsc's image, bare {:.2})",
+        p50(2) / p50(1)
+    );
+    println!(
+        "{}",
+        json!({"bench": "cluster", "reencode": {"n": n, "rows": json_rows,
+            "wake_over_bare_runsc_p50": ratio, "image_bytes": [sizes.0, sizes.1]}})
+    );
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
 async fn main() {
+    if std::env::var("TORPOR_CLUSTER_ROWS").as_deref() == Ok("reencode") {
+        return reencode_rows(env_usize("TORPOR_BENCH_N", 10)).await;
+    }
     let n = env_usize("TORPOR_BENCH_N", 20);
     let conc = env_usize("TORPOR_BENCH_CONC", 4);
     let database = tokio::task::spawn_blocking(|| {
