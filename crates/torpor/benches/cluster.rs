@@ -427,9 +427,12 @@ struct Row {
     note: String,
 }
 
-/// 64 MiB of compressible text in the sandbox's memory: runsc's frames shrink it, so the
-/// worker re-encodes its copy.
-const FILL_64M_TEXT: &str = "mkdir -p /dev/shm && yes 'agent state: a line of text that repeats' | head -c 67108864 > /dev/shm/blob";
+/// 64 MiB of compressible text in the sandbox's memory (base64 of random bytes: 6 bits of
+/// entropy a byte, so deflate takes it to ~3/4 and inflating it costs what real state does;
+/// a repeated line would shrink 50-fold and inflate almost for free): runsc's frames shrink
+/// it enough for the worker to re-encode its copy.
+const FILL_64M_TEXT: &str =
+    "mkdir -p /dev/shm && head -c 50331648 /dev/urandom | base64 -w0 > /dev/shm/blob";
 
 /// `runsc restore --detach` of `image` in a copy `bundle` as container `cid`, timed, then
 /// deleted.
