@@ -26,7 +26,8 @@
 //! batches alternate, so that load drift on a shared machine hits both alike.
 //!
 //! `TORPOR_BENCH_ROWS=exec` stops after the exec rows (for iterating on the exec path);
-//! `TORPOR_BENCH_ROWS=parked` runs only the compressible agent's wake from Parked;
+//! `TORPOR_BENCH_ROWS=parked` runs only the compressible agents' wakes from Parked (a Python
+//! agent's objects, and 64 MiB of text);
 //! `TORPOR_BENCH_REENCODE=false` runs the daemon with `--reencode-images false`;
 //! `TORPOR_BENCH_LIVE_RESTORE=false` with `--live-restore false` (no shims).
 //!
@@ -49,6 +50,9 @@ use support::pct;
 /// A main process with 64 MiB of incompressible memory resident.
 /// It writes /tmp/ready once its memory is filled: the point where an agent can serve.
 const AGENT_64M: &str = "import os, time\nblob = os.urandom(64 << 20)\nopen('/tmp/ready', 'w').write('1')\nwhile True: time.sleep(3600)\n";
+/// A main process with 64 MiB of text resident: base64 of random bytes, 6 bits of entropy a
+/// byte (deflate takes it to ~3/4, and inflating it costs what text-like state costs).
+const AGENT_64M_TEXT: &str = "import os, base64, time\nblob = base64.b64encode(os.urandom(48 << 20))\nopen('/tmp/ready', 'w').write('1')\nwhile True: time.sleep(3600)\n";
 
 struct Row {
     name: &'static str,
@@ -284,7 +288,30 @@ async fn compressible_rows(
     }
     let wait = usize::from(reencode_flag() == "true");
     let (torpor, baseline) = parked_wakes(c, data, tmp, baseline_root, &id, n, wait).await;
+    c.create_template(&spec(
+        "bench-text",
+        vec!["python3".into(), "-c".into(), AGENT_64M_TEXT.into()],
+    ))
+    .await
+    .unwrap();
+    let text = c
+        .create_sandbox(&CreateSandboxBody {
+            template: "bench-text".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .id;
+    let (text_torpor, text_baseline) =
+        parked_wakes(c, data, tmp, baseline_root, &text, n, wait).await;
+    let _ = c.delete_sandbox(&text).await;
     vec![
+        Row {
+            name: "wake from Parked (64 MiB of text) + exec",
+            torpor: text_torpor,
+            baseline_name: "bare runsc restore of runsc's image",
+            baseline: text_baseline,
+        },
         Row {
             name: "create from golden (Python agent, compressible state) + exec",
             torpor: creates,
