@@ -247,12 +247,80 @@ fn gpu_request(g: &torpor_runtime::node::LaunchGpu) -> Result<GpuRequest, Runtim
 }
 
 /// Asks `worker` to drop its wake ticket of `sandbox`, in the background.
-fn spawn_forget_ticket(worker: String, remote: Arc<RemoteNode>, sandbox: String) {
+/// How long a worker's wake ticket is asked for again after a `ForgetGpuTickets` that did not
+/// reach it (the worker unreachable, lost or restarting meanwhile).
+const FORGET_RETRY_FOR: Duration = Duration::from_secs(3600);
+/// The first pause before asking again; each next one doubles, up to [`FORGET_RETRY_MAX`].
+const FORGET_RETRY_FIRST: Duration = Duration::from_secs(1);
+const FORGET_RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// Asks worker `worker` to drop its wake ticket of `sandbox`, in the background, again and
+/// again while the call fails, for [`FORGET_RETRY_FOR`]: each time through the worker's
+/// connection as this fleet knows it then (a worker that restarted is dialled again); while it
+/// is lost nothing is sent. Pending retries live in this controller's memory only.
+fn spawn_forget_ticket(
+    fleet: Weak<Fleet>,
+    worker: String,
+    remote: Arc<RemoteNode>,
+    sandbox: String,
+) {
     tokio::spawn(async move {
-        if let Err(error) = remote.forget_gpu_ticket(&sandbox).await {
-            tracing::debug!(%worker, %error, "a worker kept wake tickets it was asked to drop");
+        let mut first = Some(remote);
+        let ask = || {
+            let remote = first
+                .take()
+                .or_else(|| fleet.upgrade()?.remote_named(&worker));
+            let sandbox = sandbox.clone();
+            async move {
+                match remote {
+                    Some(r) => r.forget_gpu_ticket(&sandbox).await,
+                    None => Err("the worker is lost or gone".to_string()),
+                }
+            }
+        };
+        let retry = Retry {
+            first: FORGET_RETRY_FIRST,
+            max: FORGET_RETRY_MAX,
+            for_: FORGET_RETRY_FOR,
+        };
+        if let Err(error) = retry.run(ask).await {
+            tracing::warn!(%worker, %sandbox, %error,
+                "a worker kept a wake ticket it was asked to drop (gave up asking)");
         }
     });
+}
+
+/// Exponential backoff for a call that may fail for a while.
+#[derive(Debug, Clone, Copy)]
+struct Retry {
+    first: Duration,
+    max: Duration,
+    /// Give up once this long has passed since the first attempt.
+    for_: Duration,
+}
+
+impl Retry {
+    /// Runs `attempt` until it succeeds or the time is up (its last error).
+    async fn run<F, Fut>(self, mut attempt: F) -> Result<(), String>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<(), String>>,
+    {
+        let started = tokio::time::Instant::now();
+        let mut pause = self.first;
+        loop {
+            let error = match attempt().await {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            if started.elapsed() + pause > self.for_ {
+                return Err(error);
+            }
+            tracing::debug!(%error, retry_in_ms = pause.as_millis() as u64, "asking again later");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(self.max);
+        }
+    }
 }
 
 fn quota_refusal(message: String) -> RuntimeError {
@@ -481,7 +549,7 @@ impl Fleet {
             }
         };
         for (name, remote) in asked {
-            spawn_forget_ticket(name, remote, sandbox.to_string());
+            spawn_forget_ticket(self.me.clone(), name, remote, sandbox.to_string());
         }
     }
 
@@ -1008,7 +1076,7 @@ impl Fleet {
                             None => Vec::new(),
                         };
                         for (name, remote) in asked {
-                            spawn_forget_ticket(name, remote, s.clone());
+                            spawn_forget_ticket(self.me.clone(), name, remote, s.clone());
                         }
                     }
                     let slot = format!("{worker}/{}", inner.worker());
@@ -1542,6 +1610,56 @@ pub async fn serve_cluster(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An attempt that fails `fails` times, then succeeds; records when each attempt came.
+    fn flaky(
+        fails: usize,
+        at: Arc<Mutex<Vec<Duration>>>,
+    ) -> impl FnMut() -> std::future::Ready<Result<(), String>> {
+        let start = tokio::time::Instant::now();
+        let mut n = 0;
+        move || {
+            at.lock().unwrap().push(start.elapsed());
+            n += 1;
+            std::future::ready(if n > fails {
+                Ok(())
+            } else {
+                Err(format!("unreachable ({n})"))
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_forget_that_failed_is_asked_again_with_backoff_and_given_up_in_time() {
+        let retry = Retry {
+            first: FORGET_RETRY_FIRST,
+            max: FORGET_RETRY_MAX,
+            for_: FORGET_RETRY_FOR,
+        };
+        // Unreachable for a while (a restart, a partition): asked again until it answers.
+        let at = Arc::new(Mutex::new(Vec::new()));
+        assert_eq!(retry.run(flaky(8, at.clone())).await, Ok(()));
+        let at = at.lock().unwrap().clone();
+        let secs: Vec<u64> = at.iter().map(|d| d.as_secs()).collect();
+        assert_eq!(
+            secs,
+            [0, 1, 3, 7, 15, 31, 63, 123, 183],
+            "doubling, capped at a minute"
+        );
+        // Never reachable: given up after the hour, not before, with the last error.
+        let at = Arc::new(Mutex::new(Vec::new()));
+        let err = retry.run(flaky(usize::MAX, at.clone())).await.unwrap_err();
+        assert!(err.starts_with("unreachable"), "{err}");
+        let last = *at.lock().unwrap().last().unwrap();
+        assert!(
+            last <= FORGET_RETRY_FOR && last + FORGET_RETRY_MAX > FORGET_RETRY_FOR,
+            "{last:?}"
+        );
+        // Reachable at once: asked once.
+        let at = Arc::new(Mutex::new(Vec::new()));
+        assert_eq!(retry.run(flaky(0, at.clone())).await, Ok(()));
+        assert_eq!(at.lock().unwrap().len(), 1);
+    }
 
     #[test]
     fn an_unspecified_host_is_the_callers_and_a_bad_address_is_refused() {

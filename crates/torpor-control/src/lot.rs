@@ -411,17 +411,26 @@ impl PoolState {
         }
     }
 
+    /// The tenants a kept worker is for: those that asked for one within the window and hold
+    /// none now (one pass over `seen`; the answer for every tenant follows from it).
+    fn newcomers(&self, now: Instant) -> Newcomers {
+        let mut found = self.seen.iter().filter(|(t, at)| {
+            self.holds(t) == 0 && now.saturating_duration_since(**at) < self.window
+        });
+        match (found.next(), found.next()) {
+            (None, _) => Newcomers::None,
+            (Some((t, _)), None) => Newcomers::One(t.clone()),
+            (Some(_), Some(_)) => Newcomers::Several,
+        }
+    }
+
     /// Whether `tenant` may take a worker that leaves `free_after` free: yes while that keeps
     /// the reserve, or when it holds none itself, or when no other tenant that holds none has
     /// asked for one within the window (nobody to keep it for).
     fn may_take(&self, tenant: &TenantId, free_after: usize, now: Instant) -> bool {
         free_after >= self.reserved
             || self.holds(tenant) == 0
-            || !self.seen.iter().any(|(t, at)| {
-                t != tenant
-                    && self.holds(t) == 0
-                    && now.saturating_duration_since(*at) < self.window
-            })
+            || !self.newcomers(now).other_than(tenant)
     }
 
     /// Whether a new call of `tenant` takes a free worker at once. Free workers while calls
@@ -453,6 +462,24 @@ impl PoolState {
             pool: Some(pool.clone()),
             tenant: Some(tenant.clone()),
         })
+    }
+}
+
+/// Tenants that hold no worker and asked for one lately ([`PoolState::newcomers`]).
+enum Newcomers {
+    None,
+    One(TenantId),
+    Several,
+}
+
+impl Newcomers {
+    /// Whether one of them is not `tenant`.
+    fn other_than(&self, tenant: &TenantId) -> bool {
+        match self {
+            Newcomers::None => false,
+            Newcomers::One(t) => t != tenant,
+            Newcomers::Several => true,
+        }
     }
 }
 
@@ -726,13 +753,14 @@ impl WorkerPool {
             return;
         }
         let now = Instant::now();
+        // Who the kept workers are for, once (not per waiting tenant): only asked when this
+        // hand-off would take one of them.
+        let newcomers = (st.free < st.reserved).then(|| st.newcomers(now));
         loop {
-            let free_after = st.free;
-            let Some(i) = st
-                .order
-                .iter()
-                .position(|t| st.may_take(t, free_after, now))
-            else {
+            let Some(i) = st.order.iter().position(|t| match &newcomers {
+                None => true,
+                Some(n) => st.holds(t) == 0 || !n.other_than(t),
+            }) else {
                 break;
             };
             let tenant = st.order.remove(i).expect("found above");
