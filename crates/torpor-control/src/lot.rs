@@ -756,13 +756,11 @@ impl WorkerPool {
         // Who the kept workers are for, once (not per waiting tenant): only asked when this
         // hand-off would take one of them.
         let newcomers = (st.free < st.reserved).then(|| st.newcomers(now));
-        loop {
-            let Some(i) = st.order.iter().position(|t| match &newcomers {
-                None => true,
-                Some(n) => st.holds(t) == 0 || !n.other_than(t),
-            }) else {
-                break;
-            };
+        let may_take = |st: &PoolState, t: &TenantId| match &newcomers {
+            None => true,
+            Some(n) => st.holds(t) == 0 || !n.other_than(t),
+        };
+        while let Some(i) = st.order.iter().position(|t| may_take(&st, t)) {
             let tenant = st.order.remove(i).expect("found above");
             let Some(queue) = st.queues.get_mut(&tenant) else {
                 continue;
