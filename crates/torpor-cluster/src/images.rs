@@ -69,6 +69,8 @@ pub struct WorkerImages {
     restoring: Arc<Mutex<HashMap<PathBuf, usize>>>,
     /// Local copies re-encoded after their upload (see the module doc).
     reencode: bool,
+    /// The CPU priority (nice) of uploads ([`uploads_runtime`]).
+    upload_nice: i32,
     reencodes: IntCounterVec,
     /// One fetch at a time per kept snapshot.
     fetching: tokio::sync::Mutex<()>,
@@ -162,6 +164,7 @@ impl WorkerImages {
             copies: Arc::new(Mutex::new(copies)),
             restoring: Arc::default(),
             reencode: true,
+            upload_nice: UPLOAD_NICE,
             reencodes: IntCounterVec::new(
                 Opts::new(
                     "torpor_parked_reencodes_total",
@@ -177,6 +180,13 @@ impl WorkerImages {
     /// Whether local copies are re-encoded after their upload (default: yes).
     pub fn with_reencoding(mut self, on: bool) -> Self {
         self.reencode = on;
+        self
+    }
+
+    /// The nice value of the threads that upload (default [`UPLOAD_NICE`]; 0: the worker's own).
+    /// The first upload of the process fixes it.
+    pub fn with_upload_nice(mut self, nice: i32) -> Self {
+        self.upload_nice = nice.clamp(0, 19);
         self
     }
 
@@ -447,35 +457,38 @@ impl WorkerImages {
             .map(|i| SnapshotId::new(&i).map_err(|e| bad("snapshot id", e)))
             .transpose()?;
         let source = src.clone();
-        let put = tokio::spawn(async move {
-            if let Some(want) = &id {
-                // A fixed id already stored (a golden snapshot uploaded by another worker).
-                if let Ok(m) = store.load_manifest(want).await {
-                    return Ok((want.clone(), m.logical_bytes(), 0));
+        // On the uploads' own runtime (its threads niced): a park's checkpoint, on its caller's
+        // path, goes before the uploads of the parks before it.
+        let put = uploads_runtime(self.upload_nice)
+            .spawn(async move {
+                if let Some(want) = &id {
+                    // A fixed id already stored (a golden snapshot uploaded by another worker).
+                    if let Ok(m) = store.load_manifest(want).await {
+                        return Ok((want.clone(), m.logical_bytes(), 0));
+                    }
                 }
-            }
-            let report = store
-                .put_dir_with(
-                    &source,
-                    PutOptions {
-                        id: id.clone(),
-                        labels,
-                        ..Default::default()
-                    },
-                )
-                .await?;
-            if pin {
-                store.pin(&report.id).await?;
-            }
-            Ok::<_, StoreError>((
-                report.id,
-                report.stats.input_bytes,
-                report.stats.bytes_written,
-            ))
-        })
-        .await
-        .map_err(|e| internal("upload task", e))?
-        .map_err(store_status)?;
+                let report = store
+                    .put_dir_with(
+                        &source,
+                        PutOptions {
+                            id: id.clone(),
+                            labels,
+                            ..Default::default()
+                        },
+                    )
+                    .await?;
+                if pin {
+                    store.pin(&report.id).await?;
+                }
+                Ok::<_, StoreError>((
+                    report.id,
+                    report.stats.input_bytes,
+                    report.stats.bytes_written,
+                ))
+            })
+            .await
+            .map_err(|e| internal("upload task", e))?
+            .map_err(store_status)?;
         let (snapshot, input_bytes, bytes_written) = put;
         let marker = src.with_extension("snapshot");
         std::fs::write(&marker, snapshot.as_str())
@@ -566,6 +579,39 @@ impl WorkerImages {
         remove_copy(&p);
         Ok(())
     }
+}
+
+/// The nice value of upload threads by default: below checkpoints and restores, which are on
+/// calls' paths, as re-encodes are.
+pub const UPLOAD_NICE: i32 = 10;
+
+/// The runtime uploads run on, made once per process on a thread at `nice`: its worker and
+/// blocking threads (reading, inflating, chunking, hashing, compressing) inherit that priority,
+/// so on a busy worker the checkpoints of the next parks and the restores of wakes go first
+/// and the uploads take what CPU is left. Never dropped (a static).
+fn uploads_runtime(nice: i32) -> &'static tokio::runtime::Runtime {
+    static RT: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RT.get_or_init(|| {
+        std::thread::Builder::new()
+            .name("uploads-init".into())
+            .spawn(move || {
+                // SAFETY: setpriority on this thread only (a thread id is a process id to it);
+                // the runtime's threads, created from it, inherit it.
+                unsafe {
+                    let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                    libc::setpriority(libc::PRIO_PROCESS, tid, nice);
+                }
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .thread_name("upload")
+                    .enable_all()
+                    .build()
+                    .expect("the uploads' runtime starts")
+            })
+            .expect("a thread for the uploads' runtime")
+            .join()
+            .expect("the uploads' runtime starts")
+    })
 }
 
 /// A local copy of an uploaded snapshot, to re-encode.

@@ -8,6 +8,7 @@
 //!   TORPOR_BENCH_N=20 TORPOR_BENCH_CONC=4 cargo bench -q --profile dev -p torpor --bench cluster
 //!   TORPOR_BENCH_SETTLE=1 ...   (uploads waited for between batches: see `settle`)
 //!   TORPOR_CLUSTER_ROWS=reencode ... (only the re-encoded copy's rows, below; one worker)
+//!   TORPOR_BENCH_WORKER_ARGS="--upload-nice 0" ... (more flags for every worker)
 //!
 //! Real processes: a PostgreSQL server (`store::pg_testing`), two `torpor controller`s on it
 //! (`c1`, `c2`), three (and more, as workers are killed) `torpor worker`s joining both, with

@@ -72,6 +72,12 @@ pub struct WorkerArgs {
     /// runsc writes them. Images fetched from the store are written with stored frames anyway.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     reencode_images: bool,
+    /// CPU priority (nice, 0–19) of the background uploads of parked images to the snapshot
+    /// store: above 0, a busy worker runs the checkpoints and restores on calls' paths first
+    /// and the uploads with what CPU is left (a sandbox is wakeable on another worker only
+    /// once its upload ends). 0: as the worker itself.
+    #[arg(long, default_value_t = torpor_cluster::images::UPLOAD_NICE, value_parser = clap::value_parser!(i32).range(0..=19))]
+    upload_nice: i32,
     /// Under live restore, how long sandboxes run on with no worker process (milliseconds):
     /// a worker that is not back by then has its sandboxes ended by their shims. Keep it
     /// below the controllers' --worker-lost-after-ms, after which they resume the sandboxes
@@ -182,7 +188,8 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         args.chunk_cache.unwrap_or(DEFAULT_REMOTE_CACHE),
     )
     .context("cannot prepare the worker's image directories")?
-    .with_reencoding(args.reencode_images);
+    .with_reencoding(args.reencode_images)
+    .with_upload_nice(args.upload_nice);
     if let Some(addr) = args.metrics_listen {
         let registry = prometheus::Registry::new();
         metrics.register(&registry)?;

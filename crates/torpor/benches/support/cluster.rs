@@ -242,6 +242,12 @@ impl Worker {
             .args(["--data-dir", data.to_str().unwrap()])
             .args(["--listen", "127.0.0.1:0", "--workers", "12"])
             .args(["--warm-pool", "1", "--memory-budget", "8G"])
+            // `TORPOR_BENCH_WORKER_ARGS="--upload-nice 0"`: more flags for every worker.
+            .args(
+                std::env::var("TORPOR_BENCH_WORKER_ARGS")
+                    .unwrap_or_default()
+                    .split_whitespace(),
+            )
             .env("TORPOR_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
