@@ -183,7 +183,7 @@ impl WorkerImages {
         self
     }
 
-    /// The nice value of the threads that upload (default [`UPLOAD_NICE`]; 0: the worker's own).
+    /// The nice value of the threads that upload (default [`UPLOAD_NICE`]; 0: normal priority).
     /// The first upload of the process fixes it.
     pub fn with_upload_nice(mut self, nice: i32) -> Self {
         self.upload_nice = nice.clamp(0, 19);

@@ -75,7 +75,7 @@ pub struct WorkerArgs {
     /// CPU priority (nice, 0–19) of the background uploads of parked images to the snapshot
     /// store: above 0, a busy worker runs the checkpoints and restores on calls' paths first
     /// and the uploads with what CPU is left (a sandbox is wakeable on another worker only
-    /// once its upload ends). 0: as the worker itself.
+    /// once its upload ends). 0: normal priority.
     #[arg(long, default_value_t = torpor_cluster::images::UPLOAD_NICE, value_parser = clap::value_parser!(i32).range(0..=19))]
     upload_nice: i32,
     /// Under live restore, how long sandboxes run on with no worker process (milliseconds):
