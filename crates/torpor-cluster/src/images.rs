@@ -35,7 +35,7 @@
 use std::collections::HashMap;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use prometheus::{IntCounterVec, Opts, Registry};
 use tonic::Status;
@@ -635,49 +635,15 @@ impl CopyOf {
 
     /// Rewrites every image file of the copy; answers the outcome's label.
     async fn reencode(&self) -> &'static str {
-        use torpor_snapshot::reencode::{
-            image_files, one_at_a_time, reencode_tmp, rewrite_off_thread, Job,
-        };
+        use torpor_snapshot::reencode::{one_at_a_time, reencode_dir};
         let _turn = one_at_a_time().acquire().await;
         if !self.current() {
             return "superseded";
         }
-        let Some(files) = image_files(&self.dir) else {
-            return "superseded";
-        };
-        let mut result = "nothing_to_gain";
-        for src in files {
-            let tmp = reencode_tmp(&self.dir);
-            let t = Instant::now();
-            match rewrite_off_thread(src.clone(), tmp.clone()).await {
-                Ok(Job::Done {
-                    original,
-                    written,
-                    was,
-                }) => {
-                    if !self.put_in_place(&src, &tmp, &was) {
-                        let _ = std::fs::remove_file(&tmp);
-                        return "superseded";
-                    }
-                    tracing::info!(snapshot = %self.snapshot, image = %src.display(), original, written,
-                        ms = t.elapsed().as_millis() as u64, "local copy re-encoded with stored frames");
-                    result = "done";
-                }
-                Ok(Job::Left) => {}
-                Ok(Job::LowDisk { needed, free }) => {
-                    tracing::info!(snapshot = %self.snapshot, needed, free,
-                        "local copy not re-encoded: the disk would be left too full");
-                    return "low_disk";
-                }
-                Err(e) => {
-                    let _ = std::fs::remove_file(&tmp);
-                    tracing::warn!(snapshot = %self.snapshot, image = %src.display(), error = %e,
-                        "local copy not re-encoded");
-                    return "failed";
-                }
-            }
-        }
-        result
+        reencode_dir(&self.dir, "local copy", &self.snapshot, |src, tmp, was| {
+            std::future::ready(self.put_in_place(&src, &tmp, &was))
+        })
+        .await
     }
 
     /// Renames the rewritten `tmp` over `src` while no restore reads the copy, it is still the

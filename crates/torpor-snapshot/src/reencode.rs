@@ -6,7 +6,9 @@
 //! only if the image is still the one that was read: [`FileStamp`]) is the caller's, who knows
 //! whether anything still restores from it.
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use tokio::sync::Semaphore;
 
@@ -139,4 +141,56 @@ fn disk_space(path: &Path) -> Option<(u64, u64)> {
     }
     let frsize = st.f_frsize as u64;
     Some((st.f_bavail as u64 * frsize, st.f_blocks as u64 * frsize))
+}
+
+/// Re-encodes every image file of `dir` (the caller holds a turn of [`one_at_a_time`]), each
+/// put in place by `place(src, tmp, was)`, which renames `tmp` over `src` only if nothing
+/// restores from it and it is still what was read, and answers whether it did (false:
+/// superseded, the temporary file is removed). Answers the outcome's label, as
+/// `torpor_parked_reencodes_total{result}` counts them: `done`, `nothing_to_gain`,
+/// `superseded`, `low_disk` or `failed`. `what` and `of` name the image in the log lines.
+pub async fn reencode_dir<F, Fut>(dir: &Path, what: &str, of: &str, mut place: F) -> &'static str
+where
+    F: FnMut(PathBuf, PathBuf, FileStamp) -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let Some(files) = image_files(dir) else {
+        return "superseded";
+    };
+    let mut result = "nothing_to_gain";
+    for src in files {
+        let tmp = reencode_tmp(dir);
+        let t = Instant::now();
+        match rewrite_off_thread(src.clone(), tmp.clone()).await {
+            Ok(Job::Done {
+                original,
+                written,
+                was,
+            }) => {
+                if !place(src.clone(), tmp.clone(), was).await {
+                    let _ = std::fs::remove_file(&tmp);
+                    return "superseded";
+                }
+                tracing::info!(of, image = %src.display(), original, written,
+                    ms = t.elapsed().as_millis() as u64, "{what} re-encoded with stored frames");
+                result = "done";
+            }
+            Ok(Job::Left) => {}
+            Ok(Job::LowDisk { needed, free }) => {
+                tracing::info!(
+                    of,
+                    needed,
+                    free,
+                    "{what} not re-encoded: the disk would be left too full"
+                );
+                return "low_disk";
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                tracing::warn!(of, image = %src.display(), error = %e, "{what} not re-encoded");
+                return "failed";
+            }
+        }
+    }
+    result
 }

@@ -464,7 +464,9 @@ fn copy_dir(from: &Path, to: &Path) {
 }
 
 /// The re-encoded copy's rows: one controller, one worker (re-encoding on, the default).
-async fn reencode_rows(n: usize) {
+/// A fresh database on the tests' PostgreSQL and a temporary directory with the pinned binary
+/// and a CA (`DIR/ca`); `None` (said so) without PostgreSQL.
+async fn bench_setup() -> Option<(String, tempfile::TempDir)> {
     let database = tokio::task::spawn_blocking(|| {
         pg_testing::server().map(|pg| pg.url(&pg_testing::new_database(pg)))
     })
@@ -472,7 +474,7 @@ async fn reencode_rows(n: usize) {
     .expect("pg harness");
     let Some(database) = database else {
         println!("cluster bench: no PostgreSQL (scripts/deps.sh installs it); nothing measured");
-        return;
+        return None;
     };
     let tmp = tempfile::Builder::new()
         .prefix("torpor-bench-cluster-")
@@ -490,6 +492,15 @@ async fn reencode_rows(n: usize) {
         "--trust-domain",
         "bench.cluster",
     ]);
+    Some((database, tmp))
+}
+
+async fn reencode_rows(n: usize) {
+    let Some((database, tmp)) = bench_setup().await else {
+        return;
+    };
+    let dir = tmp.path();
+    let ca = dir.join("ca");
     let ctl = Controller::start_as(dir, &ca, &database, "c1").await;
     let w = Worker::start(dir, &ca, "w1", &ctl.cluster);
     ctl.wait_state(&["w1"], "ready").await;
@@ -593,22 +604,10 @@ async fn main() {
     }
     let n = env_usize("TORPOR_BENCH_N", 20);
     let conc = env_usize("TORPOR_BENCH_CONC", 4);
-    let database = tokio::task::spawn_blocking(|| {
-        pg_testing::server().map(|pg| pg.url(&pg_testing::new_database(pg)))
-    })
-    .await
-    .expect("pg harness");
-    let Some(database) = database else {
-        println!("cluster bench: no PostgreSQL (scripts/deps.sh installs it); nothing measured");
+    let Some((database, tmp)) = bench_setup().await else {
         return;
     };
-    let tmp = tempfile::Builder::new()
-        .prefix("torpor-bench-cluster-")
-        .tempdir()
-        .expect("temp dir");
     let dir = tmp.path();
-    cluster::pin_binary(dir);
-    cluster::logs_on_panic(dir);
     let started = Instant::now();
 
     // --- lifecycle through the embedded daemon (same sequence, same machine, this run)
@@ -619,16 +618,8 @@ async fn main() {
     };
     eprintln!("embedded lifecycle done at {:.0?}", started.elapsed());
 
-    // --- the cluster: CA, two controllers on the database, the first worker (joining both)
+    // --- the cluster: two controllers on the database, the first worker (joining both)
     let ca = dir.join("ca");
-    torpor(&[
-        "ca",
-        "init",
-        "--dir",
-        ca.to_str().unwrap(),
-        "--trust-domain",
-        "bench.cluster",
-    ]);
     let ctl = Controller::start_as(dir, &ca, &database, "c1").await;
     let ctl2 = Controller::start_as(dir, &ca, &database, "c2").await;
     let both = format!("{},{}", ctl.cluster, ctl2.cluster);

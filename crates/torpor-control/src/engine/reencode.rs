@@ -29,7 +29,7 @@
 //! (`torpor-cluster`'s `images.rs`); the machinery is `torpor_snapshot::reencode`.
 
 use torpor_snapshot::reencode::{
-    image_files, one_at_a_time, reencode_tmp, rewrite_off_thread, FileStamp, Job,
+    image_files, one_at_a_time, reencode_dir, rewrite_off_thread, FileStamp, Job,
 };
 
 use super::*;
@@ -105,40 +105,13 @@ impl Engine {
         if !self.parked_on(id, dir) {
             return "superseded";
         }
-        let Some(files) = image_files(dir) else {
-            return "superseded";
-        };
-        let mut result = "nothing_to_gain";
-        for src in files {
-            let tmp = reencode_tmp(dir);
-            let t = Instant::now();
-            match rewrite_off_thread(src.clone(), tmp.clone()).await {
-                Ok(Job::Done {
-                    original,
-                    written,
-                    was,
-                }) => {
-                    if !self.put_in_place(id, dir, &src, &tmp, &was).await {
-                        let _ = std::fs::remove_file(&tmp);
-                        return "superseded";
-                    }
-                    tracing::info!(sandbox = %id, image = %src.display(), original, written,
-                        ms = t.elapsed().as_millis() as u64, "parked image re-encoded with stored frames");
-                    result = "done";
-                }
-                Ok(Job::Left) => {}
-                Ok(Job::LowDisk { needed, free }) => {
-                    tracing::info!(sandbox = %id, needed, free, "parked image not re-encoded: the disk would be left too full");
-                    return "low_disk";
-                }
-                Err(e) => {
-                    let _ = std::fs::remove_file(&tmp);
-                    tracing::warn!(sandbox = %id, image = %src.display(), error = %e, "parked image not re-encoded");
-                    return "failed";
-                }
-            }
-        }
-        result
+        reencode_dir(
+            dir,
+            "parked image",
+            id.as_str(),
+            |src, tmp, was| async move { self.put_in_place(id, dir, &src, &tmp, &was).await },
+        )
+        .await
     }
 
     /// Renames the re-encoded `tmp` over `src` if the sandbox is still Parked on `dir` and
