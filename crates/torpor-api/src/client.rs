@@ -466,7 +466,7 @@ impl Client {
         self.json_body(
             Method::POST,
             &format!("/v1/sandboxes/{id}/suspend"),
-            &SuspendBody { tier },
+            &SuspendBody { tier, cause: None },
         )
         .await
     }

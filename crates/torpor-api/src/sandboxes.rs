@@ -174,12 +174,29 @@ pub(crate) async fn suspend(
     } else {
         parse_json(&body)?
     };
+    let cause = match body.cause.as_deref() {
+        None => "api",
+        Some(_) if tenant != TenantId::admin() => {
+            return Err(torpor_control::error::ControlError::Forbidden(
+                "only the admin may give a suspend's cause".into(),
+            )
+            .into())
+        }
+        Some("gpu_reclaimed") => "gpu_reclaimed",
+        Some(other) => {
+            return Err(torpor_control::error::ControlError::Invalid(format!(
+                "cause {other:?}: the only cause a suspend may give is \"gpu_reclaimed\""
+            ))
+            .into())
+        }
+    };
     let s = state
         .engine
-        .suspend(
+        .suspend_for(
             &tenant,
             &sandbox_id(&id)?,
             body.tier.unwrap_or(Tier::Parked),
+            cause,
         )
         .await?;
     Ok(Json(Sandbox::from(&s)))

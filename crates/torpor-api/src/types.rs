@@ -103,6 +103,10 @@ pub struct ForkBody {
 pub struct SuspendBody {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tier: Option<Tier>,
+    /// Why, as the transition records it (admin only): `gpu_reclaimed` (a controller parking a
+    /// borrower of a GPU share that a tenant within its guarantee needs back). Absent: `api`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cause: Option<String>,
 }
 
 pub use torpor_control::Quotas;

@@ -53,6 +53,7 @@ use crate::gpu_turn::{GpuTurnBook, Turn};
 use crate::pb;
 use crate::pb::cluster_server::{Cluster as ClusterRpc, ClusterServer};
 use crate::placement::{Capacity, Load, Need, Placement, WorkerState, ANY_GPU};
+use crate::reclaim::GpuReclaim;
 use crate::server::{accept_verified, check_version, ServeError};
 use crate::tls::{PeerInfo, TlsSource};
 use crate::MAX_MESSAGE;
@@ -211,6 +212,9 @@ pub struct Fleet {
     /// holdings their starts reported ([`Fleet::attach_gpu_book`], [`crate::gpu_turn`]); unset,
     /// only this controller's own starts take turns.
     gpu_book: std::sync::OnceLock<(Arc<dyn GpuTurnBook>, String)>,
+    /// Parks the sandboxes whose borrowed GPU shares a start needs back
+    /// ([`Fleet::attach_reclaim`], [`crate::reclaim`]); unset, such a start is refused.
+    reclaim: std::sync::OnceLock<Arc<dyn GpuReclaim>>,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -322,6 +326,29 @@ impl Retry {
         }
     }
 }
+
+/// Parks `victims` side by side, each within [`RECLAIM_WAIT`].
+async fn park_all(
+    reclaim: &dyn GpuReclaim,
+    victims: &[torpor_core::SandboxId],
+    worker: &str,
+    requester: Option<&str>,
+) -> Result<(), String> {
+    let parked = futures::future::join_all(victims.iter().map(|v| async move {
+        match tokio::time::timeout(RECLAIM_WAIT, reclaim.park(v, worker, requester)).await {
+            Ok(r) => r,
+            Err(_) => Err(format!(
+                "a borrower's park took over {} s",
+                RECLAIM_WAIT.as_secs()
+            )),
+        }
+    }))
+    .await;
+    parked.into_iter().collect()
+}
+
+/// How long a start waits for one borrower to be parked.
+const RECLAIM_WAIT: Duration = Duration::from_secs(60);
 
 fn quota_refusal(message: String) -> RuntimeError {
     RuntimeError::Gpu {
@@ -466,7 +493,32 @@ impl Fleet {
             guaranteed,
             borrow_limit: Some(ceiling.saturating_sub(guaranteed)),
         };
-        let book = QuotaBook::unlimited().with(tenant.clone(), left);
+        let mut book = QuotaBook::unlimited().with(tenant.clone(), left);
+        // Every other tenant holding a share on that worker, with its guarantee less what it
+        // holds on the others: above its guarantee cluster-wide, its newest shares there are
+        // borrowed, and a requester within its own may have them back (crate::reclaim).
+        let here = self
+            .remote_named(worker)
+            .map(|r| r.gpu_usage_report().1)
+            .unwrap_or_default();
+        for other in here.keys().filter(|t| *t != tenant.as_str()) {
+            let Ok(id) = torpor_gpu::ids::TenantId::new(other.as_str()) else {
+                continue;
+            };
+            let Some(quota) = self.cfg.gpu_quotas.tenants.get(&id) else {
+                continue;
+            };
+            let elsewhere = self.gpu_held_elsewhere(other, worker, &[]);
+            let guaranteed = quota.guaranteed.saturating_sub(elsewhere);
+            let ceiling = quota.ceiling().saturating_sub(elsewhere);
+            book = book.with(
+                id,
+                TenantQuota {
+                    guaranteed,
+                    borrow_limit: Some(ceiling.saturating_sub(guaranteed)),
+                },
+            );
+        }
         serde_json::to_string(&book)
             .map(|b| Some((b, elsewhere)))
             .map_err(|e| quota_refusal(format!("the quota does not encode: {e}")))
@@ -487,6 +539,7 @@ impl Fleet {
             gpu_turns: Mutex::default(),
             fencer: std::sync::OnceLock::new(),
             gpu_book: std::sync::OnceLock::new(),
+            reclaim: std::sync::OnceLock::new(),
         });
         let watch = Arc::downgrade(&fleet);
         let period = (fleet.cfg.heartbeat / 2).max(Duration::from_millis(50));
@@ -520,6 +573,12 @@ impl Fleet {
     /// [`crate::gpu_turn`]). Once.
     pub fn attach_gpu_book(&self, book: Arc<dyn GpuTurnBook>, me: String) {
         let _ = self.gpu_book.set((book, me));
+    }
+
+    /// Lets GPU starts of tenants within their guarantee have borrowers parked
+    /// ([`crate::reclaim`]); once, at start.
+    pub fn attach_reclaim(&self, reclaim: Arc<dyn GpuReclaim>) {
+        let _ = self.reclaim.set(reclaim);
     }
 
     /// A GPU sandbox of `tenant` gave its share on `worker` back (a checkpoint or destroy,
@@ -954,11 +1013,21 @@ impl Fleet {
         let mut refused: Option<String> = None;
         // A GPU refusal from the first worker is the answer when no other worker can try.
         let mut gpu_refusal: Option<RuntimeError> = None;
-        for _attempt in 0..2 {
+        // The worker whose borrowed shares were just taken back for this start: tried again.
+        let mut again_on: Option<String> = None;
+        let mut reclaims = 0;
+        for _attempt in 0..2 + crate::reclaim::MAX_ROUNDS {
             let (worker, remote) = {
                 let mut m = self.lock();
+                let again = again_on.take().filter(|w| {
+                    pinned.is_none()
+                        && m.workers.get(w).is_some_and(|w| !w.lost)
+                        && m.placement.reserve(w, need.memory)
+                });
                 // The worker to start on, with its slot and memory reserved.
-                let chosen = if let Some(pin) = &pinned {
+                let chosen = if let Some(again) = again {
+                    again
+                } else if let Some(pin) = &pinned {
                     if m.workers.get(pin).is_none_or(|w| w.lost) {
                         return Err(RuntimeError::ImageLost(format!(
                             "its checkpoint is on worker {pin}, which is gone"
@@ -1091,6 +1160,30 @@ impl Fleet {
                 }
                 Err(e) => {
                     self.forget(&launch.container_id);
+                    if let Some(victims) = crate::reclaim::reclaim_victims(&e) {
+                        let Some(reclaim) = self
+                            .reclaim
+                            .get()
+                            .filter(|_| reclaims < crate::reclaim::MAX_ROUNDS)
+                        else {
+                            return Err(crate::reclaim::unavailable(
+                                &worker,
+                                "taken back twice already, or nothing here parks sandboxes",
+                            ));
+                        };
+                        reclaims += 1;
+                        tracing::info!(%worker, container = %launch.container_id, ?victims,
+                            "parking borrowers of GPU shares for a start within its guarantee");
+                        let requester = gpu
+                            .as_ref()
+                            .and_then(|r| r.tenant.as_ref())
+                            .map(|t| t.as_str());
+                        park_all(reclaim.as_ref(), &victims, &worker, requester)
+                            .await
+                            .map_err(|why| crate::reclaim::unavailable(&worker, &why))?;
+                        again_on = Some(worker);
+                        continue;
+                    }
                     // A worker whose GPUs are taken may not be the only one with that model.
                     let retry = matches!(e, RuntimeError::NoCapacity(_) | RuntimeError::Conn(_))
                         || matches!(&e, RuntimeError::Unsupported(m) if m.contains("did not answer"))

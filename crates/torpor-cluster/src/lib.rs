@@ -23,6 +23,7 @@ pub mod gpu_turn;
 pub mod images;
 pub mod join;
 pub mod placement;
+pub mod reclaim;
 pub mod server;
 pub mod tls;
 mod tunnel;

@@ -104,6 +104,17 @@ struct Inner {
     tickets: HashMap<SandboxId, SleepTicket>,
 }
 
+/// What [`NodeGpus::acquire_or_name_victims`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acquired {
+    /// The sandbox holds its share; these sandboxes' borrowed shares were reclaimed for it
+    /// (only when evictions were allowed).
+    Held(Vec<SandboxId>),
+    /// Nothing was taken: the share is free only once these sandboxes (borrowers above their
+    /// guarantee, newest first) have given theirs back.
+    ReclaimFirst(Vec<SandboxId>),
+}
+
 /// The node's GPUs as the daemon sees them.
 pub struct NodeGpus {
     inventory: Inventory,
@@ -291,12 +302,36 @@ impl NodeGpus {
         id: &SandboxId,
         quotas: &QuotaBook,
     ) -> Result<Vec<SandboxId>, GpuError> {
+        match self.acquire_planned(id, quotas, true)? {
+            Acquired::Held(victims) => Ok(victims),
+            // With evictions allowed the plan commits them.
+            Acquired::ReclaimFirst(_) => Ok(Vec::new()),
+        }
+    }
+
+    /// [`NodeGpus::acquire_under`] that evicts nobody: a plan that needs borrowed shares back
+    /// commits nothing and names their sandboxes instead (a cluster worker: the controllers
+    /// park them, which gives the shares back, then start again).
+    pub fn acquire_or_name_victims(
+        &self,
+        id: &SandboxId,
+        quotas: &QuotaBook,
+    ) -> Result<Acquired, GpuError> {
+        self.acquire_planned(id, quotas, false)
+    }
+
+    fn acquire_planned(
+        &self,
+        id: &SandboxId,
+        quotas: &QuotaBook,
+        evict: bool,
+    ) -> Result<Acquired, GpuError> {
         let Some(request) = self.request_of(id) else {
-            return Ok(Vec::new());
+            return Ok(Acquired::Held(Vec::new()));
         };
         let mut inner = self.lock();
         if inner.held.contains_key(id) {
-            return Ok(Vec::new());
+            return Ok(Acquired::Held(Vec::new()));
         }
         let planned: Result<Plan, Refusal> = match inner.tickets.get(id) {
             Some(ticket) => plan_wake(
@@ -328,6 +363,19 @@ impl NodeGpus {
                     .map(|(s, _)| s.clone())
             })
             .collect();
+        if !evict && !planned.evictions.is_empty() {
+            // A borrower's allocation that no sandbox holds cannot be asked back: refused as
+            // any start without room is.
+            if victims.len() != planned.evictions.len() {
+                return Err(GpuError::Unavailable {
+                    code: "no_free_share",
+                    message:
+                        "the shares this start needs are borrowed by allocations no sandbox holds"
+                            .into(),
+                });
+            }
+            return Ok(Acquired::ReclaimFirst(victims));
+        }
         let mut ledger = inner.ledger.clone();
         let ids = commit(&self.inventory, &mut ledger, &planned, &self.policy).map_err(|e| {
             GpuError::Unavailable {
@@ -377,7 +425,7 @@ impl NodeGpus {
         for victim in &victims {
             self.persist(&inner, victim);
         }
-        Ok(victims)
+        Ok(Acquired::Held(victims))
     }
 
     /// Gives `id`'s share back (its container is gone: parked, suspended, crashed); the
@@ -717,6 +765,7 @@ mod tests {
     use torpor_gpu::inject::MigDevice;
     use torpor_gpu::inventory::Gpu;
     use torpor_gpu::mig::MigInstance;
+    use torpor_gpu::quota::{Amount, TenantQuota};
 
     #[test]
     fn finds_a_process_holding_a_device_like_file() {
@@ -801,6 +850,88 @@ mod tests {
         );
         gpus.forget_refused(&a);
         assert!(gpus.request_of(&a).is_some(), "a holder's request dropped");
+    }
+
+    #[test]
+    fn a_borrowed_share_is_reclaimed_at_once_or_named_for_the_caller_to_park() {
+        let dir = tempfile::tempdir().unwrap();
+        let inv = dir.path().join("inv.toml");
+        std::fs::write(
+            &inv,
+            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA L4\"\nmemory_mib = 23034\nmig_capable = false\npci_bus_id = \"0000:01:00.0\"\n",
+        )
+        .unwrap();
+        let gpus = NodeGpus::open(
+            GpuConfig {
+                inventory: Some(inv),
+                ..GpuConfig::default()
+            },
+            dir.path(),
+        )
+        .unwrap()
+        .unwrap();
+        let (lender, borrower) = (
+            "lender".parse::<TenantId>().unwrap(),
+            "borrower".parse::<TenantId>().unwrap(),
+        );
+        let l4 = Amount {
+            memory_mib: 23034,
+            compute: 700,
+        };
+        let id_of = |t: &TenantId| torpor_gpu::ids::TenantId::new(t.as_str()).unwrap();
+        let quotas = QuotaBook::unlimited()
+            .with(
+                id_of(&lender),
+                TenantQuota {
+                    guaranteed: l4,
+                    borrow_limit: None,
+                },
+            )
+            .with(
+                id_of(&borrower),
+                TenantQuota {
+                    guaranteed: Amount::default(),
+                    borrow_limit: Some(l4),
+                },
+            );
+        let whole = serde_json::json!({"mode": "whole"});
+        let ask = |tenant: &TenantId| {
+            let id = SandboxId::generate();
+            let r = NodeGpus::parse_request(Some(&gpus), &whole, tenant).unwrap();
+            gpus.save_request(&id, &r).unwrap();
+            id
+        };
+        let (b1, l1, b2) = (ask(&borrower), ask(&lender), ask(&borrower));
+        assert_eq!(
+            gpus.acquire_or_name_victims(&b1, &quotas).unwrap(),
+            Acquired::Held(Vec::new())
+        );
+        // The lender, within its guarantee, needs the borrowed L4: named, nothing taken.
+        assert_eq!(
+            gpus.acquire_or_name_victims(&l1, &quotas).unwrap(),
+            Acquired::ReclaimFirst(vec![b1.clone()])
+        );
+        assert!(gpus.holds(&b1), "naming a victim took its share");
+        assert!(!gpus.holds(&l1));
+        // A borrower never reclaims from another.
+        assert_eq!(
+            gpus.acquire_or_name_victims(&b2, &quotas)
+                .unwrap_err()
+                .code(),
+            "gpu_unavailable"
+        );
+        // Once the victim's share is given back (its container checkpointed), the start passes.
+        gpus.release(&b1);
+        assert_eq!(
+            gpus.acquire_or_name_victims(&l1, &quotas).unwrap(),
+            Acquired::Held(Vec::new())
+        );
+        gpus.forget(&l1);
+        // A single machine's start reclaims at once and hands the victims to the engine.
+        let l2 = ask(&lender);
+        gpus.acquire_under(&b1, &quotas).unwrap();
+        assert_eq!(gpus.acquire_under(&l2, &quotas).unwrap(), vec![b1.clone()]);
+        assert!(gpus.holds(&l2) && !gpus.holds(&b1));
     }
 
     /// A node whose (declared) inventory stands in for NVML's, with its state directory.

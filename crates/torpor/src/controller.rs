@@ -418,3 +418,74 @@ fn view(n: torpor_cluster::NodeStatus) -> torpor_api::nodes::NodeView {
             .collect(),
     }
 }
+
+/// Parks the borrowers of GPU shares that a start within its guarantee needs back
+/// (`torpor_cluster::reclaim`): a suspend through this controller's own API as the admin, so the
+/// call reaches whichever controller holds the sandbox (forwarded), runs its transition there
+/// and is audited like any other.
+pub struct ApiReclaim {
+    /// This controller's API as the others reach it (`--advertise`).
+    pub api_addr: String,
+    pub admin_token: String,
+    pub client: reqwest::Client,
+}
+
+#[async_trait::async_trait]
+impl torpor_cluster::reclaim::GpuReclaim for ApiReclaim {
+    async fn park(
+        &self,
+        sandbox: &torpor_core::SandboxId,
+        worker: &str,
+        requester: Option<&str>,
+    ) -> Result<(), String> {
+        let url = format!("http://{}/v1/sandboxes/{sandbox}", self.api_addr);
+        // Where it runs and whose it is, from its holder (the call is forwarded there).
+        let resp = self
+            .client
+            .get(&url)
+            .bearer_auth(&self.admin_token)
+            .send()
+            .await
+            .map_err(|e| format!("cannot look at {sandbox}: {e}"))?;
+        if resp.status() == reqwest::StatusCode::NOT_FOUND {
+            return Ok(()); // gone: its share went with it
+        }
+        if !resp.status().is_success() {
+            return Err(format!("looking at {sandbox} answered {}", resp.status()));
+        }
+        let seen: serde_json::Value = resp
+            .json()
+            .await
+            .map_err(|e| format!("cannot read {sandbox}: {e}"))?;
+        let named = torpor_cluster::reclaim::Named {
+            node: seen["node"].as_str(),
+            tenant: seen["tenant"].as_str().unwrap_or_default(),
+            asleep: matches!(seen["state"].as_str(), Some("parked" | "suspended")),
+        };
+        if !torpor_cluster::reclaim::vet(&named, worker, requester)? {
+            return Ok(());
+        }
+        let resp = self
+            .client
+            .post(format!("{url}/suspend"))
+            .bearer_auth(&self.admin_token)
+            .json(&serde_json::json!({"tier": "parked", "cause": "gpu_reclaimed"}))
+            .send()
+            .await
+            .map_err(|e| format!("cannot ask for the park of {sandbox}: {e}"))?;
+        let status = resp.status();
+        if status.is_success() {
+            tracing::info!(%sandbox, "parked: its GPU share was reclaimed");
+            return Ok(());
+        }
+        let body: serde_json::Value = resp.json().await.unwrap_or_default();
+        match body["error"]["code"].as_str() {
+            // Gone, or asleep deeper already: its share is back either way.
+            Some("not_found") | Some("invalid_transition") => Ok(()),
+            code => Err(format!(
+                "the park of {sandbox} answered {status} ({})",
+                code.unwrap_or("no code")
+            )),
+        }
+    }
+}

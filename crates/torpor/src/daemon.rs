@@ -296,6 +296,16 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
             Arc::new(crate::controller::StoreGpuTurns(engine.state_store())),
             c.identity.name.clone(),
         );
+        // A GPU start within its tenant's guarantee has borrowers parked for it.
+        c.fleet
+            .attach_reclaim(Arc::new(crate::controller::ApiReclaim {
+                api_addr: c.identity.api_addr.clone(),
+                admin_token: c.admin_token.clone(),
+                client: reqwest::Client::builder()
+                    .connect_timeout(Duration::from_secs(5))
+                    .build()
+                    .map_err(|e| anyhow::anyhow!("cannot build an HTTP client: {e}"))?,
+            }));
         // The lot follows the ready workers' slots.
         let mut capacity = c.fleet.capacity();
         let sized = engine.clone();

@@ -21,7 +21,8 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use tokio::sync::mpsc;
-use torpor_control::gpu::{GpuError, NodeGpus};
+use torpor_cluster::reclaim::reclaim_refusal;
+use torpor_control::gpu::{Acquired, GpuError, NodeGpus};
 use torpor_core::{NetworkPolicy, SandboxId, TenantId};
 use torpor_gpu::quota::QuotaBook;
 use torpor_gpu::request::GpuRequest;
@@ -88,16 +89,26 @@ impl Shares {
                 "cannot save the GPU request: {e}"
             )))
         })?;
-        // Under the controller's book only the requester has a quota, so nothing is reclaimed
-        // from another tenant here (that would need its controller to park the victim).
-        let victims = self.gpus.acquire_under(&id, &quotas).map_err(|e| {
-            // Refused here: the controller tries another worker, and would not tell this one
-            // to drop what the start saved.
+        // A share borrowed by another tenant is not taken here: only a controller may park its
+        // sandbox. The refusal names the borrowers; the controller parks them (their shares
+        // come back with their checkpoints) and starts again (torpor_cluster::reclaim).
+        let acquired = self
+            .gpus
+            .acquire_or_name_victims(&id, &quotas)
+            .map_err(refusal);
+        let refused = match acquired {
+            Ok(Acquired::Held(_)) => None,
+            Ok(Acquired::ReclaimFirst(victims)) => {
+                tracing::info!(sandbox = %id, ?victims, "a GPU start needs borrowed shares back");
+                Some(reclaim_refusal(&victims))
+            }
+            Err(e) => Some(e),
+        };
+        if let Some(e) = refused {
+            // Refused here: the controller tries another worker (or this one again), and would
+            // not tell this one to drop what the start saved.
             self.gpus.forget_refused(&id);
-            refusal(e)
-        })?;
-        if !victims.is_empty() {
-            tracing::warn!(sandbox = %id, ?victims, "a GPU start reclaimed shares on a worker");
+            return Err(e);
         }
         let runtime = match self.gpus.runtime(&id) {
             Ok(r) => r,

@@ -1589,6 +1589,141 @@ async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment
     );
 }
 
+/// A tenant within its guarantee takes back a GPU share that another tenant borrows, when the
+/// borrowing shows only cluster-wide (each worker's share alone is within the borrower's
+/// guarantee) and the borrower is held by the other controller: the start's controller has it
+/// parked through the holder, then starts on the worker it freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gpu_share_borrowed_across_workers_is_taken_back_through_the_other_controller() {
+    let Some((database, tmp)) =
+        setup("torpor-cluster-gpu-reclaim-", &["c1", "c2"], &["ga", "gb"]).await
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    let quotas = fixture("quotas-reclaim-cluster.toml");
+    let args = ["--gpu-quotas", &quotas];
+    let c1 = Controller::start_args(dir, &database, "c1", 10_000, &args).await;
+    let c2 = Controller::start_args(dir, &database, "c2", 10_000, &args).await;
+    let both = format!("{},{}", c1.cluster, c2.cluster);
+    let _workers = [("ga", "worker-l4-a.toml"), ("gb", "worker-l4-b.toml")].map(|(w, inv)| {
+        Worker::start_args(dir, w, w, &both, &[], &["--gpu-inventory", &fixture(inv)])
+    });
+    for c in [&c1, &c2] {
+        c.wait_nodes("both GPU workers ready on each controller", |n| {
+            ["ga", "gb"].iter().all(|w| state_of(n, w) == Some("ready"))
+        })
+        .await;
+    }
+    c1.wait_host_template().await;
+    c2.wait_host_template().await;
+    // The admin (guaranteed one L4, may borrow a second) takes both, through c1.
+    let mut admin = Vec::new();
+    for _ in 0..2 {
+        let sb = c1
+            .ok(
+                reqwest::Method::POST,
+                "/v1/sandboxes",
+                Some(json!({"template": "host", "gpu": {"mode": "whole"}})),
+            )
+            .await;
+        let id = sb["id"].as_str().unwrap().to_string();
+        let pid = c1
+            .exec(&id, "echo kept > /tmp/state; sleep 1000 & echo $!")
+            .await;
+        let node = c1.sandbox(&id).await["node"].as_str().unwrap().to_string();
+        admin.push((id, pid.trim().to_string(), node));
+    }
+    let mut nodes: Vec<&str> = admin.iter().map(|(_, _, n)| n.as_str()).collect();
+    nodes.sort();
+    assert_eq!(nodes, ["ga", "gb"], "one L4 each: {admin:?}");
+    // c2 hears of both shares from the workers' heartbeats.
+    c2.wait_nodes("the admin's two shares", |n| {
+        admin_gpu_compute(n, "ga") + admin_gpu_compute(n, "gb") == 1400
+    })
+    .await;
+    let team = c1
+        .ok(
+            reqwest::Method::POST,
+            "/v1/tenants",
+            Some(json!({"name": "team"})),
+        )
+        .await["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // `team` (guaranteed one L4) creates through c2: one of the admin's sandboxes is parked by
+    // its holder, c1, and `team` gets that L4.
+    let (status, owned) = c2
+        .call_as(
+            &team,
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "host", "gpu": {"mode": "whole"}})),
+        )
+        .await;
+    assert_eq!(status, 201, "{owned}\n{}\n{}", c2.log(), c1.log());
+    let owned = owned["id"].as_str().unwrap().to_string();
+    let (status, s) = c2
+        .call_as(
+            &team,
+            reqwest::Method::GET,
+            &format!("/v1/sandboxes/{owned}"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{s}");
+    let freed = s["node"].as_str().unwrap().to_string();
+    let (victim, pid, _) = admin.iter().find(|(_, _, n)| *n == freed).unwrap().clone();
+    let (kept, _, _) = admin.iter().find(|(_, _, n)| *n != freed).unwrap().clone();
+    let v = c1.sandbox(&victim).await;
+    assert!(
+        v["state"] == "parked" || v["state"] == "suspended",
+        "the borrower on {freed} is asleep: {v}"
+    );
+    assert_eq!(c1.sandbox(&kept).await["state"], "running");
+    assert_eq!(
+        c1.metric("torpor_transitions_total{cause=\"gpu_reclaimed\",to_tier=\"parked\"}")
+            .await,
+        1,
+        "its holder parked it for the reclaim"
+    );
+    // The borrower cannot wake while `team` holds its L4 (neither may take it from the other).
+    let (status, err) = c2
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{victim}/exec"),
+            Some(json!({"cmd": ["true"]})),
+        )
+        .await;
+    assert_eq!(
+        (status, err["error"]["code"].as_str()),
+        (503, Some("gpu_unavailable")),
+        "{err}"
+    );
+    assert!(
+        !err.to_string().contains(&owned),
+        "a refusal names no other tenant's sandbox: {err}"
+    );
+    // Once `team` gives it back, the borrower wakes with its files and processes.
+    let (status, _) = c2
+        .call_as(
+            &team,
+            reqwest::Method::DELETE,
+            &format!("/v1/sandboxes/{owned}"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 204);
+    let out = c2
+        .exec(
+            &victim,
+            &format!("cat /tmp/state; kill -0 {pid} && echo alive"),
+        )
+        .await;
+    assert_eq!(out, "kept\nalive\n");
+}
+
 /// A worker one controller cannot hear while another still can (a partial partition): the
 /// one that counts it lost ends its containers there through the other before their
 /// sandboxes resume elsewhere, so no sandbox runs twice. (A worker cut off from every

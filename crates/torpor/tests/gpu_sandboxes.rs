@@ -118,15 +118,7 @@ async fn gpu_share_follows_the_sleep_ladder() {
     assert_eq!(status["gpus"][0]["free"]["mig_memory_slices"], 8);
     assert_eq!(status["gpus"][0]["shares"], 0);
     assert!(status["sleeping"].as_array().unwrap().contains(&json!(mig)));
-    let metrics = reqwest::Client::new()
-        .get(format!("{}/metrics", d.url()))
-        .bearer_auth(d.token())
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_of(&d).await;
     assert!(
         metrics.contains("torpor_gpu_free{node=\"test-gpu-node\",gpu=\"0\",UUID=\"GPU-0e200000-0000-4000-8000-000000000000\",mode=\"mig\",resource=\"mig_memory_slices\"} 8"),
         "{metrics}"
@@ -292,6 +284,117 @@ async fn quota_used(d: &Daemon) -> String {
         .filter(|l| l.starts_with("torpor_gpu_quota_used{"))
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// `GET /metrics` of the daemon, as the admin.
+async fn metrics_of(d: &Daemon) -> String {
+    reqwest::Client::new()
+        .get(format!("{}/metrics", d.url()))
+        .bearer_auth(d.token())
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_tenant_within_its_guarantee_takes_a_borrowed_gpu_back() {
+    // One L4; the admin is guaranteed none and borrows it, `team` is guaranteed it.
+    let d = Daemon::start_with(&[
+        "--gpu-inventory",
+        &local("worker-l4-a.toml"),
+        "--gpu-quotas",
+        &local("quotas-reclaim.toml"),
+    ])
+    .await;
+    let admin = d.client();
+    let borrowed = create_with_gpu(&admin, json!({"mode": "whole"}))
+        .await
+        .unwrap();
+    let r = admin
+        .exec(
+            &borrowed,
+            &sh("echo kept > /tmp/state; sleep 1000 & echo $!"),
+        )
+        .await
+        .unwrap();
+    let pid = r.stdout.trim().to_string();
+    // A second borrower finds no free share and may not reclaim from the first.
+    let err = create_with_gpu(&admin, json!({"mode": "whole"}))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some("gpu_unavailable"), "{err}");
+
+    let team = admin
+        .create_tenant(&torpor_api::types::CreateTenantBody {
+            name: "team".into(),
+            quotas: None,
+        })
+        .await
+        .unwrap();
+    let team_token = team.token;
+    let team = Client::new(&d.url(), &team_token);
+    // Attack: a tenant may not give a suspend's cause (it is the controllers' word).
+    let (status, body) = {
+        let r = reqwest::Client::new()
+            .post(format!("{}/v1/sandboxes/{borrowed}/suspend", d.url()))
+            .bearer_auth(&team_token)
+            .json(&json!({"tier": "parked", "cause": "gpu_reclaimed"}))
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    };
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (403, Some("forbidden")),
+        "{body}"
+    );
+    let owned = create_with_gpu(&team, json!({"mode": "whole"}))
+        .await
+        .unwrap();
+    let env = env_of(&team, &owned).await;
+    assert_eq!(
+        env["NVIDIA_VISIBLE_DEVICES"],
+        "GPU-14000000-0000-4000-8000-0000000000a1"
+    );
+    // The borrower is parked in the background, its state kept.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let s = admin.sandbox(&borrowed).await.unwrap();
+        if s.tier == "parked" || s.tier == "suspended" {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the borrower was not parked: {s:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(
+        metrics_of(&d)
+            .await
+            .contains("torpor_transitions_total{cause=\"gpu_reclaimed\",to_tier=\"parked\"} 1"),
+        "the park counted under its cause"
+    );
+    let status = admin.gpus().await.unwrap();
+    assert!(held_by(&status, &borrowed).is_none());
+    assert!(held_by(&status, &owned).is_some());
+    // While the owner holds it the borrower cannot wake, and stays asleep.
+    let err = admin.exec(&borrowed, &sh("true")).await.unwrap_err();
+    assert_eq!(err.code(), Some("gpu_unavailable"), "{err}");
+    // Once it is given back the borrower wakes with its files and processes.
+    team.delete_sandbox(&owned).await.unwrap();
+    let r = admin
+        .exec(
+            &borrowed,
+            &sh(&format!("cat /tmp/state; kill -0 {pid} && echo alive")),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, "kept\nalive\n", "{r:?}");
 }
 
 #[tokio::test]

@@ -237,6 +237,17 @@ impl Engine {
         id: &SandboxId,
         tier: Tier,
     ) -> Result<SandboxRecord> {
+        self.suspend_for(tenant, id, tier, "api").await
+    }
+
+    /// [`Engine::suspend`] with the cause its transitions record (`api`, `gpu_reclaimed`).
+    pub async fn suspend_for(
+        &self,
+        tenant: &TenantId,
+        id: &SandboxId,
+        tier: Tier,
+        cause: &str,
+    ) -> Result<SandboxRecord> {
         self.sandbox(tenant, id)?;
         let slot = self.slot(id);
         let mut guard =
@@ -260,11 +271,11 @@ impl Engine {
         }
         match tier {
             Tier::Running => return Err(refused()),
-            Tier::Frozen => self.freeze_locked(&mut guard, id, "api").await?,
-            Tier::Parked => self.park_locked(&mut guard, id, "api").await?,
+            Tier::Frozen => self.freeze_locked(&mut guard, id, cause).await?,
+            Tier::Parked => self.park_locked(&mut guard, id, cause).await?,
             Tier::Suspended => {
-                self.park_locked(&mut guard, id, "api").await?;
-                self.upload_locked(id, "api").await?;
+                self.park_locked(&mut guard, id, cause).await?;
+                self.upload_locked(id, cause).await?;
             }
         }
         drop(guard);
