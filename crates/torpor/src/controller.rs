@@ -424,7 +424,7 @@ fn view(n: torpor_cluster::NodeStatus) -> torpor_api::nodes::NodeView {
 /// call reaches whichever controller holds the sandbox (forwarded), runs its transition there
 /// and is audited like any other.
 pub struct ApiReclaim {
-    /// This controller's API as the others reach it (`--advertise`).
+    /// This controller's own API (`--listen`; loopback when that is every address).
     pub api_addr: String,
     pub admin_token: String,
     pub client: reqwest::Client,

@@ -283,6 +283,13 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     }
     .map_err(|e| anyhow::anyhow!("{e} ({})", e.code()))?;
     let mut cluster_server = None;
+    // This process's API over loopback when it listens on every address (its own calls, e.g.
+    // a reclaim's parks, then never leave the machine before they are forwarded).
+    let own_api = match listener.local_addr() {
+        Ok(a) if a.ip().is_unspecified() => SocketAddr::new([127, 0, 0, 1].into(), a.port()),
+        Ok(a) => a,
+        Err(_) => cfg.listen,
+    };
     if let Some(c) = cfg.cluster {
         engine.attach_fleet_gpus(Arc::new(crate::controller::FleetGpus(c.fleet.clone())));
         // A worker this controller loses is fenced through the others before its sandboxes
@@ -299,7 +306,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         // A GPU start within its tenant's guarantee has borrowers parked for it.
         c.fleet
             .attach_reclaim(Arc::new(crate::controller::ApiReclaim {
-                api_addr: c.identity.api_addr.clone(),
+                api_addr: own_api.to_string(),
                 admin_token: c.admin_token.clone(),
                 client: reqwest::Client::builder()
                     .connect_timeout(Duration::from_secs(5))
