@@ -17,16 +17,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use support::{pct, Daemon};
-use torpor_api::types::{CreateSandboxBody, CreateTenantBody, ExecBody, Quotas};
+use support::{env_u64, host_sandbox, pct, Daemon};
+use torpor_api::types::{CreateTenantBody, ExecBody, Quotas};
 use torpor_api::Client;
-
-fn env_u64(k: &str, d: u64) -> u64 {
-    std::env::var(k)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(d)
-}
 
 fn true_cmd() -> ExecBody {
     ExecBody {
@@ -63,14 +56,7 @@ async fn tenant(d: &Daemon, name: &str, rate: u64) -> (Client, String) {
         .await
         .expect("tenant");
     let c = Client::new(&d.url, &t.token);
-    let id = c
-        .create_sandbox(&CreateSandboxBody {
-            template: "host".into(),
-            ..Default::default()
-        })
-        .await
-        .expect("sandbox")
-        .id;
+    let id = host_sandbox(&c).await;
     (c, id)
 }
 

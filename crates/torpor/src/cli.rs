@@ -128,6 +128,11 @@ pub enum Command {
         /// the connection is closed.
         #[arg(long, default_value_t = crate::serve::DEFAULT_HEADER_READ_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(100..))]
         header_read_timeout_ms: u64,
+        /// The least time between two batches of the audit log made durable (group commit):
+        /// calls never wait for it; a crash loses at most this much of the log. 0: every
+        /// batch at once (one fsync or more per call under a steady stream).
+        #[arg(long, default_value_t = torpor_api::audit::COMMIT_EVERY.as_millis() as u64, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+        audit_commit_ms: u64,
         /// Host-based routing to sandbox ports: `{port}-{id}.<DOMAIN>` (docs/NETWORKING.md).
         #[arg(long)]
         proxy_domain: Option<String>,
@@ -500,6 +505,7 @@ async fn dispatch(cmd: Command) -> CliResult {
             default_requests_per_s,
             max_connections,
             header_read_timeout_ms,
+            audit_commit_ms,
             proxy_domain,
             e2b_egress_ceiling,
             egress_mbit,
@@ -556,6 +562,7 @@ async fn dispatch(cmd: Command) -> CliResult {
                 default_requests_per_s,
                 max_connections: max_connections.map(|m| m as usize),
                 header_read_timeout: Duration::from_millis(header_read_timeout_ms),
+                audit_commit: Duration::from_millis(audit_commit_ms),
                 max_sandbox_connections: max_sandbox_connections.map(|n| n as usize),
                 cluster: None,
             })

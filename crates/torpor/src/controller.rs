@@ -107,6 +107,9 @@ pub struct ControllerArgs {
     /// API requests per second for tenants created without `requests_per_s`.
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
     default_requests_per_s: u64,
+    /// The least time between two batches of the audit log made durable (as `torpor up`).
+    #[arg(long, default_value_t = torpor_api::audit::COMMIT_EVERY.as_millis() as u64, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    audit_commit_ms: u64,
     #[command(flatten)]
     pub telemetry: crate::telemetry::TelemetryArgs,
 }
@@ -221,6 +224,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         default_requests_per_s: args.default_requests_per_s,
         max_connections: None,
         header_read_timeout: Duration::from_millis(crate::serve::DEFAULT_HEADER_READ_TIMEOUT_MS),
+        audit_commit: Duration::from_millis(args.audit_commit_ms),
         max_sandbox_connections: None,
         cluster: Some(ClusterRole {
             fleet,

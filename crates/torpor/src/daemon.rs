@@ -57,6 +57,8 @@ pub struct UpConfig {
     pub max_connections: Option<usize>,
     /// How long a request head may take and a connection may idle (`--header-read-timeout-ms`).
     pub header_read_timeout: Duration,
+    /// The least time between audit batches made durable (`--audit-commit-ms`).
+    pub audit_commit: Duration,
     /// Relayed TCP connections per sandbox (`--max-sandbox-connections`), counted in the
     /// descriptor headroom.
     pub max_sandbox_connections: Option<usize>,
@@ -376,7 +378,10 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     };
     let audit = torpor_api::audit::AuditLog::open(
         &cfg.data_dir,
-        Default::default(),
+        torpor_api::audit::AuditConfig {
+            commit_every: cfg.audit_commit,
+            ..Default::default()
+        },
         Some(&engine.metrics),
     )?;
     let state = Arc::new(ApiState {

@@ -72,7 +72,13 @@
 //! The middleware hands a record to a writer thread over a bounded channel
 //! ([`AuditConfig::channel_capacity`]) with `try_send`: no disk I/O, no await. The thread
 //! drains whatever is queued (up to [`MAX_BATCH`]), writes it with one `write` and one
-//! `fdatasync`, then signs the head. When the channel is full (the disk stalls) the call still
+//! `fdatasync`, then signs the head. Batches are made durable at most every
+//! [`COMMIT_EVERY`] (group commit): a record that comes sooner after the last batch waits
+//! for the rest of that interval with whatever else comes, so a steady stream of calls costs
+//! ~20 batches (three syncs each) a second, not one per call. (One exec at a time spent
+//! nearly half of the daemon's CPU on the audit thread's syncs before: measured with `perf`,
+//! docs/BENCHMARKS.md.) What a crash can lose is what was queued: now up to that interval of
+//! calls instead of one sync's time. When the channel is full (the disk stalls) the call still
 //! proceeds: `torpor_audit_dropped_total` rises and the next batch starts with a `dropped`
 //! record saying how many calls went unrecorded, so the gap is itself in the chain. Blocking
 //! instead would let a slow disk stall every tenant's calls, the very outage the tenant
@@ -106,6 +112,8 @@ pub const AUDIT_DIR: &str = "audit";
 pub const KEY_FILE: &str = "key";
 /// The signed chain head, in the audit directory.
 pub const HEAD_FILE: &str = "head";
+/// [`AuditConfig::commit_every`]'s default: at most 20 batches a second.
+pub const COMMIT_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
 /// The most records one batch (one write, one fsync) takes from the channel.
 pub const MAX_BATCH: usize = 1024;
 /// The actor of a call that carried no valid credential.
@@ -131,6 +139,11 @@ pub struct AuditConfig {
     pub max_file_bytes: u64,
     /// Records waiting for the writer; beyond it calls go unrecorded (and counted).
     pub channel_capacity: usize,
+    /// The least time between two batches made durable: records that come sooner wait in the
+    /// channel and go in the next batch together (group commit). A call is never delayed by
+    /// it (the middleware only queues); what it bounds is the writer's syncs, each of which
+    /// costs the whole machine CPU (on a virtual disk, a VM exit per block).
+    pub commit_every: std::time::Duration,
 }
 
 impl Default for AuditConfig {
@@ -139,6 +152,7 @@ impl Default for AuditConfig {
             checkpoint_every: 1000,
             max_file_bytes: 64 << 20,
             channel_capacity: 8192,
+            commit_every: COMMIT_EVERY,
         }
     }
 }
@@ -377,7 +391,66 @@ mod tests {
             checkpoint_every,
             max_file_bytes,
             channel_capacity: 64,
+            // Every batch at once, as the tests' timings expect (group commit has its own).
+            commit_every: std::time::Duration::ZERO,
         }
+    }
+
+    /// Records in the log's files now (durable or not yet read back: what a reader sees).
+    fn lines_on_disk(tmp: &TempDir) -> usize {
+        let dir = tmp.path().join(AUDIT_DIR);
+        list_files(&dir)
+            .unwrap()
+            .iter()
+            .map(|(_, p)| std::fs::read_to_string(p).unwrap().lines().count())
+            .sum()
+    }
+
+    #[test]
+    fn calls_soon_after_a_batch_wait_for_the_next_one_together() {
+        let tmp = tempdir();
+        let log = AuditLog::open(
+            tmp.path(),
+            AuditConfig {
+                commit_every: std::time::Duration::from_millis(600),
+                ..cfg(1000, 1 << 20)
+            },
+            None,
+        )
+        .unwrap();
+        let wait_for = |n: usize| {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            while lines_on_disk(&tmp) < n {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{n} records never came"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        };
+        // The first call after a quiet spell is written at once.
+        log.record(call("team-a", 0));
+        wait_for(1);
+        let first = std::time::Instant::now();
+        // The next ones, right after, wait for the interval and go together.
+        log.record(call("team-a", 1));
+        log.record(call("team-a", 2));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        if first.elapsed() < std::time::Duration::from_millis(500) {
+            assert_eq!(
+                lines_on_disk(&tmp),
+                1,
+                "a batch came before the interval was up"
+            );
+        }
+        wait_for(3);
+        assert!(
+            first.elapsed() >= std::time::Duration::from_millis(450),
+            "the second batch came {:?} after the first",
+            first.elapsed()
+        );
+        log.close_blocking();
+        verify(tmp.path()).unwrap();
     }
 
     /// A log of `n` calls in a fresh data directory, closed (so it ends with a checkpoint).

@@ -100,6 +100,7 @@ impl AuditLog {
             unrecorded: unrecorded.clone(),
             records_total,
             dropped_total: dropped_total.clone(),
+            last_commit: None,
             cfg,
         };
         let handle = std::thread::Builder::new()
@@ -309,6 +310,8 @@ pub(super) struct Writer {
     pub(super) unrecorded: Arc<AtomicU64>,
     pub(super) records_total: IntCounter,
     pub(super) dropped_total: IntCounter,
+    /// When the last batch was made durable ([`AuditConfig::commit_every`]).
+    pub(super) last_commit: Option<std::time::Instant>,
 }
 
 impl Writer {
@@ -326,6 +329,13 @@ impl Writer {
                 self.commit();
                 return;
             };
+            // Group commit: soon after the last batch, the rest of the interval gathers more.
+            if let Some(at) = self.last_commit {
+                let rest = self.cfg.commit_every.saturating_sub(at.elapsed());
+                if !rest.is_zero() && !matches!(first, Msg::Close) {
+                    std::thread::sleep(rest);
+                }
+            }
             let mut batch = vec![first];
             while batch.len() < MAX_BATCH {
                 match rx.try_recv() {
@@ -358,6 +368,7 @@ impl Writer {
                 self.final_checkpoint();
             }
             self.commit();
+            self.last_commit = Some(std::time::Instant::now());
             if closing {
                 return;
             }

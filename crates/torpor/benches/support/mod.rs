@@ -195,3 +195,22 @@ impl RawHttp {
         (status, buf[head_end..head_end + len].to_vec())
     }
 }
+
+/// `k` from the environment as a number, else `d`.
+pub fn env_u64(k: &str, d: u64) -> u64 {
+    std::env::var(k)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(d)
+}
+
+/// A sandbox of the built-in `host` template, made by `c`; its id.
+pub async fn host_sandbox(c: &Client) -> String {
+    c.create_sandbox(&torpor_api::types::CreateSandboxBody {
+        template: "host".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("sandbox")
+    .id
+}
