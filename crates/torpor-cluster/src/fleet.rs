@@ -55,6 +55,7 @@ use crate::pb::cluster_server::{Cluster as ClusterRpc, ClusterServer};
 use crate::placement::{Capacity, Load, Need, Placement, WorkerState, ANY_GPU};
 use crate::reclaim::GpuReclaim;
 use crate::server::{accept_verified, check_version, ServeError};
+use crate::tickets::TicketBook;
 use crate::tls::{PeerInfo, TlsSource};
 use crate::MAX_MESSAGE;
 
@@ -215,6 +216,8 @@ pub struct Fleet {
     /// Parks the sandboxes whose borrowed GPU shares a start needs back
     /// ([`Fleet::attach_reclaim`], [`crate::reclaim`]); unset, such a start is refused.
     reclaim: std::sync::OnceLock<Arc<dyn GpuReclaim>>,
+    /// Tickets workers missed, kept for every controller ([`Fleet::attach_ticket_book`]).
+    tickets: std::sync::OnceLock<Arc<dyn TicketBook>>,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -287,11 +290,41 @@ fn spawn_forget_ticket(
             max: FORGET_RETRY_MAX,
             for_: FORGET_RETRY_FOR,
         };
+        let mut ask = ask;
+        if ask().await.is_ok() {
+            return;
+        }
+        // Missed: kept in the controllers' book too, so that a restart of this controller
+        // within the hour does not leave the ticket behind (crate::tickets).
+        let book = fleet.upgrade().and_then(|f| f.tickets.get().cloned());
+        if book.is_some() {
+            tracing::info!(%worker, %sandbox, "a worker missed a wake ticket's drop; kept for every controller to ask again");
+        }
+        on_book(&book, &worker, &sandbox, |b, w, s| b.keep(w, s)).await;
+        tokio::time::sleep(FORGET_RETRY_FIRST).await;
         if let Err(error) = retry.run(ask).await {
             tracing::warn!(%worker, %sandbox, %error,
                 "a worker kept a wake ticket it was asked to drop (gave up asking)");
         }
+        on_book(&book, &worker, &sandbox, |b, w, s| b.done(w, s)).await;
     });
+}
+
+/// Runs a (blocking) call of the ticket book off the runtime's threads; a failure is logged.
+async fn on_book(
+    book: &Option<Arc<dyn TicketBook>>,
+    worker: &str,
+    sandbox: &str,
+    call: fn(&dyn TicketBook, &str, &str) -> Result<(), String>,
+) {
+    let Some(book) = book.clone() else {
+        return;
+    };
+    let (w, s) = (worker.to_string(), sandbox.to_string());
+    let done = tokio::task::spawn_blocking(move || call(book.as_ref(), &w, &s)).await;
+    if let Ok(Err(error)) | Err(error) = done.map_err(|e| e.to_string()) {
+        tracing::warn!(%worker, %sandbox, %error, "cannot keep a ticket to drop in the book");
+    }
 }
 
 /// Exponential backoff for a call that may fail for a while.
@@ -540,6 +573,7 @@ impl Fleet {
             fencer: std::sync::OnceLock::new(),
             gpu_book: std::sync::OnceLock::new(),
             reclaim: std::sync::OnceLock::new(),
+            tickets: std::sync::OnceLock::new(),
         });
         let watch = Arc::downgrade(&fleet);
         let period = (fleet.cfg.heartbeat / 2).max(Duration::from_millis(50));
@@ -579,6 +613,46 @@ impl Fleet {
     /// ([`crate::reclaim`]); once, at start.
     pub fn attach_reclaim(&self, reclaim: Arc<dyn GpuReclaim>) {
         let _ = self.reclaim.set(reclaim);
+    }
+
+    /// Keeps the wake tickets workers missed in `book` and sweeps it soon after the start and
+    /// every [`crate::tickets::SWEEP_EVERY`] ([`crate::tickets`]); once, at start.
+    pub fn attach_ticket_book(&self, book: Arc<dyn TicketBook>) {
+        if self.tickets.set(book.clone()).is_err() {
+            return;
+        }
+        let fleet = self.me.clone();
+        tokio::spawn(async move {
+            // The first sweep once the workers had time to register again after a restart.
+            let mut every = tokio::time::interval_at(
+                tokio::time::Instant::now() + crate::tickets::FIRST_SWEEP_AFTER,
+                crate::tickets::SWEEP_EVERY,
+            );
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let Some(f) = fleet.upgrade() else {
+                    return;
+                };
+                let swept = crate::tickets::sweep_once(book.as_ref(), |worker, sandbox| {
+                    let remote = f.remote_named(&worker)?;
+                    Some(async move { remote.forget_gpu_ticket(&sandbox).await })
+                })
+                .await;
+                match swept {
+                    Ok(s) if s.dropped + s.given_up > 0 => {
+                        tracing::info!(
+                            dropped = s.dropped,
+                            given_up = s.given_up,
+                            left = s.left,
+                            "swept the wake tickets workers missed"
+                        );
+                    }
+                    Ok(_) => {}
+                    Err(error) => tracing::warn!(%error, "cannot sweep the wake tickets to drop"),
+                }
+            }
+        });
     }
 
     /// A GPU sandbox of `tenant` gave its share on `worker` back (a checkpoint or destroy,

@@ -25,6 +25,7 @@ pub mod join;
 pub mod placement;
 pub mod reclaim;
 pub mod server;
+pub mod tickets;
 pub mod tls;
 mod tunnel;
 
@@ -42,6 +43,7 @@ pub use gpu_turn::GpuTurnBook;
 pub use images::{OpenBackend, WorkerImages};
 pub use join::{join, JoinConfig};
 pub use server::{serve, GpuUsage, NodeService, ServeError, WorkerGpus};
+pub use tickets::TicketBook;
 pub use tls::{Side, TlsFiles, TlsMetrics, TlsSource};
 
 /// The protocol version this build speaks (the `torpor-node-protocol` header; the package

@@ -318,6 +318,34 @@ impl torpor_cluster::FenceBook for StoreFences {
     }
 }
 
+/// Wake tickets workers missed, in the state store (`gpu_ticket_forgets`; see
+/// `torpor_cluster::tickets`).
+pub struct StoreTickets(pub torpor_control::store::Store);
+
+impl torpor_cluster::TicketBook for StoreTickets {
+    fn keep(&self, worker: &str, sandbox: &str) -> Result<(), String> {
+        self.0
+            .put_ticket_forget(worker, sandbox)
+            .map_err(|e| e.to_string())
+    }
+
+    fn pending(&self) -> Result<Vec<(String, String, Duration)>, String> {
+        Ok(self
+            .0
+            .ticket_forgets()
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|(w, s, ms)| (w, s, Duration::from_millis(ms)))
+            .collect())
+    }
+
+    fn done(&self, worker: &str, sandbox: &str) -> Result<(), String> {
+        self.0
+            .ticket_forget_done(worker, sandbox)
+            .map_err(|e| e.to_string())
+    }
+}
+
 /// A tenant's GPU turns and the holdings its starts reported, in the state store (a lease per
 /// tenant and the `gpu_holdings` table; see `torpor_cluster::gpu_turn`).
 pub struct StoreGpuTurns(pub torpor_control::store::Store);

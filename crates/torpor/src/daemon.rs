@@ -305,6 +305,11 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
             Arc::new(crate::controller::StoreGpuTurns(engine.state_store())),
             c.identity.name.clone(),
         );
+        // A wake ticket a worker missed is asked for again by any controller, after restarts.
+        c.fleet
+            .attach_ticket_book(Arc::new(crate::controller::StoreTickets(
+                engine.state_store(),
+            )));
         // A GPU start within its tenant's guarantee has borrowers parked for it.
         c.fleet
             .attach_reclaim(Arc::new(crate::controller::ApiReclaim {

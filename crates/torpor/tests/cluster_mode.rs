@@ -1466,6 +1466,111 @@ async fn wait_gpu_rows(dir: &Path, w: &str, ok: impl Fn(&[String]) -> bool, what
     }
 }
 
+/// One controller (`c1`, counting a worker lost after `lost_after_ms`) and two one-L4 workers
+/// (`ga`, `gb`); a whole-GPU sandbox created, parked and uploaded, its wake ticket on the
+/// worker it ran on. Returns them with the sandbox's id and that worker's name.
+async fn parked_gpu_sandbox(
+    dir: &Path,
+    database: &str,
+    lost_after_ms: u64,
+) -> (Controller, [Worker; 2], String, String) {
+    let c1 = Controller::start_with(dir, database, "c1", lost_after_ms).await;
+    let workers = [("ga", "worker-l4-a.toml"), ("gb", "worker-l4-b.toml")].map(|(w, inv)| {
+        Worker::start_args(
+            dir,
+            w,
+            w,
+            &c1.cluster,
+            &[],
+            &["--gpu-inventory", &fixture(inv)],
+        )
+    });
+    c1.wait_nodes("both GPU workers ready", |n| {
+        ["ga", "gb"].iter().all(|w| state_of(n, w) == Some("ready"))
+    })
+    .await;
+    c1.wait_host_template().await;
+    let (status, s) = c1
+        .call(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "host", "gpu": {"mode": "whole"}})),
+        )
+        .await;
+    assert_eq!(status, 201, "{s}");
+    let id = s["id"].as_str().unwrap().to_string();
+    let first = c1.sandbox(&id).await["node"].as_str().unwrap().to_string();
+    c1.park(&id).await;
+    wait_uploaded(&c1, &id).await;
+    wait_gpu_rows(
+        dir,
+        &first,
+        |r| r == [id.clone()],
+        "the parked sandbox's ticket",
+    )
+    .await;
+    (c1, workers, id, first)
+}
+
+/// A wake ticket a worker could not be told to drop (it was stopped) is dropped after the
+/// controller that asked restarts: the missed call was kept in PostgreSQL and the restarted
+/// controller's sweep asks again once the worker is back (`torpor_cluster::tickets`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_ticket_drop_a_worker_missed_is_asked_again_after_the_controller_restarts() {
+    let Some((database, tmp)) = setup("torpor-cluster-gpu-missed-", &["c1"], &["ga", "gb"]).await
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    let (mut c1, mut workers, id, first) = parked_gpu_sandbox(dir, &database, 60_000).await;
+
+    // Its worker stops answering (SIGSTOP); the delete's drop of the ticket fails there.
+    let worker = workers.iter_mut().find(|w| w.name == first).unwrap();
+    let pid = worker.child.as_ref().unwrap().id() as i32;
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let (status, v) = c1
+        .call(
+            reqwest::Method::DELETE,
+            &format!("/v1/sandboxes/{id}"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 204, "{v}");
+    let deadline = Instant::now() + PATIENCE;
+    while !c1.log().contains("a worker missed a wake ticket's drop") {
+        assert!(
+            Instant::now() < deadline,
+            "the missed drop was not kept:\n{}",
+            c1.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The controller that would ask again from memory dies before the worker is back.
+    c1.child.kill().unwrap();
+    c1.child.wait().unwrap();
+    assert_eq!(
+        gpu_rows(dir, &first),
+        std::slice::from_ref(&id),
+        "still kept"
+    );
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    c1.kill_and_restart().await;
+    wait_gpu_rows(
+        dir,
+        &first,
+        |r| r.is_empty(),
+        "no ticket left once the restarted controller swept the book",
+    )
+    .await;
+    assert!(
+        c1.log().contains("swept the wake tickets workers missed"),
+        "{}",
+        c1.log()
+    );
+}
+
 /// Two controllers, one tenant allowed one L4 across the cluster, two GPU workers with one L4
 /// each: GPU creates through both controllers at the same moment pass one, whatever the
 /// workers' heartbeats have said yet (the tenant's GPU starts take turns across controllers
@@ -1837,49 +1942,14 @@ async fn a_gpu_sandbox_woken_elsewhere_after_a_controller_restart_leaves_no_tick
         return;
     };
     let dir = tmp.path();
-    let mut c1 = Controller::start_with(dir, &database, "c1", 10_000).await;
-    let _workers = [("ga", "worker-l4-a.toml"), ("gb", "worker-l4-b.toml")].map(|(w, inv)| {
-        Worker::start_args(
-            dir,
-            w,
-            w,
-            &c1.cluster,
-            &[],
-            &["--gpu-inventory", &fixture(inv)],
-        )
-    });
+    // Parked and in the store: its wake can go anywhere.
+    let (mut c1, _workers, id, first) = parked_gpu_sandbox(dir, &database, 10_000).await;
     let known = |n: &[Value]| {
         ["ga", "gb"]
             .iter()
             .all(|w| state_of(n, w).is_some_and(|s| s != "lost"))
     };
-    c1.wait_nodes("both GPU workers ready", |n| {
-        ["ga", "gb"].iter().all(|w| state_of(n, w) == Some("ready"))
-    })
-    .await;
-    c1.wait_host_template().await;
-    let (status, s) = c1
-        .call(
-            reqwest::Method::POST,
-            "/v1/sandboxes",
-            Some(json!({"template": "host", "gpu": {"mode": "whole"}})),
-        )
-        .await;
-    assert_eq!(status, 201, "{s}");
-    let id = s["id"].as_str().unwrap().to_string();
-    let first = c1.sandbox(&id).await["node"].as_str().unwrap().to_string();
     let drain = format!("/v1/nodes/{first}/drain");
-    c1.ok(reqwest::Method::POST, &drain, None).await;
-    c1.park(&id).await;
-    // In the store, its wake can go anywhere.
-    wait_uploaded(&c1, &id).await;
-    wait_gpu_rows(
-        dir,
-        &first,
-        |r| r == [id.clone()],
-        "the parked sandbox's ticket",
-    )
-    .await;
 
     c1.kill_and_restart().await;
     c1.wait_nodes("both GPU workers back", known).await;

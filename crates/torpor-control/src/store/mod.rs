@@ -451,6 +451,23 @@ pub trait StateStore: Send + Sync {
         Ok(())
     }
 
+    // --- wake tickets to drop (cluster mode: a worker that missed a `ForgetGpuTickets`) ---
+
+    /// Keeps that `worker` still has to be told to drop `sandbox`'s wake ticket (the first
+    /// time kept stays).
+    fn put_ticket_forget(&self, _worker: &str, _sandbox: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// Every ticket still to drop: `(worker, sandbox, milliseconds since it was first kept)`,
+    /// oldest first. A store one process uses keeps none (that process retries in memory).
+    fn ticket_forgets(&self) -> Result<Vec<(String, String, u64)>, StoreError> {
+        Ok(Vec::new())
+    }
+    /// The worker dropped it (or it is given up on).
+    fn ticket_forget_done(&self, _worker: &str, _sandbox: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     // --- GPU holdings (cluster mode: a tenant's GPU quota across controllers) ---
 
     /// Keeps what `tenant` holds of `worker`'s GPUs as report `seq` of that worker said,

@@ -18,6 +18,7 @@
 //! | 5 | `0005_metric_samples.sql` | `metric_samples`: E2B metric samples, kept an hour |
 //! | 6 | `0006_fence_orders.sql` | `fence_orders`: containers of a worker one controller lost, to end through another |
 //! | 7 | `0007_gpu_holdings.sql` | `gpu_holdings`: a tenant's GPU holdings per worker, as the newest start reply said |
+//! | 8 | `0008_gpu_ticket_forgets.sql` | `gpu_ticket_forgets`: wake tickets a worker could not be told to drop, asked again by any controller |
 //!
 //! To change the schema, add the next file and its line to [`MIGRATIONS`]; never edit a file
 //! that has shipped.
@@ -33,6 +34,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("pg/0005_metric_samples.sql"),
     include_str!("pg/0006_fence_orders.sql"),
     include_str!("pg/0007_gpu_holdings.sql"),
+    include_str!("pg/0008_gpu_ticket_forgets.sql"),
 ];
 
 /// The schema version this build writes and reads.

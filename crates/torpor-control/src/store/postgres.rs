@@ -1357,6 +1357,45 @@ impl StateStore for PostgresStore {
         .map(drop)
     }
 
+    fn put_ticket_forget(&self, worker: &str, sandbox: &str) -> Result<(), StoreError> {
+        self.execute(
+            "keep a ticket to drop",
+            "INSERT INTO gpu_ticket_forgets (worker, sandbox) VALUES ($1, $2)
+             ON CONFLICT (worker, sandbox) DO NOTHING",
+            vec![p(worker.to_string()), p(sandbox.to_string())],
+        )
+        .map(drop)
+    }
+
+    fn ticket_forgets(&self) -> Result<Vec<(String, String, u64)>, StoreError> {
+        self.query(
+            "read tickets to drop",
+            "SELECT worker, sandbox,
+                    (EXTRACT(EPOCH FROM (now() - since)) * 1000)::BIGINT
+             FROM gpu_ticket_forgets ORDER BY since, worker, sandbox",
+            vec![],
+        )?
+        .iter()
+        .map(|r| {
+            let age: i64 = get(r, 2, "ticket to drop")?;
+            Ok((
+                get(r, 0, "ticket to drop")?,
+                get(r, 1, "ticket to drop")?,
+                u64::try_from(age).unwrap_or(0),
+            ))
+        })
+        .collect()
+    }
+
+    fn ticket_forget_done(&self, worker: &str, sandbox: &str) -> Result<(), StoreError> {
+        self.execute(
+            "drop a ticket to drop",
+            "DELETE FROM gpu_ticket_forgets WHERE worker = $1 AND sandbox = $2",
+            vec![p(worker.to_string()), p(sandbox.to_string())],
+        )
+        .map(drop)
+    }
+
     fn put_gpu_holding(
         &self,
         tenant: &str,

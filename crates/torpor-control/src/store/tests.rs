@@ -1488,6 +1488,37 @@ fn gpu_holdings_keep_each_workers_newest_report_per_tenant() {
 }
 
 #[test]
+fn tickets_to_drop_are_kept_for_every_controller_until_done() {
+    let Some(pg) = Postgres::new() else { return };
+    let (c1, c2) = (pg.connect(), pg.connect());
+    c1.put_ticket_forget("ga", "sb-1").unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    c1.put_ticket_forget("gb", "sb-1").unwrap();
+    // Kept again: the first time stays.
+    c2.put_ticket_forget("ga", "sb-1").unwrap();
+    let kept = c2.ticket_forgets().unwrap();
+    let names: Vec<_> = kept
+        .iter()
+        .map(|(w, s, _)| (w.as_str(), s.as_str()))
+        .collect();
+    assert_eq!(names, [("ga", "sb-1"), ("gb", "sb-1")], "oldest first");
+    assert!(kept[0].2 >= kept[1].2, "ages: {kept:?}");
+    c2.ticket_forget_done("ga", "sb-1").unwrap();
+    let left: Vec<_> = c1
+        .ticket_forgets()
+        .unwrap()
+        .into_iter()
+        .map(|(w, s, _)| (w, s))
+        .collect();
+    assert_eq!(left, [("gb".to_string(), "sb-1".to_string())]);
+    // A store one process uses keeps none.
+    let tmp = tempfile::tempdir().unwrap();
+    let lite = sqlite(&tmp.path().join("t.db"));
+    lite.put_ticket_forget("ga", "sb-1").unwrap();
+    assert!(lite.ticket_forgets().unwrap().is_empty());
+}
+
+#[test]
 fn a_store_lock_is_held_by_one_controller_at_a_time() {
     let Some(pg) = Postgres::new() else { return };
     let (a, b) = (Arc::new(pg.connect()), Arc::new(pg.connect()));
