@@ -360,6 +360,20 @@ impl Retry {
     }
 }
 
+/// What each of `tenants` (and every tenant `report` names) holds in `report` (nothing: zero),
+/// by tenant.
+fn holdings_to_record(
+    tenants: &[String],
+    report: &crate::server::GpuUsage,
+) -> Vec<(String, Amount)> {
+    let mut all: Vec<&String> = tenants.iter().chain(report.keys()).collect();
+    all.sort();
+    all.dedup();
+    all.into_iter()
+        .map(|t| (t.clone(), report.get(t).copied().unwrap_or_default()))
+        .collect()
+}
+
 /// Parks `victims` side by side, each within [`RECLAIM_WAIT`].
 async fn park_all(
     reclaim: &dyn GpuReclaim,
@@ -653,6 +667,42 @@ impl Fleet {
                 }
             }
         });
+    }
+
+    /// A container whose tenant this controller does not know (one it adopted from a lost
+    /// controller) left `worker`: what every tenant under a GPU quota holds there, as the
+    /// release's answer reported, goes in the book, as [`Fleet::note_release`] writes the known
+    /// tenant's. (Rows are kept only when newer, so writing the unchanged ones is harmless; a
+    /// worker without GPUs writes nothing.)
+    async fn note_release_of_unknown(&self, worker: &str) {
+        let Some((book, _)) = self.gpu_book.get() else {
+            return;
+        };
+        let remote = {
+            let m = self.lock();
+            let has_gpus = m
+                .placement
+                .get(worker)
+                .is_some_and(|(cap, _, _)| !cap.gpu_models.is_empty());
+            m.workers
+                .get(worker)
+                .filter(|w| has_gpus && !w.lost)
+                .map(|w| w.remote.clone())
+        };
+        let Some(remote) = remote else {
+            return;
+        };
+        let (seq, after) = remote.gpu_usage_report();
+        let quota_tenants: Vec<String> = self
+            .cfg
+            .gpu_quotas
+            .tenants
+            .keys()
+            .map(|t| t.as_str().to_string())
+            .collect();
+        for (tenant, held) in holdings_to_record(&quota_tenants, &after) {
+            crate::gpu_turn::record(book.clone(), &tenant, worker, seq, held).await;
+        }
     }
 
     /// A GPU sandbox of `tenant` gave its share on `worker` back (a checkpoint or destroy,
@@ -1667,8 +1717,9 @@ impl Resident for FleetResident {
         if let Some(f) = fleet.upgrade() {
             f.forget(&id);
             tracing::debug!(container = %id, worker = %node, ok = result.is_ok(), "checkpointed on worker");
-            if let Some(tenant) = quota_tenant {
-                f.note_release(&node, &tenant).await;
+            match quota_tenant {
+                Some(tenant) => f.note_release(&node, &tenant).await,
+                None => f.note_release_of_unknown(&node).await,
             }
         }
         result
@@ -1688,8 +1739,11 @@ impl Resident for FleetResident {
             ..
         } = *self;
         inner.destroy().await;
-        if let (Some(f), Some(tenant)) = (fleet.upgrade(), quota_tenant) {
-            f.note_release(&node, &tenant).await;
+        if let Some(f) = fleet.upgrade() {
+            match quota_tenant {
+                Some(tenant) => f.note_release(&node, &tenant).await,
+                None => f.note_release_of_unknown(&node).await,
+            }
         }
     }
     fn ingress_addr(&self) -> Option<std::net::Ipv4Addr> {
@@ -1794,6 +1848,27 @@ mod tests {
                 Err(format!("unreachable ({n})"))
             })
         }
+    }
+
+    #[test]
+    fn a_release_of_an_unknown_tenant_writes_what_every_quota_tenant_holds() {
+        let l4 = Amount {
+            memory_mib: 23034,
+            compute: 700,
+        };
+        // `a`'s share went back (gone from the report), `b` holds one, `c` has no quota but
+        // holds one too.
+        let report: crate::server::GpuUsage = [("b".to_string(), l4), ("c".to_string(), l4)]
+            .into_iter()
+            .collect();
+        assert_eq!(
+            holdings_to_record(&["a".to_string(), "b".to_string()], &report),
+            vec![
+                ("a".to_string(), Amount::default()),
+                ("b".to_string(), l4),
+                ("c".to_string(), l4)
+            ]
+        );
     }
 
     #[tokio::test(start_paused = true)]

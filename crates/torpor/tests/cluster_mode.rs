@@ -1466,6 +1466,81 @@ async fn wait_gpu_rows(dir: &Path, w: &str, ok: impl Fn(&[String]) -> bool, what
     }
 }
 
+/// A GPU share given back by a container that a controller adopted from a lost one (it does
+/// not know the container's tenant) counts as gone on every other controller at once: the
+/// release's report goes in the shared book for each tenant whose holding it changed, not
+/// only at the worker's next heartbeat (10 s apart here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_adopted_gpu_sandboxs_share_given_back_counts_at_once_on_every_controller() {
+    let Some((database, tmp)) = setup(
+        "torpor-cluster-gpu-adopt-",
+        &["c1", "c2", "c3"],
+        &["ga", "gb"],
+    )
+    .await
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    let quotas = fixture("quotas-admin-one-l4.toml");
+    let args = ["--gpu-quotas", &quotas, "--heartbeat-ms", "10000"];
+    let mut c1 = Controller::start_args(dir, &database, "c1", 60_000, &args).await;
+    let c2 = Controller::start_args(dir, &database, "c2", 60_000, &args).await;
+    let c3 = Controller::start_args(dir, &database, "c3", 60_000, &args).await;
+    let all = format!("{},{},{}", c1.cluster, c2.cluster, c3.cluster);
+    let _workers = [("ga", "worker-l4-a.toml"), ("gb", "worker-l4-b.toml")].map(|(w, inv)| {
+        Worker::start_args(dir, w, w, &all, &[], &["--gpu-inventory", &fixture(inv)])
+    });
+    for c in [&c1, &c2, &c3] {
+        c.wait_nodes("both GPU workers ready on each controller", |n| {
+            ["ga", "gb"].iter().all(|w| state_of(n, w) == Some("ready"))
+        })
+        .await;
+        c.wait_host_template().await;
+    }
+    let gpu_create = json!({"template": "host", "gpu": {"mode": "whole"}});
+    let a = c1
+        .ok(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(gpu_create.clone()),
+        )
+        .await;
+    let a = a["id"].as_str().unwrap().to_string();
+    let first = c1.sandbox(&a).await["node"].as_str().unwrap().to_string();
+    // Its worker drained on every controller (so that the next GPU start goes to the other
+    // one, where only the cluster-wide count can refuse it).
+    for c in [&c1, &c2, &c3] {
+        c.ok(
+            reqwest::Method::POST,
+            &format!("/v1/nodes/{first}/drain"),
+            None,
+        )
+        .await;
+    }
+    // c1 dies; c2 or c3 adopts the sandbox where it runs (a call or the other's idle
+    // policy), then parks it.
+    c1.child.kill().unwrap();
+    c1.child.wait().unwrap();
+    exec_retrying(&c2, &a, "true").await;
+    let adopter = c2.sandbox(&a).await["controller"].clone();
+    let (holder, other) = match adopter.as_str() {
+        Some("c2") => (&c2, &c3),
+        Some("c3") => (&c3, &c2),
+        _ => panic!("adopted by c2 or c3: {adopter}"),
+    };
+    holder.park(&a).await;
+    // At once, through the other: the admin's one L4 is free again, though that controller
+    // has not heard from the worker since (it would refuse 429 gpu_quota_exceeded until the
+    // worker's next heartbeat).
+    let (status, b) = other
+        .call(reqwest::Method::POST, "/v1/sandboxes", Some(gpu_create))
+        .await;
+    assert_eq!(status, 201, "{b}\n{}", other.log());
+    let b = b["id"].as_str().unwrap();
+    assert_ne!(other.sandbox(b).await["node"], first.as_str());
+}
+
 /// One controller (`c1`, counting a worker lost after `lost_after_ms`) and two one-L4 workers
 /// (`ga`, `gb`); a whole-GPU sandbox created, parked and uploaded, its wake ticket on the
 /// worker it ran on. Returns them with the sandbox's id and that worker's name.
