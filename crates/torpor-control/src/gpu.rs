@@ -779,8 +779,8 @@ mod tests {
         assert!(pids_holding_files(&[u32::MAX - 1], dir.path(), "nvidia").is_empty());
     }
 
-    #[test]
-    fn acquire_release_wake_and_refusal_codes() {
+    /// A node with one declared L4 (`GPU-a`), with its state directory.
+    fn one_l4_node() -> (tempfile::TempDir, NodeGpus) {
         let dir = tempfile::tempdir().unwrap();
         let inv = dir.path().join("inv.toml");
         std::fs::write(
@@ -797,6 +797,12 @@ mod tests {
         )
         .unwrap()
         .unwrap();
+        (dir, gpus)
+    }
+
+    #[test]
+    fn acquire_release_wake_and_refusal_codes() {
+        let (_dir, gpus) = one_l4_node();
         let tenant = TenantId::admin();
         let mig = serde_json::json!({"mode": "mig", "profile": "1g.10gb"});
         let err = NodeGpus::parse_request(Some(&gpus), &mig, &tenant).unwrap_err();
@@ -854,22 +860,7 @@ mod tests {
 
     #[test]
     fn a_borrowed_share_is_reclaimed_at_once_or_named_for_the_caller_to_park() {
-        let dir = tempfile::tempdir().unwrap();
-        let inv = dir.path().join("inv.toml");
-        std::fs::write(
-            &inv,
-            "node = \"n\"\n[[gpu]]\nindex = 0\nuuid = \"GPU-a\"\nmodel = \"NVIDIA L4\"\nmemory_mib = 23034\nmig_capable = false\npci_bus_id = \"0000:01:00.0\"\n",
-        )
-        .unwrap();
-        let gpus = NodeGpus::open(
-            GpuConfig {
-                inventory: Some(inv),
-                ..GpuConfig::default()
-            },
-            dir.path(),
-        )
-        .unwrap()
-        .unwrap();
+        let (_dir, gpus) = one_l4_node();
         let (lender, borrower) = (
             "lender".parse::<TenantId>().unwrap(),
             "borrower".parse::<TenantId>().unwrap(),

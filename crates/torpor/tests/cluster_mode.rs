@@ -813,16 +813,7 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
         (409, Some("sandbox_elsewhere")),
         "{v}"
     );
-    let stranger = c1
-        .ok(
-            reqwest::Method::POST,
-            "/v1/tenants",
-            Some(json!({"name": "stranger"})),
-        )
-        .await["token"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let stranger = tenant_token(&c1, "stranger").await;
     let (status, v) = c2
         .call_as(
             &stranger,
@@ -1103,6 +1094,43 @@ fn pairs(list: &Value, field: &str) -> Vec<(String, String)> {
 }
 
 /// A file of `tests/gpu/` (GPU inventories and quotas), by path.
+/// The two one-L4 GPU workers (`ga`, `gb`, declared inventories) joined to `controllers`
+/// (comma-separated cluster addresses), once every controller of `ready_on` sees both ready
+/// and has the `host` template.
+async fn gpu_workers(dir: &Path, controllers: &str, ready_on: &[&Controller]) -> [Worker; 2] {
+    let workers = [("ga", "worker-l4-a.toml"), ("gb", "worker-l4-b.toml")].map(|(w, inv)| {
+        Worker::start_args(
+            dir,
+            w,
+            w,
+            controllers,
+            &[],
+            &["--gpu-inventory", &fixture(inv)],
+        )
+    });
+    for c in ready_on {
+        c.wait_nodes("both GPU workers ready on each controller", |n| {
+            ["ga", "gb"].iter().all(|w| state_of(n, w) == Some("ready"))
+        })
+        .await;
+        c.wait_host_template().await;
+    }
+    workers
+}
+
+/// A new tenant `name`'s token, made through `c` (as the admin).
+async fn tenant_token(c: &Controller, name: &str) -> String {
+    c.ok(
+        reqwest::Method::POST,
+        "/v1/tenants",
+        Some(json!({"name": name})),
+    )
+    .await["token"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
 fn fixture(name: &str) -> String {
     format!(
         "{}/tests/gpu/{name}",
@@ -1329,16 +1357,7 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
     // Another tenant (two L4s of quota): its GPU sandbox gets the L4 A does not hold, and one
     // more finds both held: each worker's ledger refuses it, the controller tries the other
     // worker too, then answers 503 gpu_unavailable.
-    let team = controller
-        .ok(
-            reqwest::Method::POST,
-            "/v1/tenants",
-            Some(json!({"name": "team"})),
-        )
-        .await["token"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let team = tenant_token(&controller, "team").await;
     let team_gpu = || {
         controller.call_as(
             &team,
@@ -1488,16 +1507,7 @@ async fn an_adopted_gpu_sandboxs_share_given_back_counts_at_once_on_every_contro
     let c2 = Controller::start_args(dir, &database, "c2", 60_000, &args).await;
     let c3 = Controller::start_args(dir, &database, "c3", 60_000, &args).await;
     let all = format!("{},{},{}", c1.cluster, c2.cluster, c3.cluster);
-    let _workers = [("ga", "worker-l4-a.toml"), ("gb", "worker-l4-b.toml")].map(|(w, inv)| {
-        Worker::start_args(dir, w, w, &all, &[], &["--gpu-inventory", &fixture(inv)])
-    });
-    for c in [&c1, &c2, &c3] {
-        c.wait_nodes("both GPU workers ready on each controller", |n| {
-            ["ga", "gb"].iter().all(|w| state_of(n, w) == Some("ready"))
-        })
-        .await;
-        c.wait_host_template().await;
-    }
+    let _workers = gpu_workers(dir, &all, &[&c1, &c2, &c3]).await;
     let gpu_create = json!({"template": "host", "gpu": {"mode": "whole"}});
     let a = c1
         .ok(
@@ -1550,21 +1560,7 @@ async fn parked_gpu_sandbox(
     lost_after_ms: u64,
 ) -> (Controller, [Worker; 2], String, String) {
     let c1 = Controller::start_with(dir, database, "c1", lost_after_ms).await;
-    let workers = [("ga", "worker-l4-a.toml"), ("gb", "worker-l4-b.toml")].map(|(w, inv)| {
-        Worker::start_args(
-            dir,
-            w,
-            w,
-            &c1.cluster,
-            &[],
-            &["--gpu-inventory", &fixture(inv)],
-        )
-    });
-    c1.wait_nodes("both GPU workers ready", |n| {
-        ["ga", "gb"].iter().all(|w| state_of(n, w) == Some("ready"))
-    })
-    .await;
-    c1.wait_host_template().await;
+    let workers = gpu_workers(dir, &c1.cluster, &[&c1]).await;
     let (status, s) = c1
         .call(
             reqwest::Method::POST,
@@ -1665,17 +1661,7 @@ async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment
     let c1 = Controller::start_args(dir, &database, "c1", 10_000, &args).await;
     let c2 = Controller::start_args(dir, &database, "c2", 10_000, &args).await;
     let both = format!("{},{}", c1.cluster, c2.cluster);
-    let _workers = [("ga", "worker-l4-a.toml"), ("gb", "worker-l4-b.toml")].map(|(w, inv)| {
-        Worker::start_args(dir, w, w, &both, &[], &["--gpu-inventory", &fixture(inv)])
-    });
-    for c in [&c1, &c2] {
-        c.wait_nodes("both GPU workers ready on each controller", |n| {
-            ["ga", "gb"].iter().all(|w| state_of(n, w) == Some("ready"))
-        })
-        .await;
-    }
-    c1.wait_host_template().await;
-    c2.wait_host_template().await;
+    let _workers = gpu_workers(dir, &both, &[&c1, &c2]).await;
     async fn create(c: &Controller) -> (u16, Value) {
         c.call(
             reqwest::Method::POST,
@@ -1786,17 +1772,7 @@ async fn a_gpu_share_borrowed_across_workers_is_taken_back_through_the_other_con
     let c1 = Controller::start_args(dir, &database, "c1", 10_000, &args).await;
     let c2 = Controller::start_args(dir, &database, "c2", 10_000, &args).await;
     let both = format!("{},{}", c1.cluster, c2.cluster);
-    let _workers = [("ga", "worker-l4-a.toml"), ("gb", "worker-l4-b.toml")].map(|(w, inv)| {
-        Worker::start_args(dir, w, w, &both, &[], &["--gpu-inventory", &fixture(inv)])
-    });
-    for c in [&c1, &c2] {
-        c.wait_nodes("both GPU workers ready on each controller", |n| {
-            ["ga", "gb"].iter().all(|w| state_of(n, w) == Some("ready"))
-        })
-        .await;
-    }
-    c1.wait_host_template().await;
-    c2.wait_host_template().await;
+    let _workers = gpu_workers(dir, &both, &[&c1, &c2]).await;
     // The admin (guaranteed one L4, may borrow a second) takes both, through c1.
     let mut admin = Vec::new();
     for _ in 0..2 {
@@ -1822,16 +1798,7 @@ async fn a_gpu_share_borrowed_across_workers_is_taken_back_through_the_other_con
         admin_gpu_compute(n, "ga") + admin_gpu_compute(n, "gb") == 1400
     })
     .await;
-    let team = c1
-        .ok(
-            reqwest::Method::POST,
-            "/v1/tenants",
-            Some(json!({"name": "team"})),
-        )
-        .await["token"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let team = tenant_token(&c1, "team").await;
     // `team` (guaranteed one L4) creates through c2: one of the admin's sandboxes is parked by
     // its holder, c1, and `team` gets that L4.
     let (status, owned) = c2

@@ -118,7 +118,7 @@ async fn gpu_share_follows_the_sleep_ladder() {
     assert_eq!(status["gpus"][0]["free"]["mig_memory_slices"], 8);
     assert_eq!(status["gpus"][0]["shares"], 0);
     assert!(status["sleeping"].as_array().unwrap().contains(&json!(mig)));
-    let metrics = metrics_of(&d).await;
+    let metrics = d.client().metrics().await.unwrap();
     assert!(
         metrics.contains("torpor_gpu_free{node=\"test-gpu-node\",gpu=\"0\",UUID=\"GPU-0e200000-0000-4000-8000-000000000000\",mode=\"mig\",resource=\"mig_memory_slices\"} 8"),
         "{metrics}"
@@ -286,19 +286,6 @@ async fn quota_used(d: &Daemon) -> String {
         .join("\n")
 }
 
-/// `GET /metrics` of the daemon, as the admin.
-async fn metrics_of(d: &Daemon) -> String {
-    reqwest::Client::new()
-        .get(format!("{}/metrics", d.url()))
-        .bearer_auth(d.token())
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 #[tokio::test]
 async fn a_tenant_within_its_guarantee_takes_a_borrowed_gpu_back() {
     // One L4; the admin is guaranteed none and borrows it, `team` is guaranteed it.
@@ -374,8 +361,10 @@ async fn a_tenant_within_its_guarantee_takes_a_borrowed_gpu_back() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     assert!(
-        metrics_of(&d)
+        d.client()
+            .metrics()
             .await
+            .unwrap()
             .contains("torpor_transitions_total{cause=\"gpu_reclaimed\",to_tier=\"parked\"} 1"),
         "the park counted under its cause"
     );
