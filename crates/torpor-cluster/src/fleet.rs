@@ -1280,6 +1280,7 @@ impl Fleet {
                         node: worker,
                         slot,
                         quota_tenant: quota_tenant.map(|t| t.to_string()),
+                        adopted: false,
                     }));
                 }
                 Err(e) => {
@@ -1579,6 +1580,7 @@ impl Node for Fleet {
                 // Not known here: its share, when it goes back, reaches the other
                 // controllers with the worker's next heartbeat (this one's at once).
                 quota_tenant: None,
+                adopted: true,
             }));
         }
         None
@@ -1654,6 +1656,9 @@ struct FleetResident {
     /// The tenant whose cluster-wide GPU quota its share counts against (a GPU sandbox under
     /// quotas), told when the share goes back ([`Fleet::note_release`]).
     quota_tenant: Option<String>,
+    /// Taken over from a lost controller: its tenant is not known here, so a share it gives
+    /// back is written for every tenant ([`Fleet::note_release_of_unknown`]).
+    adopted: bool,
 }
 
 impl FleetResident {
@@ -1710,6 +1715,7 @@ impl Resident for FleetResident {
             fleet,
             node,
             quota_tenant,
+            adopted,
             ..
         } = *self;
         let id = inner.id().to_string();
@@ -1719,7 +1725,8 @@ impl Resident for FleetResident {
             tracing::debug!(container = %id, worker = %node, ok = result.is_ok(), "checkpointed on worker");
             match quota_tenant {
                 Some(tenant) => f.note_release(&node, &tenant).await,
-                None => f.note_release_of_unknown(&node).await,
+                None if adopted => f.note_release_of_unknown(&node).await,
+                None => {}
             }
         }
         result
@@ -1736,13 +1743,15 @@ impl Resident for FleetResident {
             fleet,
             node,
             quota_tenant,
+            adopted,
             ..
         } = *self;
         inner.destroy().await;
         if let Some(f) = fleet.upgrade() {
             match quota_tenant {
                 Some(tenant) => f.note_release(&node, &tenant).await,
-                None => f.note_release_of_unknown(&node).await,
+                None if adopted => f.note_release_of_unknown(&node).await,
+                None => {}
             }
         }
     }
