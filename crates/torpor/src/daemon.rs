@@ -315,7 +315,9 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
             .attach_reclaim(Arc::new(crate::controller::ApiReclaim {
                 api_addr: own_api.to_string(),
                 admin_token: c.admin_token.clone(),
+                // Straight to this process: the admin token never goes through a proxy.
                 client: reqwest::Client::builder()
+                    .no_proxy()
                     .connect_timeout(Duration::from_secs(5))
                     .build()
                     .map_err(|e| anyhow::anyhow!("cannot build an HTTP client: {e}"))?,
