@@ -27,8 +27,8 @@ pub const SWEEP_MAX: usize = 1024;
 pub trait TicketBook: Send + Sync {
     /// `worker` still has to be told to drop `sandbox`'s ticket.
     fn keep(&self, worker: &str, sandbox: &str) -> Result<(), String>;
-    /// Every ticket still to drop: `(worker, sandbox, age)`, oldest first.
-    fn pending(&self) -> Result<Vec<(String, String, Duration)>, String>;
+    /// The oldest `limit` tickets still to drop: `(worker, sandbox, age)`, oldest first.
+    fn pending(&self, limit: usize) -> Result<Vec<(String, String, Duration)>, String>;
     /// Told (or given up on).
     fn done(&self, worker: &str, sandbox: &str) -> Result<(), String>;
 }
@@ -50,7 +50,7 @@ where
     Fut: Future<Output = Result<(), String>>,
 {
     let mut swept = Swept::default();
-    for (worker, sandbox, age) in book.pending()?.into_iter().take(SWEEP_MAX) {
+    for (worker, sandbox, age) in book.pending(SWEEP_MAX)? {
         if age >= GIVE_UP_AFTER {
             tracing::warn!(%worker, %sandbox, "a worker kept a wake ticket it was asked to drop (gave up asking)");
             book.done(&worker, &sandbox)?;
@@ -91,8 +91,8 @@ mod tests {
             }
             Ok(())
         }
-        fn pending(&self) -> Result<Vec<(String, String, Duration)>, String> {
-            Ok(self.0.lock().unwrap().clone())
+        fn pending(&self, limit: usize) -> Result<Vec<(String, String, Duration)>, String> {
+            Ok(self.0.lock().unwrap().iter().take(limit).cloned().collect())
         }
         fn done(&self, worker: &str, sandbox: &str) -> Result<(), String> {
             self.0
@@ -128,7 +128,7 @@ mod tests {
             }
         );
         let left: Vec<_> = book
-            .pending()
+            .pending(SWEEP_MAX)
             .unwrap()
             .into_iter()
             .map(|(w, _, _)| w)
@@ -139,6 +139,6 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(swept.dropped, 2);
-        assert!(book.pending().unwrap().is_empty());
+        assert!(book.pending(SWEEP_MAX).unwrap().is_empty());
     }
 }

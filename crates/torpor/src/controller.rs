@@ -329,10 +329,10 @@ impl torpor_cluster::TicketBook for StoreTickets {
             .map_err(|e| e.to_string())
     }
 
-    fn pending(&self) -> Result<Vec<(String, String, Duration)>, String> {
+    fn pending(&self, limit: usize) -> Result<Vec<(String, String, Duration)>, String> {
         Ok(self
             .0
-            .ticket_forgets()
+            .ticket_forgets(limit)
             .map_err(|e| e.to_string())?
             .into_iter()
             .map(|(w, s, ms)| (w, s, Duration::from_millis(ms)))

@@ -458,9 +458,10 @@ pub trait StateStore: Send + Sync {
     fn put_ticket_forget(&self, _worker: &str, _sandbox: &str) -> Result<(), StoreError> {
         Ok(())
     }
-    /// Every ticket still to drop: `(worker, sandbox, milliseconds since it was first kept)`,
-    /// oldest first. A store one process uses keeps none (that process retries in memory).
-    fn ticket_forgets(&self) -> Result<Vec<(String, String, u64)>, StoreError> {
+    /// The oldest `limit` tickets still to drop: `(worker, sandbox, milliseconds since it was
+    /// first kept)`, oldest first. A store one process uses keeps none (that process retries
+    /// in memory).
+    fn ticket_forgets(&self, _limit: usize) -> Result<Vec<(String, String, u64)>, StoreError> {
         Ok(Vec::new())
     }
     /// The worker dropped it (or it is given up on).

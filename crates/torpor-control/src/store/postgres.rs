@@ -1367,13 +1367,13 @@ impl StateStore for PostgresStore {
         .map(drop)
     }
 
-    fn ticket_forgets(&self) -> Result<Vec<(String, String, u64)>, StoreError> {
+    fn ticket_forgets(&self, limit: usize) -> Result<Vec<(String, String, u64)>, StoreError> {
         self.query(
             "read tickets to drop",
             "SELECT worker, sandbox,
                     (EXTRACT(EPOCH FROM (now() - since)) * 1000)::BIGINT
-             FROM gpu_ticket_forgets ORDER BY since, worker, sandbox",
-            vec![],
+             FROM gpu_ticket_forgets ORDER BY since, worker, sandbox LIMIT $1",
+            vec![p(i64::try_from(limit).unwrap_or(i64::MAX))],
         )?
         .iter()
         .map(|r| {

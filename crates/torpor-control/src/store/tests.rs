@@ -1496,16 +1496,17 @@ fn tickets_to_drop_are_kept_for_every_controller_until_done() {
     c1.put_ticket_forget("gb", "sb-1").unwrap();
     // Kept again: the first time stays.
     c2.put_ticket_forget("ga", "sb-1").unwrap();
-    let kept = c2.ticket_forgets().unwrap();
+    let kept = c2.ticket_forgets(10).unwrap();
     let names: Vec<_> = kept
         .iter()
         .map(|(w, s, _)| (w.as_str(), s.as_str()))
         .collect();
     assert_eq!(names, [("ga", "sb-1"), ("gb", "sb-1")], "oldest first");
     assert!(kept[0].2 >= kept[1].2, "ages: {kept:?}");
+    assert_eq!(c1.ticket_forgets(1).unwrap().len(), 1, "at most the limit");
     c2.ticket_forget_done("ga", "sb-1").unwrap();
     let left: Vec<_> = c1
-        .ticket_forgets()
+        .ticket_forgets(10)
         .unwrap()
         .into_iter()
         .map(|(w, s, _)| (w, s))
@@ -1515,7 +1516,7 @@ fn tickets_to_drop_are_kept_for_every_controller_until_done() {
     let tmp = tempfile::tempdir().unwrap();
     let lite = sqlite(&tmp.path().join("t.db"));
     lite.put_ticket_forget("ga", "sb-1").unwrap();
-    assert!(lite.ticket_forgets().unwrap().is_empty());
+    assert!(lite.ticket_forgets(10).unwrap().is_empty());
 }
 
 #[test]
