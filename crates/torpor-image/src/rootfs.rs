@@ -309,24 +309,31 @@ impl Rootfs {
                 self.finish_node(&file, &relative, owner, mode, mtime)?;
             }
             EntryType::Symlink => {
-                let target = entry.link_name_bytes().ok_or_else(|| {
-                    ImageError::corrupt(
-                        layer,
-                        format!("symbolic link {} has no target", entry_path.display()),
-                    )
-                })?;
+                // An empty target (a GNU long-link header with no body names none) is no link.
+                let target = entry
+                    .link_name_bytes()
+                    .filter(|t| !t.is_empty())
+                    .ok_or_else(|| {
+                        ImageError::corrupt(
+                            layer,
+                            format!("symbolic link {} has no target", entry_path.display()),
+                        )
+                    })?;
                 self.remove_existing(&parent, name, &relative)?;
                 fs::symlinkat(OsStr::from_bytes(&target), &parent, OsStr::from_bytes(name))
                     .map_err(|errno| self.write_error(&relative, errno))?;
                 self.finish_link(&parent, name, &relative, owner, mtime)?;
             }
             EntryType::Link => {
-                let target = entry.link_name_bytes().ok_or_else(|| {
-                    ImageError::corrupt(
-                        layer,
-                        format!("hard link {} has no target", entry_path.display()),
-                    )
-                })?;
+                let target = entry
+                    .link_name_bytes()
+                    .filter(|t| !t.is_empty())
+                    .ok_or_else(|| {
+                        ImageError::corrupt(
+                            layer,
+                            format!("hard link {} has no target", entry_path.display()),
+                        )
+                    })?;
                 self.hard_link(&parent, name, &relative, &target, &context)?;
             }
             EntryType::Fifo => {

@@ -191,6 +191,23 @@ fn hostile_layer(entries: &[Entry], outside: &str) -> Vec<u8> {
     layer.tar()
 }
 
+/// A case the rootfs fuzz found (2026-12-04): a GNU long-link header (`K`) with no body, then
+/// a symlink, whose target it makes empty. Refused as a corrupt image, not a failed write.
+#[test]
+fn a_link_whose_long_name_header_is_empty_is_a_corrupt_image() {
+    let dir = TempDir::new().unwrap();
+    let entries = [
+        Entry::Special("a".into(), b'K', 2541),
+        Entry::Symlink("a".into(), "..".into()),
+    ];
+    let archive = dir.path().join("upload.tar");
+    fs::write(&archive, hostile_layer(&entries, "/nowhere")).unwrap();
+    let rootfs = dir.path().join("rootfs");
+    let err = unpack_rootfs_tar(&archive, &rootfs).unwrap_err();
+    assert_eq!(err.code(), "image_corrupt", "{err}");
+    assert!(!rootfs.exists());
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
 
