@@ -54,6 +54,7 @@ CONTRACT = {
 }
 CONTRACT_VALUES = {
     "torpor-controller": {"--listen": "0.0.0.0:8080", "--cluster-listen": "0.0.0.0:7443",
+                          "--peer-listen": "0.0.0.0:7445",
                           "--tls-dir": "/etc/torpor/tls",
                           "--admin-token-file": "/etc/torpor/admin/token"},
     "torpor-worker": {"--controller": "torpor-controller-cluster:7443",

@@ -14,6 +14,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use torpor_control::error::ErrorKind;
+use torpor_control::store::LiveController;
 use torpor_control::ControlError;
 use torpor_core::TenantId;
 
@@ -130,9 +131,9 @@ pub struct ApiError {
     message: String,
     details: Option<serde_json::Value>,
     retry_after: Option<u64>,
-    /// Cluster mode: the controller that holds the sandbox answers at this address (read and
-    /// removed by the forwarding layer, crate::forward; never reaches a client).
-    held_at: Option<Box<str>>,
+    /// Cluster mode: the live controller that holds the sandbox (a response extension read by
+    /// the forwarding layer, crate::forward; never reaches a client).
+    held_at: Option<Box<LiveController>>,
 }
 
 /// The result of a handler.
@@ -197,8 +198,8 @@ impl IntoResponse for ApiError {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
-        if let Some(v) = self.held_at.and_then(|a| HeaderValue::from_str(&a).ok()) {
-            resp.headers_mut().insert(crate::forward::HELD_AT, v);
+        if let Some(at) = self.held_at {
+            resp.extensions_mut().insert(crate::forward::HeldAt(*at));
         }
         resp
     }
@@ -261,7 +262,7 @@ impl From<ControlError> for ApiError {
             .retry_after_s()
             .or((wire(kind).status == StatusCode::SERVICE_UNAVAILABLE).then_some(1));
         let held_at = match &e {
-            ControlError::HeldElsewhere { api_addr, .. } => api_addr.as_deref().map(Box::from),
+            ControlError::HeldElsewhere { at, .. } => at.clone().map(Box::new),
             _ => None,
         };
         ApiError {

@@ -10,6 +10,11 @@
 //!   such a request again (it serves it, and a wake that lost a race answers
 //!   `409 sandbox_elsewhere`, retryable). The caller's own credentials travel with it and are
 //!   checked by the holder as they would be here: forwarding adds no authority.
+//! - The wire: HTTP/2 over mutual TLS to the holder's peer listener ([`PeerClients`], in
+//!   cluster mode torpor_cluster's `peer`), whose certificate must name that holder, so the
+//!   caller's token reaches that controller or nobody. A holder that advertises no peer
+//!   listener (built before it: a rolling upgrade) is reached over plain HTTP at its API
+//!   address, as before, with a warning in the log.
 //! - Two controllers may try to wake one sleeping sandbox at once; the engine lets one win
 //!   and the other hears `sandbox_elsewhere` naming the winner. A request whose body was small
 //!   enough to keep ([`REPLAY_LIMIT`]) is then forwarded to the winner; a larger one answers
@@ -31,6 +36,7 @@ use axum::response::{IntoResponse, Response};
 use futures::TryStreamExt;
 use torpor_control::engine::Route;
 use torpor_control::error::ErrorKind;
+use torpor_control::store::LiveController;
 use torpor_core::SandboxId;
 
 use crate::errors::ApiError;
@@ -38,8 +44,17 @@ use crate::state::ApiState;
 
 /// Set on a forwarded request: the forwarding controller's name.
 pub const FORWARDED_BY: &str = "x-torpor-forwarded-by";
-/// Set (internally) on an answer whose sandbox another controller won: where it answers.
-pub(crate) const HELD_AT: &str = "x-torpor-held-at";
+/// Set (a response extension, never sent) on an answer whose sandbox another controller won:
+/// that controller.
+#[derive(Debug, Clone)]
+pub(crate) struct HeldAt(pub LiveController);
+
+/// Clients to the other controllers' peer listeners (cluster mode).
+pub trait PeerClients: Send + Sync {
+    /// An HTTPS client that reaches the controller `name` and no other (its certificate is
+    /// checked for that identity); the error says why none can be built.
+    fn client_for(&self, name: &str) -> Result<reqwest::Client, String>;
+}
 /// Largest request body kept to be sent again to the controller that won a wake race.
 pub const REPLAY_LIMIT: usize = 1 << 20;
 /// How long a forwarded request may take to get its answer's head.
@@ -56,7 +71,8 @@ const HOP_BY_HOP: [HeaderName; 7] = [
     HeaderName::from_static("keep-alive"),
 ];
 
-fn client() -> &'static reqwest::Client {
+/// The plain HTTP client, for a holder built before the peer listener.
+fn plain_client() -> &'static reqwest::Client {
     static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
     CLIENT.get_or_init(|| {
         reqwest::Client::builder()
@@ -82,12 +98,9 @@ pub async fn forward(State(state): State<Arc<ApiState>>, req: Request, next: Nex
     }
     match state.engine.route(&id).await {
         Ok(Route::Local) => {}
-        Ok(Route::Forward {
-            controller,
-            api_addr,
-        }) => {
-            tracing::debug!(sandbox = %id, %controller, "forwarding a call to the sandbox's controller");
-            return send(&me, &api_addr, req).await;
+        Ok(Route::Forward(holder)) => {
+            tracing::debug!(sandbox = %id, controller = %holder.name, "forwarding a call to the sandbox's controller");
+            return send(&state, &me, &holder, req).await;
         }
         Err(e) => return ApiError::from(e).into_response(),
     }
@@ -126,27 +139,20 @@ pub async fn forward(State(state): State<Arc<ApiState>>, req: Request, next: Nex
     let resp = next
         .run(Request::from_parts(parts, Body::from(bytes.clone())))
         .await;
-    let Some(addr) = held_at(&resp) else {
+    let Some(HeldAt(holder)) = resp.extensions().get::<HeldAt>().cloned() else {
         return resp;
     };
-    tracing::debug!(sandbox = %id, %addr, "another controller won the wake; forwarding");
+    tracing::debug!(sandbox = %id, controller = %holder.name, "another controller won the wake; forwarding");
     let mut again = Request::new(Body::from(bytes));
     *again.method_mut() = method;
     *again.uri_mut() = uri;
     *again.version_mut() = version;
     *again.headers_mut() = headers;
-    send(&me, &addr, again).await
-}
-
-fn held_at(resp: &Response) -> Option<String> {
-    resp.headers()
-        .get(HELD_AT)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string)
+    send(&state, &me, &holder, again).await
 }
 
 fn without_held_at(mut resp: Response) -> Response {
-    resp.headers_mut().remove(HELD_AT);
+    resp.extensions_mut().remove::<HeldAt>();
     resp
 }
 
@@ -179,8 +185,8 @@ fn sandbox_in(req: &Request) -> Option<SandboxId> {
     SandboxId::new(id).ok()
 }
 
-/// Sends `req` to the controller at `addr` and streams its answer back.
-async fn send(me: &str, addr: &str, req: Request) -> Response {
+/// Sends `req` to the controller `holder` and streams its answer back.
+async fn send(state: &ApiState, me: &str, holder: &LiveController, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     if parts.headers.contains_key(header::UPGRADE) {
         return ApiError::new(
@@ -197,7 +203,34 @@ async fn send(me: &str, addr: &str, req: Request) -> Response {
         .path_and_query()
         .map_or("/", |p| p.as_str())
         .to_string();
-    let url = format!("http://{addr}{path}");
+    let unavailable = || {
+        ApiError::new(
+            ErrorKind::Unavailable,
+            "controller_unavailable",
+            "the controller that holds this sandbox does not answer; retry (it is taken \
+             over once its lease expires)",
+        )
+        .with_retry_after(1)
+        .into_response()
+    };
+    let (client, url) = match (&holder.peer_addr, &state.peers) {
+        (Some(peer), Some(peers)) => match peers.client_for(&holder.name) {
+            Ok(c) => (c, format!("https://{peer}{path}")),
+            Err(e) => {
+                tracing::error!(controller = %holder.name, error = %e, "no client for the controller's peer listener");
+                return unavailable();
+            }
+        },
+        _ => {
+            tracing::warn!(controller = %holder.name, api_addr = %holder.api_addr,
+                "forwarding over plain HTTP: the controller advertises no peer listener \
+                 (built before it; upgrade it)");
+            (
+                plain_client().clone(),
+                format!("http://{}{path}", holder.api_addr),
+            )
+        }
+    };
     let mut headers = HeaderMap::new();
     for (name, value) in &parts.headers {
         if !HOP_BY_HOP.contains(name) && name != header::CONTENT_LENGTH {
@@ -208,7 +241,7 @@ async fn send(me: &str, addr: &str, req: Request) -> Response {
         headers.insert(FORWARDED_BY, v);
     }
     let stream = body.into_data_stream();
-    let sent = client()
+    let sent = client
         .request(parts.method, &url)
         .headers(headers)
         .timeout(FORWARD_TIMEOUT)
@@ -218,20 +251,13 @@ async fn send(me: &str, addr: &str, req: Request) -> Response {
     let upstream = match sent {
         Ok(r) => r,
         Err(e) => {
-            tracing::warn!(%addr, error = %e, "cannot forward a call to the sandbox's controller");
-            return ApiError::new(
-                ErrorKind::Unavailable,
-                "controller_unavailable",
-                "the controller that holds this sandbox does not answer; retry (it is taken \
-                 over once its lease expires)",
-            )
-            .with_retry_after(1)
-            .into_response();
+            tracing::warn!(controller = %holder.name, %url, error = %e, "cannot forward a call to the sandbox's controller");
+            return unavailable();
         }
     };
     let mut resp = Response::builder().status(upstream.status());
     for (name, value) in upstream.headers() {
-        if !HOP_BY_HOP.contains(name) && name.as_str() != HELD_AT {
+        if !HOP_BY_HOP.contains(name) {
             resp = resp.header(name, value);
         }
     }

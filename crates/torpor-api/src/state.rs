@@ -21,6 +21,9 @@ pub struct ApiState {
     pub limits: crate::ratelimit::EdgeLimits,
     /// The cluster's workers (`torpor controller`); `None` on a single machine.
     pub nodes: Option<Arc<dyn crate::nodes::NodeDirectory>>,
+    /// Clients to the other controllers' peer listeners (`torpor controller`); `None` on a
+    /// single machine.
+    pub peers: Option<Arc<dyn crate::forward::PeerClients>>,
 }
 
 impl crate::ratelimit::Rates for ApiState {

@@ -22,6 +22,7 @@ pub mod fleet;
 pub mod gpu_turn;
 pub mod images;
 pub mod join;
+pub mod peer;
 pub mod placement;
 pub mod reclaim;
 pub mod server;
@@ -42,6 +43,7 @@ pub use fleet::{serve_cluster, Fleet, FleetCapacity, FleetConfig, FleetError, No
 pub use gpu_turn::GpuTurnBook;
 pub use images::{OpenBackend, WorkerImages};
 pub use join::{join, JoinConfig};
+pub use peer::{PeerAcceptor, PeerClients};
 pub use server::{serve, GpuUsage, NodeService, ServeError, WorkerGpus};
 pub use tickets::TicketBook;
 pub use tls::{Side, TlsFiles, TlsMetrics, TlsSource};

@@ -133,6 +133,30 @@ impl Side {
     }
 }
 
+/// Whom a connection's peer must be: a role, and for a dialled controller its exact name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expected {
+    pub role: Role,
+    /// The peer's name, when one peer and no other will do (a controller forwarding a call
+    /// to the controller that holds the sandbox: `spiffe://<domain>/controller/<name>`).
+    pub name: Option<String>,
+}
+
+impl Expected {
+    /// Any peer of `role` (of this side's trust domain).
+    pub fn any(role: Role) -> Expected {
+        Expected { role, name: None }
+    }
+
+    /// Exactly the peer of `role` named `name`.
+    pub fn named(role: Role, name: &str) -> Expected {
+        Expected {
+            role,
+            name: Some(name.to_string()),
+        }
+    }
+}
+
 /// `torpor_cluster_tls_refusals_total{side, reason}`.
 #[derive(Clone)]
 pub struct TlsMetrics {
@@ -336,10 +360,11 @@ impl TlsSource {
         end_entity: &CertificateDer<'_>,
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
+        expected: &Expected,
     ) -> Result<(), rustls::Error> {
         m.client_verifier
             .verify_client_cert(end_entity, intermediates, now)?;
-        self.check_identity(&m.identity.trust_domain, end_entity)?;
+        self.check_identity(&m.identity.trust_domain, end_entity, expected)?;
         Ok(())
     }
 
@@ -350,6 +375,7 @@ impl TlsSource {
         end_entity: &CertificateDer<'_>,
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
+        expected: &Expected,
     ) -> Result<(), rustls::Error> {
         let cert = ParsedCertificate::try_from(end_entity)?;
         rustls::client::verify_server_cert_signed_by_trust_anchor(
@@ -360,7 +386,7 @@ impl TlsSource {
             self.provider.signature_verification_algorithms.all,
         )?;
         check_server_revocation(m, &self.provider, end_entity, intermediates, now)?;
-        self.check_identity(&m.identity.trust_domain, end_entity)?;
+        self.check_identity(&m.identity.trust_domain, end_entity, expected)?;
         Ok(())
     }
 
@@ -378,8 +404,8 @@ impl TlsSource {
         &self,
         trust_domain: &TrustDomain,
         der: &[u8],
+        expected: &Expected,
     ) -> Result<Identity, rustls::Error> {
-        let expected = self.side.peer_role();
         let refuse = |why: String| {
             tracing::warn!(side = self.side.as_str(), %why, "cluster peer's identity refused");
             rustls::Error::InvalidCertificate(CertificateError::ApplicationVerificationFailure)
@@ -390,19 +416,75 @@ impl TlsSource {
                 "{id} is of another trust domain than {trust_domain}"
             )));
         }
-        if id.role != expected {
+        if id.role != expected.role {
             return Err(refuse(format!(
-                "{id} presents where a {expected} is expected"
+                "{id} presents where a {} is expected",
+                expected.role
+            )));
+        }
+        if let Some(name) = expected.name.as_deref().filter(|n| *n != id.name.as_str()) {
+            return Err(refuse(format!(
+                "{id} presents where the {} {name} is expected",
+                expected.role
             )));
         }
         Ok(id)
     }
 
-    /// The worker's server configuration: client certificates required and checked.
+    /// What this side accepts from the peers of its cluster connections.
+    pub(crate) fn expected_peer(&self) -> Expected {
+        Expected::any(self.side.peer_role())
+    }
+
+    /// The server configuration of the cluster listener (a worker's, or a controller's for
+    /// workers' heartbeats): client certificates of the other role required and checked.
     pub fn server_config(self: &Arc<Self>) -> Result<Arc<ServerConfig>, TlsError> {
+        self.server_config_expecting(self.expected_peer())
+    }
+
+    /// The controller's client configuration towards workers: its certificate presented, the
+    /// worker's checked.
+    pub fn client_config(self: &Arc<Self>) -> Result<Arc<ClientConfig>, TlsError> {
+        self.client_config_expecting(self.expected_peer())
+            .map(Arc::new)
+    }
+
+    /// The server configuration of a controller's peer listener: client certificates of
+    /// controllers (of this trust domain) only.
+    pub fn peer_server_config(self: &Arc<Self>) -> Result<Arc<ServerConfig>, TlsError> {
+        self.check_controller()?;
+        self.server_config_expecting(Expected::any(Role::Controller))
+    }
+
+    /// A controller's client configuration towards the controller `name`'s peer listener:
+    /// the server must present exactly `spiffe://<domain>/controller/<name>`, so a call (and
+    /// the caller's token in it) goes to that controller or nowhere, whoever answers at its
+    /// address (a reused pod IP, a spoofed address).
+    pub fn peer_client_config(self: &Arc<Self>, name: &str) -> Result<ClientConfig, TlsError> {
+        self.check_controller()?;
+        self.client_config_expecting(Expected::named(Role::Controller, name))
+    }
+
+    fn check_controller(&self) -> Result<(), TlsError> {
+        match self.side {
+            Side::Controller => Ok(()),
+            Side::Worker => Err(TlsError::Material {
+                path: self.files.cert.clone(),
+                reason: "only a controller talks to other controllers".into(),
+            }),
+        }
+    }
+
+    fn server_config_expecting(
+        self: &Arc<Self>,
+        expected: Expected,
+    ) -> Result<Arc<ServerConfig>, TlsError> {
         let mut cfg = ServerConfig::builder_with_provider(self.provider.clone())
             .with_protocol_versions(&[&rustls::version::TLS13])?
-            .with_client_cert_verifier(Arc::new(PeerVerifier(self.clone())))
+            .with_client_cert_verifier(Arc::new(PeerVerifier {
+                src: self.clone(),
+                expected,
+            }))
             .with_cert_resolver(Arc::new(OwnCert(self.clone())));
         cfg.alpn_protocols = vec![b"h2".to_vec()];
         // No session resumption: a resumed TLS 1.3 session skips the peer's certificate, so a
@@ -412,17 +494,28 @@ impl TlsSource {
         Ok(Arc::new(cfg))
     }
 
-    /// The controller's client configuration: its certificate presented, the worker's checked.
-    pub fn client_config(self: &Arc<Self>) -> Result<Arc<ClientConfig>, TlsError> {
+    fn client_config_expecting(
+        self: &Arc<Self>,
+        expected: Expected,
+    ) -> Result<ClientConfig, TlsError> {
         let mut cfg = ClientConfig::builder_with_provider(self.provider.clone())
             .with_protocol_versions(&[&rustls::version::TLS13])?
             .dangerous()
-            .with_custom_certificate_verifier(Arc::new(PeerVerifier(self.clone())))
+            .with_custom_certificate_verifier(Arc::new(PeerVerifier {
+                src: self.clone(),
+                expected,
+            }))
             .with_client_cert_resolver(Arc::new(OwnCert(self.clone())));
         cfg.alpn_protocols = vec![b"h2".to_vec()];
         // Every connection verifies the peer's certificate afresh (see `server_config`).
         cfg.resumption = rustls::client::Resumption::disabled();
-        Ok(Arc::new(cfg))
+        Ok(cfg)
+    }
+
+    /// The generation of the material in use: it moves when the files change (a new CRL,
+    /// CA or own certificate), so long-lived clients know to build new connections.
+    pub fn generation(&self) -> u64 {
+        self.current_generation().1
     }
 }
 
@@ -655,7 +748,10 @@ impl ResolvesClientCert for OwnCert {
 
 /// Checks the peer: its chain against the current CA, then its identity.
 #[derive(Debug)]
-struct PeerVerifier(Arc<TlsSource>);
+struct PeerVerifier {
+    src: Arc<TlsSource>,
+    expected: Expected,
+}
 
 impl ClientCertVerifier for PeerVerifier {
     fn root_hint_subjects(&self) -> &[DistinguishedName] {
@@ -669,8 +765,13 @@ impl ClientCertVerifier for PeerVerifier {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        self.0
-            .verify_client_with(&self.0.current(), end_entity, intermediates, now)?;
+        self.src.verify_client_with(
+            &self.src.current(),
+            end_entity,
+            intermediates,
+            now,
+            &self.expected,
+        )?;
         Ok(ClientCertVerified::assertion())
     }
 
@@ -695,12 +796,12 @@ impl ClientCertVerifier for PeerVerifier {
             message,
             cert,
             dss,
-            &self.0.provider.signature_verification_algorithms,
+            &self.src.provider.signature_verification_algorithms,
         )
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0
+        self.src
             .provider
             .signature_verification_algorithms
             .supported_schemes()
@@ -716,8 +817,13 @@ impl ServerCertVerifier for PeerVerifier {
         _ocsp: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        self.0
-            .verify_server_with(&self.0.current(), end_entity, intermediates, now)?;
+        self.src.verify_server_with(
+            &self.src.current(),
+            end_entity,
+            intermediates,
+            now,
+            &self.expected,
+        )?;
         Ok(ServerCertVerified::assertion())
     }
 
@@ -757,18 +863,18 @@ pub fn peer_identity(certs: Option<&[CertificateDer<'_>]>) -> Option<Identity> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::ca::{Ca, MemberName, DEFAULT_CA_TTL, DEFAULT_LEAF_TTL};
 
     /// A CA in `tmp/ca` and identities `c1` (controller), `w1` and `w2` (workers).
-    struct Pki {
+    pub(crate) struct Pki {
         tmp: tempfile::TempDir,
         ca: Ca,
     }
 
     impl Pki {
-        fn new() -> Pki {
+        pub(crate) fn new() -> Pki {
             let tmp = tempfile::tempdir().unwrap();
             let td = TrustDomain::new("unit.test").unwrap();
             let ca = Ca::init(&tmp.path().join("ca"), &td, DEFAULT_CA_TTL).unwrap();
@@ -783,7 +889,7 @@ mod tests {
             self.tmp.path().join(name)
         }
 
-        fn issue(&self, role: Role, name: &str) {
+        pub(crate) fn issue(&self, role: Role, name: &str) {
             self.ca
                 .issue(role, &MemberName::new(name).unwrap(), DEFAULT_LEAF_TTL)
                 .unwrap()
@@ -791,7 +897,7 @@ mod tests {
                 .unwrap();
         }
 
-        fn source(&self, name: &str, side: Side) -> Arc<TlsSource> {
+        pub(crate) fn source(&self, name: &str, side: Side) -> Arc<TlsSource> {
             TlsSource::load(TlsFiles::in_dir(&self.dir(name)), side, TlsMetrics::new()).unwrap()
         }
 
@@ -1020,6 +1126,75 @@ mod tests {
             .unwrap()
             .collect::<Result<_, _>>()
             .unwrap()
+    }
+
+    #[test]
+    fn a_controller_forwards_only_to_the_controller_it_names_and_the_peer_listener_takes_only_controllers(
+    ) {
+        let pki = Pki::new();
+        pki.issue(Role::Controller, "c2");
+        pki.issue(Role::Controller, "c3");
+        let c1 = pki.source("c1", Side::Controller);
+        let c2 = pki.source("c2", Side::Controller);
+        let c3 = pki.source("c3", Side::Controller);
+        let w1 = pki.source("w1", Side::Worker);
+        let to_c1 = || Arc::new(c2.peer_client_config("c1").unwrap());
+        handshake_with(to_c1(), c1.peer_server_config().unwrap()).unwrap();
+
+        // Another controller of the domain answering at c1's address (a reused pod IP): c2
+        // hangs up before sending anything.
+        match handshake_with(to_c1(), c3.peer_server_config().unwrap()) {
+            Err(Refused::ByClient(e)) => assert_eq!(reason_of(e), "wrong_identity"),
+            other => panic!("c2 talked to c3 as c1: {other:?}"),
+        }
+        // A worker's certificate at c1's address, likewise.
+        match handshake_with(to_c1(), w1.server_config().unwrap()) {
+            Err(Refused::ByClient(e)) => assert_eq!(reason_of(e), "wrong_identity"),
+            other => panic!("c2 talked to a worker as c1: {other:?}"),
+        }
+        // The peer listener refuses a worker's certificate (and a worker builds no peer
+        // configuration at all); the workers' listener refuses a controller as a worker.
+        match handshake_with(
+            w1.client_config().unwrap(),
+            c1.peer_server_config().unwrap(),
+        ) {
+            Err(Refused::ByServer(e)) => assert_eq!(reason_of(e), "wrong_identity"),
+            other => panic!("a worker reached the peer listener: {other:?}"),
+        }
+        assert!(w1.peer_server_config().is_err());
+        assert!(w1.peer_client_config("c1").is_err());
+        match handshake_with(to_c1(), c1.server_config().unwrap()) {
+            Err(Refused::ByServer(e)) => assert_eq!(reason_of(e), "wrong_identity"),
+            other => panic!("a controller joined as a worker: {other:?}"),
+        }
+
+        // c2 revoked: refused at the handshake once c1 has the CRL, and its open
+        // connection to c1's peer listener is cut.
+        let open = c1.watch_expecting(
+            (),
+            Direction::Accepted,
+            None,
+            chain_of(&pki, "c2"),
+            Expected::any(Role::Controller),
+        );
+        let generation = c1.generation();
+        pki.revoke("c2");
+        pki.copy_crl_to("c1");
+        look_now(&c1);
+        assert!(c1.generation() > generation, "the CRL moves the material");
+        match handshake_with(to_c1(), c1.peer_server_config().unwrap()) {
+            Err(Refused::ByServer(e)) => assert_eq!(reason_of(e), "revoked"),
+            other => panic!("a revoked controller was served: {other:?}"),
+        }
+        let refused = c1.sweep(UnixTime::now());
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert_eq!(refused[0].reason, "revoked");
+        assert!(open.is_cut());
+        handshake_with(
+            Arc::new(c3.peer_client_config("c1").unwrap()),
+            c1.peer_server_config().unwrap(),
+        )
+        .unwrap();
     }
 
     #[test]

@@ -116,11 +116,11 @@ pub enum ControlError {
     #[error("{0}")]
     Busy(String),
     /// Cluster mode: another controller holds the sandbox (it won the race to wake it, or
-    /// holds it already); the API forwards the call there (`api_addr`, when it is alive).
+    /// holds it already); the API forwards the call there (`at`, when it is alive).
     #[error("sandbox is held by controller {controller}; retry")]
     HeldElsewhere {
         controller: String,
-        api_addr: Option<String>,
+        at: Option<crate::store::LiveController>,
     },
     #[error("torpor is shutting down")]
     ShuttingDown,

@@ -8,6 +8,7 @@
 //!   TORPOR_BENCH_N=20 TORPOR_BENCH_CONC=4 cargo bench -q --profile dev -p torpor --bench cluster
 //!   TORPOR_BENCH_SETTLE=1 ...   (uploads waited for between batches: see `settle`)
 //!   TORPOR_CLUSTER_ROWS=reencode ... (only the re-encoded copy's rows, below; one worker)
+//!   TORPOR_CLUSTER_ROWS=forwarding ... (only the forwarding rows; two controllers, one worker)
 //!   TORPOR_BENCH_WORKER_ARGS="--upload-nice 0" ... (more flags for every worker)
 //!
 //! Real processes: a PostgreSQL server (`store::pg_testing`), two `torpor controller`s on it
@@ -599,8 +600,10 @@ async fn reencode_rows(n: usize) {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
 async fn main() {
-    if std::env::var("TORPOR_CLUSTER_ROWS").as_deref() == Ok("reencode") {
-        return reencode_rows(env_usize("TORPOR_BENCH_N", 10)).await;
+    match std::env::var("TORPOR_CLUSTER_ROWS").as_deref() {
+        Ok("reencode") => return reencode_rows(env_usize("TORPOR_BENCH_N", 10)).await,
+        Ok("forwarding") => return forwarding_rows(env_usize("TORPOR_BENCH_FWD_N", 200)).await,
+        _ => {}
     }
     let n = env_usize("TORPOR_BENCH_N", 20);
     let conc = env_usize("TORPOR_BENCH_CONC", 4);
@@ -841,20 +844,7 @@ async fn main() {
         p50("wake, another worker + exec") / bare50,
         p50("wake after a worker loss + exec") / bare50,
     );
-    let json_fwd = print_rows("running sandbox, 2 controllers", &mut [fwd.0, fwd.1]);
-    let (h50, f50) = (
-        json_fwd[0]["p50_ms"].as_f64().unwrap(),
-        json_fwd[1]["p50_ms"].as_f64().unwrap(),
-    );
-    let (h99, f99) = (
-        json_fwd[0]["p99_ms"].as_f64().unwrap(),
-        json_fwd[1]["p99_ms"].as_f64().unwrap(),
-    );
-    println!(
-        "(forwarding adds {:.2} ms at p50, {:.2} ms at p99)",
-        f50 - h50,
-        f99 - h99
-    );
+    let (json_fwd, (f50, h50), (f99, h99)) = print_forwarding(fwd);
     println!(
         "\n{:<8} | {:>9} {:>8} {:>8} | {:>9} {:>8} {:>8} {:>5} | {:>9} {:>8} {:>8} | {:>6} {:>6}",
         "op",
@@ -910,6 +900,60 @@ async fn main() {
         })
     );
     drop(workers);
+    drop(ctl2);
+    drop(ctl);
+}
+
+/// Prints the forwarding rows and what forwarding adds; returns them as JSON with the
+/// (forwarded, holder) p50 and p99.
+fn print_forwarding(fwd: (Row, Row)) -> (Vec<Value>, (f64, f64), (f64, f64)) {
+    let json_fwd = print_rows("running sandbox, 2 controllers", &mut [fwd.0, fwd.1]);
+    let at = |i: usize, k: &str| json_fwd[i][k].as_f64().unwrap_or(f64::NAN);
+    let (h50, f50, h99, f99) = (
+        at(0, "p50_ms"),
+        at(1, "p50_ms"),
+        at(0, "p99_ms"),
+        at(1, "p99_ms"),
+    );
+    println!(
+        "(forwarding adds {:.2} ms at p50, {:.2} ms at p99)",
+        f50 - h50,
+        f99 - h99
+    );
+    (json_fwd, (f50, h50), (f99, h99))
+}
+
+/// `TORPOR_CLUSTER_ROWS=forwarding`: two controllers, one worker joining both, and only the
+/// forwarding rows (exec `true` through the holder vs through the other controller).
+async fn forwarding_rows(n: usize) {
+    let Some((database, tmp)) = bench_setup().await else {
+        return;
+    };
+    let dir = tmp.path();
+    let ca = dir.join("ca");
+    let ctl = Controller::start_as(dir, &ca, &database, "c1").await;
+    let ctl2 = Controller::start_as(dir, &ca, &database, "c2").await;
+    let both = format!("{},{}", ctl.cluster, ctl2.cluster);
+    let worker = Worker::start(dir, &ca, "w1", &both);
+    for x in [&ctl, &ctl2] {
+        x.wait_state(&["w1"], "ready").await;
+    }
+    wait_host_template(&ctl.client).await;
+    let pair = Apis {
+        clients: vec![ctl.client.clone(), ctl2.client.clone()],
+        names: vec![Some("c1".into()), Some("c2".into())],
+    };
+    let fwd = forwarding(&pair, n).await;
+    let (json_fwd, (f50, h50), (f99, h99)) = print_forwarding(fwd);
+    println!(
+        "{}",
+        json!({
+            "bench": "cluster", "rows": "forwarding", "n": n, "workers": 1, "controllers": 2,
+            "forwarding": json_fwd,
+            "forwarding_overhead_ms": {"p50": f50 - h50, "p99": f99 - h99},
+        })
+    );
+    drop(worker);
     drop(ctl2);
     drop(ctl);
 }

@@ -52,12 +52,22 @@ pub struct ControllerArgs {
     /// How often workers heartbeat.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..))]
     heartbeat_ms: u64,
-    /// Where the other controllers of this database reach this one's API (`host:port`), to
-    /// forward calls for the sandboxes it holds; default: `--listen`, with an unspecified host
-    /// (0.0.0.0) replaced by this machine's first non-loopback IPv4 address (on Kubernetes:
-    /// `--advertise $(POD_IP):7077`).
+    /// Where this controller's API is reached by the other controllers of this database
+    /// (`host:port`; controllers built before the peer listener forward there); default:
+    /// `--listen`, with an unspecified host (0.0.0.0) replaced by this machine's first
+    /// non-loopback IPv4 address (on Kubernetes: `--advertise $(POD_IP):7077`). Its host is
+    /// also the default host of `--advertise-peer`.
     #[arg(long)]
     advertise: Option<SocketAddr>,
+    /// Where the other controllers forward calls for the sandboxes this one holds: HTTP/2
+    /// over mutual TLS, only for clients with a controller certificate of the trust domain
+    /// (port 0: any free port).
+    #[arg(long, default_value = "0.0.0.0:7445")]
+    peer_listen: SocketAddr,
+    /// Where the other controllers reach `--peer-listen` (`host:port`); default: its address,
+    /// or, when its host is unspecified, `--advertise`'s host with its port.
+    #[arg(long)]
+    advertise_peer: Option<SocketAddr>,
     /// Silence after which the other controllers count this one lost and take its sandboxes
     /// over (back to their last snapshots) and its pools.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1000..))]
@@ -160,6 +170,24 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
                 args.cluster_listen
             )
         })?;
+    let peer_listener = tokio::net::TcpListener::bind(args.peer_listen)
+        .await
+        .with_context(|| format!("cannot listen on {} (--peer-listen)", args.peer_listen))?;
+    let peer_bound = peer_listener
+        .local_addr()
+        .context("the peer listener's address")?;
+    let advertise_peer = args
+        .advertise_peer
+        .unwrap_or(if peer_bound.ip().is_unspecified() {
+            SocketAddr::new(advertise.ip(), peer_bound.port())
+        } else {
+            peer_bound
+        });
+    if advertise_peer.ip().is_unspecified() || advertise_peer.port() == 0 {
+        bail!("--advertise-peer {advertise_peer}: other controllers must reach this one's peer listener there; give a host and a port");
+    }
+    let peer_acceptor = torpor_cluster::PeerAcceptor::new(tls.clone())
+        .context("cannot set up the peer listener's TLS")?;
     let data_dir = args.data_dir.unwrap_or_else(daemon::default_data_dir);
     // Workers read and write images in the same store (a default DATA/store is a directory of
     // this machine: only workers that mount it at that path can use it).
@@ -190,10 +218,11 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             ..FleetConfig::default()
         },
     );
-    tracing::info!(identity = %tls.identity(), cluster_listen = %args.cluster_listen, %advertise, "controller");
+    tracing::info!(identity = %tls.identity(), cluster_listen = %args.cluster_listen, %advertise, %advertise_peer, "controller");
     let identity = torpor_control::engine::ControllerIdentity {
         name: tls.identity().name.to_string(),
         api_addr: advertise.to_string(),
+        peer_addr: Some(advertise_peer.to_string()),
         lost_after: Duration::from_millis(args.controller_lost_after_ms),
         take_back_within: Duration::from_millis(args.worker_lost_after_ms),
         orphan_image_grace: Duration::from_millis(args.orphan_image_grace_ms),
@@ -231,6 +260,8 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             database: args.database,
             admin_token,
             listener,
+            peer_listener,
+            peer_acceptor,
             tls,
             tls_metrics: metrics,
             identity,
@@ -314,7 +345,16 @@ impl torpor_cluster::FenceBook for StoreFences {
             .live_controllers()
             .map_err(|e| e.to_string())?
             .iter()
-            .any(|(name, _)| name != me))
+            .any(|c| c.name != me))
+    }
+}
+
+/// The other controllers' peer listeners, for the API's forwarding layer.
+pub struct Peers(pub Arc<torpor_cluster::PeerClients>);
+
+impl torpor_api::forward::PeerClients for Peers {
+    fn client_for(&self, name: &str) -> Result<reqwest::Client, String> {
+        self.0.client_for(name).map_err(|e| e.to_string())
     }
 }
 

@@ -74,6 +74,9 @@ pub struct ClusterRole {
     pub admin_token: String,
     /// `--cluster-listen`, bound.
     pub listener: tokio::net::TcpListener,
+    /// `--peer-listen`, bound, and its handshake (controllers only).
+    pub peer_listener: tokio::net::TcpListener,
+    pub peer_acceptor: torpor_cluster::PeerAcceptor,
     pub tls: Arc<torpor_cluster::TlsSource>,
     pub tls_metrics: torpor_cluster::TlsMetrics,
     /// This controller among the controllers of one database.
@@ -285,6 +288,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     }
     .map_err(|e| anyhow::anyhow!("{e} ({})", e.code()))?;
     let mut cluster_server = None;
+    let mut peer_server = None;
     // This process's API over loopback when it listens on every address (its own calls, e.g.
     // a reclaim's parks, then never leave the machine before they are forwarded).
     let own_api = match listener.local_addr() {
@@ -348,12 +352,22 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         let task = tokio::spawn(torpor_cluster::serve_cluster(
             c.fleet.clone(),
             c.listener,
-            c.tls,
+            c.tls.clone(),
             async {
                 let _ = stopped.await;
             },
         ));
         cluster_server = Some((stop, task, c.fleet));
+        let addr = c.peer_listener.local_addr().ok();
+        eprintln!(
+            "torpor: controllers forward on {} (mutual TLS)",
+            addr.map(|a| a.to_string()).unwrap_or_default()
+        );
+        peer_server = Some((
+            c.peer_listener,
+            c.peer_acceptor,
+            Arc::new(torpor_cluster::PeerClients::new(c.tls.clone())),
+        ));
     }
     if let Some(gpus) = gpus {
         engine.attach_gpus(gpus);
@@ -403,6 +417,10 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
             Arc::new(crate::controller::FleetNodes(fleet.clone()))
                 as Arc<dyn torpor_api::nodes::NodeDirectory>
         }),
+        peers: peer_server.as_ref().map(|(_, _, clients)| {
+            Arc::new(crate::controller::Peers(clients.clone()))
+                as Arc<dyn torpor_api::forward::PeerClients>
+        }),
     });
     let metrics_listener = match cfg.metrics_listen {
         Some(addr) => Some((
@@ -414,6 +432,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         None => None,
     };
     let app = torpor_api::router(state);
+    let peer_app = peer_server.is_some().then(|| app.clone());
     tracing::info!(listen = %cfg.listen, data_dir = %cfg.data_dir.display(), workers, "torpor is up");
     eprintln!(
         "torpor is up on http://{} (data {}, {} workers)",
@@ -448,12 +467,24 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
             stopped(stop_rx.clone()),
         ))
     });
+    let peers = peer_server.zip(peer_app).map(|((l, acceptor, _), app)| {
+        tokio::spawn(serve::serve_peers(
+            l,
+            acceptor,
+            app,
+            serve_cfg,
+            stopped(stop_rx.clone()),
+        ))
+    });
     let stop = shutdown_signal(cfg.live_restore).await;
     let _ = stop_tx.send(true);
     let servers = async {
         let api = server.await;
         if let Some(m) = metrics_server {
             let _ = m.await;
+        }
+        if let Some(p) = peers {
+            let _ = p.await;
         }
         api
     };

@@ -26,6 +26,12 @@
 //!   connection's own task, holding its slot, and must finish within `header_read_timeout`; a
 //!   peer that never finishes it is dropped. [`serve_api`] serves the API router on `--listen`
 //!   and, when one was prepared, on the HTTPS listener too, with the same stop.
+//! - **Peers.** A controller's peer listener ([`serve_peers`], `torpor controller
+//!   --peer-listen`) serves the same router over mutual TLS to the other controllers only
+//!   (torpor_cluster's `peer`): the handshake, also within `header_read_timeout`, refuses any
+//!   client without a controller certificate of the trust domain, and every request on the
+//!   connection is marked forwarded by the controller its certificate names (the one hop of
+//!   torpor_api's `forward`).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -38,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::extract::ConnectInfo;
-use axum::http::{Request, Response};
+use axum::http::{HeaderValue, Request, Response};
 use axum::Router;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -65,7 +71,28 @@ pub async fn serve(
     cfg: ServeConfig,
     stop: impl Future<Output = ()> + Send + 'static,
 ) {
-    serve_on(listener, None, app, cfg, stop).await
+    serve_on(listener, Handshake::Plain, app, cfg, stop).await
+}
+
+/// A controller's peer listener: `app` over mutual TLS to the other controllers of its
+/// trust domain (crate docs, "Peers").
+pub async fn serve_peers(
+    listener: TcpListener,
+    acceptor: torpor_cluster::PeerAcceptor,
+    app: Router,
+    cfg: ServeConfig,
+    stop: impl Future<Output = ()> + Send + 'static,
+) {
+    serve_on(listener, Handshake::Peers(acceptor), app, cfg, stop).await
+}
+
+/// What a listener does with a new connection before HTTP.
+enum Handshake {
+    Plain,
+    /// `--tls-listen`: the operator's certificate, no client certificate.
+    Tls(tokio_rustls::TlsAcceptor),
+    /// `--peer-listen`: mutual TLS, controllers only.
+    Peers(torpor_cluster::PeerAcceptor),
 }
 
 /// The API listener: [`serve`] on `listener` (plain HTTP) and, when `--tls-listen` was
@@ -92,7 +119,7 @@ pub async fn serve_api(
     eprintln!("torpor: HTTPS on {} (--tls-listen)", tls.addr);
     let https = tokio::spawn(serve_on(
         tls.listener,
-        Some(tls.acceptor),
+        Handshake::Tls(tls.acceptor),
         app.clone(),
         cfg,
         stopped(stop_rx.clone()),
@@ -103,7 +130,7 @@ pub async fn serve_api(
 
 async fn serve_on(
     listener: TcpListener,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    handshake: Handshake,
     app: Router,
     cfg: ServeConfig,
     stop: impl Future<Output = ()> + Send + 'static,
@@ -144,19 +171,35 @@ async fn serve_on(
             tcp,
             _permit: permit,
         };
-        let (app, signal_tx, close_rx) = (app.clone(), signal_tx.clone(), close_rx.clone());
-        match &tls {
-            None => {
-                tokio::spawn(serve_connection(
-                    TokioIo::new(held),
-                    remote,
-                    app,
-                    cfg,
-                    signal_tx,
-                    close_rx,
-                ));
+        let conn = Conn {
+            app: app.clone(),
+            cfg,
+            signal_tx: signal_tx.clone(),
+            close_rx: close_rx.clone(),
+        };
+        match &handshake {
+            Handshake::Plain => {
+                tokio::spawn(serve_connection(TokioIo::new(held), remote, None, conn));
             }
-            Some(acceptor) => {
+            Handshake::Peers(acceptor) => {
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let accept = acceptor.accept(held, remote);
+                    let (stream, identity) =
+                        match tokio::time::timeout(cfg.header_read_timeout, accept).await {
+                            Ok(Some(accepted)) => accepted,
+                            Ok(None) => return, // refused, logged and counted
+                            Err(_) => {
+                                acceptor.timed_out(remote);
+                                return;
+                            }
+                        };
+                    tracing::debug!(%remote, %identity, "a controller connected to the peer listener");
+                    let by = HeaderValue::from_str(&identity.name.to_string()).ok();
+                    serve_connection(TokioIo::new(stream), remote, by, conn).await
+                });
+            }
+            Handshake::Tls(acceptor) => {
                 let handshake = acceptor.accept(held);
                 tokio::spawn(async move {
                     let stream =
@@ -171,8 +214,7 @@ async fn serve_on(
                                 return;
                             }
                         };
-                    serve_connection(TokioIo::new(stream), remote, app, cfg, signal_tx, close_rx)
-                        .await
+                    serve_connection(TokioIo::new(stream), remote, None, conn).await
                 });
             }
         }
@@ -182,20 +224,37 @@ async fn serve_on(
     close_tx.closed().await;
 }
 
+/// What every connection of a listener is served with.
+struct Conn {
+    app: Router,
+    cfg: ServeConfig,
+    /// Closed on the stop signal.
+    signal_tx: watch::Sender<()>,
+    /// Held while the connection lives ("every connection has ended" is its channel closing).
+    close_rx: watch::Receiver<()>,
+}
+
+/// Serves one connection. `forwarded_by`: the peer controller's name, set as every request's
+/// `x-torpor-forwarded-by` (peer listener only).
 async fn serve_connection<I>(
     io: TokioIo<I>,
     remote: SocketAddr,
-    app: Router,
-    cfg: ServeConfig,
-    signal_tx: watch::Sender<()>,
-    close_rx: watch::Receiver<()>,
+    forwarded_by: Option<HeaderValue>,
+    conn: Conn,
 ) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let Conn {
+        app,
+        cfg,
+        signal_tx,
+        close_rx,
+    } = conn;
     let activity = Arc::new(Activity::new());
     let service = Tracked {
         app,
         remote,
+        forwarded_by,
         activity: activity.clone(),
     };
     let mut builder = Builder::new(TokioExecutor::new());
@@ -336,6 +395,7 @@ impl Drop for InFlight {
 struct Tracked {
     app: Router,
     remote: SocketAddr,
+    forwarded_by: Option<HeaderValue>,
     activity: Arc<Activity>,
 }
 
@@ -347,6 +407,10 @@ impl hyper::service::Service<Request<Incoming>> for Tracked {
     fn call(&self, mut req: Request<Incoming>) -> Self::Future {
         let in_flight = self.activity.begin();
         req.extensions_mut().insert(ConnectInfo(self.remote));
+        if let Some(by) = &self.forwarded_by {
+            req.headers_mut()
+                .insert(torpor_api::forward::FORWARDED_BY, by.clone());
+        }
         let mut app = self.app.clone();
         Box::pin(async move {
             let resp = tower_service::Service::call(&mut app, req).await?;
@@ -527,9 +591,15 @@ mod tests {
             max_connections: 16,
             header_read_timeout,
         };
-        let task = tokio::spawn(serve_on(listener, Some(acceptor), app, cfg, async {
-            let _ = stopped.await;
-        }));
+        let task = tokio::spawn(serve_on(
+            listener,
+            Handshake::Tls(acceptor),
+            app,
+            cfg,
+            async {
+                let _ = stopped.await;
+            },
+        ));
         let mut roots = rustls::RootCertStore::empty();
         roots.add(cert.der().clone()).unwrap();
         let mut client = rustls::ClientConfig::builder_with_provider(Arc::new(

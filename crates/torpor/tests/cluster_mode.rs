@@ -827,6 +827,51 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
         "another tenant's call, forwarded, is refused by the holder: {v}"
     );
     assert_eq!(c1.sandbox(&id).await["state"], "running");
+
+    // The wire between controllers carries callers' tokens: c1's peer listener, where c2
+    // forwarded the calls above, serves controllers of the trust domain and nobody else.
+    let (no_cert, wrong_id) = (
+        c1.refusals("no_certificate").await,
+        c1.refusals("wrong_identity").await,
+    );
+    assert!(
+        !cluster::raw_client(&c1.peer, None).await,
+        "a client without a certificate is refused"
+    );
+    assert!(
+        !cluster::raw_client(&c1.peer, Some(&dir.join("w1"))).await,
+        "a worker's certificate is refused"
+    );
+    assert!(
+        cluster::raw_client(&c1.peer, Some(&dir.join("c2"))).await,
+        "another controller's certificate is served"
+    );
+    let plain = reqwest::Client::new()
+        .get(format!("http://{}/v1/sandboxes/{id}", c1.peer))
+        .bearer_auth(TOKEN)
+        .send()
+        .await;
+    assert!(
+        plain.is_err(),
+        "plain HTTP gets no answer on the peer listener: {plain:?}"
+    );
+    assert!(
+        !c2.log().contains("forwarding over plain HTTP"),
+        "c2 forwarded over the peer listener:\n{}",
+        c2.log()
+    );
+    let deadline = Instant::now() + PATIENCE;
+    while c1.refusals("no_certificate").await <= no_cert
+        || c1.refusals("wrong_identity").await <= wrong_id
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the refusals are counted:\n{}",
+            c1.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
     c2.ok(
         reqwest::Method::POST,
         &format!("/v1/sandboxes/{id}/suspend"),

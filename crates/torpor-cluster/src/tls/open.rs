@@ -25,7 +25,7 @@ use futures::task::AtomicWaker;
 use rustls::pki_types::{CertificateDer, UnixTime};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use super::{rustls_reason, Material, TlsSource};
+use super::{rustls_reason, Expected, Material, TlsSource};
 use crate::ca::Identity;
 
 /// How often open connections are looked at (changed files, expired peers).
@@ -71,6 +71,7 @@ impl Cut {
 
 struct Open {
     direction: Direction,
+    expected: Expected,
     peer: Option<SocketAddr>,
     /// The peer's SPIFFE id (for the log).
     identity: String,
@@ -83,6 +84,7 @@ struct Open {
 /// An open connection to verify, taken out of the table (verified without its lock).
 struct Candidate {
     direction: Direction,
+    expected: Expected,
     peer: Option<SocketAddr>,
     identity: String,
     chain: Arc<[CertificateDer<'static>]>,
@@ -122,6 +124,19 @@ impl TlsSource {
         peer: Option<SocketAddr>,
         chain: Vec<CertificateDer<'static>>,
     ) -> Revocable<S> {
+        let expected = self.expected_peer();
+        self.watch_expecting(io, direction, peer, chain, expected)
+    }
+
+    /// [`TlsSource::watch`] for a peer checked against `expected` (another controller).
+    pub(crate) fn watch_expecting<S>(
+        self: &Arc<Self>,
+        io: S,
+        direction: Direction,
+        peer: Option<SocketAddr>,
+        chain: Vec<CertificateDer<'static>>,
+        expected: Expected,
+    ) -> Revocable<S> {
         let identity = chain
             .first()
             .and_then(|c| Identity::of_certificate(c).ok())
@@ -136,6 +151,7 @@ impl TlsSource {
                 id,
                 Open {
                     direction,
+                    expected,
                     peer,
                     identity,
                     chain: chain.into(),
@@ -204,6 +220,7 @@ impl TlsSource {
                 .filter(|c| !c.cut.is_cut() && (all || c.not_after <= now.as_secs()))
                 .map(|c| Candidate {
                     direction: c.direction,
+                    expected: c.expected.clone(),
                     peer: c.peer,
                     identity: c.identity.clone(),
                     chain: c.chain.clone(),
@@ -214,13 +231,14 @@ impl TlsSource {
         let mut refused = Vec::new();
         for Candidate {
             direction,
+            expected,
             peer,
             identity,
             chain,
             cut,
         } in candidates
         {
-            let Err(e) = self.verify_open(&m, direction, &chain, now) else {
+            let Err(e) = self.verify_open(&m, direction, &expected, &chain, now) else {
                 continue;
             };
             cut.cut();
@@ -240,6 +258,7 @@ impl TlsSource {
         &self,
         m: &Material,
         direction: Direction,
+        expected: &Expected,
         chain: &[CertificateDer<'static>],
         now: UnixTime,
     ) -> Result<(), rustls::Error> {
@@ -247,8 +266,12 @@ impl TlsSource {
             return Err(rustls::Error::NoCertificatesPresented);
         };
         match direction {
-            Direction::Accepted => self.verify_client_with(m, end_entity, intermediates, now),
-            Direction::Dialled => self.verify_server_with(m, end_entity, intermediates, now),
+            Direction::Accepted => {
+                self.verify_client_with(m, end_entity, intermediates, now, expected)
+            }
+            Direction::Dialled => {
+                self.verify_server_with(m, end_entity, intermediates, now, expected)
+            }
         }
     }
 

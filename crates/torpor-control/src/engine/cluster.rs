@@ -23,6 +23,7 @@
 //! always `None`, every sandbox is local, and the pools lease is always held.
 
 use super::*;
+use crate::store::LiveController;
 
 /// The lease under which a controller runs pools and their triggers.
 pub const POOLS_LEASE: &str = "pools";
@@ -34,8 +35,12 @@ const LIVE_CACHE: Duration = Duration::from_millis(250);
 pub struct ControllerIdentity {
     /// Its name (its certificate's): what `SandboxRecord::controller` holds.
     pub name: String,
-    /// Where other controllers reach its public API (`host:port`) to forward calls.
+    /// Where other controllers reach its public API (`host:port`): controllers built before
+    /// the peer listener forward calls there, over plain HTTP.
     pub api_addr: String,
+    /// Where other controllers reach its peer listener (`host:port`, HTTP/2 over mutual TLS)
+    /// to forward calls for the sandboxes it holds.
+    pub peer_addr: Option<String>,
     /// Silence after which the others count it dead and take its sandboxes over.
     pub lost_after: Duration,
     /// After a restart, how long it waits for its workers to come back with the containers
@@ -54,14 +59,11 @@ pub enum Route {
     /// Here (or the sandbox does not exist: the handler answers that).
     Local,
     /// On the live controller that holds the sandbox.
-    Forward {
-        controller: String,
-        api_addr: String,
-    },
+    Forward(LiveController),
 }
 
-/// Live controllers `(name, api_addr)` and when they were read.
-type LiveList = Option<(Instant, Vec<(String, String)>)>;
+/// Live controllers and when they were read.
+type LiveList = Option<(Instant, Vec<LiveController>)>;
 
 #[derive(Default)]
 pub(super) struct ClusterState {
@@ -90,8 +92,8 @@ impl Engine {
         self.cfg.controller.is_none() || self.cluster.pools_lease.load(Ordering::SeqCst)
     }
 
-    /// The live controllers, `(name, api_addr)`, read at most every [`LIVE_CACHE`].
-    fn live_controllers(&self) -> Result<Vec<(String, String)>> {
+    /// The live controllers, read at most every [`LIVE_CACHE`].
+    fn live_controllers(&self) -> Result<Vec<LiveController>> {
         let mut cached = self.cluster.live.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((at, live)) = cached.as_ref() {
             if at.elapsed() < LIVE_CACHE {
@@ -104,12 +106,11 @@ impl Engine {
     }
 
     /// Where `holder` answers, if it is alive.
-    fn live_addr(&self, holder: &str) -> Result<Option<String>> {
+    fn live_holder(&self, holder: &str) -> Result<Option<LiveController>> {
         Ok(self
             .live_controllers()?
             .into_iter()
-            .find(|(name, _)| name == holder)
-            .map(|(_, addr)| addr))
+            .find(|c| c.name == holder))
     }
 
     /// Where a call for sandbox `id` is served. A sandbox held by a dead controller is taken
@@ -124,11 +125,8 @@ impl Engine {
         match rec.controller.as_deref() {
             None => Ok(Route::Local),
             Some(holder) if holder == me => Ok(Route::Local),
-            Some(holder) => match self.live_addr(holder)? {
-                Some(api_addr) => Ok(Route::Forward {
-                    controller: holder.to_string(),
-                    api_addr,
-                }),
+            Some(holder) => match self.live_holder(holder)? {
+                Some(live) => Ok(Route::Forward(live)),
                 None => {
                     let holder = holder.to_string();
                     self.take_over(id, &holder).await?;
@@ -159,11 +157,8 @@ impl Engine {
             .filter(|h| Some(h.as_str()) != self.controller_name());
         match holder {
             Some(controller) => {
-                let api_addr = self.live_addr(&controller).ok().flatten();
-                ControlError::HeldElsewhere {
-                    controller,
-                    api_addr,
-                }
+                let at = self.live_holder(&controller).ok().flatten();
+                ControlError::HeldElsewhere { controller, at }
             }
             None => ControlError::Busy(format!("sandbox {id} changed while this call ran; retry")),
         }
@@ -346,7 +341,7 @@ impl Engine {
         };
         for rec in held_elsewhere {
             let holder = rec.controller.as_deref().unwrap_or_default();
-            if live.iter().any(|(name, _)| name == holder) {
+            if live.iter().any(|c| c.name == holder) {
                 continue;
             }
             if let Err(e) = self.take_over(&rec.id, holder).await {
@@ -377,8 +372,12 @@ impl Engine {
     }
 
     fn heartbeat_once(&self, me: &ControllerIdentity) -> Result<()> {
-        self.store
-            .heartbeat_controller(&me.name, &me.api_addr, me.lost_after)?;
+        let row = LiveController {
+            name: me.name.clone(),
+            api_addr: me.api_addr.clone(),
+            peer_addr: me.peer_addr.clone(),
+        };
+        self.store.heartbeat_controller(&row, me.lost_after)?;
         let leads = self.store.try_lease(POOLS_LEASE, &me.name, me.lost_after)?;
         let before = self.cluster.pools_lease.swap(leads, Ordering::SeqCst);
         if before != leads {
@@ -410,7 +409,7 @@ impl Engine {
         let (Some(me), Some(holder)) = (self.controller_name(), rec.controller.as_deref()) else {
             return Ok(true);
         };
-        Ok(holder == me || self.live_addr(holder)?.is_none())
+        Ok(holder == me || self.live_holder(holder)?.is_none())
     }
 
     /// Whether another live controller exists (cluster mode).
@@ -418,7 +417,7 @@ impl Engine {
         let Some(me) = self.controller_name() else {
             return Ok(false);
         };
-        Ok(self.live_controllers()?.iter().any(|(name, _)| name != me))
+        Ok(self.live_controllers()?.iter().any(|c| c.name != me))
     }
 }
 

@@ -387,18 +387,13 @@ pub trait StateStore: Send + Sync {
 
     // --- controllers and leases (cluster mode; a store one process uses keeps the defaults) ---
 
-    /// Records that controller `name` is alive and answers at `api_addr` until `ttl` from now
+    /// Records that controller `me` is alive and answers where it says until `ttl` from now
     /// (the store's clock).
-    fn heartbeat_controller(
-        &self,
-        _name: &str,
-        _api_addr: &str,
-        _ttl: Duration,
-    ) -> Result<(), StoreError> {
+    fn heartbeat_controller(&self, _me: &LiveController, _ttl: Duration) -> Result<(), StoreError> {
         Ok(())
     }
-    /// The controllers whose heartbeat has not expired: `(name, api_addr)`.
-    fn live_controllers(&self) -> Result<Vec<(String, String)>, StoreError> {
+    /// The controllers whose heartbeat has not expired, by name.
+    fn live_controllers(&self) -> Result<Vec<LiveController>, StoreError> {
         Ok(Vec::new())
     }
     /// Removes a controller's row (a clean stop: its sandboxes are taken over at once).
@@ -525,6 +520,20 @@ pub trait StateStore: Send + Sync {
 /// How long a fence order stays open: past it, its worker was either reached by no controller
 /// (it fenced itself) or registered again (its leftovers were removed then).
 pub const FENCE_ORDER_TTL: Duration = Duration::from_secs(3600);
+
+/// A live controller (a row of `controllers`): its name and where the others reach it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveController {
+    /// Its certificate's name: what `SandboxRecord::controller` holds.
+    pub name: String,
+    /// Its public API (`host:port`, plain HTTP): where a controller built before the peer
+    /// listener forwards calls.
+    pub api_addr: String,
+    /// Its peer listener (`host:port`, HTTP/2 over mutual TLS, controller certificates only),
+    /// where calls for the sandboxes it holds are forwarded; `None` for a controller built
+    /// before it (forwarded to over plain HTTP at `api_addr`, during a rolling upgrade).
+    pub peer_addr: Option<String>,
+}
 
 /// One open fence order ([`StateStore::fence_orders`]).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -19,6 +19,7 @@
 //! | 6 | `0006_fence_orders.sql` | `fence_orders`: containers of a worker one controller lost, to end through another |
 //! | 7 | `0007_gpu_holdings.sql` | `gpu_holdings`: a tenant's GPU holdings per worker, as the newest start reply said |
 //! | 8 | `0008_gpu_ticket_forgets.sql` | `gpu_ticket_forgets`: wake tickets a worker could not be told to drop, asked again by any controller |
+//! | 9 | `0009_controller_peer_addr.sql` | `controllers.peer_addr`: the peer listener other controllers forward to (mutual TLS) |
 //!
 //! To change the schema, add the next file and its line to [`MIGRATIONS`]; never edit a file
 //! that has shipped.
@@ -35,6 +36,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("pg/0006_fence_orders.sql"),
     include_str!("pg/0007_gpu_holdings.sql"),
     include_str!("pg/0008_gpu_ticket_forgets.sql"),
+    include_str!("pg/0009_controller_peer_addr.sql"),
 ];
 
 /// The schema version this build writes and reads.

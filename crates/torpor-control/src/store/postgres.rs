@@ -53,7 +53,9 @@ use torpor_gpu::request::GpuRequest;
 use super::pg_schema::{self, MigrateError};
 use super::records::*;
 use super::sqlite::{parse_sandbox, parse_template, parse_tenant, RawSandbox, RawTemplate};
-use super::{FenceOrderRecord, SandboxCursor, StateStore, StoreError, FENCE_ORDER_TTL};
+use super::{
+    FenceOrderRecord, LiveController, SandboxCursor, StateStore, StoreError, FENCE_ORDER_TTL,
+};
 
 /// The most one call waits for a connection and its statement.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -1159,35 +1161,37 @@ impl StateStore for PostgresStore {
 
     // --- controllers and leases ---
 
-    fn heartbeat_controller(
-        &self,
-        name: &str,
-        api_addr: &str,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
+    fn heartbeat_controller(&self, me: &LiveController, ttl: Duration) -> Result<(), StoreError> {
         self.execute(
             "controller heartbeat",
-            "INSERT INTO controllers (name, api_addr, expires_at)
-             VALUES ($1, $2, now() + $3 * interval '1 millisecond')
+            "INSERT INTO controllers (name, api_addr, peer_addr, expires_at)
+             VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond')
              ON CONFLICT (name) DO UPDATE SET api_addr = excluded.api_addr,
-                 expires_at = excluded.expires_at",
+                 peer_addr = excluded.peer_addr, expires_at = excluded.expires_at",
             vec![
-                p(name.to_string()),
-                p(api_addr.to_string()),
+                p(me.name.clone()),
+                p(me.api_addr.clone()),
+                p(me.peer_addr.clone()),
                 p(ttl.as_millis() as f64),
             ],
         )
         .map(drop)
     }
 
-    fn live_controllers(&self) -> Result<Vec<(String, String)>, StoreError> {
+    fn live_controllers(&self) -> Result<Vec<LiveController>, StoreError> {
         self.query(
             "read controllers",
-            "SELECT name, api_addr FROM controllers WHERE expires_at > now() ORDER BY name",
+            "SELECT name, api_addr, peer_addr FROM controllers WHERE expires_at > now() ORDER BY name",
             Vec::new(),
         )?
         .iter()
-        .map(|r| Ok((get(r, 0, "controller")?, get(r, 1, "controller")?)))
+        .map(|r| {
+            Ok(LiveController {
+                name: get(r, 0, "controller")?,
+                api_addr: get(r, 1, "controller")?,
+                peer_addr: get(r, 2, "controller")?,
+            })
+        })
         .collect()
     }
 

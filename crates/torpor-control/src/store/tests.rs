@@ -1360,23 +1360,28 @@ fn controllers_are_live_until_their_heartbeat_expires_and_leases_pass_on_expiry(
     let Some(pg) = Postgres::new() else { return };
     let (a, b) = (pg.connect(), pg.connect());
     let long = Duration::from_secs(60);
-    a.heartbeat_controller("c1", "10.0.0.1:7077", long).unwrap();
-    b.heartbeat_controller("c2", "10.0.0.2:7077", Duration::from_millis(200))
+    let c1 = LiveController {
+        name: "c1".into(),
+        api_addr: "10.0.0.1:7077".into(),
+        peer_addr: Some("10.0.0.1:7444".into()),
+    };
+    // A controller built before the peer listener names none.
+    let c2 = LiveController {
+        name: "c2".into(),
+        api_addr: "10.0.0.2:7077".into(),
+        peer_addr: None,
+    };
+    a.heartbeat_controller(&c1, long).unwrap();
+    b.heartbeat_controller(&c2, Duration::from_millis(200))
         .unwrap();
     let names = |s: &PostgresStore| -> Vec<String> {
         s.live_controllers()
             .unwrap()
             .into_iter()
-            .map(|(n, _)| n)
+            .map(|c| c.name)
             .collect()
     };
-    assert_eq!(
-        a.live_controllers().unwrap(),
-        vec![
-            ("c1".to_string(), "10.0.0.1:7077".to_string()),
-            ("c2".to_string(), "10.0.0.2:7077".to_string())
-        ]
-    );
+    assert_eq!(a.live_controllers().unwrap(), vec![c1.clone(), c2]);
     std::thread::sleep(Duration::from_millis(400));
     assert_eq!(names(&a), vec!["c1"], "c2 stopped renewing");
     b.forget_controller("c1").unwrap();

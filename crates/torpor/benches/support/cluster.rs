@@ -129,6 +129,7 @@ impl Controller {
             .args(["controller", "--database", database])
             .args(["--store", tmp.join("store").to_str().unwrap()])
             .args(["--listen", &api, "--cluster-listen", &cluster])
+            .args(["--peer-listen", "127.0.0.1:0"])
             .args(["--tls-dir", tmp.join(name).to_str().unwrap()])
             .args(["--admin-token-file", token.to_str().unwrap()])
             .args(["--data-dir", data.to_str().unwrap()])

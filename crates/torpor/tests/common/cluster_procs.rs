@@ -40,6 +40,9 @@ pub const CHECK: &str =
 pub struct Controller {
     pub api: String,
     pub cluster: String,
+    /// `--peer-listen`: where the other controllers forward (mutual TLS).
+    #[allow(dead_code)]
+    pub peer: String,
     pub log: PathBuf,
     pub child: Child,
     args: Vec<std::ffi::OsString>,
@@ -94,6 +97,7 @@ impl Controller {
         std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
         let api = format!("127.0.0.1:{}", cluster::free_port());
         let cluster_addr = format!("127.0.0.1:{}", cluster::free_port());
+        let peer = format!("127.0.0.1:{}", cluster::free_port());
         let data = tmp.join(format!("controller-{name}"));
         std::fs::create_dir_all(&data).unwrap();
         let first_key = tmp.join("controller-c1").join("env.key");
@@ -111,6 +115,8 @@ impl Controller {
             &api,
             "--cluster-listen",
             &cluster_addr,
+            "--peer-listen",
+            &peer,
             "--tls-dir",
             tmp.join(name).to_str().unwrap(),
             "--controller-lost-after-ms",
@@ -139,6 +145,7 @@ impl Controller {
         let mut c = Controller {
             api,
             cluster: cluster_addr,
+            peer,
             log,
             child,
             args,
