@@ -25,6 +25,7 @@ pub mod nodes;
 pub mod params;
 mod pools;
 pub mod proxy;
+pub mod rate_share;
 pub mod ratelimit;
 pub mod request_id;
 pub mod sandboxes;

@@ -80,6 +80,18 @@ impl RouteClass {
         }
     }
 
+    /// The class [`RouteClass::as_str`] names.
+    pub fn parse(s: &str) -> Option<RouteClass> {
+        [
+            RouteClass::Lifecycle,
+            RouteClass::Exec,
+            RouteClass::Files,
+            RouteClass::Proxy,
+        ]
+        .into_iter()
+        .find(|c| c.as_str() == s)
+    }
+
     /// The class of a v1 route, from its path below `/v1`.
     pub fn of_v1_path(path: &str) -> RouteClass {
         let path = path.strip_prefix("/v1").unwrap_or(path);
@@ -161,6 +173,17 @@ impl Bucket {
         }
     }
 
+    /// Takes `n` tokens at `now` that were spent elsewhere (another controller let `n` of the
+    /// tenant's requests through). The bucket may go below empty, at most by its size, so the
+    /// tenant waits for what it spent; it never gets more than its rate in all.
+    pub fn debit_at(&mut self, rate: u64, n: u64, now: Duration) {
+        let cap = burst(rate) as f64;
+        let elapsed = now.saturating_sub(self.at).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * rate.max(1) as f64).min(cap);
+        self.at = now.max(self.at);
+        self.tokens = (self.tokens - n as f64).max(-cap);
+    }
+
     /// Whether the bucket is full at `now` (it can be forgotten).
     fn is_full(&self, rate: u64, now: Duration) -> bool {
         let elapsed = now.saturating_sub(self.at).as_secs_f64();
@@ -184,6 +207,9 @@ pub struct RateLimiter {
     start: Instant,
     buckets: Mutex<HashMap<(TenantId, RouteClass), Bucket>>,
     cache: Mutex<RateCache>,
+    /// Cluster mode (crate::rate_share): requests let through since the last report to the
+    /// other controllers; `None` while nothing is shared.
+    unreported: Mutex<Option<HashMap<(TenantId, RouteClass), u64>>>,
 }
 
 impl Default for RateLimiter {
@@ -192,6 +218,7 @@ impl Default for RateLimiter {
             start: Instant::now(),
             buckets: Mutex::default(),
             cache: Mutex::default(),
+            unreported: Mutex::default(),
         }
     }
 }
@@ -213,6 +240,64 @@ impl RateLimiter {
         b.entry((tenant.clone(), class))
             .or_insert_with(|| Bucket::full(rate, now))
             .take_at(rate, now)
+    }
+
+    /// From now on, counts the requests let through for [`RateLimiter::take_unreported`].
+    pub fn count_for_sharing(&self) {
+        let mut u = self.unreported.lock().unwrap_or_else(|p| p.into_inner());
+        u.get_or_insert_with(HashMap::new);
+    }
+
+    fn note_let_through(&self, tenant: &TenantId, class: RouteClass) {
+        let mut u = self.unreported.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(u) = u.as_mut() {
+            *u.entry((tenant.clone(), class)).or_default() += 1;
+        }
+    }
+
+    /// The requests let through since the last call (to report to the other controllers).
+    pub fn take_unreported(&self) -> Vec<(TenantId, RouteClass, u64)> {
+        let mut u = self.unreported.lock().unwrap_or_else(|p| p.into_inner());
+        u.as_mut()
+            .map(|m| m.drain().map(|((t, c), n)| (t, c, n)).collect())
+            .unwrap_or_default()
+    }
+
+    /// Puts back a report that could not be sent (it goes with the next one).
+    pub fn put_back_unreported(&self, usage: Vec<(TenantId, RouteClass, u64)>) {
+        let mut u = self.unreported.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = u.as_mut() {
+            for (t, c, n) in usage {
+                *m.entry((t, c)).or_default() += n;
+            }
+        }
+    }
+
+    /// Takes `n` tokens from `tenant`'s `class` bucket at `now` for requests another
+    /// controller let through ([`Bucket::debit_at`]).
+    pub fn debit_at(&self, tenant: &TenantId, class: RouteClass, rate: u64, n: u64, now: Duration) {
+        let mut b = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        b.entry((tenant.clone(), class))
+            .or_insert_with(|| Bucket::full(rate, now))
+            .debit_at(rate, n, now);
+    }
+
+    /// Requests another controller let through for `tenant`'s `class`: taken from its bucket
+    /// here (nothing for the admin, or a tenant not limited).
+    pub fn debit(
+        &self,
+        state: &(impl Rates + ?Sized),
+        tenant: &TenantId,
+        class: RouteClass,
+        n: u64,
+    ) {
+        if *tenant == TenantId::admin() || n == 0 {
+            return;
+        }
+        let rate = self.rate_of(state, tenant);
+        if rate > 0 {
+            self.debit_at(tenant, class, rate, n, self.start.elapsed());
+        }
     }
 
     /// `tenant`'s rate: its quota's `requests_per_s`, else `default` (cached briefly).
@@ -339,6 +424,7 @@ pub fn check(
     d.write_headers(&mut headers);
     crate::request_id::add_response_headers(headers);
     if d.allowed {
+        lim.note_let_through(tenant, class);
         return Ok(());
     }
     tracing::info!(tenant = %tenant, class = class.as_str(), "rate limited");
@@ -396,6 +482,46 @@ mod tests {
         // A clock that goes back does not mint tokens.
         let d = b.take_at(1, Duration::ZERO);
         assert!(!d.allowed);
+    }
+
+    #[test]
+    fn requests_let_through_elsewhere_are_taken_from_the_bucket_and_owed_at_most_its_size() {
+        let l = RateLimiter::default();
+        let a = TenantId::new("team-a").unwrap();
+        let t = Duration::ZERO;
+        // Rate 2, burst 4: another controller let 3 through; one is left here.
+        l.debit_at(&a, RouteClass::Exec, 2, 3, t);
+        assert!(l.take_at(&a, RouteClass::Exec, 2, t).allowed);
+        assert!(!l.take_at(&a, RouteClass::Exec, 2, t).allowed);
+        // Far more elsewhere: owed down to one bucket below empty (4 tokens: 2 s at rate 2),
+        // no more.
+        l.debit_at(&a, RouteClass::Exec, 2, 1000, t);
+        assert!(!l.take_at(&a, RouteClass::Exec, 2, S).allowed);
+        assert!(!l.take_at(&a, RouteClass::Exec, 2, 2 * S).allowed);
+        assert!(l.take_at(&a, RouteClass::Exec, 2, 3 * S).allowed);
+        // Another class's bucket is untouched.
+        assert!(l.take_at(&a, RouteClass::Files, 2, t).allowed);
+
+        // Counting for the others starts when asked; what is let through is reported once.
+        assert!(l.take_unreported().is_empty());
+        l.count_for_sharing();
+        l.note_let_through(&a, RouteClass::Exec);
+        l.note_let_through(&a, RouteClass::Exec);
+        let usage = l.take_unreported();
+        assert_eq!(usage, vec![(a.clone(), RouteClass::Exec, 2)]);
+        assert!(l.take_unreported().is_empty());
+        l.put_back_unreported(usage);
+        l.note_let_through(&a, RouteClass::Exec);
+        assert_eq!(l.take_unreported(), vec![(a.clone(), RouteClass::Exec, 3)]);
+        for c in [
+            RouteClass::Lifecycle,
+            RouteClass::Exec,
+            RouteClass::Files,
+            RouteClass::Proxy,
+        ] {
+            assert_eq!(RouteClass::parse(c.as_str()), Some(c));
+        }
+        assert_eq!(RouteClass::parse("admin"), None);
     }
 
     #[test]

@@ -422,6 +422,10 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
                 as Arc<dyn torpor_api::forward::PeerClients>
         }),
     });
+    // A tenant's rate holds across the controllers of one database (torpor_api::rate_share).
+    if let Some(me) = state.engine.controller_name().map(str::to_string) {
+        tokio::spawn(torpor_api::rate_share::run(state.clone(), me));
+    }
     let metrics_listener = match cfg.metrics_listen {
         Some(addr) => Some((
             tokio::net::TcpListener::bind(addr)

@@ -2057,3 +2057,78 @@ async fn a_gpu_sandbox_woken_elsewhere_after_a_controller_restart_leaves_no_tick
         "its share where it runs"
     );
 }
+
+/// A tenant's `requests_per_s` holds for the cluster: its calls spread over two controllers of
+/// one database pass its rate once, not once per controller (torpor_api::rate_share). Calls
+/// that need no worker (lists), so no worker runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenants_rate_limit_holds_across_two_controllers() {
+    let Some((database, tmp)) = setup("torpor-rates-", &["c1", "c2"], &[]).await else {
+        return;
+    };
+    let dir = tmp.path();
+    let c1 = Controller::start_as(dir, &database, "c1").await;
+    let c2 = Controller::start_as(dir, &database, "c2").await;
+    let (rate, burst) = (2.0, 4.0);
+    let tenant = c1
+        .ok(
+            reqwest::Method::POST,
+            "/v1/tenants",
+            Some(json!({"name": "metered", "quotas": {"requests_per_s": 2}})),
+        )
+        .await;
+    let token = tenant["token"].as_str().unwrap().to_string();
+
+    // Four callers for 6 s, each call to the next controller in turn.
+    let passed = [(); 2].map(|_| std::sync::atomic::AtomicUsize::new(0));
+    let refused = std::sync::atomic::AtomicUsize::new(0);
+    let started = Instant::now();
+    let until = started + Duration::from_secs(6);
+    let callers = (0..4).map(|k| {
+        let (token, passed, refused) = (&token, &passed, &refused);
+        let controllers = [&c1, &c2];
+        async move {
+            let mut i = k;
+            while Instant::now() < until {
+                let (status, v) = controllers[i % 2]
+                    .call_as(token, reqwest::Method::GET, "/v1/sandboxes", None)
+                    .await;
+                match status {
+                    200 => passed[i % 2].fetch_add(1, std::sync::atomic::Ordering::SeqCst),
+                    429 => refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
+                    _ => panic!("{status}: {v}"),
+                };
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    });
+    futures::future::join_all(callers).await;
+    let elapsed = started.elapsed().as_secs_f64();
+    let through: Vec<usize> = passed
+        .iter()
+        .map(|p| p.load(std::sync::atomic::Ordering::SeqCst))
+        .collect();
+    let (total, refused) = (
+        through.iter().sum::<usize>() as f64,
+        refused.load(std::sync::atomic::Ordering::SeqCst),
+    );
+    // One bucket for the cluster: its burst and its rate over the run, and what the other
+    // controller lets through before it hears (a report every 250 ms) at the edges. One
+    // bucket per controller would pass twice that (burst and rate each).
+    let bound = burst + rate * elapsed + 5.0;
+    eprintln!("rates across controllers: {through:?} passed, {refused} refused in {elapsed:.1} s (bound {bound:.0})");
+    assert!(
+        total <= bound,
+        "{through:?} passed in {elapsed:.1} s (refused {refused}): over the cluster-wide bound {bound:.0}"
+    );
+    assert!(
+        total >= rate * elapsed * 0.6,
+        "{through:?} passed in {elapsed:.1} s: the tenant gets its rate"
+    );
+    assert!(
+        through.iter().all(|n| *n > 0),
+        "both controllers served: {through:?}"
+    );
+    assert!(refused > 0);
+}

@@ -396,6 +396,23 @@ pub trait StateStore: Send + Sync {
     fn live_controllers(&self) -> Result<Vec<LiveController>, StoreError> {
         Ok(Vec::new())
     }
+    /// Appends what controller `me` let through since its last report (rate limits across
+    /// controllers; rows with a zero count are not sent).
+    fn put_rate_usage(&self, _me: &str, _usage: &[RateUsage]) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// The other controllers' reports of the last `within` (the store's clock), oldest first.
+    fn rate_usage_of_others(
+        &self,
+        _me: &str,
+        _within: Duration,
+    ) -> Result<Vec<RateReport>, StoreError> {
+        Ok(Vec::new())
+    }
+    /// Removes reports older than `age`; how many went.
+    fn prune_rate_usage(&self, _age: Duration) -> Result<u64, StoreError> {
+        Ok(0)
+    }
     /// Removes a controller's row (a clean stop: its sandboxes are taken over at once).
     fn forget_controller(&self, _name: &str) -> Result<(), StoreError> {
         Ok(())
@@ -520,6 +537,22 @@ pub trait StateStore: Send + Sync {
 /// How long a fence order stays open: past it, its worker was either reached by no controller
 /// (it fenced itself) or registered again (its leftovers were removed then).
 pub const FENCE_ORDER_TTL: Duration = Duration::from_secs(3600);
+
+/// Requests one controller let through for one tenant and route class (`rate_usage`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RateUsage {
+    pub tenant: String,
+    /// The route class (`lifecycle`, `exec`, `files`, `proxy`).
+    pub class: String,
+    pub count: u64,
+}
+
+/// Another controller's report: its id (each is taken once) and what it says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RateReport {
+    pub id: i64,
+    pub usage: RateUsage,
+}
 
 /// A live controller (a row of `controllers`): its name and where the others reach it.
 #[derive(Debug, Clone, PartialEq, Eq)]

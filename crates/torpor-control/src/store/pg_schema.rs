@@ -20,6 +20,7 @@
 //! | 7 | `0007_gpu_holdings.sql` | `gpu_holdings`: a tenant's GPU holdings per worker, as the newest start reply said |
 //! | 8 | `0008_gpu_ticket_forgets.sql` | `gpu_ticket_forgets`: wake tickets a worker could not be told to drop, asked again by any controller |
 //! | 9 | `0009_controller_peer_addr.sql` | `controllers.peer_addr`: the peer listener other controllers forward to (mutual TLS) |
+//! | 10 | `0010_rate_usage.sql` | `rate_usage`: requests each controller let through per tenant and route class, for rate limits across controllers |
 //!
 //! To change the schema, add the next file and its line to [`MIGRATIONS`]; never edit a file
 //! that has shipped.
@@ -37,6 +38,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("pg/0007_gpu_holdings.sql"),
     include_str!("pg/0008_gpu_ticket_forgets.sql"),
     include_str!("pg/0009_controller_peer_addr.sql"),
+    include_str!("pg/0010_rate_usage.sql"),
 ];
 
 /// The schema version this build writes and reads.

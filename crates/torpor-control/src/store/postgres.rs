@@ -54,7 +54,8 @@ use super::pg_schema::{self, MigrateError};
 use super::records::*;
 use super::sqlite::{parse_sandbox, parse_template, parse_tenant, RawSandbox, RawTemplate};
 use super::{
-    FenceOrderRecord, LiveController, SandboxCursor, StateStore, StoreError, FENCE_ORDER_TTL,
+    FenceOrderRecord, LiveController, RateReport, RateUsage, SandboxCursor, StateStore, StoreError,
+    FENCE_ORDER_TTL,
 };
 
 /// The most one call waits for a connection and its statement.
@@ -1193,6 +1194,61 @@ impl StateStore for PostgresStore {
             })
         })
         .collect()
+    }
+
+    fn put_rate_usage(&self, me: &str, usage: &[RateUsage]) -> Result<(), StoreError> {
+        let usage: Vec<&RateUsage> = usage.iter().filter(|u| u.count > 0).collect();
+        if usage.is_empty() {
+            return Ok(());
+        }
+        let tenants: Vec<String> = usage.iter().map(|u| u.tenant.clone()).collect();
+        let classes: Vec<String> = usage.iter().map(|u| u.class.clone()).collect();
+        let counts: Vec<i64> = usage
+            .iter()
+            .map(|u| i64::try_from(u.count).unwrap_or(i64::MAX))
+            .collect();
+        self.execute(
+            "report rate usage",
+            "INSERT INTO rate_usage (controller, tenant, class, count)
+             SELECT $1, t, c, n FROM unnest($2::text[], $3::text[], $4::bigint[]) AS u(t, c, n)",
+            vec![p(me.to_string()), p(tenants), p(classes), p(counts)],
+        )
+        .map(drop)
+    }
+
+    fn rate_usage_of_others(
+        &self,
+        me: &str,
+        within: Duration,
+    ) -> Result<Vec<RateReport>, StoreError> {
+        self.query(
+            "read rate usage",
+            "SELECT id, tenant, class, count FROM rate_usage
+             WHERE controller <> $1 AND at > now() - $2 * interval '1 millisecond'
+             ORDER BY id",
+            vec![p(me.to_string()), p(within.as_millis() as f64)],
+        )?
+        .iter()
+        .map(|r| {
+            let count: i64 = get(r, 3, "rate usage")?;
+            Ok(RateReport {
+                id: get(r, 0, "rate usage")?,
+                usage: RateUsage {
+                    tenant: get(r, 1, "rate usage")?,
+                    class: get(r, 2, "rate usage")?,
+                    count: count.max(0) as u64,
+                },
+            })
+        })
+        .collect()
+    }
+
+    fn prune_rate_usage(&self, age: Duration) -> Result<u64, StoreError> {
+        self.execute(
+            "prune rate usage",
+            "DELETE FROM rate_usage WHERE at < now() - $1 * interval '1 millisecond'",
+            vec![p(age.as_millis() as f64)],
+        )
     }
 
     fn forget_controller(&self, name: &str) -> Result<(), StoreError> {

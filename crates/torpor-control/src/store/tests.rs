@@ -1408,6 +1408,43 @@ fn controllers_are_live_until_their_heartbeat_expires_and_leases_pass_on_expiry(
 }
 
 #[test]
+fn rate_usage_reports_are_read_by_the_other_controllers_once_each_and_pruned() {
+    let Some(pg) = Postgres::new() else { return };
+    let (a, b) = (pg.connect(), pg.connect());
+    let use_ = |t: &str, c: &str, n| RateUsage {
+        tenant: t.into(),
+        class: c.into(),
+        count: n,
+    };
+    a.put_rate_usage("c1", &[use_("team", "exec", 3), use_("team", "files", 0)])
+        .unwrap();
+    a.put_rate_usage("c1", &[use_("other", "lifecycle", 1)])
+        .unwrap();
+    b.put_rate_usage("c2", &[use_("team", "exec", 5)]).unwrap();
+    a.put_rate_usage("c1", &[]).unwrap();
+    let window = Duration::from_secs(5);
+    let seen_by_c2 = b.rate_usage_of_others("c2", window).unwrap();
+    let usage: Vec<RateUsage> = seen_by_c2.iter().map(|r| r.usage.clone()).collect();
+    assert_eq!(
+        usage,
+        vec![use_("team", "exec", 3), use_("other", "lifecycle", 1)],
+        "c1's reports in order, zero counts not sent, c2's own left out"
+    );
+    assert!(seen_by_c2[0].id < seen_by_c2[1].id);
+    let seen_by_c1 = a.rate_usage_of_others("c1", window).unwrap();
+    assert_eq!(seen_by_c1.len(), 1);
+    assert_eq!(seen_by_c1[0].usage, use_("team", "exec", 5));
+
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(b
+        .rate_usage_of_others("c2", Duration::from_millis(200))
+        .unwrap()
+        .is_empty());
+    assert_eq!(a.prune_rate_usage(Duration::from_millis(200)).unwrap(), 3);
+    assert!(b.rate_usage_of_others("c2", window).unwrap().is_empty());
+}
+
+#[test]
 fn fence_orders_are_shared_relayed_and_removed_once_done() {
     let Some(pg) = Postgres::new() else { return };
     // c2 orders; c1 (another connection, as another controller) relays and confirms.
