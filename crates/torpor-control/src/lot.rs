@@ -654,6 +654,26 @@ impl WorkerPool {
         st.take_free(self, tenant, now)
     }
 
+    /// A permit for a container that already runs (adopted after the controller or daemon
+    /// that held it stopped): a free worker if there is one, else one over the total, paid
+    /// back by the next permit to come back or the next growth of the pool (as after a
+    /// shrink). The container holds its worker's slot already: turning it away would only
+    /// send its sandbox back to its last snapshot and lose its work.
+    pub fn acquire_running(self: &Arc<Self>, tenant: &TenantId) -> WorkerPermit {
+        let mut st = self.lock();
+        st.note_seen(tenant, Instant::now());
+        if st.free > 0 {
+            st.free -= 1;
+        } else {
+            st.owed += 1;
+        }
+        st.hold(tenant);
+        WorkerPermit {
+            pool: Some(self.clone()),
+            tenant: Some(tenant.clone()),
+        }
+    }
+
     /// A worker, parking up to `budget` when none is free.
     pub async fn acquire(
         self: &Arc<Self>,
@@ -1006,6 +1026,31 @@ mod tests {
         assert_eq!((pool.free(), pool.busy()), (2, 1));
         drop(held);
         assert_eq!(pool.free(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_running_container_is_taken_over_the_total_and_paid_back() {
+        let pool = WorkerPool::new(1, 10, Reserve::Workers(0));
+        // A free worker is taken first.
+        let a = pool.acquire_running(&t("a"));
+        assert_eq!((pool.free(), pool.busy()), (0, 1));
+        // None free: one over the total, not a refusal.
+        let b = pool.acquire_running(&t("b"));
+        assert_eq!((pool.free(), pool.busy()), (0, 2));
+        assert!(pool.try_acquire(&t("x")).is_none());
+        // The first one back pays the overdraft; the next is free again.
+        drop(a);
+        assert_eq!((pool.free(), pool.busy()), (0, 1));
+        drop(b);
+        assert_eq!((pool.free(), pool.busy()), (1, 0));
+        // Or the pool grows (cluster mode: the dead controller's slots come back to the
+        // view): growth pays first.
+        let c = pool.acquire_running(&t("c"));
+        let d = pool.acquire_running(&t("d"));
+        pool.set_total(2);
+        assert_eq!((pool.free(), pool.busy()), (0, 2));
+        drop((c, d));
+        assert_eq!(pool.free(), 2);
     }
 
     #[tokio::test]

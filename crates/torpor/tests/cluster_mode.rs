@@ -2132,3 +2132,75 @@ async fn a_tenants_rate_limit_holds_across_two_controllers() {
     );
     assert!(refused > 0);
 }
+
+/// A controller dies while its sandboxes fill every worker slot the survivor sees: the
+/// survivor adopts them all where they run (a permit over its view of the slots, paid back as
+/// the workers' next heartbeats give it the dead controller's), and nothing is lost. Before,
+/// adoption needed a free permit, and these sandboxes went back to their last snapshots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_controllers_sandboxes_filling_every_slot_are_adopted_with_nothing_lost() {
+    let Some((database, tmp)) = setup("torpor-adopt-full-", &["c1", "c2"], &["w1"]).await else {
+        return;
+    };
+    let dir = tmp.path();
+    let c1 = Controller::start_as(dir, &database, "c1").await;
+    let c2 = Controller::start_as(dir, &database, "c2").await;
+    let both = format!("{},{}", c1.cluster, c2.cluster);
+    let _w1 = Worker::start(dir, "w1", "w1", &both); // 2 slots
+    for c in [&c1, &c2] {
+        c.wait_nodes("w1 ready on each controller", |n| {
+            state_of(n, "w1") == Some("ready")
+        })
+        .await;
+    }
+    c1.wait_host_template().await;
+    let ids = [c1.create_with_state().await, c1.create_with_state().await];
+    // c2 sees no free slot: both are c1's (as of w1's heartbeats).
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let total = c2.ok(reqwest::Method::GET, "/v1/workers", None).await["total"].clone();
+        if total == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "c2's lot: {total}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut c1 = c1;
+    c1.child.kill().unwrap();
+    c1.child.wait().unwrap();
+
+    for id in &ids {
+        let out = exec_retrying(&c2, id, CHECK).await;
+        assert_eq!(
+            out,
+            "disk-1\nmem-1\nprocess-alive\n",
+            "{id} adopted with its files, memory and process:\n{}",
+            c2.log()
+        );
+        let back = c2.sandbox(id).await;
+        assert_eq!(
+            (&back["controller"], &back["state"], &back["last_error"]),
+            (&json!("c2"), &json!("running"), &Value::Null),
+            "{back}"
+        );
+    }
+    // The overdraft is paid back: once w1's heartbeats count both for c2, its lot is whole
+    // again (2 slots, both busy), and a third sandbox waits for one rather than overfilling.
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let w = c2.ok(reqwest::Method::GET, "/v1/workers", None).await;
+        if w["total"] == 2 && w["busy"] == 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "c2's lot: {w}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for id in &ids {
+        c2.ok(
+            reqwest::Method::DELETE,
+            &format!("/v1/sandboxes/{id}"),
+            None,
+        )
+        .await;
+    }
+}

@@ -267,18 +267,18 @@ impl Engine {
 
     /// Adopts the container of a resident sandbox whose holder stopped (`cause`: a lost
     /// controller, or this engine's previous run under live restore), if its node still runs
-    /// it and a worker permit is free here: the record names this controller, the sandbox
-    /// stays in its state with its memory, processes and calls' effects. False when it could
-    /// not (the caller sends the sandbox back to its snapshot instead).
+    /// it: the record names this controller, the sandbox stays in its state with its memory,
+    /// processes and calls' effects. Its worker permit is taken even when none is free here
+    /// ([`WorkerPool::acquire_running`]: the container holds its slot already). False when it
+    /// could not (the caller sends the sandbox back to its snapshot instead).
+    ///
+    /// [`WorkerPool::acquire_running`]: crate::lot::WorkerPool::acquire_running
     pub(super) async fn adopt(
         &self,
         guard: &mut OwnedRwLockWriteGuard<SlotState>,
         rec: &mut SandboxRecord,
         cause: &str,
     ) -> Result<bool> {
-        let Some(permit) = self.workers.try_acquire(&rec.tenant) else {
-            return Ok(false);
-        };
         let Some(resident) = self
             .node
             .adopt(&rec.container_id(), rec.limits.memory_bytes())
@@ -286,6 +286,7 @@ impl Engine {
         else {
             return Ok(false);
         };
+        let permit = self.workers.acquire_running(&rec.tenant);
         // Its network's rules were made again; the sandbox's own policy goes back on.
         if let Some(policy) = self.store.network(&rec.id)? {
             if let Err(e) = resident.apply_policy(&policy).await {
