@@ -43,7 +43,7 @@ THIRD_PARTY_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/", "keda.sh/")
 # What the base needs from outside (its kustomization.yaml says so).
 BASE_EXPECTS = {
     ("Secret", "torpor-admin-token"), ("Secret", "torpor-env-key"), ("Secret", "torpor-postgres"),
-    ("Secret", "torpor-s3"), ("Secret", "torpor-controller-tls"),
+    ("Secret", "torpor-s3"),
 }
 
 # The contract of issue 16: flags each role's command must carry.
@@ -344,6 +344,22 @@ def check_contract(objs, name):
                 error(f"{name}: {role}", f"{flag} is {cmd[cmd.index(flag) + 1]!r}, not {value!r}")
 
 
+def check_controller_identity(objs, name):
+    """Controllers of one database must not share a name (each holds its own sandboxes and its
+    own containers on the workers): with more than one replica, the controller's TLS identity
+    must be per pod (cert-manager's csi-driver, ${POD_NAME} in the URI SAN)."""
+    for o, _ in objs:
+        if o["kind"] != "Deployment" or o["metadata"]["name"] != "torpor-controller":
+            continue
+        spec = o["spec"]["template"]["spec"]
+        tls = next((v for v in spec.get("volumes", []) if v["name"] == "tls"), {})
+        uri = tls.get("csi", {}).get("volumeAttributes", {}).get("csi.cert-manager.io/uri-sans", "")
+        if o["spec"].get("replicas", 1) > 1 and "${POD_NAME}" not in uri:
+            error(f"{name}: torpor-controller",
+                  "its replicas share one controller identity: the tls volume must give each "
+                  "pod its own (csi.cert-manager.io, ${POD_NAME} in uri-sans)")
+
+
 def self_test(schemas):
     """Each kind of mistake the checks exist for, made on purpose, must be reported."""
     seen = set()
@@ -385,6 +401,11 @@ def self_test(schemas):
          lambda o: [x for x in o if not (x[0]["kind"] == "Secret" and x[0]["metadata"]["name"] == "torpor-s3")]
          and o.remove(next(x for x in o if x[0]["kind"] == "Secret" and x[0]["metadata"]["name"] == "torpor-s3")),
          lambda o: check_references(o, "self-test", set()))
+    case("replicas sharing one controller identity", base,
+         lambda o: [v.pop("csi") and v.update(secret={"secretName": "torpor-controller-tls"})
+                    for v in find(o, "Deployment", "torpor-controller")["spec"]["template"]["spec"]
+                    ["volumes"] if v["name"] == "tls"],
+         lambda o: check_controller_identity(o, "self-test"))
     case("a contract flag missing", base,
          lambda o: find(o, "Deployment", "torpor-controller")["spec"]["template"]["spec"]["containers"][0]
          ["command"].remove("--cluster-listen"),
@@ -414,6 +435,7 @@ def main():
                          (BASE_EXPECTS if name in ("examples/keda",) else set()) |
                          ({("Secret", "torpor-ca")} if name == "examples/cert-manager" else set()))
         check_contract(objs, name)
+        check_controller_identity(objs, name)
         print(f"validate: {name}: {len(objs)} objects")
     # Files in no kustomization: examples applied one by one (e.g. the GPU pods).
     for d, _, files in os.walk(ROOT):

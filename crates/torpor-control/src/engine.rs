@@ -388,7 +388,7 @@ impl Engine {
             cpu_at_release: Mutex::new(Vec::new()),
         });
         // Alive before touching any sandbox: the others must not take ours over meanwhile.
-        engine.announce()?;
+        engine.announce().await?;
         engine.reconcile().await?;
         if engine
             .store

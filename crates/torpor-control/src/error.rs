@@ -124,6 +124,9 @@ pub enum ControlError {
     },
     #[error("torpor is shutting down")]
     ShuttingDown,
+    /// Cluster mode: another live process holds this controller's name (its certificate's).
+    #[error("controller name {name} is held by another live controller (at {holder}); give each controller a certificate of its own name")]
+    IdentityInUse { name: String, holder: String },
     #[error("{0}")]
     Unsupported(String),
     /// Needs a cargo feature this build was made without (the message names it).
@@ -188,6 +191,7 @@ impl ControlError {
             ControlError::QuotaExceeded { .. } => "quota_exceeded",
             ControlError::TenantInUse(..) => "tenant_in_use",
             ControlError::ShuttingDown => "shutting_down",
+            ControlError::IdentityInUse { .. } => "controller_identity_in_use",
             ControlError::Busy(_) => "sandbox_busy",
             ControlError::HeldElsewhere { .. } => "sandbox_elsewhere",
             ControlError::Unsupported(_) => "unsupported",
@@ -231,7 +235,8 @@ impl ControlError {
             ControlError::InvalidTransition { .. }
             | ControlError::TemplateInUse(..)
             | ControlError::TemplateNotReady(_)
-            | ControlError::TenantInUse(..) => K::FailedPrecondition,
+            | ControlError::TenantInUse(..)
+            | ControlError::IdentityInUse { .. } => K::FailedPrecondition,
             ControlError::QuotaExceeded { .. } => K::QuotaExceeded,
             ControlError::LotFull(_)
             | ControlError::NoWorker { .. }

@@ -223,6 +223,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         name: tls.identity().name.to_string(),
         api_addr: advertise.to_string(),
         peer_addr: Some(advertise_peer.to_string()),
+        run: format!("{:032x}", rand::random::<u128>()),
         lost_after: Duration::from_millis(args.controller_lost_after_ms),
         take_back_within: Duration::from_millis(args.worker_lost_after_ms),
         orphan_image_grace: Duration::from_millis(args.orphan_image_grace_ms),

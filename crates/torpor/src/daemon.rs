@@ -480,7 +480,15 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
             stopped(stop_rx.clone()),
         ))
     });
-    let stop = shutdown_signal(cfg.live_restore).await;
+    let stop = tokio::select! {
+        stop = shutdown_signal(cfg.live_restore) => stop,
+        () = engine.identity_lost() => {
+            // Another process acts under this controller's name: touching anything now (a
+            // clean stop parks sandboxes) would act for it. Leave at once.
+            eprintln!("torpor: another live controller holds this controller's name (controller_identity_in_use); stopping");
+            std::process::exit(1);
+        }
+    };
     let _ = stop_tx.send(true);
     let servers = async {
         let api = server.await;

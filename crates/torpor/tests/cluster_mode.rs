@@ -2204,3 +2204,92 @@ async fn a_dead_controllers_sandboxes_filling_every_slot_are_adopted_with_nothin
         .await;
     }
 }
+
+/// Two processes given one controller name (one certificate shared by two replicas) would
+/// both hold every sandbox the name holds and end each other's containers on the workers:
+/// the second refuses to start (`controller_identity_in_use`) while the first lives, touching
+/// nothing, and the first keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_process_with_a_controllers_name_is_refused_and_the_first_keeps_serving() {
+    let Some((database, tmp)) = setup("torpor-one-name-", &["c1"], &["w1"]).await else {
+        return;
+    };
+    let dir = tmp.path();
+    let c1 = Controller::start_as(dir, &database, "c1").await;
+    let _w1 = Worker::start(dir, "w1", "w1", &c1.cluster);
+    c1.wait_nodes("w1 ready", |n| state_of(n, "w1") == Some("ready"))
+        .await;
+    c1.wait_host_template().await;
+    let id = c1.create_with_state().await;
+
+    // Another process with c1's certificate, addresses and a data directory of its own.
+    let twin = dir.join("controller-twin");
+    std::fs::create_dir_all(&twin).unwrap();
+    std::fs::copy(
+        dir.join("controller-c1").join("env.key"),
+        twin.join("env.key"),
+    )
+    .unwrap();
+    let addr = || format!("127.0.0.1:{}", cluster::free_port());
+    let (api, cluster_addr, peer) = (addr(), addr(), addr());
+    let started = Instant::now();
+    // It gives up once c1's lease would have expired (2 s here) and a second more.
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(cluster::BIN)
+            .args(["controller", "--database", &database])
+            .args(["--store", dir.join("store").to_str().unwrap()])
+            .args(["--listen", &api, "--cluster-listen", &cluster_addr])
+            .args(["--peer-listen", &peer])
+            .args(["--tls-dir", dir.join("c1").to_str().unwrap()])
+            .args(["--controller-lost-after-ms", "2000"])
+            .args([
+                "--admin-token-file",
+                dir.join("admin-token").to_str().unwrap(),
+            ])
+            .args(["--data-dir", twin.to_str().unwrap()])
+            .env("TORPOR_LOG", "info")
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the twin gives up within its patience")
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the twin started:\n{stderr}");
+    assert!(
+        stderr.contains("held by another live controller"),
+        "{stderr}"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "it waited for the name's lease before giving up: {:?}",
+        started.elapsed()
+    );
+    assert!(
+        reqwest::get(format!("http://{api}/healthz")).await.is_err(),
+        "the twin never served"
+    );
+
+    // The first one keeps its name, its sandbox and everything in it.
+    assert_eq!(c1.exec(&id, CHECK).await, "disk-1\nmem-1\nprocess-alive\n");
+    let sb = c1.sandbox(&id).await;
+    assert_eq!(
+        (&sb["controller"], &sb["state"]),
+        (&json!("c1"), &json!("running")),
+        "{sb}"
+    );
+    let nodes = c1.ok(reqwest::Method::GET, "/v1/nodes", None).await;
+    assert_eq!(
+        state_of(nodes.as_array().unwrap(), "w1"),
+        Some("ready"),
+        "{nodes}"
+    );
+    c1.ok(
+        reqwest::Method::DELETE,
+        &format!("/v1/sandboxes/{id}"),
+        None,
+    )
+    .await;
+}

@@ -41,6 +41,9 @@ pub struct ControllerIdentity {
     /// Where other controllers reach its peer listener (`host:port`, HTTP/2 over mutual TLS)
     /// to forward calls for the sandboxes it holds.
     pub peer_addr: Option<String>,
+    /// This process's run (random): the controllers table's row of the name is this run's
+    /// alone, so two processes given one name cannot both act as it.
+    pub run: String,
     /// Silence after which the others count it dead and take its sandboxes over.
     pub lost_after: Duration,
     /// After a restart, how long it waits for its workers to come back with the containers
@@ -70,6 +73,9 @@ pub(super) struct ClusterState {
     live: Mutex<LiveList>,
     /// Whether this controller holds the pools lease right now.
     pools_lease: AtomicBool,
+    /// Set when another live run took this controller's name: it must stop acting.
+    identity_lost: AtomicBool,
+    identity_lost_now: tokio::sync::Notify,
 }
 
 impl Engine {
@@ -352,7 +358,8 @@ impl Engine {
     }
 
     /// Renews this controller's liveness and its leases until shutdown; a controller that
-    /// cannot renew stops running pools (another takes the lease).
+    /// cannot renew stops running pools (another takes the lease). One whose name another
+    /// live run holds now stops: [`Engine::identity_lost`] resolves.
     pub(super) async fn run_heartbeat(self: Arc<Self>) {
         let Some(me) = self.cfg.controller.clone() else {
             return;
@@ -365,33 +372,88 @@ impl Engine {
             if self.shutting_down.load(Ordering::SeqCst) {
                 return;
             }
-            if let Err(e) = self.heartbeat_once(&me) {
-                tracing::warn!(error = %e, "cannot renew this controller's lease");
-                self.cluster.pools_lease.store(false, Ordering::SeqCst);
+            match self.heartbeat_once(&me, false) {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::error!(controller = %me.name, "another live controller process holds this controller's name: stopping (each controller needs a certificate of its own name)");
+                    self.cluster.pools_lease.store(false, Ordering::SeqCst);
+                    self.cluster.identity_lost.store(true, Ordering::SeqCst);
+                    self.cluster.identity_lost_now.notify_waiters();
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot renew this controller's lease");
+                    self.cluster.pools_lease.store(false, Ordering::SeqCst);
+                }
             }
         }
     }
 
-    fn heartbeat_once(&self, me: &ControllerIdentity) -> Result<()> {
+    /// Resolves if another live process takes this controller's name while it runs (the
+    /// daemon then exits at once, without touching its sandboxes). Never in embedded mode.
+    pub async fn identity_lost(&self) {
+        loop {
+            let notified = self.cluster.identity_lost_now.notified();
+            if self.cluster.identity_lost.load(Ordering::SeqCst) {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Claims this controller's row (false: another live run holds the name) and, once it
+    /// holds it, renews the pools lease.
+    fn heartbeat_once(&self, me: &ControllerIdentity, starting: bool) -> Result<bool> {
         let row = LiveController {
             name: me.name.clone(),
             api_addr: me.api_addr.clone(),
             peer_addr: me.peer_addr.clone(),
         };
-        self.store.heartbeat_controller(&row, me.lost_after)?;
+        if !self
+            .store
+            .claim_controller(&row, &me.run, starting, me.lost_after)?
+        {
+            return Ok(false);
+        }
         let leads = self.store.try_lease(POOLS_LEASE, &me.name, me.lost_after)?;
         let before = self.cluster.pools_lease.swap(leads, Ordering::SeqCst);
         if before != leads {
             tracing::info!(controller = %me.name, runs_pools = leads, "pools lease");
         }
-        Ok(())
+        Ok(true)
     }
 
-    /// Registers this controller as alive before it touches any sandbox (cluster mode).
-    pub(super) fn announce(&self) -> Result<()> {
-        match &self.cfg.controller {
-            Some(me) => self.heartbeat_once(me),
-            None => Ok(()),
+    /// Registers this controller as alive before it touches any sandbox (cluster mode). A
+    /// name another live run holds is waited for until that run's row expires (a previous
+    /// run of this controller that did not stop cleanly, at other addresses); still held
+    /// after that: [`ControlError::IdentityInUse`].
+    pub(super) async fn announce(&self) -> Result<()> {
+        let Some(me) = &self.cfg.controller else {
+            return Ok(());
+        };
+        let deadline = tokio::time::Instant::now() + me.lost_after + Duration::from_secs(1);
+        let mut warned = false;
+        loop {
+            if self.heartbeat_once(me, true)? {
+                return Ok(());
+            }
+            let holder = self
+                .store
+                .live_controllers()?
+                .into_iter()
+                .find(|c| c.name == me.name)
+                .map_or_else(|| "?".to_string(), |c| c.api_addr);
+            if tokio::time::Instant::now() >= deadline {
+                return Err(ControlError::IdentityInUse {
+                    name: me.name.clone(),
+                    holder,
+                });
+            }
+            if !warned {
+                tracing::warn!(controller = %me.name, %holder, "this controller's name is held by another live run; waiting for its lease to expire");
+                warned = true;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 
@@ -400,7 +462,7 @@ impl Engine {
     pub(super) fn retire(&self) {
         if let Some(me) = &self.cfg.controller {
             let _ = self.store.release_lease(POOLS_LEASE, &me.name);
-            let _ = self.store.forget_controller(&me.name);
+            let _ = self.store.forget_controller(&me.name, &me.run);
         }
     }
 

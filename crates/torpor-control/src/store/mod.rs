@@ -387,10 +387,18 @@ pub trait StateStore: Send + Sync {
 
     // --- controllers and leases (cluster mode; a store one process uses keeps the defaults) ---
 
-    /// Records that controller `me` is alive and answers where it says until `ttl` from now
-    /// (the store's clock).
-    fn heartbeat_controller(&self, _me: &LiveController, _ttl: Duration) -> Result<(), StoreError> {
-        Ok(())
+    /// Records that controller `me`, in its run `run`, is alive and answers where it says
+    /// until `ttl` from now (the store's clock), if its name is not held by another run:
+    /// the row is taken when it is this run's, expired, or (`starting`) a previous run's that
+    /// advertised the same addresses. False when another live run holds the name.
+    fn claim_controller(
+        &self,
+        _me: &LiveController,
+        _run: &str,
+        _starting: bool,
+        _ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        Ok(true)
     }
     /// The controllers whose heartbeat has not expired, by name.
     fn live_controllers(&self) -> Result<Vec<LiveController>, StoreError> {
@@ -413,8 +421,9 @@ pub trait StateStore: Send + Sync {
     fn prune_rate_usage(&self, _age: Duration) -> Result<u64, StoreError> {
         Ok(0)
     }
-    /// Removes a controller's row (a clean stop: its sandboxes are taken over at once).
-    fn forget_controller(&self, _name: &str) -> Result<(), StoreError> {
+    /// Removes a controller's row if run `run` holds it (a clean stop: its sandboxes are
+    /// taken over at once).
+    fn forget_controller(&self, _name: &str, _run: &str) -> Result<(), StoreError> {
         Ok(())
     }
     /// Takes or renews lease `lease` for `holder` until `ttl` from now; false while another

@@ -1162,21 +1162,37 @@ impl StateStore for PostgresStore {
 
     // --- controllers and leases ---
 
-    fn heartbeat_controller(&self, me: &LiveController, ttl: Duration) -> Result<(), StoreError> {
-        self.execute(
-            "controller heartbeat",
-            "INSERT INTO controllers (name, api_addr, peer_addr, expires_at)
-             VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond')
+    fn claim_controller(
+        &self,
+        me: &LiveController,
+        run: &str,
+        starting: bool,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        // One statement: the row is written when free, expired, this run's, or (at the start)
+        // a previous run's at the same addresses; otherwise nothing comes back.
+        let row = self.query_opt(
+            "claim controller",
+            "INSERT INTO controllers (name, api_addr, peer_addr, run_id, expires_at)
+             VALUES ($1, $2, $3, $4, now() + $5 * interval '1 millisecond')
              ON CONFLICT (name) DO UPDATE SET api_addr = excluded.api_addr,
-                 peer_addr = excluded.peer_addr, expires_at = excluded.expires_at",
+                 peer_addr = excluded.peer_addr, run_id = excluded.run_id,
+                 expires_at = excluded.expires_at
+             WHERE controllers.run_id IS NOT DISTINCT FROM excluded.run_id
+                OR controllers.expires_at <= now()
+                OR ($6 AND controllers.api_addr = excluded.api_addr
+                    AND controllers.peer_addr IS NOT DISTINCT FROM excluded.peer_addr)
+             RETURNING name",
             vec![
                 p(me.name.clone()),
                 p(me.api_addr.clone()),
                 p(me.peer_addr.clone()),
+                p(run.to_string()),
                 p(ttl.as_millis() as f64),
+                p(starting),
             ],
-        )
-        .map(drop)
+        )?;
+        Ok(row.is_some())
     }
 
     fn live_controllers(&self) -> Result<Vec<LiveController>, StoreError> {
@@ -1251,11 +1267,11 @@ impl StateStore for PostgresStore {
         )
     }
 
-    fn forget_controller(&self, name: &str) -> Result<(), StoreError> {
+    fn forget_controller(&self, name: &str, run: &str) -> Result<(), StoreError> {
         self.execute(
             "forget controller",
-            "DELETE FROM controllers WHERE name=$1",
-            vec![p(name.to_string())],
+            "DELETE FROM controllers WHERE name=$1 AND run_id=$2",
+            vec![p(name.to_string()), p(run.to_string())],
         )
         .map(drop)
     }

@@ -1371,9 +1371,10 @@ fn controllers_are_live_until_their_heartbeat_expires_and_leases_pass_on_expiry(
         api_addr: "10.0.0.2:7077".into(),
         peer_addr: None,
     };
-    a.heartbeat_controller(&c1, long).unwrap();
-    b.heartbeat_controller(&c2, Duration::from_millis(200))
-        .unwrap();
+    assert!(a.claim_controller(&c1, "run-a", true, long).unwrap());
+    assert!(b
+        .claim_controller(&c2, "run-c2", true, Duration::from_millis(200))
+        .unwrap());
     let names = |s: &PostgresStore| -> Vec<String> {
         s.live_controllers()
             .unwrap()
@@ -1384,7 +1385,32 @@ fn controllers_are_live_until_their_heartbeat_expires_and_leases_pass_on_expiry(
     assert_eq!(a.live_controllers().unwrap(), vec![c1.clone(), c2]);
     std::thread::sleep(Duration::from_millis(400));
     assert_eq!(names(&a), vec!["c1"], "c2 stopped renewing");
-    b.forget_controller("c1").unwrap();
+
+    // One name, one run: another process given c1's name is refused while run-a lives, at
+    // other addresses even at its start; at the same addresses at its start it is run-a
+    // restarted, and takes the row (run-a is then refused).
+    let elsewhere = LiveController {
+        api_addr: "10.0.0.9:7077".into(),
+        peer_addr: Some("10.0.0.9:7444".into()),
+        ..c1.clone()
+    };
+    assert!(!b.claim_controller(&elsewhere, "run-b", true, long).unwrap());
+    assert!(!b.claim_controller(&c1, "run-b", false, long).unwrap());
+    assert!(a.claim_controller(&c1, "run-a", false, long).unwrap());
+    assert!(b.claim_controller(&c1, "run-b", true, long).unwrap());
+    assert!(!a.claim_controller(&c1, "run-a", false, long).unwrap());
+    // A stop removes the row only for the run that holds it.
+    a.forget_controller("c1", "run-a").unwrap();
+    assert_eq!(names(&b), vec!["c1"]);
+    // Once the row expires, any run takes the name.
+    assert!(b
+        .claim_controller(&c1, "run-b", false, Duration::from_millis(100))
+        .unwrap());
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(a
+        .claim_controller(&elsewhere, "run-c", false, long)
+        .unwrap());
+    b.forget_controller("c1", "run-c").unwrap();
     assert!(names(&b).is_empty());
 
     // One holder at a time; renewals keep it; expiry or release passes it on.
