@@ -432,7 +432,7 @@ def main():
         for o, where in objs:
             counts[validate_object(o, f"{name}: {where}", schemas)] += 1
         check_references(objs, name, BASE_EXPECTS if name == "base" else
-                         (BASE_EXPECTS if name in ("examples/keda",) else set()) |
+                         (BASE_EXPECTS if name in ("examples/keda", "examples/durable-audit") else set()) |
                          ({("Secret", "torpor-ca")} if name == "examples/cert-manager" else set()))
         check_contract(objs, name)
         check_controller_identity(objs, name)
