@@ -738,18 +738,17 @@ async fn exec_retrying(c: &Controller, id: &str, script: &str) -> String {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
-    let Some((database, tmp)) =
-        setup("torpor-two-controllers-", &["c1", "c2"], &["w1", "w2"]).await
-    else {
-        return;
-    };
+/// Controllers c1 and c2 on a fresh database and workers w1 and w2 joining both, every
+/// worker ready on each controller (`None`: no PostgreSQL here).
+async fn two_by_two(
+    prefix: &str,
+) -> Option<(tempfile::TempDir, Controller, Controller, Vec<Worker>)> {
+    let (database, tmp) = setup(prefix, &["c1", "c2"], &["w1", "w2"]).await?;
     let dir = tmp.path();
     let c1 = Controller::start_as(dir, &database, "c1").await;
     let c2 = Controller::start_as(dir, &database, "c2").await;
     let both = format!("{},{}", c1.cluster, c2.cluster);
-    let _workers: Vec<Worker> = ["w1", "w2"]
+    let workers: Vec<Worker> = ["w1", "w2"]
         .iter()
         .map(|w| Worker::start(dir, w, w, &both))
         .collect();
@@ -759,6 +758,15 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
         })
         .await;
     }
+    Some((tmp, c1, c2, workers))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
+    let Some((tmp, c1, c2, _workers)) = two_by_two("torpor-two-controllers-").await else {
+        return;
+    };
+    let dir = tmp.path();
     c2.wait_host_template().await;
 
     // Created through c1, driven through c2: c2 forwards to the controller that holds it.
@@ -1020,7 +1028,7 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
     )
     .await;
 
-    // A pool made through c2 runs on c1, which holds the pools lease (it started first).
+    // A pool made through c2 (which takes its lease: it holds none), read by both.
     let redis = brokers::Redis::start();
     let mut con = redis.conn().await;
     c2.ok(
@@ -1075,7 +1083,8 @@ async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
     );
     assert_eq!(back["last_error"], Value::Null, "nothing to report: {back}");
 
-    // The pool keeps scaling: c2 takes the pools lease over and follows the queue.
+    // The pool keeps scaling: its holder (c2, or c2 once c1's lease expired) follows the
+    // queue.
     let _: i64 = redis::cmd("LPUSH")
         .arg("jobs")
         .arg("m2")
@@ -2292,4 +2301,78 @@ async fn a_second_process_with_a_controllers_name_is_refused_and_the_first_keeps
         None,
     )
     .await;
+}
+
+/// Each pool's scaler and running agents as `c` answers them.
+async fn scalers(c: &Controller) -> Vec<(String, Value)> {
+    let mut out = Vec::new();
+    for name in ["p1", "p2"] {
+        // 404 until the controller has read a pool made through the other one.
+        let (status, p) = c
+            .call(reqwest::Method::GET, &format!("/v1/pools/{name}"), None)
+            .await;
+        assert!(status == 200 || status == 404, "{status} {p}");
+        let scaler = p["controller"].as_str().unwrap_or("").to_string();
+        out.push((scaler, p["running"].clone()));
+    }
+    out
+}
+
+/// Pools spread over the controllers (one lease per pool, each controller taking free ones up
+/// to its share), and a dead controller's pools pass to the survivor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pools_spread_over_the_controllers_and_pass_to_the_survivor() {
+    let Some((_tmp, c1, c2, _workers)) = two_by_two("torpor-pool-leases-").await else {
+        return;
+    };
+    c1.wait_host_template().await;
+    let redis = brokers::Redis::start();
+    for name in ["p1", "p2"] {
+        c1.ok(
+            reqwest::Method::POST,
+            "/v1/pools",
+            Some(json!({
+                "name": name, "template": "host", "min": 1, "max": 1, "target": 1,
+                "poll_interval_ms": 200,
+                "triggers": [{"type": "redis-list", "url": redis.url(), "key": name}],
+            })),
+        )
+        .await;
+    }
+    // Each pool is scaled by one controller, one by each, as either controller sees it.
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let (a, b) = (scalers(&c1).await, scalers(&c2).await);
+        let names: std::collections::BTreeSet<&str> = a.iter().map(|(c, _)| c.as_str()).collect();
+        if a == b && names == ["c1", "c2"].into() && a.iter().all(|(_, r)| *r == 1) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pools as c1 sees them {a:?}, as c2 does {b:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // c2 dies: once its leases expire, c1 scales both.
+    let mut c2 = c2;
+    c2.child.kill().unwrap();
+    c2.child.wait().unwrap();
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let a = scalers(&c1).await;
+        if a.iter().all(|(c, r)| c == "c1" && *r == 1) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after c2's loss: {a:?}\n{}",
+            c1.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for name in ["p1", "p2"] {
+        c1.ok(reqwest::Method::DELETE, &format!("/v1/pools/{name}"), None)
+            .await;
+    }
 }

@@ -25,8 +25,21 @@
 use super::*;
 use crate::store::LiveController;
 
-/// The lease under which a controller runs pools and their triggers.
+/// The lease under which a controller built before per-pool leases runs every pool and its
+/// triggers. While an older controller holds it (a rolling upgrade), this one runs no pool.
 pub const POOLS_LEASE: &str = "pools";
+/// Each pool's lease: `pool:{tenant}/{name}` ([`pool_lease`]).
+pub const POOL_LEASE_PREFIX: &str = "pool:";
+
+/// A mutex's data, also after a panic elsewhere while it was held.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The lease under which one controller scales pool `name` of `tenant` and runs its triggers.
+pub fn pool_lease(tenant: &TenantId, name: &str) -> String {
+    format!("{POOL_LEASE_PREFIX}{tenant}/{name}")
+}
 /// How long the list of live controllers is reused before it is read again.
 const LIVE_CACHE: Duration = Duration::from_millis(250);
 
@@ -71,8 +84,12 @@ type LiveList = Option<(Instant, Vec<LiveController>)>;
 #[derive(Default)]
 pub(super) struct ClusterState {
     live: Mutex<LiveList>,
-    /// Whether this controller holds the pools lease right now.
-    pools_lease: AtomicBool,
+    /// The pool leases this controller holds now ([`pool_lease`] names).
+    pool_leases: Mutex<std::collections::HashSet<String>>,
+    /// Who held each pool's lease at the last heartbeat (for the pools' status).
+    pool_holders: Mutex<HashMap<String, String>>,
+    /// An older controller holds [`POOLS_LEASE`] (it runs every pool): none runs here.
+    older_runs_pools: AtomicBool,
     /// Set when another live run took this controller's name: it must stop acting.
     identity_lost: AtomicBool,
     identity_lost_now: tokio::sync::Notify,
@@ -93,9 +110,51 @@ impl Engine {
         }
     }
 
-    /// Whether this controller runs pools now (always, in embedded mode).
-    pub fn runs_pools(&self) -> bool {
-        self.cfg.controller.is_none() || self.cluster.pools_lease.load(Ordering::SeqCst)
+    /// Whether this controller scales pool `name` of `tenant` now (always, in embedded mode):
+    /// it holds the pool's lease.
+    pub fn runs_pool(&self, tenant: &TenantId, name: &str) -> bool {
+        self.cfg.controller.is_none()
+            || lock(&self.cluster.pool_leases).contains(&pool_lease(tenant, name))
+    }
+
+    /// The controller that scales pool `name` of `tenant`, as of this controller's last
+    /// heartbeat (`None` in embedded mode, or while nobody holds it).
+    pub fn pool_holder(&self, tenant: &TenantId, name: &str) -> Option<String> {
+        self.cfg.controller.as_ref()?;
+        lock(&self.cluster.pool_holders)
+            .get(&pool_lease(tenant, name))
+            .cloned()
+    }
+
+    /// A pool nobody held at the last heartbeat: taken now if this controller is under its
+    /// share (a pool made through this controller scales at once, not at the next heartbeat).
+    pub fn take_free_pool(&self, tenant: &TenantId, name: &str) {
+        let Some(me) = &self.cfg.controller else {
+            return;
+        };
+        let lease = pool_lease(tenant, name);
+        if self.cluster.older_runs_pools.load(Ordering::SeqCst)
+            || lock(&self.cluster.pool_holders).contains_key(&lease)
+        {
+            return;
+        }
+        let share = match (self.store.pools(), self.live_controllers()) {
+            (Ok(pools), Ok(live)) => pools.len().div_ceil(live.len().max(1)),
+            _ => return,
+        };
+        if lock(&self.cluster.pool_leases).len() >= share {
+            return;
+        }
+        if let Ok(taken) =
+            self.store
+                .take_leases(std::slice::from_ref(&lease), &me.name, me.lost_after)
+        {
+            if !taken.is_empty() {
+                tracing::info!(controller = %me.name, pool = %lease, "took a pool's lease");
+                lock(&self.cluster.pool_leases).insert(lease.clone());
+            }
+            lock(&self.cluster.pool_holders).insert(lease, me.name.clone());
+        }
     }
 
     /// The live controllers, read at most every [`LIVE_CACHE`].
@@ -376,14 +435,15 @@ impl Engine {
                 Ok(true) => {}
                 Ok(false) => {
                     tracing::error!(controller = %me.name, "another live controller process holds this controller's name: stopping (each controller needs a certificate of its own name)");
-                    self.cluster.pools_lease.store(false, Ordering::SeqCst);
+                    lock(&self.cluster.pool_leases).clear();
                     self.cluster.identity_lost.store(true, Ordering::SeqCst);
                     self.cluster.identity_lost_now.notify_waiters();
                     return;
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot renew this controller's lease");
-                    self.cluster.pools_lease.store(false, Ordering::SeqCst);
+                    // Another controller takes its pools once their leases expire.
+                    lock(&self.cluster.pool_leases).clear();
                 }
             }
         }
@@ -415,12 +475,77 @@ impl Engine {
         {
             return Ok(false);
         }
-        let leads = self.store.try_lease(POOLS_LEASE, &me.name, me.lost_after)?;
-        let before = self.cluster.pools_lease.swap(leads, Ordering::SeqCst);
-        if before != leads {
-            tracing::info!(controller = %me.name, runs_pools = leads, "pools lease");
-        }
+        self.renew_pool_leases(me)?;
         Ok(true)
+    }
+
+    /// Renews the pool leases this controller holds and takes free ones up to its share (the
+    /// pools over the live controllers, rounded up), so pools spread over the controllers as
+    /// they are made and as controllers stop. A lease is never handed over while its holder
+    /// lives: a pool's agents and lanes stay with one controller.
+    fn renew_pool_leases(&self, me: &ControllerIdentity) -> Result<()> {
+        let leases = self.store.live_leases("pool")?;
+        // An older controller runs every pool under the one `pools` lease: none here meanwhile.
+        match leases.iter().find(|(n, _)| n == POOLS_LEASE) {
+            Some((_, holder)) if *holder != me.name => {
+                if !self.cluster.older_runs_pools.swap(true, Ordering::SeqCst) {
+                    tracing::warn!(controller = %me.name, older = %holder, "a controller of an earlier version runs every pool (the `pools` lease): none runs here until it is gone");
+                }
+                *lock(&self.cluster.pool_leases) = Default::default();
+                *lock(&self.cluster.pool_holders) = Default::default();
+                return Ok(());
+            }
+            // This controller's own, from a run before an upgrade.
+            Some(_) => self.store.release_lease(POOLS_LEASE, &me.name)?,
+            None => {}
+        }
+        self.cluster.older_runs_pools.store(false, Ordering::SeqCst);
+        let mut holders: HashMap<String, String> = leases
+            .into_iter()
+            .filter(|(n, _)| n.starts_with(POOL_LEASE_PREFIX))
+            .collect();
+        let pools: Vec<String> = self
+            .store
+            .pools()?
+            .iter()
+            .map(|p| pool_lease(&p.tenant, p.name.as_str()))
+            .collect();
+        let share = pools.len().div_ceil(self.live_controllers()?.len().max(1));
+        let mut ask: Vec<String> = pools
+            .iter()
+            .filter(|p| holders.get(*p) == Some(&me.name))
+            .cloned()
+            .collect();
+        // Free ones in an order of this controller's own, so that controllers taking at once
+        // mostly ask for different pools.
+        let mut free: Vec<&String> = pools.iter().filter(|p| !holders.contains_key(*p)).collect();
+        free.sort_by_key(|p| {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (&me.name, p).hash(&mut h);
+            h.finish()
+        });
+        let room = share.saturating_sub(ask.len());
+        ask.extend(free.into_iter().take(room).cloned());
+        let held: std::collections::HashSet<String> = self
+            .store
+            .take_leases(&ask, &me.name, me.lost_after)?
+            .into_iter()
+            .collect();
+        for lease in &held {
+            holders.insert(lease.clone(), me.name.clone());
+        }
+        let mut mine = lock(&self.cluster.pool_leases);
+        for gone in mine.difference(&held) {
+            tracing::info!(controller = %me.name, pool = %gone, "no longer scales a pool");
+        }
+        for new in held.difference(&mine) {
+            tracing::info!(controller = %me.name, pool = %new, "scales a pool");
+        }
+        *mine = held;
+        drop(mine);
+        *lock(&self.cluster.pool_holders) = holders;
+        Ok(())
     }
 
     /// Registers this controller as alive before it touches any sandbox (cluster mode). A
@@ -461,7 +586,10 @@ impl Engine {
     /// sandboxes and pools at once instead of after the lease.
     pub(super) fn retire(&self) {
         if let Some(me) = &self.cfg.controller {
-            let _ = self.store.release_lease(POOLS_LEASE, &me.name);
+            let held: Vec<String> = lock(&self.cluster.pool_leases).drain().collect();
+            for lease in held {
+                let _ = self.store.release_lease(&lease, &me.name);
+            }
             let _ = self.store.forget_controller(&me.name, &me.run);
         }
     }

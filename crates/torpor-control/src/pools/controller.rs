@@ -226,10 +226,14 @@ impl Controller {
                 }
             }
         }
-        // Cluster mode: one controller scales the cluster's pools (the pools lease); the
-        // others read the triggers too, so every controller answers the pool's status and
-        // KEDA's demand, and the next holder starts from a current reading.
-        if self.engine.runs_pools() {
+        // Cluster mode: one controller scales each pool (the pool's lease, spread over the
+        // controllers); the others read the triggers too, so every controller answers the
+        // pool's status and KEDA's demand, and the next holder starts from a current reading.
+        let name = self.spec().name.clone();
+        if !self.engine.runs_pool(&self.pool.tenant, name.as_str()) {
+            self.engine.take_free_pool(&self.pool.tenant, name.as_str());
+        }
+        if self.engine.runs_pool(&self.pool.tenant, name.as_str()) {
             self.scale_to(d.desired).await;
         }
         self.publish(d, trig).await;
@@ -242,7 +246,10 @@ impl Controller {
     ) {
         let agents = pool_agents(&self.engine, &self.pool.tenant, self.spec().name.as_str());
         // A controller that does not scale the pool (cluster mode) counts what the store says.
-        let running = if self.engine.runs_pools() {
+        let scales_here = self
+            .engine
+            .runs_pool(&self.pool.tenant, self.spec().name.as_str());
+        let running = if scales_here {
             self.active.len()
         } else {
             agents
@@ -276,6 +283,9 @@ impl Controller {
             })
             .collect();
         s.last_error = self.last_error.clone();
+        s.controller = self
+            .engine
+            .pool_holder(&self.pool.tenant, self.spec().name.as_str());
     }
 
     /// Pool agents no lane serves, oldest first: asleep, or running without a lane (after a

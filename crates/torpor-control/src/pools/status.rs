@@ -59,6 +59,10 @@ pub struct PoolStatus {
     pub triggers: Vec<TriggerStatus>,
     /// The last scaling error (creating, waking or suspending an agent), if any.
     pub last_error: Option<String>,
+    /// Cluster mode: the controller that scales the pool (holds its lease), as of the
+    /// answering controller's last heartbeat; absent on a single machine or while nobody does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub controller: Option<String>,
     pub spec: PoolSpec,
 }
 
@@ -96,6 +100,7 @@ pub(super) fn initial_status(tenant: &TenantId, spec: &PoolSpec) -> PoolStatus {
             })
             .collect(),
         last_error: None,
+        controller: None,
         spec: spec.clone(),
     }
 }

@@ -435,6 +435,20 @@ pub trait StateStore: Send + Sync {
     fn release_lease(&self, _lease: &str, _holder: &str) -> Result<(), StoreError> {
         Ok(())
     }
+    /// The leases whose names start with `prefix` and that have not expired: `(name, holder)`.
+    fn live_leases(&self, _prefix: &str) -> Result<Vec<(String, String)>, StoreError> {
+        Ok(Vec::new())
+    }
+    /// [`StateStore::try_lease`] for each of `leases` in one statement: the names `holder`
+    /// holds afterwards (taken when free or expired, renewed when its own).
+    fn take_leases(
+        &self,
+        leases: &[String],
+        _holder: &str,
+        _ttl: Duration,
+    ) -> Result<Vec<String>, StoreError> {
+        Ok(leases.to_vec())
+    }
     /// Holds `key` against every other process of this store until the guard drops (a
     /// PostgreSQL advisory lock: two controllers checking one tenant's quota take turns). Hold
     /// it only across store reads and writes, never across a call to a worker. A store one

@@ -1296,6 +1296,46 @@ impl StateStore for PostgresStore {
         Ok(row.is_some())
     }
 
+    fn live_leases(&self, prefix: &str) -> Result<Vec<(String, String)>, StoreError> {
+        self.query(
+            "read leases",
+            "SELECT name, holder FROM leases
+             WHERE starts_with(name, $1) AND expires_at > now() ORDER BY name",
+            vec![p(prefix.to_string())],
+        )?
+        .iter()
+        .map(|r| Ok((get(r, 0, "lease")?, get(r, 1, "lease")?)))
+        .collect()
+    }
+
+    fn take_leases(
+        &self,
+        leases: &[String],
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Vec<String>, StoreError> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.query(
+            "take leases",
+            "INSERT INTO leases (name, holder, expires_at)
+             SELECT n, $2, now() + $3 * interval '1 millisecond' FROM unnest($1::text[]) AS u(n)
+             ON CONFLICT (name) DO UPDATE SET holder = excluded.holder,
+                 expires_at = excluded.expires_at
+             WHERE leases.holder = excluded.holder OR leases.expires_at <= now()
+             RETURNING name",
+            vec![
+                p(leases.to_vec()),
+                p(holder.to_string()),
+                p(ttl.as_millis() as f64),
+            ],
+        )?
+        .iter()
+        .map(|r| get(r, 0, "lease"))
+        .collect()
+    }
+
     fn lock(&self, key: &str) -> Result<super::StoreLock, StoreError> {
         // A session-level advisory lock on one pooled connection, kept out of the pool until
         // it is unlocked. `pg_try_advisory_lock` in a loop rather than `pg_advisory_lock`: a
