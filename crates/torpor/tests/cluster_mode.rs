@@ -739,10 +739,16 @@ async fn exec_retrying(c: &Controller, id: &str, script: &str) -> String {
 }
 
 /// Controllers c1 and c2 on a fresh database and workers w1 and w2 joining both, every
-/// worker ready on each controller (`None`: no PostgreSQL here).
+/// worker ready on each controller, and the database's URL (`None`: no PostgreSQL here).
 async fn two_by_two(
     prefix: &str,
-) -> Option<(tempfile::TempDir, Controller, Controller, Vec<Worker>)> {
+) -> Option<(
+    tempfile::TempDir,
+    String,
+    Controller,
+    Controller,
+    Vec<Worker>,
+)> {
     let (database, tmp) = setup(prefix, &["c1", "c2"], &["w1", "w2"]).await?;
     let dir = tmp.path();
     let c1 = Controller::start_as(dir, &database, "c1").await;
@@ -758,12 +764,12 @@ async fn two_by_two(
         })
         .await;
     }
-    Some((tmp, c1, c2, workers))
+    Some((tmp, database, c1, c2, workers))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_controllers_share_one_database_and_survive_the_loss_of_one() {
-    let Some((tmp, c1, c2, _workers)) = two_by_two("torpor-two-controllers-").await else {
+    let Some((tmp, _, c1, c2, _workers)) = two_by_two("torpor-two-controllers-").await else {
         return;
     };
     let dir = tmp.path();
@@ -2322,9 +2328,10 @@ async fn scalers(c: &Controller) -> Vec<(String, Value)> {
 /// to its share), and a dead controller's pools pass to the survivor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pools_spread_over_the_controllers_and_pass_to_the_survivor() {
-    let Some((_tmp, c1, c2, _workers)) = two_by_two("torpor-pool-leases-").await else {
+    let Some((tmp, database, c1, c2, _workers)) = two_by_two("torpor-pool-leases-").await else {
         return;
     };
+    let dir = tmp.path();
     c1.wait_host_template().await;
     let redis = brokers::Redis::start();
     for name in ["p1", "p2"] {
@@ -2350,6 +2357,53 @@ async fn pools_spread_over_the_controllers_and_pass_to_the_survivor() {
         assert!(
             Instant::now() < deadline,
             "pools as c1 sees them {a:?}, as c2 does {b:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // A rolling upgrade: while a controller of an earlier version holds the one `pools` lease
+    // (it scales every pool), neither scales any; once it is gone, they spread again.
+    use torpor_control::store::StateStore as _;
+    let older = {
+        let (url, key) = (database.clone(), dir.join("controller-c1").join("env.key"));
+        tokio::task::spawn_blocking(move || {
+            let store = torpor_control::store::PostgresStore::connect(&url, &key).unwrap();
+            assert!(store
+                .try_lease("pools", "c0-older", Duration::from_secs(600))
+                .unwrap());
+            store
+        })
+        .await
+        .unwrap()
+    };
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let (a, b) = (scalers(&c1).await, scalers(&c2).await);
+        if a.iter().chain(&b).all(|(c, _)| c.is_empty()) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "with an older controller's lease: {a:?} {b:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(c1
+        .log()
+        .contains("a controller of an earlier version runs every pool"));
+    tokio::task::spawn_blocking(move || older.release_lease("pools", "c0-older").unwrap())
+        .await
+        .unwrap();
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let a = scalers(&c1).await;
+        let names: std::collections::BTreeSet<&str> = a.iter().map(|(c, _)| c.as_str()).collect();
+        if names == ["c1", "c2"].into() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after the older controller: {a:?}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
