@@ -145,14 +145,13 @@ impl Engine {
         if lock(&self.cluster.pool_leases).len() >= share {
             return;
         }
-        if let Ok(taken) =
-            self.store
-                .take_leases(std::slice::from_ref(&lease), &me.name, me.lost_after)
-        {
-            if !taken.is_empty() {
-                tracing::info!(controller = %me.name, pool = %lease, "took a pool's lease");
-                lock(&self.cluster.pool_leases).insert(lease.clone());
-            }
+        // Another controller may have taken it meanwhile: then the next heartbeat says who.
+        let taken = self
+            .store
+            .take_leases(std::slice::from_ref(&lease), &me.name, me.lost_after);
+        if taken.is_ok_and(|t| !t.is_empty()) {
+            tracing::info!(controller = %me.name, pool = %lease, "took a pool's lease");
+            lock(&self.cluster.pool_leases).insert(lease.clone());
             lock(&self.cluster.pool_holders).insert(lease, me.name.clone());
         }
     }
