@@ -436,7 +436,8 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         None => None,
     };
     let app = torpor_api::router(state);
-    let peer_app = peer_server.is_some().then(|| app.clone());
+    // The peer listener (cluster mode) serves the same router to the other controllers.
+    let peer_app = app.clone();
     tracing::info!(listen = %cfg.listen, data_dir = %cfg.data_dir.display(), workers, "torpor is up");
     eprintln!(
         "torpor is up on http://{} (data {}, {} workers)",
@@ -471,11 +472,11 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
             stopped(stop_rx.clone()),
         ))
     });
-    let peers = peer_server.zip(peer_app).map(|((l, acceptor, _), app)| {
+    let peers = peer_server.map(|(l, acceptor, _)| {
         tokio::spawn(serve::serve_peers(
             l,
             acceptor,
-            app,
+            peer_app,
             serve_cfg,
             stopped(stop_rx.clone()),
         ))
