@@ -2324,16 +2324,81 @@ async fn scalers(c: &Controller) -> Vec<(String, Value)> {
     out
 }
 
+/// Waits until each of pools p1 and p2 is scaled by one controller, one by each, with its
+/// agent running, as c1 and c2 both see it; answers the pool c2 scales.
+async fn spread(c1: &Controller, c2: &Controller, when: &str) -> &'static str {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let (a, b) = (scalers(c1).await, scalers(c2).await);
+        let names: std::collections::BTreeSet<&str> = a.iter().map(|(c, _)| c.as_str()).collect();
+        if a == b && names == ["c1", "c2"].into() && a.iter().all(|(_, r)| *r == 1) {
+            return ["p1", "p2"][a.iter().position(|(c, _)| c == "c2").unwrap()];
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{when}: pools as c1 sees them {a:?}, as c2 does {b:?}\n{}",
+            c1.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A pool agent's dispatch handler: logs each message to /tmp/done.log. The first message
+/// starting with `slow` that an agent is handed takes 60 s (a controller dies while its lane
+/// waits on it); the next is logged at once.
+const SLOW_HANDLER: &str = "import os, sys, time\nm = sys.stdin.read()\nif m.startswith('slow') and not os.path.exists('/tmp/slow'):\n    open('/tmp/slow', 'w').close()\n    time.sleep(60)\nopen('/tmp/done.log', 'a').write(m + '\\n')\n";
+
+async fn lpush(con: &mut redis::aio::MultiplexedConnection, key: &str, msg: &str) {
+    let _: i64 = redis::cmd("LPUSH")
+        .arg(key)
+        .arg(msg)
+        .query_async(con)
+        .await
+        .unwrap();
+}
+
+/// Waits until each pool's agents, read through `c`, have logged the messages sent to it
+/// that start with `prefix`, each exactly once, within `within`.
+async fn wait_handled(
+    c: &Controller,
+    sent: &std::collections::BTreeMap<&str, Vec<String>>,
+    prefix: &str,
+    within: Duration,
+) {
+    let client = torpor_api::Client::new(&format!("http://{}", c.api), TOKEN);
+    let deadline = Instant::now() + within;
+    for (pool, want) in sent {
+        let want: Vec<String> = want
+            .iter()
+            .filter(|m| m.starts_with(prefix))
+            .cloned()
+            .collect();
+        loop {
+            let p = client.pool(pool).await.unwrap();
+            let mut seen = brokers::handled(&client, &p).await;
+            seen.retain(|m, _| m.starts_with(prefix));
+            if seen.len() >= want.len() || Instant::now() > deadline {
+                brokers::exactly_once(&seen, &want);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
 /// Pools spread over the controllers (one lease per pool, each controller taking free ones up
-/// to its share), and a dead controller's pools pass to the survivor.
+/// to its share); a dead controller's pools pass to the survivor with the message its lane
+/// held; a controller that joins is handed its share of the running pools, each message
+/// handled once throughout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn pools_spread_over_the_controllers_and_pass_to_the_survivor() {
+async fn pools_spread_over_the_controllers_pass_to_the_survivor_and_rebalance() {
     let Some((tmp, database, c1, c2, _workers)) = two_by_two("torpor-pool-leases-").await else {
         return;
     };
     let dir = tmp.path();
     c1.wait_host_template().await;
     let redis = brokers::Redis::start();
+    let mut con = redis.conn().await;
     for name in ["p1", "p2"] {
         c1.ok(
             reqwest::Method::POST,
@@ -2342,24 +2407,16 @@ async fn pools_spread_over_the_controllers_and_pass_to_the_survivor() {
                 "name": name, "template": "host", "min": 1, "max": 1, "target": 1,
                 "poll_interval_ms": 200,
                 "triggers": [{"type": "redis-list", "url": redis.url(), "key": name}],
+                "dispatch": {"command": ["python3", "-c", SLOW_HANDLER], "max_attempts": 2,
+                             "retry_backoff_ms": 50, "timeout_s": 60},
             })),
         )
         .await;
     }
+    let mut sent: std::collections::BTreeMap<&str, Vec<String>> =
+        [("p1", Vec::new()), ("p2", Vec::new())].into();
     // Each pool is scaled by one controller, one by each, as either controller sees it.
-    let deadline = Instant::now() + PATIENCE;
-    loop {
-        let (a, b) = (scalers(&c1).await, scalers(&c2).await);
-        let names: std::collections::BTreeSet<&str> = a.iter().map(|(c, _)| c.as_str()).collect();
-        if a == b && names == ["c1", "c2"].into() && a.iter().all(|(_, r)| *r == 1) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "pools as c1 sees them {a:?}, as c2 does {b:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    spread(&c1, &c2, "at first").await;
 
     // A rolling upgrade: while a controller of an earlier version holds the one `pools` lease
     // (it scales every pool), neither scales any; once it is gone, they spread again.
@@ -2394,21 +2451,24 @@ async fn pools_spread_over_the_controllers_and_pass_to_the_survivor() {
     tokio::task::spawn_blocking(move || older.release_lease("pools", "c0-older").unwrap())
         .await
         .unwrap();
+    let key = spread(&c1, &c2, "after the older controller").await;
+
+    // c2 dies while its lane waits on a message: once its leases expire, c1 scales both, and
+    // the message goes back to the queue for c1's lane, well before the first attempt could
+    // have logged it (before, it stayed in the pool's processing list for good).
+    lpush(&mut con, key, "slow-1").await;
+    sent.get_mut(key).unwrap().push("slow-1".into());
     let deadline = Instant::now() + PATIENCE;
     loop {
-        let a = scalers(&c1).await;
-        let names: std::collections::BTreeSet<&str> = a.iter().map(|(c, _)| c.as_str()).collect();
-        if names == ["c1", "c2"].into() {
+        let (_, p) = c2
+            .call(reqwest::Method::GET, &format!("/v1/pools/{key}"), None)
+            .await;
+        if p["in_flight"] == 1 {
             break;
         }
-        assert!(
-            Instant::now() < deadline,
-            "after the older controller: {a:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(Instant::now() < deadline, "c2's lane took no message: {p}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-
-    // c2 dies: once its leases expire, c1 scales both.
     let mut c2 = c2;
     c2.child.kill().unwrap();
     c2.child.wait().unwrap();
@@ -2425,6 +2485,45 @@ async fn pools_spread_over_the_controllers_and_pass_to_the_survivor() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    wait_handled(&c1, &sent, "slow", Duration::from_secs(40)).await;
+    assert!(c1.log().contains("requeued unfinished messages"));
+
+    // c2 comes back: c1, now over its share, drains one pool's agent and hands that pool
+    // over; c2 wakes the agent. Messages sent all along are each handled once.
+    let c2_before = c2.log().len();
+    c2.kill_and_restart().await;
+    let pusher = {
+        let mut con = redis.conn().await;
+        tokio::spawn(async move {
+            let mut sent = Vec::new();
+            for i in 0..30 {
+                let (key, msg) = (["p1", "p2"][i % 2], format!("m-{i}"));
+                lpush(&mut con, key, &msg).await;
+                sent.push((key, msg));
+                tokio::time::sleep(Duration::from_millis(150)).await;
+            }
+            sent
+        })
+    };
+    spread(&c1, &c2, "after c2's return").await;
+    // c1 drained the agent before it let go (only a sandbox's holder drives it): c2 woke it
+    // without a refusal.
+    let log = c1.log();
+    assert!(
+        log.contains("draining an agent: the pool passes to another controller")
+            && log.contains("handed a pool over"),
+        "{log}"
+    );
+    let log = c2.log();
+    assert!(
+        !log[c2_before..].contains("cannot start an agent"),
+        "{}",
+        &log[c2_before..]
+    );
+    for (key, msg) in pusher.await.unwrap() {
+        sent.get_mut(key).unwrap().push(msg);
+    }
+    wait_handled(&c2, &sent, "m-", PATIENCE).await;
     for name in ["p1", "p2"] {
         c1.ok(reqwest::Method::DELETE, &format!("/v1/pools/{name}"), None)
             .await;

@@ -16,8 +16,11 @@
 //!   (`--controller-lost-after-ms`); the store's clock decides expiry, so controllers' clocks
 //!   need not agree. The idle policy sweeps sandboxes of dead controllers, so none stays in
 //!   a resident state that nobody can leave.
-//! - Work done once for the cluster (pools and their triggers) runs under a lease
-//!   ([`POOLS_LEASE`]) that one controller holds and another takes when it expires.
+//! - Work done once for the cluster (each pool's scaling and lanes) runs under the pool's
+//!   lease ([`pool_lease`]), spread over the live controllers (each takes up to its share;
+//!   one over its share hands the excess over once the pool's agents have drained); another
+//!   takes a lease when it expires. Controllers built before per-pool leases run every pool
+//!   under the one [`POOLS_LEASE`].
 //!
 //! In embedded mode (`EngineConfig::controller` is `None`) nothing here applies: the holder is
 //! always `None`, every sandbox is local, and the pools lease is always held.
@@ -86,6 +89,9 @@ pub(super) struct ClusterState {
     live: Mutex<LiveList>,
     /// The pool leases this controller holds now ([`pool_lease`] names).
     pool_leases: Mutex<std::collections::HashSet<String>>,
+    /// Of those, the ones it is handing over (it holds more than its share): the pool's
+    /// controller drains its agents, then [`Engine::let_go_of_pool`] releases the lease.
+    handing_over: Mutex<std::collections::HashSet<String>>,
     /// Who held each pool's lease at the last heartbeat (for the pools' status).
     pool_holders: Mutex<HashMap<String, String>>,
     /// An older controller holds [`POOLS_LEASE`] (it runs every pool): none runs here.
@@ -111,10 +117,36 @@ impl Engine {
     }
 
     /// Whether this controller scales pool `name` of `tenant` now (always, in embedded mode):
-    /// it holds the pool's lease.
+    /// it holds the pool's lease and is not handing it over.
     pub fn runs_pool(&self, tenant: &TenantId, name: &str) -> bool {
-        self.cfg.controller.is_none()
-            || lock(&self.cluster.pool_leases).contains(&pool_lease(tenant, name))
+        if self.cfg.controller.is_none() {
+            return true;
+        }
+        let lease = pool_lease(tenant, name);
+        lock(&self.cluster.pool_leases).contains(&lease)
+            && !lock(&self.cluster.handing_over).contains(&lease)
+    }
+
+    /// Called by pool `name`'s controller once it no longer scales the pool here and nothing
+    /// of it is in motion (its agents drained and asleep, no start or wake under way): a lease
+    /// being handed over is released now, and a controller under its share takes it at its
+    /// next heartbeat.
+    pub fn let_go_of_pool(&self, tenant: &TenantId, name: &str) {
+        let Some(me) = &self.cfg.controller else {
+            return;
+        };
+        let lease = pool_lease(tenant, name);
+        if !lock(&self.cluster.handing_over).contains(&lease) {
+            return;
+        }
+        if let Err(e) = self.store.release_lease(&lease, &me.name) {
+            tracing::warn!(controller = %me.name, pool = %lease, error = %e, "cannot release a pool's lease; trying again");
+            return;
+        }
+        tracing::info!(controller = %me.name, pool = %lease, "handed a pool over (its agents here have drained)");
+        lock(&self.cluster.handing_over).remove(&lease);
+        lock(&self.cluster.pool_leases).remove(&lease);
+        lock(&self.cluster.pool_holders).remove(&lease);
     }
 
     /// The controller that scales pool `name` of `tenant`, as of this controller's last
@@ -435,6 +467,7 @@ impl Engine {
                 Ok(false) => {
                     tracing::error!(controller = %me.name, "another live controller process holds this controller's name: stopping (each controller needs a certificate of its own name)");
                     lock(&self.cluster.pool_leases).clear();
+                    lock(&self.cluster.handing_over).clear();
                     self.cluster.identity_lost.store(true, Ordering::SeqCst);
                     self.cluster.identity_lost_now.notify_waiters();
                     return;
@@ -443,6 +476,7 @@ impl Engine {
                     tracing::warn!(error = %e, "cannot renew this controller's lease");
                     // Another controller takes its pools once their leases expire.
                     lock(&self.cluster.pool_leases).clear();
+                    lock(&self.cluster.handing_over).clear();
                 }
             }
         }
@@ -480,8 +514,11 @@ impl Engine {
 
     /// Renews the pool leases this controller holds and takes free ones up to its share (the
     /// pools over the live controllers, rounded up), so pools spread over the controllers as
-    /// they are made and as controllers stop. A lease is never handed over while its holder
-    /// lives: a pool's agents and lanes stay with one controller.
+    /// they are made and as controllers stop. A controller over its share (another joined)
+    /// hands the excess over: the pool's agents drain and sleep first (a pool's lanes run on
+    /// one controller at a time, and only a sandbox's holder drives it), then the lease is
+    /// released ([`Engine::let_go_of_pool`]) and a controller under its share takes it and
+    /// wakes them.
     fn renew_pool_leases(&self, me: &ControllerIdentity) -> Result<()> {
         let leases = self.store.live_leases("pool")?;
         // An older controller runs every pool under the one `pools` lease: none here meanwhile.
@@ -492,6 +529,7 @@ impl Engine {
                 }
                 *lock(&self.cluster.pool_leases) = Default::default();
                 *lock(&self.cluster.pool_holders) = Default::default();
+                *lock(&self.cluster.handing_over) = Default::default();
                 return Ok(());
             }
             // This controller's own, from a run before an upgrade.
@@ -505,11 +543,12 @@ impl Engine {
             .collect();
         let pools: Vec<String> = self
             .store
-            .pools()?
+            .pool_names()?
             .iter()
-            .map(|p| pool_lease(&p.tenant, p.name.as_str()))
+            .map(|(tenant, name)| pool_lease(tenant, name.as_str()))
             .collect();
-        let share = pools.len().div_ceil(self.live_controllers()?.len().max(1));
+        let live = self.live_controllers()?;
+        let share = pools.len().div_ceil(live.len().max(1));
         let mut ask: Vec<String> = pools
             .iter()
             .filter(|p| holders.get(*p) == Some(&me.name))
@@ -534,6 +573,7 @@ impl Engine {
         for lease in &held {
             holders.insert(lease.clone(), me.name.clone());
         }
+        self.hand_over_excess(me, &held, &holders, &live, share);
         let mut mine = lock(&self.cluster.pool_leases);
         for gone in mine.difference(&held) {
             tracing::info!(controller = %me.name, pool = %gone, "no longer scales a pool");
@@ -545,6 +585,44 @@ impl Engine {
         drop(mine);
         *lock(&self.cluster.pool_holders) = holders;
         Ok(())
+    }
+
+    /// Marks the leases this controller holds beyond its share for hand-over, as many as the
+    /// other live controllers have room for under theirs (none when they have none: a pool is
+    /// never let go for nobody to take). Those already being handed over count first.
+    fn hand_over_excess(
+        &self,
+        me: &ControllerIdentity,
+        held: &std::collections::HashSet<String>,
+        holders: &HashMap<String, String>,
+        live: &[LiveController],
+        share: usize,
+    ) {
+        let mut handing = lock(&self.cluster.handing_over);
+        // A lease lost meanwhile (expired, taken) is no longer this controller's to hand over.
+        handing.retain(|l| held.contains(l));
+        let mut counts: HashMap<&str, usize> = HashMap::new();
+        for holder in holders.values() {
+            *counts.entry(holder.as_str()).or_default() += 1;
+        }
+        let room: usize = live
+            .iter()
+            .filter(|c| c.name != me.name)
+            .map(|c| share.saturating_sub(counts.get(c.name.as_str()).copied().unwrap_or(0)))
+            .sum();
+        let keeping = held.len() - handing.len();
+        let excess = keeping
+            .saturating_sub(share)
+            .min(room.saturating_sub(handing.len()));
+        if excess == 0 {
+            return;
+        }
+        let mut candidates: Vec<&String> = held.iter().filter(|l| !handing.contains(*l)).collect();
+        candidates.sort();
+        for lease in candidates.into_iter().rev().take(excess) {
+            tracing::info!(controller = %me.name, pool = %lease, share, "hands a pool over to a controller under its share (draining its agents first)");
+            handing.insert(lease.clone());
+        }
     }
 
     /// Registers this controller as alive before it touches any sandbox (cluster mode). A
@@ -585,6 +663,7 @@ impl Engine {
     /// sandboxes and pools at once instead of after the lease.
     pub(super) fn retire(&self) {
         if let Some(me) = &self.cfg.controller {
+            lock(&self.cluster.handing_over).clear();
             let held: Vec<String> = lock(&self.cluster.pool_leases).drain().collect();
             for lease in held {
                 let _ = self.store.release_lease(&lease, &me.name);

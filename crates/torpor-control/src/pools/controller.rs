@@ -49,6 +49,12 @@ pub(super) struct Controller {
     events_tx: mpsc::Sender<Event>,
     events_rx: mpsc::Receiver<Event>,
     last_error: Option<String>,
+    /// Whether this controller scaled the pool at its last tick (cluster mode: it held the
+    /// pool's lease; always in embedded mode).
+    scaling: bool,
+    /// A redis-list dispatch pool's processing list is to be moved back to the queue before
+    /// this controller's lanes take work (set whenever it starts scaling the pool).
+    recover: bool,
 }
 
 impl Controller {
@@ -77,6 +83,8 @@ impl Controller {
             events_tx,
             events_rx,
             last_error: None,
+            scaling: false,
+            recover: false,
         }
     }
 
@@ -87,17 +95,6 @@ impl Controller {
     pub(super) async fn run(mut self) {
         let name = self.spec().name.clone();
         tracing::info!("pool controller started");
-        if self.spec().dispatch.is_some() {
-            // Messages a crashed torpor left mid-processing go back to the queue before any lane
-            // takes work.
-            match consume::recover_redis_list(&self.spec().triggers[0]).await {
-                Ok(0) => {}
-                Ok(n) => tracing::warn!(pool = %name, messages = n, "requeued unfinished messages"),
-                Err(e) => {
-                    tracing::warn!(pool = %name, error = %e, "cannot recover the processing list yet")
-                }
-            }
-        }
         let watchers = if self.spec().push {
             self.spec()
                 .triggers
@@ -149,6 +146,17 @@ impl Controller {
                     tracing::debug!(pool = %self.spec().name, sandbox = %id, "agent reported started twice");
                     return;
                 }
+                // Started after the pool passed to another controller: put back to sleep, for
+                // the pool's holder to wake (it cannot drive a sandbox this controller holds).
+                if !self.scaling {
+                    let lane = Lane {
+                        drain: Arc::new(AtomicBool::new(true)),
+                        busy: Arc::new(AtomicBool::new(false)),
+                        task: None,
+                    };
+                    self.drain(id, lane);
+                    return;
+                }
                 let lane = self.start_lane(&id);
                 self.active.insert(id, lane);
             }
@@ -174,6 +182,26 @@ impl Controller {
 
     /// One reading and one decision.
     async fn tick(&mut self) {
+        // Cluster mode: one controller scales each pool (the pool's lease, spread over the
+        // controllers); the others read the triggers too, so every controller answers the
+        // pool's status and KEDA's demand, and the next holder starts from a current reading.
+        let (tenant, name) = (self.pool.tenant.clone(), self.spec().name.clone());
+        if !self.engine.runs_pool(&tenant, name.as_str()) {
+            self.engine.take_free_pool(&tenant, name.as_str());
+        }
+        let scaling = self.engine.runs_pool(&tenant, name.as_str());
+        if scaling && !self.scaling {
+            if self.engine.controller_name().is_some() {
+                tracing::info!(pool = %name, "this controller scales the pool");
+            }
+            self.recover = self.spec().dispatch.is_some();
+        }
+        self.scaling = scaling;
+        // The processing list holds the messages of lanes still draining here (the pool came
+        // back before they stopped): recovered once they have.
+        if scaling && self.recover && self.draining.is_empty() {
+            self.recover_processing().await;
+        }
         let generic = self.pool.tenant_owned();
         let readings = futures::future::join_all(self.readers.iter_mut().map(|r| async move {
             let started = Instant::now();
@@ -226,17 +254,47 @@ impl Controller {
                 }
             }
         }
-        // Cluster mode: one controller scales each pool (the pool's lease, spread over the
-        // controllers); the others read the triggers too, so every controller answers the
-        // pool's status and KEDA's demand, and the next holder starts from a current reading.
-        let name = self.spec().name.clone();
-        if !self.engine.runs_pool(&self.pool.tenant, name.as_str()) {
-            self.engine.take_free_pool(&self.pool.tenant, name.as_str());
-        }
-        if self.engine.runs_pool(&self.pool.tenant, name.as_str()) {
+        if !self.scaling {
+            self.let_go();
+        } else if !self.recover {
             self.scale_to(d.desired).await;
         }
         self.publish(d, trig).await;
+    }
+
+    /// Moves what a redis-list dispatch pool left mid-processing (a crashed torpor, a dead
+    /// controller that scaled it) back to the queue, before this controller's lanes take
+    /// work; tried again at the next tick while the broker cannot be reached. Only the
+    /// controller that scales the pool does it: another's lanes may be processing those.
+    async fn recover_processing(&mut self) {
+        let name = &self.pool.spec.name;
+        match consume::recover_redis_list(&self.pool.spec.triggers[0]).await {
+            Ok(n) => {
+                if n > 0 {
+                    tracing::warn!(pool = %name, messages = n, "requeued unfinished messages");
+                }
+                self.recover = false;
+            }
+            Err(e) => {
+                tracing::warn!(pool = %name, error = %e, "cannot recover the processing list yet")
+            }
+        }
+    }
+
+    /// The pool passed to another controller (handed over, or its lease lost): this one's
+    /// agents drain as in a scale-in (lanes finish their messages, self-consuming agents get
+    /// the drain notice and its grace) and sleep, since only the controller that holds a
+    /// sandbox drives it; the new holder wakes them. Once nothing of the pool is in motion here
+    /// a lease being handed over is released.
+    fn let_go(&mut self) {
+        for (id, lane) in std::mem::take(&mut self.active) {
+            tracing::info!(pool = %self.spec().name, sandbox = %id, "draining an agent: the pool passes to another controller");
+            self.drain(id, lane);
+        }
+        if self.starting == 0 && self.waking.is_empty() && self.draining.is_empty() {
+            self.engine
+                .let_go_of_pool(&self.pool.tenant, self.spec().name.as_str());
+        }
     }
 
     async fn publish(

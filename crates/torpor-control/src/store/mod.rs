@@ -367,6 +367,14 @@ pub trait StateStore: Send + Sync {
     fn count_pools(&self, tenant: &TenantId) -> Result<u64, StoreError>;
     /// Every pool, by tenant and name.
     fn pools(&self) -> Result<Vec<PoolRow>, StoreError>;
+    /// Every pool's tenant and name (without its spec), by tenant and name.
+    fn pool_names(&self) -> Result<Vec<(TenantId, PoolName)>, StoreError> {
+        Ok(self
+            .pools()?
+            .into_iter()
+            .map(|p| (p.tenant, p.name))
+            .collect())
+    }
 
     // --- this node's GPU state, by sandbox ---
 

@@ -1034,6 +1034,17 @@ impl StateStore for PostgresStore {
         Ok(n.max(0) as u64)
     }
 
+    fn pool_names(&self) -> Result<Vec<(TenantId, PoolName)>, StoreError> {
+        self.query(
+            "read pool names",
+            "SELECT tenant, name FROM pools ORDER BY tenant, name",
+            Vec::new(),
+        )?
+        .iter()
+        .map(|r| pool_key(get(r, 0, "pool")?, get(r, 1, "pool")?))
+        .collect()
+    }
+
     fn pools(&self) -> Result<Vec<PoolRow>, StoreError> {
         self.query(
             "read pools",
@@ -1042,15 +1053,10 @@ impl StateStore for PostgresStore {
         )?
         .iter()
         .map(|r| {
-            let tenant: String = get(r, 0, "pool")?;
-            let name: String = get(r, 1, "pool")?;
-            let corrupt = || StoreError::Corrupt {
-                what: "pool",
-                key: format!("{tenant}/{name}"),
-            };
+            let (tenant, name) = pool_key(get(r, 0, "pool")?, get(r, 1, "pool")?)?;
             Ok(PoolRow {
-                tenant: TenantId::new(&tenant).map_err(|_| corrupt())?,
-                name: PoolName::new(&name).map_err(|_| corrupt())?,
+                tenant,
+                name,
                 spec_json: get(r, 2, "pool")?,
                 created_at: get(r, 3, "pool")?,
             })
@@ -1695,5 +1701,17 @@ fn raw_tenant(r: &Row) -> Result<TenantRecord, StoreError> {
         get(r, 0, "tenant")?,
         get(r, 1, "tenant")?,
         get(r, 2, "tenant")?,
+    ))
+}
+
+/// A pool's key as stored, checked.
+fn pool_key(tenant: String, name: String) -> Result<(TenantId, PoolName), StoreError> {
+    let corrupt = || StoreError::Corrupt {
+        what: "pool",
+        key: format!("{tenant}/{name}"),
+    };
+    Ok((
+        TenantId::new(&tenant).map_err(|_| corrupt())?,
+        PoolName::new(&name).map_err(|_| corrupt())?,
     ))
 }

@@ -489,6 +489,13 @@ fn pools_are_keyed_by_tenant_and_name(b: &dyn Backend) {
         store.pools().unwrap(),
         vec![pool("team-a", "jobs"), pool("team-b", "mail")]
     );
+    assert_eq!(
+        store.pool_names().unwrap(),
+        vec![
+            (tenant("team-a"), PoolName::new("jobs").unwrap()),
+            (tenant("team-b"), PoolName::new("mail").unwrap())
+        ]
+    );
 }
 
 fn gpu_request() -> GpuRequest {
