@@ -4,7 +4,8 @@
 //! Each controller keeps its own token buckets (crate::ratelimit), so the request path never
 //! waits on the database. Every [`SHARE_EVERY`] it appends what it let through since its last
 //! report, per (tenant, route class), to `rate_usage` in PostgreSQL, and reads the other
-//! controllers' reports of the last [`WINDOW`]; each report is taken once (by id) and its count
+//! controllers' reports since its previous read (with a margin for late commits; at most the
+//! last [`WINDOW`]); each report is taken once (by id) and its count
 //! taken from the same bucket here ([`crate::ratelimit::Bucket::debit_at`]: down to one bucket
 //! below empty at most). So every controller's bucket is a replica of one bucket that all of
 //! them spend, and a tenant calling N controllers gets its rate once, not N times.
@@ -32,9 +33,12 @@ use crate::state::ApiState;
 
 /// How often a controller reports and reads.
 pub const SHARE_EVERY: Duration = Duration::from_millis(250);
-/// How far back the other controllers' reports are read (a controller stalled longer misses
-/// reports, and its tenants get more than their rate for that long).
+/// How far back the other controllers' reports are read at most (a controller stalled longer
+/// misses reports, and its tenants get more than their rate for that long).
 pub const WINDOW: Duration = Duration::from_secs(5);
+/// How much further back than its previous read a controller reads: a report whose insert
+/// began before that read (its `at`) but committed after it is still found.
+const LATE_COMMIT: Duration = Duration::from_secs(1);
 /// Reports older than this are removed.
 pub const KEEP: Duration = Duration::from_secs(60);
 /// How often old reports are removed.
@@ -49,6 +53,9 @@ pub async fn run(state: Arc<ApiState>, me: String) {
     // Ids of the reports already taken, with when they were first seen.
     let mut taken: HashMap<i64, Instant> = HashMap::new();
     let mut pruned = Instant::now();
+    // When the last read that answered began: the next reads back from there (plus
+    // LATE_COMMIT), not the whole WINDOW, so each report is read a few times, not ~20.
+    let mut last_read: Option<Instant> = None;
     let mut failing = false;
     let mut tick = tokio::time::interval(SHARE_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -65,9 +72,11 @@ pub async fn run(state: Arc<ApiState>, me: String) {
             .collect();
         let prune = pruned.elapsed() >= PRUNE_EVERY;
         let (store, name) = (store.clone(), me.clone());
+        let reading = Instant::now();
+        let within = last_read.map_or(WINDOW, |t| (t.elapsed() + LATE_COMMIT).min(WINDOW));
         let exchanged = tokio::task::spawn_blocking(move || {
             let sent = store.put_rate_usage(&name, &rows);
-            let read = store.rate_usage_of_others(&name, WINDOW);
+            let read = store.rate_usage_of_others(&name, within);
             if prune {
                 if let Err(e) = store.prune_rate_usage(KEEP) {
                     tracing::debug!(error = %e, "cannot remove old rate reports");
@@ -87,6 +96,9 @@ pub async fn run(state: Arc<ApiState>, me: String) {
                 continue;
             }
         };
+        if read.is_ok() {
+            last_read = Some(reading);
+        }
         let ok = match (sent, read) {
             (Ok(()), Ok(reports)) => {
                 take(&state, &mut taken, reports);
