@@ -19,6 +19,11 @@
 //!   and the other hears `sandbox_elsewhere` naming the winner. A request whose body was small
 //!   enough to keep ([`REPLAY_LIMIT`]) is then forwarded to the winner; a larger one answers
 //!   `409 sandbox_elsewhere` with `Retry-After`, and its retry is forwarded up front.
+//! - A holder whose listener refuses the connection (nothing was sent) may have just stopped
+//!   and handed its sandboxes off (`torpor controller --on-stop hand-off`) or died: a kept
+//!   request is routed again with the live controllers read afresh, and served here (taking
+//!   the sandbox over) once the holder is gone; while it is still counted alive the call
+//!   answers `503 controller_unavailable` with `Retry-After`.
 //! - Upgrades (WebSockets to a sandbox port) are not forwarded: they answer
 //!   `409 sandbox_elsewhere` unless they reach the holder (a load balancer with affinity, or
 //!   the holder's own address).
@@ -100,12 +105,72 @@ pub async fn forward(State(state): State<Arc<ApiState>>, req: Request, next: Nex
         Ok(Route::Local) => {}
         Ok(Route::Forward(holder)) => {
             tracing::debug!(sandbox = %id, controller = %holder.name, "forwarding a call to the sandbox's controller");
-            return send(&state, &me, &holder, req).await;
+            return forward_to(&state, &me, &id, holder, req, next).await;
         }
         Err(e) => return ApiError::from(e).into_response(),
     }
     // Served here; keep a small body in case a concurrent wake on another controller wins.
     let (parts, body) = req.into_parts();
+    if !replayable(&parts) {
+        let resp = next.run(Request::from_parts(parts, body)).await;
+        return without_held_at(resp);
+    }
+    let kept = match Kept::take(parts, body).await {
+        Ok(k) => k,
+        Err(resp) => return resp,
+    };
+    let resp = next.run(kept.request()).await;
+    let Some(HeldAt(holder)) = resp.extensions().get::<HeldAt>().cloned() else {
+        return resp;
+    };
+    tracing::debug!(sandbox = %id, controller = %holder.name, "another controller won the wake; forwarding");
+    send(&state, &me, &holder, kept.request())
+        .await
+        .unwrap_or_else(|unsent| unsent.0)
+}
+
+/// Forwards a call to `holder`. When nothing could be sent (its listener refuses the
+/// connection: it has just stopped, handing its sandboxes off, or died) and the request was
+/// kept, the route is read again with fresh liveness: a holder that is gone is taken over and
+/// the call served here, one that moved is forwarded there; a holder still counted alive
+/// answers `503 controller_unavailable` as before.
+async fn forward_to(
+    state: &ApiState,
+    me: &str,
+    id: &SandboxId,
+    holder: LiveController,
+    req: Request,
+    next: Next,
+) -> Response {
+    let (parts, body) = req.into_parts();
+    if !replayable(&parts) {
+        return send(state, me, &holder, Request::from_parts(parts, body))
+            .await
+            .unwrap_or_else(|unsent| unsent.0);
+    }
+    let kept = match Kept::take(parts, body).await {
+        Ok(k) => k,
+        Err(resp) => return resp,
+    };
+    let unsent = match send(state, me, &holder, kept.request()).await {
+        Ok(resp) => return resp,
+        Err(unsent) => unsent,
+    };
+    match state.engine.route_afresh(id).await {
+        Ok(Route::Local) => {
+            tracing::info!(sandbox = %id, controller = %holder.name, "the sandbox's controller is gone; served here");
+            without_held_at(next.run(kept.request()).await)
+        }
+        Ok(Route::Forward(now)) if now != holder => send(state, me, &now, kept.request())
+            .await
+            .unwrap_or_else(|unsent| unsent.0),
+        Ok(Route::Forward(_)) => unsent.0,
+        Err(e) => ApiError::from(e).into_response(),
+    }
+}
+
+/// Whether a request is kept whole to be sent again (a small body, no upgrade).
+fn replayable(parts: &axum::http::request::Parts) -> bool {
     let small = parts
         .headers
         .get(header::CONTENT_LENGTH)
@@ -115,40 +180,33 @@ pub async fn forward(State(state): State<Arc<ApiState>>, req: Request, next: Nex
             matches!(parts.method, Method::GET | Method::HEAD | Method::DELETE),
             |n| n <= REPLAY_LIMIT,
         );
-    if !small || parts.headers.contains_key(header::UPGRADE) {
-        let resp = next.run(Request::from_parts(parts, body)).await;
-        return without_held_at(resp);
+    small && !parts.headers.contains_key(header::UPGRADE)
+}
+
+/// A request kept to be sent again ([`REPLAY_LIMIT`]).
+struct Kept {
+    parts: axum::http::request::Parts,
+    body: bytes::Bytes,
+}
+
+impl Kept {
+    async fn take(parts: axum::http::request::Parts, body: Body) -> Result<Kept, Response> {
+        let body = axum::body::to_bytes(body, REPLAY_LIMIT)
+            .await
+            .map_err(|_| {
+                ApiError::new(
+                    ErrorKind::PayloadTooLarge,
+                    "payload_too_large",
+                    "the request body is larger than its Content-Length said",
+                )
+                .into_response()
+            })?;
+        Ok(Kept { parts, body })
     }
-    let bytes = match axum::body::to_bytes(body, REPLAY_LIMIT).await {
-        Ok(b) => b,
-        Err(_) => {
-            return ApiError::new(
-                ErrorKind::PayloadTooLarge,
-                "payload_too_large",
-                "the request body is larger than its Content-Length said",
-            )
-            .into_response()
-        }
-    };
-    let (method, uri, version, headers) = (
-        parts.method.clone(),
-        parts.uri.clone(),
-        parts.version,
-        parts.headers.clone(),
-    );
-    let resp = next
-        .run(Request::from_parts(parts, Body::from(bytes.clone())))
-        .await;
-    let Some(HeldAt(holder)) = resp.extensions().get::<HeldAt>().cloned() else {
-        return resp;
-    };
-    tracing::debug!(sandbox = %id, controller = %holder.name, "another controller won the wake; forwarding");
-    let mut again = Request::new(Body::from(bytes));
-    *again.method_mut() = method;
-    *again.uri_mut() = uri;
-    *again.version_mut() = version;
-    *again.headers_mut() = headers;
-    send(&state, &me, &holder, again).await
+
+    fn request(&self) -> Request {
+        Request::from_parts(self.parts.clone(), Body::from(self.body.clone()))
+    }
 }
 
 fn without_held_at(mut resp: Response) -> Response {
@@ -185,18 +243,27 @@ fn sandbox_in(req: &Request) -> Option<SandboxId> {
     SandboxId::new(id).ok()
 }
 
-/// Sends `req` to the controller `holder` and streams its answer back.
-async fn send(state: &ApiState, me: &str, holder: &LiveController, req: Request) -> Response {
+/// An answer for a request that was never sent (no connection to the holder could be made).
+struct Unsent(Response);
+
+/// Sends `req` to the controller `holder` and streams its answer back; [`Unsent`] when no
+/// connection could be made, so nothing of it reached the holder.
+async fn send(
+    state: &ApiState,
+    me: &str,
+    holder: &LiveController,
+    req: Request,
+) -> Result<Response, Unsent> {
     let (parts, body) = req.into_parts();
     if parts.headers.contains_key(header::UPGRADE) {
-        return ApiError::new(
+        return Ok(ApiError::new(
             ErrorKind::Busy,
             "sandbox_elsewhere",
             "this sandbox is served by another controller; upgrades are not forwarded, retry \
              through the controller that holds it",
         )
         .with_retry_after(1)
-        .into_response();
+        .into_response());
     }
     let path = parts
         .uri
@@ -218,7 +285,7 @@ async fn send(state: &ApiState, me: &str, holder: &LiveController, req: Request)
             Ok(c) => (c, format!("https://{peer}{path}")),
             Err(e) => {
                 tracing::error!(controller = %holder.name, error = %e, "no client for the controller's peer listener");
-                return unavailable();
+                return Err(Unsent(unavailable()));
             }
         },
         _ => {
@@ -252,7 +319,11 @@ async fn send(state: &ApiState, me: &str, holder: &LiveController, req: Request)
         Ok(r) => r,
         Err(e) => {
             tracing::warn!(controller = %holder.name, %url, error = %e, "cannot forward a call to the sandbox's controller");
-            return unavailable();
+            return if e.is_connect() {
+                Err(Unsent(unavailable()))
+            } else {
+                Ok(unavailable())
+            };
         }
     };
     let mut resp = Response::builder().status(upstream.status());
@@ -262,14 +333,14 @@ async fn send(state: &ApiState, me: &str, holder: &LiveController, req: Request)
         }
     }
     let body = Body::from_stream(upstream.bytes_stream().map_err(std::io::Error::other));
-    resp.body(body).unwrap_or_else(|_| {
+    Ok(resp.body(body).unwrap_or_else(|_| {
         ApiError::new(
             ErrorKind::Internal,
             "internal",
             "the forwarded answer could not be relayed",
         )
         .into_response()
-    })
+    }))
 }
 
 #[cfg(test)]

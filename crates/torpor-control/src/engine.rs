@@ -707,6 +707,53 @@ impl Engine {
         self.retire();
         self.node.shutdown().await;
     }
+
+    /// Cluster mode, a clean stop that leaves every resident sandbox running on its worker
+    /// for the other controllers (`torpor controller --on-stop hand-off`): no checkpoint. It
+    /// refuses new work, waits (up to [`SHUTDOWN_GRACE`] each) for the transitions and calls
+    /// under way to end, then gives up its row and pool leases: from then on the other
+    /// controllers count it gone and take each sandbox over at its next call or in their idle
+    /// policy's sweep, adopting the container as it is. The caller exits holding what this
+    /// returns (every slot's lock), so nothing here moves a sandbox after it was let go.
+    pub async fn hand_off(&self) -> HandedOff {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        let slots: Vec<(SandboxId, Arc<Slot>)> = {
+            let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            slots.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        };
+        let mut touched = Vec::new();
+        let mut held = Vec::new();
+        let mut resident = 0;
+        for (id, slot) in slots {
+            touched.push((id.clone(), slot.last_active.load(Ordering::Relaxed)));
+            match tokio::time::timeout(SHUTDOWN_GRACE, slot.state.clone().write_owned()).await {
+                Ok(guard) => {
+                    resident += usize::from(guard.live.is_some());
+                    held.push(guard);
+                }
+                // A call that never ends (an exec of `sleep infinity`) is cut when the process
+                // exits; the sandbox itself is Running, and is adopted as it is.
+                Err(_) => {
+                    tracing::warn!(sandbox = %id, "a call still in flight at the hand-off is cut")
+                }
+            }
+        }
+        if let Err(e) = self.store.touch_sandboxes(&touched) {
+            tracing::warn!(error = %e, "cannot persist activity clocks");
+        }
+        self.retire();
+        tracing::info!(
+            resident,
+            "handed off: resident sandboxes keep running for the other controllers"
+        );
+        HandedOff { _slots: held }
+    }
+}
+
+/// What [`Engine::hand_off`] holds: every sandbox's lock, until the process exits.
+#[must_use = "exit while holding it: dropped, this controller could act on sandboxes it let go"]
+pub struct HandedOff {
+    _slots: Vec<OwnedRwLockWriteGuard<SlotState>>,
 }
 
 /// The node's cores (at least 2): how many restores and checkpoints run at once.

@@ -68,6 +68,14 @@ pub struct ControllerArgs {
     /// or, when its host is unspecified, `--advertise`'s host with its port.
     #[arg(long)]
     advertise_peer: Option<SocketAddr>,
+    /// What SIGTERM (or SIGINT, SIGQUIT) does with the sandboxes this controller holds once
+    /// calls in flight have finished: `hand-off` leaves them running on their workers and
+    /// gives up its row at once, and the other controllers adopt each as it is at its next
+    /// call (a rolling upgrade touches no sandbox); `park` checkpoints each first (what a
+    /// controller did before: the only choice when no other controller runs, but every
+    /// resident sandbox must wake again).
+    #[arg(long, value_enum, default_value_t = crate::daemon::OnStop::HandOff)]
+    on_stop: crate::daemon::OnStop,
     /// Silence after which the other controllers count this one lost and take its sandboxes
     /// over (back to their last snapshots) and its pools.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1000..))]
@@ -266,6 +274,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             tls,
             tls_metrics: metrics,
             identity,
+            on_stop: args.on_stop,
         }),
     })
     .await

@@ -81,6 +81,17 @@ pub struct ClusterRole {
     pub tls_metrics: torpor_cluster::TlsMetrics,
     /// This controller among the controllers of one database.
     pub identity: torpor_control::engine::ControllerIdentity,
+    /// What a stop does with the sandboxes this controller holds (`--on-stop`).
+    pub on_stop: OnStop,
+}
+
+/// `torpor controller --on-stop`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnStop {
+    /// Leave them running on their workers for the other controllers to adopt.
+    HandOff,
+    /// Checkpoint each first.
+    Park,
 }
 
 /// Default memory budget: 70% of the machine's RAM.
@@ -218,6 +229,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     // One daemon per directory: a second would reconcile (kill) the first one's sandboxes.
     let _lock = datadir::lock(&cfg.data_dir)?;
     datadir::make_private(&cfg.data_dir)?;
+    let on_stop = cfg.cluster.as_ref().map(|c| c.on_stop);
     let token = match &cfg.cluster {
         Some(c) => c.admin_token.clone(),
         None => ensure_admin_token(&cfg.data_dir)?,
@@ -509,6 +521,20 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     let _ = keda_stop.send(());
     if let Some(k) = keda {
         let _ = k.await;
+    }
+    if on_stop == Some(OnStop::HandOff) {
+        // Cluster mode: the sandboxes run on the workers, and the other controllers adopt
+        // them as they are once this one's row is gone. Exit holding every sandbox's lock
+        // (nothing may act for a controller that has let go), before anything is dropped.
+        eprintln!("torpor: handing resident sandboxes over to the other controllers (--on-stop hand-off); pools finish in-flight messages");
+        pools.shutdown().await;
+        let held = engine.hand_off().await;
+        audit.close().await;
+        eprintln!(
+            "torpor: stopped; the other controllers take this one's sandboxes over as they are"
+        );
+        std::mem::forget(held);
+        std::process::exit(0);
     }
     if stop == Stop::Leave {
         // An upgrade or a restart: the sandboxes go on under their shims and the next start

@@ -2324,6 +2324,64 @@ async fn scalers(c: &Controller) -> Vec<(String, Value)> {
     out
 }
 
+/// A controller stopped with SIGTERM (`--on-stop hand-off`, the default) leaves the sandboxes
+/// it holds running on their workers and gives up its row: the other controller serves the
+/// next call at once, adopting the container as it is (same process, memory and files), with
+/// no checkpoint and nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_controller_stopped_cleanly_hands_its_running_sandboxes_over_as_they_are() {
+    let Some((_tmp, _, mut c1, c2, _workers)) = two_by_two("torpor-hand-off-").await else {
+        return;
+    };
+    c1.wait_host_template().await;
+    let id = c1.create_with_state().await;
+    let frozen = c1.create_with_state().await;
+    c1.ok(
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{frozen}/suspend"),
+        Some(json!({"tier": "frozen"})),
+    )
+    .await;
+    c1.signal(libc::SIGTERM);
+    let deadline = Instant::now() + PATIENCE;
+    let status = loop {
+        if let Some(status) = c1.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "c1 did not stop:\n{}", c1.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let log = c1.log();
+    assert!(status.success(), "{status}\n{log}");
+    assert!(log.contains("handed off"), "{log}");
+    assert!(!log.contains("checkpointing for shutdown"), "{log}");
+
+    for id in [&id, &frozen] {
+        let (status, out) = c2
+            .call(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(json!({"cmd": ["sh", "-c", CHECK]})),
+            )
+            .await;
+        assert_eq!(status, 200, "{out}\nc1:\n{log}\nc2:\n{}", c2.log());
+        assert_eq!(
+            out["stdout"], "disk-1\nmem-1\nprocess-alive\n",
+            "{id}: {out}"
+        );
+        let sb = c2.sandbox(id).await;
+        assert_eq!(sb["controller"], "c2", "{sb}");
+        assert_eq!(sb["state"], "running", "{sb}");
+        assert!(sb["last_error"].is_null(), "nothing was lost: {sb}");
+    }
+    assert!(
+        c2.log()
+            .contains("took a running sandbox back; nothing was lost"),
+        "{}",
+        c2.log()
+    );
+}
+
 /// Waits until each of pools p1 and p2 is scaled by one controller, one by each, with its
 /// agent running, as c1 and c2 both see it; answers the pool c2 scales.
 async fn spread(c1: &Controller, c2: &Controller, when: &str) -> &'static str {

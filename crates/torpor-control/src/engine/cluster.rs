@@ -170,7 +170,7 @@ impl Engine {
         {
             return;
         }
-        let share = match (self.store.pools(), self.live_controllers()) {
+        let share = match (self.store.pool_names(), self.live_controllers()) {
             (Ok(pools), Ok(live)) => pools.len().div_ceil(live.len().max(1)),
             _ => return,
         };
@@ -207,6 +207,13 @@ impl Engine {
             .live_controllers()?
             .into_iter()
             .find(|c| c.name == holder))
+    }
+
+    /// [`Engine::route`] with the live controllers read again now: for a call whose holder
+    /// refused the connection (it may have just stopped and given up its row).
+    pub async fn route_afresh(&self, id: &SandboxId) -> Result<Route> {
+        *self.cluster.live.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.route(id).await
     }
 
     /// Where a call for sandbox `id` is served. A sandbox held by a dead controller is taken
