@@ -71,9 +71,9 @@ pub struct ControllerArgs {
     /// What SIGTERM (or SIGINT, SIGQUIT) does with the sandboxes this controller holds once
     /// calls in flight have finished: `hand-off` leaves them running on their workers and
     /// gives up its row at once, and the other controllers adopt each as it is at its next
-    /// call (a rolling upgrade touches no sandbox); `park` checkpoints each first (what a
-    /// controller did before: the only choice when no other controller runs, but every
-    /// resident sandbox must wake again).
+    /// call (a rolling upgrade touches no sandbox); with no other controller alive it
+    /// checkpoints them instead (the workers would end them before anyone adopted them).
+    /// `park` always checkpoints each first (every resident sandbox must wake again).
     #[arg(long, value_enum, default_value_t = crate::daemon::OnStop::HandOff)]
     on_stop: crate::daemon::OnStop,
     /// Silence after which the other controllers count this one lost and take its sandboxes

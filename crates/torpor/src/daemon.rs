@@ -522,7 +522,13 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     if let Some(k) = keda {
         let _ = k.await;
     }
-    if on_stop == Some(OnStop::HandOff) {
+    // Handed off only to a live controller: with none, the workers would fence the sandboxes
+    // (after their --fence-after-ms) before any controller came to adopt them.
+    let hand_off = on_stop == Some(OnStop::HandOff) && engine.others_live();
+    if on_stop == Some(OnStop::HandOff) && !hand_off {
+        eprintln!("torpor: no other controller is alive to hand the sandboxes to; checkpointing them instead");
+    }
+    if hand_off {
         // Cluster mode: the sandboxes run on the workers, and the other controllers adopt
         // them as they are once this one's row is gone. Exit holding every sandbox's lock
         // (nothing may act for a controller that has let go), before anything is dropped.

@@ -2380,6 +2380,30 @@ async fn a_controller_stopped_cleanly_hands_its_running_sandboxes_over_as_they_a
         "{}",
         c2.log()
     );
+
+    // c2 is now alone: stopped, it has nobody to hand them to and checkpoints them instead;
+    // c1 started again wakes them with all of it.
+    let mut c2 = c2;
+    c2.signal(libc::SIGTERM);
+    let deadline = Instant::now() + PATIENCE;
+    while c2.child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "c2 did not stop:\n{}", c2.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let log = c2.log();
+    assert!(
+        log.contains("no other controller is alive to hand the sandboxes to")
+            && log.contains("checkpointing for shutdown"),
+        "{log}"
+    );
+    c1.kill_and_restart().await;
+    c1.wait_nodes("both workers back on c1", |n| {
+        ["w1", "w2"].iter().all(|w| state_of(n, w) == Some("ready"))
+    })
+    .await;
+    for id in [&id, &frozen] {
+        assert_eq!(c1.exec(id, CHECK).await, "disk-1\nmem-1\nprocess-alive\n");
+    }
 }
 
 /// Waits until each of pools p1 and p2 is scaled by one controller, one by each, with its

@@ -209,6 +209,17 @@ impl Engine {
             .find(|c| c.name == holder))
     }
 
+    /// Whether another controller of this database is alive now (read afresh): a stop may
+    /// hand the sandboxes to it. Never in embedded mode, nor when the database cannot say.
+    pub fn others_live(&self) -> bool {
+        let Some(me) = self.controller_name() else {
+            return false;
+        };
+        *self.cluster.live.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.live_controllers()
+            .is_ok_and(|live| live.iter().any(|c| c.name != me))
+    }
+
     /// [`Engine::route`] with the live controllers read again now: for a call whose holder
     /// refused the connection (it may have just stopped and given up its row).
     pub async fn route_afresh(&self, id: &SandboxId) -> Result<Route> {
