@@ -710,7 +710,7 @@ impl Engine {
 
     /// Cluster mode, a clean stop that leaves every resident sandbox running on its worker
     /// for the other controllers (`torpor controller --on-stop hand-off`): no checkpoint. It
-    /// refuses new work, waits (up to [`SHUTDOWN_GRACE`] each) for the transitions and calls
+    /// refuses new work, waits (up to [`SHUTDOWN_GRACE`] in all) for the transitions and calls
     /// under way to end, then gives up its row and pool leases: from then on the other
     /// controllers count it gone and take each sandbox over at its next call or in their idle
     /// policy's sweep, adopting the container as it is. The caller exits holding what this
@@ -724,17 +724,21 @@ impl Engine {
         let mut touched = Vec::new();
         let mut held = Vec::new();
         let mut resident = 0;
+        // One deadline for all: long calls (an exec of `sleep infinity`) on many sandboxes
+        // must not add up.
+        let deadline = tokio::time::Instant::now() + SHUTDOWN_GRACE;
         for (id, slot) in slots {
             touched.push((id.clone(), slot.last_active.load(Ordering::Relaxed)));
-            match tokio::time::timeout(SHUTDOWN_GRACE, slot.state.clone().write_owned()).await {
+            match tokio::time::timeout_at(deadline, slot.state.clone().write_owned()).await {
                 Ok(guard) => {
                     resident += usize::from(guard.live.is_some());
                     held.push(guard);
                 }
-                // A call that never ends (an exec of `sleep infinity`) is cut when the process
-                // exits; the sandbox itself is Running, and is adopted as it is.
+                // A call that never ends is cut when the process exits; its sandbox is Running
+                // and is adopted as it is. One caught in a transition (a park under way) goes
+                // back to its last snapshot when it is taken over.
                 Err(_) => {
-                    tracing::warn!(sandbox = %id, "a call still in flight at the hand-off is cut")
+                    tracing::warn!(sandbox = %id, "a call or transition still under way at the hand-off is cut")
                 }
             }
         }
