@@ -9,6 +9,7 @@
 //!   TORPOR_BENCH_SETTLE=1 ...   (uploads waited for between batches: see `settle`)
 //!   TORPOR_CLUSTER_ROWS=reencode ... (only the re-encoded copy's rows, below; one worker)
 //!   TORPOR_CLUSTER_ROWS=forwarding ... (only the forwarding rows; two controllers, one worker)
+//!   TORPOR_CLUSTER_ROWS=stop ... (only a controller's stop: hand-off vs park; see `stop_rows`)
 //!   TORPOR_BENCH_WORKER_ARGS="--upload-nice 0" ... (more flags for every worker)
 //!
 //! Real processes: a PostgreSQL server (`store::pg_testing`), two `torpor controller`s on it
@@ -26,6 +27,7 @@
 //! | bare `runsc restore` | `runsc restore --detach` of a copy of the same image, same bundle |
 //! | lifecycle | create, park, wake (exec `true`), delete of N sandboxes, C at a time: through `c1`; through `c1` and `c2` alternately (half the park and delete calls reach the controller that does not hold the sandbox, so are forwarded); through `torpor up` |
 //! | forwarding | exec `true` on a running sandbox through the controller that holds it vs through the other one (forwarded), `TORPOR_BENCH_FWD_N` (200) each, interleaved |
+//! | a controller's stop (`TORPOR_CLUSTER_ROWS=stop`) | SIGTERM to exit of a controller holding `TORPOR_BENCH_SANDBOXES` (8) sandboxes of 64 MiB, and the first exec `true` on each through the other controller, with `--on-stop hand-off` and, the baseline, `--on-stop park`, alternating for `TORPOR_BENCH_ROUNDS` (3) rounds each |
 //! | re-encoded copy (`TORPOR_CLUSTER_ROWS=reencode`) | a sandbox holding 64 MiB of compressible text: parked, uploaded, its worker's copy re-encoded (waited for), then exec `true` (wakes from that copy); baselines in the same round: bare `runsc restore` of the image as runsc wrote it (copied before its upload) and of the re-encoded copy |
 //!
 //! Prints three tables and one JSON line (`{"bench":"cluster",...}`).
@@ -603,6 +605,13 @@ async fn main() {
     match std::env::var("TORPOR_CLUSTER_ROWS").as_deref() {
         Ok("reencode") => return reencode_rows(env_usize("TORPOR_BENCH_N", 10)).await,
         Ok("forwarding") => return forwarding_rows(env_usize("TORPOR_BENCH_FWD_N", 200)).await,
+        Ok("stop") => {
+            return stop_rows(
+                env_usize("TORPOR_BENCH_ROUNDS", 3),
+                env_usize("TORPOR_BENCH_SANDBOXES", 8),
+            )
+            .await
+        }
         _ => {}
     }
     let n = env_usize("TORPOR_BENCH_N", 20);
@@ -998,4 +1007,108 @@ fn print_rows(title: &str, rows: &mut [Row]) -> Vec<Value> {
         }));
     }
     out
+}
+
+/// `TORPOR_CLUSTER_ROWS=stop`: what a controller's stop (SIGTERM: a rolling update) costs the
+/// sandboxes it holds. Two controllers and one worker joining both. Each round starts `c2`
+/// again at the same addresses with `--on-stop hand-off` or, the baseline in the same run,
+/// `--on-stop park` (how every stop went before), alternating; creates `k` sandboxes holding
+/// 64 MiB of random bytes in memory through it; SIGTERMs it, timing until it has exited; then
+/// times the first exec `true` on each through `c1` (an adoption after a hand-off, a wake from
+/// the checkpoint after a park) and checks that the bytes are still there.
+async fn stop_rows(rounds: usize, k: usize) {
+    let Some((database, tmp)) = bench_setup().await else {
+        return;
+    };
+    let dir = tmp.path();
+    let ca = dir.join("ca");
+    let c1 = Controller::start_as(dir, &ca, &database, "c1").await;
+    let c2_addrs = (
+        format!("127.0.0.1:{}", cluster::free_port()),
+        format!("127.0.0.1:{}", cluster::free_port()),
+    );
+    let worker = Worker::start(dir, &ca, "w1", &format!("{},{}", c2_addrs.1, c1.cluster));
+    c1.wait_state(&["w1"], "ready").await;
+    wait_host_template(&c1.client).await;
+    let modes = ["hand-off", "park"];
+    let mut stop: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut first: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for r in 0..rounds * 2 {
+        let mode = modes[r % 2];
+        let mut c2 = Controller::start_at(
+            dir,
+            &ca,
+            &database,
+            "c2",
+            c2_addrs.clone(),
+            &["--on-stop", mode],
+        )
+        .await;
+        c2.wait_state(&["w1"], "ready").await;
+        let mut ids = Vec::new();
+        for _ in 0..k {
+            let id = create_host(&c2.client).await;
+            sh(
+                &c2.client,
+                &id,
+                &format!("{FILL_64M}; wc -c < /dev/shm/blob > /tmp/size"),
+            )
+            .await;
+            ids.push(id);
+        }
+        stop.entry(mode)
+            .or_default()
+            .push(c2.stop(Duration::from_secs(600)));
+        for id in &ids {
+            first
+                .entry(mode)
+                .or_default()
+                .push(timed_true(&c1.client, id).await);
+            sh(
+                &c1.client,
+                id,
+                "test -s /tmp/size && test $(wc -c < /dev/shm/blob) -eq $(cat /tmp/size)",
+            )
+            .await;
+            c1.client.delete_sandbox(id).await.expect("delete");
+        }
+        drop(c2);
+    }
+    let note = |mode: &str| format!("{rounds} rounds of {k} sandboxes of 64 MiB, --on-stop {mode}");
+    let mut rows = vec![
+        Row {
+            name: "stop: hand-off (SIGTERM to exit)",
+            ms: stop.remove("hand-off").unwrap_or_default(),
+            note: note("hand-off"),
+        },
+        Row {
+            name: "stop: park (before)",
+            ms: stop.remove("park").unwrap_or_default(),
+            note: note("park"),
+        },
+        Row {
+            name: "first call after: hand-off (adopt)",
+            ms: first.remove("hand-off").unwrap_or_default(),
+            note: "exec true through c1".into(),
+        },
+        Row {
+            name: "first call after: park (wake)",
+            ms: first.remove("park").unwrap_or_default(),
+            note: "exec true through c1".into(),
+        },
+    ];
+    let json_rows = print_rows("a controller's stop", &mut rows);
+    let p50 = |i: usize| json_rows[i]["p50_ms"].as_f64().unwrap_or(f64::NAN);
+    let (stop_ratio, first_ratio) = (p50(0) / p50(1), p50(2) / p50(3));
+    println!("\nhand-off / park at p50: stop {stop_ratio:.3}x, first call after {first_ratio:.3}x");
+    println!(
+        "{}",
+        json!({
+            "bench": "cluster", "rows": "stop", "rounds": rounds, "sandboxes": k,
+            "workers": 1, "controllers": 2, "stop": json_rows,
+            "ratio_p50": {"stop": stop_ratio, "first_call": first_ratio},
+        })
+    );
+    drop(worker);
+    drop(c1);
 }

@@ -201,12 +201,22 @@ impl Engine {
         Ok(live)
     }
 
-    /// Where `holder` answers, if it is alive.
+    /// The live controllers read now, not from the cache: a controller counted dead has its
+    /// sandboxes taken over, so that verdict is made on a list read after the records it
+    /// concerns (a cached list may predate a controller that started since and has already
+    /// made a sandbox).
+    fn live_controllers_now(&self) -> Result<Vec<LiveController>> {
+        *self.cluster.live.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.live_controllers()
+    }
+
+    /// Where `holder` answers, if it is alive (`None` only on a fresh read).
     fn live_holder(&self, holder: &str) -> Result<Option<LiveController>> {
-        Ok(self
-            .live_controllers()?
-            .into_iter()
-            .find(|c| c.name == holder))
+        let find = |live: Vec<LiveController>| live.into_iter().find(|c| c.name == holder);
+        match find(self.live_controllers()?) {
+            Some(c) => Ok(Some(c)),
+            None => Ok(find(self.live_controllers_now()?)),
+        }
     }
 
     /// Whether another controller of this database is alive now (read afresh): a stop may
@@ -215,15 +225,14 @@ impl Engine {
         let Some(me) = self.controller_name() else {
             return false;
         };
-        *self.cluster.live.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        self.live_controllers()
+        self.live_controllers_now()
             .is_ok_and(|live| live.iter().any(|c| c.name != me))
     }
 
     /// [`Engine::route`] with the live controllers read again now: for a call whose holder
     /// refused the connection (it may have just stopped and given up its row).
     pub async fn route_afresh(&self, id: &SandboxId) -> Result<Route> {
-        *self.cluster.live.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.live_controllers_now()?;
         self.route(id).await
     }
 
@@ -451,9 +460,22 @@ impl Engine {
         if held_elsewhere.is_empty() {
             return;
         }
-        let Ok(live) = self.live_controllers() else {
+        let Ok(mut live) = self.live_controllers() else {
             return;
         };
+        let absent = |live: &[LiveController]| {
+            held_elsewhere.iter().any(|r| {
+                let holder = r.controller.as_deref().unwrap_or_default();
+                !live.iter().any(|c| c.name == holder)
+            })
+        };
+        if absent(&live) {
+            // A holder missing from the cached list may have started since: read it again.
+            let Ok(now) = self.live_controllers_now() else {
+                return;
+            };
+            live = now;
+        }
         for rec in held_elsewhere {
             let holder = rec.controller.as_deref().unwrap_or_default();
             if live.iter().any(|c| c.name == holder) {

@@ -113,11 +113,28 @@ impl Controller {
     /// data in `tmp/controller-<name>` (with `c1`'s env key copied in for the others), the
     /// shared admin token, PostgreSQL `database`, snapshots in `tmp/store`.
     pub async fn start_as(tmp: &Path, ca: &Path, database: &str, name: &str) -> Controller {
-        ca_issue(ca, "controller", name, &tmp.join(name));
+        let addrs = (
+            format!("127.0.0.1:{}", free_port()),
+            format!("127.0.0.1:{}", free_port()),
+        );
+        Controller::start_at(tmp, ca, database, name, addrs, &[]).await
+    }
+
+    /// [`Controller::start_as`] at `(api, cluster)` addresses (the same again for a restart:
+    /// workers join a fixed list), with `extra` arguments.
+    pub async fn start_at(
+        tmp: &Path,
+        ca: &Path,
+        database: &str,
+        name: &str,
+        (api, cluster): (String, String),
+        extra: &[&str],
+    ) -> Controller {
+        if !tmp.join(name).join("cert.pem").exists() {
+            ca_issue(ca, "controller", name, &tmp.join(name));
+        }
         let token = tmp.join("admin-token");
         std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
-        let api = format!("127.0.0.1:{}", free_port());
-        let cluster = format!("127.0.0.1:{}", free_port());
         let data = tmp.join(format!("controller-{name}"));
         std::fs::create_dir_all(&data).unwrap();
         let first_key = tmp.join("controller-c1").join("env.key");
@@ -125,6 +142,11 @@ impl Controller {
             std::fs::copy(&first_key, data.join("env.key")).unwrap();
         }
         let log = tmp.join(format!("controller-{name}.log"));
+        let log_file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
         let child = Command::new(bin())
             .args(["controller", "--database", database])
             .args(["--store", tmp.join("store").to_str().unwrap()])
@@ -135,10 +157,11 @@ impl Controller {
             .args(["--data-dir", data.to_str().unwrap()])
             .args(["--heartbeat-ms", "200", "--worker-lost-after-ms", "2000"])
             .args(["--tick-ms", "100"])
+            .args(extra)
             .env("TORPOR_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
+            .stderr(log_file)
             .spawn()
             .expect("torpor controller starts");
         let mut c = Controller {
@@ -167,6 +190,38 @@ impl Controller {
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Its API and cluster addresses (to start it again at the same ones).
+    #[allow(dead_code)]
+    pub fn addrs(&self) -> (String, String) {
+        (self.api.clone(), self.cluster.clone())
+    }
+
+    /// SIGTERM; waits for the exit (within `within`) and answers how long it took, in ms.
+    #[allow(dead_code)]
+    pub fn stop(&mut self, within: Duration) -> f64 {
+        let started = Instant::now();
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(
+                    status.success(),
+                    "{} exited {status}:\n{}",
+                    self.name,
+                    self.log()
+                );
+                return started.elapsed().as_secs_f64() * 1000.0;
+            }
+            assert!(
+                started.elapsed() < within,
+                "{} did not stop:\n{}",
+                self.name,
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     pub async fn nodes(&self) -> Vec<Value> {
