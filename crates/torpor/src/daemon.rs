@@ -524,7 +524,7 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
     }
     // Handed off only to a live controller: with none, the workers would fence the sandboxes
     // (after their --fence-after-ms) before any controller came to adopt them.
-    let hand_off = on_stop == Some(OnStop::HandOff) && engine.others_live();
+    let hand_off = on_stop == Some(OnStop::HandOff) && engine.others_alive().unwrap_or(false);
     if on_stop == Some(OnStop::HandOff) && !hand_off {
         eprintln!("torpor: no other controller is alive to hand the sandboxes to; checkpointing them instead");
     }

@@ -219,16 +219,6 @@ impl Engine {
         }
     }
 
-    /// Whether another controller of this database is alive now (read afresh): a stop may
-    /// hand the sandboxes to it. Never in embedded mode, nor when the database cannot say.
-    pub fn others_live(&self) -> bool {
-        let Some(me) = self.controller_name() else {
-            return false;
-        };
-        self.live_controllers_now()
-            .is_ok_and(|live| live.iter().any(|c| c.name != me))
-    }
-
     /// [`Engine::route`] with the live controllers read again now: for a call whose holder
     /// refused the connection (it may have just stopped and given up its row).
     pub async fn route_afresh(&self, id: &SandboxId) -> Result<Route> {
@@ -721,12 +711,13 @@ impl Engine {
         Ok(holder == me || self.live_holder(holder)?.is_none())
     }
 
-    /// Whether another live controller exists (cluster mode).
-    pub(super) fn others_alive(&self) -> Result<bool> {
+    /// Whether another live controller exists now (cluster mode; read afresh: a restart
+    /// drops interrupted template builds, a stop hands its sandboxes off, on this answer).
+    pub fn others_alive(&self) -> Result<bool> {
         let Some(me) = self.controller_name() else {
             return Ok(false);
         };
-        Ok(self.live_controllers()?.iter().any(|c| c.name != me))
+        Ok(self.live_controllers_now()?.iter().any(|c| c.name != me))
     }
 }
 
