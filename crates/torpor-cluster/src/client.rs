@@ -955,6 +955,11 @@ impl Resident for RemoteResident {
         }
     }
 
+    async fn release(self: Box<Self>) {
+        // Nothing to tell the worker: the controller that adopts the container becomes its
+        // owner there. Dropped, it is no longer tracked here.
+    }
+
     fn ingress_addr(&self) -> Option<Ipv4Addr> {
         None
     }

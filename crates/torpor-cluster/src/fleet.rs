@@ -1755,6 +1755,14 @@ impl Resident for FleetResident {
             }
         }
     }
+    async fn release(self: Box<Self>) {
+        // Its slot and memory leave this controller's view of the worker; the controller that
+        // adopts it counts them (its GPU share stays with the running container).
+        self.forget();
+        let FleetResident { inner, node, .. } = *self;
+        tracing::debug!(container = %inner.id(), worker = %node, "let go on worker");
+        inner.release().await;
+    }
     fn ingress_addr(&self) -> Option<std::net::Ipv4Addr> {
         self.inner.ingress_addr()
     }

@@ -344,6 +344,13 @@ pub trait Resident: Send + Sync {
     /// Stops the container and gives its worker back.
     async fn destroy(self: Box<Self>);
 
+    /// Lets the container go without touching it: it keeps running on its worker for another
+    /// controller to adopt (cluster mode passes a sandbox's hold between controllers). Where
+    /// nobody else could adopt it (one machine), it is destroyed.
+    async fn release(self: Box<Self>) {
+        self.destroy().await
+    }
+
     /// Where the ingress proxy reaches the sandbox's ports (networked sandboxes only).
     fn ingress_addr(&self) -> Option<Ipv4Addr>;
 

@@ -2570,9 +2570,10 @@ async fn pools_spread_over_the_controllers_pass_to_the_survivor_and_rebalance() 
     wait_handled(&c1, &sent, "slow", Duration::from_secs(40)).await;
     assert!(c1.log().contains("requeued unfinished messages"));
 
-    // c2 comes back: c1, now over its share, drains one pool's agent and hands that pool
-    // over; c2 wakes the agent. Messages sent all along are each handled once.
-    let c2_before = c2.log().len();
+    // c2 comes back: c1, now over its share, hands one pool over to it with its agent as it
+    // runs (its lane finishes its message, then the agent's hold passes: no checkpoint, no
+    // wake). Messages sent all along are each handled once.
+    let (c1_before, c2_before) = (c1.log().len(), c2.log().len());
     c2.kill_and_restart().await;
     let pusher = {
         let mut con = redis.conn().await;
@@ -2587,25 +2588,50 @@ async fn pools_spread_over_the_controllers_pass_to_the_survivor_and_rebalance() 
             sent
         })
     };
-    spread(&c1, &c2, "after c2's return").await;
-    // c1 drained the agent before it let go (only a sandbox's holder drives it): c2 woke it
-    // without a refusal.
+    let key = spread(&c1, &c2, "after c2's return").await;
     let log = c1.log();
+    let log = &log[c1_before..];
     assert!(
-        log.contains("draining an agent: the pool passes to another controller")
-            && log.contains("handed a pool over"),
+        log.contains("passing a running agent on with its pool")
+            && log.contains("passed a running sandbox's hold to another controller")
+            && log.contains("handed a pool over (with its running agents)")
+            && !log.contains("draining an agent"),
         "{log}"
     );
-    let log = c2.log();
-    assert!(
-        !log[c2_before..].contains("cannot start an agent"),
-        "{}",
-        &log[c2_before..]
-    );
-    for (key, msg) in pusher.await.unwrap() {
-        sent.get_mut(key).unwrap().push(msg);
+    for (k, msg) in pusher.await.unwrap() {
+        sent.get_mut(k).unwrap().push(msg);
     }
     wait_handled(&c2, &sent, "m-", PATIENCE).await;
+    // c2 adopted the agent on its worker and woke nothing (before: c1 suspended it, c2 woke
+    // it from the store); the agent is c2's, running.
+    let log = c2.log();
+    let log = &log[c2_before..];
+    assert!(
+        log.contains("took a running sandbox back; nothing was lost")
+            && log.contains("handed_over")
+            && !log.contains("cannot start an agent"),
+        "{log}"
+    );
+    for tier in ["parked", "suspended"] {
+        let wakes = format!("torpor_wake_seconds_count{{from_tier=\"{tier}\"}}");
+        assert_eq!(c2.metric(&wakes).await, 0, "c2 woke a {tier} sandbox");
+    }
+    let (_, pool) = c2
+        .call(reqwest::Method::GET, &format!("/v1/pools/{key}"), None)
+        .await;
+    let agent = pool["sandboxes"][0].as_str().unwrap().to_string();
+    let (_, sbx) = c2
+        .call(
+            reqwest::Method::GET,
+            &format!("/v1/sandboxes/{agent}"),
+            None,
+        )
+        .await;
+    assert_eq!(sbx["controller"], "c2", "{sbx}");
+    assert!(
+        sbx["state"] == "running" || sbx["state"] == "frozen",
+        "{sbx}"
+    );
     for name in ["p1", "p2"] {
         c1.ok(reqwest::Method::DELETE, &format!("/v1/pools/{name}"), None)
             .await;

@@ -89,9 +89,11 @@ pub(super) struct ClusterState {
     live: Mutex<LiveList>,
     /// The pool leases this controller holds now ([`pool_lease`] names).
     pool_leases: Mutex<std::collections::HashSet<String>>,
-    /// Of those, the ones it is handing over (it holds more than its share): the pool's
-    /// controller drains its agents, then [`Engine::let_go_of_pool`] releases the lease.
-    handing_over: Mutex<std::collections::HashSet<String>>,
+    /// Of those, the ones it is handing over (it holds more than its share), each to the
+    /// live controller under its share chosen for it: the pool's controller passes its
+    /// running agents' holds there ([`Engine::pass_hold`]), then [`Engine::let_go_of_pool`]
+    /// passes the lease itself.
+    handing_over: Mutex<HashMap<String, String>>,
     /// Who held each pool's lease at the last heartbeat (for the pools' status).
     pool_holders: Mutex<HashMap<String, String>>,
     /// An older controller holds [`POOLS_LEASE`] (it runs every pool): none runs here.
@@ -124,26 +126,64 @@ impl Engine {
         }
         let lease = pool_lease(tenant, name);
         lock(&self.cluster.pool_leases).contains(&lease)
-            && !lock(&self.cluster.handing_over).contains(&lease)
+            && !lock(&self.cluster.handing_over).contains_key(&lease)
+    }
+
+    /// The live controller pool `name` of `tenant` is passing to, if this controller no longer
+    /// scales it: the one it hands the pool over to, or the one that took the pool's lease.
+    /// The pool's running agents are passed there as they are ([`Engine::pass_hold`]).
+    pub fn pool_successor(&self, tenant: &TenantId, name: &str) -> Option<String> {
+        let me = self.controller_name()?;
+        let lease = pool_lease(tenant, name);
+        if let Some(to) = lock(&self.cluster.handing_over).get(&lease) {
+            return Some(to.clone());
+        }
+        lock(&self.cluster.pool_holders)
+            .get(&lease)
+            .filter(|h| *h != me)
+            .cloned()
     }
 
     /// Called by pool `name`'s controller once it no longer scales the pool here and nothing
-    /// of it is in motion (its agents drained and asleep, no start or wake under way): a lease
-    /// being handed over is released now, and a controller under its share takes it at its
-    /// next heartbeat.
+    /// of it is in motion (its agents passed on or asleep, no start or wake under way): a
+    /// lease being handed over passes to the controller chosen for it, which scales the pool
+    /// from its next heartbeat. Should that one be gone, the lease is released and a
+    /// controller under its share takes it.
     pub fn let_go_of_pool(&self, tenant: &TenantId, name: &str) {
         let Some(me) = &self.cfg.controller else {
             return;
         };
         let lease = pool_lease(tenant, name);
-        if !lock(&self.cluster.handing_over).contains(&lease) {
+        let Some(to) = lock(&self.cluster.handing_over).get(&lease).cloned() else {
             return;
+        };
+        let passed = match self.live_holder(&to) {
+            Ok(Some(_)) => self
+                .store
+                .pass_lease(&lease, &me.name, &to, me.lost_after)
+                .map_err(|e| e.to_string()),
+            Ok(None) => Ok(false),
+            Err(e) => Err(e.to_string()),
+        };
+        let passed = match passed {
+            Ok(true) => true,
+            Ok(false) => match self.store.release_lease(&lease, &me.name) {
+                Ok(()) => false,
+                Err(e) => {
+                    tracing::warn!(controller = %me.name, pool = %lease, error = %e, "cannot release a pool's lease; trying again");
+                    return;
+                }
+            },
+            Err(e) => {
+                tracing::warn!(controller = %me.name, pool = %lease, error = %e, "cannot pass a pool's lease on; trying again");
+                return;
+            }
+        };
+        if passed {
+            tracing::info!(controller = %me.name, pool = %lease, to = %to, "handed a pool over (with its running agents)");
+        } else {
+            tracing::info!(controller = %me.name, pool = %lease, "handed a pool over (its controller-to-be is gone: the lease is free)");
         }
-        if let Err(e) = self.store.release_lease(&lease, &me.name) {
-            tracing::warn!(controller = %me.name, pool = %lease, error = %e, "cannot release a pool's lease; trying again");
-            return;
-        }
-        tracing::info!(controller = %me.name, pool = %lease, "handed a pool over (its agents here have drained)");
         lock(&self.cluster.handing_over).remove(&lease);
         lock(&self.cluster.pool_leases).remove(&lease);
         lock(&self.cluster.pool_holders).remove(&lease);
@@ -424,6 +464,110 @@ impl Engine {
         Ok(true)
     }
 
+    /// Gives the hold of resident sandbox `id` to live controller `to` as it is: no checkpoint,
+    /// its container keeps running on its worker with its memory, processes and connections.
+    /// Calls in flight here finish first (up to the drain timeout); the record then names `to`
+    /// (a compare-and-set) and this controller lets the container go without touching it.
+    /// From then on calls for it are forwarded to `to`, which adopts the container at the
+    /// first of them or at its next policy tick ([`Engine::take_passed`]). Cluster mode only;
+    /// a sleeping sandbox needs no hold (any controller wakes it).
+    pub async fn pass_hold(&self, tenant: &TenantId, id: &SandboxId, to: &str) -> Result<()> {
+        if self.controller_name().is_none_or(|me| me == to) {
+            return Err(ControlError::Invalid(format!(
+                "a sandbox's hold passes only to another controller, not {to:?}"
+            )));
+        }
+        self.sandbox(tenant, id)?;
+        let mut guard = self.lock_drained(id, "its hold stays here").await?;
+        let mut rec = self.store.sandbox(id)?.ok_or_else(|| not_found(id))?;
+        self.check_held_here(&rec)?;
+        let resident = guard.live.as_ref().is_some_and(|l| l.resident.alive());
+        if !resident || !matches!(rec.state, SandboxState::Running | SandboxState::Frozen) {
+            return Err(ControlError::Busy(format!(
+                "sandbox {id} is {} here, not running: nothing to pass",
+                rec.state
+            )));
+        }
+        if self.live_holder(to)?.is_none() {
+            return Err(ControlError::Busy(format!(
+                "controller {to} is not alive: sandbox {id} stays here"
+            )));
+        }
+        rec.controller = Some(to.to_string());
+        self.write_claimed(&mut rec)?;
+        let live = guard.live.take().expect("checked above");
+        let container = live.resident.id().to_string();
+        live.resident.release().await;
+        self.metrics.workers_busy.set(self.workers.busy() as i64);
+        tracing::info!(sandbox = %id, %container, to, state = %rec.state,
+            "passed a running sandbox's hold to another controller (no checkpoint)");
+        Ok(())
+    }
+
+    /// A resident sandbox this controller holds by its record but has no container of (its
+    /// hold was passed here by [`Engine::pass_hold`]): its container is adopted on its worker
+    /// as it is. One whose container is gone meanwhile goes back to its last snapshot (and is
+    /// woken from it by the call that found it). The caller holds the slot's write lock.
+    pub(super) async fn take_passed(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        mut rec: SandboxRecord,
+    ) -> Result<()> {
+        if self.adopt(guard, &mut rec, "handed_over").await? {
+            return Ok(());
+        }
+        tracing::warn!(sandbox = %rec.id, state = %rec.state,
+            "the container of a sandbox passed to this controller is gone");
+        self.node.kill(&rec.container_id()).await;
+        self.resolve_interrupted(&mut rec, "handed_over", Some("its container"))
+    }
+
+    /// [`Engine::take_passed`] if `rec` (read under the slot's write lock) is one: resident,
+    /// held here by its record, no container here. Anything else is left as it is.
+    pub(super) async fn adopt_if_passed(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        rec: &SandboxRecord,
+    ) -> Result<()> {
+        let passed = guard.live.is_none()
+            && matches!(rec.state, SandboxState::Running | SandboxState::Frozen)
+            && rec.controller.is_some()
+            && rec.controller.as_deref() == self.controller_name();
+        if passed {
+            self.take_passed(guard, rec.clone()).await?;
+        }
+        Ok(())
+    }
+
+    /// Adopts, from the idle policy, the sandboxes whose holds were passed here and that no
+    /// call has used yet (a slot in use is left to its call).
+    pub(super) async fn adopt_passed(&self, records: &[SandboxRecord]) {
+        let Some(me) = self.controller_name() else {
+            return;
+        };
+        for rec in records {
+            if rec.controller.as_deref() != Some(me)
+                || !matches!(rec.state, SandboxState::Running | SandboxState::Frozen)
+            {
+                continue;
+            }
+            let slot = self.slot(&rec.id);
+            let Ok(mut guard) = slot.state.clone().try_write_owned() else {
+                continue;
+            };
+            if guard.live.is_some() {
+                continue;
+            }
+            // Read again under the lock: the record above may predate a transition.
+            let Ok(Some(rec)) = self.store.sandbox(&rec.id) else {
+                continue;
+            };
+            if let Err(e) = self.adopt_if_passed(&mut guard, &rec).await {
+                tracing::warn!(sandbox = %rec.id, error = %e, "cannot take a sandbox passed to this controller");
+            }
+        }
+    }
+
     /// Writes `rec` as it is (holder included) by compare-and-set.
     fn write_claimed(&self, rec: &mut SandboxRecord) -> Result<()> {
         match self.store.compare_and_set_sandbox(rec, rec.version) {
@@ -617,9 +761,10 @@ impl Engine {
         Ok(())
     }
 
-    /// Marks the leases this controller holds beyond its share for hand-over, as many as the
-    /// other live controllers have room for under theirs (none when they have none: a pool is
-    /// never let go for nobody to take). Those already being handed over count first.
+    /// Marks the leases this controller holds beyond its share for hand-over, each to a live
+    /// controller with room under its share (the one with the most; none when no other has
+    /// room: a pool is never let go for nobody to take). Those already being handed over
+    /// count first; one whose controller-to-be is gone is kept here again.
     fn hand_over_excess(
         &self,
         me: &ControllerIdentity,
@@ -630,28 +775,44 @@ impl Engine {
     ) {
         let mut handing = lock(&self.cluster.handing_over);
         // A lease lost meanwhile (expired, taken) is no longer this controller's to hand over.
-        handing.retain(|l| held.contains(l));
+        handing.retain(|l, to| held.contains(l) && live.iter().any(|c| c.name == *to));
         let mut counts: HashMap<&str, usize> = HashMap::new();
         for holder in holders.values() {
             *counts.entry(holder.as_str()).or_default() += 1;
         }
-        let room: usize = live
+        for to in handing.values() {
+            *counts.entry(to.as_str()).or_default() += 1;
+        }
+        let mut room: std::collections::BTreeMap<&str, usize> = live
             .iter()
             .filter(|c| c.name != me.name)
-            .map(|c| share.saturating_sub(counts.get(c.name.as_str()).copied().unwrap_or(0)))
-            .sum();
-        let keeping = held.len() - handing.len();
-        let excess = keeping
-            .saturating_sub(share)
-            .min(room.saturating_sub(handing.len()));
-        if excess == 0 {
-            return;
-        }
-        let mut candidates: Vec<&String> = held.iter().filter(|l| !handing.contains(*l)).collect();
+            .map(|c| {
+                let n = c.name.as_str();
+                (n, share.saturating_sub(counts.get(n).copied().unwrap_or(0)))
+            })
+            .collect();
+        let mut excess = (held.len() - handing.len()).saturating_sub(share);
+        let mut candidates: Vec<&String> =
+            held.iter().filter(|l| !handing.contains_key(*l)).collect();
         candidates.sort();
-        for lease in candidates.into_iter().rev().take(excess) {
-            tracing::info!(controller = %me.name, pool = %lease, share, "hands a pool over to a controller under its share (draining its agents first)");
-            handing.insert(lease.clone());
+        for lease in candidates.into_iter().rev() {
+            if excess == 0 {
+                break;
+            }
+            // Most room first; among equals the first name (BTreeMap order, max_by_key keeps
+            // the last maximum: iterate reversed).
+            let Some((to, r)) = room
+                .iter_mut()
+                .rev()
+                .filter(|(_, r)| **r > 0)
+                .max_by_key(|(_, r)| **r)
+            else {
+                break;
+            };
+            *r -= 1;
+            excess -= 1;
+            tracing::info!(controller = %me.name, pool = %lease, to = %to, share, "hands a pool over to a controller under its share (passing its running agents first)");
+            handing.insert(lease.clone(), to.to_string());
         }
     }
 

@@ -215,6 +215,12 @@ impl Engine {
                         .observe(t.elapsed().as_secs_f64());
                 }
                 Some((false, false)) => {}
+                // Resident by its record, yet no container here: its hold was passed to this
+                // controller. Adopted (or sent back to its snapshot), then looked at again.
+                None if matches!(rec.state, SandboxState::Running | SandboxState::Frozen) => {
+                    self.take_passed(&mut guard, rec).await?;
+                    continue;
+                }
                 None => {
                     self.wake_locked(&mut guard, rec).await?;
                     self.reboot_if_marked(&guard, id).await?;
@@ -249,19 +255,12 @@ impl Engine {
         cause: &str,
     ) -> Result<SandboxRecord> {
         self.sandbox(tenant, id)?;
-        let slot = self.slot(id);
-        let mut guard =
-            tokio::time::timeout(self.cfg.drain_timeout, slot.state.clone().write_owned())
-                .await
-                .map_err(|_| {
-                    ControlError::Busy(format!(
-                        "sandbox {id} still has calls in flight (execs, proxied requests or an \
-                         open WebSocket) after {} ms; nothing was cut, retry later",
-                        self.cfg.drain_timeout.as_millis()
-                    ))
-                })?;
+        let mut guard = self
+            .lock_drained(id, "nothing was cut, retry later")
+            .await?;
         let current = self.store.sandbox(id)?.ok_or_else(|| not_found(id))?;
         self.check_held_here(&current)?;
+        self.adopt_if_passed(&mut guard, &current).await?;
         let refused = || ControlError::InvalidTransition {
             from: current.state,
             to: tier,
@@ -282,6 +281,25 @@ impl Engine {
         self.sandbox(tenant, id)
     }
 
+    /// Sandbox `id`'s lock for a transition, once its calls in flight have ended (up to the
+    /// drain timeout; then `Busy`, saying `then`).
+    pub(super) async fn lock_drained(
+        &self,
+        id: &SandboxId,
+        then: &str,
+    ) -> Result<OwnedRwLockWriteGuard<SlotState>> {
+        let slot = self.slot(id);
+        tokio::time::timeout(self.cfg.drain_timeout, slot.state.clone().write_owned())
+            .await
+            .map_err(|_| {
+                ControlError::Busy(format!(
+                    "sandbox {id} still has calls in flight (execs, proxied requests or an open \
+                     WebSocket) after {} ms; {then}",
+                    self.cfg.drain_timeout.as_millis()
+                ))
+            })
+    }
+
     /// Makes `count` new sandboxes from `id`'s latest snapshot, without copying: the snapshot
     /// goes into the store (deduplicated), and each fork is a manifest sharing its chunks. A
     /// resident source is parked first. The forks are Suspended; their first call wakes them.
@@ -300,6 +318,8 @@ impl Engine {
         self.sandbox(tenant, id)?;
         let slot = self.slot(id);
         let mut guard = slot.state.clone().write_owned().await;
+        let rec = self.store.sandbox(id)?.ok_or_else(|| not_found(id))?;
+        self.adopt_if_passed(&mut guard, &rec).await?;
         if guard.live.is_some() {
             self.park_locked(&mut guard, id, "fork").await?;
         }
@@ -484,10 +504,17 @@ impl Engine {
             return Err(not_found(id));
         };
         self.check_held_here(&rec)?;
+        let resident = matches!(rec.state, SandboxState::Running | SandboxState::Frozen);
         self.move_to(&mut rec, SandboxState::Deleting, "delete")?;
-        if let Some(live) = guard.live.take() {
-            self.note_cpu_at_release(&rec.tenant, id, &*live.resident);
-            live.resident.destroy().await;
+        match guard.live.take() {
+            Some(live) => {
+                self.note_cpu_at_release(&rec.tenant, id, &*live.resident);
+                live.resident.destroy().await;
+            }
+            // Passed here by another controller and not adopted yet: its container runs on
+            // its worker all the same.
+            None if resident => self.node.kill(&rec.container_id()).await,
+            None => {}
         }
         self.forget_gpu(id);
         self.remove_image(&rec.tenant, &rec.image).await;

@@ -46,6 +46,8 @@ impl Engine {
         let records = self.store.sandboxes_to_tend(parked_before)?;
         // Cluster mode: sandboxes whose controller is gone are taken over first.
         self.sweep_lost_controllers(&records).await;
+        // And those another controller passed here as they run, not yet used by a call.
+        self.adopt_passed(&records).await;
         let me = self.controller_name();
         for mut rec in records {
             if rec.controller.as_deref().is_some_and(|c| Some(c) != me) {

@@ -146,15 +146,17 @@ impl Controller {
                     tracing::debug!(pool = %self.spec().name, sandbox = %id, "agent reported started twice");
                     return;
                 }
-                // Started after the pool passed to another controller: put back to sleep, for
-                // the pool's holder to wake (it cannot drive a sandbox this controller holds).
+                // Started after the pool passed to another controller: passed on as it runs (or
+                // put back to sleep) for the pool's holder (it cannot drive a sandbox this
+                // controller holds).
                 if !self.scaling {
                     let lane = Lane {
                         drain: Arc::new(AtomicBool::new(true)),
                         busy: Arc::new(AtomicBool::new(false)),
                         task: None,
                     };
-                    self.drain(id, lane);
+                    let to = self.successor();
+                    self.drain(id, lane, to);
                     return;
                 }
                 let lane = self.start_lane(&id);
@@ -281,15 +283,16 @@ impl Controller {
         }
     }
 
-    /// The pool passed to another controller (handed over, or its lease lost): this one's
-    /// agents drain as in a scale-in (lanes finish their messages, self-consuming agents get
-    /// the drain notice and its grace) and sleep, since only the controller that holds a
-    /// sandbox drives it; the new holder wakes them. Once nothing of the pool is in motion here
-    /// a lease being handed over is released.
+    /// The pool passed to another controller (handed over, or its lease lost): only the
+    /// controller that holds a sandbox drives it, so this one's agents go to the pool's next
+    /// holder as they run (lanes finish their messages first; [`Engine::pass_hold`]). With
+    /// no live successor known, or a pass refused, they drain as in a scale-in and sleep, and
+    /// the new holder wakes them. Once nothing of the pool is in motion here a lease being
+    /// handed over passes on.
     fn let_go(&mut self) {
+        let to = self.successor();
         for (id, lane) in std::mem::take(&mut self.active) {
-            tracing::info!(pool = %self.spec().name, sandbox = %id, "draining an agent: the pool passes to another controller");
-            self.drain(id, lane);
+            self.drain(id, lane, to.clone());
         }
         if self.starting == 0 && self.waking.is_empty() && self.draining.is_empty() {
             self.engine
@@ -439,7 +442,7 @@ impl Controller {
             ids.sort();
             for (_, id) in ids.into_iter().take(excess) {
                 if let Some(lane) = self.active.remove(&id) {
-                    self.drain(id, lane);
+                    self.drain(id, lane, None);
                 }
             }
         }
@@ -468,9 +471,27 @@ impl Controller {
         Lane { drain, busy, task }
     }
 
-    /// Drain notice, wait for in-flight work (dispatch) or the grace period (self-consume),
-    /// then suspend.
-    fn drain(&mut self, id: SandboxId, mut lane: Lane) {
+    /// The controller this pool passes to, if it no longer scales here.
+    fn successor(&self) -> Option<String> {
+        self.engine
+            .pool_successor(&self.pool.tenant, self.spec().name.as_str())
+    }
+
+    /// Takes an agent out of service: its lane finishes its message (dispatch), then
+    /// - with `to` (the pool passes to that controller): the agent's hold goes there as it
+    ///   runs, nothing stopped (a self-consuming agent just keeps consuming: no drain notice);
+    /// - otherwise (a scale-in; no live successor known; a pass refused): a self-consuming
+    ///   agent gets the drain notice and its grace, and the agent sleeps (suspended).
+    fn drain(&mut self, id: SandboxId, mut lane: Lane, to: Option<String>) {
+        match &to {
+            Some(to) => {
+                tracing::info!(pool = %self.spec().name, sandbox = %id, to = %to, "passing a running agent on with its pool")
+            }
+            None if !self.scaling => {
+                tracing::info!(pool = %self.spec().name, sandbox = %id, "draining an agent: the pool passes to another controller")
+            }
+            None => {}
+        }
         self.draining.insert(id.clone());
         lane.drain.store(true, Ordering::Relaxed);
         let engine = self.engine.clone();
@@ -481,6 +502,17 @@ impl Controller {
         tokio::spawn(async move {
             if let Some(task) = lane.task.take() {
                 let _ = task.await;
+            }
+            if let Some(to) = to {
+                match engine.pass_hold(&tenant, &id, &to).await {
+                    Ok(()) => {
+                        let _ = tx.send(Event::Stopped(id, None)).await;
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(sandbox = %id, to = %to, error = %e, "cannot pass an agent on; putting it to sleep for the pool's next holder")
+                    }
+                }
             }
             if self_consume {
                 if let Err(e) = engine

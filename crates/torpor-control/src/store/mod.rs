@@ -443,6 +443,17 @@ pub trait StateStore: Send + Sync {
     fn release_lease(&self, _lease: &str, _holder: &str) -> Result<(), StoreError> {
         Ok(())
     }
+    /// Passes lease `lease` from `from` to `to` until `ttl` from now, if `from` holds it (not
+    /// expired); false otherwise (then nothing changed).
+    fn pass_lease(
+        &self,
+        _lease: &str,
+        _from: &str,
+        _to: &str,
+        _ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        Ok(false)
+    }
     /// The leases whose names start with `prefix` and that have not expired: `(name, holder)`.
     fn live_leases(&self, _prefix: &str) -> Result<Vec<(String, String)>, StoreError> {
         Ok(Vec::new())

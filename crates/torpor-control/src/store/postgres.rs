@@ -1395,6 +1395,28 @@ impl StateStore for PostgresStore {
         }))
     }
 
+    fn pass_lease(
+        &self,
+        lease: &str,
+        from: &str,
+        to: &str,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let row = self.query_opt(
+            "pass lease",
+            "UPDATE leases SET holder = $3, expires_at = now() + $4 * interval '1 millisecond'
+             WHERE name = $1 AND holder = $2 AND expires_at > now()
+             RETURNING name",
+            vec![
+                p(lease.to_string()),
+                p(from.to_string()),
+                p(to.to_string()),
+                p(ttl.as_millis() as f64),
+            ],
+        )?;
+        Ok(row.is_some())
+    }
+
     fn release_lease(&self, lease: &str, holder: &str) -> Result<(), StoreError> {
         self.execute(
             "release lease",

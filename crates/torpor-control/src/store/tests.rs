@@ -1438,6 +1438,30 @@ fn controllers_are_live_until_their_heartbeat_expires_and_leases_pass_on_expiry(
     assert!(!a.try_lease("pools", "c1", long).unwrap());
     b.release_lease("pools", "c2").unwrap();
     assert!(a.try_lease("pools", "c1", long).unwrap());
+
+    // A holder passes its lease on (a pool handed over with its agents): only its own, only
+    // while it holds it; the new holder renews it, the old one no longer can.
+    assert!(
+        !b.pass_lease("pools", "c2", "c3", long).unwrap(),
+        "not c2's"
+    );
+    assert!(a.pass_lease("pools", "c1", "c2", long).unwrap());
+    assert_eq!(
+        a.live_leases("pools").unwrap(),
+        vec![("pools".to_string(), "c2".to_string())]
+    );
+    assert!(!a.try_lease("pools", "c1", long).unwrap());
+    assert!(b.try_lease("pools", "c2", long).unwrap());
+    assert!(!a.pass_lease("pools", "c1", "c3", long).unwrap());
+    assert!(b
+        .try_lease("pools", "c2", Duration::from_millis(100))
+        .unwrap());
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !b.pass_lease("pools", "c2", "c1", long).unwrap(),
+        "an expired lease is nobody's to pass"
+    );
+    assert!(a.live_leases("pools").unwrap().is_empty());
 }
 
 #[test]
