@@ -1586,6 +1586,10 @@ impl Node for Fleet {
         None
     }
 
+    fn reaches_worker(&self, worker: &str) -> bool {
+        !self.is_lost(worker)
+    }
+
     fn expect_back(&self, expected: &[(String, String)]) {
         let mut m = self.lock();
         for (container, worker) in expected {

@@ -270,6 +270,13 @@ pub trait Node: Send + Sync + 'static {
     /// node has nothing to keep: its engine adopts at start.
     fn expect_back(&self, _expected: &[(String, String)]) {}
 
+    /// Whether worker `worker` is reachable from this node now, so that [`Node::adopt`] can
+    /// tell whether a container of it still runs (cluster mode: registered with this
+    /// controller and not lost). A single machine's node is its only worker.
+    fn reaches_worker(&self, _worker: &str) -> bool {
+        true
+    }
+
     /// Kills a container by id, whoever holds its [`Resident`] (a delete cutting calls in
     /// flight): the calls end with [`ConnError::Closed`], the holder then destroys it.
     async fn kill(&self, container_id: &str);

@@ -10,6 +10,7 @@
 //!   TORPOR_CLUSTER_ROWS=reencode ... (only the re-encoded copy's rows, below; one worker)
 //!   TORPOR_CLUSTER_ROWS=forwarding ... (only the forwarding rows; two controllers, one worker)
 //!   TORPOR_CLUSTER_ROWS=stop ... (only a controller's stop: hand-off vs park; see `stop_rows`)
+//!   TORPOR_CLUSTER_ROWS=handover ... (only a pool's hand-over: pass vs drain; `handover_rows`)
 //!   TORPOR_BENCH_WORKER_ARGS="--upload-nice 0" ... (more flags for every worker)
 //!
 //! Real processes: a PostgreSQL server (`store::pg_testing`), two `torpor controller`s on it
@@ -28,10 +29,13 @@
 //! | lifecycle | create, park, wake (exec `true`), delete of N sandboxes, C at a time: through `c1`; through `c1` and `c2` alternately (half the park and delete calls reach the controller that does not hold the sandbox, so are forwarded); through `torpor up` |
 //! | forwarding | exec `true` on a running sandbox through the controller that holds it vs through the other one (forwarded), `TORPOR_BENCH_FWD_N` (200) each, interleaved |
 //! | a controller's stop (`TORPOR_CLUSTER_ROWS=stop`) | SIGTERM to exit of a controller holding `TORPOR_BENCH_SANDBOXES` (8) sandboxes of 64 MiB, and the first exec `true` on each through the other controller, with `--on-stop hand-off` and, the baseline, `--on-stop park`, alternating for `TORPOR_BENCH_ROUNDS` (3) rounds each |
+//! | a pool's hand-over (`TORPOR_CLUSTER_ROWS=handover`) | a controller holding two dispatch pools of `TORPOR_BENCH_SANDBOXES` (4) running agents of 64 MiB each; a second controller starts and is handed one: from its start until it scales that pool with every agent active, and the first exec `true` on each agent through it, with `--pool-hand-over pass` and, the baseline, `--pool-hand-over drain`, alternating for `TORPOR_BENCH_ROUNDS` (3) rounds each; a redis-list trigger (redis-server) |
 //! | re-encoded copy (`TORPOR_CLUSTER_ROWS=reencode`) | a sandbox holding 64 MiB of compressible text: parked, uploaded, its worker's copy re-encoded (waited for), then exec `true` (wakes from that copy); baselines in the same round: bare `runsc restore` of the image as runsc wrote it (copied before its upload) and of the re-encoded copy |
 //!
 //! Prints three tables and one JSON line (`{"bench":"cluster",...}`).
 
+#[path = "../tests/common/brokers.rs"]
+mod brokers;
 #[path = "support/cluster.rs"]
 mod cluster;
 mod support;
@@ -605,6 +609,13 @@ async fn main() {
     match std::env::var("TORPOR_CLUSTER_ROWS").as_deref() {
         Ok("reencode") => return reencode_rows(env_usize("TORPOR_BENCH_N", 10)).await,
         Ok("forwarding") => return forwarding_rows(env_usize("TORPOR_BENCH_FWD_N", 200)).await,
+        Ok("handover") => {
+            return handover_rows(
+                env_usize("TORPOR_BENCH_ROUNDS", 3),
+                env_usize("TORPOR_BENCH_SANDBOXES", 4),
+            )
+            .await
+        }
         Ok("stop") => {
             return stop_rows(
                 env_usize("TORPOR_BENCH_ROUNDS", 3),
@@ -980,6 +991,51 @@ fn rate(l: &Lifecycle, op: &str) -> (f64, f64, f64, f64) {
 }
 
 /// Prints rows of latencies under `title`; returns them as JSON.
+/// The rows of two measures, each taken in two modes (the first mode compared with the
+/// second, its baseline): `names` of the four rows, measure by measure, mode by mode; the
+/// first measure's notes by mode, the second's one note.
+fn mode_rows(
+    names: [&'static str; 4],
+    modes: [&str; 2],
+    (mut a, a_note): (BTreeMap<&str, Vec<f64>>, impl Fn(&str) -> String),
+    (mut b, b_note): (BTreeMap<&str, Vec<f64>>, &str),
+) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for (i, mode) in modes.into_iter().enumerate() {
+        rows.push(Row {
+            name: names[i],
+            ms: a.remove(mode).unwrap_or_default(),
+            note: a_note(mode),
+        });
+    }
+    for (i, mode) in modes.into_iter().enumerate() {
+        rows.push(Row {
+            name: names[2 + i],
+            ms: b.remove(mode).unwrap_or_default(),
+            note: b_note.to_string(),
+        });
+    }
+    rows
+}
+
+/// [`print_rows`] of [`mode_rows`], then the first mode's p50 over the second's for each
+/// measure (`what`): the rows as JSON and the two ratios.
+fn print_mode_rows(
+    title: &str,
+    modes: [&str; 2],
+    what: [&str; 2],
+    rows: &mut [Row],
+) -> (Vec<Value>, f64, f64) {
+    let json_rows = print_rows(title, rows);
+    let p50 = |i: usize| json_rows[i]["p50_ms"].as_f64().unwrap_or(f64::NAN);
+    let (a, b) = (p50(0) / p50(1), p50(2) / p50(3));
+    println!(
+        "\n{} / {} at p50: {} {a:.3}x, {} {b:.3}x",
+        modes[0], modes[1], what[0], what[1]
+    );
+    (json_rows, a, b)
+}
+
 fn print_rows(title: &str, rows: &mut [Row]) -> Vec<Value> {
     println!(
         "\n{:<34} {:>4} {:>9} {:>9} {:>9}  note",
@@ -1074,33 +1130,25 @@ async fn stop_rows(rounds: usize, k: usize) {
         }
         drop(c2);
     }
-    let note = |mode: &str| format!("{rounds} rounds of {k} sandboxes of 64 MiB, --on-stop {mode}");
-    let mut rows = vec![
-        Row {
-            name: "stop: hand-off (SIGTERM to exit)",
-            ms: stop.remove("hand-off").unwrap_or_default(),
-            note: note("hand-off"),
-        },
-        Row {
-            name: "stop: park (before)",
-            ms: stop.remove("park").unwrap_or_default(),
-            note: note("park"),
-        },
-        Row {
-            name: "first call after: hand-off (adopt)",
-            ms: first.remove("hand-off").unwrap_or_default(),
-            note: "exec true through c1".into(),
-        },
-        Row {
-            name: "first call after: park (wake)",
-            ms: first.remove("park").unwrap_or_default(),
-            note: "exec true through c1".into(),
-        },
-    ];
-    let json_rows = print_rows("a controller's stop", &mut rows);
-    let p50 = |i: usize| json_rows[i]["p50_ms"].as_f64().unwrap_or(f64::NAN);
-    let (stop_ratio, first_ratio) = (p50(0) / p50(1), p50(2) / p50(3));
-    println!("\nhand-off / park at p50: stop {stop_ratio:.3}x, first call after {first_ratio:.3}x");
+    let mut rows = mode_rows(
+        [
+            "stop: hand-off (SIGTERM to exit)",
+            "stop: park (before)",
+            "first call after: hand-off (adopt)",
+            "first call after: park (wake)",
+        ],
+        modes,
+        (stop, |mode: &str| {
+            format!("{rounds} rounds of {k} sandboxes of 64 MiB, --on-stop {mode}")
+        }),
+        (first, "exec true through c1"),
+    );
+    let (json_rows, stop_ratio, first_ratio) = print_mode_rows(
+        "a controller's stop",
+        modes,
+        ["stop", "first call after"],
+        &mut rows,
+    );
     println!(
         "{}",
         json!({
@@ -1111,4 +1159,189 @@ async fn stop_rows(rounds: usize, k: usize) {
     );
     drop(worker);
     drop(c1);
+}
+
+/// `TORPOR_CLUSTER_ROWS=handover`: what handing a pool over to a controller that joins costs
+/// its running agents. One worker joining two controllers' addresses. Each round starts `c1`
+/// with `--pool-hand-over pass` or, the baseline in the same run, `drain` (how every hand-over
+/// went before), alternating; makes two dispatch pools of `k` agents each through it (a
+/// redis-list trigger, `min` = `max` = `k`), fills each agent with 64 MiB of random bytes,
+/// then starts `c2`: `c1`, over its share, hands one pool over. Timed: from `c2`'s start until
+/// `c2` scales that pool with all `k` agents active (its status through `c2`), and then the
+/// first exec `true` on each of its agents through `c2`; the bytes are checked, and `c1`'s
+/// checkpoints during the hand-over counted.
+async fn handover_rows(rounds: usize, k: usize) {
+    let Some((database, tmp)) = bench_setup().await else {
+        return;
+    };
+    let dir = tmp.path();
+    let ca = dir.join("ca");
+    let redis = brokers::Redis::start();
+    let addrs = |_: ()| {
+        (
+            format!("127.0.0.1:{}", cluster::free_port()),
+            format!("127.0.0.1:{}", cluster::free_port()),
+        )
+    };
+    let (c1_addrs, c2_addrs) = (addrs(()), addrs(()));
+    let worker = Worker::start(dir, &ca, "w1", &format!("{},{}", c1_addrs.1, c2_addrs.1));
+    // Heartbeats every 500 ms (a third of the lease), for both modes alike.
+    let lease = ["--controller-lost-after-ms", "1500"];
+    let modes = ["pass", "drain"];
+    let mut over: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut first: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut checkpoints: BTreeMap<&str, u64> = BTreeMap::new();
+    let pool_body = |name: &str| {
+        json!({
+            "name": name, "template": "host", "min": k, "max": k, "target": 1,
+            "poll_interval_ms": 200,
+            "triggers": [{"type": "redis-list", "url": redis.url(), "key": name}],
+            "dispatch": {"command": ["cat"], "timeout_s": 60},
+        })
+    };
+    for r in 0..rounds * 2 {
+        let mode = modes[r % 2];
+        let mut c1 = Controller::start_at(
+            dir,
+            &ca,
+            &database,
+            "c1",
+            c1_addrs.clone(),
+            &[&lease[..], &["--pool-hand-over", mode]].concat(),
+        )
+        .await;
+        c1.wait_state(&["w1"], "ready").await;
+        wait_host_template(&c1.client).await;
+        for name in ["h1", "h2"] {
+            c1.call_ok(reqwest::Method::POST, "/v1/pools", pool_body(name))
+                .await;
+        }
+        let mut agents = BTreeMap::new();
+        for name in ["h1", "h2"] {
+            let status = wait_pool(&c1, name, "c1", k).await;
+            agents.insert(name, pool_agent_ids(&status));
+        }
+        for id in agents.values().flatten() {
+            sh(
+                &c1.client,
+                id,
+                &format!("{FILL_64M}; wc -c < /dev/shm/blob > /tmp/size"),
+            )
+            .await;
+        }
+        let before = c1.metric_sum("torpor_checkpoint_seconds_count").await;
+        let t = Instant::now();
+        let mut c2 =
+            Controller::start_at(dir, &ca, &database, "c2", c2_addrs.clone(), &lease).await;
+        let handed = loop {
+            let mut found = None;
+            for name in ["h1", "h2"] {
+                let (_, s) = c2
+                    .call(reqwest::Method::GET, &format!("/v1/pools/{name}"))
+                    .await;
+                if s["controller"] == "c2" && s["running"].as_u64() == Some(k as u64) {
+                    found = Some(name);
+                }
+            }
+            if let Some(name) = found {
+                break name;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(300),
+                "no pool handed over to c2:\n{}\n{}",
+                c1.log(),
+                c2.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        over.entry(mode)
+            .or_default()
+            .push(t.elapsed().as_secs_f64() * 1000.0);
+        *checkpoints.entry(mode).or_default() +=
+            c1.metric_sum("torpor_checkpoint_seconds_count").await - before;
+        for id in &agents[handed] {
+            first
+                .entry(mode)
+                .or_default()
+                .push(timed_true(&c2.client, id).await);
+            sh(
+                &c2.client,
+                id,
+                "test -s /tmp/size && test $(wc -c < /dev/shm/blob) -eq $(cat /tmp/size)",
+            )
+            .await;
+        }
+        for name in ["h1", "h2"] {
+            c1.call_ok(
+                reqwest::Method::DELETE,
+                &format!("/v1/pools/{name}"),
+                Value::Null,
+            )
+            .await;
+        }
+        for id in agents.values().flatten() {
+            let _ = c1.client.delete_sandbox(id).await; // the holder's own delete may have won
+        }
+        c2.stop(Duration::from_secs(120));
+        c1.stop(Duration::from_secs(120));
+    }
+    let note = |mode: &str| {
+        format!(
+            "{rounds} rounds, {k} agents of 64 MiB, --pool-hand-over {mode}, {} checkpoints on c1",
+            checkpoints.get(mode).copied().unwrap_or(0)
+        )
+    };
+    let mut rows = mode_rows(
+        [
+            "hand-over: pass (c2 start to scaling)",
+            "hand-over: drain (before)",
+            "first call after: pass",
+            "first call after: drain",
+        ],
+        modes,
+        (over, note),
+        (first, "exec true through c2"),
+    );
+    let (json_rows, over_ratio, first_ratio) = print_mode_rows(
+        "a pool's hand-over",
+        modes,
+        ["hand-over", "first call after"],
+        &mut rows,
+    );
+    println!(
+        "{}",
+        json!({
+            "bench": "cluster", "rows": "handover", "rounds": rounds, "agents": k,
+            "workers": 1, "controllers": 2, "handover": json_rows,
+            "checkpoints_on_c1": checkpoints,
+            "ratio_p50": {"handover": over_ratio, "first_call": first_ratio},
+        })
+    );
+    drop(worker);
+}
+
+/// Waits until pool `name`, read through `c`, is scaled by `holder` with `k` agents active.
+async fn wait_pool(c: &Controller, name: &str, holder: &str, k: usize) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let (_, s) = c
+            .call(reqwest::Method::GET, &format!("/v1/pools/{name}"))
+            .await;
+        if s["controller"] == holder && s["running"].as_u64() == Some(k as u64) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "pool {name}: {s}\n{}", c.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn pool_agent_ids(status: &Value) -> Vec<String> {
+    status["sandboxes"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
 }

@@ -76,6 +76,13 @@ pub struct ControllerArgs {
     /// `park` always checkpoints each first (every resident sandbox must wake again).
     #[arg(long, value_enum, default_value_t = crate::daemon::OnStop::HandOff)]
     on_stop: crate::daemon::OnStop,
+    /// What a pool this controller hands over (another controller joined and it holds more
+    /// than its share) does with its running agents: `pass` gives each agent's hold to the
+    /// controller taking the pool as it runs (its lane finishes its message first; no
+    /// checkpoint, no wake); `drain` puts each to sleep as in a scale-in, for the new holder
+    /// to wake (a checkpoint and a restore per agent).
+    #[arg(long, value_enum, default_value_t = PoolHandOver::Pass)]
+    pool_hand_over: PoolHandOver,
     /// Silence after which the other controllers count this one lost and take its sandboxes
     /// over (back to their last snapshots) and its pools.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1000..))]
@@ -235,6 +242,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         lost_after: Duration::from_millis(args.controller_lost_after_ms),
         take_back_within: Duration::from_millis(args.worker_lost_after_ms),
         orphan_image_grace: Duration::from_millis(args.orphan_image_grace_ms),
+        pass_pool_agents: args.pool_hand_over == PoolHandOver::Pass,
     };
     daemon::up(daemon::UpConfig {
         listen: args.listen,
@@ -278,6 +286,15 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         }),
     })
     .await
+}
+
+/// `torpor controller --pool-hand-over`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum PoolHandOver {
+    /// Running agents go to the new holder as they run.
+    Pass,
+    /// Running agents sleep first; the new holder wakes them.
+    Drain,
 }
 
 /// This machine's first non-loopback IPv4 address, if it has one.

@@ -70,6 +70,10 @@ pub struct ControllerIdentity {
     /// before it is removed (a worker lost with it came back; a delete could not reach it).
     /// Also how often the workers' images are looked at.
     pub orphan_image_grace: Duration,
+    /// Whether a pool it hands over takes its running agents along as they run (their holds
+    /// pass: `--pool-hand-over pass`, the default) or puts them to sleep first for the next
+    /// holder to wake (`drain`).
+    pub pass_pool_agents: bool,
 }
 
 /// Where a call for a sandbox is served.
@@ -101,6 +105,9 @@ pub(super) struct ClusterState {
     /// Set when another live run took this controller's name: it must stop acting.
     identity_lost: AtomicBool,
     identity_lost_now: tokio::sync::Notify,
+    /// Sandboxes this controller is to adopt whose worker has not joined it yet (a controller
+    /// that just started), and since when: waited for up to the worker-lost silence.
+    awaiting_worker: Mutex<HashMap<SandboxId, Instant>>,
 }
 
 impl Engine {
@@ -133,7 +140,12 @@ impl Engine {
     /// scales it: the one it hands the pool over to, or the one that took the pool's lease.
     /// The pool's running agents are passed there as they are ([`Engine::pass_hold`]).
     pub fn pool_successor(&self, tenant: &TenantId, name: &str) -> Option<String> {
-        let me = self.controller_name()?;
+        let me = self
+            .cfg
+            .controller
+            .as_ref()
+            .filter(|c| c.pass_pool_agents)?;
+        let me = me.name.as_str();
         let lease = pool_lease(tenant, name);
         if let Some(to) = lock(&self.cluster.handing_over).get(&lease) {
             return Some(to.clone());
@@ -332,7 +344,9 @@ impl Engine {
             return Ok(()); // taken over already, or moved on
         }
         if matches!(rec.state, SandboxState::Running | SandboxState::Frozen)
-            && self.adopt(&mut guard, &mut rec, "controller_lost").await?
+            && self
+                .adopt_or_await(&mut guard, &mut rec, "controller_lost")
+                .await?
         {
             tracing::warn!(sandbox = %id, controller = dead, "adopted a lost controller's sandbox");
             self.metrics
@@ -513,7 +527,7 @@ impl Engine {
         guard: &mut OwnedRwLockWriteGuard<SlotState>,
         mut rec: SandboxRecord,
     ) -> Result<()> {
-        if self.adopt(guard, &mut rec, "handed_over").await? {
+        if self.adopt_or_await(guard, &mut rec, "handed_over").await? {
             return Ok(());
         }
         tracing::warn!(sandbox = %rec.id, state = %rec.state,
@@ -562,10 +576,55 @@ impl Engine {
             let Ok(Some(rec)) = self.store.sandbox(&rec.id) else {
                 continue;
             };
-            if let Err(e) = self.adopt_if_passed(&mut guard, &rec).await {
-                tracing::warn!(sandbox = %rec.id, error = %e, "cannot take a sandbox passed to this controller");
+            match self.adopt_if_passed(&mut guard, &rec).await {
+                Ok(()) => {}
+                Err(ControlError::Busy(why)) => {
+                    tracing::debug!(sandbox = %rec.id, why, "a sandbox passed here waits for its worker")
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %rec.id, error = %e, "cannot take a sandbox passed to this controller")
+                }
             }
         }
+    }
+
+    /// [`Engine::adopt`] for a sandbox whose holder let it go or died. When its container
+    /// is not found because its worker has not joined this controller yet (this controller
+    /// just started; workers register again within their back-off), `Busy` (the caller
+    /// tries again: the policy's next tick, the client's retry) for up to the worker-lost
+    /// silence, instead of sending a running sandbox back to its snapshot. False once its
+    /// worker is reachable here and runs no such container, or that silence has passed.
+    async fn adopt_or_await(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        rec: &mut SandboxRecord,
+        cause: &str,
+    ) -> Result<bool> {
+        if self.adopt(guard, rec, cause).await? {
+            lock(&self.cluster.awaiting_worker).remove(&rec.id);
+            return Ok(true);
+        }
+        let within = self
+            .cfg
+            .controller
+            .as_ref()
+            .map_or(Duration::ZERO, |c| c.take_back_within);
+        if let Some(worker) = self.store.sandbox_node(&rec.id)? {
+            if !self.node.reaches_worker(&worker) {
+                let since = *lock(&self.cluster.awaiting_worker)
+                    .entry(rec.id.clone())
+                    .or_insert_with(Instant::now);
+                if since.elapsed() < within {
+                    return Err(ControlError::Busy(format!(
+                        "sandbox {} runs on worker {worker}, which has not joined this \
+                         controller yet; retry in a moment",
+                        rec.id
+                    )));
+                }
+            }
+        }
+        lock(&self.cluster.awaiting_worker).remove(&rec.id);
+        Ok(false)
     }
 
     /// Writes `rec` as it is (holder included) by compare-and-set.

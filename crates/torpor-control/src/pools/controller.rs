@@ -31,6 +31,9 @@ struct Lane {
 enum Event {
     Started(SandboxId),
     StartFailed(Option<SandboxId>, String),
+    /// A wake that could not be made yet and is tried again at the next tick (an agent passed
+    /// here whose worker has not joined this controller yet): no error.
+    StartDeferred(SandboxId),
     Stopped(SandboxId, Option<String>),
 }
 
@@ -161,6 +164,9 @@ impl Controller {
                 }
                 let lane = self.start_lane(&id);
                 self.active.insert(id, lane);
+            }
+            Event::StartDeferred(id) => {
+                self.waking.remove(&id);
             }
             Event::StartFailed(id, e) => {
                 match id {
@@ -387,6 +393,10 @@ impl Controller {
                                 clear_drain_notice(&engine, &tenant, &id).await;
                             }
                             Event::Started(id)
+                        }
+                        Err(crate::ControlError::Busy(why)) => {
+                            tracing::debug!(sandbox = %id, why, "an agent's wake waits");
+                            Event::StartDeferred(id)
                         }
                         Err(e) => Event::StartFailed(Some(id), format!("wake: {e}")),
                     };

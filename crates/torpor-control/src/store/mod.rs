@@ -241,6 +241,10 @@ pub trait StateStore: Send + Sync {
     fn sandbox_nodes(&self) -> Result<HashMap<SandboxId, String>, StoreError> {
         Ok(HashMap::new())
     }
+    /// The worker recorded for sandbox `id`, if any.
+    fn sandbox_node(&self, id: &SandboxId) -> Result<Option<String>, StoreError> {
+        Ok(self.sandbox_nodes()?.remove(id))
+    }
     /// Deletes a sandbox and its network policy.
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), StoreError>;
     /// Every sandbox, oldest first.

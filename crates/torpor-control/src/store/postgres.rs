@@ -673,6 +673,17 @@ impl StateStore for PostgresStore {
         .map(drop)
     }
 
+    fn sandbox_node(&self, id: &SandboxId) -> Result<Option<String>, StoreError> {
+        match self.query_opt(
+            "sandbox node",
+            "SELECT node FROM sandboxes WHERE id = $1",
+            vec![p(id.to_string())],
+        )? {
+            Some(row) => get(&row, 0, "sandbox node"),
+            None => Ok(None),
+        }
+    }
+
     fn sandbox_nodes(&self) -> Result<HashMap<SandboxId, String>, StoreError> {
         self.query(
             "sandbox nodes",

@@ -253,6 +253,59 @@ impl Controller {
         }
     }
 
+    /// `method path` with the admin token and no body: the status and the JSON answered
+    /// (`null` when the body is not JSON).
+    #[allow(dead_code)]
+    pub async fn call(&self, method: reqwest::Method, path: &str) -> (u16, Value) {
+        let r = self
+            .http
+            .request(method, format!("http://{}{path}", self.api))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("API call");
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// `method path` with `body` (none when `null`), which must succeed.
+    #[allow(dead_code)]
+    pub async fn call_ok(&self, method: reqwest::Method, path: &str, body: Value) {
+        let mut req = self
+            .http
+            .request(method, format!("http://{}{path}", self.api))
+            .bearer_auth(TOKEN);
+        if !body.is_null() {
+            req = req.json(&body);
+        }
+        let r = req.send().await.expect("API call");
+        let status = r.status();
+        assert!(
+            status.is_success(),
+            "{path}: {status} {}",
+            r.text().await.unwrap_or_default()
+        );
+    }
+
+    /// The sum of every series of metric `name` (all label sets) on its `/metrics`.
+    #[allow(dead_code)]
+    pub async fn metric_sum(&self, name: &str) -> u64 {
+        let text = self
+            .http
+            .get(format!("http://{}/metrics", self.api))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .unwrap_or_default();
+        text.lines()
+            .filter(|l| l.split(['{', ' ']).next() == Some(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    }
+
     pub async fn drain(&self, name: &str) {
         let r = self
             .http
