@@ -2324,6 +2324,93 @@ async fn scalers(c: &Controller) -> Vec<(String, Value)> {
     out
 }
 
+/// A controller that is to adopt a running sandbox whose worker has not registered with it yet
+/// (it just started: workers come back within their back-off) waits for the worker, answering
+/// `409 sandbox_busy`, instead of counting the container gone and sending the sandbox back to
+/// its snapshot; once the worker joins, it adopts the container with nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_controller_adopting_a_sandbox_before_its_worker_joins_it_waits_for_the_worker() {
+    let Some((database, tmp)) = setup("torpor-adopt-wait-", &["c1", "c2"], &["w1"]).await else {
+        return;
+    };
+    let dir = tmp.path();
+    // Declared first, dropped last: after the processes in its groups are gone.
+    let mut cut = Partition::new("torpor_adopt_wait");
+    let w1_group = cut.group("w1");
+    let c1 = Controller::start_with(dir, &database, "c1", 90_000).await;
+    let mut c2 = Controller::start_with(dir, &database, "c2", 90_000).await;
+    let both = format!("{},{}", c1.cluster, c2.cluster);
+    // No fencing while it hears no controller (c1 stopped, c2 cut off) for this test's length.
+    let _w1 = Worker::start_in(
+        dir,
+        "w1",
+        "w1",
+        &both,
+        &[],
+        &["--fence-after-ms", "60000"],
+        Some(&w1_group),
+    );
+    for c in [&c1, &c2] {
+        c.wait_nodes("w1 ready", |n| state_of(n, "w1") == Some("ready"))
+            .await;
+    }
+    c1.wait_host_template().await;
+    let id = c1.create_with_state().await;
+
+    // c2 starts again and w1 cannot register with it; c1 stops and hands the sandbox off.
+    let port = |addr: &str| addr.rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    cut.cut(&w1_group, port(&c2.cluster));
+    c2.kill_and_restart().await;
+    let mut c1 = c1;
+    c1.signal(libc::SIGTERM);
+    let deadline = Instant::now() + PATIENCE;
+    while c1.child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "c1 did not stop:\n{}", c1.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(c1.log().contains("handed off"), "{}", c1.log());
+    let path = format!("/v1/sandboxes/{id}/exec");
+    let exec = || {
+        c2.call(
+            reqwest::Method::POST,
+            &path,
+            Some(json!({"cmd": ["sh", "-c", CHECK]})),
+        )
+    };
+    // Before: the container was counted gone (c2 knows no w1) and the sandbox went back to
+    // its snapshot, its state lost (and the container ran on, nobody's).
+    let (status, out) = exec().await;
+    assert_eq!(status, 409, "{out}\n{}", c2.log());
+    assert_eq!(out["error"]["code"], "sandbox_busy", "{out}");
+    assert!(
+        out["error"]["message"].as_str().is_some_and(
+            |m| m.contains("runs on worker w1, which has not joined this controller yet")
+        ),
+        "{out}"
+    );
+    assert!(
+        !c2.log().contains("back to its last snapshot"),
+        "{}",
+        c2.log()
+    );
+
+    cut.heal();
+    let deadline = Instant::now() + PATIENCE;
+    let out = loop {
+        let (status, out) = exec().await;
+        if status == 200 {
+            break out;
+        }
+        assert_eq!(status, 409, "{out}\n{}", c2.log());
+        assert!(Instant::now() < deadline, "{out}\n{}", c2.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(out["stdout"], "disk-1\nmem-1\nprocess-alive\n", "{out}");
+    let sb = c2.sandbox(&id).await;
+    assert_eq!(sb["controller"], "c2", "{sb}");
+    assert!(sb["last_error"].is_null(), "nothing was lost: {sb}");
+}
+
 /// A controller stopped with SIGTERM (`--on-stop hand-off`, the default) leaves the sandboxes
 /// it holds running on their workers and gives up its row: the other controller serves the
 /// next call at once, adopting the container as it is (same process, memory and files), with
