@@ -83,6 +83,13 @@ pub struct ControllerArgs {
     /// to wake (a checkpoint and a restore per agent).
     #[arg(long, value_enum, default_value_t = PoolHandOver::Pass)]
     pool_hand_over: PoolHandOver,
+    /// Whether this controller, holding more running sandboxes than its share (the running
+    /// sandboxes over the live controllers, rounded up), passes its idlest to controllers
+    /// under theirs as they run (a few each heartbeat; none in use, no pool agent, and only
+    /// to a controller alive for longer than --worker-lost-after-ms), so that the holders'
+    /// work spreads out again after a rolling upgrade or a scale-out.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    balance_sandboxes: bool,
     /// Silence after which the other controllers count this one lost and take its sandboxes
     /// over (back to their last snapshots) and its pools.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1000..))]
@@ -243,6 +250,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         take_back_within: Duration::from_millis(args.worker_lost_after_ms),
         orphan_image_grace: Duration::from_millis(args.orphan_image_grace_ms),
         pass_pool_agents: args.pool_hand_over == PoolHandOver::Pass,
+        balance_sandboxes: args.balance_sandboxes,
     };
     daemon::up(daemon::UpConfig {
         listen: args.listen,

@@ -2324,6 +2324,82 @@ async fn scalers(c: &Controller) -> Vec<(String, Value)> {
     out
 }
 
+/// Running sandboxes spread over the controllers as they run: a controller holding more than
+/// its share passes its idlest to one under its share (after a rolling upgrade every sandbox
+/// ends up with the controller stopped last, and one that joins holds none); no checkpoint,
+/// nothing lost, and calls through either controller keep working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn running_sandboxes_spread_over_the_controllers_as_they_run() {
+    let Some((_tmp, _, c1, mut c2, _workers)) = two_by_two("torpor-balance-").await else {
+        return;
+    };
+    c1.wait_host_template().await;
+    // c2 away: c1 holds every sandbox it makes.
+    c2.terminate().await;
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        ids.push(c1.create_with_state().await);
+    }
+    let checkpoints = "torpor_checkpoint_seconds_count{outcome=\"ok\"}";
+    let before = c1.metric(checkpoints).await;
+    let c2_before = c2.log().len();
+    c2.kill_and_restart().await;
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let held = holders(&c1, &ids).await;
+        let on_c2 = held.iter().filter(|h| *h == "c2").count();
+        if on_c2 == 2 && held.iter().filter(|h| *h == "c1").count() == 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not spread: {held:?}\n{}",
+            c1.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Everything still there, through either controller; nothing was checkpointed.
+    for id in &ids {
+        for c in [&c1, &c2] {
+            assert_eq!(
+                c.exec(id, CHECK).await,
+                "disk-1\nmem-1\nprocess-alive\n",
+                "{id}"
+            );
+        }
+        let sb = c1.sandbox(id).await;
+        assert!(sb["last_error"].is_null(), "nothing was lost: {sb}");
+        assert!(sb["state"] == "running", "{sb}");
+    }
+    assert_eq!(c1.metric(checkpoints).await, before, "{}", c1.log());
+    let log = c2.log();
+    assert!(
+        log[c2_before..].contains("took a running sandbox back; nothing was lost")
+            && log[c2_before..].contains("handed_over"),
+        "{}",
+        &log[c2_before..]
+    );
+    // Balanced, it stays so: nothing moves back and forth.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let held = holders(&c1, &ids).await;
+    assert_eq!(held.iter().filter(|h| *h == "c2").count(), 2, "{held:?}");
+    assert!(
+        !c1.log().contains("a sandbox passed here waits"),
+        "{}",
+        c1.log()
+    );
+}
+
+/// The controller each of `ids` names, read through `c` (`-` for none).
+async fn holders(c: &Controller, ids: &[String]) -> Vec<String> {
+    let mut held = Vec::new();
+    for id in ids {
+        let sb = c.sandbox(id).await;
+        held.push(sb["controller"].as_str().unwrap_or("-").to_string());
+    }
+    held
+}
+
 /// A controller that is to adopt a running sandbox whose worker has not registered with it yet
 /// (it just started: workers come back within their back-off) waits for the worker, answering
 /// `409 sandbox_busy`, instead of counting the container gone and sending the sandbox back to
@@ -2362,12 +2438,7 @@ async fn a_controller_adopting_a_sandbox_before_its_worker_joins_it_waits_for_th
     cut.cut(&w1_group, port(&c2.cluster));
     c2.kill_and_restart().await;
     let mut c1 = c1;
-    c1.signal(libc::SIGTERM);
-    let deadline = Instant::now() + PATIENCE;
-    while c1.child.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "c1 did not stop:\n{}", c1.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    c1.terminate().await;
     assert!(c1.log().contains("handed off"), "{}", c1.log());
     let path = format!("/v1/sandboxes/{id}/exec");
     let exec = || {
@@ -2429,15 +2500,7 @@ async fn a_controller_stopped_cleanly_hands_its_running_sandboxes_over_as_they_a
         Some(json!({"tier": "frozen"})),
     )
     .await;
-    c1.signal(libc::SIGTERM);
-    let deadline = Instant::now() + PATIENCE;
-    let status = loop {
-        if let Some(status) = c1.child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "c1 did not stop:\n{}", c1.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let status = c1.terminate().await;
     let log = c1.log();
     assert!(status.success(), "{status}\n{log}");
     assert!(log.contains("handed off"), "{log}");
@@ -2471,12 +2534,7 @@ async fn a_controller_stopped_cleanly_hands_its_running_sandboxes_over_as_they_a
     // c2 is now alone: stopped, it has nobody to hand them to and checkpoints them instead;
     // c1 started again wakes them with all of it.
     let mut c2 = c2;
-    c2.signal(libc::SIGTERM);
-    let deadline = Instant::now() + PATIENCE;
-    while c2.child.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "c2 did not stop:\n{}", c2.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    c2.terminate().await;
     let log = c2.log();
     assert!(
         log.contains("no other controller is alive to hand the sandboxes to")

@@ -43,6 +43,22 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub fn pool_lease(tenant: &TenantId, name: &str) -> String {
     format!("{POOL_LEASE_PREFIX}{tenant}/{name}")
 }
+/// How many resident sandboxes a controller over its share passes on per heartbeat period.
+const BALANCE_BATCH: usize = 4;
+
+/// The controller with the most room left (among equals the first name), its room taken by
+/// one; `None` when none has room.
+fn take_most_room(room: &mut std::collections::BTreeMap<&str, usize>) -> Option<String> {
+    // max_by_key keeps the last maximum: iterate reversed for the first name.
+    let (to, r) = room
+        .iter_mut()
+        .rev()
+        .filter(|(_, r)| **r > 0)
+        .max_by_key(|(_, r)| **r)?;
+    *r -= 1;
+    Some(to.to_string())
+}
+
 /// How long the list of live controllers is reused before it is read again.
 const LIVE_CACHE: Duration = Duration::from_millis(250);
 
@@ -74,6 +90,9 @@ pub struct ControllerIdentity {
     /// pass: `--pool-hand-over pass`, the default) or puts them to sleep first for the next
     /// holder to wake (`drain`).
     pub pass_pool_agents: bool,
+    /// Whether it passes resident sandboxes beyond its share to controllers under theirs
+    /// (`--balance-sandboxes`, [`Engine::balance_holds`]).
+    pub balance_sandboxes: bool,
 }
 
 /// Where a call for a sandbox is served.
@@ -108,6 +127,11 @@ pub(super) struct ClusterState {
     /// Sandboxes this controller is to adopt whose worker has not joined it yet (a controller
     /// that just started), and since when: waited for up to the worker-lost silence.
     awaiting_worker: Mutex<HashMap<SandboxId, Instant>>,
+    /// When [`Engine::balance_holds`] last looked (unix ms).
+    balanced_at: AtomicI64,
+    /// Since when each live controller has been seen alive without a break (by this one):
+    /// sandboxes are passed only to a controller alive for longer than a worker's back-off.
+    alive_since: Mutex<HashMap<String, Instant>>,
 }
 
 impl Engine {
@@ -493,6 +517,16 @@ impl Engine {
         }
         self.sandbox(tenant, id)?;
         let mut guard = self.lock_drained(id, "its hold stays here").await?;
+        self.pass_locked(&mut guard, id, to).await
+    }
+
+    /// [`Engine::pass_hold`] with the sandbox's lock held.
+    async fn pass_locked(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        id: &SandboxId,
+        to: &str,
+    ) -> Result<()> {
         let mut rec = self.store.sandbox(id)?.ok_or_else(|| not_found(id))?;
         self.check_held_here(&rec)?;
         let resident = guard.live.as_ref().is_some_and(|l| l.resident.alive());
@@ -551,6 +585,95 @@ impl Engine {
             self.take_passed(guard, rec.clone()).await?;
         }
         Ok(())
+    }
+
+    /// Spreads the resident sandboxes over the live controllers (from the idle policy, once per
+    /// heartbeat period; `records`: the awake sandboxes it read): a controller holding more
+    /// than its share (the resident sandboxes over the live controllers, rounded up) passes up
+    /// to [`BALANCE_BATCH`] of its idlest to the controllers with the most room under theirs,
+    /// as they run ([`Engine::pass_hold`]). Left out: pool agents (they go with their pool's
+    /// lease), sandboxes in use (a call, a transition, an open connection), and controllers
+    /// seen alive for less than the worker-lost silence (their workers may not have
+    /// registered with them yet: the sandboxes would wait for them).
+    pub(super) async fn balance_holds(&self, records: &[SandboxRecord]) {
+        let Some(me) = self.cfg.controller.as_ref().filter(|c| c.balance_sandboxes) else {
+            return;
+        };
+        let now = now_millis();
+        let every = (me.lost_after / 3).as_millis() as i64;
+        if now - self.cluster.balanced_at.load(Ordering::Relaxed) < every {
+            return;
+        }
+        self.cluster.balanced_at.store(now, Ordering::Relaxed);
+        let Ok(live) = self.live_controllers() else {
+            return;
+        };
+        let settled: std::collections::HashSet<String> = {
+            let mut since = lock(&self.cluster.alive_since);
+            since.retain(|name, _| live.iter().any(|c| c.name == *name));
+            live.iter()
+                .filter(|c| {
+                    since
+                        .entry(c.name.clone())
+                        .or_insert_with(Instant::now)
+                        .elapsed()
+                        >= me.take_back_within
+                })
+                .map(|c| c.name.clone())
+                .collect()
+        };
+        let resident =
+            |r: &&SandboxRecord| matches!(r.state, SandboxState::Running | SandboxState::Frozen);
+        let mut counts: BTreeMap<&str, usize> = live.iter().map(|c| (c.name.as_str(), 0)).collect();
+        for r in records.iter().filter(resident) {
+            if let Some(n) = r.controller.as_deref().and_then(|c| counts.get_mut(c)) {
+                *n += 1;
+            }
+        }
+        let share = counts.values().sum::<usize>().div_ceil(live.len().max(1));
+        let mine = counts.get(me.name.as_str()).copied().unwrap_or(0);
+        if mine <= share {
+            return;
+        }
+        let mut room: BTreeMap<&str, usize> = counts
+            .iter()
+            .filter(|(n, _)| **n != me.name && settled.contains(**n))
+            .map(|(n, c)| (*n, share.saturating_sub(*c)))
+            .collect();
+        let slots: Vec<(SandboxId, Arc<Slot>)> = {
+            let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            records
+                .iter()
+                .filter(resident)
+                .filter(|r| r.controller.as_deref() == Some(me.name.as_str()))
+                .filter(|r| !r.metadata.contains_key(crate::pools::POOL_METADATA_KEY))
+                .filter_map(|r| Some((r.id.clone(), slots.get(&r.id)?.clone())))
+                .collect()
+        };
+        let mut idlest: Vec<(i64, SandboxId, Arc<Slot>)> = slots
+            .into_iter()
+            .map(|(id, slot)| (slot.last_active.load(Ordering::Relaxed), id, slot))
+            .collect();
+        idlest.sort_by_key(|(at, _, _)| *at);
+        let mut left = (mine - share).min(BALANCE_BATCH);
+        for (_, id, slot) in idlest {
+            if left == 0 {
+                break;
+            }
+            let Ok(mut guard) = slot.state.clone().try_write_owned() else {
+                continue; // in use
+            };
+            if guard.live.is_none() {
+                continue;
+            }
+            let Some(to) = take_most_room(&mut room) else {
+                break;
+            };
+            match self.pass_locked(&mut guard, &id, &to).await {
+                Ok(()) => left -= 1,
+                Err(e) => tracing::debug!(sandbox = %id, to, error = %e, "not passed on"),
+            }
+        }
     }
 
     /// Adopts, from the idle policy, the sandboxes whose holds were passed here and that no
@@ -858,17 +981,9 @@ impl Engine {
             if excess == 0 {
                 break;
             }
-            // Most room first; among equals the first name (BTreeMap order, max_by_key keeps
-            // the last maximum: iterate reversed).
-            let Some((to, r)) = room
-                .iter_mut()
-                .rev()
-                .filter(|(_, r)| **r > 0)
-                .max_by_key(|(_, r)| **r)
-            else {
+            let Some(to) = take_most_room(&mut room) else {
                 break;
             };
-            *r -= 1;
             excess -= 1;
             tracing::info!(controller = %me.name, pool = %lease, to = %to, share, "hands a pool over to a controller under its share (passing its running agents first)");
             handing.insert(lease.clone(), to.to_string());

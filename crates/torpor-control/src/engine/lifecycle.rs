@@ -157,7 +157,11 @@ impl Engine {
 
     /// Borrows a running sandbox for one call, waking it first if it sleeps.
     pub async fn use_sandbox(&self, tenant: &TenantId, id: &SandboxId) -> Result<InUse> {
-        let owner = self.sandbox(tenant, id)?.tenant;
+        let seen = self.sandbox(tenant, id)?;
+        // Resident by its record with no container here: passed to this controller, to be
+        // adopted (it takes no worker from the lot).
+        let passed = matches!(seen.state, SandboxState::Running | SandboxState::Frozen);
+        let owner = seen.tenant;
         let slot = self.slot(id);
         loop {
             {
@@ -175,6 +179,7 @@ impl Engine {
                     // Asleep: it needs a worker. A call the lot would not serve within its
                     // budget is refused now, from memory, before the write lock and the store
                     // reads of the wake (a burst of them queues on those).
+                    None if passed => {}
                     None => self.refuse_early(&owner)?,
                     Some(_) => {}
                 }

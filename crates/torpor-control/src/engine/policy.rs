@@ -48,6 +48,8 @@ impl Engine {
         self.sweep_lost_controllers(&records).await;
         // And those another controller passed here as they run, not yet used by a call.
         self.adopt_passed(&records).await;
+        // Then this controller's surplus goes to those under their share.
+        self.balance_holds(&records).await;
         let me = self.controller_name();
         for mut rec in records {
             if rec.controller.as_deref().is_some_and(|c| Some(c) != me) {

@@ -195,6 +195,19 @@ impl Controller {
         unsafe { libc::kill(self.child.id() as i32, signal) };
     }
 
+    /// SIGTERM, then waits for the process to exit (a hang guard: [`PATIENCE`]).
+    pub async fn terminate(&mut self) -> std::process::ExitStatus {
+        self.signal(libc::SIGTERM);
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "did not stop:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// SIGKILLs the controller and starts it again as it was (same addresses, data and
     /// identity; its log goes on in the same file).
     pub async fn kill_and_restart(&mut self) {
