@@ -46,7 +46,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cluster::{runsc_list, state_of, torpor, Controller, Worker};
+use cluster::{fresh_addrs, runsc_list, state_of, torpor, Controller, Worker};
 use serde_json::{json, Value};
 use support::{pct, Daemon};
 use torpor_api::types::{CreateSandboxBody, ExecBody, Sandbox};
@@ -643,8 +643,11 @@ async fn main() {
 
     // --- the cluster: two controllers on the database, the first worker (joining both)
     let ca = dir.join("ca");
-    let ctl = Controller::start_as(dir, &ca, &database, "c1").await;
-    let ctl2 = Controller::start_as(dir, &ca, &database, "c2").await;
+    // Each sandbox stays with the controller that made it (the rows say which one they go
+    // through): no balancing between them.
+    let fixed = ["--balance-sandboxes", "false"];
+    let ctl = Controller::start_at(dir, &ca, &database, "c1", fresh_addrs(), &fixed).await;
+    let ctl2 = Controller::start_at(dir, &ca, &database, "c2", fresh_addrs(), &fixed).await;
     let both = format!("{},{}", ctl.cluster, ctl2.cluster);
     let c = ctl.client.clone();
     let mut workers = vec![Worker::start(dir, &ca, "w1", &both)];
@@ -1079,10 +1082,7 @@ async fn stop_rows(rounds: usize, k: usize) {
     let dir = tmp.path();
     let ca = dir.join("ca");
     let c1 = Controller::start_as(dir, &ca, &database, "c1").await;
-    let c2_addrs = (
-        format!("127.0.0.1:{}", cluster::free_port()),
-        format!("127.0.0.1:{}", cluster::free_port()),
-    );
+    let c2_addrs = fresh_addrs();
     let worker = Worker::start(dir, &ca, "w1", &format!("{},{}", c2_addrs.1, c1.cluster));
     c1.wait_state(&["w1"], "ready").await;
     wait_host_template(&c1.client).await;
@@ -1097,7 +1097,8 @@ async fn stop_rows(rounds: usize, k: usize) {
             &database,
             "c2",
             c2_addrs.clone(),
-            &["--on-stop", mode],
+            // All k sandboxes stay with c2 until its stop (none passed to c1 before).
+            &["--on-stop", mode, "--balance-sandboxes", "false"],
         )
         .await;
         c2.wait_state(&["w1"], "ready").await;
@@ -1177,13 +1178,7 @@ async fn handover_rows(rounds: usize, k: usize) {
     let dir = tmp.path();
     let ca = dir.join("ca");
     let redis = brokers::Redis::start();
-    let addrs = |_: ()| {
-        (
-            format!("127.0.0.1:{}", cluster::free_port()),
-            format!("127.0.0.1:{}", cluster::free_port()),
-        )
-    };
-    let (c1_addrs, c2_addrs) = (addrs(()), addrs(()));
+    let (c1_addrs, c2_addrs) = (fresh_addrs(), fresh_addrs());
     let worker = Worker::start(dir, &ca, "w1", &format!("{},{}", c1_addrs.1, c2_addrs.1));
     // Heartbeats every 500 ms (a third of the lease), for both modes alike.
     let lease = ["--controller-lost-after-ms", "1500"];

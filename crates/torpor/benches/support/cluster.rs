@@ -113,11 +113,7 @@ impl Controller {
     /// data in `tmp/controller-<name>` (with `c1`'s env key copied in for the others), the
     /// shared admin token, PostgreSQL `database`, snapshots in `tmp/store`.
     pub async fn start_as(tmp: &Path, ca: &Path, database: &str, name: &str) -> Controller {
-        let addrs = (
-            format!("127.0.0.1:{}", free_port()),
-            format!("127.0.0.1:{}", free_port()),
-        );
-        Controller::start_at(tmp, ca, database, name, addrs, &[]).await
+        Controller::start_at(tmp, ca, database, name, fresh_addrs(), &[]).await
     }
 
     /// [`Controller::start_as`] at `(api, cluster)` addresses (the same again for a restart:
@@ -323,6 +319,14 @@ impl Drop for Controller {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Free `(api, cluster)` addresses on loopback for a controller.
+pub fn fresh_addrs() -> (String, String) {
+    (
+        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", free_port()),
+    )
 }
 
 pub fn state_of<'a>(nodes: &'a [Value], name: &str) -> Option<&'a str> {
