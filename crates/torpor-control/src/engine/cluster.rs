@@ -1068,3 +1068,23 @@ fn restart_cause(rec: &SandboxRecord, me: Option<&str>) -> &'static str {
         "controller_lost"
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::take_most_room;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn the_controller_with_the_most_room_is_taken_first_and_none_once_all_are_full() {
+        let mut room: BTreeMap<&str, usize> = [("c1", 1), ("c2", 2), ("c3", 2)].into();
+        // Most room first; among equals the first name.
+        assert_eq!(take_most_room(&mut room).as_deref(), Some("c2"));
+        assert_eq!(take_most_room(&mut room).as_deref(), Some("c3"));
+        assert_eq!(room, [("c1", 1), ("c2", 1), ("c3", 1)].into());
+        assert_eq!(take_most_room(&mut room).as_deref(), Some("c1"));
+        assert_eq!(take_most_room(&mut room).as_deref(), Some("c2"));
+        assert_eq!(take_most_room(&mut room).as_deref(), Some("c3"));
+        assert_eq!(take_most_room(&mut room), None, "every one full");
+        assert_eq!(take_most_room(&mut BTreeMap::new()), None);
+    }
+}
