@@ -83,9 +83,9 @@ pub struct ControllerArgs {
     /// to wake (a checkpoint and a restore per agent).
     #[arg(long, value_enum, default_value_t = PoolHandOver::Pass)]
     pool_hand_over: PoolHandOver,
-    /// Whether this controller, holding more running sandboxes than its share (the running
-    /// sandboxes over the live controllers, rounded up), passes its idlest to controllers
-    /// under theirs as they run (a few each heartbeat; none in use, no pool agent, and only
+    /// Whether this controller, holding at least two running sandboxes more than its share
+    /// (the running sandboxes over the live controllers, rounded up), passes its idlest to
+    /// controllers under theirs as they run (a few each heartbeat; none in use, no pool agent, and only
     /// to a controller alive for longer than --worker-lost-after-ms), so that the holders'
     /// work spreads out again after a rolling upgrade or a scale-out.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]

@@ -588,10 +588,11 @@ impl Engine {
     }
 
     /// Spreads the resident sandboxes over the live controllers (from the idle policy, once per
-    /// heartbeat period; `records`: the awake sandboxes it read): a controller holding more
-    /// than its share (the resident sandboxes over the live controllers, rounded up) passes up
-    /// to [`BALANCE_BATCH`] of its idlest to the controllers with the most room under theirs,
-    /// as they run ([`Engine::pass_hold`]). Left out: pool agents (they go with their pool's
+    /// heartbeat period; `records`: the awake sandboxes it read): a controller holding at
+    /// least two more than its share (the resident sandboxes over the live controllers, rounded
+    /// up; one over moves nothing, so small clusters do not churn) passes its idlest, up to
+    /// [`BALANCE_BATCH`] a period and down to its share, to the controllers with the most room
+    /// under theirs, as they run ([`Engine::pass_hold`]). Left out: pool agents (they go with their pool's
     /// lease), sandboxes in use (a call, a transition, an open connection), and controllers
     /// seen alive for less than the worker-lost silence (their workers may not have
     /// registered with them yet: the sandboxes would wait for them).
@@ -632,7 +633,7 @@ impl Engine {
         }
         let share = counts.values().sum::<usize>().div_ceil(live.len().max(1));
         let mine = counts.get(me.name.as_str()).copied().unwrap_or(0);
-        if mine <= share {
+        if mine <= share + 1 {
             return;
         }
         let mut room: BTreeMap<&str, usize> = counts
