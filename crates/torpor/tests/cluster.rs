@@ -121,11 +121,15 @@ async fn an_engine_drives_a_real_worker_over_mtls_create_exec_park_wake_delete()
     bg.detach = true;
     engine.exec(&tenant, &id, bg, Vec::new()).await.unwrap();
     let read_ticks = || async {
-        run("cat /tmp/ticks")
-            .await
-            .trim()
-            .parse::<u64>()
-            .unwrap_or(0)
+        // `echo` truncates the file before it writes: a read in between (or a checkpoint
+        // taken there) finds it empty until the next tick.
+        for _ in 0..50 {
+            if let Ok(n) = run("cat /tmp/ticks").await.trim().parse::<u64>() {
+                return n;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        0
     };
     let deadline = Instant::now() + Duration::from_secs(30);
     while read_ticks().await < 3 {

@@ -32,7 +32,7 @@ impl Engine {
             .inc();
         ControlError::NoWorker {
             budget_ms: self.cfg.worker_wait.as_millis() as u64,
-            expected_ms: Some(wait.as_millis() as u64),
+            expected_ms: Some(ceil_ms(wait)),
         }
     }
 
@@ -96,7 +96,7 @@ impl Engine {
                     .inc();
                 Err(ControlError::NoWorker {
                     budget_ms: self.cfg.worker_wait.as_millis() as u64,
-                    expected_ms: Some(expected.as_millis() as u64),
+                    expected_ms: Some(ceil_ms(expected)),
                 })
             }
         }
@@ -283,10 +283,25 @@ pub(crate) fn choose_victim(idle: impl IntoIterator<Item = IdleResident>) -> Opt
         .map(|(i, _)| i)
 }
 
+/// `d` in whole milliseconds, rounded up: a refusal's expected wait, always over the budget it
+/// was refused for (rounded down, 4000.4 ms read as "about 4000 ms" against a 4000 ms budget).
+fn ceil_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_refusals_expected_wait_is_rounded_up_so_it_always_exceeds_the_budget() {
+        assert_eq!(ceil_ms(Duration::from_micros(4_000_400)), 4001);
+        assert_eq!(ceil_ms(Duration::from_nanos(4_000_000_001)), 4001);
+        assert_eq!(ceil_ms(Duration::from_millis(4000)), 4000);
+        assert_eq!(ceil_ms(Duration::ZERO), 0);
+        assert_eq!(ceil_ms(Duration::MAX), u64::MAX);
+    }
 
     fn resident() -> impl Strategy<Value = IdleResident> {
         (any::<bool>(), 0i64..1000).prop_map(|(frozen, last_active)| IdleResident {
