@@ -38,6 +38,11 @@ pub const LABEL_SANDBOX: &str = "sandbox";
 /// Label set on forks, naming the snapshot they were forked from.
 pub const LABEL_FORKED_FROM: &str = "forked_from";
 
+/// Chunks a restore fetches and decodes as one run (see `Store::fetch_run`), and a put encodes
+/// and stores as one; with `StoreConfig::parallelism` runs in flight, a remote backend sees up
+/// to both multiplied in requests at once.
+const FETCH_RUN: usize = 16;
+
 /// Default chunking of gVisor image streams (see `docs/BENCHMARKS.md` for the sweep).
 pub const DEFAULT_IMAGE_CHUNKING: ChunkParams = ChunkParams {
     min: 4 * 1024,
@@ -465,29 +470,61 @@ impl Store {
                     }
                 })
                 .collect();
-            let uploads = missing.into_iter().map(|(key, id, data)| {
+            // Runs of new chunks, each encoded in one blocking call and stored with one
+            // `put_many`: a thread hand-off per run, not per chunk.
+            let mut runs: Vec<Vec<(ObjectKey, ChunkId, Vec<u8>)>> = Vec::new();
+            for item in missing {
+                match runs.last_mut() {
+                    Some(run) if run.len() < FETCH_RUN => run.push(item),
+                    _ => runs.push(vec![item]),
+                }
+            }
+            let uploads = runs.into_iter().map(|run| {
                 let codec = self.codec.clone();
                 let backend = Arc::clone(&self.backend);
                 let cache = self.cache.clone();
                 async move {
-                    let raw = data.len() as u64;
-                    let (blob, _) = tokio::task::spawn_blocking(move || codec.encode(&id, &data))
-                        .await?
-                        .map_err(StoreError::Encode)?;
-                    let stored = blob.len() as u64;
-                    let blob = Bytes::from(blob);
-                    backend.put(&key, blob.clone()).await?;
+                    let encoded = tokio::task::spawn_blocking(move || {
+                        run.into_iter()
+                            .map(|(key, id, data)| {
+                                let (blob, _) = codec.encode(&id, &data)?;
+                                Ok((key, id, data.len() as u64, Bytes::from(blob)))
+                            })
+                            .collect::<Result<Vec<_>, crate::chunk::ChunkError>>()
+                    })
+                    .await?
+                    .map_err(StoreError::Encode)?;
+                    let sizes: Vec<(u64, u64)> = encoded
+                        .iter()
+                        .map(|(_, _, raw, blob)| (*raw, blob.len() as u64))
+                        .collect();
+                    backend
+                        .put_many(
+                            encoded
+                                .iter()
+                                .map(|(key, _, _, blob)| (key.clone(), blob.clone()))
+                                .collect(),
+                        )
+                        .await?;
                     if let Some(cache) = cache {
                         // Write-through: a wake on this node after the suspend reads locally.
-                        cache.insert_in_background(id, blob);
+                        cache.insert_many_in_background(
+                            encoded
+                                .into_iter()
+                                .map(|(_, id, _, blob)| (id, blob))
+                                .collect(),
+                        );
                     }
-                    Ok::<_, StoreError>((raw, stored))
+                    Ok::<_, StoreError>(sizes)
                 }
             });
             let done: Vec<(u64, u64)> = futures::stream::iter(uploads)
                 .buffer_unordered(self.cfg.parallelism.max(1))
-                .try_collect()
-                .await?;
+                .try_collect::<Vec<_>>()
+                .await?
+                .into_iter()
+                .flatten()
+                .collect();
             for (raw, stored) in done {
                 stats.chunks_new += 1;
                 stats.new_chunk_bytes += raw;
@@ -695,41 +732,40 @@ impl Store {
                 Ok(written)
             })
         };
-        // Owned (data, len) pairs: a closure over a slice iterator here makes the whole
-        // future fail the `Send` check of callers that spawn it (a higher-ranked lifetime).
-        let parts: Vec<(ExtentData, u64)> = extents.iter().map(|e| (e.data, e.len)).collect();
-        let fetches = parts.into_iter().map(|(data, len)| async move {
-            match data {
-                ExtentData::Zero => Ok((WriteOp::Zero(len), false, 0)),
-                ExtentData::Chunk(id) => {
-                    let (bytes, hit, fetched) = self.fetch_chunk(&m.id, &id, &f.path).await?;
-                    if bytes.len() as u64 != len {
-                        return Err(StoreError::ChunkCorrupt {
-                            snapshot: m.id.clone(),
-                            chunk: id,
-                            path: f.path.clone(),
-                            source: crate::chunk::ChunkError::LengthMismatch {
-                                expected: len.min(u64::from(MAX_CHUNK_LEN)) as u32,
-                                actual: bytes.len(),
-                            },
-                        });
-                    }
-                    Ok((WriteOp::Data(bytes), hit, fetched))
+        // Runs of up to FETCH_RUN chunks (and the zero extents between them), each fetched
+        // and decoded as one: a thread hand-off per run, not several per chunk. Owned parts:
+        // a closure over a slice iterator here makes the whole future fail the `Send` check of
+        // callers that spawn it (a higher-ranked lifetime).
+        let mut runs: Vec<Vec<(ExtentData, u64)>> = Vec::new();
+        let mut in_run = FETCH_RUN;
+        for e in extents {
+            if matches!(e.data, ExtentData::Chunk(_)) {
+                if in_run == FETCH_RUN {
+                    runs.push(Vec::new());
+                    in_run = 0;
                 }
+                in_run += 1;
             }
-        });
+            match runs.last_mut() {
+                Some(run) => run.push((e.data, e.len)),
+                None => runs.push(vec![(e.data, e.len)]),
+            }
+        }
+        let fetches = runs.into_iter().map(|run| self.fetch_run(m, f, run));
         let mut stream = futures::stream::iter(fetches).buffered(self.cfg.parallelism.max(1));
         let mut fetch_error = None;
-        while let Some(item) = stream.next().await {
+        'runs: while let Some(item) = stream.next().await {
             match item {
-                Ok((op, hit, fetched)) => {
-                    if let WriteOp::Data(_) = op {
-                        stats.chunks_fetched += 1;
-                        stats.bytes_fetched += fetched;
-                        stats.cache_hits += u64::from(hit);
-                    }
-                    if tx.send(op).await.is_err() {
-                        break; // the writer failed; its error is reported below
+                Ok(ops) => {
+                    for (op, hit, fetched) in ops {
+                        if let WriteOp::Data(_) = op {
+                            stats.chunks_fetched += 1;
+                            stats.bytes_fetched += fetched;
+                            stats.cache_hits += u64::from(hit);
+                        }
+                        if tx.send(op).await.is_err() {
+                            break 'runs; // the writer failed; its error is reported below
+                        }
                     }
                 }
                 Err(e) => {
@@ -747,27 +783,120 @@ impl Store {
         Ok(())
     }
 
-    /// One verified chunk: from the cache when present and valid, else from the backend.
-    /// Returns the plaintext, whether the cache served it, and the bytes fetched remotely.
+    /// One run of a file's extents as write operations, each chunk verified, with whether the
+    /// cache served it and the bytes fetched remotely: the cache looked up in one blocking
+    /// call, the misses asked of the backend at once (`get_many`), every blob decoded in one
+    /// blocking call, the fetched blobs cached in the background. A bad cache entry is dropped
+    /// and its chunk refetched.
+    async fn fetch_run(
+        &self,
+        m: &Manifest,
+        f: &FileEntry,
+        run: Vec<(ExtentData, u64)>,
+    ) -> Result<Vec<(WriteOp, bool, u64)>, StoreError> {
+        let ids: Vec<ChunkId> = run
+            .iter()
+            .filter_map(|(d, _)| match d {
+                ExtentData::Chunk(id) => Some(*id),
+                ExtentData::Zero => None,
+            })
+            .collect();
+        let mut blobs: Vec<Option<Bytes>> = match &self.cache {
+            Some(cache) if !ids.is_empty() => {
+                let (cache, look) = (cache.clone(), ids.clone());
+                tokio::task::spawn_blocking(move || cache.get_many_blocking(&look)).await?
+            }
+            _ => vec![None; ids.len()],
+        };
+        let hits: Vec<bool> = blobs.iter().map(Option::is_some).collect();
+        let misses: Vec<usize> = (0..ids.len()).filter(|&i| !hits[i]).collect();
+        if !misses.is_empty() {
+            let keys: Vec<ObjectKey> = misses.iter().map(|&i| self.chunk_key(&ids[i])).collect();
+            let got = self.backend.get_many(&keys).await?;
+            for (&i, blob) in misses.iter().zip(got) {
+                blobs[i] = Some(blob.ok_or_else(|| StoreError::ChunkMissing {
+                    snapshot: m.id.clone(),
+                    chunk: ids[i],
+                    path: f.path.clone(),
+                })?);
+            }
+        }
+        let blobs: Vec<Bytes> = blobs.into_iter().flatten().collect();
+        let (codec, decode_ids) = (self.codec.clone(), ids.clone());
+        let (decoded, blobs) = tokio::task::spawn_blocking(move || {
+            let decoded: Vec<_> = decode_ids
+                .iter()
+                .zip(&blobs)
+                .map(|(id, blob)| codec.decode(id, blob))
+                .collect();
+            (decoded, blobs)
+        })
+        .await?;
+        let mut plain = Vec::with_capacity(ids.len());
+        let mut to_cache = Vec::new();
+        for (i, (data, blob)) in decoded.into_iter().zip(blobs).enumerate() {
+            let id = ids[i];
+            match data {
+                Ok(data) if hits[i] => plain.push((data, true, 0)),
+                Ok(data) => {
+                    let fetched = blob.len() as u64;
+                    to_cache.push((id, blob));
+                    plain.push((data, false, fetched));
+                }
+                Err(_) if hits[i] => {
+                    if let Some(cache) = &self.cache {
+                        cache.remove(&id).await;
+                    }
+                    plain.push(self.fetch_chunk(&m.id, &id, &f.path).await?);
+                }
+                Err(source) => {
+                    return Err(StoreError::ChunkCorrupt {
+                        snapshot: m.id.clone(),
+                        chunk: id,
+                        path: f.path.clone(),
+                        source,
+                    })
+                }
+            }
+        }
+        if let Some(cache) = &self.cache {
+            // Filling the cache is off the wake's critical path.
+            cache.insert_many_in_background(to_cache);
+        }
+        let mut plain = plain.into_iter();
+        let mut ops = Vec::with_capacity(run.len());
+        for (data, len) in run {
+            let ExtentData::Chunk(id) = data else {
+                ops.push((WriteOp::Zero(len), false, 0));
+                continue;
+            };
+            let Some((bytes, hit, fetched)) = plain.next() else {
+                break; // one per chunk extent, by construction
+            };
+            if bytes.len() as u64 != len {
+                return Err(StoreError::ChunkCorrupt {
+                    snapshot: m.id.clone(),
+                    chunk: id,
+                    path: f.path.clone(),
+                    source: crate::chunk::ChunkError::LengthMismatch {
+                        expected: len.min(u64::from(MAX_CHUNK_LEN)) as u32,
+                        actual: bytes.len(),
+                    },
+                });
+            }
+            ops.push((WriteOp::Data(bytes), hit, fetched));
+        }
+        Ok(ops)
+    }
+
+    /// One verified chunk from the backend (a cache entry that failed its check, refetched).
+    /// Returns the plaintext, that the cache did not serve it, and the bytes fetched.
     async fn fetch_chunk(
         &self,
         snapshot: &SnapshotId,
         id: &ChunkId,
         path: &str,
     ) -> Result<(Vec<u8>, bool, u64), StoreError> {
-        if let Some(cache) = &self.cache {
-            if let Some(blob) = cache.get(id).await {
-                let codec = self.codec.clone();
-                let cid = *id;
-                if let Ok(data) =
-                    tokio::task::spawn_blocking(move || codec.decode(&cid, &blob)).await?
-                {
-                    return Ok((data, true, 0));
-                }
-                // A bad cache entry is dropped and the chunk refetched.
-                cache.remove(id).await;
-            }
-        }
         let blob = self
             .backend
             .get(&self.chunk_key(id))
@@ -790,7 +919,6 @@ impl Store {
                 source,
             })?;
         if let Some(cache) = &self.cache {
-            // Filling the cache is off the wake's critical path.
             cache.insert_in_background(*id, blob);
         }
         Ok((data, false, fetched))

@@ -9,9 +9,11 @@
 //!   TORPOR_BENCH_SETTLE=1 ...   (uploads waited for between batches: see `settle`)
 //!   TORPOR_CLUSTER_ROWS=reencode ... (only the re-encoded copy's rows, below; one worker)
 //!   TORPOR_CLUSTER_ROWS=forwarding ... (only the forwarding rows; two controllers, one worker)
+//!   TORPOR_CLUSTER_ROWS=fetch ... (only a wake on another worker, with the fetch's own time)
 //!   TORPOR_CLUSTER_ROWS=stop ... (only a controller's stop: hand-off vs park; see `stop_rows`)
 //!   TORPOR_CLUSTER_ROWS=handover ... (only a pool's hand-over: pass vs drain; `handover_rows`)
 //!   TORPOR_BENCH_WORKER_ARGS="--upload-nice 0" ... (more flags for every worker)
+//!   TORPOR_BIN=/path/to/torpor ... (every process runs that build: an older commit's, say)
 //!
 //! Real processes: a PostgreSQL server (`store::pg_testing`), two `torpor controller`s on it
 //! (`c1`, `c2`), three (and more, as workers are killed) `torpor worker`s joining both, with
@@ -470,6 +472,135 @@ fn copy_dir(from: &Path, to: &Path) {
     assert!(st.success(), "cp -a {from:?} {to:?}");
 }
 
+/// `TORPOR_CLUSTER_ROWS=fetch`: what a wake on another worker costs over one from a local
+/// image. One controller; `n` sandboxes holding 64 MiB of random bytes are parked (and
+/// uploaded) on w1, each image copied as the baseline's; then w2 joins and w1 drains, and each
+/// sandbox is woken on w2 (exec `true`: the fetch from the store, the restore, the exec). In
+/// the same round: a bare `runsc restore` of the copied image (no fetch), and the worker's own
+/// figure for the fetch (its log's `snapshot fetched ms=`).
+async fn fetch_rows(n: usize) {
+    let Some((database, tmp)) = bench_setup().await else {
+        return;
+    };
+    let dir = tmp.path();
+    let ca = dir.join("ca");
+    let ctl = Controller::start_as(dir, &ca, &database, "c1").await;
+    let w1 = Worker::start(dir, &ca, "w1", &ctl.cluster);
+    ctl.wait_state(&["w1"], "ready").await;
+    let c = ctl.client.clone();
+    wait_host_template(&c).await;
+    let root = w1.data.join("runsc");
+    let baseline_root = dir.join("baseline-runsc");
+    std::fs::create_dir_all(&baseline_root).unwrap();
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id = create_host(&c).await;
+        sh(&c, &id, FILL_64M).await;
+        let live = runsc_list(&root)
+            .into_iter()
+            .find(|cid| cid.starts_with(&format!("{id}-g")))
+            .expect("its container on its worker");
+        copy_bundle(
+            &root,
+            &live,
+            &dir.join(format!("bundle-{i}")),
+            &format!("bench-{i}"),
+        );
+        c.suspend(&id, Some(Tier::Parked)).await.expect("park");
+        wait_uploaded(&c, &id).await;
+        copy_dir(&latest_image(&w1.data, &id), &dir.join(format!("img-{i}")));
+        ids.push(id);
+    }
+    let _w2 = Worker::start(dir, &ca, "w2", &ctl.cluster);
+    ctl.wait_state(&["w2"], "ready").await;
+    ctl.drain("w1").await;
+    ctl.wait_state(&["w1"], "draining").await;
+    let fetched = || -> Vec<f64> {
+        std::fs::read_to_string(dir.join("w2.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("snapshot fetched"))
+            // Builds before 2026-12-04 colour their log's fields even in a file.
+            .map(strip_ansi)
+            .filter_map(|l| {
+                l.split(" ms=")
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .collect()
+    };
+    let (mut wake, mut bare, mut moved) = (Vec::new(), Vec::new(), 0);
+    for (i, id) in ids.iter().enumerate() {
+        let (img, bundle) = (
+            dir.join(format!("img-{i}")),
+            dir.join(format!("bundle-{i}")),
+        );
+        bare.push(bare_restore(
+            &baseline_root,
+            &img,
+            &bundle,
+            &format!("bench-{i}"),
+        ));
+        let _ = std::fs::remove_dir_all(&img);
+        wake.push(timed_true(&c, id).await);
+        if node_of(&c, id).await.as_deref() == Some("w2") {
+            moved += 1;
+        }
+        c.delete_sandbox(id).await.expect("delete");
+    }
+    let fetch = fetched();
+    let mut rows = vec![
+        Row {
+            name: "wake, another worker + exec",
+            ms: wake,
+            note: format!("{moved}/{n} woke on w2, fetched from the store"),
+        },
+        Row {
+            name: "fetch (the worker's figure)",
+            ms: fetch,
+            note: "w2's log: snapshot fetched ms=".into(),
+        },
+        Row {
+            name: "bare runsc restore (same image)",
+            ms: bare,
+            note: "runsc restore --detach of a copy of the image, no fetch".into(),
+        },
+    ];
+    let json_rows = print_rows("wake (64 MiB), fetched", &mut rows);
+    let p50 = |k: usize| json_rows[k]["p50_ms"].as_f64().unwrap_or(f64::NAN);
+    println!(
+        "(p50: wake on another worker / bare restore {:.2}; fetch / bare restore {:.2})",
+        p50(0) / p50(2),
+        p50(1) / p50(2)
+    );
+    println!(
+        "{}",
+        json!({"bench": "cluster", "fetch": {"n": n, "rows": json_rows,
+            "wake_over_bare_runsc_p50": p50(0) / p50(2)}})
+    );
+}
+
+/// A log line without its colour codes (`ESC [ … m`).
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// The re-encoded copy's rows: one controller, one worker (re-encoding on, the default).
 /// A fresh database on the tests' PostgreSQL and a temporary directory with the pinned binary
 /// and a CA (`DIR/ca`); `None` (said so) without PostgreSQL.
@@ -609,6 +740,7 @@ async fn main() {
     match std::env::var("TORPOR_CLUSTER_ROWS").as_deref() {
         Ok("reencode") => return reencode_rows(env_usize("TORPOR_BENCH_N", 10)).await,
         Ok("forwarding") => return forwarding_rows(env_usize("TORPOR_BENCH_FWD_N", 200)).await,
+        Ok("fetch") => return fetch_rows(env_usize("TORPOR_BENCH_N", 10)).await,
         Ok("handover") => {
             return handover_rows(
                 env_usize("TORPOR_BENCH_ROUNDS", 3),

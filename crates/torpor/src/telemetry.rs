@@ -131,6 +131,8 @@ impl Telemetry {
     pub fn init(args: &TelemetryArgs) -> Result<Telemetry, TelemetryError> {
         let logs = tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
+            // Colours only on a terminal: a log file or a collector gets plain `key=value`.
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_filter(
                 EnvFilter::try_from_env(ENV_LOG).unwrap_or_else(|_| EnvFilter::new("info")),
             );

@@ -77,12 +77,52 @@ impl Backend for LocalBackend {
         .await
     }
 
+    async fn put_many(&self, objects: Vec<(ObjectKey, Bytes)>) -> Result<(), BackendError> {
+        let writes: Vec<(PathBuf, PathBuf, Bytes)> = objects
+            .into_iter()
+            .map(|(key, data)| {
+                let tmp = self.root.join(TMP_DIR).join(format!(
+                    "{}.{}",
+                    key.name(),
+                    crate::id::unique_hex(8)
+                ));
+                (tmp, self.path(&key), data)
+            })
+            .collect();
+        let fs = Arc::clone(&self.fs);
+        blocking(move || {
+            for (tmp, dest, data) in &writes {
+                if let Some(parent) = dest.parent() {
+                    durable::create_dir_all_durably_with(fs.as_ref(), parent)?;
+                }
+                durable::publish_with(fs.as_ref(), tmp, dest, data)?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
     async fn get(&self, key: &ObjectKey) -> Result<Option<Bytes>, BackendError> {
         let path = self.path(key);
         blocking(move || match std::fs::read(&path) {
             Ok(b) => Ok(Some(Bytes::from(b))),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(BackendError::io(&path, e)),
+        })
+        .await
+    }
+
+    async fn get_many(&self, keys: &[ObjectKey]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        let paths: Vec<PathBuf> = keys.iter().map(|k| self.path(k)).collect();
+        blocking(move || {
+            paths
+                .iter()
+                .map(|p| match std::fs::read(p) {
+                    Ok(b) => Ok(Some(Bytes::from(b))),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                    Err(e) => Err(BackendError::io(p, e)),
+                })
+                .collect()
         })
         .await
     }
@@ -183,6 +223,32 @@ mod tests {
         assert_eq!(listed.len(), 1);
         assert_eq!(listed[0].key, k1);
         assert_eq!(listed[0].size, 3);
+        // A run of objects written in one call, then read in one, in the order asked,
+        // absent ones as `None`.
+        let k3 = ObjectKey::new("chunks/cd/cd01").unwrap();
+        b.put_many(vec![
+            (k3.clone(), Bytes::from_static(b"three")),
+            (k2.clone(), Bytes::from_static(b"two")),
+        ])
+        .await
+        .unwrap();
+        assert_eq!(
+            b.get(&k3).await.unwrap(),
+            Some(Bytes::from_static(b"three"))
+        );
+        b.delete(&k3).await.unwrap();
+        let absent = ObjectKey::new("chunks/zz/zz01").unwrap();
+        assert_eq!(
+            b.get_many(&[k2.clone(), absent.clone(), k1.clone()])
+                .await
+                .unwrap(),
+            vec![
+                Some(Bytes::from_static(b"two")),
+                None,
+                Some(Bytes::from_static(b"one"))
+            ]
+        );
+        assert!(b.get_many(&[]).await.unwrap().is_empty());
         b.delete(&k1).await.unwrap();
         b.delete(&k1).await.unwrap();
         assert!(b.list("chunks").await.unwrap().is_empty());

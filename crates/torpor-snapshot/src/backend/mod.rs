@@ -110,8 +110,26 @@ impl BackendError {
 pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Stores `data` under `key`, replacing any object there.
     async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), BackendError>;
+    /// Stores a run of objects (a put's new chunks): remote backends with parallel requests
+    /// (the default), a local one in one blocking call. Each object is as durable as after
+    /// `put` once this returns; on error some may be stored, as after failed `put`s.
+    async fn put_many(&self, objects: Vec<(ObjectKey, Bytes)>) -> Result<(), BackendError> {
+        futures::future::try_join_all(
+            objects
+                .into_iter()
+                .map(|(k, d)| async move { self.put(&k, d).await }),
+        )
+        .await
+        .map(|_| ())
+    }
     /// The object, or `None` when absent.
     async fn get(&self, key: &ObjectKey) -> Result<Option<Bytes>, BackendError>;
+    /// Each object (`None` when absent), in the order of `keys`. A restore asks for a run of
+    /// chunks at once: remote backends answer with parallel requests (the default), a local
+    /// one with one blocking read of them all instead of a thread hand-off per chunk.
+    async fn get_many(&self, keys: &[ObjectKey]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        futures::future::try_join_all(keys.iter().map(|k| self.get(k))).await
+    }
     /// For each key, whether it exists. One call per batch, so remote backends can answer a
     /// batch with parallel requests or one listing.
     async fn exists_many(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, BackendError>;

@@ -102,6 +102,14 @@ impl Backend for FaultyBackend {
         }
         self.inner.put(key, data).await
     }
+    /// One object after another, each through [`Backend::put`]'s faults: a slow store is
+    /// slow for every object of a run.
+    async fn put_many(&self, objects: Vec<(ObjectKey, Bytes)>) -> Result<(), BackendError> {
+        for (key, data) in objects {
+            self.put(&key, data).await?;
+        }
+        Ok(())
+    }
     async fn get(&self, key: &ObjectKey) -> Result<Option<Bytes>, BackendError> {
         self.inner.get(key).await
     }

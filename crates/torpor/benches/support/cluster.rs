@@ -21,10 +21,12 @@ static PINNED: OnceLock<PathBuf> = OnceLock::new();
 /// `dir`, taken at the start. Others build in the same target directory; without this a worker
 /// started later in the run (the loss row starts some) could be another build than the
 /// controllers.
+/// `TORPOR_BIN=PATH` pins another build (the same bench against an older commit's binary).
 pub fn pin_binary(dir: &Path) {
     let to = dir.join("torpor");
-    if std::fs::hard_link(BIN, &to).is_err() {
-        std::fs::copy(BIN, &to).expect("copy the torpor binary");
+    let from = std::env::var_os("TORPOR_BIN").map_or(PathBuf::from(BIN), PathBuf::from);
+    if std::fs::hard_link(&from, &to).is_err() {
+        std::fs::copy(&from, &to).expect("copy the torpor binary");
     }
     let _ = PINNED.set(to);
 }
