@@ -490,11 +490,25 @@ impl WorkerImages {
             .map_err(|e| internal("upload task", e))?
             .map_err(store_status)?;
         let (snapshot, input_bytes, bytes_written) = put;
-        let marker = src.with_extension("snapshot");
-        std::fs::write(&marker, snapshot.as_str())
-            .map_err(|e| internal("cannot record the upload", e))?;
+        let uploaded = Uploaded {
+            snapshot: snapshot.to_string(),
+            input_bytes,
+            bytes_written,
+        };
+        // Under the copies' lock, which `remove` holds while it removes: either the image is
+        // still here and becomes a recorded copy, or it was removed while it uploaded (its
+        // sandbox woke from it, or went) and nothing is recorded (a marker written after the
+        // removal would outlive it).
         let evict = {
             let mut copies = self.copies.lock().unwrap_or_else(|p| p.into_inner());
+            if !src.is_dir() {
+                tracing::debug!(%snapshot, image = %src.display(),
+                    "image removed while it uploaded: no local copy kept");
+                return Ok(uploaded);
+            }
+            let marker = src.with_extension("snapshot");
+            std::fs::write(&marker, snapshot.as_str())
+                .map_err(|e| internal("cannot record the upload", e))?;
             copies.insert(snapshot.to_string(), src.clone());
             oldest_beyond(&mut copies, MAX_LOCAL_COPIES)
         };
@@ -502,11 +516,7 @@ impl WorkerImages {
             remove_copy(&p);
         }
         self.reencode_soon(snapshot.to_string(), src);
-        Ok(Uploaded {
-            snapshot: snapshot.to_string(),
-            input_bytes,
-            bytes_written,
-        })
+        Ok(uploaded)
     }
 
     /// Drops every copy of `snapshot` this worker keeps (the store no longer has it): the
@@ -572,10 +582,10 @@ impl WorkerImages {
             return Err(bad("remove", "only images of the worker's own image area"));
         }
         let p = self.resolve(dir)?;
-        self.copies
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|_, c| *c != p);
+        // The lock is held while the files go: an upload of this image finishing meanwhile
+        // records its copy before (and it goes here) or finds it gone (see `upload`).
+        let mut copies = self.copies.lock().unwrap_or_else(|p| p.into_inner());
+        copies.retain(|_, c| *c != p);
         remove_copy(&p);
         Ok(())
     }
@@ -858,6 +868,113 @@ mod tests {
         for bad in ["", ".", "..", "../x", "a/b", ".tmp-x", "/abs"] {
             assert!(own_name(bad).is_err(), "{bad}");
         }
+    }
+
+    /// A directory store whose manifest writes wait for the test's go (a put held at its
+    /// commit), saying when one is held.
+    #[derive(Debug)]
+    struct Gated {
+        inner: torpor_snapshot::LocalBackend,
+        held: Arc<tokio::sync::Notify>,
+        go: Arc<tokio::sync::Semaphore>,
+    }
+
+    #[async_trait::async_trait]
+    impl Backend for Gated {
+        async fn put(
+            &self,
+            key: &torpor_snapshot::backend::ObjectKey,
+            data: bytes::Bytes,
+        ) -> Result<(), torpor_snapshot::BackendError> {
+            if key.as_str().contains("manifests/") {
+                self.held.notify_one();
+                self.go.acquire().await.expect("gate open").forget();
+            }
+            self.inner.put(key, data).await
+        }
+        async fn get(
+            &self,
+            key: &torpor_snapshot::backend::ObjectKey,
+        ) -> Result<Option<bytes::Bytes>, torpor_snapshot::BackendError> {
+            self.inner.get(key).await
+        }
+        async fn exists_many(
+            &self,
+            keys: &[torpor_snapshot::backend::ObjectKey],
+        ) -> Result<Vec<bool>, torpor_snapshot::BackendError> {
+            self.inner.exists_many(keys).await
+        }
+        async fn delete(
+            &self,
+            key: &torpor_snapshot::backend::ObjectKey,
+        ) -> Result<(), torpor_snapshot::BackendError> {
+            self.inner.delete(key).await
+        }
+        async fn list(
+            &self,
+            prefix: &str,
+        ) -> Result<Vec<torpor_snapshot::backend::ObjectInfo>, torpor_snapshot::BackendError>
+        {
+            self.inner.list(prefix).await
+        }
+    }
+
+    #[tokio::test]
+    async fn an_image_removed_while_it_uploads_leaves_no_record_behind() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = tmp.path().join("store");
+        let (held, go) = (
+            Arc::new(tokio::sync::Notify::new()),
+            Arc::new(tokio::sync::Semaphore::new(0)),
+        );
+        let gated = Arc::new(Gated {
+            inner: torpor_snapshot::LocalBackend::open(&store).unwrap(),
+            held: held.clone(),
+            go: go.clone(),
+        });
+        let open: OpenBackend = Arc::new(move |_loc: &str| Ok(gated.clone() as Arc<dyn Backend>));
+        let w = Arc::new(WorkerImages::open(&tmp.path().join("w"), open, 0).unwrap());
+        w.set_store("shared");
+        let (tmp_dir, dest) = w.staging("sb-1-g1").unwrap().unwrap();
+        std::fs::create_dir_all(&tmp_dir).unwrap();
+        std::fs::write(tmp_dir.join("checkpoint.img"), b"memory").unwrap();
+        w.commit(tmp_dir, dest.clone()).await.unwrap();
+        // The upload is held at its commit; meanwhile the image goes (its sandbox woke from
+        // it), as the controller asks.
+        let upload = {
+            let w = w.clone();
+            tokio::spawn(async move {
+                w.upload("sb-1-g1", &StoreAccess::default(), vec![], None, false)
+                    .await
+            })
+        };
+        held.notified().await;
+        w.remove("sb-1-g1").unwrap();
+        go.add_permits(1);
+        let up = upload.await.unwrap().unwrap();
+        assert!(!dest.exists());
+        assert!(
+            !dest.with_extension("snapshot").exists(),
+            "an upload record outlived its image"
+        );
+        assert!(w.copy_of(&up.snapshot).is_none());
+        // The other order: uploaded first, then removed: both go.
+        let (dest, up) = {
+            let (tmp_dir, dest) = w.staging("sb-1-g2").unwrap().unwrap();
+            std::fs::create_dir_all(&tmp_dir).unwrap();
+            std::fs::write(tmp_dir.join("checkpoint.img"), b"memory 2").unwrap();
+            w.commit(tmp_dir, dest.clone()).await.unwrap();
+            go.add_permits(1);
+            let up = w
+                .upload("sb-1-g2", &StoreAccess::default(), vec![], None, false)
+                .await
+                .unwrap();
+            (dest, up)
+        };
+        assert!(dest.with_extension("snapshot").exists());
+        w.remove("sb-1-g2").unwrap();
+        assert!(!dest.exists() && !dest.with_extension("snapshot").exists());
+        assert!(w.copy_of(&up.snapshot).is_none());
     }
 
     #[tokio::test]

@@ -4,12 +4,16 @@
 //! through the public API, as an operator and an agent developer would drive it.
 //!
 //! Run as root, like the other end-to-end tests (`RUST_TEST_THREADS=1`); PostgreSQL comes
-//! from Debian's package (scripts/deps.sh), started by the test (`store::pg_testing`).
+//! from Debian's package (scripts/deps.sh), started by the test (`store::pg_testing`). The
+//! first test's snapshot store is S3 (`moto_server`, as the snapshot tests use); the others
+//! share a directory as their store.
 
 #[path = "common/brokers.rs"]
 mod brokers;
 #[path = "common/cluster.rs"]
 mod cluster;
+#[path = "../../torpor-snapshot/tests/support/moto.rs"]
+mod moto;
 #[path = "common/cluster_procs.rs"]
 mod procs;
 
@@ -19,7 +23,10 @@ use std::time::{Duration, Instant, SystemTime};
 use serde_json::{json, Value};
 use torpor_cluster::{Ca, MemberName, Role};
 
-use procs::{setup, state_of, Controller, Partition, Worker, CHECK, PATIENCE, STATE, TOKEN};
+use procs::{
+    setup, state_of, use_s3, Controller, Partition, Worker, CHECK, PATIENCE, STATE, TOKEN,
+};
+use torpor_snapshot::backend::{Backend, S3Backend, S3Config};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_cannot_join() {
@@ -30,6 +37,29 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
     };
     let dir = tmp.path();
     let ca = dir.join("ca");
+    // The snapshot store is S3: every worker uploads to it and fetches from it.
+    let moto = moto::Moto::start();
+    moto.create_bucket("torpor-cluster");
+    let endpoint = moto.endpoint();
+    use_s3(
+        dir,
+        "s3://torpor-cluster/e2e",
+        &[
+            ("AWS_ENDPOINT_URL", &endpoint),
+            ("AWS_ACCESS_KEY_ID", "test"),
+            ("AWS_SECRET_ACCESS_KEY", "test"),
+            ("AWS_REGION", "us-east-1"),
+        ],
+    );
+    let s3 = S3Backend::new(&S3Config {
+        endpoint: Some(endpoint.clone()),
+        access_key_id: "test".into(),
+        secret_access_key: "test".into(),
+        allow_http: true,
+        prefix: Some("e2e".into()),
+        ..S3Config::new("torpor-cluster")
+    })
+    .unwrap();
     let controller = Controller::start(dir, &database).await;
     let mut workers: Vec<Worker> = ["w1", "w2", "w3"]
         .iter()
@@ -262,10 +292,18 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
             None,
         )
         .await;
+    let about = |log: String| -> String {
+        log.lines()
+            .filter(|l| l.contains(id.as_str()))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
     assert_eq!(
         copies_of(&w4_images),
         Vec::<String>::new(),
-        "a deleted sandbox leaves no image on its worker"
+        "a deleted sandbox leaves no image on its worker; w4:\n{}\ncontroller:\n{}",
+        about(workers.last().unwrap().log()),
+        about(controller.log())
     );
 
     // A template of its own: built on a worker, its golden snapshot and root filesystem go to
@@ -301,10 +339,26 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
         }
         found
     };
-    let store = dir.join("store");
+    // In the S3 store: its manifests (and pins) by snapshot id.
+    let in_s3 = || async {
+        let mut found: Vec<String> = Vec::new();
+        for prefix in ["manifests", "pins"] {
+            for o in s3.list(prefix).await.expect("list the bucket") {
+                let name = o.key.name().to_string();
+                if name.starts_with("golden-gone-soon-") || name.starts_with("rootfs-gone-soon-") {
+                    found.push(o.key.as_str().to_string());
+                }
+            }
+        }
+        found
+    };
     assert!(
-        !of_template(&store).is_empty(),
+        !in_s3().await.is_empty(),
         "the template's snapshots are in the store"
+    );
+    assert!(
+        !dir.join("store").exists(),
+        "nothing went to a directory store"
     );
     controller
         .ok(
@@ -316,7 +370,7 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
     controller
         .ok(reqwest::Method::DELETE, "/v1/templates/gone-soon", None)
         .await;
-    let mut left = of_template(&store);
+    let mut left = in_s3().await;
     for w in &workers {
         left.extend(of_template(&w.data.join("images")));
     }

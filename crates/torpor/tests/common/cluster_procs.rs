@@ -37,6 +37,31 @@ const HIDE_THEN_EXEC: &str = "n=$1; shift; while [ \"$n\" -gt 0 ]; do \
 pub const CHECK: &str =
     "cat /tmp/state /dev/shm/state; kill -0 $(cat /tmp/pid) && echo process-alive";
 
+/// Makes every controller and worker started in `tmp` from now on use an S3 store (`url`,
+/// `s3://bucket/prefix`) with `env` (its `AWS_*` variables) instead of the directory
+/// `tmp/store`. Kept in files beside the cluster, so it holds for that test's cluster only.
+pub fn use_s3(tmp: &Path, url: &str, env: &[(&str, &str)]) {
+    std::fs::write(tmp.join("store.url"), url).unwrap();
+    let lines: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    std::fs::write(tmp.join("store.env"), lines.join("\n")).unwrap();
+}
+
+/// The store the processes in `tmp` use and the variables they need for it ([`use_s3`]).
+fn store_of(tmp: &Path) -> (String, Vec<(String, String)>) {
+    match std::fs::read_to_string(tmp.join("store.url")) {
+        Ok(url) => {
+            let env = std::fs::read_to_string(tmp.join("store.env"))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| l.split_once('='))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            (url, env)
+        }
+        Err(_) => (tmp.join("store").to_str().unwrap().to_string(), Vec::new()),
+    }
+}
+
 pub struct Controller {
     pub api: String,
     pub cluster: String,
@@ -46,6 +71,8 @@ pub struct Controller {
     pub log: PathBuf,
     pub child: Child,
     args: Vec<std::ffi::OsString>,
+    /// Its store's variables ([`use_s3`]), kept across restarts.
+    env: Vec<(String, String)>,
     /// The cgroup v2 group it runs in ([`Partition::group`]), kept across restarts.
     group: Option<PathBuf>,
 }
@@ -105,12 +132,13 @@ impl Controller {
             std::fs::copy(&first_key, data.join("env.key")).unwrap();
         }
         let log = tmp.join(format!("controller-{name}.log"));
+        let (store, env) = store_of(tmp);
         let args: Vec<std::ffi::OsString> = [
             "controller",
             "--database",
             database,
             "--store",
-            tmp.join("store").to_str().unwrap(),
+            &store,
             "--listen",
             &api,
             "--cluster-listen",
@@ -141,7 +169,7 @@ impl Controller {
         .map(Into::into)
         .collect();
         let group = group.map(Path::to_path_buf);
-        let child = Controller::spawn(&args, std::fs::File::create(&log).unwrap(), &group);
+        let child = Controller::spawn(&args, &env, std::fs::File::create(&log).unwrap(), &group);
         let mut c = Controller {
             api,
             cluster: cluster_addr,
@@ -149,15 +177,22 @@ impl Controller {
             log,
             child,
             args,
+            env,
             group,
         };
         c.wait_up().await;
         c
     }
 
-    fn spawn(args: &[std::ffi::OsString], log: std::fs::File, group: &Option<PathBuf>) -> Child {
+    fn spawn(
+        args: &[std::ffi::OsString],
+        env: &[(String, String)],
+        log: std::fs::File,
+        group: &Option<PathBuf>,
+    ) -> Child {
         let mut cmd = Command::new(cluster::BIN);
         cmd.args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .env("TORPOR_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -217,7 +252,7 @@ impl Controller {
             .append(true)
             .open(&self.log)
             .unwrap();
-        self.child = Controller::spawn(&self.args, log, &self.group);
+        self.child = Controller::spawn(&self.args, &self.env, log, &self.group);
         self.wait_up().await;
     }
 
@@ -395,7 +430,8 @@ pub struct Worker {
 impl Worker {
     /// Worker `name` in a mount namespace of its own in which every controller's data
     /// directory that exists now is an empty, closed tmpfs: as on separate machines, what it
-    /// runs reaches it only through the protocol and the snapshot store (`tmp/store`).
+    /// runs reaches it only through the protocol and the snapshot store (`tmp/store`, or the
+    /// S3 store of [`use_s3`]).
     pub fn start(tmp: &Path, tls: &str, name: &str, controller: &str) -> Worker {
         Worker::start_with(tmp, tls, name, controller, &[])
     }
@@ -478,6 +514,7 @@ impl Worker {
             ])
             .args(["--memory-budget", "2G"])
             .args(extra)
+            .envs(store_of(tmp).1)
             .env("TORPOR_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
