@@ -24,6 +24,10 @@
 //!   request is routed again with the live controllers read afresh, and served here (taking
 //!   the sandbox over) once the holder is gone; while it is still counted alive the call
 //!   answers `503 controller_unavailable` with `Retry-After`.
+//! - A read of a sandbox's record (`GET /v1/sandboxes/{id}`, E2B's `GET /sandboxes/{id}`)
+//!   whose takeover cannot be settled yet (the dead holder's container runs on a worker that
+//!   has not joined this controller: `sandbox_busy`) is answered here from the store: the
+//!   record needs no container. Every other call waits for the takeover.
 //! - Upgrades (WebSockets to a sandbox port) are not forwarded: they answer
 //!   `409 sandbox_elsewhere` unless they reach the holder (a load balancer with affinity, or
 //!   the holder's own address).
@@ -106,6 +110,9 @@ pub async fn forward(State(state): State<Arc<ApiState>>, req: Request, next: Nex
         Ok(Route::Forward(holder)) => {
             tracing::debug!(sandbox = %id, controller = %holder.name, "forwarding a call to the sandbox's controller");
             return forward_to(&state, &me, &id, holder, req, next).await;
+        }
+        Err(e) if e.kind() == ErrorKind::Busy && reads_the_record(&req) => {
+            tracing::debug!(sandbox = %id, error = %e, "the record read here while its takeover waits");
         }
         Err(e) => return ApiError::from(e).into_response(),
     }
@@ -215,6 +222,18 @@ fn without_held_at(mut resp: Response) -> Response {
 }
 
 /// The sandbox a request is about, if it names one.
+/// `GET /v1/sandboxes/{id}` or E2B's `GET /sandboxes/{id}`: the record, nothing more.
+fn reads_the_record(req: &Request) -> bool {
+    if req.method() != Method::GET {
+        return false;
+    }
+    let path = req.uri().path().trim_end_matches('/');
+    ["/v1/sandboxes/", "/sandboxes/"]
+        .iter()
+        .filter_map(|prefix| path.strip_prefix(prefix))
+        .any(|id| !id.is_empty() && !id.contains('/'))
+}
+
 fn sandbox_in(req: &Request) -> Option<SandboxId> {
     let path = req.uri().path();
     let from_path = ["/v1/sandboxes/", "/v2/sandboxes/", "/sandboxes/"]
@@ -383,5 +402,34 @@ mod tests {
             assert_eq!(sandbox_in(&req(other, &[])), None, "{other}");
         }
         assert_eq!(sandbox_in(&req("/v1/sandboxes/..%2f", &[])), None);
+    }
+
+    #[test]
+    fn only_a_get_of_the_record_itself_reads_the_record() {
+        let s = SandboxId::generate();
+        let with = |method: Method, path: String| {
+            let mut r = req(&path, &[]);
+            *r.method_mut() = method;
+            r
+        };
+        for path in [format!("/v1/sandboxes/{s}"), format!("/sandboxes/{s}")] {
+            assert!(reads_the_record(&with(Method::GET, path.clone())), "{path}");
+            assert!(
+                !reads_the_record(&with(Method::DELETE, path.clone())),
+                "{path}"
+            );
+        }
+        for path in [
+            format!("/v1/sandboxes/{s}/files?path=/etc/hostname"),
+            format!("/v1/sandboxes/{s}/exec"),
+            format!("/sandboxes/{s}/metrics"),
+            format!("/v2/sandboxes/{s}/connect"),
+            "/v1/sandboxes/".to_string(),
+        ] {
+            assert!(
+                !reads_the_record(&with(Method::GET, path.clone())),
+                "{path}"
+            );
+        }
     }
 }

@@ -147,6 +147,9 @@ pub(crate) async fn get_sandbox(
     if let Some((worker, node)) = state.engine.resident_worker(&id).await {
         out.worker = Some(worker);
         out.node = node;
+    } else if matches!(out.state.as_str(), "running" | "frozen") {
+        // Resident but not held here (a takeover waiting for its worker): as recorded.
+        out.node = state.engine.recorded_node(&id);
     }
     Ok(Json(out))
 }

@@ -2518,6 +2518,13 @@ async fn a_controller_adopting_a_sandbox_before_its_worker_joins_it_waits_for_th
         "{}",
         c2.log()
     );
+    // Its record needs no container: read through c2 meanwhile, as it stands in the store.
+    let (status, record) = c2
+        .call(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(status, 200, "{record}\n{}", c2.log());
+    assert_eq!(record["state"], "running", "{record}");
+    assert_eq!(record["node"], "w1", "{record}");
 
     cut.heal();
     let deadline = Instant::now() + PATIENCE;

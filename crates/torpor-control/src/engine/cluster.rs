@@ -295,6 +295,13 @@ impl Engine {
         }
     }
 
+    /// The worker recorded for sandbox `id` (cluster mode): where a resident sandbox this
+    /// controller does not hold (yet) runs, for a read of its record.
+    pub fn recorded_node(&self, id: &SandboxId) -> Option<String> {
+        self.controller_name()?;
+        self.store.sandbox_node(id).ok().flatten()
+    }
+
     /// [`Engine::route`] with the live controllers read again now: for a call whose holder
     /// refused the connection (it may have just stopped and given up its row).
     pub async fn route_afresh(&self, id: &SandboxId) -> Result<Route> {
