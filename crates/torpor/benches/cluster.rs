@@ -9,7 +9,8 @@
 //!   TORPOR_BENCH_SETTLE=1 ...   (uploads waited for between batches: see `settle`)
 //!   TORPOR_CLUSTER_ROWS=reencode ... (only the re-encoded copy's rows, below; one worker)
 //!   TORPOR_CLUSTER_ROWS=forwarding ... (only the forwarding rows; two controllers, one worker)
-//!   TORPOR_CLUSTER_ROWS=fetch ... (only a wake on another worker, with the fetch's own time)
+//!   TORPOR_CLUSTER_ROWS=fetch ... (only a wake on another worker, with the fetch's own time;
+//!     TORPOR_BENCH_STORE=s3 puts the store on moto_server's S3)
 //!   TORPOR_CLUSTER_ROWS=stop ... (only a controller's stop: hand-off vs park; see `stop_rows`)
 //!   TORPOR_CLUSTER_ROWS=handover ... (only a pool's hand-over: pass vs drain; `handover_rows`)
 //!   TORPOR_BENCH_WORKER_ARGS="--upload-nice 0" ... (more flags for every worker)
@@ -40,6 +41,8 @@
 mod brokers;
 #[path = "support/cluster.rs"]
 mod cluster;
+#[path = "../../torpor-snapshot/tests/support/moto.rs"]
+mod moto;
 mod support;
 
 use std::collections::BTreeMap;
@@ -484,7 +487,29 @@ async fn fetch_rows(n: usize) {
     };
     let dir = tmp.path();
     let ca = dir.join("ca");
-    let ctl = Controller::start_as(dir, &ca, &database, "c1").await;
+    // `TORPOR_BENCH_STORE=s3`: the store is moto_server's S3 (as the tests use), not a
+    // directory: every fetch is ~3,400 GETs of a Python server on these same two cores.
+    let s3 = std::env::var("TORPOR_BENCH_STORE").as_deref() == Ok("s3");
+    let _moto = s3.then(|| {
+        let moto = moto::Moto::start();
+        moto.create_bucket("torpor-bench");
+        for (k, v) in [
+            ("AWS_ENDPOINT_URL", moto.endpoint()),
+            ("AWS_ACCESS_KEY_ID", "test".into()),
+            ("AWS_SECRET_ACCESS_KEY", "test".into()),
+            ("AWS_REGION", "us-east-1".into()),
+        ] {
+            // Before any process starts; they inherit it.
+            std::env::set_var(k, v);
+        }
+        moto
+    });
+    let store_args: &[&str] = if s3 {
+        &["--store", "s3://torpor-bench/cluster"]
+    } else {
+        &[]
+    };
+    let ctl = Controller::start_at(dir, &ca, &database, "c1", fresh_addrs(), store_args).await;
     let w1 = Worker::start(dir, &ca, "w1", &ctl.cluster);
     ctl.wait_state(&["w1"], "ready").await;
     let c = ctl.client.clone();
@@ -579,6 +604,7 @@ async fn fetch_rows(n: usize) {
     println!(
         "{}",
         json!({"bench": "cluster", "fetch": {"n": n, "rows": json_rows,
+            "store": if s3 { "s3 (moto)" } else { "directory" },
             "wake_over_bare_runsc_p50": p50(0) / p50(2)}})
     );
 }

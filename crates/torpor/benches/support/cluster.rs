@@ -145,9 +145,13 @@ impl Controller {
             .append(true)
             .open(&log)
             .unwrap();
+        // `extra` may name another store (`--store s3://…`, its `AWS_*` variables set in
+        // this process's environment, which every process inherits).
+        let store = tmp.join("store");
+        let default_store = ["--store", store.to_str().unwrap()];
         let child = Command::new(bin())
             .args(["controller", "--database", database])
-            .args(["--store", tmp.join("store").to_str().unwrap()])
+            .args(default_store.iter().filter(|_| !extra.contains(&"--store")))
             .args(["--listen", &api, "--cluster-listen", &cluster])
             .args(["--peer-listen", "127.0.0.1:0"])
             .args(["--tls-dir", tmp.join(name).to_str().unwrap()])
