@@ -120,8 +120,23 @@ async fn suspend_to_s3_wake_verify_corruption_and_server_loss() {
     }
     let (key, orig): (ObjectKey, Bytes) = corrupted.expect("a chunk of the current snapshot");
     let chunk = key.name().to_string();
-    // Another node would have no cache: empty this one so the wake reads S3.
-    for e in std::fs::read_dir(d.dir.join("chunk-cache")).unwrap() {
+    // Another node would have no cache: empty this one so the wake reads S3. Its writer puts
+    // entries on disk once inserts have been quiet for a second, holding them in memory (and
+    // serving them) until then: wait until what it writes stops changing, then empty it.
+    let cache_dir = d.dir.join("chunk-cache");
+    let entries = || std::fs::read_dir(&cache_dir).unwrap().count();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut seen = entries();
+    loop {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let now = entries();
+        if now > 0 && now == seen {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the chunk cache never settled");
+        seen = now;
+    }
+    for e in std::fs::read_dir(&cache_dir).unwrap() {
         std::fs::remove_file(e.unwrap().path()).unwrap();
     }
     let e = c.resume(&id).await.unwrap_err();
