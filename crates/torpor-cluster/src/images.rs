@@ -41,7 +41,8 @@ use prometheus::{IntCounterVec, Opts, Registry};
 use tonic::Status;
 use torpor_runtime::node::{StoreAccess, StoredFiles, Uploaded};
 use torpor_snapshot::{
-    Backend, ChunkCache, PutOptions, SnapshotId, Store, StoreConfig, StoreError, TenantKey,
+    Backend, ChunkCache, PackCatalog, PutOptions, SnapshotId, Store, StoreConfig, StoreError,
+    TenantKey,
 };
 
 use crate::convert::bad;
@@ -63,6 +64,10 @@ pub struct WorkerImages {
     open: OpenBackend,
     chunk_cache: Option<Arc<ChunkCache>>,
     backend: Mutex<Option<(String, Arc<dyn Backend>)>>,
+    /// `--pack-size` (`None`: packs on S3, none on a directory; see `pack_bytes_for`).
+    pack_size: Option<u64>,
+    /// What this worker learnt of each namespace's packs (a store is opened per call).
+    catalogs: Mutex<HashMap<Option<String>, Arc<PackCatalog>>>,
     /// Snapshot id -> the local copy in `images/`.
     copies: Arc<Mutex<HashMap<String, PathBuf>>>,
     /// Images restores read now (a count per directory): never re-encoded under them.
@@ -161,6 +166,8 @@ impl WorkerImages {
             open,
             chunk_cache,
             backend: Mutex::new(None),
+            pack_size: None,
+            catalogs: Mutex::default(),
             copies: Arc::new(Mutex::new(copies)),
             restoring: Arc::default(),
             reencode: true,
@@ -185,6 +192,12 @@ impl WorkerImages {
 
     /// The nice value of the threads that upload (default [`UPLOAD_NICE`]; 0: normal priority).
     /// The first upload of the process fixes it.
+    /// Bytes per pack of this worker's uploads (`Some(0)`: none; `None`: by the store).
+    pub fn with_pack_size(mut self, pack_size: Option<u64>) -> Self {
+        self.pack_size = pack_size;
+        self
+    }
+
     pub fn with_upload_nice(mut self, nice: i32) -> Self {
         self.upload_nice = nice.clamp(0, 19);
         self
@@ -261,12 +274,11 @@ impl WorkerImages {
     }
 
     fn store(&self, access: &StoreAccess) -> Result<Arc<Store>, Status> {
-        let backend = self
+        let (location, backend) = self
             .backend
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(|(_, b)| b.clone())
+            .clone()
             .ok_or_else(|| {
                 Status::failed_precondition(
                     "this worker has no snapshot store (no controller announced one, or it \
@@ -276,9 +288,22 @@ impl WorkerImages {
         let cfg = StoreConfig {
             key: access.key.map(TenantKey::from_bytes),
             namespace: access.namespace.clone(),
+            pack_bytes: torpor_snapshot::pack_bytes_for(
+                self.pack_size,
+                location.starts_with("s3://"),
+            ),
             ..StoreConfig::default()
         };
-        let mut store = Store::new(backend, cfg).map_err(store_status)?;
+        let catalog = self
+            .catalogs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(access.namespace.clone())
+            .or_default()
+            .clone();
+        let mut store = Store::new(backend, cfg)
+            .map_err(store_status)?
+            .with_catalog(catalog);
         if let Some(c) = &self.chunk_cache {
             store = store.with_cache(c.clone());
         }

@@ -151,6 +151,9 @@ pub struct SnapshotConfig {
     pub key_dir: Option<PathBuf>,
     /// Total time one S3 request may spend retrying (default 60 s).
     pub s3_retry_timeout: Option<Duration>,
+    /// Pack new chunks into objects of about this many bytes (`torpor_snapshot::pack`);
+    /// `None`: `torpor_snapshot::pack_bytes_for`'s default; `Some(0)`: one object per chunk.
+    pub pack_bytes: Option<u64>,
 }
 
 pub const DEFAULT_REMOTE_CACHE: u64 = 1 << 30;
@@ -161,6 +164,7 @@ pub struct Snapshots {
     cache: Option<Arc<ChunkCache>>,
     shared: Option<Arc<Store>>,
     key_dir: Option<PathBuf>,
+    packs: Option<usize>,
     per_tenant: Mutex<HashMap<TenantId, Arc<Store>>>,
     pub(crate) keep: Option<usize>,
     pub(crate) gc_interval: Option<Duration>,
@@ -207,9 +211,13 @@ impl Snapshots {
                 "--keep-snapshots must be at least 1 (the current snapshot is always kept)".into(),
             ));
         }
+        let packs = torpor_snapshot::pack_bytes_for(cfg.pack_bytes, remote);
         let shared = if cfg.key_dir.is_none() {
-            let mut store =
-                Store::new(backend.clone(), StoreConfig::default()).map_err(store_error)?;
+            let store_cfg = StoreConfig {
+                pack_bytes: packs,
+                ..StoreConfig::default()
+            };
+            let mut store = Store::new(backend.clone(), store_cfg).map_err(store_error)?;
             if let Some(c) = &cache {
                 store = store.with_cache(c.clone());
             }
@@ -247,13 +255,14 @@ impl Snapshots {
         metrics.register(Box::new(cache_misses.clone()));
         metrics.register(Box::new(gc_runs.clone()));
         metrics.register(Box::new(gc_removed.clone()));
-        tracing::info!(store = %description, cache_bytes, encrypted = cfg.key_dir.is_some(),
+        tracing::info!(store = %description, cache_bytes, pack_bytes = ?packs, encrypted = cfg.key_dir.is_some(),
             keep = ?cfg.keep_snapshots, gc_interval = ?cfg.gc_interval, "snapshot store");
         Ok(Snapshots {
             backend,
             cache,
             shared,
             key_dir: cfg.key_dir.clone(),
+            packs,
             per_tenant: Mutex::default(),
             keep: cfg.keep_snapshots,
             gc_interval: cfg.gc_interval,
@@ -288,6 +297,7 @@ impl Snapshots {
         let cfg = StoreConfig {
             key: Some(key),
             namespace: Some(tenant.as_str().to_string()),
+            pack_bytes: self.packs,
             ..StoreConfig::default()
         };
         let mut store = Store::new(self.backend.clone(), cfg).map_err(store_error)?;

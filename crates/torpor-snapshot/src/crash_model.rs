@@ -459,8 +459,10 @@ fn make_checkpoint(dir: &Path, seed: u8) -> BTreeMap<PathBuf, Vec<u8>> {
     files
 }
 
-fn small_chunks() -> StoreConfig {
+/// The crash model's store: loose chunks, or packs of about 64 KiB (so a put writes several).
+fn small_chunks(packed: bool) -> StoreConfig {
     StoreConfig {
+        pack_bytes: packed.then_some(64 * 1024),
         chunking: crate::manifest::ChunkParams {
             min: 4 * 1024,
             avg: 16 * 1024,
@@ -493,10 +495,11 @@ async fn check_store_after_crash(
     scratch: &Path,
     committed: &[SnapshotId],
     contents: &HashMap<SnapshotId, BTreeMap<PathBuf, Vec<u8>>>,
+    packed: bool,
 ) -> Result<(), String> {
     let backend: Arc<dyn Backend> =
         Arc::new(LocalBackend::open(root).map_err(|e| format!("open: {e}"))?);
-    let store = Store::new(backend, small_chunks()).map_err(|e| format!("store: {e}"))?;
+    let store = Store::new(backend, small_chunks(packed)).map_err(|e| format!("store: {e}"))?;
     let listed = store
         .list_snapshots()
         .await
@@ -560,7 +563,9 @@ where
     }
 }
 
-async fn record_two_puts() -> (
+async fn record_two_puts(
+    packed: bool,
+) -> (
     tempfile::TempDir,
     Vec<Op>,
     HashMap<SnapshotId, BTreeMap<PathBuf, Vec<u8>>>,
@@ -571,7 +576,7 @@ async fn record_two_puts() -> (
     let fs = RecordingFs::new(&base);
     let root = base.join("store");
     let backend = LocalBackend::open_with(root.clone(), fs.clone()).unwrap();
-    let store = Store::new(Arc::new(backend), small_chunks()).unwrap();
+    let store = Store::new(Arc::new(backend), small_chunks(packed)).unwrap();
     let mut contents = HashMap::new();
     let mut parent = None;
     for seed in [1u8, 2] {
@@ -581,8 +586,15 @@ async fn record_two_puts() -> (
         let manifest = store.load_manifest(&put.id).await.unwrap();
         let mut paths = vec![root.join(store.manifest_key(&put.id).as_str())];
         for (chunk, _) in manifest.chunk_refs() {
-            paths.push(root.join(store.chunk_key(chunk).as_str()));
+            match manifest.packs.get(chunk) {
+                Some(loc) => {
+                    paths.push(root.join(store.pack_key(&loc.pack).as_str()));
+                    paths.push(root.join(store.pack_index_key(&loc.pack).as_str()));
+                }
+                None => paths.push(root.join(store.chunk_key(chunk).as_str())),
+            }
         }
+        assert_eq!(manifest.packs.is_empty(), !packed);
         fs.returned(put.id.as_str(), paths);
         contents.insert(put.id.clone(), files);
         parent = Some(put.id);
@@ -592,26 +604,37 @@ async fn record_two_puts() -> (
 
 #[tokio::test]
 async fn store_puts_fsync_before_they_publish_and_before_they_return() {
-    let (_t, ops, _) = record_two_puts().await;
-    assert!(
-        ops.iter().filter(|op| matches!(op, Op::Rename(..))).count() > 10,
-        "the puts wrote several chunks: {ops:?}"
-    );
-    check_order(&ops).unwrap();
+    for packed in [false, true] {
+        let (_t, ops, _) = record_two_puts(packed).await;
+        assert!(
+            ops.iter().filter(|op| matches!(op, Op::Rename(..))).count() > 10,
+            "the puts wrote several chunks or packs: {ops:?}"
+        );
+        check_order(&ops).unwrap();
+    }
 }
 
-#[tokio::test]
-async fn a_crash_at_any_step_of_a_put_leaves_every_listed_snapshot_complete() {
-    let (_t, ops, contents) = record_two_puts().await;
+async fn crash_at_every_step_of_two_puts(packed: bool) {
+    let (_t, ops, contents) = record_two_puts(packed).await;
     let contents = &contents;
     crash_at_every_step(&ops, |state, scratch, returned| async move {
         let committed: Vec<SnapshotId> = returned
             .iter()
             .map(|id| SnapshotId::new(id.as_str()).unwrap())
             .collect();
-        check_store_after_crash(&state.join("store"), &scratch, &committed, contents).await
+        check_store_after_crash(&state.join("store"), &scratch, &committed, contents, packed).await
     })
     .await;
+}
+
+#[tokio::test]
+async fn a_crash_at_any_step_of_a_put_leaves_every_listed_snapshot_complete() {
+    crash_at_every_step_of_two_puts(false).await;
+}
+
+#[tokio::test]
+async fn a_crash_at_any_step_of_a_packed_put_leaves_every_listed_snapshot_complete() {
+    crash_at_every_step_of_two_puts(true).await;
 }
 
 /// What the engine does with a runsc checkpoint: runsc writes files (unsynced), the engine

@@ -1,5 +1,7 @@
 //! Garbage collection: retention (keep the last N snapshots per sandbox, never a pinned one),
-//! then mark chunks from every remaining manifest and sweep the rest.
+//! then mark chunks from every remaining manifest and sweep the rest. A pack is live while a
+//! remaining manifest locates a chunk in it; every other pack goes (its index first), those
+//! of failed puts included. A live pack is kept whole, however little of it is used.
 //!
 //! Safety: the collector holds the store's exclusive lock (see `lock`), so no put or fork is in
 //! flight while it marks and sweeps, and none starts until it is done. Any manifest that cannot
@@ -14,6 +16,7 @@ use futures::{StreamExt, TryStreamExt};
 use crate::error::StoreError;
 use crate::id::{ChunkId, SnapshotId};
 use crate::lock::LockKind;
+use crate::pack::PackId;
 use crate::store::{Store, LABEL_SANDBOX};
 
 #[derive(Debug, Clone, Default)]
@@ -34,6 +37,12 @@ pub struct GcReport {
     pub snapshots_removed: Vec<SnapshotId>,
     pub chunks_live: u64,
     pub chunks_removed: u64,
+    /// Packs removed (each with its index); their bytes are in `bytes_freed`.
+    pub packs_removed: u64,
+    pub packs_live: u64,
+    /// Bytes of the live packs, and of the chunks in them that remaining snapshots use.
+    pub pack_bytes_live: u64,
+    pub pack_bytes_used: u64,
     pub bytes_freed: u64,
 }
 
@@ -74,13 +83,28 @@ impl Store {
             }
         }
 
+        // Loose chunks are marked by id, packed ones by their pack (and location, for the
+        // used bytes).
         let mut live: HashSet<ChunkId> = HashSet::new();
+        let mut live_locs = HashSet::new();
         for m in manifests.iter().filter(|m| !remove.contains(&m.id)) {
-            live.extend(m.chunk_refs().map(|(c, _)| *c));
+            for (c, _) in m.chunk_refs() {
+                match m.packs.get(c) {
+                    Some(loc) => {
+                        live_locs.insert(*loc);
+                    }
+                    None => {
+                        live.insert(*c);
+                    }
+                }
+            }
         }
+        let live_packs: HashSet<PackId> = live_locs.iter().map(|l| l.pack).collect();
         let mut report = GcReport {
             snapshots_kept: (manifests.len() - remove.len()) as u64,
-            chunks_live: live.len() as u64,
+            chunks_live: (live.len() + live_locs.len()) as u64,
+            packs_live: live_packs.len() as u64,
+            pack_bytes_used: live_locs.iter().map(|l| u64::from(l.len)).sum(),
             ..GcReport::default()
         };
         let mut removed: Vec<SnapshotId> = remove.into_iter().collect();
@@ -102,19 +126,44 @@ impl Store {
         }
         report.chunks_removed = garbage.len() as u64;
         report.bytes_freed = garbage.iter().map(|o| o.size).sum();
+        // Indexes before packs: a pack never outlives its index unnoticed (the next run
+        // removes an index-less pack as it removes any unreferenced one).
+        let unreferenced = |o: &crate::backend::ObjectInfo| {
+            PackId::from_hex(o.key.name()).map_or(true, |p| !live_packs.contains(&p))
+        };
+        for o in self.backend().list(&self.area("packidx")).await? {
+            if unreferenced(&o) {
+                garbage.push(o);
+            }
+        }
+        for o in self.backend().list(&self.area("packs")).await? {
+            if unreferenced(&o) {
+                report.packs_removed += 1;
+                report.bytes_freed += o.size;
+                garbage.push(o);
+            } else {
+                report.pack_bytes_live += o.size;
+            }
+        }
         if !opts.dry_run {
             let backend = self.backend().clone();
-            futures::stream::iter(garbage.into_iter().map(|o| {
-                let backend = backend.clone();
-                async move { backend.delete(&o.key).await }
-            }))
-            .buffer_unordered(self.config().parallelism.max(1))
-            .try_collect::<Vec<()>>()
-            .await?;
+            let (packs, rest): (Vec<_>, Vec<_>) = garbage
+                .into_iter()
+                .partition(|o| o.key.as_str().starts_with(&self.area("packs/")));
+            for batch in [rest, packs] {
+                futures::stream::iter(batch.into_iter().map(|o| {
+                    let backend = backend.clone();
+                    async move { backend.delete(&o.key).await }
+                }))
+                .buffer_unordered(self.config().parallelism.max(1))
+                .try_collect::<Vec<()>>()
+                .await?;
+            }
         }
         tracing::info!(
             removed_snapshots = report.snapshots_removed.len(),
             removed_chunks = report.chunks_removed,
+            removed_packs = report.packs_removed,
             freed = report.bytes_freed,
             dry_run = opts.dry_run,
             "garbage collection done"

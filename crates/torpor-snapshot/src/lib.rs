@@ -26,6 +26,7 @@ pub mod gvisor;
 pub mod id;
 pub mod lock;
 pub mod manifest;
+pub mod pack;
 pub mod reencode;
 pub mod store;
 
@@ -40,6 +41,8 @@ pub use error::StoreError;
 pub use gc::{GcOptions, GcReport};
 pub use id::{ChunkId, IdError, SnapshotId};
 pub use manifest::{Manifest, ManifestError};
+pub use pack::{PackCatalog, PackId, PackLoc};
 pub use store::{
-    GetStats, PutOptions, PutReport, PutStats, Store, StoreConfig, StoreStats, VerifyReport,
+    pack_bytes_for, GetStats, PutOptions, PutReport, PutStats, Store, StoreConfig, StoreStats,
+    VerifyReport, DEFAULT_PACK_BYTES,
 };

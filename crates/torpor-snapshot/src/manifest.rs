@@ -4,7 +4,7 @@
 //! Layout (integers little-endian, strings as u32 length + UTF-8):
 //!
 //! ```text
-//! header   "TORPSNAP" | version u16 (=1) | reserved u16 (=0) | body_len u64
+//! header   "TORPSNAP" | version u16 (1, or 2 with packs) | reserved u16 (=0) | body_len u64
 //! body     id str | has_parent u8 [parent str] | created_unix_ms u64
 //!          | chunk_min u32 | chunk_avg u32 | chunk_max u32
 //!          | label_count u16 { key str | value str }
@@ -15,6 +15,11 @@
 //!            kind 3 gVisor:   header bytes(u32 len) | frame_size u32 | original_size u64
 //!                             | inflated_size u64 | extents
 //!          extents = count u32 { offset u64 | len u64 | kind u8 (0 zero run, 1 chunk) [id 32] }
+//!          version 2 only (a packed store, see `pack`):
+//!          | pack_count u32 { pack id 32 }    strictly ascending, each one used
+//!          | loc_count u32 { chunk id 32 | pack u32 (index above) | offset u64 | len u32 }
+//!                                             strictly ascending by chunk id, each chunk one of
+//!                                             the extents'; a chunk without one is its own object
 //! trailer  BLAKE3(header | body), 32 bytes
 //! ```
 //!
@@ -22,13 +27,17 @@
 //! the bytes that remain, never preallocates from a declared count, and requires extents to be
 //! contiguous from offset 0 and to add up to the file's size.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 
 use crate::chunk::MAX_CHUNK_LEN;
 use crate::id::{ChunkId, IdError, SnapshotId};
+use crate::pack::{PackId, PackLoc};
 
 pub const MAGIC: &[u8; 8] = b"TORPSNAP";
+/// The version written when no chunk is packed (readable by builds that predate packs).
 pub const VERSION: u16 = 1;
+/// The version written when chunks are packed.
+pub const VERSION_PACKED: u16 = 2;
 /// Largest manifest accepted, encoded.
 pub const MAX_MANIFEST_BYTES: usize = 256 * 1024 * 1024;
 pub const MAX_FILES: u32 = 1_000_000;
@@ -50,7 +59,7 @@ pub enum ManifestError {
     Size { len: usize },
     #[error("not a torpor snapshot manifest (wrong magic)")]
     BadMagic,
-    #[error("manifest version {found} is not supported (this build reads {VERSION})")]
+    #[error("manifest version {found} is not supported (this build reads {VERSION} and {VERSION_PACKED})")]
     UnsupportedVersion { found: u16 },
     #[error("manifest checksum does not match its content")]
     Checksum,
@@ -160,6 +169,8 @@ pub struct Manifest {
     /// Free-form labels (`sandbox`, `tenant`, `template`...) used by retention and tools.
     pub labels: Vec<(String, String)>,
     pub files: Vec<FileEntry>,
+    /// Where packed chunks lie; a chunk not here is stored as its own object.
+    pub packs: BTreeMap<ChunkId, PackLoc>,
 }
 
 impl Manifest {
@@ -259,9 +270,32 @@ impl Manifest {
                 }
             }
         }
+        let version = if self.packs.is_empty() {
+            VERSION
+        } else {
+            let ids: std::collections::BTreeSet<PackId> =
+                self.packs.values().map(|l| l.pack).collect();
+            body.extend_from_slice(&(ids.len() as u32).to_le_bytes());
+            for id in &ids {
+                body.extend_from_slice(&id.0);
+            }
+            let index: BTreeMap<PackId, u32> = ids
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (*p, i as u32))
+                .collect();
+            body.extend_from_slice(&(self.packs.len() as u32).to_le_bytes());
+            for (chunk, loc) in &self.packs {
+                body.extend_from_slice(&chunk.0);
+                body.extend_from_slice(&index[&loc.pack].to_le_bytes());
+                body.extend_from_slice(&loc.offset.to_le_bytes());
+                body.extend_from_slice(&loc.len.to_le_bytes());
+            }
+            VERSION_PACKED
+        };
         let mut out = Vec::with_capacity(HEADER_LEN + body.len() + CHECKSUM_LEN);
         out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&version.to_le_bytes());
         out.extend_from_slice(&0u16.to_le_bytes());
         out.extend_from_slice(&(body.len() as u64).to_le_bytes());
         out.extend_from_slice(&body);
@@ -279,7 +313,7 @@ impl Manifest {
             return Err(ManifestError::BadMagic);
         }
         let version = u16::from_le_bytes([bytes[8], bytes[9]]);
-        if version != VERSION {
+        if version != VERSION && version != VERSION_PACKED {
             return Err(ManifestError::UnsupportedVersion { found: version });
         }
         let (covered, sum) = bytes.split_at(bytes.len() - CHECKSUM_LEN);
@@ -395,6 +429,11 @@ impl Manifest {
             };
             files.push(FileEntry { path, mode, kind });
         }
+        let packs = if version == VERSION_PACKED {
+            read_packs(&mut r, &files)?
+        } else {
+            BTreeMap::new()
+        };
         if r.remaining() != 0 {
             return Err(ManifestError::TrailingBytes(r.remaining()));
         }
@@ -421,8 +460,73 @@ impl Manifest {
             chunking,
             labels,
             files,
+            packs,
         })
     }
+}
+
+/// The version 2 section: canonical (ascending, no unused pack, no location of a chunk the
+/// files do not name, at least one location), every location within the caps.
+fn read_packs(
+    r: &mut Reader<'_>,
+    files: &[FileEntry],
+) -> Result<BTreeMap<ChunkId, PackLoc>, ManifestError> {
+    let bad = |what| ManifestError::OutOfRange { what };
+    let pack_count = r.u32("pack count")? as usize;
+    if pack_count > r.remaining() / 32 {
+        return Err(ManifestError::Truncated { what: "packs" });
+    }
+    let mut ids: Vec<PackId> = Vec::new();
+    for _ in 0..pack_count {
+        let id = PackId(r.array::<32>("pack id")?);
+        if ids.last().is_some_and(|last| *last >= id) {
+            return Err(bad("pack order"));
+        }
+        ids.push(id);
+    }
+    let loc_count = r.u32("location count")? as usize;
+    if loc_count == 0 || loc_count > r.remaining() / (32 + 4 + 8 + 4) {
+        return Err(ManifestError::Truncated { what: "locations" });
+    }
+    let named: HashSet<ChunkId> = files
+        .iter()
+        .flat_map(|f| match &f.kind {
+            FileKind::Content { extents, .. } => extents.as_slice(),
+            _ => &[],
+        })
+        .filter_map(|e| match e.data {
+            ExtentData::Chunk(id) => Some(id),
+            ExtentData::Zero => None,
+        })
+        .collect();
+    let mut used = vec![false; ids.len()];
+    let mut packs = BTreeMap::new();
+    let mut last: Option<ChunkId> = None;
+    for _ in 0..loc_count {
+        let chunk = ChunkId(r.array::<32>("located chunk")?);
+        let pack = r.u32("location pack")? as usize;
+        let loc = PackLoc {
+            pack: *ids.get(pack).ok_or(bad("location pack"))?,
+            offset: r.u64("location offset")?,
+            len: r.u32("location length")?,
+        };
+        if last.is_some_and(|l| l >= chunk) {
+            return Err(bad("location order"));
+        }
+        if !named.contains(&chunk) {
+            return Err(bad("located chunk"));
+        }
+        if !loc.in_range() {
+            return Err(bad("location"));
+        }
+        used[pack] = true;
+        last = Some(chunk);
+        packs.insert(chunk, loc);
+    }
+    if used.contains(&false) {
+        return Err(bad("unused pack"));
+    }
+    Ok(packs)
 }
 
 fn read_extents(r: &mut Reader<'_>, size: u64, path: &str) -> Result<Vec<Extent>, ManifestError> {
@@ -612,6 +716,139 @@ pub(crate) mod tests {
                     },
                 },
             ],
+            packs: BTreeMap::new(),
+        }
+    }
+
+    /// `sample()` with `a` and `b` packed (version 2).
+    pub(crate) fn packed_sample() -> Manifest {
+        let mut m = sample();
+        let (p, q) = (PackId::of(b"p"), PackId::of(b"q"));
+        m.packs.insert(
+            ChunkId::of(b"a"),
+            PackLoc {
+                pack: q,
+                offset: 0,
+                len: 120,
+            },
+        );
+        m.packs.insert(
+            ChunkId::of(b"b"),
+            PackLoc {
+                pack: p,
+                offset: 4096,
+                len: 70,
+            },
+        );
+        m
+    }
+
+    #[test]
+    fn packed_round_trip_and_hostile_pack_sections() {
+        let m = packed_sample();
+        let bytes = m.encode();
+        assert_eq!(u16::from_le_bytes([bytes[8], bytes[9]]), VERSION_PACKED);
+        assert_eq!(Manifest::decode(&bytes).unwrap(), m);
+        // Without locations the manifest stays version 1, byte for byte.
+        assert_eq!(
+            u16::from_le_bytes([sample().encode()[8], sample().encode()[9]]),
+            VERSION
+        );
+
+        let reject = |m: &Manifest| Manifest::decode(&m.encode()).unwrap_err();
+        // A location of a chunk no file names.
+        let mut stray = packed_sample();
+        stray.packs.insert(
+            ChunkId::of(b"stray"),
+            PackLoc {
+                pack: PackId::of(b"p"),
+                offset: 0,
+                len: 1,
+            },
+        );
+        assert_eq!(
+            reject(&stray),
+            ManifestError::OutOfRange {
+                what: "located chunk"
+            }
+        );
+        // Past the caps.
+        let mut huge = packed_sample();
+        huge.packs.values_mut().next().unwrap().offset = crate::pack::MAX_PACK_BYTES;
+        assert_eq!(
+            reject(&huge),
+            ManifestError::OutOfRange { what: "location" }
+        );
+        let mut empty = packed_sample();
+        empty.packs.values_mut().next().unwrap().len = 0;
+        assert_eq!(
+            reject(&empty),
+            ManifestError::OutOfRange { what: "location" }
+        );
+
+        // Hand-made sections: body = v1 body + section; re-checksummed.
+        let v1 = sample().encode();
+        let body_v1 = &v1[HEADER_LEN..v1.len() - CHECKSUM_LEN];
+        let with_section = |section: &[u8]| {
+            let mut body = body_v1.to_vec();
+            body.extend_from_slice(section);
+            let mut out = Vec::new();
+            out.extend_from_slice(MAGIC);
+            out.extend_from_slice(&VERSION_PACKED.to_le_bytes());
+            out.extend_from_slice(&0u16.to_le_bytes());
+            out.extend_from_slice(&(body.len() as u64).to_le_bytes());
+            out.extend_from_slice(&body);
+            reseal(out.into_iter().chain([0u8; 32]).collect())
+        };
+        let loc = |chunk: &[u8], pack: u32| {
+            let mut v = ChunkId::of(chunk).0.to_vec();
+            v.extend_from_slice(&pack.to_le_bytes());
+            v.extend_from_slice(&0u64.to_le_bytes());
+            v.extend_from_slice(&10u32.to_le_bytes());
+            v
+        };
+        let (lo, hi) = {
+            let (a, b) = (PackId::of(b"p"), PackId::of(b"q"));
+            (a.min(b), a.max(b))
+        };
+        let section = |packs: &[PackId], locs: &[Vec<u8>]| {
+            let mut s = (packs.len() as u32).to_le_bytes().to_vec();
+            for p in packs {
+                s.extend_from_slice(&p.0);
+            }
+            s.extend_from_slice(&(locs.len() as u32).to_le_bytes());
+            for l in locs {
+                s.extend_from_slice(l);
+            }
+            s
+        };
+        let (mut a_b, ca, cb) = (Vec::new(), ChunkId::of(b"a"), ChunkId::of(b"b"));
+        a_b.push(if ca < cb { loc(b"a", 0) } else { loc(b"b", 0) });
+        a_b.push(if ca < cb { loc(b"b", 0) } else { loc(b"a", 0) });
+        assert!(Manifest::decode(&with_section(&section(&[lo], &a_b))).is_ok());
+        let b_a: Vec<Vec<u8>> = a_b.iter().rev().cloned().collect();
+        for (bytes, what) in [
+            (section(&[lo], &b_a), "location order"),
+            (section(&[hi, lo], &a_b), "pack order"),
+            (section(&[lo, hi], &a_b), "unused pack"),
+            (section(&[lo], &[loc(b"a", 1)]), "location pack"),
+        ] {
+            assert_eq!(
+                Manifest::decode(&with_section(&bytes)).unwrap_err(),
+                ManifestError::OutOfRange { what },
+                "{what}"
+            );
+        }
+        // Version 2 with no location at all is not canonical; counts past the bytes fail fast.
+        for bytes in [section(&[], &[]), {
+            let mut s = section(&[lo], &a_b);
+            s[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+            s
+        }] {
+            assert!(matches!(
+                Manifest::decode(&with_section(&bytes)).unwrap_err(),
+                ManifestError::Truncated { .. }
+            ));
         }
     }
 

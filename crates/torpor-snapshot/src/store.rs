@@ -7,12 +7,14 @@
 //!
 //! ```text
 //! chunks/<first two hex digits>/<chunk id hex>   chunk blobs (see `chunk`)
+//! packs/<2 hex>/<pack id hex>                    many chunk blobs (a packed store, see `pack`)
+//! packidx/<2 hex>/<pack id hex>                  the chunks of one pack
 //! manifests/<snapshot id>                        manifests; written last: the commit marker
 //! pins/<snapshot id>                             retention pins (golden snapshots)
 //! locks/<shared|exclusive>-<random>              put / gc coordination (see `lock`)
 //! ```
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -32,6 +34,7 @@ use crate::gvisor::{self, ImageError, ImageLayout, InflatingReader, StoredFrameW
 use crate::id::{ChunkId, SnapshotId};
 use crate::lock::{LockKind, LockManager};
 use crate::manifest::{ChunkParams, Extent, ExtentData, FileEntry, FileKind, ImageInfo, Manifest};
+use crate::pack::{PackBuilder, PackCatalog, PackId, PackLoc};
 
 /// Label naming the sandbox a snapshot belongs to; retention groups by it.
 pub const LABEL_SANDBOX: &str = "sandbox";
@@ -42,6 +45,21 @@ pub const LABEL_FORKED_FROM: &str = "forked_from";
 /// and stores as one; with `StoreConfig::parallelism` runs in flight, a remote backend sees up
 /// to both multiplied in requests at once.
 const FETCH_RUN: usize = 16;
+/// A run of a packed snapshot's chunks: about 1 MiB of a pack, read with one ranged request.
+const PACKED_FETCH_RUN: usize = 64;
+/// Default `StoreConfig::pack_bytes` where packing is chosen.
+pub const DEFAULT_PACK_BYTES: usize = 4 << 20;
+
+/// Bytes per pack for a store, from an operator's setting (`Some(0)`: none) or, without one,
+/// [`DEFAULT_PACK_BYTES`] on a remote store, where a request per chunk is what a wake and a
+/// park would otherwise pay, and none on a local directory.
+pub fn pack_bytes_for(setting: Option<u64>, remote: bool) -> Option<usize> {
+    match setting {
+        Some(0) => None,
+        Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        None => remote.then_some(DEFAULT_PACK_BYTES),
+    }
+}
 
 /// Default chunking of gVisor image streams (see `docs/BENCHMARKS.md` for the sweep).
 pub const DEFAULT_IMAGE_CHUNKING: ChunkParams = ChunkParams {
@@ -70,6 +88,9 @@ pub struct StoreConfig {
     pub lock_ttl: Duration,
     /// How long a put waits for a running collector (and a collector for running puts).
     pub lock_wait: Duration,
+    /// Pack new chunks into objects of about this many bytes (`None`: one object per chunk).
+    /// See `pack`: a restore then asks for ranges of a few objects, a put writes a few.
+    pub pack_bytes: Option<usize>,
 }
 
 impl Default for StoreConfig {
@@ -88,6 +109,7 @@ impl Default for StoreConfig {
             namespace: None,
             lock_ttl: Duration::from_secs(600),
             lock_wait: Duration::from_secs(30),
+            pack_bytes: None,
         }
     }
 }
@@ -151,6 +173,23 @@ pub struct Store {
     prefix: String,
     locks: LockManager,
     cache: Option<Arc<ChunkCache>>,
+    catalog: Arc<PackCatalog>,
+}
+
+/// One put's progress across its files.
+struct PutState {
+    /// Chunks known stored (the parent's, this put's, those found in the store).
+    known: HashSet<ChunkId>,
+    /// Where the known packed chunks lie (the parent's locations, then this put's).
+    locs: BTreeMap<ChunkId, PackLoc>,
+    /// Packs this put checked exist (catalog entries are hints; see `pack`).
+    checked: HashMap<PackId, bool>,
+    /// New chunks waiting to be encoded in runs (a batch from the chunker is often one chunk).
+    pending: Vec<(ChunkId, Vec<u8>)>,
+    pack: PackBuilder,
+    /// Pack uploads under way (aborted if the put is dropped).
+    uploads: tokio::task::JoinSet<Result<u64, StoreError>>,
+    stats: PutStats,
 }
 
 enum Piece {
@@ -199,6 +238,7 @@ impl Store {
             prefix,
             locks,
             cache: None,
+            catalog: Arc::default(),
         })
     }
 
@@ -211,6 +251,13 @@ impl Store {
     /// Adds a bounded local chunk cache consulted before the backend on get.
     pub fn with_cache(mut self, cache: Arc<ChunkCache>) -> Self {
         self.cache = Some(cache);
+        self
+    }
+
+    /// Shares a catalog of packed chunks with other stores on the same backend and namespace
+    /// (a process that opens a store per call keeps what it learnt; see `pack`).
+    pub fn with_catalog(mut self, catalog: Arc<PackCatalog>) -> Self {
+        self.catalog = catalog;
         self
     }
 
@@ -227,6 +274,20 @@ impl Store {
         // Hex ids always make a valid key.
         ObjectKey::new(format!("{}chunks/{}/{}", self.prefix, &hex[..2], hex))
             .unwrap_or_else(|_| unreachable!("hex chunk keys are valid"))
+    }
+
+    pub(crate) fn pack_key(&self, id: &PackId) -> ObjectKey {
+        self.pack_area_key("packs", id)
+    }
+
+    pub(crate) fn pack_index_key(&self, id: &PackId) -> ObjectKey {
+        self.pack_area_key("packidx", id)
+    }
+
+    fn pack_area_key(&self, area: &str, id: &PackId) -> ObjectKey {
+        let hex = id.to_hex();
+        ObjectKey::new(format!("{}{area}/{}/{}", self.prefix, &hex[..2], hex))
+            .unwrap_or_else(|_| unreachable!("hex pack keys are valid"))
     }
 
     pub(crate) fn manifest_key(&self, id: &SnapshotId) -> ObjectKey {
@@ -285,26 +346,37 @@ impl Store {
         if self.backend.exists_many(&[self.manifest_key(&id)]).await?[0] {
             return Err(StoreError::SnapshotExists { id });
         }
-        let mut known: HashSet<ChunkId> = HashSet::new();
+        let mut st = PutState {
+            known: HashSet::new(),
+            locs: BTreeMap::new(),
+            checked: HashMap::new(),
+            pending: Vec::new(),
+            pack: PackBuilder::default(),
+            uploads: tokio::task::JoinSet::new(),
+            stats: PutStats::default(),
+        };
         if let Some(p) = &opts.parent {
             let pm = self.load_manifest(p).await.map_err(|e| match e {
                 StoreError::SnapshotNotFound { id } => StoreError::ParentNotFound { id },
                 other => other,
             })?;
-            known.extend(pm.chunk_refs().map(|(c, _)| *c));
+            st.known.extend(pm.chunk_refs().map(|(c, _)| *c));
+            st.locs = pm.packs;
+        }
+        if self.cfg.pack_bytes.is_some() && self.catalog.stale() {
+            self.refresh_catalog().await?;
         }
         let root = dir.to_path_buf();
         let entries = tokio::task::spawn_blocking(move || walk(&root)).await??;
-        let mut stats = PutStats::default();
         let mut files = Vec::with_capacity(entries.len());
         for e in entries {
-            stats.files += 1;
+            st.stats.files += 1;
             let kind = match e.kind {
                 WalkKind::Dir => FileKind::Dir,
                 WalkKind::Symlink(target) => FileKind::Symlink { target },
                 WalkKind::File(len) => {
-                    stats.input_bytes += len;
-                    self.put_file(&e.abs, &mut known, &mut stats).await?
+                    st.stats.input_bytes += len;
+                    self.put_file(&e.abs, &mut st).await?
                 }
             };
             files.push(FileEntry {
@@ -313,14 +385,29 @@ impl Store {
                 kind,
             });
         }
-        let manifest = Manifest {
+        // Every pack before the manifest.
+        if let Some(target) = self.cfg.pack_bytes {
+            self.encode_pending(target, 0, &mut st).await?;
+        }
+        self.flush_pack(&mut st);
+        while let Some(written) = st.uploads.join_next().await {
+            st.stats.bytes_written += written??;
+        }
+        let mut manifest = Manifest {
             id: id.clone(),
             parent: opts.parent,
             created_unix_ms: now_ms(),
             chunking: self.cfg.chunking,
             labels: opts.labels,
             files,
+            packs: BTreeMap::new(),
         };
+        let named: HashSet<ChunkId> = manifest.chunk_refs().map(|(c, _)| *c).collect();
+        manifest.packs = std::mem::take(&mut st.locs)
+            .into_iter()
+            .filter(|(c, _)| named.contains(c))
+            .collect();
+        let mut stats = st.stats;
         stats.logical_bytes = manifest.logical_bytes();
         let sealed = self
             .codec
@@ -338,12 +425,7 @@ impl Store {
         Ok(PutReport { id, stats })
     }
 
-    async fn put_file(
-        &self,
-        path: &Path,
-        known: &mut HashSet<ChunkId>,
-        stats: &mut PutStats,
-    ) -> Result<FileKind, StoreError> {
+    async fn put_file(&self, path: &Path, st: &mut PutState) -> Result<FileKind, StoreError> {
         let probe_path = path.to_path_buf();
         let layout = tokio::task::spawn_blocking(move || {
             std::fs::File::open(&probe_path).and_then(gvisor::probe)
@@ -354,9 +436,9 @@ impl Store {
             source,
         })?;
         if let Some(layout) = layout {
-            match self.chunk_file(path, Some(&layout), known, stats).await? {
+            match self.chunk_file(path, Some(&layout), st).await? {
                 Ok((size, extents)) => {
-                    stats.images += 1;
+                    st.stats.images += 1;
                     return Ok(FileKind::Content {
                         size,
                         image: Some(ImageInfo {
@@ -370,11 +452,11 @@ impl Store {
                 Err(e) => {
                     tracing::warn!(path = %path.display(), error = %e, code = e.code(),
                         "gVisor image frames do not inflate cleanly; storing the file opaque");
-                    stats.image_fallbacks += 1;
+                    st.stats.image_fallbacks += 1;
                 }
             }
         }
-        match self.chunk_file(path, None, known, stats).await? {
+        match self.chunk_file(path, None, st).await? {
             Ok((size, extents)) => Ok(FileKind::Content {
                 size,
                 image: None,
@@ -394,8 +476,7 @@ impl Store {
         &self,
         path: &Path,
         image: Option<&ImageLayout>,
-        known: &mut HashSet<ChunkId>,
-        stats: &mut PutStats,
+        st: &mut PutState,
     ) -> Result<Result<(u64, Vec<Extent>), ImageError>, StoreError> {
         let (tx, mut rx) = mpsc::channel::<Piece>(self.cfg.batch * 2);
         let producer = {
@@ -420,7 +501,7 @@ impl Store {
             for piece in batch.drain(..) {
                 match piece {
                     Piece::Zero(len) => {
-                        stats.zero_bytes += len;
+                        st.stats.zero_bytes += len;
                         match extents.last_mut() {
                             Some(Extent {
                                 len: l,
@@ -443,11 +524,11 @@ impl Store {
                             data: ExtentData::Chunk(id),
                         });
                         offset += len;
-                        stats.chunks_total += 1;
-                        if known.insert(id) {
+                        st.stats.chunks_total += 1;
+                        if st.known.insert(id) {
                             to_check.push((id, data));
                         } else {
-                            stats.chunks_reused += 1;
+                            st.stats.chunks_reused += 1;
                         }
                     }
                 }
@@ -455,54 +536,42 @@ impl Store {
             if to_check.is_empty() {
                 continue;
             }
+            if let Some(target) = self.cfg.pack_bytes {
+                self.pack_new_chunks(to_check, target, st).await?;
+                continue;
+            }
+            let stats = &mut st.stats;
             let keys: Vec<ObjectKey> = to_check.iter().map(|(id, _)| self.chunk_key(id)).collect();
             let present = self.backend.exists_many(&keys).await?;
-            let missing: Vec<(ObjectKey, ChunkId, Vec<u8>)> = to_check
+            let missing: Vec<(ChunkId, Vec<u8>)> = to_check
                 .into_iter()
-                .zip(keys)
                 .zip(present)
-                .filter_map(|(((id, data), key), present)| {
+                .filter_map(|(chunk, present)| {
                     if present {
                         stats.chunks_reused += 1;
                         None
                     } else {
-                        Some((key, id, data))
+                        Some(chunk)
                     }
                 })
                 .collect();
             // Runs of new chunks, each encoded in one blocking call and stored with one
             // `put_many`: a thread hand-off per run, not per chunk.
-            let mut runs: Vec<Vec<(ObjectKey, ChunkId, Vec<u8>)>> = Vec::new();
-            for item in missing {
-                match runs.last_mut() {
-                    Some(run) if run.len() < FETCH_RUN => run.push(item),
-                    _ => runs.push(vec![item]),
-                }
-            }
-            let uploads = runs.into_iter().map(|run| {
+            let uploads = runs_of(missing).into_iter().map(|run| {
                 let codec = self.codec.clone();
                 let backend = Arc::clone(&self.backend);
                 let cache = self.cache.clone();
                 async move {
-                    let encoded = tokio::task::spawn_blocking(move || {
-                        run.into_iter()
-                            .map(|(key, id, data)| {
-                                let (blob, _) = codec.encode(&id, &data)?;
-                                Ok((key, id, data.len() as u64, Bytes::from(blob)))
-                            })
-                            .collect::<Result<Vec<_>, crate::chunk::ChunkError>>()
-                    })
-                    .await?
-                    .map_err(StoreError::Encode)?;
+                    let encoded = encode_run(codec, run).await?;
                     let sizes: Vec<(u64, u64)> = encoded
                         .iter()
-                        .map(|(_, _, raw, blob)| (*raw, blob.len() as u64))
+                        .map(|(_, raw, blob)| (*raw, blob.len() as u64))
                         .collect();
                     backend
                         .put_many(
                             encoded
                                 .iter()
-                                .map(|(key, _, _, blob)| (key.clone(), blob.clone()))
+                                .map(|(id, _, blob)| (self.chunk_key(id), blob.clone()))
                                 .collect(),
                         )
                         .await?;
@@ -511,7 +580,7 @@ impl Store {
                         cache.insert_many_in_background(
                             encoded
                                 .into_iter()
-                                .map(|(_, id, _, blob)| (id, blob))
+                                .map(|(id, _, blob)| (id, blob))
                                 .collect(),
                         );
                     }
@@ -542,6 +611,167 @@ impl Store {
                 source,
             }),
         }
+    }
+
+    /// A packed put's batch of chunks not known yet: those the catalog places in a pack that
+    /// still exists are reused, the rest encoded in runs (one blocking call each) and appended
+    /// to the pack being filled, which is uploaded once it holds `target` bytes.
+    async fn pack_new_chunks(
+        &self,
+        to_check: Vec<(ChunkId, Vec<u8>)>,
+        target: usize,
+        st: &mut PutState,
+    ) -> Result<(), StoreError> {
+        let found: Vec<Option<PackLoc>> = to_check
+            .iter()
+            .map(|(id, _)| self.catalog.lookup(id))
+            .collect();
+        let mut unchecked: Vec<PackId> = found
+            .iter()
+            .flatten()
+            .map(|l| l.pack)
+            .filter(|p| !st.checked.contains_key(p))
+            .collect();
+        unchecked.sort();
+        unchecked.dedup();
+        if !unchecked.is_empty() {
+            let keys: Vec<ObjectKey> = unchecked.iter().map(|p| self.pack_key(p)).collect();
+            for (p, present) in unchecked
+                .into_iter()
+                .zip(self.backend.exists_many(&keys).await?)
+            {
+                if !present {
+                    self.catalog.forget(&p);
+                }
+                st.checked.insert(p, present);
+            }
+        }
+        for ((id, data), loc) in to_check.into_iter().zip(found) {
+            match loc {
+                Some(loc) if st.checked.get(&loc.pack) == Some(&true) => {
+                    st.stats.chunks_reused += 1;
+                    st.locs.insert(id, loc);
+                }
+                _ => st.pending.push((id, data)),
+            }
+        }
+        let keep = FETCH_RUN * self.cfg.parallelism.max(1);
+        if st.pending.len() >= keep {
+            self.encode_pending(target, keep, st).await?;
+        }
+        Ok(())
+    }
+
+    /// Encodes the pending chunks in runs, in order, into the pack being filled, until fewer
+    /// than `keep` wait (a put's end passes 0).
+    async fn encode_pending(
+        &self,
+        target: usize,
+        keep: usize,
+        st: &mut PutState,
+    ) -> Result<(), StoreError> {
+        if st.pending.is_empty() || st.pending.len() < keep {
+            return Ok(());
+        }
+        let encodes = runs_of(std::mem::take(&mut st.pending))
+            .into_iter()
+            .map(|run| encode_run(self.codec.clone(), run));
+        // In order: a pack holds chunks as the file has them, so a restore reads it front to
+        // back in a few ranges.
+        let mut encoded = futures::stream::iter(encodes).buffered(self.cfg.parallelism.max(1));
+        while let Some(run) = encoded.next().await {
+            for (id, raw, blob) in run? {
+                st.stats.chunks_new += 1;
+                st.stats.new_chunk_bytes += raw;
+                st.pack.push(id, &blob);
+                if st.pack.len() >= target {
+                    self.flush_pack(st);
+                }
+            }
+            while st.uploads.len() >= self.cfg.parallelism.max(1) {
+                if let Some(written) = st.uploads.join_next().await {
+                    st.stats.bytes_written += written??;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts the upload of the pack being filled (the pack, then its index), recording its
+    /// chunks' locations for the manifest.
+    fn flush_pack(&self, st: &mut PutState) {
+        if st.pack.is_empty() {
+            return;
+        }
+        let (id, bytes, index, locs) = std::mem::take(&mut st.pack).finish();
+        let entries: Vec<(ChunkId, u64, u32)> =
+            locs.iter().map(|(c, l)| (*c, l.offset, l.len)).collect();
+        st.locs.extend(locs.iter().copied());
+        st.checked.insert(id, true);
+        let (backend, catalog, cache) = (
+            Arc::clone(&self.backend),
+            Arc::clone(&self.catalog),
+            self.cache.clone(),
+        );
+        let (pack_key, index_key) = (self.pack_key(&id), self.pack_index_key(&id));
+        st.uploads.spawn(async move {
+            let bytes = Bytes::from(bytes);
+            let written = (bytes.len() + index.len()) as u64;
+            backend.put(&pack_key, bytes.clone()).await?;
+            backend.put(&index_key, Bytes::from(index)).await?;
+            catalog.add(id, &entries);
+            if let Some(cache) = cache {
+                // Write-through: a wake on this node after the suspend reads locally.
+                cache.insert_many_in_background(
+                    entries
+                        .iter()
+                        .map(|(c, offset, len)| {
+                            (
+                                *c,
+                                bytes.slice(*offset as usize..(*offset + u64::from(*len)) as usize),
+                            )
+                        })
+                        .collect(),
+                );
+            }
+            Ok(written)
+        });
+    }
+
+    /// Lists the pack indexes, forgets packs that are gone and reads the new ones' indexes
+    /// (an unreadable one is skipped: it only costs deduplication).
+    async fn refresh_catalog(&self) -> Result<(), StoreError> {
+        let listed: HashMap<PackId, ObjectKey> = self
+            .backend
+            .list(&self.area("packidx"))
+            .await?
+            .into_iter()
+            .filter_map(|o| Some((PackId::from_hex(o.key.name()).ok()?, o.key)))
+            .collect();
+        self.catalog.listed(&listed.keys().copied().collect());
+        let known = self.catalog.known();
+        let new: Vec<(PackId, ObjectKey)> = listed
+            .into_iter()
+            .filter(|(p, _)| !known.contains(p))
+            .collect();
+        let backend = &self.backend;
+        let read: Vec<(PackId, Option<Bytes>)> = futures::stream::iter(
+            new.into_iter()
+                .map(|(p, key)| async move { Ok::<_, StoreError>((p, backend.get(&key).await?)) }),
+        )
+        .buffer_unordered(self.cfg.parallelism.max(1))
+        .try_collect()
+        .await?;
+        for (p, bytes) in read {
+            match bytes.map(|b| crate::pack::decode_index(&b)) {
+                Some(Ok(entries)) => self.catalog.add(p, &entries),
+                Some(Err(e)) => {
+                    tracing::warn!(pack = %p, error = %e, "pack index unreadable; its chunks are not deduplicated against")
+                }
+                None => {}
+            }
+        }
+        Ok(())
     }
 
     /// Reads, opens and verifies a manifest.
@@ -736,11 +966,16 @@ impl Store {
         // and decoded as one: a thread hand-off per run, not several per chunk. Owned parts:
         // a closure over a slice iterator here makes the whole future fail the `Send` check of
         // callers that spawn it (a higher-ranked lifetime).
+        let run_len = if m.packs.is_empty() {
+            FETCH_RUN
+        } else {
+            PACKED_FETCH_RUN
+        };
         let mut runs: Vec<Vec<(ExtentData, u64)>> = Vec::new();
-        let mut in_run = FETCH_RUN;
+        let mut in_run = run_len;
         for e in extents {
             if matches!(e.data, ExtentData::Chunk(_)) {
-                if in_run == FETCH_RUN {
+                if in_run == run_len {
                     runs.push(Vec::new());
                     in_run = 0;
                 }
@@ -811,8 +1046,7 @@ impl Store {
         let hits: Vec<bool> = blobs.iter().map(Option::is_some).collect();
         let misses: Vec<usize> = (0..ids.len()).filter(|&i| !hits[i]).collect();
         if !misses.is_empty() {
-            let keys: Vec<ObjectKey> = misses.iter().map(|&i| self.chunk_key(&ids[i])).collect();
-            let got = self.backend.get_many(&keys).await?;
+            let got = self.get_blobs(m, &ids, &misses).await?;
             for (&i, blob) in misses.iter().zip(got) {
                 blobs[i] = Some(blob.ok_or_else(|| StoreError::ChunkMissing {
                     snapshot: m.id.clone(),
@@ -847,7 +1081,7 @@ impl Store {
                     if let Some(cache) = &self.cache {
                         cache.remove(&id).await;
                     }
-                    plain.push(self.fetch_chunk(&m.id, &id, &f.path).await?);
+                    plain.push(self.fetch_chunk(m, &id, &f.path).await?);
                 }
                 Err(source) => {
                     return Err(StoreError::ChunkCorrupt {
@@ -889,17 +1123,77 @@ impl Store {
         Ok(ops)
     }
 
+    /// The blobs of `ids[i]` for each `i` in `which` (`None`: absent): loose chunks with one
+    /// `get_many`, packed ones with one `get_ranges` per pack, all at once.
+    async fn get_blobs(
+        &self,
+        m: &Manifest,
+        ids: &[ChunkId],
+        which: &[usize],
+    ) -> Result<Vec<Option<Bytes>>, StoreError> {
+        let mut out: Vec<Option<Bytes>> = vec![None; which.len()];
+        let mut loose: Vec<usize> = Vec::new();
+        let mut by_pack: BTreeMap<PackId, Vec<(usize, std::ops::Range<u64>)>> = BTreeMap::new();
+        for (slot, &i) in which.iter().enumerate() {
+            match m.packs.get(&ids[i]) {
+                Some(loc) => by_pack
+                    .entry(loc.pack)
+                    .or_default()
+                    .push((slot, loc.range())),
+                None => loose.push(slot),
+            }
+        }
+        let keys: Vec<ObjectKey> = loose
+            .iter()
+            .map(|&slot| self.chunk_key(&ids[which[slot]]))
+            .collect();
+        let loose_get = async {
+            if keys.is_empty() {
+                Ok(Vec::new())
+            } else {
+                self.backend.get_many(&keys).await
+            }
+        };
+        let packed_get = futures::future::try_join_all(by_pack.iter().map(|(pack, parts)| {
+            let ranges: Vec<std::ops::Range<u64>> = parts.iter().map(|(_, r)| r.clone()).collect();
+            let key = self.pack_key(pack);
+            async move { self.backend.get_ranges(&key, &ranges).await }
+        }));
+        let (loose_got, packed_got) = futures::try_join!(loose_get, packed_get)?;
+        for (slot, blob) in loose.into_iter().zip(loose_got) {
+            out[slot] = blob;
+        }
+        for ((_, parts), got) in by_pack.into_iter().zip(packed_got) {
+            // A missing pack leaves its chunks `None` (reported missing by the caller).
+            if let Some(got) = got {
+                for ((slot, _), blob) in parts.into_iter().zip(got) {
+                    out[slot] = Some(blob);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// One chunk's blob, wherever `m` says it lies.
+    async fn get_blob(&self, m: &Manifest, id: &ChunkId) -> Result<Option<Bytes>, StoreError> {
+        Ok(self
+            .get_blobs(m, std::slice::from_ref(id), &[0])
+            .await?
+            .pop()
+            .flatten())
+    }
+
     /// One verified chunk from the backend (a cache entry that failed its check, refetched).
     /// Returns the plaintext, that the cache did not serve it, and the bytes fetched.
     async fn fetch_chunk(
         &self,
-        snapshot: &SnapshotId,
+        m: &Manifest,
         id: &ChunkId,
         path: &str,
     ) -> Result<(Vec<u8>, bool, u64), StoreError> {
+        let snapshot = &m.id;
         let blob = self
-            .backend
-            .get(&self.chunk_key(id))
+            .get_blob(m, id)
             .await?
             .ok_or_else(|| StoreError::ChunkMissing {
                 snapshot: snapshot.clone(),
@@ -944,15 +1238,14 @@ impl Store {
             futures::stream::iter(jobs.into_iter().map(|(c, path)| {
                 let m = &m;
                 async move {
-                    let blob = self
-                        .backend
-                        .get(&self.chunk_key(&c))
-                        .await?
-                        .ok_or_else(|| StoreError::ChunkMissing {
-                            snapshot: m.id.clone(),
-                            chunk: c,
-                            path: path.clone(),
-                        })?;
+                    let blob =
+                        self.get_blob(m, &c)
+                            .await?
+                            .ok_or_else(|| StoreError::ChunkMissing {
+                                snapshot: m.id.clone(),
+                                chunk: c,
+                                path: path.clone(),
+                            })?;
                     let codec = self.codec.clone();
                     tokio::task::spawn_blocking(move || codec.decode(&c, &blob))
                         .await?
@@ -1073,6 +1366,15 @@ impl Store {
     /// Totals for `torpor snapshot stats`.
     pub async fn stats(&self) -> Result<StoreStats, StoreError> {
         let chunks = self.backend.list(&self.area("chunks")).await?;
+        let packs = self.backend.list(&self.area("packs")).await?;
+        // A pack's chunks are counted from its index's size, without reading it.
+        let packed_chunks: u64 = self
+            .backend
+            .list(&self.area("packidx"))
+            .await?
+            .iter()
+            .map(|o| crate::pack::index_entries(o.size))
+            .sum();
         let ids = self.list_snapshots().await?;
         let mut logical = 0;
         for id in &ids {
@@ -1080,8 +1382,8 @@ impl Store {
         }
         Ok(StoreStats {
             logical_bytes: logical,
-            stored_bytes: chunks.iter().map(|c| c.size).sum(),
-            chunks: chunks.len() as u64,
+            stored_bytes: chunks.iter().chain(&packs).map(|c| c.size).sum(),
+            chunks: chunks.len() as u64 + packed_chunks,
             snapshots: ids.len() as u64,
         })
     }
@@ -1112,6 +1414,35 @@ impl StoreStats {
             self.logical_bytes, self.stored_bytes, self.chunks, self.snapshots
         )
     }
+}
+
+/// `items` in runs of [`FETCH_RUN`], in order.
+fn runs_of<T>(items: Vec<T>) -> Vec<Vec<T>> {
+    let mut runs: Vec<Vec<T>> = Vec::new();
+    for item in items {
+        match runs.last_mut() {
+            Some(run) if run.len() < FETCH_RUN => run.push(item),
+            _ => runs.push(vec![item]),
+        }
+    }
+    runs
+}
+
+/// New chunks encoded in one blocking call: (id, plaintext length, blob) each.
+async fn encode_run(
+    codec: ChunkCodec,
+    run: Vec<(ChunkId, Vec<u8>)>,
+) -> Result<Vec<(ChunkId, u64, Bytes)>, StoreError> {
+    tokio::task::spawn_blocking(move || {
+        run.into_iter()
+            .map(|(id, data)| {
+                let (blob, _) = codec.encode(&id, &data)?;
+                Ok((id, data.len() as u64, Bytes::from(blob)))
+            })
+            .collect::<Result<Vec<_>, crate::chunk::ChunkError>>()
+    })
+    .await?
+    .map_err(StoreError::Encode)
 }
 
 pub(crate) fn now_ms() -> u64 {

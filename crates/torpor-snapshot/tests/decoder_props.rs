@@ -8,7 +8,7 @@ use proptest::prelude::*;
 use torpor_snapshot::manifest::{
     ChunkParams, Extent, ExtentData, FileEntry, FileKind, ImageInfo, Manifest,
 };
-use torpor_snapshot::{ChunkCodec, ChunkId, SnapshotId};
+use torpor_snapshot::{ChunkCodec, ChunkId, PackId, PackLoc, SnapshotId};
 
 fn id_strategy() -> impl Strategy<Value = SnapshotId> {
     "[a-z0-9][a-z0-9._-]{0,40}".prop_map(|s| SnapshotId::new(s).unwrap())
@@ -102,7 +102,27 @@ fn manifest_strategy() -> impl Strategy<Value = Manifest> {
                 },
                 labels,
                 files,
+                packs: Default::default(),
             }
+        })
+        // Pack no chunk, every other one, or every one (version 1 or 2), by the creation time.
+        .prop_map(move |mut m| {
+            let chunks: std::collections::BTreeSet<ChunkId> =
+                m.chunk_refs().map(|(c, _)| *c).collect();
+            for (i, c) in chunks.into_iter().enumerate() {
+                if m.created_unix_ms % 3 == 0 || (m.created_unix_ms % 3 == 1 && i % 2 == 0) {
+                    continue;
+                }
+                m.packs.insert(
+                    c,
+                    PackLoc {
+                        pack: PackId::of(&[(i % 3) as u8]),
+                        offset: i as u64 * 1000,
+                        len: 1 + i as u32,
+                    },
+                );
+            }
+            m
         })
 }
 

@@ -124,6 +124,62 @@ async fn s3_backend_against_moto() {
     );
     assert!(store.verify(&put.id).await.unwrap().problems.is_empty());
 
+    // Ranged reads (the backend contract), then a packed store on the same server.
+    let r = ObjectKey::new("probe/ranges").unwrap();
+    backend
+        .put(&r, Bytes::from_static(b"0123456789"))
+        .await
+        .unwrap();
+    let parts = backend
+        .get_ranges(&r, &[2..5, 7..10, 0..1])
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(parts, vec![&b"234"[..], &b"789"[..], &b"0"[..]]);
+    assert_eq!(
+        backend
+            .get_ranges(&ObjectKey::new("probe/none").unwrap(), &[0..1, 2..3])
+            .await
+            .unwrap(),
+        None
+    );
+    backend.delete(&r).await.unwrap();
+    let packed_backend: Arc<dyn Backend> = Arc::new(
+        S3Backend::new(&S3Config {
+            prefix: Some("fleet-p".into()),
+            ..s3_config(&moto, "torpor-snapshots")
+        })
+        .unwrap(),
+    );
+    let packed = Store::new(
+        packed_backend.clone(),
+        StoreConfig {
+            pack_bytes: Some(256 * 1024),
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    let p1 = packed.put_dir(&src, None).await.unwrap();
+    assert!(packed_backend.list("chunks").await.unwrap().is_empty());
+    let packs = packed_backend.list("packs").await.unwrap();
+    assert!(!packs.is_empty() && packs.len() < p1.stats.chunks_new as usize / 4);
+    assert_eq!(
+        packed_backend.list("packidx").await.unwrap().len(),
+        packs.len()
+    );
+    let dest = t.path().join("packed-out");
+    packed.get_dir(&p1.id, &dest).await.unwrap();
+    assert_eq!(
+        std::fs::read(dest.join("fs/state.txt")).unwrap(),
+        std::fs::read(src.join("fs/state.txt")).unwrap()
+    );
+    assert!(packed.verify(&p1.id).await.unwrap().problems.is_empty());
+    packed.delete_snapshot(&p1.id).await.unwrap();
+    let report = packed.gc(&GcOptions::default()).await.unwrap();
+    assert_eq!(report.packs_removed as usize, packs.len());
+    assert!(packed_backend.list("packs").await.unwrap().is_empty());
+    assert!(packed_backend.list("packidx").await.unwrap().is_empty());
+
     // Server gone mid-life: a put fails with a clear remote error within the retry budget.
     moto.stop();
     let started = Instant::now();

@@ -74,6 +74,11 @@ pub struct StoreArgs {
     /// How long one S3 request may keep retrying, in seconds.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub store_retry_timeout: u64,
+    /// Pack new snapshot chunks into objects of about this size, e.g. 4M, so a wake reads a
+    /// few ranges and a park writes a few objects instead of one per chunk; 0 stores each
+    /// chunk as its own object (default: 4M for s3://, 0 for a local store).
+    #[arg(long, value_parser = parse_cache_size)]
+    pub pack_size: Option<u64>,
 }
 
 pub fn parse_cache_size(s: &str) -> Result<u64, String> {
@@ -92,6 +97,7 @@ impl StoreArgs {
             gc_interval: self.gc_interval.map(Duration::from_secs),
             key_dir: self.snapshot_keys.clone(),
             s3_retry_timeout: Some(Duration::from_secs(self.store_retry_timeout)),
+            pack_bytes: self.pack_size,
         }
     }
 }

@@ -94,6 +94,10 @@ pub struct WorkerArgs {
     /// turns it off (default 1G).
     #[arg(long, value_parser = crate::snapshot::parse_cache_size)]
     chunk_cache: Option<u64>,
+    /// Pack the chunks this worker uploads into objects of about this size, e.g. 4M; 0 stores
+    /// each chunk as its own object (default: 4M when the store is s3://, else 0).
+    #[arg(long, value_parser = crate::snapshot::parse_cache_size)]
+    pack_size: Option<u64>,
     /// Serve GET /metrics (TLS refusals; with GPUs, the GPU families with their holders'
     /// tenants and sandboxes) without a token on this address: keep it private.
     #[arg(long)]
@@ -189,7 +193,8 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     )
     .context("cannot prepare the worker's image directories")?
     .with_reencoding(args.reencode_images)
-    .with_upload_nice(args.upload_nice);
+    .with_upload_nice(args.upload_nice)
+    .with_pack_size(args.pack_size);
     if let Some(addr) = args.metrics_listen {
         let registry = prometheus::Registry::new();
         metrics.register(&registry)?;

@@ -360,6 +360,12 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
         !dir.join("store").exists(),
         "nothing went to a directory store"
     );
+    // Workers pack what they upload to S3 (the default there): packs and their indexes, no
+    // object per chunk.
+    let packs = s3.list("packs").await.expect("list the bucket");
+    assert!(!packs.is_empty());
+    assert_eq!(s3.list("packidx").await.expect("list").len(), packs.len());
+    assert!(s3.list("chunks").await.expect("list").is_empty());
     controller
         .ok(
             reqwest::Method::DELETE,

@@ -80,12 +80,19 @@ async fn suspend_to_s3_wake_verify_corruption_and_server_loss() {
     let id = create(&c, "s3agent").await;
     assert_eq!(call_agent(&c, &id, "a").await, (1, 1));
 
-    // Suspend: the checkpoint goes to S3 (manifest and chunks), not to the node's store dir.
+    // Suspend: the checkpoint goes to S3 (manifest and packs of chunks: the default on S3, so
+    // a wake reads a few ranges, not an object per chunk), not to the node's store dir.
     let s = c.suspend(&id, Some(Tier::Suspended)).await.unwrap();
     assert_eq!(s.state, "suspended");
     let manifests = s3.list("manifests").await.unwrap();
     assert_eq!(manifests.len(), 1, "{manifests:?}");
-    assert!(!s3.list("chunks").await.unwrap().is_empty());
+    let packs = s3.list("packs").await.unwrap();
+    assert!(!packs.is_empty());
+    assert_eq!(s3.list("packidx").await.unwrap().len(), packs.len());
+    assert!(
+        s3.list("chunks").await.unwrap().is_empty(),
+        "no loose chunk"
+    );
     assert!(
         !d.dir.join("store").join("manifests").exists(),
         "nothing in the local store"
@@ -96,13 +103,13 @@ async fn suspend_to_s3_wake_verify_corruption_and_server_loss() {
     let m = c.metrics().await.unwrap();
     assert!(metric(&m, "torpor_snapshot_cache_hits_total") > 0.0, "{m}");
 
-    // Suspend again, then corrupt one chunk of that snapshot in S3.
+    // Suspend again, then corrupt one chunk of that snapshot in S3 (the last of a pack).
     c.suspend(&id, Some(Tier::Suspended)).await.unwrap();
     let current = s3.list("manifests").await.unwrap();
     assert_eq!(current.len(), 1, "the superseded snapshot was deleted");
     let snapshot = current[0].key.name().to_string();
     let mut corrupted = None;
-    for o in s3.list("chunks").await.unwrap() {
+    for o in s3.list("packs").await.unwrap() {
         let orig = s3.get(&o.key).await.unwrap().unwrap();
         let mut bad = orig.to_vec();
         let last = bad.len() - 1;
@@ -111,15 +118,15 @@ async fn suspend_to_s3_wake_verify_corruption_and_server_loss() {
         let (code, out, _) = torpor(&d, &["snapshot", "verify", &snapshot, "--json"]);
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
         if code == 2 {
-            assert_eq!(v["problems"][0]["chunk"], o.key.name());
-            corrupted = Some((o.key.clone(), orig));
+            let chunk = v["problems"][0]["chunk"].as_str().unwrap().to_string();
+            corrupted = Some((o.key.clone(), orig, chunk));
             break;
         }
         assert_eq!(code, 0, "{out}");
         s3.put(&o.key, orig).await.unwrap();
     }
-    let (key, orig): (ObjectKey, Bytes) = corrupted.expect("a chunk of the current snapshot");
-    let chunk = key.name().to_string();
+    let (key, orig, chunk): (ObjectKey, Bytes, String) =
+        corrupted.expect("a pack of the current snapshot");
     // Another node would have no cache: empty this one so the wake reads S3. Its writer puts
     // entries on disk once inserts have been quiet for a second, holding them in memory (and
     // serving them) until then: wait until what it writes stops changing, then empty it.
@@ -152,7 +159,7 @@ async fn suspend_to_s3_wake_verify_corruption_and_server_loss() {
     // The server dies while the next suspend uploads: bounded retries, a clear error, and the
     // sandbox stays parked on its local checkpoint (its last good state).
     // 24 MiB of fresh data in the sandbox's tmpfs (part of its checkpoint) makes an upload of
-    // some 1500 new chunks; the server is killed once the first of them has landed.
+    // some 1500 new chunks in six packs; the server is killed once the first pack has landed.
     let r = c
         .exec(
             &id,
@@ -161,13 +168,13 @@ async fn suspend_to_s3_wake_verify_corruption_and_server_loss() {
         .await
         .unwrap();
     assert_eq!(r.stdout.trim(), "ok", "{r:?}");
-    let before = s3.list("chunks").await.unwrap().len();
+    let before = s3.list("packs").await.unwrap().len();
     let bg = c.clone();
     let sid = id.clone();
     let suspend = tokio::spawn(async move { bg.suspend(&sid, Some(Tier::Suspended)).await });
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        if s3.list("chunks").await.unwrap().len() > before {
+        if s3.list("packs").await.unwrap().len() > before {
             break;
         }
         let st = c.sandbox(&id).await.unwrap().state;

@@ -127,6 +127,39 @@ impl Backend for LocalBackend {
         .await
     }
 
+    async fn get_ranges(
+        &self,
+        key: &ObjectKey,
+        ranges: &[std::ops::Range<u64>],
+    ) -> Result<Option<Vec<Bytes>>, BackendError> {
+        use std::os::unix::fs::FileExt;
+        let path = self.path(key);
+        let ranges = ranges.to_vec();
+        blocking(move || {
+            let file = match std::fs::File::open(&path) {
+                Ok(f) => f,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(BackendError::io(&path, e)),
+            };
+            let size = file
+                .metadata()
+                .map_err(|e| BackendError::io(&path, e))?
+                .len();
+            ranges
+                .iter()
+                .map(|r| {
+                    let (start, end) = (r.start.min(size), r.end.min(size));
+                    let mut buf = vec![0u8; end.saturating_sub(start) as usize];
+                    file.read_exact_at(&mut buf, start)
+                        .map_err(|e| BackendError::io(&path, e))?;
+                    Ok(Bytes::from(buf))
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Some)
+        })
+        .await
+    }
+
     async fn exists_many(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, BackendError> {
         let paths: Vec<PathBuf> = keys.iter().map(|k| self.path(k)).collect();
         blocking(move || {

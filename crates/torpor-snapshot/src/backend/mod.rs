@@ -2,6 +2,7 @@
 //! the layout (`chunks/`, `manifests/`, `locks/`, `pins/`). Backends know nothing of chunks or
 //! manifests.
 
+use std::ops::Range;
 use std::time::SystemTime;
 
 use async_trait::async_trait;
@@ -130,6 +131,20 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     async fn get_many(&self, keys: &[ObjectKey]) -> Result<Vec<Option<Bytes>>, BackendError> {
         futures::future::try_join_all(keys.iter().map(|k| self.get(k))).await
     }
+    /// Byte ranges of one object, in the order asked; `None` when the object is absent. A
+    /// range past the object's end comes back short (callers verify what they read). A
+    /// restore reads a run of packed chunks this way: remote backends may merge nearby ranges
+    /// into one request; the default reads the whole object.
+    async fn get_ranges(
+        &self,
+        key: &ObjectKey,
+        ranges: &[Range<u64>],
+    ) -> Result<Option<Vec<Bytes>>, BackendError> {
+        Ok(self
+            .get(key)
+            .await?
+            .map(|all| ranges.iter().map(|r| slice_clamped(&all, r)).collect()))
+    }
     /// For each key, whether it exists. One call per batch, so remote backends can answer a
     /// batch with parallel requests or one listing.
     async fn exists_many(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, BackendError>;
@@ -137,6 +152,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     async fn delete(&self, key: &ObjectKey) -> Result<(), BackendError>;
     /// Every object whose key starts with `prefix/`.
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError>;
+}
+
+/// `r` of `all`, cut at its end.
+pub(crate) fn slice_clamped(all: &Bytes, r: &Range<u64>) -> Bytes {
+    let len = all.len() as u64;
+    let (start, end) = (r.start.min(len), r.end.min(len).max(r.start.min(len)));
+    all.slice(start as usize..end as usize)
 }
 
 #[cfg(test)]
@@ -151,5 +173,13 @@ mod tests {
         assert!(ObjectKey::new("/a").is_err());
         assert!(ObjectKey::new("a/.tmp").is_err());
         assert_eq!(ObjectKey::new("a/b/c").unwrap().name(), "c");
+    }
+
+    #[test]
+    fn ranges_are_cut_at_the_end() {
+        let all = Bytes::from_static(b"0123456789");
+        assert_eq!(&slice_clamped(&all, &(2..5))[..], b"234");
+        assert_eq!(&slice_clamped(&all, &(8..20))[..], b"89");
+        assert!(slice_clamped(&all, &(12..20)).is_empty());
     }
 }

@@ -135,6 +135,23 @@ impl Backend for S3Backend {
         }
     }
 
+    async fn get_ranges(
+        &self,
+        key: &ObjectKey,
+        ranges: &[std::ops::Range<u64>],
+    ) -> Result<Option<Vec<Bytes>>, BackendError> {
+        // object_store merges ranges less than 1 MiB apart into one request.
+        match self
+            .store
+            .get_ranges(&self.path(key.as_str()), ranges)
+            .await
+        {
+            Ok(parts) => Ok(Some(parts)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(Self::remote(key.as_str(), e)),
+        }
+    }
+
     async fn exists_many(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, BackendError> {
         let requests: Vec<_> = keys
             .iter()
