@@ -158,6 +158,9 @@ pub struct SnapshotConfig {
 
 pub const DEFAULT_REMOTE_CACHE: u64 = 1 << 30;
 
+/// The bounds of `--pack-size` (other than 0).
+pub use torpor_snapshot::{MAX_PACK_TARGET, MIN_PACK_TARGET};
+
 /// The node's snapshot stores: one shared store, or one namespaced, encrypted store per tenant.
 pub struct Snapshots {
     backend: Arc<dyn Backend>,
@@ -246,7 +249,7 @@ impl Snapshots {
         let gc_removed = IntCounterVec::new(
             Opts::new(
                 "torpor_snapshot_gc_removed_total",
-                "What garbage collection removed: snapshots, chunks, bytes.",
+                "What garbage collection removed: snapshots, chunks, packs, bytes.",
             ),
             &["what"],
         )
@@ -652,6 +655,15 @@ pub struct GcResult {
     pub chunks_live: u64,
     pub chunks_removed: u64,
     pub bytes_freed: u64,
+    /// Packs removed (their bytes are in `bytes_freed`).
+    #[serde(default)]
+    pub packs_removed: u64,
+    /// Bytes of the packs kept, and of their chunks that remaining snapshots use (a pack is
+    /// kept whole while any snapshot uses a chunk in it).
+    #[serde(default)]
+    pub pack_bytes_live: u64,
+    #[serde(default)]
+    pub pack_bytes_used: u64,
 }
 
 /// `torpor snapshot stats --json`: these four fields, exactly.

@@ -44,5 +44,5 @@ pub use manifest::{Manifest, ManifestError};
 pub use pack::{PackCatalog, PackId, PackLoc};
 pub use store::{
     pack_bytes_for, GetStats, PutOptions, PutReport, PutStats, Store, StoreConfig, StoreStats,
-    VerifyReport, DEFAULT_PACK_BYTES,
+    VerifyReport, DEFAULT_PACK_BYTES, MAX_PACK_TARGET, MIN_PACK_TARGET,
 };

@@ -49,6 +49,10 @@ const FETCH_RUN: usize = 16;
 const PACKED_FETCH_RUN: usize = 64;
 /// Default `StoreConfig::pack_bytes` where packing is chosen.
 pub const DEFAULT_PACK_BYTES: usize = 4 << 20;
+/// The bounds `StoreConfig::pack_bytes` is held to (a pack ends past its target by at most
+/// one blob, and locations past 1 GiB are refused by the decoder).
+pub const MIN_PACK_TARGET: usize = 64 << 10;
+pub const MAX_PACK_TARGET: usize = 256 << 20;
 
 /// Bytes per pack for a store, from an operator's setting (`Some(0)`: none) or, without one,
 /// [`DEFAULT_PACK_BYTES`] on a remote store, where a request per chunk is what a wake and a
@@ -216,7 +220,10 @@ impl std::fmt::Debug for ChunkCodec {
 }
 
 impl Store {
-    pub fn new(backend: Arc<dyn Backend>, cfg: StoreConfig) -> Result<Self, StoreError> {
+    pub fn new(backend: Arc<dyn Backend>, mut cfg: StoreConfig) -> Result<Self, StoreError> {
+        cfg.pack_bytes = cfg
+            .pack_bytes
+            .map(|n| n.clamp(MIN_PACK_TARGET, MAX_PACK_TARGET));
         let prefix = match &cfg.namespace {
             Some(ns) => {
                 let key = ObjectKey::new(format!("tenants/{ns}"))?;

@@ -392,3 +392,56 @@ async fn encrypted_tenants_pack_under_their_namespace() {
     // b's manifest does not open with a's key.
     assert!(a.get_dir(&pb.id, &t.path().join("x")).await.is_err());
 }
+
+#[tokio::test]
+async fn a_forged_index_can_make_a_snapshot_unrestorable_but_never_wrong() {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("store");
+    let (a_src, b_src) = (t.path().join("a"), t.path().join("b"));
+    checkpoint(&a_src, &memory_like(17, 512));
+    let b_mem = memory_like(18, 512);
+    checkpoint(&b_src, &b_mem);
+    packed(&root).put_dir(&a_src, None).await.unwrap();
+    // Whoever else writes the store claims b's chunks lie in a's pack.
+    let scratch = packed(&t.path().join("scratch"));
+    let b_chunks = scratch
+        .load_manifest(&scratch.put_dir(&b_src, None).await.unwrap().id)
+        .await
+        .unwrap()
+        .packs;
+    let pack = objects(&root, "packs")[0].clone();
+    let pack_hex = pack.file_name().unwrap().to_str().unwrap().to_string();
+    let forged: Vec<_> = b_chunks
+        .iter()
+        .map(|(c, l)| (*c, 0, l.len.min(100)))
+        .collect();
+    let forged_pack = torpor_snapshot::PackId::of(b"forged");
+    let index = root
+        .join("packidx")
+        .join(&forged_pack.to_hex()[..2])
+        .join(forged_pack.to_hex());
+    std::fs::create_dir_all(index.parent().unwrap()).unwrap();
+    std::fs::write(&index, torpor_snapshot::pack::encode_index(&forged)).unwrap();
+    // Pointing at a pack that is there: a copy of a's, under the forged id.
+    let forged_path = root
+        .join("packs")
+        .join(&forged_pack.to_hex()[..2])
+        .join(forged_pack.to_hex());
+    std::fs::create_dir_all(forged_path.parent().unwrap()).unwrap();
+    std::fs::copy(
+        root.join("packs").join(&pack_hex[..2]).join(&pack_hex),
+        &forged_path,
+    )
+    .unwrap();
+
+    // A fresh process reads the indexes and deduplicates against the forgery...
+    let s = packed(&root);
+    let b = s.put_dir(&b_src, None).await.unwrap();
+    assert!(b.stats.chunks_reused > 0, "{:?}", b.stats);
+    // ...and the restore refuses the wrong bytes by name, leaving nothing behind.
+    let dest = t.path().join("out");
+    let err = s.get_dir(&b.id, &dest).await.unwrap_err();
+    assert_eq!(err.code(), "chunk_corrupt", "{err}");
+    assert!(!dest.exists());
+    assert!(!s.verify(&b.id).await.unwrap().problems.is_empty());
+}

@@ -9,7 +9,8 @@
 //!   TORPOR_BENCH_SETTLE=1 ...   (uploads waited for between batches: see `settle`)
 //!   TORPOR_CLUSTER_ROWS=reencode ... (only the re-encoded copy's rows, below; one worker)
 //!   TORPOR_CLUSTER_ROWS=forwarding ... (only the forwarding rows; two controllers, one worker)
-//!   TORPOR_CLUSTER_ROWS=fetch ... (only a wake on another worker, with the fetch's own time;
+//!   TORPOR_CLUSTER_ROWS=fetch ... (only a wake on another worker, with the fetch's own time
+//!     and each park's upload; TORPOR_BENCH_WORKER_ARGS="--pack-size 0" for loose chunks;
 //!     TORPOR_BENCH_STORE=s3 puts the store on moto_server's S3)
 //!   TORPOR_CLUSTER_ROWS=stop ... (only a controller's stop: hand-off vs park; see `stop_rows`)
 //!   TORPOR_CLUSTER_ROWS=handover ... (only a pool's hand-over: pass vs drain; `handover_rows`)
@@ -517,7 +518,7 @@ async fn fetch_rows(n: usize) {
     let root = w1.data.join("runsc");
     let baseline_root = dir.join("baseline-runsc");
     std::fs::create_dir_all(&baseline_root).unwrap();
-    let mut ids = Vec::new();
+    let (mut ids, mut uploads) = (Vec::new(), Vec::new());
     for i in 0..n {
         let id = create_host(&c).await;
         sh(&c, &id, FILL_64M).await;
@@ -532,7 +533,7 @@ async fn fetch_rows(n: usize) {
             &format!("bench-{i}"),
         );
         c.suspend(&id, Some(Tier::Parked)).await.expect("park");
-        wait_uploaded(&c, &id).await;
+        uploads.push(wait_uploaded(&c, &id).await);
         copy_dir(&latest_image(&w1.data, &id), &dir.join(format!("img-{i}")));
         ids.push(id);
     }
@@ -592,6 +593,11 @@ async fn fetch_rows(n: usize) {
             name: "bare runsc restore (same image)",
             ms: bare,
             note: "runsc restore --detach of a copy of the image, no fetch".into(),
+        },
+        Row {
+            name: "upload after a park (64 MiB)",
+            ms: uploads,
+            note: "park answered -> suspended (w1 put it in the store)".into(),
         },
     ];
     let json_rows = print_rows("wake (64 MiB), fetched", &mut rows);

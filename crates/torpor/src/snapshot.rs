@@ -77,7 +77,7 @@ pub struct StoreArgs {
     /// Pack new snapshot chunks into objects of about this size, e.g. 4M, so a wake reads a
     /// few ranges and a park writes a few objects instead of one per chunk; 0 stores each
     /// chunk as its own object (default: 4M for s3://, 0 for a local store).
-    #[arg(long, value_parser = parse_cache_size)]
+    #[arg(long, value_parser = parse_pack_size)]
     pub pack_size: Option<u64>,
 }
 
@@ -86,6 +86,21 @@ pub fn parse_cache_size(s: &str) -> Result<u64, String> {
         return Ok(0);
     }
     daemon::parse_size(s)
+}
+
+/// `--pack-size`: 0 (no packs) or a size within the store's bounds (64K to 256M).
+pub fn parse_pack_size(s: &str) -> Result<u64, String> {
+    let n = parse_cache_size(s)?;
+    let (min, max) = (
+        torpor_control::snapshots::MIN_PACK_TARGET as u64,
+        torpor_control::snapshots::MAX_PACK_TARGET as u64,
+    );
+    if n != 0 && !(min..=max).contains(&n) {
+        return Err(format!(
+            "{s} is outside 64K..256M (0 stores each chunk as its own object)"
+        ));
+    }
+    Ok(n)
 }
 
 impl StoreArgs {
@@ -216,6 +231,14 @@ pub async fn run(cmd: SnapshotCmd) -> Result<i32, CliError> {
                     human_bytes(r.bytes_freed),
                     r.chunks_live
                 );
+                if r.packs_removed > 0 || r.pack_bytes_live > 0 {
+                    println!(
+                        "{} packs removed; packs kept hold {} of which snapshots use {}",
+                        r.packs_removed,
+                        human_bytes(r.pack_bytes_live),
+                        human_bytes(r.pack_bytes_used)
+                    );
+                }
             }
             Ok(0)
         }

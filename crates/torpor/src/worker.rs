@@ -96,7 +96,7 @@ pub struct WorkerArgs {
     chunk_cache: Option<u64>,
     /// Pack the chunks this worker uploads into objects of about this size, e.g. 4M; 0 stores
     /// each chunk as its own object (default: 4M when the store is s3://, else 0).
-    #[arg(long, value_parser = crate::snapshot::parse_cache_size)]
+    #[arg(long, value_parser = crate::snapshot::parse_pack_size)]
     pack_size: Option<u64>,
     /// Serve GET /metrics (TLS refusals; with GPUs, the GPU families with their holders'
     /// tenants and sandboxes) without a token on this address: keep it private.

@@ -312,3 +312,73 @@ async fn scheduled_gc_keeps_the_current_snapshot_and_wakes_hit_the_chunk_cache()
     }
     c.delete_sandbox(&id).await.unwrap();
 }
+
+/// Files under `dir` (recursively); none when it does not exist.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                dirs.push(e.path());
+            } else {
+                out.push(e.path());
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_directory_store_packs_chunks_with_pack_size_and_collects_whole_packs() {
+    // Out of bounds: refused before anything starts, with the bounds named.
+    let out = Command::new(BIN)
+        .args(["up", "--pack-size", "1G"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("64K..256M"), "{err}");
+
+    let d = Daemon::start_with(&["--pack-size", "1M"]).await;
+    let c = d.client();
+    c.create_template(&agent_template("packed", no_idle()))
+        .await
+        .unwrap();
+    let id = create(&c, "packed").await;
+    for n in 1..=3u64 {
+        assert_eq!(call_agent(&c, &id, "x").await, (n, n));
+        c.suspend(&id, Some(Tier::Suspended)).await.unwrap();
+    }
+    let store = d.dir.join("store");
+    let packs = files_under(&store.join("packs"));
+    assert!(!packs.is_empty(), "the suspends wrote packs");
+    assert_eq!(files_under(&store.join("packidx")).len(), packs.len());
+    assert!(
+        files_under(&store.join("chunks")).is_empty(),
+        "no loose chunk"
+    );
+    let stats = json(&d, &["snapshot", "stats", "--json"]);
+    assert!(
+        stats["chunks"].as_u64().unwrap() > packs.len() as u64,
+        "{stats}"
+    );
+    let (code, out, _) = torpor(&d, &["snapshot", "verify"]);
+    assert_eq!(code, 0, "{out}");
+
+    // The sandbox is gone: its snapshots go, and the collector removes every pack.
+    c.delete_sandbox(&id).await.unwrap();
+    let gc = json(&d, &["snapshot", "gc", "--json"]);
+    assert!(gc["packs_removed"].as_u64().unwrap() >= 1, "{gc:#}");
+    let left = files_under(&store.join("packs"));
+    assert_eq!(
+        gc["pack_bytes_live"].as_u64().unwrap(),
+        left.iter()
+            .map(|p| std::fs::metadata(p).unwrap().len())
+            .sum::<u64>(),
+        "{gc:#}"
+    );
+    assert!(gc["pack_bytes_used"].as_u64() <= gc["pack_bytes_live"].as_u64());
+    let (_, text, _) = torpor(&d, &["snapshot", "gc"]);
+    assert!(text.contains("chunks removed"), "{text}");
+}

@@ -279,6 +279,9 @@ impl Engine {
             total.chunks_live += r.chunks_live;
             total.chunks_removed += r.chunks_removed;
             total.bytes_freed += r.bytes_freed;
+            total.packs_removed += r.packs_removed;
+            total.pack_bytes_live += r.pack_bytes_live;
+            total.pack_bytes_used += r.pack_bytes_used;
         }
         self.snapshots.gc_runs.with_label_values(&["ok"]).inc();
         if !dry_run {
@@ -287,6 +290,7 @@ impl Engine {
                 .inc_by(total.snapshots_removed.len() as u64);
             m.with_label_values(&["chunks"])
                 .inc_by(total.chunks_removed);
+            m.with_label_values(&["packs"]).inc_by(total.packs_removed);
             m.with_label_values(&["bytes"]).inc_by(total.bytes_freed);
         }
         Ok(total)
