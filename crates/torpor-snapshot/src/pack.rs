@@ -20,12 +20,16 @@
 //! before their manifest. Packs are never rewritten: a pack that one live snapshot still uses a
 //! little of stays whole (`GcReport::pack_bytes_live` against what its snapshots use).
 //!
-//! The catalog. A put looks a new chunk up in the indexes this process has loaded (all of
-//! them at its first put, then by listing again at most every [`CATALOG_REFRESH`]); a pack
+//! The catalog. A put looks a new chunk up in what this process knows of packs: those it
+//! wrote, the locations of every packed manifest it restored (a sandbox's next park shares
+//! most of its chunks with the snapshot it woke from, and a sandbox's first park with its
+//! template's golden snapshot), and the indexes it has read (listed at most every
+//! [`CATALOG_REFRESH`], newest first, at most [`INDEX_READS`] new ones a time, so a process
+//! joining a store of 10^5 packs reads them over minutes, not before its first upload). A pack
 //! found there is checked to still exist (one existence check per pack per put) before a
 //! chunk is counted as stored, because another process's collector may have removed it since.
-//! Chunks stored by other writers since the last listing are stored again (a duplicate the
-//! collector keeps while a manifest uses it), never lost.
+//! Chunks the catalog does not know are stored again (a duplicate the collector keeps while a
+//! manifest uses it), never lost.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
@@ -36,6 +40,8 @@ use crate::id::{ChunkId, IdError};
 
 /// Index objects are listed again after this long.
 pub const CATALOG_REFRESH: Duration = Duration::from_secs(60);
+/// New index objects read per listing at most (the newest first).
+pub const INDEX_READS: usize = 256;
 /// Largest blob a pack may hold (a chunk at its cap, plus header and tag).
 pub const MAX_PACKED_BLOB: u32 = MAX_CHUNK_LEN + 64;
 /// Largest pack accepted in a location or index (1 GiB).
@@ -230,8 +236,16 @@ pub struct PackCatalog {
 #[derive(Debug, Default)]
 struct CatalogState {
     chunks: HashMap<ChunkId, PackLoc>,
-    packs: HashMap<PackId, Vec<ChunkId>>,
+    packs: HashMap<PackId, Known>,
     listed_at: Option<Instant>,
+}
+
+/// What the catalog knows of one pack.
+#[derive(Debug, Default)]
+struct Known {
+    chunks: Vec<ChunkId>,
+    /// Its index was read (or this process wrote it): nothing more to learn from it.
+    indexed: bool,
 }
 
 impl PackCatalog {
@@ -246,9 +260,14 @@ impl PackCatalog {
             .is_none_or(|at| at.elapsed() >= CATALOG_REFRESH)
     }
 
-    /// The packs known, to compare with a listing.
-    pub fn known(&self) -> HashSet<PackId> {
-        self.state().packs.keys().copied().collect()
+    /// The packs whose index is known (read, or written here): the others' are worth reading.
+    pub fn indexed(&self) -> HashSet<PackId> {
+        self.state()
+            .packs
+            .iter()
+            .filter(|(_, k)| k.indexed)
+            .map(|(p, _)| *p)
+            .collect()
     }
 
     /// A listing was taken: packs not in `listed` are gone.
@@ -266,19 +285,32 @@ impl PackCatalog {
         st.listed_at = Some(Instant::now());
     }
 
-    /// A pack and its chunks (one this process wrote, or an index it read).
+    /// A pack and all its chunks (one this process wrote, or an index it read).
     pub fn add(&self, pack: PackId, entries: &[(ChunkId, u64, u32)]) {
         let mut st = self.state();
-        if st.packs.contains_key(&pack) {
+        if st.packs.get(&pack).is_some_and(|k| k.indexed) {
             return;
         }
         for &(chunk, offset, len) in entries {
-            st.chunks
-                .entry(chunk)
-                .or_insert(PackLoc { pack, offset, len });
+            Self::insert(&mut st, chunk, PackLoc { pack, offset, len });
         }
-        st.packs
-            .insert(pack, entries.iter().map(|(c, _, _)| *c).collect());
+        st.packs.entry(pack).or_default().indexed = true;
+    }
+
+    /// The packed chunks a manifest locates (one this process read to restore it).
+    pub fn learn(&self, m: &crate::manifest::Manifest) {
+        let mut st = self.state();
+        for (chunk, loc) in &m.packs {
+            Self::insert(&mut st, *chunk, *loc);
+        }
+    }
+
+    fn insert(st: &mut CatalogState, chunk: ChunkId, loc: PackLoc) {
+        if st.chunks.contains_key(&chunk) {
+            return;
+        }
+        st.chunks.insert(chunk, loc);
+        st.packs.entry(loc.pack).or_default().chunks.push(chunk);
     }
 
     /// A pack found missing.
@@ -291,7 +323,7 @@ impl PackCatalog {
     }
 
     fn drop_pack(st: &mut CatalogState, pack: &PackId) {
-        for c in st.packs.remove(pack).unwrap_or_default() {
+        for c in st.packs.remove(pack).unwrap_or_default().chunks {
             if st.chunks.get(&c).is_some_and(|l| l.pack == *pack) {
                 st.chunks.remove(&c);
             }
@@ -358,9 +390,30 @@ mod tests {
         // the chunk is unknown until b's index is read again: stored again, never lost.
         assert_eq!(cat.lookup(&shared), None);
         assert_eq!(cat.lookup(&ChunkId::of(b"only a")), None);
-        assert_eq!(cat.known(), HashSet::from([b]));
+        assert_eq!(cat.indexed(), HashSet::from([b]));
         cat.forget(&b);
-        assert!(cat.known().is_empty());
+        assert!(cat.indexed().is_empty());
+    }
+
+    #[test]
+    fn the_catalog_learns_from_manifests_and_still_reads_their_packs_indexes() {
+        let cat = PackCatalog::default();
+        let m = crate::manifest::tests::packed_sample();
+        cat.learn(&m);
+        for (chunk, loc) in &m.packs {
+            assert_eq!(cat.lookup(chunk), Some(*loc));
+        }
+        // Learnt from a manifest: the packs' indexes are still worth reading.
+        assert!(cat.indexed().is_empty());
+        let (a, loc) = m.packs.iter().next().map(|(c, l)| (*c, *l)).unwrap();
+        let other = ChunkId::of(b"only in the index");
+        cat.add(loc.pack, &[(a, loc.offset, loc.len), (other, 500, 7)]);
+        assert_eq!(cat.indexed(), HashSet::from([loc.pack]));
+        assert_eq!(cat.lookup(&other).unwrap().offset, 500);
+        // Listed without that pack: everything located in it goes.
+        cat.listed(&HashSet::new());
+        assert_eq!(cat.lookup(&a), None);
+        assert_eq!(cat.lookup(&other), None);
     }
 
     #[test]

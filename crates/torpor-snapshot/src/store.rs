@@ -748,19 +748,25 @@ impl Store {
     /// Lists the pack indexes, forgets packs that are gone and reads the new ones' indexes
     /// (an unreadable one is skipped: it only costs deduplication).
     async fn refresh_catalog(&self) -> Result<(), StoreError> {
-        let listed: HashMap<PackId, ObjectKey> = self
+        let listed: Vec<(PackId, crate::backend::ObjectInfo)> = self
             .backend
             .list(&self.area("packidx"))
             .await?
             .into_iter()
-            .filter_map(|o| Some((PackId::from_hex(o.key.name()).ok()?, o.key)))
+            .filter_map(|o| Some((PackId::from_hex(o.key.name()).ok()?, o)))
             .collect();
-        self.catalog.listed(&listed.keys().copied().collect());
-        let known = self.catalog.known();
-        let new: Vec<(PackId, ObjectKey)> = listed
+        self.catalog
+            .listed(&listed.iter().map(|(p, _)| *p).collect());
+        let indexed = self.catalog.indexed();
+        let mut new: Vec<(PackId, crate::backend::ObjectInfo)> = listed
             .into_iter()
-            .filter(|(p, _)| !known.contains(p))
+            .filter(|(p, _)| !indexed.contains(p))
             .collect();
+        // The newest first (the likeliest to share chunks with what is put now), a bounded
+        // number a time: the rest at the next listings.
+        new.sort_by(|a, b| b.1.modified.cmp(&a.1.modified));
+        new.truncate(crate::pack::INDEX_READS);
+        let new: Vec<(PackId, ObjectKey)> = new.into_iter().map(|(p, o)| (p, o.key)).collect();
         let backend = &self.backend;
         let read: Vec<(PackId, Option<Bytes>)> = futures::stream::iter(
             new.into_iter()
@@ -819,6 +825,8 @@ impl Store {
     async fn get_dir_inner(&self, id: &SnapshotId, dest: &Path) -> Result<GetStats, StoreError> {
         let started = Instant::now();
         let manifest = self.load_manifest(id).await?;
+        // What this process restores, its next put of the same sandbox will mostly share.
+        self.catalog.learn(&manifest);
         match std::fs::read_dir(dest) {
             Ok(mut it) => {
                 if it.next().is_some() {

@@ -445,3 +445,34 @@ async fn a_forged_index_can_make_a_snapshot_unrestorable_but_never_wrong() {
     assert!(!dest.exists());
     assert!(!s.verify(&b.id).await.unwrap().problems.is_empty());
 }
+
+#[tokio::test]
+async fn a_restore_teaches_the_catalog_so_the_next_put_of_that_sandbox_stores_only_what_changed() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, root) = (t.path().join("ckpt"), t.path().join("store"));
+    let mut mem = memory_like(19, 1024);
+    checkpoint(&src, &mem);
+    let first = packed(&root).put_dir(&src, None).await.unwrap();
+    // Another process (a worker the sandbox wakes on) whose catalog has just listed the store
+    // and found nothing, so only what it restores can teach it.
+    let catalog = Arc::new(torpor_snapshot::PackCatalog::default());
+    catalog.listed(&Default::default());
+    let other = packed(&root).with_catalog(catalog.clone());
+    other
+        .get_dir(&first.id, &t.path().join("woken"))
+        .await
+        .unwrap();
+    // The sandbox changes a little and parks again there, without naming a parent.
+    mem[..65536].copy_from_slice(&noise(9, 65536));
+    checkpoint(&src, &mem);
+    let second = other.put_dir(&src, None).await.unwrap();
+    assert!(
+        second.stats.chunks_new * 10 < first.stats.chunks_new,
+        "{:?} after {:?}",
+        second.stats,
+        first.stats
+    );
+    let dest = t.path().join("out");
+    other.get_dir(&second.id, &dest).await.unwrap();
+    assert!(restored(&dest) == mem);
+}

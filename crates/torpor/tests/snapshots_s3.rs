@@ -54,6 +54,10 @@ async fn suspend_to_s3_wake_verify_corruption_and_server_loss() {
             &format!("s3://{BUCKET}/{PREFIX}"),
             "--store-retry-timeout",
             "3",
+            // Packs (the default on S3) of 256 KiB: the upload the server dies under below is
+            // ~100 packs, 8 at a time, not 6 that all land at once.
+            "--pack-size",
+            "256K",
         ],
         &[
             ("AWS_ENDPOINT_URL", &endpoint),
@@ -159,7 +163,7 @@ async fn suspend_to_s3_wake_verify_corruption_and_server_loss() {
     // The server dies while the next suspend uploads: bounded retries, a clear error, and the
     // sandbox stays parked on its local checkpoint (its last good state).
     // 24 MiB of fresh data in the sandbox's tmpfs (part of its checkpoint) makes an upload of
-    // some 1500 new chunks in six packs; the server is killed once the first pack has landed.
+    // some 1500 new chunks in ~100 packs; the server is killed once the first pack has landed.
     let r = c
         .exec(
             &id,
