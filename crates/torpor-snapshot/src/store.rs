@@ -764,7 +764,7 @@ impl Store {
             .collect();
         // The newest first (the likeliest to share chunks with what is put now), a bounded
         // number a time: the rest at the next listings.
-        new.sort_by(|a, b| b.1.modified.cmp(&a.1.modified));
+        new.sort_by_key(|(_, o)| std::cmp::Reverse(o.modified));
         new.truncate(crate::pack::INDEX_READS);
         let new: Vec<(PackId, ObjectKey)> = new.into_iter().map(|(p, o)| (p, o.key)).collect();
         let backend = &self.backend;
