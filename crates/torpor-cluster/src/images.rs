@@ -203,8 +203,13 @@ impl WorkerImages {
         self
     }
 
-    /// Registers the re-encoding counter on the worker's metrics.
+    /// Registers the chunk cache's gauges and the re-encoding counter on the worker's metrics.
     pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
+        if let Some(c) = &self.chunk_cache {
+            registry.register(Box::new(torpor_snapshot::metrics::CacheMetrics::new(
+                c.clone(),
+            )))?;
+        }
         registry.register(Box::new(self.reencodes.clone()))
     }
 

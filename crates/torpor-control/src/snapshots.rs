@@ -254,6 +254,11 @@ impl Snapshots {
             &["what"],
         )
         .expect("valid metric");
+        if let Some(c) = &cache {
+            metrics.register(Box::new(torpor_snapshot::metrics::CacheMetrics::new(
+                c.clone(),
+            )));
+        }
         metrics.register(Box::new(cache_hits.clone()));
         metrics.register(Box::new(cache_misses.clone()));
         metrics.register(Box::new(gc_runs.clone()));

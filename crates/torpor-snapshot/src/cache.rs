@@ -40,8 +40,22 @@ pub struct ChunkCache {
     /// suspend's write-through reads them here).
     queued: Mutex<HashMap<ChunkId, Bytes>>,
     queued_bytes: AtomicU64,
+    /// Background inserts dropped because the queue was full.
+    dropped: AtomicU64,
     /// When the last background insert came.
     last_queued: Mutex<std::time::Instant>,
+}
+
+/// [`ChunkCache::usage`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheUsage {
+    /// Entries written to the cache's directory (the LRU's budget counts these).
+    pub bytes: u64,
+    pub capacity_bytes: u64,
+    /// Blobs waiting for the writer, held in memory (at most 128 MiB), not in `bytes`.
+    pub queued_bytes: u64,
+    /// Background inserts not cached because the queue was full.
+    pub dropped_total: u64,
 }
 
 /// A background insert: the chunk, its blob, when it was queued.
@@ -137,6 +151,7 @@ impl ChunkCache {
             writer: Mutex::new(None),
             queued: Mutex::new(HashMap::new()),
             queued_bytes: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
             last_queued: Mutex::new(std::time::Instant::now()),
         };
         Ok(cache)
@@ -265,6 +280,7 @@ impl ChunkCache {
         for (id, blob) in blobs {
             let size = blob.len() as u64;
             if self.queued_bytes.load(Ordering::SeqCst) + size > MAX_QUEUED_BYTES {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(chunk = %id, "chunk cache queue full: not cached");
                 continue;
             }
@@ -356,6 +372,16 @@ impl ChunkCache {
     /// Bytes currently held.
     pub async fn used(&self) -> u64 {
         self.lock().used
+    }
+
+    /// What the cache holds now, on disk and queued in memory (for metrics).
+    pub fn usage(&self) -> CacheUsage {
+        CacheUsage {
+            bytes: self.lock().used,
+            capacity_bytes: self.capacity,
+            queued_bytes: self.queued_bytes.load(Ordering::SeqCst),
+            dropped_total: self.dropped.load(Ordering::Relaxed),
+        }
     }
 
     pub fn dir(&self) -> &Path {

@@ -26,6 +26,7 @@ pub mod gvisor;
 pub mod id;
 pub mod lock;
 pub mod manifest;
+pub mod metrics;
 pub mod pack;
 pub mod reencode;
 pub mod store;
@@ -34,7 +35,7 @@ pub mod store;
 mod crash_model;
 
 pub use backend::{Backend, BackendError, LocalBackend, S3Backend, S3Config};
-pub use cache::ChunkCache;
+pub use cache::{CacheUsage, ChunkCache};
 pub use chunk::{ChunkCodec, ChunkError, TenantKey};
 pub use durable::DurableError;
 pub use error::StoreError;

@@ -1370,6 +1370,14 @@ async fn gpu_workers_announce_their_gpus_place_shares_and_a_tenant_quota_holds_a
         shares_line(&metrics, &a_node).is_some_and(|l| l.ends_with(" 1")),
         "{a_node}'s /metrics does not show A's share:\n{metrics}"
     );
+    // The worker's chunk cache (default 1 GiB) is on its /metrics too.
+    assert!(
+        metrics.contains(&format!(
+            "torpor_snapshot_cache_capacity_bytes {}",
+            1u64 << 30
+        )),
+        "{a_node}'s /metrics does not show its chunk cache:\n{metrics}"
+    );
 
     // The quota is the tenant's across the cluster: the other worker's free L4 is refused.
     let (status, refused) = create_gpu(json!({"mode": "whole"})).await;

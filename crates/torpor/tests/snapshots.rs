@@ -310,6 +310,15 @@ async fn scheduled_gc_keeps_the_current_snapshot_and_wakes_hit_the_chunk_cache()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // The cache's own gauges, read at the scrape: its budget and what it holds.
+    let m = c.metrics().await.unwrap();
+    assert_eq!(
+        metric(&m, "torpor_snapshot_cache_capacity_bytes "),
+        (256u64 << 20) as f64,
+        "{m}"
+    );
+    assert!(metric(&m, "torpor_snapshot_cache_bytes ") > 0.0, "{m}");
+    assert!(m.contains("torpor_snapshot_cache_queued_bytes "), "{m}");
     c.delete_sandbox(&id).await.unwrap();
 }
 
