@@ -42,6 +42,11 @@ use crate::id::{ChunkId, IdError};
 pub const CATALOG_REFRESH: Duration = Duration::from_secs(60);
 /// New index objects read per listing at most (the newest first).
 pub const INDEX_READS: usize = 256;
+/// Chunks the catalog holds at most (~100 MiB of memory): beyond it the packs it learnt of
+/// first are forgotten (their chunks, if met again, are stored again), and no more indexes
+/// are read while it is over half full. A worker in a store of 10^7 chunks must not hold
+/// them all.
+pub const MAX_CATALOG_CHUNKS: usize = 1 << 20;
 /// Largest blob a pack may hold (a chunk at its cap, plus header and tag).
 pub const MAX_PACKED_BLOB: u32 = MAX_CHUNK_LEN + 64;
 /// Largest pack accepted in a location or index (1 GiB).
@@ -228,15 +233,26 @@ pub fn index_entries(size: u64) -> u64 {
 }
 
 /// The packed chunks this process knows of, for deduplication (see the module doc).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct PackCatalog {
     state: Mutex<CatalogState>,
+    /// Chunks held at most ([`MAX_CATALOG_CHUNKS`]).
+    cap: usize,
+}
+
+impl Default for PackCatalog {
+    fn default() -> Self {
+        PackCatalog::with_cap(MAX_CATALOG_CHUNKS)
+    }
 }
 
 #[derive(Debug, Default)]
 struct CatalogState {
     chunks: HashMap<ChunkId, PackLoc>,
     packs: HashMap<PackId, Known>,
+    /// Packs in the order they became known (the first to go past the cap); a pack dropped
+    /// meanwhile is skipped when reached.
+    order: std::collections::VecDeque<PackId>,
     listed_at: Option<Instant>,
 }
 
@@ -249,6 +265,14 @@ struct Known {
 }
 
 impl PackCatalog {
+    /// A catalog holding at most `cap` chunks.
+    pub fn with_cap(cap: usize) -> Self {
+        PackCatalog {
+            state: Mutex::default(),
+            cap,
+        }
+    }
+
     fn state(&self) -> std::sync::MutexGuard<'_, CatalogState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -282,6 +306,8 @@ impl PackCatalog {
         for p in gone {
             Self::drop_pack(&mut st, &p);
         }
+        let CatalogState { order, packs, .. } = &mut *st;
+        order.retain(|p| packs.contains_key(p));
         st.listed_at = Some(Instant::now());
     }
 
@@ -294,7 +320,13 @@ impl PackCatalog {
         for &(chunk, offset, len) in entries {
             Self::insert(&mut st, chunk, PackLoc { pack, offset, len });
         }
-        st.packs.entry(pack).or_default().indexed = true;
+        Self::known_pack(&mut st, pack).indexed = true;
+        Self::trim(&mut st, self.cap);
+    }
+
+    /// Whether reading more indexes is worth it (the catalog is under half its cap).
+    pub fn has_room(&self) -> bool {
+        self.state().chunks.len() < self.cap / 2
     }
 
     /// The packed chunks a manifest locates (one this process read to restore it).
@@ -303,6 +335,7 @@ impl PackCatalog {
         for (chunk, loc) in &m.packs {
             Self::insert(&mut st, *chunk, *loc);
         }
+        Self::trim(&mut st, self.cap);
     }
 
     fn insert(st: &mut CatalogState, chunk: ChunkId, loc: PackLoc) {
@@ -310,7 +343,24 @@ impl PackCatalog {
             return;
         }
         st.chunks.insert(chunk, loc);
-        st.packs.entry(loc.pack).or_default().chunks.push(chunk);
+        Self::known_pack(st, loc.pack).chunks.push(chunk);
+    }
+
+    fn known_pack(st: &mut CatalogState, pack: PackId) -> &mut Known {
+        if !st.packs.contains_key(&pack) {
+            st.order.push_back(pack);
+        }
+        st.packs.entry(pack).or_default()
+    }
+
+    /// Forgets the packs known longest until the chunks are within the cap.
+    fn trim(st: &mut CatalogState, cap: usize) {
+        while st.chunks.len() > cap {
+            let Some(oldest) = st.order.pop_front() else {
+                return;
+            };
+            Self::drop_pack(st, &oldest);
+        }
     }
 
     /// A pack found missing.
@@ -393,6 +443,27 @@ mod tests {
         assert_eq!(cat.indexed(), HashSet::from([b]));
         cat.forget(&b);
         assert!(cat.indexed().is_empty());
+    }
+
+    #[test]
+    fn the_catalog_forgets_the_packs_it_knew_first_past_its_cap() {
+        let cat = PackCatalog::with_cap(4);
+        let pack = |n: u8| PackId::of(&[n]);
+        let chunks = |n: u8| -> Vec<(ChunkId, u64, u32)> {
+            (0..2u8)
+                .map(|i| (ChunkId::of(&[n, i]), u64::from(i), 1))
+                .collect()
+        };
+        for n in 0..3 {
+            cat.add(pack(n), &chunks(n));
+        }
+        // Six chunks over a cap of four: the first pack is forgotten, the others kept.
+        assert_eq!(cat.lookup(&ChunkId::of(&[0, 0])), None);
+        assert!(cat.lookup(&ChunkId::of(&[2, 1])).is_some());
+        assert_eq!(cat.indexed(), HashSet::from([pack(1), pack(2)]));
+        // At or over half full, no more indexes are worth reading.
+        assert!(!cat.has_room());
+        assert!(PackCatalog::default().has_room());
     }
 
     #[test]

@@ -662,11 +662,8 @@ impl Store {
                 _ => st.pending.push((id, data)),
             }
         }
-        let keep = FETCH_RUN * self.cfg.parallelism.max(1);
-        if st.pending.len() >= keep {
-            self.encode_pending(target, keep, st).await?;
-        }
-        Ok(())
+        self.encode_pending(target, FETCH_RUN * self.cfg.parallelism.max(1), st)
+            .await
     }
 
     /// Encodes the pending chunks in runs, in order, into the pack being filled, until fewer
@@ -765,7 +762,11 @@ impl Store {
         // The newest first (the likeliest to share chunks with what is put now), a bounded
         // number a time: the rest at the next listings.
         new.sort_by_key(|(_, o)| std::cmp::Reverse(o.modified));
-        new.truncate(crate::pack::INDEX_READS);
+        new.truncate(if self.catalog.has_room() {
+            crate::pack::INDEX_READS
+        } else {
+            0
+        });
         let new: Vec<(PackId, ObjectKey)> = new.into_iter().map(|(p, o)| (p, o.key)).collect();
         let backend = &self.backend;
         let read: Vec<(PackId, Option<Bytes>)> = futures::stream::iter(
