@@ -154,9 +154,16 @@ pub struct SnapshotConfig {
     /// Pack new chunks into objects of about this many bytes (`torpor_snapshot::pack`);
     /// `None`: `torpor_snapshot::pack_bytes_for`'s default; `Some(0)`: one object per chunk.
     pub pack_bytes: Option<u64>,
+    /// The collector rewrites live packs of which remaining snapshots use less than this
+    /// fraction of the bytes (`torpor_snapshot::repack`); `None`: [`DEFAULT_REPACK_BELOW`];
+    /// `Some(0.0)`: never (a pack is kept whole while any snapshot uses a chunk in it).
+    pub repack_below: Option<f64>,
 }
 
 pub const DEFAULT_REMOTE_CACHE: u64 = 1 << 30;
+/// A pack less than half used is rewritten by the collector (the space it frees is at least
+/// what the rewrite writes).
+pub const DEFAULT_REPACK_BELOW: f64 = 0.5;
 
 /// The bounds of `--pack-size` (other than 0).
 pub use torpor_snapshot::{MAX_PACK_TARGET, MIN_PACK_TARGET};
@@ -171,11 +178,13 @@ pub struct Snapshots {
     per_tenant: Mutex<HashMap<TenantId, Arc<Store>>>,
     pub(crate) keep: Option<usize>,
     pub(crate) gc_interval: Option<Duration>,
+    pub(crate) repack_below: Option<f64>,
     description: String,
     cache_hits: IntCounter,
     cache_misses: IntCounter,
     pub(crate) gc_runs: IntCounterVec,
     pub(crate) gc_removed: IntCounterVec,
+    pub(crate) gc_repacked: IntCounterVec,
     /// The sandbox label of each snapshot manifest read so far, by tenant: a manifest never
     /// changes, so a deleted sandbox's snapshots are found by listing names and reading only
     /// the manifests not seen before ([`Snapshots::forget_sandbox`]).
@@ -214,6 +223,16 @@ impl Snapshots {
                 "--keep-snapshots must be at least 1 (the current snapshot is always kept)".into(),
             ));
         }
+        let repack_below = match cfg.repack_below {
+            None => Some(DEFAULT_REPACK_BELOW),
+            Some(0.0) => None,
+            Some(f) if f > 0.0 && f <= 1.0 => Some(f),
+            Some(f) => {
+                return Err(ControlError::Invalid(format!(
+                    "--repack-below must be a fraction from 0 (never repack) to 1, not {f}"
+                )))
+            }
+        };
         let packs = torpor_snapshot::pack_bytes_for(cfg.pack_bytes, remote);
         let shared = if cfg.key_dir.is_none() {
             let store_cfg = StoreConfig {
@@ -254,6 +273,16 @@ impl Snapshots {
             &["what"],
         )
         .expect("valid metric");
+        let gc_repacked = IntCounterVec::new(
+            Opts::new(
+                "torpor_snapshot_gc_repacked_total",
+                "What garbage collection's repacking did: sparse packs rewritten (packs), packs \
+                 written for them (packs_written), bytes written (bytes), manifests rewritten \
+                 (manifests).",
+            ),
+            &["what"],
+        )
+        .expect("valid metric");
         if let Some(c) = &cache {
             metrics.register(Box::new(torpor_snapshot::metrics::CacheMetrics::new(
                 c.clone(),
@@ -263,8 +292,9 @@ impl Snapshots {
         metrics.register(Box::new(cache_misses.clone()));
         metrics.register(Box::new(gc_runs.clone()));
         metrics.register(Box::new(gc_removed.clone()));
+        metrics.register(Box::new(gc_repacked.clone()));
         tracing::info!(store = %description, cache_bytes, pack_bytes = ?packs, encrypted = cfg.key_dir.is_some(),
-            keep = ?cfg.keep_snapshots, gc_interval = ?cfg.gc_interval, "snapshot store");
+            keep = ?cfg.keep_snapshots, gc_interval = ?cfg.gc_interval, ?repack_below, "snapshot store");
         Ok(Snapshots {
             backend,
             cache,
@@ -274,11 +304,13 @@ impl Snapshots {
             per_tenant: Mutex::default(),
             keep: cfg.keep_snapshots,
             gc_interval: cfg.gc_interval,
+            repack_below,
             description,
             cache_hits,
             cache_misses,
             gc_runs,
             gc_removed,
+            gc_repacked,
             sandbox_of: Arc::default(),
         })
     }
@@ -669,6 +701,19 @@ pub struct GcResult {
     pub pack_bytes_live: u64,
     #[serde(default)]
     pub pack_bytes_used: u64,
+    /// Sparse packs rewritten (`--repack-below`): their used chunks copied into new packs, the
+    /// manifests that located chunks in them rewritten, then removed (they are counted in
+    /// `packs_removed` and their bytes in `bytes_freed`); the packs written for them and their
+    /// bytes (the space reclaimed is `bytes_freed - repack_bytes_written`). A dry run counts
+    /// the sparse packs and their used bytes.
+    #[serde(default)]
+    pub packs_repacked: u64,
+    #[serde(default)]
+    pub repack_packs_written: u64,
+    #[serde(default)]
+    pub repack_bytes_written: u64,
+    #[serde(default)]
+    pub manifests_rewritten: u64,
 }
 
 /// `torpor snapshot stats --json`: these four fields, exactly.

@@ -563,13 +563,9 @@ where
     }
 }
 
-async fn record_two_puts(
-    packed: bool,
-) -> (
-    tempfile::TempDir,
-    Vec<Op>,
-    HashMap<SnapshotId, BTreeMap<PathBuf, Vec<u8>>>,
-) {
+/// A store (see [`small_chunks`]) on a recording file system: the temporary directory, the
+/// recorder, the store's root and the store.
+fn recording_store(packed: bool) -> (tempfile::TempDir, Arc<RecordingFs>, PathBuf, Store) {
     let t = tempfile::tempdir().unwrap();
     let base = t.path().join("base");
     std::fs::create_dir(&base).unwrap();
@@ -577,6 +573,17 @@ async fn record_two_puts(
     let root = base.join("store");
     let backend = LocalBackend::open_with(root.clone(), fs.clone()).unwrap();
     let store = Store::new(Arc::new(backend), small_chunks(packed)).unwrap();
+    (t, fs, root, store)
+}
+
+async fn record_two_puts(
+    packed: bool,
+) -> (
+    tempfile::TempDir,
+    Vec<Op>,
+    HashMap<SnapshotId, BTreeMap<PathBuf, Vec<u8>>>,
+) {
+    let (t, fs, root, store) = recording_store(packed);
     let mut contents = HashMap::new();
     let mut parent = None;
     for seed in [1u8, 2] {
@@ -635,6 +642,104 @@ async fn a_crash_at_any_step_of_a_put_leaves_every_listed_snapshot_complete() {
 #[tokio::test]
 async fn a_crash_at_any_step_of_a_packed_put_leaves_every_listed_snapshot_complete() {
     crash_at_every_step_of_two_puts(true).await;
+}
+
+/// Two packed puts sharing the first half of a file, the first deleted, then a collector
+/// (with `repack`: one that repacks every pack the second does not use whole): each step
+/// recorded; the ops, how many were the puts', the second snapshot, what each holds.
+async fn record_delete_and_collect(
+    repack: bool,
+) -> (
+    tempfile::TempDir,
+    Vec<Op>,
+    usize,
+    SnapshotId,
+    HashMap<SnapshotId, BTreeMap<PathBuf, Vec<u8>>>,
+) {
+    let (t, fs, _, store) = recording_store(true);
+    let (src_a, src_b) = (t.path().join("ckpt-a"), t.path().join("ckpt-b"));
+    let files_a = make_checkpoint(&src_a, 1);
+    // The same checkpoint with the second half of its pages rewritten.
+    let mut files_b = files_a.clone();
+    let pages = files_b.get_mut(Path::new("pages.bin")).unwrap();
+    let half = pages.len() / 2;
+    pages[half..].copy_from_slice(
+        &make_checkpoint(&t.path().join("ckpt-x"), 7)[Path::new("pages.bin")][half..],
+    );
+    for (rel, data) in &files_b {
+        let path = src_b.join(rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, data).unwrap();
+    }
+    let a = store.put_dir(&src_a, None).await.unwrap();
+    let b = store.put_dir(&src_b, None).await.unwrap();
+    assert!(b.stats.chunks_reused > 0, "{:?}", b.stats);
+    let puts = fs.ops().len();
+    store.delete_snapshot(&a.id).await.unwrap();
+    let report = store
+        .gc(&crate::GcOptions {
+            repack_below: repack.then_some(1.0),
+            ..crate::GcOptions::default()
+        })
+        .await
+        .unwrap();
+    assert!(report.packs_removed > 0, "{report:?}");
+    assert_eq!(
+        (report.packs_repacked > 0, report.manifests_rewritten),
+        (repack, u64::from(repack)),
+        "{report:?}"
+    );
+    let contents = HashMap::from([(a.id, files_a), (b.id.clone(), files_b)]);
+    (t, fs.ops(), puts, b.id, contents)
+}
+
+#[tokio::test]
+async fn a_crash_at_any_step_of_a_delete_and_a_collection_leaves_every_listed_snapshot_complete() {
+    crash_at_every_step_of_a_delete_and_a_collection(false).await;
+}
+
+#[tokio::test]
+async fn a_crash_at_any_step_of_a_delete_and_a_repacking_collection_leaves_every_listed_snapshot_complete(
+) {
+    crash_at_every_step_of_a_delete_and_a_collection(true).await;
+}
+
+async fn crash_at_every_step_of_a_delete_and_a_collection(repack: bool) {
+    let (_t, ops, puts, b, contents) = record_delete_and_collect(repack).await;
+    check_order(&ops).unwrap();
+    let contents = &contents;
+    // Crashes during puts are the tests above; from the delete on, every step (the puts
+    // fsynced before they returned, so they are all there to start from).
+    let (puts, rest) = ops.split_at(puts);
+    let mut model = Model::new();
+    for op in puts {
+        model.apply(op).unwrap();
+    }
+    for step in 0..=rest.len() {
+        for outcome in OUTCOMES {
+            let t = tempfile::tempdir().unwrap();
+            let state = t.path().join("disk");
+            crash_state(&model, outcome, &state);
+            let listed_ok = check_store_after_crash(
+                &state.join("store"),
+                &t.path().join("scratch"),
+                std::slice::from_ref(&b),
+                contents,
+                true,
+            )
+            .await;
+            if let Err(why) = listed_ok {
+                panic!(
+                    "crash after {step} of {} operations of the delete and the collection ({outcome:?}): {why}\nlast: {:?}",
+                    rest.len(),
+                    step.checked_sub(1).map(|s| &rest[s])
+                );
+            }
+        }
+        if let Some(op) = rest.get(step) {
+            model.apply(op).unwrap();
+        }
+    }
 }
 
 /// What the engine does with a runsc checkpoint: runsc writes files (unsynced), the engine

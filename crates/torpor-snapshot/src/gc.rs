@@ -1,7 +1,8 @@
 //! Garbage collection: retention (keep the last N snapshots per sandbox, never a pinned one),
-//! then mark chunks from every remaining manifest and sweep the rest. A pack is live while a
+//! then repacking of sparse packs (see `repack`, when `GcOptions::repack_below` is set), then
+//! mark chunks from every remaining manifest and sweep the rest. A pack is live while a
 //! remaining manifest locates a chunk in it; every other pack goes (its index first), those
-//! of failed puts included. A live pack is kept whole, however little of it is used.
+//! of failed puts and those just repacked included.
 //!
 //! Safety: the collector holds the store's exclusive lock (see `lock`), so no put or fork is in
 //! flight while it marks and sweeps, and none starts until it is done. Any manifest that cannot
@@ -16,6 +17,7 @@ use futures::{StreamExt, TryStreamExt};
 use crate::error::StoreError;
 use crate::id::{ChunkId, SnapshotId};
 use crate::lock::LockKind;
+use crate::manifest::Manifest;
 use crate::pack::PackId;
 use crate::store::{Store, LABEL_SANDBOX};
 
@@ -29,6 +31,9 @@ pub struct GcOptions {
     /// Snapshots retention never removes, besides pinned ones: those a sandbox currently
     /// depends on (the daemon passes them; they are not pins because they change often).
     pub protect: HashSet<SnapshotId>,
+    /// Rewrite the live packs of which the remaining snapshots use less than this fraction of
+    /// the bytes (see `repack`); `None` keeps every live pack whole, however little is used.
+    pub repack_below: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -43,7 +48,17 @@ pub struct GcReport {
     /// Bytes of the live packs, and of the chunks in them that remaining snapshots use.
     pub pack_bytes_live: u64,
     pub pack_bytes_used: u64,
+    /// Bytes of every object removed (snapshots' manifests aside): chunks, packs, indexes.
     pub bytes_freed: u64,
+    /// Sparse packs rewritten (their used chunks copied, then removed with the unreferenced
+    /// ones: they are in `packs_removed` too), the packs written for them and their bytes
+    /// (indexes included: the space reclaimed is `bytes_freed - repack_bytes_written`), and the
+    /// manifests rewritten to the new locations. A dry run counts the sparse packs and their
+    /// used bytes.
+    pub packs_repacked: u64,
+    pub repack_packs_written: u64,
+    pub repack_bytes_written: u64,
+    pub manifests_rewritten: u64,
 }
 
 impl Store {
@@ -83,35 +98,49 @@ impl Store {
             }
         }
 
+        let mut kept: Vec<Manifest> = manifests
+            .into_iter()
+            .filter(|m| !remove.contains(&m.id))
+            .collect();
+        let packs = self.backend().list(&self.area("packs")).await?;
+        let mut repacked = crate::repack::Repacked::default();
+        if let Some(below) = opts.repack_below.filter(|b| *b > 0.0) {
+            let sizes = packs
+                .iter()
+                .filter_map(|o| Some((PackId::from_hex(o.key.name()).ok()?, o.size)))
+                .collect();
+            let sparse = crate::repack::sparse_packs(&live_locations(&kept), &sizes, below);
+            repacked = self.repack(&mut kept, &sparse, opts.dry_run).await?;
+        }
         // Loose chunks are marked by id, packed ones by their pack (and location, for the
         // used bytes).
         let mut live: HashSet<ChunkId> = HashSet::new();
-        let mut live_locs = HashSet::new();
-        for m in manifests.iter().filter(|m| !remove.contains(&m.id)) {
-            for (c, _) in m.chunk_refs() {
-                match m.packs.get(c) {
-                    Some(loc) => {
-                        live_locs.insert(*loc);
-                    }
-                    None => {
-                        live.insert(*c);
-                    }
-                }
-            }
+        for m in &kept {
+            live.extend(
+                m.chunk_refs()
+                    .map(|(c, _)| *c)
+                    .filter(|c| !m.packs.contains_key(c)),
+            );
         }
+        let live_locs = live_locations(&kept);
         let live_packs: HashSet<PackId> = live_locs.iter().map(|l| l.pack).collect();
         let mut report = GcReport {
-            snapshots_kept: (manifests.len() - remove.len()) as u64,
+            snapshots_kept: kept.len() as u64,
             chunks_live: (live.len() + live_locs.len()) as u64,
-            packs_live: live_packs.len() as u64,
             pack_bytes_used: live_locs.iter().map(|l| u64::from(l.len)).sum(),
+            packs_repacked: repacked.packs,
+            repack_packs_written: repacked.packs_written,
+            repack_bytes_written: repacked.bytes_written,
+            manifests_rewritten: repacked.manifests_rewritten,
             ..GcReport::default()
         };
         let mut removed: Vec<SnapshotId> = remove.into_iter().collect();
         removed.sort();
         if !opts.dry_run {
             for id in &removed {
-                self.backend().delete(&self.manifest_key(id)).await?;
+                self.backend()
+                    .delete_durably(&self.manifest_key(id))
+                    .await?;
             }
         }
         report.snapshots_removed = removed;
@@ -133,15 +162,23 @@ impl Store {
         };
         for o in self.backend().list(&self.area("packidx")).await? {
             if unreferenced(&o) {
+                report.bytes_freed += o.size;
                 garbage.push(o);
             }
         }
-        for o in self.backend().list(&self.area("packs")).await? {
+        // Listed again after a repack: the packs it wrote are live.
+        let packs = if repacked.packs_written > 0 {
+            self.backend().list(&self.area("packs")).await?
+        } else {
+            packs
+        };
+        for o in packs {
             if unreferenced(&o) {
                 report.packs_removed += 1;
                 report.bytes_freed += o.size;
                 garbage.push(o);
             } else {
+                report.packs_live += 1;
                 report.pack_bytes_live += o.size;
             }
         }
@@ -164,10 +201,19 @@ impl Store {
             removed_snapshots = report.snapshots_removed.len(),
             removed_chunks = report.chunks_removed,
             removed_packs = report.packs_removed,
+            repacked_packs = report.packs_repacked,
             freed = report.bytes_freed,
             dry_run = opts.dry_run,
             "garbage collection done"
         );
         Ok(report)
     }
+}
+
+/// Every distinct location the manifests give a packed chunk.
+fn live_locations(manifests: &[Manifest]) -> HashSet<crate::pack::PackLoc> {
+    manifests
+        .iter()
+        .flat_map(|m| m.packs.values().copied())
+        .collect()
 }

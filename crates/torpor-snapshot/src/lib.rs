@@ -29,6 +29,7 @@ pub mod manifest;
 pub mod metrics;
 pub mod pack;
 pub mod reencode;
+mod repack;
 pub mod store;
 
 #[cfg(test)]

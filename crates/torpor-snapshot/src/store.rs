@@ -416,16 +416,10 @@ impl Store {
             .collect();
         let mut stats = st.stats;
         stats.logical_bytes = manifest.logical_bytes();
-        let sealed = self
-            .codec
-            .seal_manifest(manifest.encode())
-            .map_err(StoreError::Encode)?;
-        stats.manifest_bytes = sealed.len() as u64;
-        stats.bytes_written += sealed.len() as u64;
         // The manifest goes last: until it exists the snapshot does not.
-        self.backend
-            .put(&self.manifest_key(&id), Bytes::from(sealed))
-            .await?;
+        let sealed_len = self.write_manifest(&manifest).await?;
+        stats.manifest_bytes = sealed_len;
+        stats.bytes_written += sealed_len;
         stats.duration_ms = started.elapsed().as_millis() as u64;
         tracing::info!(snapshot = %id, new = stats.chunks_new, reused = stats.chunks_reused,
             written = stats.bytes_written, "snapshot stored");
@@ -788,6 +782,27 @@ impl Store {
         Ok(())
     }
 
+    /// Seals and stores `m` under its id (replacing any manifest there); its sealed size.
+    pub(crate) async fn write_manifest(&self, m: &Manifest) -> Result<u64, StoreError> {
+        let sealed = self
+            .codec
+            .seal_manifest(m.encode())
+            .map_err(StoreError::Encode)?;
+        let len = sealed.len() as u64;
+        self.backend
+            .put(&self.manifest_key(&m.id), Bytes::from(sealed))
+            .await?;
+        Ok(len)
+    }
+
+    pub(crate) fn codec(&self) -> &ChunkCodec {
+        &self.codec
+    }
+
+    pub(crate) fn catalog(&self) -> &Arc<PackCatalog> {
+        &self.catalog
+    }
+
     /// Reads, opens and verifies a manifest.
     pub async fn load_manifest(&self, id: &SnapshotId) -> Result<Manifest, StoreError> {
         let bytes = self
@@ -859,7 +874,20 @@ impl Store {
             .mode(crate::durable::DIR_MODE)
             .create(&tmp)
             .map_err(|e| StoreError::write(&tmp, e))?;
-        let result = self.restore_into(&manifest, &tmp).await;
+        let mut result = self.restore_into(&manifest, &tmp).await;
+        if matches!(result, Err(StoreError::ChunkMissing { .. })) {
+            // A collector may have repacked the snapshot since its manifest was read (the old
+            // pack is gone, the manifest rewritten): read it again and, if it moved, retry.
+            if let Some(moved) = self.moved_since(&manifest).await {
+                let _ = std::fs::remove_dir_all(&tmp);
+                std::fs::DirBuilder::new()
+                    .mode(crate::durable::DIR_MODE)
+                    .create(&tmp)
+                    .map_err(|e| StoreError::write(&tmp, e))?;
+                self.catalog.learn(&moved);
+                result = self.restore_into(&moved, &tmp).await;
+            }
+        }
         match result {
             Ok(mut stats) => {
                 // An empty directory at dest is replaced; rename refuses non-empty ones.
@@ -1234,9 +1262,37 @@ impl Store {
         Ok((data, false, fetched))
     }
 
+    /// `m` read again, if its chunks' locations changed since (a collector repacked them).
+    async fn moved_since(&self, m: &Manifest) -> Option<Manifest> {
+        if m.packs.is_empty() {
+            return None;
+        }
+        match self.load_manifest(&m.id).await {
+            Ok(again) if again.packs != m.packs => {
+                tracing::info!(snapshot = %m.id, "snapshot repacked while read; reading it again");
+                Some(again)
+            }
+            _ => None,
+        }
+    }
+
     /// Verifies that every chunk of a snapshot is present and intact, without writing files.
+    /// Chunks are read in runs as a restore reads them (a packed run with one ranged read per
+    /// pack).
     pub async fn verify(&self, id: &SnapshotId) -> Result<VerifyReport, StoreError> {
         let m = self.load_manifest(id).await?;
+        let report = self.verify_manifest(&m).await?;
+        let missing = report
+            .problems
+            .iter()
+            .any(|p| matches!(p, StoreError::ChunkMissing { .. }));
+        match self.moved_since(&m).await {
+            Some(moved) if missing => self.verify_manifest(&moved).await,
+            _ => Ok(report),
+        }
+    }
+
+    async fn verify_manifest(&self, m: &Manifest) -> Result<VerifyReport, StoreError> {
         let mut seen = HashSet::new();
         let mut jobs = Vec::new();
         for f in &m.files {
@@ -1250,46 +1306,57 @@ impl Store {
                 }
             }
         }
-        let results: Vec<Result<(), StoreError>> =
-            futures::stream::iter(jobs.into_iter().map(|(c, path)| {
-                let m = &m;
-                async move {
-                    let blob =
-                        self.get_blob(m, &c)
-                            .await?
-                            .ok_or_else(|| StoreError::ChunkMissing {
-                                snapshot: m.id.clone(),
-                                chunk: c,
-                                path: path.clone(),
-                            })?;
+        let run_len = if m.packs.is_empty() {
+            FETCH_RUN
+        } else {
+            PACKED_FETCH_RUN
+        };
+        let checked = jobs.len() as u64;
+        let results: Vec<Result<Vec<StoreError>, StoreError>> = futures::stream::iter(
+            runs_of_len(jobs, run_len)
+                .into_iter()
+                .map(|run| async move {
+                    let ids: Vec<ChunkId> = run.iter().map(|(c, _)| *c).collect();
+                    let all: Vec<usize> = (0..ids.len()).collect();
+                    let blobs = self.get_blobs(m, &ids, &all).await?;
                     let codec = self.codec.clone();
-                    tokio::task::spawn_blocking(move || codec.decode(&c, &blob))
-                        .await?
-                        .map(|_| ())
-                        .map_err(|source| StoreError::ChunkCorrupt {
-                            snapshot: m.id.clone(),
-                            chunk: c,
-                            path,
-                            source,
+                    let checks = tokio::task::spawn_blocking(move || {
+                        ids.iter()
+                            .zip(blobs)
+                            .map(|(c, blob)| blob.map(|b| codec.decode(c, &b).err()))
+                            .collect::<Vec<_>>()
+                    })
+                    .await?;
+                    Ok(run
+                        .iter()
+                        .zip(checks)
+                        .filter_map(|((c, path), check)| match check {
+                            None => Some(StoreError::ChunkMissing {
+                                snapshot: m.id.clone(),
+                                chunk: *c,
+                                path: path.clone(),
+                            }),
+                            Some(Some(source)) => Some(StoreError::ChunkCorrupt {
+                                snapshot: m.id.clone(),
+                                chunk: *c,
+                                path: path.clone(),
+                                source,
+                            }),
+                            Some(None) => None,
                         })
-                }
-            }))
-            .buffer_unordered(self.cfg.parallelism.max(1))
-            .collect()
-            .await;
+                        .collect())
+                }),
+        )
+        .buffer_unordered(self.cfg.parallelism.max(1))
+        .collect()
+        .await;
         let mut report = VerifyReport {
-            id: id.clone(),
-            chunks_checked: results.len() as u64,
+            id: m.id.clone(),
+            chunks_checked: checked,
             problems: Vec::new(),
         };
         for r in results {
-            match r {
-                Ok(()) => {}
-                Err(e @ (StoreError::ChunkMissing { .. } | StoreError::ChunkCorrupt { .. })) => {
-                    report.problems.push(e)
-                }
-                Err(e) => return Err(e),
-            }
+            report.problems.extend(r?);
         }
         Ok(report)
     }
@@ -1320,13 +1387,7 @@ impl Store {
                     labels,
                     ..m.clone()
                 };
-                let sealed = self
-                    .codec
-                    .seal_manifest(fork.encode())
-                    .map_err(StoreError::Encode)?;
-                self.backend
-                    .put(&self.manifest_key(&id), Bytes::from(sealed))
-                    .await?;
+                self.write_manifest(&fork).await?;
                 ids.push(id);
             }
             Ok(ids)
@@ -1376,7 +1437,7 @@ impl Store {
         if !self.backend.exists_many(&[self.manifest_key(id)]).await?[0] {
             return Err(StoreError::SnapshotNotFound { id: id.clone() });
         }
-        Ok(self.backend.delete(&self.manifest_key(id)).await?)
+        Ok(self.backend.delete_durably(&self.manifest_key(id)).await?)
     }
 
     /// Totals for `torpor snapshot stats`.
@@ -1434,10 +1495,15 @@ impl StoreStats {
 
 /// `items` in runs of [`FETCH_RUN`], in order.
 fn runs_of<T>(items: Vec<T>) -> Vec<Vec<T>> {
+    runs_of_len(items, FETCH_RUN)
+}
+
+/// `items` in runs of `len` (the last shorter).
+fn runs_of_len<T>(items: Vec<T>, len: usize) -> Vec<Vec<T>> {
     let mut runs: Vec<Vec<T>> = Vec::new();
     for item in items {
         match runs.last_mut() {
-            Some(run) if run.len() < FETCH_RUN => run.push(item),
+            Some(run) if run.len() < len => run.push(item),
             _ => runs.push(vec![item]),
         }
     }

@@ -364,6 +364,7 @@ async fn gc_applies_retention_keeps_pins_and_sweeps_only_garbage() {
             keep_last_per_sandbox: Some(1),
             dry_run: true,
             protect: [ids[1].clone()].into_iter().collect(),
+            ..Default::default()
         })
         .await
         .unwrap();

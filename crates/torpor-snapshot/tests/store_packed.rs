@@ -18,12 +18,17 @@ use torpor_snapshot::gvisor::encode_compressed_image;
 use torpor_snapshot::store::LABEL_SANDBOX;
 use torpor_snapshot::{GcOptions, PutOptions, Store, StoreConfig, TenantKey};
 
-/// Counts what a store asks of its backend.
+/// Counts what a store asks of its backend; while `held`, ranged reads wait (`entered`
+/// says one does) until `gate` is closed.
 #[derive(Debug)]
 struct Counting {
     inner: Arc<dyn Backend>,
     puts: AtomicUsize,
     reads: AtomicUsize,
+    manifest_reads: AtomicUsize,
+    held: std::sync::atomic::AtomicBool,
+    entered: tokio::sync::Notify,
+    gate: tokio::sync::Semaphore,
 }
 
 impl Counting {
@@ -32,6 +37,10 @@ impl Counting {
             inner: Arc::new(LocalBackend::open(dir).unwrap()),
             puts: AtomicUsize::new(0),
             reads: AtomicUsize::new(0),
+            manifest_reads: AtomicUsize::new(0),
+            held: false.into(),
+            entered: tokio::sync::Notify::new(),
+            gate: tokio::sync::Semaphore::new(0),
         })
     }
 
@@ -55,6 +64,9 @@ impl Backend for Counting {
     }
     async fn get(&self, key: &ObjectKey) -> Result<Option<Bytes>, BackendError> {
         self.reads.fetch_add(1, Ordering::SeqCst);
+        if key.as_str().contains("manifests/") {
+            self.manifest_reads.fetch_add(1, Ordering::SeqCst);
+        }
         self.inner.get(key).await
     }
     async fn get_many(&self, keys: &[ObjectKey]) -> Result<Vec<Option<Bytes>>, BackendError> {
@@ -67,6 +79,11 @@ impl Backend for Counting {
         ranges: &[Range<u64>],
     ) -> Result<Option<Vec<Bytes>>, BackendError> {
         self.reads.fetch_add(1, Ordering::SeqCst);
+        if self.held.load(Ordering::SeqCst) {
+            self.entered.notify_one();
+            // Closed when released: every held read goes on.
+            let _ = self.gate.acquire().await;
+        }
         self.inner.get_ranges(key, ranges).await
     }
     async fn exists_many(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, BackendError> {
@@ -475,4 +492,173 @@ async fn a_restore_teaches_the_catalog_so_the_next_put_of_that_sandbox_stores_on
     let dest = t.path().join("out");
     other.get_dir(&second.id, &dest).await.unwrap();
     assert!(restored(&dest) == mem);
+}
+
+/// A packed store where snapshot `a` was deleted after `b` reused about half of its chunks,
+/// scattered (every other 32 KiB of memory changed): `a`'s packs are left half used. Returns
+/// `b`'s id and memory.
+async fn half_used_packs(s: &Store, src: &Path) -> (torpor_snapshot::SnapshotId, Vec<u8>) {
+    let mut mem = memory_like(20, 2048);
+    checkpoint(src, &mem);
+    let a = s.put_dir(src, None).await.unwrap();
+    for (i, block) in mem
+        .chunks_mut(32 << 10)
+        .enumerate()
+        .filter(|(i, _)| i % 2 == 1)
+    {
+        block.copy_from_slice(&noise(100 + i as u64, block.len()));
+    }
+    checkpoint(src, &mem);
+    let b = s.put_dir(src, Some(&a.id)).await.unwrap();
+    assert!(
+        b.stats.chunks_reused > 0 && b.stats.chunks_new > 0,
+        "{:?}",
+        b.stats
+    );
+    s.delete_snapshot(&a.id).await.unwrap();
+    (b.id, mem)
+}
+
+fn repack(below: f64, dry_run: bool) -> GcOptions {
+    GcOptions {
+        repack_below: Some(below),
+        dry_run,
+        ..GcOptions::default()
+    }
+}
+
+#[tokio::test]
+async fn gc_repacks_sparse_packs_and_every_snapshot_still_restores_plain_or_encrypted() {
+    for key in [None, Some(TenantKey::from_bytes([3; 32]))] {
+        let t = tempfile::tempdir().unwrap();
+        let (src, root) = (t.path().join("ckpt"), t.path().join("store"));
+        let cfg = || StoreConfig {
+            key: key.clone(),
+            ..packed_cfg()
+        };
+        let s = Store::new(Arc::new(LocalBackend::open(&root).unwrap()), cfg()).unwrap();
+        let (b, mem) = half_used_packs(&s, &src).await;
+
+        // A dry run says what it would do and changes nothing.
+        let before = (objects(&root, "packs"), objects(&root, "manifests"));
+        let dry = s.gc(&repack(0.75, true)).await.unwrap();
+        assert!(dry.packs_repacked > 0, "{dry:?}");
+        assert!(dry.repack_bytes_written > 0, "{dry:?}");
+        assert_eq!(dry.manifests_rewritten, 0, "{dry:?}");
+        assert!(
+            dry.pack_bytes_used * 4 < dry.pack_bytes_live * 3,
+            "half-used packs: {dry:?}"
+        );
+        assert_eq!(
+            (objects(&root, "packs"), objects(&root, "manifests")),
+            before
+        );
+        let manifest_before = std::fs::read(&before.1[0]).unwrap();
+
+        let report = s.gc(&repack(0.75, false)).await.unwrap();
+        assert_eq!(report.packs_repacked, dry.packs_repacked, "{report:?}");
+        assert!(report.repack_packs_written > 0, "{report:?}");
+        assert_eq!(report.manifests_rewritten, 1, "{report:?}");
+        assert!(report.packs_removed >= report.packs_repacked, "{report:?}");
+        assert!(
+            report.bytes_freed > report.repack_bytes_written,
+            "space reclaimed: {report:?}"
+        );
+        // Every live pack is now used whole, and the manifest moved to the new packs.
+        assert_eq!(report.pack_bytes_used, report.pack_bytes_live, "{report:?}");
+        assert_ne!(std::fs::read(&before.1[0]).unwrap(), manifest_before);
+        assert!(s.verify(&b).await.unwrap().problems.is_empty());
+        for (name, store) in [
+            ("this process", s.clone()),
+            (
+                "a fresh process",
+                Store::new(Arc::new(LocalBackend::open(&root).unwrap()), cfg()).unwrap(),
+            ),
+        ] {
+            let dest = t.path().join(format!("out-{}", name.len()));
+            store.get_dir(&b, &dest).await.unwrap();
+            assert!(restored(&dest) == mem, "{name}");
+        }
+        // Nothing sparse is left, and a put after the repack still deduplicates against it.
+        let again = s.gc(&repack(0.75, false)).await.unwrap();
+        assert_eq!(again.packs_repacked, 0, "{again:?}");
+        let c = s.put_dir(&src, None).await.unwrap();
+        assert_eq!(c.stats.chunks_new, 0, "{:?}", c.stats);
+    }
+}
+
+#[tokio::test]
+async fn a_restore_that_read_its_manifest_before_a_repack_reads_it_again_and_restores() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, root) = (t.path().join("ckpt"), t.path().join("store"));
+    let s = packed(&root);
+    let (b, mem) = half_used_packs(&s, &src).await;
+    let held = Counting::new(&root);
+    held.held.store(true, Ordering::SeqCst);
+    let reader = Store::new(held.clone(), packed_cfg()).unwrap();
+    let dest = t.path().join("out");
+    let restore = tokio::spawn({
+        let (b, dest) = (b.clone(), dest.clone());
+        async move { reader.get_dir(&b, &dest).await }
+    });
+    // The restore has its manifest and is about to read packs: another process repacks.
+    held.entered.notified().await;
+    let report = s.gc(&repack(0.75, false)).await.unwrap();
+    assert!(report.packs_repacked > 0, "{report:?}");
+    held.held.store(false, Ordering::SeqCst);
+    held.gate.close();
+    restore.await.unwrap().unwrap();
+    assert!(restored(&dest) == mem);
+    assert_eq!(
+        held.manifest_reads.load(Ordering::SeqCst),
+        2,
+        "the manifest was read again after the old packs were gone"
+    );
+}
+
+#[tokio::test]
+async fn a_sparse_pack_with_a_corrupt_chunk_is_left_as_it_is_and_named_by_verify() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, root) = (t.path().join("ckpt"), t.path().join("store"));
+    let s = packed(&root);
+    let (b, _) = half_used_packs(&s, &src).await;
+    let dry = s.gc(&repack(0.75, true)).await.unwrap();
+    assert!(dry.packs_repacked >= 2, "{dry:?}");
+    // Corrupt a chunk of b's in the first of its packs (the deleted snapshot's).
+    let m = s.load_manifest(&b).await.unwrap();
+    let first_pack = objects(&root, "packs")
+        .into_iter()
+        .find(|p| {
+            let hex = p.file_name().unwrap().to_str().unwrap();
+            m.packs.values().filter(|l| l.pack.to_hex() == hex).count() > 1
+                && std::fs::metadata(p).unwrap().len()
+                    > m.packs
+                        .values()
+                        .filter(|l| l.pack.to_hex() == hex)
+                        .map(|l| u64::from(l.len))
+                        .sum::<u64>()
+                        * 4
+                        / 3
+        })
+        .expect("a half-used pack");
+    let hex = first_pack
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let loc = m.packs.values().find(|l| l.pack.to_hex() == hex).unwrap();
+    let mut bytes = std::fs::read(&first_pack).unwrap();
+    bytes[(loc.offset + u64::from(loc.len) / 2) as usize] ^= 0x10;
+    std::fs::write(&first_pack, &bytes).unwrap();
+
+    let report = s.gc(&repack(0.75, false)).await.unwrap();
+    assert_eq!(report.packs_repacked, dry.packs_repacked - 1, "{report:?}");
+    assert!(
+        first_pack.exists(),
+        "the corrupt pack is kept for verify to name"
+    );
+    let problems = s.verify(&b).await.unwrap().problems;
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert_eq!(problems[0].code(), "chunk_corrupt");
 }

@@ -79,6 +79,21 @@ pub struct StoreArgs {
     /// chunk as its own object (default: 4M for s3://, 0 for a local store).
     #[arg(long, value_parser = parse_pack_size)]
     pub pack_size: Option<u64>,
+    /// Garbage collection rewrites a pack of which remaining snapshots use less than this
+    /// fraction (its used chunks copied into new packs, then the old one removed); 0 keeps
+    /// every pack whole while any snapshot uses a chunk in it (default: 0.5).
+    #[arg(long, value_parser = parse_fraction)]
+    pub repack_below: Option<f64>,
+}
+
+/// `--repack-below`: a fraction from 0 to 1.
+pub fn parse_fraction(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        _ => Err(format!(
+            "{s} is not a fraction from 0 (never repack) to 1, e.g. 0.5"
+        )),
+    }
 }
 
 pub fn parse_cache_size(s: &str) -> Result<u64, String> {
@@ -113,6 +128,7 @@ impl StoreArgs {
             key_dir: self.snapshot_keys.clone(),
             s3_retry_timeout: Some(Duration::from_secs(self.store_retry_timeout)),
             pack_bytes: self.pack_size,
+            repack_below: self.repack_below,
         }
     }
 }
@@ -237,6 +253,16 @@ pub async fn run(cmd: SnapshotCmd) -> Result<i32, CliError> {
                         r.packs_removed,
                         human_bytes(r.pack_bytes_live),
                         human_bytes(r.pack_bytes_used)
+                    );
+                }
+                if r.packs_repacked > 0 {
+                    println!(
+                        "{} sparse packs {}: {} of used chunks into {} new packs, {} manifests rewritten",
+                        r.packs_repacked,
+                        if r.dry_run { "to repack" } else { "repacked" },
+                        human_bytes(r.repack_bytes_written),
+                        r.repack_packs_written,
+                        r.manifests_rewritten
                     );
                 }
             }

@@ -391,3 +391,62 @@ async fn a_directory_store_packs_chunks_with_pack_size_and_collects_whole_packs(
     let (_, text, _) = torpor(&d, &["snapshot", "gc"]);
     assert!(text.contains("chunks removed"), "{text}");
 }
+
+/// Runs `script` in the sandbox; its stdout (the script must succeed).
+async fn sh_out(c: &torpor_api::client::Client, id: &str, script: &str) -> String {
+    let r = c.exec(id, &sh(script)).await.unwrap();
+    assert_eq!(r.exit_code, Some(0), "{script}: {r:?}");
+    r.stdout
+}
+
+/// A sandbox whose memory changed a lot between two parks leaves the packs of its first
+/// snapshot half used once that snapshot is superseded; the collector (`--repack-below`)
+/// rewrites them and the sandbox wakes with everything intact.
+#[tokio::test]
+async fn the_collector_repacks_half_used_packs_and_the_sandbox_wakes_intact() {
+    let out = Command::new(BIN)
+        .args(["up", "--repack-below", "2"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("fraction"), "{err}");
+
+    let d = Daemon::start_with(&["--pack-size", "256K", "--repack-below", "0.9"]).await;
+    let c = d.client();
+    c.create_template(&agent_template("repacked", no_idle()))
+        .await
+        .unwrap();
+    let id = create(&c, "repacked").await;
+    // 8 MiB that does not compress, in the sandbox's memory (its root overlay is in memory).
+    sh_out(&c, &id, "head -c 8388608 /dev/urandom > /tmp/blob").await;
+    assert_eq!(call_agent(&c, &id, "x").await, (1, 1));
+    c.suspend(&id, Some(Tier::Suspended)).await.unwrap();
+    // Every other 64 KiB of it rewritten, then parked again: the first snapshot goes.
+    let rewrite = "import os\nwith open('/tmp/blob', 'r+b') as f:\n    for i in range(1, 128, 2):\n        f.seek(i * 65536)\n        f.write(os.urandom(65536))\n";
+    sh_out(&c, &id, &format!("python3 -c \"{rewrite}\" && sync")).await;
+    let sum = sh_out(&c, &id, "md5sum /tmp/blob").await;
+    assert_eq!(call_agent(&c, &id, "x").await, (2, 2));
+    c.suspend(&id, Some(Tier::Suspended)).await.unwrap();
+
+    let gc = json(&d, &["snapshot", "gc", "--json"]);
+    let n = |k: &str| gc[k].as_u64().unwrap_or_else(|| panic!("{k}: {gc:#}"));
+    assert!(n("packs_repacked") >= 1, "{gc:#}");
+    assert!(n("manifests_rewritten") >= 1, "{gc:#}");
+    assert!(n("repack_packs_written") >= 1, "{gc:#}");
+    assert!(n("bytes_freed") > n("repack_bytes_written"), "{gc:#}");
+    // Every pack left is at least 90% used.
+    assert!(
+        n("pack_bytes_used") * 10 >= n("pack_bytes_live") * 9,
+        "{gc:#}"
+    );
+    let (code, out, _) = torpor(&d, &["snapshot", "verify"]);
+    assert_eq!(code, 0, "{out}");
+    // Nothing sparse is left to repack.
+    let (_, text, _) = torpor(&d, &["snapshot", "gc"]);
+    assert!(!text.contains("repacked"), "{text}");
+
+    // The sandbox wakes from the repacked snapshot: memory, processes and files intact.
+    assert_eq!(sh_out(&c, &id, "md5sum /tmp/blob").await, sum);
+    assert_eq!(call_agent(&c, &id, "x").await, (3, 3));
+}

@@ -260,6 +260,7 @@ impl Engine {
                 keep_last_per_sandbox: self.snapshots.keep,
                 dry_run,
                 protect: protect.clone(),
+                repack_below: self.snapshots.repack_below,
             };
             let r = tokio::spawn(async move { store.gc(&opts).await })
                 .await
@@ -282,6 +283,10 @@ impl Engine {
             total.packs_removed += r.packs_removed;
             total.pack_bytes_live += r.pack_bytes_live;
             total.pack_bytes_used += r.pack_bytes_used;
+            total.packs_repacked += r.packs_repacked;
+            total.repack_packs_written += r.repack_packs_written;
+            total.repack_bytes_written += r.repack_bytes_written;
+            total.manifests_rewritten += r.manifests_rewritten;
         }
         self.snapshots.gc_runs.with_label_values(&["ok"]).inc();
         if !dry_run {
@@ -292,6 +297,14 @@ impl Engine {
                 .inc_by(total.chunks_removed);
             m.with_label_values(&["packs"]).inc_by(total.packs_removed);
             m.with_label_values(&["bytes"]).inc_by(total.bytes_freed);
+            let r = &self.snapshots.gc_repacked;
+            r.with_label_values(&["packs"]).inc_by(total.packs_repacked);
+            r.with_label_values(&["packs_written"])
+                .inc_by(total.repack_packs_written);
+            r.with_label_values(&["bytes"])
+                .inc_by(total.repack_bytes_written);
+            r.with_label_values(&["manifests"])
+                .inc_by(total.manifests_rewritten);
         }
         Ok(total)
     }
@@ -317,6 +330,7 @@ impl Engine {
                         removed_snapshots = r.snapshots_removed.len(),
                         removed_chunks = r.chunks_removed,
                         freed = r.bytes_freed,
+                        repacked = r.packs_repacked,
                         "scheduled snapshot gc"
                     ),
                     Err(e) => {

@@ -188,6 +188,22 @@ impl Backend for LocalBackend {
         .await
     }
 
+    async fn delete_durably(&self, key: &ObjectKey) -> Result<(), BackendError> {
+        let path = self.path(key);
+        let fs = Arc::clone(&self.fs);
+        blocking(move || {
+            match fs.remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(BackendError::io(&path, e)),
+            }
+            // Absent or removed: either way the name must be gone for good.
+            let dir = path.parent().unwrap_or(Path::new("."));
+            fs.sync_dir(dir).map_err(|e| BackendError::io(dir, e))
+        })
+        .await
+    }
+
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError> {
         let prefix_key = ObjectKey::new(prefix)?;
         let base = self.path(&prefix_key);

@@ -148,8 +148,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// For each key, whether it exists. One call per batch, so remote backends can answer a
     /// batch with parallel requests or one listing.
     async fn exists_many(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, BackendError>;
-    /// Removes `key`; absent keys are not an error.
+    /// Removes `key`; absent keys are not an error. The removal may be undone by a crash (an
+    /// object that comes back is one nothing points at, which a later delete removes again).
     async fn delete(&self, key: &ObjectKey) -> Result<(), BackendError>;
+    /// Removes `key` so that a crash after this returns cannot bring it back: a manifest's
+    /// removal (a snapshot that came back would name chunks the collector has removed since).
+    /// A remote store's delete is durable once acknowledged: the default is `delete`.
+    async fn delete_durably(&self, key: &ObjectKey) -> Result<(), BackendError> {
+        self.delete(key).await
+    }
     /// Every object whose key starts with `prefix/`.
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError>;
 }
