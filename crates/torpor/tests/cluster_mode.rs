@@ -192,6 +192,45 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
     );
     workers.push(w4);
 
+    // Memory that changed a lot between two uploads: the first snapshot (superseded, so
+    // retired) leaves its packs in S3 half used; the controller's collector repacks them
+    // (the default `--repack-below 0.5`) and the snapshot the sandbox depends on verifies.
+    controller
+        .exec(&id, "head -c 8388608 /dev/urandom > /dev/shm/blob")
+        .await;
+    controller.park(&id).await;
+    wait_uploaded(&controller, &id).await;
+    controller
+        .exec(
+            &id,
+            "python3 -c \"import os; f = open('/dev/shm/blob', 'r+b'); \
+             [(f.seek(i * 65536), f.write(os.urandom(65536))) for i in range(1, 128, 2)]; f.close()\"",
+        )
+        .await;
+    controller.park(&id).await;
+    wait_uploaded(&controller, &id).await;
+    let deadline = Instant::now() + PATIENCE;
+    let gc = loop {
+        // The superseded snapshot is retired in the background after the upload.
+        let gc = controller
+            .ok(reqwest::Method::POST, "/v1/snapshots/gc", None)
+            .await;
+        if gc["packs_repacked"].as_u64() >= Some(1) {
+            break gc;
+        }
+        assert!(Instant::now() < deadline, "nothing repacked: {gc}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(gc["manifests_rewritten"].as_u64() >= Some(1), "{gc}");
+    assert!(
+        gc["bytes_freed"].as_u64() > gc["repack_bytes_written"].as_u64(),
+        "{gc}"
+    );
+    let verified = controller
+        .ok(reqwest::Method::POST, "/v1/snapshots/verify", None)
+        .await;
+    assert_eq!(verified["ok"], true, "{verified}");
+
     // Strangers: a worker certificate from another CA, and an expired one, cannot join.
     let other = dir.join("other-ca");
     cluster::ca_init(&other, "e2e.cluster");
