@@ -113,6 +113,11 @@ pub fn add_response_headers(headers: HeaderMap) {
     });
 }
 
+/// The caller [`set_caller`] recorded, on the response (for the audit layer outside this one,
+/// which would otherwise resolve the credentials again: a store read on every audited call).
+#[derive(Debug, Clone)]
+pub struct Caller(pub TenantId);
+
 /// The outermost layer: the id, the span, the closing log line and the headers of what was
 /// learnt. Added with `Router::layer`, it runs once the route is matched (`MatchedPath`).
 pub async fn request_context(mut req: Request, next: Next) -> Response {
@@ -162,11 +167,17 @@ pub async fn request_context(mut req: Request, next: Next) -> Response {
     if let Ok(v) = HeaderValue::from_str(&id) {
         h.insert(HEADER, v);
     }
-    let learnt = std::mem::take(&mut learnt.lock().unwrap_or_else(|p| p.into_inner()).headers);
+    let (learnt, caller) = {
+        let mut l = learnt.lock().unwrap_or_else(|p| p.into_inner());
+        (std::mem::take(&mut l.headers), l.caller.take())
+    };
     for (name, value) in learnt {
         if let Some(name) = name {
             h.insert(name, value);
         }
+    }
+    if let Some(tenant) = caller {
+        resp.extensions_mut().insert(Caller(tenant));
     }
     resp
 }

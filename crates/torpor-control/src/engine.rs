@@ -194,6 +194,8 @@ struct Live {
     resident: Box<dyn Resident>,
     _permit: WorkerPermit,
     frozen: bool,
+    /// Its tenant, so a call for a running sandbox is authorised without a store read.
+    owner: TenantId,
 }
 
 #[derive(Default)]

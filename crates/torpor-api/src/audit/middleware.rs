@@ -332,7 +332,11 @@ pub async fn record_calls(
     } else {
         (resp, None)
     };
-    let actor = actor_of(&state, &creds, &route);
+    // The caller the edge authenticated, else what the credentials say (a refused one).
+    let actor = match resp.extensions().get::<crate::request_id::Caller>() {
+        Some(c) => c.0.as_str().to_string(),
+        None => actor_of(&state, &creds, &route),
+    };
     state.audit.record(Call {
         request_id: request_id_of(&resp),
         actor,

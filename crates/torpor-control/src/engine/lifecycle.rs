@@ -39,6 +39,25 @@ impl Engine {
         }
     }
 
+    /// The fast path of [`Engine::use_sandbox`]: a sandbox running here, its lock free, for its
+    /// owner (or the operator) is borrowed at once, without reading its record (which no
+    /// transition can change while the borrow holds the lock). Anything else: `None`.
+    fn use_if_running(&self, tenant: &TenantId, id: &SandboxId) -> Option<InUse> {
+        let slot = self.existing_slot(id)?;
+        let guard = slot.state.clone().try_read_owned().ok()?;
+        let live = guard.live.as_ref()?;
+        if live.frozen || !live.resident.alive() || !owns(tenant, &live.owner) {
+            return None;
+        }
+        slot.touch();
+        Some(InUse {
+            guard,
+            slot,
+            id: id.clone(),
+            evictor: self.evictor.clone(),
+        })
+    }
+
     pub(super) fn fresh_activity(&self, s: &mut SandboxRecord) {
         let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(slot) = slots.get(&s.id) {
@@ -157,6 +176,9 @@ impl Engine {
 
     /// Borrows a running sandbox for one call, waking it first if it sleeps.
     pub async fn use_sandbox(&self, tenant: &TenantId, id: &SandboxId) -> Result<InUse> {
+        if let Some(in_use) = self.use_if_running(tenant, id) {
+            return Ok(in_use);
+        }
         let seen = self.sandbox(tenant, id)?;
         // Resident by its record with no container here: passed to this controller, to be
         // adopted (it takes no worker from the lot).

@@ -71,7 +71,7 @@ impl Engine {
     }
 
     /// The slot of `id` if it has one (unlike [`Engine::slot`], none is made).
-    fn existing_slot(&self, id: &SandboxId) -> Option<Arc<Slot>> {
+    pub(super) fn existing_slot(&self, id: &SandboxId) -> Option<Arc<Slot>> {
         let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         slots.get(id).cloned()
     }

@@ -170,6 +170,7 @@ impl Engine {
             resident,
             _permit: permit,
             frozen: false,
+            owner: rec.tenant.clone(),
         });
         self.metrics.workers_busy.set(self.workers.busy() as i64);
     }
