@@ -181,16 +181,13 @@ impl Store {
                 moved.extend(locs);
             }
         }
-        // Every manifest that locates a chunk in a repacked pack, rewritten (atomically each).
-        let repacked: HashSet<PackId> = sparse
-            .keys()
-            .filter(|p| !skipped.contains(p))
-            .copied()
-            .collect();
+        // Every manifest that locates a copied chunk in a sparse pack, rewritten (atomically
+        // each). A chunk of a skipped pack with a verified copy from another sparse pack moves
+        // to that copy too.
         for m in manifests.iter_mut() {
             let mut changed = false;
             for (c, loc) in m.packs.iter_mut() {
-                if repacked.contains(&loc.pack) {
+                if sparse.contains_key(&loc.pack) {
                     if let Some(new) = moved.get(c) {
                         *loc = *new;
                         changed = true;
@@ -202,18 +199,18 @@ impl Store {
                 done.manifests_rewritten += 1;
             }
         }
-        // Repacked: the sparse packs no manifest locates a chunk in any more (a pack whose
-        // chunk was copied from a skipped pack's twin keeps that chunk, and stays).
+        // Repacked: the sparse packs no manifest locates a chunk in any more (one whose chunk
+        // was not copied, because it was first found in a skipped pack, stays).
         let still: HashSet<PackId> = manifests
             .iter()
             .flat_map(|m| m.packs.values().map(|l| l.pack))
-            .filter(|p| repacked.contains(p))
+            .filter(|p| sparse.contains_key(p))
             .collect();
-        for p in repacked.difference(&still) {
+        for p in sparse.keys().filter(|p| !still.contains(p)) {
             self.catalog().forget(p);
             done.packs += 1;
         }
-        for p in &skipped {
+        for p in skipped.intersection(&still) {
             tracing::warn!(pack = %p, "a sparse pack has a missing or corrupt chunk: not repacked (`snapshot verify` names the snapshots)");
         }
         Ok(done)
