@@ -1286,9 +1286,13 @@ impl Store {
             .problems
             .iter()
             .any(|p| matches!(p, StoreError::ChunkMissing { .. }));
+        if !missing {
+            return Ok(report);
+        }
+        // As a restore does: a collector may have repacked it since the manifest was read.
         match self.moved_since(&m).await {
-            Some(moved) if missing => self.verify_manifest(&moved).await,
-            _ => Ok(report),
+            Some(moved) => self.verify_manifest(&moved).await,
+            None => Ok(report),
         }
     }
 
