@@ -23,7 +23,16 @@ cargo clippy --workspace --all-targets --quiet -- -D warnings
 # deps.sh installed, and must not skip here.
 export TORPOR_TEST_POSTGRES=required
 echo "== cargo test (workspace but torpor-control)"
-cargo test --workspace --exclude torpor-control --no-fail-fast --quiet 2>&1 | tee /tmp/torpor-test.log
+# Built once, then run two binaries at a time (scripts/run_tests.py): one after another, each
+# binary's last tests left a test thread idle, and the whole run took ~1.6x as long. The last
+# run's durations order the next (longest first; a clean clone uses the checked-in ones).
+cargo test --workspace --exclude torpor-control --no-run --quiet --message-format=json \
+  > target/test-artifacts.json
+python3 scripts/run_tests.py --lanes "${TORPOR_TEST_LANES:-2}" --log-dir target/test-logs \
+  --times target/test-durations.json --seed-times scripts/test-durations.json \
+  -- --quiet < target/test-artifacts.json 2>&1 \
+  | tee /tmp/torpor-test.log
+cargo test --workspace --exclude torpor-control --doc --quiet 2>&1 | tee -a /tmp/torpor-test.log
 
 # torpor-control's tests run as an unprivileged user: the control plane's logic is tested
 # against the fake node, without root, runsc or cgroups. Built here (as root), then run as

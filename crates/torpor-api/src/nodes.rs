@@ -1,4 +1,4 @@
-//! `GET /v1/nodes` and `POST /v1/nodes/{name}/drain` (admin only): the machines sandboxes run
+//! `GET /v1/nodes`, `POST` and `DELETE /v1/nodes/{name}/drain` (admin only): the machines sandboxes run
 //! on. In cluster mode these are the workers registered with this controller (the
 //! [`NodeDirectory`] the controller gives the API); on a single machine, the machine itself
 //! (`local`, always `ready`), which cannot be drained.
@@ -56,8 +56,10 @@ pub type WorkerGpus = (String, Result<serde_json::Value, String>);
 /// The cluster's workers, as a controller knows them.
 pub trait NodeDirectory: Send + Sync {
     fn nodes(&self) -> Vec<NodeView>;
-    /// Drains a known worker; `None` when there is none by that name.
-    fn drain(&self, name: &str) -> Option<NodeView>;
+    /// Drains a known worker (`drain`) or lifts its drain, for every controller; `Ok(None)`
+    /// when there is none by that name, `Err` when the change could not be kept for the other
+    /// controllers (nothing changed).
+    fn set_drain(&self, name: &str, drain: bool) -> Result<Option<NodeView>, String>;
     /// `GET /v1/gpus` of every worker with GPUs that is not lost, as `viewer` may see it.
     fn gpus<'a>(&'a self, viewer: &'a str) -> futures::future::BoxFuture<'a, Vec<WorkerGpus>>;
 }
@@ -87,9 +89,27 @@ pub(crate) async fn list(
 }
 
 pub(crate) async fn drain(
+    state: State<Arc<ApiState>>,
+    tenant: Extension<TenantId>,
+    name: Path<String>,
+) -> ApiResult<Json<NodeView>> {
+    set_drain(state, tenant, name, true).await
+}
+
+/// `DELETE /v1/nodes/{name}/drain`: the worker takes new sandboxes again.
+pub(crate) async fn undrain(
+    state: State<Arc<ApiState>>,
+    tenant: Extension<TenantId>,
+    name: Path<String>,
+) -> ApiResult<Json<NodeView>> {
+    set_drain(state, tenant, name, false).await
+}
+
+async fn set_drain(
     State(state): State<Arc<ApiState>>,
     Extension(tenant): Extension<TenantId>,
     Path(name): Path<String>,
+    drain: bool,
 ) -> ApiResult<Json<NodeView>> {
     operator_only(&tenant, MANAGES)?;
     let Some(dir) = &state.nodes else {
@@ -99,11 +119,17 @@ pub(crate) async fn drain(
             "this daemon runs sandboxes on its own machine (embedded mode): there is no worker to drain",
         ));
     };
-    dir.drain(&name).map(Json).ok_or_else(|| {
-        ApiError::new(
+    match dir.set_drain(&name, drain) {
+        Ok(Some(node)) => Ok(Json(node)),
+        Ok(None) => Err(ApiError::new(
             ErrorKind::NotFound,
             "node_not_found",
             format!("no worker named {name:?} has registered with this controller"),
-        )
-    })
+        )),
+        Err(e) => Err(ApiError::new(
+            ErrorKind::Unavailable,
+            "state_store_error",
+            e,
+        )),
+    }
 }

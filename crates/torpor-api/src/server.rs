@@ -39,7 +39,10 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/tenants/{name}", delete(tenants::delete_tenant))
         .route("/workers", get(health::workers))
         .route("/nodes", get(crate::nodes::list))
-        .route("/nodes/{name}/drain", post(crate::nodes::drain))
+        .route(
+            "/nodes/{name}/drain",
+            post(crate::nodes::drain).delete(crate::nodes::undrain),
+        )
         .route("/gpus", get(health::gpus))
         .route(
             "/templates",

@@ -28,6 +28,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -48,6 +49,7 @@ use torpor_runtime::warm::WarmStats;
 
 use crate::ca::Role;
 use crate::client::{Deadlines, RemoteConfig, RemoteNode};
+use crate::drains::DrainBook;
 use crate::fence::{FenceBook, Fenced, Fencer};
 use crate::gpu_turn::{GpuTurnBook, Turn};
 use crate::pb;
@@ -124,6 +126,9 @@ pub struct FleetCapacity {
 pub enum FleetError {
     #[error("no worker named {0}")]
     UnknownWorker(String),
+    /// The drain book (the controllers' database) could not keep the change.
+    #[error("the drain could not be kept for the other controllers: {0}")]
+    Book(String),
 }
 
 struct Member {
@@ -218,6 +223,12 @@ pub struct Fleet {
     reclaim: std::sync::OnceLock<Arc<dyn GpuReclaim>>,
     /// Tickets workers missed, kept for every controller ([`Fleet::attach_ticket_book`]).
     tickets: std::sync::OnceLock<Arc<dyn TicketBook>>,
+    /// Drains kept for every controller ([`Fleet::attach_drain_book`]); unset, a drain holds
+    /// on this controller only.
+    drain_book: std::sync::OnceLock<Arc<dyn DrainBook>>,
+    /// Bumped (under the members' lock) by each drain taken or lifted here, so a read of the
+    /// book that began before it is not applied after it.
+    drain_changes: std::sync::atomic::AtomicU64,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -588,6 +599,8 @@ impl Fleet {
             gpu_book: std::sync::OnceLock::new(),
             reclaim: std::sync::OnceLock::new(),
             tickets: std::sync::OnceLock::new(),
+            drain_book: std::sync::OnceLock::new(),
+            drain_changes: std::sync::atomic::AtomicU64::new(0),
         });
         let watch = Arc::downgrade(&fleet);
         let period = (fleet.cfg.heartbeat / 2).max(Duration::from_millis(50));
@@ -788,26 +801,128 @@ impl Fleet {
         out
     }
 
-    /// Sends a worker no new sandboxes; those it holds stay. Known workers only.
-    pub fn drain(&self, name: &str) -> Result<NodeStatus, FleetError> {
+    /// Sends a worker no new sandboxes (`drain`), those it holds staying, or lifts that. Known
+    /// workers only. With a drain book ([`Fleet::attach_drain_book`]) the change is kept there
+    /// first, for every controller; a book that cannot keep it fails the call and changes
+    /// nothing.
+    pub fn set_drain(&self, name: &str, drain: bool) -> Result<NodeStatus, FleetError> {
+        if !self.lock().workers.contains_key(name) {
+            return Err(FleetError::UnknownWorker(name.to_string()));
+        }
+        if let Some(book) = self.drain_book.get() {
+            book.set(name, drain).map_err(FleetError::Book)?;
+        }
         {
             let mut m = self.lock();
-            let Some(w) = m.workers.get_mut(name) else {
-                return Err(FleetError::UnknownWorker(name.to_string()));
-            };
-            w.drain = true;
-            let lost = w.lost;
-            m.drains.insert(name.to_string());
-            if !lost {
-                m.placement.set_state(name, WorkerState::Draining);
+            self.drain_changes.fetch_add(1, Ordering::SeqCst);
+            if drain {
+                m.drains.insert(name.to_string());
+            } else {
+                m.drains.remove(name);
             }
-            self.publish_capacity(&m);
+            self.apply_drain(&mut m, name);
         }
-        tracing::info!(worker = name, "worker draining: no new sandboxes");
+        if drain {
+            tracing::info!(worker = name, "worker draining: no new sandboxes");
+        } else {
+            tracing::info!(
+                worker = name,
+                "worker's drain lifted: ready for new sandboxes"
+            );
+        }
         self.nodes()
             .into_iter()
             .find(|n| n.name == name)
             .ok_or_else(|| FleetError::UnknownWorker(name.to_string()))
+    }
+
+    /// Sends a worker no new sandboxes ([`Fleet::set_drain`]).
+    pub fn drain(&self, name: &str) -> Result<NodeStatus, FleetError> {
+        self.set_drain(name, true)
+    }
+
+    /// Puts a registered worker's state in line with `m.drains` (a lost one stays lost).
+    fn apply_drain(&self, m: &mut Members, name: &str) {
+        let drain = m.drains.contains(name);
+        let Some(w) = m.workers.get_mut(name) else {
+            return;
+        };
+        if w.drain == drain {
+            return;
+        }
+        w.drain = drain;
+        if !w.lost {
+            m.placement.set_state(
+                name,
+                if drain {
+                    WorkerState::Draining
+                } else {
+                    WorkerState::Ready
+                },
+            );
+        }
+        self.publish_capacity(m);
+    }
+
+    /// Takes the drains in `book` as the fleet's: read now, then every
+    /// [`crate::drains::SYNC_EVERY`], so a drain taken or lifted through another controller of
+    /// the book holds here too ([`crate::drains`]). Once, at start; a book that cannot be read
+    /// is tried again at the next tick (the drains as last read stay meanwhile).
+    pub fn attach_drain_book(&self, book: Arc<dyn DrainBook>) {
+        if self.drain_book.set(book.clone()).is_err() {
+            return;
+        }
+        let before = self.drain_changes.load(Ordering::SeqCst);
+        match book.drained() {
+            Ok(drained) => self.set_drains(drained.into_iter().collect(), before),
+            Err(error) => tracing::warn!(%error, "cannot read the drained workers"),
+        }
+        let fleet = self.me.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(crate::drains::SYNC_EVERY);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut failing = false;
+            loop {
+                every.tick().await;
+                let Some(f) = fleet.upgrade() else {
+                    return;
+                };
+                let before = f.drain_changes.load(Ordering::SeqCst);
+                let book = book.clone();
+                // The book's calls block (a database round trip).
+                let read = tokio::task::spawn_blocking(move || book.drained()).await;
+                match read.map_err(|e| e.to_string()).and_then(|r| r) {
+                    Ok(drained) => {
+                        f.set_drains(drained.into_iter().collect(), before);
+                        failing = false;
+                    }
+                    Err(error) if !failing => {
+                        tracing::warn!(%error, "cannot read the drained workers");
+                        failing = true;
+                    }
+                    Err(_) => {}
+                }
+            }
+        });
+    }
+
+    /// Makes `drained`, read from the book when [`Fleet::drain_changes`] was `before`, the
+    /// fleet's drains, applying each change; a read older than a drain taken here meanwhile
+    /// is dropped (the next one sees it).
+    fn set_drains(&self, drained: std::collections::HashSet<String>, before: u64) {
+        let mut m = self.lock();
+        if m.drains == drained || self.drain_changes.load(Ordering::SeqCst) != before {
+            return;
+        }
+        let changed: Vec<String> = m.drains.symmetric_difference(&drained).cloned().collect();
+        m.drains = drained;
+        for name in changed {
+            let drain = m.drains.contains(&name);
+            if m.workers.contains_key(&name) {
+                tracing::info!(worker = %name, drain, "drain changed through another controller");
+            }
+            self.apply_drain(&mut m, &name);
+        }
     }
 
     /// Marks workers silent past the limit lost and reports their containers.

@@ -17,6 +17,7 @@
 pub mod ca;
 pub mod client;
 mod convert;
+pub mod drains;
 pub mod fence;
 pub mod fleet;
 pub mod gpu_turn;
@@ -38,6 +39,7 @@ pub mod pb {
 
 pub use ca::{Ca, CaError, Identity, MemberName, Role, TrustDomain};
 pub use client::{Deadlines, RemoteConfig, RemoteError, RemoteNode};
+pub use drains::DrainBook;
 pub use fence::{FenceBook, FenceOrder, Fenced, Fencer};
 pub use fleet::{serve_cluster, Fleet, FleetCapacity, FleetConfig, FleetError, NodeStatus};
 pub use gpu_turn::GpuTurnBook;

@@ -101,16 +101,16 @@ async fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn workers_join_starts_spread_drains_hold_and_a_silent_worker_is_lost() {
-    let dir = tempfile::tempdir().unwrap();
+/// A controller's fleet serving the cluster protocol on loopback (heartbeats 100 ms apart, a
+/// worker lost after 800 ms of silence), its CA, and the address workers join.
+async fn start_fleet(dir: &Path) -> (Arc<Fleet>, Ca, String) {
     let ca = Ca::init(
-        &dir.path().join("ca"),
+        &dir.join("ca"),
         &TrustDomain::new("fleet.test").unwrap(),
         Duration::from_secs(3600),
     )
     .unwrap();
-    let c1 = issue(&ca, Role::Controller, "c1", &dir.path().join("c1"));
+    let c1 = issue(&ca, Role::Controller, "c1", &dir.join("c1"));
     let tls = TlsSource::load(c1, Side::Controller, TlsMetrics::new()).unwrap();
     let fleet = Fleet::new(
         tls.clone(),
@@ -120,8 +120,6 @@ async fn workers_join_starts_spread_drains_hold_and_a_silent_worker_is_lost() {
             ..FleetConfig::default()
         },
     );
-    let mut events = fleet.take_events().unwrap();
-    let mut capacity = fleet.capacity();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let controller = listener.local_addr().unwrap().to_string();
     tokio::spawn(torpor_cluster::serve_cluster(
@@ -130,12 +128,32 @@ async fn workers_join_starts_spread_drains_hold_and_a_silent_worker_is_lost() {
         tls,
         std::future::pending(),
     ));
+    (fleet, ca, controller)
+}
 
+/// Workers `names` with `slots` each, joined to `controller`.
+async fn start_workers(
+    dir: &Path,
+    ca: &Ca,
+    controller: &str,
+    names: &[&'static str],
+    slots: u32,
+) -> BTreeMap<&'static str, FakeWorker> {
     let mut workers = BTreeMap::new();
-    for name in ["w1", "w2", "w3"] {
-        let files = issue(&ca, Role::Worker, name, &dir.path().join(name));
-        workers.insert(name, start_worker(files, &controller, 2).await);
+    for &name in names {
+        let files = issue(ca, Role::Worker, name, &dir.join(name));
+        workers.insert(name, start_worker(files, controller, slots).await);
     }
+    workers
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn workers_join_starts_spread_drains_hold_and_a_silent_worker_is_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let (fleet, ca, controller) = start_fleet(dir.path()).await;
+    let mut events = fleet.take_events().unwrap();
+    let mut capacity = fleet.capacity();
+    let workers = start_workers(dir.path(), &ca, &controller, &["w1", "w2", "w3"], 2).await;
     wait_for("three ready workers", || {
         let nodes = fleet.nodes();
         nodes.len() == 3 && nodes.iter().all(|n| n.state == WorkerState::Ready)
@@ -271,4 +289,104 @@ async fn workers_join_starts_spread_drains_hold_and_a_silent_worker_is_lost() {
         "{unknown}"
     );
     assert!(workers["w3"].node.running().is_empty());
+}
+
+/// The drains the controllers share, in memory; `failing` makes every call fail (a database
+/// that cannot be reached).
+#[derive(Default)]
+struct Book {
+    drained: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    failing: std::sync::atomic::AtomicBool,
+}
+
+impl torpor_cluster::DrainBook for Book {
+    fn set(&self, worker: &str, drain: bool) -> Result<(), String> {
+        if self.failing.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("the database is away".into());
+        }
+        let mut d = self.drained.lock().unwrap();
+        if drain {
+            d.insert(worker.to_string());
+        } else {
+            d.remove(worker);
+        }
+        Ok(())
+    }
+
+    fn drained(&self) -> Result<Vec<String>, String> {
+        if self.failing.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("the database is away".into());
+        }
+        Ok(self.drained.lock().unwrap().iter().cloned().collect())
+    }
+}
+
+fn state(fleet: &Fleet, name: &str) -> Option<WorkerState> {
+    fleet
+        .nodes()
+        .into_iter()
+        .find(|n| n.name == name)
+        .map(|n| n.state)
+}
+
+/// A drain kept in the book by another controller holds here, from the worker's registration
+/// on and until lifted there; one taken here is kept in the book first, and a book that cannot
+/// keep it fails the drain and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn drains_in_the_shared_book_hold_on_every_controller_until_lifted() {
+    let dir = tempfile::tempdir().unwrap();
+    let (fleet, ca, controller) = start_fleet(dir.path()).await;
+    let book = Arc::new(Book::default());
+    // Another controller drained w2 before this one started.
+    torpor_cluster::DrainBook::set(book.as_ref(), "w2", true).unwrap();
+    fleet.attach_drain_book(book.clone());
+    let _workers = start_workers(dir.path(), &ca, &controller, &["w1", "w2"], 1).await;
+    wait_for("w1 ready, w2 draining from its registration", || {
+        state(&fleet, "w1") == Some(WorkerState::Ready)
+            && state(&fleet, "w2") == Some(WorkerState::Draining)
+    })
+    .await;
+    let first = fleet.boot(launch("sb-1-g1")).await.unwrap();
+    assert_eq!(first.node(), Some("w1"), "the drained worker takes nothing");
+
+    // The database away: the drain fails, and nothing changed here or in the book.
+    book.failing
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let err = fleet.set_drain("w1", true).unwrap_err();
+    assert!(matches!(err, torpor_cluster::FleetError::Book(_)), "{err}");
+    assert_eq!(state(&fleet, "w1"), Some(WorkerState::Ready));
+    book.failing
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    assert!(!book.drained.lock().unwrap().contains("w1"));
+
+    // Drained here: kept in the book, for the others.
+    assert_eq!(
+        fleet.set_drain("w1", true).unwrap().state,
+        WorkerState::Draining
+    );
+    assert!(book.drained.lock().unwrap().contains("w1"));
+    // Lifted through another controller (the book alone): ready here within a sync.
+    torpor_cluster::DrainBook::set(book.as_ref(), "w2", false).unwrap();
+    let lifted_at = Instant::now();
+    wait_for("w2's drain lifted through the book", || {
+        state(&fleet, "w2") == Some(WorkerState::Ready)
+    })
+    .await;
+    assert!(
+        lifted_at.elapsed() < torpor_cluster::drains::SYNC_EVERY * 3,
+        "within a sync or two: {:?}",
+        lifted_at.elapsed()
+    );
+    let second = fleet.boot(launch("sb-2-g1")).await.unwrap();
+    assert_eq!(second.node(), Some("w2"));
+    // Lifted here: both ready; an unknown worker is refused and the book untouched.
+    assert_eq!(
+        fleet.set_drain("w1", false).unwrap().state,
+        WorkerState::Ready
+    );
+    assert!(matches!(
+        fleet.set_drain("nobody", true),
+        Err(torpor_cluster::FleetError::UnknownWorker(_))
+    ));
+    assert!(book.drained.lock().unwrap().is_empty());
 }

@@ -393,6 +393,21 @@ impl torpor_api::forward::PeerClients for Peers {
     }
 }
 
+/// Drained workers, in the state store (`worker_drains`; see `torpor_cluster::drains`).
+pub struct StoreDrains(pub torpor_control::store::Store);
+
+impl torpor_cluster::DrainBook for StoreDrains {
+    fn set(&self, worker: &str, drain: bool) -> Result<(), String> {
+        self.0
+            .set_worker_drain(worker, drain)
+            .map_err(|e| e.to_string())
+    }
+
+    fn drained(&self) -> Result<Vec<String>, String> {
+        self.0.worker_drains().map_err(|e| e.to_string())
+    }
+}
+
 /// Wake tickets workers missed, in the state store (`gpu_ticket_forgets`; see
 /// `torpor_cluster::tickets`).
 pub struct StoreTickets(pub torpor_control::store::Store);
@@ -484,8 +499,16 @@ impl torpor_api::nodes::NodeDirectory for FleetNodes {
         self.0.nodes().into_iter().map(view).collect()
     }
 
-    fn drain(&self, name: &str) -> Option<torpor_api::nodes::NodeView> {
-        self.0.drain(name).ok().map(view)
+    fn set_drain(
+        &self,
+        name: &str,
+        drain: bool,
+    ) -> Result<Option<torpor_api::nodes::NodeView>, String> {
+        match self.0.set_drain(name, drain) {
+            Ok(node) => Ok(Some(view(node))),
+            Err(torpor_cluster::FleetError::UnknownWorker(_)) => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     fn gpus<'a>(

@@ -326,6 +326,11 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
             .attach_ticket_book(Arc::new(crate::controller::StoreTickets(
                 engine.state_store(),
             )));
+        // A drain through any controller holds on all of them, and across their restarts.
+        c.fleet
+            .attach_drain_book(Arc::new(crate::controller::StoreDrains(
+                engine.state_store(),
+            )));
         // A GPU start within its tenant's guarantee has borrowers parked for it.
         c.fleet
             .attach_reclaim(Arc::new(crate::controller::ApiReclaim {

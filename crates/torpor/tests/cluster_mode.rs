@@ -1812,7 +1812,8 @@ async fn a_ticket_drop_a_worker_missed_is_asked_again_after_the_controller_resta
 /// Two controllers, one tenant allowed one L4 across the cluster, two GPU workers with one L4
 /// each: GPU creates through both controllers at the same moment pass one, whatever the
 /// workers' heartbeats have said yet (the tenant's GPU starts take turns across controllers
-/// and the second counts what the first started).
+/// and the second counts what the first started). On the way, a worker drained through one
+/// controller is drained on the other, across a restart, until lifted through either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment() {
     let Some((database, tmp)) =
@@ -1826,7 +1827,7 @@ async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment
     // controllers without one (the checkpoint's and destroy's answers, the shared book).
     let args = ["--gpu-quotas", &quotas, "--heartbeat-ms", "3000"];
     let c1 = Controller::start_args(dir, &database, "c1", 10_000, &args).await;
-    let c2 = Controller::start_args(dir, &database, "c2", 10_000, &args).await;
+    let mut c2 = Controller::start_args(dir, &database, "c2", 10_000, &args).await;
     let both = format!("{},{}", c1.cluster, c2.cluster);
     let _workers = gpu_workers(dir, &both, &[&c1, &c2]).await;
     async fn create(c: &Controller) -> (u16, Value) {
@@ -1884,6 +1885,11 @@ async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment
         None,
     )
     .await;
+    // A drain through one controller holds on the other (kept in the database they share).
+    c2.wait_nodes("the drain through c1, seen by c2", |n| {
+        state_of(n, &left) == Some("draining")
+    })
+    .await;
     c1.park(&a).await;
     wait_gpu_rows(
         dir,
@@ -1919,6 +1925,33 @@ async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment
     assert!(
         gpu_request_rows(dir, &now_on).contains(&a),
         "its request where it runs"
+    );
+
+    // The drain outlives a controller's restart; lifted through that one, it is lifted on the
+    // other too.
+    c2.kill_and_restart().await;
+    c2.wait_nodes("the drain, after c2's restart", |n| {
+        state_of(n, &left) == Some("draining")
+    })
+    .await;
+    let lifted = c2
+        .ok(
+            reqwest::Method::DELETE,
+            &format!("/v1/nodes/{left}/drain"),
+            None,
+        )
+        .await;
+    assert_eq!(lifted["state"], "ready", "{lifted}");
+    c1.wait_nodes("the drain lifted through c2, seen by c1", |n| {
+        state_of(n, &left) == Some("ready")
+    })
+    .await;
+    let (status, body) = c1
+        .call(reqwest::Method::DELETE, "/v1/nodes/nobody/drain", None)
+        .await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (404, Some("node_not_found"))
     );
 }
 

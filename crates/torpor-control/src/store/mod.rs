@@ -527,6 +527,18 @@ pub trait StateStore: Send + Sync {
         Ok(())
     }
 
+    // --- drained workers (cluster mode: a drain through one controller holds on all) ---
+
+    /// Drains `worker` (`true`: it gets no new sandboxes) or lifts its drain, for every
+    /// controller of the store. A store one process uses keeps none (there are no workers).
+    fn set_worker_drain(&self, _worker: &str, _drain: bool) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// The drained workers, by name.
+    fn worker_drains(&self) -> Result<Vec<String>, StoreError> {
+        Ok(Vec::new())
+    }
+
     // --- GPU holdings (cluster mode: a tenant's GPU quota across controllers) ---
 
     /// Keeps what `tenant` holds of `worker`'s GPUs as report `seq` of that worker said,

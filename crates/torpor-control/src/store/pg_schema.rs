@@ -22,6 +22,7 @@
 //! | 9 | `0009_controller_peer_addr.sql` | `controllers.peer_addr`: the peer listener other controllers forward to (mutual TLS) |
 //! | 10 | `0010_rate_usage.sql` | `rate_usage`: requests each controller let through per tenant and route class, for rate limits across controllers |
 //! | 11 | `0011_controller_run.sql` | `controllers.run_id`: the run of a controller that holds its name (one name, one process) |
+//! | 12 | `0012_worker_drains.sql` | `worker_drains`: workers the operator drained, for every controller |
 //!
 //! To change the schema, add the next file and its line to [`MIGRATIONS`]; never edit a file
 //! that has shipped.
@@ -41,6 +42,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("pg/0009_controller_peer_addr.sql"),
     include_str!("pg/0010_rate_usage.sql"),
     include_str!("pg/0011_controller_run.sql"),
+    include_str!("pg/0012_worker_drains.sql"),
 ];
 
 /// The schema version this build writes and reads.

@@ -1551,6 +1551,27 @@ impl StateStore for PostgresStore {
         .map(drop)
     }
 
+    fn set_worker_drain(&self, worker: &str, drain: bool) -> Result<(), StoreError> {
+        let sql = if drain {
+            "INSERT INTO worker_drains (worker) VALUES ($1) ON CONFLICT (worker) DO NOTHING"
+        } else {
+            "DELETE FROM worker_drains WHERE worker = $1"
+        };
+        self.execute("keep a worker's drain", sql, vec![p(worker.to_string())])
+            .map(drop)
+    }
+
+    fn worker_drains(&self) -> Result<Vec<String>, StoreError> {
+        self.query(
+            "read the drained workers",
+            "SELECT worker FROM worker_drains ORDER BY worker",
+            Vec::new(),
+        )?
+        .iter()
+        .map(|r| get(r, 0, "drained worker"))
+        .collect()
+    }
+
     fn put_gpu_holding(
         &self,
         tenant: &str,

@@ -1619,6 +1619,27 @@ fn tickets_to_drop_are_kept_for_every_controller_until_done() {
 }
 
 #[test]
+fn a_drain_through_one_controller_is_read_by_every_other_until_lifted() {
+    let Some(pg) = Postgres::new() else { return };
+    let (c1, c2) = (pg.connect(), pg.connect());
+    assert!(c2.worker_drains().unwrap().is_empty());
+    c1.set_worker_drain("wb", true).unwrap();
+    c1.set_worker_drain("wa", true).unwrap();
+    // Drained again: still one row.
+    c2.set_worker_drain("wa", true).unwrap();
+    assert_eq!(c2.worker_drains().unwrap(), ["wa", "wb"]);
+    c2.set_worker_drain("wa", false).unwrap();
+    // Lifting a drain that is not there changes nothing.
+    c1.set_worker_drain("wc", false).unwrap();
+    assert_eq!(c1.worker_drains().unwrap(), ["wb"]);
+    // A store one process uses keeps none.
+    let tmp = tempfile::tempdir().unwrap();
+    let lite = sqlite(&tmp.path().join("t.db"));
+    lite.set_worker_drain("wa", true).unwrap();
+    assert!(lite.worker_drains().unwrap().is_empty());
+}
+
+#[test]
 fn a_store_lock_is_held_by_one_controller_at_a_time() {
     let Some(pg) = Postgres::new() else { return };
     let (a, b) = (Arc::new(pg.connect()), Arc::new(pg.connect()));

@@ -618,6 +618,7 @@ async fn a_tenant_cannot_list_or_drain_nodes() {
     for (method, path) in [
         (reqwest::Method::GET, "/v1/nodes"),
         (reqwest::Method::POST, "/v1/nodes/local/drain"),
+        (reqwest::Method::DELETE, "/v1/nodes/local/drain"),
     ] {
         let (status, body) = raw(&d, method, path, &t.token).await;
         assert_eq!(status, 403, "{path}: {body}");
@@ -631,15 +632,11 @@ async fn a_tenant_cannot_list_or_drain_nodes() {
     assert_eq!(nodes[0]["name"], "local");
     assert_eq!(nodes[0]["state"], "ready");
     assert!(nodes[0]["workers"].as_u64().unwrap() > 0, "{body}");
-    let (status, body) = raw(
-        &d,
-        reqwest::Method::POST,
-        "/v1/nodes/local/drain",
-        &d.token(),
-    )
-    .await;
-    assert_eq!(status, 409, "{body}");
-    assert_eq!(body["error"]["code"], "not_clustered", "{body}");
+    for method in [reqwest::Method::POST, reqwest::Method::DELETE] {
+        let (status, body) = raw(&d, method, "/v1/nodes/local/drain", &d.token()).await;
+        assert_eq!(status, 409, "{body}");
+        assert_eq!(body["error"]["code"], "not_clustered", "{body}");
+    }
 }
 
 /// `torpor ca revoke --dir CA --cert CERT`; its output.
