@@ -53,6 +53,8 @@ def main():
     ap.add_argument("--times", required=True, help="JSON file of the last run's durations")
     ap.add_argument("--seed-times", help="durations to order by when --times has none yet "
                     "(a clean clone: the ones checked in)")
+    ap.add_argument("--one-thread", action="append", default=[], metavar="NAME",
+                    help="a binary (as named in the summary) that runs one test at a time")
     ap.add_argument("test_args", nargs="*", help="passed to every test binary")
     args = ap.parse_args()
 
@@ -85,8 +87,9 @@ def main():
                 name, exe, cwd = queue.pop(0)
             log = log_dir / (name.replace("::", "-").replace(" ", "").replace("/", "_") + ".log")
             t0 = time.monotonic()
+            extra = ["--test-threads=1"] if name in args.one_thread else []
             with open(log, "wb") as out:
-                rc = subprocess.call([exe, *args.test_args], cwd=cwd, stdout=out,
+                rc = subprocess.call([exe, *args.test_args, *extra], cwd=cwd, stdout=out,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             took = time.monotonic() - t0
             with lock:

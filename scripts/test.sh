@@ -26,11 +26,13 @@ echo "== cargo test (workspace but torpor-control)"
 # Built once, then run two binaries at a time (scripts/run_tests.py): one after another, each
 # binary's last tests left a test thread idle, and the whole run took ~1.6x as long. The last
 # run's durations order the next (longest first; a clean clone uses the checked-in ones).
+# cluster_mode (each test a database, two controllers and workers) runs one test at a time
+# beside the other lane, so that at most three tests share the two cores.
 cargo test --workspace --exclude torpor-control --no-run --quiet --message-format=json \
   > target/test-artifacts.json
 python3 scripts/run_tests.py --lanes "${TORPOR_TEST_LANES:-2}" --log-dir target/test-logs \
   --times target/test-durations.json --seed-times scripts/test-durations.json \
-  -- --quiet < target/test-artifacts.json 2>&1 \
+  --one-thread torpor::cluster_mode -- --quiet < target/test-artifacts.json 2>&1 \
   | tee /tmp/torpor-test.log
 cargo test --workspace --exclude torpor-control --doc --quiet 2>&1 | tee -a /tmp/torpor-test.log
 

@@ -585,32 +585,8 @@ impl NodeGpus {
         container: &dyn torpor_runtime::Resident,
         tool: torpor_gpu::cuda_checkpoint::Tool,
     ) -> Result<torpor_gpu::cuda_checkpoint::Toggled, GpuError> {
-        use torpor_gpu::cuda_checkpoint::{holders_command, parse_holders, toggle_command};
-        let out = run_in(container, holders_command(), 30_000).await?;
-        let pids =
-            parse_holders(&out).map_err(|e| GpuError::Driver(format!("cuda-checkpoint: {e}")))?;
-        let mut done = Vec::new();
-        for pid in &pids {
-            if let Err(e) = run_in(
-                container,
-                toggle_command(&tool, *pid),
-                torpor_gpu::cuda_checkpoint::TOGGLE_TIMEOUT_MS,
-            )
-            .await
-            {
-                let undo = torpor_gpu::cuda_checkpoint::Toggled {
-                    tool: tool.clone(),
-                    pids: done,
-                };
-                if let Err(again) = self.cuda_resume(container, &undo).await {
-                    tracing::error!(error = %again, "cannot toggle GPU state back after a failed cuda-checkpoint");
-                }
-                return Err(e);
-            }
-            done.push(*pid);
-        }
-        tracing::info!(pids = ?pids, tool = %tool.in_sandbox, "GPU contexts moved to host memory by cuda-checkpoint");
-        Ok(torpor_gpu::cuda_checkpoint::Toggled { tool, pids })
+        let pids = cuda_holders(container).await?;
+        cuda_toggle(container, tool, pids).await
     }
 
     /// Brings the GPU state of toggled processes back onto the GPU (after a restore).
@@ -619,15 +595,7 @@ impl NodeGpus {
         container: &dyn torpor_runtime::Resident,
         toggled: &torpor_gpu::cuda_checkpoint::Toggled,
     ) -> Result<(), GpuError> {
-        for cmd in toggled.resume_commands() {
-            run_in(
-                container,
-                cmd,
-                torpor_gpu::cuda_checkpoint::TOGGLE_TIMEOUT_MS,
-            )
-            .await?;
-        }
-        Ok(())
+        cuda_resume_in(container, toggled).await
     }
 
     /// Remembers that `id`'s checkpoint holds toggled GPU state.
@@ -668,6 +636,67 @@ impl NodeGpus {
             .as_ref()
             .ok_or_else(|| std::io::Error::other("no state store"))
     }
+}
+
+/// The processes of `container` holding a GPU context (an open `/dev/nvidia*`), as the
+/// sandbox's own `/proc` shows them.
+pub async fn cuda_holders(container: &dyn torpor_runtime::Resident) -> Result<Vec<u32>, GpuError> {
+    use torpor_gpu::cuda_checkpoint::{holders_command, parse_holders};
+    let out = run_in(container, holders_command(), 30_000).await?;
+    parse_holders(&out).map_err(|e| GpuError::Driver(format!("cuda-checkpoint: {e}")))
+}
+
+/// The `cuda-checkpoint` `container` can run, looked for inside it (a cluster worker's
+/// sandbox: its files are out of the controller's reach).
+pub async fn cuda_tool_in(
+    container: &dyn torpor_runtime::Resident,
+) -> Result<Option<torpor_gpu::cuda_checkpoint::Tool>, GpuError> {
+    use torpor_gpu::cuda_checkpoint::{locate_command, parse_located};
+    Ok(parse_located(
+        &run_in(container, locate_command(), 30_000).await?,
+    ))
+}
+
+/// `cuda-checkpoint --toggle` for each of `pids` inside `container`: their GPU state moves to
+/// host memory. All or nothing: on a failure the ones already toggled are toggled back.
+pub async fn cuda_toggle(
+    container: &dyn torpor_runtime::Resident,
+    tool: torpor_gpu::cuda_checkpoint::Tool,
+    pids: Vec<u32>,
+) -> Result<torpor_gpu::cuda_checkpoint::Toggled, GpuError> {
+    use torpor_gpu::cuda_checkpoint::{toggle_command, Toggled, TOGGLE_TIMEOUT_MS};
+    let mut done = Vec::new();
+    for pid in &pids {
+        if let Err(e) = run_in(container, toggle_command(&tool, *pid), TOGGLE_TIMEOUT_MS).await {
+            let undo = Toggled {
+                tool: tool.clone(),
+                pids: done,
+            };
+            if let Err(again) = cuda_resume_in(container, &undo).await {
+                tracing::error!(error = %again, "cannot toggle GPU state back after a failed cuda-checkpoint");
+            }
+            return Err(e);
+        }
+        done.push(*pid);
+    }
+    tracing::info!(pids = ?pids, tool = %tool.in_sandbox, "GPU contexts moved to host memory by cuda-checkpoint");
+    Ok(Toggled { tool, pids })
+}
+
+/// Brings the GPU state of toggled processes back onto the GPU (after a restore).
+pub async fn cuda_resume_in(
+    container: &dyn torpor_runtime::Resident,
+    toggled: &torpor_gpu::cuda_checkpoint::Toggled,
+) -> Result<(), GpuError> {
+    for cmd in toggled.resume_commands() {
+        run_in(
+            container,
+            cmd,
+            torpor_gpu::cuda_checkpoint::TOGGLE_TIMEOUT_MS,
+        )
+        .await?;
+    }
+    Ok(())
 }
 
 /// Runs `cmd` inside the container through its agent; its stdout, or an error naming the

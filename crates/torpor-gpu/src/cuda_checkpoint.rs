@@ -108,6 +108,45 @@ pub fn holders_command() -> Vec<String> {
     ]
 }
 
+/// Every path a sandbox's own `cuda-checkpoint` may have, in the order they are tried:
+/// [`MOUNTED_TOOL`] (where a host's is mounted), then each of [`SANDBOX_BIN_DIRS`].
+pub fn sandbox_candidates() -> Vec<String> {
+    std::iter::once(MOUNTED_TOOL.to_owned())
+        .chain(
+            SANDBOX_BIN_DIRS
+                .iter()
+                .map(|dir| format!("{dir}/cuda-checkpoint")),
+        )
+        .collect()
+}
+
+/// The command (run inside the sandbox) that prints the first of [`sandbox_candidates`] it
+/// can run, or nothing: how a controller finds the tool of a sandbox on a cluster worker,
+/// whose files it cannot read.
+pub fn locate_command() -> Vec<String> {
+    vec![
+        "/bin/sh".to_owned(),
+        "-c".to_owned(),
+        format!(
+            "for p in {}; do if [ -f \"$p\" ] && [ -x \"$p\" ]; then echo \"$p\"; exit 0; fi; done",
+            sandbox_candidates().join(" ")
+        ),
+    ]
+}
+
+/// The tool [`locate_command`] printed. The output comes from inside the sandbox, so only one
+/// of the [`sandbox_candidates`] is taken; anything else finds none.
+pub fn parse_located(stdout: &str) -> Option<Tool> {
+    let line = stdout.lines().map(str::trim).find(|l| !l.is_empty())?;
+    sandbox_candidates()
+        .into_iter()
+        .find(|c| c == line)
+        .map(|in_sandbox| Tool {
+            in_sandbox,
+            host_mount: None,
+        })
+}
+
 /// The pids in [`holders_command`]'s output, sorted and without repeats.
 pub fn parse_holders(stdout: &str) -> Result<Vec<u32>, String> {
     let mut pids = stdout
@@ -248,6 +287,44 @@ mod tests {
         };
         assert_eq!(t.resume_commands().len(), 2);
         assert_eq!(t.resume_commands()[1][3], "9");
+    }
+
+    #[test]
+    fn the_located_tool_is_one_of_the_candidates_or_none() {
+        let cmd = locate_command();
+        assert_eq!(cmd[..2], ["/bin/sh", "-c"]);
+        for c in sandbox_candidates() {
+            assert!(cmd[2].contains(&c), "{c} searched: {}", cmd[2]);
+        }
+        assert_eq!(sandbox_candidates()[0], MOUNTED_TOOL);
+        assert_eq!(
+            parse_located("\n/usr/local/bin/cuda-checkpoint\n"),
+            Some(Tool {
+                in_sandbox: "/usr/local/bin/cuda-checkpoint".into(),
+                host_mount: None,
+            })
+        );
+        assert_eq!(
+            parse_located(MOUNTED_TOOL).map(|t| t.in_sandbox),
+            Some(MOUNTED_TOOL.to_owned())
+        );
+        // What a sandbox prints is not trusted: a path of its choosing finds nothing.
+        assert_eq!(parse_located("/tmp/cuda-checkpoint"), None);
+        assert_eq!(parse_located("/usr/bin/cuda-checkpoint; rm -rf /"), None);
+        assert_eq!(parse_located(""), None);
+        // Run by a real shell on this machine: the first executable candidate (none here).
+        let out = std::process::Command::new(&cmd[0])
+            .args(&cmd[1..])
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        let first = sandbox_candidates()
+            .into_iter()
+            .find(|c| is_executable(Path::new(c)));
+        assert_eq!(
+            parse_located(&String::from_utf8_lossy(&out.stdout)).map(|t| t.in_sandbox),
+            first
+        );
     }
 
     /// The holder scan on this machine's /proc: a process holding a file named like an

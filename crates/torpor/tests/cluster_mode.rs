@@ -1813,7 +1813,9 @@ async fn a_ticket_drop_a_worker_missed_is_asked_again_after_the_controller_resta
 /// each: GPU creates through both controllers at the same moment pass one, whatever the
 /// workers' heartbeats have said yet (the tenant's GPU starts take turns across controllers
 /// and the second counts what the first started). On the way, a worker drained through one
-/// controller is drained on the other, across a restart, until lifted through either.
+/// controller is drained on the other, across a restart, until lifted through either; and a
+/// GPU sandbox's park on a worker runs cuda-checkpoint in it (refused without one), its wake
+/// on another worker through the other controller runs it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment() {
     let Some((database, tmp)) =
@@ -1877,6 +1879,40 @@ async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment
     assert_eq!(status, 201, "{a}");
     let a = a["id"].as_str().unwrap().to_string();
     let left = c1.sandbox(&a).await["node"].as_str().unwrap().to_string();
+    // cuda-checkpoint on a worker: one of its processes holds a GPU device file (a plain file
+    // named like one, on the sandbox's own /dev: there is no GPU here). Without a
+    // cuda-checkpoint in the sandbox its park is refused and it keeps running where it is.
+    let holder = c1
+        .exec(
+            &a,
+            "touch /dev/nvidia0 && (exec sleep 300 </dev/nvidia0 &) && sleep 0.5 && pgrep -x sleep",
+        )
+        .await;
+    let holder = holder.trim().to_string();
+    let (status, refused) = c1
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{a}/suspend"),
+            Some(json!({"tier": "parked"})),
+        )
+        .await;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (409, Some("checkpoint_gpu_context")),
+        "{refused}"
+    );
+    let kept = c1.sandbox(&a).await;
+    assert_eq!(
+        (&kept["state"], &kept["node"]),
+        (&json!("running"), &json!(left))
+    );
+    // With a stand-in cuda-checkpoint (it writes down its arguments), the park below moves
+    // the holder's GPU state out first, and the wake on the other worker moves it back.
+    c1.exec(
+        &a,
+        "mkdir -p /opt/nvidia/bin && printf '#!/bin/sh\\necho \"$@\" >> /tmp/toggles\\n' > /opt/nvidia/bin/cuda-checkpoint && chmod +x /opt/nvidia/bin/cuda-checkpoint",
+    )
+    .await;
     // Drained first, its worker uploads the checkpoint before the park answers (a wake can
     // then go anywhere).
     c1.ok(
@@ -1903,9 +1939,19 @@ async fn a_tenants_gpu_quota_holds_when_two_controllers_start_at_the_same_moment
     // the other controller and onto the other worker, does not count the parked sandbox's
     // share as still held (the tenant's quota is one L4: it would be refused 429 until the
     // drained worker's next heartbeat).
-    c2.exec(&a, "true").await;
+    let toggles = c2
+        .exec(
+            &a,
+            &format!("cat /tmp/toggles; kill -0 {holder} && echo alive"),
+        )
+        .await;
     let now_on = c1.sandbox(&a).await["node"].as_str().unwrap().to_string();
     assert_ne!(now_on, left, "woke on the worker that is not drained");
+    assert_eq!(
+        toggles,
+        format!("--toggle --pid {holder}\n--toggle --pid {holder}\nalive\n"),
+        "suspended by c1's park, resumed by c2's wake, once each"
+    );
     wait_gpu_rows(
         dir,
         &left,
@@ -2028,7 +2074,10 @@ async fn a_gpu_share_borrowed_across_workers_is_taken_back_through_the_other_con
         v["state"] == "parked" || v["state"] == "suspended",
         "the borrower on {freed} is asleep: {v}"
     );
-    assert_eq!(c1.sandbox(&kept).await["state"], "running");
+    // The other borrower keeps its share: awake (the idle policy may have frozen it on a
+    // loaded machine; a frozen sandbox keeps its container and share).
+    let k = c1.sandbox(&kept).await;
+    assert!(k["state"] == "running" || k["state"] == "frozen", "{k}");
     assert_eq!(
         c1.metric("torpor_transitions_total{cause=\"gpu_reclaimed\",to_tier=\"parked\"}")
             .await,

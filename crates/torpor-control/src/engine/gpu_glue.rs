@@ -97,6 +97,9 @@ impl Engine {
         if let Some(gpus) = self.gpus.get() {
             gpus.forget(id);
         } else if let (true, Some(fleet)) = (self.gpus_on_workers(), self.fleet_gpus.get()) {
+            if let Err(e) = self.store.delete_gpu_toggled(id) {
+                tracing::error!(sandbox = %id, error = %e, "cannot forget the cuda-checkpoint record");
+            }
             match self.store.delete_gpu_request(id) {
                 // Only a sandbox that had a GPU has tickets on workers.
                 Ok(true) => fleet.forget_tickets(id),
@@ -151,7 +154,42 @@ impl Engine {
         }
     }
 
-    pub(super) fn gpu_checkpoint_gate(
+    /// Before a checkpoint: moves the GPU state of `id`'s processes to host memory with
+    /// cuda-checkpoint when any holds a GPU context, refused (`checkpoint_gpu_context`) when
+    /// none can be run. On a single machine the host's view of the container says whether one
+    /// does; on a cluster worker, whose host the controller cannot see, the sandbox's own
+    /// `/proc` does (GPU sandboxes only), and the tool is looked for inside it.
+    pub(super) async fn gpu_cuda_suspend(
+        &self,
+        id: &SandboxId,
+        container: &dyn Resident,
+    ) -> Result<Option<torpor_gpu::cuda_checkpoint::Toggled>> {
+        if let Some(gpus) = self.gpus.get() {
+            return match self.gpu_checkpoint_gate(id, container.id())? {
+                Some(tool) => Ok(Some(gpus.cuda_suspend(container, tool).await?)),
+                None => Ok(None),
+            };
+        }
+        if !self.gpus_on_workers() || self.store.gpu_request(id)?.is_none() {
+            return Ok(None);
+        }
+        let pids = crate::gpu::cuda_holders(container).await?;
+        if pids.is_empty() {
+            return Ok(None);
+        }
+        let tool = crate::gpu::cuda_tool_in(container).await?;
+        torpor_gpu::sleep::checkpoint_method(
+            true,
+            tool.as_ref().map(|t| Path::new(t.in_sandbox.as_str())),
+        )
+        .map_err(crate::gpu::GpuError::from)?;
+        match tool {
+            Some(tool) => Ok(Some(crate::gpu::cuda_toggle(container, tool, pids).await?)),
+            None => Ok(None),
+        }
+    }
+
+    fn gpu_checkpoint_gate(
         &self,
         id: &SandboxId,
         container_id: &str,
@@ -186,11 +224,19 @@ impl Engine {
         toggled: Option<torpor_gpu::cuda_checkpoint::Toggled>,
         ok: bool,
     ) {
-        let (Some(gpus), Some(toggled)) = (self.gpus.get(), toggled) else {
+        let Some(toggled) = toggled else {
             return;
         };
         if ok {
-            if let Err(e) = gpus.save_toggled(id, &toggled) {
+            // Cluster mode: in the controllers' database, for the restore on any worker.
+            let saved = match self.gpus.get() {
+                Some(gpus) => gpus.save_toggled(id, &toggled).map_err(|e| e.to_string()),
+                None => self
+                    .store
+                    .put_gpu_toggled(id, &toggled)
+                    .map_err(|e| e.to_string()),
+            };
+            if let Err(e) = saved {
                 tracing::error!(sandbox = %id, error = %e, "cannot record the cuda-checkpoint toggle");
             }
         } else {
@@ -199,17 +245,29 @@ impl Engine {
     }
 
     /// After a restore: brings GPU state that cuda-checkpoint moved to host memory back.
+    /// `gpu_launched`: the start carried a GPU share to a worker (cluster mode), so its
+    /// record may name toggled processes.
     pub(super) async fn gpu_cuda_resume(
         &self,
         id: &SandboxId,
         container: &dyn Resident,
+        gpu_launched: bool,
     ) -> Result<()> {
-        let Some(gpus) = self.gpus.get() else {
+        if let Some(gpus) = self.gpus.get() {
+            if let Some(toggled) = gpus.toggled(id) {
+                gpus.cuda_resume(container, &toggled).await?;
+                gpus.clear_toggled(id);
+            }
             return Ok(());
-        };
-        if let Some(toggled) = gpus.toggled(id) {
-            gpus.cuda_resume(container, &toggled).await?;
-            gpus.clear_toggled(id);
+        }
+        if !gpu_launched {
+            return Ok(());
+        }
+        if let Some(toggled) = self.store.gpu_toggled(id)? {
+            crate::gpu::cuda_resume_in(container, &toggled).await?;
+            if let Err(e) = self.store.delete_gpu_toggled(id) {
+                tracing::error!(sandbox = %id, error = %e, "cannot forget the cuda-checkpoint record");
+            }
         }
         Ok(())
     }

@@ -115,6 +115,7 @@ impl Engine {
             stored,
             gpu: self.launch_gpu(&rec.id)?,
         };
+        let gpu_launched = launch.gpu.is_some();
         let container = {
             let _turn = self.restores.take().await;
             self.timed_restore(launch, image)
@@ -132,7 +133,8 @@ impl Engine {
             .with_label_values(&[if container.was_warm() { "warm" } else { "cold" }])
             .inc();
         let ready = async {
-            self.gpu_cuda_resume(&rec.id, &*container).await?;
+            self.gpu_cuda_resume(&rec.id, &*container, gpu_launched)
+                .await?;
             if configure {
                 // Both at once: the agent serves requests in parallel.
                 let env = Request::Configure {
@@ -413,10 +415,7 @@ impl Engine {
     ) -> Result<()> {
         let mut cuda_toggled = None;
         if let Some(live) = guard.live.as_ref() {
-            let cuda_tool = self.gpu_checkpoint_gate(id, live.resident.id())?;
-            if let (Some(tool), Some(gpus)) = (cuda_tool, self.gpus.get()) {
-                cuda_toggled = Some(gpus.cuda_suspend(&*live.resident, tool).await?);
-            }
+            cuda_toggled = self.gpu_cuda_suspend(id, &*live.resident).await?;
         }
         let Some(live) = guard.live.take() else {
             return Ok(());

@@ -41,16 +41,27 @@ pub fn body_runs_here(test: &str) -> bool {
         return true;
     }
     let run = UnprivilegedRun::prepare();
-    let output = Command::new(&run.exe)
-        .args(["--exact", test, "--test-threads=1"])
-        .env(UNPRIVILEGED_CHILD, "1")
-        .env("TMPDIR", &run.tmp)
-        .env("HOME", &run.tmp)
-        .current_dir(&run.tmp)
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .output()
-        .unwrap();
+    let mut tries = 0;
+    let output = loop {
+        let out = Command::new(&run.exe)
+            .args(["--exact", test, "--test-threads=1"])
+            .env(UNPRIVILEGED_CHILD, "1")
+            .env("TMPDIR", &run.tmp)
+            .env("HOME", &run.tmp)
+            .current_dir(&run.tmp)
+            .uid(NOBODY)
+            .gid(NOBODY)
+            .output();
+        match out {
+            // The copy was just written: a process another test thread forked in the
+            // meantime may still hold it open for writing until it execs (ETXTBSY).
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 50 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            out => break out.unwrap(),
+        }
+    };
     assert!(
         output.status.success(),
         "{test} failed as an unprivileged user:\n{}\n{}",
