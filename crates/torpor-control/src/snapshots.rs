@@ -276,7 +276,7 @@ impl Snapshots {
         let gc_repacked = IntCounterVec::new(
             Opts::new(
                 "torpor_snapshot_gc_repacked_total",
-                "What garbage collection's repacking did: sparse packs rewritten (packs), packs \
+                "What garbage collection's repacking did: sparse or small packs rewritten (packs), packs \
                  written for them (packs_written), bytes written (bytes), manifests rewritten \
                  (manifests).",
             ),
@@ -701,11 +701,12 @@ pub struct GcResult {
     pub pack_bytes_live: u64,
     #[serde(default)]
     pub pack_bytes_used: u64,
-    /// Sparse packs rewritten (`--repack-below`): their used chunks copied into new packs, the
+    /// Sparse packs (`--repack-below`) and small ones (merged) rewritten: their used chunks
+    /// copied into new packs, the
     /// manifests that located chunks in them rewritten, then removed (they are counted in
     /// `packs_removed` and their bytes in `bytes_freed`); the packs written for them and their
     /// bytes (the space reclaimed is `bytes_freed - repack_bytes_written`). A dry run counts
-    /// the sparse packs and their used bytes.
+    /// the packs it would rewrite and their used bytes.
     #[serde(default)]
     pub packs_repacked: u64,
     #[serde(default)]

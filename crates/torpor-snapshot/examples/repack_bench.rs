@@ -1,18 +1,19 @@
 //! Repacking benchmark: what a store of packs holds after a sandbox parks again and again, with
-//! the collector repacking sparse packs and, as the baseline in the same run, without.
+//! the collector repacking sparse packs and merging small ones, with sparse packs repacked
+//! only, and, as the baseline, without either, all three in the same run.
 //!
 //! ```text
 //! cargo run --release --example repack_bench -- [--mib 64] [--parks 20] [--change 0.1] [--below 0.5]
 //! ```
 //!
 //! One synthetic agent memory (`--mib` MiB of memory-like pages in a gVisor image) is parked
-//! `--parks` times into two packed stores (4 MiB packs, a local directory); before each park
+//! `--parks` times into three packed stores (4 MiB packs, a local directory); before each park
 //! `--change` of its pages are rewritten in 16-page runs at pseudo-random places. After each
 //! park the previous snapshot is deleted (the daemon keeps a sandbox's newest only) and the
-//! collector runs: in one store with `repack_below = --below`, in the other without. Measured:
-//! pack bytes stored and used at the end (and the most stored at any point), the collector's
-//! time per run (it holds the store's exclusive lock: puts wait that long), and a restore of
-//! the last snapshot from each store.
+//! collector runs. Measured: pack bytes stored and used at the end (and the most stored at any
+//! point), the live packs at the end (all the last snapshot's: the objects a restore reads
+//! ranges of, a request each on S3), the collector's time per run (it holds the store's
+//! exclusive lock: puts wait that long), and a restore of the last snapshot from each store.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -29,7 +30,9 @@ use synthetic::{flag, memory_like, touch_pages};
 struct Run {
     store: Store,
     repack_below: Option<f64>,
+    merge_small: bool,
     last: Option<SnapshotId>,
+    packs_live: u64,
     gc_ms: Vec<f64>,
     most_stored: u64,
     stored: u64,
@@ -39,7 +42,7 @@ struct Run {
 }
 
 impl Run {
-    fn new(root: &Path, repack_below: Option<f64>) -> Run {
+    fn new(root: &Path, repack_below: Option<f64>, merge_small: bool) -> Run {
         let store = Store::new(
             Arc::new(LocalBackend::open(root).unwrap()),
             StoreConfig {
@@ -51,7 +54,9 @@ impl Run {
         Run {
             store,
             repack_below,
+            merge_small,
             last: None,
+            packs_live: 0,
             gc_ms: Vec::new(),
             most_stored: 0,
             stored: 0,
@@ -72,12 +77,14 @@ impl Run {
             .store
             .gc(&GcOptions {
                 repack_below: self.repack_below,
+                merge_small: self.merge_small,
                 ..GcOptions::default()
             })
             .await
             .unwrap();
         self.gc_ms.push(t.elapsed().as_secs_f64() * 1e3);
         self.stored = r.pack_bytes_live;
+        self.packs_live = r.packs_live;
         self.used = r.pack_bytes_used;
         self.most_stored = self.most_stored.max(r.pack_bytes_live);
         self.repacked += r.packs_repacked;
@@ -109,8 +116,12 @@ async fn main() {
 
     let tmp = tempfile::tempdir().unwrap();
     let mut mem = memory_like(mib * 256);
-    let mut with = Run::new(&tmp.path().join("repack"), Some(below));
-    let mut without = Run::new(&tmp.path().join("whole"), None);
+    // [merge small + repack sparse, repack sparse only, neither (baseline)]
+    let mut runs = [
+        Run::new(&tmp.path().join("merge"), Some(below), true),
+        Run::new(&tmp.path().join("repack"), Some(below), false),
+        Run::new(&tmp.path().join("whole"), None, false),
+    ];
     let dir = tmp.path().join("ckpt");
     std::fs::create_dir_all(&dir).unwrap();
     for park in 0..parks {
@@ -122,17 +133,16 @@ async fn main() {
             encode_compressed_image(b"{}", &mem, 1 << 20),
         )
         .unwrap();
-        // Alternate which store goes first, so neither always meets a warmer page cache.
-        if park % 2 == 0 {
-            with.park(&dir).await;
-            without.park(&dir).await;
-        } else {
-            without.park(&dir).await;
-            with.park(&dir).await;
+        // Rotate which store goes first, so none always meets a warmer page cache.
+        for i in 0..runs.len() {
+            let n = runs.len();
+            runs[(park + i) % n].park(&dir).await;
         }
     }
-    let restore_with = with.restore_ms(&tmp.path().join("out-repack")).await;
-    let restore_without = without.restore_ms(&tmp.path().join("out-whole")).await;
+    let mut restores = Vec::new();
+    for (i, r) in runs.iter().enumerate() {
+        restores.push(r.restore_ms(&tmp.path().join(format!("out-{i}"))).await);
+    }
 
     let mb = |b: u64| b as f64 / 1e6;
     println!(
@@ -140,72 +150,65 @@ async fn main() {
         change * 100.0
     );
     println!(
-        "{:<42} | {:>22} | {:>22} | ratio",
+        "{:<42} | {:>20} | {:>20} | {:>20}",
         "measure",
-        format!("repack below {below}"),
-        "no repack (baseline)"
+        format!("merge + repack {below}"),
+        format!("repack {below} only"),
+        "neither (baseline)"
     );
-    println!("{}", "-".repeat(100));
-    let rows = [
-        (
-            "pack bytes stored at the end (MB)",
-            mb(with.stored),
-            mb(without.stored),
-        ),
-        (
-            "of which the snapshot uses (MB)",
-            mb(with.used),
-            mb(without.used),
-        ),
-        (
-            "most pack bytes stored (MB)",
-            mb(with.most_stored),
-            mb(without.most_stored),
-        ),
+    println!("{}", "-".repeat(112));
+    let each = |f: &dyn Fn(&Run) -> f64| -> [f64; 3] { [f(&runs[0]), f(&runs[1]), f(&runs[2])] };
+    let rows: Vec<(&str, [f64; 3])> = vec![
+        ("pack bytes stored at the end (MB)", each(&|r| mb(r.stored))),
+        ("of which the snapshot uses (MB)", each(&|r| mb(r.used))),
+        ("most pack bytes stored (MB)", each(&|r| mb(r.most_stored))),
+        ("live packs at the end", each(&|r| r.packs_live as f64)),
         (
             "gc per park, p50 (ms)",
-            percentile(&with.gc_ms, 0.5),
-            percentile(&without.gc_ms, 0.5),
+            each(&|r| percentile(&r.gc_ms, 0.5)),
         ),
         (
             "gc per park, max (ms)",
-            percentile(&with.gc_ms, 1.0),
-            percentile(&without.gc_ms, 1.0),
+            each(&|r| percentile(&r.gc_ms, 1.0)),
         ),
         (
             "restore of the last snapshot (ms)",
-            restore_with,
-            restore_without,
+            [restores[0], restores[1], restores[2]],
         ),
     ];
-    for (name, a, b) in rows {
-        println!("{name:<42} | {a:>22.1} | {b:>22.1} | {:.2}", a / b);
+    for (name, v) in &rows {
+        println!(
+            "{name:<42} | {:>20.1} | {:>20.1} | {:>20.1}",
+            v[0], v[1], v[2]
+        );
     }
-    println!(
-        "repacked: {} sparse packs, {:.1} MB copied over {parks} collections",
-        with.repacked,
-        mb(with.rewritten)
-    );
+    for (what, r) in [("merge + repack", &runs[0]), ("repack only", &runs[1])] {
+        println!(
+            "{what}: {} packs rewritten, {:.1} MB copied over {parks} collections",
+            r.repacked,
+            mb(r.rewritten)
+        );
+    }
+    let json_of = |r: &Run, restore: f64| {
+        format!(
+            "{{\"stored_bytes\":{},\"used_bytes\":{},\"most_stored_bytes\":{},\"packs_live\":{},\
+\"gc_p50_ms\":{:.1},\"gc_max_ms\":{:.1},\"restore_ms\":{restore:.1},\"packs_repacked\":{},\
+\"repack_bytes_written\":{}}}",
+            r.stored,
+            r.used,
+            r.most_stored,
+            r.packs_live,
+            percentile(&r.gc_ms, 0.5),
+            percentile(&r.gc_ms, 1.0),
+            r.repacked,
+            r.rewritten
+        )
+    };
     println!(
         "{{\"bench\":\"repack\",\"mib\":{mib},\"parks\":{parks},\"change\":{change},\"repack_below\":{below},\
-\"stored_bytes\":{},\"stored_bytes_baseline\":{},\"used_bytes\":{},\"used_bytes_baseline\":{},\
-\"most_stored_bytes\":{},\"most_stored_bytes_baseline\":{},\"stored_ratio\":{:.4},\
-\"gc_p50_ms\":{:.1},\"gc_max_ms\":{:.1},\"gc_p50_ms_baseline\":{:.1},\"gc_max_ms_baseline\":{:.1},\
-\"restore_ms\":{:.1},\"restore_ms_baseline\":{:.1},\"packs_repacked\":{},\"repack_bytes_written\":{}}}",
-        with.stored,
-        without.stored,
-        with.used,
-        without.used,
-        with.most_stored,
-        without.most_stored,
-        with.stored as f64 / without.stored as f64,
-        percentile(&with.gc_ms, 0.5),
-        percentile(&with.gc_ms, 1.0),
-        percentile(&without.gc_ms, 0.5),
-        percentile(&without.gc_ms, 1.0),
-        restore_with,
-        restore_without,
-        with.repacked,
-        with.rewritten
+\"merge_and_repack\":{},\"repack_only\":{},\"baseline\":{}}}",
+        json_of(&runs[0], restores[0]),
+        json_of(&runs[1], restores[1]),
+        json_of(&runs[2], restores[2])
     );
 }

@@ -689,6 +689,7 @@ async fn record_delete_and_collect(
     let report = store
         .gc(&crate::GcOptions {
             repack_below: repack.then_some(1.0),
+            merge_small: repack,
             ..crate::GcOptions::default()
         })
         .await

@@ -19,7 +19,7 @@ use crate::id::{ChunkId, SnapshotId};
 use crate::lock::LockKind;
 use crate::manifest::Manifest;
 use crate::pack::PackId;
-use crate::store::{Store, LABEL_SANDBOX};
+use crate::store::{Store, DEFAULT_PACK_BYTES, LABEL_SANDBOX};
 
 #[derive(Debug, Clone, Default)]
 pub struct GcOptions {
@@ -34,6 +34,10 @@ pub struct GcOptions {
     /// Rewrite the live packs of which the remaining snapshots use less than this fraction of
     /// the bytes (see `repack`); `None` keeps every live pack whole, however little is used.
     pub repack_below: Option<f64>,
+    /// Also merge the small live packs (under a quarter of the store's pack size: most are
+    /// the last pack of a put that changed little) into full ones, when two or more are (or
+    /// one, beside sparse packs being rewritten anyway), within the same run's budget.
+    pub merge_small: bool,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -104,13 +108,23 @@ impl Store {
             .collect();
         let packs = self.backend().list(&self.area("packs")).await?;
         let mut repacked = crate::repack::Repacked::default();
-        if let Some(below) = opts.repack_below.filter(|b| *b > 0.0) {
+        let below = opts.repack_below.filter(|b| *b > 0.0);
+        if below.is_some() || opts.merge_small {
             let sizes = packs
                 .iter()
                 .filter_map(|o| Some((PackId::from_hex(o.key.name()).ok()?, o.size)))
                 .collect();
-            let sparse = crate::repack::sparse_packs(&live_locations(&kept), &sizes, below);
-            repacked = self.repack(&mut kept, &sparse, opts.dry_run).await?;
+            let small_under = opts.merge_small.then(|| {
+                self.config().pack_bytes.unwrap_or(DEFAULT_PACK_BYTES) as u64
+                    / crate::repack::SMALL_PACK_DIVISOR
+            });
+            let chosen = crate::repack::packs_to_repack(
+                &live_locations(&kept),
+                &sizes,
+                below.unwrap_or(0.0),
+                small_under,
+            );
+            repacked = self.repack(&mut kept, &chosen, opts.dry_run).await?;
         }
         // Loose chunks are marked by id, packed ones by their pack (and location, for the
         // used bytes).

@@ -48,21 +48,30 @@ pub(crate) struct Repacked {
 /// wait for (`StoreConfig::lock_wait`), so a large backlog is worked off over several runs.
 pub(crate) const REPACK_MAX_BYTES: u64 = 128 << 20;
 
-/// The live packs of which `used / size` is below `below` (`sizes`: each pack object's size),
-/// the sparsest first (the most space for the least copying), as many as one collection
-/// copies ([`REPACK_MAX_BYTES`], at least one pack): pack → used bytes.
-pub(crate) fn sparse_packs(
+/// A pack is *small* under the store's pack size divided by this (1 MiB of the default 4).
+pub(crate) const SMALL_PACK_DIVISOR: u64 = 4;
+
+/// The live packs one collection rewrites (`sizes`: each pack object's size), pack → used
+/// bytes, within one run's budget ([`REPACK_MAX_BYTES`], at least one pack):
+/// - first the *sparse* ones, of which `used / size` is below `below`, the sparsest first (the
+///   most space for the least copying);
+/// - then, with `small_under`, the *small* ones (objects under that size), the smallest first:
+///   two or more, or any number beside sparse packs (one small pack alone would only be
+///   copied into another). Merged, a store of frequent small puts keeps few objects, so a
+///   restore reads few ranges.
+pub(crate) fn packs_to_repack(
     live_locs: &HashSet<PackLoc>,
     sizes: &HashMap<PackId, u64>,
     below: f64,
+    small_under: Option<u64>,
 ) -> BTreeMap<PackId, u64> {
     let mut used: HashMap<PackId, u64> = HashMap::new();
     for l in live_locs {
         *used.entry(l.pack).or_default() += u64::from(l.len);
     }
     let mut sparse: Vec<(f64, PackId, u64)> = used
-        .into_iter()
-        .filter_map(|(p, u)| {
+        .iter()
+        .filter_map(|(&p, &u)| {
             let size = *sizes.get(&p)?;
             let fill = u as f64 / size as f64;
             (size > 0 && fill < below).then_some((fill, p, u))
@@ -73,10 +82,33 @@ pub(crate) fn sparse_packs(
     let mut out = BTreeMap::new();
     for (_, p, u) in sparse {
         if u > budget && !out.is_empty() {
-            break;
+            return out;
         }
         budget = budget.saturating_sub(u);
         out.insert(p, u);
+    }
+    let Some(limit) = small_under else {
+        return out;
+    };
+    let mut small: Vec<(u64, PackId, u64)> = used
+        .iter()
+        .filter(|(p, _)| !out.contains_key(*p))
+        .filter_map(|(&p, &u)| {
+            let size = *sizes.get(&p)?;
+            (size < limit).then_some((size, p, u))
+        })
+        .collect();
+    small.sort();
+    let mut merged = Vec::new();
+    for (_, p, u) in small {
+        if u > budget {
+            break;
+        }
+        budget -= u;
+        merged.push((p, u));
+    }
+    if merged.len() >= 2 || (!merged.is_empty() && !out.is_empty()) {
+        out.extend(merged);
     }
     out
 }
@@ -302,13 +334,13 @@ mod tests {
         ]
         .into_iter()
         .collect();
-        let sparse = sparse_packs(&live, &sizes, 0.5);
+        let sparse = packs_to_repack(&live, &sizes, 0.5, None);
         assert_eq!(
             sparse.keys().map(|p| p.0[0]).collect::<Vec<_>>(),
             vec![1, 2]
         );
         // The budget: 128 MiB of used bytes. 10 + 40 + 99 would pass it: the sparsest first.
-        let sparse = sparse_packs(&live, &sizes, 1.0);
+        let sparse = packs_to_repack(&live, &sizes, 1.0, None);
         assert_eq!(
             sparse.keys().map(|p| p.0[0]).collect::<Vec<_>>(),
             vec![1, 2, 3]
@@ -316,6 +348,43 @@ mod tests {
         // One pack over the budget on its own is still taken (alone).
         let big: HashSet<PackLoc> = [loc(1, 200 * mb)].into_iter().collect();
         let sizes1 = HashMap::from([(PackId([1; 32]), 1000 * u64::from(mb))]);
-        assert_eq!(sparse_packs(&big, &sizes1, 0.5).len(), 1);
+        assert_eq!(packs_to_repack(&big, &sizes1, 0.5, None).len(), 1);
+    }
+
+    #[test]
+    fn small_packs_are_merged_two_or_more_or_beside_sparse_ones() {
+        let kb = 1u32 << 10;
+        let size = |n: u64| n * u64::from(kb);
+        // Pack 1: 4 MiB, full; 2 and 3: 100 and 300 KiB, full; 4: 2 MiB, full.
+        let sizes: HashMap<PackId, u64> = [(1, 4096), (2, 100), (3, 300), (4, 2048)]
+            .into_iter()
+            .map(|(p, n)| (PackId([p; 32]), size(n)))
+            .collect();
+        let live: HashSet<PackLoc> = [
+            loc(1, 4096 * kb),
+            loc(2, 100 * kb),
+            loc(3, 300 * kb),
+            loc(4, 2048 * kb),
+        ]
+        .into_iter()
+        .collect();
+        let picked = |r: BTreeMap<PackId, u64>| r.keys().map(|p| p.0[0]).collect::<Vec<_>>();
+        // Nothing sparse; under 1 MiB: 2 and 3, merged together.
+        assert_eq!(
+            picked(packs_to_repack(&live, &sizes, 0.5, Some(size(1024)))),
+            vec![2, 3]
+        );
+        // Without merging, nothing.
+        assert!(packs_to_repack(&live, &sizes, 0.5, None).is_empty());
+        // One small pack alone is left as it is.
+        let one: HashSet<PackLoc> = [loc(1, 4096 * kb), loc(2, 100 * kb)].into_iter().collect();
+        assert!(packs_to_repack(&one, &sizes, 0.5, Some(size(1024))).is_empty());
+        // Beside a sparse pack (1 at 10%), one small pack joins it.
+        let sparse_one: HashSet<PackLoc> =
+            [loc(1, 400 * kb), loc(2, 100 * kb)].into_iter().collect();
+        assert_eq!(
+            picked(packs_to_repack(&sparse_one, &sizes, 0.5, Some(size(1024)))),
+            vec![1, 2]
+        );
     }
 }

@@ -587,6 +587,65 @@ async fn gc_repacks_sparse_packs_and_every_snapshot_still_restores_plain_or_encr
     }
 }
 
+/// Puts that change a page or two each leave one small pack apiece (their new chunks are
+/// well under a quarter of the 1 MiB pack size). A collection that merges small packs copies
+/// them into one; every snapshot still verifies and restores, in this process and in a fresh
+/// one, the store holds fewer packs, and the next collection finds nothing to merge.
+#[tokio::test]
+async fn gc_merges_small_packs_and_every_snapshot_still_restores() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, root) = (t.path().join("ckpt"), t.path().join("store"));
+    let s = packed(&root);
+    let mut mem = memory_like(21, 1024);
+    let mut snaps = Vec::new();
+    let mut parent: Option<torpor_snapshot::SnapshotId> = None;
+    for round in 0..6u64 {
+        let page = (round as usize * 131 + 7) % 1024;
+        mem[page * 4096..(page + 1) * 4096].copy_from_slice(&noise(700 + round, 4096));
+        checkpoint(&src, &mem);
+        let put = s.put_dir(&src, parent.as_ref()).await.unwrap();
+        parent = Some(put.id.clone());
+        snaps.push((put.id, mem.clone()));
+    }
+    let merge = GcOptions {
+        merge_small: true,
+        ..GcOptions::default()
+    };
+    let dry = s
+        .gc(&GcOptions {
+            dry_run: true,
+            ..merge.clone()
+        })
+        .await
+        .unwrap();
+    assert!(
+        dry.packs_repacked >= 5,
+        "one small pack per later put: {dry:?}"
+    );
+    let packs_before = objects(&root, "packs").len();
+    let report = s.gc(&merge).await.unwrap();
+    assert_eq!(report.packs_repacked, dry.packs_repacked, "{report:?}");
+    assert_eq!(
+        report.repack_packs_written, 1,
+        "merged into one: {report:?}"
+    );
+    assert_eq!(
+        report.packs_live,
+        dry.packs_live - report.packs_repacked + 1,
+        "{report:?}"
+    );
+    assert!(objects(&root, "packs").len() < packs_before);
+    let fresh = packed(&root);
+    for (i, (id, want)) in snaps.iter().enumerate() {
+        assert!(s.verify(id).await.unwrap().problems.is_empty(), "{i}");
+        let dest = t.path().join(format!("out-{i}"));
+        fresh.get_dir(id, &dest).await.unwrap();
+        assert!(restored(&dest) == *want, "snapshot {i}");
+    }
+    let again = s.gc(&merge).await.unwrap();
+    assert_eq!(again.packs_repacked, 0, "{again:?}");
+}
+
 #[tokio::test]
 async fn a_restore_that_read_its_manifest_before_a_repack_reads_it_again_and_restores() {
     let t = tempfile::tempdir().unwrap();

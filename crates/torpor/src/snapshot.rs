@@ -257,7 +257,7 @@ pub async fn run(cmd: SnapshotCmd) -> Result<i32, CliError> {
                 }
                 if r.packs_repacked > 0 {
                     println!(
-                        "{} sparse packs {}: {} of used chunks into {} new packs, {} manifests rewritten",
+                        "{} sparse or small packs {}: {} of used chunks into {} new packs, {} manifests rewritten",
                         r.packs_repacked,
                         if r.dry_run { "to repack" } else { "repacked" },
                         human_bytes(r.repack_bytes_written),

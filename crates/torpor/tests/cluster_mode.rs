@@ -2605,14 +2605,15 @@ async fn a_controller_adopting_a_sandbox_before_its_worker_joins_it_waits_for_th
     let c1 = Controller::start_with(dir, &database, "c1", 90_000).await;
     let mut c2 = Controller::start_with(dir, &database, "c2", 90_000).await;
     let both = format!("{},{}", c1.cluster, c2.cluster);
-    // No fencing while it hears no controller (c1 stopped, c2 cut off) for this test's length.
+    // No fencing while it hears no controller (c1 stopped, c2 cut off) for this test's length,
+    // however slow the machine (10 minutes).
     let _w1 = Worker::start_in(
         dir,
         "w1",
         "w1",
         &both,
         &[],
-        &["--fence-after-ms", "60000"],
+        &["--fence-after-ms", "600000"],
         Some(&w1_group),
     );
     for c in [&c1, &c2] {
@@ -2672,8 +2673,14 @@ async fn a_controller_adopting_a_sandbox_before_its_worker_joins_it_waits_for_th
         assert!(Instant::now() < deadline, "{out}\n{}", c2.log());
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    assert_eq!(out["stdout"], "disk-1\nmem-1\nprocess-alive\n", "{out}");
     let sb = c2.sandbox(&id).await;
+    assert_eq!(
+        out["stdout"],
+        "disk-1\nmem-1\nprocess-alive\n",
+        "{out}\n{sb}\n{}\n{}",
+        c2.log(),
+        _w1.log()
+    );
     assert_eq!(sb["controller"], "c2", "{sb}");
     assert!(sb["last_error"].is_null(), "nothing was lost: {sb}");
 }

@@ -261,6 +261,8 @@ impl Engine {
                 dry_run,
                 protect: protect.clone(),
                 repack_below: self.snapshots.repack_below,
+                // Small packs are merged whenever sparse ones are rewritten (`--repack-below`).
+                merge_small: self.snapshots.repack_below.is_some_and(|b| b > 0.0),
             };
             let r = tokio::spawn(async move { store.gc(&opts).await })
                 .await
