@@ -220,7 +220,15 @@ impl Engine {
             .acquire_worker(&rec.tenant, rec.spec.limits.memory_bytes(), None)
             .await?;
         let launch = Launch {
-            container_id: format!("tpl-{}-{:04x}", rec.name, rand::random::<u16>()),
+            // runsc names each sandbox's control socket after its container id in the
+            // machine-wide abstract namespace: the nonce keeps two daemons (a worker and a
+            // test's, two replicas' builds) building one template apart (48 bits; a 16-bit one
+            // collided once in a test run: "address already in use").
+            container_id: format!(
+                "tpl-{}-{:012x}",
+                rec.name,
+                rand::random::<u64>() & 0xffff_ffff_ffff
+            ),
             spec: container_spec(rec, &rec.spec.limits, &rec.spec.env),
             network: None,
             ready_timeout: READY_TIMEOUT,
