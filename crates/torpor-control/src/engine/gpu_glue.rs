@@ -177,16 +177,11 @@ impl Engine {
         if pids.is_empty() {
             return Ok(None);
         }
-        let tool = crate::gpu::cuda_tool_in(container).await?;
-        torpor_gpu::sleep::checkpoint_method(
-            true,
-            tool.as_ref().map(|t| Path::new(t.in_sandbox.as_str())),
-        )
-        .map_err(crate::gpu::GpuError::from)?;
-        match tool {
-            Some(tool) => Ok(Some(crate::gpu::cuda_toggle(container, tool, pids).await?)),
-            None => Ok(None),
-        }
+        let Some(tool) = crate::gpu::cuda_tool_in(container).await? else {
+            let refused = torpor_gpu::sleep::CheckpointError::GpuContextWithoutCudaCheckpoint;
+            return Err(crate::gpu::GpuError::from(refused).into());
+        };
+        Ok(Some(crate::gpu::cuda_toggle(container, tool, pids).await?))
     }
 
     fn gpu_checkpoint_gate(
