@@ -113,8 +113,12 @@ def main():
     for name, (rc, took) in sorted(results.items(), key=lambda kv: -kv[1][1])[:12]:
         print(f"   {took:7.1f} s  {'ok' if rc == 0 else 'FAILED'}  {name}")
     failed = sorted(name for name, (rc, _) in results.items() if rc != 0)
-    Path(args.times).write_text(json.dumps({n: round(t, 1) for n, (_, t) in results.items()},
-                                           indent=1, sort_keys=True))
+    try:
+        Path(args.times).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.times).write_text(json.dumps({n: round(t, 1) for n, (_, t) in results.items()},
+                                               indent=1, sort_keys=True))
+    except OSError as e:
+        print(f"run_tests: durations not kept: {e}", file=sys.stderr)
     if failed:
         print("== FAILED: " + ", ".join(failed))
         return 1

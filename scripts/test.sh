@@ -28,6 +28,7 @@ echo "== cargo test (workspace but torpor-control)"
 # run's durations order the next (longest first; a clean clone uses the checked-in ones).
 # cluster_mode (each test a database, two controllers and workers) runs one test at a time
 # beside the other lane, so that at most three tests share the two cores.
+mkdir -p target
 cargo test --workspace --exclude torpor-control --no-run --quiet --message-format=json \
   > target/test-artifacts.json
 python3 scripts/run_tests.py --lanes "${TORPOR_TEST_LANES:-2}" --log-dir target/test-logs \
