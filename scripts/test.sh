@@ -23,17 +23,21 @@ cargo clippy --workspace --all-targets --quiet -- -D warnings
 # deps.sh installed, and must not skip here.
 export TORPOR_TEST_POSTGRES=required
 echo "== cargo test (workspace but torpor-control)"
-# Built once, then run two binaries at a time (scripts/run_tests.py): one after another, each
-# binary's last tests left a test thread idle, and the whole run took ~1.6x as long. The last
-# run's durations order the next (longest first; a clean clone uses the checked-in ones).
-# cluster_mode (each test a database, two controllers and workers) runs one test at a time
-# beside the other lane, so that at most three tests share the two cores.
+# Built once, then run by scripts/run_tests.py: one binary at a time by default (as `cargo test`
+# runs them; each binary's output kept in target/test-logs/, a summary of the slowest and the
+# failures). TORPOR_TEST_LANES=2 runs two at a time, longest first (the last run's durations, a
+# clean clone the checked-in ones), cluster_mode then one test at a time beside the other lane:
+# ~17 instead of ~22 minutes here, but at that load some end-to-end tests still fail now and
+# then on their timing (docs/ARCHITECTURE.md, "Running the tests").
+lanes=${TORPOR_TEST_LANES:-1}
+one_thread=()
+[ "$lanes" -gt 1 ] && one_thread=(--one-thread torpor::cluster_mode)
 mkdir -p target
 cargo test --workspace --exclude torpor-control --no-run --quiet --message-format=json \
   > target/test-artifacts.json
-python3 scripts/run_tests.py --lanes "${TORPOR_TEST_LANES:-2}" --log-dir target/test-logs \
+python3 scripts/run_tests.py --lanes "$lanes" --log-dir target/test-logs \
   --times target/test-durations.json --seed-times scripts/test-durations.json \
-  --one-thread torpor::cluster_mode -- --quiet < target/test-artifacts.json 2>&1 \
+  "${one_thread[@]}" -- --quiet < target/test-artifacts.json 2>&1 \
   | tee /tmp/torpor-test.log
 cargo test --workspace --exclude torpor-control --doc --quiet 2>&1 | tee -a /tmp/torpor-test.log
 

@@ -429,6 +429,13 @@ async fn a_proxied_request_wakes_a_sleeping_server() {
 
     for tier in [Tier::Parked, Tier::Suspended] {
         let before = c.sandbox(&id).await.unwrap().worker.expect("resident");
+        // A prepared worker waits in the pool (on a loaded machine its refill can lag), so
+        // the wake below takes it rather than the one this sandbox leaves, once reset.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while c.workers().await.unwrap().warm_ready == 0 {
+            assert!(Instant::now() < deadline, "no prepared worker");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         let s = c.suspend(&id, Some(tier)).await.unwrap();
         assert_eq!(s.state, tier.as_str());
         assert_eq!(c.sandbox(&id).await.unwrap().worker, None, "asleep");
