@@ -1,5 +1,6 @@
 //! Repacking: the part of garbage collection that rewrites *sparse* packs, those of which the
-//! remaining snapshots use less than a fraction of the bytes (`GcOptions::repack_below`).
+//! remaining snapshots use less than a fraction of the bytes (`GcOptions::repack_below`), and
+//! merges *small* ones (`GcOptions::merge_small`, see [`packs_to_repack`]) the same way.
 //!
 //! A pack is written once and kept whole while any snapshot locates a chunk in it, so a store
 //! whose snapshots keep changing (an agent parked again and again, its older snapshots retired)
@@ -243,7 +244,7 @@ impl Store {
             done.packs += 1;
         }
         for p in skipped.intersection(&still) {
-            tracing::warn!(pack = %p, "a sparse pack has a missing or corrupt chunk: not repacked (`snapshot verify` names the snapshots)");
+            tracing::warn!(pack = %p, "a pack chosen for repacking has a missing or corrupt chunk: not repacked (`snapshot verify` names the snapshots)");
         }
         Ok(done)
     }
