@@ -458,6 +458,7 @@ mod tests {
             (store("backend_remote"), 503, "backend_remote"),
             (store("backend_io"), 503, "backend_io"),
             (store("store_locked"), 503, "store_locked"),
+            (store("store_lock_lost"), 503, "store_lock_lost"),
             (store("backend_no_space"), 507, "backend_no_space"),
             (store("output_no_space"), 507, "output_no_space"),
             (store("chunk_corrupt"), 500, "chunk_corrupt"),

@@ -557,6 +557,7 @@ impl RemoteNode {
             access: Some(convert::access_to_pb(&put.access)),
             labels: put.labels.iter().cloned().collect(),
             id: put.id.clone().unwrap_or_default(),
+            parent: put.parent.clone().unwrap_or_default(),
             pin: put.pin,
         };
         let reply = inner

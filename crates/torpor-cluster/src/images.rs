@@ -467,12 +467,16 @@ impl WorkerImages {
     }
 
     /// Puts one of this worker's own images into the store and keeps it as a local copy.
+    /// `parent`: the sandbox's previous snapshot in the same store (its chunks are known
+    /// stored, so only what changed is looked up and written); one gone meanwhile (retention,
+    /// a delete) is not an error: the put goes on without it.
     pub async fn upload(
         &self,
         dir: &str,
         access: &StoreAccess,
         labels: Vec<(String, String)>,
         id: Option<String>,
+        parent: Option<String>,
         pin: bool,
     ) -> Result<Uploaded, Status> {
         if Path::new(dir).is_absolute() {
@@ -486,6 +490,11 @@ impl WorkerImages {
         let id = id
             .map(|i| SnapshotId::new(&i).map_err(|e| bad("snapshot id", e)))
             .transpose()?;
+        // A fixed id is a golden snapshot or a root filesystem: no sandbox's previous one.
+        let parent = parent
+            .filter(|_| id.is_none())
+            .map(|p| SnapshotId::new(&p).map_err(|e| bad("parent snapshot id", e)))
+            .transpose()?;
         let source = src.clone();
         // On the uploads' own runtime (its threads niced): a park's checkpoint, on its caller's
         // path, goes before the uploads of the parks before it.
@@ -497,16 +506,19 @@ impl WorkerImages {
                         return Ok((want.clone(), m.logical_bytes(), 0));
                     }
                 }
-                let report = store
-                    .put_dir_with(
-                        &source,
-                        PutOptions {
-                            id: id.clone(),
-                            labels,
-                            ..Default::default()
-                        },
-                    )
-                    .await?;
+                let put = |parent: Option<SnapshotId>| PutOptions {
+                    id: id.clone(),
+                    labels: labels.clone(),
+                    parent,
+                };
+                let report = match store.put_dir_with(&source, put(parent.clone())).await {
+                    Err(StoreError::ParentNotFound { id: gone }) => {
+                        tracing::debug!(parent = %gone,
+                            "the previous snapshot is gone: uploading without it");
+                        store.put_dir_with(&source, put(None)).await?
+                    }
+                    put => put?,
+                };
                 if pin {
                     store.pin(&report.id).await?;
                 }
@@ -787,7 +799,7 @@ mod tests {
         std::fs::write(tmp_dir.join("checkpoint.img"), bytes).unwrap();
         w.commit(tmp_dir, dest.clone()).await.unwrap();
         let up = w
-            .upload(name, &StoreAccess::default(), vec![], None, false)
+            .upload(name, &StoreAccess::default(), vec![], None, None, false)
             .await
             .unwrap();
         (dest, up)
@@ -890,6 +902,106 @@ mod tests {
         );
     }
 
+    /// Content that chunks into many pieces (noise: no two chunks alike), changed in one
+    /// place by `change`.
+    fn noise(change: u8) -> Vec<u8> {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut v: Vec<u8> = (0..4 << 20)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        v[1 << 20] = change;
+        v
+    }
+
+    #[tokio::test]
+    async fn an_upload_naming_its_previous_snapshot_looks_up_only_what_changed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let backend = Arc::new(Gated::open(&tmp.path().join("store")));
+        let b = backend.clone();
+        let open: OpenBackend = Arc::new(move |_loc: &str| Ok(b.clone() as Arc<dyn Backend>));
+        let w = WorkerImages::open(&tmp.path().join("w"), open, 0).unwrap();
+        w.set_store("shared");
+        let access = StoreAccess::default();
+        let mut n = 0;
+        let mut park = |change: u8| {
+            n += 1;
+            let (w, name) = (&w, format!("sb-1-g{n}"));
+            async move {
+                let (tmp_dir, dest) = w.staging(&name).unwrap().unwrap();
+                std::fs::create_dir_all(&tmp_dir).unwrap();
+                std::fs::write(tmp_dir.join("checkpoint.img"), noise(change)).unwrap();
+                w.commit(tmp_dir, dest).await.unwrap();
+                name
+            }
+        };
+        let looked_up = || {
+            backend
+                .looked_up
+                .swap(0, std::sync::atomic::Ordering::SeqCst)
+        };
+        let first = park(1).await;
+        let first = w
+            .upload(&first, &access, vec![], None, None, false)
+            .await
+            .unwrap();
+        let whole = looked_up();
+        assert!(whole >= 16, "4 MiB of noise in {whole} chunks");
+        // Parked again with one byte changed, naming the first: only the changed chunk is
+        // looked up (and written).
+        let second = park(2).await;
+        let second = w
+            .upload(
+                &second,
+                &access,
+                vec![],
+                None,
+                Some(first.snapshot.clone()),
+                false,
+            )
+            .await
+            .unwrap();
+        let with_parent = looked_up();
+        assert!(with_parent <= 2, "{with_parent} lookups of {whole} chunks");
+        assert!(second.bytes_written < first.bytes_written / 4, "{second:?}");
+        // Without naming it: every chunk is looked up again (the store finds them there).
+        let third = park(3).await;
+        w.upload(&third, &access, vec![], None, None, false)
+            .await
+            .unwrap();
+        // (The changed byte may cut its chunk in two: one more, or fewer.)
+        let close_to_whole = |n: usize| n.abs_diff(whole) <= 2;
+        let without = looked_up();
+        assert!(close_to_whole(without), "{without} vs {whole}");
+        // A previous snapshot gone meanwhile (retention, a delete) is not an error.
+        let fourth = park(4).await;
+        let up = w
+            .upload(&fourth, &access, vec![], None, Some("gone-1".into()), false)
+            .await
+            .unwrap();
+        let gone = looked_up();
+        assert!(close_to_whole(gone), "{gone} vs {whole}");
+        assert!(w.copy_of(&up.snapshot).is_some());
+        // A fixed id (a golden snapshot) names no previous one: the parent is not used.
+        let golden = park(5).await;
+        w.upload(
+            &golden,
+            &access,
+            vec![],
+            Some("golden-x-1".into()),
+            Some(second.snapshot.clone()),
+            true,
+        )
+        .await
+        .unwrap();
+        let golden = looked_up();
+        assert!(close_to_whole(golden), "{golden} vs {whole}");
+    }
+
     #[test]
     fn own_names_are_one_plain_component() {
         for ok in ["sb-1-g3", "golden-host-17"] {
@@ -901,12 +1013,27 @@ mod tests {
     }
 
     /// A directory store whose manifest writes wait for the test's go (a put held at its
-    /// commit), saying when one is held.
+    /// commit), saying when one is held, and that counts the chunk and pack lookups puts make.
     #[derive(Debug)]
     struct Gated {
         inner: torpor_snapshot::LocalBackend,
         held: Arc<tokio::sync::Notify>,
         go: Arc<tokio::sync::Semaphore>,
+        looked_up: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Gated {
+        /// Every write goes through at once.
+        fn open(dir: &Path) -> Gated {
+            Gated {
+                inner: torpor_snapshot::LocalBackend::open(dir).unwrap(),
+                held: Arc::new(tokio::sync::Notify::new()),
+                go: Arc::new(tokio::sync::Semaphore::new(
+                    tokio::sync::Semaphore::MAX_PERMITS,
+                )),
+                looked_up: 0.into(),
+            }
+        }
     }
 
     #[async_trait::async_trait]
@@ -932,6 +1059,8 @@ mod tests {
             &self,
             keys: &[torpor_snapshot::backend::ObjectKey],
         ) -> Result<Vec<bool>, torpor_snapshot::BackendError> {
+            self.looked_up
+                .fetch_add(keys.len(), std::sync::atomic::Ordering::SeqCst);
             self.inner.exists_many(keys).await
         }
         async fn delete(
@@ -958,9 +1087,9 @@ mod tests {
             Arc::new(tokio::sync::Semaphore::new(0)),
         );
         let gated = Arc::new(Gated {
-            inner: torpor_snapshot::LocalBackend::open(&store).unwrap(),
             held: held.clone(),
             go: go.clone(),
+            ..Gated::open(&store)
         });
         let open: OpenBackend = Arc::new(move |_loc: &str| Ok(gated.clone() as Arc<dyn Backend>));
         let w = Arc::new(WorkerImages::open(&tmp.path().join("w"), open, 0).unwrap());
@@ -974,8 +1103,15 @@ mod tests {
         let upload = {
             let w = w.clone();
             tokio::spawn(async move {
-                w.upload("sb-1-g1", &StoreAccess::default(), vec![], None, false)
-                    .await
+                w.upload(
+                    "sb-1-g1",
+                    &StoreAccess::default(),
+                    vec![],
+                    None,
+                    None,
+                    false,
+                )
+                .await
             })
         };
         held.notified().await;
@@ -996,7 +1132,14 @@ mod tests {
             w.commit(tmp_dir, dest.clone()).await.unwrap();
             go.add_permits(1);
             let up = w
-                .upload("sb-1-g2", &StoreAccess::default(), vec![], None, false)
+                .upload(
+                    "sb-1-g2",
+                    &StoreAccess::default(),
+                    vec![],
+                    None,
+                    None,
+                    false,
+                )
                 .await
                 .unwrap();
             (dest, up)
@@ -1043,7 +1186,7 @@ mod tests {
         assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
         // Outside the image area: refused.
         assert!(a
-            .upload("/etc", &access, vec![], None, false)
+            .upload("/etc", &access, vec![], None, None, false)
             .await
             .is_err());
         assert!(a.resolve("../x").is_err());

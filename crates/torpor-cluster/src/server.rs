@@ -841,12 +841,13 @@ impl NodeRpc for Arc<NodeService> {
         let images = self.images()?.clone();
         let access = convert::access_from_pb(req.access)?;
         let id = (!req.id.is_empty()).then_some(req.id);
+        let parent = (!req.parent.is_empty()).then_some(req.parent);
         let labels = req.labels.into_iter().collect();
         // In its own task: a controller whose deadline passes does not cut an upload half-way
         // (the manifest, written last, is the commit marker either way).
         let up = tokio::spawn(async move {
             images
-                .upload(&req.image_dir, &access, labels, id, req.pin)
+                .upload(&req.image_dir, &access, labels, id, parent, req.pin)
                 .await
         })
         .await

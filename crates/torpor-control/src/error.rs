@@ -271,7 +271,9 @@ impl ControlError {
             // The store's stable code says which: its backend unreachable or locked is
             // retryable; a full disk is the operator's to fix.
             ControlError::SnapshotStore { code, .. } => match *code {
-                "backend_remote" | "backend_io" | "store_locked" => K::Unavailable,
+                "backend_remote" | "backend_io" | "store_locked" | "store_lock_lost" => {
+                    K::Unavailable
+                }
                 "backend_no_space" | "output_no_space" => K::InsufficientStorage,
                 _ => K::Internal,
             },

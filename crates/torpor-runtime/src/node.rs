@@ -138,6 +138,10 @@ pub struct PutImage {
     pub id: Option<String>,
     /// Pin it: retention never removes it.
     pub pin: bool,
+    /// The sandbox's previous snapshot in the same store, if it has one: its chunks are known
+    /// stored, so the put looks up and writes only what changed (one gone meanwhile is
+    /// skipped, not an error).
+    pub parent: Option<String>,
 }
 
 /// What an upload stored.

@@ -13,6 +13,10 @@
 //! - fleet dedup: N sandboxes from one template, each changing 1% of pages: stored bytes /
 //!   sum of image sizes;
 //! - restore from the store (cold and warm chunk cache) vs copying the raw image on local disk;
+//! - the requests of an incremental put (5% of pages changed) that names its parent (the
+//!   sandbox's previous snapshot, as a cluster worker's upload does) vs one that does not,
+//!   loose and packed: existence lookups (one S3 HEAD each), reads and writes, from a counting
+//!   backend;
 //! - with `--next` (a later checkpoint of the same sandbox, e.g. from tests/runsc_real.rs with
 //!   TORPOR_SNAPSHOT_KEEP_IMAGES): bytes a real incremental put writes / that image's size.
 
@@ -21,8 +25,14 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use torpor_snapshot::backend::{Backend, ObjectInfo, ObjectKey};
 use torpor_snapshot::gvisor::{self, encode_compressed_image, InflatingReader};
 use torpor_snapshot::manifest::ChunkParams;
+use torpor_snapshot::store::PutOptions;
+use torpor_snapshot::BackendError;
 use torpor_snapshot::{ChunkCache, ChunkCodec, LocalBackend, Store, StoreConfig};
 
 #[path = "support/synthetic.rs"]
@@ -56,6 +66,65 @@ fn store_at(root: &Path, chunking: ChunkParams) -> Store {
         },
     )
     .unwrap()
+}
+
+/// Counts what a store asks of its backend (a local directory): each would be one request
+/// to S3 (a lookup is a HEAD).
+#[derive(Debug)]
+struct Counting {
+    inner: LocalBackend,
+    lookups: AtomicU64,
+    reads: AtomicU64,
+    writes: AtomicU64,
+}
+
+impl Counting {
+    fn take(&self) -> [u64; 3] {
+        [&self.lookups, &self.reads, &self.writes].map(|c| c.swap(0, Ordering::SeqCst))
+    }
+}
+
+fn count(c: &AtomicU64, n: usize) {
+    c.fetch_add(n as u64, Ordering::SeqCst);
+}
+
+#[async_trait::async_trait]
+impl Backend for Counting {
+    async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), BackendError> {
+        count(&self.writes, 1);
+        self.inner.put(key, data).await
+    }
+    async fn put_many(&self, objects: Vec<(ObjectKey, Bytes)>) -> Result<(), BackendError> {
+        count(&self.writes, objects.len());
+        self.inner.put_many(objects).await
+    }
+    async fn get(&self, key: &ObjectKey) -> Result<Option<Bytes>, BackendError> {
+        count(&self.reads, 1);
+        self.inner.get(key).await
+    }
+    async fn get_many(&self, keys: &[ObjectKey]) -> Result<Vec<Option<Bytes>>, BackendError> {
+        count(&self.reads, keys.len());
+        self.inner.get_many(keys).await
+    }
+    async fn get_ranges(
+        &self,
+        key: &ObjectKey,
+        ranges: &[std::ops::Range<u64>],
+    ) -> Result<Option<Vec<Bytes>>, BackendError> {
+        count(&self.reads, 1);
+        self.inner.get_ranges(key, ranges).await
+    }
+    async fn exists_many(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, BackendError> {
+        count(&self.lookups, keys.len());
+        self.inner.exists_many(keys).await
+    }
+    async fn delete(&self, key: &ObjectKey) -> Result<(), BackendError> {
+        self.inner.delete(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError> {
+        count(&self.reads, 1);
+        self.inner.list(prefix).await
+    }
 }
 
 fn params(avg: u32) -> ChunkParams {
@@ -295,6 +364,65 @@ async fn main() {
             format!("{ratio:.4} of image"),
         ));
         json.push(format!("\"real_incremental_over_image\": {ratio:.5}"));
+    }
+
+    // 5. The requests of an incremental put that names its parent vs one that does not (a
+    // store that holds the full put already), loose and packed (4 MiB packs).
+    for (kind, pack_bytes) in [("loose", None), ("packed", Some(4usize << 20))] {
+        let mut got = Vec::new();
+        for with_parent in [true, false] {
+            let backend = Arc::new(Counting {
+                inner: LocalBackend::open(tmp.path().join(format!("req-{kind}-{with_parent}")))
+                    .unwrap(),
+                lookups: AtomicU64::new(0),
+                reads: AtomicU64::new(0),
+                writes: AtomicU64::new(0),
+            });
+            let open = || {
+                let cfg = StoreConfig {
+                    pack_bytes,
+                    ..StoreConfig::default()
+                };
+                Store::new(backend.clone(), cfg).unwrap()
+            };
+            let s = open();
+            let d = tmp.path().join(format!("req-{kind}-{with_parent}-1"));
+            write_ckpt(&d, &img);
+            let full = s.put_dir(&d, None).await.unwrap();
+            let d = tmp.path().join(format!("req-{kind}-{with_parent}-2"));
+            write_ckpt(&d, &scattered_img);
+            // A fresh process's store (a worker's first upload after its start): nothing of
+            // the first put is remembered in memory.
+            let s = open();
+            backend.take();
+            let t = Instant::now();
+            let put = s
+                .put_dir_with(
+                    &d,
+                    PutOptions {
+                        parent: with_parent.then(|| full.id.clone()),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .unwrap();
+            let ms = t.elapsed().as_secs_f64() * 1000.0;
+            got.push((backend.take(), ms, put.stats.bytes_written));
+        }
+        let ([l1, r1, w1], ms1, b1) = got[0];
+        let ([l0, r0, w0], ms0, b0) = got[1];
+        rows.push((
+            format!("put 5% changed, {kind}: requests"),
+            format!("parent named: {l1} lookups, {r1} reads, {w1} writes, {ms1:.0} ms"),
+            format!("no parent: {l0} lookups, {r0} reads, {w0} writes, {ms0:.0} ms"),
+            format!(
+                "{:.2}x requests",
+                (l1 + r1 + w1) as f64 / (l0 + r0 + w0).max(1) as f64
+            ),
+        ));
+        json.push(format!(
+            "\"put_requests_{kind}\": {{\"parent\": {{\"lookups\": {l1}, \"reads\": {r1}, \"writes\": {w1}, \"ms\": {ms1:.1}, \"bytes_written\": {b1}}}, \"no_parent\": {{\"lookups\": {l0}, \"reads\": {r0}, \"writes\": {w0}, \"ms\": {ms0:.1}, \"bytes_written\": {b0}}}}}"
+        ));
     }
 
     println!(

@@ -87,6 +87,7 @@ impl StoreError {
         match self {
             StoreError::Backend(e) => e.code(),
             StoreError::Lock(LockError::Busy { .. }) => "store_locked",
+            StoreError::Lock(LockError::Expired { .. }) => "store_lock_lost",
             StoreError::Lock(LockError::Backend(e)) => e.code(),
             StoreError::ReadInput { .. } => "input_read",
             StoreError::NotADirectory { .. } => "input_not_directory",

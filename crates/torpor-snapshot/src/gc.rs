@@ -68,12 +68,19 @@ pub struct GcReport {
 impl Store {
     pub async fn gc(&self, opts: &GcOptions) -> Result<GcReport, StoreError> {
         let guard = self.lock(LockKind::Exclusive).await?;
-        let result = self.gc_locked(opts).await;
+        let result = self.gc_locked(opts, &guard).await;
         guard.release().await;
         result
     }
 
-    async fn gc_locked(&self, opts: &GcOptions) -> Result<GcReport, StoreError> {
+    /// Checks that the exclusive lock is still fresh before each step that writes or removes
+    /// (see `lock`: a collector that could not renew it may have been taken for dead, and a put
+    /// may be under way).
+    async fn gc_locked(
+        &self,
+        opts: &GcOptions,
+        guard: &crate::lock::LockGuard,
+    ) -> Result<GcReport, StoreError> {
         let ids = self.list_snapshots().await?;
         let pinned = self.pinned().await?;
         let mut manifests = Vec::with_capacity(ids.len());
@@ -124,6 +131,7 @@ impl Store {
                 below.unwrap_or(0.0),
                 small_under,
             );
+            guard.check_fresh()?;
             repacked = self.repack(&mut kept, &chosen, opts.dry_run).await?;
         }
         // Loose chunks are marked by id, packed ones by their pack (and location, for the
@@ -151,6 +159,7 @@ impl Store {
         let mut removed: Vec<SnapshotId> = remove.into_iter().collect();
         removed.sort();
         if !opts.dry_run {
+            guard.check_fresh()?;
             for id in &removed {
                 self.backend()
                     .delete_durably(&self.manifest_key(id))
@@ -197,6 +206,7 @@ impl Store {
             }
         }
         if !opts.dry_run {
+            guard.check_fresh()?;
             let backend = self.backend().clone();
             let (packs, rest): (Vec<_>, Vec<_>) = garbage
                 .into_iter()

@@ -7,7 +7,16 @@
 //! removes its object and retries with backoff. So an in-flight put's chunks are never swept.
 //! Holders rewrite their object every `ttl / 4`; an object older than `ttl` belongs to a dead
 //! process and is ignored (and removed by the next collector).
+//!
+//! A holder that could not rewrite its object for `ttl / 2` (the store unreachable, the
+//! process stalled) may have been taken for dead: a put checks [`LockGuard::check_fresh`]
+//! before it commits its manifest and fails instead (its chunks are then orphans the next
+//! collector removes), so a collector that ignored its lock can never have swept a chunk a
+//! committed snapshot names. That is what lets the ttl be short (a minute by default): a
+//! worker killed in the middle of an upload holds the collectors back for that long, not
+//! longer.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -34,6 +43,10 @@ impl LockKind {
 pub enum LockError {
     #[error("store is locked by {holder} (waited {waited_ms} ms)")]
     Busy { holder: String, waited_ms: u64 },
+    /// This holder's lock was last written too long ago: a collector may have taken it for
+    /// dead's, so what it wrote under it cannot be committed.
+    #[error("lost the store lock: last renewed {since_ms} ms ago (ttl {ttl_ms} ms)")]
+    Expired { since_ms: u64, ttl_ms: u64 },
     #[error("lock object I/O")]
     Backend(#[from] BackendError),
 }
@@ -51,6 +64,10 @@ pub(crate) struct LockGuard {
     backend: Arc<dyn Backend>,
     refresher: Option<tokio::task::JoinHandle<()>>,
     released: bool,
+    /// When the lock object was last written, in ms since `since`.
+    renewed: Arc<AtomicU64>,
+    since: Instant,
+    ttl: Duration,
 }
 
 impl LockManager {
@@ -121,16 +138,25 @@ impl LockManager {
                             self.backend.delete(&s).await?;
                         }
                     }
+                    // Written (by the put above) no later than now.
+                    let since = Instant::now();
+                    let renewed = Arc::new(AtomicU64::new(0));
                     let refresher = {
                         let backend = Arc::clone(&self.backend);
                         let key = key.clone();
                         let body = body.clone();
                         let every = self.ttl / 4;
+                        let renewed = Arc::clone(&renewed);
                         tokio::spawn(async move {
                             loop {
                                 tokio::time::sleep(every).await;
-                                if let Err(e) = backend.put(&key, body.clone()).await {
-                                    tracing::warn!(lock = %key, error = %e, "lock refresh failed");
+                                let at = since.elapsed().as_millis() as u64;
+                                match backend.put(&key, body.clone()).await {
+                                    // Counted from before the write: the object is no older.
+                                    Ok(()) => renewed.store(at, Ordering::SeqCst),
+                                    Err(e) => {
+                                        tracing::warn!(lock = %key, error = %e, "lock refresh failed")
+                                    }
                                 }
                             }
                         })
@@ -140,6 +166,9 @@ impl LockManager {
                         backend: Arc::clone(&self.backend),
                         refresher: Some(refresher),
                         released: false,
+                        renewed,
+                        since,
+                        ttl: self.ttl,
                     });
                 }
                 Some((holder, _)) => {
@@ -164,6 +193,20 @@ impl LockManager {
 }
 
 impl LockGuard {
+    /// `Err(Expired)` when the lock object was last written `ttl / 2` ago or longer: a
+    /// collector (whose clock may run ahead of ours, and which reads the object's age from the
+    /// store) may take it for a dead holder's within the rest of the ttl. A put calls it right
+    /// before committing its manifest.
+    pub(crate) fn check_fresh(&self) -> Result<(), LockError> {
+        let since_ms = (self.since.elapsed().as_millis() as u64)
+            .saturating_sub(self.renewed.load(Ordering::SeqCst));
+        let ttl_ms = self.ttl.as_millis() as u64;
+        if since_ms >= ttl_ms / 2 {
+            return Err(LockError::Expired { since_ms, ttl_ms });
+        }
+        Ok(())
+    }
+
     pub(crate) async fn release(mut self) {
         if let Some(r) = self.refresher.take() {
             r.abort();
@@ -232,6 +275,69 @@ mod tests {
         x.release().await;
         m.acquire(LockKind::Shared).await.unwrap().release().await;
         assert!(m.backend.list("locks").await.unwrap().is_empty());
+    }
+
+    /// A directory whose lock objects can no longer be written once `broken` is set.
+    #[derive(Debug)]
+    struct Breaking {
+        inner: LocalBackend,
+        broken: std::sync::atomic::AtomicBool,
+    }
+
+    #[async_trait::async_trait]
+    impl Backend for Breaking {
+        async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), BackendError> {
+            if self.broken.load(Ordering::SeqCst) {
+                return Err(BackendError::Io {
+                    path: key.as_str().into(),
+                    source: std::io::Error::other("unreachable"),
+                });
+            }
+            self.inner.put(key, data).await
+        }
+        async fn get(&self, key: &ObjectKey) -> Result<Option<Bytes>, BackendError> {
+            self.inner.get(key).await
+        }
+        async fn exists_many(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, BackendError> {
+            self.inner.exists_many(keys).await
+        }
+        async fn delete(&self, key: &ObjectKey) -> Result<(), BackendError> {
+            self.inner.delete(key).await
+        }
+        async fn list(
+            &self,
+            prefix: &str,
+        ) -> Result<Vec<crate::backend::ObjectInfo>, BackendError> {
+            self.inner.list(prefix).await
+        }
+    }
+
+    #[tokio::test]
+    async fn a_holder_that_cannot_renew_its_lock_for_half_the_ttl_is_told_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Arc::new(Breaking {
+            inner: LocalBackend::open(dir.path()).unwrap(),
+            broken: false.into(),
+        });
+        let ttl = Duration::from_millis(800);
+        let m = LockManager::new(b.clone(), "locks".into(), ttl, Duration::from_secs(1));
+        // Renewed every 200 ms: fresh for as long as it is held.
+        let held = m.acquire(LockKind::Shared).await.unwrap();
+        for _ in 0..6 {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            held.check_fresh().unwrap();
+        }
+        // The store goes away: the renewals fail, and from half the ttl on the holder knows.
+        b.broken.store(true, Ordering::SeqCst);
+        tokio::time::sleep(ttl / 2 + Duration::from_millis(250)).await;
+        match held.check_fresh() {
+            Err(LockError::Expired { since_ms, ttl_ms }) => {
+                assert!(since_ms >= 400 && ttl_ms == 800, "{since_ms} {ttl_ms}")
+            }
+            other => panic!("{other:?}"),
+        }
+        b.broken.store(false, Ordering::SeqCst);
+        held.release().await;
     }
 
     #[tokio::test]

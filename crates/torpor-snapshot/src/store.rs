@@ -89,6 +89,8 @@ pub struct StoreConfig {
     /// Tenant namespace: all objects under `tenants/<ns>/`. Set it whenever `key` is set, so
     /// one tenant's collector never sees another's chunks.
     pub namespace: Option<String>,
+    /// A lock object not renewed for this long belongs to a dead holder (see `lock`); holders
+    /// renew every quarter of it and stop committing after half of it without a renewal.
     pub lock_ttl: Duration,
     /// How long a put waits for a running collector (and a collector for running puts).
     pub lock_wait: Duration,
@@ -111,7 +113,7 @@ impl Default for StoreConfig {
             batch: 128,
             key: None,
             namespace: None,
-            lock_ttl: Duration::from_secs(600),
+            lock_ttl: Duration::from_secs(60),
             lock_wait: Duration::from_secs(30),
             pack_bytes: None,
         }
@@ -339,7 +341,7 @@ impl Store {
         let span = tracing::info_span!("snapshot_put", dir = %dir.display());
         async {
             let guard = self.lock(LockKind::Shared).await?;
-            let result = self.put_locked(dir, opts).await;
+            let result = self.put_locked(dir, opts, &guard).await;
             guard.release().await;
             result
         }
@@ -347,7 +349,12 @@ impl Store {
         .await
     }
 
-    async fn put_locked(&self, dir: &Path, opts: PutOptions) -> Result<PutReport, StoreError> {
+    async fn put_locked(
+        &self,
+        dir: &Path,
+        opts: PutOptions,
+        guard: &crate::lock::LockGuard,
+    ) -> Result<PutReport, StoreError> {
         let started = Instant::now();
         let id = opts.id.unwrap_or_else(SnapshotId::generate);
         if self.backend.exists_many(&[self.manifest_key(&id)]).await?[0] {
@@ -416,7 +423,9 @@ impl Store {
             .collect();
         let mut stats = st.stats;
         stats.logical_bytes = manifest.logical_bytes();
-        // The manifest goes last: until it exists the snapshot does not.
+        // The manifest goes last: until it exists the snapshot does not. Only while the lock
+        // is fresh: a collector that took it for dead may have swept what this put relies on.
+        guard.check_fresh()?;
         let sealed_len = self.write_manifest(&manifest).await?;
         stats.manifest_bytes = sealed_len;
         stats.bytes_written += sealed_len;
@@ -1391,6 +1400,7 @@ impl Store {
                     labels,
                     ..m.clone()
                 };
+                guard.check_fresh()?;
                 self.write_manifest(&fork).await?;
                 ids.push(id);
             }

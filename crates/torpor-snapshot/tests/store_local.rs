@@ -430,6 +430,59 @@ async fn gc_never_collects_chunks_of_an_in_flight_put() {
     assert!(s.verify(&put.id).await.unwrap().problems.is_empty());
 }
 
+/// A holder whose lock renewals fail for half the ttl commits nothing (a collector may have
+/// taken it for dead), and a dead holder's lock holds collections back only until the ttl.
+#[tokio::test]
+async fn a_put_that_lost_its_lock_commits_nothing_and_a_dead_holder_blocks_gc_only_for_the_ttl() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("ckpt");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("mem"), noise(8, 2 << 20)).unwrap();
+    let mut slow = FaultyBackend::new(local(&t.path().join("store")));
+    slow.put_delay = Duration::from_millis(40);
+    let slow = Arc::new(slow);
+    let ttl = Duration::from_millis(400);
+    let cfg = StoreConfig {
+        lock_ttl: ttl,
+        lock_wait: Duration::from_millis(50),
+        ..StoreConfig::default()
+    };
+    let s = Store::new(slow.clone(), cfg).unwrap();
+    let putter = {
+        let (s, src) = (s.clone(), src.clone());
+        tokio::spawn(async move { s.put_dir(&src, None).await })
+    };
+    // The put holds its lock and writes chunks (40 ms each); then its renewals fail.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    slow.fail_lock_puts.store(true, Ordering::SeqCst);
+    let err = putter.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), "store_lock_lost", "{err}");
+    assert!(s.list_snapshots().await.unwrap().is_empty(), "committed");
+    slow.fail_lock_puts.store(false, Ordering::SeqCst);
+    // Its chunks are orphans: the next collection removes them.
+    let report = s.gc(&GcOptions::default()).await.unwrap();
+    assert!(report.chunks_removed > 0, "{report:?}");
+
+    // A holder killed mid-put leaves its lock object: a collection is refused while it is
+    // younger than the ttl, then goes ahead and removes it.
+    let dead = torpor_snapshot::backend::ObjectKey::new("locks/shared-0123456789ab").unwrap();
+    slow.put(&dead, bytes::Bytes::from_static(b"pid=1\n"))
+        .await
+        .unwrap();
+    let err = s.gc(&GcOptions::default()).await.unwrap_err();
+    assert_eq!(err.code(), "store_locked", "{err}");
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    s.gc(&GcOptions::default()).await.unwrap();
+    assert_eq!(
+        slow.get(&dead).await.unwrap(),
+        None,
+        "the dead lock is removed"
+    );
+    // And a put that keeps renewing commits as before.
+    let put = s.put_dir(&src, None).await.unwrap();
+    assert!(s.verify(&put.id).await.unwrap().problems.is_empty());
+}
+
 #[tokio::test]
 async fn encrypted_tenants_do_not_share_or_leak() {
     let t = tempfile::tempdir().unwrap();

@@ -200,6 +200,7 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
         .await;
     controller.park(&id).await;
     wait_uploaded(&controller, &id).await;
+    let before = current_snapshot(&controller, &id).await;
     controller
         .exec(
             &id,
@@ -209,12 +210,24 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
         .await;
     controller.park(&id).await;
     wait_uploaded(&controller, &id).await;
+    // The worker's put named the snapshot it supersedes (only what changed is looked up).
+    let after = current_snapshot(&controller, &id).await;
+    assert_ne!(after["id"], before["id"], "{after}");
+    assert_eq!(after["parent"], before["id"], "{after}\n{before}");
     let deadline = Instant::now() + PATIENCE;
     let gc = loop {
         // The superseded snapshot is retired in the background after the upload.
-        let gc = controller
-            .ok(reqwest::Method::POST, "/v1/snapshots/gc", None)
+        let (status, gc) = controller
+            .call(reqwest::Method::POST, "/v1/snapshots/gc", None)
             .await;
+        // The worker killed above may have died in the middle of an upload (the park before
+        // it uploads in the background): its lock holds collections back for the lock's ttl
+        // (a minute), then is ignored.
+        if status == 503 && gc["error"]["code"] == "store_locked" {
+            assert!(Instant::now() < deadline, "{gc}");
+            continue;
+        }
+        assert_eq!(status, 200, "{gc}\n{}", controller.log());
         if gc["packs_repacked"].as_u64() >= Some(1) {
             break gc;
         }
@@ -758,6 +771,23 @@ async fn kept_all(c: &Controller, id: &str, container: &Value, before: u64, what
 
 /// Waits until a parked sandbox's checkpoint reached the store (Suspended): cluster mode
 /// uploads it from its worker right after the park.
+/// The snapshot `id` stands on now (the store's summary: id, parent, …).
+async fn current_snapshot(c: &Controller, id: &str) -> Value {
+    let all = c.ok(reqwest::Method::GET, "/v1/snapshots", None).await;
+    let mine: Vec<&Value> = all
+        .as_array()
+        .expect("a list of snapshots")
+        .iter()
+        .filter(|s| {
+            s["used_by"]
+                .as_array()
+                .is_some_and(|u| u.contains(&json!(id)))
+        })
+        .collect();
+    assert_eq!(mine.len(), 1, "{all}");
+    mine[0].clone()
+}
+
 async fn wait_uploaded(c: &Controller, id: &str) -> Value {
     let deadline = Instant::now() + PATIENCE;
     loop {

@@ -99,7 +99,8 @@ impl Engine {
         rec.image = back;
     }
 
-    /// What an upload of `rec`'s image puts: the tenant's store access and the sandbox's labels.
+    /// What an upload of `rec`'s image puts: the tenant's store access, the sandbox's labels and
+    /// its previous snapshot.
     fn put_of(&self, rec: &SandboxRecord) -> Result<PutImage> {
         Ok(PutImage {
             access: self.snapshots.access_for(&rec.tenant)?,
@@ -112,6 +113,11 @@ impl Engine {
             ),
             id: None,
             pin: false,
+            // The snapshot this image supersedes: the store holds most of its chunks already.
+            parent: match &rec.image {
+                ImageRef::Worker { fallback, .. } => fallback.clone(),
+                _ => None,
+            },
         })
     }
 
@@ -342,6 +348,7 @@ impl Engine {
             ),
             id: Some(golden_snapshot(tpl)),
             pin: true,
+            parent: None,
         };
         let up = host.upload(node, dir, &put).await?;
         Ok(up.input_bytes)

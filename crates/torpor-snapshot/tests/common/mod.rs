@@ -73,6 +73,8 @@ pub struct FaultyBackend {
     pub fail_chunk_puts_after: AtomicUsize,
     pub chunk_puts: AtomicUsize,
     pub put_delay: Duration,
+    /// Lock objects can no longer be written (the store unreachable for the holder's renewals).
+    pub fail_lock_puts: std::sync::atomic::AtomicBool,
 }
 
 impl FaultyBackend {
@@ -82,6 +84,7 @@ impl FaultyBackend {
             fail_chunk_puts_after: AtomicUsize::new(usize::MAX),
             chunk_puts: AtomicUsize::new(0),
             put_delay: Duration::ZERO,
+            fail_lock_puts: false.into(),
         }
     }
 }
@@ -89,6 +92,12 @@ impl FaultyBackend {
 #[async_trait]
 impl Backend for FaultyBackend {
     async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), BackendError> {
+        if key.as_str().contains("locks/") && self.fail_lock_puts.load(Ordering::SeqCst) {
+            return Err(BackendError::Io {
+                path: key.as_str().into(),
+                source: std::io::Error::other("unreachable"),
+            });
+        }
         if key.as_str().contains("chunks/") {
             if !self.put_delay.is_zero() {
                 tokio::time::sleep(self.put_delay).await;
