@@ -900,7 +900,8 @@ fn position_on_arrival(st: &PoolState, tenant: &TenantId) -> usize {
 /// Checks the parked calls again at the current rate, in the order [`WorkerPool::release`]
 /// serves them (tenants in turn, each tenant's calls in order): a call whose expected wait at
 /// its place passes its deadline (by more than [`RECHECK_SLACK`] of what is left of its
-/// budget) is refused at once and leaves, and the calls behind it move up. The calls that stay keep their order; no permit is involved, so none can be lost.
+/// budget) is refused at once and leaves, and the calls behind it move up. The calls that stay
+/// keep their order; no permit is involved, so none can be lost.
 fn recheck(st: &mut PoolState, now: Instant) {
     let Some(interval) = st.service.interval(now) else {
         return;

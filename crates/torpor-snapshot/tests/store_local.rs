@@ -447,13 +447,15 @@ async fn a_put_that_lost_its_lock_commits_nothing_and_a_dead_holder_blocks_gc_on
         lock_wait: Duration::from_millis(50),
         ..StoreConfig::default()
     };
-    let s = Store::new(slow.clone(), cfg).unwrap();
+    let s = Store::new(slow.clone(), cfg.clone()).unwrap();
     let putter = {
         let (s, src) = (s.clone(), src.clone());
         tokio::spawn(async move { s.put_dir(&src, None).await })
     };
     // The put holds its lock and writes chunks (40 ms each); then its renewals fail.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    while slow.list("locks").await.unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     slow.fail_lock_puts.store(true, Ordering::SeqCst);
     let err = putter.await.unwrap().unwrap_err();
     assert_eq!(err.code(), "store_lock_lost", "{err}");
@@ -464,21 +466,32 @@ async fn a_put_that_lost_its_lock_commits_nothing_and_a_dead_holder_blocks_gc_on
     assert!(report.chunks_removed > 0, "{report:?}");
 
     // A holder killed mid-put leaves its lock object: a collection is refused while it is
-    // younger than the ttl, then goes ahead and removes it.
+    // younger than the ttl (3 s here: what a loaded machine's delays stay well under), then
+    // goes ahead and removes it.
+    let ttl = Duration::from_secs(3);
+    let s = Store::new(
+        slow.clone(),
+        StoreConfig {
+            lock_ttl: ttl,
+            ..cfg
+        },
+    )
+    .unwrap();
     let dead = torpor_snapshot::backend::ObjectKey::new("locks/shared-0123456789ab").unwrap();
     slow.put(&dead, bytes::Bytes::from_static(b"pid=1\n"))
         .await
         .unwrap();
     let err = s.gc(&GcOptions::default()).await.unwrap_err();
     assert_eq!(err.code(), "store_locked", "{err}");
-    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    tokio::time::sleep(ttl + Duration::from_millis(200)).await;
     s.gc(&GcOptions::default()).await.unwrap();
     assert_eq!(
         slow.get(&dead).await.unwrap(),
         None,
         "the dead lock is removed"
     );
-    // And a put that keeps renewing commits as before.
+    // And a put that keeps renewing commits as before (the default ttl).
+    let s = Store::new(slow.clone(), StoreConfig::default()).unwrap();
     let put = s.put_dir(&src, None).await.unwrap();
     assert!(s.verify(&put.id).await.unwrap().problems.is_empty());
 }
