@@ -39,7 +39,7 @@ use std::time::Duration;
 
 use prometheus::{IntCounterVec, Opts, Registry};
 use tonic::Status;
-use torpor_runtime::node::{StoreAccess, StoredFiles, Uploaded};
+use torpor_runtime::node::{PutImage, StoreAccess, StoredFiles, Uploaded};
 use torpor_snapshot::{
     Backend, ChunkCache, PackCatalog, PutOptions, SnapshotId, Store, StoreConfig, StoreError,
     TenantKey,
@@ -466,19 +466,10 @@ impl WorkerImages {
         Ok(())
     }
 
-    /// Puts one of this worker's own images into the store and keeps it as a local copy.
-    /// `parent`: the sandbox's previous snapshot in the same store (its chunks are known
-    /// stored, so only what changed is looked up and written); one gone meanwhile (retention,
-    /// a delete) is not an error: the put goes on without it.
-    pub async fn upload(
-        &self,
-        dir: &str,
-        access: &StoreAccess,
-        labels: Vec<(String, String)>,
-        id: Option<String>,
-        parent: Option<String>,
-        pin: bool,
-    ) -> Result<Uploaded, Status> {
+    /// Puts one of this worker's own images into the store as `put` says and keeps it as a
+    /// local copy. `put.parent` (the sandbox's previous snapshot) gone meanwhile (retention, a
+    /// delete) is not an error: the put goes on without it.
+    pub async fn upload(&self, dir: &str, put: &PutImage) -> Result<Uploaded, Status> {
         if Path::new(dir).is_absolute() {
             return Err(bad("upload", "only images of the worker's own image area"));
         }
@@ -486,15 +477,16 @@ impl WorkerImages {
         if !src.is_dir() {
             return Err(image_lost(&format!("image {dir} is not on this worker")));
         }
-        let store = self.store(access)?;
-        let id = id
-            .map(|i| SnapshotId::new(&i).map_err(|e| bad("snapshot id", e)))
+        let store = self.store(&put.access)?;
+        let id = (put.id.as_deref())
+            .map(|i| SnapshotId::new(i).map_err(|e| bad("snapshot id", e)))
             .transpose()?;
         // A fixed id is a golden snapshot or a root filesystem: no sandbox's previous one.
-        let parent = parent
+        let parent = (put.parent.as_deref())
             .filter(|_| id.is_none())
-            .map(|p| SnapshotId::new(&p).map_err(|e| bad("parent snapshot id", e)))
+            .map(|p| SnapshotId::new(p).map_err(|e| bad("parent snapshot id", e)))
             .transpose()?;
+        let (labels, pin) = (put.labels.clone(), put.pin);
         let source = src.clone();
         // On the uploads' own runtime (its threads niced): a park's checkpoint, on its caller's
         // path, goes before the uploads of the parks before it.
@@ -798,10 +790,7 @@ mod tests {
         std::fs::create_dir_all(&tmp_dir).unwrap();
         std::fs::write(tmp_dir.join("checkpoint.img"), bytes).unwrap();
         w.commit(tmp_dir, dest.clone()).await.unwrap();
-        let up = w
-            .upload(name, &StoreAccess::default(), vec![], None, None, false)
-            .await
-            .unwrap();
+        let up = w.upload(name, &PutImage::default()).await.unwrap();
         (dest, up)
     }
 
@@ -926,7 +915,10 @@ mod tests {
         let open: OpenBackend = Arc::new(move |_loc: &str| Ok(b.clone() as Arc<dyn Backend>));
         let w = WorkerImages::open(&tmp.path().join("w"), open, 0).unwrap();
         w.set_store("shared");
-        let access = StoreAccess::default();
+        let naming = |p: &str| PutImage {
+            parent: Some(p.to_string()),
+            ..PutImage::default()
+        };
         let mut n = 0;
         let mut park = |change: u8| {
             n += 1;
@@ -945,59 +937,37 @@ mod tests {
                 .swap(0, std::sync::atomic::Ordering::SeqCst)
         };
         let first = park(1).await;
-        let first = w
-            .upload(&first, &access, vec![], None, None, false)
-            .await
-            .unwrap();
+        let first = w.upload(&first, &PutImage::default()).await.unwrap();
         let whole = looked_up();
         assert!(whole >= 16, "4 MiB of noise in {whole} chunks");
         // Parked again with one byte changed, naming the first: only the changed chunk is
         // looked up (and written).
         let second = park(2).await;
-        let second = w
-            .upload(
-                &second,
-                &access,
-                vec![],
-                None,
-                Some(first.snapshot.clone()),
-                false,
-            )
-            .await
-            .unwrap();
+        let second = w.upload(&second, &naming(&first.snapshot)).await.unwrap();
         let with_parent = looked_up();
         assert!(with_parent <= 2, "{with_parent} lookups of {whole} chunks");
         assert!(second.bytes_written < first.bytes_written / 4, "{second:?}");
         // Without naming it: every chunk is looked up again (the store finds them there).
         let third = park(3).await;
-        w.upload(&third, &access, vec![], None, None, false)
-            .await
-            .unwrap();
+        w.upload(&third, &PutImage::default()).await.unwrap();
         // (The changed byte may cut its chunk in two: one more, or fewer.)
         let close_to_whole = |n: usize| n.abs_diff(whole) <= 2;
         let without = looked_up();
         assert!(close_to_whole(without), "{without} vs {whole}");
         // A previous snapshot gone meanwhile (retention, a delete) is not an error.
         let fourth = park(4).await;
-        let up = w
-            .upload(&fourth, &access, vec![], None, Some("gone-1".into()), false)
-            .await
-            .unwrap();
+        let up = w.upload(&fourth, &naming("gone-1")).await.unwrap();
         let gone = looked_up();
         assert!(close_to_whole(gone), "{gone} vs {whole}");
         assert!(w.copy_of(&up.snapshot).is_some());
         // A fixed id (a golden snapshot) names no previous one: the parent is not used.
         let golden = park(5).await;
-        w.upload(
-            &golden,
-            &access,
-            vec![],
-            Some("golden-x-1".into()),
-            Some(second.snapshot.clone()),
-            true,
-        )
-        .await
-        .unwrap();
+        let put = PutImage {
+            id: Some("golden-x-1".into()),
+            pin: true,
+            ..naming(&second.snapshot)
+        };
+        w.upload(&golden, &put).await.unwrap();
         let golden = looked_up();
         assert!(close_to_whole(golden), "{golden} vs {whole}");
     }
@@ -1102,17 +1072,7 @@ mod tests {
         // it), as the controller asks.
         let upload = {
             let w = w.clone();
-            tokio::spawn(async move {
-                w.upload(
-                    "sb-1-g1",
-                    &StoreAccess::default(),
-                    vec![],
-                    None,
-                    None,
-                    false,
-                )
-                .await
-            })
+            tokio::spawn(async move { w.upload("sb-1-g1", &PutImage::default()).await })
         };
         held.notified().await;
         w.remove("sb-1-g1").unwrap();
@@ -1131,17 +1091,7 @@ mod tests {
             std::fs::write(tmp_dir.join("checkpoint.img"), b"memory 2").unwrap();
             w.commit(tmp_dir, dest.clone()).await.unwrap();
             go.add_permits(1);
-            let up = w
-                .upload(
-                    "sb-1-g2",
-                    &StoreAccess::default(),
-                    vec![],
-                    None,
-                    None,
-                    false,
-                )
-                .await
-                .unwrap();
+            let up = w.upload("sb-1-g2", &PutImage::default()).await.unwrap();
             (dest, up)
         };
         assert!(dest.with_extension("snapshot").exists());
@@ -1186,7 +1136,13 @@ mod tests {
         assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
         // Outside the image area: refused.
         assert!(a
-            .upload("/etc", &access, vec![], None, None, false)
+            .upload(
+                "/etc",
+                &PutImage {
+                    access: access.clone(),
+                    ..PutImage::default()
+                }
+            )
             .await
             .is_err());
         assert!(a.resolve("../x").is_err());

@@ -28,7 +28,7 @@ use tokio::sync::{mpsc, RwLock};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 use tonic::{Request, Response, Status};
-use torpor_runtime::node::{Launch, Node, NodeEvent, Resident};
+use torpor_runtime::node::{Launch, Node, NodeEvent, PutImage, Resident};
 use torpor_runtime::proto::Request as AgentRequest;
 
 use crate::ca::Role;
@@ -839,19 +839,18 @@ impl NodeRpc for Arc<NodeService> {
     ) -> Result<Response<pb::UploadReply>, Status> {
         let req = req.into_inner();
         let images = self.images()?.clone();
-        let access = convert::access_from_pb(req.access)?;
-        let id = (!req.id.is_empty()).then_some(req.id);
-        let parent = (!req.parent.is_empty()).then_some(req.parent);
-        let labels = req.labels.into_iter().collect();
+        let put = PutImage {
+            access: convert::access_from_pb(req.access)?,
+            labels: req.labels.into_iter().collect(),
+            id: (!req.id.is_empty()).then_some(req.id),
+            pin: req.pin,
+            parent: (!req.parent.is_empty()).then_some(req.parent),
+        };
         // In its own task: a controller whose deadline passes does not cut an upload half-way
         // (the manifest, written last, is the commit marker either way).
-        let up = tokio::spawn(async move {
-            images
-                .upload(&req.image_dir, &access, labels, id, parent, req.pin)
-                .await
-        })
-        .await
-        .map_err(|e| Status::internal(format!("upload task failed: {e}")))??;
+        let up = tokio::spawn(async move { images.upload(&req.image_dir, &put).await })
+            .await
+            .map_err(|e| Status::internal(format!("upload task failed: {e}")))??;
         Ok(Response::new(pb::UploadReply {
             snapshot: up.snapshot,
             input_bytes: up.input_bytes,

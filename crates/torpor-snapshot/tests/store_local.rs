@@ -401,15 +401,21 @@ async fn gc_applies_retention_keeps_pins_and_sweeps_only_garbage() {
     assert_eq!(s.gc(&GcOptions::default()).await.unwrap().chunks_removed, 0);
 }
 
+/// 2 MiB of noise to put from `t/ckpt`, and a store in `t/store` that takes 40 ms per chunk.
+fn slow_put(t: &Path) -> (std::path::PathBuf, Arc<FaultyBackend>) {
+    let src = t.join("ckpt");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("mem"), noise(8, 2 << 20)).unwrap();
+    let mut slow = FaultyBackend::new(local(&t.join("store")));
+    slow.put_delay = Duration::from_millis(40);
+    (src, Arc::new(slow))
+}
+
 #[tokio::test]
 async fn gc_never_collects_chunks_of_an_in_flight_put() {
     let t = tempfile::tempdir().unwrap();
-    let src = t.path().join("ckpt");
-    std::fs::create_dir_all(&src).unwrap();
-    std::fs::write(src.join("mem"), noise(8, 2 << 20)).unwrap();
-    let mut slow = FaultyBackend::new(local(&t.path().join("store")));
-    slow.put_delay = Duration::from_millis(40);
-    let backend: Arc<dyn Backend> = Arc::new(slow);
+    let (src, slow) = slow_put(t.path());
+    let backend: Arc<dyn Backend> = slow;
     let cfg = StoreConfig {
         lock_wait: Duration::from_millis(50),
         ..StoreConfig::default()
@@ -435,12 +441,7 @@ async fn gc_never_collects_chunks_of_an_in_flight_put() {
 #[tokio::test]
 async fn a_put_that_lost_its_lock_commits_nothing_and_a_dead_holder_blocks_gc_only_for_the_ttl() {
     let t = tempfile::tempdir().unwrap();
-    let src = t.path().join("ckpt");
-    std::fs::create_dir_all(&src).unwrap();
-    std::fs::write(src.join("mem"), noise(8, 2 << 20)).unwrap();
-    let mut slow = FaultyBackend::new(local(&t.path().join("store")));
-    slow.put_delay = Duration::from_millis(40);
-    let slow = Arc::new(slow);
+    let (src, slow) = slow_put(t.path());
     let ttl = Duration::from_millis(400);
     let cfg = StoreConfig {
         lock_ttl: ttl,
