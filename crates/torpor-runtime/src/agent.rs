@@ -54,6 +54,11 @@ pub const TEST_WITHOUT_SPAWN: &str = "TORPOR_AGENT_TEST_WITHOUT_SPAWN";
 /// from older snapshots. Nothing else changes.
 pub const TEST_AGENT_VERSION: &str = "TORPOR_AGENT_TEST_VERSION";
 
+/// Benchmark only: when the agent's own environment (a template's `env`) sets this to `1`, an
+/// `Exec` lets go of the channel as soon as it is read, as every request did before the thread
+/// running it kept it ([`Pool`]), so that the runtime benchmark measures both in one run.
+pub const BENCH_EAGER_HANDOFF: &str = "TORPOR_AGENT_BENCH_EAGER_HANDOFF";
+
 /// When the agent's environment (a template's `env`) sets this to `UID:GID`, files and the
 /// directories `WriteFile` creates belong to that user (E2B's `base`: files written through
 /// the SDK belong to `user`) instead of root.
@@ -105,6 +110,7 @@ pub fn run(main_cmd: Vec<String>) -> io::Result<()> {
     let pool = Arc::new(Pool {
         input: Mutex::new(BufReader::with_capacity(1 << 16, input)),
         readers: AtomicUsize::new(1),
+        eager_handoff: std::env::var_os(BENCH_EAGER_HANDOFF).is_some_and(|v| v == "1"),
         agent,
     });
     pool.serve()
@@ -167,7 +173,15 @@ impl Agent {
         }
     }
 
-    fn handle(&self, id: u64, req: Request, body: Vec<u8>) {
+    /// Runs one request and answers it. `held` is the channel's input when the calling thread
+    /// still holds it ([`Pool::serve`]): an `Exec` keeps it while its command runs and gives
+    /// it back as soon as another request comes; any other request gives it back first.
+    fn handle(&self, id: u64, req: Request, body: Vec<u8>, held: Option<&dyn HeldInput>) {
+        if !matches!(req, Request::Exec(_)) {
+            if let Some(h) = held {
+                h.release();
+            }
+        }
         if self.without_spawn
             && matches!(
                 req,
@@ -242,7 +256,7 @@ impl Agent {
                 }
                 Ok((Reply::Ok, Vec::new()))
             }
-            Request::Exec(req) => self.exec(id, req, body),
+            Request::Exec(req) => self.exec(id, req, body, held),
             Request::ReadFile { path, max_bytes } => read_file(&path, max_bytes),
             Request::ReadRange {
                 path,
@@ -306,7 +320,13 @@ impl Agent {
         }
     }
 
-    fn exec(&self, id: u64, req: ExecRequest, stdin: Vec<u8>) -> Result<(Reply, Vec<u8>), Reply> {
+    fn exec(
+        &self,
+        id: u64,
+        req: ExecRequest,
+        stdin: Vec<u8>,
+        held: Option<&dyn HeldInput>,
+    ) -> Result<(Reply, Vec<u8>), Reply> {
         if req.cmd.is_empty() {
             return Err(bad_request("cmd must not be empty".into()));
         }
@@ -358,10 +378,15 @@ impl Agent {
             deadline,
             DRAIN_AFTER_EXIT,
             req.stream.then_some(&stream),
+            held,
         );
         let (status, timed_out) = match outcome {
             Pumped::Exited(s) => (Some(s), false),
             Pumped::TimedOut => {
+                // Waiting for the kill to land must not hold the channel.
+                if let Some(h) = held {
+                    h.release();
+                }
                 // SAFETY: kill(2) on a process group we created; no memory is touched.
                 unsafe { libc::kill(-(child.pid as i32), libc::SIGKILL) };
                 (
@@ -522,12 +547,16 @@ impl ChildIo {
     /// The exit is looked for when a poll slice passed with nothing on the pipes, at least every
     /// [`EXIT_LOOK`] while output flows (looking at an [`OwnedChild`] is a system call), and
     /// waited for once the pipes have closed.
+    ///
+    /// `held`, the channel's input while this thread holds it, is watched in the same poll and
+    /// given back when a request arrives, or before a wait that does not watch it.
     fn pump(
         &mut self,
         exit: &mut dyn ExitWatch,
         deadline: Option<Instant>,
         linger: Duration,
         stream: Option<&OutputSink<'_>>,
+        held: Option<&dyn HeldInput>,
     ) -> Pumped {
         let mut status: Option<WaitStatus> = None;
         let mut exited_at: Option<Instant> = None;
@@ -543,14 +572,22 @@ impl ChildIo {
                     // no output at all.)
                     // (Bounded: something it left running may write for ever.)
                     for _ in 0..64 {
-                        if !self.poll_once(0, &mut buf, stream) {
+                        if !self.poll_once(0, &mut buf, stream, held) {
                             break;
                         }
                     }
                     return Pumped::Exited(s);
                 }
             } else if !open && self.stdin.is_none() {
-                // Pipes closed: the exit status is on its way.
+                // Pipes closed: the exit status is on its way. A process closes them as it
+                // exits, so it is nearly always there at the first look, the channel still
+                // held; one that lives on is waited for with the channel given back.
+                if let Some(s) = exit.exited() {
+                    return Pumped::Exited(s);
+                }
+                if let Some(h) = held {
+                    h.release();
+                }
                 return exit.wait(deadline).map_or(Pumped::TimedOut, Pumped::Exited);
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -558,7 +595,7 @@ impl ChildIo {
             }
             // Short slices: the exit is not on an fd.
             let slice_ms = if status.is_some() { 10 } else { 20 };
-            let ready = self.poll_once(slice_ms, &mut buf, stream);
+            let ready = self.poll_once(slice_ms, &mut buf, stream, held);
             if status.is_none() && (!ready || Instant::now() >= next_look) {
                 status = exit.exited();
                 if status.is_some() {
@@ -571,12 +608,14 @@ impl ChildIo {
 
     /// Waits up to `timeout_ms` for a pipe to be ready, then feeds stdin and reads each output
     /// pipe that is (once: a pipe said ready does not block one read). A pipe at its end, or
-    /// broken, is closed. Whether any was ready.
+    /// broken, is closed. Whether any was ready. The held channel, if any, is watched too and
+    /// given back when the next request is on it.
     fn poll_once(
         &mut self,
         timeout_ms: i32,
         buf: &mut [u8],
         stream: Option<&OutputSink<'_>>,
+        held: Option<&dyn HeldInput>,
     ) -> bool {
         let pollfd = |p: &Option<File>, events| libc::pollfd {
             // A negative fd is skipped by poll.
@@ -584,12 +623,18 @@ impl ChildIo {
             events,
             revents: 0,
         };
+        let channel = held.and_then(|h| h.watched());
         let mut fds = [
             pollfd(&self.stdin, libc::POLLOUT),
             pollfd(&self.stdout, libc::POLLIN),
             pollfd(&self.stderr, libc::POLLIN),
+            libc::pollfd {
+                fd: channel.unwrap_or(-1),
+                events: libc::POLLIN,
+                revents: 0,
+            },
         ];
-        if fds.iter().all(|f| f.fd < 0) {
+        if fds[..3].iter().all(|f| f.fd < 0) {
             if timeout_ms > 0 {
                 std::thread::sleep(Duration::from_millis(timeout_ms as u64));
             }
@@ -599,6 +644,11 @@ impl ChildIo {
         let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
         if ready <= 0 {
             return false;
+        }
+        if fds[3].revents != 0 {
+            if let Some(h) = held {
+                h.release();
+            }
         }
         if fds[0].revents != 0 {
             self.feed_stdin();
@@ -618,7 +668,7 @@ impl ChildIo {
                 }
             }
         }
-        true
+        fds[..3].iter().any(|f| f.revents != 0)
     }
 
     /// Makes the stdin pipe, if any, non-blocking (see [`ChildIo::pump`]).
@@ -1009,10 +1059,18 @@ impl ChildTable {
 /// without a hand-off between threads (under gVisor's ptrace platform, a wake of another thread
 /// costs ~0.2 ms at p50 and milliseconds at p95 on a loaded machine). A new thread starts when
 /// the last idle one takes a request, so a long exec never blocks a short one.
+///
+/// An `Exec` keeps `input` while its command runs, watching it in the poll that watches the
+/// command's pipes, and lets go the moment a request is on it (or before any wait that does not
+/// watch it): a command that ends before the next request comes, which is most, costs no
+/// hand-off at all (the futex wake of the next reader and that reader's own read, two system
+/// calls, one on the exec's path), and the thread reads the next request itself.
 struct Pool {
     input: Mutex<BufReader<File>>,
     /// Threads waiting for `input` or reading from it.
     readers: AtomicUsize,
+    /// [`BENCH_EAGER_HANDOFF`]: every request lets go of `input` at once.
+    eager_handoff: bool,
     agent: Arc<Agent>,
 }
 
@@ -1020,29 +1078,49 @@ impl Pool {
     /// Reads and runs requests until stdin closes (`Ok`) or the channel breaks.
     fn serve(self: &Arc<Self>) -> io::Result<()> {
         loop {
-            let frame = {
-                let mut input = self.input.lock().unwrap_or_else(|p| p.into_inner());
-                proto::read_frame::<Request>(&mut *input)
+            let held = Held {
+                input: std::cell::RefCell::new(Some(
+                    self.input.lock().unwrap_or_else(|p| p.into_inner()),
+                )),
+                pool: self,
             };
-            match frame {
-                Ok((h, body)) => {
-                    if self.readers.fetch_sub(1, Ordering::SeqCst) == 1 {
-                        self.spawn_thread();
+            loop {
+                let frame = {
+                    let mut input = held.input.borrow_mut();
+                    let Some(input) = input.as_mut() else { break };
+                    // Nothing of a next request read ahead: the poll would not see it.
+                    proto::read_frame::<Request>(&mut **input)
+                        .map(|frame| (frame, input.buffer().is_empty()))
+                };
+                match frame {
+                    Ok(((h, body), nothing_ahead)) => {
+                        let keep = nothing_ahead && matches!(h.msg, Request::Exec(_));
+                        if !keep || self.eager_handoff {
+                            held.release();
+                        }
+                        let still = held.watched().is_some();
+                        self.agent.handle(
+                            h.id,
+                            h.msg,
+                            body,
+                            still.then_some(&held as &dyn HeldInput),
+                        );
                     }
-                    self.agent.handle(h.id, h.msg, body);
-                    self.readers.fetch_add(1, Ordering::SeqCst);
-                }
-                Err(FrameError::Closed) => return Ok(()),
-                Err(FrameError::Json(e)) => {
-                    // The frame was read whole, so the stream is still in step: say so and go on.
-                    let m = format!("malformed request: {e}");
-                    self.agent.reply(0, &bad_request(m), &[]);
-                }
-                Err(e) => {
-                    eprintln!("torpor-agent: channel broken: {e}");
-                    return Err(io::Error::other(e.to_string()));
+                    Err(FrameError::Closed) => return Ok(()),
+                    Err(FrameError::Json(e)) => {
+                        // The frame was read whole, so the stream is still in step: say so and
+                        // go on.
+                        let m = format!("malformed request: {e}");
+                        self.agent.reply(0, &bad_request(m), &[]);
+                    }
+                    Err(e) => {
+                        eprintln!("torpor-agent: channel broken: {e}");
+                        return Err(io::Error::other(e.to_string()));
+                    }
                 }
             }
+            // It let go of the input: in line for it again.
+            self.readers.fetch_add(1, Ordering::SeqCst);
         }
     }
 
@@ -1062,6 +1140,37 @@ impl Pool {
         if let Err(e) = spawned {
             self.readers.fetch_sub(1, Ordering::SeqCst);
             eprintln!("torpor-agent: cannot start a request thread: {e}");
+        }
+    }
+}
+
+/// The channel's input while the thread running a request holds it ([`Pool`]).
+trait HeldInput {
+    /// Its descriptor, while held.
+    fn watched(&self) -> Option<i32>;
+    /// Lets go of it (once; later calls do nothing): the next idle thread, or a new one when
+    /// none is idle, reads the next request.
+    fn release(&self);
+}
+
+/// [`HeldInput`] of a [`Pool`]'s thread.
+struct Held<'a> {
+    input: std::cell::RefCell<Option<std::sync::MutexGuard<'a, BufReader<File>>>>,
+    pool: &'a Arc<Pool>,
+}
+
+impl HeldInput for Held<'_> {
+    fn watched(&self) -> Option<i32> {
+        self.input
+            .borrow()
+            .as_ref()
+            .map(|i| i.get_ref().as_raw_fd())
+    }
+
+    fn release(&self) {
+        let given_back = self.input.borrow_mut().take().is_some();
+        if given_back && self.pool.readers.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.pool.spawn_thread();
         }
     }
 }
@@ -1437,6 +1546,75 @@ mod output_cap_tests {
         assert_eq!(small, b"hello");
     }
 
+    /// The channel's input as a test holds it: a pipe, and whether it was given back.
+    struct PipeHeld {
+        read: File,
+        released: std::cell::Cell<bool>,
+    }
+
+    impl HeldInput for PipeHeld {
+        fn watched(&self) -> Option<i32> {
+            (!self.released.get()).then(|| self.read.as_raw_fd())
+        }
+
+        fn release(&self) {
+            self.released.set(true);
+        }
+    }
+
+    /// Runs `script` as an `Exec` does, its thread holding `held`; what it wrote to stdout.
+    fn exec_holding(script: &str, held: &PipeHeld) -> (Option<i32>, Vec<u8>) {
+        let table = Arc::new(ChildTable::default());
+        let cmd = ["/bin/sh".to_string(), "-c".into(), script.into()];
+        let none = BTreeMap::new();
+        let prepared = spawn::Prepared::new(&cmd, none.iter(), &none, None, None, true).unwrap();
+        let (mut child, mut io) = start_exec(Vec::new(), |stdio| {
+            table.spawn_owned(|| prepared.spawn(stdio))
+        })
+        .unwrap();
+        let deadline = Some(Instant::now() + Duration::from_secs(60));
+        let outcome = io.pump(&mut child, deadline, DRAIN_AFTER_EXIT, None, Some(held));
+        let Pumped::Exited(status) = outcome else {
+            panic!("{script}: timed out")
+        };
+        (status.code, io.out)
+    }
+
+    #[test]
+    fn an_exec_keeps_the_channel_until_a_request_is_on_it_or_it_must_wait_elsewhere() {
+        let held = || {
+            let (read, write) = procs::pipe().unwrap();
+            let h = PipeHeld {
+                read,
+                released: std::cell::Cell::new(false),
+            };
+            (h, write)
+        };
+        // Nothing comes while the command runs: its thread keeps the channel.
+        let (h, _w) = held();
+        assert_eq!(
+            exec_holding("echo hi; exit 3", &h),
+            (Some(3), b"hi\n".to_vec())
+        );
+        assert!(!h.released.get());
+        // A request is on the channel: given back at once, the command followed to its end.
+        let (h, mut w) = held();
+        w.write_all(b"x").unwrap();
+        assert_eq!(
+            exec_holding("sleep 0.2; echo done", &h),
+            (Some(0), b"done\n".to_vec())
+        );
+        assert!(h.released.get());
+        // A command that closed its pipes and lives on: given back before its exit is waited
+        // for (that wait does not watch the channel).
+        let (h, _w) = held();
+        assert_eq!(
+            exec_holding("exec >&- 2>&-; sleep 0.2; exit 5", &h),
+            (Some(5), Vec::new())
+        );
+        assert!(h.released.get());
+    }
+
     /// An exit already known (the tests' stand-in for a child's).
     impl ExitWatch for Receiver<WaitStatus> {
         fn exited(&mut self) -> Option<WaitStatus> {
@@ -1472,7 +1650,7 @@ mod output_cap_tests {
         let status = child.wait().unwrap();
         let (tx, mut rx) = mpsc::channel();
         tx.send(WaitStatus::from_raw(status.into_raw())).unwrap();
-        let outcome = io.pump(&mut rx, None, Duration::ZERO, None);
+        let outcome = io.pump(&mut rx, None, Duration::ZERO, None, None);
         assert!(matches!(outcome, Pumped::Exited(s) if s.code == Some(0)));
         assert_eq!(io.out, b"out\n");
         assert_eq!(io.err, b"err\n");
@@ -1594,6 +1772,60 @@ mod reaper_tests {
     }
 
     #[test]
+    fn a_long_exec_lets_the_next_request_through_and_the_thread_reads_on_after_a_short_one() {
+        isolated(
+            "agent::reaper_tests::a_long_exec_lets_the_next_request_through_and_the_thread_reads_on_after_a_short_one",
+            || {
+                let (req_r, mut req_w) = procs::pipe().unwrap();
+                let (mut rep_r, rep_w) = procs::pipe().unwrap();
+                let pool = Arc::new(Pool {
+                    input: Mutex::new(BufReader::with_capacity(1 << 16, req_r)),
+                    readers: AtomicUsize::new(1),
+                    eager_handoff: false,
+                    agent: agent_writing_to(rep_w),
+                });
+                let serving = pool.clone();
+                std::thread::spawn(move || serving.serve());
+                let mut send = |id: u64, script: &str, stream: bool| {
+                    let req = Request::Exec(ExecRequest {
+                        cmd: vec!["/bin/sh".into(), "-c".into(), script.into()],
+                        env: BTreeMap::new(),
+                        cwd: None,
+                        timeout_ms: None,
+                        detach: false,
+                        stream,
+                    });
+                    req_w.write_all(&proto::encode(id, &req, &[]).unwrap()).unwrap();
+                };
+                let mut next = || proto::read_frame::<Reply>(&mut rep_r).unwrap();
+
+                // A long exec, known to run once its first output came back; then a short one.
+                send(1, "echo started; sleep 1; echo ended", true);
+                let (h, body) = next();
+                assert_eq!((h.id, body.as_slice()), (1, b"started\n".as_slice()));
+                send(2, "echo short", false);
+                let (h, body) = next();
+                assert_eq!(h.id, 2, "the short exec waited for the long one: {:?}", h.msg);
+                assert!(matches!(h.msg, Reply::Exit { exit_code: Some(0), .. }));
+                assert_eq!(body, b"short\n");
+                let (h, body) = next();
+                assert_eq!((h.id, body.as_slice()), (1, b"ended\n".as_slice()));
+                assert!(matches!(next().0.msg, Reply::Exit { exit_code: Some(0), .. }));
+
+                // Short execs one after another: each answered, in order.
+                for id in 3..13 {
+                    send(id, &format!("echo {id}"), false);
+                    let (h, body) = next();
+                    assert_eq!(h.id, id);
+                    assert_eq!(body, format!("{id}\n").into_bytes());
+                }
+                // The channel stays open (its close ends the process).
+                std::mem::forget(req_w);
+            },
+        );
+    }
+
+    #[test]
     fn a_followed_spawn_answers_started_then_its_output_and_exit_on_the_same_request() {
         isolated(
             "agent::reaper_tests::a_followed_spawn_answers_started_then_its_output_and_exit_on_the_same_request",
@@ -1616,7 +1848,7 @@ mod reaper_tests {
                         user: None,
                         follow_ms,
                     };
-                    agent.handle(id, Request::Spawn(req), b"{}".to_vec());
+                    agent.handle(id, Request::Spawn(req), b"{}".to_vec(), None);
                     dir
                 };
                 let mut next = |id: u64| {
@@ -1737,7 +1969,7 @@ mod reaper_tests {
                         user: None,
                         follow_ms: 5_000,
                     };
-                    agent.handle(n, Request::Spawn(req), b"{}".to_vec());
+                    agent.handle(n, Request::Spawn(req), b"{}".to_vec(), None);
                     let (reply, _) = next(n);
                     assert!(
                         matches!(reply, Reply::Error { code, .. } if code == want),

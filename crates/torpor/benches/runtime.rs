@@ -14,7 +14,9 @@
 //! | the floor (the agent's clone-vfork spawn) | the same through std's `posix_spawn` (before) |
 //! | floor of `true` as uid 1000 the way a `Spawn` starts it (clone-vfork) | the same through std's fork fallback |
 //! | all of an exec but the agent's spawn → exit (per exec) | 0 |
+//! | the same, the agent's thread keeping the channel through the exec (now) | the same in a sandbox whose agent lets go of it at once (before; `TORPOR_AGENT_BENCH_EAGER_HANDOFF`) |
 //! | `GET` of the sandbox through the bare client (the daemon without the agent) | 0 |
+//! | a read of a missing file through the bare client (the agent channel's round trip: one failed `open` in the sandbox) | 0 |
 //! | wake from Frozen: API call to first exec result | exec in a running sandbox |
 //! | wake from Frozen: the resume call | `runsc resume` of a paused container |
 //! | wake from Parked, 64 MiB resident: API call to first exec result | bare `runsc restore --detach` of the same image |
@@ -390,6 +392,25 @@ async fn main() {
         .await
         .unwrap()
         .id;
+    // The same agent letting go of its channel as soon as it reads an exec (as before the
+    // thread running an exec kept it), for the paired row.
+    let eager = TemplateSpec {
+        env: [(
+            torpor_runtime::agent::BENCH_EAGER_HANDOFF.to_string(),
+            "1".to_string(),
+        )]
+        .into(),
+        ..spec("bench-eager", vec![])
+    };
+    c.create_template(&eager).await.unwrap();
+    let eager_id = c
+        .create_sandbox(&CreateSandboxBody {
+            template: "bench-eager".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .id;
     // The floor: the agent binary, mounted in every sandbox, in its spawn-floor mode.
     let mount = torpor_runtime::spec::AGENT_MOUNT;
     let floor_as = |k: usize, user: &[&str]| {
@@ -427,7 +448,9 @@ async fn main() {
     let (mut as_user_vfork, mut as_user_fork) = (Vec::new(), Vec::new());
     for _ in 0..5 {
         c.exec(&id, &true_cmd).await.unwrap();
+        c.exec(&eager_id, &true_cmd).await.unwrap();
     }
+    let mut outside_eager = Vec::new();
     c.exec(&id, &floor_cmd(5)).await.unwrap();
     let mut torpor_exec = Vec::new();
     let mut agent_spawn = Vec::new();
@@ -441,6 +464,11 @@ async fn main() {
     let exec_path = format!("/v1/sandboxes/{id}/exec");
     let true_json = serde_json::to_vec(&true_cmd).unwrap();
     let (mut raw_exec, mut raw_get) = (Vec::new(), Vec::new());
+    // A request the agent answers with one failed `open`: the channel's round trip.
+    let (missing_path, mut raw_read) = (
+        format!("/v1/sandboxes/{id}/files?path=/no-such-file"),
+        Vec::new(),
+    );
     const BATCH: usize = 10;
     for _ in 0..(n * 3).div_ceil(BATCH) {
         for _ in 0..BATCH {
@@ -458,6 +486,10 @@ async fn main() {
             let (status, _) = raw.request("GET", &format!("/v1/sandboxes/{id}"), None);
             raw_get.push(t.elapsed().as_secs_f64() * 1000.0);
             assert_eq!(status, 200);
+            let t = Instant::now();
+            let (status, _) = raw.request("GET", &missing_path, None);
+            raw_read.push(t.elapsed().as_secs_f64() * 1000.0);
+            assert_eq!(status, 404);
         }
         floor.extend(floor_ms(&c.exec(&id, &floor_cmd(BATCH)).await.unwrap()));
         floor_std.extend(floor_ms(
@@ -467,6 +499,14 @@ async fn main() {
         as_user_vfork.extend(floor_ms(&c.exec(&id, &vfork).await.unwrap()));
         let fork = floor_as(BATCH, &["--uid-std", "1000:1000"]);
         as_user_fork.extend(floor_ms(&c.exec(&id, &fork).await.unwrap()));
+        // In a batch of its own: what the other agent does after letting go of its channel
+        // (its next reader's wake and read) stays out of the other rows.
+        for _ in 0..BATCH {
+            let t = Instant::now();
+            let r = c.exec(&eager_id, &true_cmd).await.unwrap();
+            assert_eq!(r.exit_code, Some(0));
+            outside_eager.push(t.elapsed().as_secs_f64() * 1000.0 - r.duration_ms);
+        }
     }
     rows.push(Row {
         name: "exec `true` (running) over its floor",
@@ -502,14 +542,27 @@ async fn main() {
     // both ways, the agent's reading, dispatch and reply. Its baseline is nothing (0 ms).
     rows.push(Row {
         name: "exec `true`: all but the agent's spawn",
-        torpor: outside,
+        torpor: outside.clone(),
         baseline_name: "(per exec: total − agent's spawn→exit)",
         baseline: vec![0.0],
+    });
+    // The agent's thread keeping the channel through an exec against it letting go at once.
+    rows.push(Row {
+        name: "exec `true`: all but the spawn, channel kept (now)",
+        torpor: outside,
+        baseline_name: "channel handed off at once (before)",
+        baseline: outside_eager,
     });
     // The daemon's share without the agent: HTTP, auth, a store read, JSON.
     rows.push(Row {
         name: "GET sandbox, bare client (no agent)",
         torpor: raw_get,
+        baseline_name: "(nothing)",
+        baseline: vec![0.0],
+    });
+    rows.push(Row {
+        name: "read of a missing file, bare client (agent round trip)",
+        torpor: raw_read,
         baseline_name: "(nothing)",
         baseline: vec![0.0],
     });
