@@ -177,7 +177,7 @@ impl Agent {
     /// still holds it ([`Pool::serve`]): an `Exec` keeps it while its command runs and gives
     /// it back as soon as another request comes; any other request gives it back first.
     fn handle(&self, id: u64, req: Request, body: Vec<u8>, held: Option<&dyn HeldInput>) {
-        if !matches!(req, Request::Exec(_)) {
+        if !keeps_channel(&req) {
             if let Some(h) = held {
                 h.release();
             }
@@ -274,7 +274,7 @@ impl Agent {
             Request::SetMetadata { path, metadata } => metadata::set(&path, &metadata),
             Request::ListWithMetadata { path, name } => metadata::list(&path, name.as_deref()),
             Request::MainStatus => Ok((self.main_status(), Vec::new())),
-            Request::Spawn(req) => return self.spawn_and_reply(id, req, &body),
+            Request::Spawn(req) => return self.spawn_and_reply(id, req, &body, held),
             Request::ProcInput { pid } => self.proc_input(pid, &body),
             Request::ProcCloseInput { pid } => self.proc_close_input(pid),
             Request::ProcResize { pid, cols, rows } => {
@@ -579,14 +579,21 @@ impl ChildIo {
                     return Pumped::Exited(s);
                 }
             } else if !open && self.stdin.is_none() {
-                // Pipes closed: the exit status is on its way. A process closes them as it
-                // exits, so it is nearly always there at the first look, the channel still
-                // held; one that lives on is waited for with the channel given back.
-                if let Some(s) = exit.exited() {
-                    return Pumped::Exited(s);
-                }
-                if let Some(h) = held {
-                    h.release();
+                // Pipes closed: the exit status is on its way (a process closes them as it
+                // exits, a moment before it can be reaped). Looked for while the channel is
+                // watched, less and less often, until a request comes; then waited for.
+                let mut nap_ms = 1;
+                while let Some(fd) = held.and_then(|h| h.watched()) {
+                    if let Some(s) = exit.exited() {
+                        return Pumped::Exited(s);
+                    }
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Pumped::TimedOut;
+                    }
+                    if readable(fd, nap_ms) {
+                        held.inspect(|h| h.release());
+                    }
+                    nap_ms = (nap_ms * 2).min(20);
                 }
                 return exit.wait(deadline).map_or(Pumped::TimedOut, Pumped::Exited);
             }
@@ -736,6 +743,17 @@ fn read_once(
         }
         Err(_) => true,
     }
+}
+
+/// Whether `fd` has something to read (or is at its end) within `timeout_ms`.
+fn readable(fd: i32, timeout_ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    unsafe { libc::poll(&mut p, 1, timeout_ms) > 0 }
 }
 
 /// Makes a pipe end this agent made non-blocking. One system call: a new pipe's end has no
@@ -1060,11 +1078,12 @@ impl ChildTable {
 /// costs ~0.2 ms at p50 and milliseconds at p95 on a loaded machine). A new thread starts when
 /// the last idle one takes a request, so a long exec never blocks a short one.
 ///
-/// An `Exec` keeps `input` while its command runs, watching it in the poll that watches the
-/// command's pipes, and lets go the moment a request is on it (or before any wait that does not
-/// watch it): a command that ends before the next request comes, which is most, costs no
-/// hand-off at all (the futex wake of the next reader and that reader's own read, two system
-/// calls, one on the exec's path), and the thread reads the next request itself.
+/// An `Exec` (and a followed `Spawn`) keeps `input` while its command runs, watching it in the
+/// poll that watches the command's pipes (the process's directory), and lets go the moment a
+/// request is on it (or before any wait that does not watch it): a command that ends before
+/// the next request comes, which is most, costs no hand-off at all (the futex wake of the next
+/// reader and that reader's own read, two system calls, one on the exec's path), and the thread
+/// reads the next request itself.
 struct Pool {
     input: Mutex<BufReader<File>>,
     /// Threads waiting for `input` or reading from it.
@@ -1094,7 +1113,7 @@ impl Pool {
                 };
                 match frame {
                     Ok(((h, body), nothing_ahead)) => {
-                        let keep = nothing_ahead && matches!(h.msg, Request::Exec(_));
+                        let keep = nothing_ahead && keeps_channel(&h.msg);
                         if !keep || self.eager_handoff {
                             held.release();
                         }
@@ -1141,6 +1160,17 @@ impl Pool {
             self.readers.fetch_sub(1, Ordering::SeqCst);
             eprintln!("torpor-agent: cannot start a request thread: {e}");
         }
+    }
+}
+
+/// Whether the thread that read `req` keeps the channel while it runs it ([`Pool`]): an `Exec`,
+/// and a followed `Spawn` (whose first wait rides on it): requests that wait for a process
+/// and can watch the channel while they do.
+fn keeps_channel(req: &Request) -> bool {
+    match req {
+        Request::Exec(_) => true,
+        Request::Spawn(s) => s.follow_ms > 0,
+        _ => false,
     }
 }
 
@@ -1605,14 +1635,30 @@ mod output_cap_tests {
             (Some(0), b"done\n".to_vec())
         );
         assert!(h.released.get());
-        // A command that closed its pipes and lives on: given back before its exit is waited
-        // for (that wait does not watch the channel).
+        // A command that closed its pipes and lives on: its exit looked for with the channel
+        // still watched, and kept when nothing comes...
         let (h, _w) = held();
         assert_eq!(
             exec_holding("exec >&- 2>&-; sleep 0.2; exit 5", &h),
             (Some(5), Vec::new())
         );
+        assert!(!h.released.get());
+        // ...and given back when a request comes meanwhile (once its pipes are closed).
+        let tmp = tempfile::tempdir().unwrap();
+        let closed = tmp.path().join("closed");
+        let (h, mut w) = held();
+        let mark = closed.clone();
+        let writer = std::thread::spawn(move || {
+            while !mark.exists() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            w.write_all(b"x").unwrap();
+            w
+        });
+        let script = format!("exec >&- 2>&-; touch {}; sleep 1; exit 6", closed.display());
+        assert_eq!(exec_holding(&script, &h), (Some(6), Vec::new()));
         assert!(h.released.get());
+        drop(writer.join().unwrap());
     }
 
     /// An exit already known (the tests' stand-in for a child's).
@@ -1772,10 +1818,11 @@ mod reaper_tests {
     }
 
     #[test]
-    fn a_long_exec_lets_the_next_request_through_and_the_thread_reads_on_after_a_short_one() {
+    fn a_long_exec_or_followed_spawn_lets_the_next_request_through_and_short_ones_read_on() {
         isolated(
-            "agent::reaper_tests::a_long_exec_lets_the_next_request_through_and_the_thread_reads_on_after_a_short_one",
+            "agent::reaper_tests::a_long_exec_or_followed_spawn_lets_the_next_request_through_and_short_ones_read_on",
             || {
+                let tmp = tempfile::tempdir().unwrap();
                 let (req_r, mut req_w) = procs::pipe().unwrap();
                 let (mut rep_r, rep_w) = procs::pipe().unwrap();
                 let pool = Arc::new(Pool {
@@ -1786,24 +1833,25 @@ mod reaper_tests {
                 });
                 let serving = pool.clone();
                 std::thread::spawn(move || serving.serve());
-                let mut send = |id: u64, script: &str, stream: bool| {
-                    let req = Request::Exec(ExecRequest {
+                let frame = |id: u64, req: Request| proto::encode(id, &req, &[]).unwrap();
+                let exec = |script: &str, stream: bool| {
+                    Request::Exec(ExecRequest {
                         cmd: vec!["/bin/sh".into(), "-c".into(), script.into()],
                         env: BTreeMap::new(),
                         cwd: None,
                         timeout_ms: None,
                         detach: false,
                         stream,
-                    });
-                    req_w.write_all(&proto::encode(id, &req, &[]).unwrap()).unwrap();
+                    })
                 };
+                let mut send = |id: u64, req: Request| req_w.write_all(&frame(id, req)).unwrap();
                 let mut next = || proto::read_frame::<Reply>(&mut rep_r).unwrap();
 
                 // A long exec, known to run once its first output came back; then a short one.
-                send(1, "echo started; sleep 1; echo ended", true);
+                send(1, exec("echo started; sleep 1; echo ended", true));
                 let (h, body) = next();
                 assert_eq!((h.id, body.as_slice()), (1, b"started\n".as_slice()));
-                send(2, "echo short", false);
+                send(2, exec("echo short", false));
                 let (h, body) = next();
                 assert_eq!(h.id, 2, "the short exec waited for the long one: {:?}", h.msg);
                 assert!(matches!(h.msg, Reply::Exit { exit_code: Some(0), .. }));
@@ -1814,11 +1862,35 @@ mod reaper_tests {
 
                 // Short execs one after another: each answered, in order.
                 for id in 3..13 {
-                    send(id, &format!("echo {id}"), false);
+                    send(id, exec(&format!("echo {id}"), false));
                     let (h, body) = next();
                     assert_eq!(h.id, id);
                     assert_eq!(body, format!("{id}\n").into_bytes());
                 }
+
+                // A followed spawn of a long command, then a short exec: answered first.
+                let dir = tmp.path().join("p20");
+                let spawn = Request::Spawn(proto::SpawnRequest {
+                    cmd: vec!["/bin/sh".into(), "-c".into(), "sleep 1".into()],
+                    env: BTreeMap::new(),
+                    cwd: None,
+                    dir: dir.to_str().unwrap().into(),
+                    index_dir: tmp.path().to_str().unwrap().into(),
+                    key: "k20".into(),
+                    stdin: false,
+                    pty: None,
+                    user: None,
+                    follow_ms: 5_000,
+                });
+                send(20, spawn);
+                assert!(matches!(next(), (h, _) if h.id == 20 && matches!(h.msg, Reply::Spawned { .. })));
+                send(21, exec("echo short", false));
+                let (h, body) = next();
+                assert_eq!(h.id, 21, "the exec waited for the followed spawn: {:?}", h.msg);
+                assert_eq!(body, b"short\n");
+                let (h, _) = next();
+                assert_eq!(h.id, 20);
+                assert!(matches!(h.msg, Reply::Progress { exit: Some(0), .. }), "{:?}", h.msg);
                 // The channel stays open (its close ends the process).
                 std::mem::forget(req_w);
             },

@@ -82,9 +82,17 @@ impl Agent {
     /// `Spawn`, answered under `id`: once (`Started`), or with `follow_ms` twice (`Spawned`,
     /// then `Progress`: see [`Follow`]). The files it opened are closed after its last reply,
     /// which need not wait for those system calls.
-    pub(super) fn spawn_and_reply(&self, id: u64, req: SpawnRequest, config: &[u8]) {
+    /// Starts a process and answers; `held`, the channel while this thread holds it, is
+    /// watched through a followed spawn's wait ([`super::Pool`]) and given back otherwise.
+    pub(super) fn spawn_and_reply(
+        &self,
+        id: u64,
+        req: SpawnRequest,
+        config: &[u8],
+        held: Option<&dyn super::HeldInput>,
+    ) {
         let mut opened = Vec::new();
-        match self.spawn_proc(id, req, config, &mut opened) {
+        match self.spawn_proc(id, req, config, &mut opened, held) {
             Ok((reply, body)) => self.reply(id, &reply, &body),
             Err(e) => self.reply(id, &e, &[]),
         }
@@ -97,6 +105,7 @@ impl Agent {
         req: SpawnRequest,
         config: &[u8],
         opened: &mut Vec<File>,
+        held: Option<&dyn super::HeldInput>,
     ) -> Answer {
         if req.cmd.is_empty() {
             return Err(bad_request("cmd must not be empty".into()));
@@ -297,7 +306,7 @@ impl Agent {
                 self.reply(id, &Reply::Spawned { pid }, &[]);
                 // While the process runs, not before it starts.
                 prune_ended(Instant::now());
-                let progress = f.wait(&out, &err);
+                let progress = f.wait(&out, &err, held);
                 opened.push(File::from(f.inotify));
                 progress
             }
@@ -403,7 +412,12 @@ impl Follow {
     /// Waits until the process's exit marker appears, or until it has written output (and
     /// then [`SPAWN_FOLLOW_LINGER_MS`] more for its exit), or until the follow's time is up;
     /// answers `Progress` with what its files hold then.
-    fn wait(&self, out: &File, err: &File) -> (Reply, Vec<u8>) {
+    fn wait(
+        &self,
+        out: &File,
+        err: &File,
+        held: Option<&dyn super::HeldInput>,
+    ) -> (Reply, Vec<u8>) {
         let mut buf = [0u8; 4096];
         let mut exit: Option<i32> = None;
         let mut signaled = false;
@@ -420,6 +434,7 @@ impl Follow {
                 self.inotify.as_raw_fd(),
                 &mut buf,
                 ms,
+                held,
                 |_, mask, _, name| {
                     if mask & libc::IN_CREATE != 0 {
                         if let Some(rc) = name.strip_prefix("exit-") {

@@ -233,7 +233,7 @@ impl Reader {
         // The descriptor stays open as long as `self` (the events need `self` mutably).
         let fd = self.fd.as_raw_fd();
         while !stop.load(Ordering::Relaxed) {
-            read_events(fd, &mut buf, 250, |wd, mask, cookie, name| {
+            read_events(fd, &mut buf, 250, None, |wd, mask, cookie, name| {
                 self.event(wd, mask, cookie, name)
             });
         }
@@ -309,20 +309,35 @@ pub(super) fn inotify() -> std::io::Result<OwnedFd> {
 }
 
 /// Waits up to `timeout_ms` for events on the inotify instance `fd` and hands each one read to
-/// `each` (watch descriptor, mask, cookie, name); false when none came.
+/// `each` (watch descriptor, mask, cookie, name); false when none came. The held channel, if
+/// any, is watched in the same poll and given back when a request is on it.
 pub(super) fn read_events(
     fd: std::os::fd::RawFd,
     buf: &mut [u8],
     timeout_ms: i32,
+    held: Option<&dyn super::HeldInput>,
     mut each: impl FnMut(i32, u32, u32, &str),
 ) -> bool {
-    let mut pfd = libc::pollfd {
+    let pollfd = |fd| libc::pollfd {
         fd,
         events: libc::POLLIN,
         revents: 0,
     };
-    // SAFETY: one valid pollfd.
-    if unsafe { libc::poll(&mut pfd, 1, timeout_ms) } <= 0 {
+    // A negative fd is skipped by poll.
+    let mut pfds = [
+        pollfd(fd),
+        pollfd(held.and_then(|h| h.watched()).unwrap_or(-1)),
+    ];
+    // SAFETY: two valid pollfds.
+    if unsafe { libc::poll(pfds.as_mut_ptr(), 2, timeout_ms) } <= 0 {
+        return false;
+    }
+    if pfds[1].revents != 0 {
+        if let Some(h) = held {
+            h.release();
+        }
+    }
+    if pfds[0].revents == 0 {
         return false;
     }
     // SAFETY: reads into `buf`, at most its length.
