@@ -25,19 +25,17 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use bytes::Bytes;
-use torpor_snapshot::backend::{Backend, ObjectInfo, ObjectKey};
 use torpor_snapshot::gvisor::{self, encode_compressed_image, InflatingReader};
 use torpor_snapshot::manifest::ChunkParams;
 use torpor_snapshot::store::PutOptions;
-use torpor_snapshot::BackendError;
 use torpor_snapshot::{ChunkCache, ChunkCodec, LocalBackend, Store, StoreConfig};
 
 #[path = "support/synthetic.rs"]
 mod synthetic;
 use synthetic::{flag, memory_like, touch_pages};
+#[path = "support/counting.rs"]
+mod counting;
+use counting::Counting;
 
 fn inflate(img: &[u8]) -> (Vec<u8>, Vec<u8>, u32) {
     let layout = gvisor::probe(std::io::Cursor::new(img))
@@ -66,65 +64,6 @@ fn store_at(root: &Path, chunking: ChunkParams) -> Store {
         },
     )
     .unwrap()
-}
-
-/// Counts what a store asks of its backend (a local directory): each would be one request
-/// to S3 (a lookup is a HEAD).
-#[derive(Debug)]
-struct Counting {
-    inner: LocalBackend,
-    lookups: AtomicU64,
-    reads: AtomicU64,
-    writes: AtomicU64,
-}
-
-impl Counting {
-    fn take(&self) -> [u64; 3] {
-        [&self.lookups, &self.reads, &self.writes].map(|c| c.swap(0, Ordering::SeqCst))
-    }
-}
-
-fn count(c: &AtomicU64, n: usize) {
-    c.fetch_add(n as u64, Ordering::SeqCst);
-}
-
-#[async_trait::async_trait]
-impl Backend for Counting {
-    async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), BackendError> {
-        count(&self.writes, 1);
-        self.inner.put(key, data).await
-    }
-    async fn put_many(&self, objects: Vec<(ObjectKey, Bytes)>) -> Result<(), BackendError> {
-        count(&self.writes, objects.len());
-        self.inner.put_many(objects).await
-    }
-    async fn get(&self, key: &ObjectKey) -> Result<Option<Bytes>, BackendError> {
-        count(&self.reads, 1);
-        self.inner.get(key).await
-    }
-    async fn get_many(&self, keys: &[ObjectKey]) -> Result<Vec<Option<Bytes>>, BackendError> {
-        count(&self.reads, keys.len());
-        self.inner.get_many(keys).await
-    }
-    async fn get_ranges(
-        &self,
-        key: &ObjectKey,
-        ranges: &[std::ops::Range<u64>],
-    ) -> Result<Option<Vec<Bytes>>, BackendError> {
-        count(&self.reads, 1);
-        self.inner.get_ranges(key, ranges).await
-    }
-    async fn exists_many(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, BackendError> {
-        count(&self.lookups, keys.len());
-        self.inner.exists_many(keys).await
-    }
-    async fn delete(&self, key: &ObjectKey) -> Result<(), BackendError> {
-        self.inner.delete(key).await
-    }
-    async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError> {
-        count(&self.reads, 1);
-        self.inner.list(prefix).await
-    }
 }
 
 fn params(avg: u32) -> ChunkParams {
@@ -371,13 +310,9 @@ async fn main() {
     for (kind, pack_bytes) in [("loose", None), ("packed", Some(4usize << 20))] {
         let mut got = Vec::new();
         for with_parent in [true, false] {
-            let backend = Arc::new(Counting {
-                inner: LocalBackend::open(tmp.path().join(format!("req-{kind}-{with_parent}")))
-                    .unwrap(),
-                lookups: AtomicU64::new(0),
-                reads: AtomicU64::new(0),
-                writes: AtomicU64::new(0),
-            });
+            let backend = Arc::new(Counting::open(
+                &tmp.path().join(format!("req-{kind}-{with_parent}")),
+            ));
             let open = || {
                 let cfg = StoreConfig {
                     pack_bytes,

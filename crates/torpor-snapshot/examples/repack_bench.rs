@@ -14,21 +14,33 @@
 //! point), the live packs at the end (all the last snapshot's: the objects a restore reads
 //! ranges of, a request each on S3), the collector's time per run (it holds the store's
 //! exclusive lock: puts wait that long), and a restore of the last snapshot from each store.
+//! The backend counts its requests (each one request to S3 per object): those of the puts, of
+//! the collections (listings, manifest and pack reads, the new packs and rewritten manifests,
+//! deletes) and of the last restore.
 
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
 use torpor_snapshot::gvisor::encode_compressed_image;
-use torpor_snapshot::{GcOptions, LocalBackend, SnapshotId, Store, StoreConfig};
+use torpor_snapshot::{GcOptions, SnapshotId, Store, StoreConfig};
 
 #[path = "support/synthetic.rs"]
 mod synthetic;
 use synthetic::{flag, memory_like, touch_pages};
+#[path = "support/counting.rs"]
+mod counting;
+use counting::{Counting, Requests};
 
 /// One store under test and what it measured.
 struct Run {
     store: Store,
+    backend: Arc<Counting>,
+    /// Requests of the puts (with the previous snapshot's delete), of the collections, and of
+    /// the last restore.
+    put_requests: Requests,
+    gc_requests: Requests,
+    restore_requests: Requests,
     repack_below: Option<f64>,
     merge_small: bool,
     last: Option<SnapshotId>,
@@ -43,8 +55,9 @@ struct Run {
 
 impl Run {
     fn new(root: &Path, repack_below: Option<f64>, merge_small: bool) -> Run {
+        let backend = Arc::new(Counting::open(root));
         let store = Store::new(
-            Arc::new(LocalBackend::open(root).unwrap()),
+            backend.clone(),
             StoreConfig {
                 pack_bytes: Some(torpor_snapshot::DEFAULT_PACK_BYTES),
                 ..StoreConfig::default()
@@ -53,6 +66,10 @@ impl Run {
         .unwrap();
         Run {
             store,
+            backend,
+            put_requests: Requests::default(),
+            gc_requests: Requests::default(),
+            restore_requests: Requests::default(),
             repack_below,
             merge_small,
             last: None,
@@ -72,6 +89,7 @@ impl Run {
         if let Some(old) = self.last.replace(put.id) {
             self.store.delete_snapshot(&old).await.unwrap();
         }
+        add(&mut self.put_requests, self.backend.take_each());
         let t = Instant::now();
         let r = self
             .store
@@ -83,6 +101,7 @@ impl Run {
             .await
             .unwrap();
         self.gc_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        add(&mut self.gc_requests, self.backend.take_each());
         self.stored = r.pack_bytes_live;
         self.packs_live = r.packs_live;
         self.used = r.pack_bytes_used;
@@ -91,14 +110,31 @@ impl Run {
         self.rewritten += r.repack_bytes_written;
     }
 
-    async fn restore_ms(&self, dest: &Path) -> f64 {
+    async fn restore_ms(&mut self, dest: &Path) -> f64 {
         let t = Instant::now();
         self.store
             .get_dir(self.last.as_ref().unwrap(), dest)
             .await
             .unwrap();
-        t.elapsed().as_secs_f64() * 1e3
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        self.restore_requests = self.backend.take_each();
+        ms
     }
+}
+
+fn add(into: &mut Requests, r: Requests) {
+    into.lookups += r.lookups;
+    into.reads += r.reads;
+    into.writes += r.writes;
+    into.deletes += r.deletes;
+    into.lists += r.lists;
+}
+
+fn requests_json(r: &Requests) -> String {
+    format!(
+        "{{\"lookups\":{},\"reads\":{},\"writes\":{},\"deletes\":{},\"lists\":{}}}",
+        r.lookups, r.reads, r.writes, r.deletes, r.lists
+    )
 }
 
 fn percentile(v: &[f64], p: f64) -> f64 {
@@ -140,7 +176,7 @@ async fn main() {
         }
     }
     let mut restores = Vec::new();
-    for (i, r) in runs.iter().enumerate() {
+    for (i, r) in runs.iter_mut().enumerate() {
         restores.push(r.restore_ms(&tmp.path().join(format!("out-{i}"))).await);
     }
 
@@ -175,6 +211,34 @@ async fn main() {
             "restore of the last snapshot (ms)",
             [restores[0], restores[1], restores[2]],
         ),
+        (
+            "requests per park: put + old delete",
+            each(&|r| r.put_requests.total() as f64 / parks as f64),
+        ),
+        (
+            "requests per gc: all",
+            each(&|r| r.gc_requests.total() as f64 / parks as f64),
+        ),
+        (
+            "  of which reads (GET, ranged GET)",
+            each(&|r| r.gc_requests.reads as f64 / parks as f64),
+        ),
+        (
+            "  of which writes (PUT)",
+            each(&|r| r.gc_requests.writes as f64 / parks as f64),
+        ),
+        (
+            "  of which deletes",
+            each(&|r| r.gc_requests.deletes as f64 / parks as f64),
+        ),
+        (
+            "  of which listings",
+            each(&|r| r.gc_requests.lists as f64 / parks as f64),
+        ),
+        (
+            "requests of the last restore",
+            each(&|r| r.restore_requests.total() as f64),
+        ),
     ];
     for (name, v) in &rows {
         println!(
@@ -193,7 +257,7 @@ async fn main() {
         format!(
             "{{\"stored_bytes\":{},\"used_bytes\":{},\"most_stored_bytes\":{},\"packs_live\":{},\
 \"gc_p50_ms\":{:.1},\"gc_max_ms\":{:.1},\"restore_ms\":{restore:.1},\"packs_repacked\":{},\
-\"repack_bytes_written\":{}}}",
+\"repack_bytes_written\":{},\"put_requests\":{},\"gc_requests\":{},\"restore_requests\":{}}}",
             r.stored,
             r.used,
             r.most_stored,
@@ -201,7 +265,10 @@ async fn main() {
             percentile(&r.gc_ms, 0.5),
             percentile(&r.gc_ms, 1.0),
             r.repacked,
-            r.rewritten
+            r.rewritten,
+            requests_json(&r.put_requests),
+            requests_json(&r.gc_requests),
+            requests_json(&r.restore_requests)
         )
     };
     println!(
