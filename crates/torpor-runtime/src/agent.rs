@@ -55,7 +55,7 @@ pub const TEST_WITHOUT_SPAWN: &str = "TORPOR_AGENT_TEST_WITHOUT_SPAWN";
 pub const TEST_AGENT_VERSION: &str = "TORPOR_AGENT_TEST_VERSION";
 
 /// Benchmark only: when the agent's own environment (a template's `env`) sets this to `1`, an
-/// `Exec` lets go of the channel as soon as it is read, as every request did before the thread
+/// `Exec` (or a followed `Spawn`) lets go of the channel as soon as it is read, as every request did before the thread
 /// running it kept it ([`Pool`]), so that the runtime benchmark measures both in one run.
 pub const BENCH_EAGER_HANDOFF: &str = "TORPOR_AGENT_BENCH_EAGER_HANDOFF";
 
@@ -174,8 +174,9 @@ impl Agent {
     }
 
     /// Runs one request and answers it. `held` is the channel's input when the calling thread
-    /// still holds it ([`Pool::serve`]): an `Exec` keeps it while its command runs and gives
-    /// it back as soon as another request comes; any other request gives it back first.
+    /// still holds it ([`Pool::serve`]): an `Exec` or a followed `Spawn` keeps it while its
+    /// command runs and gives it back as soon as another request comes; any other request gives
+    /// it back first.
     fn handle(&self, id: u64, req: Request, body: Vec<u8>, held: Option<&dyn HeldInput>) {
         if !keeps_channel(&req) {
             if let Some(h) = held {
@@ -548,8 +549,8 @@ impl ChildIo {
     /// [`EXIT_LOOK`] while output flows (looking at an [`OwnedChild`] is a system call), and
     /// waited for once the pipes have closed.
     ///
-    /// `held`, the channel's input while this thread holds it, is watched in the same poll and
-    /// given back when a request arrives, or before a wait that does not watch it.
+    /// `held`, the channel's input while this thread holds it, is watched in every wait here
+    /// and given back when a request arrives.
     fn pump(
         &mut self,
         exit: &mut dyn ExitWatch,
@@ -590,8 +591,8 @@ impl ChildIo {
                     if deadline.is_some_and(|d| Instant::now() >= d) {
                         return Pumped::TimedOut;
                     }
-                    if readable(fd, nap_ms) {
-                        held.inspect(|h| h.release());
+                    if let (true, Some(h)) = (readable(fd, nap_ms), held) {
+                        h.release();
                     }
                     nap_ms = (nap_ms * 2).min(20);
                 }
@@ -1080,10 +1081,10 @@ impl ChildTable {
 ///
 /// An `Exec` (and a followed `Spawn`) keeps `input` while its command runs, watching it in the
 /// poll that watches the command's pipes (the process's directory), and lets go the moment a
-/// request is on it (or before any wait that does not watch it): a command that ends before
-/// the next request comes, which is most, costs no hand-off at all (the futex wake of the next
-/// reader and that reader's own read, two system calls, one on the exec's path), and the thread
-/// reads the next request itself.
+/// request is on it (or before a wait that cannot watch it: a timed-out command's kill). A
+/// command that ends before the next request comes, which is most, costs no hand-off at all
+/// (the futex wake of the next reader and that reader's own read, two system calls, one on the
+/// exec's path), and the thread reads the next request itself.
 struct Pool {
     input: Mutex<BufReader<File>>,
     /// Threads waiting for `input` or reading from it.
