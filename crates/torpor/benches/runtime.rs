@@ -682,11 +682,17 @@ async fn main() {
         let bcid = format!("bench-boot-{i}");
         let spec = torpor_runtime::ContainerSpec {
             rootfs: PathBuf::from(live["root"]["path"].as_str().unwrap()),
-            mounts: serde_json::from_value(serde_json::Value::Array(
-                live["mounts"].as_array().unwrap()[4..live["mounts"].as_array().unwrap().len() - 1]
-                    .to_vec(),
-            ))
-            .unwrap(),
+            // The template's own mounts: binds, but for the agent's (the runtime adds /proc,
+            // the boot id's tmpfs, /dev, /sys and /tmp itself).
+            mounts: live["mounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|m| {
+                    m["type"] == "bind" && m["destination"] != torpor_runtime::spec::AGENT_MOUNT
+                })
+                .map(|m| serde_json::from_value(m.clone()).unwrap())
+                .collect(),
             agent_dir: PathBuf::from(
                 live["mounts"].as_array().unwrap().last().unwrap()["source"]
                     .as_str()
