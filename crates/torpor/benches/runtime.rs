@@ -138,6 +138,17 @@ fn live_restore_flag() -> &'static str {
 }
 
 /// The daemon's count of finished re-encodes of parked images, whatever their result.
+/// A sandbox of `template`, running.
+async fn sandbox_of(c: &torpor_api::client::Client, template: &str) -> String {
+    c.create_sandbox(&CreateSandboxBody {
+        template: template.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .id
+}
+
 async fn reencodes(c: &torpor_api::client::Client) -> f64 {
     let m = c.metrics().await.unwrap();
     m.lines()
@@ -255,14 +266,7 @@ async fn compressible_rows(
     ))
     .await
     .unwrap();
-    let id = c
-        .create_sandbox(&CreateSandboxBody {
-            template: "bench-objects".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .id;
+    let id = sandbox_of(c, "bench-objects").await;
     let true_cmd = ExecBody {
         cmd: vec!["/bin/true".into()],
         ..Default::default()
@@ -277,16 +281,10 @@ async fn compressible_rows(
         golden_restores.push(bare_restore_of(baseline_root, &golden, &bbundle, &bcid));
 
         let t = Instant::now();
-        let s = c
-            .create_sandbox(&CreateSandboxBody {
-                template: "bench-objects".into(),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        c.exec(&s.id, &true_cmd).await.unwrap();
+        let sid = sandbox_of(c, "bench-objects").await;
+        c.exec(&sid, &true_cmd).await.unwrap();
         creates.push(t.elapsed().as_secs_f64() * 1000.0);
-        c.delete_sandbox(&s.id).await.unwrap();
+        c.delete_sandbox(&sid).await.unwrap();
     }
     let wait = usize::from(reencode_flag() == "true");
     let (torpor, baseline) = parked_wakes(c, data, tmp, baseline_root, &id, n, wait).await;
@@ -296,14 +294,7 @@ async fn compressible_rows(
     ))
     .await
     .unwrap();
-    let text = c
-        .create_sandbox(&CreateSandboxBody {
-            template: "bench-text".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .id;
+    let text = sandbox_of(c, "bench-text").await;
     let (text_torpor, text_baseline) =
         parked_wakes(c, data, tmp, baseline_root, &text, n, wait).await;
     let _ = c.delete_sandbox(&text).await;
@@ -384,14 +375,7 @@ async fn main() {
     c.create_template(&spec("bench-plain", vec![]))
         .await
         .unwrap();
-    let id = c
-        .create_sandbox(&CreateSandboxBody {
-            template: "bench-plain".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .id;
+    let id = sandbox_of(&c, "bench-plain").await;
     // The same agent letting go of its channel as soon as it reads an exec (as before the
     // thread running an exec kept it), for the paired row.
     let eager = TemplateSpec {
@@ -403,14 +387,7 @@ async fn main() {
         ..spec("bench-eager", vec![])
     };
     c.create_template(&eager).await.unwrap();
-    let eager_id = c
-        .create_sandbox(&CreateSandboxBody {
-            template: "bench-eager".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .id;
+    let eager_id = sandbox_of(&c, "bench-eager").await;
     // The floor: the agent binary, mounted in every sandbox, in its spawn-floor mode.
     let mount = torpor_runtime::spec::AGENT_MOUNT;
     let floor_as = |k: usize, user: &[&str]| {
@@ -632,14 +609,7 @@ async fn main() {
     ))
     .await
     .unwrap();
-    let id = c
-        .create_sandbox(&CreateSandboxBody {
-            template: "bench-64m".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .id;
+    let id = sandbox_of(&c, "bench-64m").await;
     let (parked, bare_restore) =
         parked_wakes(&c, &data, tmp.path(), &baseline_root, &id, n, 0).await;
     rows.push(Row {
@@ -655,17 +625,11 @@ async fn main() {
     let mut ids = Vec::new();
     for _ in 0..n.min(20) {
         let t = Instant::now();
-        let s = c
-            .create_sandbox(&CreateSandboxBody {
-                template: "bench-64m".into(),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        c.exec(&s.id, &true_cmd).await.unwrap();
+        let sid = sandbox_of(&c, "bench-64m").await;
+        c.exec(&sid, &true_cmd).await.unwrap();
         create.push(t.elapsed().as_secs_f64() * 1000.0);
-        c.suspend(&s.id, Some(Tier::Parked)).await.unwrap();
-        ids.push(s.id);
+        c.suspend(&sid, Some(Tier::Parked)).await.unwrap();
+        ids.push(sid);
     }
     let runsc = torpor_runtime::Runsc::detect(
         None,
