@@ -81,9 +81,8 @@ const PTY_DRAIN: Duration = Duration::from_millis(500);
 impl Agent {
     /// `Spawn`, answered under `id`: once (`Started`), or with `follow_ms` twice (`Spawned`,
     /// then `Progress`: see [`Follow`]). The files it opened are closed after its last reply,
-    /// which need not wait for those system calls.
-    /// Starts a process and answers; `held`, the channel while this thread holds it, is
-    /// watched through a followed spawn's wait ([`super::Pool`]) and given back otherwise.
+    /// which need not wait for those system calls. `held`, the channel while this thread holds
+    /// it, is watched through a followed spawn's wait ([`super::Pool`]).
     pub(super) fn spawn_and_reply(
         &self,
         id: u64,
