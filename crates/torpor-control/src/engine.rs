@@ -58,7 +58,7 @@ use crate::metrics::Metrics;
 use crate::store::{
     ImageRef, Quotas, SandboxRecord, Store, TemplateRecord, TemplateStatus, TenantRecord,
 };
-pub use calls::{Progress, SpawnProgress};
+pub use calls::{Progress, SpawnProgress, ToCome};
 pub use cluster::{ControllerIdentity, Route, POOLS_LEASE};
 pub use net::{count_proxied, sandbox_handshake, sandbox_http, ProxyTarget, SandboxConn};
 use quota::Charge;

@@ -59,6 +59,12 @@ pub const TEST_AGENT_VERSION: &str = "TORPOR_AGENT_TEST_VERSION";
 /// running it kept it ([`Pool`]), so that the runtime benchmark measures both in one run.
 pub const BENCH_EAGER_HANDOFF: &str = "TORPOR_AGENT_BENCH_EAGER_HANDOFF";
 
+/// Benchmark only: when a sandbox's configured environment (its `env` at create, E2B's
+/// `envs`) sets this to `1`, a followed `Spawn` answers `Spawned` at once whatever its
+/// `spawned_within_ms` asks, as before protocol 7, so that the E2B benchmark measures both in
+/// one run (it changes when the sandbox's own replies come, nothing else).
+pub const BENCH_SPAWNED_AT_ONCE: &str = "TORPOR_AGENT_BENCH_SPAWNED_AT_ONCE";
+
 /// When the agent's environment (a template's `env`) sets this to `UID:GID`, files and the
 /// directories `WriteFile` creates belong to that user (E2B's `base`: files written through
 /// the SDK belong to `user`) instead of root.
@@ -1882,6 +1888,7 @@ mod reaper_tests {
                     pty: None,
                     user: None,
                     follow_ms: 5_000,
+                    spawned_within_ms: 0,
                 });
                 send(20, spawn);
                 assert!(matches!(next(), (h, _) if h.id == 20 && matches!(h.msg, Reply::Spawned { .. })));
@@ -1907,7 +1914,7 @@ mod reaper_tests {
                 let replies = tmp.path().join("replies");
                 let agent = agent_writing_to(File::create(&replies).unwrap());
                 let mut reader = File::open(&replies).unwrap();
-                let spawn = |id: u64, script: &str, follow_ms: u64| {
+                let spawn = |id: u64, script: &str, follow_ms: u64, spawned_within_ms: u64| {
                     let dir = tmp.path().join(format!("k{id}"));
                     let req = proto::SpawnRequest {
                         cmd: vec!["/bin/sh".into(), "-c".into(), script.into()],
@@ -1920,6 +1927,7 @@ mod reaper_tests {
                         pty: None,
                         user: None,
                         follow_ms,
+                        spawned_within_ms,
                     };
                     agent.handle(id, Request::Spawn(req), b"{}".to_vec(), None);
                     dir
@@ -1932,7 +1940,7 @@ mod reaper_tests {
 
                 // A short command: its output and exit come with the request's second reply,
                 // as its files say.
-                let dir = spawn(1, "echo hi; echo oops >&2; exit 3", 5_000);
+                let dir = spawn(1, "echo hi; echo oops >&2; exit 3", 5_000, 0);
                 let (first, _) = next(1);
                 let Reply::Spawned { pid } = first else {
                     panic!("first reply {first:?}")
@@ -1942,6 +1950,7 @@ mod reaper_tests {
                 assert_eq!(
                     second,
                     Reply::Progress {
+                        pid: None,
                         exit: Some(3),
                         signaled: false,
                         out_len: 3,
@@ -1953,7 +1962,7 @@ mod reaper_tests {
                 assert!(dir.join("exit-3").exists());
 
                 // Killed by a signal: the marker's status and `signaled`.
-                spawn(2, "kill -9 $$", 5_000);
+                spawn(2, "kill -9 $$", 5_000, 0);
                 assert!(matches!(next(2).0, Reply::Spawned { .. }));
                 let (second, body) = next(2);
                 assert!(
@@ -1971,7 +1980,7 @@ mod reaper_tests {
 
                 // Output, then a long run: answered at the output, before the exit (which a
                 // follower then waits for in the files).
-                let dir = spawn(3, "echo first; sleep 3; echo late", 5_000);
+                let dir = spawn(3, "echo first; sleep 3; echo late", 5_000, 0);
                 assert!(matches!(next(3).0, Reply::Spawned { .. }));
                 let (second, body) = next(3);
                 assert!(
@@ -1990,12 +1999,13 @@ mod reaper_tests {
                 assert!(!dir.join("exit-0").exists());
 
                 // Nothing within the follow's time: answered when it is up, with nothing.
-                spawn(4, "sleep 3", 100);
+                spawn(4, "sleep 3", 100, 0);
                 assert!(matches!(next(4).0, Reply::Spawned { .. }));
                 let (second, body) = next(4);
                 assert_eq!(
                     second,
                     Reply::Progress {
+                        pid: None,
                         exit: None,
                         signaled: false,
                         out_len: 0,
@@ -2005,13 +2015,44 @@ mod reaper_tests {
                 );
                 assert!(body.is_empty());
 
+                // `Spawned` held back: a short command is answered once, its `Progress` naming
+                // the pid (its files written all the same); a longer one hears `Spawned` when
+                // the hold is up, then its `Progress`.
+                let dir = spawn(10, "echo hi; exit 4", 5_000, 5_000);
+                let (only, body) = next(10);
+                let Reply::Progress {
+                    pid: Some(pid),
+                    exit: Some(4),
+                    out_len: 3,
+                    ..
+                } = only
+                else {
+                    panic!("one reply for a short command: {only:?}")
+                };
+                assert_eq!(body, b"hi\n");
+                assert_eq!(fs::read_to_string(dir.join("pid")).unwrap(), pid.to_string());
+                assert_eq!(
+                    fs::read_to_string(tmp.path().join("index").join(pid.to_string())).unwrap(),
+                    "key10"
+                );
+                spawn(11, "sleep 3", 400, 50);
+                assert!(matches!(next(11).0, Reply::Spawned { .. }));
+                let (second, _) = next(11);
+                assert!(
+                    matches!(second, Reply::Progress { pid: None, exit: None, .. }),
+                    "{second:?}"
+                );
+                // A hold as long as the follow: one reply, with the pid, when it is up.
+                spawn(12, "sleep 3", 100, 100);
+                assert!(matches!(next(12).0, Reply::Progress { pid: Some(_), exit: None, .. }));
+
                 // Without `follow_ms`: one reply, as before.
-                spawn(5, "true", 0);
+                spawn(5, "true", 0, 0);
                 assert!(matches!(next(5).0, Reply::Started { .. }));
 
                 // More output than a reply carries: its head, and the full sizes.
                 let big = proto::SPAWN_FOLLOW_OUTPUT + 10;
-                spawn(6, &format!("head -c {big} /dev/zero"), 5_000);
+                spawn(6, &format!("head -c {big} /dev/zero"), 5_000, 0);
                 assert!(matches!(next(6).0, Reply::Spawned { .. }));
                 let (second, body) = next(6);
                 let Reply::Progress {
@@ -2041,6 +2082,7 @@ mod reaper_tests {
                         pty: None,
                         user: None,
                         follow_ms: 5_000,
+                        spawned_within_ms: 0,
                     };
                     agent.handle(n, Request::Spawn(req), b"{}".to_vec(), None);
                     let (reply, _) = next(n);

@@ -24,8 +24,9 @@ pub const MAX_WAIT_MS: u64 = 5_000;
 /// 2: `ReadRange`. 3: `SetMetadata`, `ListWithMetadata` (E2B's file metadata). 4: `Reboot`,
 /// and the agent keeps `/proc/sys/kernel/random/boot_id` ([`BOOT_ID_PATH`]). 5: `WatchStart`,
 /// `WatchEvents`, `WatchStop` (inotify watches, E2B's `watch_dir`). 6: a followed `Spawn`
-/// ([`SpawnRequest::follow_ms`]).
-pub const VERSION: u32 = 6;
+/// ([`SpawnRequest::follow_ms`]). 7: a followed `Spawn` answered once when its process ends
+/// soon ([`SpawnRequest::spawned_within_ms`]).
+pub const VERSION: u32 = 7;
 /// The first version that answers `ReadRange`.
 pub const READ_RANGE_SINCE: u32 = 2;
 /// The first version that answers `SetMetadata` and `ListWithMetadata`. An older agent cannot
@@ -43,6 +44,10 @@ pub const WATCH_SINCE: u32 = 5;
 /// cannot parse the field (as for [`METADATA_SINCE`]), so a caller sets it only for an agent
 /// whose hello said at least this.
 pub const SPAWN_FOLLOW_SINCE: u32 = 6;
+/// The first version that holds a followed `Spawn`'s `Spawned` back
+/// ([`SpawnRequest::spawned_within_ms`]). An older agent cannot parse the field (as for
+/// [`METADATA_SINCE`]), so a caller sets it only for an agent whose hello said at least this.
+pub const SPAWNED_WITHIN_SINCE: u32 = 7;
 /// The most of each of a followed `Spawn`'s output files (`out`, `err`) its `Progress` reply
 /// carries; a follower reads the rest.
 pub const SPAWN_FOLLOW_OUTPUT: u64 = 1 << 20;
@@ -224,6 +229,14 @@ pub struct SpawnRequest {
     /// once. Agents before [`SPAWN_FOLLOW_SINCE`] cannot parse it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub follow_ms: u64,
+    /// With `follow_ms`: answer `Spawned` only once the process has run this long (at most
+    /// [`MAX_WAIT_MS`]) without the follow's `Progress` being due. A process that ends (or
+    /// writes output) sooner is answered once: `Progress` with its `pid`, which stands for both
+    /// replies (one reply less to carry for a short command). Its files are written before
+    /// either reply, as without it. 0 (absent): `Spawned` at once. Agents before
+    /// [`SPAWNED_WITHIN_SINCE`] cannot parse it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub spawned_within_ms: u64,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -297,7 +310,11 @@ pub enum Reply {
     /// it has ended; `out_len` and `err_len` are the sizes of `dir/out` and `dir/err` as the
     /// reply was made (final once it has ended). The body holds the first `out_sent` bytes of
     /// `dir/out`, then the first bytes of `dir/err` (each at most [`SPAWN_FOLLOW_OUTPUT`]).
+    /// `pid` is there when it is the request's only reply, `Spawned` held back and not sent
+    /// ([`SpawnRequest::spawned_within_ms`]).
     Progress {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pid: Option<u32>,
         exit: Option<i32>,
         signaled: bool,
         out_len: u64,

@@ -3,8 +3,11 @@
 //!
 //!   cargo bench -p torpor --bench e2b            (as root, runsc and the e2b SDK installed)
 //!   TORPOR_BENCH_N=50 cargo bench -p torpor --bench e2b
+//!   TORPOR_BENCH_ROWS=run cargo bench -p torpor --bench e2b    (only the `commands.run` rows)
 //!
-//! Rows: `commands.run("true")` vs native exec of the same `bash -l -c true`;
+//! Rows: `commands.run("true")` vs native exec of the same `bash -l -c true`, and vs the same
+//! in a sandbox whose agent answers a process's start at once (before protocol 7:
+//! `TORPOR_AGENT_BENCH_SPAWNED_AT_ONCE` in its `envs`);
 //! `Sandbox.connect` of a paused sandbox vs native resume of a parked one; `Sandbox.create` vs
 //! native create. Beside them, in the same sandbox, the spawn floors of `bash -l -c true` with
 //! torpor off the path (`torpor sandbox-agent -- --torpor-spawn-floor`): as root, as `user` the
@@ -74,6 +77,10 @@ async fn main() {
         .env("TORPOR_URL", &url)
         .env("TORPOR_TOKEN", &key)
         .env("BENCH_N", &n)
+        .env(
+            "BENCH_ROWS",
+            std::env::var("TORPOR_BENCH_ROWS").unwrap_or_else(|_| "all".into()),
+        )
         .status()
         .expect("python3 with the e2b SDK (scripts/deps.sh)");
     // SAFETY: kill(2) on our own child.

@@ -1210,11 +1210,13 @@ async fn an_agent_that_predates_inotify_watches_is_polled_as_before() {
     );
 }
 
-/// Protocol 6: an E2B process's first wait rides on its `Spawn` where the agent can follow it,
-/// and an agent that predates that (protocol 5: a sandbox restored from an older snapshot) is
-/// never sent a `Spawn` it could not parse (it would not answer, and the adapter would fall back
-/// to the supervisor shell after 3 s): both run a process with its output, exit and stream
-/// framing the same.
+/// Protocol 6: an E2B process's first wait rides on its `Spawn` where the agent can follow it;
+/// protocol 7: the agent holds its `Spawned` back for a command that may end soon (protocol 6's
+/// is held by the engine). An agent that predates either (a sandbox restored from an older
+/// snapshot) is never sent a `Spawn` it could not parse (it would not answer, and the adapter
+/// would fall back to the supervisor shell after 3 s): all run a process with its output, exit
+/// and stream framing the same, a short one answered whole where the agent follows it, and a
+/// long one's start event comes while it runs.
 #[tokio::test(flavor = "multi_thread")]
 async fn e2b_processes_run_alike_on_agents_with_and_without_followed_spawns() {
     let d = Daemon::start().await;
@@ -1222,7 +1224,10 @@ async fn e2b_processes_run_alike_on_agents_with_and_without_followed_spawns() {
     c.create_template(&older_agent_template("sv5", no_idle(), 5))
         .await
         .unwrap();
-    c.create_template(&agent_template("sv6", no_idle()))
+    c.create_template(&older_agent_template("sv6", no_idle(), 6))
+        .await
+        .unwrap();
+    c.create_template(&agent_template("sv7", no_idle()))
         .await
         .unwrap();
     let api = E2b::of(&d, d.token());
@@ -1232,10 +1237,17 @@ async fn e2b_processes_run_alike_on_agents_with_and_without_followed_spawns() {
             .decode(v.as_str().unwrap())
             .unwrap()
     };
-    for template in ["sv5", "sv6"] {
+    for template in ["sv5", "sv6", "sv7"] {
         let (id, token) = api
             .create(json!({"templateID": template, "timeout": 600}))
             .await;
+        let start = |script: &str| {
+            let req = json!({"process": {"cmd": "/bin/sh", "args": ["-c", script]}});
+            api.envd("/process.Process/Start", &id, &token)
+                .header("Content-Type", "application/connect+json")
+                .body(envelope(0, req.to_string().as_bytes()))
+                .send()
+        };
         // Short, with output on both streams; then more output than a `Progress` carries.
         let big = torpor_runtime::proto::SPAWN_FOLLOW_OUTPUT as usize * 2 + 7;
         let runs = [
@@ -1251,15 +1263,8 @@ async fn e2b_processes_run_alike_on_agents_with_and_without_followed_spawns() {
             ),
         ];
         for (script, code, want_out) in runs {
-            let req = json!({"process": {"cmd": "/bin/sh", "args": ["-c", script]}});
             let t = Instant::now();
-            let resp = api
-                .envd("/process.Process/Start", &id, &token)
-                .header("Content-Type", "application/connect+json")
-                .body(envelope(0, req.to_string().as_bytes()))
-                .send()
-                .await
-                .unwrap();
+            let resp = start(&script).await.unwrap();
             assert_eq!(resp.status().as_u16(), 200, "{template}");
             let f = frames(&resp.bytes().await.unwrap());
             assert!(
@@ -1292,6 +1297,46 @@ async fn e2b_processes_run_alike_on_agents_with_and_without_followed_spawns() {
             );
             eprintln!("{template}: {} ms", t.elapsed().as_millis());
         }
+        // A command that ends at once is answered whole (one body with its length, as a native
+        // exec) where the agent follows it; a few tries, as one may outlast the hold on a
+        // loaded machine. Streamed for an agent that does not follow.
+        let mut whole = false;
+        for _ in 0..5 {
+            let resp = start("exit 0").await.unwrap();
+            whole = resp.content_length().is_some();
+            let f = frames(&resp.bytes().await.unwrap());
+            assert_eq!(f[1].1["event"]["end"]["exitCode"], 0, "{template}: {f:?}");
+            if whole {
+                break;
+            }
+        }
+        assert_eq!(whole, template != "sv5", "{template}: answered whole");
+        // A command that runs on: its start event comes while it runs (it ends only once the
+        // test has seen the event), its output and end after.
+        let mut resp = start("while [ ! -e /tmp/go ]; do sleep 0.02; done; echo late")
+            .await
+            .unwrap();
+        let mut seen = tokio::time::timeout(Duration::from_secs(30), resp.chunk())
+            .await
+            .expect("the start event while the command runs")
+            .unwrap()
+            .unwrap()
+            .to_vec();
+        assert!(
+            frames(&seen)[0].1["event"]["start"]["pid"]
+                .as_u64()
+                .is_some(),
+            "{template}"
+        );
+        c.exec(&id, &sh("touch /tmp/go")).await.unwrap();
+        seen.extend(resp.bytes().await.unwrap());
+        let f = frames(&seen);
+        assert_eq!(
+            b64(&f[1].1["event"]["data"]["stdout"]),
+            b"late\n",
+            "{template}: {f:?}"
+        );
+        assert_eq!(f[2].1["event"]["end"]["exitCode"], 0, "{template}: {f:?}");
     }
     let log = d.log();
     assert!(

@@ -16,9 +16,18 @@ struct Sent {
     at: Instant,
 }
 
-/// The rest of a followed `Spawn` ([`Engine::spawn_process`]): its `Progress`. Holds the
-/// sandbox (no transition) until it is taken or dropped, at most the follow's time.
-pub struct SpawnProgress {
+/// The rest of a followed `Spawn` ([`Engine::spawn_process`]): its `Progress`, come already
+/// or to come. One to come holds the sandbox (no transition) until it is taken or dropped, at
+/// most the follow's time.
+pub enum SpawnProgress {
+    /// It came with the process's start (the process ended, or wrote output, within the
+    /// time the start was held for): `None` when it could not be read.
+    Came(Option<Progress>),
+    ToCome(ToCome),
+}
+
+/// A followed `Spawn`'s `Progress` still to come: the request's replies.
+pub struct ToCome {
     sent: Sent,
 }
 
@@ -38,32 +47,41 @@ pub struct Progress {
 impl SpawnProgress {
     /// The `Progress`; `None` when the agent answered otherwise or its channel ended (a
     /// follower then looks at the process's files itself, which tell it the same).
-    pub async fn progress(mut self) -> Option<Progress> {
-        match self.sent.replies.recv().await? {
-            (
-                Reply::Progress {
-                    exit,
-                    signaled,
-                    out_len,
-                    err_len,
-                    out_sent,
-                },
-                mut body,
-            ) => {
-                let err = body.split_off((out_sent as usize).min(body.len()));
-                Some(Progress {
-                    exit,
-                    signaled,
-                    out_len,
-                    err_len,
-                    out: body,
-                    err,
-                })
-            }
-            (other, _) => {
-                tracing::warn!(reply = ?other, "unexpected reply to a followed spawn");
-                None
-            }
+    pub async fn progress(self) -> Option<Progress> {
+        match self {
+            SpawnProgress::Came(p) => p,
+            SpawnProgress::ToCome(mut c) => progress(c.sent.replies.recv().await?),
+        }
+    }
+}
+
+/// What a `Progress` reply says; `None` for another reply.
+fn progress(reply: (Reply, Vec<u8>)) -> Option<Progress> {
+    match reply {
+        (
+            Reply::Progress {
+                pid: _,
+                exit,
+                signaled,
+                out_len,
+                err_len,
+                out_sent,
+            },
+            mut body,
+        ) => {
+            let err = body.split_off((out_sent as usize).min(body.len()));
+            Some(Progress {
+                exit,
+                signaled,
+                out_len,
+                err_len,
+                out: body,
+                err,
+            })
+        }
+        (other, _) => {
+            tracing::warn!(reply = ?other, "unexpected reply to a followed spawn");
+            None
         }
     }
 }
@@ -313,9 +331,13 @@ impl Engine {
     }
 
     /// Starts a `Spawn` process (E2B's), followed for up to `follow_ms` where the agent can
-    /// ([`proto::SPAWN_FOLLOW_SINCE`]; see [`proto::SpawnRequest::follow_ms`]): answers the
-    /// agent's first reply (`Spawned` when followed, `Started` when not) and, when followed, the
-    /// `Progress` still to come, with the sandbox held until it comes.
+    /// ([`proto::SPAWN_FOLLOW_SINCE`]; see [`proto::SpawnRequest::follow_ms`]): answers its
+    /// pid and, when followed, the `Progress`, with the sandbox held until it comes. The answer
+    /// is held back for up to `whole_within_ms` while the process runs: a process that ends
+    /// (or writes output) sooner is answered with its `Progress` come
+    /// ([`SpawnProgress::Came`]), a longer one as soon as the time is up. The agent holds its
+    /// `Spawned` back itself where it can ([`proto::SpawnRequest::spawned_within_ms`]); an
+    /// older agent's is held here.
     pub async fn spawn_process(
         &self,
         tenant: &TenantId,
@@ -323,7 +345,9 @@ impl Engine {
         spawn: proto::SpawnRequest,
         config: &[u8],
         follow_ms: u64,
+        whole_within_ms: u64,
     ) -> Result<(u32, Option<SpawnProgress>)> {
+        let held_by_agent = std::sync::atomic::AtomicBool::new(false);
         let make = |version: u32| {
             let mut spawn = spawn.clone();
             spawn.follow_ms = if version >= proto::SPAWN_FOLLOW_SINCE {
@@ -331,12 +355,31 @@ impl Engine {
             } else {
                 0
             };
+            // Set on every (re)send, for the agent it went to.
+            let by_agent = version >= proto::SPAWNED_WITHIN_SINCE && spawn.follow_ms > 0;
+            if by_agent {
+                spawn.spawned_within_ms = whole_within_ms.min(proto::MAX_WAIT_MS);
+            }
+            held_by_agent.store(by_agent, std::sync::atomic::Ordering::Relaxed);
             Request::Spawn(spawn)
         };
         let mut sent = self.send_to_agent(tenant, id, &make, config).await?;
         match sent.replies.recv().await {
             Some((Reply::Started { pid }, _)) => Ok((pid, None)),
-            Some((Reply::Spawned { pid }, _)) => Ok((pid, Some(SpawnProgress { sent }))),
+            Some((Reply::Spawned { pid }, _)) => {
+                let wait = Duration::from_millis(whole_within_ms);
+                if held_by_agent.load(std::sync::atomic::Ordering::Relaxed) || wait.is_zero() {
+                    return Ok((pid, Some(SpawnProgress::ToCome(ToCome { sent }))));
+                }
+                // `recv` is cancel-safe: what did not come in time is still to come.
+                match tokio::time::timeout(wait, sent.replies.recv()).await {
+                    Ok(reply) => Ok((pid, Some(SpawnProgress::Came(reply.and_then(progress))))),
+                    Err(_) => Ok((pid, Some(SpawnProgress::ToCome(ToCome { sent })))),
+                }
+            }
+            Some(reply @ (Reply::Progress { pid: Some(pid), .. }, _)) => {
+                Ok((pid, Some(SpawnProgress::Came(progress(reply)))))
+            }
             Some((Reply::Error { code, message }, _)) => Err(ControlError::Agent { code, message }),
             Some((other, _)) => Err(ControlError::Invalid(format!(
                 "unexpected agent reply {other:?}"

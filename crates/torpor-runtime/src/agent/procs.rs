@@ -302,12 +302,34 @@ impl Agent {
         }
         let answer = match follow {
             Some(f) => {
-                self.reply(id, &Reply::Spawned { pid }, &[]);
+                let spawned = || self.reply(id, &Reply::Spawned { pid }, &[]);
+                // Held back for a process that may end soon: then its `Progress` says both.
+                let mut hold =
+                    Duration::from_millis(req.spawned_within_ms.min(crate::proto::MAX_WAIT_MS));
+                let env = self.env.read().unwrap_or_else(|p| p.into_inner());
+                if env
+                    .get(super::BENCH_SPAWNED_AT_ONCE)
+                    .is_some_and(|v| v == "1")
+                {
+                    hold = Duration::ZERO;
+                }
+                drop(env);
+                let mut announce = None;
+                if hold.is_zero() {
+                    spawned();
+                } else {
+                    announce = Some((Instant::now() + hold, &spawned as &dyn Fn()));
+                }
                 // While the process runs, not before it starts.
                 prune_ended(Instant::now());
-                let progress = f.wait(&out, &err, held);
+                let (mut reply, body) = f.wait(&out, &err, held, &mut announce);
+                if announce.is_some() {
+                    if let Reply::Progress { pid: p, .. } = &mut reply {
+                        *p = Some(pid);
+                    }
+                }
                 opened.push(File::from(f.inotify));
-                progress
+                (reply, body)
             }
             None => {
                 prune_ended(Instant::now());
@@ -410,12 +432,14 @@ impl Follow {
 
     /// Waits until the process's exit marker appears, or until it has written output (and
     /// then [`SPAWN_FOLLOW_LINGER_MS`] more for its exit), or until the follow's time is up;
-    /// answers `Progress` with what its files hold then.
+    /// answers `Progress` with what its files hold then. `announce`, a `Spawned` held back
+    /// until a time, is sent then if the wait lasts that long, and taken (`None`) once sent.
     fn wait(
         &self,
         out: &File,
         err: &File,
         held: Option<&dyn super::HeldInput>,
+        announce: &mut Option<(Instant, &dyn Fn())>,
     ) -> (Reply, Vec<u8>) {
         let mut buf = [0u8; 4096];
         let mut exit: Option<i32> = None;
@@ -423,7 +447,15 @@ impl Follow {
         let mut until = self.until;
         let mut wrote = false;
         while exit.is_none() {
-            let left = until.saturating_duration_since(Instant::now());
+            let now = Instant::now();
+            if let Some((at, spawned)) = *announce {
+                if at <= now && now < until {
+                    spawned();
+                    *announce = None;
+                }
+            }
+            let end = announce.map_or(until, |(at, _)| at.min(until));
+            let left = end.saturating_duration_since(now);
             if left.is_zero() {
                 break;
             }
@@ -458,6 +490,7 @@ impl Follow {
         body.extend(head(err, err_len));
         (
             Reply::Progress {
+                pid: None,
                 exit,
                 signaled,
                 out_len,

@@ -2,8 +2,9 @@
 
 Environment: E2B_API_KEY / E2B_API_URL / E2B_SANDBOX_URL (the SDK), TORPOR_URL and
 TORPOR_TOKEN (the native API, same tenant), BENCH_N, BENCH_CREATE_RATES (creates per second for
-the create-rate rows, comma-separated, `inf` = all at once; default 1,2,4,inf). Prints a table
-and one JSON line.
+the create-rate rows, comma-separated, `inf` = all at once; default 1,2,4,inf), BENCH_ROWS
+(`run`: only the `commands.run` rows and the spawn floors; default all). Prints a table and one
+JSON line.
 """
 import json
 import os
@@ -15,6 +16,7 @@ import httpx
 from e2b import Sandbox
 
 N = int(os.environ.get("BENCH_N", "30"))
+ONLY_RUN = os.environ.get("BENCH_ROWS", "all") == "run"
 url = os.environ["TORPOR_URL"]
 native = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {os.environ['TORPOR_TOKEN']}"}, timeout=120)
 
@@ -39,6 +41,11 @@ def exec_native(sid, cmd):
 rows = []
 sbx = Sandbox.create(timeout=3600)
 sid = sbx.sandbox_id
+# The same `base` sandbox whose agent answers a process's start at once (protocol 6's way):
+# `commands.run` then gets its start event while the command runs and the rest in a second
+# write, where the held start answers a short command whole (see envd's `Start`).
+AT_ONCE = "TORPOR_AGENT_BENCH_SPAWNED_AT_ONCE"
+sbx_at_once = Sandbox.create(timeout=3600, envs={AT_ONCE: "1"})
 detail = httpx.get(f"{url}/sandboxes/{sid}", headers={"X-API-KEY": os.environ["E2B_API_KEY"]}).json()
 envd = httpx.Client(base_url=os.environ["E2B_SANDBOX_URL"], timeout=120, headers={
     "E2b-Sandbox-Id": sid,
@@ -52,12 +59,24 @@ START = b"\0" + len(START).to_bytes(4, "big") + START
 
 def raw_start():
     """process.Process/Start over plain httpx: the adapter without the SDK's client code."""
-    body = envd.post("/process.Process/Start", content=START).content
-    assert b'exit status 0' in body, body
+    r = envd.post("/process.Process/Start", content=START)
+    assert b'exit status 0' in r.content, r.content
+    return r
 
+
+# The switch took: a short command is answered whole (with its length) in `sbx` at least once
+# in a few tries, never in `sbx_at_once`.
+assert any("content-length" in raw_start().headers for _ in range(5)), "never answered whole"
+once_detail = httpx.get(f"{url}/sandboxes/{sbx_at_once.sandbox_id}",
+                        headers={"X-API-KEY": os.environ["E2B_API_KEY"]}).json()
+for _ in range(3):
+    r = envd.post("/process.Process/Start", content=START, headers={
+        "E2b-Sandbox-Id": sbx_at_once.sandbox_id, "X-Access-Token": once_detail["envdAccessToken"]})
+    assert "content-length" not in r.headers and b'exit status 0' in r.content, (r.headers, r.content)
 
 for _ in range(3):  # warm every path
     sbx.commands.run("true")
+    sbx_at_once.commands.run("true")
     sbx.commands.run("true", user="root")
     exec_native(sid, ["/bin/bash", "-l", "-c", "true"])
     raw_start()
@@ -66,9 +85,10 @@ for _ in range(3):  # warm every path
 # alike; the overhead is also reported as the median of per-round differences.
 # `base` runs commands as `user` (a uid switch and that user's login shell) where the native
 # exec runs as root: the `user="root"` path is the same command as the native one.
-sdk_ms, root_ms, raw_ms, nat_ms = [], [], [], []
+sdk_ms, root_ms, raw_ms, nat_ms, once_ms = [], [], [], [], []
 paths = [
     (sdk_ms, lambda: sbx.commands.run("true")),
+    (once_ms, lambda: sbx_at_once.commands.run("true")),
     (root_ms, lambda: sbx.commands.run("true", user="root")),
     (raw_ms, raw_start),
     (nat_ms, lambda: exec_native(sid, ["/bin/bash", "-l", "-c", "true"])),
@@ -88,12 +108,19 @@ rows.append((
     "process.Process/Start, raw Connect (httpx, no SDK)", raw_ms,
     "native exec of bash -l -c true (POST /v1/.../exec)", nat_ms,
 ))
+rows.append((
+    'commands.run("true"), start held: answered whole (now)', sdk_ms,
+    "the same, start event at once (before)", once_ms,
+))
 paired = {
     "sdk_minus_native": statistics.median(a - b for a, b in zip(sdk_ms, nat_ms)),
     "sdk_as_root_minus_native": statistics.median(a - b for a, b in zip(root_ms, nat_ms)),
     "raw_connect_minus_native": statistics.median(a - b for a, b in zip(raw_ms, nat_ms)),
     "sdk_minus_raw_connect": statistics.median(a - b for a, b in zip(sdk_ms, raw_ms)),
+    "sdk_minus_start_at_once": statistics.median(a - b for a, b in zip(sdk_ms, once_ms)),
+    "start_at_once_minus_native": statistics.median(a - b for a, b in zip(once_ms, nat_ms)),
 }
+sbx_at_once.kill()
 
 # Spawn floors inside the same sandbox, torpor off the path: `bash -l -c true` started N times
 # by the agent binary's floor mode (`--torpor-spawn-floor`), as root (what the native exec
@@ -112,7 +139,7 @@ for i in range(3):
         floors[name] += [us / 1000 for us in json.loads(r.json()["stdout"].splitlines()[0])["spawn_us"]]
 
 connect_ms, resume_ms = [], []
-for _ in range(max(3, N // 3)):
+for _ in range(0 if ONLY_RUN else max(3, N // 3)):
     sbx.pause()
     connect_ms.append(ms(lambda: Sandbox.connect(sid)))
     sbx.commands.run("true")
@@ -120,7 +147,8 @@ for _ in range(max(3, N // 3)):
     r.raise_for_status()
     resume_ms.append(ms(lambda: native.post(f"/v1/sandboxes/{sid}/resume").raise_for_status()))
     exec_native(sid, ["true"])
-rows.append(("Sandbox.connect of a paused sandbox (SDK)", connect_ms, "native resume of a parked sandbox", resume_ms))
+if not ONLY_RUN:
+    rows.append(("Sandbox.connect of a paused sandbox (SDK)", connect_ms, "native resume of a parked sandbox", resume_ms))
 
 # One create at a time (the rate the machine sustains serially), alternating the E2B create
 # (template `base`, with a network interface) with native creates of `host` and of `base`; the
@@ -129,7 +157,7 @@ rows.append(("Sandbox.connect of a paused sandbox (SDK)", connect_ms, "native re
 # `--bench create_rate`'s floor).
 NET = {"allow": []}
 create_ms, ncreate_ms, nbase_ms, made = [], [], [], []
-for _ in range(max(3, N // 3)):
+for _ in range(0 if ONLY_RUN else max(3, N // 3)):
     holder = {}
     create_ms.append(ms(lambda: holder.setdefault("s", Sandbox.create(timeout=600))))
     made.append(holder["s"].sandbox_id)
@@ -142,17 +170,18 @@ for _ in range(max(3, N // 3)):
     nbase_ms.append(ms(lambda: nc("base", NET)))
 for m in made:
     native.delete(f"/v1/sandboxes/{m}")
-rows.append(("Sandbox.create (SDK)", create_ms, "native create (POST /v1/sandboxes)", ncreate_ms))
-rows.append(("Sandbox.create (SDK)", create_ms, "native create of base, networked", nbase_ms))
-paired["create_minus_native_create"] = statistics.median(a - b for a, b in zip(create_ms, ncreate_ms))
-paired["create_minus_native_base_create"] = statistics.median(a - b for a, b in zip(create_ms, nbase_ms))
+if not ONLY_RUN:
+    rows.append(("Sandbox.create (SDK)", create_ms, "native create (POST /v1/sandboxes)", ncreate_ms))
+    rows.append(("Sandbox.create (SDK)", create_ms, "native create of base, networked", nbase_ms))
+    paired["create_minus_native_create"] = statistics.median(a - b for a, b in zip(create_ms, ncreate_ms))
+    paired["create_minus_native_base_create"] = statistics.median(a - b for a, b in zip(create_ms, nbase_ms))
 
 # Creates at offered rates (open loop): E2B creates and native networked creates of `base` alternate,
 # one every 1/(2r) s, so each kind is offered r per second and neither always starts just
 # before the other (the engine admits restores one at a time: side by side, the request that
 # leaves the client first would win every time). Each sandbox is deleted as soon as its create
 # answered, so the node's workers are not what runs out. `inf`: all at once.
-RATES = [float(r) for r in os.environ.get("BENCH_CREATE_RATES", "1,2,4,inf").split(",") if r]
+RATES = [] if ONLY_RUN else [float(r) for r in os.environ.get("BENCH_CREATE_RATES", "1,2,4,inf").split(",") if r]
 K = max(4, N // 4)
 
 

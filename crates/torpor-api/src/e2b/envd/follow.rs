@@ -113,7 +113,8 @@ pub(super) struct Follow {
     pub(super) deadline: Option<Instant>,
     /// The listing of `dir` taken to be current (empty: the first wait answers at once).
     pub(super) known: BTreeMap<String, u64>,
-    /// The agent's follow of a process it just started: taken before the first wait.
+    /// The agent's follow of a process it just started (come already, or to come): taken
+    /// before the first wait.
     pub(super) progress: Option<SpawnProgress>,
 }
 
@@ -173,10 +174,15 @@ fn exit_status(code: i32, signaled: bool) -> ExitStatus {
     }
 }
 
-/// Sends `data` as output events of `fd`, 64 KiB per event; false once the client has gone.
+/// `data` as output events of `fd`, 64 KiB per event.
+pub(super) fn data_frames(fd: u8, data: &[u8]) -> impl Iterator<Item = Bytes> + '_ {
+    data.chunks(64 << 10)
+        .map(move |part| connect::message_frame(&event_data(fd, part)))
+}
+
+/// Sends `data` as output events of `fd` ([`data_frames`]); false once the client has gone.
 async fn send_data(tx: &mpsc::Sender<Item>, fd: u8, data: &[u8]) -> bool {
-    for part in data.chunks(64 << 10) {
-        let msg = connect::message_frame(&event_data(fd, part));
+    for msg in data_frames(fd, data) {
         if tx.send(Item::Message(msg)).await.is_err() {
             return false;
         }

@@ -101,6 +101,7 @@ pub(super) async fn start(
         pty,
         user: who.run_as,
         follow_ms: 0,
+        spawned_within_ms: 0,
     };
     // The agent follows the process as its first wait would (see `follow`), so that a short
     // command's output and exit come back on the request that started it.
@@ -109,12 +110,21 @@ pub(super) async fn start(
         first_wait = first_wait.min(d.saturating_duration_since(Instant::now()));
     }
     let follow_ms = first_wait.as_millis() as u64;
-    let (pid, progress) =
-        match spawn_in_agent(&st, &c, spawn.clone(), &recorded, who.home, follow_ms).await? {
-            Some(started) => started,
-            None if pty.is_some() => return Err(RpcError::new(Code::Unimplemented, NO_TERMINALS)),
-            None => (spawn_supervised(&st, &c, spawn, &recorded).await?, None),
-        };
+    let whole_within = WHOLE_WITHIN.min(first_wait).as_millis() as u64;
+    let (pid, progress) = match spawn_in_agent(
+        &st,
+        &c,
+        spawn.clone(),
+        &recorded,
+        who.home,
+        (follow_ms, whole_within),
+    )
+    .await?
+    {
+        Some(started) => started,
+        None if pty.is_some() => return Err(RpcError::new(Code::Unimplemented, NO_TERMINALS)),
+        None => (spawn_supervised(&st, &c, spawn, &recorded).await?, None),
+    };
     // What the agent's `Spawn` leaves: the first wait then answers only on a change (output or
     // the exit), not at once. (Anything else, such as a supervisor's files, answers at once.)
     // (Sending that wait beside the `Spawn` instead of after it was tried: under gVisor's
@@ -129,6 +139,21 @@ pub(super) async fn start(
     .map(|(k, v)| (k.to_string(), v))
     .collect();
     let fd_out = if pty.is_some() { PTY_FD } else { 1 };
+    // A command that ended within [`WHOLE_WITHIN`] (its start was held back that long) is
+    // answered whole: its start, output and end in one body, as a native exec answers, instead
+    // of a start event while it runs and the rest when it ends (a write and a wake of the
+    // client more, on the CPUs it runs on).
+    if let Some(SpawnProgress::Came(Some(done))) = &progress {
+        let all = (done.out.len() as u64, done.err.len() as u64);
+        if let Some(exit) = after_progress(done, all, &mut BTreeMap::new()) {
+            let mut frames = vec![connect::message_frame(&event_start(pid))];
+            frames.extend(data_frames(fd_out, &done.out));
+            frames.extend(data_frames(2, &done.err));
+            frames.push(connect::message_frame(&event_end(&exit)));
+            frames.push(connect::end_frame(None));
+            return Ok(connect::stream_response_from(frames));
+        }
+    }
     let f = Follow {
         pid,
         dir,
@@ -141,12 +166,17 @@ pub(super) async fn start(
     Ok(f.stream(st, c, (0, 0)))
 }
 
+/// How long `Start` holds a followed process's start event back for it to end (see
+/// [`start`]): a command that runs on (a background one) hears its start this much later.
+pub(super) const WHOLE_WITHIN: Duration = Duration::from_millis(20);
+
 pub(super) const NO_TERMINALS: &str =
     "this sandbox's agent predates terminals: PTY processes need a \
                             sandbox made by this torpor";
 
 /// Starts a process through the agent's `Spawn` (one spawn, its state in its directory),
-/// followed for `follow_ms` where the agent can: its pid and the follow's progress to come.
+/// followed for `follow_ms` where the agent can, its answer held back `whole_within_ms` at
+/// most (see [`torpor_control::Engine::spawn_process`]): its pid and the follow's progress.
 /// `Ok(None)` when the sandbox's agent predates `Spawn` (restored from an older snapshot).
 pub(super) async fn spawn_in_agent(
     st: &E2b,
@@ -154,7 +184,7 @@ pub(super) async fn spawn_in_agent(
     mut spawn: SpawnRequest,
     recorded: &[u8],
     home: &str,
-    follow_ms: u64,
+    (follow_ms, whole_within_ms): (u64, u64),
 ) -> Result<Option<(u32, Option<SpawnProgress>)>, RpcError> {
     if is_legacy(st, c) {
         return Ok(None);
@@ -164,10 +194,14 @@ pub(super) async fn spawn_in_agent(
         spawn.cwd = Some(home.into());
     }
     loop {
-        let call =
-            st.api
-                .engine
-                .spawn_process(&c.tenant, &c.id, spawn.clone(), recorded, follow_ms);
+        let call = st.api.engine.spawn_process(
+            &c.tenant,
+            &c.id,
+            spawn.clone(),
+            recorded,
+            follow_ms,
+            whole_within_ms,
+        );
         match tokio::time::timeout(LEGACY_GRACE, call).await {
             Ok(Ok(started)) => return Ok(Some(started)),
             Ok(Err(torpor_control::ControlError::Agent {
