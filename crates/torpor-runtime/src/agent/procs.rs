@@ -383,9 +383,9 @@ fn record_exit(pid: u32, status: Option<WaitStatus>, dir: PathBuf, index: PathBu
         .remove(&pid);
     let rc = status.and_then(|s| s.code).unwrap_or(-1);
     if status.is_some_and(|s| s.signal.is_some()) {
-        let _ = File::create(dir.join("signaled"));
+        mark(&dir.join("signaled"));
     }
-    let _ = File::create(dir.join(format!("exit-{rc}")));
+    mark(&dir.join(format!("exit-{rc}")));
     ended()
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -396,6 +396,19 @@ fn record_exit(pid: u32, status: Option<WaitStatus>, dir: PathBuf, index: PathBu
             key,
         });
     notify_exit();
+}
+
+/// Makes the empty file `path` (a marker): one `mknod` where creating it through `open` costs
+/// a `close` too, on the way from a process's exit to its follower's `Progress`.
+fn mark(path: &Path) {
+    use std::os::unix::ffi::OsStrExt as _;
+    let made = std::ffi::CString::new(path.as_os_str().as_bytes()).is_ok_and(|c| {
+        // SAFETY: a NUL-terminated path; mknod touches no memory of ours.
+        unsafe { libc::mknod(c.as_ptr(), libc::S_IFREG | 0o644, 0) == 0 }
+    });
+    if !made {
+        let _ = File::create(path);
+    }
 }
 
 /// A followed `Spawn` ([`crate::proto::SpawnRequest::follow_ms`]): an inotify watch of the
@@ -442,11 +455,17 @@ impl Follow {
         announce: &mut Option<(Instant, &dyn Fn())>,
     ) -> (Reply, Vec<u8>) {
         let mut buf = [0u8; 4096];
-        let mut exit: Option<i32> = None;
-        let mut signaled = false;
+        let mut seen = Seen::default();
         let mut until = self.until;
-        let mut wrote = false;
-        while exit.is_none() {
+        // What is queued already (the creation of its `config` and `pid` at least) without a
+        // poll that would answer at once.
+        let fd = self.inotify.as_raw_fd();
+        super::watch::read_queued(fd, &mut buf, |_, mask, _, name| seen.event(mask, name));
+        while seen.exit.is_none() {
+            if seen.out || seen.err {
+                let linger = Instant::now() + Duration::from_millis(SPAWN_FOLLOW_LINGER_MS);
+                until = until.min(linger);
+            }
             let now = Instant::now();
             if let Some((at, spawned)) = *announce {
                 if at <= now && now < until {
@@ -461,30 +480,17 @@ impl Follow {
             }
             // Rounded up: a poll of 0 ms would spin until the deadline.
             let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
-            super::watch::read_events(
-                self.inotify.as_raw_fd(),
-                &mut buf,
-                ms,
-                held,
-                |_, mask, _, name| {
-                    if mask & libc::IN_CREATE != 0 {
-                        if let Some(rc) = name.strip_prefix("exit-") {
-                            exit = Some(rc.parse().unwrap_or(-1));
-                        } else if name == "signaled" {
-                            signaled = true;
-                        }
-                    } else if mask & libc::IN_MODIFY != 0 && matches!(name, "out" | "err") {
-                        wrote = true;
-                    }
-                },
-            );
-            if wrote {
-                let linger = Instant::now() + Duration::from_millis(SPAWN_FOLLOW_LINGER_MS);
-                until = until.min(linger);
-            }
+            super::watch::read_events(fd, &mut buf, ms, held, |_, mask, _, name| {
+                seen.event(mask, name)
+            });
         }
-        let len = |f: &File| f.metadata().map_or(0, |m| m.len());
-        let (out_len, err_len) = (len(out), len(err));
+        // A file the process did not write is empty (the watch was there before it started).
+        let len = |f: &File, wrote: bool| match wrote {
+            true => f.metadata().map_or(0, |m| m.len()),
+            false => 0,
+        };
+        let (out_len, err_len) = (len(out, seen.out), len(err, seen.err));
+        let (exit, signaled) = (seen.exit, seen.signaled);
         let mut body = head(out, out_len);
         let out_sent = body.len() as u64;
         body.extend(head(err, err_len));
@@ -499,6 +505,37 @@ impl Follow {
             },
             body,
         )
+    }
+}
+
+/// What a followed process's directory watch has told: its exit marker (and `signaled`),
+/// and which of `out` and `err` it wrote.
+#[derive(Default)]
+struct Seen {
+    exit: Option<i32>,
+    signaled: bool,
+    out: bool,
+    err: bool,
+}
+
+impl Seen {
+    fn event(&mut self, mask: u32, name: &str) {
+        if mask & libc::IN_Q_OVERFLOW != 0 {
+            // Events were lost: the files are looked at.
+            (self.out, self.err) = (true, true);
+        } else if mask & libc::IN_CREATE != 0 {
+            if let Some(rc) = name.strip_prefix("exit-") {
+                self.exit = Some(rc.parse().unwrap_or(-1));
+            } else if name == "signaled" {
+                self.signaled = true;
+            }
+        } else if mask & libc::IN_MODIFY != 0 {
+            match name {
+                "out" => self.out = true,
+                "err" => self.err = true,
+                _ => {}
+            }
+        }
     }
 }
 

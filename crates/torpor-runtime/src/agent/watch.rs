@@ -316,7 +316,7 @@ pub(super) fn read_events(
     buf: &mut [u8],
     timeout_ms: i32,
     held: Option<&dyn super::HeldInput>,
-    mut each: impl FnMut(i32, u32, u32, &str),
+    each: impl FnMut(i32, u32, u32, &str),
 ) -> bool {
     let pollfd = |fd| libc::pollfd {
         fd,
@@ -340,6 +340,17 @@ pub(super) fn read_events(
     if pfds[0].revents == 0 {
         return false;
     }
+    read_queued(fd, buf, each)
+}
+
+/// Hands each event queued on the inotify instance `fd` (non-blocking) to `each`, as
+/// [`read_events`] does after its poll; false when none was queued. One system call where a
+/// poll that would answer at once costs two.
+pub(super) fn read_queued(
+    fd: std::os::fd::RawFd,
+    buf: &mut [u8],
+    mut each: impl FnMut(i32, u32, u32, &str),
+) -> bool {
     // SAFETY: reads into `buf`, at most its length.
     let len = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
     if len <= 0 {
