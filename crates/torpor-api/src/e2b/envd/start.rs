@@ -168,7 +168,7 @@ pub(super) async fn start(
 
 /// How long `Start` holds a followed process's start event back for it to end (see
 /// [`start`]): a command that runs on (a background one) hears its start this much later.
-pub(super) const WHOLE_WITHIN: Duration = Duration::from_millis(20);
+pub(super) const WHOLE_WITHIN: Duration = Duration::from_millis(50);
 
 pub(super) const NO_TERMINALS: &str =
     "this sandbox's agent predates terminals: PTY processes need a \
