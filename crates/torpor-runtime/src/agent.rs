@@ -2016,35 +2016,50 @@ mod reaper_tests {
                 assert!(body.is_empty());
 
                 // `Spawned` held back: a short command is answered once, its `Progress` naming
-                // the pid (its files written all the same); a longer one hears `Spawned` when
-                // the hold is up, then its `Progress`.
-                let dir = spawn(10, "echo hi; exit 4", 5_000, 5_000);
+                // the pid, and leaves no record (config, pid, index entry) since it ended
+                // before anyone heard of it; a longer one hears `Spawned` when the hold is up,
+                // its record written before, then its `Progress`.
+                let dir = spawn(10, "exit 4", 5_000, 5_000);
                 let (only, body) = next(10);
                 let Reply::Progress {
                     pid: Some(pid),
                     exit: Some(4),
-                    out_len: 3,
+                    out_len: 0,
                     ..
                 } = only
                 else {
                     panic!("one reply for a short command: {only:?}")
                 };
-                assert_eq!(body, b"hi\n");
+                assert!(body.is_empty());
+                assert!(dir.join("exit-4").exists());
+                for no in [dir.join("pid"), dir.join("config")] {
+                    assert!(!no.exists(), "{no:?}");
+                }
+                assert!(!tmp.path().join("index").join(pid.to_string()).exists());
+                let dir = spawn(11, "sleep 3", 400, 50);
+                let Reply::Spawned { pid } = next(11).0 else {
+                    panic!("Spawned when the hold is up")
+                };
                 assert_eq!(fs::read_to_string(dir.join("pid")).unwrap(), pid.to_string());
+                assert_eq!(fs::read_to_string(dir.join("config")).unwrap(), "{}");
                 assert_eq!(
                     fs::read_to_string(tmp.path().join("index").join(pid.to_string())).unwrap(),
-                    "key10"
+                    "key11"
                 );
-                spawn(11, "sleep 3", 400, 50);
-                assert!(matches!(next(11).0, Reply::Spawned { .. }));
                 let (second, _) = next(11);
                 assert!(
                     matches!(second, Reply::Progress { pid: None, exit: None, .. }),
                     "{second:?}"
                 );
-                // A hold as long as the follow: one reply, with the pid, when it is up.
-                spawn(12, "sleep 3", 100, 100);
-                assert!(matches!(next(12).0, Reply::Progress { pid: Some(_), exit: None, .. }));
+                // A hold as long as the follow: one reply, with the pid, when it is up (the
+                // process runs on: its record is there).
+                let dir = spawn(12, "sleep 3", 100, 100);
+                let (only, _) = next(12);
+                assert!(
+                    matches!(only, Reply::Progress { pid: Some(_), exit: None, .. }),
+                    "{only:?}"
+                );
+                assert!(dir.join("pid").exists());
 
                 // Without `follow_ms`: one reply, as before.
                 spawn(5, "true", 0, 0);

@@ -232,8 +232,11 @@ pub struct SpawnRequest {
     /// With `follow_ms`: answer `Spawned` only once the process has run this long (at most
     /// [`MAX_WAIT_MS`]) without the follow's `Progress` being due. A process that ends (or
     /// writes output) sooner is answered once: `Progress` with its `pid`, which stands for both
-    /// replies (one reply less to carry for a short command). Its files are written before
-    /// either reply, as without it. 0 (absent): `Spawned` at once. Agents before
+    /// replies (one reply less to carry for a short command). Its `config`, `pid` and index
+    /// entry are written before a reply that tells the pid while the process runs (`Spawned`,
+    /// or a `Progress` without `exit`), and not at all when it ended by its only reply: an
+    /// ended process is not listed, and one without an index entry is not found as one that
+    /// ended is not. 0 (absent): `Spawned` at once, the files written before it. Agents before
     /// [`SPAWNED_WITHIN_SINCE`] cannot parse it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub spawned_within_ms: u64,

@@ -10,6 +10,7 @@
 //! status), then removed by a later `Spawn`: a sandbox that runs many commands does not
 //! accumulate their output.
 
+use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
@@ -274,20 +275,25 @@ impl Agent {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(pid, io);
-        // Written while the process starts, not before: all of it is there before anyone
-        // hears of the pid. (The process runs now: a file that cannot be written is not a
-        // failed start. Its directory and output files were just made, so only a full disk
-        // fails them.)
-        let _ = write_open(&at("config"), config, opened);
-        let _ = write_open(&at("pid"), pid.to_string().as_bytes(), opened);
+        // Its `config`, `pid` and index entry: written while the process starts, not before,
+        // and all there before anyone hears of the pid. (The process runs now: a file that
+        // cannot be written is not a failed start. Its directory and output files were just
+        // made, so only a full disk fails them.) A followed spawn whose `Spawned` is held back
+        // writes them only when the pid is told while the process runs (see below).
         let index_file = index.join(pid.to_string());
-        let _ = write_open(&index_file, req.key.as_bytes(), opened);
+        let recorded = RefCell::new(Vec::new());
+        let record = || {
+            let mut files = recorded.borrow_mut();
+            let _ = write_open(&at("config"), config, &mut files);
+            let _ = write_open(&at("pid"), pid.to_string().as_bytes(), &mut files);
+            let _ = write_open(&index_file, req.key.as_bytes(), &mut files);
+        };
         let key = req.key.clone();
-        let exit_dir = dir.clone();
+        let (exit_dir, exit_index) = (dir.clone(), index_file.clone());
         match copier {
             // Recorded by the reaper as soon as it reaps it: no thread of its own.
             None => self.children.on_exit(pid, status_rx, move |status| {
-                record_exit(pid, Some(status), exit_dir, index_file, key)
+                record_exit(pid, Some(status), exit_dir, exit_index, key)
             }),
             // A terminal's output may still be draining: wait for its copier first.
             Some(done) => {
@@ -296,14 +302,19 @@ impl Agent {
                     .spawn(move || {
                         let status = status_rx.recv().ok();
                         let _ = done.recv_timeout(PTY_DRAIN);
-                        record_exit(pid, status, exit_dir, index_file, key)
+                        record_exit(pid, status, exit_dir, exit_index, key)
                     });
             }
         }
         let answer = match follow {
             Some(f) => {
-                let spawned = || self.reply(id, &Reply::Spawned { pid }, &[]);
-                // Held back for a process that may end soon: then its `Progress` says both.
+                let spawned = || {
+                    record();
+                    self.reply(id, &Reply::Spawned { pid }, &[])
+                };
+                // Held back for a process that may end soon: then its `Progress` says both,
+                // and one that ended by then needs no record (an ended process is not listed,
+                // and one without an index entry is as not found as one that ended).
                 let mut hold =
                     Duration::from_millis(req.spawned_within_ms.min(crate::proto::MAX_WAIT_MS));
                 let env = self.env.read().unwrap_or_else(|p| p.into_inner());
@@ -324,7 +335,10 @@ impl Agent {
                 prune_ended(Instant::now());
                 let (mut reply, body) = f.wait(&out, &err, held, &mut announce);
                 if announce.is_some() {
-                    if let Reply::Progress { pid: p, .. } = &mut reply {
+                    if let Reply::Progress { pid: p, exit, .. } = &mut reply {
+                        if exit.is_none() {
+                            record();
+                        }
                         *p = Some(pid);
                     }
                 }
@@ -332,10 +346,12 @@ impl Agent {
                 (reply, body)
             }
             None => {
+                record();
                 prune_ended(Instant::now());
                 (Reply::Started { pid }, Vec::new())
             }
         };
+        opened.extend(recorded.into_inner());
         opened.extend([out, err]);
         Ok(answer)
     }
