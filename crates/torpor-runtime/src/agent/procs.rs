@@ -473,8 +473,8 @@ impl Follow {
         let mut buf = [0u8; 4096];
         let mut seen = Seen::default();
         let mut until = self.until;
-        // What is queued already (the creation of its `config` and `pid` at least) without a
-        // poll that would answer at once.
+        // What is queued already (its `config` and `pid` when they were written before the
+        // wait, or its first output) without a poll that would answer at once.
         let fd = self.inotify.as_raw_fd();
         super::watch::read_queued(fd, &mut buf, |_, mask, _, name| seen.event(mask, name));
         while seen.exit.is_none() {
