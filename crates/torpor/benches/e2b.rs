@@ -5,6 +5,10 @@
 //!   TORPOR_BENCH_N=50 cargo bench -p torpor --bench e2b
 //!   TORPOR_BENCH_ROWS=run cargo bench -p torpor --bench e2b    (only the `commands.run` rows)
 //!
+//! `TORPOR_BENCH_N` (default 30) is the rounds of the create and connect rows; the
+//! `commands.run` rows take `TORPOR_BENCH_RUN_N` rounds (default the larger of N and 100: they
+//! are cheap, and what they compare is a fraction of a millisecond in a spread of several).
+//!
 //! Rows: `commands.run("true")` vs native exec of the same `bash -l -c true`, and vs the same
 //! in a sandbox whose agent answers a process's start at once (before protocol 7:
 //! `TORPOR_AGENT_BENCH_SPAWNED_AT_ONCE` in its `envs`);
@@ -77,6 +81,10 @@ async fn main() {
         .env("TORPOR_URL", &url)
         .env("TORPOR_TOKEN", &key)
         .env("BENCH_N", &n)
+        .env(
+            "BENCH_RUN_N",
+            std::env::var("TORPOR_BENCH_RUN_N").unwrap_or_default(),
+        )
         .env(
             "BENCH_ROWS",
             std::env::var("TORPOR_BENCH_ROWS").unwrap_or_else(|_| "all".into()),

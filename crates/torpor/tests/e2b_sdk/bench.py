@@ -1,7 +1,9 @@
 """E2B SDK against torpor vs torpor's own API, in the same run, from the same Python process.
 
 Environment: E2B_API_KEY / E2B_API_URL / E2B_SANDBOX_URL (the SDK), TORPOR_URL and
-TORPOR_TOKEN (the native API, same tenant), BENCH_N, BENCH_CREATE_RATES (creates per second for
+TORPOR_TOKEN (the native API, same tenant), BENCH_N (rounds of the create and connect rows),
+BENCH_RUN_N (rounds of the `commands.run` rows: cheap, and their differences are a fraction of a
+millisecond in a spread of several, so at least 100 by default), BENCH_CREATE_RATES (creates per second for
 the create-rate rows, comma-separated, `inf` = all at once; default 1,2,4,inf), BENCH_ROWS
 (`run`: only the `commands.run` rows and the spawn floors; default all). Prints a table and one
 JSON line.
@@ -16,6 +18,7 @@ import httpx
 from e2b import Sandbox
 
 N = int(os.environ.get("BENCH_N", "30"))
+RUN_N = int(os.environ.get("BENCH_RUN_N") or max(N, 100))
 ONLY_RUN = os.environ.get("BENCH_ROWS", "all") == "run"
 url = os.environ["TORPOR_URL"]
 native = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {os.environ['TORPOR_TOKEN']}"}, timeout=120)
@@ -93,7 +96,7 @@ paths = [
     (raw_ms, raw_start),
     (nat_ms, lambda: exec_native(sid, ["/bin/bash", "-l", "-c", "true"])),
 ]
-for i in range(N):
+for i in range(RUN_N):
     for out, f in (paths if i % 2 == 0 else paths[::-1]):
         out.append(ms(f))
 rows.append((
@@ -239,6 +242,6 @@ for r in rate_rows:
     off = r["offered_per_s"] if isinstance(r["offered_per_s"], str) else f"{r['offered_per_s']:g}/s"
     print(f"  {off:14} {r['e2b_p50_ms']:9.1f} {r['e2b_p95_ms']:9.1f} {r['native_base_p50_ms']:9.1f} "
           f"{r['native_base_p95_ms']:9.1f} {r['overhead_p50_ms']:+13.1f}")
-print(json.dumps({"bench": "e2b", "n": N, "rows": out, "create_rates": rate_rows,
+print(json.dumps({"bench": "e2b", "n": N, "run_n": RUN_N, "rows": out, "create_rates": rate_rows,
                   "paired_median_ms": {k: round(v, 3) for k, v in paired.items()},
                   "spawn_floor_p50_ms": {k: round(pct(v, 50), 3) for k, v in floors.items()}}))
