@@ -2061,6 +2061,56 @@ mod reaper_tests {
                 );
                 assert!(dir.join("pid").exists());
 
+                // E2B's layout (the index is the process directories' parent): after a spawn
+                // a spare directory waits in the index, and the next spawn takes it, renamed
+                // into place with its output files and its watch.
+                let e2b_index = tmp.path().join("proc");
+                let spawn_in = |id: u64, script: &str| {
+                    let req = proto::SpawnRequest {
+                        cmd: vec!["/bin/sh".into(), "-c".into(), script.into()],
+                        env: BTreeMap::new(),
+                        cwd: None,
+                        dir: e2b_index.join(format!("k{id}")).to_str().unwrap().into(),
+                        index_dir: e2b_index.to_str().unwrap().into(),
+                        key: format!("key{id}"),
+                        stdin: false,
+                        pty: None,
+                        user: None,
+                        follow_ms: 5_000,
+                        spawned_within_ms: 0,
+                    };
+                    agent.handle(id, Request::Spawn(req), b"{}".to_vec(), None);
+                };
+                let spares = || {
+                    let mut v: Vec<_> = fs::read_dir(&e2b_index)
+                        .unwrap()
+                        .flatten()
+                        .filter(|e| e.file_name().to_string_lossy().starts_with(".spare-"))
+                        .map(|e| e.path())
+                        .collect();
+                    v.sort();
+                    v
+                };
+                spawn_in(20, "echo one");
+                assert!(matches!(next(20).0, Reply::Spawned { .. }));
+                let (second, body) = next(20);
+                assert!(matches!(second, Reply::Progress { exit: Some(0), .. }), "{second:?}");
+                assert_eq!(body, b"one\n");
+                let made = spares();
+                assert_eq!(made.len(), 1, "a spare after the first spawn");
+                spawn_in(21, "echo two >&2; exit 5");
+                assert!(matches!(next(21).0, Reply::Spawned { .. }));
+                let (second, body) = next(21);
+                assert!(
+                    matches!(second, Reply::Progress { exit: Some(5), err_len: 4, .. }),
+                    "the spare's watch followed it: {second:?}"
+                );
+                assert_eq!(body, b"two\n");
+                assert!(!made[0].exists(), "the spare was taken");
+                assert_eq!(fs::read_to_string(e2b_index.join("k21/err")).unwrap(), "two\n");
+                assert!(e2b_index.join("k21/exit-5").exists());
+                assert_eq!(spares().len(), 1, "the next spare");
+
                 // Without `follow_ms`: one reply, as before.
                 spawn(5, "true", 0, 0);
                 assert!(matches!(next(5).0, Reply::Started { .. }));

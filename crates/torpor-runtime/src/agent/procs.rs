@@ -92,11 +92,16 @@ impl Agent {
         held: Option<&dyn super::HeldInput>,
     ) {
         let mut opened = Vec::new();
+        let index = PathBuf::from(&req.index_dir);
+        let spare_in = Path::new(&req.dir).parent() == Some(index.as_path());
         match self.spawn_proc(id, req, config, &mut opened, held) {
             Ok((reply, body)) => self.reply(id, &reply, &body),
             Err(e) => self.reply(id, &e, &[]),
         }
         drop(opened);
+        if spare_in {
+            Spare::make(&index);
+        }
     }
 
     fn spawn_proc(
@@ -112,32 +117,32 @@ impl Agent {
         }
         let dir = PathBuf::from(&req.dir);
         let index = Path::new(&req.index_dir);
-        fs::create_dir_all(&dir).map_err(|e| io_error(&dir, e))?;
-        // E2B's index is the directory's parent, there now (a system call saved per spawn).
-        if dir.parent() != Some(index) {
-            fs::create_dir_all(index).map_err(|e| io_error(index, e))?;
-        }
         let at = |name: &str| dir.join(name);
-        // Readable too: a followed spawn answers their heads ([`Follow`]).
-        let create = |name: &str| {
-            fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(at(name))
-                .map_err(|e| io_error(&at(name), e))
+        let (out, err, watch) = match Spare::take(index, &dir) {
+            Some(made) => made,
+            None => {
+                fs::create_dir_all(&dir).map_err(|e| io_error(&dir, e))?;
+                // E2B's index is the directory's parent, there now (a system call saved).
+                if dir.parent() != Some(index) {
+                    fs::create_dir_all(index).map_err(|e| io_error(index, e))?;
+                }
+                let create =
+                    |name: &str| output_file(&at(name)).map_err(|e| io_error(&at(name), e));
+                (create("out")?, create("err")?, None)
+            }
         };
-        let (out, err) = (create("out")?, create("err")?);
         // Watched from before the process starts, so that none of its writes and not its exit
         // is missed. Without inotify the spawn is answered once, as an unfollowed one.
         let follow = match req.follow_ms {
             0 => None,
-            ms => Follow::new(
-                &dir,
-                Duration::from_millis(ms.min(crate::proto::MAX_WAIT_MS)),
-            )
-            .ok(),
+            ms => watch
+                .map_or_else(|| watch_dir(&dir), Ok)
+                .ok()
+                .map(|inotify| Follow {
+                    inotify,
+                    until: Instant::now()
+                        + Duration::from_millis(ms.min(crate::proto::MAX_WAIT_MS)),
+                }),
         };
         let spawn_err = |e: io::Error| match &req.cwd {
             // A missing working directory is told from a missing program only once a start
@@ -437,28 +442,115 @@ pub(super) struct Follow {
     until: Instant,
 }
 
-impl Follow {
-    fn new(dir: &Path, wait: Duration) -> io::Result<Follow> {
-        use std::os::unix::ffi::OsStrExt as _;
-        let inotify = super::watch::inotify()?;
-        let path = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
-        // SAFETY: a valid inotify descriptor and a NUL-terminated path.
-        let wd = unsafe {
-            libc::inotify_add_watch(
-                inotify.as_raw_fd(),
-                path.as_ptr(),
-                libc::IN_MODIFY | libc::IN_CREATE | libc::IN_ONLYDIR,
-            )
-        };
-        if wd < 0 {
-            return Err(io::Error::last_os_error());
+/// An inotify instance watching process directory `dir` for a [`Follow`]: writes to its
+/// files and what is created in it. The watch goes with the directory if it is renamed.
+fn watch_dir(dir: &Path) -> io::Result<OwnedFd> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let inotify = super::watch::inotify()?;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+    // SAFETY: a valid inotify descriptor and a NUL-terminated path.
+    let wd = unsafe {
+        libc::inotify_add_watch(
+            inotify.as_raw_fd(),
+            path.as_ptr(),
+            libc::IN_MODIFY | libc::IN_CREATE | libc::IN_ONLYDIR,
+        )
+    };
+    if wd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(inotify)
+}
+
+/// A process's output file, new and empty; readable too: a followed spawn answers its head
+/// ([`Follow`]).
+fn output_file(path: &Path) -> io::Result<File> {
+    fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+}
+
+/// A process directory made ahead in an index directory (E2B's layout: the index is the
+/// process directories' parent), with its empty `out` and `err` open and a watch on it. The
+/// next `Spawn` there renames it into place: one system call before its process starts where
+/// making it costs five (`mkdir`, two `open`s, the inotify instance and its watch). The agent
+/// makes the next one after that spawn's last reply.
+struct Spare {
+    index: PathBuf,
+    dir: PathBuf,
+    out: File,
+    err: File,
+    watch: Option<OwnedFd>,
+}
+
+fn spare() -> &'static Mutex<Option<Spare>> {
+    static SPARE: OnceLock<Mutex<Option<Spare>>> = OnceLock::new();
+    SPARE.get_or_init(Default::default)
+}
+
+const SPARE_PREFIX: &str = ".spare-";
+
+impl Spare {
+    /// The spare of `index` renamed to `dir` (a new directory in it): its files and watch.
+    fn take(index: &Path, dir: &Path) -> Option<(File, File, Option<OwnedFd>)> {
+        if dir.parent() != Some(index) {
+            return None;
         }
-        Ok(Follow {
-            inotify,
-            until: Instant::now() + wait,
-        })
+        let s = spare().lock().unwrap_or_else(|p| p.into_inner()).take()?;
+        if s.index != index || fs::rename(&s.dir, dir).is_err() {
+            let _ = fs::remove_dir_all(&s.dir);
+            return None;
+        }
+        Some((s.out, s.err, s.watch))
     }
 
+    /// Makes the spare of `index` unless there is one. The first in this agent's life removes
+    /// what an earlier life left (an agent that rebooted with its files kept).
+    fn make(index: &Path) {
+        static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        if spare().lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+            return;
+        }
+        let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if n == 0 {
+            for e in fs::read_dir(index).into_iter().flatten().flatten() {
+                if e.file_name().to_string_lossy().starts_with(SPARE_PREFIX) {
+                    let _ = fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        let dir = index.join(format!("{SPARE_PREFIX}{n}"));
+        let made = fs::create_dir(&dir).and_then(|()| {
+            Ok(Spare {
+                index: index.to_path_buf(),
+                out: output_file(&dir.join("out"))?,
+                err: output_file(&dir.join("err"))?,
+                watch: watch_dir(&dir).ok(),
+                dir: dir.clone(),
+            })
+        });
+        match made {
+            Ok(s) => {
+                let mut slot = spare().lock().unwrap_or_else(|p| p.into_inner());
+                match slot.as_ref() {
+                    // Another thread made one meanwhile.
+                    Some(_) => {
+                        let _ = fs::remove_dir_all(&dir);
+                    }
+                    None => *slot = Some(s),
+                }
+            }
+            Err(_) => {
+                let _ = fs::remove_dir_all(&dir);
+            }
+        }
+    }
+}
+
+impl Follow {
     /// Waits until the process's exit marker appears, or until it has written output (and
     /// then [`SPAWN_FOLLOW_LINGER_MS`] more for its exit), or until the follow's time is up;
     /// answers `Progress` with what its files hold then. `announce`, a `Spawned` held back
