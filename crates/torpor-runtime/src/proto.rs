@@ -235,8 +235,8 @@ pub struct SpawnRequest {
     /// replies (one reply less to carry for a short command). Its `config`, `pid` and index
     /// entry are written before a reply that tells the pid while the process runs (`Spawned`,
     /// or a `Progress` without `exit`), and not at all when it ended by its only reply: an
-    /// ended process is not listed, and one without an index entry is not found as one that
-    /// ended is not. 0 (absent): `Spawned` at once, the files written before it. Agents before
+    /// ended process is not listed, and one without an index entry is answered not found, as
+    /// one that ended is. 0 (absent): `Spawned` at once, the files written before it. Agents before
     /// [`SPAWNED_WITHIN_SINCE`] cannot parse it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub spawned_within_ms: u64,
