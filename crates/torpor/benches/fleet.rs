@@ -854,14 +854,21 @@ async fn parking() -> serde_json::Value {
     // Wakes per second at 20x: the calls served over the time to the last one served.
     let wakes_per_s = lat.len() as f64 / last_served;
     let ratio = wakes_per_s / bare_rate;
-    // What the node could have served in the budget at the rate it sustained (the workers
-    // free at once, then one wake per hand-off).
-    let servable = ((workers as f64 + wakes_per_s * budget_ms / 1000.0) as usize).min(n);
     let (a50, l50, l99) = (
         pct(&mut alone, 50.0),
         pct(&mut lat, 50.0),
         pct(&mut lat, 99.0),
     );
+    // What the node could have served in the budget at the rate it sustained: the workers free
+    // at once, then one call per hand-off (a victim's checkpoint giving its worker to a parked
+    // call). The hand-off rate counts only the calls served after the free workers, over the
+    // time to the last worker handed out: the last answer less one wake with workers free
+    // (restore + exec; under load it takes longer, so this under-counts the servable calls by
+    // about one). Before 2026-12-06 the rate was `wakes_per_s`, which counts the free workers'
+    // calls as hand-offs too and so added ~`workers` calls the node could never serve.
+    let handoff_span = (last_served - a50 / 1000.0).max(f64::EPSILON);
+    let handoffs_per_s = lat.len().saturating_sub(workers) as f64 / handoff_span;
+    let servable = ((workers as f64 + handoffs_per_s * budget_ms / 1000.0) as usize).min(n);
     println!("\n## parking: {workers} workers, {n} concurrent calls to {n} parked sandboxes, 30 s budget");
     println!("{:<52} {:>10} {:>10}", "", "p50 ms", "p99 ms");
     println!(
@@ -881,7 +888,7 @@ async fn parking() -> serde_json::Value {
         "refused (no_worker_available): exec request to 503", r50, r99
     );
     println!(
-        "served {} of {n} (the node's rate and the budget allow ~{servable}); refused {refused} ({under_100} in under 100 ms, slowest {r_max:.0} ms; {late} of them after parking); timed out after the budget {timed_out}; other failures {failures:?}; parked calls {parked_calls:.0}",
+        "served {} of {n} (the node's hand-off rate and the budget allow ~{servable}; last answer at {last_served:.1} s); refused {refused} ({under_100} in under 100 ms, slowest {r_max:.0} ms; {late} of them after parking); timed out after the budget {timed_out}; other failures {failures:?}; parked calls {parked_calls:.0}",
         lat.len()
     );
     println!("{:<52} {:>10}", "", "wakes/s");
@@ -889,6 +896,10 @@ async fn parking() -> serde_json::Value {
         "{:<52} {:>10.2}",
         format!("torpor at {}x oversubscription", n / workers.max(1)),
         wakes_per_s
+    );
+    println!(
+        "{:<52} {:>10.2}",
+        "  of them hand-offs (after the free workers)", handoffs_per_s
     );
     for (i, l) in levels.iter().enumerate() {
         println!(
@@ -923,7 +934,8 @@ async fn parking() -> serde_json::Value {
         "refused_p50_ms": r50, "refused_p99_ms": r99, "refused_max_ms": r_max,
         "call_p50_ms": l50, "call_p99_ms": l99, "baseline_wake_p50_ms": a50,
         "parked_wait_p50_ms": w50, "parked_wait_p99_ms": w99, "parked_calls": parked_calls,
-        "wakes_per_s": wakes_per_s, "last_served_s": last_served,
+        "wakes_per_s": wakes_per_s, "handoffs_per_s": handoffs_per_s,
+        "last_served_s": last_served,
         "bare_cores": cores, "bare_lanes": capacity.lanes,
         "bare_loops_per_core": capacity.loops_per_core, "bare_levels": bare_levels,
         "bare_pairs_per_lane": pairs, "bare_pairs_per_s": bare_rate,
