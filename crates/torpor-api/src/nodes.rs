@@ -34,6 +34,14 @@ pub struct NodeView {
     /// Where controllers reach it (cluster mode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub addr: Option<String>,
+    /// Starts and checkpoints it runs at once: its cores (cluster mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cores: Option<u32>,
+    /// Thousandths of a core idle on its machine as placement counts it: its last heartbeat's
+    /// figure, less half a core for each sandbox placed on it since (cluster mode; absent when
+    /// it reported none). Placement prefers the worker with the most.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_idle_millicores: Option<u32>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpu_models: Vec<String>,
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
@@ -82,6 +90,8 @@ pub(crate) async fn list(
         resident_memory_bytes: w.resident_memory_bytes,
         last_seen_at: rfc3339(now_millis()),
         addr: None,
+        cores: None,
+        cpu_idle_millicores: None,
         gpu_models: Vec::new(),
         labels: Default::default(),
         gpu_usage: Default::default(),

@@ -6,7 +6,8 @@
 //!   cargo bench -p torpor-cluster --bench placement
 //!   cargo bench -p torpor-cluster --bench placement -- full      (one scenario)
 //!
-//! Scenarios (simulated workers: 16–64 slots, 64–512 GiB, one in 8 with an H200, zones z0–z2):
+//! Scenarios (simulated workers: 16–64 slots, 64–512 GiB, 0–4 cores idle, one in 8 with an H200,
+//! zones z0–z2):
 //! - spread: every worker up to half busy; needs: 70% plain (1–8 GiB), 15% H200, 15% one zone.
 //! - full: the same with 90% of workers full (every slot busy).
 //! - rare-label: 1% of workers carry `pool=rare`, every need asks for it (the label's own set
@@ -20,7 +21,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use serde_json::json;
-use torpor_cluster::placement::{Capacity, Load, Need, Placement, WorkerState};
+use torpor_cluster::placement::{Capacity, Load, Need, Placement, WorkerState, CPU_STEP_MILLI};
 
 const GIB: u64 = 1 << 30;
 const SIZES: [usize; 5] = [10, 100, 1_000, 10_000, 100_000];
@@ -86,6 +87,7 @@ fn fleet(n: usize, scenario: Scenario, rng: &mut Rng) -> Vec<Worker> {
                 load: Load {
                     busy,
                     reserved_memory: memory_budget / u64::from(slots) * u64::from(busy),
+                    cpu_idle_milli: Some(rng.below(4001) as u32),
                 },
                 cap: Capacity {
                     slots,
@@ -139,8 +141,8 @@ fn needs(scenario: Scenario, rng: &mut Rng) -> Vec<Need> {
         .collect()
 }
 
-/// A candidate's rank: free slots, free memory, then the smaller name.
-type Rank<'a> = (u32, u64, Reverse<&'a str>);
+/// A candidate's rank: idle CPU steps, free slots, free memory, then the smaller name.
+type Rank<'a> = (u32, u32, u64, Reverse<&'a str>);
 
 /// The baseline: look at every worker, keep the best that fits (same order as the index).
 fn scan_choose(workers: &[Worker], need: &Need) -> Option<usize> {
@@ -162,12 +164,23 @@ fn scan_choose(workers: &[Worker], need: &Need) -> Option<usize> {
         {
             continue;
         }
-        let key = (free_slots, free_memory, Reverse(w.name.as_str()));
+        let idle = w.load.cpu_idle_milli.unwrap_or(w.cap.cores.max(1) * 1000);
+        let key = (
+            idle / CPU_STEP_MILLI,
+            free_slots,
+            free_memory,
+            Reverse(w.name.as_str()),
+        );
         if best.as_ref().is_none_or(|(_, b)| key > *b) {
             best = Some((i, key));
         }
     }
     best.map(|(i, _)| i)
+}
+
+/// A worker's place in the fleet, from its name (`w000042`).
+fn worker_at(name: &str) -> usize {
+    name[1..].parse().expect("a fleet name")
 }
 
 struct Row {
@@ -210,6 +223,9 @@ fn run(scenario: Scenario, n: usize) -> Row {
             considered += c.considered;
             placed += 1;
             index.release(black_box(&c.worker), need.memory);
+            // A placement takes CPU off its worker until its next report (which the scan has
+            // no need of): report it back, so every call sees the same fleet.
+            index.report(&c.worker, workers[worker_at(&c.worker)].load);
         }
     }
     let index_ns = start.elapsed().as_nanos() as f64 / INDEX_CALLS as f64;

@@ -105,6 +105,11 @@ pub struct NodeStatus {
     pub busy: u32,
     pub memory_budget_bytes: u64,
     pub resident_memory_bytes: u64,
+    /// Starts and checkpoints it runs at once: its cores.
+    pub cores: u32,
+    /// Thousandths of a core idle as placement counts it: its last report, less what was
+    /// placed on it since (`None`: it reported none).
+    pub cpu_idle_milli: Option<u32>,
     pub gpu_models: Vec<String>,
     pub labels: std::collections::BTreeMap<String, String>,
     /// What each tenant holds of its GPUs, as it last said.
@@ -790,6 +795,8 @@ impl Fleet {
                     busy: load.busy,
                     memory_budget_bytes: cap.memory_budget,
                     resident_memory_bytes: load.reserved_memory,
+                    cores: cap.cores,
+                    cpu_idle_milli: load.cpu_idle_milli,
                     gpu_models: cap.gpu_models,
                     labels: cap.labels,
                     gpu_usage: w.remote.gpu_usage(),
@@ -1181,6 +1188,7 @@ impl Fleet {
             Load {
                 busy: req.busy.max(reserved),
                 reserved_memory: req.resident_memory,
+                cpu_idle_milli: req.cpu_idle_milli,
             },
         );
         if others_changed {

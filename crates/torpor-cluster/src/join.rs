@@ -207,6 +207,9 @@ async fn follow(
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut draining = false;
+        // The machine's idle CPU since the previous heartbeat to this controller.
+        let mut cpu = crate::cpu::IdleCpu::new();
+        cpu.sample();
         // Fence orders carried out, said in the heartbeats until one reaches the controller.
         let mut fenced: Vec<String> = Vec::new();
         loop {
@@ -226,6 +229,7 @@ async fn follow(
                 gpu_usage: crate::server::gpu_usage_to_pb(&usage),
                 gpu_usage_seq,
                 fenced: fenced.clone(),
+                cpu_idle_milli: cpu.sample(),
             };
             match client.clone().heartbeat(call(beat, cfg.deadline)).await {
                 Ok(r) => {

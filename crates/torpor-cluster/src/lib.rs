@@ -17,6 +17,7 @@
 pub mod ca;
 pub mod client;
 mod convert;
+pub mod cpu;
 pub mod drains;
 pub mod fence;
 pub mod fleet;

@@ -20,20 +20,35 @@
 //!   (`memory_budget - reserved_memory`), the GPU model `need.gpu_model` names (if any) among its
 //!   `gpu_models`, and every `need.labels` pair among its labels.
 //! - `prefer` (the worker that still holds the sandbox's local image) wins when it fits.
-//! - Otherwise the fitting worker with the most free slots wins; ties go to the most free
-//!   memory, then to the smallest name. The choice is fully determined, so a linear scan with
-//!   the same order picks the same worker (the tests check exactly that).
+//! - Otherwise the fitting worker with the most idle CPU wins, counted in steps of
+//!   [`CPU_STEP_MILLI`] (a quarter core) so that the noise between two heartbeats does not
+//!   reorder workers; ties go to the most free slots, then the most free memory, then the
+//!   smallest name. The choice is fully determined, so a linear scan with the same order picks
+//!   the same worker (the tests check exactly that).
+//!
+//! # Load
+//!
+//! A slot counts a resident sandbox whether it burns its cores or sleeps frozen, so free
+//! slots alone send new sandboxes to a worker whose few sandboxes keep every core busy. Idle
+//! CPU is what a wake needs first (a restore is CPU-bound) and what the woken agent runs on:
+//! each worker says in its heartbeats how many thousandths of a core were idle over the last
+//! interval ([`Load::cpu_idle_milli`], the whole machine's, from `/proc/stat`). Between two
+//! heartbeats every placement on a worker takes [`START_CPU_MILLI`] off it, so a burst of
+//! starts spreads over the workers of equal headroom instead of all landing on the one that
+//! looked idlest at the last report; the next report replaces the estimate with the truth. A
+//! worker that reports no CPU figure (an older version) counts as every core idle, and its
+//! placements take nothing off: among such workers free slots decide, as before.
 //!
 //! # Cost
 //!
 //! Ready workers with a free slot sit in ordered sets keyed by
-//! `(free slots desc, free memory desc, name)`: one for the whole fleet, one per GPU model and
+//! `(idle CPU steps desc, free slots desc, free memory desc, name)`: one for the whole fleet, one per GPU model and
 //! one per label (`key=value`). A choice walks the smallest set the need names (the fleet's when
 //! it names none) from its best end and stops at the first fit, so it examines only the
 //! candidates it skips (those short of memory or lacking the need's other labels or GPU), never
 //! the full or draining part of the fleet; a GPU model or label no candidate has answers at once.
-//! Within a run of equal free slots memory is descending, so one worker short of memory skips the
-//! rest of its run with one seek. [`Choice::considered`] reports how many workers were examined.
+//! Within a run of equal CPU steps and free slots memory is descending, so one worker short of
+//! memory skips the rest of its run with one seek. [`Choice::considered`] reports how many workers were examined.
 //! Every mutation takes a worker's keys out, changes it and puts the new keys back.
 
 use std::cmp::Reverse;
@@ -115,6 +130,26 @@ pub struct Load {
     pub busy: u32,
     /// Bytes of memory reserved by its sandboxes.
     pub reserved_memory: u64,
+    /// Thousandths of a core idle over its last heartbeat interval, less [`START_CPU_MILLI`]
+    /// for each placement on it since; `None`: not reported (counted as every core idle).
+    #[serde(default)]
+    pub cpu_idle_milli: Option<u32>,
+}
+
+/// Idle CPU is ranked in steps of this many thousandths of a core (see the module doc).
+pub const CPU_STEP_MILLI: u32 = 250;
+
+/// What a placement takes off a worker's idle CPU until its next report: a start keeps about
+/// one core busy for a few hundred milliseconds (a restore), then its agent runs.
+pub const START_CPU_MILLI: u32 = 500;
+
+/// A worker's idle CPU in [`CPU_STEP_MILLI`] steps; every core (at least one) when it reported
+/// none.
+fn cpu_steps(cap: &Capacity, load: &Load) -> u32 {
+    let idle = load
+        .cpu_idle_milli
+        .unwrap_or_else(|| cap.cores.max(1).saturating_mul(1000));
+    idle / CPU_STEP_MILLI
 }
 
 /// A [`Need::gpu_model`] that any worker with at least one GPU meets.
@@ -149,9 +184,10 @@ pub struct Choice {
     pub considered: usize,
 }
 
-/// An index entry: sorts the best candidate first (most free slots, most free memory, name).
-/// The name is shared with the worker's record, so a key costs no allocation.
-type Key = (Reverse<u32>, Reverse<u64>, Arc<str>);
+/// An index entry: sorts the best candidate first (most idle CPU steps, most free slots, most
+/// free memory, name). The name is shared with the worker's record, so a key costs no
+/// allocation.
+type Key = (Reverse<u32>, Reverse<u32>, Reverse<u64>, Arc<str>);
 
 #[derive(Debug, Clone)]
 struct Worker {
@@ -172,11 +208,17 @@ impl Worker {
             .saturating_sub(self.load.reserved_memory)
     }
 
+    /// Its idle CPU in [`CPU_STEP_MILLI`] steps; every core when it reported none.
+    fn cpu_steps(&self) -> u32 {
+        cpu_steps(&self.cap, &self.load)
+    }
+
     /// Its index key, when it can take a sandbox at all.
     fn key(&self) -> Option<Key> {
         let slots = self.free_slots();
         (self.state == WorkerState::Ready && slots > 0).then(|| {
             (
+                Reverse(self.cpu_steps()),
                 Reverse(slots),
                 Reverse(self.free_memory()),
                 self.name.clone(),
@@ -341,12 +383,21 @@ impl Placement {
 
     /// Replaces a worker's load with what it reported (no-op for an unknown name). A report may
     /// say more than its capacity (it is the truth); the worker then has no free slot or memory.
+    /// Its idle CPU is held to the cores it registered (at least one): a worker cannot draw
+    /// every new sandbox to itself by claiming more.
     pub fn report(&mut self, name: &str, load: Load) {
-        self.update(name, |w| w.load = load);
+        self.update(name, |w| {
+            let most = w.cap.cores.max(1).saturating_mul(1000);
+            w.load = Load {
+                cpu_idle_milli: load.cpu_idle_milli.map(|idle| idle.min(most)),
+                ..load
+            };
+        });
     }
 
     /// The worker for `need`, without reserving anything. `prefer` wins when it fits; else the
-    /// fitting worker with the most free slots, then the most free memory, then the smallest name.
+    /// fitting worker with the most idle CPU steps, then the most free slots, then the most free
+    /// memory, then the smallest name.
     pub fn choose(&self, need: &Need, prefer: Option<&str>) -> Option<Choice> {
         let mut considered = 0;
         if let Some(w) = prefer.and_then(|p| self.workers.get(p)) {
@@ -361,14 +412,24 @@ impl Placement {
         let set = self.index.candidates(need)?;
         let mut from = Bound::Unbounded;
         'seek: loop {
-            for (Reverse(slots), Reverse(memory), name) in set.range((from, Bound::Unbounded)) {
+            for (Reverse(cpu), Reverse(slots), Reverse(memory), name) in
+                set.range((from, Bound::Unbounded))
+            {
                 considered += 1;
                 if *memory < need.memory {
-                    // The rest of this run of equal free slots has no more memory: skip it.
-                    if *slots <= 1 {
-                        return None;
-                    }
-                    from = Bound::Included((Reverse(*slots - 1), Reverse(u64::MAX), Arc::from("")));
+                    // The rest of this run of equal CPU steps and free slots has no more
+                    // memory: skip to the next run.
+                    let (cpu, slots) = match (*cpu, *slots) {
+                        (cpu, slots) if slots > 1 => (cpu, slots - 1),
+                        (cpu, _) if cpu > 0 => (cpu - 1, u32::MAX),
+                        _ => return None,
+                    };
+                    from = Bound::Included((
+                        Reverse(cpu),
+                        Reverse(slots),
+                        Reverse(u64::MAX),
+                        Arc::from(""),
+                    ));
                     continue 'seek;
                 }
                 // Indexed means Ready with a free slot; the set covers one label or the model.
@@ -384,7 +445,8 @@ impl Placement {
         }
     }
 
-    /// Takes one slot and `memory` bytes on a Ready worker if both are free; false (and nothing
+    /// Takes one slot and `memory` bytes on a Ready worker if both are free, and
+    /// [`START_CPU_MILLI`] off its reported idle CPU until its next report; false (and nothing
     /// taken) otherwise, or for an unknown name.
     pub fn reserve(&mut self, name: &str, memory: u64) -> bool {
         self.update(name, |w| {
@@ -393,6 +455,10 @@ impl Placement {
             if fits {
                 w.load.busy += 1;
                 w.load.reserved_memory += memory;
+                w.load.cpu_idle_milli = w
+                    .load
+                    .cpu_idle_milli
+                    .map(|idle| idle.saturating_sub(START_CPU_MILLI));
             }
             fits
         })
@@ -576,6 +642,7 @@ mod tests {
             Load {
                 busy: 2,
                 reserved_memory: 0,
+                ..Load::default()
             },
         );
         assert_eq!(chosen(&p, &need(1), Some("small")).as_deref(), Some("big"));
@@ -586,6 +653,99 @@ mod tests {
         // Unknown: spread, and it was not examined.
         let c = p.choose(&need(1), Some("gone")).unwrap();
         assert_eq!((c.worker.as_str(), c.considered), ("big", 1));
+    }
+
+    fn cores(slots: u32, memory_gib: u64, cores: u32) -> Capacity {
+        Capacity {
+            cores,
+            ..cap(slots, memory_gib)
+        }
+    }
+
+    fn idle(busy: u32, cpu_idle_milli: u32) -> Load {
+        Load {
+            busy,
+            reserved_memory: 0,
+            cpu_idle_milli: Some(cpu_idle_milli),
+        }
+    }
+
+    #[test]
+    fn a_worker_with_idle_cores_wins_over_one_with_more_free_slots_and_busy_cores() {
+        let mut p = Placement::new();
+        p.upsert("busy", cores(16, 64, 4));
+        p.upsert("calm", cores(4, 16, 4));
+        // busy: 2 sandboxes keep 3.5 of its 4 cores busy; calm: 3 frozen ones, every core idle.
+        p.report("busy", idle(2, 500));
+        p.report("calm", idle(3, 4000));
+        assert_eq!(chosen(&p, &need(1), None).as_deref(), Some("calm"));
+        // Within the same quarter core, free slots decide again.
+        p.report("busy", idle(2, 3750));
+        p.report("calm", idle(3, 3999));
+        assert_eq!(chosen(&p, &need(1), None).as_deref(), Some("busy"));
+        p.report("busy", idle(2, 3749));
+        assert_eq!(chosen(&p, &need(1), None).as_deref(), Some("calm"));
+        // A worker that says nothing of its CPU counts as every core idle.
+        p.report(
+            "busy",
+            Load {
+                busy: 2,
+                ..Load::default()
+            },
+        );
+        assert_eq!(chosen(&p, &need(1), None).as_deref(), Some("busy"));
+        // The memory a need asks for still rules out the idlest worker.
+        p.report("busy", idle(2, 500));
+        assert_eq!(chosen(&p, &need(20), None).as_deref(), Some("busy"));
+        // Idle CPU is held to the cores a worker registered: claiming more draws nothing.
+        p.report("busy", idle(2, 4000));
+        p.report("calm", idle(3, 40_000));
+        assert_eq!(p.get("calm").unwrap().1.cpu_idle_milli, Some(4000));
+        assert_eq!(chosen(&p, &need(1), None).as_deref(), Some("busy"));
+        // And a worker with no free slot is not a candidate however idle.
+        p.report("calm", idle(4, 4000));
+        assert_eq!(chosen(&p, &need(1), None).as_deref(), Some("busy"));
+    }
+
+    #[test]
+    fn placements_between_two_heartbeats_spread_over_workers_of_equal_headroom() {
+        let mut p = Placement::new();
+        p.upsert("a", cores(8, 64, 2));
+        p.upsert("b", cores(4, 64, 2));
+        p.report("a", idle(0, 2000));
+        p.report("b", idle(0, 2000));
+        // Each start takes half a core off its worker until the next report, so a burst
+        // alternates instead of filling the worker with the most free slots first.
+        let order: Vec<String> = (0..4)
+            .map(|_| p.place(&need(1), None).unwrap().worker)
+            .collect();
+        assert_eq!(order, ["a", "b", "a", "b"]);
+        assert_eq!(p.get("a").unwrap().1.cpu_idle_milli, Some(1000));
+        // The next report is the truth again.
+        p.report("a", idle(2, 1900));
+        p.report("b", idle(2, 600));
+        assert_eq!(p.place(&need(1), None).unwrap().worker, "a");
+        // Without CPU reports, free slots decide as before: a has 6 free, b 2.
+        p.report(
+            "a",
+            Load {
+                busy: 3,
+                ..Load::default()
+            },
+        );
+        p.report(
+            "b",
+            Load {
+                busy: 2,
+                ..Load::default()
+            },
+        );
+        let order: Vec<String> = (0..3)
+            .map(|_| p.place(&need(1), None).unwrap().worker)
+            .collect();
+        assert_eq!(order, ["a", "a", "a"]);
+        assert_eq!(p.get("a").unwrap().1.cpu_idle_milli, None);
+        p.check_invariants().unwrap();
     }
 
     #[test]
@@ -675,7 +835,8 @@ mod tests {
             p.get("w").unwrap().1,
             Load {
                 busy: 1,
-                reserved_memory: 6 * GIB
+                reserved_memory: 6 * GIB,
+                ..Load::default()
             },
             "a refused reservation takes nothing"
         );
@@ -688,7 +849,8 @@ mod tests {
             p.get("w").unwrap().1,
             Load {
                 busy: 3,
-                reserved_memory: 10 * GIB
+                reserved_memory: 10 * GIB,
+                ..Load::default()
             }
         );
         assert_eq!(p.place(&need(0), None), None);
@@ -742,6 +904,7 @@ mod tests {
             Load {
                 busy: 1,
                 reserved_memory: 1,
+                ..Load::default()
             },
         );
         p.remove("ghost");
@@ -789,6 +952,7 @@ mod tests {
             Load {
                 busy: 5,
                 reserved_memory: 9 * GIB,
+                ..Load::default()
             },
         );
         assert_eq!(chosen(&p, &need(0), None), None);
@@ -812,6 +976,7 @@ mod tests {
                 Load {
                     busy: 8,
                     reserved_memory: 0,
+                    ..Load::default()
                 },
             );
         }
@@ -914,17 +1079,20 @@ mod tests {
         (
             0u32..5,
             0u64..12,
+            0u32..4,
             proptest::sample::subsequence(MODELS.to_vec(), 0..=2),
             proptest::option::of(prop_oneof!["x", "y"]),
             proptest::option::of(prop_oneof!["1", "2"]),
         )
-            .prop_map(|(slots, memory_budget, models, zone, rack)| Capacity {
-                slots,
-                memory_budget,
-                cores: 2,
-                gpu_models: models.into_iter().map(String::from).collect(),
-                labels: labels(zone, rack),
-            })
+            .prop_map(
+                |(slots, memory_budget, cores, models, zone, rack)| Capacity {
+                    slots,
+                    memory_budget,
+                    cores,
+                    gpu_models: models.into_iter().map(String::from).collect(),
+                    labels: labels(zone, rack),
+                },
+            )
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -947,9 +1115,11 @@ mod tests {
             });
         prop_oneof![
             3 => (name.clone(), capacity()).prop_map(|(n, c)| Op::Upsert(n, c)),
-            1 => (name.clone(), 0u32..6, 0u64..14).prop_map(|(n, busy, reserved_memory)| {
-                Op::Report(n, Load { busy, reserved_memory })
-            }),
+            1 => (name.clone(), 0u32..6, 0u64..14, proptest::option::of(0u32..2600)).prop_map(
+                |(n, busy, reserved_memory, cpu_idle_milli)| {
+                    Op::Report(n, Load { busy, reserved_memory, cpu_idle_milli })
+                }
+            ),
             1 => (name.clone(), state).prop_map(|(n, s)| Op::State(n, s)),
             1 => name.clone().prop_map(Op::Remove),
             2 => (name.clone(), 0u64..6).prop_map(|(n, m)| Op::Reserve(n, m)),
@@ -985,7 +1155,9 @@ mod tests {
                 .iter()
                 .filter(|(n, _)| self.fits(n, need))
                 .max_by_key(|(n, (c, l, _))| {
+                    let idle = l.cpu_idle_milli.unwrap_or(c.cores.max(1) * 1000);
                     (
+                        idle / CPU_STEP_MILLI,
                         c.slots - l.busy,
                         c.memory_budget.saturating_sub(l.reserved_memory),
                         Reverse(n.as_str()),
@@ -1006,6 +1178,7 @@ mod tests {
                 let l = &mut self.0.get_mut(name).unwrap().1;
                 l.busy += 1;
                 l.reserved_memory += memory;
+                l.cpu_idle_milli = l.cpu_idle_milli.map(|c| c.saturating_sub(START_CPU_MILLI));
             }
             fits
         }
@@ -1029,7 +1202,8 @@ mod tests {
                     Op::Report(n, l) => {
                         p.report(NAMES[n], l);
                         if let Some(e) = m.0.get_mut(NAMES[n]) {
-                            e.1 = l;
+                            let most = e.0.cores.max(1) * 1000;
+                            e.1 = Load { cpu_idle_milli: l.cpu_idle_milli.map(|c| c.min(most)), ..l };
                         }
                     }
                     Op::State(n, s) => {

@@ -531,6 +531,8 @@ fn view(n: torpor_cluster::NodeStatus) -> torpor_api::nodes::NodeView {
         resident_memory_bytes: n.resident_memory_bytes,
         last_seen_at: torpor_api::types::rfc3339(n.last_seen_at as i64),
         addr: Some(n.addr),
+        cores: Some(n.cores),
+        cpu_idle_millicores: n.cpu_idle_milli,
         gpu_models: n.gpu_models,
         labels: n.labels,
         gpu_usage: n

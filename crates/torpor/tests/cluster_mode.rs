@@ -79,6 +79,18 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
         assert_eq!(n["memory_budget_bytes"], 2u64 << 30, "{n}");
         assert!(n["last_seen_at"].as_str().unwrap().ends_with('Z'), "{n}");
     }
+    // From their second heartbeat on, workers say how much of their machine's CPU is idle
+    // (placement ranks them by it); never more than the cores they registered.
+    let nodes = controller
+        .wait_nodes("every worker's idle CPU", |n| {
+            n.iter().all(|w| w["cpu_idle_millicores"].is_u64())
+        })
+        .await;
+    for n in &nodes {
+        let cores = n["cores"].as_u64().expect("cores");
+        assert!(cores >= 1, "{n}");
+        assert!(n["cpu_idle_millicores"].as_u64().unwrap() <= cores * 1000, "{n}");
+    }
 
     // The built-in template is built on a worker once one joined.
     controller.wait_host_template().await;

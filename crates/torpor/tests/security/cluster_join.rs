@@ -235,6 +235,7 @@ async fn heartbeat(
         gpu_usage: Default::default(),
         gpu_usage_seq: 0,
         fenced: Vec::new(),
+        cpu_idle_milli: None,
     }))
     .await
     .map(|r| r.into_inner())
