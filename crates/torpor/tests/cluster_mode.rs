@@ -89,7 +89,10 @@ async fn a_sandbox_moves_between_workers_survives_a_lost_worker_and_strangers_ca
     for n in &nodes {
         let cores = n["cores"].as_u64().expect("cores");
         assert!(cores >= 1, "{n}");
-        assert!(n["cpu_idle_millicores"].as_u64().unwrap() <= cores * 1000, "{n}");
+        assert!(
+            n["cpu_idle_millicores"].as_u64().unwrap() <= cores * 1000,
+            "{n}"
+        );
     }
 
     // The built-in template is built on a worker once one joined.

@@ -228,6 +228,15 @@ async fn heartbeat(
     c: &mut ClusterClient<Channel>,
     run_id: &str,
 ) -> Result<HeartbeatReply, tonic::Status> {
+    heartbeat_saying(c, run_id, None).await
+}
+
+/// A heartbeat that says `cpu_idle_milli` of the worker's CPU is idle.
+async fn heartbeat_saying(
+    c: &mut ClusterClient<Channel>,
+    run_id: &str,
+    cpu_idle_milli: Option<u32>,
+) -> Result<HeartbeatReply, tonic::Status> {
     c.heartbeat(call(HeartbeatRequest {
         run_id: run_id.to_string(),
         busy: 0,
@@ -235,7 +244,7 @@ async fn heartbeat(
         gpu_usage: Default::default(),
         gpu_usage_seq: 0,
         fenced: Vec::new(),
-        cpu_idle_milli: None,
+        cpu_idle_milli,
     }))
     .await
     .map(|r| r.into_inner())
@@ -563,6 +572,22 @@ async fn a_worker_claiming_a_huge_machine_counts_for_a_bounded_one() {
     assert_eq!(
         rig.ctl.fleet.capacity().borrow().cores,
         torpor_cluster::fleet::MAX_WORKER_CORES as usize
+    );
+    // Nor can it claim more idle CPU than those cores to draw every new sandbox to itself
+    // (placement ranks workers by idle CPU first): the claim is held to what it registered.
+    heartbeat_saying(&mut as_w1, "run-1", Some(u32::MAX))
+        .await
+        .unwrap();
+    let w = rig
+        .ctl
+        .fleet
+        .nodes()
+        .into_iter()
+        .find(|n| n.name == "w1")
+        .unwrap();
+    assert_eq!(
+        w.cpu_idle_milli,
+        Some(torpor_cluster::fleet::MAX_WORKER_CORES * 1000)
     );
 }
 
