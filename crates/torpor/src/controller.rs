@@ -83,11 +83,13 @@ pub struct ControllerArgs {
     /// to wake (a checkpoint and a restore per agent).
     #[arg(long, value_enum, default_value_t = PoolHandOver::Pass)]
     pool_hand_over: PoolHandOver,
-    /// Whether this controller, holding at least two running sandboxes more than its share
-    /// (the running sandboxes over the live controllers, rounded up), passes its idlest to
-    /// controllers under theirs as they run (a few each heartbeat; none in use, no pool agent, and only
-    /// to a controller alive for longer than --worker-lost-after-ms), so that the holders'
-    /// work spreads out again after a rolling upgrade or a scale-out.
+    /// Whether this controller, holding at least two busy sandboxes (a call within
+    /// --controller-lost-after-ms) more than its share of the busy ones, or two running
+    /// sandboxes more than its share of all (each: over the live controllers, rounded up),
+    /// passes busy ones, then its idlest, to controllers under theirs as they run (a few each
+    /// heartbeat; none in use, no pool agent, and only to a controller alive for longer than
+    /// --worker-lost-after-ms), so that the holders' work spreads out again after a rolling
+    /// upgrade or a scale-out.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     balance_sandboxes: bool,
     /// Silence after which the other controllers count this one lost and take its sandboxes

@@ -893,22 +893,36 @@ async fn two_by_two(
     Controller,
     Vec<Worker>,
 )> {
-    let (database, tmp) = setup(prefix, &["c1", "c2"], &["w1", "w2"]).await?;
+    two_controllers_and(prefix, &["w1", "w2"]).await
+}
+
+/// Two controllers and `workers` (two slots each), every worker joined to both and ready.
+async fn two_controllers_and(
+    prefix: &str,
+    workers: &[&str],
+) -> Option<(
+    tempfile::TempDir,
+    String,
+    Controller,
+    Controller,
+    Vec<Worker>,
+)> {
+    let (database, tmp) = setup(prefix, &["c1", "c2"], workers).await?;
     let dir = tmp.path();
     let c1 = Controller::start_as(dir, &database, "c1").await;
     let c2 = Controller::start_as(dir, &database, "c2").await;
     let both = format!("{},{}", c1.cluster, c2.cluster);
-    let workers: Vec<Worker> = ["w1", "w2"]
+    let started: Vec<Worker> = workers
         .iter()
         .map(|w| Worker::start(dir, w, w, &both))
         .collect();
     for c in [&c1, &c2] {
-        c.wait_nodes("both workers ready on each controller", |n| {
-            ["w1", "w2"].iter().all(|w| state_of(n, w) == Some("ready"))
+        c.wait_nodes("every worker ready on each controller", |n| {
+            workers.iter().all(|w| state_of(n, w) == Some("ready"))
         })
         .await;
     }
-    Some((tmp, database, c1, c2, workers))
+    Some((tmp, database, c1, c2, started))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -2622,6 +2636,112 @@ async fn running_sandboxes_spread_over_the_controllers_as_they_run() {
         "{}",
         c1.log()
     );
+}
+
+/// Balancing weighs load before numbers: with the sandboxes evenly held by number, the busy
+/// ones (a call within the controller-lost silence) still spread. c1 holds six sandboxes, four
+/// of them taking calls all along; when c2 joins, counting alone would pass c1's three idlest
+/// (the two idle ones and one busy); weighing load, c2 takes two of the busy ones and c1 keeps
+/// the idle ones: two busy on each, every state intact, nothing checkpointed, and it stays so
+/// while the calls go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn busy_sandboxes_spread_over_the_controllers_before_idle_ones() {
+    // Three workers of two slots: room for all six at once.
+    let Some((_tmp, _, c1, mut c2, _workers)) =
+        two_controllers_and("torpor-balance-load-", &["w1", "w2", "w3"]).await
+    else {
+        return;
+    };
+    c1.wait_host_template().await;
+    c2.terminate().await;
+    let mut ids = Vec::new();
+    for _ in 0..6 {
+        ids.push(c1.create_with_state().await);
+    }
+    let (busy, idle) = ids.split_at(4);
+    // Calls to the busy four through c1, one every 100 ms in turn, until the test ends.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let caller = tokio::spawn(keep_calling(c1.api.clone(), busy.to_vec(), stop.clone()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let checkpoints = "torpor_checkpoint_seconds_count{outcome=\"ok\"}";
+    let before = c1.metric(checkpoints).await;
+    c2.kill_and_restart().await;
+    let on = |held: &[String], c: &str| held.iter().filter(|h| *h == c).count();
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let (b, i) = (holders(&c1, busy).await, holders(&c1, idle).await);
+        if caller.is_finished() {
+            let failed = caller.await.unwrap().unwrap_err();
+            panic!("{failed}\nc1: {}\nc2: {}", c1.log(), c2.log());
+        }
+        if on(&b, "c2") == 2 && on(&b, "c1") == 2 {
+            assert_eq!(
+                on(&i, "c1"),
+                2,
+                "the idle ones stay: busy {b:?}, idle {i:?}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "busy ones not spread: busy {b:?}, idle {i:?}\n{}",
+            c1.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Balanced, it stays so while the calls go on: nothing moves back and forth.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (b, i) = (holders(&c1, busy).await, holders(&c1, idle).await);
+    assert_eq!(
+        (on(&b, "c2"), on(&i, "c2")),
+        (2, 0),
+        "busy {b:?}, idle {i:?}"
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let calls = match caller.await.unwrap() {
+        Ok(calls) => calls,
+        Err(failed) => panic!("{failed}\nc1: {}\nc2: {}", c1.log(), c2.log()),
+    };
+    assert!(calls > 40, "the busy ones took calls all along: {calls}");
+    for id in &ids {
+        assert_eq!(
+            c2.exec(id, CHECK).await,
+            "disk-1\nmem-1\nprocess-alive\n",
+            "{id}"
+        );
+        let sb = c1.sandbox(id).await;
+        assert!(sb["last_error"].is_null(), "nothing was lost: {sb}");
+    }
+    assert_eq!(c1.metric(checkpoints).await, before, "{}", c1.log());
+}
+
+/// Runs `true` in each of `ids` in turn through the API at `api`, one call every 100 ms, until
+/// `stop`: the calls made, or the first that failed.
+async fn keep_calling(
+    api: String,
+    ids: Vec<String>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Result<usize, String> {
+    let client = reqwest::Client::new();
+    let mut calls = 0;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let id = &ids[calls % ids.len()];
+        let r = client
+            .post(format!("http://{api}/v1/sandboxes/{id}/exec"))
+            .bearer_auth(TOKEN)
+            .json(&json!({"cmd": ["true"]}))
+            .send()
+            .await
+            .unwrap();
+        let status = r.status();
+        let body = r.text().await.unwrap_or_default();
+        if !status.is_success() {
+            return Err(format!("call {calls} to {id}: {status} {body}"));
+        }
+        calls += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(calls)
 }
 
 /// The controller each of `ids` names, read through `c` (`-` for none).

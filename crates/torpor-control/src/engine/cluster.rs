@@ -46,6 +46,17 @@ pub fn pool_lease(tenant: &TenantId, name: &str) -> String {
 /// How many resident sandboxes a controller over its share passes on per heartbeat period.
 const BALANCE_BATCH: usize = 4;
 
+/// A controller's resident sandboxes, and those of them a call used lately.
+#[derive(Debug, Clone, Copy, Default)]
+struct Holds {
+    all: usize,
+    busy: usize,
+}
+
+fn is_resident(r: &SandboxRecord) -> bool {
+    matches!(r.state, SandboxState::Running | SandboxState::Frozen)
+}
+
 /// The controller with the most room left (among equals the first name), its room taken by
 /// one; `None` when none has room.
 fn take_most_room(room: &mut std::collections::BTreeMap<&str, usize>) -> Option<String> {
@@ -595,11 +606,18 @@ impl Engine {
     }
 
     /// Spreads the resident sandboxes over the live controllers (from the idle policy, once per
-    /// heartbeat period; `records`: the awake sandboxes it read): a controller holding at
-    /// least two more than its share (the resident sandboxes over the live controllers, rounded
-    /// up; one over moves nothing, so small clusters do not churn) passes its idlest, up to
-    /// [`BALANCE_BATCH`] a period and down to its share, to the controllers with the most room
-    /// under theirs, as they run ([`Engine::pass_hold`]). Left out: pool agents (they go with their pool's
+    /// heartbeat period; `records`: the awake sandboxes it read), their load first, then their
+    /// number. A sandbox is *busy* when a call used it within the controller-lost silence (its
+    /// record's `last_active_at`, which every holder writes at its policy ticks); the holder
+    /// relays every agent call of its sandboxes, so busy ones are what a controller's load is.
+    /// Both rules have the same shape: a controller holding at least two more than its share
+    /// (the cluster's count over the live controllers, rounded up; one over moves nothing, so
+    /// small clusters do not churn) passes its surplus down to its share, to the controllers
+    /// with the most room under theirs, as they run ([`Engine::pass_hold`]): first busy
+    /// sandboxes beyond its share of the busy ones, then, of the rest, its idlest beyond its
+    /// share of all resident ones; at most [`BALANCE_BATCH`] a period in all. A controller that
+    /// took busy ones may then be over its share of all and pass idle ones back: the loads
+    /// even out and the numbers follow. Left out: pool agents (they go with their pool's
     /// lease), sandboxes in use (a call, a transition, an open connection), and controllers
     /// seen alive for less than the worker-lost silence (their workers may not have
     /// registered with them yet: the sandboxes would wait for them).
@@ -630,56 +648,117 @@ impl Engine {
                 .map(|c| c.name.clone())
                 .collect()
         };
-        let resident =
-            |r: &&SandboxRecord| matches!(r.state, SandboxState::Running | SandboxState::Frozen);
-        let mut counts: BTreeMap<&str, usize> = live.iter().map(|c| (c.name.as_str(), 0)).collect();
-        for r in records.iter().filter(resident) {
-            if let Some(n) = r.controller.as_deref().and_then(|c| counts.get_mut(c)) {
-                *n += 1;
-            }
-        }
-        let share = counts.values().sum::<usize>().div_ceil(live.len().max(1));
-        let mine = counts.get(me.name.as_str()).copied().unwrap_or(0);
-        if mine <= share + 1 {
-            return;
-        }
-        let mut room: BTreeMap<&str, usize> = counts
-            .iter()
-            .filter(|(n, _)| **n != me.name && settled.contains(**n))
-            .map(|(n, c)| (*n, share.saturating_sub(*c)))
-            .collect();
-        let slots: Vec<(SandboxId, Arc<Slot>)> = {
+        let busy_since = now - me.lost_after.as_millis() as i64;
+        // This controller's resident sandboxes: when a call last used each (from its slot,
+        // fresher than its record), and whether it may move (not a pool's agent).
+        let slots: HashMap<&SandboxId, (Arc<Slot>, i64, bool)> = {
             let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
             records
                 .iter()
-                .filter(resident)
+                .filter(|r| is_resident(r))
                 .filter(|r| r.controller.as_deref() == Some(me.name.as_str()))
-                .filter(|r| !r.metadata.contains_key(crate::pools::POOL_METADATA_KEY))
-                .filter_map(|r| Some((r.id.clone(), slots.get(&r.id)?.clone())))
+                .filter_map(|r| {
+                    let slot = slots.get(&r.id)?.clone();
+                    let active = r
+                        .last_active_at
+                        .max(slot.last_active.load(Ordering::Relaxed));
+                    let movable = !r.metadata.contains_key(crate::pools::POOL_METADATA_KEY);
+                    Some((&r.id, (slot, active, movable)))
+                })
                 .collect()
         };
-        let mut idlest: Vec<(i64, SandboxId, Arc<Slot>)> = slots
+        // Each live controller's resident and busy sandboxes (this one's activity from its
+        // slots, fresher than its records).
+        let mut counts: BTreeMap<&str, Holds> = live
+            .iter()
+            .map(|c| (c.name.as_str(), Holds::default()))
+            .collect();
+        for r in records.iter().filter(|r| is_resident(r)) {
+            let Some(holds) = r.controller.as_deref().and_then(|c| counts.get_mut(c)) else {
+                continue;
+            };
+            let active = slots.get(&r.id).map_or(r.last_active_at, |(_, at, _)| *at);
+            holds.all += 1;
+            holds.busy += usize::from(active >= busy_since);
+        }
+        let n = live.len().max(1);
+        let share = Holds {
+            all: counts.values().map(|h| h.all).sum::<usize>().div_ceil(n),
+            busy: counts.values().map(|h| h.busy).sum::<usize>().div_ceil(n),
+        };
+        let mine = counts.get(me.name.as_str()).copied().unwrap_or_default();
+        let over = |have: usize, share: usize| if have > share + 1 { have - share } else { 0 };
+        let (busy_over, all_over) = (over(mine.busy, share.busy), over(mine.all, share.all));
+        if busy_over == 0 && all_over == 0 {
+            return;
+        }
+        let room = |of: fn(&Holds) -> usize, share: usize| -> BTreeMap<&str, usize> {
+            counts
+                .iter()
+                .filter(|(n, _)| **n != me.name && settled.contains(**n))
+                .map(|(n, h)| (*n, share.saturating_sub(of(h))))
+                .collect()
+        };
+        let (mut busy_room, mut all_room) =
+            (room(|h| h.busy, share.busy), room(|h| h.all, share.all));
+        let mut idlest: Vec<(i64, &SandboxId, Arc<Slot>)> = slots
             .into_iter()
-            .map(|(id, slot)| (slot.last_active.load(Ordering::Relaxed), id, slot))
+            .filter(|(_, (_, _, movable))| *movable)
+            .map(|(id, (slot, active, _))| (active, id, slot))
             .collect();
         idlest.sort_by_key(|(at, _, _)| *at);
-        let mut left = (mine - share).min(BALANCE_BATCH);
-        for (_, id, slot) in idlest {
+        let mut batch = BALANCE_BATCH;
+        // Busy ones first (the idlest of them: the least likely to be in a call right now).
+        let mut left = busy_over.min(batch);
+        let mut passed = std::collections::HashSet::new();
+        for (_, id, slot) in idlest.iter().filter(|(at, _, _)| *at >= busy_since) {
             if left == 0 {
                 break;
             }
-            let Ok(mut guard) = slot.state.clone().try_write_owned() else {
-                continue; // in use
-            };
-            if guard.live.is_none() {
+            let Some(to) = self.pass_one(id, slot, &mut busy_room).await else {
                 continue;
-            }
-            let Some(to) = take_most_room(&mut room) else {
-                break;
             };
-            match self.pass_locked(&mut guard, &id, &to).await {
-                Ok(()) => left -= 1,
-                Err(e) => tracing::debug!(sandbox = %id, to, error = %e, "not passed on"),
+            left -= 1;
+            batch -= 1;
+            passed.insert(*id);
+            // Its number moved too.
+            if let Some(r) = all_room.get_mut(to.as_str()) {
+                *r = r.saturating_sub(1);
+            }
+        }
+        let mut left = over(mine.all - passed.len(), share.all).min(batch);
+        for (_, id, slot) in idlest.iter().filter(|(_, id, _)| !passed.contains(id)) {
+            if left == 0 {
+                break;
+            }
+            if self.pass_one(id, slot, &mut all_room).await.is_some() {
+                left -= 1;
+            }
+        }
+    }
+
+    /// Passes `id` to the controller with the most `room` (its room taken by one) if it is not
+    /// in use and runs here; the controller it went to.
+    async fn pass_one(
+        &self,
+        id: &SandboxId,
+        slot: &Arc<Slot>,
+        room: &mut BTreeMap<&str, usize>,
+    ) -> Option<String> {
+        let Ok(mut guard) = slot.state.clone().try_write_owned() else {
+            return None; // in use
+        };
+        guard.live.as_ref()?;
+        let to = take_most_room(room)?;
+        match self.pass_locked(&mut guard, id, &to).await {
+            Ok(()) => Some(to),
+            Err(e) => {
+                tracing::debug!(sandbox = %id, to, error = %e, "not passed on");
+                // Not passed: its room is still there.
+                if let Some(r) = room.get_mut(to.as_str()) {
+                    *r += 1;
+                }
+                None
             }
         }
     }
