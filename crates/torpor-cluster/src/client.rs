@@ -856,7 +856,7 @@ impl Resident for RemoteResident {
         {
             Ok(s) => s.into_inner(),
             Err(st) => {
-                tracing::debug!(worker = %self.node.name, container = %self.id, error = %st, "agent call refused by the worker");
+                tracing::warn!(worker = %self.node.name, container = %self.id, code = ?st.code(), error = %st, "agent call refused by the worker");
                 if st.code() == tonic::Code::NotFound {
                     self.node.vanished(&self.id);
                 }
