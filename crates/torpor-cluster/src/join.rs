@@ -43,6 +43,10 @@ pub struct JoinConfig {
     /// it ends them (the controllers may have counted it lost and resumed them elsewhere).
     /// Keep it below the controllers' `--worker-lost-after-ms`. `None`: never.
     pub fence_after: Option<Duration>,
+    /// Whether heartbeats say the machine's idle CPU (placement ranks workers by it). Off
+    /// where several workers share one machine: they would all report the same machine, and
+    /// its noise would choose between them.
+    pub report_cpu: bool,
 }
 
 /// How often a controller name is resolved again.
@@ -229,7 +233,7 @@ async fn follow(
                 gpu_usage: crate::server::gpu_usage_to_pb(&usage),
                 gpu_usage_seq,
                 fenced: fenced.clone(),
-                cpu_idle_milli: cpu.sample(),
+                cpu_idle_milli: cpu.sample().filter(|_| cfg.report_cpu),
             };
             match client.clone().heartbeat(call(beat, cfg.deadline)).await {
                 Ok(r) => {

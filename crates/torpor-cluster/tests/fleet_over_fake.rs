@@ -63,6 +63,8 @@ async fn start_worker(files: TlsFiles, controller: &str, slots: u32) -> FakeWork
             run_id: format!("run-{}", addr.port()),
             fence_after: None,
             deadline: Duration::from_secs(5),
+            // Every fake worker is this one machine: free slots decide, as these tests expect.
+            report_cpu: false,
         },
         tls,
         service,

@@ -90,6 +90,12 @@ pub struct WorkerArgs {
     /// the sandboxes elsewhere: no sandbox then ever runs twice.
     #[arg(long, default_value_t = 5000)]
     fence_after_ms: u64,
+    /// Whether heartbeats say how much of this machine's CPU is idle (controllers place new
+    /// and waking sandboxes on the idlest worker first). Turn it off where several workers
+    /// share one machine: they would all report that machine, and its noise would choose
+    /// between them (free slots decide then).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    report_cpu: bool,
     /// Bytes of chunks kept for wakes from the snapshot store (DATA/chunk-cache), e.g. 2G; 0
     /// turns it off (default 1G).
     #[arg(long, value_parser = crate::snapshot::parse_cache_size)]
@@ -287,6 +293,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             deadline: std::time::Duration::from_secs(5),
             fence_after: (args.fence_after_ms > 0)
                 .then(|| std::time::Duration::from_millis(args.fence_after_ms)),
+            report_cpu: args.report_cpu,
         };
         tokio::spawn(torpor_cluster::join(
             cfg,

@@ -361,6 +361,8 @@ impl Worker {
             .args(["--data-dir", data.to_str().unwrap()])
             .args(["--listen", "127.0.0.1:0", "--workers", "12"])
             .args(["--warm-pool", "1", "--memory-budget", "8G"])
+            // Every worker is this one machine: free slots decide where sandboxes go.
+            .args(["--report-cpu", "false"])
             // `TORPOR_BENCH_WORKER_ARGS="--upload-nice 0"`: more flags for every worker.
             .args(
                 std::env::var("TORPOR_BENCH_WORKER_ARGS")

@@ -513,6 +513,13 @@ impl Worker {
                 "1",
             ])
             .args(["--memory-budget", "2G"])
+            // Every worker here is this one machine: free slots decide where sandboxes go,
+            // unless a test asks for the CPU figures.
+            .args(
+                ["--report-cpu", "false"]
+                    .into_iter()
+                    .filter(|_| !extra.contains(&"--report-cpu")),
+            )
             .args(extra)
             .envs(store_of(tmp).1)
             .env("TORPOR_LOG", "info")
