@@ -211,9 +211,12 @@ async fn follow(
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut draining = false;
-        // The machine's idle CPU since the previous heartbeat to this controller.
-        let mut cpu = crate::cpu::IdleCpu::new();
-        cpu.sample();
+        // The machine's idle CPU since the previous heartbeat to this controller (not read at
+        // all when not reported).
+        let mut cpu = cfg.report_cpu.then(crate::cpu::IdleCpu::new);
+        if let Some(cpu) = &mut cpu {
+            cpu.sample();
+        }
         // Fence orders carried out, said in the heartbeats until one reaches the controller.
         let mut fenced: Vec<String> = Vec::new();
         loop {
@@ -233,7 +236,7 @@ async fn follow(
                 gpu_usage: crate::server::gpu_usage_to_pb(&usage),
                 gpu_usage_seq,
                 fenced: fenced.clone(),
-                cpu_idle_milli: cpu.sample().filter(|_| cfg.report_cpu),
+                cpu_idle_milli: cpu.as_mut().and_then(crate::cpu::IdleCpu::sample),
             };
             match client.clone().heartbeat(call(beat, cfg.deadline)).await {
                 Ok(r) => {

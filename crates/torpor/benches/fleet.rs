@@ -864,7 +864,7 @@ async fn parking() -> serde_json::Value {
     // call). The hand-off rate counts only the calls served after the free workers, over the
     // time to the last worker handed out: the last answer less one wake with workers free
     // (restore + exec; under load it takes longer, so this under-counts the servable calls by
-    // about one). Before 2026-12-06 the rate was `wakes_per_s`, which counts the free workers'
+    // about one). Before 2026-12-05 (evening) the rate was `wakes_per_s`, which counts the free workers'
     // calls as hand-offs too and so added ~`workers` calls the node could never serve.
     let handoff_span = (last_served - a50 / 1000.0).max(f64::EPSILON);
     let handoffs_per_s = lat.len().saturating_sub(workers) as f64 / handoff_span;
