@@ -31,6 +31,7 @@ use torpor_runtime::{
 
 use crate::error::{ControlError, Result};
 
+mod call_rates;
 mod calls;
 mod cluster;
 mod gpu_glue;
@@ -208,6 +209,8 @@ struct Slot {
     last_active: AtomicI64,
     /// The last activity the idle policy wrote to the store.
     persisted: AtomicI64,
+    /// Calls that borrowed it (each [`InUse`] ended): its call rate, for balancing.
+    calls: std::sync::atomic::AtomicU64,
 }
 
 impl Slot {
@@ -268,6 +271,7 @@ impl InUse {
 impl Drop for InUse {
     fn drop(&mut self) {
         self.slot.touch();
+        self.slot.calls.fetch_add(1, Ordering::Relaxed);
         // The sandbox is idle now unless another call holds it: a waiting call may take its worker.
         self.evictor.poke();
     }
@@ -665,6 +669,7 @@ impl Engine {
                     state: Arc::new(RwLock::new(SlotState::default())),
                     last_active: AtomicI64::new(0),
                     persisted: AtomicI64::new(0),
+                    calls: std::sync::atomic::AtomicU64::new(0),
                 })
             })
             .clone()

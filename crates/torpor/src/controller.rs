@@ -83,13 +83,15 @@ pub struct ControllerArgs {
     /// to wake (a checkpoint and a restore per agent).
     #[arg(long, value_enum, default_value_t = PoolHandOver::Pass)]
     pool_hand_over: PoolHandOver,
-    /// Whether this controller, holding at least two busy sandboxes (a call within
-    /// --controller-lost-after-ms) more than its share of the busy ones, or two running
-    /// sandboxes more than its share of all (each: over the live controllers, rounded up),
-    /// passes busy ones, then its idlest, to controllers under theirs as they run (a few each
-    /// heartbeat; none in use, no pool agent, and only to a controller alive for longer than
-    /// --worker-lost-after-ms), so that the holders' work spreads out again after a rolling
-    /// upgrade or a scale-out.
+    /// Whether this controller evens out its load with the others': over its share of the
+    /// calls a second the cluster's sandboxes take (each controller says its own at its
+    /// heartbeat), it passes its busiest sandboxes to the least loaded controller while that
+    /// narrows the gap; holding at least two running sandboxes more than its share of all, it
+    /// passes idle ones. A few each heartbeat, as they run; none in use, no pool agent, and
+    /// only to a controller alive for longer than --worker-lost-after-ms. While a controller
+    /// says no rate (an older build, or one with `false`), busy sandboxes (a call within
+    /// --controller-lost-after-ms) are counted instead. So the holders' work spreads out
+    /// again after a rolling upgrade or a scale-out.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     balance_sandboxes: bool,
     /// Silence after which the other controllers count this one lost and take its sandboxes

@@ -2630,7 +2630,10 @@ async fn running_sandboxes_spread_over_the_controllers_as_they_run() {
 /// of them taking calls all along; when c2 joins, counting alone would pass c1's three idlest
 /// (the two idle ones and one busy); weighing load, c2 takes two of the busy ones and c1 keeps
 /// the idle ones: two busy on each, every state intact, nothing checkpointed, and it stays so
-/// while the calls go on.
+/// while the calls go on. c2 here says no call rate (it does not balance, as a controller built
+/// before call rates would not say one), so c1 counts busy sandboxes: the rule a cluster falls
+/// back on during a rolling upgrade ([`controllers_even_out_the_calls_they_serve`] weighs
+/// rates).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn busy_sandboxes_spread_over_the_controllers_before_idle_ones() {
     // Three workers of two slots: room for all six at once. They say their machine's idle
@@ -2672,7 +2675,8 @@ async fn busy_sandboxes_spread_over_the_controllers_before_idle_ones() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let checkpoints = "torpor_checkpoint_seconds_count{outcome=\"ok\"}";
     let before = c1.metric(checkpoints).await;
-    c2.kill_and_restart().await;
+    c2.kill_and_restart_with(&["--balance-sandboxes", "false"])
+        .await;
     let on = |held: &[String], c: &str| held.iter().filter(|h| *h == c).count();
     let deadline = Instant::now() + PATIENCE;
     loop {
@@ -2705,12 +2709,89 @@ async fn busy_sandboxes_spread_over_the_controllers_before_idle_ones() {
         "busy {b:?}, idle {i:?}"
     );
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    stop_calling_and_check(&c1, &c2, caller, &ids, before).await;
+}
+
+/// Controllers even out the calls they serve, not the number of busy sandboxes: c1 holds six,
+/// all taking calls, two of them four times as many as each of the others. When c2 joins,
+/// counting busy sandboxes would pass c1's three least called (light ones: c1 would keep both
+/// hot ones, two thirds of the calls); weighing call rates, c2 takes one of the hot ones (and
+/// light ones to even out the rest), every call is answered, nothing is checkpointed, and the
+/// hot ones stay split while the calls go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn controllers_even_out_the_calls_they_serve() {
+    let Some((_tmp, _, c1, mut c2, _workers)) =
+        two_controllers_and("torpor-balance-rate-", &["w1", "w2", "w3"], &[]).await
+    else {
+        return;
+    };
+    c1.wait_host_template().await;
+    c2.terminate().await;
+    let mut ids = Vec::new();
+    for _ in 0..6 {
+        ids.push(c1.create_with_state().await);
+    }
+    let (hot, light) = ids.split_at(2);
+    // Each round: each hot one four times, each light one once.
+    let mut rounds = Vec::new();
+    for _ in 0..4 {
+        rounds.extend(hot.iter().cloned());
+    }
+    rounds.extend(light.iter().cloned());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let caller = tokio::spawn(keep_calling(c1.api.clone(), rounds, stop.clone()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let checkpoints = "torpor_checkpoint_seconds_count{outcome=\"ok\"}";
+    let before = c1.metric(checkpoints).await;
+    c2.kill_and_restart().await;
+    let on = |held: &[String], c: &str| held.iter().filter(|h| *h == c).count();
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let h = holders(&c1, hot).await;
+        if caller.is_finished() {
+            let failed = caller.await.unwrap().unwrap_err();
+            panic!("{failed}\nc1: {}\nc2: {}", c1.log(), c2.log());
+        }
+        if on(&h, "c2") == 1 && on(&h, "c1") == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "hot ones not split: {h:?}, light ones {:?}\n{}",
+            holders(&c1, light).await,
+            c1.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Split, they stay so while the calls go on.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (h, l) = (holders(&c1, hot).await, holders(&c1, light).await);
+    assert_eq!(
+        (on(&h, "c1"), on(&h, "c2")),
+        (1, 1),
+        "hot {h:?}, light {l:?}"
+    );
+    assert!(on(&l, "c2") < light.len(), "hot {h:?}, light {l:?}");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    stop_calling_and_check(&c1, &c2, caller, &ids, before).await;
+}
+
+/// Waits for `caller` ([`keep_calling`], told to stop) and checks that it made its calls all
+/// along, that each of `ids` kept its memory, files and processes (read through `c2`) and lost
+/// nothing, and that `c1` took no checkpoint beyond the `before` it had counted.
+async fn stop_calling_and_check(
+    c1: &Controller,
+    c2: &Controller,
+    caller: tokio::task::JoinHandle<Result<usize, String>>,
+    ids: &[String],
+    before: u64,
+) {
     let calls = match caller.await.unwrap() {
         Ok(calls) => calls,
         Err(failed) => panic!("{failed}\nc1: {}\nc2: {}", c1.log(), c2.log()),
     };
-    assert!(calls > 40, "the busy ones took calls all along: {calls}");
-    for id in &ids {
+    assert!(calls > 40, "the sandboxes took calls all along: {calls}");
+    for id in ids {
         assert_eq!(
             c2.exec(id, CHECK).await,
             "disk-1\nmem-1\nprocess-alive\n",
@@ -2719,11 +2800,13 @@ async fn busy_sandboxes_spread_over_the_controllers_before_idle_ones() {
         let sb = c1.sandbox(id).await;
         assert!(sb["last_error"].is_null(), "nothing was lost: {sb}");
     }
+    let checkpoints = "torpor_checkpoint_seconds_count{outcome=\"ok\"}";
     assert_eq!(c1.metric(checkpoints).await, before, "{}", c1.log());
 }
 
 /// Runs `true` in each of `ids` in turn through the API at `api`, one call every 100 ms, until
-/// `stop`: the calls made, or the first that failed.
+/// `stop`: the calls made, or the first that failed (an id listed several times is called as
+/// many times a round).
 async fn keep_calling(
     api: String,
     ids: Vec<String>,

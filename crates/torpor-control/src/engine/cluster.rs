@@ -25,6 +25,7 @@
 //! In embedded mode (`EngineConfig::controller` is `None`) nothing here applies: the holder is
 //! always `None`, every sandbox is local, and the pools lease is always held.
 
+use super::call_rates;
 use super::*;
 use crate::store::LiveController;
 
@@ -107,7 +108,7 @@ pub struct ControllerIdentity {
 }
 
 /// Where a call for a sandbox is served.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Route {
     /// Here (or the sandbox does not exist: the handler answers that).
     Local,
@@ -143,6 +144,9 @@ pub(super) struct ClusterState {
     /// Since when each live controller has been seen alive without a break (by this one):
     /// sandboxes are passed only to a controller alive for longer than a worker's back-off.
     alive_since: Mutex<HashMap<String, Instant>>,
+    /// The call rates of the sandboxes it holds ([`Engine::balance_holds`] samples them, the
+    /// heartbeat says their total).
+    rates: Mutex<call_rates::CallRates>,
 }
 
 impl Engine {
@@ -607,20 +611,23 @@ impl Engine {
 
     /// Spreads the resident sandboxes over the live controllers (from the idle policy, once per
     /// heartbeat period; `records`: the awake sandboxes it read), their load first, then their
-    /// number. A sandbox is *busy* when a call used it within the controller-lost silence (its
-    /// record's `last_active_at`, which every holder writes at its policy ticks); the holder
-    /// relays every agent call of its sandboxes, so busy ones are what a controller's load is.
-    /// Both rules have the same shape: a controller holding at least two more than its share
-    /// (the cluster's count over the live controllers, rounded up; one over moves nothing, so
-    /// small clusters do not churn) passes its surplus down to its share, to the controllers
-    /// with the most room under theirs, as they run ([`Engine::pass_hold`]): first busy
-    /// sandboxes beyond its share of the busy ones, then, of the rest, its idlest beyond its
-    /// share of all resident ones; at most [`BALANCE_BATCH`] a period in all. A controller that
-    /// took busy ones may then be over its share of all and pass idle ones back: the loads
-    /// even out and the numbers follow. Left out: pool agents (they go with their pool's
-    /// lease), sandboxes in use (a call, a transition, an open connection), and controllers
-    /// seen alive for less than the worker-lost silence (their workers may not have
-    /// registered with them yet: the sandboxes would wait for them).
+    /// number. The holder relays every call of its sandboxes, so their calls are what a
+    /// controller's load is: each controller measures its sandboxes' call rates here and says
+    /// their total at its heartbeat ([`call_rates`]); one over its share of the cluster's
+    /// calls a second passes its busiest sandboxes to the least loaded controllers while each
+    /// pass narrows the gap ([`call_rates::RateBalance`]). While a live controller says no rate
+    /// (built before them, or not balancing), load is counted in *busy* sandboxes instead (a
+    /// call within the controller-lost silence: its record's `last_active_at`, which every
+    /// holder writes at its policy ticks): one at least two over its share of them passes the
+    /// surplus, the idlest of them first. Then the number: a controller holding at least two
+    /// more than its share (the cluster's count over the live controllers, rounded up; one over
+    /// moves nothing, so small clusters do not churn) passes its idlest (weighing rates, only
+    /// idle ones) down to its share, to the controllers with the most room under theirs, as
+    /// they run ([`Engine::pass_hold`]); at most [`BALANCE_BATCH`] a period in all. Left out:
+    /// pool agents (they go with their pool's lease), sandboxes in use (a call, a transition,
+    /// an open connection), and controllers seen alive for less than the worker-lost silence
+    /// (their workers may not have registered with them yet: the sandboxes would wait for
+    /// them).
     pub(super) async fn balance_holds(&self, records: &[SandboxRecord]) {
         let Some(me) = self.cfg.controller.as_ref().filter(|c| c.balance_sandboxes) else {
             return;
@@ -631,23 +638,6 @@ impl Engine {
             return;
         }
         self.cluster.balanced_at.store(now, Ordering::Relaxed);
-        let Ok(live) = self.live_controllers() else {
-            return;
-        };
-        let settled: std::collections::HashSet<String> = {
-            let mut since = lock(&self.cluster.alive_since);
-            since.retain(|name, _| live.iter().any(|c| c.name == *name));
-            live.iter()
-                .filter(|c| {
-                    since
-                        .entry(c.name.clone())
-                        .or_insert_with(Instant::now)
-                        .elapsed()
-                        >= me.take_back_within
-                })
-                .map(|c| c.name.clone())
-                .collect()
-        };
         let busy_since = now - me.lost_after.as_millis() as i64;
         // This controller's resident sandboxes: when a call last used each (from its slot,
         // fresher than its record), and whether it may move (not a pool's agent).
@@ -665,6 +655,43 @@ impl Engine {
                     let movable = !r.metadata.contains_key(crate::pools::POOL_METADATA_KEY);
                     Some((&r.id, (slot, active, movable)))
                 })
+                .collect()
+        };
+        // Their call rates, sampled once a period (the heartbeat says the total).
+        let window = call_rates::WINDOW.max(me.lost_after / 3 * 2);
+        let settle = window + me.lost_after / 3 * call_rates::SETTLE_PERIODS;
+        let (rate_of, mine_rate, in_transit) = {
+            let mut rates = lock(&self.cluster.rates);
+            let now = Instant::now();
+            rates.sample(
+                slots
+                    .iter()
+                    .map(|(id, (slot, _, _))| ((*id).clone(), slot.calls.load(Ordering::Relaxed))),
+                window,
+                now,
+            );
+            let rate_of: HashMap<SandboxId, f64> = slots
+                .keys()
+                .map(|id| ((*id).clone(), rates.rate(id)))
+                .collect();
+            let mine = rates.total().unwrap_or(0.0);
+            (rate_of, mine, rates.in_transit(settle, now))
+        };
+        let Ok(live) = self.live_controllers() else {
+            return;
+        };
+        let settled: std::collections::HashSet<String> = {
+            let mut since = lock(&self.cluster.alive_since);
+            since.retain(|name, _| live.iter().any(|c| c.name == *name));
+            live.iter()
+                .filter(|c| {
+                    since
+                        .entry(c.name.clone())
+                        .or_insert_with(Instant::now)
+                        .elapsed()
+                        >= me.take_back_within
+                })
+                .map(|c| c.name.clone())
                 .collect()
         };
         // Each live controller's resident and busy sandboxes (this one's activity from its
@@ -688,8 +715,31 @@ impl Engine {
         };
         let mine = counts.get(me.name.as_str()).copied().unwrap_or_default();
         let over = |have: usize, share: usize| if have > share + 1 { have - share } else { 0 };
-        let (busy_over, all_over) = (over(mine.busy, share.busy), over(mine.all, share.all));
-        if busy_over == 0 && all_over == 0 {
+        // Call rates when every live controller says its own (a controller built before them
+        // says none: busy sandboxes are counted instead).
+        let others_rates: Option<BTreeMap<String, f64>> = live
+            .iter()
+            .filter(|c| c.name != me.name)
+            .map(|c| {
+                let load = c.call_rate? + in_transit.get(&c.name).copied().unwrap_or(0.0);
+                Some((c.name.clone(), load))
+            })
+            .collect();
+        let mut by_rate = others_rates.map(|others| {
+            let total = mine_rate + others.values().sum::<f64>();
+            let receivers = others
+                .into_iter()
+                .filter(|(name, _)| settled.contains(name))
+                .collect();
+            call_rates::RateBalance::new(mine_rate, receivers, total, n)
+        });
+        let busy_over = over(mine.busy, share.busy);
+        let all_over = over(mine.all, share.all);
+        let load_over = match &by_rate {
+            Some(bal) => bal.over(),
+            None => busy_over > 0,
+        };
+        if !load_over && all_over == 0 {
             return;
         }
         let room = |of: fn(&Holds) -> usize, share: usize| -> BTreeMap<&str, usize> {
@@ -708,26 +758,63 @@ impl Engine {
             .collect();
         idlest.sort_by_key(|(at, _, _)| *at);
         let mut batch = BALANCE_BATCH;
-        // Busy ones first (the idlest of them: the least likely to be in a call right now).
-        let mut left = busy_over.min(batch);
         let mut passed = std::collections::HashSet::new();
-        for (_, id, slot) in idlest.iter().filter(|(at, _, _)| *at >= busy_since) {
-            if left == 0 {
-                break;
+        if let Some(bal) = &mut by_rate {
+            // The busiest first, each to the least loaded controller while that narrows the gap.
+            let mut busiest: Vec<(f64, &SandboxId, &Arc<Slot>)> = idlest
+                .iter()
+                .map(|(_, id, slot)| (rate_of.get(*id).copied().unwrap_or(0.0), *id, slot))
+                .filter(|(rate, _, _)| *rate > 0.0)
+                .collect();
+            busiest.sort_by(|a, b| b.0.total_cmp(&a.0));
+            for (rate, id, slot) in busiest {
+                if batch == 0 || !bal.over() {
+                    break;
+                }
+                let Some(to) = bal.receiver(rate).map(str::to_string) else {
+                    continue;
+                };
+                let mut only = BTreeMap::from([(to.as_str(), 1)]);
+                if self.pass_one(id, slot, &mut only).await.is_none() {
+                    continue;
+                }
+                tracing::info!(sandbox = %id, %to, calls_per_s = rate, "passed by its call rate");
+                bal.moved(&to, rate);
+                lock(&self.cluster.rates).note_pass(&to, rate, Instant::now());
+                batch -= 1;
+                passed.insert(id);
+                if let Some(r) = all_room.get_mut(to.as_str()) {
+                    *r = r.saturating_sub(1);
+                }
             }
-            let Some(to) = self.pass_one(id, slot, &mut busy_room).await else {
-                continue;
-            };
-            left -= 1;
-            batch -= 1;
-            passed.insert(*id);
-            // Its number moved too.
-            if let Some(r) = all_room.get_mut(to.as_str()) {
-                *r = r.saturating_sub(1);
+        } else {
+            // Busy ones first (the idlest of them: the least likely to be in a call right now).
+            let mut left = busy_over.min(batch);
+            for (_, id, slot) in idlest.iter().filter(|(at, _, _)| *at >= busy_since) {
+                if left == 0 {
+                    break;
+                }
+                let Some(to) = self.pass_one(id, slot, &mut busy_room).await else {
+                    continue;
+                };
+                left -= 1;
+                batch -= 1;
+                passed.insert(*id);
+                // Its number moved too.
+                if let Some(r) = all_room.get_mut(to.as_str()) {
+                    *r = r.saturating_sub(1);
+                }
             }
         }
+        // Then the number: the idlest (weighing rates, only idle ones: a busy one's move is
+        // the rule above's to make).
         let mut left = over(mine.all - passed.len(), share.all).min(batch);
-        for (_, id, slot) in idlest.iter().filter(|(_, id, _)| !passed.contains(id)) {
+        let weighed = by_rate.is_some();
+        for (_, id, slot) in idlest
+            .iter()
+            .filter(|(_, id, _)| !passed.contains(id))
+            .filter(|(at, _, _)| !weighed || *at < busy_since)
+        {
             if left == 0 {
                 break;
             }
@@ -944,6 +1031,11 @@ impl Engine {
             name: me.name.clone(),
             api_addr: me.api_addr.clone(),
             peer_addr: me.peer_addr.clone(),
+            // Said only by a controller that measures it (one that balances; before its
+            // first measure it holds nothing it has measured).
+            call_rate: lock(&self.cluster.rates)
+                .total()
+                .or(me.balance_sandboxes.then_some(0.0)),
         };
         if !self
             .store

@@ -613,7 +613,7 @@ pub struct RateReport {
 }
 
 /// A live controller (a row of `controllers`): its name and where the others reach it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct LiveController {
     /// Its certificate's name: what `SandboxRecord::controller` holds.
     pub name: String,
@@ -624,6 +624,9 @@ pub struct LiveController {
     /// where calls for the sandboxes it holds are forwarded; `None` for a controller built
     /// before it (forwarded to over plain HTTP at `api_addr`, during a rolling upgrade).
     pub peer_addr: Option<String>,
+    /// The calls a second the sandboxes it holds take, as of its last heartbeat; `None` for a
+    /// controller that does not say (built before it, or not balancing).
+    pub call_rate: Option<f64>,
 }
 
 /// One open fence order ([`StateStore::fence_orders`]).

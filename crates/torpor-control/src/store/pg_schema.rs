@@ -23,6 +23,7 @@
 //! | 10 | `0010_rate_usage.sql` | `rate_usage`: requests each controller let through per tenant and route class, for rate limits across controllers |
 //! | 11 | `0011_controller_run.sql` | `controllers.run_id`: the run of a controller that holds its name (one name, one process) |
 //! | 12 | `0012_worker_drains.sql` | `worker_drains`: workers the operator drained, for every controller |
+//! | 13 | `0013_controller_call_rate.sql` | `controllers.call_rate`: the calls a second each controller's sandboxes take, for balancing |
 //!
 //! To change the schema, add the next file and its line to [`MIGRATIONS`]; never edit a file
 //! that has shipped.
@@ -43,6 +44,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     include_str!("pg/0010_rate_usage.sql"),
     include_str!("pg/0011_controller_run.sql"),
     include_str!("pg/0012_worker_drains.sql"),
+    include_str!("pg/0013_controller_call_rate.sql"),
 ];
 
 /// The schema version this build writes and reads.

@@ -1190,11 +1190,11 @@ impl StateStore for PostgresStore {
         // a previous run's at the same addresses; otherwise nothing comes back.
         let row = self.query_opt(
             "claim controller",
-            "INSERT INTO controllers (name, api_addr, peer_addr, run_id, expires_at)
-             VALUES ($1, $2, $3, $4, now() + $5 * interval '1 millisecond')
+            "INSERT INTO controllers (name, api_addr, peer_addr, run_id, expires_at, call_rate)
+             VALUES ($1, $2, $3, $4, now() + $5 * interval '1 millisecond', $7)
              ON CONFLICT (name) DO UPDATE SET api_addr = excluded.api_addr,
                  peer_addr = excluded.peer_addr, run_id = excluded.run_id,
-                 expires_at = excluded.expires_at
+                 expires_at = excluded.expires_at, call_rate = excluded.call_rate
              WHERE controllers.run_id IS NOT DISTINCT FROM excluded.run_id
                 OR controllers.expires_at <= now()
                 OR ($6 AND controllers.api_addr = excluded.api_addr
@@ -1207,6 +1207,7 @@ impl StateStore for PostgresStore {
                 p(run.to_string()),
                 p(ttl.as_millis() as f64),
                 p(starting),
+                p(me.call_rate),
             ],
         )?;
         Ok(row.is_some())
@@ -1215,7 +1216,8 @@ impl StateStore for PostgresStore {
     fn live_controllers(&self) -> Result<Vec<LiveController>, StoreError> {
         self.query(
             "read controllers",
-            "SELECT name, api_addr, peer_addr FROM controllers WHERE expires_at > now() ORDER BY name",
+            "SELECT name, api_addr, peer_addr, call_rate FROM controllers
+             WHERE expires_at > now() ORDER BY name",
             Vec::new(),
         )?
         .iter()
@@ -1224,6 +1226,7 @@ impl StateStore for PostgresStore {
                 name: get(r, 0, "controller")?,
                 api_addr: get(r, 1, "controller")?,
                 peer_addr: get(r, 2, "controller")?,
+                call_rate: get(r, 3, "controller")?,
             })
         })
         .collect()

@@ -1371,12 +1371,14 @@ fn controllers_are_live_until_their_heartbeat_expires_and_leases_pass_on_expiry(
         name: "c1".into(),
         api_addr: "10.0.0.1:7077".into(),
         peer_addr: Some("10.0.0.1:7444".into()),
+        call_rate: Some(2.5),
     };
-    // A controller built before the peer listener names none.
+    // A controller built before the peer listener (and the call rate) names none.
     let c2 = LiveController {
         name: "c2".into(),
         api_addr: "10.0.0.2:7077".into(),
         peer_addr: None,
+        call_rate: None,
     };
     assert!(a.claim_controller(&c1, "run-a", true, long).unwrap());
     assert!(b
@@ -1390,6 +1392,13 @@ fn controllers_are_live_until_their_heartbeat_expires_and_leases_pass_on_expiry(
             .collect()
     };
     assert_eq!(a.live_controllers().unwrap(), vec![c1.clone(), c2]);
+    // Each renewal says the rate anew.
+    let busier = LiveController {
+        call_rate: Some(40.0),
+        ..c1.clone()
+    };
+    assert!(a.claim_controller(&busier, "run-a", false, long).unwrap());
+    assert_eq!(b.live_controllers().unwrap()[0].call_rate, Some(40.0));
     std::thread::sleep(Duration::from_millis(400));
     assert_eq!(names(&a), vec!["c1"], "c2 stopped renewing");
 

@@ -256,6 +256,12 @@ impl Controller {
         self.wait_up().await;
     }
 
+    /// [`Controller::kill_and_restart`] with `extra` arguments added for good.
+    pub async fn kill_and_restart_with(&mut self, extra: &[&str]) {
+        self.args.extend(extra.iter().map(std::ffi::OsString::from));
+        self.kill_and_restart().await;
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
