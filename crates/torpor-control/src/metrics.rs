@@ -11,8 +11,8 @@
 //! initialised to zero here, so a query names a series before its first event.
 
 use prometheus::{
-    exponential_buckets, CounterVec, Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    exponential_buckets, CounterVec, Encoder, Gauge, HistogramOpts, HistogramVec, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// The tiers a wake starts from (`golden`: a create, restored from the template's snapshot).
@@ -63,6 +63,8 @@ pub struct Metrics {
     pub quota_rejections: IntCounterVec,
     /// Calls the parking lot holds at most (`--lot-size`).
     pub lot_capacity: IntGauge,
+    /// Calls a second the sandboxes this controller holds take (cluster mode, balancing).
+    pub call_rate: Gauge,
     /// Memory charged to resident sandboxes, and the budget it is kept under.
     pub resident_memory_bytes: IntGauge,
     pub memory_budget_bytes: IntGauge,
@@ -211,6 +213,11 @@ impl Metrics {
             "torpor_lot_capacity_calls",
             "Calls the parking lot holds at most (--lot-size).",
         );
+        let call_rate = Gauge::new(
+            "torpor_controller_calls_per_second",
+            "Calls a second the sandboxes this controller holds take, over the last 5 s (cluster mode; what balancing evens out).",
+        )
+        .expect("valid metric");
         let resident_memory_bytes = gauge(
             "torpor_resident_memory_bytes",
             "Memory charged to the cgroups of resident sandboxes (RSS and shared memory).",
@@ -338,6 +345,7 @@ impl Metrics {
             Box::new(crashes.clone()),
             Box::new(transitions.clone()),
             Box::new(lot_capacity.clone()),
+            Box::new(call_rate.clone()),
             Box::new(resident_memory_bytes.clone()),
             Box::new(memory_budget_bytes.clone()),
             Box::new(store_errors.clone()),
@@ -377,6 +385,7 @@ impl Metrics {
             evictions,
             quota_rejections,
             lot_capacity,
+            call_rate,
             resident_memory_bytes,
             memory_budget_bytes,
             store_errors,

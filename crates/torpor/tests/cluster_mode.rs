@@ -2755,6 +2755,7 @@ async fn controllers_even_out_the_calls_they_serve() {
         if on(&h, "c2") == 1 && on(&h, "c1") == 1 {
             break;
         }
+
         assert!(
             Instant::now() < deadline,
             "hot ones not split: {h:?}, light ones {:?}\n{}",
@@ -2772,6 +2773,11 @@ async fn controllers_even_out_the_calls_they_serve() {
         "hot {h:?}, light {l:?}"
     );
     assert!(on(&l, "c2") < light.len(), "hot {h:?}, light {l:?}");
+    // Each controller says the calls a second it serves.
+    for (name, c) in [("c1", &c1), ("c2", &c2)] {
+        let rate = c.metric_value("torpor_controller_calls_per_second").await;
+        assert!(rate > 0.0, "{name}'s call rate: {rate}");
+    }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     stop_calling_and_check(&c1, &c2, caller, &ids, before).await;
 }

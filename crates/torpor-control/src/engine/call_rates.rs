@@ -90,8 +90,11 @@ impl CallRates {
 
     /// The calls a second of every sandbox held here; `None` before the first sample.
     pub fn total(&self) -> Option<f64> {
-        self.sampled
-            .then(|| self.by_id.values().map(|s| rate_of(s, self.window)).sum())
+        self.sampled.then(|| {
+            self.by_id
+                .values()
+                .fold(0.0, |sum, s| sum + rate_of(s, self.window))
+        })
     }
 
     /// Notes that a sandbox taking `rate` calls a second was passed to `to` at `now`.

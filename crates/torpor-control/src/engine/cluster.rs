@@ -675,6 +675,7 @@ impl Engine {
                 .map(|id| ((*id).clone(), rates.rate(id)))
                 .collect();
             let mine = rates.total().unwrap_or(0.0);
+            self.metrics.call_rate.set(mine);
             (rate_of, mine, rates.in_transit(settle, now))
         };
         let Ok(live) = self.live_controllers() else {

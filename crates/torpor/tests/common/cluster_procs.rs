@@ -404,6 +404,11 @@ impl Controller {
 
     /// One series' value from /metrics (0 when absent).
     pub async fn metric(&self, series: &str) -> u64 {
+        self.metric_value(series).await as u64
+    }
+
+    /// The value of `series` on the controller's `/metrics` (0 when absent).
+    pub async fn metric_value(&self, series: &str) -> f64 {
         let text = reqwest::Client::new()
             .get(format!("http://{}/metrics", self.api))
             .bearer_auth(TOKEN)
@@ -415,7 +420,7 @@ impl Controller {
             .unwrap();
         text.lines()
             .find_map(|l| l.strip_prefix(series))
-            .map_or(0, |v| v.trim().parse().unwrap())
+            .map_or(0.0, |v| v.trim().parse().unwrap())
     }
 }
 
