@@ -203,6 +203,20 @@ impl WorkerImages {
         self
     }
 
+    /// Bytes this worker holds in memory for its images outside any sandbox: chunks fetched or
+    /// uploaded, queued for the chunk cache's writer (at most 128 MiB, for a second or so
+    /// after a fetch).
+    pub fn memory_held(&self) -> u64 {
+        self.chunk_cache
+            .as_ref()
+            .map_or(0, |c| c.usage().queued_bytes)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn chunk_cache(&self) -> Option<&Arc<ChunkCache>> {
+        self.chunk_cache.as_ref()
+    }
+
     /// Registers the chunk cache's gauges and the re-encoding counter on the worker's metrics.
     pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
         if let Some(c) = &self.chunk_cache {

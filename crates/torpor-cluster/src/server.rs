@@ -292,11 +292,14 @@ impl NodeService {
         self.slots.store(slots, Ordering::SeqCst);
     }
 
-    /// Containers held and the bytes charged to their memory (the worker's heartbeat).
+    /// Containers held, and the bytes charged to their memory with those the worker holds for
+    /// its images (the chunk cache's queue): what its heartbeat says is resident, so that
+    /// placement counts the worker's memory that the queue takes for a moment.
     pub fn load(&self) -> (u32, u64) {
         let usage = self.usage();
-        let memory = usage.containers.iter().filter_map(|c| c.memory).sum();
-        (self.table().len() as u32, memory)
+        let memory: u64 = usage.containers.iter().filter_map(|c| c.memory).sum();
+        let images = self.images.get().map_or(0, |i| i.memory_held());
+        (self.table().len() as u32, memory + images)
     }
 
     /// Destroys every container held (the worker is stopping: its controllers count them
@@ -1244,6 +1247,29 @@ mod tests {
             stored: StoredFiles::default(),
             gpu: None,
         }
+    }
+
+    #[tokio::test]
+    async fn the_chunk_cache_queue_counts_in_what_the_worker_says_is_resident() {
+        let dir = tempfile::tempdir().unwrap();
+        let open: crate::images::OpenBackend = Arc::new(|_: &str| Err("no store here".into()));
+        let images = Arc::new(WorkerImages::open(dir.path(), open, 64 << 20).unwrap());
+        let node: Arc<dyn Node> = Arc::new(Arc::new(FakeNode::new()));
+        let svc = NodeService::new(node, "w1".into());
+        svc.set_images(images.clone());
+        assert_eq!(svc.load(), (0, 0));
+        // A fetch's chunks wait in memory for the cache's writer: the heartbeat counts them.
+        let blob = bytes::Bytes::from(vec![7u8; 1 << 20]);
+        let cache = images.chunk_cache().expect("a chunk cache").clone();
+        cache.insert_in_background(torpor_snapshot::ChunkId::of(&blob), blob);
+        assert_eq!(svc.load(), (0, 1 << 20));
+        // Written (after a quiet second, at most ten), they no longer do.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while svc.load().1 > 0 {
+            assert!(std::time::Instant::now() < deadline, "never written");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(cache.usage().bytes, 1 << 20, "on disk now");
     }
 
     #[tokio::test]

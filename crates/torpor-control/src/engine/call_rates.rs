@@ -130,6 +130,17 @@ fn rate_of(samples: &Samples, window: Duration) -> f64 {
     }
 }
 
+/// A rate as another controller said it in its row: a negative, infinite or NaN one (a
+/// controller gone wrong) counts as no calls, so it cannot draw every pass to itself nor
+/// poison the cluster's total.
+pub(super) fn said(rate: f64) -> f64 {
+    if rate.is_finite() {
+        rate.max(0.0)
+    } else {
+        0.0
+    }
+}
+
 /// One balancing decision over call rates, from this controller's side.
 #[derive(Debug, Clone)]
 pub(super) struct RateBalance {
@@ -308,6 +319,23 @@ mod tests {
         // Nor with a measurement a little off.
         let (back, _) = passes(&[("a", 2.2), ("b", 2.1)], &[("c1", 3.7)], 0.0);
         assert!(back.is_empty(), "{back:?}");
+    }
+
+    #[test]
+    fn a_rate_said_wrong_counts_as_no_calls() {
+        assert_eq!(said(2.5), 2.5);
+        for wrong in [-1e9, f64::NEG_INFINITY, f64::INFINITY, f64::NAN] {
+            assert_eq!(said(wrong), 0.0, "{wrong}");
+        }
+        // A controller saying a huge negative load draws nothing more than an idle one would:
+        // passes stop at even halves.
+        let (made, bal) = passes(
+            &[("a", 2.0), ("b", 2.0), ("c", 2.0), ("d", 2.0)],
+            &[("liar", said(-1e9))],
+            0.0,
+        );
+        assert_eq!(made.len(), 2, "{made:?}");
+        assert_eq!(bal.mine, 4.0);
     }
 
     #[test]

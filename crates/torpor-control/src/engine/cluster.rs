@@ -722,7 +722,8 @@ impl Engine {
             .iter()
             .filter(|c| c.name != me.name)
             .map(|c| {
-                let load = c.call_rate? + in_transit.get(&c.name).copied().unwrap_or(0.0);
+                let said = call_rates::said(c.call_rate?);
+                let load = said + in_transit.get(&c.name).copied().unwrap_or(0.0);
                 Some((c.name.clone(), load))
             })
             .collect();
