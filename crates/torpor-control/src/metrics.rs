@@ -29,7 +29,7 @@ pub const TRANSITION_CAUSES: [&str; 6] = [
     "gpu_reclaimed",
 ];
 /// Why a resident sandbox was parked to make room.
-pub const EVICTION_REASONS: [&str; 2] = ["memory_pressure", "parked_calls"];
+pub const EVICTION_REASONS: [&str; 3] = ["memory_pressure", "parked_calls", "worker_full"];
 /// The stores whose failures `torpor_store_errors_total` counts.
 pub const STORES: [&str; 3] = ["state", "usage", "snapshots"];
 

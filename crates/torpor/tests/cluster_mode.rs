@@ -2720,17 +2720,11 @@ async fn busy_sandboxes_spread_over_the_controllers_before_idle_ones() {
 /// hot ones stay split while the calls go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn controllers_even_out_the_calls_they_serve() {
-    let Some((_tmp, _, c1, mut c2, _workers)) =
-        two_controllers_and("torpor-balance-rate-", &["w1", "w2", "w3"], &[]).await
+    let Some((_tmp, c1, mut c2, _workers, ids)) =
+        six_on_c1_alone("torpor-balance-rate-", &["w1", "w2", "w3"]).await
     else {
         return;
     };
-    c1.wait_host_template().await;
-    c2.terminate().await;
-    let mut ids = Vec::new();
-    for _ in 0..6 {
-        ids.push(c1.create_with_state().await);
-    }
     let (hot, light) = ids.split_at(2);
     // Each round: each hot one four times, each light one once.
     let mut rounds = Vec::new();
@@ -2780,6 +2774,28 @@ async fn controllers_even_out_the_calls_they_serve() {
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     stop_calling_and_check(&c1, &c2, caller, &ids, before).await;
+}
+
+/// Two controllers and `workers`, with c2 away while c1 makes six sandboxes with state (so c1
+/// holds them all), then c2 stopped: the sandboxes' ids.
+async fn six_on_c1_alone(
+    prefix: &str,
+    workers: &[&str],
+) -> Option<(
+    tempfile::TempDir,
+    Controller,
+    Controller,
+    Vec<Worker>,
+    Vec<String>,
+)> {
+    let (tmp, _, c1, mut c2, started) = two_controllers_and(prefix, workers, &[]).await?;
+    c1.wait_host_template().await;
+    c2.terminate().await;
+    let mut ids = Vec::new();
+    for _ in 0..6 {
+        ids.push(c1.create_with_state().await);
+    }
+    Some((tmp, c1, c2, started, ids))
 }
 
 /// Waits for `caller` ([`keep_calling`], told to stop) and checks that it made its calls all
@@ -3244,5 +3260,49 @@ async fn pools_spread_over_the_controllers_pass_to_the_survivor_and_rebalance() 
     for name in ["p1", "p2"] {
         c1.ok(reqwest::Method::DELETE, &format!("/v1/pools/{name}"), None)
             .await;
+    }
+}
+
+/// Two controllers share a full fleet: six sandboxes on four slots (two workers of two), five
+/// of them taking calls through both controllers at once, so sandboxes park and wake all
+/// along. Each controller's lot counts the slots the other uses as of the workers' last
+/// heartbeats, so within a heartbeat both may count one free slot; the second start then finds
+/// no worker with room. Such a start parks an idle sandbox of its own controller's and tries
+/// again instead of failing the call: every call is answered, and the states survive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn calls_through_both_controllers_on_a_full_fleet_are_all_answered() {
+    let Some((_tmp, c1, mut c2, _workers, ids)) =
+        six_on_c1_alone("torpor-full-fleet-", &["w1", "w2"]).await
+    else {
+        return;
+    };
+    // Each round: the first two three times each, the next three once (the last one idle).
+    let mut rounds = Vec::new();
+    for _ in 0..3 {
+        rounds.extend(ids[..2].iter().cloned());
+    }
+    rounds.extend(ids[2..5].iter().cloned());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let through_c1 = tokio::spawn(keep_calling(c1.api.clone(), rounds.clone(), stop.clone()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    c2.kill_and_restart().await;
+    let through_c2 = tokio::spawn(keep_calling(c2.api.clone(), rounds, stop.clone()));
+    let until = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < until && !through_c1.is_finished() && !through_c2.is_finished() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for caller in [through_c1, through_c2] {
+        match caller.await.unwrap() {
+            Ok(calls) => assert!(calls > 20, "calls made: {calls}"),
+            Err(failed) => panic!("{failed}\nc1: {}\nc2: {}", c1.log(), c2.log()),
+        }
+    }
+    for id in &ids {
+        assert_eq!(
+            c1.exec(id, CHECK).await,
+            "disk-1\nmem-1\nprocess-alive\n",
+            "{id}"
+        );
     }
 }

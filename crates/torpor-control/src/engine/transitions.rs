@@ -28,6 +28,12 @@
 
 use super::*;
 
+/// Cluster mode: how many times a start that found no worker with room tries again (each after
+/// parking one of this controller's idle sandboxes, or after [`ROOM_RETRY`] with none to park).
+const ROOM_TRIES: u32 = 4;
+/// How long a start waits before it tries again with nothing of its own to park.
+const ROOM_RETRY: Duration = Duration::from_millis(250);
+
 impl Engine {
     /// The one place a sandbox's state changes: checks the move against the state machine,
     /// sets the tier that goes with a stable state, persists the record and logs the move
@@ -116,17 +122,39 @@ impl Engine {
             gpu: self.launch_gpu(&rec.id)?,
         };
         let gpu_launched = launch.gpu.is_some();
-        let container = {
-            let _turn = self.restores.take().await;
-            self.timed_restore(launch, image)
-                .await
-                .map_err(|e| match e {
-                    // A worker's GPUs refused it: answered as the GPU error it is.
-                    ControlError::Runtime(torpor_runtime::RuntimeError::Gpu { code, message }) => {
-                        crate::gpu::fleet::from_worker(&code, message).into()
+        let mut tries = 0;
+        let container = loop {
+            let attempt = {
+                let _turn = self.restores.take().await;
+                self.timed_restore(launch.clone(), image).await
+            };
+            match attempt {
+                // Cluster mode: the lot gave this call a slot, but no worker had one free: the
+                // other controllers took it within the heartbeat their use takes to be seen
+                // here. A slot this controller holds is made free (its least recently used idle
+                // sandbox parked) rather than failing the call; with none to park, the workers'
+                // next heartbeats may show one.
+                Err(ControlError::Runtime(torpor_runtime::RuntimeError::NoCapacity(why)))
+                    if self.cfg.controller.is_some() && tries < ROOM_TRIES =>
+                {
+                    tries += 1;
+                    if self.evict_one("worker_full").await {
+                        tracing::info!(sandbox = %rec.id, %why, "no worker had room: parked an idle sandbox of this controller's to make some");
+                    } else {
+                        tokio::time::sleep(ROOM_RETRY).await;
                     }
-                    e => e,
-                })?
+                }
+                other => {
+                    break other.map_err(|e| match e {
+                        // A worker's GPUs refused it: answered as the GPU error it is.
+                        ControlError::Runtime(torpor_runtime::RuntimeError::Gpu {
+                            code,
+                            message,
+                        }) => crate::gpu::fleet::from_worker(&code, message).into(),
+                        e => e,
+                    })?;
+                }
+            }
         };
         self.metrics
             .warm_takes
