@@ -4,6 +4,10 @@
 
 use super::*;
 
+/// How many times a call's wake that another controller's transition overtook looks at the
+/// sandbox again before it answers `sandbox_busy`.
+const WAKE_RACES: u32 = 2;
+
 impl Engine {
     /// Every sandbox whose metadata has `key` (the operator's view: background sweeps).
     pub fn sandboxes_with_metadata(&self, key: &str) -> Result<Vec<SandboxRecord>> {
@@ -185,6 +189,7 @@ impl Engine {
         let passed = matches!(seen.state, SandboxState::Running | SandboxState::Frozen);
         let owner = seen.tenant;
         let slot = self.slot(id);
+        let mut raced = 0;
         loop {
             {
                 let guard = slot.state.clone().read_owned().await;
@@ -248,10 +253,19 @@ impl Engine {
                     self.take_passed(&mut guard, rec).await?;
                     continue;
                 }
-                None => {
-                    self.wake_locked(&mut guard, rec).await?;
-                    self.reboot_if_marked(&guard, id).await?;
-                }
+                None => match self.wake_locked(&mut guard, rec).await {
+                    Ok(()) => self.reboot_if_marked(&guard, id).await?,
+                    // Cluster mode: another controller moved it while this wake ran (woke it
+                    // and put it back to sleep, or its own wake failed). Nothing was sent to
+                    // it: looked at again, a sandbox now held elsewhere is that controller's
+                    // to serve (the caller is forwarded there), a sleeping one is woken here.
+                    Err(ControlError::Busy(why)) if raced < WAKE_RACES => {
+                        raced += 1;
+                        tracing::info!(sandbox = %id, why, "the sandbox changed under its wake; looking again");
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                },
             }
             slot.touch();
             return Ok(InUse {
