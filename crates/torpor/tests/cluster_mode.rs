@@ -2617,7 +2617,13 @@ async fn running_sandboxes_spread_over_the_controllers_as_they_run() {
     // Balanced, it stays so: nothing moves back and forth.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let held = holders(&c1, &ids).await;
-    assert_eq!(held.iter().filter(|h| *h == "c2").count(), 2, "{held:?}");
+    assert_eq!(
+        held.iter().filter(|h| *h == "c2").count(),
+        2,
+        "{held:?}\nc1: {}\nc2: {}",
+        c1.log(),
+        c2.log()
+    );
     assert!(
         !c1.log().contains("a sandbox passed here waits"),
         "{}",
@@ -2733,7 +2739,9 @@ async fn controllers_even_out_the_calls_they_serve() {
     }
     rounds.extend(light.iter().cloned());
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let caller = tokio::spawn(keep_calling(c1.api.clone(), rounds, stop.clone()));
+    // Two callers: enough calls a second that the hot ones are a load to move.
+    let caller = tokio::spawn(keep_calling(c1.api.clone(), rounds.clone(), stop.clone()));
+    let second = tokio::spawn(keep_calling(c1.api.clone(), rounds, stop.clone()));
     tokio::time::sleep(Duration::from_secs(1)).await;
     let checkpoints = "torpor_checkpoint_seconds_count{outcome=\"ok\"}";
     let before = c1.metric(checkpoints).await;
@@ -2773,6 +2781,9 @@ async fn controllers_even_out_the_calls_they_serve() {
         assert!(rate > 0.0, "{name}'s call rate: {rate}");
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    if let Err(failed) = second.await.unwrap() {
+        panic!("{failed}\nc1: {}\nc2: {}", c1.log(), c2.log());
+    }
     stop_calling_and_check(&c1, &c2, caller, &ids, before).await;
 }
 

@@ -191,7 +191,13 @@ impl Engine {
     /// Parks the least recently active resident sandbox that no call is using. Frozen ones go
     /// first, then idle running ones.
     pub(super) async fn evict_one(&self, reason: &str) -> bool {
-        let Some((id, mut guard)) = self.pick_victim() else {
+        self.evict_one_on(None, reason).await
+    }
+
+    /// [`Engine::evict_one`] among the sandboxes on worker `node` only (cluster mode), or
+    /// among all with `None`.
+    pub(super) async fn evict_one_on(&self, node: Option<&str>, reason: &str) -> bool {
+        let Some((id, mut guard)) = self.pick_victim_on(node) else {
             return false;
         };
         self.evict(&id, &mut guard, reason).await
@@ -219,6 +225,14 @@ impl Engine {
     /// The least recently active resident sandbox that no call is using, locked: Frozen ones
     /// first, then idle running ones.
     pub(super) fn pick_victim(&self) -> Option<(SandboxId, OwnedRwLockWriteGuard<SlotState>)> {
+        self.pick_victim_on(None)
+    }
+
+    /// [`Engine::pick_victim`] among the sandboxes on worker `node` only, or among all.
+    fn pick_victim_on(
+        &self,
+        node: Option<&str>,
+    ) -> Option<(SandboxId, OwnedRwLockWriteGuard<SlotState>)> {
         let candidates: Vec<(SandboxId, Arc<Slot>)> = {
             let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
             slots.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
@@ -230,6 +244,9 @@ impl Engine {
                 continue;
             };
             let Some(live) = &guard.live else { continue };
+            if node.is_some_and(|n| live.resident.node() != Some(n)) {
+                continue;
+            }
             let seen = IdleResident {
                 frozen: live.frozen,
                 last_active: slot.last_active.load(Ordering::Relaxed),

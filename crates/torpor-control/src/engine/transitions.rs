@@ -133,12 +133,16 @@ impl Engine {
                 // other controllers took it within the heartbeat their use takes to be seen
                 // here. A slot this controller holds is made free (its least recently used idle
                 // sandbox parked) rather than failing the call; with none to park, the workers'
-                // next heartbeats may show one.
+                // next heartbeats may show one. A checkpoint that only its worker holds (not
+                // uploaded yet) makes room there; none is made with no worker ready.
                 Err(ControlError::Runtime(torpor_runtime::RuntimeError::NoCapacity(why)))
-                    if self.cfg.controller.is_some() && tries < ROOM_TRIES =>
+                    if self.cfg.controller.is_some()
+                        && tries < ROOM_TRIES
+                        && self.workers.total() > 0 =>
                 {
                     tries += 1;
-                    if self.evict_one("worker_full").await {
+                    let on = launch.stored.image_on.as_deref();
+                    if self.evict_one_on(on, "worker_full").await {
                         tracing::info!(sandbox = %rec.id, %why, "no worker had room: parked an idle sandbox of this controller's to make some");
                     } else {
                         tokio::time::sleep(ROOM_RETRY).await;
