@@ -4,9 +4,9 @@
 //! A controller's load is the calls it serves for the sandboxes it holds (it relays every agent
 //! call, exec, file and proxied request of them, whichever controller the caller reached). Each
 //! sandbox's rate is measured at every balancing period from the calls that borrowed it
-//! ([`CallRates::sample`]: its calls over the last [`WINDOW`]); the controller says its total in its row
-//! at each heartbeat (`controllers.call_rate`), and [`RateBalance`] decides, from those totals,
-//! which of its sandboxes to pass and to whom:
+//! ([`CallRates::sample`]: its calls over the last [`WINDOW`]); the controller says its total
+//! in its row at each heartbeat (`controllers.call_rate`), and [`RateBalance`] decides, from
+//! those totals, which of its sandboxes to pass and to whom:
 //!
 //! - only a controller above its share (the cluster's calls a second over the live
 //!   controllers) by more than the slack (a tenth of its share, at least
