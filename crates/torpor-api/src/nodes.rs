@@ -31,6 +31,11 @@ pub struct NodeView {
     pub resident_memory_bytes: u64,
     /// Its last heartbeat (RFC 3339).
     pub last_seen_at: String,
+    /// Since when this controller's probes of it have failed (RFC 3339; cluster mode, absent
+    /// while they answer). After `--worker-lost-after-ms` of that it takes no new sandboxes,
+    /// its heartbeats are refused, and it is `lost` the same time later.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unreachable_since: Option<String>,
     /// Where controllers reach it (cluster mode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub addr: Option<String>,
@@ -89,6 +94,7 @@ pub(crate) async fn list(
         memory_budget_bytes: w.memory_budget_bytes.unwrap_or(0),
         resident_memory_bytes: w.resident_memory_bytes,
         last_seen_at: rfc3339(now_millis()),
+        unreachable_since: None,
         addr: None,
         cores: None,
         cpu_idle_millicores: None,

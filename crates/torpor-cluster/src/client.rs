@@ -475,6 +475,16 @@ impl RemoteNode {
         })
     }
 
+    /// Whether the worker answers a call within `deadline` (its `Info`, on the connection
+    /// calls take): the controller's side of reachability, which heartbeats do not show.
+    pub async fn probe(&self, deadline: Duration) -> Result<(), Status> {
+        self.inner
+            .client()
+            .info(call(pb::InfoRequest {}, deadline))
+            .await
+            .map(|_| ())
+    }
+
     /// The worker's name (from its certificate).
     pub fn worker_name(&self) -> &str {
         &self.inner.name

@@ -16,6 +16,13 @@
 //!   it held is reported on the event stream as [`NodeEvent::Lost`], which sends its sandbox
 //!   back to its last snapshot (it resumes on another worker at its next call). A lost worker
 //!   that comes back must register again, and its leftovers are removed first.
+//! - **Reach.** Heartbeats show only that the worker can call the controller. The controller
+//!   probes it back (an `Info` call every [`Fleet::probe_every`]); one its probes have not
+//!   reached for [`FleetConfig::lost_after`] (a one-way partition, a firewall on its Node
+//!   port) gets no new sandboxes and its heartbeats are answered "unknown", so that it is
+//!   `lost` the same time later, as if silent: it fences its containers itself, or through
+//!   another controller that still reaches it, before they resume elsewhere. It comes back by
+//!   registering again, whose dial-back is the proof that it can be called.
 //! - **Draining.** [`Fleet::drain`] keeps a worker's sandboxes where they are but sends it no
 //!   new ones; it survives the worker's re-registration.
 //! - **Placement.** Starts go through [`Placement`] (an index by free capacity): the worker that
@@ -116,6 +123,10 @@ pub struct NodeStatus {
     pub gpu_usage: crate::server::GpuUsage,
     /// Unix milliseconds of its last heartbeat.
     pub last_seen_at: u64,
+    /// Unix milliseconds since which this controller's probes of it fail (`None` while they
+    /// answer): after [`FleetConfig::lost_after`] of that it takes no new sandboxes and its
+    /// heartbeats are refused.
+    pub unreachable_since: Option<u64>,
 }
 
 /// What the ready workers offer together (the engine sizes its lot from it).
@@ -150,6 +161,49 @@ struct Member {
     /// Containers it runs for other controllers of the database (its last heartbeat's count
     /// less this controller's): slots this controller's lot does not count.
     others: u32,
+    /// Whether this controller can call it ([`Fleet::probe_workers`]).
+    reach: Reach,
+}
+
+impl Member {
+    /// Where placement keeps it: lost; draining (the operator's drain, or out of this
+    /// controller's reach: no new sandboxes); else ready.
+    fn placement_state(&self) -> WorkerState {
+        if self.lost {
+            WorkerState::Lost
+        } else if self.drain || self.reach.unreachable {
+            WorkerState::Draining
+        } else {
+            WorkerState::Ready
+        }
+    }
+
+    /// What `GET /v1/nodes` says: a worker out of reach stays `ready` (or `draining`) until
+    /// it is counted lost; `unreachable_since` says the rest.
+    fn shown_state(&self) -> WorkerState {
+        if self.lost {
+            WorkerState::Lost
+        } else if self.drain {
+            WorkerState::Draining
+        } else {
+            WorkerState::Ready
+        }
+    }
+}
+
+/// This controller's probes of one worker.
+#[derive(Debug, Default)]
+struct Reach {
+    /// A probe is out.
+    probing: bool,
+    /// When the last probe was sent.
+    last_probe: Option<Instant>,
+    /// When the first probe that failed since the last one answered was sent (and as wall
+    /// time, for `GET /v1/nodes`).
+    failing_since: Option<(Instant, SystemTime)>,
+    /// Probes failed for [`FleetConfig::lost_after`]: its heartbeats are refused until it
+    /// registers again.
+    unreachable: bool,
 }
 
 #[derive(Default)]
@@ -615,6 +669,7 @@ impl Fleet {
                 tick.tick().await;
                 let Some(fleet) = watch.upgrade() else { return };
                 fleet.mark_lost();
+                fleet.probe_workers();
             }
         });
         fleet
@@ -786,10 +841,10 @@ impl Fleet {
             .workers
             .iter()
             .filter_map(|(name, w)| {
-                let (cap, load, state) = m.placement.get(name)?;
+                let (cap, load, _) = m.placement.get(name)?;
                 Some(NodeStatus {
                     name: name.clone(),
-                    state,
+                    state: w.shown_state(),
                     addr: w.addr.clone(),
                     workers: cap.slots,
                     busy: load.busy,
@@ -801,6 +856,7 @@ impl Fleet {
                     labels: cap.labels,
                     gpu_usage: w.remote.gpu_usage(),
                     last_seen_at: unix_ms(w.last_seen_at),
+                    unreachable_since: w.reach.failing_since.map(|(_, at)| unix_ms(at)),
                 })
             })
             .collect();
@@ -858,16 +914,8 @@ impl Fleet {
             return;
         }
         w.drain = drain;
-        if !w.lost {
-            m.placement.set_state(
-                name,
-                if drain {
-                    WorkerState::Draining
-                } else {
-                    WorkerState::Ready
-                },
-            );
-        }
+        let state = w.placement_state();
+        m.placement.set_state(name, state);
         self.publish_capacity(m);
     }
 
@@ -985,6 +1033,98 @@ impl Fleet {
         }
     }
 
+    /// How often each worker is probed: four times within [`FleetConfig::lost_after`] (2.5 s
+    /// by default; an `Info` call on the connection other calls take, fewer calls than the
+    /// heartbeats), one probe out at a time, each with half of `lost_after` to answer (a worker
+    /// slow to answer is not taken for one out of reach, as a late heartbeat is not).
+    pub fn probe_every(&self) -> Duration {
+        (self.cfg.lost_after / 4).max(Duration::from_millis(50))
+    }
+
+    /// Probes the workers whose last probe is older than [`Fleet::probe_every`] (but those
+    /// lost or already out of reach: their registration is the next probe).
+    fn probe_workers(&self) {
+        let every = self.probe_every();
+        let now = Instant::now();
+        let due: Vec<(String, Arc<RemoteNode>)> = {
+            let mut m = self.lock();
+            m.workers
+                .iter_mut()
+                .filter(|(_, w)| {
+                    !w.lost
+                        && !w.reach.unreachable
+                        && !w.reach.probing
+                        && w.reach
+                            .last_probe
+                            .is_none_or(|t| now.duration_since(t) >= every)
+                })
+                .map(|(name, w)| {
+                    w.reach.probing = true;
+                    w.reach.last_probe = Some(now);
+                    (name.clone(), w.remote.clone())
+                })
+                .collect()
+        };
+        let deadline = (self.cfg.lost_after / 2)
+            .max(every)
+            .min(self.cfg.deadlines.quick);
+        for (name, remote) in due {
+            let fleet = self.me.clone();
+            tokio::spawn(async move {
+                let answer = remote.probe(deadline).await;
+                if let Some(fleet) = fleet.upgrade() {
+                    fleet.probed(&name, &remote, now, answer);
+                }
+            });
+        }
+    }
+
+    /// A probe sent at `sent` to `remote` (worker `name`) came back with `answer`.
+    fn probed(
+        &self,
+        name: &str,
+        remote: &Arc<RemoteNode>,
+        sent: Instant,
+        answer: Result<(), Status>,
+    ) {
+        let mut m = self.lock();
+        let m = &mut *m;
+        // Unless the worker registered again meanwhile (a new connection, probed afresh).
+        let Some(w) = m
+            .workers
+            .get_mut(name)
+            .filter(|w| Arc::ptr_eq(&w.remote, remote))
+        else {
+            return;
+        };
+        w.reach.probing = false;
+        let error = match answer {
+            Ok(()) => {
+                if w.reach.failing_since.take().is_some() && !w.reach.unreachable {
+                    tracing::info!(worker = %name, "the worker answers this controller's probes again");
+                }
+                return;
+            }
+            Err(st) => st,
+        };
+        let since = w
+            .reach
+            .failing_since
+            .get_or_insert_with(|| (sent, SystemTime::now() - sent.elapsed()))
+            .0;
+        if w.lost || w.reach.unreachable || since.elapsed() < self.cfg.lost_after {
+            tracing::debug!(worker = %name, error = %error.message(), "a probe of the worker failed");
+            return;
+        }
+        w.reach.unreachable = true;
+        let state = w.placement_state();
+        tracing::warn!(worker = %name, failing_ms = since.elapsed().as_millis() as u64,
+            error = %error.message(),
+            "this controller cannot call the worker that heartbeats to it: no new sandboxes there, its heartbeats refused until it can be called (lost after the same time again)");
+        m.placement.set_state(name, state);
+        self.publish_capacity(m);
+    }
+
     /// Tells the engine that `held`, on `worker`, are gone.
     fn report_lost(&self, worker: &str, silent_for: Duration, held: Vec<String>) {
         for container_id in held {
@@ -1016,9 +1156,9 @@ impl Fleet {
         let _one = turn.lock().await;
         let same = {
             let m = self.lock();
-            m.workers
-                .get(&name)
-                .is_some_and(|w| w.run_id == req.run_id && w.addr == addr && !w.lost)
+            m.workers.get(&name).is_some_and(|w| {
+                w.run_id == req.run_id && w.addr == addr && !w.lost && !w.reach.unreachable
+            })
         };
         if !same {
             let dial = RemoteNode::connect(
@@ -1119,6 +1259,7 @@ impl Fleet {
                         lost: false,
                         held: kept.iter().cloned().collect(),
                         others: 0,
+                        reach: Reach::default(),
                     },
                 );
                 if let Some(p) = previous.filter(|p| !Arc::ptr_eq(&p.remote, &remote)) {
@@ -1170,7 +1311,9 @@ impl Fleet {
             return pb::HeartbeatReply::default();
         };
         let reserved = w.held.len() as u32;
-        if w.run_id != req.run_id || w.lost {
+        // One this controller cannot call is not heard either: it registers again (whose
+        // dial-back shows whether it can be called) or is counted lost.
+        if w.run_id != req.run_id || w.lost || w.reach.unreachable {
             return pb::HeartbeatReply::default();
         }
         w.last_seen = Instant::now();

@@ -35,9 +35,58 @@ struct FakeWorker {
     node: Arc<FakeNode>,
     /// Stops its heartbeats (as a dead process would).
     stop_join: tokio::sync::watch::Sender<bool>,
+    /// What stands between the controllers and its Node service, when it was started behind
+    /// one ([`start_worker_behind`]).
+    relay: Option<Relay>,
 }
 
 async fn start_worker(files: TlsFiles, controller: &str, slots: u32) -> FakeWorker {
+    start_worker_behind(files, controller, slots, false, None).await
+}
+
+/// A TCP relay in front of a worker's Node service that the test can cut in one direction:
+/// cut, the connections through it are dropped and new ones are accepted and never answered
+/// (the controller's packets go nowhere), while the worker still calls the controller.
+struct Relay {
+    addr: std::net::SocketAddr,
+    cut: tokio::sync::watch::Sender<bool>,
+}
+
+async fn relay(to: std::net::SocketAddr) -> Relay {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (cut, is_cut) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            if *is_cut.borrow() {
+                held.push(inbound);
+                continue;
+            }
+            let mut is_cut = is_cut.clone();
+            tokio::spawn(async move {
+                let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await else {
+                    return;
+                };
+                tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                    _ = is_cut.wait_for(|c| *c) => {}
+                }
+            });
+        }
+    });
+    Relay { addr, cut }
+}
+
+/// A fake worker; `behind_relay`: it announces a [`Relay`] in front of its Node service;
+/// `fence_after`: it ends its containers after that long without word from a controller.
+async fn start_worker_behind(
+    files: TlsFiles,
+    controller: &str,
+    slots: u32,
+    behind_relay: bool,
+    fence_after: Option<Duration>,
+) -> FakeWorker {
     let tls = TlsSource::load(files, Side::Worker, TlsMetrics::new()).unwrap();
     let node = Arc::new(FakeNode::new());
     let service = NodeService::new(Arc::new(node.clone()), tls.identity().name.to_string());
@@ -49,19 +98,24 @@ async fn start_worker(files: TlsFiles, controller: &str, slots: u32) -> FakeWork
     tokio::spawn(async move {
         let _ = torpor_cluster::serve(served, listener, serve_tls, std::future::pending()).await;
     });
+    let relay = match behind_relay {
+        true => Some(relay(addr).await),
+        false => None,
+    };
+    let port = relay.as_ref().map_or(addr.port(), |r| r.addr.port());
     let (stop_join, stopped) = tokio::sync::watch::channel(false);
     tokio::spawn(torpor_cluster::join(
         JoinConfig {
             controllers: vec![controller.to_string()],
             // The controller fills in the host it sees the registration come from.
-            node_addr: format!("0.0.0.0:{}", addr.port()),
+            node_addr: format!("0.0.0.0:{port}"),
             slots,
             memory_budget: 1 << 30,
             cores: 2,
             gpu_models: Vec::new(),
             labels: BTreeMap::new(),
             run_id: format!("run-{}", addr.port()),
-            fence_after: None,
+            fence_after,
             deadline: Duration::from_secs(5),
             // Every fake worker is this one machine: free slots decide, as these tests expect.
             report_cpu: false,
@@ -70,7 +124,11 @@ async fn start_worker(files: TlsFiles, controller: &str, slots: u32) -> FakeWork
         service,
         stopped,
     ));
-    FakeWorker { node, stop_join }
+    FakeWorker {
+        node,
+        stop_join,
+        relay,
+    }
 }
 
 fn launch(id: &str) -> Launch {
@@ -391,4 +449,78 @@ async fn drains_in_the_shared_book_hold_on_every_controller_until_lifted() {
         Err(torpor_cluster::FleetError::UnknownWorker(_))
     ));
     assert!(book.drained.lock().unwrap().is_empty());
+}
+
+/// A worker whose heartbeats reach the controller while the controller's calls no longer
+/// reach it (a one-way partition): the controller's probes find it out of reach, it gets no
+/// new sandboxes, its heartbeats are refused, so it fences its containers itself before the
+/// controller counts it lost and reports them; once it can be called again it registers
+/// again and is ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_the_controller_cannot_call_is_fenced_and_lost_though_its_heartbeats_arrive() {
+    let dir = tempfile::tempdir().unwrap();
+    let (fleet, ca, controller) = start_fleet(dir.path()).await;
+    let mut events = fleet.take_events().unwrap();
+    let files = issue(&ca, Role::Worker, "w1", &dir.path().join("w1"));
+    let fence_after = Some(Duration::from_millis(400));
+    let w1 = start_worker_behind(files, &controller, 2, true, fence_after).await;
+    let w2 = start_workers(dir.path(), &ca, &controller, &["w2"], 2).await;
+    wait_for("two ready workers", || {
+        let nodes = fleet.nodes();
+        nodes.len() == 2 && nodes.iter().all(|n| n.state == WorkerState::Ready)
+    })
+    .await;
+    // On w1 (w2 drained meanwhile).
+    fleet.drain("w2").unwrap();
+    let on_w1 = fleet.boot(launch("sb-1-g1")).await.unwrap();
+    fleet.set_drain("w2", false).unwrap();
+    assert_eq!(on_w1.node(), Some("w1"));
+    assert_eq!(w1.node.running(), ["sb-1-g1"]);
+    assert!(fleet.nodes().iter().all(|n| n.unreachable_since.is_none()));
+
+    w1.relay.as_ref().unwrap().cut.send(true).unwrap();
+    wait_for("w1's probes failing", || {
+        fleet
+            .nodes()
+            .iter()
+            .any(|n| n.name == "w1" && n.unreachable_since.is_some())
+    })
+    .await;
+    // Reported lost, and by then the worker had ended the container: it ran once.
+    let lost = loop {
+        let ev = tokio::time::timeout(Duration::from_secs(30), events.recv())
+            .await
+            .expect("w1's container reported lost")
+            .unwrap();
+        if let NodeEvent::Lost {
+            container_id,
+            worker,
+            ..
+        } = ev
+        {
+            assert!(
+                w1.node.running().is_empty(),
+                "reported lost while it still runs on w1"
+            );
+            break (container_id, worker);
+        }
+    };
+    assert_eq!(lost, ("sb-1-g1".to_string(), "w1".to_string()));
+    assert_eq!(state(&fleet, "w1"), Some(WorkerState::Lost));
+    assert!(!on_w1.alive());
+    // New sandboxes go to the worker that can be called.
+    let next = fleet.boot(launch("sb-2-g1")).await.unwrap();
+    assert_eq!(next.node(), Some("w2"));
+    next.destroy().await;
+    assert!(w2["w2"].node.running().is_empty());
+
+    // Healed: w1 registers again (its dial-back gets through) and is ready, reached.
+    w1.relay.as_ref().unwrap().cut.send(false).unwrap();
+    wait_for("w1 back", || {
+        fleet.nodes().iter().any(|n| {
+            n.name == "w1" && n.state == WorkerState::Ready && n.unreachable_since.is_none()
+        })
+    })
+    .await;
+    drop(on_w1);
 }

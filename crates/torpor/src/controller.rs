@@ -534,6 +534,9 @@ fn view(n: torpor_cluster::NodeStatus) -> torpor_api::nodes::NodeView {
         memory_budget_bytes: n.memory_budget_bytes,
         resident_memory_bytes: n.resident_memory_bytes,
         last_seen_at: torpor_api::types::rfc3339(n.last_seen_at as i64),
+        unreachable_since: n
+            .unreachable_since
+            .map(|t| torpor_api::types::rfc3339(t as i64)),
         addr: Some(n.addr),
         cores: Some(n.cores),
         cpu_idle_millicores: n.cpu_idle_milli,

@@ -751,8 +751,7 @@ impl Engine {
                 .map(|(n, h)| (*n, share.saturating_sub(of(h))))
                 .collect()
         };
-        let (mut busy_room, mut all_room) =
-            (room(|h| h.busy, share.busy), room(|h| h.all, share.all));
+        let mut all_room = room(|h| h.all, share.all);
         let mut idlest: Vec<(i64, &SandboxId, Arc<Slot>)> = slots
             .into_iter()
             .filter(|(_, (_, _, movable))| *movable)
@@ -791,6 +790,7 @@ impl Engine {
             }
         } else {
             // Busy ones first (the idlest of them: the least likely to be in a call right now).
+            let mut busy_room = room(|h| h.busy, share.busy);
             let mut left = busy_over.min(batch);
             for (_, id, slot) in idlest.iter().filter(|(at, _, _)| *at >= busy_since) {
                 if left == 0 {
