@@ -78,6 +78,10 @@ pub struct FleetConfig {
     pub heartbeat: Duration,
     /// Silence after which a worker is lost.
     pub lost_after: Duration,
+    /// Silence after which a lost worker is forgotten: dropped from [`Fleet::nodes`] and the
+    /// gauges, its connection closed (a machine scaled away). One that comes back later
+    /// registers as a new worker.
+    pub forget_lost_after: Duration,
     /// Deadlines of the calls to workers.
     pub deadlines: Deadlines,
     /// The snapshot store announced to workers at registration (`s3://…` or a directory
@@ -92,6 +96,7 @@ impl Default for FleetConfig {
         FleetConfig {
             heartbeat: Duration::from_secs(1),
             lost_after: Duration::from_secs(10),
+            forget_lost_after: Duration::from_secs(3600),
             deadlines: Deadlines::default(),
             store: None,
             gpu_quotas: QuotaBook::unlimited(),
@@ -669,6 +674,7 @@ impl Fleet {
                 tick.tick().await;
                 let Some(fleet) = watch.upgrade() else { return };
                 fleet.mark_lost();
+                fleet.forget_lost();
                 fleet.probe_workers();
             }
         });
@@ -1123,6 +1129,39 @@ impl Fleet {
             "this controller cannot call the worker that heartbeats to it: no new sandboxes there, its heartbeats refused until it can be called (lost after the same time again)");
         m.placement.set_state(name, state);
         self.publish_capacity(m);
+    }
+
+    /// Drops the workers lost for [`FleetConfig::forget_lost_after`]: what this controller
+    /// keeps about each (its place in the index, where sandboxes last ran, its local copies)
+    /// and its connection, which otherwise keeps trying to follow its events.
+    fn forget_lost(&self) {
+        let after = self.cfg.forget_lost_after;
+        let mut m = self.lock();
+        let m = &mut *m;
+        let gone: Vec<String> = m
+            .workers
+            .iter()
+            .filter(|(_, w)| w.lost && w.last_seen.elapsed() >= after)
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in &gone {
+            let Some(w) = m.workers.remove(name) else {
+                continue;
+            };
+            let silent_s = w.last_seen.elapsed().as_secs();
+            tokio::spawn(async move { w.remote.shutdown().await });
+            m.placement.remove(name);
+            m.last_worker.retain(|_, on| on != name);
+            for snapshot in m.copies_by_worker.remove(name).unwrap_or_default() {
+                if m.copies.get(&snapshot) == Some(name) {
+                    m.copies.remove(&snapshot);
+                }
+            }
+            tracing::info!(worker = %name, silent_s, "forgot a worker lost this long (it registers as new if it comes back)");
+        }
+        if !gone.is_empty() {
+            self.publish_capacity(m);
+        }
     }
 
     /// Tells the engine that `held`, on `worker`, are gone.

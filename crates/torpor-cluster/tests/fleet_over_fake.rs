@@ -164,6 +164,11 @@ async fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
 /// A controller's fleet serving the cluster protocol on loopback (heartbeats 100 ms apart, a
 /// worker lost after 800 ms of silence), its CA, and the address workers join.
 async fn start_fleet(dir: &Path) -> (Arc<Fleet>, Ca, String) {
+    start_fleet_with(dir, Duration::from_secs(3600)).await
+}
+
+/// [`start_fleet`] forgetting lost workers after `forget_lost_after` of silence.
+async fn start_fleet_with(dir: &Path, forget_lost_after: Duration) -> (Arc<Fleet>, Ca, String) {
     let ca = Ca::init(
         &dir.join("ca"),
         &TrustDomain::new("fleet.test").unwrap(),
@@ -177,6 +182,7 @@ async fn start_fleet(dir: &Path) -> (Arc<Fleet>, Ca, String) {
         FleetConfig {
             heartbeat: Duration::from_millis(100),
             lost_after: Duration::from_millis(800),
+            forget_lost_after,
             ..FleetConfig::default()
         },
     );
@@ -454,14 +460,15 @@ async fn drains_in_the_shared_book_hold_on_every_controller_until_lifted() {
 /// A worker whose heartbeats reach the controller while the controller's calls no longer
 /// reach it (a one-way partition): the controller's probes find it out of reach, it gets no
 /// new sandboxes, its heartbeats are refused, so it fences its containers itself before the
-/// controller counts it lost and reports them; once it can be called again it registers
-/// again and is ready.
+/// controller counts it lost and reports them. Lost long enough, it is forgotten; once it can
+/// be called again it registers as new and is ready.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_the_controller_cannot_call_is_fenced_and_lost_though_its_heartbeats_arrive() {
     let dir = tempfile::tempdir().unwrap();
-    let (fleet, ca, controller) = start_fleet(dir.path()).await;
+    let (fleet, ca, controller) = start_fleet_with(dir.path(), Duration::from_millis(2500)).await;
     let mut events = fleet.take_events().unwrap();
     let files = issue(&ca, Role::Worker, "w1", &dir.path().join("w1"));
+    let metrics = torpor_cluster::FleetMetrics::new(&fleet);
     let fence_after = Some(Duration::from_millis(400));
     let w1 = start_worker_behind(files, &controller, 2, true, fence_after).await;
     let w2 = start_workers(dir.path(), &ca, &controller, &["w2"], 2).await;
@@ -477,6 +484,13 @@ async fn a_worker_the_controller_cannot_call_is_fenced_and_lost_though_its_heart
     assert_eq!(on_w1.node(), Some("w1"));
     assert_eq!(w1.node.running(), ["sb-1-g1"]);
     assert!(fleet.nodes().iter().all(|n| n.unreachable_since.is_none()));
+    assert_eq!(
+        (
+            gauge(&metrics, "torpor_cluster_nodes", Some("ready")),
+            gauge(&metrics, "torpor_cluster_nodes_unreachable", None)
+        ),
+        (2, 0)
+    );
 
     w1.relay.as_ref().unwrap().cut.send(true).unwrap();
     wait_for("w1's probes failing", || {
@@ -484,6 +498,7 @@ async fn a_worker_the_controller_cannot_call_is_fenced_and_lost_though_its_heart
             .nodes()
             .iter()
             .any(|n| n.name == "w1" && n.unreachable_since.is_some())
+            && gauge(&metrics, "torpor_cluster_nodes_unreachable", None) == 1
     })
     .await;
     // Reported lost, and by then the worker had ended the container: it ran once.
@@ -507,12 +522,27 @@ async fn a_worker_the_controller_cannot_call_is_fenced_and_lost_though_its_heart
     };
     assert_eq!(lost, ("sb-1-g1".to_string(), "w1".to_string()));
     assert_eq!(state(&fleet, "w1"), Some(WorkerState::Lost));
+    assert_eq!(
+        (
+            gauge(&metrics, "torpor_cluster_nodes", Some("lost")),
+            gauge(&metrics, "torpor_cluster_nodes", Some("ready")),
+            gauge(&metrics, "torpor_cluster_nodes_unreachable", None)
+        ),
+        (1, 1, 0)
+    );
     assert!(!on_w1.alive());
     // New sandboxes go to the worker that can be called.
     let next = fleet.boot(launch("sb-2-g1")).await.unwrap();
     assert_eq!(next.node(), Some("w2"));
     next.destroy().await;
     assert!(w2["w2"].node.running().is_empty());
+    // Lost for 2.5 s: forgotten (no longer listed nor counted).
+    wait_for("w1 forgotten", || {
+        fleet.nodes().iter().all(|n| n.name != "w1")
+            && gauge(&metrics, "torpor_cluster_nodes", Some("lost")) == 0
+    })
+    .await;
+    assert_eq!(state(&fleet, "w2"), Some(WorkerState::Ready));
 
     // Healed: w1 registers again (its dial-back gets through) and is ready, reached.
     w1.relay.as_ref().unwrap().cut.send(false).unwrap();
@@ -523,4 +553,17 @@ async fn a_worker_the_controller_cannot_call_is_fenced_and_lost_though_its_heart
     })
     .await;
     drop(on_w1);
+}
+
+/// The value of gauge `name` (its series labelled `state` when given) as `metrics` collects it.
+fn gauge(metrics: &torpor_cluster::FleetMetrics, name: &str, state: Option<&str>) -> i64 {
+    use prometheus::core::Collector;
+    metrics
+        .collect()
+        .iter()
+        .filter(|f| f.get_name() == name)
+        .flat_map(|f| f.get_metric())
+        .filter(|m| state.is_none_or(|s| m.get_label().iter().any(|l| l.get_value() == s)))
+        .map(|m| m.get_gauge().get_value() as i64)
+        .sum()
 }

@@ -101,6 +101,11 @@ pub struct ControllerArgs {
     /// Silence after which a worker is lost and its sandboxes resume elsewhere.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(500..))]
     worker_lost_after_ms: u64,
+    /// Silence after which a lost worker is forgotten: no longer listed by GET /v1/nodes or
+    /// counted in torpor_cluster_nodes (a machine scaled away); one that comes back later
+    /// registers as new.
+    #[arg(long, default_value_t = 3_600_000, value_parser = clap::value_parser!(u64).range(1000..))]
+    worker_forgotten_after_ms: u64,
     /// A checkpoint on a worker that was never uploaded and that no sandbox refers to any more
     /// (its worker was lost with it and came back; a delete could not reach it) is removed
     /// once this old; the workers' images are looked at this often.
@@ -239,6 +244,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         FleetConfig {
             heartbeat: Duration::from_millis(args.heartbeat_ms),
             lost_after: Duration::from_millis(args.worker_lost_after_ms),
+            forget_lost_after: Duration::from_millis(args.worker_forgotten_after_ms),
             store: Some(store.to_string()),
             gpu_quotas,
             ..FleetConfig::default()

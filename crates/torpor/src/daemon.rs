@@ -360,6 +360,9 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
         engine
             .metrics
             .register(Box::new(c.tls_metrics.refusals.clone()));
+        engine
+            .metrics
+            .register(Box::new(torpor_cluster::FleetMetrics::new(&c.fleet)));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let addr = c.listener.local_addr().ok();
         eprintln!(
