@@ -31,9 +31,10 @@ pub struct NodeView {
     pub resident_memory_bytes: u64,
     /// Its last heartbeat (RFC 3339).
     pub last_seen_at: String,
-    /// Since when this controller's probes of it have failed (RFC 3339; cluster mode, absent
-    /// while they answer). After `--worker-lost-after-ms` of that it takes no new sandboxes,
-    /// its heartbeats are refused, and it is `lost` the same time later.
+    /// Cluster mode, once this controller counts it out of reach (its probes failed for
+    /// `--worker-lost-after-ms`: it takes no new sandboxes, its heartbeats are refused, and it
+    /// is `lost` the same time later): when its probes began to fail (RFC 3339). Kept once it
+    /// is lost, to say why; absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unreachable_since: Option<String>,
     /// Where controllers reach it (cluster mode).

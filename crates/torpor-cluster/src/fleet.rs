@@ -128,9 +128,10 @@ pub struct NodeStatus {
     pub gpu_usage: crate::server::GpuUsage,
     /// Unix milliseconds of its last heartbeat.
     pub last_seen_at: u64,
-    /// Unix milliseconds since which this controller's probes of it fail (`None` while they
-    /// answer): after [`FleetConfig::lost_after`] of that it takes no new sandboxes and its
-    /// heartbeats are refused.
+    /// Once this controller counts it out of reach (its probes failed for
+    /// [`FleetConfig::lost_after`]: it takes no new sandboxes, its heartbeats are refused),
+    /// the unix milliseconds of the first failed probe; kept once it is lost, to say why;
+    /// `None` otherwise.
     pub unreachable_since: Option<u64>,
 }
 
@@ -862,7 +863,11 @@ impl Fleet {
                     labels: cap.labels,
                     gpu_usage: w.remote.gpu_usage(),
                     last_seen_at: unix_ms(w.last_seen_at),
-                    unreachable_since: w.reach.failing_since.map(|(_, at)| unix_ms(at)),
+                    unreachable_since: w
+                        .reach
+                        .failing_since
+                        .filter(|_| w.reach.unreachable)
+                        .map(|(_, at)| unix_ms(at)),
                 })
             })
             .collect();
@@ -1893,6 +1898,13 @@ impl Node for Fleet {
 
     fn reaches_worker(&self, worker: &str) -> bool {
         !self.is_lost(worker)
+    }
+
+    fn has_ready_worker(&self) -> bool {
+        self.lock()
+            .placement
+            .iter()
+            .any(|(_, _, _, state)| state == WorkerState::Ready)
     }
 
     fn expect_back(&self, expected: &[(String, String)]) {

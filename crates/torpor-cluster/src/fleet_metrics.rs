@@ -1,10 +1,13 @@
 //! The fleet as a controller's `/metrics` shows it, computed when scraped:
 //!
-//! - `torpor_cluster_nodes{state}`: the workers this controller knows, by state (`ready`,
+//! - `torpor_nodes{state}`: the workers this controller knows, by state (`ready`,
 //!   `draining`, `lost`; every state named, zero included), as `GET /v1/nodes` says them;
-//! - `torpor_cluster_nodes_unreachable`: those not lost whose probes from this controller fail
-//!   now (`unreachable_since` set): a one-way partition on its way to a loss, worth an alert
-//!   before the loss.
+//! - `torpor_nodes_unreachable`: those not lost that this controller counts out of reach
+//!   (`unreachable_since` set: their heartbeats arrive, its calls do not reach them): a
+//!   one-way partition, on its way to a loss.
+//!
+//! `torpor up` serves the same names for its one node ([`FleetMetrics::single`]: `local`,
+//! always ready).
 
 use std::sync::{Arc, Weak};
 
@@ -20,28 +23,37 @@ const STATES: [WorkerState; 3] = [WorkerState::Ready, WorkerState::Draining, Wor
 /// A Prometheus collector over a [`Fleet`] (it holds the fleet weakly: a stopped one reads as
 /// no workers).
 pub struct FleetMetrics {
-    fleet: Weak<Fleet>,
+    /// `None`: a single machine's one node.
+    fleet: Option<Weak<Fleet>>,
     nodes: IntGaugeVec,
     unreachable: IntGauge,
 }
 
 impl FleetMetrics {
     pub fn new(fleet: &Arc<Fleet>) -> FleetMetrics {
+        FleetMetrics {
+            fleet: Some(Arc::downgrade(fleet)),
+            ..FleetMetrics::single()
+        }
+    }
+
+    /// The gauges of a single machine (`torpor up`): its one node, always ready.
+    pub fn single() -> FleetMetrics {
         let nodes = IntGaugeVec::new(
             Opts::new(
-                "torpor_cluster_nodes",
-                "Workers this controller knows, by state (ready, draining, lost).",
+                "torpor_nodes",
+                "Nodes (cluster mode: workers) this controller knows, by state (ready, draining, lost).",
             ),
             &["state"],
         )
         .expect("a valid metric");
         let unreachable = IntGauge::new(
-            "torpor_cluster_nodes_unreachable",
-            "Workers not lost whose probes from this controller fail now (a one-way partition before it is counted a loss).",
+            "torpor_nodes_unreachable",
+            "Workers not lost that this controller cannot call while their heartbeats arrive (a one-way partition, before it is counted a loss).",
         )
         .expect("a valid metric");
         FleetMetrics {
-            fleet: Arc::downgrade(fleet),
+            fleet: None,
             nodes,
             unreachable,
         }
@@ -49,7 +61,14 @@ impl FleetMetrics {
 
     /// Sets the gauges from the fleet as it is now.
     fn refresh(&self) {
-        let nodes = self.fleet.upgrade().map(|f| f.nodes()).unwrap_or_default();
+        let Some(fleet) = &self.fleet else {
+            for state in STATES {
+                let n = i64::from(state == WorkerState::Ready);
+                self.nodes.with_label_values(&[state.as_str()]).set(n);
+            }
+            return;
+        };
+        let nodes = fleet.upgrade().map(|f| f.nodes()).unwrap_or_default();
         for state in STATES {
             let n = nodes.iter().filter(|n| n.state == state).count();
             self.nodes

@@ -486,8 +486,8 @@ async fn a_worker_the_controller_cannot_call_is_fenced_and_lost_though_its_heart
     assert!(fleet.nodes().iter().all(|n| n.unreachable_since.is_none()));
     assert_eq!(
         (
-            gauge(&metrics, "torpor_cluster_nodes", Some("ready")),
-            gauge(&metrics, "torpor_cluster_nodes_unreachable", None)
+            gauge(&metrics, "torpor_nodes", Some("ready")),
+            gauge(&metrics, "torpor_nodes_unreachable", None)
         ),
         (2, 0)
     );
@@ -498,7 +498,7 @@ async fn a_worker_the_controller_cannot_call_is_fenced_and_lost_though_its_heart
             .nodes()
             .iter()
             .any(|n| n.name == "w1" && n.unreachable_since.is_some())
-            && gauge(&metrics, "torpor_cluster_nodes_unreachable", None) == 1
+            && gauge(&metrics, "torpor_nodes_unreachable", None) == 1
     })
     .await;
     // Reported lost, and by then the worker had ended the container: it ran once.
@@ -524,9 +524,9 @@ async fn a_worker_the_controller_cannot_call_is_fenced_and_lost_though_its_heart
     assert_eq!(state(&fleet, "w1"), Some(WorkerState::Lost));
     assert_eq!(
         (
-            gauge(&metrics, "torpor_cluster_nodes", Some("lost")),
-            gauge(&metrics, "torpor_cluster_nodes", Some("ready")),
-            gauge(&metrics, "torpor_cluster_nodes_unreachable", None)
+            gauge(&metrics, "torpor_nodes", Some("lost")),
+            gauge(&metrics, "torpor_nodes", Some("ready")),
+            gauge(&metrics, "torpor_nodes_unreachable", None)
         ),
         (1, 1, 0)
     );
@@ -539,7 +539,7 @@ async fn a_worker_the_controller_cannot_call_is_fenced_and_lost_though_its_heart
     // Lost for 2.5 s: forgotten (no longer listed nor counted).
     wait_for("w1 forgotten", || {
         fleet.nodes().iter().all(|n| n.name != "w1")
-            && gauge(&metrics, "torpor_cluster_nodes", Some("lost")) == 0
+            && gauge(&metrics, "torpor_nodes", Some("lost")) == 0
     })
     .await;
     assert_eq!(state(&fleet, "w2"), Some(WorkerState::Ready));

@@ -281,6 +281,12 @@ pub trait Node: Send + Sync + 'static {
         true
     }
 
+    /// Whether any of its workers takes new sandboxes now (cluster mode: one is ready, however
+    /// full; a single machine's node is its own worker).
+    fn has_ready_worker(&self) -> bool {
+        true
+    }
+
     /// Kills a container by id, whoever holds its [`Resident`] (a delete cutting calls in
     /// flight): the calls end with [`ConnError::Closed`], the holder then destroys it.
     async fn kill(&self, container_id: &str);

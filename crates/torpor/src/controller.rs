@@ -102,7 +102,7 @@ pub struct ControllerArgs {
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(500..))]
     worker_lost_after_ms: u64,
     /// Silence after which a lost worker is forgotten: no longer listed by GET /v1/nodes or
-    /// counted in torpor_cluster_nodes (a machine scaled away); one that comes back later
+    /// counted in torpor_nodes (a machine scaled away); one that comes back later
     /// registers as new.
     #[arg(long, default_value_t = 3_600_000, value_parser = clap::value_parser!(u64).range(1000..))]
     worker_forgotten_after_ms: u64,

@@ -388,6 +388,11 @@ pub async fn up(cfg: UpConfig) -> anyhow::Result<()> {
             c.peer_acceptor,
             Arc::new(torpor_cluster::PeerClients::new(c.tls.clone())),
         ));
+    } else {
+        // The same node gauges as a controller's, for this machine's one node.
+        engine
+            .metrics
+            .register(Box::new(torpor_cluster::FleetMetrics::single()));
     }
     if let Some(gpus) = gpus {
         engine.attach_gpus(gpus);

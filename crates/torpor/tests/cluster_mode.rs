@@ -2229,9 +2229,9 @@ async fn a_worker_one_controller_cannot_call_has_its_containers_ended_through_an
     let seen_by_c2 = c2.nodes().await;
     assert_eq!(state_of(&seen_by_c2, "w1"), Some("ready"));
     assert!(!unreached(&seen_by_c2), "{seen_by_c2:?}");
-    assert_eq!(c1.metric("torpor_cluster_nodes{state=\"lost\"}").await, 1);
-    assert_eq!(c2.metric("torpor_cluster_nodes{state=\"ready\"}").await, 2);
-    assert_eq!(c2.metric("torpor_cluster_nodes_unreachable").await, 0);
+    assert_eq!(c1.metric("torpor_nodes{state=\"lost\"}").await, 1);
+    assert_eq!(c2.metric("torpor_nodes{state=\"ready\"}").await, 2);
+    assert_eq!(c2.metric("torpor_nodes_unreachable").await, 0);
     assert!(
         c1.log()
             .contains("this controller cannot call the worker that heartbeats to it"),

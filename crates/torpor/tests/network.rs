@@ -804,14 +804,18 @@ import os, socket, sys, time
 s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
 s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
 s.recv(4096)
-open("/tmp/held", "w").write("open")
+def say(what):
+    # Whole or not at all: a reader never sees the file truncated and not yet written.
+    open("/tmp/held.new", "w").write(what)
+    os.rename("/tmp/held.new", "/tmp/held")
+say("open")
 while not os.path.exists("/tmp/go"):
     time.sleep(0.05)
 try:
     out = "eof" if s.recv(10) == b"" else "data"
 except Exception as e:
     out = type(e).__name__
-open("/tmp/held", "w").write(out)
+say(out)
 "#;
 
 /// A client inside the sandbox closes first on loopback.

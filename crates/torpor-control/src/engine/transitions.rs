@@ -28,9 +28,10 @@
 
 use super::*;
 
-/// Cluster mode: how many times a start that found no worker with room tries again (each after
-/// parking one of this controller's idle sandboxes, or after [`ROOM_RETRY`] with none to park).
-const ROOM_TRIES: u32 = 4;
+/// Cluster mode: how many of this controller's idle sandboxes a start that found no worker with
+/// room parks to make some (then, or with none to park, it tries again every [`ROOM_RETRY`]
+/// for up to `--worker-wait-ms`, as a call parked for a worker waits).
+const ROOM_EVICTIONS: u32 = 4;
 /// How long a start waits before it tries again with nothing of its own to park.
 const ROOM_RETRY: Duration = Duration::from_millis(250);
 
@@ -122,7 +123,8 @@ impl Engine {
             gpu: self.launch_gpu(&rec.id)?,
         };
         let gpu_launched = launch.gpu.is_some();
-        let mut tries = 0;
+        let mut evicted = 0;
+        let mut room_until: Option<Instant> = None;
         let container = loop {
             let attempt = {
                 let _turn = self.restores.take().await;
@@ -134,15 +136,17 @@ impl Engine {
                 // here. A slot this controller holds is made free (its least recently used idle
                 // sandbox parked) rather than failing the call; with none to park, the workers'
                 // next heartbeats may show one. A checkpoint that only its worker holds (not
-                // uploaded yet) makes room there; none is made with no worker ready.
+                // uploaded yet) makes room there; none is made with no worker ready. (Not the
+                // lot's size: that counts the slots the others use, all of them on a full fleet.)
                 Err(ControlError::Runtime(torpor_runtime::RuntimeError::NoCapacity(why)))
                     if self.cfg.controller.is_some()
-                        && tries < ROOM_TRIES
-                        && self.workers.total() > 0 =>
+                        && self.node.has_ready_worker()
+                        && room_until.is_none_or(|t| Instant::now() < t) =>
                 {
-                    tries += 1;
+                    room_until.get_or_insert_with(|| Instant::now() + self.cfg.worker_wait);
                     let on = launch.stored.image_on.as_deref();
-                    if self.evict_one_on(on, "worker_full").await {
+                    if evicted < ROOM_EVICTIONS && self.evict_one_on(on, "worker_full").await {
+                        evicted += 1;
                         tracing::info!(sandbox = %rec.id, %why, "no worker had room: parked an idle sandbox of this controller's to make some");
                     } else {
                         tokio::time::sleep(ROOM_RETRY).await;
