@@ -1,7 +1,8 @@
 //! The controller's fleet over real mutual TLS on loopback, with fake nodes on the worker side
 //! (no root, no runsc): workers join through `join` (Register, Heartbeat), the fleet places
 //! starts across them, honours drains, and reports the containers of a worker that falls
-//! silent as lost. The same with real workers and the real binary:
+//! silent as lost, or that it cannot call while its heartbeats arrive (fenced first, then
+//! forgotten). The same with real workers and the real binary:
 //! crates/torpor/tests/cluster_mode.rs.
 
 use std::collections::BTreeMap;
