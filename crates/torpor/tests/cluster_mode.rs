@@ -2804,8 +2804,8 @@ async fn controllers_even_out_the_calls_they_serve() {
     stop_calling_and_check(&c1, &c2, caller, &ids, before).await;
 }
 
-/// Two controllers and `workers`, with c2 away while c1 makes six sandboxes with state (so c1
-/// holds them all), then c2 stopped: the sandboxes' ids.
+/// Two controllers and `workers`; c2 is stopped, then c1 makes six sandboxes with state (so
+/// c1 holds them all): both controllers (c2 stopped: restart it) and the sandboxes' ids.
 async fn six_on_c1_alone(
     prefix: &str,
     workers: &[&str],
