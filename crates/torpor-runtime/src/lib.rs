@@ -9,6 +9,7 @@ pub mod dns;
 pub mod gpu;
 pub mod net;
 pub mod node;
+pub mod ports;
 pub mod proto;
 pub mod relay;
 pub mod rootfs;

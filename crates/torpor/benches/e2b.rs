@@ -35,11 +35,7 @@ async fn main() {
         .tempdir()
         .unwrap();
     let data = tmp.path().join("data");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = torpor_runtime::ports::loopback_port().expect("a free loopback port");
     let url = format!("http://127.0.0.1:{port}");
     let mut daemon = Command::new(BIN)
         .args([

@@ -172,10 +172,7 @@ impl Drop for Daemon {
 
 async fn start_daemon(workers: usize) -> anyhow::Result<(Daemon, Client)> {
     let dir = tempfile::Builder::new().prefix("torpor-demo-").tempdir()?;
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-        l.local_addr()?.port()
-    };
+    let port = torpor_runtime::ports::loopback_port()?;
     let exe = std::env::current_exe()?;
     let log = std::fs::File::create(dir.path().join("daemon.log"))?;
     let child = std::process::Command::new(exe)

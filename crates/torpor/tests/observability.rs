@@ -38,12 +38,10 @@ fn gpu_fixture_local(name: &str) -> String {
         .to_string()
 }
 
+/// A loopback port for a child process to listen on (outside the ephemeral range: see
+/// `torpor_runtime::ports`).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    torpor_runtime::ports::loopback_port().expect("a free loopback port")
 }
 
 fn promtool(args: &[&str], stdin: Option<&str>) -> (bool, String) {

@@ -115,12 +115,10 @@ fn command(program: &Path, user: Option<(u32, u32)>) -> Command {
     c
 }
 
+/// A loopback port for a child process to listen on (outside the ephemeral range: see
+/// `torpor_runtime::ports`).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    torpor_runtime::ports::loopback_port().expect("a free loopback port")
 }
 
 fn start(bin: &Path) -> Result<Server, String> {

@@ -1814,11 +1814,7 @@ fn an_unreachable_database_is_unavailable_and_its_password_is_not_in_the_error()
     assert!(!shown.contains("not-the-password-42"), "{shown}");
     assert!(shown.contains(&pg.db), "names the database: {shown}");
     // Nothing listens on this port.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = torpor_runtime::ports::loopback_port().expect("a free loopback port");
     let err = PostgresStore::connect(
         &format!("postgres://postgres:secret-9@127.0.0.1:{port}/x"),
         &pg.key(),

@@ -4,7 +4,7 @@
 //! with `#[path]`).
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -17,11 +17,7 @@ pub struct Moto {
 impl Moto {
     pub fn start() -> Moto {
         let exe = std::env::var("MOTO_SERVER").unwrap_or_else(|_| "moto_server".into());
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = torpor_runtime::ports::loopback_port().expect("a free loopback port");
         let log_dir = tempfile::tempdir().unwrap();
         let log = std::fs::File::create(log_dir.path().join("moto.log")).unwrap();
         let child = Command::new(&exe)

@@ -61,12 +61,10 @@ fn bin() -> &'static Path {
     PINNED.get().map_or(Path::new(BIN), PathBuf::as_path)
 }
 
+/// A loopback port for a child process to listen on (outside the ephemeral range: see
+/// `torpor_runtime::ports`).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("free port")
-        .local_addr()
-        .expect("addr")
-        .port()
+    torpor_runtime::ports::loopback_port().expect("a free loopback port")
 }
 
 /// Runs `torpor ARGS` to completion; panics with its output unless it succeeds.

@@ -30,11 +30,7 @@ impl Daemon {
             .prefix("torpor-bench-")
             .tempdir()
             .expect("temp dir");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .expect("free port")
-            .local_addr()
-            .expect("addr")
-            .port();
+        let port = torpor_runtime::ports::loopback_port().expect("a free loopback port");
         let url = format!("http://127.0.0.1:{port}");
         let child = spawn_up(dir.path(), &url, args);
         let client = wait_up(&dir.path().join("data"), &url).await;

@@ -9,12 +9,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A loopback port for a child process to listen on (outside the ephemeral range: see
+/// `torpor_runtime::ports`).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    torpor_runtime::ports::loopback_port().expect("a free loopback port")
 }
 
 fn wait_port(port: u16, what: &str, log: &Path) {

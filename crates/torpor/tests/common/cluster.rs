@@ -14,12 +14,10 @@ use torpor_cluster::{
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_torpor");
 
+/// A loopback port for a child process to listen on (outside the ephemeral range: see
+/// `torpor_runtime::ports`).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    torpor_runtime::ports::loopback_port().expect("a free loopback port")
 }
 
 /// Runs `torpor ARGS` to completion; panics with its output unless it succeeds.

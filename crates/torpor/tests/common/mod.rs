@@ -28,12 +28,10 @@ pub struct Daemon {
     pub extra_env: Vec<(String, String)>,
 }
 
+/// A loopback port for a child process to listen on (outside the ephemeral range: see
+/// `torpor_runtime::ports`).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    torpor_runtime::ports::loopback_port().expect("a free loopback port")
 }
 
 impl Daemon {

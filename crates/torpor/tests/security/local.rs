@@ -19,12 +19,10 @@ use crate::common::*;
 /// A hang guard for what must end on its own (never a measure of how fast it ends).
 const GUARD: Duration = Duration::from_secs(120);
 
+/// A loopback port for a child process to listen on (outside the ephemeral range: see
+/// `torpor_runtime::ports`).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    torpor_runtime::ports::loopback_port().expect("a free loopback port")
 }
 
 /// Runs the CLI to completion (under [`GUARD`]); returns (exit code, stdout, stderr).

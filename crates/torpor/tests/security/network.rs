@@ -408,11 +408,7 @@ async fn a_full_sandbox_cannot_reach_the_host_or_the_daemon() {
     }
     let (udp_port, udp_host) = udp_sink_on(std::net::UdpSocket::bind("0.0.0.0:0").unwrap());
     // The daemon's own listener on every address: metrics, served without a token there.
-    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let metrics = torpor_runtime::ports::loopback_port().expect("a free loopback port");
     let d = Daemon::start_with(&[
         "--metrics-listen",
         &format!("0.0.0.0:{metrics}"),
