@@ -242,6 +242,11 @@ pub fn client_message(e: &ControlError) -> String {
         ControlError::Conn(_) => {
             format!("the sandbox's agent is unavailable; retry (request id {request_id})")
         }
+        ControlError::Store(_)
+            if status.is_server_error() && e.kind() == ErrorKind::Unavailable =>
+        {
+            format!("the state store cannot be reached now; retry (request id {request_id})")
+        }
         _ => format!("internal error ({}); request id {request_id}", e.code()),
     }
 }
@@ -455,6 +460,25 @@ mod tests {
                 500,
                 "snapshot_store_error",
             ),
+            // The database out of reach: retryable; a row it cannot parse: not.
+            (
+                torpor_control::store::StoreError::Unavailable {
+                    op: "read sandbox",
+                    source: "connection closed".into(),
+                }
+                .into(),
+                503,
+                "state_store_error",
+            ),
+            (
+                torpor_control::store::StoreError::Corrupt {
+                    what: "sandbox",
+                    key: "x".into(),
+                }
+                .into(),
+                500,
+                "state_store_error",
+            ),
             (store("backend_remote"), 503, "backend_remote"),
             (store("backend_io"), 503, "backend_io"),
             (store("store_locked"), 503, "store_locked"),
@@ -515,6 +539,21 @@ mod tests {
                 "{what}"
             );
         }
+    }
+
+    #[test]
+    fn an_unreachable_state_store_asks_for_a_retry_and_names_no_database() {
+        let e: ControlError = torpor_control::store::StoreError::Unavailable {
+            op: "read sandbox",
+            source: "postgres://torpor@db.internal:5432/torpor: connection refused".into(),
+        }
+        .into();
+        let api = ApiError::from(e);
+        assert_eq!(api.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(api.connect_code(), ConnectCode::Unavailable);
+        assert_eq!(api.retry_after, Some(1));
+        assert!(api.message().contains("retry"), "{}", api.message());
+        assert!(!api.message().contains("db.internal"), "{}", api.message());
     }
 
     /// envd's Connect codes as they were before kinds, where they were chosen on purpose.

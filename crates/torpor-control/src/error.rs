@@ -277,6 +277,11 @@ impl ControlError {
                 "backend_no_space" | "output_no_space" => K::InsufficientStorage,
                 _ => K::Internal,
             },
+            // The database unreachable (a restart, a failover, a partition) or locked: the
+            // call may be retried; a record it cannot parse is the operator's to fix.
+            ControlError::Store(e) if e.kind() == crate::store::StoreErrorKind::Unavailable => {
+                K::Unavailable
+            }
             ControlError::Runtime(_)
             | ControlError::Store(_)
             | ControlError::Snapshot(_)

@@ -625,13 +625,7 @@ async fn a_worker_or_controller_killed_and_restarted_keeps_the_sandboxes_running
     controller.wait_host_template().await;
     // Unsaved state: files, memory and a process counting; never checkpointed.
     let id = controller.create_with_state().await;
-    controller
-        .exec(
-            &id,
-            "(setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done' \
-             </dev/null >/dev/null 2>&1 &); sleep 0.5",
-        )
-        .await;
+    controller.exec(&id, COUNTER).await;
     let before: u64 = controller
         .exec(&id, "cat /tmp/count")
         .await
@@ -752,10 +746,32 @@ async fn a_worker_or_controller_killed_and_restarted_keeps_the_sandboxes_running
     );
 }
 
+/// Prints the controllers' logs when the test fails while it lives (a failure that is not a
+/// call's, whose message carries only that controller's log).
+struct LogsOnFailure<'a>(&'a [&'a Controller]);
+
+impl Drop for LogsOnFailure<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for c in self.0 {
+                eprintln!("--- {} ---\n{}", c.api, c.log());
+            }
+        }
+    }
+}
+
+/// Starts a process in a sandbox that counts in `/tmp/count` ten times a second (each count
+/// written whole: a new file renamed over the old), for [`kept_all`].
+const COUNTER: &str = "(setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; \
+     mv /tmp/count.new /tmp/count; sleep 0.1; done' </dev/null >/dev/null 2>&1 &); sleep 0.5";
+
 /// Checks that sandbox `id` kept everything across `what`: its state, the same container,
 /// no error, and its counter went on from `before` without a reset. Returns the count.
 async fn kept_all(c: &Controller, id: &str, container: &Value, before: u64, what: &str) -> u64 {
-    let now = c.exec(id, &format!("{CHECK}; cat /tmp/count")).await;
+    // A sandbox thawed by this call counts again before it is read.
+    let now = c
+        .exec(id, &format!("{CHECK}; sleep 0.3; cat /tmp/count"))
+        .await;
     let (state, count) = now.rsplit_once("process-alive\n").expect("all state kept");
     assert_eq!(state, "disk-1\nmem-1\n", "{now}");
     let count: u64 = count.trim().parse().unwrap();
@@ -3334,5 +3350,178 @@ async fn calls_through_both_controllers_on_a_full_fleet_are_all_answered() {
             "disk-1\nmem-1\nprocess-alive\n",
             "{id}"
         );
+    }
+}
+
+/// A controller that stops for longer than its lease (a stalled process, a VM paused, a
+/// database it could not reach to renew) is taken for dead: the other controller adopts its
+/// running sandbox as it runs. When the stalled one goes on, it must leave that sandbox
+/// alone: no freeze, checkpoint, crash report or kill of a container it no longer holds, and
+/// calls through it are forwarded to the new holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_controller_stalled_past_its_lease_leaves_the_sandboxes_adopted_meanwhile_alone() {
+    let Some((_tmp, _, c1, c2, workers)) = two_by_two("torpor-stalled-").await else {
+        return;
+    };
+    c1.wait_host_template().await;
+    let id = c1.create_with_state().await;
+    c1.exec(&id, COUNTER).await;
+    let held = c1.sandbox(&id).await;
+    assert_eq!(held["controller"], "c1", "{held}");
+    let container = held["worker"].clone();
+    let mut count = kept_all(&c1, &id, &container, 0, "nothing yet").await;
+
+    c1.signal(libc::SIGSTOP);
+    // Past its lease (2 s): c2 takes the sandbox over at its next call, adopting it as it runs.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    count = kept_all(&c2, &id, &container, count, "the adoption by c2").await;
+    assert_eq!(c2.sandbox(&id).await["controller"], "c2");
+    c1.signal(libc::SIGCONT);
+
+    // c1 goes on with what it held in memory: its policy, heartbeats and watches run a while.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for (c, what) in [(&c1, "c1 (forwarded)"), (&c2, "c2"), (&c1, "c1 again")] {
+        count = kept_all(c, &id, &container, count, what).await;
+        assert_eq!(c.sandbox(&id).await["controller"], "c2", "{what}");
+    }
+    // Parked and woken by its holder: c1 reports no crash of the container that went.
+    c1.park(&id).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let woken = c1.exec(&id, CHECK).await;
+    assert_eq!(woken, "disk-1\nmem-1\nprocess-alive\n", "all state kept");
+    let back = c1.sandbox(&id).await;
+    assert_eq!(back["last_error"], Value::Null, "nothing lost: {back}");
+    for w in &workers {
+        let mine: Vec<String> = w
+            .containers()
+            .into_iter()
+            .filter(|c| c.starts_with(&id))
+            .collect();
+        assert!(mine.len() <= 1, "one copy at most: {mine:?}");
+    }
+    assert!(
+        !c1.log().contains("crashed"),
+        "c1 reported a crash:\n{}",
+        c1.log()
+    );
+}
+
+/// The database restarts (every controller's connections broken, new ones refused) for
+/// longer than the controllers' leases: calls meanwhile answer a retryable `503
+/// state_store_error` (not a 500), and once it is back every running sandbox answers with
+/// everything it had, on its one container, through either controller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_database_restart_longer_than_the_leases_loses_no_running_sandbox() {
+    let Some((database, tmp)) = setup("torpor-db-restart-", &["c1", "c2"], &["w1", "w2"]).await
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    // Declared first, dropped last: after the processes in its groups are gone.
+    let mut outage = Partition::new("torpor_db_restart");
+    let groups = [outage.group("c1"), outage.group("c2")];
+    let c1 = Controller::start_in(dir, &database, "c1", 2000, &[], Some(&groups[0])).await;
+    let c2 = Controller::start_in(dir, &database, "c2", 2000, &[], Some(&groups[1])).await;
+    let both = format!("{},{}", c1.cluster, c2.cluster);
+    let workers = [
+        Worker::start(dir, "w1", "w1", &both),
+        Worker::start(dir, "w2", "w2", &both),
+    ];
+    for c in [&c1, &c2] {
+        c.wait_nodes("both workers ready", |n| {
+            state_of(n, "w1") == Some("ready") && state_of(n, "w2") == Some("ready")
+        })
+        .await;
+    }
+    c1.wait_host_template().await;
+    let _logs = LogsOnFailure(&[&c1, &c2]);
+    let a = c1.create_with_state().await;
+    let b = c2.create_with_state().await;
+    let mut kept = Vec::new();
+    for (c, id) in [(&c1, &a), (&c2, &b)] {
+        c.exec(id, COUNTER).await;
+        let container = c.sandbox(id).await["worker"].clone();
+        let count = kept_all(c, id, &container, 0, "nothing yet").await;
+        kept.push((id.clone(), container, count));
+    }
+
+    let db_port: u16 = database
+        .rsplit_once(':')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .expect("the database URL names its port");
+    for g in &groups {
+        outage.refuse(g, db_port);
+    }
+    let (status, v) = c1
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{a}/exec"),
+            Some(json!({"cmd": ["true"]})),
+        )
+        .await;
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (503, Some("state_store_error")),
+        "a retryable refusal while the database is away: {v}"
+    );
+    // Past the controllers' leases (2 s): each sees the other's lease run out when it is back.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    outage.heal();
+
+    // Calls are answered again (a retryable refusal at most, while the database comes back
+    // and the leases are renewed).
+    let deadline = Instant::now() + PATIENCE;
+    for c in [&c1, &c2] {
+        for id in [&a, &b] {
+            loop {
+                let (status, v) = c
+                    .call(
+                        reqwest::Method::POST,
+                        &format!("/v1/sandboxes/{id}/exec"),
+                        Some(json!({"cmd": ["true"]})),
+                    )
+                    .await;
+                if status == 200 {
+                    break;
+                }
+                let code = v["error"]["code"].as_str().unwrap_or_default();
+                assert!(
+                    [
+                        "state_store_error",
+                        "controller_unavailable",
+                        "sandbox_busy",
+                        "sandbox_elsewhere"
+                    ]
+                    .contains(&code),
+                    "only a retryable refusal: {status} {v}"
+                );
+                assert!(Instant::now() < deadline, "never back: {v}\n{}", c.log());
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    // Both controllers lived through it: neither took the other's sandbox over (each had
+    // seen its own lease lapse, so it waited for the other to renew before judging it).
+    assert_eq!(c1.sandbox(&a).await["controller"], "c1");
+    assert_eq!(c2.sandbox(&b).await["controller"], "c2");
+    // The running sandboxes kept everything, one copy each.
+    for round in ["c1", "c2", "c1 again"] {
+        let c = if round == "c2" { &c2 } else { &c1 };
+        for (id, container, count) in &mut kept {
+            *count = kept_all(c, id, container, *count, round).await;
+        }
+    }
+    for (id, _, _) in &kept {
+        let copies: usize = workers
+            .iter()
+            .map(|w| {
+                w.containers()
+                    .iter()
+                    .filter(|c| c.starts_with(id.as_str()))
+                    .count()
+            })
+            .sum();
+        assert_eq!(copies, 1, "one copy of {id}");
     }
 }

@@ -147,6 +147,11 @@ pub(super) struct ClusterState {
     /// The call rates of the sandboxes it holds ([`Engine::balance_holds`] samples them, the
     /// heartbeat says their total).
     rates: Mutex<call_rates::CallRates>,
+    /// When this controller last renewed its lease ([`Engine::note_lease_renewed`]).
+    lease_renewed_at: Mutex<Option<Instant>>,
+    /// Set after a gap in its renewals: until then it counts no other controller dead
+    /// ([`Engine::judges_others`]).
+    judge_after: Mutex<Option<Instant>>,
 }
 
 impl Engine {
@@ -333,11 +338,19 @@ impl Engine {
         let Some(rec) = self.store.sandbox(id)? else {
             return Ok(Route::Local);
         };
+        if rec.controller.as_deref() != Some(me) {
+            // A container still run here for it is no longer this controller's.
+            self.let_go_of(id).await;
+        }
         match rec.controller.as_deref() {
             None => Ok(Route::Local),
             Some(holder) if holder == me => Ok(Route::Local),
             Some(holder) => match self.live_holder(holder)? {
                 Some(live) => Ok(Route::Forward(live)),
+                None if !self.judges_others() => Err(ControlError::Busy(format!(
+                    "sandbox {id} is held by controller {holder}, whose lease ran out while this \
+                     controller could not renew its own; retry in a moment"
+                ))),
                 None => {
                     let holder = holder.to_string();
                     self.take_over(id, &holder).await?;
@@ -509,6 +522,12 @@ impl Engine {
             }
         }
         let frozen = rec.state == SandboxState::Frozen;
+        // As the record says: its previous holder may have frozen it (or thawed it) after its
+        // lease ran out, its own record write then refused.
+        if let Err(e) = resident.set_frozen(frozen).await {
+            tracing::warn!(sandbox = %rec.id, error = %e, "cannot set the frozen state of a sandbox taken back");
+            return Ok(false);
+        }
         let state = rec.state;
         if let Err(e) = self.move_to_on(rec, state, cause, resident.node()) {
             // Someone else took it meanwhile: the container stays theirs.
@@ -565,13 +584,111 @@ impl Engine {
         }
         rec.controller = Some(to.to_string());
         self.write_claimed(&mut rec)?;
-        let live = guard.live.take().expect("checked above");
-        let container = live.resident.id().to_string();
-        live.resident.release().await;
-        self.metrics.workers_busy.set(self.workers.busy() as i64);
+        let container = self.let_go(guard).await.expect("checked above");
         tracing::info!(sandbox = %id, %container, to, state = %rec.state,
             "passed a running sandbox's hold to another controller (no checkpoint)");
         Ok(())
+    }
+
+    /// Drops this controller's hold of the sandbox's container without touching it (another
+    /// controller holds it now, or it is gone); its worker slot goes back to the lot. Returns
+    /// the container's id (`None`: there was none). The caller holds the slot's write lock.
+    pub(super) async fn let_go(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+    ) -> Option<String> {
+        let live = guard.live.take()?;
+        let container = live.resident.id().to_string();
+        live.resident.release().await;
+        self.metrics.workers_busy.set(self.workers.busy() as i64);
+        Some(container)
+    }
+
+    /// Whether the container this controller runs for `rec`'s sandbox is no longer its by
+    /// the record (read under the slot's write lock): another controller holds the sandbox,
+    /// or it went to sleep or woke on another container since. That happens to a controller
+    /// that could not renew its lease for a while (a stalled process, a database it could not
+    /// reach): another one counted it dead and adopted its running sandboxes meanwhile.
+    /// Never in embedded mode.
+    fn holds_stale(&self, guard: &OwnedRwLockWriteGuard<SlotState>, rec: &SandboxRecord) -> bool {
+        let Some(me) = self.controller_name() else {
+            return false;
+        };
+        guard.live.as_ref().is_some_and(|live| {
+            rec.controller.as_deref() != Some(me)
+                || !matches!(rec.state, SandboxState::Running | SandboxState::Frozen)
+                || live.resident.id() != rec.container_id()
+        })
+    }
+
+    /// Lets go of the container this controller runs for `rec`'s sandbox when the record no
+    /// longer gives it to this controller ([`Engine::holds_stale`]): it is left running for
+    /// its holder, never frozen, checkpointed or killed from here. Returns whether it did.
+    /// The caller holds the slot's write lock and read `rec` under it.
+    pub(super) async fn let_go_if_stale(
+        &self,
+        guard: &mut OwnedRwLockWriteGuard<SlotState>,
+        rec: &SandboxRecord,
+    ) -> bool {
+        if !self.holds_stale(guard, rec) {
+            return false;
+        }
+        let container = self.let_go(guard).await.unwrap_or_default();
+        tracing::warn!(sandbox = %rec.id, %container, holder = ?rec.controller, state = %rec.state,
+            "let go of a container this controller no longer holds (another controller took the sandbox over while this one could not renew its lease)");
+        true
+    }
+
+    /// [`Engine::let_go_if_stale`] for sandbox `id` if this controller runs a container for
+    /// it and its slot is free now (a slot in use is looked at by whoever uses it), with the
+    /// record read again under the lock.
+    async fn let_go_of(&self, id: &SandboxId) {
+        let Some(slot) = self
+            .slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+        else {
+            return;
+        };
+        let Ok(mut guard) = slot.state.clone().try_write_owned() else {
+            return;
+        };
+        if guard.live.is_none() {
+            return;
+        }
+        if let Ok(Some(rec)) = self.store.sandbox(id) {
+            self.let_go_if_stale(&mut guard, &rec).await;
+        }
+    }
+
+    /// Lets go of every container this controller runs for a sandbox whose record no longer
+    /// gives it to this controller (from the idle policy; `records`: every awake sandbox).
+    /// Those its records give it are not read again.
+    pub(super) async fn let_go_of_stale_holds(&self, records: &[SandboxRecord]) {
+        let Some(me) = self.controller_name() else {
+            return;
+        };
+        let mine: std::collections::HashSet<&SandboxId> = records
+            .iter()
+            .filter(|r| {
+                r.controller.as_deref() == Some(me)
+                    && matches!(r.state, SandboxState::Running | SandboxState::Frozen)
+            })
+            .map(|r| &r.id)
+            .collect();
+        let others: Vec<SandboxId> = self
+            .slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .filter(|id| !mine.contains(id))
+            .cloned()
+            .collect();
+        for id in others {
+            self.let_go_of(&id).await;
+        }
     }
 
     /// A resident sandbox this controller holds by its record but has no container of (its
@@ -949,7 +1066,7 @@ impl Engine {
             .iter()
             .filter(|r| r.controller.as_deref().is_some_and(|c| c != me))
             .collect();
-        if held_elsewhere.is_empty() {
+        if held_elsewhere.is_empty() || !self.judges_others() {
             return;
         }
         let Ok(mut live) = self.live_controllers() else {
@@ -995,7 +1112,7 @@ impl Engine {
                 return;
             }
             match self.heartbeat_once(&me, false) {
-                Ok(true) => {}
+                Ok(true) => self.note_lease_renewed(&me),
                 Ok(false) => {
                     tracing::error!(controller = %me.name, "another live controller process holds this controller's name: stopping (each controller needs a certificate of its own name)");
                     lock(&self.cluster.pool_leases).clear();
@@ -1012,6 +1129,34 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// Records a renewal of this controller's lease. One that comes more than a lease after
+    /// the one before (the database was out of reach, the process stalled) means its lease
+    /// may have run out meanwhile, and so may every other controller's, for the same reason:
+    /// for one lease from now it counts no other controller dead, giving each the time to
+    /// renew. Two controllers back from one database outage would otherwise each take the
+    /// other's sandboxes over (adopting them: nothing lost, but every call meanwhile refused).
+    fn note_lease_renewed(&self, me: &ControllerIdentity) {
+        let now = Instant::now();
+        let before = lock(&self.cluster.lease_renewed_at).replace(now);
+        if before.is_some_and(|at| now.duration_since(at) > me.lost_after) {
+            *lock(&self.cluster.judge_after) = Some(now + me.lost_after);
+            tracing::warn!(controller = %me.name, gap_ms = before.map_or(0, |at| now.duration_since(at).as_millis() as u64),
+                "this controller renewed its lease after a gap longer than the lease: it counts no other controller lost for one lease more");
+        }
+    }
+
+    /// Whether this controller may count a controller whose lease expired as dead (and take
+    /// its sandboxes over): only while its own lease is fresh (renewed within a lease), and
+    /// not within a lease of a gap in its renewals ([`Engine::note_lease_renewed`]).
+    fn judges_others(&self) -> bool {
+        let Some(me) = &self.cfg.controller else {
+            return true;
+        };
+        let fresh =
+            lock(&self.cluster.lease_renewed_at).is_some_and(|at| at.elapsed() <= me.lost_after);
+        fresh && lock(&self.cluster.judge_after).is_none_or(|t| Instant::now() >= t)
     }
 
     /// Resolves if another live process takes this controller's name while it runs (the
@@ -1183,6 +1328,7 @@ impl Engine {
         let mut warned = false;
         loop {
             if self.heartbeat_once(me, true)? {
+                *lock(&self.cluster.lease_renewed_at) = Some(Instant::now());
                 return Ok(());
             }
             let holder = self

@@ -216,6 +216,7 @@ impl Engine {
             let Some(mut rec) = self.store.sandbox(id)? else {
                 return Err(not_found(id));
             };
+            self.let_go_if_stale(&mut guard, &rec).await;
             self.check_held_here(&rec)?;
             let live_state = guard.live.as_ref().map(|l| (l.frozen, !l.resident.alive()));
             match live_state {

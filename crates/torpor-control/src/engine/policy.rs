@@ -46,6 +46,8 @@ impl Engine {
         let records = self.store.sandboxes_to_tend(parked_before)?;
         // Cluster mode: sandboxes whose controller is gone are taken over first.
         self.sweep_lost_controllers(&records).await;
+        // Containers run here for sandboxes another controller took over meanwhile: let go.
+        self.let_go_of_stale_holds(&records).await;
         // And those another controller passed here as they run, not yet used by a call.
         self.adopt_passed(&records).await;
         // Then this controller's surplus goes to those under their share.

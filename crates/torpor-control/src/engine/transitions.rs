@@ -256,6 +256,13 @@ impl Engine {
         if !same {
             return;
         }
+        // A container another controller took over meanwhile is that one's to report.
+        let rec = self.store.sandbox(id);
+        if let Ok(Some(rec)) = &rec {
+            if self.let_go_if_stale(&mut guard, rec).await {
+                return;
+            }
+        }
         let live = guard.live.take().expect("checked above");
         tracing::warn!(sandbox = %id, container = %cid, reason, log = %self.node.log_tail(cid), "sandbox crashed; back to its last snapshot");
         live.resident.destroy().await;
@@ -265,7 +272,7 @@ impl Engine {
             .with_label_values(&[if oom { "oom_killed" } else { "exited" }])
             .inc();
         self.metrics.workers_busy.set(self.workers.busy() as i64);
-        if let Ok(Some(mut rec)) = self.store.sandbox(id) {
+        if let Ok(Some(mut rec)) = rec {
             let age = match &rec.image {
                 ImageRef::Store(snapshot) => self
                     .snapshots
@@ -423,16 +430,31 @@ impl Engine {
         id: &SandboxId,
         cause: &str,
     ) -> Result<()> {
-        let Some(live) = guard.live.as_mut() else {
-            return Ok(());
-        };
-        if live.frozen {
+        if guard.live.as_ref().is_none_or(|l| l.frozen) {
             return Ok(());
         }
+        let rec = self.store.sandbox(id)?;
+        if let Some(rec) = &rec {
+            if self.let_go_if_stale(guard, rec).await {
+                return Err(self.lost_race(id));
+            }
+        }
+        let live = guard.live.as_mut().expect("checked above");
         live.resident.set_frozen(true).await?;
         live.frozen = true;
-        if let Some(mut rec) = self.store.sandbox(id)? {
-            self.move_to(&mut rec, SandboxState::Frozen, cause)?;
+        if let Some(mut rec) = rec {
+            if let Err(e) = self.move_to(&mut rec, SandboxState::Frozen, cause) {
+                // Another controller took it over as this one froze it (this one's lease had
+                // run out): thawed again, and left to its holder.
+                if let Some(live) = guard.live.as_mut() {
+                    let _ = live.resident.set_frozen(false).await;
+                    live.frozen = false;
+                }
+                if matches!(e, ControlError::HeldElsewhere { .. }) {
+                    self.let_go(guard).await;
+                }
+                return Err(e);
+            }
         }
         self.metrics
             .transitions
@@ -449,15 +471,21 @@ impl Engine {
         id: &SandboxId,
         cause: &str,
     ) -> Result<()> {
+        if guard.live.is_none() {
+            return Ok(());
+        }
+        let Some(mut rec) = self.store.sandbox(id)? else {
+            return Err(not_found(id));
+        };
+        if self.let_go_if_stale(guard, &rec).await {
+            return Err(self.lost_race(id));
+        }
         let mut cuda_toggled = None;
         if let Some(live) = guard.live.as_ref() {
             cuda_toggled = self.gpu_cuda_suspend(id, &*live.resident).await?;
         }
         let Some(live) = guard.live.take() else {
             return Ok(());
-        };
-        let Some(mut rec) = self.store.sandbox(id)? else {
-            return Err(not_found(id));
         };
         let _slot = self.checkpoints.take().await;
         self.move_to(&mut rec, SandboxState::Checkpointing, cause)?;

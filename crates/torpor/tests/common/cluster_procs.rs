@@ -680,11 +680,21 @@ impl Partition {
     /// Drops the TCP packets processes of `group` send to `port` (connections they open
     /// there fail; ones open stall).
     pub fn cut(&self, group: &Path, port: u16) {
+        self.rule(group, port, "drop")
+    }
+
+    /// Answers the TCP packets processes of `group` send to `port` with a reset, as a server
+    /// that restarts does (connections open there break; new ones are refused at once).
+    pub fn refuse(&self, group: &Path, port: u16) {
+        self.rule(group, port, "reject with tcp reset")
+    }
+
+    fn rule(&self, group: &Path, port: u16, verdict: &str) {
         let name = group.file_name().unwrap().to_str().unwrap();
         // nft resolves the group's path under /sys/fs/cgroup, where v1 is mounted here: in
         // a mount namespace of its own, the v2 hierarchy is bound there.
         let rule = format!(
-            "add rule inet {} out socket cgroupv2 level 1 \\\"{name}\\\" tcp dport {port} drop",
+            "add rule inet {} out socket cgroupv2 level 1 \\\"{name}\\\" tcp dport {port} {verdict}",
             self.table
         );
         let out = Command::new("unshare")
