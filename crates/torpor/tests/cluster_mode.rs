@@ -3409,7 +3409,9 @@ async fn a_controller_stalled_past_its_lease_leaves_the_sandboxes_adopted_meanwh
 /// The database restarts (every controller's connections broken, new ones refused) for
 /// longer than the controllers' leases: calls meanwhile answer a retryable `503
 /// state_store_error` (not a 500), and once it is back every running sandbox answers with
-/// everything it had, on its one container, through either controller.
+/// everything it had, on its one container, through either controller, each still held by
+/// its own controller. Then a partition (the database's packets vanish): the controllers'
+/// health still answers while their calls wait for the database.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_database_restart_longer_than_the_leases_loses_no_running_sandbox() {
     let Some((database, tmp)) = setup("torpor-db-restart-", &["c1", "c2"], &["w1", "w2"]).await
@@ -3512,6 +3514,42 @@ async fn a_database_restart_longer_than_the_leases_loses_no_running_sandbox() {
             *count = kept_all(c, id, container, *count, round).await;
         }
     }
+
+    // A partition instead (the database's packets vanish): calls that need it wait for it,
+    // up to the store's deadline, but they do not stall the controller: its health answers,
+    // and the calls end once the database is reachable again.
+    for g in &groups {
+        outage.cut(g, db_port);
+    }
+    let waiting = {
+        let (api, a) = (c1.api.clone(), a.clone());
+        tokio::spawn(async move {
+            reqwest::Client::new()
+                .post(format!("http://{api}/v1/sandboxes/{a}/exec"))
+                .bearer_auth(TOKEN)
+                .json(&json!({"cmd": ["true"]}))
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for c in [&c1, &c2] {
+        // A hang guard, not a measure: the calls above wait up to 30 s for the database.
+        let health = reqwest::Client::new()
+            .get(format!("http://{}/healthz", c.api))
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await;
+        assert!(
+            health.as_ref().is_ok_and(|r| r.status() == 200),
+            "{}'s health answers while its calls wait for the database: {health:?}",
+            c.api
+        );
+    }
+    outage.heal();
+    let status = waiting.await.unwrap().unwrap();
+    assert!([200, 503].contains(&status), "{status}");
     for (id, _, _) in &kept {
         let copies: usize = workers
             .iter()

@@ -7,9 +7,10 @@
 //! [`StateStore`] trait is synchronous and is called from inside the engine's tokio tasks:
 //! the sync `postgres` crate blocks on a runtime of its own per connection and panics when
 //! called from inside another runtime, so each call is instead spawned on the store's runtime
-//! and the caller waits for its answer on a channel (as it waits on SQLite's mutex). Each call
-//! is one statement (or one short transaction) with a deadline ([`CALL_TIMEOUT`], and the
-//! server's `statement_timeout`), and answers [`StoreErrorKind::Unavailable`] when it passes.
+//! and the caller waits for its answer on a channel (as it waits on SQLite's mutex; on a
+//! multi-threaded runtime inside `block_in_place`, so a slow database stalls only its callers).
+//! Each call is one statement (or one short transaction) with a deadline ([`CALL_TIMEOUT`], and
+//! the server's `statement_timeout`), and answers [`StoreErrorKind::Unavailable`] when it passes.
 //!
 //! **Concurrency.** Several controllers write the same rows. Every write of a sandbox row bumps
 //! its `version`; [`StateStore::compare_and_set_sandbox`] is one
@@ -273,12 +274,24 @@ impl PostgresStore {
             };
             let _ = tx.send(answer);
         });
-        rx.recv().unwrap_or_else(|_| {
-            Err(StoreError::Unavailable {
-                op,
-                source: "the state store's runtime stopped".into(),
+        let wait = move || {
+            rx.recv().unwrap_or_else(|_| {
+                Err(StoreError::Unavailable {
+                    op,
+                    source: "the state store's runtime stopped".into(),
+                })
             })
-        })
+        };
+        // Waiting on an async runtime's worker thread: the runtime moves its other tasks off
+        // this thread meanwhile. Otherwise a database whose packets vanish (a partition) holds
+        // every worker thread for up to the call deadline, and the whole controller (its
+        // health, calls that need no database) stalls with it.
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(wait)
+            }
+            _ => wait(),
+        }
     }
 
     /// Runs `f` with a pooled connection; its errors are [`StoreError::Unavailable`] for `op`,
