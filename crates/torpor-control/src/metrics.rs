@@ -228,7 +228,7 @@ impl Metrics {
         );
         let store_errors = counter(
             "torpor_store_errors_total",
-            "Failed reads or writes of a store, by store (state: the SQLite state store; usage: usage records; snapshots: the snapshot store as usage reads it).",
+            "Failed reads or writes of a store, by store (state: the state store, SQLite or, in cluster mode, PostgreSQL, each failed lease renewal counted; usage: usage records; snapshots: the snapshot store as usage reads it).",
             &["store"],
         );
         let usage = UsageMetrics {

@@ -3503,6 +3503,14 @@ async fn a_database_restart_longer_than_the_leases_loses_no_running_sandbox() {
             }
         }
     }
+    // Each counted the outage where its alert looks (its lease renewals failed).
+    for c in [&c1, &c2] {
+        assert!(
+            c.metric("torpor_store_errors_total{store=\"state\"}").await > 0,
+            "{} counted no state store error",
+            c.api
+        );
+    }
     // Both controllers lived through it: neither took the other's sandbox over (each had
     // seen its own lease lapse, so it waited for the other to renew before judging it).
     assert_eq!(c1.sandbox(&a).await["controller"], "c1");

@@ -1122,6 +1122,9 @@ impl Engine {
                     return;
                 }
                 Err(e) => {
+                    // Counted (`torpor_store_errors_total{store="state"}`, alert
+                    // TorporStoreErrors) though no call needed the database meanwhile.
+                    self.metrics.store_error("state");
                     tracing::warn!(error = %e, "cannot renew this controller's lease");
                     // Another controller takes its pools once their leases expire.
                     lock(&self.cluster.pool_leases).clear();
