@@ -242,9 +242,7 @@ pub fn client_message(e: &ControlError) -> String {
         ControlError::Conn(_) => {
             format!("the sandbox's agent is unavailable; retry (request id {request_id})")
         }
-        ControlError::Store(_)
-            if status.is_server_error() && e.kind() == ErrorKind::Unavailable =>
-        {
+        ControlError::Store(_) if e.kind() == ErrorKind::Unavailable => {
             format!("the state store cannot be reached now; retry (request id {request_id})")
         }
         _ => format!("internal error ({}); request id {request_id}", e.code()),
