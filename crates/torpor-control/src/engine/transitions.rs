@@ -480,13 +480,11 @@ impl Engine {
         if self.let_go_if_stale(guard, &rec).await {
             return Err(self.lost_race(id));
         }
-        let mut cuda_toggled = None;
-        if let Some(live) = guard.live.as_ref() {
-            cuda_toggled = self.gpu_cuda_suspend(id, &*live.resident).await?;
-        }
-        let Some(live) = guard.live.take() else {
-            return Ok(());
+        let cuda_toggled = match guard.live.as_ref() {
+            Some(live) => self.gpu_cuda_suspend(id, &*live.resident).await?,
+            None => None,
         };
+        let live = guard.live.take().expect("checked above, and not let go");
         let _slot = self.checkpoints.take().await;
         self.move_to(&mut rec, SandboxState::Checkpointing, cause)?;
         let images = self.sandbox_dir(id).join("images");
